@@ -1,0 +1,435 @@
+#!/usr/bin/env bash
+# PodMotion's local Kubernetes control plane: real etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kwok (simulated nodes and pod lifecycles),
+# run as plain processes on loopback. Binaries come from hack/build-k8s.sh (built on first
+# use into ${PODMOTION_CACHE:-~/.cache/podmotion}/k8s-<version>/bin, versions in
+# hack/versions.env).
+#
+#   hack/cluster.sh up       build if needed, start everything, wait until healthy, create nodes
+#   hack/cluster.sh down     stop every process by its PID file, delete etcd's data
+#   hack/cluster.sh status   state of each component (exit 0 only if all are healthy)
+#   hack/cluster.sh env      print `export KUBECONFIG=...` (and PATH with our kubectl first)
+#                            use: eval "$(hack/cluster.sh env)"
+#
+# Environment:
+#   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
+#                    pki/, logs/<component>.log, pids/<component>.pid, etcd/ (data), kwok/
+#   PODMOTION_CACHE  binary cache root (see hack/build-k8s.sh)
+#   NODES            number of fake nodes, named pm-node-0 .. pm-node-<NODES-1> (default 3)
+#   NODE_CPU, NODE_MEMORY, NODE_PODS
+#                    capacity = allocatable of every node (default 16, 64Gi, 110); every node
+#                    also has devices.kubevirt.io/kvm: "110"
+#   RUNNER_NODES     comma-separated node names that get the runner label and taint
+#                    podmotion.io/runner-node=true (label) and
+#                    podmotion.io/runner-node=true:NoSchedule (taint).
+#                    Default: pm-node-2 (when NODES >= 3, else none). RUNNER_NODES= : none.
+#   NODE_<i>_LABELS  extra labels of node pm-node-<i>, replacing the runner defaults for it:
+#                    comma-separated key=value, e.g. NODE_1_LABELS="zone=b,disk=ssd"
+#   NODE_<i>_TAINTS  taints of node pm-node-<i>, replacing the runner defaults for it:
+#                    comma-separated key=value:Effect or key:Effect,
+#                    e.g. NODE_0_TAINTS="dedicated=gpu:NoSchedule,maint:NoExecute"
+#                    Set to the empty string (NODE_2_TAINTS=) to give a node no taints.
+#   Every node always has the labels kubernetes.io/hostname=<name>, kubernetes.io/os=linux,
+#   kubernetes.io/arch=amd64, type=kwok and the annotation kwok.x-k8s.io/node=fake (kwok
+#   manages only annotated nodes).
+#   CLUSTER_UP_TIMEOUT  seconds to wait for each component (default 90)
+#
+# Loopback ports: etcd 12379 (client) / 12380 (peer), kube-apiserver 16443,
+# kube-controller-manager 16457, kube-scheduler 16459, kwok 16447.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+source "$here/versions.env"
+
+RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
+NODES=${NODES:-3}
+NODE_CPU=${NODE_CPU:-16}
+NODE_MEMORY=${NODE_MEMORY:-64Gi}
+NODE_PODS=${NODE_PODS:-110}
+TIMEOUT=${CLUSTER_UP_TIMEOUT:-90}
+if [[ -z ${RUNNER_NODES+x} ]]; then
+  RUNNER_NODES=""
+  ((NODES >= 3)) && RUNNER_NODES=pm-node-2
+fi
+
+ETCD_PORT=12379
+ETCD_PEER_PORT=12380
+APISERVER_PORT=16443
+KCM_PORT=16457
+SCHED_PORT=16459
+KWOK_PORT=16447
+SERVICE_CIDR=10.96.0.0/16
+POD_CIDR=10.244.0.0/16
+
+PKI=$RUN/pki
+LOGS=$RUN/logs
+PIDS=$RUN/pids
+KUBECONFIG_ADMIN=$RUN/admin.kubeconfig
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+
+log() { echo "[cluster] $*" >&2; }
+die() { echo "[cluster] ERROR: $*" >&2; exit 1; }
+
+bin_dir() { "$here/build-k8s.sh" --print; }
+
+# ---------------------------------------------------------------- processes
+
+pid_of() { # component -> pid if its PID file names a live process of that binary
+  local f=$PIDS/$1.pid pid exe
+  [[ -f $f ]] || return 1
+  pid=$(cat "$f")
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
+  # The binary may have been replaced by a rebuild: "(deleted)" suffix.
+  [[ ${exe% (deleted)} == */"$1" ]] || return 1
+  echo "$pid"
+}
+
+start() { # component args...
+  local name=$1
+  shift
+  : >"$LOGS/$name.log"
+  # setsid: own session, so the process outlives this script and its caller's job control.
+  setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+  echo $! >"$PIDS/$name.pid"
+}
+
+stop() { # component
+  local pid i
+  pid=$(pid_of "$1") || { rm -f "$PIDS/$1.pid"; return 0; }
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    log "$1 (pid $pid) did not stop after SIGTERM; SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$PIDS/$1.pid"
+  log "stopped $1 (pid $pid)"
+}
+
+# ---------------------------------------------------------------- health
+
+curl_admin() { # url : HTTPS with the admin client certificate
+  curl -fsS --max-time 3 --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" "$@"
+}
+
+healthy() { # component
+  case $1 in
+    etcd) curl -fsS --max-time 3 "http://127.0.0.1:$ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"' ;;
+    kube-apiserver) [[ $(curl_admin "https://127.0.0.1:$APISERVER_PORT/readyz" 2>/dev/null) == ok ]] ;;
+    kube-controller-manager) [[ $(curl -fsSk --max-time 3 "https://127.0.0.1:$KCM_PORT/healthz" 2>/dev/null) == ok ]] ;;
+    kube-scheduler) [[ $(curl -fsSk --max-time 3 "https://127.0.0.1:$SCHED_PORT/readyz" 2>/dev/null) == ok ]] ;;
+    kwok) curl -fsS --max-time 3 "http://127.0.0.1:$KWOK_PORT/healthz" >/dev/null 2>&1 ;;
+  esac
+}
+
+fail_with_log() { # component message
+  echo "[cluster] ERROR: $2" >&2
+  echo "----- last 40 lines of $LOGS/$1.log -----" >&2
+  tail -n 40 "$LOGS/$1.log" >&2 || true
+  echo "-----" >&2
+  exit 1
+}
+
+wait_healthy() { # component
+  local deadline=$((SECONDS + TIMEOUT))
+  while ! healthy "$1"; do
+    pid_of "$1" >/dev/null || fail_with_log "$1" "$1 exited during start-up"
+    ((SECONDS < deadline)) || fail_with_log "$1" "$1 not healthy after ${TIMEOUT}s"
+    sleep 0.2
+  done
+  log "$1 healthy ($((SECONDS - T0))s)"
+}
+
+port_free() { # port
+  ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .
+}
+
+# ---------------------------------------------------------------- certificates
+
+gen_key() { openssl ecparam -name prime256v1 -genkey -noout -out "$1" 2>/dev/null; }
+
+sign() { # name subject extensions...
+  local name=$1 subj=$2
+  shift 2
+  gen_key "$PKI/$name.key"
+  openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr" 2>/dev/null
+  printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "$@" >"$PKI/$name.ext"
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
+    -set_serial "0x$(openssl rand -hex 16)" -days 3650 -extfile "$PKI/$name.ext" \
+    -out "$PKI/$name.crt" 2>/dev/null
+  rm -f "$PKI/$name.csr" "$PKI/$name.ext"
+}
+
+gen_pki() {
+  [[ -f $PKI/.complete ]] && return 0
+  rm -rf "$PKI"
+  mkdir -p "$PKI"
+  gen_key "$PKI/ca.key"
+  openssl req -x509 -new -key "$PKI/ca.key" -subj "/CN=podmotion-local-ca" -days 3650 \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+    -out "$PKI/ca.crt" 2>/dev/null
+  sign apiserver "/CN=kube-apiserver" "extendedKeyUsage=serverAuth" \
+    "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  sign admin "/O=system:masters/CN=podmotion-admin" "extendedKeyUsage=clientAuth"
+  sign kube-controller-manager "/CN=system:kube-controller-manager" "extendedKeyUsage=clientAuth"
+  sign kube-scheduler "/CN=system:kube-scheduler" "extendedKeyUsage=clientAuth"
+  sign kwok "/CN=podmotion:kwok" "extendedKeyUsage=clientAuth"
+  # Service-account token signing key pair.
+  gen_key "$PKI/sa.key"
+  openssl ec -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
+  chmod 600 "$PKI"/*.key
+  touch "$PKI/.complete"
+}
+
+write_kubeconfig() { # file user
+  local b64="base64 -w0"
+  cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: podmotion
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority-data: $($b64 <"$PKI/ca.crt")
+users:
+- name: $2
+  user:
+    client-certificate-data: $($b64 <"$PKI/$2.crt")
+    client-key-data: $($b64 <"$PKI/$2.key")
+contexts:
+- name: podmotion
+  context:
+    cluster: podmotion
+    user: $2
+current-context: podmotion
+EOF
+  chmod 600 "$1"
+}
+
+# ---------------------------------------------------------------- nodes
+
+node_manifest() { # index
+  local i=$1 name=pm-node-$1 labels taints runner=0 kv key val effect
+  [[ ",$RUNNER_NODES," == *",$name,"* ]] && runner=1
+  local lvar=NODE_${i}_LABELS tvar=NODE_${i}_TAINTS
+  if [[ -n ${!lvar+x} ]]; then labels=${!lvar}
+  elif ((runner)); then labels=podmotion.io/runner-node=true
+  else labels=""; fi
+  if [[ -n ${!tvar+x} ]]; then taints=${!tvar}
+  elif ((runner)); then taints=podmotion.io/runner-node=true:NoSchedule
+  else taints=""; fi
+
+  cat <<EOF
+apiVersion: v1
+kind: Node
+metadata:
+  name: $name
+  annotations:
+    kwok.x-k8s.io/node: fake
+  labels:
+    kubernetes.io/hostname: $name
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+EOF
+  local IFS=,
+  for kv in $labels; do
+    [[ -n $kv ]] || continue
+    [[ $kv == *=* ]] || die "NODE_${i}_LABELS: '$kv' is not key=value"
+    echo "    ${kv%%=*}: \"${kv#*=}\""
+  done
+  echo "spec:"
+  echo "  podCIDR: 10.244.$i.0/24"
+  local tl=""
+  for kv in $taints; do
+    [[ -n $kv ]] || continue
+    [[ $kv == *:* ]] || die "NODE_${i}_TAINTS: '$kv' is not key[=value]:Effect"
+    effect=${kv##*:}
+    key=${kv%:*}
+    val=""
+    [[ $key == *=* ]] && { val=${key#*=}; key=${key%%=*}; }
+    tl+="  - {key: \"$key\", value: \"$val\", effect: \"$effect\"}"$'\n'
+  done
+  if [[ -n $tl ]]; then printf '  taints:\n%s' "$tl"; fi
+  cat <<EOF
+status:
+  addresses:
+  - {type: InternalIP, address: "10.0.0.$((10 + i))"}
+  - {type: Hostname, address: "$name"}
+  capacity: &res
+    cpu: "$NODE_CPU"
+    memory: "$NODE_MEMORY"
+    pods: "$NODE_PODS"
+    ephemeral-storage: 100Gi
+    devices.kubevirt.io/kvm: "110"
+  allocatable: *res
+EOF
+}
+
+create_nodes() {
+  local i manifest=$RUN/nodes.yaml
+  : >"$manifest"
+  for ((i = 0; i < NODES; i++)); do
+    node_manifest "$i" >>"$manifest"
+    echo "---" >>"$manifest"
+  done
+  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" create -f "$manifest" >/dev/null
+  log "created $NODES nodes (runner nodes: ${RUNNER_NODES:-none})"
+}
+
+# ---------------------------------------------------------------- commands
+
+all_healthy() {
+  local c
+  for c in "${COMPONENTS[@]}"; do healthy "$c" || return 1; done
+}
+
+any_running() {
+  local c
+  for c in "${COMPONENTS[@]}"; do pid_of "$c" >/dev/null && return 0; done
+  return 1
+}
+
+cmd_up() {
+  T0=$SECONDS
+  if all_healthy && [[ -f $KUBECONFIG_ADMIN ]]; then
+    log "already up (hack/cluster.sh status for details)"
+    echo "export KUBECONFIG=$KUBECONFIG_ADMIN"
+    return 0
+  fi
+  if any_running; then
+    log "partially running; stopping the rest first"
+    cmd_down
+  fi
+  BIN=$("$here/build-k8s.sh")
+  mkdir -p "$RUN" "$LOGS" "$PIDS" "$RUN/kwok"
+  local p
+  for p in $ETCD_PORT $ETCD_PEER_PORT $APISERVER_PORT $KCM_PORT $SCHED_PORT $KWOK_PORT; do
+    port_free "$p" || die "127.0.0.1:$p is already in use: $(ss -Hltnp "sport = :$p" | head -1)"
+  done
+  gen_pki
+  write_kubeconfig "$KUBECONFIG_ADMIN" admin
+  local c
+  for c in kube-controller-manager kube-scheduler kwok; do write_kubeconfig "$RUN/$c.kubeconfig" "$c"; done
+
+  rm -rf "$RUN/etcd"
+  start etcd --name podmotion --data-dir "$RUN/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "podmotion=http://127.0.0.1:$ETCD_PEER_PORT" --initial-cluster-state new \
+    --unsafe-no-fsync --quota-backend-bytes=$((2 * 1024 * 1024 * 1024)) --log-level warn
+  wait_healthy etcd
+
+  # UserNamespacesSupport (hostUsers: false) and ProcMountType (procMount: Unmasked) are GA
+  # and locked on since 1.36, so no --feature-gates are needed for the RunnerPool pod shape.
+  start kube-apiserver \
+    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$APISERVER_PORT" \
+    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
+    --client-ca-file="$PKI/ca.crt" \
+    --authorization-mode=Node,RBAC \
+    --enable-admission-plugins=NodeRestriction,PodSecurity \
+    --allow-privileged=true \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+    --service-account-key-file="$PKI/sa.pub" \
+    --service-account-signing-key-file="$PKI/sa.key" \
+    --endpoint-reconciler-type=none \
+    --profiling=false
+  wait_healthy kube-apiserver
+
+  # kwok plays the kubelet of every fake node with one identity.
+  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" create clusterrolebinding podmotion:kwok \
+    --clusterrole=cluster-admin --user=podmotion:kwok >/dev/null
+
+  start kube-controller-manager \
+    --kubeconfig="$RUN/kube-controller-manager.kubeconfig" \
+    --authentication-kubeconfig="$RUN/kube-controller-manager.kubeconfig" \
+    --authorization-kubeconfig="$RUN/kube-controller-manager.kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$KCM_PORT" \
+    --leader-elect=false \
+    --controllers='*,bootstrapsigner,tokencleaner' \
+    --use-service-account-credentials=true \
+    --service-account-private-key-file="$PKI/sa.key" \
+    --root-ca-file="$PKI/ca.crt" \
+    --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
+    --service-cluster-ip-range="$SERVICE_CIDR" --cluster-cidr="$POD_CIDR" \
+    --profiling=false
+  start kube-scheduler \
+    --kubeconfig="$RUN/kube-scheduler.kubeconfig" \
+    --authentication-kubeconfig="$RUN/kube-scheduler.kubeconfig" \
+    --authorization-kubeconfig="$RUN/kube-scheduler.kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" \
+    --leader-elect=false --profiling=false
+  # HOME: kwok also loads ~/.kwok/kwok.yaml if it exists; keep it out.
+  HOME=$RUN/kwok start kwok \
+    --kubeconfig="$RUN/kwok.kubeconfig" \
+    --config="$here/kwok/stages.yaml" \
+    --manage-all-nodes=false \
+    --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+    --node-lease-duration-seconds=40 \
+    --cidr="$POD_CIDR" \
+    --server-address="127.0.0.1:$KWOK_PORT"
+
+  create_nodes
+  wait_healthy kube-controller-manager
+  wait_healthy kube-scheduler
+  wait_healthy kwok
+
+  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready node --all --timeout="${TIMEOUT}s" >/dev/null ||
+    fail_with_log kwok "nodes not Ready after ${TIMEOUT}s"
+  log "nodes Ready ($((SECONDS - T0))s)"
+  # The ServiceAccount controller must be working before pods can be created.
+  local deadline=$((SECONDS + TIMEOUT))
+  until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" -n default get serviceaccount default >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || fail_with_log kube-controller-manager "no default ServiceAccount after ${TIMEOUT}s"
+    sleep 0.2
+  done
+  log "up in $((SECONDS - T0))s; kubeconfig $KUBECONFIG_ADMIN, logs $LOGS/"
+  echo "export KUBECONFIG=$KUBECONFIG_ADMIN"
+}
+
+cmd_down() {
+  local i
+  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop "${COMPONENTS[i]}"; done
+  rm -rf "$RUN/etcd"
+  log "down (logs kept in $LOGS/)"
+}
+
+cmd_status() {
+  local c pid ok=0 state
+  for c in "${COMPONENTS[@]}"; do
+    if pid=$(pid_of "$c"); then
+      if healthy "$c"; then state="running (pid $pid), healthy"
+      else state="running (pid $pid), NOT healthy"; ok=1; fi
+    else
+      state="stopped"
+      ok=1
+    fi
+    printf '%-24s %s\n' "$c" "$state"
+  done
+  if healthy kube-apiserver; then
+    echo
+    "$(bin_dir)/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" get nodes -o wide 2>&1 || true
+  fi
+  return $ok
+}
+
+cmd_env() {
+  echo "export KUBECONFIG=$KUBECONFIG_ADMIN"
+  echo "export PATH=\"$(bin_dir):\$PATH\""
+}
+
+case ${1:-} in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  env) cmd_env ;;
+  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+esac
