@@ -1,0 +1,385 @@
+//! Harness for tests against the local control plane started by `hack/cluster.sh up`.
+//!
+//! * [`TestNamespace::new`] connects through `$KUBECONFIG` (default
+//!   `${PODMOTION_RUN:-/tmp/podmotion-cluster}/admin.kubeconfig`, the file `hack/cluster.sh`
+//!   writes) and creates a namespace with a random name and a PodSecurity `enforce` level.
+//!   When no cluster is reachable it panics, so the test fails; set `PODMOTION_E2E=0` to
+//!   skip the cluster tests instead (then `new` returns `None`).
+//! * When a test panics, dropping the [`TestNamespace`] prints the namespace's objects and
+//!   events (through `kubectl` from the binary cache) and the nodes, then the namespace is
+//!   deleted unless `PODMOTION_KEEP=1`.
+//! * [`wait_for`] and [`wait_list`] follow a watch until a condition holds, with a bounded
+//!   timeout; no fixed sleeps.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, anyhow, bail};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, Config, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+
+/// Default bound of every wait in these tests.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// PodSecurity admission level enforced on a test namespace
+/// (label `pod-security.kubernetes.io/enforce`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodSecurity {
+    Privileged,
+    Baseline,
+    Restricted,
+}
+
+impl PodSecurity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PodSecurity::Privileged => "privileged",
+            PodSecurity::Baseline => "baseline",
+            PodSecurity::Restricted => "restricted",
+        }
+    }
+}
+
+/// Root of the repository (parent of this crate).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e crate has a parent directory")
+        .to_path_buf()
+}
+
+/// The cluster's runtime directory (`hack/cluster.sh`'s `PODMOTION_RUN`).
+pub fn run_dir() -> PathBuf {
+    std::env::var_os("PODMOTION_RUN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp/podmotion-cluster"))
+}
+
+/// Kubeconfig used by the tests: `$KUBECONFIG`, else the one `hack/cluster.sh up` writes.
+pub fn kubeconfig_path() -> PathBuf {
+    match std::env::var_os("KUBECONFIG") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => run_dir().join("admin.kubeconfig"),
+    }
+}
+
+/// `false` when `PODMOTION_E2E=0`: cluster tests are skipped instead of failing.
+pub fn e2e_enabled() -> bool {
+    std::env::var("PODMOTION_E2E").map(|v| v != "0").unwrap_or(true)
+}
+
+/// Path of our `kubectl` (the binary cache, never the one on `$PATH`).
+pub fn kubectl_path() -> anyhow::Result<PathBuf> {
+    let out = Command::new("bash")
+        .arg(repo_root().join("hack/build-k8s.sh"))
+        .arg("--print")
+        .output()
+        .context("running hack/build-k8s.sh --print")?;
+    if !out.status.success() {
+        bail!("hack/build-k8s.sh --print failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let bin = PathBuf::from(String::from_utf8(out.stdout)?.trim());
+    Ok(bin.join("kubectl"))
+}
+
+/// A client for the local control plane; fails with an explanation when it is unreachable.
+pub async fn connect() -> anyhow::Result<Client> {
+    let path = kubeconfig_path();
+    let hint = "start it with `hack/cluster.sh up` (or set PODMOTION_E2E=0 to skip cluster tests)";
+    let kubeconfig = Kubeconfig::read_from(&path)
+        .with_context(|| format!("reading kubeconfig {}; {hint}", path.display()))?;
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+    let server = config.cluster_url.to_string();
+    let client = Client::try_from(config)?;
+    tokio::time::timeout(Duration::from_secs(10), client.apiserver_version())
+        .await
+        .map_err(|_| anyhow!("no answer from {server} within 10s; {hint}"))?
+        .with_context(|| format!("no cluster reachable at {server}; {hint}"))?;
+    Ok(client)
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A short random suffix (no extra dependency: std's randomly keyed hasher).
+pub fn random_suffix() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let seed = (nanos, std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+    format!("{:08x}", RandomState::new().hash_one(seed) as u32)
+}
+
+/// A namespace owned by one test. Dumps its objects if the test panics, then deletes it
+/// (unless `PODMOTION_KEEP=1`).
+pub struct TestNamespace {
+    pub client: Client,
+    pub name: String,
+    kubectl: Option<PathBuf>,
+}
+
+impl TestNamespace {
+    /// Creates `e2e-<prefix>-<random>` with PodSecurity `enforce=<level>` and waits for its
+    /// `default` ServiceAccount (pods cannot be created before it exists).
+    /// Returns `None` only when `PODMOTION_E2E=0`; panics if the cluster is unreachable.
+    pub async fn new(prefix: &str, level: PodSecurity) -> Option<TestNamespace> {
+        if !e2e_enabled() {
+            eprintln!("PODMOTION_E2E=0: skipping cluster test {prefix}");
+            return None;
+        }
+        let client = connect().await.unwrap_or_else(|e| panic!("{e:#}"));
+        let name = format!("e2e-{prefix}-{}", random_suffix());
+        let labels = BTreeMap::from([
+            ("podmotion.io/e2e".to_string(), "true".to_string()),
+            ("pod-security.kubernetes.io/enforce".to_string(), level.as_str().to_string()),
+            ("pod-security.kubernetes.io/enforce-version".to_string(), "latest".to_string()),
+        ]);
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(name.clone()), labels: Some(labels), ..Default::default() },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+        let this = TestNamespace { client, name, kubectl: kubectl_path().ok() };
+        let sas: Api<ServiceAccount> = this.api();
+        wait_for(&sas, "default", TIMEOUT, "the namespace's default ServiceAccount", |sa| sa.is_some())
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        Some(this)
+    }
+
+    /// A namespaced API in this namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// Runs our kubectl with `args` and returns stdout+stderr (for dumps).
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let Some(kubectl) = &self.kubectl else {
+            return "(kubectl not found in the binary cache)\n".into();
+        };
+        match Command::new(kubectl).arg("--kubeconfig").arg(kubeconfig_path()).args(args).output() {
+            Ok(out) => {
+                let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+                s.push_str(&String::from_utf8_lossy(&out.stderr));
+                s
+            }
+            Err(e) => format!("(kubectl {args:?}: {e})\n"),
+        }
+    }
+
+    /// Prints what is needed to understand a failure: the namespace's workload objects,
+    /// pods in detail, events in order, and the nodes.
+    pub fn dump(&self) {
+        let ns = self.name.as_str();
+        let mut out = format!("===== e2e dump of namespace {ns} =====\n");
+        for (title, args) in [
+            ("objects", vec!["-n", ns, "get", "all,jobs,daemonsets,serviceaccounts", "-o", "wide"]),
+            ("pods (yaml)", vec!["-n", ns, "get", "pods", "-o", "yaml"]),
+            ("workloads (yaml)", vec!["-n", ns, "get", "deployments,replicasets,daemonsets,jobs", "-o", "yaml"]),
+            ("events", vec!["-n", ns, "get", "events", "--sort-by=.metadata.creationTimestamp"]),
+            ("nodes", vec!["get", "nodes", "-o", "wide", "--show-labels"]),
+        ] {
+            out.push_str(&format!("----- {title} -----\n"));
+            out.push_str(&self.kubectl(&args));
+        }
+        out.push_str(&format!(
+            "===== end of dump; control-plane logs in {} =====\n",
+            run_dir().join("logs").display()
+        ));
+        eprintln!("{out}");
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump();
+        }
+        if std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
+            eprintln!("PODMOTION_KEEP=1: keeping namespace {}", self.name);
+            return;
+        }
+        // Drop cannot await; kubectl returns as soon as the deletion is accepted.
+        let out = self.kubectl(&["delete", "namespace", &self.name, "--wait=false", "--ignore-not-found"]);
+        if !out.contains("deleted") && !out.trim().is_empty() {
+            eprintln!("cleanup of namespace {}: {out}", self.name);
+        }
+    }
+}
+
+/// Waits, following a watch on `name`, until `cond` holds for the object (`None` = absent).
+/// Returns the object as last seen. Errors after `timeout` with `what` and the last state.
+pub async fn wait_for<K>(
+    api: &Api<K>,
+    name: &str,
+    timeout: Duration,
+    what: &str,
+    cond: impl Fn(Option<&K>) -> bool,
+) -> anyhow::Result<Option<K>>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut last: Option<K> = None;
+    let mut stream = watcher::watcher(api.clone(), config).boxed();
+    let mut init: Option<K> = None;
+    let mut synced = false;
+    let res = tokio::time::timeout(timeout, async {
+        while let Some(ev) = stream.try_next().await? {
+            match ev {
+                Event::Init => init = None,
+                Event::InitApply(o) => init = Some(o),
+                Event::InitDone => {
+                    last = init.take();
+                    synced = true;
+                }
+                Event::Apply(o) => last = Some(o),
+                Event::Delete(_) => last = None,
+            }
+            // Only judge complete states: after the initial list, then after every change.
+            if synced && cond(last.as_ref()) {
+                return Ok::<_, anyhow::Error>(());
+            }
+        }
+        bail!("watch ended")
+    })
+    .await;
+    match res {
+        Ok(Ok(())) => Ok(last),
+        Ok(Err(e)) => Err(e.context(format!("waiting for {what} ({name})"))),
+        Err(_) => Err(anyhow!(
+            "timed out after {timeout:?} waiting for {what} ({name}); last seen: {}",
+            describe(last.as_ref())
+        )),
+    }
+}
+
+/// Waits, following a watch of the objects matching `label_selector`, until `cond` holds
+/// for the complete set. Returns that set (sorted by name).
+pub async fn wait_list<K>(
+    api: &Api<K>,
+    label_selector: &str,
+    timeout: Duration,
+    what: &str,
+    cond: impl Fn(&[K]) -> bool,
+) -> anyhow::Result<Vec<K>>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let config = watcher::Config::default().labels(label_selector);
+    let mut stream = watcher::watcher(api.clone(), config).boxed();
+    let mut objects: BTreeMap<String, K> = BTreeMap::new();
+    let mut init: BTreeMap<String, K> = BTreeMap::new();
+    let mut synced = false;
+    let res = tokio::time::timeout(timeout, async {
+        while let Some(ev) = stream.try_next().await? {
+            match ev {
+                Event::Init => init.clear(),
+                Event::InitApply(o) => {
+                    init.insert(o.name_any(), o);
+                }
+                Event::InitDone => {
+                    objects = std::mem::take(&mut init);
+                    synced = true;
+                }
+                Event::Apply(o) => {
+                    objects.insert(o.name_any(), o);
+                }
+                Event::Delete(o) => {
+                    objects.remove(&o.name_any());
+                }
+            }
+            if synced {
+                let list: Vec<K> = objects.values().cloned().collect();
+                if cond(&list) {
+                    return Ok::<_, anyhow::Error>(list);
+                }
+            }
+        }
+        bail!("watch ended")
+    })
+    .await;
+    match res {
+        Ok(r) => r.map_err(|e| e.context(format!("waiting for {what} ({label_selector})"))),
+        Err(_) => Err(anyhow!(
+            "timed out after {timeout:?} waiting for {what} ({label_selector}); last seen {} object(s): {}",
+            objects.len(),
+            objects.values().map(|o| describe(Some(o))).collect::<Vec<_>>().join("; ")
+        )),
+    }
+}
+
+fn describe<K: Resource + Debug>(obj: Option<&K>) -> String {
+    match obj {
+        None => "absent".into(),
+        Some(o) => {
+            let s = format!("{o:?}");
+            if s.len() > 2000 { format!("{}…", &s[..s.floor_char_boundary(2000)]) } else { s }
+        }
+    }
+}
+
+/// Pod is Running and its Ready condition is True.
+pub fn pod_running_ready(pod: &Pod) -> bool {
+    let Some(status) = &pod.status else { return false };
+    status.phase.as_deref() == Some("Running")
+        && status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// Pod phase, "" if unknown.
+pub fn pod_phase(pod: &Pod) -> &str {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+}
+
+/// Deletes an object and waits until it is gone.
+pub async fn delete_and_wait<K>(api: &Api<K>, name: &str, dp: &DeleteParams) -> anyhow::Result<()>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    match api.delete(name, dp).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+        Err(e) => return Err(e.into()),
+    }
+    wait_for(api, name, TIMEOUT, "deletion", |o| o.is_none()).await.map(|_| ())
+}
+
+/// Builds a typed object from JSON (tests read best as manifests).
+pub fn from_json<K: DeserializeOwned>(v: serde_json::Value) -> K {
+    serde_json::from_value(v).expect("test manifest matches the type")
+}
+
+/// A container spec that satisfies the `restricted` PodSecurity level.
+pub fn restricted_container(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "image": "registry.example/podmotion/e2e:1",
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": 1000,
+            "allowPrivilegeEscalation": false,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}
+        }
+    })
+}
