@@ -1,0 +1,136 @@
+//! Every label, annotation, finalizer, field manager, condition type and reason
+//! PodMotion writes. Components refer to these constants; a string literal with
+//! one of these values anywhere else is a bug.
+
+/// Recommended labels carried by every object PodMotion owns.
+pub mod labels {
+    /// `app.kubernetes.io/managed-by`, always [`MANAGED_BY_VALUE`].
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    pub const MANAGED_BY_VALUE: &str = "podmotion";
+    /// `app.kubernetes.io/name` of a child: what it is (`runner`, `node-agent`, …).
+    pub const NAME: &str = "app.kubernetes.io/name";
+    /// `app.kubernetes.io/instance`: the owning resource's name.
+    pub const INSTANCE: &str = "app.kubernetes.io/instance";
+    /// `app.kubernetes.io/component`.
+    pub const COMPONENT: &str = "app.kubernetes.io/component";
+    /// Kind of the PodMotion resource that owns a child (`PodMigration`, …).
+    pub const OWNER_KIND: &str = "podmotion.io/owner-kind";
+    /// `<namespace>.<name>` of the owning resource (a label value cannot hold `/`).
+    pub const OWNER: &str = "podmotion.io/owner";
+    /// UID of the owning resource, so a recreated owner of the same name never adopts
+    /// an older generation's children.
+    pub const OWNER_UID: &str = "podmotion.io/owner-uid";
+    /// On attachment Jobs: `<namespace>.<pod>` of the target pod.
+    pub const TARGET_POD: &str = "podmotion.io/target-pod";
+    /// On attachment Jobs: UID of the target pod.
+    pub const TARGET_POD_UID: &str = "podmotion.io/target-pod-uid";
+    /// On PodMigration target pods and agents: the migration they belong to.
+    pub const MIGRATION: &str = "podmotion.io/migration";
+    /// Default node label selecting Runner nodes (the chart and samples use it).
+    pub const RUNNER_NODE: &str = "podmotion.io/runner-node";
+}
+
+/// Annotations PodMotion reads or writes.
+pub mod annotations {
+    /// Set on a pod while a PodMigration owns it (source or target): one migration per pod.
+    pub const MIGRATION: &str = "podmotion.io/migration";
+    /// Lowers the deletion cost of the source pod at commit so its ReplicaSet removes it,
+    /// never the restored copy.
+    pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+    /// The Prometheus scrape annotations put on Runner pods.
+    pub const PROMETHEUS_SCRAPE: &str = "prometheus.io/scrape";
+    pub const PROMETHEUS_PORT: &str = "prometheus.io/port";
+    pub const PROMETHEUS_PATH: &str = "prometheus.io/path";
+    /// Hash of the rendered child spec, to detect drift without a deep diff.
+    pub const SPEC_HASH: &str = "podmotion.io/spec-hash";
+    /// Default annotation that marks a pod as carrying an injected traffic-agent sidecar.
+    pub const INJECTED_AGENT: &str = "telepresence.io/agent-injected";
+}
+
+/// Finalizers, domain-qualified with a path (Kubernetes 1.29+ warns otherwise).
+pub mod finalizers {
+    pub const MIGRATION_CLEANUP: &str = "podmotion.io/migration-cleanup";
+    pub const ATTACHMENT_CLEANUP: &str = "podmotion.io/attachment-cleanup";
+    pub const RUNNER_POOL_CLEANUP: &str = "podmotion.io/runner-pool-cleanup";
+}
+
+/// Server-side apply field managers, one per controller.
+pub mod managers {
+    pub const MIGRATION: &str = "podmotion.io/migration-controller";
+    pub const ATTACHMENT: &str = "podmotion.io/attachment-controller";
+    pub const RUNNER_POOL: &str = "podmotion.io/runner-pool-controller";
+}
+
+/// Condition types. `Ready`, `Reconciling` and `Stalled` are kstatus's; the rest are
+/// kind-specific.
+pub mod condition_types {
+    pub const READY: &str = "Ready";
+    pub const RECONCILING: &str = "Reconciling";
+    pub const STALLED: &str = "Stalled";
+    /// PodMigration: the pre-flight checks passed (or why not).
+    pub const MIGRATABLE: &str = "Migratable";
+    /// RunnerPool.
+    pub const AVAILABLE: &str = "Available";
+    pub const PROGRESSING: &str = "Progressing";
+    pub const DEGRADED: &str = "Degraded";
+    pub const SHAPE_CONFORMANT: &str = "ShapeConformant";
+    pub const POD_SECURITY_ADMITTED: &str = "PodSecurityAdmitted";
+}
+
+/// Condition reasons. Each is CamelCase and doubles as the reason of the Event
+/// recorded when the condition changes.
+pub mod reasons {
+    // Shared.
+    pub const RECONCILED: &str = "Reconciled";
+    pub const PROGRESSING: &str = "Progressing";
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    pub const API_ERROR: &str = "ApiError";
+    pub const DELETING: &str = "Deleting";
+
+    // PodMigration.
+    pub const PENDING: &str = "Pending";
+    pub const SOURCE_POD_NOT_FOUND: &str = "SourcePodNotFound";
+    pub const SOURCE_POD_NOT_RUNNING: &str = "SourcePodNotRunning";
+    pub const POD_UID_MISMATCH: &str = "PodUIDMismatch";
+    pub const ALREADY_MIGRATING: &str = "AlreadyMigrating";
+    pub const NO_AGENT_ON_NODE: &str = "NoAgentOnNode";
+    pub const NO_TARGET_NODE: &str = "NoTargetNode";
+    pub const TARGET_IS_SOURCE: &str = "TargetIsSource";
+    pub const TARGET_DOES_NOT_FIT: &str = "TargetDoesNotFit";
+    pub const MIGRATABLE: &str = "Migratable";
+    pub const CHECKPOINTING: &str = "Checkpointing";
+    pub const TRANSFERRING: &str = "Transferring";
+    pub const RESTORING: &str = "Restoring";
+    pub const COMMITTING: &str = "Committing";
+    pub const SUCCEEDED: &str = "Succeeded";
+    pub const DRY_RUN_PASSED: &str = "DryRunPassed";
+    pub const FREEZE_BUDGET_EXCEEDED: &str = "FreezeBudgetExceeded";
+    pub const PROBE_FAILED: &str = "ProbeFailed";
+    pub const AGENT_ERROR: &str = "AgentError";
+    pub const PROGRESS_TIMEOUT: &str = "ProgressTimeout";
+    pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+    pub const ABORTED: &str = "Aborted";
+    pub const SOURCE_POD_GONE: &str = "SourcePodGone";
+    pub const TARGET_POD_UNSCHEDULABLE: &str = "TargetPodUnschedulable";
+    pub const ROLLED_BACK: &str = "RolledBack";
+
+    // NodeAgentAttachment.
+    pub const NO_ADMISSIBLE_TARGET: &str = "NoAdmissibleTarget";
+    pub const WORKLOAD_NOT_FOUND: &str = "WorkloadNotFound";
+    pub const SIDECAR_CONFLICT: &str = "SidecarConflict";
+    pub const JOBS_PENDING: &str = "JobsPending";
+    pub const ALL_TARGETS_ATTACHED: &str = "AllTargetsAttached";
+    pub const JOB_CREATED: &str = "JobCreated";
+    pub const JOB_REPLACED: &str = "JobReplaced";
+    pub const JOB_REAPED: &str = "JobReaped";
+
+    // RunnerPool.
+    pub const ROLLING_OUT: &str = "RollingOut";
+    pub const PREFLIGHT_FAILED: &str = "PreflightFailed";
+    pub const SHAPE_DRIFT: &str = "ShapeDrift";
+    pub const SHAPE_MATCHES: &str = "ShapeMatches";
+    pub const POD_SECURITY_REJECTS: &str = "PodSecurityRejects";
+    pub const POD_SECURITY_ALLOWS: &str = "PodSecurityAllows";
+    pub const NO_ELIGIBLE_NODES: &str = "NoEligibleNodes";
+    pub const MINIMUM_NODES_AVAILABLE: &str = "MinimumNodesAvailable";
+}

@@ -1,0 +1,1 @@
+//! PodMotion operator library.
