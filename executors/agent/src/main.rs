@@ -1,0 +1,4 @@
+//! Migration node agent: CRIU checkpoint, transfer and restore driven by the operator
+#![forbid(unsafe_code)]
+
+fn main() {}

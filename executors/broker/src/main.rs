@@ -1,0 +1,4 @@
+//! Netns broker: the narrow privileged sidecar of the migration node agent
+#![forbid(unsafe_code)]
+
+fn main() {}

@@ -1,0 +1,4 @@
+//! Runner node preflight: checks KVM, user namespaces, AppArmor and quotas
+#![forbid(unsafe_code)]
+
+fn main() {}
