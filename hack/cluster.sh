@@ -132,6 +132,7 @@ fail_with_log() { # component message
   echo "----- last 40 lines of $LOGS/$1.log -----" >&2
   tail -n 40 "$LOGS/$1.log" >&2 || true
   echo "-----" >&2
+  echo "[cluster] components that did start are left running for inspection; hack/cluster.sh down stops them" >&2
   exit 1
 }
 

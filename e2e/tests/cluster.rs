@@ -381,16 +381,29 @@ async fn pod_with_user_namespace_and_unmasked_procmount_is_accepted() {
     }
 }
 
+/// Since Kubernetes 1.35 the baseline level allows `procMount: Unmasked` for pods in a user
+/// namespace (`hostUsers: false`); restricted still forbids it.
 #[tokio::test]
-async fn unmasked_procmount_is_rejected_by_baseline_pod_security() {
-    let Some(ns) = TestNamespace::new("baseline", PodSecurity::Baseline).await else { return };
-    let pods: Api<Pod> = ns.api();
-    match pods.create(&PostParams::default(), &userns_unmasked_pod("runner", Some(false))).await {
+async fn unmasked_procmount_with_user_namespace_passes_baseline_but_not_restricted() {
+    let Some(baseline) = TestNamespace::new("baseline", PodSecurity::Baseline).await else { return };
+    let pods: Api<Pod> = baseline.api();
+    pods.create(&PostParams::default(), &userns_unmasked_pod("runner", Some(false))).await.unwrap();
+
+    let Some(restricted) = TestNamespace::new("restricted", PodSecurity::Restricted).await else { return };
+    let pods: Api<Pod> = restricted.api();
+    let mut pod = userns_unmasked_pod("runner", Some(false));
+    // Otherwise restricted-compliant, so procMount is the only violation.
+    let c = &mut pod.spec.as_mut().unwrap().containers[0];
+    let mut compliant: Pod = pod_manifest("x", restricted_container("runner"));
+    let mut sc = compliant.spec.as_mut().unwrap().containers[0].security_context.take().unwrap();
+    sc.proc_mount = Some("Unmasked".into());
+    c.security_context = Some(sc);
+    match pods.create(&PostParams::default(), &pod).await {
         Err(kube::Error::Api(s)) => {
             assert_eq!(s.code, 403, "{s:?}");
-            assert!(s.message.contains("violates PodSecurity \"baseline:latest\""), "{}", s.message);
+            assert!(s.message.contains("violates PodSecurity \"restricted:latest\""), "{}", s.message);
             assert!(s.message.contains("procMount"), "{}", s.message);
         }
-        other => panic!("Unmasked procMount admitted by baseline: {other:?}"),
+        other => panic!("Unmasked procMount admitted by restricted: {other:?}"),
     }
 }
