@@ -74,7 +74,9 @@ pub fn kubeconfig_path() -> PathBuf {
 
 /// `false` when `PODMOTION_E2E=0`: cluster tests are skipped instead of failing.
 pub fn e2e_enabled() -> bool {
-    std::env::var("PODMOTION_E2E").map(|v| v != "0").unwrap_or(true)
+    std::env::var("PODMOTION_E2E")
+        .map(|v| v != "0")
+        .unwrap_or(true)
 }
 
 /// Path of our `kubectl` (the binary cache, never the one on `$PATH`).
@@ -85,7 +87,10 @@ pub fn kubectl_path() -> anyhow::Result<PathBuf> {
         .output()
         .context("running hack/build-k8s.sh --print")?;
     if !out.status.success() {
-        bail!("hack/build-k8s.sh --print failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "hack/build-k8s.sh --print failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let bin = PathBuf::from(String::from_utf8(out.stdout)?.trim());
     Ok(bin.join("kubectl"))
@@ -114,8 +119,15 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 /// A short random suffix (no extra dependency: std's randomly keyed hasher).
 pub fn random_suffix() -> String {
     use std::hash::{BuildHasher, RandomState};
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
-    let seed = (nanos, std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let seed = (
+        nanos,
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+    );
     format!("{:08x}", RandomState::new().hash_one(seed) as u32)
 }
 
@@ -140,22 +152,42 @@ impl TestNamespace {
         let name = format!("e2e-{prefix}-{}", random_suffix());
         let labels = BTreeMap::from([
             ("podmotion.io/e2e".to_string(), "true".to_string()),
-            ("pod-security.kubernetes.io/enforce".to_string(), level.as_str().to_string()),
-            ("pod-security.kubernetes.io/enforce-version".to_string(), "latest".to_string()),
+            (
+                "pod-security.kubernetes.io/enforce".to_string(),
+                level.as_str().to_string(),
+            ),
+            (
+                "pod-security.kubernetes.io/enforce-version".to_string(),
+                "latest".to_string(),
+            ),
         ]);
         let ns = Namespace {
-            metadata: ObjectMeta { name: Some(name.clone()), labels: Some(labels), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(labels),
+                ..Default::default()
+            },
             ..Default::default()
         };
         Api::<Namespace>::all(client.clone())
             .create(&PostParams::default(), &ns)
             .await
             .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
-        let this = TestNamespace { client, name, kubectl: kubectl_path().ok() };
+        let this = TestNamespace {
+            client,
+            name,
+            kubectl: kubectl_path().ok(),
+        };
         let sas: Api<ServiceAccount> = this.api();
-        wait_for(&sas, "default", TIMEOUT, "the namespace's default ServiceAccount", |sa| sa.is_some())
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}"));
+        wait_for(
+            &sas,
+            "default",
+            TIMEOUT,
+            "the namespace's default ServiceAccount",
+            |sa| sa.is_some(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
         Some(this)
     }
 
@@ -173,7 +205,12 @@ impl TestNamespace {
         let Some(kubectl) = &self.kubectl else {
             return "(kubectl not found in the binary cache)\n".into();
         };
-        match Command::new(kubectl).arg("--kubeconfig").arg(kubeconfig_path()).args(args).output() {
+        match Command::new(kubectl)
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args(args)
+            .output()
+        {
             Ok(out) => {
                 let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
                 s.push_str(&String::from_utf8_lossy(&out.stderr));
@@ -189,10 +226,39 @@ impl TestNamespace {
         let ns = self.name.as_str();
         let mut out = format!("===== e2e dump of namespace {ns} =====\n");
         for (title, args) in [
-            ("objects", vec!["-n", ns, "get", "all,jobs,daemonsets,serviceaccounts", "-o", "wide"]),
+            (
+                "objects",
+                vec![
+                    "-n",
+                    ns,
+                    "get",
+                    "all,jobs,daemonsets,serviceaccounts",
+                    "-o",
+                    "wide",
+                ],
+            ),
             ("pods (yaml)", vec!["-n", ns, "get", "pods", "-o", "yaml"]),
-            ("workloads (yaml)", vec!["-n", ns, "get", "deployments,replicasets,daemonsets,jobs", "-o", "yaml"]),
-            ("events", vec!["-n", ns, "get", "events", "--sort-by=.metadata.creationTimestamp"]),
+            (
+                "workloads (yaml)",
+                vec![
+                    "-n",
+                    ns,
+                    "get",
+                    "deployments,replicasets,daemonsets,jobs",
+                    "-o",
+                    "yaml",
+                ],
+            ),
+            (
+                "events",
+                vec![
+                    "-n",
+                    ns,
+                    "get",
+                    "events",
+                    "--sort-by=.metadata.creationTimestamp",
+                ],
+            ),
             ("nodes", vec!["get", "nodes", "-o", "wide", "--show-labels"]),
         ] {
             out.push_str(&format!("----- {title} -----\n"));
@@ -216,7 +282,13 @@ impl Drop for TestNamespace {
             return;
         }
         // Drop cannot await; kubectl returns as soon as the deletion is accepted.
-        let out = self.kubectl(&["delete", "namespace", &self.name, "--wait=false", "--ignore-not-found"]);
+        let out = self.kubectl(&[
+            "delete",
+            "namespace",
+            &self.name,
+            "--wait=false",
+            "--ignore-not-found",
+        ]);
         if !out.contains("deleted") && !out.trim().is_empty() {
             eprintln!("cleanup of namespace {}: {out}", self.name);
         }
@@ -320,7 +392,11 @@ where
         Err(_) => Err(anyhow!(
             "timed out after {timeout:?} waiting for {what} ({label_selector}); last seen {} object(s): {}",
             objects.len(),
-            objects.values().map(|o| describe(Some(o))).collect::<Vec<_>>().join("; ")
+            objects
+                .values()
+                .map(|o| describe(Some(o)))
+                .collect::<Vec<_>>()
+                .join("; ")
         )),
     }
 }
@@ -330,14 +406,20 @@ fn describe<K: Resource + Debug>(obj: Option<&K>) -> String {
         None => "absent".into(),
         Some(o) => {
             let s = format!("{o:?}");
-            if s.len() > 2000 { format!("{}…", &s[..s.floor_char_boundary(2000)]) } else { s }
+            if s.len() > 2000 {
+                format!("{}…", &s[..s.floor_char_boundary(2000)])
+            } else {
+                s
+            }
         }
     }
 }
 
 /// Pod is Running and its Ready condition is True.
 pub fn pod_running_ready(pod: &Pod) -> bool {
-    let Some(status) = &pod.status else { return false };
+    let Some(status) = &pod.status else {
+        return false;
+    };
     status.phase.as_deref() == Some("Running")
         && status
             .conditions
@@ -348,7 +430,10 @@ pub fn pod_running_ready(pod: &Pod) -> bool {
 
 /// Pod phase, "" if unknown.
 pub fn pod_phase(pod: &Pod) -> &str {
-    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
 }
 
 /// Deletes an object and waits until it is gone.
@@ -361,7 +446,9 @@ where
         Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
         Err(e) => return Err(e.into()),
     }
-    wait_for(api, name, TIMEOUT, "deletion", |o| o.is_none()).await.map(|_| ())
+    wait_for(api, name, TIMEOUT, "deletion", |o| o.is_none())
+        .await
+        .map(|_| ())
 }
 
 /// Builds a typed object from JSON (tests read best as manifests).
