@@ -162,7 +162,10 @@ pub struct SessionSize {
 
 impl Default for SessionSize {
     fn default() -> Self {
-        Self { memory_mib: default_guest_memory(), milli_cpu: default_guest_cpu() }
+        Self {
+            memory_mib: default_guest_memory(),
+            milli_cpu: default_guest_cpu(),
+        }
     }
 }
 fn default_guest_memory() -> i64 {
@@ -178,11 +181,17 @@ fn default_guest_cpu() -> i64 {
 pub struct Overhead {
     /// Per session: cloud-hypervisor, virtiofsd and passt, measured as PSS (guest RAM
     /// is shared memory and must not be counted again), in MiB.
-    #[serde(rename = "perSessionMemoryMiB", default = "default_session_overhead_mem")]
+    #[serde(
+        rename = "perSessionMemoryMiB",
+        default = "default_session_overhead_mem"
+    )]
     #[x_kube(validation = Rule::new("self >= 16 && self <= 65536").message("overhead.perSessionMemoryMiB must be between 16 and 65536"))]
     pub per_session_memory_mib: i64,
     /// Per session: CPU of the VMM, virtiofsd and passt beyond the guest, in millicores.
-    #[serde(rename = "perSessionMilliCPU", default = "default_session_overhead_cpu")]
+    #[serde(
+        rename = "perSessionMilliCPU",
+        default = "default_session_overhead_cpu"
+    )]
     #[x_kube(validation = Rule::new("self >= 0 && self <= 64000").message("overhead.perSessionMilliCPU must be between 0 and 64000"))]
     pub per_session_milli_cpu: i64,
     /// Host page tables per GiB of guest RAM, in MiB (they grow with guest RAM:
@@ -275,7 +284,9 @@ fn default_true_string() -> String {
 }
 
 /// Effect of the taint on Runner nodes.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum TaintEffect {
     #[default]
     NoSchedule,
@@ -306,7 +317,9 @@ pub struct Rollout {
 
 impl Default for Rollout {
     fn default() -> Self {
-        Self { max_unavailable: default_max_unavailable() }
+        Self {
+            max_unavailable: default_max_unavailable(),
+        }
     }
 }
 fn default_max_unavailable() -> IntOrString {
@@ -329,7 +342,10 @@ pub struct RunnerUser {
 
 impl Default for RunnerUser {
     fn default() -> Self {
-        Self { uid: default_runner_id(), gid: default_runner_id() }
+        Self {
+            uid: default_runner_id(),
+            gid: default_runner_id(),
+        }
     }
 }
 fn default_runner_id() -> i64 {
@@ -361,7 +377,10 @@ const HOST_PATH_RULE: &str = "self.matches('^(/[A-Za-z0-9._-]+)+$') && !self.con
 
 impl Default for HostPaths {
     fn default() -> Self {
-        Self { session_volume: default_session_volume(), runtime_dir: default_runtime_dir() }
+        Self {
+            session_volume: default_session_volume(),
+            runtime_dir: default_runtime_dir(),
+        }
     }
 }
 fn default_session_volume() -> String {
@@ -394,7 +413,11 @@ pub struct PriorityClassRef {
 
 impl Default for PriorityClassRef {
     fn default() -> Self {
-        Self { name: default_priority_class(), create: true, value: default_priority_value() }
+        Self {
+            name: default_priority_class(),
+            create: true,
+            value: default_priority_value(),
+        }
     }
 }
 fn default_priority_class() -> String {
@@ -516,7 +539,11 @@ pub struct ReadinessProbe {
 
 impl Default for ReadinessProbe {
     fn default() -> Self {
-        Self { path: default_readyz(), period_seconds: 10, failure_threshold: 3 }
+        Self {
+            path: default_readyz(),
+            period_seconds: 10,
+            failure_threshold: 3,
+        }
     }
 }
 fn default_readyz() -> String {
@@ -568,7 +595,10 @@ pub struct Preflight {
 
 impl Default for Preflight {
     fn default() -> Self {
-        Self { image: None, require_project_quota: true }
+        Self {
+            image: None,
+            require_project_quota: true,
+        }
     }
 }
 
