@@ -1,1 +1,19 @@
-//! PodMotion operator library.
+//! The PodMotion operator as a library: pure reconcile cores (`runner_pool`,
+//! `attachment`, `migration`), the thin controllers that feed them observed state and
+//! apply what they return (`controllers`), and the runtime every controller shares
+//! (`context`, `children`, `events`, `leader`, `metrics`, `server`).
+//!
+//! The pure cores take plain structs and return desired objects and status; they never
+//! touch the network. Everything that talks to the API server lives in `controllers`
+//! and the runtime modules, and is proven against the real control plane in `e2e/`.
+#![forbid(unsafe_code)]
+
+pub mod children;
+pub mod config;
+pub mod context;
+pub mod controllers;
+pub mod events;
+pub mod leader;
+pub mod metrics;
+pub mod migration;
+pub mod server;

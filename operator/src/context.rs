@@ -1,0 +1,101 @@
+//! What every controller is handed: the client, settings, metrics, the event
+//! recorder, leadership, readiness and the shutdown signal.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use kube::Client;
+use kube::runtime::events::{Recorder, Reporter};
+use tokio::sync::watch;
+
+use crate::config::OperatorConfig;
+use crate::leader::{Leadership, NotLeader};
+use crate::metrics::Metrics;
+
+/// Shared state of the running operator.
+pub struct Context {
+    pub client: Client,
+    pub config: OperatorConfig,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    pub leader: Leadership,
+    pub readiness: Readiness,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Context {
+    pub fn new(
+        client: Client,
+        config: OperatorConfig,
+        leader: Leadership,
+        metrics: Arc<Metrics>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: "podmotion-operator".into(),
+            instance: Some(config.identity.clone()),
+        };
+        Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            config,
+            metrics,
+            leader,
+            readiness: Readiness::default(),
+            shutdown,
+        }
+    }
+
+    /// `Ok` only while this replica holds a current lease. Every write path calls it
+    /// (the helpers in [`crate::children`] and [`crate::events`] already do).
+    pub fn ensure_leader(&self) -> Result<(), NotLeader> {
+        self.leader.ensure()
+    }
+
+    /// Resolves when the operator is asked to stop (SIGTERM, SIGINT). Pass it to
+    /// `Controller::graceful_shutdown_on`.
+    pub fn shutdown(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.shutdown.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    }
+}
+
+/// `/readyz`: ready once every registered controller has synced its caches.
+#[derive(Default)]
+pub struct Readiness {
+    parts: Mutex<BTreeMap<&'static str, bool>>,
+}
+
+impl Readiness {
+    /// Registers a part that is not ready yet.
+    pub fn register(&self, name: &'static str) {
+        self.parts.lock().expect("readiness lock").entry(name).or_insert(false);
+    }
+    /// Marks a registered part ready.
+    pub fn set_ready(&self, name: &'static str) {
+        self.parts.lock().expect("readiness lock").insert(name, true);
+    }
+    /// Names of the parts not ready yet; empty means ready.
+    pub fn pending(&self) -> Vec<&'static str> {
+        let parts = self.parts.lock().expect("readiness lock");
+        parts.iter().filter(|(_, ready)| !**ready).map(|(n, _)| *n).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_waits_for_every_registered_part() {
+        let r = Readiness::default();
+        r.register("a");
+        r.register("b");
+        r.set_ready("a");
+        assert_eq!(r.pending(), vec!["b"]);
+        r.set_ready("b");
+        assert!(r.pending().is_empty());
+    }
+}
