@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the tests and the demo need that is not part of the machine
+# image, each step idempotent (a warm machine does nothing here):
+#   - rustfmt and clippy for the toolchain
+#   - the executors' kernel-side dependencies (CRIU from a private prefix, nftables,
+#     containerd, ...), through their own scripts
+# The control-plane binaries are built by hack/cluster.sh (hack/build-k8s.sh).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+if command -v rustup >/dev/null; then
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+fi
+
+for script in install-criu.sh install-attach-deps.sh install-tools.sh; do
+  if [[ -x $here/$script || -f $here/$script ]]; then
+    echo "== hack/$script"
+    bash "$here/$script"
+  fi
+done
