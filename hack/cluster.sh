@@ -161,14 +161,16 @@ sign() { # name subject extensions...
   gen_key "$PKI/$name.key"
   openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr" 2>/dev/null
   printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "$@" >"$PKI/$name.ext"
-  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
+  local ca=${CA:-ca}
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/$ca.crt" -CAkey "$PKI/$ca.key" \
     -set_serial "0x$(openssl rand -hex 16)" -days 3650 -extfile "$PKI/$name.ext" \
     -out "$PKI/$name.crt" 2>/dev/null
   rm -f "$PKI/$name.csr" "$PKI/$name.ext"
 }
 
+PKI_LAYOUT=2 # bump when gen_pki changes, so existing run directories regenerate
 gen_pki() {
-  [[ -f $PKI/.complete ]] && return 0
+  [[ $(cat "$PKI/.complete" 2>/dev/null) == "$PKI_LAYOUT" ]] && return 0
   rm -rf "$PKI"
   mkdir -p "$PKI"
   gen_key "$PKI/ca.key"
@@ -182,11 +184,20 @@ gen_pki() {
   sign kube-controller-manager "/CN=system:kube-controller-manager" "extendedKeyUsage=clientAuth"
   sign kube-scheduler "/CN=system:kube-scheduler" "extendedKeyUsage=clientAuth"
   sign kwok "/CN=podmotion:kwok" "extendedKeyUsage=clientAuth"
+  # Aggregation layer (front proxy): its own CA and the apiserver's proxy client cert.
+  # Without it, controller-manager and scheduler log errors about the missing
+  # requestheader CA in kube-system/extension-apiserver-authentication.
+  gen_key "$PKI/front-proxy-ca.key"
+  openssl req -x509 -new -key "$PKI/front-proxy-ca.key" -subj "/CN=podmotion-front-proxy-ca" -days 3650 \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+    -out "$PKI/front-proxy-ca.crt" 2>/dev/null
+  CA=front-proxy-ca sign front-proxy-client "/CN=front-proxy-client" "extendedKeyUsage=clientAuth"
   # Service-account token signing key pair.
   gen_key "$PKI/sa.key"
   openssl ec -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
   chmod 600 "$PKI"/*.key
-  touch "$PKI/.complete"
+  echo "$PKI_LAYOUT" >"$PKI/.complete"
 }
 
 write_kubeconfig() { # file user
@@ -343,6 +354,13 @@ cmd_up() {
     --service-account-key-file="$PKI/sa.pub" \
     --service-account-signing-key-file="$PKI/sa.key" \
     --endpoint-reconciler-type=none \
+    --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" \
+    --requestheader-allowed-names=front-proxy-client \
+    --requestheader-username-headers=X-Remote-User \
+    --requestheader-group-headers=X-Remote-Group \
+    --requestheader-extra-headers-prefix=X-Remote-Extra- \
+    --proxy-client-cert-file="$PKI/front-proxy-client.crt" \
+    --proxy-client-key-file="$PKI/front-proxy-client.key" \
     --profiling=false
   wait_healthy kube-apiserver
 
