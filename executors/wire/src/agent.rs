@@ -1,0 +1,237 @@
+//! Messages of `podmotion.agent.v1.MigrationAgent`. Field numbers are the wire
+//! contract: never renumber, only add.
+//!
+//! The operator drives each agent step by step; every call names the migration by its
+//! UID and is idempotent: repeating a step that already happened returns the current
+//! [`MigrationStatus`] instead of doing it twice.
+
+/// Which side of a migration an agent plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum Role {
+    Unspecified = 0,
+    Source = 1,
+    Target = 2,
+}
+
+/// What to do with established TCP connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum TcpPreservation {
+    /// Preserve when the pod address moved to the target; otherwise close cleanly.
+    BestEffort = 0,
+    /// Preserve, or fail the restore (the source then resumes).
+    Strict = 1,
+    /// Close every established connection cleanly (the peer sees FIN).
+    None = 2,
+}
+
+/// Step of one migration on one agent. Never runs backwards except to `Prepared` after
+/// a failed dump (the source was resumed by CRIU) or to `Aborted`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum Phase {
+    Unknown = 0,
+    Prepared = 1,
+    PreDumping = 2,
+    /// Final dump done; the source tree is stopped and its network locked.
+    Dumped = 3,
+    Sent = 4,
+    Receiving = 5,
+    Received = 6,
+    Restored = 7,
+    Committed = 8,
+    Aborted = 9,
+    CleanedUp = 10,
+}
+
+/// Outcome of one socket of the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum SocketOutcome {
+    Pending = 0,
+    /// A listener, bound again on the target.
+    ListenerRestored = 1,
+    /// Established connection restored with its sequence numbers (address moved).
+    Preserved = 2,
+    /// Established connection closed cleanly (FIN), the address did not move.
+    ClosedCleanly = 3,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct MigrationRef {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+}
+
+impl MigrationRef {
+    pub fn new(uid: impl Into<String>) -> Self {
+        Self {
+            migration_uid: uid.into(),
+        }
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PrepareRequest {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+    #[prost(enumeration = "Role", tag = "2")]
+    pub role: i32,
+    /// Source: the root of the workload's process tree. Target: the pid of the target
+    /// pod's holder (its namespaces and cgroup receive the restored tree).
+    #[prost(int32, tag = "3")]
+    pub pid: i32,
+    /// Start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22);
+    /// 0 lets the agent read it now.
+    #[prost(uint64, tag = "4")]
+    pub pid_start_time: u64,
+    /// The per-migration transfer key (32 bytes), from the migration's Secret.
+    #[prost(bytes = "vec", tag = "5")]
+    pub transfer_key: Vec<u8>,
+    #[prost(enumeration = "TcpPreservation", tag = "6")]
+    pub tcp: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SendRequest {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+    /// `https://host:port` of the target agent.
+    #[prost(string, tag = "2")]
+    pub target_endpoint: String,
+    /// TLS server name the target agent's certificate must carry.
+    #[prost(string, tag = "3")]
+    pub target_server_name: String,
+    /// Bytes per second, 0 = unlimited.
+    #[prost(uint64, tag = "4")]
+    pub bandwidth_limit: u64,
+}
+
+/// One sealed piece of a checkpoint image file, agent to agent.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ImageChunk {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+    /// Strictly increasing from 0 over the whole stream (it is the AEAD nonce).
+    #[prost(uint64, tag = "2")]
+    pub seq: u64,
+    /// Relative path inside the checkpoint dir (`<dir>/<file>`, `[A-Za-z0-9._-]`).
+    #[prost(string, tag = "3")]
+    pub path: String,
+    #[prost(uint64, tag = "4")]
+    pub offset: u64,
+    #[prost(bytes = "vec", tag = "5")]
+    pub sealed: Vec<u8>,
+    /// Last chunk of the stream: `path` is empty and `sealed` authenticates the count.
+    #[prost(bool, tag = "6")]
+    pub end: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ReceiveSummary {
+    #[prost(uint64, tag = "1")]
+    pub files: u64,
+    #[prost(uint64, tag = "2")]
+    pub bytes: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SocketReport {
+    #[prost(string, tag = "1")]
+    pub local: String,
+    #[prost(string, tag = "2")]
+    pub remote: String,
+    #[prost(bool, tag = "3")]
+    pub listening: bool,
+    #[prost(enumeration = "SocketOutcome", tag = "4")]
+    pub outcome: i32,
+}
+
+/// Wall-clock instants in microseconds since the Unix epoch; 0 = not yet.
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Timings {
+    #[prost(uint64, tag = "1")]
+    pub freeze_started_us: u64,
+    #[prost(uint64, tag = "2")]
+    pub dump_finished_us: u64,
+    #[prost(uint64, tag = "3")]
+    pub send_finished_us: u64,
+    #[prost(uint64, tag = "4")]
+    pub restore_started_us: u64,
+    /// The restored tree runs on the target (or, after an abort, the source resumed).
+    #[prost(uint64, tag = "5")]
+    pub resumed_us: u64,
+    #[prost(uint64, tag = "6")]
+    pub last_pre_dump_us: u64,
+    #[prost(uint64, tag = "7")]
+    pub pre_dump_total_us: u64,
+    #[prost(uint64, tag = "8")]
+    pub dump_us: u64,
+    #[prost(uint64, tag = "9")]
+    pub send_us: u64,
+    #[prost(uint64, tag = "10")]
+    pub restore_us: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct MigrationStatus {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+    #[prost(enumeration = "Role", tag = "2")]
+    pub role: i32,
+    #[prost(enumeration = "Phase", tag = "3")]
+    pub phase: i32,
+    /// Pre-dump rounds done.
+    #[prost(uint32, tag = "4")]
+    pub iteration: u32,
+    /// Bytes written by the last pre-dump round (a dirty-rate estimate).
+    #[prost(uint64, tag = "5")]
+    pub last_round_bytes: u64,
+    /// Total image bytes on this node.
+    #[prost(uint64, tag = "6")]
+    pub image_bytes: u64,
+    #[prost(uint64, tag = "7")]
+    pub bytes_sent: u64,
+    #[prost(uint64, tag = "8")]
+    pub bytes_received: u64,
+    #[prost(message, optional, tag = "9")]
+    pub timings: Option<Timings>,
+    #[prost(message, repeated, tag = "10")]
+    pub sockets: Vec<SocketReport>,
+    /// Target: pid of the restored root.
+    #[prost(int32, tag = "11")]
+    pub restored_pid: i32,
+    /// Bytes of the final dump (what the freeze had to write).
+    #[prost(uint64, tag = "12")]
+    pub final_dump_bytes: u64,
+}
+
+impl MigrationStatus {
+    pub fn timings(&self) -> Timings {
+        self.timings.unwrap_or_default()
+    }
+    pub fn count(&self, outcome: SocketOutcome) -> usize {
+        self.sockets
+            .iter()
+            .filter(|s| s.outcome == outcome as i32)
+            .count()
+    }
+}
+
+/// Checkpoint manifest sent with the images (`manifest.json` in the checkpoint dir):
+/// what the target needs to decide per-socket outcomes before restoring.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    /// Directory of the final dump; pre-dump dirs are its parents.
+    pub final_dir: String,
+    pub sockets: Vec<ManifestSocket>,
+    pub tcp: i32,
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ManifestSocket {
+    pub local: String,
+    pub remote: String,
+    pub listening: bool,
+}
