@@ -1,4 +1,216 @@
-//! Node-agent executor: enters a target pod's namespaces from outside
+//! Node-agent executor: enters a target pod's namespaces from outside.
 #![forbid(unsafe_code)]
 
-fn main() {}
+use clap::Parser;
+use podmotion_attach::agent::{self, Config};
+use podmotion_attach::environ::EnvFilter;
+use podmotion_attach::nft::{DEFAULT_TABLE, Redirect};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "podmotion-attach",
+    about = "Attach a node-hosted agent to a running pod from outside"
+)]
+struct Cli {
+    #[command(flatten)]
+    target: TargetArgs,
+    #[command(flatten)]
+    net: NetArgs,
+    #[command(flatten)]
+    files: FileArgs,
+    /// Where the control API listens, in the Job pod's own network namespace.
+    #[arg(long, env = "PODMOTION_ATTACH_LISTEN", default_value = "0.0.0.0:8400")]
+    listen: SocketAddr,
+    /// Where to write the termination message on a fatal error.
+    #[arg(
+        long,
+        env = "PODMOTION_TERMINATION_LOG",
+        default_value = "/dev/termination-log"
+    )]
+    termination_log: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+struct TargetArgs {
+    /// CRI container IDs of the target pod (kubelet form accepted); the first is the primary.
+    #[arg(
+        long = "container-id",
+        env = "PODMOTION_CONTAINER_IDS",
+        value_delimiter = ',',
+        required_unless_present = "pid"
+    )]
+    container_ids: Vec<String>,
+    /// Target host PID, bypassing CRI resolution.
+    #[arg(long, env = "PODMOTION_TARGET_PID")]
+    pid: Option<u32>,
+    /// The container-runtime socket; when absent, well-known sockets under --host-run are probed.
+    #[arg(long, env = "PODMOTION_CRI_SOCKET")]
+    cri_socket: Option<PathBuf>,
+    /// The node's /run as mounted into the Job pod.
+    #[arg(long, env = "PODMOTION_HOST_RUN", default_value = "/run")]
+    host_run: PathBuf,
+    /// The host's /proc (the Job runs with hostPID).
+    #[arg(long, env = "PODMOTION_PROC", default_value = "/proc")]
+    proc_root: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+struct NetArgs {
+    /// The agent GID (the Job's runAsGroup): the redirect exempts sockets owned by it.
+    #[arg(long, env = "PODMOTION_AGENT_GID")]
+    agent_gid: u32,
+    /// Intercepted port and its forwarder port, APP:AGENT (repeatable).
+    #[arg(long = "port", env = "PODMOTION_PORTS", value_delimiter = ',', value_parser = parse_redirect)]
+    ports: Vec<Redirect>,
+    /// Name of the agent's nftables table (inet family) in the target namespace.
+    #[arg(long, env = "PODMOTION_TABLE", default_value = DEFAULT_TABLE)]
+    table: String,
+    /// How long to wait for a predecessor agent to release the table and ports.
+    #[arg(long, env = "PODMOTION_CLAIM_TIMEOUT_SECS", default_value_t = 30)]
+    claim_timeout_secs: u64,
+    /// How long an intercepted connection waits for a client stream.
+    #[arg(long, env = "PODMOTION_INTERCEPT_WAIT_SECS", default_value_t = 10)]
+    intercept_wait_secs: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct FileArgs {
+    /// Directory the export symlinks are created in.
+    #[arg(
+        long,
+        env = "PODMOTION_EXPORTS_DIR",
+        default_value = "/var/run/podmotion/exports"
+    )]
+    exports_dir: PathBuf,
+    /// Container paths to export (repeatable); `/` exports the whole root.
+    #[arg(
+        long = "export",
+        env = "PODMOTION_EXPORTS",
+        value_delimiter = ',',
+        default_value = "/"
+    )]
+    exports: Vec<String>,
+    /// Prefix added to every environment name.
+    #[arg(long, env = "PODMOTION_ENV_PREFIX", default_value = "")]
+    env_prefix: String,
+    /// Environment names to drop (`NAME` or `PREFIX*`), repeatable.
+    #[arg(
+        long = "env-exclude",
+        env = "PODMOTION_ENV_EXCLUDE",
+        value_delimiter = ','
+    )]
+    env_exclude: Vec<String>,
+}
+
+fn parse_redirect(s: &str) -> Result<Redirect, String> {
+    let (a, b) = s.split_once(':').ok_or("expected APP:AGENT")?;
+    let port = a.parse().map_err(|e| format!("app port: {e}"))?;
+    let to = b.parse().map_err(|e| format!("agent port: {e}"))?;
+    if port == 0 || to == 0 || port == to {
+        return Err("ports must be non-zero and distinct".into());
+    }
+    Ok(Redirect { port, to })
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(run(&cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err((reason, msg)) => {
+            tracing::error!(reason, "{msg}");
+            let _ = std::fs::write(&cli.termination_log, format!("{reason}: {msg}\n"));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
+    let cfg = Config {
+        container_ids: cli.target.container_ids.clone(),
+        pid: cli.target.pid,
+        cri_socket: cli.target.cri_socket.clone(),
+        host_run: cli.target.host_run.clone(),
+        proc_root: cli.target.proc_root.clone(),
+        agent_gid: cli.net.agent_gid,
+        redirects: cli.net.ports.clone(),
+        table: cli.net.table.clone(),
+        exports_dir: cli.files.exports_dir.clone(),
+        export_paths: cli.files.exports.clone(),
+        env_filter: EnvFilter {
+            prefix: cli.files.env_prefix.clone(),
+            exclude: cli.files.env_exclude.clone(),
+        },
+        listen: cli.listen,
+        claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
+        intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
+    };
+    // Signals are hooked before attaching so a SIGTERM during attach still cleans up.
+    let mut term = signal(SignalKind::terminate()).map_err(|e| ("Signal", e.to_string()))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| ("Signal", e.to_string()))?;
+    let running = tokio::select! {
+        r = agent::attach(&cfg) => r.map_err(|e| (e.category(), e.to_string()))?,
+        _ = term.recv() => return Ok(()),
+        _ = int.recv() => return Ok(()),
+    };
+    tracing::info!(control = %running.control_addr, pid = running.attached.containers[0].pid, "attached");
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let target_gone = loop {
+        tokio::select! {
+            _ = term.recv() => break false,
+            _ = int.recv() => break false,
+            _ = tick.tick() => if !running.target_alive() { break true },
+        }
+    };
+    let r = tokio::task::spawn_blocking(move || running.shutdown())
+        .await
+        .expect("shutdown task");
+    r.map_err(|e| (e.category(), e.to_string()))?;
+    tracing::info!("ruleset removed; exiting");
+    if target_gone {
+        return Err((
+            "TargetGone",
+            "the target process exited; this Job is for a container that no longer runs".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn redirect_parsing_rejects_equal_or_zero_ports() {
+        assert_eq!(
+            parse_redirect("8080:15001").unwrap(),
+            Redirect {
+                port: 8080,
+                to: 15001
+            }
+        );
+        assert!(parse_redirect("8080:8080").is_err());
+        assert!(parse_redirect("0:1").is_err());
+        assert!(parse_redirect("8080").is_err());
+    }
+}

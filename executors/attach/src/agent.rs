@@ -1,0 +1,380 @@
+//! The attach sequence and the agent's lifetime: resolve the target, refuse what we
+//! cannot attach to safely, read env and exports, bind the forwarders and program
+//! the ruleset inside the target namespace, serve the control API, and tear the
+//! ruleset down on every way out.
+
+use crate::cri::{self, CriClient};
+use crate::environ::{self, EnvEntry, EnvFilter};
+use crate::exports::{self, Export, Mount};
+use crate::forward::{self, ModeError, Port};
+use crate::netns::{self, NetnsExecutor};
+use crate::nft::{NftError, NftSession, Redirect, Ruleset};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// CRI container IDs (kubelet form `containerd://…` accepted); the first one is
+    /// the primary container whose namespaces are entered.
+    pub container_ids: Vec<String>,
+    /// Target PID given directly instead of resolving container IDs.
+    pub pid: Option<u32>,
+    pub cri_socket: Option<PathBuf>,
+    pub host_run: PathBuf,
+    pub proc_root: PathBuf,
+    pub agent_gid: u32,
+    pub redirects: Vec<Redirect>,
+    pub table: String,
+    pub exports_dir: PathBuf,
+    pub export_paths: Vec<String>,
+    pub env_filter: EnvFilter,
+    pub listen: SocketAddr,
+    pub claim_timeout: Duration,
+    pub intercept_wait: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error(transparent)]
+    Cri(#[from] cri::CriError),
+    #[error(
+        "target pid {pid} runs in its own user namespace (hostUsers: false): the agent's GID owner match (meta skgid) cannot identify its sockets there, and the packet-mark discriminator is not implemented; node-agent attachment to user-namespaced pods is not supported"
+    )]
+    UserNamespaced { pid: u32 },
+    #[error(
+        "the agent runs with effective GID {actual}, not the configured agent GID {expected}: its own sockets would be redirected back into itself (set the Job's runAsGroup)"
+    )]
+    WrongGid { expected: u32, actual: u32 },
+    #[error("containers {0} and {1} are not in the same network namespace")]
+    SplitPod(String, String),
+    #[error("reading target {what}: {source}")]
+    Proc {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Export(#[from] exports::ExportError),
+    #[error(transparent)]
+    Netns(#[from] netns::NetnsError),
+    #[error("binding forwarder port {port} in the target namespace: {source}")]
+    Bind { port: u16, source: std::io::Error },
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error("binding the control API on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("no container IDs and no pid given")]
+    NoTarget,
+}
+
+impl AttachError {
+    /// Bounded reason, used as termination-message reason and log field.
+    pub fn category(&self) -> &'static str {
+        match self {
+            AttachError::Cri(e) => e.category(),
+            AttachError::UserNamespaced { .. } => "UserNamespacedTarget",
+            AttachError::WrongGid { .. } => "WrongAgentGid",
+            AttachError::SplitPod(..) => "SplitPod",
+            AttachError::Proc { .. } => "TargetProcUnreadable",
+            AttachError::Export(_) => "ExportFailed",
+            AttachError::Netns(_) => "NetnsFailed",
+            AttachError::Bind { .. } => "ForwarderBindFailed",
+            AttachError::Nft(e) => e.category(),
+            AttachError::Listen { .. } => "ControlListenFailed",
+            AttachError::NoTarget => "NoTarget",
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Container {
+    pub id: String,
+    pub pid: u32,
+    pub env: Vec<EnvEntry>,
+}
+
+/// Everything the control API serves.
+pub struct Attached {
+    pub containers: Vec<Container>,
+    pub exports_dir: PathBuf,
+    pub exports: Vec<Export>,
+    pub mounts: Vec<Mount>,
+    pub ports: Vec<Arc<Port>>,
+    pub ruleset: Ruleset,
+    pub cri_socket: Option<PathBuf>,
+}
+
+impl Attached {
+    pub fn health(&self) -> serde_json::Value {
+        serde_json::json!({
+            "status": "ok",
+            "pid": self.containers[0].pid,
+            "containers": self.containers.iter().map(|c| serde_json::json!({"id": c.id, "pid": c.pid})).collect::<Vec<_>>(),
+            "cri_socket": self.cri_socket,
+            "table": self.ruleset.table,
+            "agent_gid": self.ruleset.agent_gid,
+            "ports": self.ports.iter().map(|p| serde_json::json!({
+                "port": p.app_port,
+                "agent_port": p.agent_port,
+                "intercepted": p.intercepted(),
+                "wiretaps": p.wiretaps(),
+                "tap_drops": p.tap_drops.load(std::sync::atomic::Ordering::Relaxed),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn env(&self, container: Option<&str>) -> Option<&[EnvEntry]> {
+        match container {
+            None => self.containers.first().map(|c| c.env.as_slice()),
+            Some(id) => self
+                .containers
+                .iter()
+                .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id)
+                .map(|c| c.env.as_slice()),
+        }
+    }
+
+    pub fn exports(&self) -> serde_json::Value {
+        serde_json::json!({ "dir": self.exports_dir, "exports": self.exports, "mounts": self.mounts })
+    }
+
+    pub fn port(&self, s: &str) -> Result<Arc<Port>, ModeError> {
+        let n: u16 = s.parse().map_err(|_| ModeError::UnknownPort(0))?;
+        self.ports
+            .iter()
+            .find(|p| p.app_port == n)
+            .cloned()
+            .ok_or(ModeError::UnknownPort(n))
+    }
+}
+
+/// Resolves container IDs to PIDs over one CRI connection.
+async fn resolve(cfg: &Config) -> Result<(Vec<(String, u32)>, Option<PathBuf>), AttachError> {
+    if let Some(pid) = cfg.pid {
+        return Ok((vec![(format!("pid://{pid}"), pid)], None));
+    }
+    let first = cfg.container_ids.first().ok_or(AttachError::NoTarget)?;
+    let client = match &cfg.cri_socket {
+        Some(path) => CriClient::connect(path).await?,
+        None => cri::discover(&cfg.host_run, first).await?,
+    };
+    let mut out = Vec::new();
+    for id in &cfg.container_ids {
+        out.push((id.clone(), client.container_pid(id).await?));
+    }
+    Ok((out, Some(client.socket().to_owned())))
+}
+
+fn proc_err(what: String) -> impl FnOnce(std::io::Error) -> AttachError {
+    move |source| AttachError::Proc { what, source }
+}
+
+/// Retries `f` until it succeeds, fails with a non-retryable error, or the claim
+/// timeout passes. Used while a predecessor agent still holds the table or ports.
+async fn claim<T, E: std::fmt::Display, F, Fut>(
+    timeout: Duration,
+    what: &str,
+    retryable: impl Fn(&E) -> bool,
+    mut f: F,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut logged = false;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if retryable(&e) && tokio::time::Instant::now() < deadline => {
+                if !logged {
+                    tracing::warn!(error = %e, "{what}: waiting for the previous agent to let go");
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A running attachment. Dropping it closes the netlink socket, which removes the
+/// table; [`Running::shutdown`] deletes it explicitly first.
+pub struct Running {
+    pub attached: Arc<Attached>,
+    pub control_addr: SocketAddr,
+    nft: Arc<NftSession>,
+    netns: Arc<NetnsExecutor>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    pid: u32,
+    pid_start: Option<String>,
+    proc_root: PathBuf,
+}
+
+fn start_time(proc_root: &Path, pid: u32) -> Option<String> {
+    // Field 22 of stat, after the parenthesised comm (which may contain spaces).
+    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split(' ').nth(19).map(str::to_owned)
+}
+
+pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
+    let egid = nix::unistd::getegid().as_raw();
+    if egid != cfg.agent_gid {
+        return Err(AttachError::WrongGid {
+            expected: cfg.agent_gid,
+            actual: egid,
+        });
+    }
+    let (targets, cri_socket) = resolve(cfg).await?;
+    let proc = cfg.proc_root.as_path();
+    let pid = targets[0].1;
+    let ns_path = |pid: u32, kind: &str| proc.join(pid.to_string()).join("ns").join(kind);
+
+    let own_user = netns::ns_inode(&proc.join("self/ns/user"))
+        .map_err(proc_err("own user namespace".into()))?;
+    let primary_net = netns::ns_inode(&ns_path(pid, "net"))
+        .map_err(proc_err(format!("pid {pid} net namespace")))?;
+    let mut containers = Vec::new();
+    for (id, cpid) in &targets {
+        let user = netns::ns_inode(&ns_path(*cpid, "user"))
+            .map_err(proc_err(format!("pid {cpid} user namespace")))?;
+        if user != own_user {
+            return Err(AttachError::UserNamespaced { pid: *cpid });
+        }
+        let net = netns::ns_inode(&ns_path(*cpid, "net"))
+            .map_err(proc_err(format!("pid {cpid} net namespace")))?;
+        if net != primary_net {
+            return Err(AttachError::SplitPod(targets[0].0.clone(), id.clone()));
+        }
+        let env =
+            environ::read_environ(proc, *cpid).map_err(proc_err(format!("pid {cpid} environ")))?;
+        containers.push(Container {
+            id: id.clone(),
+            pid: *cpid,
+            env: cfg.env_filter.apply(env),
+        });
+    }
+    let exports = exports::populate(&cfg.exports_dir, proc, pid, &cfg.export_paths)?;
+    let mounts =
+        exports::read_mounts(proc, pid).map_err(proc_err(format!("pid {pid} mountinfo")))?;
+
+    let netns = Arc::new(NetnsExecutor::open(&ns_path(pid, "net"))?);
+
+    // Forwarders first, then the ruleset: a redirect never points at a port nobody
+    // listens on. A predecessor may still hold the ports for a moment.
+    let mut ports = Vec::new();
+    let mut listeners = Vec::new();
+    for r in &cfg.redirects {
+        let ls = claim(
+            cfg.claim_timeout,
+            "binding forwarder",
+            |e: &std::io::Error| e.kind() == std::io::ErrorKind::AddrInUse,
+            || forward::bind(&netns, r.to),
+        )
+        .await
+        .map_err(|source| AttachError::Bind { port: r.to, source })?;
+        let port = Arc::new(Port::new(r.port, r.to));
+        for l in ls {
+            listeners.push((port.clone(), l));
+        }
+        ports.push(port);
+    }
+
+    let nft = Arc::new(
+        netns
+            .run(|| NftSession::open_here().map_err(|e| std::io::Error::other(e.to_string())))
+            .await?,
+    );
+    let ruleset = Ruleset {
+        table: cfg.table.clone(),
+        agent_gid: cfg.agent_gid,
+        redirects: cfg.redirects.clone(),
+    };
+    {
+        let nft = nft.clone();
+        let rs = ruleset.clone();
+        claim(
+            cfg.claim_timeout,
+            "programming the ruleset",
+            |e: &NftError| matches!(e, NftError::HeldByOther { .. }),
+            move || {
+                let nft = nft.clone();
+                let rs = rs.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || nft.apply(&rs))
+                        .await
+                        .expect("apply task")
+                }
+            },
+        )
+        .await?;
+    }
+    tracing::info!(pid, table = %ruleset.table, "ruleset applied in the target network namespace");
+
+    let attached = Arc::new(Attached {
+        containers,
+        exports_dir: cfg.exports_dir.clone(),
+        exports,
+        mounts,
+        ports,
+        ruleset,
+        cri_socket,
+    });
+    let mut tasks = Vec::new();
+    for (port, l) in listeners {
+        tasks.push(tokio::spawn(forward::serve(
+            port,
+            l,
+            netns.clone(),
+            cfg.intercept_wait,
+        )));
+    }
+    let control = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| AttachError::Listen {
+            addr: cfg.listen,
+            source,
+        })?;
+    let control_addr = control.local_addr().map_err(|source| AttachError::Listen {
+        addr: cfg.listen,
+        source,
+    })?;
+    tasks.push(tokio::spawn(crate::api::serve(control, attached.clone())));
+    Ok(Running {
+        attached,
+        control_addr,
+        nft,
+        netns,
+        tasks,
+        pid,
+        pid_start: start_time(proc, pid),
+        proc_root: cfg.proc_root.clone(),
+    })
+}
+
+impl Running {
+    /// True while the target process is the one we attached to (PID-reuse safe).
+    pub fn target_alive(&self) -> bool {
+        self.pid_start.is_some() && start_time(&self.proc_root, self.pid) == self.pid_start
+    }
+
+    /// Re-applies the ruleset (idempotent).
+    pub fn reapply(&self) -> Result<(), NftError> {
+        self.nft.apply(&self.attached.ruleset)
+    }
+
+    /// Orderly exit: stop serving, delete the table atomically.
+    pub fn shutdown(self) -> Result<(), NftError> {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let r = self.nft.delete(&self.attached.ruleset.table);
+        drop(self.netns);
+        r
+    }
+}

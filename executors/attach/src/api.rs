@@ -1,0 +1,227 @@
+//! Control API, served in the Job pod's own network namespace (what a client reaches
+//! with `kubectl port-forward` to the Job's pod). HTTP/1.1 with JSON bodies; client
+//! streams are HTTP upgrades (`Upgrade: podmotion-stream`) so one port serves
+//! everything.
+//!
+//! | method + path | |
+//! |---|---|
+//! | `GET /healthz` | liveness + what is attached |
+//! | `GET /v1/env[?container=<id>]` | ordered environment (duplicates kept) |
+//! | `GET /v1/exports` | exports dir, symlinks, target mounts |
+//! | `POST /v1/intercepts/<port>` · `DELETE …` | start / stop an intercept |
+//! | `GET /v1/intercepts/<port>/accept` (upgrade) | take one intercepted connection: a JSON line `{"peer","original_dst"}` then the raw bytes both ways; the client must not write before that line |
+//! | `POST /v1/wiretaps/<port>` → `{"id"}` · `DELETE /v1/wiretaps/<port>/<id>` | start / stop a wiretap |
+//! | `GET /v1/wiretaps/<port>/<id>/stream` (upgrade) | the tap's frames, `[kind u8][conn u32 BE][len u32 BE][payload]`, kinds open(0, JSON meta) / to-app(1) / from-app(2) / close(3) |
+
+use crate::agent::Attached;
+use crate::forward::ModeError;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+pub const UPGRADE_PROTO: &str = "podmotion-stream";
+
+pub async fn serve(listener: TcpListener, state: Arc<Attached>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, std::convert::Infallible>(route(state, req).await) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .with_upgrades()
+                .await
+            {
+                tracing::debug!(error = %e, "control connection ended");
+            }
+        });
+    }
+}
+
+fn json(status: StatusCode, v: serde_json::Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(v.to_string())))
+        .expect("static response")
+}
+
+fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Full<Bytes>> {
+    json(status, serde_json::json!({ "error": msg.to_string() }))
+}
+
+fn mode_error(e: ModeError) -> Response<Full<Bytes>> {
+    let status = match e {
+        ModeError::UnknownPort(_) | ModeError::NoTap(..) => StatusCode::NOT_FOUND,
+        ModeError::AlreadyIntercepted(_) | ModeError::NotIntercepted(_) => StatusCode::CONFLICT,
+    };
+    error(status, e)
+}
+
+fn switching() -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(header::CONNECTION, "upgrade")
+        .header(header::UPGRADE, UPGRADE_PROTO)
+        .body(Full::new(Bytes::new()))
+        .expect("static response")
+}
+
+fn wants_upgrade(req: &Request<Incoming>) -> bool {
+    req.headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case(UPGRADE_PROTO))
+}
+
+async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_owned();
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let method = req.method().clone();
+    match (&method, segs.as_slice()) {
+        (&Method::GET, ["healthz"]) => json(StatusCode::OK, state.health()),
+        (&Method::GET, ["v1", "env"]) => {
+            let container = req
+                .uri()
+                .query()
+                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("container=")))
+                .map(str::to_owned);
+            match state.env(container.as_deref()) {
+                Some(env) => json(
+                    StatusCode::OK,
+                    serde_json::to_value(env).unwrap_or_default(),
+                ),
+                None => error(StatusCode::NOT_FOUND, "no such container"),
+            }
+        }
+        (&Method::GET, ["v1", "exports"]) => json(StatusCode::OK, state.exports()),
+        (m, ["v1", "intercepts", port]) if m == Method::POST || m == Method::DELETE => {
+            let port = match state.port(port) {
+                Ok(p) => p,
+                Err(e) => return mode_error(e),
+            };
+            if m == Method::POST {
+                match port.start_intercept() {
+                    Ok(id) => json(
+                        StatusCode::CREATED,
+                        serde_json::json!({ "id": id, "port": port.app_port }),
+                    ),
+                    Err(e) => mode_error(e),
+                }
+            } else {
+                match port.stop_intercept() {
+                    Ok(()) => json(
+                        StatusCode::OK,
+                        serde_json::json!({ "stopped": port.app_port }),
+                    ),
+                    Err(e) => mode_error(e),
+                }
+            }
+        }
+        (&Method::GET, ["v1", "intercepts", port, "accept"]) => {
+            if !wants_upgrade(&req) {
+                return error(
+                    StatusCode::UPGRADE_REQUIRED,
+                    format!("Upgrade: {UPGRADE_PROTO} required"),
+                );
+            }
+            let port = match state.port(port) {
+                Ok(p) => p,
+                Err(e) => return mode_error(e),
+            };
+            let rx = match port.add_waiter() {
+                Ok(rx) => rx,
+                Err(e) => return mode_error(e),
+            };
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = on_upgrade.await else {
+                    return;
+                };
+                let mut client = TokioIo::new(upgraded);
+                let mut probe = [0u8; 1];
+                let conn = tokio::select! {
+                    c = rx => c,
+                    // The client closed its stream before a connection came: drop
+                    // the waiter so no connection is handed to a dead stream.
+                    _ = client.read(&mut probe) => return,
+                };
+                let Ok(conn) = conn else { return }; // intercept stopped
+                let head = format!(
+                    "{}\n",
+                    serde_json::json!({ "peer": conn.peer.to_string(), "original_dst": conn.original_dst.to_string() })
+                );
+                if client.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut s = conn.stream;
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut s).await;
+            });
+            switching()
+        }
+        (&Method::POST, ["v1", "wiretaps", port]) => match state.port(port) {
+            Ok(p) => json(
+                StatusCode::CREATED,
+                serde_json::json!({ "id": p.start_wiretap(), "port": p.app_port }),
+            ),
+            Err(e) => mode_error(e),
+        },
+        (&Method::DELETE, ["v1", "wiretaps", port, id]) => {
+            let (port, id) = match (state.port(port), id.parse::<u64>()) {
+                (Ok(p), Ok(id)) => (p, id),
+                (Err(e), _) => return mode_error(e),
+                (_, Err(_)) => return error(StatusCode::BAD_REQUEST, "bad wiretap id"),
+            };
+            match port.stop_wiretap(id) {
+                Ok(()) => json(StatusCode::OK, serde_json::json!({ "stopped": id })),
+                Err(e) => mode_error(e),
+            }
+        }
+        (&Method::GET, ["v1", "wiretaps", port, id, "stream"]) => {
+            if !wants_upgrade(&req) {
+                return error(
+                    StatusCode::UPGRADE_REQUIRED,
+                    format!("Upgrade: {UPGRADE_PROTO} required"),
+                );
+            }
+            let (port, id) = match (state.port(port), id.parse::<u64>()) {
+                (Ok(p), Ok(id)) => (p, id),
+                (Err(e), _) => return mode_error(e),
+                (_, Err(_)) => return error(StatusCode::BAD_REQUEST, "bad wiretap id"),
+            };
+            let mut rx = match port.take_wiretap_stream(id) {
+                Ok(rx) => rx,
+                Err(e) => return mode_error(e),
+            };
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = on_upgrade.await else {
+                    return;
+                };
+                let mut client = TokioIo::new(upgraded);
+                while let Some(frame) = rx.recv().await {
+                    if client.write_all(&frame).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = client.shutdown().await;
+                let _ = port.stop_wiretap(id);
+            });
+            switching()
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            format!("no route for {method} {path}"),
+        ),
+    }
+}

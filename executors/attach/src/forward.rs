@@ -1,0 +1,378 @@
+//! Forwarders: the listeners the ruleset redirects intercepted ports to, and what
+//! they do with each connection.
+//!
+//! Each intercepted application port has one forwarder listening on its agent port
+//! inside the target namespace (IPv4 and, where the namespace has it, IPv6). A
+//! redirected connection is, depending on the port's current mode:
+//! - intercepted: handed to a client stream waiting on the control API;
+//! - otherwise passed through: dialed to its original destination from inside the
+//!   target namespace (the agent GID lets that dial bypass the redirect), optionally
+//!   copying both directions to every wiretap on the port.
+
+use crate::netns::NetnsExecutor;
+use bytes::Bytes;
+use std::collections::{HashMap, VecDeque};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+/// An intercepted connection on its way to a client stream.
+pub struct Delivered {
+    pub stream: TcpStream,
+    pub peer: SocketAddr,
+    pub original_dst: SocketAddr,
+}
+
+/// Wiretap frame kinds on the client stream: `[kind u8][conn u32][len u32][payload]`.
+pub const TAP_OPEN: u8 = 0;
+pub const TAP_TO_APP: u8 = 1;
+pub const TAP_FROM_APP: u8 = 2;
+pub const TAP_CLOSE: u8 = 3;
+
+pub fn tap_frame(kind: u8, conn: u32, payload: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(9 + payload.len());
+    v.push(kind);
+    v.extend_from_slice(&conn.to_be_bytes());
+    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    v.extend_from_slice(payload);
+    Bytes::from(v)
+}
+
+#[derive(Default)]
+struct PortMode {
+    intercept: Option<u64>,
+    waiters: VecDeque<oneshot::Sender<Delivered>>,
+    taps: HashMap<u64, mpsc::Sender<Bytes>>,
+    pending_tap_rx: HashMap<u64, mpsc::Receiver<Bytes>>,
+}
+
+pub struct Port {
+    pub app_port: u16,
+    pub agent_port: u16,
+    mode: Mutex<PortMode>,
+    waiter_added: Notify,
+    conn_ids: AtomicU32,
+    pub tap_drops: AtomicU64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModeError {
+    #[error("port {0} is not configured for this agent")]
+    UnknownPort(u16),
+    #[error("port {0} is already intercepted")]
+    AlreadyIntercepted(u16),
+    #[error("port {0} is not intercepted")]
+    NotIntercepted(u16),
+    #[error("wiretap {1} on port {0} not found or its stream is already attached")]
+    NoTap(u16, u64),
+}
+
+static IDS: AtomicU64 = AtomicU64::new(1);
+
+impl Port {
+    pub fn new(app_port: u16, agent_port: u16) -> Self {
+        Port {
+            app_port,
+            agent_port,
+            mode: Mutex::new(PortMode::default()),
+            waiter_added: Notify::new(),
+            conn_ids: AtomicU32::new(1),
+            tap_drops: AtomicU64::new(0),
+        }
+    }
+
+    fn mode(&self) -> std::sync::MutexGuard<'_, PortMode> {
+        self.mode.lock().expect("port mode lock")
+    }
+
+    pub fn start_intercept(&self) -> Result<u64, ModeError> {
+        let mut m = self.mode();
+        if m.intercept.is_some() {
+            return Err(ModeError::AlreadyIntercepted(self.app_port));
+        }
+        let id = IDS.fetch_add(1, Ordering::Relaxed);
+        m.intercept = Some(id);
+        Ok(id)
+    }
+
+    /// Stops the intercept; waiting client streams are dropped (closed). Connections
+    /// already handed over keep running.
+    pub fn stop_intercept(&self) -> Result<(), ModeError> {
+        let mut m = self.mode();
+        if m.intercept.take().is_none() {
+            return Err(ModeError::NotIntercepted(self.app_port));
+        }
+        m.waiters.clear();
+        Ok(())
+    }
+
+    pub fn intercepted(&self) -> bool {
+        self.mode().intercept.is_some()
+    }
+
+    /// A client stream ready to take one intercepted connection.
+    pub fn add_waiter(&self) -> Result<oneshot::Receiver<Delivered>, ModeError> {
+        let mut m = self.mode();
+        if m.intercept.is_none() {
+            return Err(ModeError::NotIntercepted(self.app_port));
+        }
+        let (tx, rx) = oneshot::channel();
+        m.waiters.push_back(tx);
+        drop(m);
+        self.waiter_added.notify_waiters();
+        Ok(rx)
+    }
+
+    pub fn start_wiretap(&self) -> u64 {
+        let id = IDS.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(1024);
+        let mut m = self.mode();
+        m.taps.insert(id, tx);
+        m.pending_tap_rx.insert(id, rx);
+        id
+    }
+
+    pub fn take_wiretap_stream(&self, id: u64) -> Result<mpsc::Receiver<Bytes>, ModeError> {
+        self.mode()
+            .pending_tap_rx
+            .remove(&id)
+            .ok_or(ModeError::NoTap(self.app_port, id))
+    }
+
+    pub fn stop_wiretap(&self, id: u64) -> Result<(), ModeError> {
+        let mut m = self.mode();
+        m.pending_tap_rx.remove(&id);
+        m.taps
+            .remove(&id)
+            .map(|_| ())
+            .ok_or(ModeError::NoTap(self.app_port, id))
+    }
+
+    pub fn wiretaps(&self) -> Vec<u64> {
+        self.mode().taps.keys().copied().collect()
+    }
+
+    fn taps(&self) -> Vec<mpsc::Sender<Bytes>> {
+        self.mode().taps.values().cloned().collect()
+    }
+
+    fn tap(&self, taps: &[mpsc::Sender<Bytes>], frame: Bytes) {
+        for t in taps {
+            // A slow tap loses frames rather than slowing the application down.
+            if t.try_send(frame.clone()).is_err() {
+                self.tap_drops.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Hands `conn` to a waiting client stream; waits up to `wait` for one.
+    async fn deliver(&self, mut conn: Delivered, wait: Duration) -> Option<Delivered> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.waiter_added.notified();
+            loop {
+                let next = {
+                    let mut m = self.mode();
+                    if m.intercept.is_none() {
+                        return Some(conn);
+                    }
+                    m.waiters.pop_front()
+                };
+                let Some(w) = next else { break };
+                match w.send(conn) {
+                    Ok(()) => return None,
+                    Err(back) => conn = back,
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                tracing::warn!(
+                    port = self.app_port,
+                    "no client stream took the intercepted connection in time; closing it"
+                );
+                return None;
+            }
+        }
+    }
+}
+
+/// Binds the forwarder listeners for one port inside the target namespace.
+pub async fn bind(netns: &NetnsExecutor, agent_port: u16) -> std::io::Result<Vec<TcpListener>> {
+    let fds: Vec<OwnedFd> = netns
+        .run(move || {
+            let mut fds = vec![listen_socket(SocketAddr::from((
+                Ipv4Addr::UNSPECIFIED,
+                agent_port,
+            )))?];
+            match listen_socket(SocketAddr::from((Ipv6Addr::UNSPECIFIED, agent_port))) {
+                Ok(fd) => fds.push(fd),
+                Err(e)
+                    if e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT)
+                        || e.raw_os_error() == Some(nix::libc::EADDRNOTAVAIL) => {}
+                Err(e) => return Err(e),
+            }
+            Ok(fds)
+        })
+        .await
+        .map_err(into_io)?;
+    fds.into_iter()
+        .map(|fd| {
+            let l = std::net::TcpListener::from(fd);
+            l.set_nonblocking(true)?;
+            TcpListener::from_std(l)
+        })
+        .collect()
+}
+
+fn listen_socket(addr: SocketAddr) -> std::io::Result<OwnedFd> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage, sockopt};
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket::socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    socket::setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    if addr.is_ipv6() {
+        socket::setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    let sa = SockaddrStorage::from(addr);
+    socket::bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &sa)?;
+    socket::listen(
+        &fd,
+        socket::Backlog::new(128).map_err(std::io::Error::from)?,
+    )?;
+    Ok(fd)
+}
+
+/// Dials `addr` from inside the target namespace: the pass-through path.
+pub async fn dial(netns: &NetnsExecutor, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = netns
+        .run(move || {
+            let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .await
+        .map_err(into_io)?;
+    TcpStream::from_std(s)
+}
+
+fn into_io(e: crate::netns::NetnsError) -> std::io::Error {
+    match e {
+        crate::netns::NetnsError::Op(e) => e,
+        e => std::io::Error::other(e.to_string()),
+    }
+}
+
+/// Where a redirected connection was headed before the redirect.
+pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
+    use nix::sys::socket::{getsockopt, sockopt};
+    let local = s.local_addr().ok()?;
+    if local.is_ipv4() {
+        let sa = getsockopt(s, sockopt::OriginalDst).ok()?;
+        Some(SocketAddr::V4(SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
+            u16::from_be(sa.sin_port),
+        )))
+    } else {
+        let sa = getsockopt(s, sockopt::Ip6tOriginalDst).ok()?;
+        Some(SocketAddr::V6(SocketAddrV6::new(
+            Ipv6Addr::from(sa.sin6_addr.s6_addr),
+            u16::from_be(sa.sin6_port),
+            0,
+            sa.sin6_scope_id,
+        )))
+    }
+}
+
+/// Accept loop of one forwarder listener.
+pub async fn serve(
+    port: Arc<Port>,
+    listener: TcpListener,
+    netns: Arc<NetnsExecutor>,
+    intercept_wait: Duration,
+) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "forwarder accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let port = port.clone();
+        let netns = netns.clone();
+        tokio::spawn(async move {
+            let local = stream.local_addr().ok();
+            let original_dst = original_dst(&stream).unwrap_or_else(|| {
+                let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
+                SocketAddr::new(ip, port.app_port)
+            });
+            let conn = Delivered {
+                stream,
+                peer,
+                original_dst,
+            };
+            let conn = if port.intercepted() {
+                match port.deliver(conn, intercept_wait).await {
+                    None => return,
+                    Some(c) => c, // intercept stopped meanwhile: pass through
+                }
+            } else {
+                conn
+            };
+            if let Err(e) = pass_through(&port, conn, &netns).await {
+                tracing::debug!(error = %e, "pass-through connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn pass_through(port: &Port, conn: Delivered, netns: &NetnsExecutor) -> std::io::Result<()> {
+    let upstream = dial(netns, conn.original_dst).await?;
+    let taps = port.taps();
+    if taps.is_empty() {
+        let (mut a, mut b) = (conn.stream, upstream);
+        tokio::io::copy_bidirectional(&mut a, &mut b).await?;
+        return Ok(());
+    }
+    let id = port.conn_ids.fetch_add(1, Ordering::Relaxed);
+    let meta = format!(
+        "{{\"peer\":\"{}\",\"original_dst\":\"{}\"}}",
+        conn.peer, conn.original_dst
+    );
+    port.tap(&taps, tap_frame(TAP_OPEN, id, meta.as_bytes()));
+    let (cr, cw) = conn.stream.into_split();
+    let (ur, uw) = upstream.into_split();
+    let up = copy_tapped(port, &taps, id, TAP_TO_APP, cr, uw);
+    let down = copy_tapped(port, &taps, id, TAP_FROM_APP, ur, cw);
+    let r = tokio::try_join!(up, down);
+    port.tap(&taps, tap_frame(TAP_CLOSE, id, &[]));
+    r.map(|_| ())
+}
+
+async fn copy_tapped(
+    port: &Port,
+    taps: &[mpsc::Sender<Bytes>],
+    id: u32,
+    kind: u8,
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = r.read(&mut buf).await?;
+        if n == 0 {
+            w.shutdown().await.ok();
+            return Ok(());
+        }
+        w.write_all(&buf[..n]).await?;
+        port.tap(taps, tap_frame(kind, id, &buf[..n]));
+    }
+}

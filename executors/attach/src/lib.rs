@@ -1,0 +1,15 @@
+//! Node-agent executor: attaches to a running pod from outside, without mutating or
+//! restarting it. See `docs/attach-executor.md`.
+//!
+//! No `unsafe` anywhere: the kernel calls this crate needs (setns, netlink sockets,
+//! SO_ORIGINAL_DST) go through nix's safe wrappers.
+#![forbid(unsafe_code)]
+
+pub mod agent;
+pub mod api;
+pub mod cri;
+pub mod environ;
+pub mod exports;
+pub mod forward;
+pub mod netns;
+pub mod nft;
