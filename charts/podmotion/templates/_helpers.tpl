@@ -1,0 +1,96 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "podmotion.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: release-chart, unless the release name already contains the chart name. */}}
+{{- define "podmotion.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Namespace of the migration agents and the attachment Jobs. */}}
+{{- define "podmotion.agentNamespace" -}}
+{{- default (printf "%s-agents" .Release.Namespace) .Values.agents.namespace | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "podmotion.operatorServiceAccount" -}}
+{{- default (include "podmotion.fullname" .) .Values.operator.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "podmotion.agentName" -}}
+{{- printf "%s-migration-agent" (include "podmotion.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object of the chart. */}}
+{{- define "podmotion.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "podmotion.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: podmotion
+{{- end -}}
+
+{{- define "podmotion.operatorSelector" -}}
+app.kubernetes.io/name: {{ include "podmotion.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "podmotion.agentSelector" -}}
+app.kubernetes.io/name: {{ include "podmotion.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: migration-agent
+{{- end -}}
+
+{{/* repository:tag or repository@digest. Argument: dict "image" <image values> "root" $ */}}
+{{- define "podmotion.image" -}}
+{{- $img := .image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's flags, one per line of a YAML list; every flag of
+     operator/src/config.rs and main.rs has a value in values.yaml. */}}
+{{- define "podmotion.operatorArgs" -}}
+- --namespace=$(POD_NAMESPACE)
+- --identity=$(POD_NAME)
+- --controllers={{ join "," .Values.operator.controllers }}
+- --http-addr=0.0.0.0:{{ .Values.operator.httpPort }}
+- --concurrency={{ .Values.operator.concurrency }}
+- --log-format={{ .Values.operator.logFormat }}
+{{- if .Values.operator.leaderElection.enabled }}
+- --leader-lease-name={{ .Values.operator.leaderElection.leaseName }}
+- --leader-lease-seconds={{ .Values.operator.leaderElection.leaseSeconds }}
+{{- else }}
+- --no-leader-election
+{{- end }}
+{{- end -}}
+
+{{/* Environment shared by the operator and its hook. */}}
+{{- define "podmotion.operatorEnv" -}}
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: PODMOTION_AGENT_NAMESPACE
+  value: {{ include "podmotion.agentNamespace" . | quote }}
+- name: RUST_LOG
+  value: {{ .Values.operator.logFilter | quote }}
+{{- end -}}
