@@ -133,4 +133,8 @@ pub mod reasons {
     pub const POD_SECURITY_ALLOWS: &str = "PodSecurityAllows";
     pub const NO_ELIGIBLE_NODES: &str = "NoEligibleNodes";
     pub const MINIMUM_NODES_AVAILABLE: &str = "MinimumNodesAvailable";
+    /// The Server's Service is missing or selects no pods: no egress rule to it.
+    pub const SERVER_UNRESOLVED: &str = "ServerUnresolved";
+    /// Another NetworkPolicy also selects the Runner pods (allows are additive).
+    pub const FOREIGN_NETWORK_POLICY: &str = "ForeignNetworkPolicy";
 }

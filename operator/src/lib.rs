@@ -16,4 +16,5 @@ pub mod events;
 pub mod leader;
 pub mod metrics;
 pub mod migration;
+pub mod runner_pool;
 pub mod server;

@@ -1,0 +1,191 @@
+//! Reading the node preflight's verdict from a Runner pod.
+//!
+//! The `preflight` executor (executors/preflight) runs as the pod's init container and
+//! writes one JSON line to its termination message:
+//! `{"preflight":"v1","ok":false,"checks":[{"name":"kvm","ok":false,"detail":"…"}]}`.
+//! The kubelet copies it to `status.initContainerStatuses[].state.terminated.message`
+//! (or `lastState` once the init container is being retried). This module turns that
+//! into a per-node verdict; it never trusts the message to be well-formed.
+
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+use podmotion_api::runner_pool::PreflightFailure;
+use serde::Deserialize;
+
+use super::render::PREFLIGHT_CONTAINER;
+
+/// Version tag of the verdict format.
+pub const VERDICT_VERSION: &str = "v1";
+
+/// One check of a verdict.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct Check {
+    pub name: String,
+    pub ok: bool,
+    #[serde(default)]
+    pub detail: String,
+}
+
+/// The executor's verdict line.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct Verdict {
+    pub preflight: String,
+    pub ok: bool,
+    #[serde(default)]
+    pub checks: Vec<Check>,
+}
+
+/// Parses a termination message (only its first line counts).
+pub fn parse_verdict(message: &str) -> Result<Verdict, String> {
+    let line = message.lines().next().unwrap_or_default().trim();
+    let v: Verdict =
+        serde_json::from_str(line).map_err(|e| format!("unreadable preflight verdict: {e}"))?;
+    if v.preflight != VERDICT_VERSION {
+        return Err(format!(
+            "preflight verdict version {:?}, want {VERDICT_VERSION:?}",
+            v.preflight
+        ));
+    }
+    Ok(v)
+}
+
+/// What a pod says about its node's preflight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePreflight {
+    /// Not finished yet (or the pod has not started).
+    Pending,
+    Passed,
+    Failed(PreflightFailure),
+}
+
+fn failure(node: &str, t: &ContainerStateTerminated) -> NodePreflight {
+    let message = t.message.clone().unwrap_or_default();
+    match parse_verdict(&message) {
+        Ok(v) if v.ok && t.exit_code == 0 => NodePreflight::Passed,
+        Ok(v) => {
+            let failed: Vec<&Check> = v.checks.iter().filter(|c| !c.ok).collect();
+            NodePreflight::Failed(PreflightFailure {
+                node: node.into(),
+                checks: failed.iter().map(|c| c.name.clone()).collect(),
+                message: failed
+                    .iter()
+                    .map(|c| format!("{}: {}", c.name, c.detail))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            })
+        }
+        Err(e) if t.exit_code == 0 => {
+            // Exited cleanly without a verdict: not a node problem we can name.
+            tracing::debug!(node, error = %e, "preflight passed without a verdict");
+            NodePreflight::Passed
+        }
+        Err(e) => NodePreflight::Failed(PreflightFailure {
+            node: node.into(),
+            checks: vec!["verdict".into()],
+            message: format!(
+                "preflight exited {} ({}): {e}",
+                t.exit_code,
+                t.reason.clone().unwrap_or_default()
+            ),
+        }),
+    }
+}
+
+/// The preflight outcome a Runner pod reports for its node.
+pub fn from_pod(pod: &Pod) -> NodePreflight {
+    let node = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default();
+    let Some(status) = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_ref())
+        .and_then(|l| l.iter().find(|c| c.name == PREFLIGHT_CONTAINER))
+    else {
+        return NodePreflight::Pending;
+    };
+    if let Some(t) = status.state.as_ref().and_then(|s| s.terminated.as_ref()) {
+        return failure(node, t);
+    }
+    // Retried after a failure: the last run's verdict is the news.
+    if let Some(t) = status
+        .last_state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+    {
+        return failure(node, t);
+    }
+    NodePreflight::Pending
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod_with(state: serde_json::Value, last: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "rp-x"},
+            "spec": {"nodeName": "pm-node-2", "containers": []},
+            "status": {"initContainerStatuses": [{
+                "name": "preflight", "image": "i", "imageID": "", "ready": false, "restartCount": 1,
+                "state": state, "lastState": last,
+            }]}
+        }))
+        .unwrap()
+    }
+    const FAIL: &str = r#"{"preflight":"v1","ok":false,"checks":[{"name":"kvm","ok":false,"detail":"open /dev/kvm: Permission denied (os error 13)"},{"name":"userns","ok":true,"detail":"created"}]}"#;
+
+    #[test]
+    fn failed_preflight_names_the_node_and_the_failing_checks() {
+        let p = pod_with(
+            json!({"terminated": {"exitCode": 1, "message": FAIL}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.node, "pm-node-2");
+        assert_eq!(f.checks, vec!["kvm"]);
+        assert!(f.message.contains("Permission denied"), "{}", f.message);
+    }
+
+    #[test]
+    fn retried_preflight_reports_the_last_failed_run() {
+        let p = pod_with(
+            json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            json!({"terminated": {"exitCode": 1, "message": FAIL}}),
+        );
+        assert!(matches!(from_pod(&p), NodePreflight::Failed(_)));
+    }
+
+    #[test]
+    fn passing_preflight_is_passed_and_running_is_pending() {
+        let ok = r#"{"preflight":"v1","ok":true,"checks":[{"name":"kvm","ok":true}]}"#;
+        assert_eq!(
+            from_pod(&pod_with(
+                json!({"terminated": {"exitCode": 0, "message": ok}}),
+                json!({})
+            )),
+            NodePreflight::Passed
+        );
+        assert_eq!(
+            from_pod(&pod_with(json!({"running": {}}), json!({}))),
+            NodePreflight::Pending
+        );
+    }
+
+    #[test]
+    fn garbage_from_a_failed_preflight_is_a_verdict_failure_not_a_crash() {
+        let p = pod_with(
+            json!({"terminated": {"exitCode": 2, "reason": "Error", "message": "segfault\n"}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["verdict"]);
+        assert!(parse_verdict(r#"{"preflight":"v9","ok":true}"#).is_err());
+    }
+}

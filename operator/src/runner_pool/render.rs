@@ -1,0 +1,417 @@
+//! The object contract of `runner-daemonset-design-record.txt`, rendered from a
+//! RunnerPool: the DaemonSet (§Privilege shape, §Pod resources, §Kubernetes object
+//! contract), its ServiceAccount, the Runner's credential Secret, the NetworkPolicy
+//! of `agent-pods-in-own-namespace.txt`, a PodDisruptionBudget and, when asked, a
+//! PriorityClass.
+//!
+//! The objects are written as manifests (`json!`) because that is how reviewers read
+//! a pod shape; each is converted to its typed form once, and the tests assert on the
+//! typed objects. Fields the contract says must be off (`privileged`, `hostNetwork`,
+//! `hostPID`, `hostIPC`) are rendered explicitly `false` so that this controller owns
+//! them under server-side apply: a hand edit that turns one on conflicts with our
+//! field manager and the next (forced) apply takes it back.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::ResourceExt;
+use podmotion_api::names::{annotations, labels};
+use podmotion_api::runner_pool::RunnerPool;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::sizing::{pod_size, termination_grace_seconds};
+use super::{Desired, Inputs};
+use crate::children::child_meta;
+
+/// Name of the Runner container.
+pub const RUNNER_CONTAINER: &str = "runner";
+/// Name of the preflight init container.
+pub const PREFLIGHT_CONTAINER: &str = "preflight";
+/// `app.kubernetes.io/name` (and component) of every Runner child.
+pub const COMPONENT: &str = "runner";
+/// Where the credential Secret is mounted in the Runner container.
+pub const CREDENTIALS_DIR: &str = "/var/run/secrets/compass";
+/// Default key of the token in the credential Secret.
+pub const DEFAULT_TOKEN_KEY: &str = "token";
+/// Volume names of the two hostPath mounts and the credential Secret.
+pub const SESSIONS_VOLUME: &str = "sessions";
+pub const RUNTIME_VOLUME: &str = "runtime";
+pub const CREDENTIALS_VOLUME: &str = "credentials";
+
+/// Ranges the Runner may never reach, besides the Server and DNS: every private,
+/// shared, loopback and link-local range (169.254.0.0/16 holds the cloud metadata
+/// address 169.254.169.254; IPv6 ULA holds fd00:ec2::254).
+pub const DENIED_IPV4: [&str; 6] = [
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "127.0.0.0/8",
+];
+pub const DENIED_IPV6: [&str; 3] = ["fc00::/7", "fe80::/10", "::1/128"];
+
+/// Resources of the preflight init container (requests = limits, so the pod stays in
+/// the Guaranteed QoS class).
+const PREFLIGHT_CPU: &str = "50m";
+const PREFLIGHT_MEMORY: &str = "32Mi";
+
+/// Name of a pool's DaemonSet, ServiceAccount, NetworkPolicy and PDB.
+pub fn child_name(pool: &RunnerPool) -> String {
+    pool.name_any()
+}
+
+/// Name of the Secret the operator generates when none is referenced.
+pub fn generated_secret_name(pool: &RunnerPool) -> String {
+    format!("{}-credentials", pool.name_any())
+}
+
+/// The Secret the Runner mounts: the referenced one, or the generated one.
+pub fn credential_secret(pool: &RunnerPool) -> (String, String) {
+    let c = &pool.spec.credentials;
+    let name = c
+        .secret_name
+        .clone()
+        .unwrap_or_else(|| generated_secret_name(pool));
+    (
+        name,
+        c.key.clone().unwrap_or_else(|| DEFAULT_TOKEN_KEY.into()),
+    )
+}
+
+/// Labels that select one pool's Runner pods.
+pub fn pod_selector(pool: &RunnerPool) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (labels::NAME.to_string(), COMPONENT.to_string()),
+        (
+            labels::INSTANCE.to_string(),
+            crate::children::label_value(&pool.name_any()),
+        ),
+    ])
+}
+
+/// The pool's `maxUnavailable` as applied: a count is capped so a rollout or a drain
+/// never takes every eligible node (at most N-1, at least 1); a percentage (at most
+/// 50% by the CRD) is passed through.
+pub fn effective_max_unavailable(pool: &RunnerPool, eligible_nodes: usize) -> IntOrString {
+    match &pool.spec.rollout.max_unavailable {
+        IntOrString::Int(n) => {
+            let cap = i32::try_from(eligible_nodes.saturating_sub(1))
+                .unwrap_or(i32::MAX)
+                .max(1);
+            IntOrString::Int((*n).clamp(1, cap))
+        }
+        IntOrString::String(s) => IntOrString::String(s.clone()),
+    }
+}
+
+fn typed<T: DeserializeOwned>(what: &str, v: Value) -> T {
+    // The manifests below are fixed shapes; a failure here is a bug caught by every test.
+    serde_json::from_value(v)
+        .unwrap_or_else(|e| panic!("rendered {what} does not match its type: {e}"))
+}
+
+fn meta_json(pool: &RunnerPool, name: &str, namespace: Option<&str>) -> Value {
+    serde_json::to_value(child_meta(pool, name, namespace, COMPONENT))
+        .expect("ObjectMeta serializes")
+}
+
+/// Renders every object of the contract.
+pub fn render(pool: &RunnerPool, inputs: &Inputs) -> Desired {
+    let ns = pool.namespace().unwrap_or_default();
+    let name = child_name(pool);
+    Desired {
+        daemonset: daemonset(pool, inputs),
+        service_account: typed(
+            "ServiceAccount",
+            json!({
+                "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": meta_json(pool, &name, Some(&ns)),
+                "automountServiceAccountToken": false,
+            }),
+        ),
+        secret: generated_secret(pool, inputs),
+        network_policy: network_policy(pool, inputs),
+        pdb: typed(
+            "PodDisruptionBudget",
+            json!({
+                "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                "metadata": meta_json(pool, &name, Some(&ns)),
+                "spec": {
+                    "selector": {"matchLabels": pod_selector(pool)},
+                    "maxUnavailable": effective_max_unavailable(pool, inputs.eligible_nodes),
+                    // A Runner that is not ready holds no sessions worth protecting; it
+                    // must never block a node drain.
+                    "unhealthyPodEvictionPolicy": "AlwaysAllow",
+                }
+            }),
+        ),
+        priority_class: pool
+            .spec
+            .priority_class
+            .create
+            .then(|| priority_class(pool)),
+    }
+}
+
+fn generated_secret(pool: &RunnerPool, inputs: &Inputs) -> Option<Secret> {
+    if pool.spec.credentials.secret_name.is_some() {
+        return None;
+    }
+    let token = inputs.credential_token.as_ref()?;
+    let (name, key) = credential_secret(pool);
+    let mut secret: Secret = typed(
+        "Secret",
+        json!({
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": meta_json(pool, &name, pool.namespace().as_deref()),
+        }),
+    );
+    secret.data = Some(BTreeMap::from([(
+        key,
+        ByteString(token.as_bytes().to_vec()),
+    )]));
+    Some(secret)
+}
+
+fn priority_class(pool: &RunnerPool) -> PriorityClass {
+    let pc = &pool.spec.priority_class;
+    typed(
+        "PriorityClass",
+        json!({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": meta_json(pool, &pc.name, None),
+            "value": pc.value,
+            "globalDefault": false,
+            "preemptionPolicy": "PreemptLowerPriority",
+            "description": format!(
+                "Runner pods of RunnerPool {}/{}: every session on a node dies with its Runner, so ordinary workload must not preempt it.",
+                pool.namespace().unwrap_or_default(), pool.name_any()
+            ),
+        }),
+    )
+}
+
+/// The container securityContext shared by the Runner and its preflight (the
+/// preflight must test the node under exactly the Runner's confinement).
+fn container_security(pool: &RunnerPool) -> Value {
+    let user = &pool.spec.runner_user;
+    json!({
+        "privileged": false,
+        "runAsNonRoot": true,
+        "runAsUser": user.uid,
+        "runAsGroup": user.gid,
+        "allowPrivilegeEscalation": false,
+        "capabilities": {"drop": ["ALL"]},
+        // virtiofsd --sandbox=namespace mounts a fresh /proc; needs hostUsers: false.
+        "procMount": "Unmasked",
+        // RuntimeDefault stops passt creating its user namespace.
+        "seccompProfile": {"type": "Localhost", "localhostProfile": pool.spec.seccomp_profile},
+        // The runtime default AppArmor profile denies passt's mount in its userns.
+        "appArmorProfile": {"type": "Unconfined"},
+    })
+}
+
+fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
+    let spec = &pool.spec;
+    let ns = pool.namespace().unwrap_or_default();
+    let name = child_name(pool);
+    let size = pod_size(spec);
+    let selector = pod_selector(pool);
+    let mut pod_labels = match meta_json(pool, &name, Some(&ns)).get("labels") {
+        Some(Value::Object(m)) => m.clone(),
+        _ => serde_json::Map::new(),
+    };
+    for (k, v) in &selector {
+        pod_labels.insert(k.clone(), Value::String(v.clone()));
+    }
+    let nodes = &spec.nodes;
+    let taint_key = nodes
+        .taint_key
+        .clone()
+        .unwrap_or_else(|| nodes.label_key.clone());
+    let taint_value = nodes
+        .taint_value
+        .clone()
+        .unwrap_or_else(|| nodes.label_value.clone());
+    let kvm = spec.kvm_resource_name.as_str();
+    let runner_resources = json!({
+        "requests": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
+        "limits": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
+    });
+    let preflight_resources = json!({
+        "requests": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
+        "limits": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
+    });
+    let sessions_dir = spec.host_paths.session_volume.as_str();
+    let runtime_dir = spec.host_paths.runtime_dir.as_str();
+    let (secret_name, token_key) = credential_secret(pool);
+    let server = &spec.server;
+    let server_ns = server.namespace.clone().unwrap_or_else(|| ns.clone());
+    let metrics = &spec.metrics;
+    let readiness = &spec.probes.readiness;
+    let liveness = spec.probes.liveness.as_ref().map(|l| {
+        json!({
+            "httpGet": {"path": l.path, "port": "metrics"},
+            "periodSeconds": l.period_seconds,
+            "failureThreshold": l.failure_threshold,
+        })
+    });
+    let env = json!([
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}},
+        {"name": "COMPASS_SERVER_ADDR", "value": format!("{}.{}.svc:{}", server.service_name, server_ns, server.port)},
+        {"name": "COMPASS_TOKEN_FILE", "value": format!("{CREDENTIALS_DIR}/{token_key}")},
+        {"name": "COMPASS_BACKEND", "value": "microvm"},
+        {"name": "COMPASS_SESSIONS", "value": spec.sessions_per_node.to_string()},
+        {"name": "COMPASS_GUEST_MEMORY_MIB", "value": spec.session.memory_mib.to_string()},
+        {"name": "COMPASS_GUEST_MILLICPU", "value": spec.session.milli_cpu.to_string()},
+        {"name": "COMPASS_SESSION_ROOT", "value": sessions_dir},
+        {"name": "COMPASS_RUNTIME_DIR", "value": runtime_dir},
+        {"name": "COMPASS_MICROVM_RUNROOT", "value": format!("{runtime_dir}/microvm")},
+        {"name": "COMPASS_REAP_BUDGET_SECONDS", "value": spec.reap_budget_seconds.to_string()},
+        {"name": "COMPASS_METRICS_ADDR", "value": format!(":{}", metrics.port)},
+    ]);
+    let mut runner = json!({
+        "name": RUNNER_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": metrics.port, "protocol": "TCP"}],
+        "resources": runner_resources,
+        "securityContext": container_security(pool),
+        "volumeMounts": [
+            {"name": SESSIONS_VOLUME, "mountPath": sessions_dir},
+            {"name": RUNTIME_VOLUME, "mountPath": runtime_dir},
+            {"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_DIR, "readOnly": true},
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": readiness.path, "port": "metrics"},
+            "periodSeconds": readiness.period_seconds,
+            "failureThreshold": readiness.failure_threshold,
+        },
+    });
+    if let Some(l) = liveness {
+        runner["livenessProbe"] = l;
+    }
+    let preflight = json!({
+        "name": PREFLIGHT_CONTAINER,
+        "image": spec.preflight.image.clone().unwrap_or_else(|| inputs.preflight_image.clone()),
+        "imagePullPolicy": "IfNotPresent",
+        "args": [
+            "--kvm-device=/dev/kvm",
+            format!("--session-volume={sessions_dir}"),
+            format!("--require-project-quota={}", spec.preflight.require_project_quota),
+        ],
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": preflight_resources,
+        "securityContext": container_security(pool),
+        "volumeMounts": [{"name": SESSIONS_VOLUME, "mountPath": sessions_dir, "readOnly": true}],
+    });
+    typed(
+        "DaemonSet",
+        json!({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": meta_json(pool, &name, Some(&ns)),
+            "spec": {
+                "selector": {"matchLabels": selector},
+                "updateStrategy": {
+                    "type": "RollingUpdate",
+                    // maxSurge stays 0: two Runners on one node would share the runtime dir.
+                    "rollingUpdate": {
+                        "maxUnavailable": effective_max_unavailable(pool, inputs.eligible_nodes),
+                        "maxSurge": 0,
+                    },
+                },
+                "revisionHistoryLimit": 5,
+                "template": {
+                    "metadata": {
+                        "labels": pod_labels,
+                        "annotations": {
+                            annotations::PROMETHEUS_SCRAPE: "true",
+                            annotations::PROMETHEUS_PORT: metrics.port.to_string(),
+                            annotations::PROMETHEUS_PATH: metrics.path,
+                        },
+                    },
+                    "spec": {
+                        "serviceAccountName": name,
+                        "automountServiceAccountToken": false,
+                        "enableServiceLinks": false,
+                        "hostUsers": false,
+                        "hostNetwork": false,
+                        "hostPID": false,
+                        "hostIPC": false,
+                        "priorityClassName": spec.priority_class.name,
+                        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+                        "nodeSelector": {nodes.label_key.as_str(): nodes.label_value},
+                        "tolerations": [{
+                            "key": taint_key, "operator": "Equal", "value": taint_value,
+                            "effect": nodes.taint_effect.as_str(),
+                        }],
+                        "securityContext": {
+                            "runAsNonRoot": true,
+                            "runAsUser": spec.runner_user.uid,
+                            "runAsGroup": spec.runner_user.gid,
+                            // Lets the Runner's group read the mounted token (mode 0440).
+                            "fsGroup": spec.runner_user.gid,
+                        },
+                        "initContainers": [preflight],
+                        "containers": [runner],
+                        "volumes": [
+                            {"name": SESSIONS_VOLUME, "hostPath": {"path": sessions_dir, "type": "Directory"}},
+                            {"name": RUNTIME_VOLUME, "hostPath": {"path": runtime_dir, "type": "DirectoryOrCreate"}},
+                            {"name": CREDENTIALS_VOLUME, "secret": {"secretName": secret_name, "defaultMode": 0o440}},
+                        ],
+                    },
+                },
+            },
+        }),
+    )
+}
+
+fn network_policy(pool: &RunnerPool, inputs: &Inputs) -> NetworkPolicy {
+    let ns = pool.namespace().unwrap_or_default();
+    let spec = &pool.spec;
+    let ns_selector = |n: &str| json!({"matchLabels": {"kubernetes.io/metadata.name": n}});
+    let mut egress = vec![json!({
+        "to": [{"namespaceSelector": ns_selector("kube-system"), "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+    })];
+    // The Server's pods, on the port its Service forwards to. Unresolved (Service
+    // missing or without selector): no rule, so nothing in-cluster is reachable, and
+    // the status says why.
+    if let Some(server) = &inputs.server {
+        egress.push(json!({
+            "to": [{"namespaceSelector": ns_selector(&server.namespace), "podSelector": {"matchLabels": server.selector}}],
+            "ports": [{"protocol": "TCP", "port": server.target_port}],
+        }));
+    }
+    egress.push(json!({
+        "to": [
+            {"ipBlock": {"cidr": "0.0.0.0/0", "except": DENIED_IPV4}},
+            {"ipBlock": {"cidr": "::/0", "except": DENIED_IPV6}},
+        ],
+    }));
+    typed(
+        "NetworkPolicy",
+        json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": meta_json(pool, &child_name(pool), Some(&ns)),
+            "spec": {
+                "podSelector": {"matchLabels": pod_selector(pool)},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [{
+                    "from": [{"namespaceSelector": ns_selector(&spec.metrics.scrape_namespace)}],
+                    "ports": [{"protocol": "TCP", "port": spec.metrics.port}],
+                }],
+                "egress": egress,
+            },
+        }),
+    )
+}

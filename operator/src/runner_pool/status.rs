@@ -1,0 +1,438 @@
+//! RunnerPool status from what was observed: the DaemonSet's counts, the drift found
+//! before the last apply, the PodSecurity verdict, the nodes' preflight verdicts and
+//! whether the Server's Service resolved. Conditions settle: every state maps to
+//! exactly one of Ready / Reconciling / Stalled, so Argo CD and `kubectl wait` never
+//! see "progressing forever" for a pool that cannot make progress.
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use podmotion_api::conditions::{Health, set_condition, set_health};
+use podmotion_api::names::{condition_types as ct, reasons};
+use podmotion_api::runner_pool::{PreflightFailure, RunnerPool, RunnerPoolStatus};
+
+use super::pod_security::PodSecurityVerdict;
+use super::preflight::NodePreflight;
+use super::sizing::pod_size;
+
+/// Everything the status is computed from.
+#[derive(Clone, Debug)]
+pub struct Observed {
+    /// The DaemonSet as it stands after this round's apply (`None`: not created yet).
+    pub daemonset: Option<DaemonSet>,
+    /// Fields that differed from the contract before this round's apply.
+    pub drift: Vec<String>,
+    pub pod_security: PodSecurityVerdict,
+    /// Preflight outcome of each Runner pod.
+    pub preflight: Vec<NodePreflight>,
+    /// `Err(why)` when the Server's Service could not be resolved to pods.
+    pub server: Result<(), String>,
+    /// Other NetworkPolicies selecting the Runner pods.
+    pub foreign_policies: Vec<String>,
+}
+
+/// First 12 hex digits of the image digest.
+pub fn digest_short(image: &str) -> Option<String> {
+    image
+        .split_once("@sha256:")
+        .map(|(_, d)| d.chars().take(12).collect())
+}
+
+/// `maxUnavailable` as a node count for `desired` nodes (percentages round up, as the
+/// DaemonSet controller does).
+pub fn max_unavailable_count(v: &IntOrString, desired: i32) -> i32 {
+    match v {
+        IntOrString::Int(n) => *n,
+        IntOrString::String(s) => {
+            let pct: i64 = s.trim_end_matches('%').parse().unwrap_or(0);
+            i32::try_from((pct * i64::from(desired) + 99) / 100).unwrap_or(i32::MAX)
+        }
+    }
+}
+
+struct Counts {
+    desired: i32,
+    ready: i32,
+    updated: i32,
+    rolling: bool,
+}
+
+fn counts(ds: Option<&DaemonSet>) -> Counts {
+    let Some(ds) = ds else {
+        return Counts {
+            desired: 0,
+            ready: 0,
+            updated: 0,
+            rolling: true,
+        };
+    };
+    let s = ds.status.clone().unwrap_or_default();
+    let updated = s.updated_number_scheduled.unwrap_or(0);
+    let seen = s.observed_generation.unwrap_or(0) >= ds.metadata.generation.unwrap_or(0);
+    Counts {
+        desired: s.desired_number_scheduled,
+        ready: s.number_ready,
+        updated,
+        rolling: !seen
+            || updated < s.desired_number_scheduled
+            || s.number_ready < s.desired_number_scheduled,
+    }
+}
+
+/// The status for `pool`, carrying over the previous conditions' transition times.
+pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> RunnerPoolStatus {
+    let spec = &pool.spec;
+    let generation = pool.metadata.generation;
+    let previous = pool.status.clone().unwrap_or_default();
+    let c = counts(observed.daemonset.as_ref());
+    let size = pod_size(spec);
+    let failures: Vec<PreflightFailure> = observed
+        .preflight
+        .iter()
+        .filter_map(|p| match p {
+            NodePreflight::Failed(f) => Some(f.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut conditions = previous.conditions;
+    let mut set = |type_: &str, status: bool, reason: &str, message: &str| {
+        set_condition(
+            &mut conditions,
+            type_,
+            status,
+            reason,
+            message,
+            generation,
+            now,
+        );
+    };
+
+    if observed.drift.is_empty() {
+        set(
+            ct::SHAPE_CONFORMANT,
+            true,
+            reasons::SHAPE_MATCHES,
+            "the live DaemonSet matches the Runner pod contract",
+        );
+    } else {
+        let msg = format!(
+            "the live DaemonSet differed from the contract and was re-applied: {}",
+            observed.drift.join("; ")
+        );
+        set(ct::SHAPE_CONFORMANT, false, reasons::SHAPE_DRIFT, &msg);
+    }
+
+    let ps = &observed.pod_security;
+    let ps_reason = if ps.admitted() {
+        reasons::POD_SECURITY_ALLOWS
+    } else {
+        reasons::POD_SECURITY_REJECTS
+    };
+    set(
+        ct::POD_SECURITY_ADMITTED,
+        ps.admitted(),
+        ps_reason,
+        &ps.message(),
+    );
+
+    let preflight_msg = failures
+        .iter()
+        .map(|f| format!("{}: {}", f.node, f.message))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let mut degraded: Vec<(&str, String)> = vec![];
+    if !failures.is_empty() {
+        degraded.push((
+            reasons::PREFLIGHT_FAILED,
+            format!(
+                "{} node(s) failed preflight: {preflight_msg}",
+                failures.len()
+            ),
+        ));
+    }
+    if let Err(why) = &observed.server {
+        degraded.push((reasons::SERVER_UNRESOLVED, why.clone()));
+    }
+    if !observed.foreign_policies.is_empty() {
+        degraded.push((
+            reasons::FOREIGN_NETWORK_POLICY,
+            format!(
+                "other NetworkPolicies also select the Runner pods and can reopen traffic: {}",
+                observed.foreign_policies.join(", ")
+            ),
+        ));
+    }
+    match degraded.first() {
+        Some((reason, _)) => {
+            let msg = degraded
+                .iter()
+                .map(|(_, m)| m.as_str())
+                .collect::<Vec<_>>()
+                .join("; ");
+            set(ct::DEGRADED, true, reason, &msg);
+        }
+        None => set(
+            ct::DEGRADED,
+            false,
+            reasons::RECONCILED,
+            "no node failed preflight",
+        ),
+    }
+
+    let allowed_down = max_unavailable_count(&spec.rollout.max_unavailable, c.desired);
+    let nodes_msg = format!(
+        "{}/{} Runner nodes ready, {} updated",
+        c.ready, c.desired, c.updated
+    );
+    if c.desired == 0 {
+        set(
+            ct::AVAILABLE,
+            false,
+            reasons::NO_ELIGIBLE_NODES,
+            &no_nodes_message(pool),
+        );
+    } else if c.ready > 0 && c.ready >= c.desired - allowed_down {
+        set(
+            ct::AVAILABLE,
+            true,
+            reasons::MINIMUM_NODES_AVAILABLE,
+            &nodes_msg,
+        );
+    } else {
+        set(ct::AVAILABLE, false, reasons::ROLLING_OUT, &nodes_msg);
+    }
+    if c.rolling {
+        set(ct::PROGRESSING, true, reasons::ROLLING_OUT, &nodes_msg);
+    } else {
+        set(ct::PROGRESSING, false, reasons::RECONCILED, &nodes_msg);
+    }
+
+    let health = if !ps.admitted() {
+        Health::stalled(reasons::POD_SECURITY_REJECTS, ps.message())
+    } else if !failures.is_empty() {
+        Health::stalled(
+            reasons::PREFLIGHT_FAILED,
+            format!("node preflight failed: {preflight_msg}"),
+        )
+    } else if let Err(why) = &observed.server {
+        Health::stalled(reasons::SERVER_UNRESOLVED, why.clone())
+    } else if observed.daemonset.is_some() && c.desired == 0 && !c.rolling {
+        Health::stalled(reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool))
+    } else if !observed.drift.is_empty() {
+        Health::reconciling(
+            reasons::SHAPE_DRIFT,
+            "re-applied the contract over a drifted DaemonSet",
+        )
+    } else if c.rolling {
+        Health::reconciling(reasons::ROLLING_OUT, nodes_msg.clone())
+    } else {
+        Health::ready(
+            reasons::RECONCILED,
+            format!(
+                "{nodes_msg}; capacity {} sessions",
+                i64::from(c.ready) * i64::from(spec.sessions_per_node)
+            ),
+        )
+    };
+    set_health(&mut conditions, &health, generation, now);
+
+    RunnerPoolStatus {
+        observed_generation: generation,
+        image_digest_short: digest_short(&spec.image),
+        desired_nodes: c.desired,
+        ready_nodes: c.ready,
+        updated_nodes: c.updated,
+        session_capacity: c.ready.saturating_mul(spec.sessions_per_node),
+        pod_memory: Some(size.memory_quantity()),
+        pod_cpu: Some(size.cpu_quantity()),
+        preflight_failures: failures,
+        foreign_network_policies: observed.foreign_policies.clone(),
+        conditions,
+    }
+}
+
+fn no_nodes_message(pool: &RunnerPool) -> String {
+    let n = &pool.spec.nodes;
+    format!(
+        "no node of the cluster is labelled {}={} (RunnerPool {}): label the Runner nodes",
+        n.label_key,
+        n.label_value,
+        pool.name_any()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runner_pool::fixtures::{inputs, pool};
+    use crate::runner_pool::pod_security::{Level, PodSecurityVerdict};
+    use crate::runner_pool::render;
+    use podmotion_api::conditions::{find, is_true};
+    use serde_json::json;
+
+    fn t() -> Timestamp {
+        Timestamp::from_second(1_800_000_000).unwrap()
+    }
+    fn ds(generation: i64, observed: i64, desired: i32, ready: i32, updated: i32) -> DaemonSet {
+        let mut d = render(&pool("rp").build(), &inputs()).daemonset;
+        d.metadata.generation = Some(generation);
+        d.status = Some(
+            serde_json::from_value(json!({
+                "observedGeneration": observed, "desiredNumberScheduled": desired, "numberReady": ready,
+                "updatedNumberScheduled": updated, "currentNumberScheduled": desired, "numberMisscheduled": 0,
+            }))
+            .unwrap(),
+        );
+        d
+    }
+    fn observed(d: Option<DaemonSet>) -> Observed {
+        Observed {
+            daemonset: d,
+            drift: vec![],
+            pod_security: PodSecurityVerdict {
+                namespace: "runners".into(),
+                enforced: Level::Privileged,
+                baseline_violations: vec!["hostPath volumes sessions, runtime".into()],
+            },
+            preflight: vec![NodePreflight::Passed],
+            server: Ok(()),
+            foreign_policies: vec![],
+        }
+    }
+
+    #[test]
+    fn all_nodes_ready_and_updated_is_ready_with_capacity() {
+        let s = compute(
+            &pool("rp").sessions(4).generation(3).build(),
+            &observed(Some(ds(2, 2, 3, 3, 3))),
+            t(),
+        );
+        assert!(is_true(&s.conditions, ct::READY), "{:#?}", s.conditions);
+        assert!(is_true(&s.conditions, ct::AVAILABLE));
+        assert!(!is_true(&s.conditions, ct::PROGRESSING));
+        assert!(is_true(&s.conditions, ct::SHAPE_CONFORMANT));
+        assert_eq!(
+            (s.desired_nodes, s.ready_nodes, s.session_capacity),
+            (3, 3, 12)
+        );
+        assert_eq!(s.observed_generation, Some(3));
+        assert!(
+            s.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(3))
+        );
+        assert_eq!(s.image_digest_short.as_deref(), Some("4f1c3a2b5d6e"));
+    }
+
+    #[test]
+    fn a_rollout_in_flight_is_reconciling_and_stays_available_within_max_unavailable() {
+        let s = compute(&pool("rp").build(), &observed(Some(ds(3, 3, 3, 2, 1))), t());
+        assert!(is_true(&s.conditions, ct::RECONCILING));
+        assert!(is_true(&s.conditions, ct::PROGRESSING));
+        assert!(
+            is_true(&s.conditions, ct::AVAILABLE),
+            "2 of 3 ready with maxUnavailable 1"
+        );
+        let s = compute(&pool("rp").build(), &observed(Some(ds(3, 3, 3, 1, 1))), t());
+        assert!(
+            !is_true(&s.conditions, ct::AVAILABLE),
+            "1 of 3 ready exceeds maxUnavailable 1"
+        );
+    }
+
+    #[test]
+    fn an_unobserved_daemonset_generation_is_still_progressing() {
+        let s = compute(&pool("rp").build(), &observed(Some(ds(4, 3, 3, 3, 3))), t());
+        assert!(is_true(&s.conditions, ct::PROGRESSING));
+        assert!(!is_true(&s.conditions, ct::READY));
+    }
+
+    #[test]
+    fn a_rejecting_namespace_stalls_with_a_message_naming_privileged() {
+        let mut o = observed(Some(ds(1, 1, 1, 0, 0)));
+        o.pod_security.enforced = Level::Baseline;
+        let s = compute(&pool("rp").build(), &o, t());
+        assert!(is_true(&s.conditions, ct::STALLED));
+        let c = find(&s.conditions, ct::POD_SECURITY_ADMITTED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reasons::POD_SECURITY_REJECTS)
+        );
+        assert!(c.message.contains("enforce=privileged"), "{}", c.message);
+    }
+
+    #[test]
+    fn failed_preflight_lists_the_node_degrades_and_stalls() {
+        let mut o = observed(Some(ds(1, 1, 3, 2, 3)));
+        o.preflight = vec![
+            NodePreflight::Passed,
+            NodePreflight::Failed(PreflightFailure {
+                node: "pm-node-2".into(),
+                checks: vec!["kvm".into()],
+                message: "kvm: open /dev/kvm: Permission denied".into(),
+            }),
+        ];
+        let s = compute(&pool("rp").build(), &o, t());
+        assert_eq!(s.preflight_failures.len(), 1);
+        assert_eq!(s.preflight_failures[0].node, "pm-node-2");
+        assert!(is_true(&s.conditions, ct::DEGRADED));
+        assert!(is_true(&s.conditions, ct::STALLED));
+        assert!(
+            find(&s.conditions, ct::STALLED)
+                .unwrap()
+                .message
+                .contains("pm-node-2")
+        );
+    }
+
+    #[test]
+    fn drift_is_reported_by_field_and_the_pool_reconciles() {
+        let mut o = observed(Some(ds(1, 1, 1, 1, 1)));
+        o.drift = vec!["spec.template.spec.containers[runner].image is x, want y".into()];
+        let s = compute(&pool("rp").build(), &o, t());
+        let c = find(&s.conditions, ct::SHAPE_CONFORMANT).unwrap();
+        assert_eq!(c.status, "False");
+        assert!(
+            c.message.contains("containers[runner].image"),
+            "{}",
+            c.message
+        );
+        assert!(is_true(&s.conditions, ct::RECONCILING));
+    }
+
+    #[test]
+    fn no_labelled_node_settles_as_stalled_not_progressing_forever() {
+        let s = compute(&pool("rp").build(), &observed(Some(ds(1, 1, 0, 0, 0))), t());
+        assert!(is_true(&s.conditions, ct::STALLED), "{:#?}", s.conditions);
+        assert_eq!(
+            find(&s.conditions, ct::STALLED).unwrap().reason,
+            reasons::NO_ELIGIBLE_NODES
+        );
+        assert!(!is_true(&s.conditions, ct::AVAILABLE));
+    }
+
+    #[test]
+    fn an_unresolved_server_and_foreign_policies_degrade() {
+        let mut o = observed(Some(ds(1, 1, 1, 1, 1)));
+        o.server = Err("Service compass/compass-server not found".into());
+        o.foreign_policies = vec!["allow-all".into()];
+        let s = compute(&pool("rp").build(), &o, t());
+        let c = find(&s.conditions, ct::DEGRADED).unwrap();
+        assert_eq!(c.status, "True");
+        assert!(
+            c.message.contains("allow-all") && c.message.contains("compass-server"),
+            "{}",
+            c.message
+        );
+    }
+
+    #[test]
+    fn percentages_round_up_like_the_daemonset_controller() {
+        assert_eq!(
+            max_unavailable_count(&IntOrString::String("10%".into()), 15),
+            2
+        );
+        assert_eq!(max_unavailable_count(&IntOrString::Int(2), 15), 2);
+    }
+}
