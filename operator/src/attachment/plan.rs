@@ -1,0 +1,484 @@
+//! One workload's plan: which attachments are accepted (coexistence rules), who claims
+//! which pod, which Jobs to create and delete, and every attachment's status.
+//!
+//! Coexistence, as in the seed's table: attachments of one workload share its Jobs, so
+//! they must agree on the agent (`agent`, `containers`, `sidecar`; the oldest wins,
+//! younger ones that differ are rejected with `AgentConflict`); two intercepts of the
+//! same port conflict (the younger is rejected with `PortConflict`); wiretaps and
+//! ingests share freely. A pod with an injected sidecar is never attached (skipped, and
+//! the attachment says so with a `SidecarConflict` Event). An ingest needs one pod: it
+//! reuses a Job that already targets an admissible pod, else takes the first admissible
+//! pod by name; it holds it only while its session lease is unexpired.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::jiff::Timestamp;
+use podmotion_api::NodeAgentAttachmentStatus;
+use podmotion_api::attachment::{AttachMode, SkipReason, SkippedPod, TargetState, TargetStatus};
+use podmotion_api::conditions::{Health, set_health};
+use podmotion_api::names::reasons;
+
+use super::naming::job_name;
+use super::observed::{AttachmentView, JobRun, ObservedGroup, PodPhase, PodView, workload_key};
+use super::reap::{Claims, JobFate, ReapReason, WantedTarget, fate};
+use super::render::{AgentProfile, Settings, job};
+use super::selection::{PodClass, classify, container_ids};
+
+/// A Job to create for a target pod.
+#[derive(Clone, Debug)]
+pub struct Creation {
+    pub pod: String,
+    pub job: Job,
+}
+
+/// A Job to delete (always with foreground propagation), and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub job: String,
+    pub pod: String,
+    pub fate: JobFate,
+}
+
+/// An Event about one attachment, beyond the Job created/replaced/reaped ones the
+/// controller records as it acts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notice {
+    pub attachment: String,
+    pub warning: bool,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// Why an attachment is not accepted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    AgentConflict { with: String },
+    PortConflict { with: String },
+}
+
+/// Everything one reconcile of a workload must do.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub create: Vec<Creation>,
+    pub delete: Vec<Deletion>,
+    /// Status of every attachment that is not being deleted, by name.
+    pub statuses: BTreeMap<String, NodeAgentAttachmentStatus>,
+    pub notices: Vec<Notice>,
+    /// Earliest instant an ingest lease expires (reconcile again then).
+    pub wake_at: Option<Timestamp>,
+    /// Jobs of this workload that exist but are not wanted as they are (to be deleted
+    /// now, or terminating already). A finalizer waits until this is zero.
+    pub unwanted_jobs: usize,
+    /// Jobs that are kept.
+    pub kept_jobs: usize,
+}
+
+fn ports_overlap(a: &AttachmentView, b: &AttachmentView) -> bool {
+    let (pa, pb) = (&a.spec.ports, &b.spec.ports);
+    pa.is_empty() || pb.is_empty() || pa.iter().any(|p| pb.contains(p))
+}
+
+fn same_agent(a: &AttachmentView, b: &AttachmentView) -> bool {
+    a.spec.agent == b.spec.agent
+        && a.spec.containers == b.spec.containers
+        && a.spec.sidecar == b.spec.sidecar
+}
+
+/// Plans one workload. Pure: same input, same output.
+pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
+    let mut out = Plan::default();
+    let ns = obs.namespace.as_str();
+
+    // 1. Coexistence: live attachments, oldest first; reject the younger of a conflict.
+    let mut live: Vec<&AttachmentView> = obs.attachments.iter().filter(|a| !a.deleting).collect();
+    live.sort_by(|a, b| (a.created, &a.name).cmp(&(b.created, &b.name)));
+    let mut accepted: Vec<&AttachmentView> = vec![];
+    let mut rejected: BTreeMap<&str, Rejection> = BTreeMap::new();
+    for a in &live {
+        if let Some(first) = accepted.first().filter(|f| !same_agent(f, a)) {
+            rejected.insert(
+                &a.name,
+                Rejection::AgentConflict {
+                    with: first.name.clone(),
+                },
+            );
+            continue;
+        }
+        let clash = accepted.iter().find(|b| {
+            a.spec.mode == AttachMode::Intercept
+                && b.spec.mode == AttachMode::Intercept
+                && ports_overlap(a, b)
+        });
+        if let Some(b) = clash {
+            rejected.insert(
+                &a.name,
+                Rejection::PortConflict {
+                    with: b.name.clone(),
+                },
+            );
+            continue;
+        }
+        accepted.push(a);
+    }
+    let expired: BTreeSet<&str> = accepted
+        .iter()
+        .filter(|a| a.spec.mode == AttachMode::Ingest && a.lease_expiry() <= obs.now)
+        .map(|a| a.name.as_str())
+        .collect();
+    out.wake_at = accepted
+        .iter()
+        .filter(|a| a.spec.mode == AttachMode::Ingest && !expired.contains(a.name.as_str()))
+        .map(|a| a.lease_expiry())
+        .min();
+    let claimants: Vec<&AttachmentView> = accepted
+        .iter()
+        .copied()
+        .filter(|a| !expired.contains(a.name.as_str()))
+        .collect();
+
+    // 2. Selection, under the oldest accepted attachment's agent profile.
+    let primary = accepted.first().copied();
+    let sidecar = primary.map(|p| p.spec.sidecar.clone()).unwrap_or_default();
+    let containers: &[String] = primary.map(|p| &p.spec.containers[..]).unwrap_or(&[]);
+    let mut pods: Vec<&PodView> = obs.pods.iter().collect();
+    pods.sort_by(|a, b| a.name.cmp(&b.name));
+    let has_job = |p: &PodView| {
+        obs.jobs
+            .iter()
+            .any(|j| j.target_pod == p.name && j.target_pod_uid == p.uid)
+    };
+    let classes: Vec<(&PodView, PodClass)> = pods
+        .iter()
+        .map(|p| (*p, classify(p, &sidecar, has_job(p))))
+        .collect();
+    let admissible: Vec<&PodView> = classes
+        .iter()
+        .filter(|(_, c)| *c == PodClass::Admissible)
+        .map(|(p, _)| *p)
+        .collect();
+    let held_or_admissible: Vec<&PodView> = classes
+        .iter()
+        .filter(|(_, c)| matches!(c, PodClass::Admissible | PodClass::Held))
+        .map(|(p, _)| *p)
+        .collect();
+
+    // 3. Claims: every target of an intercept or wiretap, one pod per live ingest.
+    let mut claimed: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    let mut per_attachment: BTreeMap<&str, Vec<&PodView>> = BTreeMap::new();
+    let every_replica: Vec<&AttachmentView> = claimants
+        .iter()
+        .copied()
+        .filter(|a| a.spec.mode != AttachMode::Ingest)
+        .collect();
+    for a in &every_replica {
+        for p in &held_or_admissible {
+            claimed.entry(&p.name).or_default().push(a.name.clone());
+        }
+        per_attachment.insert(&a.name, held_or_admissible.clone());
+    }
+    for a in claimants
+        .iter()
+        .filter(|a| a.spec.mode == AttachMode::Ingest)
+    {
+        let with_job = |p: &&&PodView| {
+            obs.jobs
+                .iter()
+                .any(|j| j.target_pod == p.name && !j.terminating)
+        };
+        let pick = admissible
+            .iter()
+            .find(with_job)
+            .or_else(|| admissible.first())
+            .copied();
+        if let Some(p) = pick {
+            claimed.entry(&p.name).or_default().push(a.name.clone());
+            per_attachment.insert(&a.name, vec![p]);
+        } else {
+            per_attachment.insert(&a.name, vec![]);
+        }
+    }
+    let mut claims = Claims::default();
+    if !obs.workload_exists {
+        claims.unclaimed = Some(ReapReason::WorkloadGone);
+    } else if claimants.is_empty() {
+        claims.unclaimed = Some(if accepted.is_empty() {
+            ReapReason::NoLiveAttachment
+        } else {
+            ReapReason::LeaseExpired
+        });
+    }
+    let mut desired: BTreeMap<&str, Job> = BTreeMap::new();
+    if claims.unclaimed.is_none() {
+        let primary = primary.expect("claimants imply an accepted attachment");
+        let profile = AgentProfile {
+            namespace: ns,
+            workload: &obs.workload,
+            containers,
+            agent: &primary.spec.agent,
+        };
+        for p in &pods {
+            let Some(by) = claimed.get(p.name.as_str()) else {
+                let reason = match classes
+                    .iter()
+                    .find(|(q, _)| q.name == p.name)
+                    .map(|(_, c)| c)
+                {
+                    Some(PodClass::Skipped(r, _)) if *r != SkipReason::NotReady => {
+                        ReapReason::TargetNotAdmissible
+                    }
+                    Some(PodClass::Skipped(..)) => ReapReason::TargetGone,
+                    _ => ReapReason::NotSelected,
+                };
+                claims.not_targets.insert(p.name.clone(), reason);
+                continue;
+            };
+            let name = job_name(&settings.job_prefix, ns, &p.name);
+            let ids = container_ids(p, containers, &sidecar);
+            let (j, hash) = job(settings, &profile, p, &name, &ids);
+            claims.targets.insert(
+                p.name.clone(),
+                WantedTarget {
+                    pod_uid: p.uid.clone(),
+                    job_name: name,
+                    container_ids: ids,
+                    spec_hash: hash,
+                    claimed_by: by.clone(),
+                },
+            );
+            desired.insert(&p.name, j);
+        }
+    }
+
+    // 4. Existing Jobs: the reaping predicate and the replacement rules decide.
+    let failed: BTreeSet<(&str, &str)> = pods
+        .iter()
+        .filter(|p| p.phase == PodPhase::Failed)
+        .map(|p| (p.name.as_str(), p.uid.as_str()))
+        .collect();
+    let mut fates: BTreeMap<&str, (JobFate, &super::observed::JobView)> = BTreeMap::new();
+    let mut blocked: BTreeSet<&str> = BTreeSet::new();
+    for j in &obs.jobs {
+        let target_failed = failed.contains(&(j.target_pod.as_str(), j.target_pod_uid.as_str()));
+        let f = fate(j, &claims, target_failed);
+        if f != JobFate::Keep {
+            // Any Job of a pod that is not kept blocks that pod's successor until it is gone.
+            blocked.insert(&j.target_pod);
+            if !j.terminating {
+                out.delete.push(Deletion {
+                    job: j.name.clone(),
+                    pod: j.target_pod.clone(),
+                    fate: f,
+                });
+            }
+        }
+        if f == JobFate::Keep {
+            out.kept_jobs += 1;
+        } else {
+            out.unwanted_jobs += 1;
+        }
+        fates.insert(&j.target_pod, (f, j));
+    }
+    for (pod, j) in &desired {
+        let exists = obs.jobs.iter().any(|e| e.target_pod == *pod);
+        if !exists && !blocked.contains(pod) {
+            out.create.push(Creation {
+                pod: pod.to_string(),
+                job: j.clone(),
+            });
+        }
+    }
+
+    // 5. Status of every live attachment.
+    let workload = workload_key(&obs.workload);
+    for a in &live {
+        let prev = a.status.clone().unwrap_or_default();
+        let mut st = NodeAgentAttachmentStatus {
+            observed_generation: a.generation,
+            workload: Some(workload.clone()),
+            conditions: prev.conditions.clone(),
+            ..Default::default()
+        };
+        st.skipped = classes
+            .iter()
+            .filter_map(|(p, c)| match c {
+                PodClass::Skipped(r, m) => Some(SkippedPod {
+                    pod: p.name.clone(),
+                    reason: *r,
+                    message: m.clone(),
+                }),
+                _ => None,
+            })
+            .collect();
+        let sidecars: Vec<&str> = st
+            .skipped
+            .iter()
+            .filter(|s| s.reason == SkipReason::InjectedSidecar)
+            .map(|s| s.pod.as_str())
+            .collect();
+        let prev_sidecars: Vec<&str> = prev
+            .skipped
+            .iter()
+            .filter(|s| s.reason == SkipReason::InjectedSidecar)
+            .map(|s| s.pod.as_str())
+            .collect();
+        if !sidecars.is_empty() && sidecars != prev_sidecars {
+            out.notices.push(Notice {
+                attachment: a.name.clone(),
+                warning: true,
+                reason: reasons::SIDECAR_CONFLICT,
+                note: format!(
+                    "not attaching to pods with an injected traffic-agent sidecar: {}",
+                    sidecars.join(", ")
+                ),
+            });
+        }
+        let targets: Vec<&PodView> = per_attachment
+            .get(a.name.as_str())
+            .cloned()
+            .unwrap_or_default();
+        st.targets = targets
+            .iter()
+            .map(|p| {
+                let state = match fates.get(p.name.as_str()) {
+                    None => TargetState::Pending,
+                    Some((JobFate::Keep, j)) => match j.run {
+                        JobRun::Active { ready: true } => TargetState::Running,
+                        JobRun::Active { ready: false } => TargetState::Starting,
+                        JobRun::Complete => TargetState::Exited,
+                        JobRun::Failed => TargetState::Replacing,
+                    },
+                    Some(_) => TargetState::Replacing,
+                };
+                TargetStatus {
+                    pod: p.name.clone(),
+                    node: p.node.clone().unwrap_or_default(),
+                    pod_ip: p.ip.clone(),
+                    job: job_name(&settings.job_prefix, ns, &p.name),
+                    state,
+                }
+            })
+            .collect();
+        let total = st.targets.len();
+        let ready = st
+            .targets
+            .iter()
+            .filter(|t| t.state == TargetState::Running)
+            .count();
+        st.ready_targets = ready as i32;
+        st.total_targets = total as i32;
+        st.ready_summary = Some(format!("{ready}/{total}"));
+        let health = health(
+            a,
+            obs,
+            &rejected,
+            expired.contains(a.name.as_str()),
+            &st,
+            ready,
+            total,
+        );
+        set_health(&mut st.conditions, &health, a.generation, obs.now);
+        out.statuses.insert(a.name.clone(), st);
+    }
+    out
+}
+
+fn health(
+    a: &AttachmentView,
+    obs: &ObservedGroup,
+    rejected: &BTreeMap<&str, Rejection>,
+    expired: bool,
+    st: &NodeAgentAttachmentStatus,
+    ready: usize,
+    total: usize,
+) -> Health {
+    let workload = workload_key(&obs.workload);
+    if !obs.workload_exists {
+        return Health::stalled(
+            reasons::WORKLOAD_NOT_FOUND,
+            format!("{workload} does not exist in {}", obs.namespace),
+        );
+    }
+    match rejected.get(a.name.as_str()) {
+        Some(Rejection::AgentConflict { with }) => {
+            return Health::stalled(
+                reasons::AGENT_CONFLICT,
+                format!(
+                    "{with} already attaches agents to {workload} with other agent settings (agent, containers or \
+                     sidecar); attachments of one workload share its Jobs and must agree"
+                ),
+            );
+        }
+        Some(Rejection::PortConflict { with }) => {
+            return Health::stalled(
+                reasons::PORT_CONFLICT,
+                format!(
+                    "{with} already intercepts the same port(s) of {workload}; concurrent intercepts of one port conflict"
+                ),
+            );
+        }
+        None => {}
+    }
+    if expired {
+        return Health::stalled(
+            reasons::LEASE_EXPIRED,
+            format!(
+                "the ingest session lease {} expired at {}; its Job was released. Renew the Lease to ingest again",
+                a.lease_name(),
+                a.lease_expiry()
+            ),
+        );
+    }
+    let count = |r: SkipReason| st.skipped.iter().filter(|s| s.reason == r).count();
+    if total == 0 {
+        if count(SkipReason::NotReady) > 0 {
+            return Health::reconciling(
+                reasons::WAITING_FOR_READY_PODS,
+                format!("no pod of {workload} is Running and Ready yet"),
+            );
+        }
+        if st.skipped.is_empty() {
+            return Health::stalled(
+                reasons::NO_ADMISSIBLE_TARGET,
+                format!("{workload} has no pods"),
+            );
+        }
+        if count(SkipReason::InjectedSidecar) == st.skipped.len() {
+            return Health::stalled(
+                reasons::SIDECAR_CONFLICT,
+                format!(
+                    "every pod of {workload} carries an injected traffic-agent sidecar; use the sidecar instead"
+                ),
+            );
+        }
+        return Health::stalled(
+            reasons::NO_ADMISSIBLE_TARGET,
+            format!(
+                "no pod of {workload} can host a node agent ({} on the host network, {} with an injected sidecar, \
+                 {} in a user namespace); see status.skipped",
+                count(SkipReason::HostNetwork),
+                count(SkipReason::InjectedSidecar),
+                count(SkipReason::UserNamespace)
+            ),
+        );
+    }
+    let skipped = if st.skipped.is_empty() {
+        String::new()
+    } else {
+        format!("; {} pod(s) skipped", st.skipped.len())
+    };
+    if ready == total {
+        Health::ready(
+            reasons::ALL_TARGETS_ATTACHED,
+            format!("{ready}/{total} agents running{skipped}"),
+        )
+    } else {
+        Health::reconciling(
+            reasons::JOBS_PENDING,
+            format!("{ready}/{total} agents running{skipped}"),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,508 @@
+//! The objects an attachment needs, rendered from plain inputs: the node-pinned agent
+//! Job for one target pod, its credential Secret (owned by the Job) and the one
+//! NetworkPolicy that denies all ingress to agent pods.
+//!
+//! The agent pod is privileged in the seed's sense, and no more: `hostPID`, the node's
+//! container-runtime socket directory mounted read-only, capabilities SYS_ADMIN,
+//! SYS_PTRACE, NET_ADMIN and NET_RAW (everything else dropped), `runAsGroup` set to the
+//! agent GID so the redirect rules exempt the agent's own sockets. It is not
+//! `privileged`, has no service-account token and no host network.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, HostPathVolumeSource, PodSpec, PodTemplateSpec, Secret,
+    SecretVolumeSource, SecurityContext, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use podmotion_api::attachment::{AgentSettings, WorkloadRef};
+use podmotion_api::names::{annotations, labels};
+use sha2::{Digest, Sha256};
+
+use super::observed::{PodView, workload_key};
+
+/// `app.kubernetes.io/component` (and `name`) of agent Jobs and their pods.
+pub const COMPONENT: &str = "node-agent";
+/// Name of the NetworkPolicy that denies all ingress to agent pods.
+pub const NETWORK_POLICY: &str = "podmotion-node-agent-deny-ingress";
+/// Where the agent finds its credentials.
+pub const CREDENTIALS_DIR: &str = "/var/run/podmotion/credentials";
+/// Where the node's container-runtime socket (directory) is mounted.
+pub const CRI_MOUNT: &str = "/host/cri";
+/// The agent's capabilities, exactly these.
+pub const CAPABILITIES: [&str; 4] = ["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"];
+
+/// Operator-wide settings of attachment Jobs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// The operator's namespace: every agent Job lives there.
+    pub namespace: String,
+    /// Prefix of every Job name.
+    pub job_prefix: String,
+    /// Agent image when an attachment does not name one.
+    pub default_image: String,
+    /// Host path mounted as the container-runtime socket when an attachment does not
+    /// name one (`/run`: the agent picks the socket that knows the target's containers).
+    pub default_cri_socket_path: String,
+    /// Retries of a failing agent pod before the Job fails (and is replaced).
+    pub backoff_limit: i32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            namespace: "podmotion-system".into(),
+            job_prefix: "podmotion-agent".into(),
+            default_image: "ghcr.io/podmotion/attach:0.1.0".into(),
+            default_cri_socket_path: "/run".into(),
+            backoff_limit: 3,
+        }
+    }
+}
+
+/// What the agent is told, besides its target: the same information a sidecar gets in
+/// its `AGENT_CONFIG`.
+#[derive(Clone, Debug)]
+pub struct AgentProfile<'a> {
+    pub namespace: &'a str,
+    pub workload: &'a WorkloadRef,
+    pub containers: &'a [String],
+    pub agent: &'a AgentSettings,
+}
+
+/// Labels selecting every agent Job and pod of PodMotion.
+pub fn agent_selector_labels() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (labels::MANAGED_BY.into(), labels::MANAGED_BY_VALUE.into()),
+        (labels::COMPONENT.into(), COMPONENT.into()),
+    ])
+}
+
+/// Label selector (string form) of every agent Job.
+pub fn agent_selector() -> String {
+    format!(
+        "{}={},{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE,
+        labels::COMPONENT,
+        COMPONENT
+    )
+}
+
+/// Label value for the workload label: `<kind>.<name>`, shortened with a hash if long.
+pub fn workload_label(w: &WorkloadRef) -> String {
+    let s = format!("{}.{}", w.kind.as_str().to_ascii_lowercase(), w.name);
+    if s.len() <= 63 {
+        return s;
+    }
+    let hash: String = Sha256::digest(s.as_bytes())
+        .iter()
+        .take(5)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut prefix: String = s.chars().take(52).collect();
+    while prefix.ends_with(|c: char| !c.is_ascii_alphanumeric()) {
+        prefix.pop();
+    }
+    format!("{prefix}-{hash}")
+}
+
+/// Label selector (string form) of the agent Jobs of one workload.
+pub fn workload_selector(namespace: &str, w: &WorkloadRef) -> String {
+    format!(
+        "{},{}={},{}={}",
+        agent_selector(),
+        labels::TARGET_NAMESPACE,
+        namespace,
+        labels::WORKLOAD,
+        workload_label(w)
+    )
+}
+
+/// The agent Job for `pod`, named `name`, carrying `container_ids`. The spec hash is
+/// recorded in an annotation (and returned) so a change of agent settings is noticed.
+pub fn job(
+    settings: &Settings,
+    profile: &AgentProfile<'_>,
+    pod: &PodView,
+    name: &str,
+    container_ids: &BTreeMap<String, String>,
+) -> (Job, String) {
+    let agent = profile.agent;
+    let image = agent
+        .image
+        .clone()
+        .unwrap_or_else(|| settings.default_image.clone());
+    let cri_path = agent
+        .cri_socket_path
+        .clone()
+        .unwrap_or_else(|| settings.default_cri_socket_path.clone());
+    let node = pod.node.clone().unwrap_or_default();
+    let ids_json = serde_json::to_string(container_ids).expect("a string map serializes");
+    let agent_config = serde_json::json!({
+        "namespace": profile.namespace,
+        "workload": {"kind": profile.workload.kind.as_str(), "name": profile.workload.name},
+        "containers": profile.containers,
+        "agentGID": agent.gid,
+        "managerNamespace": settings.namespace,
+        "config": agent.config,
+    });
+    let env = |name: &str, value: String| EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..Default::default()
+    };
+    let mut pod_labels = agent_selector_labels();
+    pod_labels.insert(labels::TARGET_NAMESPACE.into(), profile.namespace.into());
+    pod_labels.insert(labels::TARGET_POD_UID.into(), pod.uid.clone());
+    let container = Container {
+        name: "agent".into(),
+        image: Some(image),
+        args: Some(vec!["node-agent".into()]),
+        env: Some(vec![
+            env("AGENT_CONFIG", agent_config.to_string()),
+            env("AGENT_TARGET_NAMESPACE", profile.namespace.into()),
+            env("AGENT_TARGET_POD", pod.name.clone()),
+            env("AGENT_TARGET_POD_UID", pod.uid.clone()),
+            env("AGENT_TARGET_POD_IP", pod.ip.clone().unwrap_or_default()),
+            env("AGENT_CONTAINER_IDS", ids_json.clone()),
+            env("AGENT_CRI_SOCKET_DIR", CRI_MOUNT.into()),
+            env("AGENT_CREDENTIALS_DIR", CREDENTIALS_DIR.into()),
+            env("NODE_NAME", node.clone()),
+        ]),
+        security_context: Some(SecurityContext {
+            run_as_user: Some(0),
+            run_as_group: Some(agent.gid),
+            privileged: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                add: Some(CAPABILITIES.iter().map(|c| c.to_string()).collect()),
+                drop: Some(vec!["ALL".into()]),
+            }),
+            ..Default::default()
+        }),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "cri".into(),
+                mount_path: CRI_MOUNT.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: "credentials".into(),
+                mount_path: CREDENTIALS_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+        ]),
+        ..Default::default()
+    };
+    let spec = JobSpec {
+        backoff_limit: Some(settings.backoff_limit),
+        template: PodTemplateSpec {
+            metadata: Some(ObjectMeta {
+                labels: Some(pod_labels),
+                annotations: (!agent.pod_annotations.is_empty())
+                    .then(|| agent.pod_annotations.clone()),
+                ..Default::default()
+            }),
+            spec: Some(PodSpec {
+                node_name: Some(node),
+                host_pid: Some(true),
+                restart_policy: Some("Never".into()),
+                automount_service_account_token: Some(false),
+                enable_service_links: Some(false),
+                termination_grace_period_seconds: Some(30),
+                // Pinned to the target's node, whatever its taints: the target runs there.
+                tolerations: Some(vec![Toleration {
+                    operator: Some("Exists".into()),
+                    ..Default::default()
+                }]),
+                containers: vec![container],
+                volumes: Some(vec![
+                    Volume {
+                        name: "cri".into(),
+                        host_path: Some(HostPathVolumeSource {
+                            path: cri_path,
+                            type_: Some("Directory".into()),
+                        }),
+                        ..Default::default()
+                    },
+                    Volume {
+                        name: "credentials".into(),
+                        secret: Some(SecretVolumeSource {
+                            secret_name: Some(name.into()),
+                            default_mode: Some(0o400),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                ]),
+                ..Default::default()
+            }),
+        },
+        ..Default::default()
+    };
+    let hash = spec_hash(&spec);
+    let mut job_labels = agent_selector_labels();
+    job_labels.insert(labels::NAME.into(), COMPONENT.into());
+    job_labels.insert(labels::OWNER_KIND.into(), "NodeAgentAttachment".into());
+    job_labels.insert(labels::TARGET_NAMESPACE.into(), profile.namespace.into());
+    job_labels.insert(labels::WORKLOAD.into(), workload_label(profile.workload));
+    job_labels.insert(labels::TARGET_POD_UID.into(), pod.uid.clone());
+    let job_annotations = BTreeMap::from([
+        (annotations::TARGET_POD.into(), pod.name.clone()),
+        (annotations::WORKLOAD.into(), workload_key(profile.workload)),
+        (annotations::CONTAINER_IDS.into(), ids_json),
+        (annotations::SPEC_HASH.into(), hash.clone()),
+    ]);
+    let job = Job {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(settings.namespace.clone()),
+            labels: Some(job_labels),
+            annotations: Some(job_annotations),
+            ..Default::default()
+        },
+        spec: Some(spec),
+        status: None,
+    };
+    (job, hash)
+}
+
+/// Hash of a Job spec (its JSON is deterministic: maps are ordered).
+pub fn spec_hash(spec: &JobSpec) -> String {
+    let json = serde_json::to_vec(spec).expect("a JobSpec serializes");
+    Sha256::digest(&json)
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The Job's credential Secret: same name and namespace, owned by the Job (deleted with
+/// it, and foreground deletion of the Job waits for it). `token` is random.
+pub fn credentials(job: &Job, job_uid: &str, token: &[u8]) -> Secret {
+    let meta = &job.metadata;
+    Secret {
+        metadata: ObjectMeta {
+            name: meta.name.clone(),
+            namespace: meta.namespace.clone(),
+            labels: Some(agent_selector_labels()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "batch/v1".into(),
+                kind: "Job".into(),
+                name: meta.name.clone().unwrap_or_default(),
+                uid: job_uid.into(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            "token".to_string(),
+            ByteString(token.to_vec()),
+        )])),
+        immutable: Some(true),
+        ..Default::default()
+    }
+}
+
+/// Denies all ingress to agent pods. Port-forwarding (which the client uses to reach
+/// the agent) enters the pod's network namespace through the kubelet and is unaffected.
+pub fn network_policy(settings: &Settings) -> NetworkPolicy {
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(NETWORK_POLICY.into()),
+            namespace: Some(settings.namespace.clone()),
+            labels: Some(BTreeMap::from([
+                (labels::MANAGED_BY.into(), labels::MANAGED_BY_VALUE.into()),
+                (labels::NAME.into(), COMPONENT.into()),
+            ])),
+            ..Default::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(agent_selector_labels()),
+                ..Default::default()
+            }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: None,
+            egress: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attachment::fixtures::pod;
+    use podmotion_api::attachment::WorkloadKind;
+
+    fn render(agent: &AgentSettings) -> Job {
+        let w = WorkloadRef {
+            kind: WorkloadKind::Deployment,
+            name: "web".into(),
+        };
+        let p = pod("web-0").on_node("n1").ready().build();
+        let ids = BTreeMap::from([("app".to_string(), "containerd://abc".to_string())]);
+        let profile = AgentProfile {
+            namespace: "shop",
+            workload: &w,
+            containers: &[],
+            agent,
+        };
+        job(
+            &Settings::default(),
+            &profile,
+            &p,
+            "podmotion-agent-1234",
+            &ids,
+        )
+        .0
+    }
+
+    #[test]
+    fn job_is_pinned_privileged_as_the_seed_says_and_no_more() {
+        let j = render(&AgentSettings::default());
+        assert_eq!(j.metadata.namespace.as_deref(), Some("podmotion-system"));
+        let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_eq!(ps.node_name.as_deref(), Some("n1"));
+        assert_eq!(ps.host_pid, Some(true));
+        assert_eq!(ps.host_network, None);
+        assert_eq!(ps.automount_service_account_token, Some(false));
+        let c = &ps.containers[0];
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.run_as_group, Some(7777));
+        assert_eq!(sc.privileged, Some(false));
+        let caps = sc.capabilities.as_ref().unwrap();
+        assert_eq!(
+            caps.add.as_ref().unwrap(),
+            &["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"]
+        );
+        assert_eq!(caps.drop.as_ref().unwrap(), &["ALL"]);
+        let cri = ps
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "cri")
+            .unwrap();
+        assert_eq!(cri.host_path.as_ref().unwrap().path, "/run");
+        let mount = c
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.name == "cri")
+            .unwrap();
+        assert_eq!(mount.read_only, Some(true));
+        let env: BTreeMap<_, _> = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| (e.name.as_str(), e.value.clone().unwrap_or_default()))
+            .collect();
+        assert_eq!(env["AGENT_CONTAINER_IDS"], r#"{"app":"containerd://abc"}"#);
+        assert_eq!(
+            env["AGENT_TARGET_POD_IP"],
+            pod("web-0").on_node("n1").ready().build().ip.unwrap()
+        );
+        assert!(
+            env["AGENT_CONFIG"].contains("\"agentGID\":7777"),
+            "{}",
+            env["AGENT_CONFIG"]
+        );
+    }
+
+    #[test]
+    fn agent_settings_reach_the_job_and_change_its_hash() {
+        let base = render(&AgentSettings::default());
+        let custom = AgentSettings {
+            image: Some("registry.example/agent:2".into()),
+            gid: 4242,
+            cri_socket_path: Some("/run/containerd".into()),
+            ..Default::default()
+        };
+        let j = render(&custom);
+        let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_eq!(
+            ps.containers[0].image.as_deref(),
+            Some("registry.example/agent:2")
+        );
+        assert_eq!(
+            ps.containers[0]
+                .security_context
+                .as_ref()
+                .unwrap()
+                .run_as_group,
+            Some(4242)
+        );
+        assert_eq!(
+            ps.volumes.as_ref().unwrap()[0]
+                .host_path
+                .as_ref()
+                .unwrap()
+                .path,
+            "/run/containerd"
+        );
+        let hash =
+            |j: &Job| j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
+        assert_ne!(hash(&base), hash(&j));
+        assert_eq!(hash(&base), hash(&render(&AgentSettings::default())));
+    }
+
+    #[test]
+    fn rendered_job_reads_back_as_the_same_target() {
+        let j = render(&AgentSettings::default());
+        let v = crate::attachment::JobView::from_job(&j).expect("labels and annotations present");
+        assert_eq!(v.target_namespace, "shop");
+        assert_eq!(v.target_pod, "web-0");
+        assert_eq!(v.workload, "Deployment/web");
+        assert_eq!(v.container_ids["app"], "containerd://abc");
+    }
+
+    #[test]
+    fn secret_is_owned_by_its_job_and_policy_denies_all_ingress() {
+        let j = render(&AgentSettings::default());
+        let s = credentials(&j, "job-uid", b"t0k3n");
+        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("Job", "job-uid")
+        );
+        assert_eq!(s.metadata.name, j.metadata.name);
+        let np = network_policy(&Settings::default());
+        let spec = np.spec.unwrap();
+        assert_eq!(spec.policy_types.unwrap(), vec!["Ingress".to_string()]);
+        assert!(
+            spec.ingress.is_none(),
+            "no ingress rule: everything is denied"
+        );
+        let sel = spec.pod_selector.unwrap().match_labels.unwrap();
+        let pod_labels = j.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        assert!(
+            sel.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+            "the policy selects the agent pods"
+        );
+    }
+
+    #[test]
+    fn long_workload_names_give_valid_distinct_labels() {
+        let a = WorkloadRef {
+            kind: WorkloadKind::Deployment,
+            name: format!("{}a", "x".repeat(100)),
+        };
+        let b = WorkloadRef {
+            kind: WorkloadKind::Deployment,
+            name: format!("{}b", "x".repeat(100)),
+        };
+        assert!(workload_label(&a).len() <= 63);
+        assert_ne!(workload_label(&a), workload_label(&b));
+    }
+}

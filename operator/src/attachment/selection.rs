@@ -1,0 +1,290 @@
+//! Target selection: which pods of the workload get (or keep) an agent, and why the
+//! others are skipped.
+//!
+//! A pod is *admissible* when it is Running and Ready on a node and can host a node
+//! agent. Pods on the host network, pods with an injected traffic-agent sidecar and pods
+//! in their own user namespace can never host one. A pod that already has its Job and
+//! merely turned un-Ready (or is terminating but not gone yet) is *held*: it keeps its
+//! Job. Everything else waits as `NotReady`.
+
+use std::collections::BTreeMap;
+
+use podmotion_api::attachment::{SidecarRecognition, SkipReason};
+
+use super::observed::{PodPhase, PodView};
+
+/// What a pod is to the attachment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodClass {
+    /// Running, Ready, on a node: gets a Job.
+    Admissible,
+    /// Not admissible now, but has its Job already and keeps it.
+    Held,
+    /// Gets no Job, for this reason.
+    Skipped(SkipReason, String),
+}
+
+/// Whether `pod` carries an injected traffic-agent sidecar, by container name or annotation.
+pub fn has_sidecar(pod: &PodView, sidecar: &SidecarRecognition) -> bool {
+    pod.containers
+        .iter()
+        .any(|c| c.name == sidecar.container_name)
+        || pod
+            .annotations
+            .get(&sidecar.annotation)
+            .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+}
+
+/// Classifies one pod. `has_job`: an agent Job made for this very pod (same UID) exists.
+pub fn classify(pod: &PodView, sidecar: &SidecarRecognition, has_job: bool) -> PodClass {
+    if pod.host_network {
+        return PodClass::Skipped(
+            SkipReason::HostNetwork,
+            "the pod uses the host network; its network namespace is the node's".into(),
+        );
+    }
+    if has_sidecar(pod, sidecar) {
+        return PodClass::Skipped(
+            SkipReason::InjectedSidecar,
+            format!(
+                "the pod carries an injected traffic-agent sidecar (container {:?} or annotation {:?}); \
+                 a node agent would program the same nftables table and bind the same ports",
+                sidecar.container_name, sidecar.annotation
+            ),
+        );
+    }
+    if pod.host_users == Some(false) {
+        return PodClass::Skipped(
+            SkipReason::UserNamespace,
+            "the pod runs in its own user namespace (hostUsers: false), which needs a packet-mark \
+             discriminator the agent does not support yet"
+                .into(),
+        );
+    }
+    match pod.phase {
+        PodPhase::Failed => {
+            return PodClass::Skipped(SkipReason::NotReady, "the pod has failed".into());
+        }
+        PodPhase::Succeeded => {
+            return PodClass::Skipped(SkipReason::NotReady, "the pod has completed".into());
+        }
+        _ => {}
+    }
+    if pod.phase == PodPhase::Running && pod.ready && pod.node.is_some() && !pod.terminating {
+        return PodClass::Admissible;
+    }
+    if has_job && pod.node.is_some() {
+        return PodClass::Held;
+    }
+    let why = if pod.terminating {
+        "the pod is terminating"
+    } else if pod.node.is_none() {
+        "the pod is not scheduled to a node yet"
+    } else if pod.phase != PodPhase::Running {
+        "the pod is not Running yet"
+    } else {
+        "the pod is not Ready yet"
+    };
+    PodClass::Skipped(
+        SkipReason::NotReady,
+        format!("{why}; it gets its agent once Running and Ready"),
+    )
+}
+
+/// The container IDs handed to the agent for `pod`: those of `wanted` containers (empty:
+/// every container but the sidecar's), by container name. Containers not started yet
+/// have no ID and are left out.
+pub fn container_ids(
+    pod: &PodView,
+    wanted: &[String],
+    sidecar: &SidecarRecognition,
+) -> BTreeMap<String, String> {
+    pod.containers
+        .iter()
+        .filter(|c| {
+            if wanted.is_empty() {
+                c.name != sidecar.container_name
+            } else {
+                wanted.contains(&c.name)
+            }
+        })
+        .filter_map(|c| c.id.clone().map(|id| (c.name.clone(), id)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attachment::fixtures::pod;
+
+    fn class(p: PodView, has_job: bool) -> PodClass {
+        classify(&p, &SidecarRecognition::default(), has_job)
+    }
+    fn reason(c: PodClass) -> Option<SkipReason> {
+        match c {
+            PodClass::Skipped(r, _) => Some(r),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn selection_table() {
+        use SkipReason::*;
+        // (case, pod, has a Job already, expected class or skip reason)
+        let cases: Vec<(&str, PodView, bool, Result<PodClass, SkipReason>)> = vec![
+            (
+                "running ready pod is admissible",
+                pod("a").on_node("n1").ready().build(),
+                false,
+                Ok(PodClass::Admissible),
+            ),
+            (
+                "host network pod is skipped",
+                pod("a").on_node("n1").ready().host_network().build(),
+                false,
+                Err(HostNetwork),
+            ),
+            (
+                "host network pod is skipped even with a Job",
+                pod("a").on_node("n1").ready().host_network().build(),
+                true,
+                Err(HostNetwork),
+            ),
+            (
+                "pod with sidecar container is skipped",
+                pod("a").on_node("n1").ready().with_sidecar().build(),
+                false,
+                Err(InjectedSidecar),
+            ),
+            (
+                "pod with sidecar annotation is skipped",
+                pod("a")
+                    .on_node("n1")
+                    .ready()
+                    .annotated("telepresence.io/agent-injected", "true")
+                    .build(),
+                false,
+                Err(InjectedSidecar),
+            ),
+            (
+                "sidecar annotation false does not count",
+                pod("a")
+                    .on_node("n1")
+                    .ready()
+                    .annotated("telepresence.io/agent-injected", "false")
+                    .build(),
+                false,
+                Ok(PodClass::Admissible),
+            ),
+            (
+                "user namespaced pod is skipped",
+                pod("a").on_node("n1").ready().host_users(false).build(),
+                false,
+                Err(UserNamespace),
+            ),
+            (
+                "hostUsers true is admissible",
+                pod("a").on_node("n1").ready().host_users(true).build(),
+                false,
+                Ok(PodClass::Admissible),
+            ),
+            (
+                "pending pod waits",
+                pod("a").on_node("n1").pending().build(),
+                false,
+                Err(NotReady),
+            ),
+            (
+                "unscheduled pod waits",
+                pod("a").build(),
+                false,
+                Err(NotReady),
+            ),
+            (
+                "unready pod without a Job waits",
+                pod("a").on_node("n1").build(),
+                false,
+                Err(NotReady),
+            ),
+            (
+                "unready pod keeps its Job",
+                pod("a").on_node("n1").build(),
+                true,
+                Ok(PodClass::Held),
+            ),
+            (
+                "terminating pod keeps its Job until gone",
+                pod("a").on_node("n1").ready().terminating().build(),
+                true,
+                Ok(PodClass::Held),
+            ),
+            (
+                "terminating pod without a Job gets none",
+                pod("a").on_node("n1").ready().terminating().build(),
+                false,
+                Err(NotReady),
+            ),
+            (
+                "failed pod loses its Job",
+                pod("a").on_node("n1").failed().build(),
+                true,
+                Err(NotReady),
+            ),
+            (
+                "completed pod loses its Job",
+                pod("a").on_node("n1").succeeded().build(),
+                true,
+                Err(NotReady),
+            ),
+        ];
+        for (case, p, has_job, want) in cases {
+            let got = class(p, has_job);
+            match want {
+                Ok(c) => assert_eq!(got, c, "{case}"),
+                Err(r) => assert_eq!(reason(got.clone()), Some(r), "{case}: {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn sidecar_recognition_is_configurable() {
+        let custom = SidecarRecognition {
+            container_name: "mesh-agent".into(),
+            annotation: "example.com/agent".into(),
+        };
+        let p = pod("a")
+            .on_node("n1")
+            .ready()
+            .with_container("mesh-agent")
+            .build();
+        assert_eq!(
+            reason(classify(&p, &custom, false)),
+            Some(SkipReason::InjectedSidecar)
+        );
+        // The default name means nothing under a custom recognition.
+        let p = pod("a").on_node("n1").ready().with_sidecar().build();
+        assert_eq!(classify(&p, &custom, false), PodClass::Admissible);
+        let p = pod("a")
+            .on_node("n1")
+            .ready()
+            .annotated("example.com/agent", "true")
+            .build();
+        assert_eq!(
+            reason(classify(&p, &custom, false)),
+            Some(SkipReason::InjectedSidecar)
+        );
+    }
+
+    #[test]
+    fn container_ids_cover_the_configured_containers_only() {
+        let p = pod("a").on_node("n1").ready().with_container("log").build();
+        let all = container_ids(&p, &[], &SidecarRecognition::default());
+        assert_eq!(
+            all.keys().cloned().collect::<Vec<_>>(),
+            vec!["app".to_string(), "log".to_string()]
+        );
+        let one = container_ids(&p, &["log".into()], &SidecarRecognition::default());
+        assert_eq!(one.len(), 1);
+        assert_eq!(one["log"], "containerd://a-log-1");
+    }
+}
