@@ -4,8 +4,8 @@
 //! whole life. So listeners, dials and the nftables netlink socket are created by a
 //! dedicated thread (never a tokio worker) that `setns(2)`es into the target's
 //! namespace, creates the socket, and `setns`es back to the agent's own namespace.
-//! If the way back fails, the thread is retired — it exits, and the next job gets a
-//! fresh thread — so no later job can run in a namespace it did not ask for. The
+//! If the way back fails, the thread is retired — it hands the job queue to a fresh
+//! thread and exits — so no later job can run in a namespace it did not ask for. The
 //! namespace fds are opened once per agent and reused: the target fd pins the
 //! namespace even if the target's PID is reused later.
 
@@ -14,7 +14,10 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 
-type Job = Box<dyn FnOnce(std::io::Result<()>) -> bool + Send>;
+/// A job runs inside the namespace and returns its reply, which is sent only after
+/// the thread has tried to restore itself.
+type Job = Box<dyn FnOnce(std::io::Result<()>) -> Reply + Send>;
+type Reply = Box<dyn FnOnce() + Send>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
@@ -62,6 +65,14 @@ impl NetnsExecutor {
 
     fn spawn_worker(shared: Arc<Shared>) -> mpsc::Sender<Job> {
         let (tx, rx) = mpsc::channel::<Job>();
+        Self::spawn_thread(shared, rx);
+        tx
+    }
+
+    /// One worker thread serving the queue. When its way back fails it hands the
+    /// queue to a fresh thread and exits, so queued jobs are never lost and never
+    /// run on the thread that is stuck in the wrong namespace.
+    fn spawn_thread(shared: Arc<Shared>, rx: mpsc::Receiver<Job>) {
         std::thread::Builder::new()
             .name("netns-worker".into())
             .spawn(move || {
@@ -69,17 +80,19 @@ impl NetnsExecutor {
                     let entered = setns(&shared.target, CloneFlags::CLONE_NEWNET)
                         .map_err(std::io::Error::from);
                     let was_entered = entered.is_ok();
-                    job(entered);
+                    let reply = job(entered);
                     if was_entered
                         && let Err(e) = setns(&shared.restore, CloneFlags::CLONE_NEWNET)
                     {
                         tracing::error!(error = %e, "restoring the agent's network namespace failed; retiring the thread");
+                        Self::spawn_thread(shared, rx);
+                        reply();
                         return;
                     }
+                    reply();
                 }
             })
             .expect("spawning netns worker thread");
-        tx
     }
 
     /// Hands a job to the worker, replacing a retired worker once: a retired thread
@@ -100,7 +113,7 @@ impl NetnsExecutor {
         Err(NetnsError::WorkerGone)
     }
 
-    fn job<T, F>(f: F, reply: impl FnOnce(Result<T, NetnsError>) -> bool + Send + 'static) -> Job
+    fn job<T, F>(f: F, reply: impl FnOnce(Result<T, NetnsError>) + Send + 'static) -> Job
     where
         T: Send + 'static,
         F: FnOnce() -> std::io::Result<T> + Send + 'static,
@@ -110,7 +123,7 @@ impl NetnsExecutor {
                 Ok(()) => f().map_err(NetnsError::Op),
                 Err(e) => Err(NetnsError::Enter(e)),
             };
-            reply(r)
+            Box::new(move || reply(r))
         })
     }
 
@@ -121,7 +134,9 @@ impl NetnsExecutor {
         F: FnOnce() -> std::io::Result<T> + Send + 'static,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.submit(Self::job(f, move |r| tx.send(r).is_ok()))?;
+        self.submit(Self::job(f, move |r| {
+            let _ = tx.send(r);
+        }))?;
         rx.await.map_err(|_| NetnsError::WorkerGone)?
     }
 
@@ -132,7 +147,9 @@ impl NetnsExecutor {
         F: FnOnce() -> std::io::Result<T> + Send + 'static,
     {
         let (tx, rx) = mpsc::channel();
-        self.submit(Self::job(f, move |r| tx.send(r).is_ok()))?;
+        self.submit(Self::job(f, move |r| {
+            let _ = tx.send(r);
+        }))?;
         rx.recv().map_err(|_| NetnsError::WorkerGone)?
     }
 }

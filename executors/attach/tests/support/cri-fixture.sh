@@ -109,7 +109,6 @@ down)
     for s in $(pgrep -f "containerd-shim-runc-v2 .*-address $sock" || true); do kill -9 "$s" 2>/dev/null || true; done
     # Pod netns bind mounts and rootfs mounts created under DIR / for its pods.
     grep -F "$dir/" /proc/self/mounts | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
-    for n in $(grep -l . "$dir"/netns.* 2>/dev/null || true); do :; done
     rm -rf "$dir"
     ;;
 *) echo "usage: $0 up|down DIR" >&2; exit 2 ;;

@@ -1,0 +1,366 @@
+//! The attach executor against a real target "pod" (a process serving HTTP in its
+//! own network namespace), as root, on this machine's kernel.
+
+mod common;
+
+use common::*;
+use nix::sys::signal::Signal;
+use podmotion_attach::netns::NetnsExecutor;
+use podmotion_attach::nft::{Redirect, Ruleset};
+use std::io::{BufRead, Read, Write};
+use std::time::Duration;
+
+fn target(pod: &NetnsPod) -> Vec<String> {
+    vec!["--pid".into(), pod.pid().to_string()]
+}
+
+fn expected_ruleset() -> String {
+    Ruleset {
+        table: TABLE.into(),
+        agent_gid: AGENT_GID,
+        redirects: vec![Redirect {
+            port: APP_PORT,
+            to: AGENT_PORT,
+        }],
+    }
+    .expected_listing()
+    .replace(" {\n\tflags owner", " {\n\tflags owner")
+}
+
+#[test]
+fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[
+        ("ZED", "last-alpha-first"),
+        ("A", "1"),
+        ("URL", "http://x/?a=b"),
+        ("EMPTY", ""),
+    ]);
+    let agent = Agent::start(
+        &target(&pod),
+        &[
+            "--export",
+            pod.www.to_str().unwrap(),
+            "--env-exclude",
+            "EMPTY",
+        ],
+    );
+
+    // Env: what the kernel holds for the process, in its order, minus the exclusion.
+    let raw = std::fs::read(format!("/proc/{}/environ", pod.pid())).unwrap();
+    let want: Vec<(String, String)> = raw
+        .split(|b| *b == 0)
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (k, v) = std::str::from_utf8(e).unwrap().split_once('=').unwrap();
+            (k.to_owned(), v.to_owned())
+        })
+        .filter(|(k, _)| k != "EMPTY")
+        .collect();
+    let env = agent.json("/v1/env");
+    let got: Vec<(String, String)> = env
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_owned(),
+                e["value"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(got, want);
+    let names: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(&names[..3], ["ZED", "A", "URL"], "order preserved");
+
+    // Files: the export link resolves in the target's mount namespace.
+    let exports = agent.json("/v1/exports");
+    let link = exports["exports"][0]["link"].as_str().unwrap().to_owned();
+    let secret =
+        std::fs::read_to_string(std::path::Path::new(&link).join("sub/secret.txt")).unwrap();
+    assert_eq!(
+        secret,
+        std::fs::read_to_string(pod.www.join("sub/secret.txt")).unwrap()
+    );
+    assert_eq!(
+        std::fs::read_link(&link).unwrap(),
+        std::path::Path::new(&format!("/proc/{}/root{}", pod.pid(), pod.www.display()))
+    );
+    assert!(
+        exports["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["mount_point"] == "/"),
+        "target mounts listed: {exports}"
+    );
+
+    // The ruleset is what the config says, and the app still answers through it.
+    assert_eq!(pod.nft_table(), expected_ruleset());
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+    assert!(pod.get_as_agent_gid_from_inside().contains("hello-app"));
+}
+
+#[test]
+fn intercept_delivers_connections_to_the_client_stream_and_stopping_it_restores_the_app() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let mut pod = NetnsPod::start(&[("A", "1")]);
+    let app_pid = pod.pid();
+    let agent = Agent::start(&target(&pod), &[]);
+
+    let (status, body) = agent.call("POST", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 201, "{body}");
+    let (status, _) = agent.call("POST", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 409, "a second intercept of the same port conflicts");
+
+    let mut stream = agent.stream(&format!("/v1/intercepts/{APP_PORT}/accept"));
+    let mut client = pod.client_connect(pod.app_addr()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    client
+        .write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+
+    let mut head = String::new();
+    stream.read_line(&mut head).unwrap();
+    let head: serde_json::Value = serde_json::from_str(&head).unwrap();
+    assert_eq!(head["original_dst"], pod.app_addr().to_string(), "{head}");
+    assert!(
+        head["peer"]
+            .as_str()
+            .unwrap()
+            .starts_with(&pod.app_addr().ip().to_string()[..8])
+    );
+    let mut req = [0u8; 16];
+    stream.read_exact(&mut req).unwrap();
+    assert_eq!(&req, b"GET / HTTP/1.0\r\n");
+    stream
+        .get_mut()
+        .write_all(b"HTTP/1.0 200 OK\r\n\r\nfrom-the-client")
+        .unwrap();
+    drop(stream);
+    let mut answer = String::new();
+    client.read_to_string(&mut answer).unwrap();
+    assert!(answer.ends_with("from-the-client"), "{answer}");
+
+    // The application itself is untouched: same process, still serving.
+    assert!(pod.app_alive());
+    assert_eq!(pod.pid(), app_pid);
+    assert!(pod.get_as_agent_gid_from_inside().contains("hello-app"));
+
+    let (status, _) = agent.call("DELETE", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 200);
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+    assert_eq!(agent.json("/healthz")["ports"][0]["intercepted"], false);
+}
+
+#[test]
+fn wiretap_copies_both_directions_while_the_app_still_answers() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let agent = Agent::start(&target(&pod), &[]);
+    let (status, body) = agent.call("POST", &format!("/v1/wiretaps/{APP_PORT}"));
+    assert_eq!(status, 201, "{body}");
+    let id = body["id"].as_u64().unwrap();
+    let mut tap = agent.stream(&format!("/v1/wiretaps/{APP_PORT}/{id}/stream"));
+
+    let answer = pod.client_get("/index.html").unwrap();
+    assert!(answer.contains("hello-app"), "the app answered: {answer}");
+
+    let (mut to_app, mut from_app, mut kinds) = (Vec::new(), Vec::new(), Vec::new());
+    while !kinds.contains(&3u8) {
+        let mut hdr = [0u8; 9];
+        tap.read_exact(&mut hdr).unwrap();
+        let len = u32::from_be_bytes(hdr[5..9].try_into().unwrap()) as usize;
+        let mut payload = vec![0u8; len];
+        tap.read_exact(&mut payload).unwrap();
+        kinds.push(hdr[0]);
+        match hdr[0] {
+            0 => assert!(String::from_utf8_lossy(&payload).contains(&pod.app_addr().to_string())),
+            1 => to_app.extend(payload),
+            2 => from_app.extend(payload),
+            _ => {}
+        }
+    }
+    assert!(String::from_utf8_lossy(&to_app).starts_with("GET /index.html HTTP/1.0"));
+    assert!(String::from_utf8_lossy(&from_app).contains("hello-app"));
+
+    let (status, _) = agent.call("DELETE", &format!("/v1/wiretaps/{APP_PORT}/{id}"));
+    assert_eq!(status, 200);
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+}
+
+fn killing_the_agent_leaves_no_table(sig: Signal) {
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let mut agent = Agent::start(&target(&pod), &[]);
+    assert!(pod.nft_tables().contains(TABLE));
+    agent.signal(sig);
+    let status = agent.child.wait().unwrap();
+    if sig == Signal::SIGTERM {
+        assert!(
+            status.success(),
+            "orderly exit on SIGTERM: {}",
+            agent.stderr()
+        );
+    }
+    // SIGKILL runs no code of ours: the kernel drops the owner-flagged table when
+    // the dead process's netlink socket is released.
+    let gone = wait_for(Duration::from_secs(5), || !pod.nft_tables().contains(TABLE));
+    assert!(
+        gone.is_ok(),
+        "table left behind after {sig}: {}",
+        pod.nft_tables()
+    );
+    // With the table gone the app is reached directly (no redirect to a dead port).
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+}
+
+#[test]
+fn sigterm_removes_the_table() {
+    if root_tests_enabled() {
+        killing_the_agent_leaves_no_table(Signal::SIGTERM);
+    }
+}
+
+#[test]
+fn sigkill_removes_the_table() {
+    if root_tests_enabled() {
+        killing_the_agent_leaves_no_table(Signal::SIGKILL);
+    }
+}
+
+#[test]
+fn a_second_agent_waits_for_the_first_and_converges_on_the_same_ruleset() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let first = Agent::start(&target(&pod), &[]);
+    let ruleset_first = pod.nft_table();
+    assert_eq!(ruleset_first, expected_ruleset());
+
+    // The successor cannot take over a table owned by a live agent: it waits.
+    let mut second = Agent::spawn(&target(&pod), &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        common::get(second.control, "/healthz").is_err(),
+        "second agent must not be serving yet"
+    );
+    assert!(
+        second.child.try_wait().unwrap().is_none(),
+        "second agent waits: {}",
+        second.stderr()
+    );
+
+    first.signal(Signal::SIGKILL);
+    second.wait_ready(Duration::from_secs(20));
+    assert_eq!(pod.nft_table(), ruleset_first);
+    assert!(
+        second.stderr().contains("waiting for the previous agent"),
+        "{}",
+        second.stderr()
+    );
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+    drop(first);
+}
+
+#[test]
+fn user_namespaced_target_is_rejected_with_a_clear_error() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let mut target_proc = std::process::Command::new("unshare")
+        .args([
+            "--user",
+            "--map-root-user",
+            "--net",
+            "busybox",
+            "sleep",
+            "60",
+        ])
+        .spawn()
+        .unwrap();
+    // Wait until the child has switched namespaces (unshare execs busybox after).
+    let pid = target_proc.id();
+    let own = std::fs::metadata("/proc/self/ns/user")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    wait_for(Duration::from_secs(5), || {
+        std::fs::metadata(format!("/proc/{pid}/ns/user"))
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m) != own)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    let (mut cmd, _, _, log, _) =
+        agent_cmd(Some(AGENT_GID), &["--pid".into(), pid.to_string()], &[]);
+    let status = cmd.status().unwrap();
+    let _ = target_proc.kill();
+    let _ = target_proc.wait();
+    assert!(!status.success());
+    let msg = std::fs::read_to_string(log).unwrap();
+    assert!(msg.starts_with("UserNamespacedTarget:"), "{msg}");
+    assert!(msg.contains("packet-mark"), "{msg}");
+}
+
+#[test]
+fn agent_refuses_to_run_without_the_agent_gid() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let (mut cmd, _, _, log, _) = agent_cmd(None, &target(&pod), &[]);
+    assert!(!cmd.status().unwrap().success());
+    assert!(
+        std::fs::read_to_string(log)
+            .unwrap()
+            .starts_with("WrongAgentGid:")
+    );
+    assert!(!pod.nft_tables().contains(TABLE), "nothing programmed");
+}
+
+fn thread_netns(tid: i32) -> u64 {
+    std::fs::metadata(format!("/proc/self/task/{tid}/ns/net"))
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap()
+}
+
+#[test]
+fn netns_worker_restores_its_namespace_and_a_thread_whose_restore_fails_is_retired() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let pod_ns = NetnsPod::ns_path(&pod.pod_ns);
+    let pod_ino = std::fs::metadata(&pod_ns)
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    let own_ino = std::fs::metadata("/proc/self/ns/net")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    let inside = || {
+        let tid = nix::unistd::gettid().as_raw();
+        Ok((tid, thread_netns(tid)))
+    };
+
+    let ex = NetnsExecutor::open(&pod_ns).unwrap();
+    let (t1, ns1) = ex.run_blocking(inside).unwrap();
+    assert_eq!(ns1, pod_ino, "job runs inside the target namespace");
+    wait_for(Duration::from_secs(2), || thread_netns(t1) == own_ino).expect("worker restored");
+    let (t2, _) = ex.run_blocking(inside).unwrap();
+    assert_eq!(t1, t2, "a healthy worker is reused");
+
+    // Restore into something that is not a namespace: every restore fails.
+    let bogus = std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+    let ex = NetnsExecutor::with_restore(&pod_ns, bogus).unwrap();
+    let (a, _) = ex.run_blocking(inside).unwrap();
+    let (b, ns_b) = ex.run_blocking(inside).unwrap();
+    assert_ne!(a, b, "the thread whose restore failed was not reused");
+    assert_eq!(ns_b, pod_ino);
+}
