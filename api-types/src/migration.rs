@@ -334,6 +334,10 @@ pub struct MigrationProgress {
     /// Measured transfer rate of the last round, bytes per second.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer_rate_bytes_per_second: Option<i64>,
+    /// When progress (a phase change, a pre-copy round, transferred bytes) was last
+    /// seen; `progressTimeoutSeconds` counts from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_time: Option<Time>,
 }
 
 /// What happened to the pod's sockets.

@@ -1,0 +1,1108 @@
+//! The PodMigration phase machine: `next(&Observed) -> Transition`.
+//!
+//! Everything the controller learned this round (the persisted status, the pods, both
+//! agents' reports, the clock, whether deletion was requested) goes in; the next status
+//! and the idempotent actions to take come out. There is no I/O and no memory between
+//! calls, so an operator restart is just another call with the same facts: the
+//! machine resumes where the persisted status and the agents' reports say it is.
+//!
+//! Rolling back is not a phase of its own: a non-terminal phase with a
+//! `failureReason` is a migration rolling back. The rollback order is what keeps the
+//! invariants: the restored copy on the target is killed (and confirmed killed)
+//! before the source is thawed, so there are never two running copies; the source is
+//! thawed on every failure before commit, so there is never zero; and `Commit` (kill
+//! the frozen source) is only issued after the target passed the application probe.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use podmotion_api::conditions::{Health, set_condition, set_health};
+use podmotion_api::migration::{
+    MigrationMode, MigrationPhase, MigrationProgress, PhaseTransition, PodMigrationSpec,
+    PodMigrationStatus,
+};
+use podmotion_api::names::{condition_types as ct, reasons};
+
+use super::agent::{AgentReport, AgentView, Side, Step};
+
+/// The spec settings the machine needs, with defaults applied.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Knobs {
+    pub mode: MigrationMode,
+    pub dry_run: bool,
+    pub freeze_budget_millis: u64,
+    pub max_rounds: u32,
+    pub dirty_threshold_bytes: u64,
+    pub deadline: Duration,
+    pub progress_timeout: Duration,
+}
+
+impl Knobs {
+    pub fn from_spec(spec: &PodMigrationSpec) -> Knobs {
+        let pre = spec.pre_copy.as_ref();
+        Knobs {
+            mode: spec.mode,
+            dry_run: spec.dry_run,
+            freeze_budget_millis: spec.freeze_budget_millis.max(0) as u64,
+            max_rounds: pre.map_or(5, |p| p.max_rounds.max(1) as u32),
+            dirty_threshold_bytes: pre.map_or(4 << 20, |p| p.dirty_threshold_bytes.max(0) as u64),
+            deadline: Duration::from_secs(spec.deadline_seconds.max(1) as u64),
+            progress_timeout: Duration::from_secs(spec.progress_timeout_seconds.max(1) as u64),
+        }
+    }
+}
+
+/// The source pod as observed (absent when it does not exist any more).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourcePodFacts {
+    pub uid: String,
+    /// Phase Running (its containers may be frozen by the agent; that is still Running).
+    pub running: bool,
+    /// `metadata.deletionTimestamp` is set.
+    pub terminating: bool,
+    /// Its `pod-deletion-cost` already marks it as the one to remove.
+    pub deletion_cost_lowered: bool,
+}
+
+/// The target pod as observed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetPodFacts {
+    /// Its holder containers run (namespaces exist on the target node).
+    pub running: bool,
+    /// Why it can never run (rejected by the node, unschedulable, failed), if so.
+    pub unusable: Option<String>,
+    pub terminating: bool,
+    /// The source's labels are on it and the PodMigration no longer controls it.
+    pub handed_over: bool,
+    /// Handed over and still waiting for the source's controller to adopt it.
+    pub awaiting_adoption: bool,
+}
+
+/// The pre-flight checks' verdict (see `preflight`), evaluated in `Pending` only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Preflight {
+    Migratable(Plan),
+    NotMigratable {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// Where the migration goes, decided once in `Pending`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub source_node: String,
+    pub target_node: String,
+    pub source_pod_uid: String,
+    pub target_pod: String,
+}
+
+/// Everything the machine decides from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    pub now: Timestamp,
+    pub created: Timestamp,
+    pub generation: Option<i64>,
+    pub knobs: Knobs,
+    /// The persisted status (default for a new PodMigration).
+    pub status: PodMigrationStatus,
+    pub has_finalizer: bool,
+    /// `metadata.deletionTimestamp` is set: the user asked to abort.
+    pub deletion_requested: bool,
+    /// `None` outside `Pending` (the controller does not evaluate it there).
+    pub preflight: Option<Preflight>,
+    /// A concurrency slot (per cluster and per source node) is free for this migration.
+    pub slot_available: bool,
+    pub source_pod: Option<SourcePodFacts>,
+    pub target_pod: Option<TargetPodFacts>,
+    pub transfer_key_present: bool,
+    pub source_agent: AgentView,
+    pub target_agent: AgentView,
+}
+
+/// An idempotent thing for the controller to do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    AddFinalizer,
+    /// Create the per-migration transfer-key Secret if it does not exist.
+    EnsureTransferKey,
+    /// Create the target pod (holders, pinned to the target node) if it does not exist.
+    EnsureTargetPod,
+    /// Start a step on one agent.
+    Agent(Side, Step),
+    /// Mark the source pod as the one its ReplicaSet removes.
+    LowerSourceDeletionCost,
+    /// Put the source's labels on the target pod and release it to the workload's
+    /// controller.
+    HandOverTargetPod,
+    DeleteSourcePod,
+    DeleteTargetPod,
+    DeleteTransferKey,
+    RemoveFinalizer,
+}
+
+/// Severity of the Event published with a transition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Normal,
+    Warning,
+}
+
+/// An Event to publish: `reason` is a condition reason constant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note {
+    pub kind: EventKind,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// What to do next.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transition {
+    /// The status to write (always the whole status; unchanged when nothing happened).
+    pub status: PodMigrationStatus,
+    pub actions: Vec<Action>,
+    /// Events to publish (phase changes, failures).
+    pub notes: Vec<Note>,
+    /// When to look again without a watch event (agents are polled while active).
+    pub requeue_after: Option<Duration>,
+}
+
+/// Poll interval while agents are working.
+pub const POLL: Duration = Duration::from_millis(500);
+/// Re-check interval while waiting for a slot or for the cluster to become migratable.
+pub const IDLE_RECHECK: Duration = Duration::from_secs(10);
+
+/// The pre-copy decision after a completed round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreCopyDecision {
+    /// The remaining dirty memory fits the freeze budget: freeze and dump.
+    FinalDump,
+    /// Another round may shrink the dirty set.
+    AnotherRound(u32),
+    /// It will not fit: the round limit is reached, or the dirty set is already below
+    /// the threshold and the link is simply too slow.
+    BudgetExceeded { estimate_millis: Option<u64> },
+}
+
+/// Estimated freeze for `dirty` bytes at `rate` bytes/s, rounded up; `None` if unknown.
+pub fn freeze_estimate_millis(dirty: Option<u64>, rate: Option<u64>) -> Option<u64> {
+    match (dirty, rate) {
+        (Some(0), _) => Some(0),
+        (Some(d), Some(r)) if r > 0 => Some((d.saturating_mul(1000)).div_ceil(r)),
+        _ => None,
+    }
+}
+
+/// The freeze-budget rule. Keep pre-copying until the remaining dirty bytes fit
+/// `freezeBudgetMillis` at the measured rate; at the round limit (or once the dirty
+/// set is below `dirtyThresholdBytes`, where more rounds cannot help) proceed only if
+/// within budget, else abort.
+pub fn pre_copy_decision(round: u32, report: &AgentReport, knobs: &Knobs) -> PreCopyDecision {
+    let dirty = report.progress.dirty_bytes;
+    let estimate = freeze_estimate_millis(dirty, report.progress.rate_bytes_per_second);
+    let fits = estimate.is_some_and(|e| e <= knobs.freeze_budget_millis);
+    let small = dirty.is_some_and(|d| d <= knobs.dirty_threshold_bytes);
+    if fits {
+        PreCopyDecision::FinalDump
+    } else if round >= knobs.max_rounds || small {
+        PreCopyDecision::BudgetExceeded {
+            estimate_millis: estimate,
+        }
+    } else {
+        PreCopyDecision::AnotherRound(round + 1)
+    }
+}
+
+/// Whether a failure reason ends in `Aborted` (the user's decision or limit) rather
+/// than `Failed` (something broke).
+pub fn is_abort_reason(reason: &str) -> bool {
+    matches!(
+        reason,
+        reasons::ABORTED | reasons::DEADLINE_EXCEEDED | reasons::FREEZE_BUDGET_EXCEEDED
+    )
+}
+
+/// The next step of a migration. Pure; see the module documentation.
+pub fn next(o: &Observed) -> Transition {
+    let mut t = Machine::new(o);
+    t.run();
+    t.finish()
+}
+
+struct Machine<'a> {
+    o: &'a Observed,
+    status: PodMigrationStatus,
+    actions: Vec<Action>,
+    notes: Vec<Note>,
+    requeue_after: Option<Duration>,
+    health: Option<Health>,
+}
+
+impl<'a> Machine<'a> {
+    fn new(o: &'a Observed) -> Self {
+        Machine {
+            o,
+            status: o.status.clone(),
+            actions: vec![],
+            notes: vec![],
+            requeue_after: None,
+            health: None,
+        }
+    }
+
+    fn phase(&self) -> MigrationPhase {
+        self.status.phase
+    }
+
+    fn finish(mut self) -> Transition {
+        let now = self.o.now;
+        self.status.observed_generation = self.o.generation;
+        let health = self
+            .health
+            .take()
+            .unwrap_or_else(|| default_health(&self.status));
+        set_health(&mut self.status.conditions, &health, self.o.generation, now);
+        Transition {
+            status: self.status,
+            actions: self.actions,
+            notes: self.notes,
+            requeue_after: self.requeue_after,
+        }
+    }
+
+    fn act(&mut self, a: Action) {
+        if !self.actions.contains(&a) {
+            self.actions.push(a);
+        }
+    }
+
+    fn poll(&mut self) {
+        self.requeue_after = Some(POLL);
+    }
+
+    fn enter(&mut self, phase: MigrationPhase) {
+        if self.status.phase == phase {
+            return;
+        }
+        self.status.phase = phase;
+        if phase.is_terminal() {
+            // A terminal phase's health follows from it (see `default_health`).
+            self.health = None;
+        }
+        self.status
+            .phase_transition_timestamps
+            .push(PhaseTransition {
+                phase,
+                time: Time(self.o.now),
+            });
+        let (kind, reason, message) = match phase {
+            MigrationPhase::Pending => (EventKind::Normal, reasons::PENDING, "pending".to_string()),
+            MigrationPhase::Preparing => (
+                EventKind::Normal,
+                reasons::MIGRATABLE,
+                format!(
+                    "migrating pod {} from {} to {}",
+                    self.o.status_pod_name(),
+                    self.status.source_node.as_deref().unwrap_or("?"),
+                    self.status.target_node.as_deref().unwrap_or("?")
+                ),
+            ),
+            MigrationPhase::Checkpointing => (
+                EventKind::Normal,
+                reasons::CHECKPOINTING,
+                "target ready; checkpointing the source".to_string(),
+            ),
+            MigrationPhase::Transferring => (
+                EventKind::Normal,
+                reasons::TRANSFERRING,
+                "final dump taken; transferring the checkpoint".to_string(),
+            ),
+            MigrationPhase::Restoring => (
+                EventKind::Normal,
+                reasons::RESTORING,
+                "checkpoint transferred; restoring on the target".to_string(),
+            ),
+            MigrationPhase::Committing => (
+                EventKind::Normal,
+                reasons::COMMITTING,
+                "target passed the application probe; giving up the source".to_string(),
+            ),
+            MigrationPhase::Succeeded => {
+                if self.o.knobs.dry_run {
+                    (
+                        EventKind::Normal,
+                        reasons::DRY_RUN_PASSED,
+                        "dry run: every check passed; nothing was frozen".to_string(),
+                    )
+                } else {
+                    (
+                        EventKind::Normal,
+                        reasons::SUCCEEDED,
+                        format!(
+                            "pod runs on {} (downtime {})",
+                            self.status.target_node.as_deref().unwrap_or("?"),
+                            self.status.downtime.as_deref().unwrap_or("unknown")
+                        ),
+                    )
+                }
+            }
+            MigrationPhase::Failed | MigrationPhase::Aborted => (
+                EventKind::Warning,
+                self.status
+                    .failure_reason
+                    .as_deref()
+                    .map(static_reason)
+                    .unwrap_or(reasons::ROLLED_BACK),
+                format!(
+                    "{}; the source pod was resumed",
+                    self.status.failure_message.as_deref().unwrap_or("stopped")
+                ),
+            ),
+        };
+        self.notes.push(Note {
+            kind,
+            reason,
+            message,
+        });
+        self.bump_progress_time();
+    }
+
+    fn bump_progress_time(&mut self) {
+        let p = self.status.progress.get_or_insert_with(Default::default);
+        p.last_progress_time = Some(Time(self.o.now));
+    }
+
+    /// Records a failure (once) and switches to rollback.
+    fn fail(&mut self, reason: &'static str, message: String) {
+        if self.status.failure_reason.is_some() {
+            return;
+        }
+        self.status.failure_reason = Some(reason.to_string());
+        self.status.failure_message = Some(message.clone());
+        self.notes.push(Note {
+            kind: EventKind::Warning,
+            reason,
+            message: format!("{message}; rolling back"),
+        });
+        self.bump_progress_time();
+    }
+
+    fn last_progress(&self) -> Timestamp {
+        let from_progress = self
+            .status
+            .progress
+            .as_ref()
+            .and_then(|p| p.last_progress_time.as_ref())
+            .map(|t| t.0);
+        let from_phase = self
+            .status
+            .phase_transition_timestamps
+            .last()
+            .map(|p| p.time.0);
+        [from_progress, from_phase, Some(self.o.created)]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(self.o.created)
+    }
+
+    fn elapsed_since(&self, t: Timestamp) -> Duration {
+        let d = self.o.now.duration_since(t);
+        Duration::try_from(d).unwrap_or(Duration::ZERO)
+    }
+
+    fn deadline_passed(&self) -> bool {
+        self.elapsed_since(self.o.created) > self.o.knobs.deadline
+    }
+
+    fn progress_stalled(&self) -> bool {
+        self.elapsed_since(self.last_progress()) > self.o.knobs.progress_timeout
+    }
+
+    fn run(&mut self) {
+        let o = self.o;
+        if !o.has_finalizer && !o.deletion_requested && !self.phase().is_terminal() {
+            self.act(Action::AddFinalizer);
+        }
+        self.merge_agent_progress();
+        match self.phase() {
+            MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted => {
+                self.terminal()
+            }
+            MigrationPhase::Committing => self.committing(),
+            MigrationPhase::Pending => self.pending(),
+            MigrationPhase::Preparing
+            | MigrationPhase::Checkpointing
+            | MigrationPhase::Transferring
+            | MigrationPhase::Restoring => {
+                if self.status.failure_reason.is_none() {
+                    self.detect_failure();
+                }
+                if self.status.failure_reason.is_some() {
+                    self.rollback();
+                } else {
+                    self.forward();
+                }
+            }
+        }
+    }
+
+    // ----------------------------------------------------------------- progress
+
+    /// Progress never runs backwards: counters take the maximum of what was recorded
+    /// and what the source agent reports now. Growth counts as progress.
+    fn merge_agent_progress(&mut self) {
+        let Some(r) = self.o.source_agent.report() else {
+            return;
+        };
+        let before = self.status.progress.clone().unwrap_or_default();
+        let mut p: MigrationProgress = before.clone();
+        p.iteration = p
+            .iteration
+            .max(i32::try_from(r.progress.iteration).unwrap_or(i32::MAX));
+        p.bytes_sent = p
+            .bytes_sent
+            .max(i64::try_from(r.progress.bytes_sent).unwrap_or(i64::MAX));
+        if let Some(d) = r.progress.dirty_bytes {
+            p.bytes_remaining_estimate = Some(i64::try_from(d).unwrap_or(i64::MAX));
+        }
+        if let Some(rate) = r.progress.rate_bytes_per_second {
+            p.transfer_rate_bytes_per_second = Some(i64::try_from(rate).unwrap_or(i64::MAX));
+        }
+        let grew = p.iteration > before.iteration || p.bytes_sent > before.bytes_sent;
+        if grew {
+            p.last_progress_time = Some(Time(self.o.now));
+        }
+        if p != before || self.status.progress.is_some() || grew {
+            self.status.progress = Some(p);
+        }
+    }
+
+    fn record_restore(&mut self, target: &AgentReport) {
+        if self.status.downtime_millis.is_none() {
+            let frozen = self
+                .o
+                .source_agent
+                .report()
+                .and_then(|r| r.progress.frozen_at);
+            if let (Some(f), Some(r)) = (frozen, target.progress.resumed_at) {
+                let ms = r.duration_since(f).as_millis().max(0) as i64;
+                self.status.downtime_millis = Some(ms);
+                self.status.downtime = Some(format!("{ms}ms"));
+            }
+        }
+        if target.progress.network.is_some() {
+            self.status.network = target.progress.network.clone();
+        }
+    }
+
+    // ------------------------------------------------------------------ phases
+
+    fn pending(&mut self) {
+        let o = self.o;
+        if o.deletion_requested {
+            self.status.failure_reason = Some(reasons::ABORTED.into());
+            self.status.failure_message = Some("deleted before it started".into());
+            self.enter(MigrationPhase::Aborted);
+            self.terminal();
+            return;
+        }
+        if self.deadline_passed() {
+            self.status.failure_reason = Some(reasons::DEADLINE_EXCEEDED.into());
+            self.status.failure_message =
+                Some("deadline passed before the migration could start".into());
+            self.enter(MigrationPhase::Aborted);
+            self.terminal();
+            return;
+        }
+        match &o.preflight {
+            None => {
+                // The controller always evaluates pre-flight in Pending; without it
+                // there is nothing safe to do but look again.
+                self.requeue_after = Some(IDLE_RECHECK);
+            }
+            Some(Preflight::NotMigratable { reason, message }) => {
+                set_condition(
+                    &mut self.status.conditions,
+                    ct::MIGRATABLE,
+                    false,
+                    reason,
+                    message,
+                    o.generation,
+                    o.now,
+                );
+                if o.knobs.dry_run {
+                    self.status.failure_reason = Some((*reason).to_string());
+                    self.status.failure_message = Some(format!("dry run: {message}"));
+                    self.enter(MigrationPhase::Failed);
+                } else {
+                    self.health = Some(Health::stalled(reason, message.clone()));
+                    self.requeue_after = Some(IDLE_RECHECK);
+                }
+            }
+            Some(Preflight::Migratable(plan)) => {
+                set_condition(
+                    &mut self.status.conditions,
+                    ct::MIGRATABLE,
+                    true,
+                    reasons::MIGRATABLE,
+                    &format!("can move from {} to {}", plan.source_node, plan.target_node),
+                    o.generation,
+                    o.now,
+                );
+                self.status.source_node = Some(plan.source_node.clone());
+                self.status.target_node = Some(plan.target_node.clone());
+                if o.knobs.dry_run {
+                    self.enter(MigrationPhase::Succeeded);
+                    return;
+                }
+                if !o.slot_available {
+                    self.health = Some(Health::reconciling(
+                        reasons::QUEUED,
+                        "waiting for a free migration slot (per cluster or per source node)",
+                    ));
+                    self.requeue_after = Some(IDLE_RECHECK);
+                    return;
+                }
+                self.status.source_pod_uid = Some(plan.source_pod_uid.clone());
+                self.status.target_pod = Some(plan.target_pod.clone());
+                self.enter(MigrationPhase::Preparing);
+                self.act(Action::EnsureTransferKey);
+                self.act(Action::EnsureTargetPod);
+                self.poll();
+            }
+        }
+    }
+
+    /// Failures that stop a migration before commit, in order of precedence.
+    fn detect_failure(&mut self) {
+        let o = self.o;
+        let phase = self.phase();
+        if o.deletion_requested {
+            self.fail(reasons::ABORTED, "the PodMigration was deleted".into());
+            return;
+        }
+        if self.deadline_passed() {
+            self.fail(
+                reasons::DEADLINE_EXCEEDED,
+                format!("not committed within {}s", o.knobs.deadline.as_secs()),
+            );
+            return;
+        }
+        match &o.source_pod {
+            None => {
+                self.fail(
+                    reasons::SOURCE_POD_GONE,
+                    "the source pod no longer exists".into(),
+                );
+                return;
+            }
+            Some(s) if s.terminating || Some(&s.uid) != self.status.source_pod_uid.as_ref() => {
+                self.fail(
+                    reasons::SOURCE_POD_GONE,
+                    "the source pod is being deleted or was replaced".into(),
+                );
+                return;
+            }
+            Some(s) if !s.running => {
+                self.fail(
+                    reasons::SOURCE_POD_GONE,
+                    "the source pod stopped running".into(),
+                );
+                return;
+            }
+            Some(_) => {}
+        }
+        if let Some(tp) = &o.target_pod
+            && let Some(why) = &tp.unusable
+        {
+            self.fail(
+                reasons::TARGET_POD_UNSCHEDULABLE,
+                format!("target pod cannot run: {why}"),
+            );
+            return;
+        }
+        if phase != MigrationPhase::Preparing && o.target_pod.is_none() {
+            self.fail(
+                reasons::TARGET_POD_UNSCHEDULABLE,
+                "the target pod disappeared".into(),
+            );
+            return;
+        }
+        for (side, view) in [
+            (Side::Source, &o.source_agent),
+            (Side::Target, &o.target_agent),
+        ] {
+            match view {
+                AgentView::Reported(r) => {
+                    if let Some((step, category, message)) = r.failure() {
+                        let reason = if step == Step::Probe {
+                            reasons::PROBE_FAILED
+                        } else {
+                            reasons::AGENT_ERROR
+                        };
+                        self.fail(
+                            reason,
+                            format!("{side} agent: {step} failed ({category}): {message}"),
+                        );
+                        return;
+                    }
+                    // Past Preparing both agents must know the migration; an agent
+                    // that forgot it restarted and swept its checkpoint.
+                    if phase != MigrationPhase::Preparing && r.last.is_none() {
+                        self.fail(
+                            reasons::AGENT_ERROR,
+                            format!("{side} agent lost the migration (restarted?)"),
+                        );
+                        return;
+                    }
+                }
+                AgentView::Missing if phase != MigrationPhase::Preparing => {
+                    self.fail(
+                        reasons::NO_AGENT_ON_NODE,
+                        format!("no {side} agent any more"),
+                    );
+                    return;
+                }
+                // Unreachable agents are given until the progress timeout.
+                AgentView::Missing | AgentView::Unreachable(_) => {}
+            }
+        }
+        if self.freeze_overrun() {
+            self.fail(
+                reasons::FREEZE_BUDGET_EXCEEDED,
+                format!(
+                    "the source has been frozen longer than freezeBudgetMillis={} without a restore",
+                    o.knobs.freeze_budget_millis
+                ),
+            );
+            return;
+        }
+        if self.progress_stalled() {
+            let detail = match (&o.source_agent, &o.target_agent) {
+                (AgentView::Unreachable(e), _) => format!("; source agent unreachable: {e}"),
+                (_, AgentView::Unreachable(e)) => format!("; target agent unreachable: {e}"),
+                _ => String::new(),
+            };
+            self.fail(
+                reasons::PROGRESS_TIMEOUT,
+                format!(
+                    "no progress for {}s in {:?}{detail}",
+                    o.knobs.progress_timeout.as_secs(),
+                    phase
+                ),
+            );
+        }
+    }
+
+    /// The source is frozen (final dump started) and the target has not resumed, for
+    /// longer than the freeze budget: the budget would be exceeded silently otherwise.
+    fn freeze_overrun(&self) -> bool {
+        let Some(frozen) = self
+            .o
+            .source_agent
+            .report()
+            .and_then(|r| r.progress.frozen_at)
+        else {
+            return false;
+        };
+        let restored = self
+            .o
+            .target_agent
+            .report()
+            .is_some_and(|r| r.progress.resumed_at.is_some() || r.done(Step::Restore));
+        !restored
+            && self.elapsed_since(frozen) > Duration::from_millis(self.o.knobs.freeze_budget_millis)
+    }
+
+    fn forward(&mut self) {
+        let o = self.o;
+        self.poll();
+        match self.phase() {
+            MigrationPhase::Preparing => {
+                if !o.transfer_key_present {
+                    self.act(Action::EnsureTransferKey);
+                }
+                let Some(tp) = &o.target_pod else {
+                    self.act(Action::EnsureTargetPod);
+                    return;
+                };
+                if !tp.running || !o.transfer_key_present {
+                    return;
+                }
+                let (Some(src), Some(tgt)) = (o.source_agent.report(), o.target_agent.report())
+                else {
+                    return;
+                };
+                if src.last.is_none() {
+                    self.act(Action::Agent(Side::Source, Step::Prepare));
+                }
+                if tgt.last.is_none() {
+                    self.act(Action::Agent(Side::Target, Step::Receive));
+                }
+                if src.done(Step::Prepare) && tgt.done(Step::Receive) {
+                    self.enter(MigrationPhase::Checkpointing);
+                    self.checkpoint_step(src);
+                }
+            }
+            MigrationPhase::Checkpointing => {
+                if let Some(src) = o.source_agent.report() {
+                    self.checkpoint_step(src);
+                }
+            }
+            MigrationPhase::Transferring => {
+                let Some(src) = o.source_agent.report() else {
+                    return;
+                };
+                if src.done(Step::Transfer) {
+                    self.enter(MigrationPhase::Restoring);
+                    self.restore_step();
+                } else if !src.running(Step::Transfer) {
+                    self.act(Action::Agent(Side::Source, Step::Transfer));
+                }
+            }
+            MigrationPhase::Restoring => self.restore_step(),
+            _ => unreachable!("forward is only called in active pre-commit phases"),
+        }
+    }
+
+    fn checkpoint_step(&mut self, src: &AgentReport) {
+        let knobs = &self.o.knobs;
+        match src.last_step() {
+            Some(Step::Prepare) if src.done(Step::Prepare) => {
+                let first = match knobs.mode {
+                    MigrationMode::PreCopy => Step::PreDump(1),
+                    MigrationMode::Cold | MigrationMode::PostCopy => Step::Dump,
+                };
+                self.act(Action::Agent(Side::Source, first));
+            }
+            Some(Step::PreDump(n)) if src.done(Step::PreDump(n)) => {
+                match pre_copy_decision(n, src, knobs) {
+                    PreCopyDecision::FinalDump => self.act(Action::Agent(Side::Source, Step::Dump)),
+                    PreCopyDecision::AnotherRound(m) => {
+                        self.act(Action::Agent(Side::Source, Step::PreDump(m)))
+                    }
+                    PreCopyDecision::BudgetExceeded { estimate_millis } => {
+                        let est = estimate_millis
+                            .map_or("unknown (no transfer rate measured)".to_string(), |e| {
+                                format!("{e}ms")
+                            });
+                        self.fail(
+                            reasons::FREEZE_BUDGET_EXCEEDED,
+                            format!(
+                                "after {n} pre-copy rounds the final freeze would take {est}, over freezeBudgetMillis={}",
+                                knobs.freeze_budget_millis
+                            ),
+                        );
+                        self.rollback();
+                    }
+                }
+            }
+            Some(Step::Dump) if src.done(Step::Dump) => {
+                self.enter(MigrationPhase::Transferring);
+                self.act(Action::Agent(Side::Source, Step::Transfer));
+            }
+            // A step is running: wait for it.
+            _ => {}
+        }
+    }
+
+    fn restore_step(&mut self) {
+        let Some(tgt) = self.o.target_agent.report() else {
+            return;
+        };
+        match tgt.last_step() {
+            Some(Step::Receive) if tgt.done(Step::Receive) => {
+                self.act(Action::Agent(Side::Target, Step::Restore));
+            }
+            Some(Step::Restore) if tgt.done(Step::Restore) => {
+                self.record_restore(tgt);
+                self.act(Action::Agent(Side::Target, Step::Probe));
+            }
+            Some(Step::Probe) => {
+                self.record_restore(tgt);
+                if tgt.done(Step::Probe) {
+                    self.enter(MigrationPhase::Committing);
+                    self.committing();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Past the probe, a migration only rolls forward: deletion waits for it.
+    fn committing(&mut self) {
+        let o = self.o;
+        self.poll();
+        let probe_passed = o
+            .target_agent
+            .report()
+            .is_some_and(|r| r.done(Step::Probe) || r.last_step() == Some(Step::Cleanup))
+            || o.target_pod.as_ref().is_some_and(|t| t.handed_over);
+        let source_present = o.source_pod.as_ref().is_some_and(|s| !s.terminating);
+        if let Some(s) = &o.source_pod
+            && !s.terminating
+            && !s.deletion_cost_lowered
+        {
+            self.act(Action::LowerSourceDeletionCost);
+        }
+        // The kill of the frozen source: only on proof that the target passed.
+        let source_killed = match &o.source_agent {
+            AgentView::Reported(r) => {
+                r.done(Step::Commit)
+                    || r.last_step() == Some(Step::Cleanup)
+                    || r.last.is_none() && !source_present
+            }
+            // Deleting the source pod kills its (frozen) containers through the
+            // kubelet; that is the fallback when its agent is gone.
+            AgentView::Missing | AgentView::Unreachable(_) => true,
+        };
+        if !source_killed {
+            if probe_passed {
+                self.act(Action::Agent(Side::Source, Step::Commit));
+            }
+            return;
+        }
+        match &o.target_pod {
+            Some(tp) if !tp.handed_over => {
+                self.act(Action::HandOverTargetPod);
+                return;
+            }
+            Some(tp) if tp.awaiting_adoption => return,
+            Some(_) => {}
+            None => {
+                // The restored pod vanished after the source was given up: nothing to
+                // roll back to. Report it; never silently succeed.
+                self.status.failure_reason = Some(reasons::TARGET_POD_UNSCHEDULABLE.into());
+                self.status.failure_message =
+                    Some("the target pod disappeared during commit".into());
+                self.enter(MigrationPhase::Failed);
+                self.terminal();
+                return;
+            }
+        }
+        if source_present {
+            self.act(Action::DeleteSourcePod);
+            return;
+        }
+        self.enter(MigrationPhase::Succeeded);
+        self.terminal();
+    }
+
+    /// Undo everything before commit, in the order that keeps one running copy.
+    fn rollback(&mut self) {
+        let o = self.o;
+        self.poll();
+        let reason = static_reason(
+            self.status
+                .failure_reason
+                .as_deref()
+                .unwrap_or(reasons::ROLLED_BACK),
+        );
+        let message = self.status.failure_message.clone().unwrap_or_default();
+        self.health = Some(Health::reconciling(
+            reason,
+            format!("rolling back: {message}"),
+        ));
+        let given_up = self.progress_stalled();
+
+        // 1. No restored copy may run on the target when the source is thawed.
+        let target_copy_gone = match &o.target_agent {
+            AgentView::Reported(r) => {
+                let restored_steps = matches!(r.last_step(), Some(Step::Restore | Step::Probe));
+                if restored_steps {
+                    self.act(Action::Agent(Side::Target, Step::Abort));
+                    false
+                } else if r.last_step() == Some(Step::Abort) {
+                    r.done(Step::Abort)
+                } else {
+                    // Receive (or nothing): no process was restored. Stop the receiver.
+                    if r.last.is_some() {
+                        self.act(Action::Agent(Side::Target, Step::Abort));
+                    }
+                    true
+                }
+            }
+            // Unknown target agent: only the target pod's removal (the kubelet kills
+            // its containers and so the restored tree) proves no copy runs there.
+            AgentView::Missing | AgentView::Unreachable(_) => {
+                rank(self.status.phase) < rank(MigrationPhase::Restoring) || o.target_pod.is_none()
+            }
+        };
+        if !target_copy_gone {
+            if !matches!(o.target_agent, AgentView::Reported(_)) {
+                self.act(Action::DeleteTargetPod);
+            }
+            return;
+        }
+
+        // 2. Thaw the source (a no-op for an agent that never froze it).
+        let source_resumed = match &o.source_agent {
+            AgentView::Reported(r) => match r.last_step() {
+                None => true,
+                Some(Step::Abort) if r.done(Step::Abort) => true,
+                Some(Step::Abort) if r.running(Step::Abort) => false,
+                Some(_) => {
+                    self.act(Action::Agent(Side::Source, Step::Abort));
+                    false
+                }
+            },
+            // The agent is gone or unreachable: keep trying until the progress timeout,
+            // then finish with a message that says the source's state is unknown.
+            AgentView::Missing | AgentView::Unreachable(_) => given_up,
+        };
+        if o.target_pod.is_some() {
+            self.act(Action::DeleteTargetPod);
+        }
+        if !source_resumed {
+            return;
+        }
+        if !matches!(o.source_agent, AgentView::Reported(_)) {
+            let m = self.status.failure_message.get_or_insert_with(String::new);
+            if !m.contains("source state unknown") {
+                m.push_str("; source agent unreachable during rollback, source state unknown");
+            }
+        }
+        let end = if is_abort_reason(reason) {
+            MigrationPhase::Aborted
+        } else {
+            MigrationPhase::Failed
+        };
+        self.enter(end);
+        self.terminal();
+    }
+
+    /// Terminal: clean up what is left, then let a deletion go through.
+    fn terminal(&mut self) {
+        let o = self.o;
+        self.requeue_after = None;
+        let failed = self.phase() != MigrationPhase::Succeeded;
+        let mut pending_cleanup = false;
+        for (side, view) in [
+            (Side::Source, &o.source_agent),
+            (Side::Target, &o.target_agent),
+        ] {
+            if let AgentView::Reported(r) = view
+                && r.last.is_some()
+                && !r.done(Step::Cleanup)
+            {
+                // Never clean up a running Abort: its thaw must finish first.
+                if !r.running(Step::Abort) && !r.running(Step::Commit) {
+                    self.act(Action::Agent(side, Step::Cleanup));
+                }
+                pending_cleanup = true;
+            }
+        }
+        if failed
+            && o.target_pod
+                .as_ref()
+                .is_some_and(|t| !t.terminating && !t.handed_over)
+        {
+            self.act(Action::DeleteTargetPod);
+        }
+        if o.transfer_key_present {
+            self.act(Action::DeleteTransferKey);
+        }
+        if pending_cleanup {
+            self.poll();
+        }
+        if o.deletion_requested && o.has_finalizer {
+            // Agents sweep a forgotten migration's images on their own; an unreachable
+            // agent must not hold the deletion forever.
+            self.act(Action::RemoveFinalizer);
+        }
+    }
+}
+
+impl Observed {
+    fn status_pod_name(&self) -> &str {
+        self.status.target_pod.as_deref().unwrap_or("?")
+    }
+}
+
+/// The health (Ready/Reconciling/Stalled) a status implies when a phase handler did not
+/// choose one.
+fn default_health(status: &PodMigrationStatus) -> Health {
+    let reason = status.failure_reason.as_deref().map(static_reason);
+    let message = status.failure_message.clone().unwrap_or_default();
+    match status.phase {
+        MigrationPhase::Succeeded => {
+            if status.downtime.is_some() {
+                Health::ready(
+                    reasons::SUCCEEDED,
+                    format!(
+                        "migrated (downtime {})",
+                        status.downtime.as_deref().unwrap_or("")
+                    ),
+                )
+            } else {
+                Health::ready(
+                    reasons::DRY_RUN_PASSED,
+                    "dry run passed; nothing was frozen",
+                )
+            }
+        }
+        MigrationPhase::Failed | MigrationPhase::Aborted => {
+            Health::stalled(reason.unwrap_or(reasons::ROLLED_BACK), message)
+        }
+        MigrationPhase::Pending => Health::reconciling(reasons::PENDING, "waiting to start"),
+        p => Health::reconciling(phase_reason(p), format!("{p:?}")),
+    }
+}
+
+/// Order of the phases along the happy path (terminal phases last).
+pub fn rank(p: MigrationPhase) -> u8 {
+    match p {
+        MigrationPhase::Pending => 0,
+        MigrationPhase::Preparing => 1,
+        MigrationPhase::Checkpointing => 2,
+        MigrationPhase::Transferring => 3,
+        MigrationPhase::Restoring => 4,
+        MigrationPhase::Committing => 5,
+        MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted => 6,
+    }
+}
+
+fn phase_reason(p: MigrationPhase) -> &'static str {
+    match p {
+        MigrationPhase::Pending => reasons::PENDING,
+        MigrationPhase::Preparing => reasons::PROGRESSING,
+        MigrationPhase::Checkpointing => reasons::CHECKPOINTING,
+        MigrationPhase::Transferring => reasons::TRANSFERRING,
+        MigrationPhase::Restoring => reasons::RESTORING,
+        MigrationPhase::Committing => reasons::COMMITTING,
+        MigrationPhase::Succeeded => reasons::SUCCEEDED,
+        MigrationPhase::Failed | MigrationPhase::Aborted => reasons::ROLLED_BACK,
+    }
+}
+
+/// Maps a persisted reason back to its constant (Events need `&'static str`); an
+/// unknown reason (written by another version) becomes `RolledBack`.
+pub fn static_reason(s: &str) -> &'static str {
+    const ALL: &[&str] = &[
+        reasons::ABORTED,
+        reasons::DEADLINE_EXCEEDED,
+        reasons::FREEZE_BUDGET_EXCEEDED,
+        reasons::PROBE_FAILED,
+        reasons::AGENT_ERROR,
+        reasons::PROGRESS_TIMEOUT,
+        reasons::SOURCE_POD_GONE,
+        reasons::TARGET_POD_UNSCHEDULABLE,
+        reasons::NO_AGENT_ON_NODE,
+        reasons::SOURCE_POD_NOT_FOUND,
+        reasons::SOURCE_POD_NOT_RUNNING,
+        reasons::POD_UID_MISMATCH,
+        reasons::ALREADY_MIGRATING,
+        reasons::NO_TARGET_NODE,
+        reasons::TARGET_IS_SOURCE,
+        reasons::TARGET_DOES_NOT_FIT,
+        reasons::UNSUPPORTED_OWNER,
+        reasons::ROLLED_BACK,
+    ];
+    ALL.iter()
+        .copied()
+        .find(|r| *r == s)
+        .unwrap_or(reasons::ROLLED_BACK)
+}

@@ -1,0 +1,967 @@
+//! The phase machine's table: every phase × every event, the freeze-budget rule, dry
+//! run, restart, and whole runs through a small simulated world that checks the
+//! invariants after every step.
+
+use std::time::Duration;
+
+use podmotion_api::conditions::is_true;
+use podmotion_api::migration::{MigrationPhase as P, MigrationProgress, PodMigrationStatus};
+use podmotion_api::names::{condition_types as ct, reasons};
+
+use super::agent::{AgentView, Side, Step};
+use super::fixtures::*;
+use super::machine::*;
+
+const ACTIVE: [P; 4] = [
+    P::Preparing,
+    P::Checkpointing,
+    P::Transferring,
+    P::Restoring,
+];
+const ALL: [P; 9] = [
+    P::Pending,
+    P::Preparing,
+    P::Checkpointing,
+    P::Transferring,
+    P::Restoring,
+    P::Committing,
+    P::Succeeded,
+    P::Failed,
+    P::Aborted,
+];
+
+fn has(t: &Transition, a: &Action) -> bool {
+    t.actions.contains(a)
+}
+
+fn gives_up_source(t: &Transition) -> bool {
+    has(t, &Action::Agent(Side::Source, Step::Commit)) || has(t, &Action::DeleteSourcePod)
+}
+
+// ------------------------------------------------------------------ the table
+
+/// Events that stop a migration before commit, each as an edit of a healthy Observed.
+type Event = (&'static str, fn(Observed) -> Observed, &'static str);
+
+fn events() -> Vec<Event> {
+    vec![
+        (
+            "agent error",
+            |o| o.source(failed(Step::Dump, "CriuDumpFailed")),
+            reasons::AGENT_ERROR,
+        ),
+        (
+            "progress timeout",
+            |o| o.at_second(NOW + 151),
+            reasons::PROGRESS_TIMEOUT,
+        ),
+        (
+            "deadline",
+            |o| o.at_second(CREATED + 901),
+            reasons::DEADLINE_EXCEEDED,
+        ),
+        ("abort requested", |o| o.deleting(), reasons::ABORTED),
+        (
+            "source pod gone",
+            |mut o| {
+                o.source_pod = None;
+                o
+            },
+            reasons::SOURCE_POD_GONE,
+        ),
+        (
+            "target pod unschedulable",
+            |mut o| {
+                if let Some(t) = o.target_pod.as_mut() {
+                    t.unusable = Some("OutOfmemory".into());
+                    t.running = false;
+                }
+                o
+            },
+            reasons::TARGET_POD_UNSCHEDULABLE,
+        ),
+        (
+            "probe failure",
+            |o| o.target(failed(Step::Probe, "ProbeFailed")),
+            reasons::PROBE_FAILED,
+        ),
+    ]
+}
+
+#[test]
+fn every_event_before_commit_records_its_reason_and_rolls_back() {
+    for phase in ACTIVE {
+        for (what, edit, reason) in events() {
+            let o = edit(at(phase));
+            let t = next(&o);
+            assert_eq!(
+                t.status.failure_reason.as_deref(),
+                Some(reason),
+                "{phase:?} × {what}: {t:?}"
+            );
+            assert!(
+                !gives_up_source(&t),
+                "{phase:?} × {what} gave up the source: {:?}",
+                t.actions
+            );
+            assert!(
+                matches!(t.status.phase, P::Failed | P::Aborted) || t.status.phase == phase,
+                "{phase:?} × {what} moved forward to {:?}",
+                t.status.phase
+            );
+            assert!(is_true(&t.status.conditions, ct::RECONCILING) || t.status.phase.is_terminal());
+            assert!(
+                t.notes
+                    .iter()
+                    .any(|n| n.reason == reason && n.kind == EventKind::Warning),
+                "{phase:?} × {what}"
+            );
+        }
+    }
+}
+
+#[test]
+fn abort_reasons_end_aborted_and_failures_end_failed() {
+    for (what, edit, reason) in events() {
+        // Preparing with nothing started on the agents: rollback finishes at once.
+        let mut o = edit(at(P::Preparing));
+        o.target_pod = None;
+        o.source_agent = AgentView::Reported(blank());
+        o.target_agent = AgentView::Reported(blank());
+        if reason == reasons::AGENT_ERROR || reason == reasons::PROBE_FAILED {
+            continue; // these need an agent that ran a step
+        }
+        let t = next(&o);
+        let want = if is_abort_reason(reason) {
+            P::Aborted
+        } else {
+            P::Failed
+        };
+        if reason == reasons::TARGET_POD_UNSCHEDULABLE {
+            continue; // the target pod is absent here, so nothing is unschedulable
+        }
+        assert_eq!(t.status.phase, want, "{what}");
+        assert!(is_true(&t.status.conditions, ct::STALLED), "{what}");
+    }
+}
+
+#[test]
+fn after_the_probe_passed_every_event_rolls_forward() {
+    for (what, edit, _) in events() {
+        let o = edit(at(P::Committing));
+        let t = next(&o);
+        assert_eq!(t.status.failure_reason, None, "Committing × {what}");
+        assert!(
+            !t.actions
+                .iter()
+                .any(|a| matches!(a, Action::Agent(_, Step::Abort))),
+            "Committing × {what} aborted after the point of no return: {:?}",
+            t.actions
+        );
+        assert!(
+            !has(&t, &Action::RemoveFinalizer),
+            "Committing × {what} released the finalizer early"
+        );
+    }
+}
+
+#[test]
+fn deletion_in_every_phase_ends_with_the_finalizer_released() {
+    for phase in ALL {
+        // Run the world forward with deletion requested until it settles.
+        let mut w = World::new(at(phase).deleting());
+        w.step_until_settled(40);
+        assert!(
+            w.finalizer_released,
+            "deleting in {phase:?} never released the finalizer; ended in {:?}",
+            w.o.status.phase
+        );
+        assert!(!w.two_copies_seen, "{phase:?}");
+        if phase != P::Committing && !phase.is_terminal() {
+            assert_eq!(w.o.status.phase, P::Aborted, "{phase:?}");
+            assert!(
+                w.source_resumed(),
+                "deleting in {phase:?} left the source frozen"
+            );
+        }
+    }
+}
+
+#[test]
+fn pending_deleted_before_start_is_aborted_without_touching_anything() {
+    let t = next(&at(P::Pending).deleting());
+    assert_eq!(t.status.phase, P::Aborted);
+    assert_eq!(t.actions, vec![Action::RemoveFinalizer]);
+}
+
+#[test]
+fn deadline_in_pending_aborts_without_starting() {
+    let t = next(&at(P::Pending).at_second(CREATED + 901));
+    assert_eq!(t.status.phase, P::Aborted);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::DEADLINE_EXCEEDED)
+    );
+    assert!(!has(&t, &Action::EnsureTargetPod));
+}
+
+#[test]
+fn terminal_phases_clean_up_and_never_act_on_pods_or_agents_steps() {
+    for phase in [P::Succeeded, P::Failed, P::Aborted] {
+        let mut o = at(phase)
+            .source(done(Step::Abort))
+            .target(done(Step::Abort));
+        o.transfer_key_present = true;
+        let t = next(&o);
+        assert_eq!(t.status.phase, phase);
+        assert!(has(&t, &Action::Agent(Side::Source, Step::Cleanup)));
+        assert!(has(&t, &Action::Agent(Side::Target, Step::Cleanup)));
+        assert!(has(&t, &Action::DeleteTransferKey));
+        assert!(!gives_up_source(&t));
+        assert!(!has(&t, &Action::AddFinalizer), "{phase:?}");
+    }
+}
+
+// ---------------------------------------------------------- rollback ordering
+
+#[test]
+fn a_restored_target_is_killed_before_the_source_is_thawed() {
+    let o = at(P::Restoring)
+        .target(done(Step::Restore).resumed_at(ts(NOW)))
+        .failing(reasons::PROBE_FAILED);
+    let t = next(&o);
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Abort)));
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+
+    let t = next(&o.clone().target(running(Step::Abort)));
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "thawed while the target abort ran"
+    );
+
+    let t = next(&o.target(done(Step::Abort)));
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    assert!(has(&t, &Action::DeleteTargetPod));
+    assert_eq!(
+        t.status.phase,
+        P::Restoring,
+        "rolled back only once the source is confirmed thawed"
+    );
+}
+
+#[test]
+fn an_unreachable_target_agent_must_lose_its_pod_before_the_source_thaws() {
+    let o = at(P::Restoring)
+        .target_view(AgentView::Unreachable("connection refused".into()))
+        .failing(reasons::AGENT_ERROR);
+    let t = next(&o);
+    assert!(has(&t, &Action::DeleteTargetPod));
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    let mut gone = o.clone();
+    gone.target_pod = None;
+    let t = next(&gone);
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Abort)));
+}
+
+#[test]
+fn rollback_completes_when_the_source_confirms_it_resumed() {
+    let mut o = at(P::Transferring)
+        .source(done(Step::Abort))
+        .target(done(Step::Abort))
+        .failing(reasons::AGENT_ERROR);
+    o.target_pod = None;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Failed);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR)
+    );
+    assert!(is_true(&t.status.conditions, ct::STALLED));
+    assert!(t.notes.iter().any(|n| n.message.contains("resumed")));
+}
+
+#[test]
+fn a_source_agent_that_never_answers_again_ends_the_rollback_at_the_progress_timeout() {
+    let o = at(P::Checkpointing)
+        .source_view(AgentView::Unreachable("killed".into()))
+        .target(done(Step::Receive));
+    let t = next(&o);
+    assert_eq!(
+        t.status.failure_reason, None,
+        "an unreachable agent gets until the progress timeout"
+    );
+    let late = o.at_second(NOW + 151);
+    let t = next(&late);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("unreachable")
+    );
+    // Rollback itself is bounded by another progress timeout.
+    let mut o2 = late.clone();
+    o2.status = t.status.clone();
+    assert_eq!(
+        next(&o2).status.phase,
+        P::Checkpointing,
+        "keeps trying to thaw first"
+    );
+    let o3 = o2.at_second(NOW + 151 + 151);
+    let t = next(&o3);
+    assert_eq!(t.status.phase, P::Failed);
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("source state unknown")
+    );
+}
+
+#[test]
+fn an_agent_that_forgot_the_migration_fails_it() {
+    let t = next(&at(P::Transferring).source(blank()));
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR)
+    );
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("lost")
+    );
+}
+
+// -------------------------------------------------------------- freeze budget
+
+fn knobs(budget: i64, rounds: i32, threshold: i64) -> Knobs {
+    Knobs::from_spec(
+        &spec("web-0")
+            .budget_millis(budget)
+            .rounds(rounds, threshold)
+            .build(),
+    )
+}
+
+#[test]
+fn pre_copy_continues_until_the_dirty_set_fits_the_budget() {
+    let k = knobs(500, 5, 1024);
+    // 100 MiB dirty at 100 MiB/s = 1000 ms > 500 ms: another round.
+    let r = done(Step::PreDump(1)).dirty(100 << 20, 100 << 20);
+    assert_eq!(
+        pre_copy_decision(1, &r, &k),
+        PreCopyDecision::AnotherRound(2)
+    );
+    // 40 MiB at 100 MiB/s = 400 ms: freeze now.
+    let r = done(Step::PreDump(2)).dirty(40 << 20, 100 << 20);
+    assert_eq!(pre_copy_decision(2, &r, &k), PreCopyDecision::FinalDump);
+}
+
+#[test]
+fn the_last_round_over_budget_aborts_with_freeze_budget_exceeded() {
+    let k = knobs(500, 3, 1024);
+    let r = done(Step::PreDump(3)).dirty(100 << 20, 100 << 20);
+    assert_eq!(
+        pre_copy_decision(3, &r, &k),
+        PreCopyDecision::BudgetExceeded {
+            estimate_millis: Some(1000)
+        }
+    );
+    let o = at(P::Checkpointing)
+        .knobs(spec("web-0").budget_millis(500).rounds(3, 1024).build())
+        .source(r);
+    let t = next(&o);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::FREEZE_BUDGET_EXCEEDED)
+    );
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Dump)),
+        "never freezes over budget"
+    );
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("1000ms")
+    );
+}
+
+#[test]
+fn a_small_dirty_set_on_a_slow_link_stops_pre_copying_and_aborts() {
+    // 1 MiB left (below the 4 MiB threshold) but at 1 MiB/s that is 1000 ms.
+    let k = knobs(500, 5, 4 << 20);
+    let r = done(Step::PreDump(1)).dirty(1 << 20, 1 << 20);
+    assert!(matches!(
+        pre_copy_decision(1, &r, &k),
+        PreCopyDecision::BudgetExceeded { .. }
+    ));
+}
+
+#[test]
+fn an_unmeasured_rate_never_counts_as_fitting() {
+    let k = knobs(500, 2, 0);
+    let mut r = done(Step::PreDump(1));
+    r.progress.dirty_bytes = Some(4096);
+    assert_eq!(
+        pre_copy_decision(1, &r, &k),
+        PreCopyDecision::AnotherRound(2)
+    );
+    assert_eq!(
+        pre_copy_decision(2, &r, &k),
+        PreCopyDecision::BudgetExceeded {
+            estimate_millis: None
+        }
+    );
+    r.progress.dirty_bytes = Some(0);
+    assert_eq!(pre_copy_decision(2, &r, &k), PreCopyDecision::FinalDump);
+}
+
+#[test]
+fn a_freeze_longer_than_the_budget_without_a_restore_is_rolled_back() {
+    let frozen = at(P::Transferring)
+        .knobs(spec("web-0").budget_millis(500).build())
+        .source(running(Step::Transfer).frozen_at(ts(NOW - 1)));
+    let t = next(&frozen);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::FREEZE_BUDGET_EXCEEDED)
+    );
+    // Once the target resumed the budget is settled: the probe decides.
+    let restored = at(P::Restoring)
+        .knobs(spec("web-0").budget_millis(500).build())
+        .source(done(Step::Transfer).frozen_at(ts(NOW - 1)))
+        .target(running(Step::Probe).resumed_at(ts(NOW)));
+    assert_eq!(next(&restored).status.failure_reason, None);
+}
+
+#[test]
+fn cold_mode_dumps_without_pre_copy_rounds() {
+    let o = at(P::Checkpointing)
+        .knobs(spec("web-0").cold().build())
+        .source(done(Step::Prepare));
+    let t = next(&o);
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Dump)));
+    assert!(
+        !t.actions
+            .iter()
+            .any(|a| matches!(a, Action::Agent(_, Step::PreDump(_))))
+    );
+}
+
+// ------------------------------------------------------------- pending, dry run
+
+#[test]
+fn dry_run_runs_the_checks_and_freezes_nothing() {
+    let o = at(P::Pending).knobs(spec("web-0").dry_run().build());
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Succeeded);
+    assert!(is_true(&t.status.conditions, ct::MIGRATABLE));
+    assert!(is_true(&t.status.conditions, ct::READY));
+    assert_eq!(
+        t.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == ct::READY)
+            .unwrap()
+            .reason,
+        reasons::DRY_RUN_PASSED
+    );
+    assert!(
+        t.actions
+            .iter()
+            .all(|a| matches!(a, Action::DeleteTransferKey | Action::AddFinalizer)),
+        "{:?}",
+        t.actions
+    );
+}
+
+#[test]
+fn dry_run_of_an_unmigratable_pod_fails_with_the_reason() {
+    let mut o = at(P::Pending).knobs(spec("web-0").dry_run().build());
+    o.preflight = Some(Preflight::NotMigratable {
+        reason: reasons::NO_AGENT_ON_NODE,
+        message: "no agent".into(),
+    });
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Failed);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::NO_AGENT_ON_NODE)
+    );
+    assert!(!is_true(&t.status.conditions, ct::MIGRATABLE));
+}
+
+#[test]
+fn an_unmigratable_pod_stays_pending_and_stalled_with_the_reason() {
+    let mut o = at(P::Pending);
+    o.preflight = Some(Preflight::NotMigratable {
+        reason: reasons::TARGET_DOES_NOT_FIT,
+        message: "full".into(),
+    });
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Pending);
+    assert!(is_true(&t.status.conditions, ct::STALLED));
+    assert!(!is_true(&t.status.conditions, ct::MIGRATABLE));
+    assert!(t.actions.is_empty(), "{:?}", t.actions);
+    assert!(t.requeue_after.is_some());
+}
+
+#[test]
+fn without_a_free_slot_the_migration_waits_queued() {
+    let mut o = at(P::Pending);
+    o.slot_available = false;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Pending);
+    assert_eq!(
+        t.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == ct::RECONCILING)
+            .unwrap()
+            .reason,
+        reasons::QUEUED
+    );
+    assert!(!has(&t, &Action::EnsureTargetPod));
+}
+
+#[test]
+fn a_migratable_pod_starts_preparing_its_key_and_target_pod() {
+    let mut o = at(P::Pending);
+    o.has_finalizer = false;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Preparing);
+    assert_eq!(
+        t.actions,
+        vec![
+            Action::AddFinalizer,
+            Action::EnsureTransferKey,
+            Action::EnsureTargetPod
+        ]
+    );
+    assert_eq!(t.status.source_pod_uid.as_deref(), Some(SOURCE_UID));
+    assert_eq!(t.status.target_node.as_deref(), Some("n1"));
+    assert_eq!(
+        t.status.phase_transition_timestamps.last().unwrap().phase,
+        P::Preparing
+    );
+}
+
+// ---------------------------------------------------------------- restart
+
+#[test]
+fn an_operator_restart_resumes_from_persisted_status_and_agent_reports() {
+    // After a restart the operator knows only what the API server and the agents say:
+    // the status round-trips through JSON. The decision must be exactly the same.
+    for phase in ALL {
+        let o = at(phase);
+        let before = next(&o);
+        let mut restarted = o.clone();
+        let json = serde_json::to_string(&o.status).unwrap();
+        restarted.status = serde_json::from_str::<PodMigrationStatus>(&json).unwrap();
+        assert_eq!(next(&restarted), before, "{phase:?}");
+    }
+}
+
+#[test]
+fn a_restart_after_the_restore_reissues_the_probe_not_the_restore() {
+    let t = next(&at(P::Restoring).target(done(Step::Restore).resumed_at(ts(NOW))));
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Probe)));
+    assert!(!has(&t, &Action::Agent(Side::Target, Step::Restore)));
+}
+
+#[test]
+fn a_restart_in_preparing_reuses_the_target_pod_it_already_created() {
+    let t = next(&at(P::Preparing));
+    assert!(!has(&t, &Action::EnsureTargetPod), "{:?}", t.actions);
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Prepare)));
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Receive)));
+}
+
+// ------------------------------------------------------------ commit and status
+
+#[test]
+fn the_source_is_given_up_only_after_the_probe_passed() {
+    let t = next(&at(P::Restoring).target(running(Step::Probe)));
+    assert_eq!(t.status.phase, P::Restoring);
+    assert!(!gives_up_source(&t));
+    let t = next(&at(P::Restoring).target(done(Step::Probe)));
+    assert_eq!(t.status.phase, P::Committing);
+    assert!(has(&t, &Action::LowerSourceDeletionCost));
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Commit)));
+}
+
+#[test]
+fn commit_hands_over_waits_for_adoption_then_removes_the_source() {
+    let o = at(P::Committing).source(done(Step::Commit));
+    assert!(has(&next(&o), &Action::HandOverTargetPod));
+    let mut waiting = o.clone();
+    waiting.target_pod.as_mut().unwrap().handed_over = true;
+    waiting.target_pod.as_mut().unwrap().awaiting_adoption = true;
+    let t = next(&waiting);
+    assert!(
+        !has(&t, &Action::DeleteSourcePod),
+        "source removed before the ReplicaSet adopted the target"
+    );
+    let mut adopted = waiting.clone();
+    adopted.target_pod.as_mut().unwrap().awaiting_adoption = false;
+    assert!(has(&next(&adopted), &Action::DeleteSourcePod));
+    adopted.source_pod = None;
+    let t = next(&adopted);
+    assert_eq!(t.status.phase, P::Succeeded);
+    assert!(is_true(&t.status.conditions, ct::READY));
+}
+
+#[test]
+fn progress_never_runs_backwards() {
+    let mut o = at(P::Checkpointing).source(running(Step::PreDump(2)).sent(1, 500));
+    o.status.progress = Some(MigrationProgress {
+        iteration: 3,
+        bytes_sent: 1000,
+        ..Default::default()
+    });
+    let t = next(&o);
+    let p = t.status.progress.unwrap();
+    assert_eq!((p.iteration, p.bytes_sent), (3, 1000));
+    let t = next(&o.source(running(Step::PreDump(4)).sent(4, 2000)));
+    let p = t.status.progress.unwrap();
+    assert_eq!((p.iteration, p.bytes_sent), (4, 2000));
+    assert_eq!(
+        p.last_progress_time.unwrap().0,
+        ts(NOW),
+        "growth counts as progress"
+    );
+}
+
+#[test]
+fn growing_bytes_hold_off_the_progress_timeout() {
+    let mut o = at(P::Transferring).source(running(Step::Transfer).sent(0, 10));
+    o.knobs.freeze_budget_millis = 10_000_000;
+    let o = o.at_second(NOW + 140);
+    let t = next(&o);
+    assert_eq!(t.status.failure_reason, None);
+    let mut later = o.clone().at_second(NOW + 140 + 151);
+    later.status = t.status.clone();
+    assert_eq!(
+        next(&later).status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    let mut moving = later.clone().source(running(Step::Transfer).sent(0, 20));
+    moving.status = t.status;
+    assert_eq!(next(&moving).status.failure_reason, None);
+}
+
+#[test]
+fn downtime_is_measured_from_freeze_to_resume() {
+    let o = at(P::Restoring)
+        .source(done(Step::Transfer).frozen_at(ts(NOW)))
+        .target(done(Step::Restore).resumed_at(ts(NOW) + Duration::from_millis(183)));
+    let t = next(&o);
+    assert_eq!(t.status.downtime_millis, Some(183));
+    assert_eq!(t.status.downtime.as_deref(), Some("183ms"));
+}
+
+// ------------------------------------------------------------- whole runs
+
+/// A small world that carries out the machine's actions: agents complete each step
+/// on the next tick, the ReplicaSet adopts a handed-over pod one tick later.
+struct World {
+    o: Observed,
+    source_frozen: bool,
+    source_killed: bool,
+    target_running: bool,
+    finalizer_released: bool,
+    two_copies_seen: bool,
+    commit_before_probe: bool,
+    fail_step: Option<(Side, Step)>,
+    adopt_next_tick: bool,
+}
+
+impl World {
+    fn new(o: Observed) -> World {
+        let source_frozen = matches!(
+            o.status.phase,
+            P::Transferring | P::Restoring | P::Committing
+        );
+        let target_running = o.status.phase == P::Committing;
+        World {
+            o,
+            source_frozen,
+            source_killed: false,
+            target_running,
+            finalizer_released: false,
+            two_copies_seen: false,
+            commit_before_probe: false,
+            fail_step: None,
+            adopt_next_tick: false,
+        }
+    }
+
+    fn source_resumed(&self) -> bool {
+        !self.source_frozen && !self.source_killed
+    }
+
+    fn tick(&mut self) -> Transition {
+        let t = next(&self.o);
+        self.o.status = t.status.clone();
+        self.o.preflight = None;
+        if self.adopt_next_tick {
+            if let Some(tp) = self.o.target_pod.as_mut() {
+                tp.awaiting_adoption = false;
+            }
+            self.adopt_next_tick = false;
+        }
+        for a in &t.actions {
+            self.apply(a);
+        }
+        if self.source_resumed() && self.source_running_pod() && self.target_running {
+            self.two_copies_seen = true;
+        }
+        self.o.now += Duration::from_millis(100);
+        t
+    }
+
+    fn source_running_pod(&self) -> bool {
+        self.o.source_pod.is_some()
+    }
+
+    fn report_mut(&mut self, side: Side) -> &mut super::agent::AgentReport {
+        let view = match side {
+            Side::Source => &mut self.o.source_agent,
+            Side::Target => &mut self.o.target_agent,
+        };
+        if !matches!(view, AgentView::Reported(_)) {
+            *view = AgentView::Reported(blank());
+        }
+        match view {
+            AgentView::Reported(r) => r,
+            _ => unreachable!(),
+        }
+    }
+
+    fn apply(&mut self, a: &Action) {
+        let now = self.o.now;
+        match a {
+            Action::AddFinalizer => self.o.has_finalizer = true,
+            Action::RemoveFinalizer => self.finalizer_released = true,
+            Action::EnsureTransferKey => self.o.transfer_key_present = true,
+            Action::DeleteTransferKey => self.o.transfer_key_present = false,
+            Action::EnsureTargetPod => {
+                self.o.target_pod.get_or_insert(TargetPodFacts {
+                    running: true,
+                    unusable: None,
+                    terminating: false,
+                    handed_over: false,
+                    awaiting_adoption: false,
+                });
+            }
+            Action::DeleteTargetPod => {
+                self.o.target_pod = None;
+                self.target_running = false;
+            }
+            Action::LowerSourceDeletionCost => {
+                if let Some(s) = self.o.source_pod.as_mut() {
+                    s.deletion_cost_lowered = true;
+                }
+            }
+            Action::HandOverTargetPod => {
+                let tp = self
+                    .o
+                    .target_pod
+                    .as_mut()
+                    .expect("hand over of a missing pod");
+                tp.handed_over = true;
+                tp.awaiting_adoption = true;
+                self.adopt_next_tick = true;
+            }
+            Action::DeleteSourcePod => self.o.source_pod = None,
+            Action::Agent(side, step) => {
+                if self.fail_step == Some((*side, *step)) {
+                    *self.report_mut(*side) = failed(*step, "Injected");
+                    return;
+                }
+                match (side, step) {
+                    (Side::Source, Step::Dump) => self.source_frozen = true,
+                    (Side::Source, Step::Abort) => self.source_frozen = false,
+                    (Side::Source, Step::Commit) => {
+                        if !self
+                            .o
+                            .target_agent
+                            .report()
+                            .is_some_and(|r| r.done(Step::Probe))
+                        {
+                            self.commit_before_probe = true;
+                        }
+                        self.source_killed = true;
+                        self.source_frozen = false;
+                    }
+                    (Side::Target, Step::Restore) => self.target_running = true,
+                    (Side::Target, Step::Abort) => self.target_running = false,
+                    _ => {}
+                }
+                let r = self.report_mut(*side);
+                let mut progress = r.progress.clone();
+                match step {
+                    Step::PreDump(n) => {
+                        progress.iteration = *n;
+                        progress.bytes_sent += 64 << 20;
+                        progress.dirty_bytes = Some((256u64 << 20) >> (2 * n));
+                        progress.rate_bytes_per_second = Some(100 << 20);
+                    }
+                    Step::Dump => progress.frozen_at = Some(now),
+                    Step::Transfer => progress.bytes_sent += 4 << 20,
+                    Step::Restore => progress.resumed_at = Some(now + Duration::from_millis(150)),
+                    _ => {}
+                }
+                *r = done(*step);
+                r.progress = progress;
+            }
+        }
+    }
+
+    fn step_until_settled(&mut self, max: usize) -> Vec<P> {
+        let mut phases = vec![self.o.status.phase];
+        for _ in 0..max {
+            let t = self.tick();
+            if phases.last() != Some(&t.status.phase) {
+                phases.push(t.status.phase);
+            }
+            let settled = t.status.phase.is_terminal()
+                && t.actions
+                    .iter()
+                    .all(|a| !matches!(a, Action::Agent(_, Step::Abort)))
+                && (!self.o.deletion_requested || self.finalizer_released);
+            if settled {
+                // One more tick to run cleanup.
+                self.tick();
+                break;
+            }
+        }
+        phases
+    }
+}
+
+fn fresh() -> Observed {
+    let mut o = at(P::Pending);
+    o.has_finalizer = false;
+    o.target_pod = None;
+    o.transfer_key_present = false;
+    o.status = PodMigrationStatus::default();
+    o.knobs = Knobs::from_spec(&spec("web-0").budget_millis(500).build());
+    o
+}
+
+#[test]
+fn a_pre_copy_migration_walks_every_phase_to_succeeded() {
+    let mut w = World::new(fresh());
+    let phases = w.step_until_settled(60);
+    assert_eq!(
+        phases,
+        vec![
+            P::Pending,
+            P::Preparing,
+            P::Checkpointing,
+            P::Transferring,
+            P::Restoring,
+            P::Committing,
+            P::Succeeded
+        ]
+    );
+    assert!(!w.two_copies_seen && !w.commit_before_probe);
+    assert!(w.source_killed && w.target_running && w.o.source_pod.is_none());
+    let s = &w.o.status;
+    let frozen =
+        w.o.source_agent
+            .report()
+            .unwrap()
+            .progress
+            .frozen_at
+            .unwrap();
+    let resumed =
+        w.o.target_agent
+            .report()
+            .and_then(|r| r.progress.resumed_at);
+    let measured = resumed.map(|r| r.duration_since(frozen).as_millis() as i64);
+    assert!(
+        s.downtime_millis.is_some() && s.downtime_millis >= Some(150),
+        "{:?}",
+        s.downtime_millis
+    );
+    let _ = measured; // the target forgets after Cleanup; the status keeps it
+    assert!(
+        s.progress.as_ref().unwrap().iteration >= 2,
+        "{:?}",
+        s.progress
+    );
+    assert!(!w.o.transfer_key_present, "transfer key left behind");
+    assert_eq!(s.phase_transition_timestamps.len(), 6);
+}
+
+#[test]
+fn a_failure_at_any_step_resumes_the_source_and_never_runs_two_copies() {
+    let steps = [
+        (Side::Source, Step::Prepare),
+        (Side::Target, Step::Receive),
+        (Side::Source, Step::PreDump(1)),
+        (Side::Source, Step::PreDump(2)),
+        (Side::Source, Step::Dump),
+        (Side::Source, Step::Transfer),
+        (Side::Target, Step::Restore),
+        (Side::Target, Step::Probe),
+    ];
+    for (side, step) in steps {
+        let mut w = World::new(fresh());
+        w.fail_step = Some((side, step));
+        w.step_until_settled(80);
+        let want = if step == Step::Probe {
+            reasons::PROBE_FAILED
+        } else {
+            reasons::AGENT_ERROR
+        };
+        assert_eq!(w.o.status.phase, P::Failed, "{side} {step}");
+        assert_eq!(
+            w.o.status.failure_reason.as_deref(),
+            Some(want),
+            "{side} {step}"
+        );
+        assert!(
+            w.source_resumed(),
+            "{side} {step}: source left frozen or killed"
+        );
+        assert!(
+            !w.target_running,
+            "{side} {step}: restored copy left running"
+        );
+        assert!(
+            w.o.target_pod.is_none(),
+            "{side} {step}: target pod left behind"
+        );
+        assert!(
+            !w.two_copies_seen && !w.commit_before_probe,
+            "{side} {step}"
+        );
+    }
+}
+
+#[test]
+fn a_cold_migration_goes_straight_to_the_final_dump() {
+    let mut o = fresh();
+    o.knobs = Knobs::from_spec(&spec("web-0").cold().build());
+    let mut w = World::new(o);
+    w.step_until_settled(60);
+    assert_eq!(w.o.status.phase, P::Succeeded);
+    assert_eq!(w.o.status.progress.as_ref().map(|p| p.iteration), Some(0));
+}

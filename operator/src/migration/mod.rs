@@ -1,0 +1,15 @@
+//! PodMigration's pure core: the phase machine (`machine`), the pre-flight checks and
+//! target selection (`preflight`), the objects a migration owns (`render`), and the
+//! agent boundary the controller drives (`agent`). Nothing here does I/O; the thin
+//! controller in `crate::controllers::migration` fetches the observed state, calls
+//! these, and applies what they return.
+
+pub mod agent;
+pub mod machine;
+pub mod preflight;
+pub mod render;
+
+#[cfg(test)]
+mod fixtures;
+#[cfg(test)]
+mod machine_tests;

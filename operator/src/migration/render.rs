@@ -1,0 +1,422 @@
+//! The objects a migration owns and the patches it makes, rendered purely.
+//!
+//! * The target pod: the source's spec pinned to the target node, every container
+//!   replaced by a holder that only keeps the pod's namespaces (and reserves its
+//!   resources) until the agent restores the process tree into them. It carries none
+//!   of the source's labels until commit, and the PodMigration is its controller, so
+//!   neither a Service nor the ReplicaSet sees it early.
+//! * The hand-over patch at commit: the source's labels on, the PodMigration's owner
+//!   reference off, so the ReplicaSet adopts it as an orphan.
+//! * The source's `pod-deletion-cost` patch, so the ReplicaSet removes the source and
+//!   never the restored pod. The workload object itself is never touched.
+//! * The per-migration transfer-key Secret, owned by the PodMigration.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Secret};
+use kube::ResourceExt;
+use kube::api::ObjectMeta;
+use podmotion_api::PodMigration;
+use podmotion_api::names::{annotations, labels};
+use serde_json::json;
+
+use super::machine::TargetPodFacts;
+use crate::children::{child_meta, short_hash};
+
+/// Component label of a migration's target pod.
+pub const TARGET_COMPONENT: &str = "migration-target";
+/// Component label of a migration's transfer-key Secret.
+pub const KEY_COMPONENT: &str = "migration-transfer-key";
+/// Key of the transfer key in its Secret.
+pub const TRANSFER_KEY: &str = "transfer-key";
+/// The deletion cost that makes the source the ReplicaSet's first choice to remove.
+pub const LOWEST_DELETION_COST: &str = "-2147483648";
+
+/// The container that stands in for each of the pod's containers until restore.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub image: String,
+    pub command: Vec<String>,
+}
+
+impl Default for Holder {
+    fn default() -> Self {
+        Holder {
+            image: "registry.k8s.io/pause:3.10".into(),
+            command: vec!["/pause".into()],
+        }
+    }
+}
+
+/// `<source pod>-pm-<hash of migration UID>`, at most 63 characters (pod names become
+/// hostnames), deterministic so a restarted operator finds the pod it created.
+pub fn target_pod_name(source_pod: &str, migration_uid: &str) -> String {
+    let suffix = format!("-pm-{}", short_hash(migration_uid, 8));
+    let mut prefix: String = source_pod.chars().take(63 - suffix.len()).collect();
+    while prefix.ends_with(|c: char| !c.is_ascii_alphanumeric()) {
+        prefix.pop();
+    }
+    format!("{prefix}{suffix}")
+}
+
+/// Name of the transfer-key Secret.
+pub fn transfer_key_name(migration: &PodMigration) -> String {
+    format!("{}-transfer-key", migration.name_any())
+}
+
+/// The target pod for `source`, pinned to `target_node`.
+pub fn target_pod(
+    migration: &PodMigration,
+    source: &Pod,
+    target_node: &str,
+    holder: &Holder,
+) -> Pod {
+    let ns = migration.namespace();
+    let source_name = source.name_any();
+    let name = target_pod_name(&source_name, &migration.uid().unwrap_or_default());
+    let mut meta: ObjectMeta = child_meta(migration, &name, ns.as_deref(), TARGET_COMPONENT);
+    meta.labels
+        .get_or_insert_with(Default::default)
+        .insert(labels::MIGRATION.into(), migration.name_any());
+    let source_labels = source.labels().clone();
+    let mut ann = BTreeMap::from([
+        (annotations::MIGRATION.to_string(), migration.name_any()),
+        (
+            annotations::SOURCE_LABELS.to_string(),
+            serde_json::to_string(&source_labels).unwrap_or_else(|_| "{}".into()),
+        ),
+        (
+            annotations::SOURCE_POD.to_string(),
+            format!("{source_name}/{}", source.uid().unwrap_or_default()),
+        ),
+    ]);
+    if let Some(owner) = source
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+    {
+        ann.insert(
+            annotations::EXPECTED_OWNER.to_string(),
+            format!("{}/{}/{}", owner.kind, owner.name, owner.uid),
+        );
+    }
+    meta.annotations = Some(ann);
+
+    let src = source.spec.clone().unwrap_or_default();
+    let spec = PodSpec {
+        node_name: Some(target_node.to_string()),
+        containers: src
+            .containers
+            .iter()
+            .map(|c| holder_container(c, holder))
+            .collect(),
+        init_containers: None,
+        ephemeral_containers: None,
+        // The restored process keeps the source's hostname through its UTS namespace
+        // image; the pod's own hostname is its new name.
+        hostname: None,
+        subdomain: None,
+        ..src
+    };
+    Pod {
+        metadata: meta,
+        spec: Some(spec),
+        status: None,
+    }
+}
+
+/// A holder in place of `c`: same name, ports, resources, mounts and security context
+/// (so it reserves the same and PodSecurity admits it alike); no probes, hooks or
+/// environment of the application.
+fn holder_container(c: &Container, holder: &Holder) -> Container {
+    Container {
+        name: c.name.clone(),
+        image: Some(holder.image.clone()),
+        command: Some(holder.command.clone()),
+        ports: c.ports.clone(),
+        resources: c.resources.clone(),
+        volume_mounts: c.volume_mounts.clone(),
+        security_context: c.security_context.clone(),
+        image_pull_policy: Some("IfNotPresent".into()),
+        ..Default::default()
+    }
+}
+
+/// The transfer-key Secret: `key` (32 random bytes from the caller), immutable, owned by
+/// the PodMigration so it goes with it.
+pub fn transfer_key_secret(migration: &PodMigration, key: &[u8]) -> Secret {
+    let ns = migration.namespace();
+    Secret {
+        metadata: child_meta(
+            migration,
+            &transfer_key_name(migration),
+            ns.as_deref(),
+            KEY_COMPONENT,
+        ),
+        type_: Some("Opaque".into()),
+        immutable: Some(true),
+        data: Some(BTreeMap::from([(
+            TRANSFER_KEY.to_string(),
+            ByteString(key.to_vec()),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// Merge patch marking the source as the pod its ReplicaSet removes first.
+pub fn deletion_cost_patch() -> serde_json::Value {
+    json!({"metadata": {"annotations": {annotations::POD_DELETION_COST: LOWEST_DELETION_COST}}})
+}
+
+/// Whether the source already carries [`deletion_cost_patch`].
+pub fn deletion_cost_lowered(source: &Pod) -> bool {
+    source
+        .annotations()
+        .get(annotations::POD_DELETION_COST)
+        .map(String::as_str)
+        == Some(LOWEST_DELETION_COST)
+}
+
+/// Merge patch releasing the target pod to the workload's controller: the source's
+/// labels replace PodMotion's, and the PodMigration's owner reference goes (so deleting
+/// the PodMigration later never garbage-collects the migrated pod).
+pub fn hand_over_patch(target: &Pod) -> serde_json::Value {
+    let source_labels: BTreeMap<String, String> = target
+        .annotations()
+        .get(annotations::SOURCE_LABELS)
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default();
+    let mut l = serde_json::Map::new();
+    for k in target.labels().keys() {
+        l.insert(k.clone(), serde_json::Value::Null);
+    }
+    for (k, v) in source_labels {
+        l.insert(k, json!(v));
+    }
+    json!({"metadata": {"labels": l, "ownerReferences": []}})
+}
+
+/// The target pod's facts for the machine.
+pub fn target_facts(pod: &Pod) -> TargetPodFacts {
+    let status = pod.status.clone().unwrap_or_default();
+    let phase = status.phase.as_deref().unwrap_or("Pending");
+    let conditions = status.conditions.clone().unwrap_or_default();
+    let containers_running = !pod.spec.as_ref().is_none_or(|s| s.containers.is_empty())
+        && status.container_statuses.as_ref().is_some_and(|cs| {
+            !cs.is_empty()
+                && cs
+                    .iter()
+                    .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+        });
+    let unusable = match phase {
+        "Failed" | "Succeeded" => Some(format!(
+            "pod is {phase}{}",
+            status
+                .reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        )),
+        _ => conditions
+            .iter()
+            .find(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("Unschedulable")
+            })
+            .map(|c| format!("unschedulable: {}", c.message.as_deref().unwrap_or(""))),
+    };
+    let owned_by_migration = pod
+        .owner_references()
+        .iter()
+        .any(|o| o.kind == "PodMigration");
+    let handed_over = !owned_by_migration && !pod.labels().contains_key(labels::OWNER_UID);
+    let expected_owner_uid = pod
+        .annotations()
+        .get(annotations::EXPECTED_OWNER)
+        .and_then(|s| s.rsplit('/').next().map(str::to_string));
+    let adopted = match &expected_owner_uid {
+        None => true,
+        Some(uid) => pod
+            .owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && &o.uid == uid),
+    };
+    TargetPodFacts {
+        running: phase == "Running" && containers_running,
+        unusable,
+        terminating: pod.metadata.deletion_timestamp.is_some(),
+        handed_over,
+        awaiting_adoption: handed_over && !adopted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration::fixtures::{k8s_pod, migration};
+    use k8s_openapi::api::core::v1::{
+        ContainerState, ContainerStateRunning, ContainerStatus, PodStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    fn rendered() -> (PodMigration, Pod, Pod) {
+        let m = migration("move-web", "web-abc-1");
+        let mut source = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
+        source.metadata.labels = Some(BTreeMap::from([
+            ("app".to_string(), "web".to_string()),
+            ("pod-template-hash".to_string(), "abc".to_string()),
+        ]));
+        let target = target_pod(&m, &source, "n1", &Holder::default());
+        (m, source, target)
+    }
+
+    #[test]
+    fn target_pod_is_pinned_to_the_target_node_and_runs_only_holders() {
+        let (_, source, target) = rendered();
+        let spec = target.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        let src = source.spec.as_ref().unwrap();
+        assert_eq!(spec.containers.len(), src.containers.len());
+        for (h, c) in spec.containers.iter().zip(&src.containers) {
+            assert_eq!(h.name, c.name);
+            assert_eq!(h.image, Some(Holder::default().image));
+            assert_eq!(
+                h.resources, c.resources,
+                "holders reserve the same resources"
+            );
+            assert!(h.readiness_probe.is_none() && h.liveness_probe.is_none() && h.env.is_none());
+        }
+        assert!(
+            spec.init_containers.is_none(),
+            "init containers never run again on the target"
+        );
+        assert_eq!(spec.volumes, src.volumes);
+    }
+
+    #[test]
+    fn target_pod_is_invisible_to_services_and_the_replicaset_until_hand_over() {
+        let (m, source, target) = rendered();
+        for k in source.labels().keys() {
+            assert!(
+                !target.labels().contains_key(k),
+                "source label {k} on the target before commit"
+            );
+        }
+        let owner = &target.owner_references()[0];
+        assert_eq!(owner.kind, "PodMigration");
+        assert_eq!(owner.controller, Some(true));
+        assert_eq!(target.labels().get(labels::MIGRATION), Some(&m.name_any()));
+        assert_eq!(
+            target
+                .annotations()
+                .get(annotations::EXPECTED_OWNER)
+                .map(|s| s.starts_with("ReplicaSet/web-abc/")),
+            Some(true)
+        );
+        let f = target_facts(&target);
+        assert!(!f.handed_over && !f.running);
+    }
+
+    #[test]
+    fn hand_over_puts_the_source_labels_on_and_releases_ownership() {
+        let (_, _, target) = rendered();
+        let patch = hand_over_patch(&target);
+        let l = &patch["metadata"]["labels"];
+        assert_eq!(l["app"], "web");
+        assert_eq!(l["pod-template-hash"], "abc");
+        assert!(l[labels::OWNER_UID].is_null() && l[labels::MIGRATION].is_null());
+        assert_eq!(patch["metadata"]["ownerReferences"], json!([]));
+
+        // Applied (as the API server would merge it), then adopted by the ReplicaSet.
+        let mut after = target.clone();
+        let mut new_labels: BTreeMap<String, String> = BTreeMap::new();
+        for (k, v) in l.as_object().unwrap() {
+            if let Some(v) = v.as_str() {
+                new_labels.insert(k.clone(), v.into());
+            }
+        }
+        after.metadata.labels = Some(new_labels);
+        after.metadata.owner_references = None;
+        let f = target_facts(&after);
+        assert!(f.handed_over && f.awaiting_adoption);
+        let uid = target.annotations()[annotations::EXPECTED_OWNER]
+            .rsplit('/')
+            .next()
+            .unwrap()
+            .to_string();
+        after.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "ReplicaSet".into(),
+            name: "web-abc".into(),
+            uid,
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]);
+        assert!(!target_facts(&after).awaiting_adoption);
+    }
+
+    #[test]
+    fn target_pod_names_are_deterministic_bounded_and_distinct_per_migration() {
+        let a = target_pod_name("web-abc-1", "uid-1");
+        assert_eq!(a, target_pod_name("web-abc-1", "uid-1"));
+        assert_ne!(a, target_pod_name("web-abc-1", "uid-2"));
+        let long = target_pod_name(&"x".repeat(250), "uid-1");
+        assert!(long.len() <= 63, "{}", long.len());
+        let dashed = target_pod_name(&format!("{}-y", "a".repeat(53)), "u");
+        assert!(!dashed.contains("--"), "{dashed}");
+    }
+
+    #[test]
+    fn transfer_key_secret_is_owned_immutable_and_holds_the_key() {
+        let m = migration("move-web", "web-abc-1");
+        let s = transfer_key_secret(&m, &[7u8; 32]);
+        assert_eq!(s.immutable, Some(true));
+        assert_eq!(s.owner_references()[0].kind, "PodMigration");
+        assert_eq!(s.data.as_ref().unwrap()[TRANSFER_KEY].0, vec![7u8; 32]);
+        assert_eq!(s.name_any(), "move-web-transfer-key");
+    }
+
+    #[test]
+    fn deletion_cost_patch_is_recognised_once_applied() {
+        let (_, mut source, _) = rendered();
+        assert!(!deletion_cost_lowered(&source));
+        let v = deletion_cost_patch();
+        let cost = v["metadata"]["annotations"][annotations::POD_DELETION_COST]
+            .as_str()
+            .unwrap();
+        source.metadata.annotations = Some(BTreeMap::from([(
+            annotations::POD_DELETION_COST.to_string(),
+            cost.to_string(),
+        )]));
+        assert!(deletion_cost_lowered(&source));
+    }
+
+    #[test]
+    fn target_facts_distinguish_running_unschedulable_and_failed_pods() {
+        let (_, _, mut target) = rendered();
+        let running = ContainerStatus {
+            name: "app".into(),
+            state: Some(ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        target.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            container_statuses: Some(vec![running]),
+            ..Default::default()
+        });
+        assert!(target_facts(&target).running);
+        target.status = Some(PodStatus {
+            phase: Some("Failed".into()),
+            reason: Some("OutOfcpu".into()),
+            ..Default::default()
+        });
+        let f = target_facts(&target);
+        assert!(!f.running);
+        assert!(f.unusable.as_deref().unwrap().contains("OutOfcpu"));
+    }
+}
