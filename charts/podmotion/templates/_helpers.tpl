@@ -79,7 +79,9 @@ app.kubernetes.io/component: migration-agent
 {{- end }}
 {{- end -}}
 
-{{/* Environment shared by the operator and its hook. */}}
+{{/* Environment shared by the operator and its hook. The controllers' own settings
+     are passed as environment variables: each flag of operator/src/controllers/*.rs
+     falls back to one, whether or not the binary exposes the flag yet. */}}
 {{- define "podmotion.operatorEnv" -}}
 - name: POD_NAMESPACE
   valueFrom:
@@ -89,8 +91,42 @@ app.kubernetes.io/component: migration-agent
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
-- name: PODMOTION_AGENT_NAMESPACE
-  value: {{ include "podmotion.agentNamespace" . | quote }}
 - name: RUST_LOG
   value: {{ .Values.operator.logFilter | quote }}
+{{- /* PodMigration (--migration-*) */}}
+- name: PODMOTION_AGENT_NAMESPACE
+  value: {{ include "podmotion.agentNamespace" . | quote }}
+- name: PODMOTION_AGENT_SELECTOR
+  value: {{ printf "app.kubernetes.io/component=migration-agent,app.kubernetes.io/instance=%s" .Release.Name | quote }}
+- name: PODMOTION_AGENT_PORT
+  value: {{ .Values.migrationAgent.grpcPort | quote }}
+{{- with .Values.migration.agentEndpoints }}
+- name: PODMOTION_AGENT_ENDPOINTS
+  value: {{ join "," . | quote }}
+{{- end }}
+- name: PODMOTION_MIGRATION_MAX_PARALLEL
+  value: {{ .Values.migration.maxParallel | quote }}
+- name: PODMOTION_MIGRATION_MAX_PER_NODE
+  value: {{ .Values.migration.maxPerNode | quote }}
+- name: PODMOTION_HOLDER_IMAGE
+  value: {{ .Values.migration.holderImage | quote }}
+- name: PODMOTION_HOLDER_COMMAND
+  value: {{ join " " .Values.migration.holderCommand | quote }}
+{{- /* NodeAgentAttachment (--attachment-*) */}}
+- name: PODMOTION_ATTACHMENT_JOB_PREFIX
+  value: {{ .Values.attachment.jobPrefix | quote }}
+- name: PODMOTION_ATTACHMENT_AGENT_IMAGE
+  value: {{ .Values.attachment.agentImage | quote }}
+- name: PODMOTION_ATTACHMENT_CRI_SOCKET_PATH
+  value: {{ .Values.attachment.criSocketPath | quote }}
+- name: PODMOTION_ATTACHMENT_SWEEP_SECONDS
+  value: {{ .Values.attachment.sweepSeconds | quote }}
+- name: PODMOTION_ATTACHMENT_WRITE_PARALLELISM
+  value: {{ .Values.attachment.writeParallelism | quote }}
+- name: PODMOTION_ATTACHMENT_BACKOFF_LIMIT
+  value: {{ .Values.attachment.backoffLimit | quote }}
+{{- with .Values.attachment.watchNamespace }}
+- name: PODMOTION_ATTACHMENT_WATCH_NAMESPACE
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
