@@ -20,6 +20,9 @@ use crate::names;
 /// workload and its pods are never mutated or restarted. Pods on the host network,
 /// pods that already carry an injected traffic-agent sidecar and pods in their own
 /// user namespace (`hostUsers: false`) are skipped and listed in `status.skipped`.
+// clippy's duplicated_attributes misreads the repeated `type_ = "string"` of the
+// printer columns inside the derive attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "podmotion.io",
