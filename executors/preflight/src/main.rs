@@ -1,4 +1,65 @@
-//! Runner node preflight: checks KVM, user namespaces, AppArmor and quotas
+//! `podmotion-preflight`: the Runner DaemonSet's init container. Checks the node (see
+//! the library docs), prints the one-line verdict to stdout and to the termination
+//! message file, and exits 1 when any check fails (so the Runner never starts on a
+//! node that cannot run it) or 2 on a usage error.
 #![forbid(unsafe_code)]
 
-fn main() {}
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use podmotion_preflight::{Settings, USERNS_PROBE_ARG, run_all, userns_probe};
+
+const USAGE: &str = "usage: podmotion-preflight [--kvm-device=PATH] [--session-volume=PATH] \
+[--require-project-quota=true|false] [--apparmor-sysctl=PATH] [--mountinfo=PATH] [--termination-log=PATH]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(USERNS_PROBE_ARG) {
+        return match userns_probe() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let mut s = Settings::default();
+    let mut termination_log = PathBuf::from("/dev/termination-log");
+    for a in &args {
+        let Some((k, v)) = a.split_once('=') else {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        };
+        match k {
+            "--kvm-device" => s.kvm_device = v.into(),
+            "--session-volume" => s.session_volume = v.into(),
+            "--require-project-quota" => match v.parse() {
+                Ok(b) => s.require_project_quota = b,
+                Err(_) => {
+                    eprintln!("--require-project-quota takes true or false\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--apparmor-sysctl" => s.apparmor_sysctl = v.into(),
+            "--mountinfo" => s.mountinfo = v.into(),
+            "--termination-log" => termination_log = v.into(),
+            _ => {
+                eprintln!("unknown flag {k}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    let verdict = run_all(&s, &exe);
+    let line = verdict.to_line();
+    println!("{line}");
+    // Best effort: outside a pod there may be no termination log.
+    if let Err(e) = std::fs::write(&termination_log, format!("{line}\n")) {
+        eprintln!("could not write {}: {e}", termination_log.display());
+    }
+    if verdict.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
