@@ -24,7 +24,6 @@ fn expected_ruleset() -> String {
         }],
     }
     .expected_listing()
-    .replace(" {\n\tflags owner", " {\n\tflags owner")
 }
 
 #[test]

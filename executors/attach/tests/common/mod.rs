@@ -379,6 +379,9 @@ impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(base) = self.exports_dir.parent() {
+            let _ = std::fs::remove_dir_all(base);
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A private containerd (CRI plugin on, loopback-only CNI) for the attach executor's
+# A private containerd (CRI plugin on, runc, CNI) for the attach executor's
 # runtime-path tests. Nothing is pulled: the sandbox ("pause") and workload images are
 # built here from Debian's static busybox as OCI image tarballs and imported with ctr.
 #
@@ -14,6 +14,14 @@ cmd=${1:?up|down}
 dir=${2:?dir}
 sock="$dir/containerd.sock"
 ns=k8s.io
+# CRI insists on an eth0 with an address in every pod sandbox. The CNI host-device
+# plugin moves one end of a veth pair (created without any address in the root
+# namespace; this kernel has no dummy links) into the pod's namespace as eth0 with a
+# static address: the only address it gets lives inside the namespace containerd
+# creates for the pod, and the peer left behind has none. One pod per fixture.
+hash=$(printf '%s' "$dir" | sha256sum | cut -c1-8)
+dummy="pmtd$hash"
+peer="pmtp$hash"
 
 build_image() { # name tag entrypoint-json out.tar
     local name=$1 out=$4 work
@@ -50,8 +58,9 @@ build_image() { # name tag entrypoint-json out.tar
 case $cmd in
 up)
     mkdir -p "$dir/root" "$dir/state" "$dir/cni"
-    cat >"$dir/cni/10-loopback.conflist" <<CNI
-{"cniVersion":"0.4.0","name":"podmotion-test-lo","plugins":[{"type":"loopback"}]}
+    ip link show "$peer" >/dev/null 2>&1 || ip link add "$dummy" type veth peer name "$peer"
+    cat >"$dir/cni/10-podmotion-test.conflist" <<CNI
+{"cniVersion":"0.4.0","name":"podmotion-test","plugins":[{"type":"host-device","device":"$dummy","ipam":{"type":"static","addresses":[{"address":"10.213.251.2/30"}]}}]}
 CNI
     cat >"$dir/config.toml" <<TOML
 version = 2
@@ -69,6 +78,10 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshot
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "podmotion.test/pause:1"
   enable_selinux = false
+  # The sandbox (pause) gets oom_score_adj -998 by default; lowering a score needs
+  # CAP_SYS_RESOURCE, which this workplace's root does not have (runc then fails
+  # with "can't get final child's PID from pipe: EOF"). Clamp to containerd's own.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -108,7 +121,8 @@ down)
     # Shims outlive containerd by design; end the ones started for this root.
     for s in $(pgrep -f "containerd-shim-runc-v2 .*-address $sock" || true); do kill -9 "$s" 2>/dev/null || true; done
     # Pod netns bind mounts and rootfs mounts created under DIR / for its pods.
-    grep -F "$dir/" /proc/self/mounts | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    { grep -F "$dir/" /proc/self/mounts || true; } | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    ip link del "$peer" 2>/dev/null || true
     rm -rf "$dir"
     ;;
 *) echo "usage: $0 up|down DIR" >&2; exit 2 ;;

@@ -1,0 +1,306 @@
+//! The runtime path: a real containerd (CRI plugin, runc, loopback-only CNI) runs a
+//! pod built from a locally made busybox image; the agent finds the runtime socket
+//! under a mounted `/run`, resolves the container's PID over CRI, and attaches.
+
+mod common;
+
+use common::*;
+use podmotion_attach::cri::{CriClient, v1};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+struct Containerd {
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl Containerd {
+    fn up() -> Containerd {
+        for tool in ["containerd", "ctr", "runc", "containerd-shim-runc-v2"] {
+            assert!(
+                which(tool).is_some(),
+                "{tool} missing: run hack/install-attach-deps.sh (or PODMOTION_ROOT_TESTS=0 to skip)"
+            );
+        }
+        assert!(
+            Path::new("/usr/lib/cni/loopback").exists(),
+            "CNI loopback plugin missing: run hack/install-attach-deps.sh"
+        );
+        let dir = std::env::temp_dir().join(format!("pmt-containerd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri-fixture.sh");
+        let out = run(Command::new("bash").arg(&script).arg("up").arg(&dir));
+        let socket = PathBuf::from(out.trim().lines().last().unwrap());
+        Containerd { dir, socket }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if std::env::var_os("PODMOTION_KEEP_FIXTURES").is_some() {
+            eprintln!("keeping containerd fixture in {}", self.dir.display());
+            return;
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri-fixture.sh");
+        let _ = Command::new("bash")
+            .arg(script)
+            .arg("down")
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+fn sandbox_config(name: &str) -> v1::PodSandboxConfig {
+    v1::PodSandboxConfig {
+        metadata: Some(v1::PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "podmotion-test".into(),
+            attempt: 0,
+        }),
+        hostname: name.into(),
+        log_directory: String::new(),
+    }
+}
+
+/// RunPodSandbox + CreateContainer + StartContainer, the kubelet's sequence.
+async fn run_pod(cri: &CriClient, name: &str, env: &[(&str, &str)]) -> (String, String) {
+    let config = sandbox_config(name);
+    let sandbox: v1::RunPodSandboxResponse = cri
+        .unary(
+            "RunPodSandbox",
+            &v1::RunPodSandboxRequest {
+                config: Some(config.clone()),
+            },
+        )
+        .await
+        .expect("RunPodSandbox");
+    let created: v1::CreateContainerResponse = cri
+        .unary(
+            "CreateContainer",
+            &v1::CreateContainerRequest {
+                pod_sandbox_id: sandbox.pod_sandbox_id.clone(),
+                config: Some(v1::ContainerConfig {
+                    metadata: Some(v1::ContainerMetadata {
+                        name: "app".into(),
+                        attempt: 0,
+                    }),
+                    image: Some(v1::ImageSpec {
+                        image: "podmotion.test/busybox:1".into(),
+                    }),
+                    command: vec!["/bin/httpd".into()],
+                    args: vec![
+                        "-f".into(),
+                        "-p".into(),
+                        APP_PORT.to_string(),
+                        "-h".into(),
+                        "/srv/www".into(),
+                    ],
+                    working_dir: "/".into(),
+                    envs: env
+                        .iter()
+                        .map(|(k, v)| v1::KeyValue {
+                            key: (*k).into(),
+                            value: (*v).into(),
+                        })
+                        .collect(),
+                    log_path: String::new(),
+                }),
+                sandbox_config: Some(config),
+            },
+        )
+        .await
+        .expect("CreateContainer");
+    let _: v1::Empty = cri
+        .unary(
+            "StartContainer",
+            &v1::ContainerIdRequest {
+                container_id: created.container_id.clone(),
+            },
+        )
+        .await
+        .expect("StartContainer");
+    (sandbox.pod_sandbox_id, created.container_id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let containerd = Containerd::up();
+    let cri = CriClient::connect(&containerd.socket).await.unwrap();
+    let version = cri.version().await.unwrap();
+    assert_eq!(version.runtime_name, "containerd");
+
+    let (sandbox, container) = run_pod(
+        &cri,
+        "web-0",
+        &[("ZED", "z"), ("APP_MODE", "cri"), ("A", "1")],
+    )
+    .await;
+
+    // The PID as containerd's own task service reports it (independent of CRI).
+    let tasks = run(Command::new("ctr")
+        .arg("-a")
+        .arg(&containerd.socket)
+        .args(["-n", "k8s.io", "tasks", "ls"]));
+    let task_pid: u32 = tasks
+        .lines()
+        .find(|l| l.starts_with(&container))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("task for {container} not in {tasks}"));
+    assert_eq!(
+        cri.container_pid(&format!("containerd://{container}"))
+            .await
+            .unwrap(),
+        task_pid
+    );
+
+    // A node /run as the Job would mount it: a dead socket where containerd's usually
+    // is, the live runtime at k3s's path. Discovery must skip the dead one.
+    let host_run = containerd.dir.join("host-run");
+    std::fs::create_dir_all(host_run.join("containerd")).unwrap();
+    std::fs::create_dir_all(host_run.join("k3s/containerd")).unwrap();
+    drop(
+        std::os::unix::net::UnixListener::bind(host_run.join("containerd/containerd.sock"))
+            .unwrap(),
+    );
+    std::os::unix::fs::symlink(
+        &containerd.socket,
+        host_run.join("k3s/containerd/containerd.sock"),
+    )
+    .unwrap();
+
+    let target = vec![
+        "--container-id".to_owned(),
+        format!("containerd://{container}"),
+        "--host-run".to_owned(),
+        host_run.display().to_string(),
+    ];
+    let agent = tokio::task::spawn_blocking(move || {
+        Agent::start(&target, &["--export", "/srv/www", "--export", "/etc"])
+    })
+    .await
+    .unwrap();
+    let health = agent.json("/healthz");
+    assert_eq!(health["pid"], task_pid);
+    assert_eq!(
+        health["cri_socket"].as_str().unwrap(),
+        host_run
+            .join("k3s/containerd/containerd.sock")
+            .display()
+            .to_string()
+    );
+
+    // Env from the container's init process: CRI's env entries, in order.
+    let env = agent.json("/v1/env");
+    let env: Vec<String> = env
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            format!(
+                "{}={}",
+                e["name"].as_str().unwrap(),
+                e["value"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let pos = |needle: &str| {
+        env.iter()
+            .position(|e| e == needle)
+            .unwrap_or_else(|| panic!("{needle} not in {env:?}"))
+    };
+    assert!(
+        pos("ZED=z") < pos("APP_MODE=cri") && pos("APP_MODE=cri") < pos("A=1"),
+        "{env:?}"
+    );
+
+    // Files from the container's image, through the exports.
+    assert_eq!(
+        std::fs::read_to_string(agent.exports_dir.join("srv/www/index.html")).unwrap(),
+        "hello from the container\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(agent.exports_dir.join("etc/podmotion-release")).unwrap(),
+        "podmotion image podmotion.test/busybox\n"
+    );
+
+    // The ruleset lives in the pod's own (CNI-created) namespace, and a pass-through
+    // connection from inside the pod still reaches the application.
+    let netns = format!("--net=/proc/{task_pid}/ns/net");
+    assert_ne!(
+        std::fs::metadata(format!("/proc/{task_pid}/ns/net"))
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+            .unwrap(),
+        std::fs::metadata("/proc/self/ns/net")
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+            .unwrap(),
+        "the CRI pod has its own network namespace"
+    );
+    let listing = nft_table_of(&["nsenter", &netns]);
+    assert!(
+        listing.contains(&format!("tcp dport {APP_PORT} redirect to :{AGENT_PORT}")),
+        "{listing}"
+    );
+    let body = run(Command::new("nsenter")
+        .args([netns.as_str(), "busybox", "wget", "-qO-"])
+        .arg(format!("http://127.0.0.1:{APP_PORT}/")));
+    assert_eq!(body, "hello from the container\n");
+
+    // Intercepting inside the CRI pod: a loopback client in the pod reaches the
+    // client stream instead of the app.
+    let (status, _) = agent.call("POST", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 201);
+    let agent = std::sync::Arc::new(agent);
+    let a2 = agent.clone();
+    let taker = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut s = a2.stream(&format!("/v1/intercepts/{APP_PORT}/accept"));
+        let mut head = String::new();
+        s.read_line(&mut head).unwrap();
+        s.get_mut()
+            .write_all(b"HTTP/1.0 200 OK\r\n\r\nintercepted-in-cri-pod")
+            .unwrap();
+        head
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let body = run(Command::new("nsenter")
+        .args([netns.as_str(), "busybox", "wget", "-qO-"])
+        .arg(format!("http://127.0.0.1:{APP_PORT}/")));
+    assert_eq!(body, "intercepted-in-cri-pod");
+    assert!(
+        taker
+            .join()
+            .unwrap()
+            .contains(&format!("127.0.0.1:{APP_PORT}"))
+    );
+
+    agent.signal(nix::sys::signal::Signal::SIGTERM);
+    let gone = wait_for(Duration::from_secs(5), || {
+        !run(Command::new("nsenter").args([netns.as_str(), "nft", "list", "tables"]))
+            .contains(TABLE)
+    });
+    assert!(gone.is_ok(), "table removed on SIGTERM");
+
+    let _: Result<v1::Empty, _> = cri
+        .unary(
+            "StopPodSandbox",
+            &v1::PodSandboxIdRequest {
+                pod_sandbox_id: sandbox.clone(),
+            },
+        )
+        .await;
+    let _: Result<v1::Empty, _> = cri
+        .unary(
+            "RemovePodSandbox",
+            &v1::PodSandboxIdRequest {
+                pod_sandbox_id: sandbox,
+            },
+        )
+        .await;
+}
