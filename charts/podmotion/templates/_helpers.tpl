@@ -104,6 +104,10 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_AGENT_ENDPOINTS
   value: {{ join "," . | quote }}
 {{- end }}
+{{- with .Values.migration.watchNamespace }}
+- name: PODMOTION_MIGRATION_NAMESPACE
+  value: {{ . | quote }}
+{{- end }}
 - name: PODMOTION_MIGRATION_MAX_PARALLEL
   value: {{ .Values.migration.maxParallel | quote }}
 - name: PODMOTION_MIGRATION_MAX_PER_NODE

@@ -1,0 +1,1265 @@
+//! The Helm chart (`charts/podmotion`): lint, rendering rules (restricted operator pod,
+//! only the broker privileged, RBAC without wildcards or cluster-wide Secret reads, CRDs
+//! identical to `crds/` and kept on uninstall, a value for every operator flag, the
+//! values schema), then against the local control plane: the rendered chart is admitted
+//! by server-side dry-run and for real with the operator's namespace enforcing
+//! `restricted` and the agents' namespace `privileged`; RBAC is proven with
+//! `kubectl auth can-i --as=system:serviceaccount:…`; `kubectl wait --for=condition=Ready`
+//! and the printer columns are checked on the real API server.
+//!
+//! Needs `helm` (hack/build-helm.sh, called by hack/install-deps.sh): the tests fail
+//! without it. The cluster tests need `hack/cluster.sh up` (or `PODMOTION_E2E=0`).
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams};
+use podmotion_e2e::{
+    PodSecurity, TIMEOUT, TestNamespace, kubeconfig_path, kubectl_path, pod_phase, random_suffix,
+    repo_root, wait_for, wait_list,
+};
+use serde_json::{Value, json};
+
+fn chart_dir() -> PathBuf {
+    repo_root().join("charts/podmotion")
+}
+
+/// Our helm (built from its Go module); the tests fail when it is missing.
+fn helm() -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo_root().join("hack/build-helm.sh"))
+        .arg("--print")
+        .output()
+        .expect("running hack/build-helm.sh --print");
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(
+        path.is_file(),
+        "helm not found at {}; run hack/build-helm.sh (hack/install-deps.sh does)",
+        path.display()
+    );
+    path
+}
+
+fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `helm template <release> charts/podmotion -n <namespace> <args…>`.
+fn try_render(release: &str, namespace: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(helm())
+        .args(["template", release])
+        .arg(chart_dir())
+        .args(["--namespace", namespace])
+        .args(args)
+        .output()
+        .expect("running helm");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(output_text(&out))
+    }
+}
+
+fn render(args: &[&str]) -> Vec<Value> {
+    let text = try_render("pm", "podmotion-system", args)
+        .unwrap_or_else(|e| panic!("helm template {args:?}: {e}"));
+    parse_docs(&text)
+}
+
+fn parse_docs(text: &str) -> Vec<Value> {
+    let docs: Vec<Value> = serde_saphyr::from_multiple(text)
+        .unwrap_or_else(|e| panic!("rendered chart is not YAML: {e}\n{text}"));
+    docs.into_iter().filter(|d| !d.is_null()).collect()
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn name(d: &Value) -> &str {
+    d["metadata"]["name"].as_str().unwrap_or("")
+}
+
+fn is_hook(d: &Value) -> bool {
+    d.pointer("/metadata/annotations/helm.sh~1hook").is_some()
+}
+
+/// Pod templates of the workloads: (workload kind/name, namespace, pod spec).
+fn pod_specs(docs: &[Value]) -> Vec<(String, String, Value)> {
+    docs.iter()
+        .filter(|d| matches!(d["kind"].as_str(), Some("Deployment" | "DaemonSet" | "Job")))
+        .map(|d| {
+            (
+                format!("{}/{}", d["kind"].as_str().unwrap(), name(d)),
+                d["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+                d["spec"]["template"]["spec"].clone(),
+            )
+        })
+        .collect()
+}
+
+fn containers(spec: &Value) -> Vec<&Value> {
+    ["initContainers", "containers", "ephemeralContainers"]
+        .iter()
+        .filter_map(|k| spec[*k].as_array())
+        .flatten()
+        .collect()
+}
+
+// ---------------------------------------------------------------- without a cluster
+
+#[test]
+fn helm_lint_is_clean_for_the_defaults_and_the_variants() {
+    for variant in [
+        vec![],
+        vec!["--set", "crds.install=false"],
+        vec!["--set", "operator.controllers={runner-pool}"],
+        vec![
+            "--set",
+            "migrationAgent.enabled=false,reapOnUninstall.enabled=false",
+        ],
+        vec![
+            "--set",
+            "operator.leaderElection.enabled=false,operator.networkPolicy.enabled=false",
+        ],
+    ] {
+        let out = Command::new(helm())
+            .args(["lint", "--strict"])
+            .arg(chart_dir())
+            .args(&variant)
+            .output()
+            .unwrap();
+        let text = output_text(&out);
+        assert!(out.status.success(), "helm lint {variant:?}:\n{text}");
+        assert!(
+            !text.contains("[WARNING]") && !text.contains("[ERROR]"),
+            "helm lint {variant:?}:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn chart_crd_copies_match_the_generated_crds() {
+    let generated = repo_root().join("crds");
+    let copies = chart_dir().join("files/crds");
+    let list = |dir: &Path| -> BTreeSet<String> {
+        std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml"))
+            .collect()
+    };
+    let fix = "cp crds/*.yaml charts/podmotion/files/crds/";
+    assert_eq!(list(&generated), list(&copies), "CRD files differ; {fix}");
+    for file in list(&generated) {
+        let a = std::fs::read(generated.join(&file)).unwrap();
+        let b = std::fs::read(copies.join(&file)).unwrap();
+        assert!(
+            a == b,
+            "charts/podmotion/files/crds/{file} drifted from crds/{file}; {fix}"
+        );
+    }
+}
+
+#[test]
+fn rendered_crds_are_the_generated_ones_and_kept_on_uninstall() {
+    let generated: Vec<Value> = std::fs::read_dir(repo_root().join("crds"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .flat_map(|p| parse_docs(&std::fs::read_to_string(p).unwrap()))
+        .collect();
+    assert_eq!(generated.len(), 3);
+    let docs = render(&[]);
+    let crds = of_kind(&docs, "CustomResourceDefinition");
+    assert_eq!(crds.len(), 3, "rendered CRDs");
+    for want in &generated {
+        let got = crds
+            .iter()
+            .find(|c| name(c) == name(want))
+            .unwrap_or_else(|| panic!("{} not rendered", name(want)));
+        assert_eq!(got["spec"], want["spec"], "{}: spec differs", name(want));
+        assert_eq!(
+            got.pointer("/metadata/annotations/helm.sh~1resource-policy"),
+            Some(&json!("keep")),
+            "{}",
+            name(want)
+        );
+        assert!(
+            !is_hook(got),
+            "CRDs must not be hooks (hooks are not upgraded)"
+        );
+    }
+    let not_kept = render(&["--set", "crds.keep=false"]);
+    for c in of_kind(&not_kept, "CustomResourceDefinition") {
+        assert!(
+            c.pointer("/metadata/annotations/helm.sh~1resource-policy")
+                .is_none()
+        );
+    }
+    let none = render(&["--set", "crds.install=false"]);
+    assert!(of_kind(&none, "CustomResourceDefinition").is_empty());
+}
+
+#[test]
+fn operator_and_hook_pods_meet_the_restricted_level() {
+    let docs = render(&[]);
+    let specs = pod_specs(&docs);
+    let operator_pods: Vec<_> = specs
+        .iter()
+        .filter(|(w, _, _)| w.starts_with("Deployment/") || w.starts_with("Job/"))
+        .collect();
+    assert_eq!(
+        operator_pods.len(),
+        2,
+        "operator Deployment and reap-all hook Job"
+    );
+    for (workload, ns, spec) in operator_pods {
+        assert_eq!(ns, "podmotion-system", "{workload}");
+        assert_eq!(spec["securityContext"]["runAsNonRoot"], true, "{workload}");
+        assert_eq!(
+            spec["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+            "{workload}"
+        );
+        for key in ["hostPID", "hostNetwork", "hostIPC"] {
+            assert!(spec[key] != true, "{workload}: {key}");
+        }
+        assert!(
+            spec["volumes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .all(|v| v.get("hostPath").is_none()),
+            "{workload}: hostPath"
+        );
+        for c in containers(spec) {
+            let sc = &c["securityContext"];
+            let what = format!("{workload} container {}", c["name"]);
+            assert_eq!(sc["allowPrivilegeEscalation"], false, "{what}");
+            assert_eq!(sc["readOnlyRootFilesystem"], true, "{what}");
+            assert_eq!(sc["privileged"], false, "{what}");
+            assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{what}");
+            assert!(sc["capabilities"].get("add").is_none(), "{what}");
+            assert!(
+                c["resources"]["requests"].is_object() && c["resources"]["limits"].is_object(),
+                "{what}: resources"
+            );
+        }
+    }
+    let deploy = of_kind(&docs, "Deployment")[0];
+    let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["startupProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    let hook = of_kind(&docs, "Job")[0];
+    assert_eq!(
+        hook.pointer("/metadata/annotations/helm.sh~1hook"),
+        Some(&json!("pre-delete"))
+    );
+    let args = hook["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap();
+    assert_eq!(args.last(), Some(&json!("reap-all")), "{args:?}");
+}
+
+#[test]
+fn the_netns_broker_is_the_only_privileged_container() {
+    let docs = render(&[]);
+    let mut privileged = Vec::new();
+    let mut host_pid = Vec::new();
+    for (workload, _, spec) in pod_specs(&docs) {
+        if spec["hostPID"] == true {
+            host_pid.push(workload.clone());
+        }
+        assert!(spec["hostNetwork"] != true, "{workload}: hostNetwork");
+        assert!(spec["hostIPC"] != true, "{workload}: hostIPC");
+        for c in containers(&spec) {
+            if c["securityContext"]["privileged"] == true {
+                privileged.push(format!("{workload}/{}", c["name"].as_str().unwrap()));
+            }
+        }
+    }
+    assert_eq!(
+        privileged,
+        vec!["DaemonSet/pm-podmotion-migration-agent/netns-broker"]
+    );
+    assert_eq!(host_pid, vec!["DaemonSet/pm-podmotion-migration-agent"]);
+
+    let ds = of_kind(&docs, "DaemonSet")[0];
+    let spec = &ds["spec"]["template"]["spec"];
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    let agent = containers(spec)
+        .into_iter()
+        .find(|c| c["name"] == "agent")
+        .expect("agent container");
+    let sc = &agent["securityContext"];
+    assert_eq!(sc["privileged"], false);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    let added: BTreeSet<&str> = sc["capabilities"]["add"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(
+        !added.contains("SYS_ADMIN"),
+        "the agent must not hold SYS_ADMIN"
+    );
+    // Checkpoint images (whole process memory) only on the pod's own tmpfs.
+    let checkpoints = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "checkpoints")
+        .unwrap();
+    assert_eq!(checkpoints["emptyDir"]["medium"], "Memory");
+    // The agent mounts the runtime socket read-only and no host path read-write.
+    let host_volumes: BTreeSet<&str> = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v.get("hostPath").is_some())
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    for m in agent["volumeMounts"].as_array().unwrap() {
+        if host_volumes.contains(m["name"].as_str().unwrap()) {
+            assert_eq!(m["readOnly"], true, "agent mount {m}");
+        }
+    }
+}
+
+/// Every rule of every Role and ClusterRole of a rendering: (kind/name, namespace, rule).
+fn rules(docs: &[Value]) -> Vec<(String, String, Value)> {
+    docs.iter()
+        .filter(|d| matches!(d["kind"].as_str(), Some("Role" | "ClusterRole")))
+        .flat_map(|d| {
+            let who = format!("{}/{}", d["kind"].as_str().unwrap(), name(d));
+            let ns = d["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            d["rules"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |r| (who.clone(), ns.clone(), r))
+        })
+        .collect()
+}
+
+fn strs(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn rbac_has_no_wildcards_and_reads_no_secrets_outside_the_agents_namespace() {
+    let docs = render(&[]);
+    let all = rules(&docs);
+    assert!(all.len() > 10, "{} rules", all.len());
+    for (who, ns, rule) in &all {
+        for key in ["apiGroups", "resources", "verbs", "resourceNames"] {
+            assert!(
+                !strs(&rule[key]).iter().any(|s| s.contains('*')),
+                "{who}: wildcard in {key}: {rule}"
+            );
+        }
+        assert!(rule.get("nonResourceURLs").is_none(), "{who}: {rule}");
+        let resources = strs(&rule["resources"]);
+        let verbs = strs(&rule["verbs"]);
+        for forbidden in ["escalate", "bind", "impersonate", "deletecollection"] {
+            assert!(!verbs.contains(&forbidden), "{who}: {forbidden}: {rule}");
+        }
+        for sub in [
+            "pods/exec",
+            "pods/attach",
+            "pods/portforward",
+            "serviceaccounts/token",
+        ] {
+            assert!(!resources.contains(&sub), "{who}: {sub}");
+        }
+        if resources.contains(&"secrets") {
+            let reads = verbs.iter().any(|v| matches!(*v, "get" | "list" | "watch"));
+            assert!(!reads, "{who} ({ns}) reads Secrets: {rule}");
+        }
+        if resources.contains(&"jobs") {
+            assert_eq!(
+                (who.starts_with("Role/"), ns.as_str()),
+                (true, "podmotion-system-agents"),
+                "Jobs only in the agents' namespace: {rule}"
+            );
+        }
+        for workload in ["deployments", "statefulsets", "replicasets"] {
+            if resources.contains(&workload) {
+                assert_eq!(
+                    verbs,
+                    vec!["get", "list", "watch"],
+                    "{who}: workloads are never mutated"
+                );
+            }
+        }
+    }
+    // The pieces the runtime needs are there: events create + patch, the leader Lease.
+    let grants = |resource: &str, verb: &str| {
+        all.iter().any(|(_, _, r)| {
+            strs(&r["resources"]).contains(&resource) && strs(&r["verbs"]).contains(&verb)
+        })
+    };
+    assert!(grants("events", "create") && grants("events", "patch"));
+    assert!(grants("leases", "update"));
+}
+
+#[test]
+fn disabled_controllers_lose_their_permissions() {
+    let docs = render(&["--set", "operator.controllers={runner-pool}"]);
+    let all = rules(&docs);
+    let grants = |resource: &str, verb: &str| {
+        all.iter().any(|(_, _, r)| {
+            strs(&r["resources"]).contains(&resource) && strs(&r["verbs"]).contains(&verb)
+        })
+    };
+    assert!(grants("daemonsets", "create"), "RunnerPool owns DaemonSets");
+    assert!(
+        !grants("pods", "create"),
+        "pod writes are the migration controller's"
+    );
+    assert!(
+        !grants("jobs", "create"),
+        "Jobs are the attachment controller's"
+    );
+    assert!(!grants("podmigrations", "get"));
+    assert!(!grants("deployments", "get"));
+    assert!(
+        !docs.iter().any(is_hook),
+        "no attachment controller, nothing to reap"
+    );
+}
+
+/// `(long flag, env var)` of every clap argument declared under operator/src.
+fn operator_flags() -> Vec<(String, Option<String>)> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&repo_root().join("operator/src"), &mut files);
+    let quoted = |attr: &str, key: &str| -> Option<String> {
+        let re = format!("{key} = \"");
+        let start = attr.find(&re)? + re.len();
+        Some(attr[start..].split('"').next()?.to_string())
+    };
+    let mut flags = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("#[arg(") {
+            rest = &rest[i..];
+            let end = rest.find(")]").expect("#[arg(…)] closes");
+            let attr = &rest[..end];
+            let after = &rest[end + 2..];
+            // The field the attribute belongs to: the next `name: Type` line.
+            let field = after
+                .lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty() && !l.starts_with("#[") && !l.starts_with("//"))
+                .and_then(|l| l.trim_start_matches("pub ").split(':').next())
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            let has_long = attr
+                .split(|c: char| !c.is_alphanumeric() && c != '_')
+                .any(|w| w == "long");
+            if has_long {
+                let long = quoted(attr, "long").unwrap_or_else(|| field.replace('_', "-"));
+                flags.push((long, quoted(attr, "env")));
+            }
+            rest = after;
+        }
+    }
+    flags
+}
+
+#[test]
+fn every_operator_flag_has_a_value_in_the_chart() {
+    let flags = operator_flags();
+    let names: Vec<&str> = flags.iter().map(|(f, _)| f.as_str()).collect();
+    for known in [
+        "namespace",
+        "controllers",
+        "no-leader-election",
+        "log-format",
+    ] {
+        assert!(names.contains(&known), "parser missed --{known}: {names:?}");
+    }
+    let mut args = BTreeSet::new();
+    let mut env = BTreeSet::new();
+    for variant in [
+        vec![],
+        vec![
+            "--set",
+            "operator.leaderElection.enabled=false,attachment.watchNamespace=team-a,migration.watchNamespace=team-a",
+            "--set",
+            "migration.agentEndpoints={pm-node-0=http://127.0.0.1:7443}",
+        ],
+    ] {
+        let docs = render(&variant);
+        let deploy = of_kind(&docs, "Deployment")[0];
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        for a in strs(&c["args"]) {
+            args.insert(
+                a.split('=')
+                    .next()
+                    .unwrap()
+                    .trim_start_matches("--")
+                    .to_string(),
+            );
+        }
+        for e in c["env"].as_array().unwrap() {
+            env.insert(e["name"].as_str().unwrap().to_string());
+        }
+    }
+    let missing: Vec<String> = flags
+        .iter()
+        .filter(|(long, var)| {
+            !args.contains(long) && !var.as_ref().is_some_and(|v| env.contains(v))
+        })
+        .map(|(long, var)| format!("--{long} ({})", var.as_deref().unwrap_or("no env")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "operator flags without a chart value (add one to values.yaml and the \
+         Deployment's args or env): {missing:?}"
+    );
+}
+
+#[test]
+fn values_schema_rejects_bad_values() {
+    assert!(try_render("pm", "ns", &[]).is_ok());
+    for bad in [
+        "operator.logFormat=xml",
+        "operator.controllers={migration,ingest}",
+        "operator.httpPort=0",
+        "operator.leaderElection.leaseSeconds=1",
+        "image.digest=latest",
+        "agents.podSecurityEnforce=lenient",
+        "migrationAgent.grpcPort=70000",
+        "attachment.jobPrefix=Not_A_Name",
+        "operator.unknownKey=1",
+    ] {
+        let res = try_render("pm", "ns", &["--set", bad]);
+        assert!(res.is_err(), "{bad} was accepted");
+        assert!(
+            res.unwrap_err().contains("schema"),
+            "{bad}: rejected, but not by values.schema.json"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- on the local control plane
+
+fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut cmd = Command::new(kubectl_path().expect("kubectl from the binary cache"));
+    cmd.arg("--kubeconfig").arg(kubeconfig_path()).args(args);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("running kubectl");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+fn to_yaml_stream(docs: &[&Value]) -> String {
+    // JSON documents are YAML documents.
+    docs.iter()
+        .map(|d| format!("---\n{}\n", serde_json::to_string(d).unwrap()))
+        .collect()
+}
+
+/// Deletes the cluster-scoped objects of a test release (namespaces clean themselves).
+struct ReleaseCleanup(String);
+
+impl Drop for ReleaseCleanup {
+    fn drop(&mut self) {
+        if std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
+            return;
+        }
+        let selector = format!("app.kubernetes.io/instance={}", self.0);
+        let _ = kubectl(
+            &[
+                "delete",
+                "clusterrole,clusterrolebinding",
+                "-l",
+                &selector,
+                "--wait=false",
+            ],
+            None,
+        );
+    }
+}
+
+struct Installed {
+    release: String,
+    operator_ns: TestNamespace,
+    agents_ns: TestNamespace,
+    baseline_ns: TestNamespace,
+    docs: Vec<Value>,
+    _cleanup: ReleaseCleanup,
+}
+
+/// Creates the operator's namespace (restricted) and the agents' (privileged), renders
+/// the chart for them and applies it for real (hooks excluded).
+async fn install(prefix: &str) -> Option<Installed> {
+    let operator_ns = TestNamespace::new(prefix, PodSecurity::Restricted).await?;
+    let agents_ns = TestNamespace::new(&format!("{prefix}-ag"), PodSecurity::Privileged).await?;
+    let baseline_ns = TestNamespace::new(&format!("{prefix}-bl"), PodSecurity::Baseline).await?;
+    let release = format!("pm{}", random_suffix());
+    let cleanup = ReleaseCleanup(release.clone());
+    let set = format!(
+        "agents.createNamespace=false,agents.namespace={}",
+        agents_ns.name
+    );
+    let text = try_render(&release, &operator_ns.name, &["--set", &set])
+        .unwrap_or_else(|e| panic!("helm template: {e}"));
+    let docs = parse_docs(&text);
+
+    // 1. Server-side dry-run of everything, hooks included.
+    let all: Vec<&Value> = docs.iter().collect();
+    let out = kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=helm",
+            "--dry-run=server",
+            "-f",
+            "-",
+        ],
+        Some(&to_yaml_stream(&all)),
+    );
+    assert!(
+        out.status.success(),
+        "server-side dry-run:\n{}",
+        output_text(&out)
+    );
+    let applied = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(applied, docs.len(), "{}", output_text(&out));
+
+    // 2. For real, without the hook (it runs only on uninstall).
+    let release_docs: Vec<&Value> = docs.iter().filter(|d| !is_hook(d)).collect();
+    let out = kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=helm",
+            "-f",
+            "-",
+        ],
+        Some(&to_yaml_stream(&release_docs)),
+    );
+    assert!(out.status.success(), "apply:\n{}", output_text(&out));
+    Some(Installed {
+        release,
+        operator_ns,
+        agents_ns,
+        baseline_ns,
+        docs,
+        _cleanup: cleanup,
+    })
+}
+
+/// A bare Pod with a workload's pod template, for a dry-run create (Pod Security is
+/// enforced on pods, not on their workloads).
+fn pod_manifest(name: &str, namespace: &str, spec: &Value) -> String {
+    serde_json::to_string(&json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+fn dry_run_pod(name: &str, namespace: &str, spec: &Value) -> Output {
+    kubectl(
+        &["create", "--dry-run=server", "-f", "-"],
+        Some(&pod_manifest(name, namespace, spec)),
+    )
+}
+
+#[tokio::test]
+async fn chart_is_admitted_with_a_restricted_operator_namespace_and_privileged_agents() {
+    let Some(inst) = install("chart").await else {
+        return;
+    };
+    let (op, ag) = (&inst.operator_ns, &inst.agents_ns);
+
+    // Pod Security on the pods themselves: operator and hook pods pass `restricted`,
+    // the agent pod passes `privileged`, and is refused by `restricted` and `baseline`
+    // (the level it needs is really `privileged`).
+    for (workload, ns, spec) in pod_specs(&inst.docs) {
+        let out = dry_run_pod("psa-check", &ns, &spec);
+        assert!(
+            out.status.success(),
+            "{workload} pod refused in {ns}:\n{}",
+            output_text(&out)
+        );
+        if workload.starts_with("DaemonSet/") {
+            // Its ServiceAccount exists only in the agents' namespace.
+            let mut spec = spec.clone();
+            spec["serviceAccountName"] = json!("default");
+            for (level, other) in [
+                ("restricted", &op.name),
+                ("baseline", &inst.baseline_ns.name),
+            ] {
+                let out = dry_run_pod("psa-check", other, &spec);
+                let text = output_text(&out);
+                assert!(
+                    !out.status.success() && text.contains("violates PodSecurity"),
+                    "agent pod admitted by {level}:\n{text}"
+                );
+            }
+        }
+    }
+
+    // The real objects: the operator pod and one agent pod per schedulable node exist
+    // (their ReplicaSet and DaemonSet controllers were admitted to create them).
+    let pods: Api<Pod> = op.api();
+    wait_list(
+        &pods,
+        "app.kubernetes.io/component=operator",
+        TIMEOUT,
+        "operator pod running",
+        |ps| ps.len() == 1 && pod_phase(&ps[0]) == "Running",
+    )
+    .await
+    .unwrap();
+    let dss: Api<DaemonSet> = ag.api();
+    let ds_name = format!("{}-podmotion-migration-agent", inst.release);
+    wait_for(&dss, &ds_name, TIMEOUT, "agents on every node", |d| {
+        d.and_then(|d| d.status.as_ref()).is_some_and(|s| {
+            s.desired_number_scheduled > 0
+                && s.current_number_scheduled == s.desired_number_scheduled
+                && s.number_ready == s.desired_number_scheduled
+        })
+    })
+    .await
+    .unwrap();
+
+    // The pre-delete hook Job's pod is admitted in the restricted namespace too.
+    let hook: Vec<&Value> = inst.docs.iter().filter(|d| is_hook(d)).collect();
+    assert_eq!(hook.len(), 1);
+    let out = kubectl(
+        &["apply", "--server-side", "--field-manager=helm", "-f", "-"],
+        Some(&to_yaml_stream(&hook)),
+    );
+    assert!(out.status.success(), "{}", output_text(&out));
+    wait_list(
+        &pods,
+        "app.kubernetes.io/component=reap-all",
+        TIMEOUT,
+        "reap-all hook pod created",
+        |ps| !ps.is_empty(),
+    )
+    .await
+    .unwrap();
+    let _ = Api::<k8s_openapi::api::batch::v1::Job>::namespaced(op.client.clone(), &op.name)
+        .delete(
+            &format!("{}-podmotion-reap-all", inst.release),
+            &DeleteParams::foreground(),
+        )
+        .await;
+}
+
+/// `kubectl auth can-i` as `sa`: true for "yes".
+fn can_i(sa: &str, args: &[&str]) -> bool {
+    let mut full = vec!["auth", "can-i"];
+    full.extend_from_slice(args);
+    full.extend_from_slice(&["--as", sa]);
+    let out = kubectl(&full, None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.lines().next().map(str::trim) {
+        Some("yes") => true,
+        Some("no") => false,
+        _ => panic!("kubectl auth can-i {args:?}: {}", output_text(&out)),
+    }
+}
+
+#[tokio::test]
+async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
+    let Some(inst) = install("rbac").await else {
+        return;
+    };
+    let op = inst.operator_ns.name.as_str();
+    let ag = inst.agents_ns.name.as_str();
+    let sa = format!("system:serviceaccount:{op}:{}-podmotion", inst.release);
+    let agent_sa = format!(
+        "system:serviceaccount:{ag}:{}-podmotion-migration-agent",
+        inst.release
+    );
+    let lease = "leases.coordination.k8s.io/podmotion-operator";
+
+    let mut allowed: Vec<Vec<&str>> = Vec::new();
+    for kind in [
+        "podmigrations.podmotion.io",
+        "nodeagentattachments.podmotion.io",
+        "runnerpools.podmotion.io",
+    ] {
+        for verb in ["get", "list", "watch", "patch", "update"] {
+            allowed.push(vec![verb, kind, "-A"]);
+        }
+        allowed.push(vec!["patch", kind, "--subresource=status", "-n", "default"]);
+        allowed.push(vec![
+            "update",
+            kind,
+            "--subresource=finalizers",
+            "-n",
+            "default",
+        ]);
+    }
+    allowed.extend([
+        vec![
+            "get",
+            "customresourcedefinitions.apiextensions.k8s.io/podmigrations.podmotion.io",
+        ],
+        vec![
+            "watch",
+            "customresourcedefinitions.apiextensions.k8s.io/runnerpools.podmotion.io",
+        ],
+        vec!["create", "events.events.k8s.io", "-n", "default"],
+        vec!["patch", "events.events.k8s.io", "-n", "default"],
+        vec!["get", "pods", "-A"],
+        vec!["list", "pods", "-A"],
+        vec!["watch", "pods", "-A"],
+        vec!["create", "pods", "-n", "default"],
+        vec!["patch", "pods", "-n", "default"],
+        vec!["delete", "pods", "-n", "default"],
+        vec!["list", "nodes"],
+        vec!["watch", "nodes"],
+        vec!["list", "deployments.apps", "-A"],
+        vec!["list", "statefulsets.apps", "-A"],
+        vec!["list", "replicasets.apps", "-A"],
+        vec!["list", "daemonsets.apps", "-A"],
+        vec!["create", "daemonsets.apps", "-n", "default"],
+        vec!["patch", "daemonsets.apps", "-n", "default"],
+        vec!["delete", "daemonsets.apps", "-n", "default"],
+        vec!["create", "secrets", "-n", "default"],
+        vec!["patch", "secrets", "-n", "default"],
+        vec!["delete", "secrets", "-n", "default"],
+        vec!["watch", "leases.coordination.k8s.io", "-A"],
+        vec!["get", "namespaces"],
+        vec!["create", "serviceaccounts", "-n", "default"],
+        vec![
+            "create",
+            "networkpolicies.networking.k8s.io",
+            "-n",
+            "default",
+        ],
+        vec!["create", "poddisruptionbudgets.policy", "-n", "default"],
+        vec!["create", "priorityclasses.scheduling.k8s.io"],
+        vec!["delete", "priorityclasses.scheduling.k8s.io"],
+        // Leader election, in the operator's namespace.
+        vec!["create", "leases.coordination.k8s.io", "-n", op],
+        vec!["get", lease, "-n", op],
+        vec!["update", lease, "-n", op],
+        // Attachment Jobs, their Secrets and NetworkPolicy, in the agents' namespace.
+        vec!["create", "jobs.batch", "-n", ag],
+        vec!["get", "jobs.batch", "-n", ag],
+        vec!["watch", "jobs.batch", "-n", ag],
+        vec!["patch", "jobs.batch", "-n", ag],
+        vec!["delete", "jobs.batch", "-n", ag],
+        vec!["update", "jobs.batch", "--subresource=finalizers", "-n", ag],
+        vec!["create", "secrets", "-n", ag],
+        vec!["delete", "secrets", "-n", ag],
+        vec!["create", "networkpolicies.networking.k8s.io", "-n", ag],
+    ]);
+    let denied: Vec<Vec<&str>> = vec![
+        // Secrets are never read outside what the operator creates.
+        vec!["get", "secrets", "-A"],
+        vec!["list", "secrets", "-A"],
+        vec!["watch", "secrets", "-A"],
+        vec!["get", "secrets", "-n", "kube-system"],
+        vec!["list", "secrets", "-n", op],
+        vec!["get", "secrets", "-n", ag],
+        // No way into a pod.
+        vec!["create", "pods", "--subresource=exec", "-n", "default"],
+        vec!["create", "pods", "--subresource=attach", "-n", "default"],
+        vec![
+            "create",
+            "pods",
+            "--subresource=portforward",
+            "-n",
+            "default",
+        ],
+        vec!["get", "pods", "--subresource=log", "-n", "default"],
+        vec!["create", "pods", "--subresource=eviction", "-n", "default"],
+        // Jobs only in the agents' namespace.
+        vec!["create", "jobs.batch", "-n", "default"],
+        vec!["delete", "jobs.batch", "-n", "kube-system"],
+        vec!["list", "jobs.batch", "-A"],
+        vec!["create", "jobs.batch", "-n", op],
+        vec!["create", "cronjobs.batch", "-n", ag],
+        // Workloads are never mutated.
+        vec!["patch", "deployments.apps", "-n", "default"],
+        vec!["update", "statefulsets.apps", "-n", "default"],
+        vec!["delete", "replicasets.apps", "-n", "default"],
+        vec![
+            "update",
+            "deployments.apps",
+            "--subresource=scale",
+            "-n",
+            "default",
+        ],
+        // Nodes, namespaces, CRDs.
+        vec!["patch", "nodes"],
+        vec!["delete", "nodes"],
+        vec!["create", "namespaces"],
+        vec!["delete", "namespaces"],
+        vec!["create", "customresourcedefinitions.apiextensions.k8s.io"],
+        vec![
+            "delete",
+            "customresourcedefinitions.apiextensions.k8s.io/podmigrations.podmotion.io",
+        ],
+        vec![
+            "get",
+            "customresourcedefinitions.apiextensions.k8s.io/widgets.example.com",
+        ],
+        // Other Leases; deleting ours.
+        vec![
+            "update",
+            "leases.coordination.k8s.io/kube-scheduler",
+            "-n",
+            "kube-system",
+        ],
+        vec![
+            "update",
+            "leases.coordination.k8s.io/someone-else",
+            "-n",
+            op,
+        ],
+        vec!["delete", lease, "-n", op],
+        // No privilege escalation paths.
+        vec!["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+        vec![
+            "create",
+            "rolebindings.rbac.authorization.k8s.io",
+            "-n",
+            "default",
+        ],
+        vec!["escalate", "clusterroles.rbac.authorization.k8s.io"],
+        vec!["bind", "clusterroles.rbac.authorization.k8s.io"],
+        vec!["impersonate", "users"],
+        vec!["impersonate", "serviceaccounts", "-n", "default"],
+        vec![
+            "create",
+            "serviceaccounts",
+            "--subresource=token",
+            "-n",
+            "default",
+        ],
+        vec!["create", "certificatesigningrequests.certificates.k8s.io"],
+        vec![
+            "create",
+            "mutatingwebhookconfigurations.admissionregistration.k8s.io",
+        ],
+        vec!["get", "configmaps", "-n", "kube-system"],
+        vec!["delete", "events.events.k8s.io", "-n", "default"],
+        vec!["*", "*"],
+    ];
+    let mut failures = Vec::new();
+    for args in &allowed {
+        if !can_i(&sa, args) {
+            failures.push(format!("operator cannot {}", args.join(" ")));
+        }
+    }
+    for args in &denied {
+        if can_i(&sa, args) {
+            failures.push(format!("operator CAN {}", args.join(" ")));
+        }
+    }
+    // The migration agent has no API access at all.
+    for args in [
+        vec!["get", "pods", "-n", ag],
+        vec!["list", "nodes"],
+        vec!["get", "secrets", "-n", ag],
+        vec!["get", "podmigrations.podmotion.io", "-A"],
+        vec!["create", "events.events.k8s.io", "-n", ag],
+    ] {
+        if can_i(&agent_sa, &args) {
+            failures.push(format!("migration agent CAN {}", args.join(" ")));
+        }
+    }
+    // The checks themselves can say yes: the cluster admin may read Secrets.
+    let admin = kubectl(&["auth", "can-i", "get", "secrets", "-A"], None);
+    assert_eq!(String::from_utf8_lossy(&admin.stdout).trim(), "yes");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// ---------------------------------------------------------------- kubectl experience
+
+/// Reads an example manifest as JSON.
+fn example(file: &str) -> Value {
+    let path = repo_root().join("examples/valid").join(file);
+    parse_docs(&std::fs::read_to_string(&path).unwrap())
+        .pop()
+        .unwrap()
+}
+
+/// The columns `kubectl get` prints for one object: header words and the row's cells.
+fn get_columns(resource: &str, ns: &str) -> (Vec<String>, Vec<String>) {
+    let out = kubectl(&["get", resource, "-n", ns], None);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines();
+    let header = lines.next().unwrap_or("");
+    let row = lines.next().unwrap_or("");
+    // Cells are separated by runs of 3+ spaces (kubectl pads to the widest cell + 3).
+    let split = |l: &str| -> Vec<String> {
+        l.split("   ")
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    (split(header), split(row))
+}
+
+fn condition(type_: &str, status: bool, reason: &str, message: &str, generation: i64) -> Value {
+    json!({
+        "type": type_,
+        "status": if status { "True" } else { "False" },
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": "2026-11-29T10:00:00Z",
+    })
+}
+
+fn ready_conditions(generation: i64, reason: &str, message: &str) -> Value {
+    json!([
+        condition("Ready", true, reason, message, generation),
+        condition("Reconciling", false, reason, message, generation),
+        condition("Stalled", false, reason, message, generation),
+    ])
+}
+
+#[tokio::test]
+async fn kubectl_wait_for_ready_and_printer_columns_on_the_real_api_server() {
+    let Some(ns) = TestNamespace::new("kubectl", PodSecurity::Restricted).await else {
+        return;
+    };
+    // The chart's CRDs (what a Helm user gets).
+    let docs = render(&[]);
+    let crds = of_kind(&docs, "CustomResourceDefinition");
+    let out = kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=helm",
+            "-f",
+            "-",
+        ],
+        Some(&to_yaml_stream(&crds)),
+    );
+    assert!(out.status.success(), "{}", output_text(&out));
+    for c in &crds {
+        let out = kubectl(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                &format!("crd/{}", name(c)),
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{}", output_text(&out));
+    }
+
+    let docs_md =
+        std::fs::read_to_string(repo_root().join("docs/kubectl.md")).expect("docs/kubectl.md");
+    struct Case {
+        file: &'static str,
+        resource: &'static str,
+        status: Value,
+        header: &'static [&'static str],
+        row_tail: &'static [&'static str],
+    }
+    let cases = [
+        Case {
+            file: "podmigration-precopy.yaml",
+            resource: "podmigrations",
+            status: json!({
+                "observedGeneration": 1, "phase": "Succeeded", "sourceNode": "pm-node-0",
+                "targetNode": "pm-node-1", "targetPod": "web-7d9f8-abcde-pm1",
+                "downtimeMillis": 183, "downtime": "183ms",
+                "conditions": ready_conditions(1, "Succeeded", "migrated (downtime 183ms)"),
+            }),
+            header: &[
+                "NAME", "POD", "SOURCE", "TARGET", "PHASE", "DOWNTIME", "READY", "AGE",
+            ],
+            row_tail: &[
+                "web-7d9f8-abcde",
+                "pm-node-0",
+                "pm-node-1",
+                "Succeeded",
+                "183ms",
+                "True",
+            ],
+        },
+        Case {
+            file: "nodeagentattachment-intercept.yaml",
+            resource: "nodeagentattachments",
+            status: json!({
+                "observedGeneration": 1, "workload": "Deployment/web",
+                "readyTargets": 5, "totalTargets": 5, "readySummary": "5/5",
+                "conditions": ready_conditions(1, "AllTargetsAttached", "5/5 agents running"),
+            }),
+            header: &["NAME", "WORKLOAD", "MODE", "READY", "STATUS", "AGE"],
+            row_tail: &["Deployment/web", "Intercept", "5/5", "AllTargetsAttached"],
+        },
+        Case {
+            file: "runnerpool-basic.yaml",
+            resource: "runnerpools",
+            status: json!({
+                "observedGeneration": 1, "imageDigestShort": "4f1c3a2b5d6e",
+                "desiredNodes": 2, "readyNodes": 2, "updatedNodes": 2, "sessionCapacity": 8,
+                "conditions": ready_conditions(1, "Reconciled", "2/2 nodes ready"),
+            }),
+            header: &[
+                "NAME",
+                "IMAGE",
+                "DESIRED",
+                "READY",
+                "CAPACITY",
+                "AVAILABLE",
+                "AGE",
+            ],
+            row_tail: &["4f1c3a2b5d6e", "2", "2", "8", "True"],
+        },
+    ];
+    for case in &cases {
+        let mut obj = example(case.file);
+        obj["metadata"]["namespace"] = json!(ns.name);
+        let obj_name = name(&obj).to_string();
+        let target = format!("{}/{obj_name}", case.resource);
+        let out = kubectl(
+            &["apply", "--server-side", "-f", "-"],
+            Some(&to_yaml_stream(&[&obj])),
+        );
+        assert!(out.status.success(), "{}", output_text(&out));
+
+        // No status yet: kubectl wait times out.
+        let wait = |timeout: &str| {
+            kubectl(
+                &[
+                    "wait",
+                    "--for=condition=Ready",
+                    &format!("--timeout={timeout}"),
+                    &target,
+                    "-n",
+                    &ns.name,
+                ],
+                None,
+            )
+        };
+        assert!(
+            !wait("1s").status.success(),
+            "{target}: Ready without a status"
+        );
+
+        // Ready=True, but for an older generation: kubectl keeps waiting.
+        let mut stale = case.status.clone();
+        stale["observedGeneration"] = json!(0);
+        for c in stale["conditions"].as_array_mut().unwrap() {
+            c["observedGeneration"] = json!(0);
+        }
+        let patch = |status: &Value| {
+            let out = kubectl(
+                &[
+                    "patch",
+                    &target,
+                    "-n",
+                    &ns.name,
+                    "--subresource=status",
+                    "--type=merge",
+                    "-p",
+                    &json!({ "status": status }).to_string(),
+                ],
+                None,
+            );
+            assert!(out.status.success(), "{target}: {}", output_text(&out));
+        };
+        patch(&stale);
+        assert!(
+            !wait("2s").status.success(),
+            "{target}: kubectl wait accepted a Ready condition of an older generation"
+        );
+
+        // The status the operator writes when done: wait returns.
+        patch(&case.status);
+        let out = wait("30s");
+        assert!(out.status.success(), "{target}: {}", output_text(&out));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("condition met"));
+
+        // Printer columns as the real API server serves them.
+        let (header, row) = get_columns(case.resource, &ns.name);
+        assert_eq!(header, case.header, "{} columns", case.resource);
+        assert_eq!(row.first().map(String::as_str), Some(obj_name.as_str()));
+        let tail: Vec<&str> = row
+            .iter()
+            .skip(1)
+            .take(case.row_tail.len())
+            .map(String::as_str)
+            .collect();
+        assert_eq!(tail, case.row_tail, "{} row {row:?}", case.resource);
+        // docs/kubectl.md shows the same header.
+        let documented = case.header.join(" ");
+        let normalized: Vec<String> = docs_md
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        assert!(
+            normalized.iter().any(|l| l == &documented),
+            "docs/kubectl.md lacks the {} header line `{documented}`",
+            case.resource
+        );
+    }
+    // The `podmotion` category lists all three kinds.
+    let out = kubectl(&["get", "podmotion", "-n", &ns.name, "-o", "name"], None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for kind in ["podmigration", "nodeagentattachment", "runnerpool"] {
+        assert!(
+            text.contains(&format!("{kind}.podmotion.io/")),
+            "{kind} missing:\n{text}"
+        );
+    }
+}
