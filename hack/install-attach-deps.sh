@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Installs what the attach executor's root tests need, from Debian packages only:
-# nftables (ruleset inspection + the `nft` binary the agent drives), iproute2
-# (`ip netns`), containerd + runc (a real CRI endpoint) and the loopback CNI plugin
-# (containernetworking-plugins; CRI refuses pod sandboxes without a CNI config),
-# busybox-static (a static
-# userland for the locally built container rootfs). Idempotent: packages already
-# present are not touched; apt-get update runs only when something is missing.
-# Must run as root (CI does).
+#   nftables            `nft`, used by the tests to read back the ruleset (the agent
+#                       itself speaks netlink and needs no nft binary)
+#   iproute2            `ip netns` for the target "pods"
+#   containerd, runc    a real CRI endpoint for the runtime-path test
+#   containernetworking-plugins  CNI host-device/static (CRI refuses pod sandboxes
+#                       without a CNI network)
+#   busybox-static      the static userland of the locally built test images and
+#                       the test application (httpd)
+#   util-linux, procps  setpriv, nsenter, unshare
+# Idempotent: packages already present are not touched; apt-get update runs only
+# when something is missing. Must run as root (CI does). Does not start containerd:
+# the tests run private instances.
+#
+# CI: bash hack/install-attach-deps.sh && cargo test -p podmotion-attach
 set -euo pipefail
 
 pkgs=(nftables iproute2 containerd runc containernetworking-plugins busybox-static util-linux procps)

@@ -225,3 +225,158 @@ async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Ful
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::environ::EnvEntry;
+    use crate::forward::Port;
+    use crate::nft::{Redirect, Ruleset};
+
+    fn attached() -> Arc<Attached> {
+        Arc::new(Attached {
+            containers: vec![
+                crate::agent::Container {
+                    id: "containerd://aaa".into(),
+                    pid: 10,
+                    env: vec![
+                        EnvEntry {
+                            name: "B".into(),
+                            value: "1".into(),
+                        },
+                        EnvEntry {
+                            name: "A".into(),
+                            value: "2".into(),
+                        },
+                        EnvEntry {
+                            name: "B".into(),
+                            value: "3".into(),
+                        },
+                    ],
+                },
+                crate::agent::Container {
+                    id: "containerd://bbb".into(),
+                    pid: 11,
+                    env: vec![],
+                },
+            ],
+            exports_dir: "/x".into(),
+            exports: vec![],
+            mounts: vec![],
+            ports: vec![Arc::new(Port::new(8080, 15001))],
+            ruleset: Ruleset {
+                table: "t".into(),
+                agent_gid: 1,
+                redirects: vec![Redirect {
+                    port: 8080,
+                    to: 15001,
+                }],
+            },
+            cri_socket: None,
+        })
+    }
+
+    async fn call(addr: std::net::SocketAddr, method: &str, path: &str, upgrade: bool) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let extra = if upgrade {
+            "Connection: upgrade\r\nUpgrade: podmotion-stream\r\n"
+        } else {
+            "Connection: close\r\n"
+        };
+        s.write_all(
+            format!("{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    #[tokio::test]
+    async fn control_api_serves_env_and_drives_intercept_state() {
+        let state = attached();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, state.clone()));
+
+        let env = call(addr, "GET", "/v1/env", false).await;
+        assert!(
+            env.contains(
+                r#"[{"name":"B","value":"1"},{"name":"A","value":"2"},{"name":"B","value":"3"}]"#
+            ),
+            "{env}"
+        );
+        assert!(
+            call(addr, "GET", "/v1/env?container=bbb", false)
+                .await
+                .ends_with("[]")
+        );
+        assert!(
+            call(addr, "GET", "/v1/env?container=zzz", false)
+                .await
+                .starts_with("HTTP/1.1 404")
+        );
+
+        assert!(
+            call(addr, "GET", "/v1/intercepts/8080/accept", true)
+                .await
+                .starts_with("HTTP/1.1 409"),
+            "accept needs an intercept"
+        );
+        assert!(
+            call(addr, "POST", "/v1/intercepts/9999", false)
+                .await
+                .starts_with("HTTP/1.1 404")
+        );
+        assert!(
+            call(addr, "POST", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 201")
+        );
+        assert!(state.ports[0].intercepted());
+        assert!(
+            call(addr, "POST", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 409")
+        );
+        assert!(
+            call(addr, "GET", "/v1/intercepts/8080/accept", false)
+                .await
+                .starts_with("HTTP/1.1 426")
+        );
+        assert!(
+            call(addr, "GET", "/v1/intercepts/8080/accept", true)
+                .await
+                .starts_with("HTTP/1.1 101")
+        );
+        assert!(
+            call(addr, "DELETE", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(!state.ports[0].intercepted());
+        assert!(
+            call(addr, "DELETE", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 409")
+        );
+
+        let tap = call(addr, "POST", "/v1/wiretaps/8080", false).await;
+        assert!(tap.starts_with("HTTP/1.1 201"), "{tap}");
+        let health = call(addr, "GET", "/healthz", false).await;
+        assert!(
+            health.contains(r#""wiretaps":["#) && !health.contains(r#""wiretaps":[]"#),
+            "{health}"
+        );
+        assert!(
+            call(addr, "GET", "/nope", false)
+                .await
+                .starts_with("HTTP/1.1 404")
+        );
+    }
+}

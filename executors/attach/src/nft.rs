@@ -50,7 +50,7 @@ const NFT_MSG_NEWRULE: u16 = 6;
 // attributes
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_FLAGS: u16 = 2;
-const NFTA_TABLE_OWNER: u16 = 6;
+const NFTA_TABLE_OWNER: u16 = 7;
 const NFT_TABLE_F_OWNER: u32 = 0x2;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;

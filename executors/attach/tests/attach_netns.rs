@@ -363,3 +363,71 @@ fn netns_worker_restores_its_namespace_and_a_thread_whose_restore_fails_is_retir
     assert_ne!(a, b, "the thread whose restore failed was not reused");
     assert_eq!(ns_b, pod_ino);
 }
+
+#[test]
+fn ruleset_apply_is_an_idempotent_full_replace_and_a_foreign_session_is_refused() {
+    use podmotion_attach::nft::{NftError, NftSession};
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let ex = NetnsExecutor::open(&NetnsPod::ns_path(&pod.pod_ns)).unwrap();
+    let open = || NftSession::open_here().map_err(|e| std::io::Error::other(e.to_string()));
+    let mine = ex.run_blocking(open).unwrap();
+    let two_ports = Ruleset {
+        table: TABLE.into(),
+        agent_gid: AGENT_GID,
+        redirects: vec![
+            Redirect {
+                port: 8080,
+                to: 15001,
+            },
+            Redirect {
+                port: 9090,
+                to: 15002,
+            },
+        ],
+    };
+    mine.apply(&two_ports).unwrap();
+    let first = pod.nft_table();
+    assert_eq!(first, two_ports.expected_listing());
+    mine.apply(&two_ports).unwrap();
+    assert_eq!(
+        pod.nft_table(),
+        first,
+        "re-applying the same config changes nothing"
+    );
+
+    let one_port = Ruleset {
+        redirects: vec![Redirect {
+            port: 8080,
+            to: 15001,
+        }],
+        ..two_ports.clone()
+    };
+    mine.apply(&one_port).unwrap();
+    let replaced = pod.nft_table();
+    assert_eq!(replaced, one_port.expected_listing());
+    assert!(
+        !replaced.contains("9090"),
+        "full replace drops rules no longer configured"
+    );
+
+    // Another socket cannot touch a table owned by a live one.
+    let other = ex.run_blocking(open).unwrap();
+    match other.apply(&two_ports) {
+        Err(NftError::HeldByOther { owner, .. }) => assert_eq!(owner, mine.port_id().unwrap()),
+        r => panic!("expected HeldByOther, got {r:?}"),
+    }
+    assert_eq!(pod.nft_table(), replaced);
+
+    // Closing the owner's socket removes the table; the other one can then apply.
+    drop(mine);
+    wait_for(Duration::from_secs(3), || !pod.nft_tables().contains(TABLE))
+        .expect("owner close removes table");
+    other.apply(&two_ports).unwrap();
+    assert_eq!(pod.nft_table(), first);
+    other.delete(TABLE).unwrap();
+    assert!(!pod.nft_tables().contains(TABLE));
+    other.delete(TABLE).unwrap(); // absent is fine
+}
