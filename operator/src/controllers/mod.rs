@@ -56,3 +56,5 @@ pub fn error_policy<K, E: CategorizedError>(_obj: Arc<K>, err: &E, _ctx: Arc<Con
     tracing::warn!(category = err.category(), error = %err, "reconcile failed");
     Action::requeue(Duration::from_secs(5))
 }
+
+pub mod runner_pool;

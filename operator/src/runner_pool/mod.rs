@@ -16,6 +16,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 pub mod drift;
 pub mod pod_security;
+pub mod policies;
 pub mod preflight;
 pub mod render;
 pub mod sizing;

@@ -108,6 +108,24 @@ pub fn from_pod(pod: &Pod) -> NodePreflight {
     if let Some(t) = status.state.as_ref().and_then(|s| s.terminated.as_ref()) {
         return failure(node, t);
     }
+    // The kubelet cannot even create the container when the Localhost seccomp profile
+    // is not staged on the node: the preflight never runs, so say it here.
+    if let Some(w) = status.state.as_ref().and_then(|s| s.waiting.as_ref()) {
+        let message = w.message.clone().unwrap_or_default();
+        let create_error = matches!(
+            w.reason.as_deref(),
+            Some("CreateContainerError" | "CreateContainerConfigError")
+        );
+        if create_error && message.to_ascii_lowercase().contains("seccomp") {
+            return NodePreflight::Failed(PreflightFailure {
+                node: node.into(),
+                checks: vec!["seccomp".into()],
+                message: format!(
+                    "seccomp: the Localhost profile is not usable on the node: {message}"
+                ),
+            });
+        }
+    }
     // Retried after a failure: the last run's verdict is the news.
     if let Some(t) = status
         .last_state
@@ -174,6 +192,23 @@ mod tests {
             from_pod(&pod_with(json!({"running": {}}), json!({}))),
             NodePreflight::Pending
         );
+    }
+
+    #[test]
+    fn a_missing_seccomp_profile_is_reported_as_a_seccomp_failure() {
+        let p = pod_with(
+            json!({"waiting": {"reason": "CreateContainerError", "message": "failed to generate security options: cannot load seccomp profile \"/var/lib/kubelet/seccomp/podmotion/compass-runner.json\": no such file"}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["seccomp"]);
+        let other = pod_with(
+            json!({"waiting": {"reason": "CreateContainerError", "message": "image pull"}}),
+            json!({}),
+        );
+        assert_eq!(from_pod(&other), NodePreflight::Pending);
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub struct Observed {
     pub server: Result<(), String>,
     /// Other NetworkPolicies selecting the Runner pods.
     pub foreign_policies: Vec<String>,
+    /// Children the pool cannot own (a PriorityClass of another owner), with why.
+    pub conflicts: Vec<String>,
 }
 
 /// First 12 hex digits of the image digest.
@@ -154,6 +156,12 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
     if let Err(why) = &observed.server {
         degraded.push((reasons::SERVER_UNRESOLVED, why.clone()));
     }
+    if !observed.conflicts.is_empty() {
+        degraded.push((
+            reasons::PRIORITY_CLASS_CONFLICT,
+            observed.conflicts.join("; "),
+        ));
+    }
     if !observed.foreign_policies.is_empty() {
         degraded.push((
             reasons::FOREIGN_NETWORK_POLICY,
@@ -214,6 +222,11 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
         Health::stalled(
             reasons::PREFLIGHT_FAILED,
             format!("node preflight failed: {preflight_msg}"),
+        )
+    } else if !observed.conflicts.is_empty() {
+        Health::stalled(
+            reasons::PRIORITY_CLASS_CONFLICT,
+            observed.conflicts.join("; "),
         )
     } else if let Err(why) = &observed.server {
         Health::stalled(reasons::SERVER_UNRESOLVED, why.clone())
@@ -298,6 +311,7 @@ mod tests {
             preflight: vec![NodePreflight::Passed],
             server: Ok(()),
             foreign_policies: vec![],
+            conflicts: vec![],
         }
     }
 
@@ -424,6 +438,18 @@ mod tests {
             c.message.contains("allow-all") && c.message.contains("compass-server"),
             "{}",
             c.message
+        );
+    }
+
+    #[test]
+    fn a_priority_class_of_another_owner_stalls_the_pool() {
+        let mut o = observed(Some(ds(1, 1, 1, 1, 1)));
+        o.conflicts = vec!["PriorityClass high exists and is not this pool's".into()];
+        let s = compute(&pool("rp").build(), &o, t());
+        let c = find(&s.conditions, ct::STALLED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", reasons::PRIORITY_CLASS_CONFLICT)
         );
     }
 
