@@ -24,6 +24,11 @@ pub mod labels {
     pub const TARGET_POD: &str = "podmotion.io/target-pod";
     /// On attachment Jobs: UID of the target pod.
     pub const TARGET_POD_UID: &str = "podmotion.io/target-pod-uid";
+    /// On attachment Jobs: namespace of the target pod.
+    pub const TARGET_NAMESPACE: &str = "podmotion.io/target-namespace";
+    /// On attachment Jobs: `<kind>.<name>` of the target's workload (shortened with a
+    /// hash when longer than a label value may be).
+    pub const WORKLOAD: &str = "podmotion.io/workload";
     /// On PodMigration target pods and agents: the migration they belong to.
     pub const MIGRATION: &str = "podmotion.io/migration";
     /// Default node label selecting Runner nodes (the chart and samples use it).
@@ -37,12 +42,26 @@ pub mod annotations {
     /// Lowers the deletion cost of the source pod at commit so its ReplicaSet removes it,
     /// never the restored copy.
     pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+    /// On a migration's target pod: the source pod's labels (JSON object), put on the
+    /// target pod at commit so the workload's controller adopts it.
+    pub const SOURCE_LABELS: &str = "podmotion.io/source-labels";
+    /// On a migration's target pod: `<kind>/<name>/<uid>` of the source pod's controller,
+    /// which is expected to adopt the target pod at commit.
+    pub const EXPECTED_OWNER: &str = "podmotion.io/expected-owner";
+    /// On a migration's target pod: `<name>/<uid>` of the source pod.
+    pub const SOURCE_POD: &str = "podmotion.io/source-pod";
     /// The Prometheus scrape annotations put on Runner pods.
     pub const PROMETHEUS_SCRAPE: &str = "prometheus.io/scrape";
     pub const PROMETHEUS_PORT: &str = "prometheus.io/port";
     pub const PROMETHEUS_PATH: &str = "prometheus.io/path";
     /// Hash of the rendered child spec, to detect drift without a deep diff.
     pub const SPEC_HASH: &str = "podmotion.io/spec-hash";
+    /// On attachment Jobs: name of the target pod.
+    pub const TARGET_POD: &str = "podmotion.io/target-pod";
+    /// On attachment Jobs: `Kind/name` of the target's workload.
+    pub const WORKLOAD: &str = "podmotion.io/workload";
+    /// On attachment Jobs: the target's container IDs the Job was made for (JSON map).
+    pub const CONTAINER_IDS: &str = "podmotion.io/container-ids";
     /// Default annotation that marks a pod as carrying an injected traffic-agent sidecar.
     pub const INJECTED_AGENT: &str = "telepresence.io/agent-injected";
 }
@@ -113,6 +132,10 @@ pub mod reasons {
     pub const SOURCE_POD_GONE: &str = "SourcePodGone";
     pub const TARGET_POD_UNSCHEDULABLE: &str = "TargetPodUnschedulable";
     pub const ROLLED_BACK: &str = "RolledBack";
+    /// Waiting for a free slot (concurrency limit per cluster or per source node).
+    pub const QUEUED: &str = "Queued";
+    /// The pod's controller cannot adopt a pod of another name (StatefulSet, DaemonSet, Job…).
+    pub const UNSUPPORTED_OWNER: &str = "UnsupportedOwner";
 
     // NodeAgentAttachment.
     pub const NO_ADMISSIBLE_TARGET: &str = "NoAdmissibleTarget";
@@ -123,6 +146,10 @@ pub mod reasons {
     pub const JOB_CREATED: &str = "JobCreated";
     pub const JOB_REPLACED: &str = "JobReplaced";
     pub const JOB_REAPED: &str = "JobReaped";
+    pub const PORT_CONFLICT: &str = "PortConflict";
+    pub const AGENT_CONFLICT: &str = "AgentConflict";
+    pub const LEASE_EXPIRED: &str = "LeaseExpired";
+    pub const WAITING_FOR_READY_PODS: &str = "WaitingForReadyPods";
 
     // RunnerPool.
     pub const ROLLING_OUT: &str = "RollingOut";
@@ -137,4 +164,6 @@ pub mod reasons {
     pub const SERVER_UNRESOLVED: &str = "ServerUnresolved";
     /// Another NetworkPolicy also selects the Runner pods (allows are additive).
     pub const FOREIGN_NETWORK_POLICY: &str = "ForeignNetworkPolicy";
+    /// The PriorityClass to create exists and belongs to someone else.
+    pub const PRIORITY_CLASS_CONFLICT: &str = "PriorityClassConflict";
 }
