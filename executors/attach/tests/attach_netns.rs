@@ -303,7 +303,8 @@ fn user_namespaced_target_is_rejected_with_a_clear_error() {
     let _ = target_proc.kill();
     let _ = target_proc.wait();
     assert!(!status.success());
-    let msg = std::fs::read_to_string(log).unwrap();
+    let msg = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(log.parent().unwrap());
     assert!(msg.starts_with("UserNamespacedTarget:"), "{msg}");
     assert!(msg.contains("packet-mark"), "{msg}");
 }
@@ -316,11 +317,9 @@ fn agent_refuses_to_run_without_the_agent_gid() {
     let pod = NetnsPod::start(&[("A", "1")]);
     let (mut cmd, _, _, log, _) = agent_cmd(None, &target(&pod), &[]);
     assert!(!cmd.status().unwrap().success());
-    assert!(
-        std::fs::read_to_string(log)
-            .unwrap()
-            .starts_with("WrongAgentGid:")
-    );
+    let msg = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(log.parent().unwrap());
+    assert!(msg.starts_with("WrongAgentGid:"), "{msg}");
     assert!(!pod.nft_tables().contains(TABLE), "nothing programmed");
 }
 
