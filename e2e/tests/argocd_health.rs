@@ -301,7 +301,7 @@ fn fixtures_are_objects_the_api_types_can_hold() {
 }
 
 /// The kstatus result for a custom resource (sigs.k8s.io/cli-utils `kstatus`, generic
-/// rules): Terminating when deleted, InProgress while `observedGeneration` lags
+/// rules): Terminating when deleted, InProgress while `observedGeneration` differs from
 /// `metadata.generation` or `Reconciling` is True, Failed when `Stalled` is True,
 /// Current otherwise.
 fn kstatus(obj: &Value) -> &'static str {
@@ -312,8 +312,9 @@ fn kstatus(obj: &Value) -> &'static str {
     let observed = obj
         .pointer("/status/observedGeneration")
         .and_then(Value::as_i64);
-    if let Some(g) = generation
-        && observed != Some(g)
+    // A missing observedGeneration is not a mismatch to kstatus (it cannot tell).
+    if let (Some(g), Some(o)) = (generation, observed)
+        && g != o
     {
         return "InProgress";
     }

@@ -496,7 +496,33 @@ fn operator_flags() -> Vec<(String, Option<String>)> {
             rest = after;
         }
     }
+    // Settings read from the environment directly (`std::env::var("PODMOTION_…")`).
+    for file in &files_env() {
+        let text = std::fs::read_to_string(file).unwrap();
+        for part in text.split("env::var(\"").skip(1) {
+            let var = part.split('"').next().unwrap_or("");
+            if var.starts_with("PODMOTION_") {
+                flags.push((String::new(), Some(var.to_string())));
+            }
+        }
+    }
     flags
+}
+
+fn files_env() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&repo_root().join("operator/src"), &mut files);
+    files
 }
 
 #[test]
@@ -518,6 +544,8 @@ fn every_operator_flag_has_a_value_in_the_chart() {
         vec![
             "--set",
             "operator.leaderElection.enabled=false,attachment.watchNamespace=team-a,migration.watchNamespace=team-a",
+            "--set",
+            "runnerPool.watchNamespace=team-a,runnerPool.preflightImage=registry.example/preflight:1",
             "--set",
             "migration.agentEndpoints={pm-node-0=http://127.0.0.1:7443}",
         ],
@@ -541,7 +569,8 @@ fn every_operator_flag_has_a_value_in_the_chart() {
     let missing: Vec<String> = flags
         .iter()
         .filter(|(long, var)| {
-            !args.contains(long) && !var.as_ref().is_some_and(|v| env.contains(v))
+            !(!long.is_empty() && args.contains(long))
+                && !var.as_ref().is_some_and(|v| env.contains(v))
         })
         .map(|(long, var)| format!("--{long} ({})", var.as_deref().unwrap_or("no env")))
         .collect();
@@ -876,6 +905,7 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["delete", "secrets", "-n", "default"],
         vec!["watch", "leases.coordination.k8s.io", "-A"],
         vec!["get", "namespaces"],
+        vec!["get", "services", "-n", "default"],
         vec!["create", "serviceaccounts", "-n", "default"],
         vec![
             "create",
@@ -991,6 +1021,8 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
             "mutatingwebhookconfigurations.admissionregistration.k8s.io",
         ],
         vec!["get", "configmaps", "-n", "kube-system"],
+        vec!["list", "services", "-A"],
+        vec!["patch", "services", "-n", "default"],
         vec!["delete", "events.events.k8s.io", "-n", "default"],
         vec!["*", "*"],
     ];

@@ -116,6 +116,15 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.migration.holderImage | quote }}
 - name: PODMOTION_HOLDER_COMMAND
   value: {{ join " " .Values.migration.holderCommand | quote }}
+{{- /* RunnerPool (environment only) */}}
+{{- with .Values.runnerPool.preflightImage }}
+- name: PODMOTION_PREFLIGHT_IMAGE
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.runnerPool.watchNamespace }}
+- name: PODMOTION_RUNNER_POOL_NAMESPACE
+  value: {{ . | quote }}
+{{- end }}
 {{- /* NodeAgentAttachment (--attachment-*) */}}
 - name: PODMOTION_ATTACHMENT_JOB_PREFIX
   value: {{ .Values.attachment.jobPrefix | quote }}

@@ -1,0 +1,424 @@
+//! RunnerPool against the real API server (hack/cluster.sh): the RunnerPool controller
+//! runs in this process, scoped to the test's namespace; kwok plays the kubelets of
+//! pm-node-0..2 (pm-node-2 is the labelled and tainted Runner node).
+//!
+//! kwok marks pods Running and Ready without running their containers, so the
+//! preflight verdicts are not exercised here (executors/preflight/tests does that on
+//! this machine's kernel); everything the API server, the DaemonSet controller, the
+//! scheduler, PodSecurity admission and the garbage collector do is real.
+//!
+//! Needs `hack/cluster.sh up`; fails without a cluster unless PODMOTION_E2E=0.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, CustomResourceExt, Resource, ResourceExt};
+use podmotion_api::RunnerPool;
+use podmotion_api::conditions::{find, is_true};
+use podmotion_api::names::{condition_types as ct, labels, reasons};
+use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
+use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
+use podmotion_operator::context::Context;
+use podmotion_operator::controllers::runner_pool::{RunnerPoolConfig, run_with};
+use podmotion_operator::leader::Leadership;
+use podmotion_operator::metrics::Metrics;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+const IMAGE: &str =
+    "registry.example/compass/runner@sha256:4f1c3a2b5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708";
+const RUNNER_NODE: &str = "pm-node-2";
+
+/// The RunnerPool controller, running in this test process.
+struct Operator {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Operator {
+    fn start(client: &Client, ns: &str) -> Operator {
+        let config = OperatorConfig {
+            namespace: ns.into(),
+            identity: format!("e2e-{ns}"),
+            controllers: vec![ControllerKind::RunnerPool],
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            leader: LeaderConfig { enabled: false, lease_name: "unused".into(), lease_seconds: 15 },
+            concurrency: 4,
+        };
+        let (stop, rx) = watch::channel(false);
+        let ctx = Arc::new(Context::new(client.clone(), config, Leadership::always(), Arc::new(Metrics::new()), rx));
+        let cfg = RunnerPoolConfig {
+            preflight_image: "registry.example/podmotion/preflight@sha256:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff".into(),
+            watch_namespace: Some(ns.into()),
+        };
+        let task = tokio::spawn(async move {
+            if let Err(e) = run_with(ctx, cfg).await {
+                eprintln!("runner-pool controller ended: {e:#}");
+            }
+        });
+        Operator { stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let abort = self.task.abort_handle();
+        if tokio::time::timeout(Duration::from_secs(10), self.task).await.is_err() {
+            abort.abort();
+        }
+    }
+}
+
+async fn ensure_crd(client: &Client) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = RunnerPool::crd();
+    api.patch(&crd.name_any(), &PatchParams::apply("podmotion-e2e").force(), &Patch::Apply(&crd)).await.unwrap();
+    tokio::time::timeout(TIMEOUT, await_condition(api, &crd.name_any(), conditions::is_crd_established()))
+        .await
+        .expect("CRD established in time")
+        .unwrap();
+}
+
+/// The namespace, the CRD, the Server's Service and the controller.
+async fn setup(prefix: &str, level: PodSecurity) -> Option<(TestNamespace, Operator)> {
+    let ns = TestNamespace::new(prefix, level).await?;
+    ensure_crd(&ns.client).await;
+    let svc: Service = from_json(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "compass-server"},
+        "spec": {"selector": {"app": "compass-server"}, "ports": [{"name": "grpc", "port": 8443, "targetPort": 9443}]}
+    }));
+    ns.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
+    let op = Operator::start(&ns.client, &ns.name);
+    Some((ns, op))
+}
+
+/// A RunnerPool with a PriorityClass unique to the namespace.
+fn pool(ns: &TestNamespace, name: &str, extra: Value) -> RunnerPool {
+    let mut spec = json!({
+        "image": IMAGE,
+        "sessionsPerNode": 2,
+        "session": {"memoryMiB": 1024, "milliCPU": 500},
+        "server": {"serviceName": "compass-server", "port": 8443},
+        "priorityClass": {"name": format!("{}-runner", ns.name), "value": 100000},
+    });
+    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+        s.extend(e.clone());
+    }
+    from_json(json!({"apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool", "metadata": {"name": name}, "spec": spec}))
+}
+
+fn condition_true(rp: Option<&RunnerPool>, type_: &str) -> bool {
+    rp.and_then(|r| r.status.as_ref()).is_some_and(|s| is_true(&s.conditions, type_))
+}
+
+fn runner_pods_selector(pool: &str) -> String {
+    format!("{}=runner,{}={pool}", labels::NAME, labels::INSTANCE)
+}
+
+fn node_of(p: &Pod) -> String {
+    p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default()
+}
+
+fn has_controller_ref_to<K: Resource>(obj: &K, pool: &RunnerPool) -> bool {
+    obj.meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|r| r.controller == Some(true) && r.kind == "RunnerPool" && Some(&r.uid) == pool.meta().uid.as_ref())
+}
+
+fn memory_limit(ds: &DaemonSet) -> String {
+    let spec = ds.spec.template.spec.as_ref().unwrap();
+    let c = spec.containers.iter().find(|c| c.name == "runner").unwrap();
+    c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"].0.clone()
+}
+
+#[tokio::test]
+async fn runner_pods_land_only_on_runner_nodes_with_every_child_owned() {
+    let Some((ns, op)) = setup("rp-shape", PodSecurity::Privileged).await else { return };
+    let pools = ns.api::<RunnerPool>();
+    let created = pools.create(&PostParams::default(), &pool(&ns, "runners", json!({}))).await.unwrap();
+
+    // The real API server admitted the pod shape (hostUsers: false, Unmasked procMount,
+    // Localhost seccomp, AppArmor Unconfined, the KVM resource) and the scheduler put it
+    // on the one labelled, tainted node.
+    let pods = wait_list(&ns.api::<Pod>(), &runner_pods_selector("runners"), TIMEOUT, "a Runner pod", |ps| {
+        !ps.is_empty() && ps.iter().all(|p| !node_of(p).is_empty())
+    })
+    .await
+    .unwrap();
+    let nodes: BTreeSet<String> = pods.iter().map(node_of).collect();
+    assert_eq!(nodes, BTreeSet::from([RUNNER_NODE.to_string()]), "Runner pods only on the runner node");
+    let spec = pods[0].spec.as_ref().unwrap();
+    assert_eq!(spec.host_users, Some(false));
+    assert_eq!(spec.priority, Some(100000), "the PriorityClass was resolved by admission");
+
+    let ready = wait_for(&pools, "runners", TIMEOUT, "Ready with capacity 2", |rp| {
+        condition_true(rp, ct::READY) && rp.and_then(|r| r.status.as_ref()).is_some_and(|s| s.session_capacity == 2)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let status = ready.status.as_ref().unwrap();
+    assert_eq!((status.desired_nodes, status.ready_nodes), (1, 1));
+    assert!(is_true(&status.conditions, ct::SHAPE_CONFORMANT));
+    assert!(is_true(&status.conditions, ct::POD_SECURITY_ADMITTED));
+    assert_eq!(status.observed_generation, created.metadata.generation);
+
+    let ds = ns.api::<DaemonSet>().get("runners").await.unwrap();
+    assert!(has_controller_ref_to(&ds, &created));
+    assert!(has_controller_ref_to(&ns.api::<ServiceAccount>().get("runners").await.unwrap(), &created));
+    assert!(has_controller_ref_to(&ns.api::<NetworkPolicy>().get("runners").await.unwrap(), &created));
+    assert!(has_controller_ref_to(&ns.api::<PodDisruptionBudget>().get("runners").await.unwrap(), &created));
+    let secret = ns.api::<Secret>().get("runners-credentials").await.unwrap();
+    assert!(has_controller_ref_to(&secret, &created));
+    assert_eq!(secret.data.unwrap()["token"].0.len(), 64, "a generated 32-byte hex token");
+    let pc = Api::<PriorityClass>::all(ns.client.clone()).get(&format!("{}-runner", ns.name)).await.unwrap();
+    assert!(pc.metadata.owner_references.is_none());
+    assert_eq!(pc.labels()[labels::OWNER_UID], created.uid().unwrap());
+
+    // The Server's egress rule follows the Service's selector and targetPort.
+    let np = ns.api::<NetworkPolicy>().get("runners").await.unwrap();
+    let egress = serde_json::to_value(np.spec.unwrap().egress.unwrap()).unwrap();
+    assert!(egress.to_string().contains("\"app\":\"compass-server\""), "{egress}");
+    assert!(egress.to_string().contains("9443"), "{egress}");
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn a_settled_pool_makes_no_writes() {
+    let Some((ns, op)) = setup("rp-quiet", PodSecurity::Privileged).await else { return };
+    let pools = ns.api::<RunnerPool>();
+    pools.create(&PostParams::default(), &pool(&ns, "quiet", json!({}))).await.unwrap();
+    let settled = wait_for(&pools, "quiet", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap().unwrap();
+    let ds_rv = ns.api::<DaemonSet>().get("quiet").await.unwrap().resource_version();
+    // Wake the controller without changing anything it renders: an annotation on the pool.
+    let patch = json!({"metadata": {"annotations": {"e2e.podmotion.io/poke": "1"}}});
+    pools.patch("quiet", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    // Give it a reconcile to make a write, then compare (a watch would see a write; the
+    // absence of one can only be checked after the fact).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let now = pools.get("quiet").await.unwrap();
+    assert_eq!(now.status, settled.status, "status rewritten without a change");
+    assert_eq!(ns.api::<DaemonSet>().get("quiet").await.unwrap().resource_version(), ds_rv, "DaemonSet rewritten");
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn changing_capacity_rolls_the_daemonset_within_max_unavailable() {
+    let Some((ns, op)) = setup("rp-roll", PodSecurity::Privileged).await else { return };
+    // Three Runner nodes for this pool: a label of its own on every kwok node.
+    let key = format!("e2e.podmotion.io/{}", ns.name);
+    let nodes_api = Api::<Node>::all(ns.client.clone());
+    let node_names = ["pm-node-0", "pm-node-1", "pm-node-2"];
+    for n in node_names {
+        let patch = json!({"metadata": {"labels": {key.clone(): "runner"}}});
+        nodes_api.patch(n, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    }
+    let pools = ns.api::<RunnerPool>();
+    let extra = json!({
+        "nodes": {"labelKey": key, "labelValue": "runner", "taintKey": labels::RUNNER_NODE, "taintValue": "true"},
+        "rollout": {"maxUnavailable": 1},
+    });
+    pools.create(&PostParams::default(), &pool(&ns, "fleet", extra)).await.unwrap();
+    let before = wait_for(&pools, "fleet", TIMEOUT, "Ready on 3 nodes", |rp| {
+        condition_true(rp, ct::READY) && rp.and_then(|r| r.status.as_ref()).is_some_and(|s| s.ready_nodes == 3)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(before.status.as_ref().unwrap().session_capacity, 6);
+    let dss = ns.api::<DaemonSet>();
+    let old_memory = memory_limit(&dss.get("fleet").await.unwrap());
+
+    // Record, from a watch, the most Runner pods ever missing during the rollout.
+    let worst = Arc::new(Mutex::new(0i32));
+    let w = worst.clone();
+    let pods = ns.api::<Pod>();
+    let selector = runner_pods_selector("fleet");
+    let observer = tokio::spawn(async move {
+        let mut stream = watcher::watcher(pods, watcher::Config::default().labels(&selector)).boxed();
+        let mut ready: std::collections::BTreeMap<String, bool> = Default::default();
+        while let Ok(Some(ev)) = stream.try_next().await {
+            match ev {
+                Event::Apply(p) | Event::InitApply(p) => {
+                    let r = podmotion_e2e::pod_running_ready(&p) && p.metadata.deletion_timestamp.is_none();
+                    ready.insert(node_of(&p) + "/" + &p.name_any(), r);
+                }
+                Event::Delete(p) => {
+                    ready.remove(&(node_of(&p) + "/" + &p.name_any()));
+                }
+                _ => {}
+            }
+            let nodes_ready: BTreeSet<&str> =
+                ready.iter().filter(|(_, r)| **r).map(|(k, _)| k.split('/').next().unwrap()).collect();
+            let missing = 3 - nodes_ready.len() as i32;
+            let mut w = w.lock().unwrap();
+            *w = (*w).max(missing);
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    *worst.lock().unwrap() = 0;
+
+    let patch = json!({"spec": {"sessionsPerNode": 3}});
+    let updated = pools.patch("fleet", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let after = wait_for(&pools, "fleet", Duration::from_secs(120), "rolled out and Ready", |rp| {
+        rp.and_then(|r| r.status.as_ref()).is_some_and(|s| {
+            s.observed_generation == updated.metadata.generation
+                && is_true(&s.conditions, ct::READY)
+                && s.updated_nodes == 3
+                && s.session_capacity == 9
+        })
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    observer.abort();
+    let ds = dss.get("fleet").await.unwrap();
+    assert_ne!(memory_limit(&ds), old_memory, "the pod was resized for the new capacity");
+    let ru = ds.spec.update_strategy.unwrap().rolling_update.unwrap();
+    assert_eq!(ru.max_unavailable, Some(IntOrString::Int(1)));
+    let worst = *worst.lock().unwrap();
+    assert!(worst <= 1, "{worst} Runner nodes were without a ready Runner at once (maxUnavailable 1)");
+    assert_eq!(after.status.unwrap().session_capacity, 9);
+
+    for n in node_names {
+        let patch = json!({"metadata": {"labels": {key.clone(): null}}});
+        nodes_api.patch(n, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    }
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn a_hand_edited_daemonset_is_reported_and_repaired() {
+    let Some((ns, op)) = setup("rp-drift", PodSecurity::Privileged).await else { return };
+    let pools = ns.api::<RunnerPool>();
+    pools.create(&PostParams::default(), &pool(&ns, "drift", json!({}))).await.unwrap();
+    wait_for(&pools, "drift", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap();
+
+    // What `kubectl edit` would do: privileged on, a capability added, memory changed.
+    let dss = ns.api::<DaemonSet>();
+    let edit = json!({"spec": {"template": {"spec": {"containers": [{
+        "name": "runner",
+        "securityContext": {"privileged": true, "capabilities": {"add": ["SYS_ADMIN"]}},
+        "resources": {"limits": {"memory": "1Gi"}, "requests": {"memory": "1Gi"}},
+    }]}}}});
+    dss.patch("drift", &PatchParams::default(), &Patch::Strategic(&edit)).await.unwrap();
+
+    let repaired = wait_for(&dss, "drift", TIMEOUT, "the contract restored", |ds| {
+        ds.is_some_and(|ds| {
+            let c = &ds.spec.template.spec.as_ref().unwrap().containers[0];
+            let sc = c.security_context.as_ref().unwrap();
+            sc.privileged != Some(true)
+                && sc.capabilities.as_ref().and_then(|c| c.add.as_ref()).is_none_or(Vec::is_empty)
+                && c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"].0 != "1Gi"
+        })
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        repaired.spec.template.spec.as_ref().unwrap().containers[0].security_context.as_ref().unwrap().capabilities
+            .as_ref()
+            .unwrap()
+            .drop,
+        Some(vec!["ALL".to_string()])
+    );
+    // The drift was reported, naming the fields.
+    let events = wait_list(&ns.api::<CoreEvent>(), "", TIMEOUT, "a ShapeDrift event", |evs| {
+        evs.iter().any(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT))
+    })
+    .await
+    .unwrap();
+    let e = events.iter().find(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT)).unwrap();
+    let note = e.message.clone().unwrap_or_default();
+    assert!(note.contains("privileged"), "{note}");
+    assert!(note.contains("SYS_ADMIN"), "{note}");
+    assert!(note.contains("limits.memory"), "{note}");
+    wait_for(&pools, "drift", TIMEOUT, "conformant again", |rp| {
+        condition_true(rp, ct::SHAPE_CONFORMANT) && condition_true(rp, ct::READY)
+    })
+    .await
+    .unwrap();
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_the_pool_removes_everything_the_priority_class_included() {
+    let Some((ns, op)) = setup("rp-delete", PodSecurity::Privileged).await else { return };
+    let pools = ns.api::<RunnerPool>();
+    pools.create(&PostParams::default(), &pool(&ns, "gone", json!({}))).await.unwrap();
+    wait_for(&pools, "gone", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap();
+    let pcs = Api::<PriorityClass>::all(ns.client.clone());
+    let pc_name = format!("{}-runner", ns.name);
+    assert!(pcs.get_opt(&pc_name).await.unwrap().is_some());
+    let with_finalizer = pools.get("gone").await.unwrap();
+    assert!(with_finalizer.finalizers().iter().any(|f| f == "podmotion.io/runner-pool-cleanup"));
+
+    pools.delete("gone", &DeleteParams::foreground()).await.unwrap();
+    wait_for(&pools, "gone", TIMEOUT, "the RunnerPool gone", |rp| rp.is_none()).await.unwrap();
+    wait_for(&pcs, &pc_name, TIMEOUT, "the PriorityClass gone", |pc| pc.is_none()).await.unwrap();
+    wait_for(&ns.api::<DaemonSet>(), "gone", TIMEOUT, "the DaemonSet gone", |d| d.is_none()).await.unwrap();
+    for (what, present) in [
+        ("ServiceAccount", ns.api::<ServiceAccount>().get_opt("gone").await.unwrap().is_some()),
+        ("NetworkPolicy", ns.api::<NetworkPolicy>().get_opt("gone").await.unwrap().is_some()),
+        ("PodDisruptionBudget", ns.api::<PodDisruptionBudget>().get_opt("gone").await.unwrap().is_some()),
+        ("Secret", ns.api::<Secret>().get_opt("gone-credentials").await.unwrap().is_some()),
+    ] {
+        assert!(!present, "{what} survived its RunnerPool (foreground deletion waits for dependents)");
+    }
+    wait_list(&ns.api::<Pod>(), &runner_pods_selector("gone"), TIMEOUT, "Runner pods gone", |p| p.is_empty())
+        .await
+        .unwrap();
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn a_baseline_namespace_is_reported_instead_of_failing_silently() {
+    let Some((ns, op)) = setup("rp-baseline", PodSecurity::Baseline).await else { return };
+    let pools = ns.api::<RunnerPool>();
+    pools.create(&PostParams::default(), &pool(&ns, "blocked", json!({}))).await.unwrap();
+    let rp = wait_for(&pools, "blocked", TIMEOUT, "Stalled on PodSecurity", |rp| condition_true(rp, ct::STALLED))
+        .await
+        .unwrap()
+        .unwrap();
+    let c = find(&rp.status.as_ref().unwrap().conditions, ct::POD_SECURITY_ADMITTED).unwrap().clone();
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reasons::POD_SECURITY_REJECTS));
+    assert!(c.message.contains("enforce=privileged") && c.message.contains("hostPath"), "{}", c.message);
+    // And the API server agrees: the DaemonSet exists but no Runner pod was admitted.
+    let pods = ns.api::<Pod>().list(&ListParams::default().labels(&runner_pods_selector("blocked"))).await.unwrap();
+    assert!(pods.items.is_empty());
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn a_tag_or_max_unavailable_of_100_percent_is_rejected_with_a_clear_message() {
+    let Some(ns) = TestNamespace::new("rp-reject", PodSecurity::Privileged).await else { return };
+    ensure_crd(&ns.client).await;
+    let pools = ns.api::<RunnerPool>();
+    let mut tagged = pool(&ns, "tagged", json!({}));
+    tagged.spec.image = "registry.example/compass/runner:1.4.2".into();
+    let all = pool(&ns, "all-at-once", json!({"rollout": {"maxUnavailable": "100%"}}));
+    for (rp, want) in [(tagged, "image must be pinned by digest"), (all, "100% is rejected")] {
+        match pools.create(&PostParams::default(), &rp).await {
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422);
+                assert!(e.message.contains(want), "{}", e.message);
+            }
+            other => panic!("{} accepted: {other:?}", rp.name_any()),
+        }
+    }
+}
