@@ -430,3 +430,65 @@ fn ruleset_apply_is_an_idempotent_full_replace_and_a_foreign_session_is_refused(
     assert!(!pod.nft_tables().contains(TABLE));
     other.delete(TABLE).unwrap(); // absent is fine
 }
+
+#[test]
+fn ipv6_connections_are_redirected_and_passed_through_or_intercepted() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let agent = Agent::start(&target(&pod), &[]);
+    // Pass-through over IPv6: forwarder on [::]:AGENT_PORT, original destination
+    // from IP6T_SO_ORIGINAL_DST, dial from inside the namespace.
+    let via6 = http_get(pod.client_connect(pod.app_addr6()).unwrap(), "/").unwrap();
+    assert!(via6.contains("hello-app"), "{via6}");
+
+    let (status, _) = agent.call("POST", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 201);
+    let mut stream = agent.stream(&format!("/v1/intercepts/{APP_PORT}/accept"));
+    let mut client = pod.client_connect(pod.app_addr6()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    client.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut head = String::new();
+    stream.read_line(&mut head).unwrap();
+    let head: serde_json::Value = serde_json::from_str(&head).unwrap();
+    assert_eq!(head["original_dst"], pod.app_addr6().to_string());
+    stream
+        .get_mut()
+        .write_all(b"HTTP/1.0 200 OK\r\n\r\nv6-intercepted")
+        .unwrap();
+    drop(stream);
+    let mut answer = String::new();
+    client.read_to_string(&mut answer).unwrap();
+    assert!(answer.ends_with("v6-intercepted"), "{answer}");
+}
+
+#[test]
+fn agent_removes_its_table_and_exits_when_the_target_process_ends() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let mut pod = NetnsPod::start(&[("A", "1")]);
+    let mut agent = Agent::start(&target(&pod), &[]);
+    assert!(pod.nft_tables().contains(TABLE));
+    pod.app.kill().unwrap();
+    pod.app.wait().unwrap();
+    let mut status = None;
+    wait_for(Duration::from_secs(10), || {
+        status = agent.child.try_wait().unwrap();
+        status.is_some()
+    })
+    .expect("agent exits after its target");
+    assert!(
+        !status.unwrap().success(),
+        "a gone target is a failure: the Job is replaced, not reused"
+    );
+    assert!(
+        std::fs::read_to_string(&agent.termination_log)
+            .unwrap()
+            .starts_with("TargetGone:")
+    );
+    assert!(!pod.nft_tables().contains(TABLE));
+}

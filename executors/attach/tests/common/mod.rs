@@ -66,6 +66,7 @@ pub struct NetnsPod {
     pub pod_ns: String,
     pub client_ns: String,
     pub pod_ip: String,
+    pub pod_ip6: String,
     pub www: PathBuf,
     pub app: Child,
 }
@@ -87,17 +88,18 @@ impl NetnsPod {
             "-n", &client_ns, "link", "add", &va, "type", "veth", "peer", "name", &vb, "netns",
             &pod_ns,
         ]));
-        for (ns, dev, ip) in [(&client_ns, &va, &cli_ip), (&pod_ns, &vb, &pod_ip)] {
+        // And a ULA pair, also only inside these namespaces (nodad: usable at once).
+        let (cli_ip6, pod_ip6) = (format!("fd00:213:{k}::1"), format!("fd00:213:{k}::2"));
+        let ends = [
+            (&client_ns, &va, &cli_ip, &cli_ip6),
+            (&pod_ns, &vb, &pod_ip, &pod_ip6),
+        ];
+        for (ns, dev, ip, ip6) in ends {
+            let ip4 = format!("{ip}/30");
+            let ip6 = format!("{ip6}/64");
             run(Command::new("ip").args(["-n", ns, "link", "set", "lo", "up"]));
-            run(Command::new("ip").args([
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{ip}/30"),
-                "dev",
-                dev,
-            ]));
+            run(Command::new("ip").args(["-n", ns, "addr", "add", &ip4, "dev", dev]));
+            run(Command::new("ip").args(["-n", ns, "-6", "addr", "add", &ip6, "dev", dev, "nodad"]));
             run(Command::new("ip").args(["-n", ns, "link", "set", dev, "up"]));
         }
         let www = std::env::temp_dir().join(format!("pmt-www-{tag}"));
@@ -127,6 +129,7 @@ impl NetnsPod {
             pod_ns,
             client_ns,
             pod_ip,
+            pod_ip6,
             www,
             app,
         };
@@ -144,6 +147,10 @@ impl NetnsPod {
 
     pub fn ns_path(ns: &str) -> PathBuf {
         Path::new("/run/netns").join(ns)
+    }
+
+    pub fn app_addr6(&self) -> SocketAddr {
+        format!("[{}]:{APP_PORT}", self.pod_ip6).parse().unwrap()
     }
 
     pub fn app_addr(&self) -> SocketAddr {
