@@ -8,6 +8,8 @@ use common::*;
 use podmotion_attach::cri::{CriClient, v1};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 struct Containerd {
@@ -65,8 +67,8 @@ fn sandbox_config(name: &str) -> v1::PodSandboxConfig {
     }
 }
 
-/// RunPodSandbox + CreateContainer + StartContainer, the kubelet's sequence.
-async fn run_pod(cri: &CriClient, name: &str, env: &[(&str, &str)]) -> (String, String) {
+/// RunPodSandbox, the kubelet's first call for a pod.
+async fn run_sandbox(cri: &CriClient, name: &str) -> (String, v1::PodSandboxConfig) {
     let config = sandbox_config(name);
     let sandbox: v1::RunPodSandboxResponse = cri
         .unary(
@@ -77,27 +79,32 @@ async fn run_pod(cri: &CriClient, name: &str, env: &[(&str, &str)]) -> (String, 
         )
         .await
         .expect("RunPodSandbox");
+    (sandbox.pod_sandbox_id, config)
+}
+
+/// CreateContainer + StartContainer in a sandbox.
+async fn run_container(
+    cri: &CriClient,
+    sandbox: &(String, v1::PodSandboxConfig),
+    name: &str,
+    argv: &[&str],
+    env: &[(&str, &str)],
+) -> String {
     let created: v1::CreateContainerResponse = cri
         .unary(
             "CreateContainer",
             &v1::CreateContainerRequest {
-                pod_sandbox_id: sandbox.pod_sandbox_id.clone(),
+                pod_sandbox_id: sandbox.0.clone(),
                 config: Some(v1::ContainerConfig {
                     metadata: Some(v1::ContainerMetadata {
-                        name: "app".into(),
+                        name: name.into(),
                         attempt: 0,
                     }),
                     image: Some(v1::ImageSpec {
                         image: "podmotion.test/busybox:1".into(),
                     }),
-                    command: vec!["/bin/httpd".into()],
-                    args: vec![
-                        "-f".into(),
-                        "-p".into(),
-                        APP_PORT.to_string(),
-                        "-h".into(),
-                        "/srv/www".into(),
-                    ],
+                    command: vec![argv[0].into()],
+                    args: argv[1..].iter().map(|a| (*a).into()).collect(),
                     working_dir: "/".into(),
                     envs: env
                         .iter()
@@ -108,7 +115,7 @@ async fn run_pod(cri: &CriClient, name: &str, env: &[(&str, &str)]) -> (String, 
                         .collect(),
                     log_path: String::new(),
                 }),
-                sandbox_config: Some(config),
+                sandbox_config: Some(sandbox.1.clone()),
             },
         )
         .await
@@ -122,7 +129,26 @@ async fn run_pod(cri: &CriClient, name: &str, env: &[(&str, &str)]) -> (String, 
         )
         .await
         .expect("StartContainer");
-    (sandbox.pod_sandbox_id, created.container_id)
+    created.container_id
+}
+
+/// A unix-socket proxy in front of the runtime that counts client connections.
+async fn counting_proxy(at: &Path, upstream: PathBuf) -> Arc<AtomicUsize> {
+    let listener = tokio::net::UnixListener::bind(at).unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut down, _)) = listener.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if let Ok(mut up) = tokio::net::UnixStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                }
+            });
+        }
+    });
+    count
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,10 +161,17 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     let version = cri.version().await.unwrap();
     assert_eq!(version.runtime_name, "containerd");
 
-    let (sandbox, container) = run_pod(
+    let pod = run_sandbox(&cri, "web-0").await;
+    let sandbox = pod.0.clone();
+    let app_argv = ["/bin/httpd", "-f", "-p", "8080", "-h", "/srv/www"];
+    let app_env = [("ZED", "z"), ("APP_MODE", "cri"), ("A", "1")];
+    let container = run_container(&cri, &pod, "app", &app_argv, &app_env).await;
+    let sidecar = run_container(
         &cri,
-        "web-0",
-        &[("ZED", "z"), ("APP_MODE", "cri"), ("A", "1")],
+        &pod,
+        "side",
+        &["/bin/sleep", "3600"],
+        &[("SIDE", "car")],
     )
     .await;
 
@@ -169,15 +202,15 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
         std::os::unix::net::UnixListener::bind(host_run.join("containerd/containerd.sock"))
             .unwrap(),
     );
-    std::os::unix::fs::symlink(
-        &containerd.socket,
-        host_run.join("k3s/containerd/containerd.sock"),
+    let connections = counting_proxy(
+        &host_run.join("k3s/containerd/containerd.sock"),
+        containerd.socket.clone(),
     )
-    .unwrap();
+    .await;
 
     let target = vec![
         "--container-id".to_owned(),
-        format!("containerd://{container}"),
+        format!("containerd://{container},containerd://{sidecar}"),
         "--host-run".to_owned(),
         host_run.display().to_string(),
     ];
@@ -187,6 +220,29 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     .await
     .unwrap();
     let health = agent.json("/healthz");
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        1,
+        "one CRI connection for both containers"
+    );
+    assert_eq!(health["containers"].as_array().unwrap().len(), 2);
+    let side_env = agent.json(&format!("/v1/env?container={sidecar}"));
+    assert!(
+        side_env
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "SIDE" && e["value"] == "car"),
+        "{side_env}"
+    );
+    assert!(
+        !side_env
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "APP_MODE"),
+        "each container's own environment"
+    );
     assert_eq!(health["pid"], task_pid);
     assert_eq!(
         health["cri_socket"].as_str().unwrap(),
