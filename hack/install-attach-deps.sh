@@ -9,6 +9,8 @@
 #   busybox-static      the static userland of the locally built test images and
 #                       the test application (httpd)
 #   util-linux, procps  setpriv, nsenter, unshare
+#   python3-minimal     ctypes execve(2) with a raw environment block (duplicates
+#                       and order exactly as given) for the target app
 # Idempotent: packages already present are not touched; apt-get update runs only
 # when something is missing. Must run as root (CI does). Does not start containerd:
 # the tests run private instances.
@@ -16,7 +18,7 @@
 # CI: bash hack/install-attach-deps.sh && cargo test -p podmotion-attach
 set -euo pipefail
 
-pkgs=(nftables iproute2 containerd runc containernetworking-plugins busybox-static util-linux procps)
+pkgs=(nftables iproute2 containerd runc containernetworking-plugins busybox-static util-linux procps python3-minimal)
 missing=()
 for p in "${pkgs[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
@@ -46,7 +48,7 @@ if ((${#missing[@]})); then
     apt-get "${apt_opts[@]}" install "${missing[@]}"
 fi
 
-for bin in nft ip containerd ctr runc busybox nsenter unshare setpriv; do
+for bin in nft ip containerd ctr runc busybox nsenter unshare setpriv python3; do
     command -v "$bin" >/dev/null || { echo "install-attach-deps: $bin missing after install" >&2; exit 1; }
 done
 test -x /usr/lib/cni/loopback || { echo "install-attach-deps: /usr/lib/cni/loopback missing" >&2; exit 1; }

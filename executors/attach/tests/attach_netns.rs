@@ -32,8 +32,10 @@ fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
         return;
     }
     let pod = NetnsPod::start(&[
-        ("ZED", "last-alpha-first"),
+        ("ZED", "z1"),
         ("A", "1"),
+        ("ZED", "z2"),
+        ("SKIP_ME", "x"),
         ("URL", "http://x/?a=b"),
         ("EMPTY", ""),
     ]);
@@ -43,36 +45,42 @@ fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
             "--export",
             pod.www.to_str().unwrap(),
             "--env-exclude",
-            "EMPTY",
+            "SKIP_*",
+            "--env-prefix",
+            "T_",
         ],
     );
 
-    // Env: what the kernel holds for the process, in its order, minus the exclusion.
+    // The kernel holds the block as given (the fixture is not deduplicating)…
     let raw = std::fs::read(format!("/proc/{}/environ", pod.pid())).unwrap();
-    let want: Vec<(String, String)> = raw
-        .split(|b| *b == 0)
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (k, v) = std::str::from_utf8(e).unwrap().split_once('=').unwrap();
-            (k.to_owned(), v.to_owned())
-        })
-        .filter(|(k, _)| k != "EMPTY")
-        .collect();
+    assert_eq!(
+        raw,
+        b"ZED=z1\0A=1\0ZED=z2\0SKIP_ME=x\0URL=http://x/?a=b\0EMPTY=\0"
+    );
+    // …and the agent reports it in that order, duplicates kept, filtered and prefixed.
     let env = agent.json("/v1/env");
-    let got: Vec<(String, String)> = env
+    let got: Vec<String> = env
         .as_array()
         .unwrap()
         .iter()
         .map(|e| {
-            (
-                e["name"].as_str().unwrap().to_owned(),
-                e["value"].as_str().unwrap().to_owned(),
+            format!(
+                "{}={}",
+                e["name"].as_str().unwrap(),
+                e["value"].as_str().unwrap()
             )
         })
         .collect();
-    assert_eq!(got, want);
-    let names: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
-    assert_eq!(&names[..3], ["ZED", "A", "URL"], "order preserved");
+    assert_eq!(
+        got,
+        [
+            "T_ZED=z1",
+            "T_A=1",
+            "T_ZED=z2",
+            "T_URL=http://x/?a=b",
+            "T_EMPTY="
+        ]
+    );
 
     // Files: the export link resolves in the target's mount namespace.
     let exports = agent.json("/v1/exports");

@@ -61,6 +61,19 @@ pub fn run(cmd: &mut Command) -> String {
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
+/// `python3 -c RAW_EXECVE <path> <argv...>` execs with the newline-separated
+/// entries of $RAW_ENVP as the exact environment block.
+const RAW_EXECVE: &str = r#"
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+argv = [a.encode() for a in sys.argv[2:]]
+envp = [e.encode() for e in os.environ["RAW_ENVP"].split("\n") if e]
+a = (ctypes.c_char_p * (len(argv) + 1))(*argv, None)
+e = (ctypes.c_char_p * (len(envp) + 1))(*envp, None)
+libc.execve(sys.argv[1].encode(), a, e)
+sys.exit("execve failed: errno %d" % ctypes.get_errno())
+"#;
+
 /// A target "pod": `busybox httpd` in its own netns, plus a client netns.
 pub struct NetnsPod {
     pub pod_ns: String,
@@ -72,7 +85,7 @@ pub struct NetnsPod {
 }
 
 impl NetnsPod {
-    /// `env` is the app's whole environment, in this order.
+    /// `env` is the app's whole environment block, in this order, duplicates kept.
     pub fn start(env: &[(&str, &str)]) -> NetnsPod {
         let n = SEQ.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100000, n);
@@ -106,24 +119,28 @@ impl NetnsPod {
         std::fs::create_dir_all(www.join("sub")).unwrap();
         std::fs::write(www.join("index.html"), "hello-app\n").unwrap();
         std::fs::write(www.join("sub/secret.txt"), format!("file-of-{tag}\n")).unwrap();
-        // `env -i A=.. B=..` puts the entries in exactly this order (std's Command
-        // would sort them).
-        let mut cmd = Command::new("env");
-        cmd.arg("-i")
-            .args(env.iter().map(|(k, v)| format!("{k}={v}")))
+        // The app's environment block is exactly `env`, in order, duplicates and all:
+        // python's ctypes calls execve(2) with a raw envp (std's Command, env(1) and
+        // shells all deduplicate, and std sorts). `ip netns exec` and busybox exec in
+        // place and keep the block, so the child PID is the app's PID.
+        let mut cmd = Command::new("/usr/bin/python3");
+        cmd.arg("-c")
+            .arg(RAW_EXECVE)
+            .arg(which("ip").unwrap())
             .args([
-                "ip",
-                "netns",
-                "exec",
-                &pod_ns,
-                "busybox",
-                "httpd",
-                "-f",
-                "-p",
-                &APP_PORT.to_string(),
-                "-h",
+                "ip", "netns", "exec", &pod_ns, "busybox", "httpd", "-f", "-p",
             ])
-            .arg(&www);
+            .arg(APP_PORT.to_string())
+            .arg("-h")
+            .arg(&www)
+            .env_clear()
+            .env(
+                "RAW_ENVP",
+                env.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            );
         let app = cmd.stdin(Stdio::null()).spawn().expect("start app");
         let pod = NetnsPod {
             pod_ns,
@@ -133,7 +150,6 @@ impl NetnsPod {
             www,
             app,
         };
-        // env and `ip netns exec` exec in place: the child PID is the app's PID.
         wait_for(Duration::from_secs(5), || {
             pod.client_get("/").is_ok_and(|b| b.contains("hello-app"))
         })
