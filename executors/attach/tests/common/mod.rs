@@ -36,6 +36,10 @@ pub fn root_tests_enabled() -> bool {
             "{tool} missing: run hack/install-attach-deps.sh (or PODMOTION_ROOT_TESTS=0 to skip)"
         );
     }
+    assert!(
+        Path::new("/usr/bin/python3").exists(),
+        "/usr/bin/python3 missing: run hack/install-attach-deps.sh (or PODMOTION_ROOT_TESTS=0 to skip)"
+    );
     true
 }
 
