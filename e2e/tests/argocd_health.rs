@@ -377,10 +377,19 @@ fn with_health(kind: &str, health: &Health, phase: Option<&str>, generation: i64
     obj
 }
 
+/// (kind, health, PodMigration phase, kstatus, Argo CD status, kubectl wait succeeds)
+type MappingCase = (
+    &'static str,
+    Health,
+    Option<&'static str>,
+    &'static str,
+    &'static str,
+    bool,
+);
+
 #[test]
 fn the_conditions_the_operator_writes_map_to_kstatus_argo_cd_and_kubectl_wait() {
-    // (kind, health, PodMigration phase, kstatus, Argo CD status, kubectl wait succeeds)
-    let cases: Vec<(&str, Health, Option<&str>, &str, &str, bool)> = vec![
+    let cases: Vec<MappingCase> = vec![
         (
             "PodMigration",
             Health::ready(reasons::SUCCEEDED, "migrated (downtime 90ms)"),

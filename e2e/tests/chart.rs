@@ -569,8 +569,9 @@ fn every_operator_flag_has_a_value_in_the_chart() {
     let missing: Vec<String> = flags
         .iter()
         .filter(|(long, var)| {
-            !(!long.is_empty() && args.contains(long))
-                && !var.as_ref().is_some_and(|v| env.contains(v))
+            let by_flag = !long.is_empty() && args.contains(long);
+            let by_env = var.as_ref().is_some_and(|v| env.contains(v));
+            !by_flag && !by_env
         })
         .map(|(long, var)| format!("--{long} ({})", var.as_deref().unwrap_or("no env")))
         .collect();
@@ -899,11 +900,13 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["list", "daemonsets.apps", "-A"],
         vec!["create", "daemonsets.apps", "-n", "default"],
         vec!["patch", "daemonsets.apps", "-n", "default"],
+        vec!["update", "daemonsets.apps", "-n", "default"],
         vec!["delete", "daemonsets.apps", "-n", "default"],
         vec!["create", "secrets", "-n", "default"],
         vec!["patch", "secrets", "-n", "default"],
         vec!["delete", "secrets", "-n", "default"],
         vec!["watch", "leases.coordination.k8s.io", "-A"],
+        vec!["create", "leases.coordination.k8s.io", "-n", "default"],
         vec!["get", "namespaces"],
         vec!["get", "services", "-n", "default"],
         vec!["create", "serviceaccounts", "-n", "default"],
