@@ -91,7 +91,8 @@ start() { # component args...
   shift
   : >"$LOGS/$name.log"
   # setsid: own session, so the process outlives this script and its caller's job control.
-  setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+  # 8>&-: the daemons must not inherit (and so hold forever) the run directory's lock.
+  setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
   echo $! >"$PIDS/$name.pid"
 }
 
@@ -287,6 +288,7 @@ EOF
 
 create_nodes() {
   local i manifest=$RUN/nodes.yaml
+  ((NODES > 0)) || { log "NODES=0: no nodes"; return 0; }
   : >"$manifest"
   for ((i = 0; i < NODES; i++)); do
     node_manifest "$i" >>"$manifest"
@@ -402,9 +404,11 @@ cmd_up() {
   wait_healthy kube-scheduler
   wait_healthy kwok
 
-  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready node --all --timeout="${TIMEOUT}s" >/dev/null ||
-    fail_with_log kwok "nodes not Ready after ${TIMEOUT}s"
-  log "nodes Ready ($((SECONDS - T0))s)"
+  if ((NODES > 0)); then
+    "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready node --all --timeout="${TIMEOUT}s" >/dev/null ||
+      fail_with_log kwok "nodes not Ready after ${TIMEOUT}s"
+    log "nodes Ready ($((SECONDS - T0))s)"
+  fi
   # The ServiceAccount controller must be working before pods can be created.
   local deadline=$((SECONDS + TIMEOUT))
   until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" -n default get serviceaccount default >/dev/null 2>&1; do
@@ -446,9 +450,17 @@ cmd_env() {
   echo "export PATH=\"$(bin_dir):\$PATH\""
 }
 
+[[ $NODES =~ ^[0-9]+$ ]] || die "NODES must be a number, not '$NODES'"
+
+lock() { # serialize up/down of one run directory
+  mkdir -p "$RUN"
+  exec 8>"$RUN/.lock"
+  flock -n 8 || { log "waiting for another hack/cluster.sh on $RUN"; flock 8; }
+}
+
 case ${1:-} in
-  up) cmd_up ;;
-  down) cmd_down ;;
+  up) lock; cmd_up ;;
+  down) lock; cmd_down ;;
   status) cmd_status ;;
   env) cmd_env ;;
   *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
