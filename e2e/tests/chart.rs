@@ -449,8 +449,9 @@ fn disabled_controllers_lose_their_permissions() {
     );
 }
 
-/// `(long flag, env var)` of every clap argument declared under operator/src.
-fn operator_flags() -> Vec<(String, Option<String>)> {
+/// `(long flag, env var)` of every clap argument declared under `src` (a directory of
+/// the repository), plus `PODMOTION_*` variables read with `std::env::var`.
+fn clap_flags(src: &str) -> Vec<(String, Option<String>)> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -462,7 +463,7 @@ fn operator_flags() -> Vec<(String, Option<String>)> {
         }
     }
     let mut files = Vec::new();
-    walk(&repo_root().join("operator/src"), &mut files);
+    walk(&repo_root().join(src), &mut files);
     let quoted = |attr: &str, key: &str| -> Option<String> {
         let re = format!("{key} = \"");
         let start = attr.find(&re)? + re.len();
@@ -497,7 +498,7 @@ fn operator_flags() -> Vec<(String, Option<String>)> {
         }
     }
     // Settings read from the environment directly (`std::env::var("PODMOTION_…")`).
-    for file in &files_env() {
+    for file in &rust_files(src) {
         let text = std::fs::read_to_string(file).unwrap();
         for part in text.split("env::var(\"").skip(1) {
             let var = part.split('"').next().unwrap_or("");
@@ -509,7 +510,7 @@ fn operator_flags() -> Vec<(String, Option<String>)> {
     flags
 }
 
-fn files_env() -> Vec<PathBuf> {
+fn rust_files(src: &str) -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -521,13 +522,13 @@ fn files_env() -> Vec<PathBuf> {
         }
     }
     let mut files = Vec::new();
-    walk(&repo_root().join("operator/src"), &mut files);
+    walk(&repo_root().join(src), &mut files);
     files
 }
 
 #[test]
 fn every_operator_flag_has_a_value_in_the_chart() {
-    let flags = operator_flags();
+    let flags = clap_flags("operator/src");
     let names: Vec<&str> = flags.iter().map(|(f, _)| f.as_str()).collect();
     for known in [
         "namespace",
@@ -1297,4 +1298,69 @@ async fn kubectl_wait_for_ready_and_printer_columns_on_the_real_api_server() {
             "{kind} missing:\n{text}"
         );
     }
+}
+
+/// The flags and environment of one container of a rendered pod spec.
+fn container_settings(spec: &Value, container: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let c = containers(spec)
+        .into_iter()
+        .find(|c| c["name"] == container)
+        .unwrap_or_else(|| panic!("no container {container}"));
+    let args = strs(&c["args"])
+        .into_iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| {
+            a.split('=')
+                .next()
+                .unwrap()
+                .trim_start_matches("--")
+                .to_string()
+        })
+        .collect();
+    let env = c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["name"].as_str().map(String::from))
+        .collect();
+    (args, env)
+}
+
+#[test]
+fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
+    let docs = render(&[]);
+    let ds = of_kind(&docs, "DaemonSet")[0];
+    let spec = &ds["spec"]["template"]["spec"];
+    let mut failures = Vec::new();
+    for (container, src) in [
+        ("agent", "executors/agent/src"),
+        ("netns-broker", "executors/broker/src"),
+    ] {
+        let declared = clap_flags(src);
+        let (args, env) = container_settings(spec, container);
+        // Every flag of the binary has a value (its default only where that is right
+        // for a pod: then the flag is listed here with its default, not left out).
+        for (long, var) in &declared {
+            let by_flag = !long.is_empty() && args.contains(long);
+            let by_env = var.as_ref().is_some_and(|v| env.contains(v));
+            if !by_flag && !by_env {
+                failures.push(format!(
+                    "{container}: --{long} ({var:?}) has no chart value"
+                ));
+            }
+        }
+        // Every flag the chart passes exists (an unknown flag stops the binary). A binary
+        // that declares no flags yet is not checked (its CLI has not landed).
+        let known: BTreeSet<&str> = declared.iter().map(|(l, _)| l.as_str()).collect();
+        if !known.is_empty() {
+            for a in &args {
+                if !known.contains(a.as_str()) {
+                    failures.push(format!(
+                        "{container}: chart passes --{a}, which the binary does not declare"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
