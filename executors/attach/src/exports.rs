@@ -28,7 +28,9 @@ pub struct Mount {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
-    #[error("export path {0:?} must be absolute and must not contain '..'")]
+    #[error(
+        "export path {0:?} must be absolute and must not contain '..' (the exports dir at least two levels deep)"
+    )]
     BadPath(String),
     #[error("creating export {link}: {source}")]
     Io {
@@ -58,17 +60,53 @@ fn components(path: &str) -> Result<Vec<&str>, ExportError> {
     Ok(out)
 }
 
-/// Creates (or re-points) `<dir>/<container path>` → `<proc_root>/<pid>/root/<container path>`
-/// for each path. `/` exports the whole root as `<dir>/root`.
+/// Replaces the exports directory with one symlink per exported path:
+/// `<dir>/<container path>` → `<proc_root>/<pid>/root/<container path>`; `/` exports
+/// the whole root as `<dir>/root` and makes every other path redundant.
+///
+/// The directory is rebuilt from scratch (restarts converge, stale links vanish;
+/// `remove_dir_all` removes symlinks without following them). A path below another
+/// exported path is already reachable through its ancestor's link and is skipped:
+/// creating its link would mean creating directories *through* the ancestor's
+/// symlink, i.e. writing into the target container's filesystem.
 pub fn populate(
     dir: &Path,
     proc_root: &Path,
     pid: u32,
     paths: &[String],
 ) -> Result<Vec<Export>, ExportError> {
+    let mut wanted: Vec<(Vec<&str>, &String)> = paths
+        .iter()
+        .map(|p| components(p).map(|c| (c, p)))
+        .collect::<Result<_, _>>()?;
+    wanted.sort();
+    wanted.dedup_by(|b, a| b.0 == a.0);
+    let mut kept: Vec<(Vec<&str>, &String)> = Vec::new();
+    for (comps, path) in wanted {
+        if !kept.iter().any(|(k, _)| comps.starts_with(k)) {
+            kept.push((comps, path));
+        }
+    }
+    let dir_err = |source| ExportError::Io {
+        link: dir.to_owned(),
+        source,
+    };
+    // The directory is deleted and rebuilt: never let that be `/` or a top-level dir.
+    let depth = dir
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .count();
+    if !dir.is_absolute() || depth < 2 {
+        return Err(ExportError::BadPath(dir.display().to_string()));
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(dir_err(e)),
+        _ => {}
+    }
+    std::fs::create_dir_all(dir).map_err(dir_err)?;
+
     let mut out = Vec::new();
-    for path in paths {
-        let comps = components(path)?;
+    for (comps, path) in kept {
         let mut target = proc_root.join(pid.to_string()).join("root");
         let mut link = dir.to_owned();
         if comps.is_empty() {
@@ -82,18 +120,10 @@ pub fn populate(
             link: link.clone(),
             source,
         };
+        // Parents are plain directories we create in a fresh tree: no earlier link
+        // is an ancestor (filtered above), so nothing here resolves into the target.
         if let Some(parent) = link.parent() {
             std::fs::create_dir_all(parent).map_err(io)?;
-        }
-        match std::fs::symlink_metadata(&link) {
-            Ok(m) if m.file_type().is_symlink() => std::fs::remove_file(&link).map_err(io)?,
-            Ok(_) => {
-                return Err(io(std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "exists and is not a symlink",
-                )));
-            }
-            Err(_) => {}
         }
         std::os::unix::fs::symlink(&target, &link).map_err(io)?;
         out.push(Export {
@@ -188,30 +218,74 @@ mod tests {
     #[test]
     fn links_point_into_the_targets_proc_root() {
         let dir = std::env::temp_dir().join(format!("pm-exports-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
         let got = populate(
             &dir,
             Path::new("/proc"),
             42,
-            &["/srv/www".into(), "/".into()],
+            &["/srv/www".into(), "/etc".into()],
         )
         .unwrap();
+        assert_eq!(got.len(), 2);
         assert_eq!(
             std::fs::read_link(dir.join("srv/www")).unwrap(),
             Path::new("/proc/42/root/srv/www")
         );
         assert_eq!(
-            std::fs::read_link(dir.join("root")).unwrap(),
-            Path::new("/proc/42/root")
+            std::fs::read_link(dir.join("etc")).unwrap(),
+            Path::new("/proc/42/root/etc")
         );
-        // Re-populating re-points instead of failing: restarts converge.
+        // Re-populating replaces the whole directory: new target, stale links gone.
         populate(&dir, Path::new("/proc"), 43, &["/srv/www".into()]).unwrap();
         assert_eq!(
             std::fs::read_link(dir.join("srv/www")).unwrap(),
             Path::new("/proc/43/root/srv/www")
         );
-        assert_eq!(got.len(), 2);
+        assert!(std::fs::symlink_metadata(dir.join("etc")).is_err());
+        // `/` covers everything.
+        let got = populate(
+            &dir,
+            Path::new("/proc"),
+            44,
+            &["/srv/www".into(), "/".into()],
+        )
+        .unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            std::fs::read_link(dir.join("root")).unwrap(),
+            Path::new("/proc/44/root")
+        );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_shallow_exports_dir_is_refused() {
+        assert!(populate(Path::new("/"), Path::new("/proc"), 1, &["/".into()]).is_err());
+        assert!(populate(Path::new("/tmp"), Path::new("/proc"), 1, &["/".into()]).is_err());
+        assert!(populate(Path::new("rel/dir"), Path::new("/proc"), 1, &["/".into()]).is_err());
+    }
+
+    #[test]
+    fn nested_exports_never_write_into_the_target_filesystem() {
+        let base = std::env::temp_dir().join(format!("pm-exports-nested-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let fake_proc = base.join("proc");
+        std::fs::create_dir_all(fake_proc.join("42/root/srv")).unwrap();
+        let dir = base.join("exports");
+        let got = populate(
+            &dir,
+            &fake_proc,
+            42,
+            &["/srv/new/deeper".into(), "/srv".into()],
+        )
+        .unwrap();
+        assert_eq!(got.len(), 1, "the nested path is reachable through /srv");
+        assert_eq!(got[0].container_path, "/srv");
+        assert!(
+            !fake_proc.join("42/root/srv/new").exists(),
+            "nothing created in the target"
+        );
+        assert!(dir.join("srv/new/deeper").symlink_metadata().is_err());
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]

@@ -496,10 +496,15 @@ impl NftSession {
         })
     }
 
-    /// Atomic delete of the table (absent is fine).
+    /// Atomic delete of our table. Absent is fine, and so is a table owned by
+    /// another live socket: that one is not ours to remove (the kernel would refuse
+    /// anyway).
     pub fn delete(&self, table: &str) -> Result<(), NftError> {
-        if self.get_table(table)?.is_none() {
-            return Ok(());
+        let me = self.port_id()?;
+        match self.get_table(table)? {
+            None => return Ok(()),
+            Some(TableInfo { owner: Some(o) }) if o != me => return Ok(()),
+            Some(_) => {}
         }
         let mut inner = self.inner.lock().expect("nft session lock");
         let mut b = Batch::new(inner.seq);

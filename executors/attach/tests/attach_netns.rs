@@ -420,12 +420,14 @@ fn ruleset_apply_is_an_idempotent_full_replace_and_a_foreign_session_is_refused(
         "full replace drops rules no longer configured"
     );
 
-    // Another socket cannot touch a table owned by a live one.
+    // Another socket cannot touch a table owned by a live one, and its delete
+    // leaves it alone.
     let other = ex.run_blocking(open).unwrap();
     match other.apply(&two_ports) {
         Err(NftError::HeldByOther { owner, .. }) => assert_eq!(owner, mine.port_id().unwrap()),
         r => panic!("expected HeldByOther, got {r:?}"),
     }
+    other.delete(TABLE).unwrap();
     assert_eq!(pod.nft_table(), replaced);
 
     // Closing the owner's socket removes the table; the other one can then apply.
