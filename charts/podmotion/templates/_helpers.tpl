@@ -125,7 +125,10 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_RUNNER_POOL_NAMESPACE
   value: {{ . | quote }}
 {{- end }}
-{{- /* NodeAgentAttachment (--attachment-*) */}}
+{{- /* NodeAgentAttachment (--attachment-*). Its Jobs belong in the agents' namespace
+       (privileged Pod Security), not in the operator's (restricted). */}}
+- name: PODMOTION_ATTACHMENT_NAMESPACE
+  value: {{ include "podmotion.agentNamespace" . | quote }}
 - name: PODMOTION_ATTACHMENT_JOB_PREFIX
   value: {{ .Values.attachment.jobPrefix | quote }}
 - name: PODMOTION_ATTACHMENT_AGENT_IMAGE
