@@ -320,10 +320,9 @@ async fn one_job_per_ready_replica_follows_scaling_restarts_and_container_change
         .iter()
         .filter_map(|p| p.spec.as_ref()?.node_name.clone())
         .collect();
-    assert_eq!(
-        nodes.len(),
-        3,
-        "replicas spread over the 3 kwok nodes: {nodes:?}"
+    assert!(
+        nodes.len() >= 3,
+        "replicas spread over at least 3 kwok nodes: {nodes:?}"
     );
 
     let naas: Api<NodeAgentAttachment> = app.api();
@@ -695,16 +694,12 @@ async fn ingest_holds_one_job_until_its_lease_expires() {
     .unwrap_or_else(|e| panic!("{e:#}"));
     let a = wait_for(&naas, "peek", TIMEOUT, "ingest status", |a| {
         a.and_then(|a| a.status.as_ref())
-            .is_some_and(|s| s.total_targets == 1)
+            .is_some_and(|s| s.total_targets == 1 && s.targets[0].state != TargetState::Pending)
     })
     .await
     .unwrap()
     .unwrap();
     assert_eq!(a.status.as_ref().unwrap().targets[0].job, one[0].name_any());
-    assert_ne!(
-        a.status.as_ref().unwrap().targets[0].state,
-        TargetState::Pending
-    );
     // Nobody renews the Lease: the Job is reaped and the attachment says why.
     wait_list(
         &jobs,

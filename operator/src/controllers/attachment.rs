@@ -221,9 +221,6 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     });
     let sweeper = shared.clone();
     tokio::spawn(async move {
-        if sweeper.store.wait_until_ready().await.is_err() {
-            return;
-        }
         let mut tick = tokio::time::interval(Duration::from_secs(sweeper.cfg.sweep_seconds.max(1)));
         let stop = sweeper.ctx.shutdown();
         tokio::pin!(stop);
@@ -431,12 +428,17 @@ async fn reconcile_workload(
         .filter_map(JobView::from_job)
         .filter(|j| j.workload == workload_key(workload))
         .collect();
-    let members: Vec<Arc<NodeAgentAttachment>> = s
-        .store
-        .state()
-        .into_iter()
-        .filter(|a| a.namespace().as_deref() == Some(ns) && a.spec.workload_ref == *workload)
-        .collect();
+    // Listed, not read from the controller's cache: the sweep must never mistake a
+    // cache that has not synced yet for "no attachment claims this workload".
+    let members: Vec<NodeAgentAttachment> =
+        Api::<NodeAgentAttachment>::namespaced(client.clone(), ns)
+            .list(&ListParams::default())
+            .await
+            .map_err(api_err("list NodeAgentAttachments in", ns))?
+            .items
+            .into_iter()
+            .filter(|a| a.spec.workload_ref == *workload)
+            .collect();
     let mut attachments = vec![];
     for m in &members {
         let lease = if m.spec.mode == AttachMode::Ingest {
