@@ -33,6 +33,8 @@
 #   kubernetes.io/arch=amd64, type=kwok and the annotation kwok.x-k8s.io/node=fake (kwok
 #   manages only annotated nodes).
 #   CLUSTER_UP_TIMEOUT  seconds to wait for each component (default 90)
+#   PODMOTION_PORT_OFFSET  added to every port below (default 0), to run a second cluster
+#                    next to the first one (give it its own PODMOTION_RUN too)
 #
 # Loopback ports: etcd 12379 (client) / 12380 (peer), kube-apiserver 16443,
 # kube-controller-manager 16457, kube-scheduler 16459, kwok 16447.
@@ -53,12 +55,14 @@ if [[ -z ${RUNNER_NODES+x} ]]; then
   ((NODES >= 3)) && RUNNER_NODES=pm-node-2
 fi
 
-ETCD_PORT=12379
-ETCD_PEER_PORT=12380
-APISERVER_PORT=16443
-KCM_PORT=16457
-SCHED_PORT=16459
-KWOK_PORT=16447
+off=${PODMOTION_PORT_OFFSET:-0}
+[[ $off =~ ^[0-9]+$ ]] || { echo "PODMOTION_PORT_OFFSET must be a number" >&2; exit 2; }
+ETCD_PORT=$((12379 + off))
+ETCD_PEER_PORT=$((12380 + off))
+APISERVER_PORT=$((16443 + off))
+KCM_PORT=$((16457 + off))
+SCHED_PORT=$((16459 + off))
+KWOK_PORT=$((16447 + off))
 SERVICE_CIDR=10.96.0.0/16
 POD_CIDR=10.244.0.0/16
 
