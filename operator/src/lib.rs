@@ -8,6 +8,7 @@
 //! and the runtime modules, and is proven against the real control plane in `e2e/`.
 #![forbid(unsafe_code)]
 
+pub mod attachment;
 pub mod children;
 pub mod config;
 pub mod context;

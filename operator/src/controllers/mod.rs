@@ -57,4 +57,5 @@ pub fn error_policy<K, E: CategorizedError>(_obj: Arc<K>, err: &E, _ctx: Arc<Con
     Action::requeue(Duration::from_secs(5))
 }
 
+pub mod attachment;
 pub mod runner_pool;
