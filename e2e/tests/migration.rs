@@ -29,14 +29,17 @@ use kube::{Client, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::reasons;
-use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, wait_for, wait_list};
+use podmotion_e2e::{
+    PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, wait_for, wait_list,
+};
 use podmotion_operator::config::OperatorConfig;
 use podmotion_operator::context::Context;
 use podmotion_operator::controllers::migration::{MigrationConfig, run_with};
 use podmotion_operator::leader::Leadership;
 use podmotion_operator::metrics::Metrics;
 use podmotion_operator::migration::agent::{
-    AgentCallError, AgentClient, AgentEndpoint, AgentProgress, AgentReport, Step, StepRequest, StepState,
+    AgentCallError, AgentClient, AgentEndpoint, AgentProgress, AgentReport, Step, StepRequest,
+    StepState,
 };
 use serde_json::json;
 use tokio::sync::watch;
@@ -59,14 +62,21 @@ impl Proc {
             "i={from}; while :; do i=$((i+1)); echo $i > {f}.tmp && mv {f}.tmp {f}; sleep 0.02; done",
             f = file.display()
         );
-        let child = Command::new("sh").arg("-c").arg(script).spawn().expect("spawn sh");
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .spawn()
+            .expect("spawn sh");
         Proc { child, file }
     }
     fn pid(&self) -> String {
         self.child.id().to_string()
     }
     fn signal(&self, sig: &str) {
-        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid()).status();
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid())
+            .status();
     }
     /// State letter from /proc (R/S running or sleeping, T stopped, Z/None gone).
     fn state(&mut self) -> Option<char> {
@@ -81,7 +91,10 @@ impl Proc {
         matches!(self.state(), Some(c) if c != 'T' && c != 't')
     }
     fn counter(&self) -> u64 {
-        std::fs::read_to_string(&self.file).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+        std::fs::read_to_string(&self.file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
     }
     fn kill(&mut self) {
         let _ = self.child.kill();
@@ -137,7 +150,11 @@ fn step_name(s: Step) -> &'static str {
 impl ProcAgents {
     fn add_container(&self, ns: &str, pod: &str, dir: &std::path::Path) {
         let p = Proc::start(dir.join(format!("{pod}.counter")), 0);
-        self.0.lock().unwrap().containers.insert(format!("{ns}/{pod}"), p);
+        self.0
+            .lock()
+            .unwrap()
+            .containers
+            .insert(format!("{ns}/{pod}"), p);
     }
     fn delay(&self, step: &'static str, d: Duration) {
         self.0.lock().unwrap().delays.insert(step, d);
@@ -156,25 +173,48 @@ impl ProcAgents {
         self.0.lock().unwrap().down.insert(node.into(), false);
     }
     fn source_running(&self, key: &str) -> bool {
-        self.0.lock().unwrap().containers.get_mut(key).is_some_and(|p| p.running())
+        self.0
+            .lock()
+            .unwrap()
+            .containers
+            .get_mut(key)
+            .is_some_and(|p| p.running())
     }
     fn sample(w: &mut World) {
-        let copies = w.containers.values_mut().map(|p| p.running()).filter(|r| *r).count()
-            + w.restored.values_mut().map(|p| p.running()).filter(|r| *r).count();
+        let copies = w
+            .containers
+            .values_mut()
+            .map(|p| p.running())
+            .filter(|r| *r)
+            .count()
+            + w.restored
+                .values_mut()
+                .map(|p| p.running())
+                .filter(|r| *r)
+                .count();
         w.max_copies = w.max_copies.max(copies);
     }
     fn last_step(&self, node: &str, uid: &str) -> Option<(Step, StepState)> {
-        self.0.lock().unwrap().migs.get(&(node.to_string(), uid.to_string())).and_then(|m| m.last.clone())
+        self.0
+            .lock()
+            .unwrap()
+            .migs
+            .get(&(node.to_string(), uid.to_string()))
+            .and_then(|m| m.last.clone())
     }
 
     /// Runs `step` now; returns the result state.
     fn run_step(w: &mut World, node: &str, r: &StepRequest) -> StepState {
         let key = format!("{}/{}", r.namespace, r.source_pod);
         let uid = r.migration_uid.clone();
-        let fail = |m: &str| StepState::Failed { category: "StandInError".into(), message: m.into() };
+        let fail = |m: &str| StepState::Failed {
+            category: "StandInError".into(),
+            message: m.into(),
+        };
         match r.step {
             Step::Prepare => {
-                if !w.containers.get_mut(&key).is_some_and(|p| p.state().is_some()) {
+                let alive = w.containers.get_mut(&key).and_then(|p| p.state()).is_some();
+                if !alive {
                     return fail("no process for the source pod");
                 }
             }
@@ -191,7 +231,9 @@ impl ProcAgents {
                 m.progress.rate_bytes_per_second = Some(100 << 20);
             }
             Step::Dump => {
-                let Some(p) = w.containers.get(&key) else { return fail("no source process") };
+                let Some(p) = w.containers.get(&key) else {
+                    return fail("no source process");
+                };
                 p.signal("STOP");
                 std::thread::sleep(Duration::from_millis(30));
                 let value = p.counter();
@@ -201,16 +243,26 @@ impl ProcAgents {
                 m.progress.frozen_at = Some(Timestamp::now());
             }
             Step::Transfer => {
-                let image = w.migs.get(&(node.to_string(), uid.clone())).and_then(|m| m.image);
-                let Some(image) = image else { return fail("nothing dumped") };
+                let image = w
+                    .migs
+                    .get(&(node.to_string(), uid.clone()))
+                    .and_then(|m| m.image);
+                let Some(image) = image else {
+                    return fail("nothing dumped");
+                };
                 let target = (r.target_node.clone(), uid.clone());
                 w.migs.entry(target).or_default().image = Some(image);
                 let m = w.migs.entry((node.into(), uid.clone())).or_default();
                 m.progress.bytes_sent += 4 << 20;
             }
             Step::Restore => {
-                let image = w.migs.get(&(node.to_string(), uid.clone())).and_then(|m| m.image);
-                let Some(image) = image else { return fail("no image received") };
+                let image = w
+                    .migs
+                    .get(&(node.to_string(), uid.clone()))
+                    .and_then(|m| m.image);
+                let Some(image) = image else {
+                    return fail("no image received");
+                };
                 let file = std::env::temp_dir().join(format!("pm-e2e-restored-{uid}.counter"));
                 w.restored.insert(uid.clone(), Proc::start(file, image));
                 let m = w.migs.entry((node.into(), uid.clone())).or_default();
@@ -240,10 +292,16 @@ impl AgentClient for ProcAgents {
         let mut w = self.0.lock().unwrap();
         Self::sample(&mut w);
         if w.down.get(&e.node).copied().unwrap_or(false) {
-            return Err(AgentCallError { node: e.node.clone(), message: "connection refused".into() });
+            return Err(AgentCallError {
+                node: e.node.clone(),
+                message: "connection refused".into(),
+            });
         }
         Ok(match w.migs.get(&(e.node.clone(), uid.to_string())) {
-            Some(m) => AgentReport { last: m.last.clone(), progress: m.progress.clone() },
+            Some(m) => AgentReport {
+                last: m.last.clone(),
+                progress: m.progress.clone(),
+            },
             None => AgentReport::default(),
         })
     }
@@ -253,7 +311,10 @@ impl AgentClient for ProcAgents {
         let delay = {
             let mut w = self.0.lock().unwrap();
             if w.down.get(&e.node).copied().unwrap_or(false) {
-                return Err(AgentCallError { node: e.node.clone(), message: "connection refused".into() });
+                return Err(AgentCallError {
+                    node: e.node.clone(),
+                    message: "connection refused".into(),
+                });
             }
             let m = w.migs.entry(key.clone()).or_default();
             if m.last.as_ref().is_some_and(|(s, _)| *s == r.step) {
@@ -268,7 +329,11 @@ impl AgentClient for ProcAgents {
         let finish = move || {
             let mut w = this.0.lock().unwrap();
             // A killed agent forgets; never complete a step it no longer knows.
-            if !w.migs.get(&key).is_some_and(|m| m.last == Some((r.step, StepState::Running))) {
+            if !w
+                .migs
+                .get(&key)
+                .is_some_and(|m| m.last == Some((r.step, StepState::Running)))
+            {
                 return;
             }
             let state = Self::run_step(&mut w, &node, &r);
@@ -296,11 +361,20 @@ async fn install_crds(client: &Client) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for (_, crd) in podmotion_api::crds::all() {
         let name = crd.metadata.name.clone().unwrap();
-        crds.patch(&name, &PatchParams::apply("podmotion-e2e").force(), &Patch::Apply(&crd)).await.unwrap();
+        crds.patch(
+            &name,
+            &PatchParams::apply("podmotion-e2e").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .unwrap();
         wait_for(&crds, &name, TIMEOUT, "CRD Established", |c| {
             c.and_then(|c| c.status.as_ref())
                 .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"))
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                })
         })
         .await
         .unwrap();
@@ -316,7 +390,11 @@ fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandl
         #[command(flatten)]
         mig: MigrationConfig,
     }
-    let endpoints = NODES.iter().map(|n| format!("{n}=proc://{n}")).collect::<Vec<_>>().join(",");
+    let endpoints = NODES
+        .iter()
+        .map(|n| format!("{n}=proc://{n}"))
+        .collect::<Vec<_>>()
+        .join(",");
     let cli = Cli::try_parse_from([
         "podmotion-operator",
         "--no-leader-election",
@@ -329,7 +407,13 @@ fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandl
     ])
     .unwrap();
     let (_tx, rx) = watch::channel(false);
-    let ctx = Arc::new(Context::new(client.clone(), cli.op, Leadership::always(), Arc::new(Metrics::new()), rx));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        cli.op,
+        Leadership::always(),
+        Arc::new(Metrics::new()),
+        rx,
+    ));
     let agents = Arc::new(agents.clone());
     tokio::spawn(async move {
         let _keep = _tx;
@@ -359,22 +443,42 @@ impl Setup {
                 "selector": {"matchLabels": {"app": "web"}},
                 "template": {
                     "metadata": {"labels": {"app": "web"}},
-                    "spec": {"containers": [{"name": "app", "image": "registry.example/web:1",
+                    "spec": {
+                        // Only the two nodes with a (stand-in) agent.
+                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
+                            ]}]
+                        }}},
+                        "containers": [{"name": "app", "image": "registry.example/web:1",
                         "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]}
                 }
             }
         }));
-        ns.api::<Deployment>().create(&PostParams::default(), &deploy).await.unwrap();
-        let pods = wait_list(&ns.api::<Pod>(), "app=web", TIMEOUT, "web pod Running", |ps| {
-            ps.len() == 1 && ps.iter().all(pod_running_ready)
-        })
+        ns.api::<Deployment>()
+            .create(&PostParams::default(), &deploy)
+            .await
+            .unwrap();
+        let pods = wait_list(
+            &ns.api::<Pod>(),
+            "app=web",
+            TIMEOUT,
+            "web pod Running",
+            |ps| ps.len() == 1 && ps.iter().all(pod_running_ready),
+        )
         .await
         .unwrap();
         let pod = pods[0].clone();
         let dir = std::env::temp_dir().join(format!("pm-e2e-{}", ns.name));
         std::fs::create_dir_all(&dir).unwrap();
         agents.add_container(&ns.name, &pod.name_any(), &dir);
-        Some(Setup { ns, agents, controller, pod, dir })
+        Some(Setup {
+            ns,
+            agents,
+            controller,
+            pod,
+            dir,
+        })
     }
 
     fn key(&self) -> String {
@@ -396,22 +500,54 @@ impl Setup {
     }
 
     async fn wait_phase(&self, api: &Api<PodMigration>, want: MigrationPhase) -> PodMigration {
-        wait_for(api, "move-web", Duration::from_secs(90), &format!("phase {want:?}"), |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| s.phase == want)
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"))
-        .unwrap()
+        let got = wait_for(
+            api,
+            "move-web",
+            Duration::from_secs(90),
+            &format!("phase {want:?}"),
+            |m| {
+                m.and_then(|m| m.status.as_ref())
+                    .is_some_and(|s| s.phase == want)
+            },
+        )
+        .await;
+        match got {
+            Ok(Some(m)) => m,
+            _ => {
+                let now = api.get_opt("move-web").await.ok().flatten();
+                let status = now
+                    .as_ref()
+                    .map(|m| serde_json::to_string_pretty(&m.status).unwrap());
+                panic!(
+                    "PodMigration never reached {want:?}; status now: {}",
+                    status.unwrap_or_default()
+                );
+            }
+        }
     }
 
     /// The ReplicaSet still has its one replica, Ready.
     async fn replicaset_settled(&self) -> ReplicaSet {
-        let list = self.ns.api::<ReplicaSet>().list(&ListParams::default().labels("app=web")).await.unwrap();
+        let list = self
+            .ns
+            .api::<ReplicaSet>()
+            .list(&ListParams::default().labels("app=web"))
+            .await
+            .unwrap();
         let name = list.items[0].name_any();
-        wait_for(&self.ns.api::<ReplicaSet>(), &name, TIMEOUT, "ReplicaSet at 1 ready replica", |rs| {
-            rs.and_then(|r| r.status.as_ref())
-                .is_some_and(|s| s.replicas == 1 && s.ready_replicas == Some(1) && s.fully_labeled_replicas == Some(1))
-        })
+        wait_for(
+            &self.ns.api::<ReplicaSet>(),
+            &name,
+            TIMEOUT,
+            "ReplicaSet at 1 ready replica",
+            |rs| {
+                rs.and_then(|r| r.status.as_ref()).is_some_and(|s| {
+                    s.replicas == 1
+                        && s.ready_replicas == Some(1)
+                        && s.fully_labeled_replicas == Some(1)
+                })
+            },
+        )
         .await
         .unwrap()
         .unwrap()
@@ -421,6 +557,10 @@ impl Setup {
 impl Drop for Setup {
     fn drop(&mut self) {
         self.controller.abort();
+        if let Ok(mut w) = self.agents.0.lock() {
+            w.containers.clear();
+            w.restored.clear();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -429,7 +569,9 @@ impl Drop for Setup {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state_continued() {
-    let Some(s) = Setup::new("mig-ok").await else { return };
+    let Some(s) = Setup::new("mig-ok").await else {
+        return;
+    };
     let source_node = s.pod.spec.as_ref().unwrap().node_name.clone().unwrap();
     let api = s.migrate(json!({})).await;
     let pm = s.wait_phase(&api, MigrationPhase::Succeeded).await;
@@ -439,29 +581,69 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
     let target_name = st.target_pod.clone().unwrap();
     let target_node = st.target_node.clone().unwrap();
     assert_ne!(target_node, source_node);
-    let target = wait_for(&s.ns.api::<Pod>(), &target_name, TIMEOUT, "target adopted", |p| {
-        p.is_some_and(|p| p.owner_references().iter().any(|o| o.kind == "ReplicaSet" && o.controller == Some(true)))
-    })
+    let target = wait_for(
+        &s.ns.api::<Pod>(),
+        &target_name,
+        TIMEOUT,
+        "target adopted",
+        |p| {
+            p.is_some_and(|p| {
+                p.owner_references()
+                    .iter()
+                    .any(|o| o.kind == "ReplicaSet" && o.controller == Some(true))
+            })
+        },
+    )
     .await
     .unwrap()
     .unwrap();
-    assert_eq!(target.spec.as_ref().unwrap().node_name.as_deref(), Some(target_node.as_str()));
+    assert_eq!(
+        target.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(target_node.as_str())
+    );
     assert_eq!(target.labels().get("app").map(String::as_str), Some("web"));
-    assert!(target.owner_references().iter().all(|o| o.kind != "PodMigration"));
+    assert!(
+        target
+            .owner_references()
+            .iter()
+            .all(|o| o.kind != "PodMigration")
+    );
 
     // Source pod gone; the ReplicaSet kept its count and did not replace anything.
-    wait_for(&s.ns.api::<Pod>(), &s.pod.name_any(), TIMEOUT, "source pod gone", |p| p.is_none())
-        .await
-        .unwrap();
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &s.pod.name_any(),
+        TIMEOUT,
+        "source pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
     let rs = s.replicaset_settled().await;
     assert_eq!(rs.spec.replicas, Some(1));
-    let pods = s.ns.api::<Pod>().list(&ListParams::default().labels("app=web")).await.unwrap();
-    assert_eq!(pods.items.iter().map(|p| p.name_any()).collect::<Vec<_>>(), vec![target_name.clone()]);
+    let pods =
+        s.ns.api::<Pod>()
+            .list(&ListParams::default().labels("app=web"))
+            .await
+            .unwrap();
+    assert_eq!(
+        pods.items.iter().map(|p| p.name_any()).collect::<Vec<_>>(),
+        vec![target_name.clone()]
+    );
 
     // Status: downtime measured, progress, conditions.
     assert!(st.downtime_millis.is_some_and(|d| d >= 0), "{st:?}");
-    assert!(st.progress.as_ref().is_some_and(|p| p.iteration >= 1 && p.bytes_sent > 0), "{st:?}");
-    assert!(st.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    assert!(
+        st.progress
+            .as_ref()
+            .is_some_and(|p| p.iteration >= 1 && p.bytes_sent > 0),
+        "{st:?}"
+    );
+    assert!(
+        st.conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+    );
 
     // The process's state continued: the restored counter starts where the dump froze it.
     let uid = pm.uid().unwrap();
@@ -471,41 +653,86 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
         let restored = w.restored.get_mut(&uid).expect("restored process");
         assert!(restored.running(), "restored process not running");
         std::thread::sleep(Duration::from_millis(200));
-        (cp, restored.counter(), w.containers.contains_key(&s.key()), w.max_copies)
+        (
+            cp,
+            restored.counter(),
+            w.containers.contains_key(&s.key()),
+            w.max_copies,
+        )
     };
     assert!(checkpoint > 0, "nothing checkpointed");
-    assert!(restored_counter > checkpoint, "restored counter {restored_counter} did not continue from {checkpoint}");
+    assert!(
+        restored_counter > checkpoint,
+        "restored counter {restored_counter} did not continue from {checkpoint}"
+    );
     assert!(!source_left, "the source process was not killed at commit");
     assert_eq!(copies, 1, "two running copies were seen");
     // The transfer key went with the migration's end.
     let secrets = s.ns.api::<k8s_openapi::api::core::v1::Secret>();
-    wait_for(&secrets, "move-web-transfer-key", TIMEOUT, "transfer key deleted", |x| x.is_none()).await.unwrap();
+    wait_for(
+        &secrets,
+        "move-web-transfer-key",
+        TIMEOUT,
+        "transfer key deleted",
+        |x| x.is_none(),
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_migration_mid_transfer_rolls_back_with_the_source_running() {
-    let Some(s) = Setup::new("mig-del").await else { return };
+    let Some(s) = Setup::new("mig-del").await else {
+        return;
+    };
     s.agents.delay("Transfer", Duration::from_secs(4));
-    let api = s.migrate(json!({})).await;
+    let api = s.migrate(json!({"freezeBudgetMillis": 60000})).await;
     let pm = s.wait_phase(&api, MigrationPhase::Transferring).await;
-    assert!(!s.agents.source_running(&s.key()), "source not frozen during transfer");
+    assert!(
+        !s.agents.source_running(&s.key()),
+        "source not frozen during transfer"
+    );
     let target_name = pm.status.as_ref().unwrap().target_pod.clone().unwrap();
 
-    api.delete("move-web", &DeleteParams::default()).await.unwrap();
-    wait_for(&api, "move-web", TIMEOUT, "PodMigration gone (finalizer released)", |m| m.is_none())
+    api.delete("move-web", &DeleteParams::default())
         .await
         .unwrap();
-    assert!(s.agents.source_running(&s.key()), "source left frozen after abort");
-    wait_for(&s.ns.api::<Pod>(), &target_name, TIMEOUT, "target pod gone", |p| p.is_none()).await.unwrap();
+    wait_for(
+        &api,
+        "move-web",
+        TIMEOUT,
+        "PodMigration gone (finalizer released)",
+        |m| m.is_none(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        s.agents.source_running(&s.key()),
+        "source left frozen after abort"
+    );
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &target_name,
+        TIMEOUT,
+        "target pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
     let src = s.ns.api::<Pod>().get_opt(&s.pod.name_any()).await.unwrap();
-    assert!(src.is_some_and(|p| p.metadata.deletion_timestamp.is_none()), "source pod touched");
+    assert!(
+        src.is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
+        "source pod touched"
+    );
     s.replicaset_settled().await;
     assert!(s.agents.0.lock().unwrap().max_copies <= 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_source_agent_mid_dump_fails_the_migration_with_the_source_running() {
-    let Some(s) = Setup::new("mig-kill").await else { return };
+    let Some(s) = Setup::new("mig-kill").await else {
+        return;
+    };
     s.agents.delay("Dump", Duration::from_secs(3));
     let api = s.migrate(json!({"mode": "Cold"})).await;
     let pm = s.wait_phase(&api, MigrationPhase::Checkpointing).await;
@@ -525,28 +752,62 @@ async fn killing_the_source_agent_mid_dump_fails_the_migration_with_the_source_r
 
     let pm = s.wait_phase(&api, MigrationPhase::Failed).await;
     let st = pm.status.unwrap();
-    assert_eq!(st.failure_reason.as_deref(), Some(reasons::AGENT_ERROR), "{st:?}");
-    assert!(st.failure_message.as_deref().unwrap_or("").contains("source agent"), "{st:?}");
-    assert!(s.agents.source_running(&s.key()), "source not running after the agent died");
+    assert_eq!(
+        st.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR),
+        "{st:?}"
+    );
+    assert!(
+        st.failure_message
+            .as_deref()
+            .unwrap_or("")
+            .contains("source agent"),
+        "{st:?}"
+    );
+    assert!(
+        s.agents.source_running(&s.key()),
+        "source not running after the agent died"
+    );
     let target = st.target_pod.unwrap();
-    wait_for(&s.ns.api::<Pod>(), &target, TIMEOUT, "target pod gone", |p| p.is_none()).await.unwrap();
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &target,
+        TIMEOUT,
+        "target pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
     s.replicaset_settled().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_the_operator_mid_transfer_resumes_and_never_runs_two_copies() {
-    let Some(mut s) = Setup::new("mig-restart").await else { return };
+    let Some(mut s) = Setup::new("mig-restart").await else {
+        return;
+    };
     s.agents.delay("Transfer", Duration::from_secs(3));
-    let api = s.migrate(json!({})).await;
+    // The freeze spans the restart here; the budget must not be what ends it.
+    let api = s.migrate(json!({"freezeBudgetMillis": 60000})).await;
     s.wait_phase(&api, MigrationPhase::Transferring).await;
     s.controller.abort();
     let _ = (&mut s.controller).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     s.controller = start_controller(&s.ns.client, &s.ns.name, &s.agents);
     s.wait_phase(&api, MigrationPhase::Succeeded).await;
-    wait_for(&s.ns.api::<Pod>(), &s.pod.name_any(), TIMEOUT, "source pod gone", |p| p.is_none())
-        .await
-        .unwrap();
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &s.pod.name_any(),
+        TIMEOUT,
+        "source pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
     s.replicaset_settled().await;
-    assert_eq!(s.agents.0.lock().unwrap().max_copies, 1, "two running copies were seen");
+    assert_eq!(
+        s.agents.0.lock().unwrap().max_copies,
+        1,
+        "two running copies were seen"
+    );
 }

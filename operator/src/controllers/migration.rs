@@ -89,6 +89,10 @@ pub struct MigrationConfig {
     )]
     pub max_per_node: usize,
 
+    /// Reconcile PodMigrations of this namespace only (default: all namespaces).
+    #[arg(long = "migration-namespace", env = "PODMOTION_MIGRATION_NAMESPACE")]
+    pub watch_namespace: Option<String>,
+
     /// Image of the holder containers that keep a target pod's namespaces until restore.
     #[arg(
         long = "migration-holder-image",
@@ -209,8 +213,13 @@ pub async fn run_with<A: AgentClient>(
     agents: Arc<A>,
 ) -> anyhow::Result<()> {
     let client = ctx.client.clone();
-    let migrations: Api<PodMigration> = Api::all(client.clone());
-    let target_pods: Api<Pod> = Api::all(client.clone());
+    let (migrations, target_pods): (Api<PodMigration>, Api<Pod>) = match &cfg.watch_namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
     let controller = Controller::new(migrations, watcher::Config::default().any_semantic())
         .owns(
             target_pods,

@@ -47,6 +47,7 @@ pub fn pod(name: &str) -> PodB {
         },
         node_selector: BTreeMap::new(),
         tolerations: vec![],
+        required_node_affinity: None,
     })
 }
 impl PodB {

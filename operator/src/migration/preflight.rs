@@ -7,7 +7,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, Pod, Taint, Toleration};
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelector, NodeSelectorRequirement, Pod, Taint, Toleration,
+};
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::PodMigrationSpec;
 use podmotion_api::names::reasons;
@@ -54,6 +56,9 @@ pub struct PodFacts {
     pub requests: Resources,
     pub node_selector: BTreeMap<String, String>,
     pub tolerations: Vec<Toleration>,
+    /// `affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution`: the
+    /// kubelet re-checks it when admitting the target pod.
+    pub required_node_affinity: Option<NodeSelector>,
 }
 
 impl PodFacts {
@@ -80,6 +85,14 @@ impl PodFacts {
             requests: pod_requests(pod),
             node_selector: spec.node_selector.clone().unwrap_or_default(),
             tolerations: spec.tolerations.clone().unwrap_or_default(),
+            required_node_affinity: spec
+                .affinity
+                .as_ref()
+                .and_then(|a| a.node_affinity.as_ref())
+                .and_then(|n| {
+                    n.required_during_scheduling_ignored_during_execution
+                        .clone()
+                }),
         }
     }
 }
@@ -264,6 +277,23 @@ pub fn unfit_reason(
             format!("{n} lacks the pod's node selector {k}={v}"),
         ));
     }
+    if let Some(sel) = &pod.required_node_affinity
+        && !sel.node_selector_terms.iter().any(|term| {
+            term.match_expressions
+                .iter()
+                .flatten()
+                .all(|r| requirement_holds(r, &node.labels))
+                && term.match_fields.iter().flatten().all(|r| {
+                    let fields = BTreeMap::from([("metadata.name".to_string(), node.name.clone())]);
+                    requirement_holds(r, &fields)
+                })
+        })
+    {
+        return Some((
+            reasons::TARGET_DOES_NOT_FIT,
+            format!("{n} does not match the pod's required node affinity"),
+        ));
+    }
     if let Some(t) = node
         .taints
         .iter()
@@ -356,6 +386,25 @@ pub fn select_target(
             format!("no node can take the pod: {}", rejected.join("; ")),
         )
     })
+}
+
+fn requirement_holds(r: &NodeSelectorRequirement, labels: &BTreeMap<String, String>) -> bool {
+    let value = labels.get(&r.key);
+    let values = r.values.clone().unwrap_or_default();
+    let num = |s: &str| s.parse::<i64>().ok();
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.contains(v)),
+        "NotIn" => value.is_none_or(|v| !values.contains(v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => {
+            matches!((value.and_then(|v| num(v)), values.first().and_then(|v| num(v))), (Some(a), Some(b)) if a > b)
+        }
+        "Lt" => {
+            matches!((value.and_then(|v| num(v)), values.first().and_then(|v| num(v))), (Some(a), Some(b)) if a < b)
+        }
+        _ => false,
+    }
 }
 
 fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
@@ -702,6 +751,32 @@ mod tests {
             select_target(&spec("web-0").build(), &p, "n0", &nodes).unwrap(),
             "n2"
         );
+    }
+
+    #[test]
+    fn the_pods_required_node_affinity_must_still_match_the_target() {
+        let mut p = pod("web-0").on("n0").build();
+        p.required_node_affinity = Some(NodeSelector {
+            node_selector_terms: vec![k8s_openapi::api::core::v1::NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: "zone".into(),
+                    operator: "In".into(),
+                    values: Some(vec!["a".into()]),
+                }]),
+                match_fields: None,
+            }],
+        });
+        let nodes = vec![
+            node("n0").label("zone", "a").build(),
+            node("n1").label("zone", "b").build(),
+            node("n2").label("zone", "a").build(),
+        ];
+        assert_eq!(
+            select_target(&spec("web-0").build(), &p, "n0", &nodes).unwrap(),
+            "n2"
+        );
+        let err = select_target(&spec("web-0").target("n1").build(), &p, "n0", &nodes).unwrap_err();
+        assert_eq!(err.0, reasons::TARGET_DOES_NOT_FIT);
     }
 
     #[test]
