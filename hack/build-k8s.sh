@@ -6,7 +6,7 @@
 # into ${PODMOTION_CACHE:-$HOME/.cache/podmotion}/k8s-$KUBE_VERSION/bin/.
 #
 # Does nothing when that directory is complete: a stamp file records a hash of the inputs
-# (versions.env, the wrapper modules' go.mod/go.sum/*.go). Go's build cache
+# (the KUBE/ETCD/KWOK pins in versions.env, the wrapper modules' go.mod/go.sum/*.go). Go's build cache
 # (~/.cache/go-build) is left at its default so a rebuild after an input change is cheap.
 #
 #   hack/build-k8s.sh           build if needed, print the bin directory on stdout
@@ -34,7 +34,8 @@ esac
 inputs_hash() {
   (
     cd "$here"
-    cat versions.env
+    # Only the pins these binaries depend on (other tools' versions live there too).
+    grep -E '^(KUBE|ETCD|KWOK)_VERSION=' versions.env
     for m in kube etcd kwok; do
       cat "k8s/$m/go.mod" "k8s/$m/go.sum"
       cat k8s/$m/*.go 2>/dev/null || true
