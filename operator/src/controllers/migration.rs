@@ -33,7 +33,7 @@ use crate::context::Context;
 use crate::events::publish;
 use crate::leader::NotLeader;
 use crate::migration::agent::{
-    AgentCallError, AgentClient, AgentEndpoint, AgentReport, AgentView, Side, StepRequest,
+    AgentCallError, AgentClient, AgentEndpoint, AgentView, Side, StepRequest,
 };
 use crate::migration::machine::{self, EventKind, Knobs, Observed, Preflight, SourcePodFacts};
 use crate::migration::preflight::{self, Me, NodeFacts, OtherMigration, PodFacts, Resources};
@@ -89,6 +89,16 @@ pub struct MigrationConfig {
     )]
     pub max_per_node: usize,
 
+    /// CA (PEM) that signs the node agents' certificates (mutual TLS).
+    #[arg(long = "migration-agent-tls-ca", env = "PODMOTION_AGENT_TLS_CA")]
+    pub agent_tls_ca: Option<String>,
+    /// The operator's client certificate (PEM) for the node agents.
+    #[arg(long = "migration-agent-tls-cert", env = "PODMOTION_AGENT_TLS_CERT")]
+    pub agent_tls_cert: Option<String>,
+    /// The operator's client key (PEM) for the node agents.
+    #[arg(long = "migration-agent-tls-key", env = "PODMOTION_AGENT_TLS_KEY")]
+    pub agent_tls_key: Option<String>,
+
     /// Reconcile PodMigrations of this namespace only (default: all namespaces).
     #[arg(long = "migration-namespace", env = "PODMOTION_MIGRATION_NAMESPACE")]
     pub watch_namespace: Option<String>,
@@ -136,26 +146,6 @@ impl MigrationConfig {
     }
 }
 
-/// The agent client used until the executors' wire client is wired in: every call
-/// fails, so migrations are validated (and dry runs complete) but a real migration
-/// times out in `Preparing` with the agents reported unreachable.
-pub struct UnwiredAgents;
-
-impl AgentClient for UnwiredAgents {
-    async fn report(&self, e: &AgentEndpoint, _uid: &str) -> Result<AgentReport, AgentCallError> {
-        Err(AgentCallError {
-            node: e.node.clone(),
-            message: "no agent wire client in this build".into(),
-        })
-    }
-    async fn start(&self, e: &AgentEndpoint, _r: &StepRequest) -> Result<(), AgentCallError> {
-        Err(AgentCallError {
-            node: e.node.clone(),
-            message: "no agent wire client in this build".into(),
-        })
-    }
-}
-
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationError {
@@ -199,11 +189,19 @@ struct Shared<A> {
     store: Store<PodMigration>,
 }
 
-/// Runs the controller with the settings from the environment and no agent wire
-/// client yet (see [`UnwiredAgents`]).
+/// Runs the controller with the settings from the environment, driving the agents
+/// over the executors' gRPC wire client.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
     let cfg = MigrationConfig::from_env()?;
-    run_with(ctx, cfg, Arc::new(UnwiredAgents)).await
+    let tls = match (&cfg.agent_tls_ca, &cfg.agent_tls_cert, &cfg.agent_tls_key) {
+        (Some(ca), Some(cert), Some(key)) => Some(
+            podmotion_wire::client::TlsFiles::load(ca, cert, key)
+                .map_err(|e| anyhow::anyhow!("loading agent TLS material: {e}"))?,
+        ),
+        _ => None,
+    };
+    let agents = super::migration_agents::WireAgents::new(ctx.client.clone(), tls);
+    run_with(ctx, cfg, Arc::new(agents)).await
 }
 
 /// Runs the controller with explicit settings and agent client.
@@ -637,6 +635,10 @@ async fn execute<A: AgentClient>(
                 tcp_preservation: pm.spec.tcp_preservation,
                 bandwidth_limit_bytes_per_second: pm.spec.bandwidth_limit_bytes_per_second,
                 probe: pm.spec.probe.clone(),
+                target_agent_url: match status.target_node.as_deref() {
+                    Some(t) => endpoint_of(s, t).await?.map(|e| e.url),
+                    None => None,
+                },
                 step: *step,
             };
             s.agents.start(&endpoint, &request).await?;

@@ -59,4 +59,5 @@ pub fn error_policy<K, E: CategorizedError>(_obj: Arc<K>, err: &E, _ctx: Arc<Con
 
 pub mod attachment;
 pub mod migration;
+pub mod migration_agents;
 pub mod runner_pool;

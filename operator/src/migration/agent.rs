@@ -165,6 +165,8 @@ pub struct StepRequest {
     pub bandwidth_limit_bytes_per_second: Option<i64>,
     /// The probe to run on the target; `None`: the pod's own readiness probe.
     pub probe: Option<ApplicationProbe>,
+    /// Where the target agent is reached (the source streams the images there).
+    pub target_agent_url: Option<String>,
     pub step: Step,
 }
 

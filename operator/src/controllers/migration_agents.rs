@@ -1,0 +1,325 @@
+//! The operator's `AgentClient` over the executors' gRPC wire client
+//! (`podmotion_wire::client`).
+//!
+//! The wire calls block until a step is done and return the agent's
+//! `MigrationStatus`; the phase machine instead wants "start a step" and "how do the
+//! steps stand". This adapter starts each call on a task and remembers the call in
+//! flight (and its failure) per node and migration; reports merge that memory with the
+//! agent's own `Status`. The memory is only a convenience: after an operator restart
+//! the agent's status alone says which step completed, and every call is idempotent.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use podmotion_api::migration::{NetworkOutcome, TcpPreservation};
+use podmotion_wire::agent::{MigrationStatus, Phase, PrepareRequest, Role, SocketOutcome};
+use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
+
+use crate::migration::agent::{
+    AgentCallError, AgentClient, AgentEndpoint, AgentProgress, AgentReport, Step, StepRequest,
+    StepState,
+};
+use crate::migration::render::TRANSFER_KEY;
+
+/// TLS server name of the agent on `node` (the SAN its certificate carries).
+pub fn agent_server_name(node: &str) -> String {
+    format!("podmotion-agent.{node}")
+}
+
+/// The agent's status as the phase machine's report. Pure.
+pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
+    let role = Role::try_from(st.role).unwrap_or(Role::Unspecified);
+    let phase = Phase::try_from(st.phase).unwrap_or(Phase::Unknown);
+    let step = match (phase, role) {
+        (Phase::Unknown, _) => None,
+        (Phase::Prepared, Role::Target) | (Phase::Receiving | Phase::Received, _) => {
+            Some(Step::Receive)
+        }
+        (Phase::Prepared, _) => Some(Step::Prepare),
+        (Phase::PreDumping, _) => Some(Step::PreDump(st.iteration.max(1))),
+        (Phase::Dumped, _) => Some(Step::Dump),
+        (Phase::Sent, _) => Some(Step::Transfer),
+        (Phase::Restored, _) => Some(Step::Restore),
+        (Phase::Committed, _) => Some(Step::Commit),
+        (Phase::Aborted, _) => Some(Step::Abort),
+        (Phase::CleanedUp, _) => Some(Step::Cleanup),
+    };
+    let t = st.timings();
+    let at = |us: u64| {
+        (us > 0)
+            .then(|| Timestamp::from_microsecond(us as i64).ok())
+            .flatten()
+    };
+    let rate = (t.send_us > 0 && st.bytes_sent > 0)
+        .then(|| st.bytes_sent.saturating_mul(1_000_000) / t.send_us);
+    let network = (!st.sockets.is_empty()).then(|| NetworkOutcome {
+        listeners_restored: st.count(SocketOutcome::ListenerRestored) as i32,
+        connections_preserved: st.count(SocketOutcome::Preserved) as i32,
+        connections_closed: st.count(SocketOutcome::ClosedCleanly) as i32,
+        connections_reset: 0,
+    });
+    AgentReport {
+        last: step.map(|s| (s, StepState::Done)),
+        progress: AgentProgress {
+            iteration: st.iteration,
+            bytes_sent: st.bytes_sent,
+            dirty_bytes: (st.iteration > 0).then_some(st.last_round_bytes),
+            rate_bytes_per_second: rate,
+            frozen_at: at(t.freeze_started_us),
+            resumed_at: if role == Role::Target {
+                at(t.resumed_us)
+            } else {
+                None
+            },
+            network,
+        },
+    }
+}
+
+type Key = (String, String);
+
+/// `AgentClient` over mutual TLS (or plain HTTP/2 for `http://` endpoints in local runs).
+#[derive(Clone)]
+pub struct WireAgents {
+    client: kube::Client,
+    tls: Option<TlsFiles>,
+    inflight: Arc<Mutex<BTreeMap<Key, (Step, StepState)>>>,
+}
+
+impl WireAgents {
+    pub fn new(client: kube::Client, tls: Option<TlsFiles>) -> Self {
+        WireAgents {
+            client,
+            tls,
+            inflight: Default::default(),
+        }
+    }
+
+    async fn connect(&self, e: &AgentEndpoint) -> Result<WireClient, AgentCallError> {
+        let err = |m: String| AgentCallError {
+            node: e.node.clone(),
+            message: m,
+        };
+        match (&self.tls, e.url.starts_with("http://")) {
+            (_, true) => {
+                let ch = tonic::transport::Endpoint::from_shared(e.url.clone())
+                    .map_err(|x| err(x.to_string()))?
+                    .connect_timeout(std::time::Duration::from_secs(5))
+                    .connect()
+                    .await
+                    .map_err(|x| err(format!("cannot reach agent: {x}")))?;
+                Ok(WireClient::from_channel(ch))
+            }
+            (Some(tls), false) => WireClient::connect(&e.url, &agent_server_name(&e.node), tls)
+                .await
+                .map_err(|x| err(x.to_string())),
+            (None, false) => Err(err("no agent TLS material configured".into())),
+        }
+    }
+
+    async fn transfer_key(&self, r: &StepRequest) -> Result<Vec<u8>, String> {
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &r.namespace);
+        let s = secrets
+            .get(&r.transfer_key_secret)
+            .await
+            .map_err(|e| format!("transfer key: {e}"))?;
+        s.data
+            .and_then(|d| d.get(TRANSFER_KEY).map(|b| b.0.clone()))
+            .ok_or_else(|| "transfer key Secret has no key".to_string())
+    }
+
+    async fn call(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
+        let fail = |c: &ClientError| (c.category().to_string(), c.to_string());
+        let mut c = self
+            .connect(e)
+            .await
+            .map_err(|x| ("AgentUnreachable".to_string(), x.message))?;
+        let uid = r.migration_uid.as_str();
+        let tcp = match r.tcp_preservation {
+            TcpPreservation::Strict => podmotion_wire::agent::TcpPreservation::Strict,
+            TcpPreservation::BestEffort => podmotion_wire::agent::TcpPreservation::BestEffort,
+            TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
+        };
+        let res = match r.step {
+            Step::Prepare | Step::Receive => {
+                let key = self
+                    .transfer_key(r)
+                    .await
+                    .map_err(|m| ("TransferKey".to_string(), m))?;
+                let role = if r.step == Step::Prepare {
+                    Role::Source
+                } else {
+                    Role::Target
+                };
+                // pid 0: the agent resolves the pod's process tree (source) or the
+                // holder (target) itself; the operator cannot see host pids.
+                c.prepare(PrepareRequest {
+                    migration_uid: uid.into(),
+                    role: role as i32,
+                    pid: 0,
+                    pid_start_time: 0,
+                    transfer_key: key,
+                    tcp: tcp as i32,
+                })
+                .await
+            }
+            Step::PreDump(_) => c.pre_dump(uid).await,
+            Step::Dump => c.dump(uid).await,
+            Step::Transfer => {
+                let Some(url) = &r.target_agent_url else {
+                    return Err(("NoTargetAgent".into(), "no target agent endpoint".into()));
+                };
+                c.send(uid, url, &agent_server_name(&r.target_node)).await
+            }
+            Step::Restore => c.restore(uid).await,
+            // The wire service has no probe yet: fail closed, so nothing is committed
+            // without proof (the migration rolls back to the source).
+            Step::Probe => {
+                return Err((
+                    "ProbeUnsupported".into(),
+                    "the agent wire protocol has no application probe yet".into(),
+                ));
+            }
+            Step::Commit => c.commit(uid).await,
+            Step::Abort => c.abort(uid).await,
+            Step::Cleanup => c.cleanup(uid).await,
+        };
+        res.map(|_| ()).map_err(|e| fail(&e))
+    }
+}
+
+impl AgentClient for WireAgents {
+    async fn report(&self, e: &AgentEndpoint, uid: &str) -> Result<AgentReport, AgentCallError> {
+        let key = (e.node.clone(), uid.to_string());
+        let remembered = self
+            .inflight
+            .lock()
+            .expect("inflight lock")
+            .get(&key)
+            .cloned();
+        if let Some((step, state)) = remembered {
+            // A call in flight or failed says more than the agent's last completed phase.
+            let mut r = AgentReport {
+                last: Some((step, state)),
+                ..Default::default()
+            };
+            if let Ok(mut c) = self.connect(e).await
+                && let Ok(st) = c.status(uid).await
+            {
+                r.progress = report_from_status(&st).progress;
+            }
+            return Ok(r);
+        }
+        let mut c = self.connect(e).await?;
+        match c.status(uid).await {
+            Ok(st) => Ok(report_from_status(&st)),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
+                Ok(AgentReport::default())
+            }
+            Err(x) => Err(AgentCallError {
+                node: e.node.clone(),
+                message: x.to_string(),
+            }),
+        }
+    }
+
+    async fn start(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
+        let key = (e.node.clone(), r.migration_uid.clone());
+        {
+            let mut inflight = self.inflight.lock().expect("inflight lock");
+            if matches!(inflight.get(&key), Some((s, StepState::Running)) if *s == r.step) {
+                return Ok(());
+            }
+            inflight.insert(key.clone(), (r.step, StepState::Running));
+        }
+        let this = self.clone();
+        let (e, r) = (e.clone(), r.clone());
+        tokio::spawn(async move {
+            let res = this.call(&e, &r).await;
+            let mut inflight = this.inflight.lock().expect("inflight lock");
+            match res {
+                Ok(()) => {
+                    inflight.remove(&key);
+                }
+                Err((category, message)) => {
+                    inflight.insert(key, (r.step, StepState::Failed { category, message }));
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podmotion_wire::agent::Timings;
+
+    fn status(role: Role, phase: Phase) -> MigrationStatus {
+        MigrationStatus {
+            migration_uid: "u".into(),
+            role: role as i32,
+            phase: phase as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn agent_phases_map_to_the_steps_the_machine_expects() {
+        let cases = [
+            (Role::Source, Phase::Unknown, None),
+            (Role::Source, Phase::Prepared, Some(Step::Prepare)),
+            (Role::Target, Phase::Prepared, Some(Step::Receive)),
+            (Role::Target, Phase::Received, Some(Step::Receive)),
+            (Role::Source, Phase::Dumped, Some(Step::Dump)),
+            (Role::Source, Phase::Sent, Some(Step::Transfer)),
+            (Role::Target, Phase::Restored, Some(Step::Restore)),
+            (Role::Source, Phase::Committed, Some(Step::Commit)),
+            (Role::Source, Phase::Aborted, Some(Step::Abort)),
+            (Role::Target, Phase::CleanedUp, Some(Step::Cleanup)),
+        ];
+        for (role, phase, want) in cases {
+            assert_eq!(
+                report_from_status(&status(role, phase)).last_step(),
+                want,
+                "{role:?} {phase:?}"
+            );
+        }
+        let mut st = status(Role::Source, Phase::PreDumping);
+        st.iteration = 3;
+        st.last_round_bytes = 4096;
+        let r = report_from_status(&st);
+        assert_eq!(r.last_step(), Some(Step::PreDump(3)));
+        assert_eq!(r.progress.dirty_bytes, Some(4096));
+    }
+
+    #[test]
+    fn timings_become_freeze_and_resume_instants_and_a_rate() {
+        let mut st = status(Role::Target, Phase::Restored);
+        st.bytes_sent = 10_000_000;
+        st.timings = Some(Timings {
+            freeze_started_us: 1_000_000,
+            resumed_us: 1_183_000,
+            send_us: 100_000,
+            ..Default::default()
+        });
+        let r = report_from_status(&st);
+        let (f, res) = (
+            r.progress.frozen_at.unwrap(),
+            r.progress.resumed_at.unwrap(),
+        );
+        assert_eq!(res.duration_since(f).as_millis(), 183);
+        assert_eq!(r.progress.rate_bytes_per_second, Some(100_000_000));
+        let src = report_from_status(&MigrationStatus {
+            role: Role::Source as i32,
+            ..st
+        });
+        assert_eq!(
+            src.progress.resumed_at, None,
+            "a resumed source is not a restored target"
+        );
+    }
+}
