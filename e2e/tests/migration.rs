@@ -667,6 +667,31 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
     );
     assert!(!source_left, "the source process was not killed at commit");
     assert_eq!(copies, 1, "two running copies were seen");
+    // An Event per phase, reason = condition reason.
+    let events =
+        s.ns.api::<k8s_openapi::api::events::v1::Event>()
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+    let reasons_seen: Vec<String> = events
+        .items
+        .iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("move-web"))
+        .filter_map(|e| e.reason.clone())
+        .collect();
+    for want in [
+        reasons::MIGRATABLE,
+        reasons::CHECKPOINTING,
+        reasons::TRANSFERRING,
+        reasons::RESTORING,
+        reasons::COMMITTING,
+        reasons::SUCCEEDED,
+    ] {
+        assert!(
+            reasons_seen.iter().any(|r| r == want),
+            "no {want} Event; saw {reasons_seen:?}"
+        );
+    }
     // The transfer key went with the migration's end.
     let secrets = s.ns.api::<k8s_openapi::api::core::v1::Secret>();
     wait_for(
@@ -810,4 +835,89 @@ async fn restarting_the_operator_mid_transfer_resumes_and_never_runs_two_copies(
         1,
         "two running copies were seen"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_checks_everything_and_freezes_nothing() {
+    let Some(s) = Setup::new("mig-dry").await else {
+        return;
+    };
+    let api = s.migrate(json!({"dryRun": true})).await;
+    let pm = s.wait_phase(&api, MigrationPhase::Succeeded).await;
+    let st = pm.status.unwrap();
+    let cond = |t: &str| {
+        st.conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(cond("Ready").reason, reasons::DRY_RUN_PASSED);
+    assert_eq!(cond("Migratable").status, "True");
+    assert!(
+        st.target_pod.is_none() && st.downtime_millis.is_none(),
+        "{st:?}"
+    );
+    assert!(
+        s.agents.0.lock().unwrap().migs.is_empty(),
+        "an agent was asked to do something"
+    );
+    assert!(s.agents.source_running(&s.key()));
+    let pods =
+        s.ns.api::<Pod>()
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+    assert_eq!(pods.items.len(), 1, "a target pod was created");
+    let secrets = s.ns.api::<k8s_openapi::api::core::v1::Secret>();
+    assert!(
+        secrets
+            .get_opt("move-web-transfer-key")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmigratable_pod_is_reported_stalled_and_its_migration_deletes_cleanly() {
+    let Some(s) = Setup::new("mig-bad").await else {
+        return;
+    };
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "move-web"}, "spec": {"podName": "no-such-pod"}
+    }));
+    let api = s.ns.api::<PodMigration>();
+    api.create(&PostParams::default(), &pm).await.unwrap();
+    wait_for(
+        &api,
+        "move-web",
+        TIMEOUT,
+        "Stalled SourcePodNotFound",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
+                st.phase == MigrationPhase::Pending
+                    && st.conditions.iter().any(|c| {
+                        c.type_ == "Stalled"
+                            && c.status == "True"
+                            && c.reason == reasons::SOURCE_POD_NOT_FOUND
+                    })
+                    && st
+                        .conditions
+                        .iter()
+                        .any(|c| c.type_ == "Migratable" && c.status == "False")
+            })
+        },
+    )
+    .await
+    .unwrap();
+    api.delete("move-web", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(&api, "move-web", TIMEOUT, "PodMigration gone", |m| {
+        m.is_none()
+    })
+    .await
+    .unwrap();
 }
