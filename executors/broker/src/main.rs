@@ -1,4 +1,53 @@
-//! Netns broker: the narrow privileged sidecar of the migration node agent
+//! podmotion-broker: serves the netns broker socket. See the crate docs and
+//! docs/broker-ops.md.
 #![forbid(unsafe_code)]
 
-fn main() {}
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Unix socket to serve (root-owned, mode 0600).
+    #[arg(
+        long,
+        env = "PODMOTION_BROKER_SOCKET",
+        default_value = "/run/podmotion/broker.sock"
+    )]
+    socket: PathBuf,
+    /// Runtime directory for netns bind mounts.
+    #[arg(long, env = "PODMOTION_RUN_DIR", default_value = "/run/podmotion")]
+    run_dir: PathBuf,
+    /// cgroup v2 path under which every registered process must live.
+    #[arg(long, env = "PODMOTION_PODS_CGROUP", default_value = "/kubepods")]
+    pods_cgroup_root: String,
+    /// The agent's uid (SO_PEERCRED).
+    #[arg(long, env = "PODMOTION_AGENT_UID", default_value_t = 0)]
+    allowed_uid: u32,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let a = Args::parse();
+    let broker = podmotion_broker::Broker::new(podmotion_broker::Config {
+        run_dir: a.run_dir,
+        pods_cgroup_root: a.pods_cgroup_root,
+        allowed_uid: a.allowed_uid,
+    });
+    tracing::info!(socket = %a.socket.display(), "broker serving");
+    broker.serve(&a.socket)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        super::Args::command().debug_assert();
+    }
+}

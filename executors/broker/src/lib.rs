@@ -1,0 +1,678 @@
+//! The netns broker: the one long-lived privileged piece of the migration node agent.
+//!
+//! It listens on a root-owned Unix socket (0600), checks the peer's uid with
+//! SO_PEERCRED, reads one length-capped frame per request, decodes and validates it
+//! ([`podmotion_wire::broker::decode_request`]), checks every pid against /proc (live,
+//! same start time as when pinned, part of the migration), and only then acts. Paths
+//! it mounts on are computed from the migration UID, never taken from the client.
+//!
+//! Each connection is a lease: if the agent that locked a source's network disappears
+//! before `kill`, `unlock_network` or `forget`, the broker rolls the source back
+//! (waits for CRIU to detach, takes sockets out of repair, unlocks, SIGCONT), so a
+//! killed agent never leaves a workload frozen.
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)]
+pub mod kernel;
+pub mod procfs;
+
+use nix::sys::signal::{Signal, kill};
+use nix::sys::socket::{ControlMessage, MsgFlags, getsockopt, sendmsg, sockopt::PeerCredentials};
+use nix::unistd::Pid;
+use podmotion_wire::broker::*;
+use podmotion_wire::ids::{MigrationUid, ProcRef};
+use std::collections::HashMap;
+use std::io::{IoSlice, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Runtime dir; netns bind mounts go to `<run_dir>/netns/<uid>`.
+    pub run_dir: PathBuf,
+    /// Only processes in cgroups under this cgroup v2 path may be registered
+    /// (e.g. `/kubepods`): the agent can never pin a host daemon.
+    pub pods_cgroup_root: String,
+    /// The uid the agent runs as.
+    pub allowed_uid: u32,
+}
+
+#[derive(Debug)]
+struct Entry {
+    role: BrokerRole,
+    process: ProcRef,
+    cgroup: String,
+    conn: u64,
+    netns_bound: bool,
+    /// Links set down and routes saved by `lock_network`.
+    locked: Option<Lock>,
+    killed: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Lock {
+    links: Vec<String>,
+    routes: Vec<String>,
+}
+
+pub struct Broker {
+    cfg: Config,
+    entries: Mutex<HashMap<MigrationUid, Entry>>,
+    next_conn: AtomicU64,
+}
+
+fn err(kind: ErrorKind, m: impl Into<String>) -> BrokerError {
+    BrokerError::new(kind, m)
+}
+
+fn kerr(e: impl std::fmt::Display) -> BrokerError {
+    err(ErrorKind::Kernel, e.to_string())
+}
+
+fn ip(args: &[&str]) -> std::io::Result<String> {
+    let out = Command::new("ip").args(args).output()?;
+    if !out.status.success() {
+        return Err(std::io::Error::other(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+impl Broker {
+    pub fn new(cfg: Config) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            entries: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        })
+    }
+
+    pub fn netns_path(&self, uid: &MigrationUid) -> PathBuf {
+        self.cfg.run_dir.join("netns").join(uid.as_str())
+    }
+
+    /// Number of live registrations (tests use it to prove "no side effect").
+    pub fn registrations(&self) -> usize {
+        self.entries.lock().expect("broker state").len()
+    }
+
+    /// Binds the socket (0600) and serves forever, one thread per connection.
+    pub fn serve(self: &Arc<Self>, socket: &std::path::Path) -> std::io::Result<()> {
+        let listener = self.bind(socket)?;
+        self.serve_listener(listener)
+    }
+
+    pub fn bind(&self, socket: &std::path::Path) -> std::io::Result<UnixListener> {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::remove_file(socket);
+        if let Some(dir) = socket.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        // Created under a 0077 umask-equivalent: chmod before anyone can connect
+        // matters less than it seems (connect needs write permission, checked per
+        // connect), but we also check the peer uid.
+        let l = UnixListener::bind(socket)?;
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+        Ok(l)
+    }
+
+    pub fn serve_listener(self: &Arc<Self>, listener: UnixListener) -> std::io::Result<()> {
+        for conn in listener.incoming() {
+            let conn = conn?;
+            let me = Arc::clone(self);
+            std::thread::spawn(move || me.connection(conn));
+        }
+        Ok(())
+    }
+
+    fn connection(self: Arc<Self>, mut s: UnixStream) {
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let peer_ok = match getsockopt(&s, PeerCredentials) {
+            Ok(c) if c.uid() == self.cfg.allowed_uid => Ok(()),
+            Ok(c) => Err(err(
+                ErrorKind::PeerNotAllowed,
+                format!("peer uid {} is not the agent's uid", c.uid()),
+            )),
+            Err(e) => Err(kerr(e)),
+        };
+        if let Err(e) = peer_ok {
+            tracing::warn!(error = %e, "refused peer");
+            let _ = s.write_all(&encode_frame(&Response::Err(e)));
+            return;
+        }
+        let _ = s.set_read_timeout(None);
+        loop {
+            let mut prefix = [0u8; 4];
+            match read_full(&mut s, &mut prefix) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
+                    break;
+                }
+            }
+            let len = match check_len(prefix) {
+                Ok(l) => l,
+                Err(e) => {
+                    // The rest of the stream cannot be framed any more: answer and close.
+                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
+                    break;
+                }
+            };
+            let mut body = vec![0u8; len];
+            match read_full(&mut s, &mut body) {
+                Ok(true) => {}
+                _ => {
+                    let e = err(ErrorKind::Truncated, "connection closed inside a frame");
+                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
+                    break;
+                }
+            }
+            let (resp, fds) = match decode_request(&body) {
+                Ok(req) => {
+                    tracing::info!(op = req.name(), uid = %req.uid(), conn = id, "request");
+                    match self.handle(id, req) {
+                        Ok((reply, fds)) => (Response::Ok(reply), fds),
+                        Err(e) => (Response::Err(e), Vec::new()),
+                    }
+                }
+                Err(e) => (Response::Err(e), Vec::new()),
+            };
+            if let Response::Err(e) = &resp {
+                tracing::warn!(kind = ?e.kind, message = %e.message, "rejected");
+            }
+            if s.write_all(&encode_frame(&resp)).is_err() {
+                break;
+            }
+            if !fds.is_empty() && send_fd_chunks(&s, &fds).is_err() {
+                break;
+            }
+        }
+        self.lease_lost(id);
+    }
+
+    /// The agent behind connection `conn` is gone: roll back what it left half-done.
+    fn lease_lost(&self, conn: u64) {
+        let mine: Vec<(MigrationUid, Entry)> = {
+            let mut m = self.entries.lock().expect("broker state");
+            let uids: Vec<_> = m
+                .iter()
+                .filter(|(_, e)| e.conn == conn)
+                .map(|(u, _)| u.clone())
+                .collect();
+            uids.into_iter()
+                .filter_map(|u| m.remove(&u).map(|e| (u, e)))
+                .collect()
+        };
+        for (uid, e) in mine {
+            if e.netns_bound {
+                let _ = self.unbind(&uid);
+            }
+            if e.role == BrokerRole::Source && e.locked.is_some() && !e.killed {
+                tracing::warn!(%uid, "agent gone while the source was frozen: rolling back");
+                // CRIU may still be dumping: wait until it has detached from the tree.
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while tracer_attached(e.process.pid) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                if procfs::check_live(e.process).is_ok() {
+                    let _ = release_repair(e.process.pid);
+                    if let Some(l) = &e.locked {
+                        let _ = unlock(e.process.pid, l);
+                    }
+                    let _ = signal_tree(e.process.pid, Signal::SIGCONT);
+                }
+            }
+        }
+    }
+
+    fn entry<'a>(
+        m: &'a mut HashMap<MigrationUid, Entry>,
+        uid: &MigrationUid,
+        conn: u64,
+        role: Option<BrokerRole>,
+    ) -> Result<&'a mut Entry, BrokerError> {
+        let e = m
+            .get_mut(uid)
+            .ok_or_else(|| err(ErrorKind::NotRegistered, format!("{uid} is not registered")))?;
+        if e.conn != conn {
+            return Err(err(
+                ErrorKind::Busy,
+                format!("{uid} is held by another connection"),
+            ));
+        }
+        if let Some(r) = role
+            && e.role != r
+        {
+            return Err(err(
+                ErrorKind::WrongRole,
+                format!("{uid} is registered as {:?}", e.role),
+            ));
+        }
+        procfs::check_live(e.process)?;
+        Ok(e)
+    }
+
+    /// Executes one validated request for connection `conn`.
+    pub fn handle(&self, conn: u64, req: Request) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+        let mut m = self.entries.lock().expect("broker state");
+        match req {
+            Request::Register { uid, role, process } => {
+                procfs::check_live(process)?;
+                if let Some(e) = m.get(&uid) {
+                    if e.process == process && e.role == role && e.conn == conn {
+                        return Ok((
+                            Reply::Registered {
+                                cgroup: e.cgroup.clone(),
+                            },
+                            vec![],
+                        ));
+                    }
+                    return Err(err(
+                        ErrorKind::AlreadyRegistered,
+                        format!("{uid} is already registered"),
+                    ));
+                }
+                if m.values().any(|e| e.process.pid == process.pid) {
+                    return Err(err(
+                        ErrorKind::AlreadyRegistered,
+                        "process belongs to another migration",
+                    ));
+                }
+                let cgroup = procfs::cgroup_of(process.pid)?;
+                let root = self.cfg.pods_cgroup_root.trim_end_matches('/');
+                let inside = cgroup
+                    .strip_prefix(root)
+                    .is_some_and(|r| r.starts_with('/'));
+                let mine = procfs::cgroup_of(std::process::id() as i32).ok();
+                if !inside || mine.as_deref() == Some(cgroup.as_str()) {
+                    return Err(err(
+                        ErrorKind::ForeignProcess,
+                        format!("pid {} is not in a pod cgroup under {root}", process.pid),
+                    ));
+                }
+                m.insert(
+                    uid,
+                    Entry {
+                        role,
+                        process,
+                        cgroup: cgroup.clone(),
+                        conn,
+                        netns_bound: false,
+                        locked: None,
+                        killed: false,
+                    },
+                );
+                Ok((Reply::Registered { cgroup }, vec![]))
+            }
+            Request::BindNetns { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                let path = self.netns_path(&uid);
+                if !e.netns_bound {
+                    std::fs::create_dir_all(path.parent().expect("has parent")).map_err(kerr)?;
+                    std::fs::File::create(&path).map_err(kerr)?;
+                    let src = format!("/proc/{}/ns/net", e.process.pid);
+                    nix::mount::mount(
+                        Some(src.as_str()),
+                        &path,
+                        None::<&str>,
+                        nix::mount::MsFlags::MS_BIND,
+                        None::<&str>,
+                    )
+                    .map_err(|e| {
+                        let _ = std::fs::remove_file(&path);
+                        kerr(e)
+                    })?;
+                    e.netns_bound = true;
+                }
+                Ok((
+                    Reply::NetnsPath {
+                        path: path.to_string_lossy().into_owned(),
+                    },
+                    vec![],
+                ))
+            }
+            Request::UnbindNetns { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                if e.netns_bound {
+                    self.unbind(&uid)?;
+                    e.netns_bound = false;
+                }
+                Ok((Reply::Done, vec![]))
+            }
+            Request::NetnsAddrs { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, None)?;
+                let addrs = kernel::in_netns(e.process.pid, || {
+                    let out = ip(&["-o", "addr", "show"])?;
+                    Ok(out
+                        .lines()
+                        .filter_map(|l| {
+                            let mut it = l
+                                .split_whitespace()
+                                .skip_while(|w| *w != "inet" && *w != "inet6");
+                            it.next()?;
+                            Some(it.next()?.split('/').next()?.to_owned())
+                        })
+                        .collect::<Vec<_>>())
+                })
+                .map_err(kerr)?;
+                Ok((Reply::Addrs { addrs }, vec![]))
+            }
+            Request::LockNetwork { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                if e.locked.is_none() {
+                    e.locked = Some(lock(e.process.pid)?);
+                }
+                Ok((Reply::Done, vec![]))
+            }
+            Request::UnlockNetwork { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                if let Some(l) = e.locked.take() {
+                    unlock(e.process.pid, &l)?;
+                }
+                Ok((Reply::Done, vec![]))
+            }
+            Request::HandOffSockets { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                let mut seen = std::collections::BTreeSet::new();
+                let mut fds = Vec::new();
+                for pid in procfs::tree(e.process.pid) {
+                    for (fd, ino) in procfs::tcp_fds(pid) {
+                        if seen.insert(ino) && fds.len() < MAX_FDS {
+                            fds.push(kernel::steal_fd(pid, fd).map_err(kerr)?);
+                        }
+                    }
+                }
+                let total = fds.len() as u32;
+                let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
+                Ok((Reply::Sockets { total, chunks }, fds))
+            }
+            Request::ReleaseTcpRepair { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                release_repair(e.process.pid)?;
+                Ok((Reply::Done, vec![]))
+            }
+            Request::MoveCgroup { uid, process } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                procfs::check_live(process)?;
+                if process.pid == e.process.pid
+                    || procfs::netns_inode(process.pid)? != procfs::netns_inode(e.process.pid)?
+                {
+                    return Err(err(
+                        ErrorKind::ForeignProcess,
+                        format!(
+                            "pid {} is not a restored tree in the target pod's network namespace",
+                            process.pid
+                        ),
+                    ));
+                }
+                let dir = procfs::cgroup2_mount()?.join(e.cgroup.trim_start_matches('/'));
+                let procs = dir.join("cgroup.procs");
+                let tree = procfs::tree(process.pid);
+                for pid in &tree {
+                    std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
+                }
+                Ok((
+                    Reply::Moved {
+                        pids: tree.len() as u32,
+                    },
+                    vec![],
+                ))
+            }
+            Request::Resume { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                signal_tree(e.process.pid, Signal::SIGCONT)?;
+                Ok((Reply::Done, vec![]))
+            }
+            Request::Kill { uid } => {
+                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                signal_tree(e.process.pid, Signal::SIGKILL)?;
+                e.killed = true;
+                Ok((Reply::Done, vec![]))
+            }
+            Request::Forget { uid } => {
+                match m.get(&uid) {
+                    None => return Ok((Reply::Done, vec![])),
+                    Some(e) if e.conn != conn => {
+                        return Err(err(
+                            ErrorKind::Busy,
+                            format!("{uid} is held by another connection"),
+                        ));
+                    }
+                    Some(_) => {}
+                }
+                let e = m.remove(&uid).expect("checked");
+                if e.netns_bound {
+                    self.unbind(&uid)?;
+                }
+                if let (Some(l), false) = (&e.locked, e.killed)
+                    && procfs::check_live(e.process).is_ok()
+                {
+                    unlock(e.process.pid, l)?;
+                }
+                Ok((Reply::Done, vec![]))
+            }
+        }
+    }
+
+    fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
+        let path = self.netns_path(uid);
+        match nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => return Err(kerr(e)),
+        }
+        let _ = std::fs::remove_file(&path);
+        Ok(())
+    }
+}
+
+fn tracer_attached(pid: i32) -> bool {
+    procfs::tree(pid)
+        .iter()
+        .any(|p| procfs::tracer_pid(*p).unwrap_or(0) != 0)
+}
+
+fn signal_tree(root: i32, sig: Signal) -> Result<(), BrokerError> {
+    for pid in procfs::tree(root) {
+        match kill(Pid::from_raw(pid), sig) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => return Err(kerr(e)),
+        }
+    }
+    Ok(())
+}
+
+fn release_repair(root: i32) -> Result<(), BrokerError> {
+    for pid in procfs::tree(root) {
+        for (fd, _) in procfs::tcp_fds(pid) {
+            let Ok(sock) = kernel::steal_fd(pid, fd) else {
+                continue;
+            };
+            if kernel::tcp_repair(&sock).unwrap_or(false) {
+                kernel::tcp_repair_off(&sock).map_err(kerr)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Isolates the pod's network namespace: every non-loopback link down (incoming
+/// segments and SYNs are dropped silently and retransmitted by the peers, nothing is
+/// reset, and the frozen source cannot emit anything), routes saved for `unlock`.
+fn lock(pid: i32) -> Result<Lock, BrokerError> {
+    kernel::in_netns(pid, || {
+        let routes: Vec<String> = ip(&["-4", "route", "show"])?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_owned)
+            .collect();
+        let links: Vec<String> = ip(&["-o", "link", "show", "up"])?
+            .lines()
+            .filter_map(|l| {
+                let name = l.split(':').nth(1)?.trim();
+                let name = name.split('@').next()?;
+                (name != "lo").then(|| name.to_owned())
+            })
+            .collect();
+        for l in &links {
+            ip(&["link", "set", "dev", l, "down"])?;
+        }
+        Ok(Lock { links, routes })
+    })
+    .map_err(kerr)
+}
+
+fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
+    let l = l.clone();
+    kernel::in_netns(pid, move || {
+        for link in &l.links {
+            ip(&["link", "set", "dev", link, "up"])?;
+        }
+        for r in &l.routes {
+            let mut args = vec!["route", "replace"];
+            args.extend(r.split_whitespace().filter(|w| *w != "linkdown"));
+            ip(&args)?;
+        }
+        Ok(())
+    })
+    .map_err(kerr)
+}
+
+/// Reads exactly `buf.len()` bytes; Ok(false) on a clean EOF before the first byte.
+fn read_full(s: &mut UnixStream, buf: &mut [u8]) -> Result<bool, BrokerError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => {
+                return Err(err(
+                    ErrorKind::Truncated,
+                    "connection closed inside a frame",
+                ));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(kerr(e)),
+        }
+    }
+    Ok(true)
+}
+
+/// Sends descriptors in ordered chunks of at most MAX_FDS_PER_CHUNK, each with a header.
+fn send_fd_chunks(s: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {
+    let chunks = fds.len().div_ceil(MAX_FDS_PER_CHUNK) as u32;
+    for (seq, chunk) in fds.chunks(MAX_FDS_PER_CHUNK).enumerate() {
+        let hdr = FdChunk {
+            seq: seq as u32,
+            chunks,
+            count: chunk.len() as u32,
+        }
+        .encode();
+        let raw: Vec<i32> = chunk.iter().map(|f| f.as_raw_fd()).collect();
+        let iov = [IoSlice::new(&hdr)];
+        let cmsg = [ControlMessage::ScmRights(&raw)];
+        sendmsg::<()>(s.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)?;
+    }
+    Ok(())
+}
+
+/// Client side, used by the agent: one connection = one lease.
+pub mod client {
+    use super::*;
+    use nix::sys::socket::{ControlMessageOwned, recvmsg};
+    use std::io::IoSliceMut;
+    use std::os::fd::FromRawFd;
+
+    pub struct BrokerClient {
+        s: UnixStream,
+    }
+
+    impl BrokerClient {
+        pub fn connect(path: &std::path::Path) -> std::io::Result<Self> {
+            Ok(Self {
+                s: UnixStream::connect(path)?,
+            })
+        }
+
+        pub fn call(&mut self, req: &Request) -> Result<Reply, BrokerError> {
+            self.s.write_all(&encode_frame(req)).map_err(kerr)?;
+            let mut prefix = [0u8; 4];
+            if !read_full(&mut self.s, &mut prefix)? {
+                return Err(err(ErrorKind::Truncated, "broker closed the connection"));
+            }
+            let len = check_len(prefix)?;
+            let mut body = vec![0u8; len];
+            read_full(&mut self.s, &mut body)?;
+            match decode_response(&body)? {
+                Response::Ok(r) => Ok(r),
+                Response::Err(e) => Err(e),
+            }
+        }
+
+        /// `hand_off_sockets`, receiving every chunk in order.
+        pub fn sockets(&mut self, uid: &MigrationUid) -> Result<Vec<OwnedFd>, BrokerError> {
+            let Reply::Sockets { total, chunks } =
+                self.call(&Request::HandOffSockets { uid: uid.clone() })?
+            else {
+                return Err(err(ErrorKind::Malformed, "unexpected reply"));
+            };
+            let mut out = Vec::with_capacity(total as usize);
+            for expect in 0..chunks {
+                let mut hdr = [0u8; FdChunk::LEN];
+                let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; MAX_FDS_PER_CHUNK]);
+                let mut iov = [IoSliceMut::new(&mut hdr)];
+                let msg = recvmsg::<()>(
+                    self.s.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut cmsg),
+                    MsgFlags::MSG_CMSG_CLOEXEC,
+                )
+                .map_err(kerr)?;
+                let mut got = Vec::new();
+                for c in msg.cmsgs().map_err(kerr)? {
+                    if let ControlMessageOwned::ScmRights(fds) = c {
+                        // SAFETY-free: from_raw_fd is unsafe, so ownership is taken in one place below.
+                        got.extend(fds);
+                    }
+                }
+                if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+                    return Err(err(ErrorKind::Truncated, "descriptor chunk truncated"));
+                }
+                let owned = own_fds(got);
+                let h = FdChunk::decode(&hdr)
+                    .ok_or_else(|| err(ErrorKind::Malformed, "bad chunk header"))?;
+                if h.seq != expect || h.chunks != chunks || h.count as usize != owned.len() {
+                    return Err(err(
+                        ErrorKind::Malformed,
+                        "descriptor chunk out of order or short",
+                    ));
+                }
+                out.extend(owned);
+            }
+            if out.len() != total as usize {
+                return Err(err(
+                    ErrorKind::Truncated,
+                    "fewer descriptors than announced",
+                ));
+            }
+            Ok(out)
+        }
+    }
+
+    #[allow(unsafe_code)]
+    fn own_fds(raw: Vec<i32>) -> Vec<OwnedFd> {
+        raw.into_iter()
+            // SAFETY: each descriptor was just installed in this process by
+            // SCM_RIGHTS and is owned by nothing else.
+            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+            .collect()
+    }
+}

@@ -1,0 +1,208 @@
+//! What the broker reads from /proc to decide whether a pid is what a request says it
+//! is: live, the same process as when it was pinned (start time), in which cgroup and
+//! network namespace, and which processes form its tree.
+
+use podmotion_wire::broker::{BrokerError, ErrorKind};
+use podmotion_wire::ids::ProcRef;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn no_such(pid: i32) -> BrokerError {
+    BrokerError::new(ErrorKind::NoSuchProcess, format!("pid {pid} is not alive"))
+}
+
+/// Start time (clock ticks since boot), field 22 of /proc/<pid>/stat. The comm field
+/// may contain spaces and parentheses, so fields are counted after the last ')'.
+pub fn start_time(pid: i32) -> Result<u64, BrokerError> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| no_such(pid))?;
+    parse_start_time(&stat).ok_or_else(|| BrokerError::new(ErrorKind::Kernel, "unparsable stat"))
+}
+
+pub fn parse_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After ')': state is field 3; starttime is field 22 → index 19 here.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The process named by `p`, or a typed error if it died or its pid was reused.
+pub fn check_live(p: ProcRef) -> Result<(), BrokerError> {
+    if p.pid <= 1 {
+        return Err(no_such(p.pid));
+    }
+    let st = start_time(p.pid)?;
+    if st != p.start_time {
+        return Err(BrokerError::new(
+            ErrorKind::PidReused,
+            format!("pid {} has start time {st}, not {}", p.pid, p.start_time),
+        ));
+    }
+    // A zombie has no namespaces or fds to act on.
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", p.pid)).map_err(|_| no_such(p.pid))?;
+    if status
+        .lines()
+        .any(|l| l.starts_with("State:") && l.contains('Z'))
+    {
+        return Err(no_such(p.pid));
+    }
+    Ok(())
+}
+
+/// The cgroup v2 path of a process ("0::/a/b" → "/a/b").
+pub fn cgroup_of(pid: i32) -> Result<String, BrokerError> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|_| no_such(pid))?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            BrokerError::new(
+                ErrorKind::Kernel,
+                format!("pid {pid} has no cgroup v2 membership"),
+            )
+        })
+}
+
+/// Where cgroup2 is mounted (/sys/fs/cgroup on unified hosts, /sys/fs/cgroup/unified on hybrid).
+pub fn cgroup2_mount() -> Result<PathBuf, BrokerError> {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| BrokerError::new(ErrorKind::Kernel, e.to_string()))?;
+    for l in mi.lines() {
+        let (pre, post) = l.split_once(" - ").unwrap_or((l, ""));
+        if post.split_whitespace().next() == Some("cgroup2")
+            && let Some(mp) = pre.split_whitespace().nth(4)
+        {
+            return Ok(PathBuf::from(mp));
+        }
+    }
+    Err(BrokerError::new(
+        ErrorKind::Kernel,
+        "cgroup2 is not mounted",
+    ))
+}
+
+pub fn netns_inode(pid: i32) -> Result<String, BrokerError> {
+    std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .map_err(|_| no_such(pid))
+}
+
+pub fn tracer_pid(pid: i32) -> Option<i32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The process tree rooted at `root` (thread-group ids), root first. Built from the
+/// parent pid of every process (`/proc/<pid>/task/*/children` needs
+/// CONFIG_PROC_CHILDREN, which not every kernel has).
+pub fn tree(root: i32) -> Vec<i32> {
+    let mut kids: std::collections::HashMap<i32, Vec<i32>> = std::collections::HashMap::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            if let Some(ppid) = parse_ppid(&stat) {
+                kids.entry(ppid).or_default().push(pid);
+            }
+        }
+    }
+    let mut out = vec![root];
+    let mut seen = BTreeSet::from([root]);
+    let mut i = 0;
+    while i < out.len() {
+        let pid = out[i];
+        i += 1;
+        for c in kids.get(&pid).into_iter().flatten() {
+            if seen.insert(*c) {
+                out.push(*c);
+            }
+        }
+    }
+    out
+}
+
+pub fn parse_ppid(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Inodes of the TCP sockets (v4 and v6) in the network namespace of `pid`.
+pub fn tcp_inodes(pid: i32) -> BTreeSet<u64> {
+    let mut set = BTreeSet::new();
+    for f in ["tcp", "tcp6"] {
+        let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/net/{f}")) else {
+            continue;
+        };
+        for l in s.lines().skip(1) {
+            if let Some(ino) = l.split_whitespace().nth(9).and_then(|v| v.parse().ok()) {
+                set.insert(ino);
+            }
+        }
+    }
+    set
+}
+
+/// (fd number, socket inode) of each TCP socket `pid` holds.
+pub fn tcp_fds(pid: i32) -> Vec<(i32, u64)> {
+    let tcp = tcp_inodes(pid);
+    let mut out = Vec::new();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return out;
+    };
+    for e in fds.flatten() {
+        let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(link) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        let link = link.to_string_lossy();
+        if let Some(ino) = link
+            .strip_prefix("socket:[")
+            .and_then(|r| r.strip_suffix(']'))
+            .and_then(|v| v.parse::<u64>().ok())
+            && tcp.contains(&ino)
+        {
+            out.push((fd, ino));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_survives_hostile_comm() {
+        let stat = "42 (a) b) (c) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
+        assert_eq!(parse_start_time(stat), Some(98765));
+    }
+
+    #[test]
+    fn own_process_is_live_and_a_wrong_start_time_is_reuse() {
+        let me = std::process::id() as i32;
+        let st = start_time(me).unwrap();
+        assert!(
+            check_live(ProcRef {
+                pid: me,
+                start_time: st
+            })
+            .is_ok()
+        );
+        assert_eq!(
+            check_live(ProcRef {
+                pid: me,
+                start_time: st + 1
+            })
+            .unwrap_err()
+            .kind,
+            ErrorKind::PidReused
+        );
+    }
+}

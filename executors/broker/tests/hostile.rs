@@ -1,0 +1,291 @@
+//! The broker against hostile and valid clients, over its real socket, as root.
+//! Every hostile request must come back as the right typed error and leave nothing
+//! behind: no registration, no netns bind mount, no signal to anyone.
+
+use podmotion_broker::client::BrokerClient;
+use podmotion_broker::{Broker, Config, procfs};
+use podmotion_wire::broker::*;
+use podmotion_wire::ids::{MigrationUid, ProcRef};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+
+struct Fixture {
+    broker: Arc<Broker>,
+    socket: PathBuf,
+    run_dir: PathBuf,
+    cgroup: PathBuf,
+    cgroup_rel: String,
+}
+
+fn require_root() -> bool {
+    if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
+        eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
+        return false;
+    }
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "broker tests need root (set PODMOTION_ROOT_TESTS=0 to skip)"
+    );
+    true
+}
+
+fn fixture(name: &str, allowed_uid: u32) -> Fixture {
+    let tag = format!("pmb-{name}-{}", std::process::id());
+    let run_dir = std::env::temp_dir().join(&tag);
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let cgroup_rel = format!("/{tag}");
+    let cgroup = procfs::cgroup2_mount().unwrap().join(&tag);
+    std::fs::create_dir_all(cgroup.join("pod")).unwrap();
+    let broker = Broker::new(Config {
+        run_dir: run_dir.clone(),
+        pods_cgroup_root: cgroup_rel.clone(),
+        allowed_uid,
+    });
+    let socket = run_dir.join("broker.sock");
+    let listener = broker.bind(&socket).unwrap();
+    let b = Arc::clone(&broker);
+    std::thread::spawn(move || b.serve_listener(listener));
+    Fixture {
+        broker,
+        socket,
+        run_dir,
+        cgroup,
+        cgroup_rel,
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+        for d in ["pod", ""] {
+            let _ = std::fs::remove_dir(self.cgroup.join(d));
+        }
+    }
+}
+
+/// Sends raw bytes, returns the decoded error of the single response.
+fn raw(sock: &Path, bytes: &[u8], close_write: bool) -> BrokerError {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.write_all(bytes).unwrap();
+    if close_write {
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).unwrap();
+    let mut body = vec![0; u32::from_be_bytes(prefix) as usize];
+    s.read_exact(&mut body).unwrap();
+    match decode_response(&body).unwrap() {
+        Response::Err(e) => e,
+        Response::Ok(r) => panic!("hostile request accepted: {r:?}"),
+    }
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+fn uid(s: &str) -> MigrationUid {
+    MigrationUid::parse(s).unwrap()
+}
+
+fn me() -> ProcRef {
+    let pid = std::process::id() as i32;
+    ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    }
+}
+
+/// A process tree in its own network namespace and in the fixture's pod cgroup,
+/// holding `n` TCP listeners (one per child).
+fn workload(f: &Fixture, n: usize) -> (Child, ProcRef) {
+    let script = format!(
+        "echo $$ > {procs}; i=0; while [ $i -lt {n} ]; do busybox nc -l -p $((20000+i)) </dev/null >/dev/null & i=$((i+1)); done; sleep 60",
+        procs = f.cgroup.join("pod/cgroup.procs").display()
+    );
+    let child = Command::new("unshare")
+        .args(["-n", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    // Wait until the shell moved itself and every listener is up.
+    for _ in 0..200 {
+        let listeners: usize = procfs::tree(pid)
+            .iter()
+            .map(|p| procfs::tcp_fds(*p).len())
+            .sum();
+        if procfs::cgroup_of(pid).unwrap_or_default().ends_with("/pod") && listeners >= n {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    (
+        child,
+        ProcRef {
+            pid,
+            start_time: procfs::start_time(pid).unwrap(),
+        },
+    )
+}
+
+#[test]
+fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
+    if !require_root() {
+        return;
+    }
+    let f = fixture("corpus", 0);
+    let s = &f.socket;
+    let cases: Vec<(Vec<u8>, bool, ErrorKind)> = vec![
+        (((MAX_FRAME + 1) as u32).to_be_bytes().to_vec(), false, ErrorKind::FrameTooLarge),
+        (u32::MAX.to_be_bytes().to_vec(), false, ErrorKind::FrameTooLarge),
+        ([&100u32.to_be_bytes()[..], b"{\"op\":"].concat(), true, ErrorKind::Truncated),
+        (frame(br#"{"op":"bind_netns","uid":"a""#), false, ErrorKind::Truncated),
+        (frame(br#"{"op":"bind_netns","uid":"../../../etc"}"#), false, ErrorKind::InvalidUid),
+        (frame(br#"{"op":"bind_netns","uid":"x;rm -rf /"}"#), false, ErrorKind::InvalidUid),
+        (frame(br#"{"op":"bind_netns","uid":"x","target":"/etc/passwd"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"mount","uid":"x"}"#), false, ErrorKind::UnknownOp),
+        (frame(br#"{"op":"kill","uid":"never-registered"}"#), false, ErrorKind::NotRegistered),
+        (frame(br#"{"op":"register","uid":"x","role":"source","process":{"pid":1,"start_time":0}}"#), false, ErrorKind::NoSuchProcess),
+    ];
+    for (bytes, close, kind) in cases {
+        let e = raw(s, &bytes, close);
+        assert_eq!(e.kind, kind, "{:?} → {e}", String::from_utf8_lossy(&bytes));
+    }
+    let mut c = BrokerClient::connect(s).unwrap();
+    // Our own process is not in a pod cgroup: a host process cannot be pinned.
+    let e = c
+        .call(&Request::Register {
+            uid: uid("m-host"),
+            role: BrokerRole::Source,
+            process: me(),
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::ForeignProcess);
+    // A recycled pid (right pid, wrong start time).
+    let mut reused = me();
+    reused.start_time += 1;
+    let e = c
+        .call(&Request::Register {
+            uid: uid("m-reuse"),
+            role: BrokerRole::Source,
+            process: reused,
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::PidReused);
+    // A dead pid.
+    let mut dead = Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id() as i32;
+    dead.wait().unwrap();
+    let e = c
+        .call(&Request::Register {
+            uid: uid("m-dead"),
+            role: BrokerRole::Source,
+            process: ProcRef {
+                pid: dead_pid,
+                start_time: 1,
+            },
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NoSuchProcess);
+    assert_eq!(f.broker.registrations(), 0);
+    assert!(
+        !f.run_dir.join("netns").exists(),
+        "a rejected request created a mount point"
+    );
+}
+
+#[test]
+fn broker_refuses_a_peer_with_the_wrong_uid() {
+    if !require_root() {
+        return;
+    }
+    let f = fixture("peer", 4242);
+    let e = raw(&f.socket, &frame(br#"{"op":"forget","uid":"a"}"#), false);
+    assert_eq!(e.kind, ErrorKind::PeerNotAllowed);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&f.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+}
+
+#[test]
+fn broker_pins_processes_and_hands_off_many_sockets_in_ordered_chunks() {
+    if !require_root() {
+        return;
+    }
+    let f = fixture("pin", 0);
+    let (mut child, p) = workload(&f, 40);
+    let mut c = BrokerClient::connect(&f.socket).unwrap();
+    let u = uid("m-pin");
+    let Reply::Registered { cgroup } = c
+        .call(&Request::Register {
+            uid: u.clone(),
+            role: BrokerRole::Source,
+            process: p,
+        })
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(cgroup, format!("{}/pod", f.cgroup_rel));
+    // Idempotent for the same pin; refused for another migration or connection.
+    c.call(&Request::Register {
+        uid: u.clone(),
+        role: BrokerRole::Source,
+        process: p,
+    })
+    .unwrap();
+    let e = c
+        .call(&Request::Register {
+            uid: uid("m-other"),
+            role: BrokerRole::Source,
+            process: p,
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::AlreadyRegistered);
+    let mut intruder = BrokerClient::connect(&f.socket).unwrap();
+    assert_eq!(
+        intruder
+            .call(&Request::Kill { uid: u.clone() })
+            .unwrap_err()
+            .kind,
+        ErrorKind::Busy
+    );
+    // Target-only ops are refused on a source.
+    assert_eq!(
+        c.call(&Request::BindNetns { uid: u.clone() })
+            .unwrap_err()
+            .kind,
+        ErrorKind::WrongRole
+    );
+    let fds = c.sockets(&u).unwrap();
+    assert_eq!(fds.len(), 40, "every listener handed off across 3 chunks");
+    for fd in &fds {
+        let addr: nix::sys::socket::SockaddrStorage =
+            nix::sys::socket::getsockname(std::os::fd::AsRawFd::as_raw_fd(fd)).unwrap();
+        let port = addr
+            .as_sockaddr_in()
+            .map(|a| a.port())
+            .or(addr.as_sockaddr_in6().map(|a| a.port()))
+            .unwrap();
+        assert!((20000..20040).contains(&port), "{port}");
+    }
+    let a = c.call(&Request::NetnsAddrs { uid: u.clone() }).unwrap();
+    assert!(matches!(a, Reply::Addrs { .. }), "{a:?}");
+    c.call(&Request::Kill { uid: u.clone() }).unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let survivors = std::fs::read_to_string(f.cgroup.join("pod/cgroup.procs")).unwrap();
+    assert!(survivors.trim().is_empty(), "kill left {survivors}");
+    c.call(&Request::Forget { uid: u }).unwrap();
+    assert_eq!(f.broker.registrations(), 0);
+}
