@@ -137,7 +137,15 @@ pub struct TestNamespace {
     pub client: Client,
     pub name: String,
     kubectl: Option<PathBuf>,
+    strip_finalizers: bool,
 }
+
+/// Resources whose finalizers [`TestNamespace`]'s cleanup removes (PodMotion's kinds).
+pub const CLEANUP_FINALIZER_RESOURCES: &[&str] = &[
+    "podmigrations.podmotion.io",
+    "nodeagentattachments.podmotion.io",
+    "runnerpools.podmotion.io",
+];
 
 impl TestNamespace {
     /// Creates `e2e-<prefix>-<random>` with PodSecurity `enforce=<level>` and waits for its
@@ -177,6 +185,7 @@ impl TestNamespace {
             client,
             name,
             kubectl: kubectl_path().ok(),
+            strip_finalizers: true,
         };
         let sas: Api<ServiceAccount> = this.api();
         wait_for(
@@ -217,6 +226,36 @@ impl TestNamespace {
                 s
             }
             Err(e) => format!("(kubectl {args:?}: {e})\n"),
+        }
+    }
+
+    /// Keep finalizers on PodMotion objects when the namespace is cleaned up (by default
+    /// they are removed, see [`CLEANUP_FINALIZER_RESOURCES`]); for a test whose operator
+    /// outlives the namespace and must run its own cleanup.
+    pub fn keep_finalizers_on_cleanup(&mut self) {
+        self.strip_finalizers = false;
+    }
+
+    /// Best effort: after the namespace's deletion was requested, drops the finalizers of
+    /// PodMotion objects in it. The operator that owns them is usually stopped together
+    /// with the test, and the namespace would otherwise stay Terminating forever.
+    fn strip_podmotion_finalizers(&self) {
+        let ns = self.name.as_str();
+        let kinds = CLEANUP_FINALIZER_RESOURCES.join(",");
+        let names = self.kubectl(&["-n", ns, "get", &kinds, "-o", "name", "--ignore-not-found"]);
+        for obj in names
+            .lines()
+            .filter(|l| l.contains('/') && !l.contains(' '))
+        {
+            self.kubectl(&[
+                "-n",
+                ns,
+                "patch",
+                obj,
+                "--type=merge",
+                "-p",
+                r#"{"metadata":{"finalizers":null}}"#,
+            ]);
         }
     }
 
@@ -291,6 +330,9 @@ impl Drop for TestNamespace {
         ]);
         if !out.contains("deleted") && !out.trim().is_empty() {
             eprintln!("cleanup of namespace {}: {out}", self.name);
+        }
+        if self.strip_finalizers {
+            self.strip_podmotion_finalizers();
         }
     }
 }
@@ -407,7 +449,13 @@ fn describe<K: Resource + Debug>(obj: Option<&K>) -> String {
         Some(o) => {
             let s = format!("{o:?}");
             if s.len() > 2000 {
-                format!("{}…", &s[..s.floor_char_boundary(2000)])
+                format!(
+                    "{}…",
+                    &s[..(0..=2000)
+                        .rev()
+                        .find(|&i| s.is_char_boundary(i))
+                        .unwrap_or(0)]
+                )
             } else {
                 s
             }
