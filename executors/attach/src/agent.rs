@@ -33,6 +33,8 @@ pub struct Config {
     pub listen: SocketAddr,
     pub claim_timeout: Duration,
     pub intercept_wait: Duration,
+    /// Bearer token the control API requires (all routes but /healthz).
+    pub token: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +108,7 @@ pub struct Attached {
     pub ports: Vec<Arc<Port>>,
     pub ruleset: Ruleset,
     pub cri_socket: Option<PathBuf>,
+    pub token: Option<String>,
 }
 
 impl Attached {
@@ -324,6 +327,7 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         ports,
         ruleset,
         cri_socket,
+        token: cfg.token.clone(),
     });
     let mut tasks = Vec::new();
     for (port, l) in listeners {

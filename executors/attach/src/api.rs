@@ -1,11 +1,12 @@
 //! Control API, served in the Job pod's own network namespace (what a client reaches
 //! with `kubectl port-forward` to the Job's pod). HTTP/1.1 with JSON bodies; client
 //! streams are HTTP upgrades (`Upgrade: podmotion-stream`) so one port serves
-//! everything.
+//! everything. With a token configured (the Job's credentials Secret), every route
+//! but `/healthz` requires `Authorization: Bearer <token>`.
 //!
 //! | method + path | |
 //! |---|---|
-//! | `GET /healthz` | liveness + what is attached |
+//! | `GET /healthz` | liveness + what is attached (no token needed) |
 //! | `GET /v1/env[?container=<id>]` | ordered environment (duplicates kept) |
 //! | `GET /v1/exports` | exports dir, symlinks, target mounts |
 //! | `POST /v1/intercepts/<port>` · `DELETE …` | start / stop an intercept |
@@ -84,8 +85,28 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
         .is_some_and(|v| v.eq_ignore_ascii_case(UPGRADE_PROTO))
 }
 
+/// Constant-time comparison of the presented bearer token with ours.
+fn authorized(state: &Attached, req: &Request<Incoming>) -> bool {
+    let Some(want) = &state.token else {
+        return true;
+    };
+    let Some(got) = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (got.as_bytes(), want.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
+    if path != "/healthz" && !authorized(&state, &req) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+    }
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = req.method().clone();
     match (&method, segs.as_slice()) {
@@ -234,6 +255,10 @@ mod tests {
     use crate::nft::{Redirect, Ruleset};
 
     fn attached() -> Arc<Attached> {
+        with_token(None)
+    }
+
+    fn with_token(token: Option<&str>) -> Arc<Attached> {
         Arc::new(Attached {
             containers: vec![
                 crate::agent::Container {
@@ -273,6 +298,7 @@ mod tests {
                 }],
             },
             cri_socket: None,
+            token: token.map(str::to_owned),
         })
     }
 
@@ -377,6 +403,55 @@ mod tests {
             call(addr, "GET", "/nope", false)
                 .await
                 .starts_with("HTTP/1.1 404")
+        );
+    }
+
+    async fn raw(addr: std::net::SocketAddr, head: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            s.read_to_string(&mut out),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn with_a_token_every_route_but_health_needs_the_bearer() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, with_token(Some("s3cret"))));
+        let req = |path: &str, auth: &str| {
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\n")
+        };
+        assert!(
+            raw(addr, &req("/healthz", ""))
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            raw(addr, &req("/v1/env", ""))
+                .await
+                .starts_with("HTTP/1.1 401")
+        );
+        assert!(
+            raw(addr, &req("/v1/env", "Authorization: Bearer s3creX\r\n"))
+                .await
+                .starts_with("HTTP/1.1 401")
+        );
+        assert!(
+            raw(addr, &req("/v1/env", "Authorization: Bearer s3cre\r\n"))
+                .await
+                .starts_with("HTTP/1.1 401")
+        );
+        assert!(
+            raw(addr, &req("/v1/env", "Authorization: Bearer s3cret\r\n"))
+                .await
+                .starts_with("HTTP/1.1 200")
         );
     }
 }

@@ -383,12 +383,16 @@ pub fn pid_from_info(info: &std::collections::HashMap<String, String>) -> Option
         .filter(|p| *p > 0)
 }
 
-/// Well-known CRI sockets relative to the node's `/run`, in probe order.
+/// Well-known CRI sockets relative to the node's `/run`, in probe order, then the
+/// same sockets' names directly in the mounted directory (when the mount is the
+/// socket's own directory, e.g. `/run/containerd`).
 pub const WELL_KNOWN_SOCKETS: &[&str] = &[
     "containerd/containerd.sock",
     "k3s/containerd/containerd.sock",
     "crio/crio.sock",
     "cri-dockerd.sock",
+    "containerd.sock",
+    "crio.sock",
 ];
 
 /// Finds the runtime that knows `probe_id` among the well-known sockets under the
@@ -396,6 +400,14 @@ pub const WELL_KNOWN_SOCKETS: &[&str] = &[
 /// Sockets that exist but don't know the container (another runtime on the same
 /// node) are skipped, and reported if none matches.
 pub async fn discover(run_dir: &Path, probe_id: &str) -> Result<CriClient, CriError> {
+    // The mount may be the socket itself.
+    if std::fs::metadata(run_dir)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    {
+        let client = CriClient::connect(run_dir).await?;
+        client.container_pid(probe_id).await?;
+        return Ok(client);
+    }
     let mut tried = Vec::new();
     for rel in WELL_KNOWN_SOCKETS {
         let path = run_dir.join(rel);

@@ -11,5 +11,6 @@ pub mod cri;
 pub mod environ;
 pub mod exports;
 pub mod forward;
+pub mod jobenv;
 pub mod netns;
 pub mod nft;

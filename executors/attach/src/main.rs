@@ -4,6 +4,7 @@
 use clap::Parser;
 use podmotion_attach::agent::{self, Config};
 use podmotion_attach::environ::EnvFilter;
+use podmotion_attach::jobenv;
 use podmotion_attach::nft::{DEFAULT_TABLE, Redirect};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,6 +17,11 @@ use tokio::signal::unix::{SignalKind, signal};
     about = "Attach a node-hosted agent to a running pod from outside"
 )]
 struct Cli {
+    /// Accepted for the controller's `args: ["node-agent"]`; the only mode there is.
+    #[arg(value_parser = ["node-agent"])]
+    mode: Option<String>,
+    #[command(flatten)]
+    controller: ControllerArgs,
     #[command(flatten)]
     target: TargetArgs,
     #[command(flatten)]
@@ -40,8 +46,7 @@ struct TargetArgs {
     #[arg(
         long = "container-id",
         env = "PODMOTION_CONTAINER_IDS",
-        value_delimiter = ',',
-        required_unless_present = "pid"
+        value_delimiter = ','
     )]
     container_ids: Vec<String>,
     /// Target host PID, bypassing CRI resolution.
@@ -50,9 +55,10 @@ struct TargetArgs {
     /// The container-runtime socket; when absent, well-known sockets under --host-run are probed.
     #[arg(long, env = "PODMOTION_CRI_SOCKET")]
     cri_socket: Option<PathBuf>,
-    /// The node's /run as mounted into the Job pod.
-    #[arg(long, env = "PODMOTION_HOST_RUN", default_value = "/run")]
-    host_run: PathBuf,
+    /// The node's /run (or the runtime socket's directory) as mounted into the Job
+    /// pod. Default: AGENT_CRI_SOCKET_DIR, else /run.
+    #[arg(long, env = "PODMOTION_HOST_RUN")]
+    host_run: Option<PathBuf>,
     /// The host's /proc (the Job runs with hostPID).
     #[arg(long, env = "PODMOTION_PROC", default_value = "/proc")]
     proc_root: PathBuf,
@@ -61,8 +67,9 @@ struct TargetArgs {
 #[derive(Debug, clap::Args)]
 struct NetArgs {
     /// The agent GID (the Job's runAsGroup): the redirect exempts sockets owned by it.
+    /// Default: AGENT_CONFIG's agentGID.
     #[arg(long, env = "PODMOTION_AGENT_GID")]
-    agent_gid: u32,
+    agent_gid: Option<u32>,
     /// Intercepted port and its forwarder port, APP:AGENT (repeatable).
     #[arg(long = "port", env = "PODMOTION_PORTS", value_delimiter = ',', value_parser = parse_redirect)]
     ports: Vec<Redirect>,
@@ -75,6 +82,24 @@ struct NetArgs {
     /// How long an intercepted connection waits for a client stream.
     #[arg(long, env = "PODMOTION_INTERCEPT_WAIT_SECS", default_value_t = 10)]
     intercept_wait_secs: u64,
+}
+
+/// What the attachment controller puts in the Job (see `jobenv`).
+#[derive(Debug, clap::Args)]
+struct ControllerArgs {
+    /// The sidecar-compatible agent configuration (JSON).
+    #[arg(long, env = "AGENT_CONFIG", hide_env_values = true)]
+    agent_config: Option<String>,
+    /// Container name → CRI ID (JSON object).
+    #[arg(long, env = "AGENT_CONTAINER_IDS")]
+    container_ids_json: Option<String>,
+    /// Where the runtime socket (or its directory) is mounted.
+    #[arg(long, env = "AGENT_CRI_SOCKET_DIR")]
+    cri_socket_dir: Option<PathBuf>,
+    /// Directory holding `token`: when set, the control API requires
+    /// `Authorization: Bearer <token>` (all but /healthz).
+    #[arg(long, env = "AGENT_CREDENTIALS_DIR")]
+    credentials_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,9 +119,9 @@ struct FileArgs {
         default_value = "/"
     )]
     exports: Vec<String>,
-    /// Prefix added to every environment name.
-    #[arg(long, env = "PODMOTION_ENV_PREFIX", default_value = "")]
-    env_prefix: String,
+    /// Prefix added to every environment name. Default: AGENT_CONFIG's config.envPrefix.
+    #[arg(long, env = "PODMOTION_ENV_PREFIX")]
+    env_prefix: Option<String>,
     /// Environment names to drop (`NAME` or `PREFIX*`), repeatable.
     #[arg(
         long = "env-exclude",
@@ -140,26 +165,91 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
-    let cfg = Config {
-        container_ids: cli.target.container_ids.clone(),
+/// Flags and `PODMOTION_*` first, the controller's `AGENT_*` environment for the rest.
+fn config(cli: &Cli) -> Result<Config, String> {
+    let c = &cli.controller;
+    let agent_config = match &c.agent_config {
+        Some(json) => jobenv::parse_agent_config(json)?,
+        None => jobenv::AgentConfig::default(),
+    };
+    let mut container_ids = cli.target.container_ids.clone();
+    if container_ids.is_empty()
+        && let Some(json) = &c.container_ids_json
+    {
+        container_ids = jobenv::container_ids(json, &agent_config.containers)?;
+    }
+    if container_ids.is_empty() && cli.target.pid.is_none() {
+        return Err("no target: give --container-id (or AGENT_CONTAINER_IDS) or --pid".into());
+    }
+    let agent_gid = cli
+        .net
+        .agent_gid
+        .or(agent_config.agent_gid)
+        .ok_or("no agent GID: give --agent-gid (or agentGID in AGENT_CONFIG)")?;
+    let redirects = if cli.net.ports.is_empty() {
+        agent_config.redirects()?
+    } else {
+        cli.net.ports.clone()
+    };
+    let env_prefix = cli
+        .files
+        .env_prefix
+        .clone()
+        .or_else(|| agent_config.config.get("envPrefix").cloned())
+        .unwrap_or_default();
+    let mut env_exclude = cli.files.env_exclude.clone();
+    if env_exclude.is_empty()
+        && let Some(list) = agent_config.config.get("envExclude")
+    {
+        env_exclude = list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+    }
+    let token = match &c.credentials_dir {
+        Some(dir) => {
+            let path = dir.join("token");
+            let t = std::fs::read_to_string(&path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let t = t.trim().to_owned();
+            if t.is_empty() {
+                return Err(format!("{} is empty", path.display()));
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    Ok(Config {
+        container_ids,
         pid: cli.target.pid,
         cri_socket: cli.target.cri_socket.clone(),
-        host_run: cli.target.host_run.clone(),
+        host_run: cli
+            .target
+            .host_run
+            .clone()
+            .or_else(|| c.cri_socket_dir.clone())
+            .unwrap_or_else(|| PathBuf::from("/run")),
         proc_root: cli.target.proc_root.clone(),
-        agent_gid: cli.net.agent_gid,
-        redirects: cli.net.ports.clone(),
+        agent_gid,
+        redirects,
         table: cli.net.table.clone(),
         exports_dir: cli.files.exports_dir.clone(),
         export_paths: cli.files.exports.clone(),
         env_filter: EnvFilter {
-            prefix: cli.files.env_prefix.clone(),
-            exclude: cli.files.env_exclude.clone(),
+            prefix: env_prefix,
+            exclude: env_exclude,
         },
         listen: cli.listen,
         claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
         intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
-    };
+        token,
+    })
+}
+
+async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
+    let cfg = config(cli).map_err(|e| ("BadConfig", e))?;
     // Signals are hooked before attaching so a SIGTERM during attach still cleans up.
     let mut term = signal(SignalKind::terminate()).map_err(|e| ("Signal", e.to_string()))?;
     let mut int = signal(SignalKind::interrupt()).map_err(|e| ("Signal", e.to_string()))?;
@@ -199,6 +289,75 @@ mod tests {
     fn cli_definition_is_consistent() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("podmotion-attach").chain(args.iter().copied()))
+            .unwrap()
+    }
+
+    #[test]
+    fn controller_job_environment_configures_the_agent() {
+        let dir = std::env::temp_dir().join(format!("pm-cred-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("token"), "s3cret\n").unwrap();
+        let c = cli(&[
+            "node-agent",
+            "--agent-config",
+            r#"{"containers":["web"],"agentGID":4242,"ports":[8080],"config":{"envPrefix":"T_","envExclude":"HOME, KUBERNETES_*"}}"#,
+            "--container-ids-json",
+            r#"{"side":"containerd://s","web":"containerd://w"}"#,
+            "--cri-socket-dir",
+            "/host/cri",
+            "--credentials-dir",
+            dir.to_str().unwrap(),
+        ]);
+        let cfg = config(&c).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(cfg.container_ids, vec!["containerd://w", "containerd://s"]);
+        assert_eq!(cfg.agent_gid, 4242);
+        assert_eq!(
+            cfg.redirects,
+            vec![Redirect {
+                port: 8080,
+                to: jobenv::AGENT_PORT_BASE
+            }]
+        );
+        assert_eq!(cfg.host_run, PathBuf::from("/host/cri"));
+        assert_eq!(cfg.env_filter.prefix, "T_");
+        assert_eq!(cfg.env_filter.exclude, vec!["HOME", "KUBERNETES_*"]);
+        assert_eq!(cfg.token.as_deref(), Some("s3cret"));
+    }
+
+    #[test]
+    fn explicit_flags_win_over_the_controller_environment() {
+        let c = cli(&[
+            "--agent-config",
+            r#"{"agentGID":4242,"ports":[8080]}"#,
+            "--agent-gid",
+            "7777",
+            "--port",
+            "9090:16000",
+            "--pid",
+            "1",
+        ]);
+        let cfg = config(&c).unwrap();
+        assert_eq!(cfg.agent_gid, 7777);
+        assert_eq!(
+            cfg.redirects,
+            vec![Redirect {
+                port: 9090,
+                to: 16000
+            }]
+        );
+        assert_eq!(cfg.host_run, PathBuf::from("/run"));
+        assert!(cfg.token.is_none());
+    }
+
+    #[test]
+    fn missing_target_or_gid_is_a_config_error() {
+        assert!(config(&cli(&["--agent-gid", "1"])).is_err());
+        assert!(config(&cli(&["--pid", "1"])).is_err());
     }
 
     #[test]

@@ -208,17 +208,42 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     )
     .await;
 
-    let target = vec![
-        "--container-id".to_owned(),
-        format!("containerd://{container},containerd://{sidecar}"),
-        "--host-run".to_owned(),
-        host_run.display().to_string(),
-    ];
+    // Configured exactly as the attachment controller renders the Job: the
+    // `node-agent` argument, AGENT_CONFIG, AGENT_CONTAINER_IDS (name → ID, primary
+    // named in AGENT_CONFIG), AGENT_CRI_SOCKET_DIR, AGENT_CREDENTIALS_DIR with a token.
+    let creds = containerd.dir.join("credentials");
+    std::fs::create_dir_all(&creds).unwrap();
+    std::fs::write(creds.join("token"), "job-token-123").unwrap();
+    let agent_config = serde_json::json!({
+        "namespace": "podmotion-test",
+        "workload": {"kind": "Deployment", "name": "web"},
+        "containers": ["app", "side"],
+        "agentGID": AGENT_GID,
+        "managerNamespace": "podmotion",
+        "ports": [{"port": APP_PORT, "agentPort": AGENT_PORT}],
+        "config": {"envExclude": "PATH,HOSTNAME"},
+    });
+    let ids = serde_json::json!({"side": format!("containerd://{sidecar}"), "app": format!("containerd://{container}")});
+    let mut parts = agent_cmd_bare(Some(AGENT_GID), &["node-agent".to_owned()]);
+    parts
+        .0
+        .args(["--export", "/srv/www", "--export", "/etc"])
+        .env("AGENT_CONFIG", agent_config.to_string())
+        .env("AGENT_CONTAINER_IDS", ids.to_string())
+        .env("AGENT_CRI_SOCKET_DIR", &host_run)
+        .env("AGENT_CREDENTIALS_DIR", &creds);
     let agent = tokio::task::spawn_blocking(move || {
-        Agent::start(&target, &["--export", "/srv/www", "--export", "/etc"])
+        let mut a = Agent::spawn_from(parts, Some("job-token-123".into()));
+        a.wait_ready(Duration::from_secs(30));
+        a
     })
     .await
     .unwrap();
+    let (unauthorized, _) = request_with(agent.control, "GET", "/v1/env", "").unwrap();
+    assert_eq!(
+        unauthorized, 401,
+        "the control API requires the Job's token"
+    );
     let health = agent.json("/healthz");
     assert_eq!(
         connections.load(Ordering::SeqCst),
@@ -273,6 +298,15 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     };
     assert!(
         pos("ZED=z") < pos("APP_MODE=cri") && pos("APP_MODE=cri") < pos("A=1"),
+        "{env:?}"
+    );
+    // AGENT_CONFIG's envExclude applied (the runtime adds PATH and HOSTNAME).
+    let raw = String::from_utf8_lossy(&std::fs::read(format!("/proc/{task_pid}/environ")).unwrap())
+        .into_owned();
+    assert!(raw.contains("PATH=") && raw.contains("HOSTNAME="), "{raw}");
+    assert!(
+        !env.iter()
+            .any(|e| e.starts_with("PATH=") || e.starts_with("HOSTNAME=")),
         "{env:?}"
     );
 

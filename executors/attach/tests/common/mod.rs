@@ -281,12 +281,30 @@ pub struct Agent {
     pub exports_dir: PathBuf,
     pub termination_log: PathBuf,
     pub stderr_path: PathBuf,
+    /// Bearer token for the control API, when the agent was given credentials.
+    pub token: Option<String>,
 }
 
 pub fn agent_cmd(
     gid: Option<u32>,
     target: &[String],
     extra: &[&str],
+) -> (Command, SocketAddr, PathBuf, PathBuf, PathBuf) {
+    let mut parts = agent_cmd_bare(gid, target);
+    parts
+        .0
+        .args(["--agent-gid", &AGENT_GID.to_string()])
+        .args(["--port", &format!("{APP_PORT}:{AGENT_PORT}")])
+        .args(extra);
+    parts
+}
+
+/// The agent command with only the per-test plumbing (control address, exports dir,
+/// termination log, short timeouts): the target, GID and ports come from the caller,
+/// as flags or as the controller's `AGENT_*` environment.
+pub fn agent_cmd_bare(
+    gid: Option<u32>,
+    target: &[String],
 ) -> (Command, SocketAddr, PathBuf, PathBuf, PathBuf) {
     let n = SEQ.fetch_add(1, Ordering::SeqCst);
     let control: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -309,15 +327,12 @@ pub fn agent_cmd(
         None => Command::new(env!("CARGO_BIN_EXE_podmotion-attach")),
     };
     cmd.args(target)
-        .args(["--agent-gid", &AGENT_GID.to_string()])
-        .args(["--port", &format!("{APP_PORT}:{AGENT_PORT}")])
         .args(["--listen", &control.to_string()])
         .arg("--exports-dir")
         .arg(&exports_dir)
         .arg("--termination-log")
         .arg(&termination_log)
         .args(["--intercept-wait-secs", "5", "--claim-timeout-secs", "20"])
-        .args(extra)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -327,8 +342,14 @@ pub fn agent_cmd(
 
 impl Agent {
     pub fn spawn(target: &[String], extra: &[&str]) -> Agent {
-        let (mut cmd, control, exports_dir, termination_log, stderr_path) =
-            agent_cmd(Some(AGENT_GID), target, extra);
+        Agent::spawn_from(agent_cmd(Some(AGENT_GID), target, extra), None)
+    }
+
+    pub fn spawn_from(
+        parts: (Command, SocketAddr, PathBuf, PathBuf, PathBuf),
+        token: Option<String>,
+    ) -> Agent {
+        let (mut cmd, control, exports_dir, termination_log, stderr_path) = parts;
         let child = cmd.spawn().expect("spawn agent");
         Agent {
             child,
@@ -336,7 +357,15 @@ impl Agent {
             exports_dir,
             termination_log,
             stderr_path,
+            token,
         }
+    }
+
+    fn auth(&self) -> String {
+        self.token
+            .as_ref()
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default()
     }
 
     /// Spawns and waits for /healthz.
@@ -366,13 +395,13 @@ impl Agent {
     }
 
     pub fn json(&self, path: &str) -> serde_json::Value {
-        let (status, body) = get(self.control, path).unwrap();
+        let (status, body) = request_with(self.control, "GET", path, &self.auth()).unwrap();
         assert_eq!(status, 200, "GET {path}: {body}");
         serde_json::from_str(&body).unwrap()
     }
 
     pub fn call(&self, method: &str, path: &str) -> (u16, serde_json::Value) {
-        let (s, b) = request(self.control, method, path, &[]).unwrap();
+        let (s, b) = request_with(self.control, method, path, &self.auth()).unwrap();
         (
             s,
             serde_json::from_str(&b).unwrap_or(serde_json::Value::Null),
@@ -383,7 +412,8 @@ impl Agent {
     pub fn stream(&self, path: &str) -> BufReader<TcpStream> {
         let mut s = TcpStream::connect(self.control).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: podmotion-stream\r\n\r\n").unwrap();
+        let auth = self.auth();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: upgrade\r\nUpgrade: podmotion-stream\r\n\r\n").unwrap();
         let mut r = BufReader::new(s);
         let mut status = String::new();
         r.read_line(&mut status).unwrap();
@@ -413,23 +443,22 @@ impl Drop for Agent {
 }
 
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    request(addr, "GET", path, &[])
+    request_with(addr, "GET", path, "")
 }
 
-pub fn request(
+/// A bodyless request; `headers` are extra header lines, each ending in CRLF.
+pub fn request_with(
     addr: SocketAddr,
     method: &str,
     path: &str,
-    body: &[u8],
+    headers: &str,
 ) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        body.len()
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\nContent-Length: 0\r\n\r\n"
     )?;
-    s.write_all(body)?;
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
