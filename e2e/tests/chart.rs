@@ -1364,3 +1364,173 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+// ---------------------------------------------------------------- the operator as the chart's ServiceAccount
+
+/// Builds the operator binary (nested cargo; the outer test run no longer holds the
+/// build lock) and returns its path.
+fn operator_binary() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(repo_root())
+        .args([
+            "build",
+            "-q",
+            "-p",
+            "podmotion-operator",
+            "--bin",
+            "podmotion-operator",
+        ])
+        .output()
+        .expect("running cargo build");
+    assert!(out.status.success(), "cargo build: {}", output_text(&out));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"));
+    let bin = target.join("debug/podmotion-operator");
+    assert!(bin.is_file(), "{} not built", bin.display());
+    bin
+}
+
+/// A kubeconfig that authenticates as `sa` in `ns` with a short-lived token.
+fn service_account_kubeconfig(ns: &str, sa: &str, path: &Path) {
+    let token = kubectl(&["-n", ns, "create", "token", sa, "--duration=15m"], None);
+    assert!(token.status.success(), "{}", output_text(&token));
+    let view = |jsonpath: &str| {
+        let out = kubectl(
+            &[
+                "config",
+                "view",
+                "--minify",
+                "--raw",
+                "-o",
+                &format!("jsonpath={jsonpath}"),
+            ],
+            None,
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let config = json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {
+            "server": view("{.clusters[0].cluster.server}"),
+            "certificate-authority-data": view("{.clusters[0].cluster.certificate-authority-data}"),
+        }}],
+        "users": [{"name": "sa", "user": {"token": String::from_utf8_lossy(&token.stdout).trim()}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "sa", "namespace": ns}}],
+        "current-context": "c",
+    });
+    std::fs::write(path, serde_json::to_string(&config).unwrap()).unwrap();
+}
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// GET `path` on 127.0.0.1:`port`; the status code, if the server answered.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+        .ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::test]
+async fn the_operator_runs_with_only_the_charts_permissions() {
+    let Some(inst) = install("run").await else {
+        return;
+    };
+    let op = inst.operator_ns.name.clone();
+    let sa = format!("{}-podmotion", inst.release);
+    let kubeconfig = std::env::temp_dir().join(format!("podmotion-{}-sa.kubeconfig", inst.release));
+    service_account_kubeconfig(&op, &sa, &kubeconfig);
+
+    // The Deployment's own args and environment, as the kubelet would expand them.
+    let deploy = of_kind(&inst.docs, "Deployment")[0];
+    let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let identity = format!("{sa}-e2e");
+    let args: Vec<String> = strs(&c["args"])
+        .into_iter()
+        .map(|a| {
+            if a.starts_with("--http-addr=") {
+                format!("--http-addr=127.0.0.1:{port}")
+            } else {
+                a.replace("$(POD_NAMESPACE)", &op)
+                    .replace("$(POD_NAME)", &identity)
+            }
+        })
+        .collect();
+    let log = std::env::temp_dir().join(format!("podmotion-{}-operator.log", inst.release));
+    let mut cmd = Command::new(operator_binary());
+    cmd.args(&args)
+        .env_clear()
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAMESPACE", &op)
+        .env("POD_NAME", &identity)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    for e in c["env"].as_array().unwrap() {
+        if let Some(v) = e["value"].as_str() {
+            cmd.env(e["name"].as_str().unwrap(), v);
+        }
+    }
+    let mut child = KillOnDrop(cmd.spawn().expect("starting podmotion-operator"));
+
+    // Ready means: the CRDs were found (by name), every enabled controller's caches
+    // synced (list + watch allowed) and the Lease was taken.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut ready = false;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            let err = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("podmotion-operator exited ({status}) as {sa}:\n{err}");
+        }
+        if http_status(port, "/readyz") == Some(200) {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert!(
+        ready,
+        "podmotion-operator not ready within {TIMEOUT:?} as {sa}:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(inst.operator_ns.client.clone(), &op);
+    wait_for(
+        &leases,
+        "podmotion-operator",
+        TIMEOUT,
+        "the leader Lease",
+        |l| {
+            l.and_then(|l| l.spec.as_ref())
+                .and_then(|s| s.holder_identity.as_deref())
+                == Some(identity.as_str())
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(http_status(port, "/healthz"), Some(200));
+    let _ = std::fs::remove_file(&kubeconfig);
+    let _ = std::fs::remove_file(&log);
+}
