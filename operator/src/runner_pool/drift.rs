@@ -151,7 +151,10 @@ fn name_of(v: &Value) -> &str {
 
 fn compare(path: &str, want: &Value, have: Option<&Value>, out: &mut Vec<String>) {
     let Some(have) = have.filter(|h| !h.is_null()) else {
-        if !want.is_null() {
+        // The API server drops Go zero values of plain fields (`hostNetwork: false`,
+        // `hostPID: false`): absent is what we asked for.
+        let zero = matches!(want, Value::Null | Value::Bool(false)) || want.as_i64() == Some(0);
+        if !zero {
             out.push(format!("{path} is missing"));
         }
         return;
@@ -247,6 +250,16 @@ mod tests {
         assert_eq!(mib % 16, 0, "fixture memory should be expressible in Ki");
         limits.insert("memory".into(), Quantity(format!("{}Ki", mib * 1024)));
         assert_eq!(shape_drift(&rendered(), &live), Vec::<String>::new());
+    }
+
+    #[test]
+    fn false_host_namespaces_dropped_by_the_api_server_are_not_drift() {
+        let mut live = rendered();
+        let p = pod(&mut live);
+        (p.host_network, p.host_pid, p.host_ipc) = (None, None, None);
+        assert_eq!(shape_drift(&rendered(), &live), Vec::<String>::new());
+        pod(&mut live).host_ipc = Some(true);
+        assert!(!shape_drift(&rendered(), &live).is_empty());
     }
 
     #[test]

@@ -111,6 +111,17 @@ pub fn effective_max_unavailable(pool: &RunnerPool, eligible_nodes: usize) -> In
     }
 }
 
+/// `minAvailable` of the PodDisruptionBudget: the eligible nodes less the rollout's
+/// bound, so evictions are bounded like a rollout.
+pub fn pdb_min_available(pool: &RunnerPool, eligible_nodes: usize) -> i32 {
+    let nodes = i32::try_from(eligible_nodes).unwrap_or(i32::MAX);
+    let down = super::status::max_unavailable_count(
+        &effective_max_unavailable(pool, eligible_nodes),
+        nodes,
+    );
+    (nodes - down).max(0)
+}
+
 fn typed<T: DeserializeOwned>(what: &str, v: Value) -> T {
     // The manifests below are fixed shapes; a failure here is a bug caught by every test.
     serde_json::from_value(v)
@@ -145,7 +156,10 @@ pub fn render(pool: &RunnerPool, inputs: &Inputs) -> Desired {
                 "metadata": meta_json(pool, &name, Some(&ns)),
                 "spec": {
                     "selector": {"matchLabels": pod_selector(pool)},
-                    "maxUnavailable": effective_max_unavailable(pool, inputs.eligible_nodes),
+                    // The disruption controller cannot compute maxUnavailable or
+                    // percentages for DaemonSet pods (no scale subresource): an integer
+                    // minAvailable is the form it supports.
+                    "minAvailable": pdb_min_available(pool, inputs.eligible_nodes),
                     // A Runner that is not ready holds no sessions worth protecting; it
                     // must never block a node drain.
                     "unhealthyPodEvictionPolicy": "AlwaysAllow",

@@ -536,9 +536,22 @@ fn image_is_the_pinned_digest_and_preflight_defaults_to_the_operators_image() {
 
 #[test]
 fn pdb_bounds_evictions_like_the_rollout() {
+    // 3 eligible nodes, maxUnavailable 1: at least 2 Runners must stay.
     let pdb = desired().pdb.spec.unwrap();
-    assert_eq!(pdb.max_unavailable, Some(IntOrString::Int(1)));
-    assert!(pdb.min_available.is_none());
+    assert_eq!(pdb.min_available, Some(IntOrString::Int(2)));
+    assert!(
+        pdb.max_unavailable.is_none(),
+        "DaemonSet pods support only an integer minAvailable"
+    );
+    assert_eq!(
+        pdb.unhealthy_pod_eviction_policy.as_deref(),
+        Some("AlwaysAllow")
+    );
+    let pct = pool("rp")
+        .max_unavailable(IntOrString::String("25%".into()))
+        .build();
+    assert_eq!(pdb_min_available(&pct, 8), 6);
+    assert_eq!(pdb_min_available(&pct, 0), 0);
     assert_eq!(
         pdb.selector.unwrap().match_labels.unwrap()[labels::INSTANCE],
         "rp"
