@@ -37,6 +37,9 @@ pub enum PortEntry {
         port: u16,
         #[serde(default, rename = "agentPort")]
         agent_port: Option<u16>,
+        /// `TCP` (default) or `UDP`; only TCP is redirected.
+        #[serde(default)]
+        protocol: Option<String>,
     },
 }
 
@@ -52,10 +55,13 @@ impl AgentConfig {
             .ports
             .iter()
             .map(|p| match p {
-                PortEntry::Number(n) => (*n, None),
-                PortEntry::Mapped { port, agent_port } => (*port, *agent_port),
+                PortEntry::Number(n) => Ok((*n, None)),
+                PortEntry::Mapped { port, agent_port, protocol } => match protocol.as_deref() {
+                    None | Some("TCP") => Ok((*port, *agent_port)),
+                    Some(p) => Err(format!("AGENT_CONFIG: port {port}/{p}: only TCP ports can be intercepted by the node agent")),
+                },
             })
-            .collect();
+            .collect::<Result<_, String>>()?;
         let mut taken: Vec<u16> = wanted
             .iter()
             .flat_map(|(a, b)| [Some(*a), *b])
@@ -134,6 +140,15 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn udp_ports_are_refused_with_a_clear_error() {
+        let c = parse_agent_config(r#"{"ports":[{"port":53,"protocol":"UDP"}]}"#).unwrap();
+        let e = c.redirects().unwrap_err();
+        assert!(e.contains("only TCP"), "{e}");
+        let c = parse_agent_config(r#"{"ports":[{"port":80,"protocol":"TCP"}]}"#).unwrap();
+        assert_eq!(c.redirects().unwrap()[0].port, 80);
     }
 
     #[test]

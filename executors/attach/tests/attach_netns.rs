@@ -137,11 +137,11 @@ fn intercept_delivers_connections_to_the_client_stream_and_stopping_it_restores_
     stream.read_line(&mut head).unwrap();
     let head: serde_json::Value = serde_json::from_str(&head).unwrap();
     assert_eq!(head["original_dst"], pod.app_addr().to_string(), "{head}");
-    assert!(
-        head["peer"]
-            .as_str()
-            .unwrap()
-            .starts_with(&pod.app_addr().ip().to_string()[..8])
+    let peer: std::net::SocketAddr = head["peer"].as_str().unwrap().parse().unwrap();
+    assert_eq!(
+        peer.ip().to_string(),
+        pod.client_ip,
+        "the real client, not the agent"
     );
     let mut req = [0u8; 16];
     stream.read_exact(&mut req).unwrap();

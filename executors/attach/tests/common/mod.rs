@@ -84,6 +84,7 @@ pub struct NetnsPod {
     pub client_ns: String,
     pub pod_ip: String,
     pub pod_ip6: String,
+    pub client_ip: String,
     pub www: PathBuf,
     pub app: Child,
 }
@@ -151,6 +152,7 @@ impl NetnsPod {
             client_ns,
             pod_ip,
             pod_ip6,
+            client_ip: cli_ip.clone(),
             www,
             app,
         };
