@@ -634,7 +634,7 @@ async fn execute<A: AgentClient>(
                 mode: pm.spec.mode,
                 tcp_preservation: pm.spec.tcp_preservation,
                 bandwidth_limit_bytes_per_second: pm.spec.bandwidth_limit_bytes_per_second,
-                probe: pm.spec.probe.clone(),
+                probe: source.and_then(|src| render::effective_probe(pm.spec.probe.as_ref(), src)),
                 target_agent_url: match status.target_node.as_deref() {
                     Some(t) => endpoint_of(s, t).await?.map(|e| e.url),
                     None => None,

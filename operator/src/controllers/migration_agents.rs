@@ -11,12 +11,19 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use k8s_openapi::api::core::v1::Secret;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
+use podmotion_api::migration::{ApplicationProbe, HttpScheme};
 use podmotion_api::migration::{NetworkOutcome, TcpPreservation};
-use podmotion_wire::agent::{MigrationStatus, Phase, PrepareRequest, Role, SocketOutcome};
+use podmotion_wire::agent::{
+    MigrationStatus, Phase, PrepareRequest, Role, SendRequest, SocketOutcome,
+};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentProgress, AgentReport, Step, StepRequest,
@@ -172,23 +179,110 @@ impl WireAgents {
                 let Some(url) = &r.target_agent_url else {
                     return Err(("NoTargetAgent".into(), "no target agent endpoint".into()));
                 };
-                c.send(uid, url, &agent_server_name(&r.target_node)).await
+                let req = SendRequest {
+                    migration_uid: uid.into(),
+                    target_endpoint: url.clone(),
+                    target_server_name: agent_server_name(&r.target_node),
+                    bandwidth_limit: r.bandwidth_limit_bytes_per_second.unwrap_or(0).max(0) as u64,
+                };
+                c.raw()
+                    .send(req)
+                    .await
+                    .map(|resp| resp.into_inner())
+                    .map_err(ClientError::from)
             }
             Step::Restore => c.restore(uid).await,
-            // The wire service has no probe yet: fail closed, so nothing is committed
-            // without proof (the migration rolls back to the source).
-            Step::Probe => {
-                return Err((
-                    "ProbeUnsupported".into(),
-                    "the agent wire protocol has no application probe yet".into(),
-                ));
-            }
+            // The wire service has no probe call yet: the operator probes the restored
+            // pod over the pod network itself (TCP and plain HTTP); other kinds fail
+            // closed, so nothing is committed without proof.
+            Step::Probe => return self.probe(r).await,
             Step::Commit => c.commit(uid).await,
             Step::Abort => c.abort(uid).await,
             Step::Cleanup => c.cleanup(uid).await,
         };
         res.map(|_| ()).map_err(|e| fail(&e))
     }
+}
+
+impl WireAgents {
+    async fn probe(&self, r: &StepRequest) -> Result<(), (String, String)> {
+        let Some(p) = &r.probe else {
+            // No probe anywhere: the restore resuming the process is the proof.
+            return Ok(());
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
+        let ip = pods
+            .get(&r.target_pod)
+            .await
+            .ok()
+            .and_then(|pod| pod.status.and_then(|s| s.pod_ip))
+            .ok_or_else(|| {
+                (
+                    "ProbeFailed".to_string(),
+                    "the target pod has no IP".to_string(),
+                )
+            })?;
+        let timeout = Duration::from_secs(p.timeout_seconds.max(1) as u64);
+        let mut last = String::new();
+        for attempt in 1..=p.failure_threshold.max(1) {
+            match probe_once(&ip, p, timeout).await {
+                Ok(()) => return Ok(()),
+                Err(ProbeError::Unsupported(m)) => return Err(("ProbeUnsupported".into(), m)),
+                Err(ProbeError::Failed(m)) => last = format!("attempt {attempt}: {m}"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Err(("ProbeFailed".into(), last))
+    }
+}
+
+enum ProbeError {
+    Unsupported(String),
+    Failed(String),
+}
+
+/// One attempt of a TCP or plain-HTTP probe against `ip`.
+async fn probe_once(ip: &str, p: &ApplicationProbe, timeout: Duration) -> Result<(), ProbeError> {
+    let failed = |m: String| ProbeError::Failed(m);
+    let (port, http_path) = match (&p.tcp_socket, &p.http_get) {
+        (Some(t), _) => (t.port, None),
+        (None, Some(h)) if h.scheme == HttpScheme::Http => (h.port, Some(h.path.clone())),
+        _ => {
+            return Err(ProbeError::Unsupported(
+                "HTTPS, gRPC and exec probes need the agent, whose wire protocol has no probe call yet".into(),
+            ));
+        }
+    };
+    let addr = format!("{ip}:{port}");
+    let attempt = async {
+        let mut stream = TcpStream::connect(&addr)
+            .await
+            .map_err(|e| failed(format!("connect {addr}: {e}")))?;
+        let Some(path) = http_path else { return Ok(()) };
+        let req =
+            format!("GET {path} HTTP/1.0\r\nHost: {ip}\r\nUser-Agent: podmotion-probe\r\n\r\n");
+        stream
+            .write_all(req.as_bytes())
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let mut buf = vec![0u8; 64];
+        let n = stream
+            .read(&mut buf)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let line = String::from_utf8_lossy(&buf[..n]);
+        match line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse::<u16>().ok())
+        {
+            Some(code) if (200..400).contains(&code) => Ok(()),
+            other => Err(failed(format!("GET {addr}{path}: status {other:?}"))),
+        }
+    };
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .map_err(|_| failed(format!("{addr}: no answer within {timeout:?}")))?
 }
 
 impl AgentClient for WireAgents {
@@ -256,7 +350,80 @@ impl AgentClient for WireAgents {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use podmotion_api::migration::{HttpProbe, TcpProbe};
     use podmotion_wire::agent::Timings;
+    use tokio::net::TcpListener;
+
+    fn probe(tcp: Option<i32>, http: Option<(i32, &str)>) -> ApplicationProbe {
+        ApplicationProbe {
+            http_get: http.map(|(port, path)| HttpProbe {
+                path: path.into(),
+                port,
+                scheme: HttpScheme::Http,
+            }),
+            tcp_socket: tcp.map(|port| TcpProbe { port }),
+            grpc: None,
+            exec: None,
+            timeout_seconds: 1,
+            failure_threshold: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn tcp_and_http_probes_pass_only_against_a_live_healthy_server() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = i32::from(l.local_addr().unwrap().port());
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut buf = [0u8; 256];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let ok = String::from_utf8_lossy(&buf[..n]).starts_with("GET /ok ");
+                let line = if ok {
+                    "HTTP/1.0 200 OK\r\n\r\n"
+                } else {
+                    "HTTP/1.0 503 Unavailable\r\n\r\n"
+                };
+                let _ = s.write_all(line.as_bytes()).await;
+            }
+        });
+        let t = Duration::from_secs(1);
+        assert!(
+            probe_once("127.0.0.1", &probe(Some(port), None), t)
+                .await
+                .is_ok()
+        );
+        assert!(
+            probe_once("127.0.0.1", &probe(None, Some((port, "/ok"))), t)
+                .await
+                .is_ok()
+        );
+        assert!(matches!(
+            probe_once("127.0.0.1", &probe(None, Some((port, "/bad"))), t).await,
+            Err(ProbeError::Failed(_))
+        ));
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        assert!(matches!(
+            probe_once("127.0.0.1", &probe(Some(i32::from(closed)), None), t).await,
+            Err(ProbeError::Failed(_))
+        ));
+        let grpc = ApplicationProbe {
+            grpc: Some(podmotion_api::migration::GrpcProbe {
+                port,
+                service: None,
+            }),
+            ..probe(None, None)
+        };
+        assert!(matches!(
+            probe_once("127.0.0.1", &grpc, t).await,
+            Err(ProbeError::Unsupported(_))
+        ));
+    }
 
     fn status(role: Role, phase: Phase) -> MigrationStatus {
         MigrationStatus {

@@ -15,9 +15,13 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Secret};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
 use podmotion_api::PodMigration;
+use podmotion_api::migration::{
+    ApplicationProbe, ExecProbe, GrpcProbe, HttpProbe, HttpScheme, TcpProbe,
+};
 use podmotion_api::names::{annotations, labels};
 use serde_json::json;
 
@@ -195,6 +199,80 @@ pub fn hand_over_patch(target: &Pod) -> serde_json::Value {
         l.insert(k, json!(v));
     }
     json!({"metadata": {"labels": l, "ownerReferences": []}})
+}
+
+/// The check the restored pod must pass before the source is given up: the
+/// PodMigration's probe, else the source's own readiness probe (first container that
+/// has one; a named port is resolved through the container's ports), else none (the
+/// restore having resumed the process is then the proof).
+pub fn effective_probe(
+    spec_probe: Option<&ApplicationProbe>,
+    source: &Pod,
+) -> Option<ApplicationProbe> {
+    if let Some(p) = spec_probe {
+        return Some(p.clone());
+    }
+    let spec = source.spec.as_ref()?;
+    spec.containers.iter().find_map(|c| {
+        let rp = c.readiness_probe.as_ref()?;
+        let port = |p: &IntOrString| match p {
+            IntOrString::Int(n) => Some(*n),
+            IntOrString::String(name) => c
+                .ports
+                .iter()
+                .flatten()
+                .find(|cp| cp.name.as_deref() == Some(name))
+                .map(|cp| cp.container_port),
+        };
+        let base = ApplicationProbe {
+            http_get: None,
+            tcp_socket: None,
+            grpc: None,
+            exec: None,
+            timeout_seconds: rp.timeout_seconds.unwrap_or(1).clamp(1, 60),
+            failure_threshold: rp.failure_threshold.unwrap_or(3).clamp(1, 30),
+        };
+        if let Some(h) = &rp.http_get {
+            let scheme = if h.scheme.as_deref() == Some("HTTPS") {
+                HttpScheme::Https
+            } else {
+                HttpScheme::Http
+            };
+            let path = h.path.clone().unwrap_or_else(|| "/".into());
+            return Some(ApplicationProbe {
+                http_get: Some(HttpProbe {
+                    path,
+                    port: port(&h.port)?,
+                    scheme,
+                }),
+                ..base
+            });
+        }
+        if let Some(t) = &rp.tcp_socket {
+            return Some(ApplicationProbe {
+                tcp_socket: Some(TcpProbe {
+                    port: port(&t.port)?,
+                }),
+                ..base
+            });
+        }
+        if let Some(g) = &rp.grpc {
+            return Some(ApplicationProbe {
+                grpc: Some(GrpcProbe {
+                    port: g.port,
+                    service: g.service.clone(),
+                }),
+                ..base
+            });
+        }
+        rp.exec.as_ref().map(|e| ApplicationProbe {
+            exec: Some(ExecProbe {
+                command: e.command.clone().unwrap_or_default(),
+                container: Some(c.name.clone()),
+            }),
+            ..base
+        })
+    })
 }
 
 /// The target pod's facts for the machine.
@@ -376,6 +454,58 @@ mod tests {
         assert_eq!(s.owner_references()[0].kind, "PodMigration");
         assert_eq!(s.data.as_ref().unwrap()[TRANSFER_KEY].0, vec![7u8; 32]);
         assert_eq!(s.name_any(), "move-web-transfer-key");
+    }
+
+    #[test]
+    fn the_default_probe_is_the_source_containers_readiness_probe() {
+        use k8s_openapi::api::core::v1::{ContainerPort, HTTPGetAction, Probe};
+        let (_, mut source, _) = rendered();
+        let c = &mut source.spec.as_mut().unwrap().containers[0];
+        c.ports = Some(vec![ContainerPort {
+            name: Some("http".into()),
+            container_port: 8080,
+            ..Default::default()
+        }]);
+        c.readiness_probe = Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/healthz".into()),
+                port: IntOrString::String("http".into()),
+                ..Default::default()
+            }),
+            failure_threshold: Some(5),
+            ..Default::default()
+        });
+        let p = effective_probe(None, &source).unwrap();
+        let h = p.http_get.clone().unwrap();
+        assert_eq!(
+            (h.port, h.path.as_str(), p.failure_threshold),
+            (8080, "/healthz", 5)
+        );
+        let explicit = ApplicationProbe {
+            tcp_socket: Some(TcpProbe { port: 9 }),
+            ..p.clone_without_handlers()
+        };
+        assert_eq!(
+            effective_probe(Some(&explicit), &source),
+            Some(explicit.clone())
+        );
+        source.spec.as_mut().unwrap().containers[0].readiness_probe = None;
+        assert_eq!(effective_probe(None, &source), None);
+    }
+
+    trait Bare {
+        fn clone_without_handlers(&self) -> ApplicationProbe;
+    }
+    impl Bare for ApplicationProbe {
+        fn clone_without_handlers(&self) -> ApplicationProbe {
+            ApplicationProbe {
+                http_get: None,
+                tcp_socket: None,
+                grpc: None,
+                exec: None,
+                ..self.clone()
+            }
+        }
     }
 
     #[test]
