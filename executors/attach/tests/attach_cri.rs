@@ -193,6 +193,26 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
         task_pid
     );
 
+    // Every well-known location is found, each alone in a mounted /run; so is the
+    // socket mounted directly.
+    for (i, rel) in podmotion_attach::cri::WELL_KNOWN_SOCKETS.iter().enumerate() {
+        let run_dir = containerd.dir.join(format!("run-{i}"));
+        let at = run_dir.join(rel);
+        std::fs::create_dir_all(at.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&containerd.socket, &at).unwrap();
+        let found = podmotion_attach::cri::discover(&run_dir, &container).await;
+        assert_eq!(found.map(|c| c.socket().to_owned()).ok(), Some(at), "{rel}");
+    }
+    let direct = podmotion_attach::cri::discover(&containerd.socket, &container).await;
+    assert!(direct.is_ok(), "socket mounted directly");
+    let empty = containerd.dir.join("run-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let err = podmotion_attach::cri::discover(&empty, &container)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(err.category(), "NoCriSocket");
+
     // A node /run as the Job would mount it: a dead socket where containerd's usually
     // is, the live runtime at k3s's path. Discovery must skip the dead one.
     let host_run = containerd.dir.join("host-run");
