@@ -502,3 +502,88 @@ fn agent_removes_its_table_and_exits_when_the_target_process_ends() {
     );
     assert!(!pod.nft_tables().contains(TABLE));
 }
+
+#[test]
+fn agent_in_its_own_job_pod_namespace_serves_the_api_there_and_forwards_in_the_target() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    // The Job pod's own network namespace, with loopback only.
+    let job_ns = format!("{}-job", pod.pod_ns);
+    common::run(std::process::Command::new("ip").args(["netns", "add", &job_ns]));
+    common::run(std::process::Command::new("ip").args(["-n", &job_ns, "link", "set", "lo", "up"]));
+    struct DelNs(String);
+    impl Drop for DelNs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .status();
+        }
+    }
+    let _job_ns_guard = DelNs(job_ns.clone());
+
+    let (cmd, control, exports, log, stderr) = agent_cmd(Some(AGENT_GID), &target(&pod), &[]);
+    // Same command, started inside the Job namespace.
+    let mut wrapped = std::process::Command::new("ip");
+    wrapped
+        .args(["netns", "exec", &job_ns])
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            wrapped.env(k, v);
+        }
+    }
+    wrapped.stderr(std::fs::File::create(&stderr).unwrap());
+    let mut agent = Agent::spawn_from((wrapped, control, exports, log, stderr), None);
+
+    let job = NetnsExecutor::open(&NetnsPod::ns_path(&job_ns)).unwrap();
+    let connect = |port: u16| {
+        job.run_blocking(move || {
+            std::net::TcpStream::connect_timeout(
+                &([127, 0, 0, 1], port).into(),
+                Duration::from_secs(2),
+            )
+        })
+    };
+    let http = |method: &str, path: &str| -> String {
+        let mut s = connect(control.port()).expect("control API in the job namespace");
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    wait_for(Duration::from_secs(20), || {
+        assert!(
+            agent.child.try_wait().unwrap().is_none(),
+            "agent exited: {}",
+            agent.stderr()
+        );
+        connect(control.port()).is_ok()
+    })
+    .expect("agent ready");
+    assert!(http("GET", "/healthz").starts_with("HTTP/1.1 200"));
+    // Not in the root namespace…
+    assert!(std::net::TcpStream::connect_timeout(&control, Duration::from_millis(300)).is_err());
+    // …and the forwarder is in the target, not in the agent's own namespace: the
+    // netns thread went back to the Job namespace, not to the root one.
+    assert!(
+        connect(AGENT_PORT).is_err(),
+        "no forwarder in the job namespace"
+    );
+    assert!(
+        pod.client_get("/").unwrap().contains("hello-app"),
+        "pass-through in the target"
+    );
+    assert!(http("POST", &format!("/v1/intercepts/{APP_PORT}")).starts_with("HTTP/1.1 201"));
+    assert!(http("DELETE", &format!("/v1/intercepts/{APP_PORT}")).starts_with("HTTP/1.1 200"));
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.child.wait().unwrap().success(), "{}", agent.stderr());
+    assert!(!pod.nft_tables().contains(TABLE));
+}
