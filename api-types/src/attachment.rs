@@ -243,9 +243,10 @@ pub struct AgentSettings {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 2147483647").message("agent.gid must be between 1 and 2147483647 (not root's group)"))]
     pub gid: i64,
 
-    /// Host path of the node's container-runtime socket, or of a directory holding it,
-    /// mounted read-only into the agent. Unset: the operator's default (`/run`, where
-    /// the agent finds the containerd, CRI-O, k3s or cri-dockerd socket).
+    /// Host path of the node's container-runtime socket (a path ending in `.sock`), or
+    /// of a directory holding it, mounted read-only into the agent. Unset: the
+    /// operator's default (`/run`, where the agent finds the containerd, CRI-O, k3s or
+    /// cri-dockerd socket).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.startsWith('/') && !self.contains('..') && self.size() <= 255").message("agent.criSocketPath must be an absolute host path without '..'"))]
     #[schemars(length(max = 255))]

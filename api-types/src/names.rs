@@ -60,6 +60,8 @@ pub mod annotations {
     pub const TARGET_POD: &str = "podmotion.io/target-pod";
     /// On attachment Jobs: `Kind/name` of the target's workload.
     pub const WORKLOAD: &str = "podmotion.io/workload";
+    /// On attachment Jobs: the port numbers the agent redirects (JSON list).
+    pub const AGENT_PORTS: &str = "podmotion.io/agent-ports";
     /// On attachment Jobs: the target's container IDs the Job was made for (JSON map).
     pub const CONTAINER_IDS: &str = "podmotion.io/container-ids";
     /// Default annotation that marks a pod as carrying an injected traffic-agent sidecar.

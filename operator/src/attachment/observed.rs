@@ -246,6 +246,8 @@ pub struct JobView {
     pub container_ids: BTreeMap<String, String>,
     /// Hash of the rendered Job spec, to notice outdated agent settings.
     pub spec_hash: String,
+    /// Port numbers the agent redirects.
+    pub ports: Vec<i32>,
     pub terminating: bool,
     pub run: JobRun,
 }
@@ -284,6 +286,10 @@ impl JobView {
                 .and_then(|s| serde_json::from_str(s).ok())
                 .unwrap_or_default(),
             spec_hash: a.get(annotations::SPEC_HASH).cloned().unwrap_or_default(),
+            ports: a
+                .get(annotations::AGENT_PORTS)
+                .and_then(|s| serde_json::from_str(s).ok())
+                .unwrap_or_default(),
             terminating: j.metadata.deletion_timestamp.is_some(),
             run,
         })

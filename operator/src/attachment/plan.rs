@@ -22,8 +22,8 @@ use podmotion_api::names::reasons;
 use super::naming::job_name;
 use super::observed::{AttachmentView, JobRun, ObservedGroup, PodPhase, PodView, workload_key};
 use super::reap::{Claims, JobFate, ReapReason, WantedTarget, fate};
-use super::render::{AgentProfile, Settings, job};
-use super::selection::{PodClass, classify, container_ids};
+use super::render::{AgentProfile, AgentTarget, Settings, job};
+use super::selection::{PodClass, classify, container_ids, container_names, resolve_ports};
 
 /// A Job to create for a target pod.
 #[derive(Clone, Debug)]
@@ -214,9 +214,10 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
         let profile = AgentProfile {
             namespace: ns,
             workload: &obs.workload,
-            containers,
             agent: &primary.spec.agent,
         };
+        let port_claims: Vec<&[podmotion_api::attachment::AgentPort]> =
+            every_replica.iter().map(|a| &a.spec.ports[..]).collect();
         for p in &pods {
             let Some(by) = claimed.get(p.name.as_str()) else {
                 let reason = match classes
@@ -235,7 +236,15 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
             };
             let name = job_name(&settings.job_prefix, ns, &p.name);
             let ids = container_ids(p, containers, &sidecar);
-            let (j, hash) = job(settings, &profile, p, &name, &ids);
+            let names = container_names(p, containers, &sidecar);
+            let ports = resolve_ports(p, containers, &sidecar, &port_claims);
+            let target = AgentTarget {
+                pod: p,
+                containers: &names,
+                container_ids: &ids,
+                ports: &ports,
+            };
+            let (j, hash) = job(settings, &profile, &target, &name);
             claims.targets.insert(
                 p.name.clone(),
                 WantedTarget {
@@ -243,6 +252,7 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
                     job_name: name,
                     container_ids: ids,
                     spec_hash: hash,
+                    ports,
                     claimed_by: by.clone(),
                 },
             );

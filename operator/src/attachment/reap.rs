@@ -18,6 +18,8 @@ pub struct WantedTarget {
     pub job_name: String,
     pub container_ids: BTreeMap<String, String>,
     pub spec_hash: String,
+    /// Port numbers the agent must redirect.
+    pub ports: Vec<i32>,
     /// Names of the attachments that claim it (for status and Events).
     pub claimed_by: Vec<String>,
 }
@@ -81,6 +83,8 @@ pub enum ReplaceReason {
     AgentSettingsChanged,
     /// The Job has another name than the target's Job should (prefix changed).
     Renamed,
+    /// A port must be redirected that the Job's agent does not redirect.
+    PortsAdded,
 }
 
 impl ReplaceReason {
@@ -97,6 +101,7 @@ impl ReplaceReason {
             ReplaceReason::Terminating => "the Job is terminating",
             ReplaceReason::AgentSettingsChanged => "the agent settings changed",
             ReplaceReason::Renamed => "the Job name prefix changed",
+            ReplaceReason::PortsAdded => "a port is wanted that the agent does not redirect",
         }
     }
 }
@@ -150,6 +155,10 @@ pub fn fate(job: &JobView, claims: &Claims, target_failed: bool) -> JobFate {
         JobFate::Replace(ReplaceReason::Renamed)
     } else if job.spec_hash != t.spec_hash {
         JobFate::Replace(ReplaceReason::AgentSettingsChanged)
+    } else if !t.ports.iter().all(|p| job.ports.contains(p)) {
+        // Fewer ports than the Job redirects is fine: the agent passes unclaimed ports
+        // through, and replacing it would cut the sessions still using it.
+        JobFate::Replace(ReplaceReason::PortsAdded)
     } else {
         JobFate::Keep
     }
@@ -169,6 +178,7 @@ mod tests {
             workload: "Deployment/web".into(),
             container_ids: BTreeMap::from([("app".into(), format!("cri://{pod}-1"))]),
             spec_hash: "h1".into(),
+            ports: vec![8080],
             terminating: false,
             run: JobRun::Active { ready: true },
         }
@@ -185,6 +195,7 @@ mod tests {
                         job_name: j.name,
                         container_ids: j.container_ids,
                         spec_hash: j.spec_hash,
+                        ports: j.ports,
                         claimed_by: vec!["a".into()],
                     },
                 )

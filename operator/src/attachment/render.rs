@@ -13,11 +13,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, HostPathVolumeSource, PodSpec, PodTemplateSpec, Secret,
-    SecretVolumeSource, SecurityContext, Toleration, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, PodSpec,
+    PodTemplateSpec, Probe, Secret, SecretVolumeSource, SecurityContext, Toleration, Volume,
+    VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use podmotion_api::attachment::{AgentSettings, WorkloadRef};
 use podmotion_api::names::{annotations, labels};
 use sha2::{Digest, Sha256};
@@ -30,8 +32,12 @@ pub const COMPONENT: &str = "node-agent";
 pub const NETWORK_POLICY: &str = "podmotion-node-agent-deny-ingress";
 /// Where the agent finds its credentials.
 pub const CREDENTIALS_DIR: &str = "/var/run/podmotion/credentials";
-/// Where the node's container-runtime socket (directory) is mounted.
+/// Where the node's container-runtime socket (or its directory) is mounted.
 pub const CRI_MOUNT: &str = "/host/cri";
+/// The executor's export symlinks (an emptyDir: the root filesystem is read-only).
+pub const EXPORTS_DIR: &str = "/var/run/podmotion/exports";
+/// The executor's control API port (reached by `kubectl port-forward`).
+pub const CONTROL_PORT: i32 = 8400;
 /// The agent's capabilities, exactly these.
 pub const CAPABILITIES: [&str; 4] = ["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"];
 
@@ -69,8 +75,17 @@ impl Default for Settings {
 pub struct AgentProfile<'a> {
     pub namespace: &'a str,
     pub workload: &'a WorkloadRef,
-    pub containers: &'a [String],
     pub agent: &'a AgentSettings,
+}
+
+/// One target as the agent sees it: the pod, its containers (primary first) with their
+/// container IDs, and the ports to redirect.
+#[derive(Clone, Debug)]
+pub struct AgentTarget<'a> {
+    pub pod: &'a PodView,
+    pub containers: &'a [String],
+    pub container_ids: &'a BTreeMap<String, String>,
+    pub ports: &'a [i32],
 }
 
 /// Labels selecting every agent Job and pod of PodMotion.
@@ -127,10 +142,10 @@ pub fn workload_selector(namespace: &str, w: &WorkloadRef) -> String {
 pub fn job(
     settings: &Settings,
     profile: &AgentProfile<'_>,
-    pod: &PodView,
+    target: &AgentTarget<'_>,
     name: &str,
-    container_ids: &BTreeMap<String, String>,
 ) -> (Job, String) {
+    let (pod, container_ids) = (target.pod, target.container_ids);
     let agent = profile.agent;
     let image = agent
         .image
@@ -140,12 +155,17 @@ pub fn job(
         .cri_socket_path
         .clone()
         .unwrap_or_else(|| settings.default_cri_socket_path.clone());
+    // A path naming the socket itself is handed over as the socket; anything else is a
+    // directory the agent probes for the well-known runtime sockets.
+    let cri_is_socket = cri_path.ends_with(".sock");
     let node = pod.node.clone().unwrap_or_default();
     let ids_json = serde_json::to_string(container_ids).expect("a string map serializes");
-    let agent_config = serde_json::json!({
+    // The ports are left out of the hashed spec: a Job that already redirects every
+    // wanted port is kept when fewer are wanted (see `reap::fate`).
+    let mut agent_config = serde_json::json!({
         "namespace": profile.namespace,
         "workload": {"kind": profile.workload.kind.as_str(), "name": profile.workload.name},
-        "containers": profile.containers,
+        "containers": target.containers,
         "agentGID": agent.gid,
         "managerNamespace": settings.namespace,
         "config": agent.config,
@@ -169,10 +189,30 @@ pub fn job(
             env("AGENT_TARGET_POD_UID", pod.uid.clone()),
             env("AGENT_TARGET_POD_IP", pod.ip.clone().unwrap_or_default()),
             env("AGENT_CONTAINER_IDS", ids_json.clone()),
-            env("AGENT_CRI_SOCKET_DIR", CRI_MOUNT.into()),
+            if cri_is_socket {
+                env("PODMOTION_CRI_SOCKET", CRI_MOUNT.into())
+            } else {
+                env("AGENT_CRI_SOCKET_DIR", CRI_MOUNT.into())
+            },
             env("AGENT_CREDENTIALS_DIR", CREDENTIALS_DIR.into()),
+            env("PODMOTION_EXPORTS_DIR", EXPORTS_DIR.into()),
             env("NODE_NAME", node.clone()),
         ]),
+        ports: Some(vec![ContainerPort {
+            name: Some("control".into()),
+            container_port: CONTROL_PORT,
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/healthz".into()),
+                port: IntOrString::String("control".into()),
+                ..Default::default()
+            }),
+            period_seconds: Some(5),
+            ..Default::default()
+        }),
         security_context: Some(SecurityContext {
             run_as_user: Some(0),
             run_as_group: Some(agent.gid),
@@ -195,6 +235,11 @@ pub fn job(
                 name: "credentials".into(),
                 mount_path: CREDENTIALS_DIR.into(),
                 read_only: Some(true),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: "exports".into(),
+                mount_path: EXPORTS_DIR.into(),
                 ..Default::default()
             },
         ]),
@@ -226,9 +271,14 @@ pub fn job(
                     Volume {
                         name: "cri".into(),
                         host_path: Some(HostPathVolumeSource {
+                            type_: Some(if cri_is_socket { "Socket" } else { "Directory" }.into()),
                             path: cri_path,
-                            type_: Some("Directory".into()),
                         }),
+                        ..Default::default()
+                    },
+                    Volume {
+                        name: "exports".into(),
+                        empty_dir: Some(Default::default()),
                         ..Default::default()
                     },
                     Volume {
@@ -247,6 +297,17 @@ pub fn job(
         ..Default::default()
     };
     let hash = spec_hash(&spec);
+    let mut spec = spec;
+    agent_config["ports"] = serde_json::json!(target.ports);
+    if let Some(env) = spec
+        .template
+        .spec
+        .as_mut()
+        .and_then(|ps| ps.containers[0].env.as_mut())
+        .and_then(|env| env.iter_mut().find(|e| e.name == "AGENT_CONFIG"))
+    {
+        env.value = Some(agent_config.to_string());
+    }
     let mut job_labels = agent_selector_labels();
     job_labels.insert(labels::NAME.into(), COMPONENT.into());
     job_labels.insert(labels::OWNER_KIND.into(), "NodeAgentAttachment".into());
@@ -258,6 +319,10 @@ pub fn job(
         (annotations::WORKLOAD.into(), workload_key(profile.workload)),
         (annotations::CONTAINER_IDS.into(), ids_json),
         (annotations::SPEC_HASH.into(), hash.clone()),
+        (
+            annotations::AGENT_PORTS.into(),
+            serde_json::to_string(target.ports).expect("numbers serialize"),
+        ),
     ]);
     let job = Job {
         metadata: ObjectMeta {
@@ -353,15 +418,20 @@ mod tests {
         let profile = AgentProfile {
             namespace: "shop",
             workload: &w,
-            containers: &[],
             agent,
+        };
+        let names = ["app".to_string()];
+        let target = AgentTarget {
+            pod: &p,
+            containers: &names,
+            container_ids: &ids,
+            ports: &[8080],
         };
         job(
             &Settings::default(),
             &profile,
-            &p,
+            &target,
             "podmotion-agent-1234",
-            &ids,
         )
         .0
     }
@@ -413,11 +483,11 @@ mod tests {
             env["AGENT_TARGET_POD_IP"],
             pod("web-0").on_node("n1").ready().build().ip.unwrap()
         );
-        assert!(
-            env["AGENT_CONFIG"].contains("\"agentGID\":7777"),
-            "{}",
-            env["AGENT_CONFIG"]
-        );
+        let config: serde_json::Value = serde_json::from_str(&env["AGENT_CONFIG"]).unwrap();
+        assert_eq!(config["agentGID"], 7777);
+        assert_eq!(config["ports"], serde_json::json!([8080]));
+        assert_eq!(config["containers"], serde_json::json!(["app"]));
+        assert_eq!(env["AGENT_CRI_SOCKET_DIR"], CRI_MOUNT);
     }
 
     #[test]
@@ -451,6 +521,23 @@ mod tests {
                 .path,
             "/run/containerd"
         );
+        let socket = render(&AgentSettings {
+            cri_socket_path: Some("/run/k3s/containerd/containerd.sock".into()),
+            ..Default::default()
+        });
+        let ps = socket
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap();
+        let cri = ps.volumes.as_ref().unwrap()[0].host_path.as_ref().unwrap();
+        assert_eq!(cri.type_.as_deref(), Some("Socket"));
+        let env = ps.containers[0].env.as_ref().unwrap();
+        assert!(env.iter().any(|e| e.name == "PODMOTION_CRI_SOCKET"));
+        assert!(!env.iter().any(|e| e.name == "AGENT_CRI_SOCKET_DIR"));
         let hash =
             |j: &Job| j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
         assert_ne!(hash(&base), hash(&j));

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use podmotion_api::attachment::{SidecarRecognition, SkipReason};
+use podmotion_api::attachment::{AgentPort, SidecarRecognition, SkipReason};
 
 use super::observed::{PodPhase, PodView};
 
@@ -110,6 +110,67 @@ pub fn container_ids(
         })
         .filter_map(|c| c.id.clone().map(|id| (c.name.clone(), id)))
         .collect()
+}
+
+/// Names of the containers the agent works on, in the pod's order (the first is the
+/// primary): `wanted` (empty: every container but the sidecar's).
+pub fn container_names(
+    pod: &PodView,
+    wanted: &[String],
+    sidecar: &SidecarRecognition,
+) -> Vec<String> {
+    pod.containers
+        .iter()
+        .filter(|c| {
+            if wanted.is_empty() {
+                c.name != sidecar.container_name
+            } else {
+                wanted.contains(&c.name)
+            }
+        })
+        .map(|c| c.name.clone())
+        .collect()
+}
+
+/// The port numbers the agent redirects on `pod`: the union over `claims` (each an
+/// attachment's `ports`; an empty list means every port the selected containers
+/// declare), named ports resolved against the selected containers. Sorted, unique.
+/// A name no selected container declares is left out.
+pub fn resolve_ports(
+    pod: &PodView,
+    wanted: &[String],
+    sidecar: &SidecarRecognition,
+    claims: &[&[AgentPort]],
+) -> Vec<i32> {
+    let names = container_names(pod, wanted, sidecar);
+    let declared: Vec<&(i32, Option<String>, String)> = pod
+        .containers
+        .iter()
+        .filter(|c| names.contains(&c.name))
+        .flat_map(|c| c.ports.iter())
+        .collect();
+    let mut out: Vec<i32> = vec![];
+    for ports in claims {
+        if ports.is_empty() {
+            out.extend(declared.iter().map(|(n, _, _)| *n));
+            continue;
+        }
+        for p in *ports {
+            match (&p.port, &p.name) {
+                (Some(n), _) => out.push(*n),
+                (None, Some(name)) => out.extend(
+                    declared
+                        .iter()
+                        .filter(|(_, pn, _)| pn.as_ref() == Some(name))
+                        .map(|(n, _, _)| *n),
+                ),
+                (None, None) => {}
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 #[cfg(test)]
@@ -272,6 +333,41 @@ mod tests {
         assert_eq!(
             reason(classify(&p, &custom, false)),
             Some(SkipReason::InjectedSidecar)
+        );
+    }
+
+    #[test]
+    fn ports_are_resolved_by_number_and_name_and_merged() {
+        let p = pod("a").on_node("n1").ready().build(); // app declares 8080 "http"
+        let sc = SidecarRecognition::default();
+        let num = |n: i32| AgentPort {
+            port: Some(n),
+            name: None,
+            protocol: Default::default(),
+        };
+        let named = |n: &str| AgentPort {
+            port: None,
+            name: Some(n.into()),
+            protocol: Default::default(),
+        };
+        assert_eq!(
+            resolve_ports(&p, &[], &sc, &[&[]]),
+            vec![8080],
+            "empty means every declared port"
+        );
+        assert_eq!(resolve_ports(&p, &[], &sc, &[&[named("http")]]), vec![8080]);
+        assert_eq!(
+            resolve_ports(&p, &[], &sc, &[&[named("grpc")]]),
+            Vec::<i32>::new()
+        );
+        assert_eq!(
+            resolve_ports(&p, &[], &sc, &[&[num(9090)], &[named("http"), num(9090)]]),
+            vec![8080, 9090]
+        );
+        assert_eq!(
+            resolve_ports(&p, &[], &sc, &[]),
+            Vec::<i32>::new(),
+            "an ingest redirects nothing"
         );
     }
 

@@ -574,7 +574,15 @@ fn expired_ingest_lease_reaps_the_job_it_alone_held() {
         ),
         &settings(),
     );
-    assert!(p.delete.is_empty());
+    // Nothing is reaped; the ingest's Job is replaced only because the intercept needs
+    // port 8080, which an ingest-only agent does not redirect.
+    assert_eq!(
+        deleted(&p),
+        vec![(
+            "web-0".to_string(),
+            JobFate::Replace(ReplaceReason::PortsAdded)
+        )]
+    );
 }
 
 #[test]

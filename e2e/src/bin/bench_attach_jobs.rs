@@ -1,0 +1,293 @@
+//! Benchmark (not a test): how long the attachment controller takes to create the agent
+//! Jobs of an N-replica workload, against a plain client creating the same N Jobs, side
+//! by side against the same API server in one run.
+//!
+//!     hack/cluster.sh up
+//!     cargo run --release -p podmotion-e2e --bin bench_attach_jobs -- [replicas] [rounds]
+//!
+//! Each round times (a) a plain client POSTing the N rendered Jobs, 16 in flight, until
+//! the last POST returns, and (b) the controller, already running and synced, from the
+//! POST of a NodeAgentAttachment until its N Jobs exist (watched), and until their N
+//! credential Secrets exist too. Rounds alternate the order; medians are printed.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kube::api::{
+    Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, PropagationPolicy,
+};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::names::labels;
+use podmotion_e2e::{
+    connect, from_json, pod_running_ready, random_suffix, restricted_container, wait_list,
+};
+use podmotion_operator::attachment::render::Settings;
+use podmotion_operator::attachment::{AttachmentView, ObservedGroup, PodView, plan};
+use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
+use podmotion_operator::context::Context;
+use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
+use podmotion_operator::leader::Leadership;
+use podmotion_operator::metrics::Metrics;
+use serde_json::json;
+
+const PARALLEL: usize = 16;
+
+async fn namespace(client: &Client, name: &str, level: &str) -> anyhow::Result<()> {
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(BTreeMap::from([
+                (
+                    "pod-security.kubernetes.io/enforce".to_string(),
+                    level.to_string(),
+                ),
+                ("podmotion.io/e2e".to_string(), "bench".to_string()),
+            ])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await?;
+    Ok(())
+}
+
+/// Waits until `n` objects match `sel` in `api` (or none, for `n == 0`).
+async fn count<K>(api: &Api<K>, sel: &str, n: usize) -> anyhow::Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    wait_list(api, sel, Duration::from_secs(300), "bench objects", |l| {
+        l.len() == n
+    })
+    .await
+    .map(|_| ())
+}
+
+async fn delete_all(jobs: &Api<Job>, sel: &str) -> anyhow::Result<()> {
+    let dp = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Foreground),
+        ..Default::default()
+    };
+    jobs.delete_collection(&dp, &ListParams::default().labels(sel))
+        .await?;
+    count(jobs, sel, 0).await
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let replicas: usize = args.first().map(|s| s.parse()).transpose()?.unwrap_or(100);
+    let rounds: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(3);
+    let client = connect().await?;
+    let id = random_suffix();
+    let (app_ns, agents_ns, plain_ns) = (
+        format!("bench-app-{id}"),
+        format!("bench-agents-{id}"),
+        format!("bench-plain-{id}"),
+    );
+    namespace(&client, &app_ns, "restricted").await?;
+    namespace(&client, &agents_ns, "privileged").await?;
+    namespace(&client, &plain_ns, "privileged").await?;
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    let crd = NodeAgentAttachment::crd();
+    crds.patch(
+        &crd.name_any(),
+        &PatchParams::apply("podmotion-bench").force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+
+    // The workload: N ready replicas over every kwok node.
+    let deploy: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
+          "template": {"metadata": {"labels": {"app": "web"}},
+            "spec": {"containers": [restricted_container("app")], "tolerations": [{"operator": "Exists"}]}}}
+    }));
+    Api::<Deployment>::namespaced(client.clone(), &app_ns)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &app_ns);
+    let pods = wait_list(
+        &pods_api,
+        "app=web",
+        Duration::from_secs(300),
+        "ready replicas",
+        |ps| ps.len() == replicas && ps.iter().all(pod_running_ready),
+    )
+    .await?;
+    eprintln!("{replicas} replicas ready");
+
+    // The controller, in this process, synced before anything is timed.
+    let config = OperatorConfig {
+        namespace: agents_ns.clone(),
+        identity: "bench".into(),
+        controllers: vec![ControllerKind::Attachment],
+        http_addr: "127.0.0.1:0".parse()?,
+        leader: LeaderConfig {
+            enabled: false,
+            lease_name: "unused".into(),
+            lease_seconds: 15,
+        },
+        concurrency: 8,
+    };
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        config,
+        Leadership::always(),
+        Arc::new(Metrics::new()),
+        rx,
+    ));
+    let cfg = AttachmentConfig {
+        job_prefix: "pm-agent".into(),
+        agent_image: "registry.example/podmotion/attach:bench".into(),
+        cri_socket_path: "/run".into(),
+        sweep_seconds: 3600,
+        write_parallelism: PARALLEL,
+        backoff_limit: 3,
+        watch_namespace: Some(app_ns.clone()),
+    };
+    let controller = tokio::spawn(run_with(ctx, cfg));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // The plain client's Jobs: exactly what the controller renders for these pods.
+    let settings = Settings {
+        namespace: plain_ns.clone(),
+        job_prefix: "pm-agent".into(),
+        ..Settings::default()
+    };
+    // The plain client's Jobs are what the controller's own plan renders for these pods.
+    let naa: NodeAgentAttachment = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+        "metadata": {"name": "bench", "namespace": app_ns},
+        "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+    }));
+    let group = ObservedGroup {
+        namespace: app_ns.clone(),
+        workload: naa.spec.workload_ref.clone(),
+        workload_exists: true,
+        attachments: vec![AttachmentView::from_object(&naa, None)],
+        pods: pods.iter().map(PodView::from_pod).collect(),
+        jobs: vec![],
+        now: k8s_openapi::jiff::Timestamp::now(),
+    };
+    let plain_jobs: Vec<Job> = plan(&group, &settings)
+        .create
+        .into_iter()
+        .map(|c| c.job)
+        .collect();
+    assert_eq!(plain_jobs.len(), replicas);
+
+    let plain_api: Api<Job> = Api::namespaced(client.clone(), &plain_ns);
+    let agent_jobs: Api<Job> = Api::namespaced(client.clone(), &agents_ns);
+    let agent_secrets: Api<Secret> = Api::namespaced(client.clone(), &agents_ns);
+    let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), &app_ns);
+    let sel = format!("{}={app_ns}", labels::TARGET_NAMESPACE);
+    let (mut plain, mut op_jobs, mut op_all) = (vec![], vec![], vec![]);
+    for round in 0..rounds {
+        for which in if round % 2 == 0 {
+            ["plain", "operator"]
+        } else {
+            ["operator", "plain"]
+        } {
+            if which == "plain" {
+                let t0 = Instant::now();
+                stream::iter(plain_jobs.iter())
+                    .map(|j| {
+                        let api = plain_api.clone();
+                        async move { api.create(&PostParams::default(), j).await }
+                    })
+                    .buffer_unordered(PARALLEL)
+                    .try_collect::<Vec<_>>()
+                    .await?;
+                let d = t0.elapsed();
+                plain.push(d);
+                eprintln!("round {round}: plain client created {replicas} Jobs in {d:?}");
+                delete_all(&plain_api, &sel).await?;
+            } else {
+                let mut jobs_seen =
+                    watcher::watcher(agent_jobs.clone(), watcher::Config::default().labels(&sel))
+                        .boxed();
+                // Drain the initial (empty) list before the clock starts.
+                while let Some(ev) = jobs_seen.try_next().await? {
+                    if matches!(ev, Event::InitDone) {
+                        break;
+                    }
+                }
+                let naa: NodeAgentAttachment = from_json(json!({
+                    "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+                    "metadata": {"name": "bench"},
+                    "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+                }));
+                let t0 = Instant::now();
+                naas.create(&PostParams::default(), &naa).await?;
+                let mut names = std::collections::BTreeSet::new();
+                while names.len() < replicas {
+                    if let Some(Event::Apply(j)) = jobs_seen.try_next().await? {
+                        names.insert(j.name_any());
+                    }
+                }
+                let d = t0.elapsed();
+                count(
+                    &agent_secrets,
+                    "app.kubernetes.io/component=node-agent",
+                    replicas,
+                )
+                .await?;
+                let d_all = t0.elapsed();
+                op_jobs.push(d);
+                op_all.push(d_all);
+                eprintln!(
+                    "round {round}: operator created {replicas} Jobs in {d:?} ({d_all:?} with their Secrets)"
+                );
+                naas.delete("bench", &DeleteParams::default()).await?;
+                count(&agent_jobs, &sel, 0).await?;
+                wait_list(
+                    &naas,
+                    "",
+                    Duration::from_secs(120),
+                    "attachment gone",
+                    |l| l.is_empty(),
+                )
+                .await?;
+                count(&agent_secrets, "app.kubernetes.io/component=node-agent", 0).await?;
+            }
+        }
+    }
+    let (p, o, a) = (median(plain), median(op_jobs), median(op_all));
+    println!("replicas: {replicas}, rounds: {rounds}, parallel writes: {PARALLEL}");
+    println!("plain client, {replicas} Jobs:             {p:?}");
+    println!(
+        "operator, {replicas} Jobs:                 {o:?}  ratio {:.2}",
+        o.as_secs_f64() / p.as_secs_f64()
+    );
+    println!(
+        "operator, {replicas} Jobs + Secrets:       {a:?}  ratio {:.2}",
+        a.as_secs_f64() / p.as_secs_f64()
+    );
+    let _ = stop.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
+    for ns in [app_ns, agents_ns, plain_ns] {
+        let _ = Api::<Namespace>::all(client.clone())
+            .delete(&ns, &DeleteParams::default())
+            .await;
+    }
+    Ok(())
+}
