@@ -38,9 +38,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-const IMAGE: &str =
-    "registry.example/compass/runner@sha256:4f1c3a2b5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708";
-const RUNNER_NODE: &str = "pm-node-2";
+const IMAGE: &str = "registry.example/compass/runner@sha256:4f1c3a2b5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708";
 
 /// The RunnerPool controller, running in this test process.
 struct Operator {
@@ -55,11 +53,21 @@ impl Operator {
             identity: format!("e2e-{ns}"),
             controllers: vec![ControllerKind::RunnerPool],
             http_addr: "127.0.0.1:0".parse().unwrap(),
-            leader: LeaderConfig { enabled: false, lease_name: "unused".into(), lease_seconds: 15 },
+            leader: LeaderConfig {
+                enabled: false,
+                lease_name: "unused".into(),
+                lease_seconds: 15,
+            },
             concurrency: 4,
         };
         let (stop, rx) = watch::channel(false);
-        let ctx = Arc::new(Context::new(client.clone(), config, Leadership::always(), Arc::new(Metrics::new()), rx));
+        let ctx = Arc::new(Context::new(
+            client.clone(),
+            config,
+            Leadership::always(),
+            Arc::new(Metrics::new()),
+            rx,
+        ));
         let cfg = RunnerPoolConfig {
             preflight_image: "registry.example/podmotion/preflight@sha256:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff".into(),
             watch_namespace: Some(ns.into()),
@@ -75,7 +83,10 @@ impl Operator {
     async fn stop(self) {
         let _ = self.stop.send(true);
         let abort = self.task.abort_handle();
-        if tokio::time::timeout(Duration::from_secs(10), self.task).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .is_err()
+        {
             abort.abort();
         }
     }
@@ -84,11 +95,20 @@ impl Operator {
 async fn ensure_crd(client: &Client) {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crd = RunnerPool::crd();
-    api.patch(&crd.name_any(), &PatchParams::apply("podmotion-e2e").force(), &Patch::Apply(&crd)).await.unwrap();
-    tokio::time::timeout(TIMEOUT, await_condition(api, &crd.name_any(), conditions::is_crd_established()))
-        .await
-        .expect("CRD established in time")
-        .unwrap();
+    api.patch(
+        &crd.name_any(),
+        &PatchParams::apply("podmotion-e2e").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(
+        TIMEOUT,
+        await_condition(api, &crd.name_any(), conditions::is_crd_established()),
+    )
+    .await
+    .expect("CRD established in time")
+    .unwrap();
 }
 
 /// The namespace, the CRD, the Server's Service and the controller.
@@ -100,7 +120,10 @@ async fn setup(prefix: &str, level: PodSecurity) -> Option<(TestNamespace, Opera
         "metadata": {"name": "compass-server"},
         "spec": {"selector": {"app": "compass-server"}, "ports": [{"name": "grpc", "port": 8443, "targetPort": 9443}]}
     }));
-    ns.api::<Service>().create(&PostParams::default(), &svc).await.unwrap();
+    ns.api::<Service>()
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
     let op = Operator::start(&ns.client, &ns.name);
     Some((ns, op))
 }
@@ -117,125 +140,242 @@ fn pool(ns: &TestNamespace, name: &str, extra: Value) -> RunnerPool {
     if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
         s.extend(e.clone());
     }
-    from_json(json!({"apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool", "metadata": {"name": name}, "spec": spec}))
+    from_json(
+        json!({"apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool", "metadata": {"name": name}, "spec": spec}),
+    )
 }
 
 fn condition_true(rp: Option<&RunnerPool>, type_: &str) -> bool {
-    rp.and_then(|r| r.status.as_ref()).is_some_and(|s| is_true(&s.conditions, type_))
+    rp.and_then(|r| r.status.as_ref())
+        .is_some_and(|s| is_true(&s.conditions, type_))
 }
 
 fn runner_pods_selector(pool: &str) -> String {
     format!("{}=runner,{}={pool}", labels::NAME, labels::INSTANCE)
 }
 
+/// One Runner pod per runner node; at least one runner node must exist for the test
+/// to mean anything.
+fn runner_pods_count_expected(runner_nodes: &BTreeSet<String>) -> usize {
+    assert!(
+        !runner_nodes.is_empty(),
+        "the cluster has no node labelled {}=true",
+        labels::RUNNER_NODE
+    );
+    runner_nodes.len()
+}
+
 fn node_of(p: &Pod) -> String {
-    p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default()
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default()
 }
 
 fn has_controller_ref_to<K: Resource>(obj: &K, pool: &RunnerPool) -> bool {
-    obj.meta()
-        .owner_references
-        .iter()
-        .flatten()
-        .any(|r| r.controller == Some(true) && r.kind == "RunnerPool" && Some(&r.uid) == pool.meta().uid.as_ref())
+    obj.meta().owner_references.iter().flatten().any(|r| {
+        r.controller == Some(true)
+            && r.kind == "RunnerPool"
+            && Some(&r.uid) == pool.meta().uid.as_ref()
+    })
 }
 
 fn memory_limit(ds: &DaemonSet) -> String {
     let spec = ds.spec.template.spec.as_ref().unwrap();
     let c = spec.containers.iter().find(|c| c.name == "runner").unwrap();
-    c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"].0.clone()
+    c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"]
+        .0
+        .clone()
 }
 
 #[tokio::test]
 async fn runner_pods_land_only_on_runner_nodes_with_every_child_owned() {
-    let Some((ns, op)) = setup("rp-shape", PodSecurity::Privileged).await else { return };
+    let Some((ns, op)) = setup("rp-shape", PodSecurity::Privileged).await else {
+        return;
+    };
+    let runner_nodes: BTreeSet<String> = Api::<Node>::all(ns.client.clone())
+        .list_metadata(&ListParams::default().labels(&format!("{}=true", labels::RUNNER_NODE)))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|n| n.name_any())
+        .collect();
+    let expected = runner_pods_count_expected(&runner_nodes);
     let pools = ns.api::<RunnerPool>();
-    let created = pools.create(&PostParams::default(), &pool(&ns, "runners", json!({}))).await.unwrap();
+    let created = pools
+        .create(&PostParams::default(), &pool(&ns, "runners", json!({})))
+        .await
+        .unwrap();
 
     // The real API server admitted the pod shape (hostUsers: false, Unmasked procMount,
-    // Localhost seccomp, AppArmor Unconfined, the KVM resource) and the scheduler put it
-    // on the one labelled, tainted node.
-    let pods = wait_list(&ns.api::<Pod>(), &runner_pods_selector("runners"), TIMEOUT, "a Runner pod", |ps| {
-        !ps.is_empty() && ps.iter().all(|p| !node_of(p).is_empty())
-    })
+    // Localhost seccomp, AppArmor Unconfined, the KVM resource) and the scheduler put
+    // the pods on the labelled, tainted nodes only.
+    let pods = wait_list(
+        &ns.api::<Pod>(),
+        &runner_pods_selector("runners"),
+        TIMEOUT,
+        "a Runner pod per runner node",
+        |ps| ps.len() == expected && ps.iter().all(|p| !node_of(p).is_empty()),
+    )
     .await
     .unwrap();
     let nodes: BTreeSet<String> = pods.iter().map(node_of).collect();
-    assert_eq!(nodes, BTreeSet::from([RUNNER_NODE.to_string()]), "Runner pods only on the runner node");
+    assert_eq!(
+        nodes, runner_nodes,
+        "Runner pods on every runner node and nowhere else"
+    );
     let spec = pods[0].spec.as_ref().unwrap();
     assert_eq!(spec.host_users, Some(false));
-    assert_eq!(spec.priority, Some(100000), "the PriorityClass was resolved by admission");
+    assert_eq!(
+        spec.priority,
+        Some(100000),
+        "the PriorityClass was resolved by admission"
+    );
 
-    let ready = wait_for(&pools, "runners", TIMEOUT, "Ready with capacity 2", |rp| {
-        condition_true(rp, ct::READY) && rp.and_then(|r| r.status.as_ref()).is_some_and(|s| s.session_capacity == 2)
-    })
+    let capacity = 2 * i32::try_from(expected).unwrap();
+    let ready = wait_for(
+        &pools,
+        "runners",
+        TIMEOUT,
+        "Ready with the fleet's capacity",
+        |rp| {
+            condition_true(rp, ct::READY)
+                && rp
+                    .and_then(|r| r.status.as_ref())
+                    .is_some_and(|s| s.session_capacity == capacity)
+        },
+    )
     .await
     .unwrap()
     .unwrap();
     let status = ready.status.as_ref().unwrap();
-    assert_eq!((status.desired_nodes, status.ready_nodes), (1, 1));
+    let n = i32::try_from(runner_nodes.len()).unwrap();
+    assert_eq!((status.desired_nodes, status.ready_nodes), (n, n));
     assert!(is_true(&status.conditions, ct::SHAPE_CONFORMANT));
     assert!(is_true(&status.conditions, ct::POD_SECURITY_ADMITTED));
     assert_eq!(status.observed_generation, created.metadata.generation);
 
     let ds = ns.api::<DaemonSet>().get("runners").await.unwrap();
     assert!(has_controller_ref_to(&ds, &created));
-    assert!(has_controller_ref_to(&ns.api::<ServiceAccount>().get("runners").await.unwrap(), &created));
-    assert!(has_controller_ref_to(&ns.api::<NetworkPolicy>().get("runners").await.unwrap(), &created));
-    assert!(has_controller_ref_to(&ns.api::<PodDisruptionBudget>().get("runners").await.unwrap(), &created));
+    assert!(has_controller_ref_to(
+        &ns.api::<ServiceAccount>().get("runners").await.unwrap(),
+        &created
+    ));
+    assert!(has_controller_ref_to(
+        &ns.api::<NetworkPolicy>().get("runners").await.unwrap(),
+        &created
+    ));
+    assert!(has_controller_ref_to(
+        &ns.api::<PodDisruptionBudget>()
+            .get("runners")
+            .await
+            .unwrap(),
+        &created
+    ));
     let secret = ns.api::<Secret>().get("runners-credentials").await.unwrap();
     assert!(has_controller_ref_to(&secret, &created));
-    assert_eq!(secret.data.unwrap()["token"].0.len(), 64, "a generated 32-byte hex token");
-    let pc = Api::<PriorityClass>::all(ns.client.clone()).get(&format!("{}-runner", ns.name)).await.unwrap();
+    assert_eq!(
+        secret.data.unwrap()["token"].0.len(),
+        64,
+        "a generated 32-byte hex token"
+    );
+    let pc = Api::<PriorityClass>::all(ns.client.clone())
+        .get(&format!("{}-runner", ns.name))
+        .await
+        .unwrap();
     assert!(pc.metadata.owner_references.is_none());
     assert_eq!(pc.labels()[labels::OWNER_UID], created.uid().unwrap());
 
     // The Server's egress rule follows the Service's selector and targetPort.
     let np = ns.api::<NetworkPolicy>().get("runners").await.unwrap();
     let egress = serde_json::to_value(np.spec.unwrap().egress.unwrap()).unwrap();
-    assert!(egress.to_string().contains("\"app\":\"compass-server\""), "{egress}");
+    assert!(
+        egress.to_string().contains("\"app\":\"compass-server\""),
+        "{egress}"
+    );
     assert!(egress.to_string().contains("9443"), "{egress}");
     op.stop().await;
 }
 
 #[tokio::test]
 async fn a_settled_pool_makes_no_writes() {
-    let Some((ns, op)) = setup("rp-quiet", PodSecurity::Privileged).await else { return };
+    let Some((ns, op)) = setup("rp-quiet", PodSecurity::Privileged).await else {
+        return;
+    };
     let pools = ns.api::<RunnerPool>();
-    pools.create(&PostParams::default(), &pool(&ns, "quiet", json!({}))).await.unwrap();
-    let settled = wait_for(&pools, "quiet", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap().unwrap();
-    let ds_rv = ns.api::<DaemonSet>().get("quiet").await.unwrap().resource_version();
+    pools
+        .create(&PostParams::default(), &pool(&ns, "quiet", json!({})))
+        .await
+        .unwrap();
+    let settled = wait_for(&pools, "quiet", TIMEOUT, "Ready", |rp| {
+        condition_true(rp, ct::READY)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let ds_rv = ns
+        .api::<DaemonSet>()
+        .get("quiet")
+        .await
+        .unwrap()
+        .resource_version();
     // Wake the controller without changing anything it renders: an annotation on the pool.
     let patch = json!({"metadata": {"annotations": {"e2e.podmotion.io/poke": "1"}}});
-    pools.patch("quiet", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    pools
+        .patch("quiet", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
     // Give it a reconcile to make a write, then compare (a watch would see a write; the
     // absence of one can only be checked after the fact).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let now = pools.get("quiet").await.unwrap();
-    assert_eq!(now.status, settled.status, "status rewritten without a change");
-    assert_eq!(ns.api::<DaemonSet>().get("quiet").await.unwrap().resource_version(), ds_rv, "DaemonSet rewritten");
+    assert_eq!(
+        now.status, settled.status,
+        "status rewritten without a change"
+    );
+    assert_eq!(
+        ns.api::<DaemonSet>()
+            .get("quiet")
+            .await
+            .unwrap()
+            .resource_version(),
+        ds_rv,
+        "DaemonSet rewritten"
+    );
     op.stop().await;
 }
 
 #[tokio::test]
 async fn changing_capacity_rolls_the_daemonset_within_max_unavailable() {
-    let Some((ns, op)) = setup("rp-roll", PodSecurity::Privileged).await else { return };
+    let Some((ns, op)) = setup("rp-roll", PodSecurity::Privileged).await else {
+        return;
+    };
     // Three Runner nodes for this pool: a label of its own on every kwok node.
     let key = format!("e2e.podmotion.io/{}", ns.name);
     let nodes_api = Api::<Node>::all(ns.client.clone());
     let node_names = ["pm-node-0", "pm-node-1", "pm-node-2"];
     for n in node_names {
         let patch = json!({"metadata": {"labels": {key.clone(): "runner"}}});
-        nodes_api.patch(n, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+        nodes_api
+            .patch(n, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
     }
     let pools = ns.api::<RunnerPool>();
     let extra = json!({
         "nodes": {"labelKey": key, "labelValue": "runner", "taintKey": labels::RUNNER_NODE, "taintValue": "true"},
         "rollout": {"maxUnavailable": 1},
     });
-    pools.create(&PostParams::default(), &pool(&ns, "fleet", extra)).await.unwrap();
+    pools
+        .create(&PostParams::default(), &pool(&ns, "fleet", extra))
+        .await
+        .unwrap();
     let before = wait_for(&pools, "fleet", TIMEOUT, "Ready on 3 nodes", |rp| {
-        condition_true(rp, ct::READY) && rp.and_then(|r| r.status.as_ref()).is_some_and(|s| s.ready_nodes == 3)
+        condition_true(rp, ct::READY)
+            && rp
+                .and_then(|r| r.status.as_ref())
+                .is_some_and(|s| s.ready_nodes == 3)
     })
     .await
     .unwrap()
@@ -250,12 +390,14 @@ async fn changing_capacity_rolls_the_daemonset_within_max_unavailable() {
     let pods = ns.api::<Pod>();
     let selector = runner_pods_selector("fleet");
     let observer = tokio::spawn(async move {
-        let mut stream = watcher::watcher(pods, watcher::Config::default().labels(&selector)).boxed();
+        let mut stream =
+            watcher::watcher(pods, watcher::Config::default().labels(&selector)).boxed();
         let mut ready: std::collections::BTreeMap<String, bool> = Default::default();
         while let Ok(Some(ev)) = stream.try_next().await {
             match ev {
                 Event::Apply(p) | Event::InitApply(p) => {
-                    let r = podmotion_e2e::pod_running_ready(&p) && p.metadata.deletion_timestamp.is_none();
+                    let r = podmotion_e2e::pod_running_ready(&p)
+                        && p.metadata.deletion_timestamp.is_none();
                     ready.insert(node_of(&p) + "/" + &p.name_any(), r);
                 }
                 Event::Delete(p) => {
@@ -263,8 +405,11 @@ async fn changing_capacity_rolls_the_daemonset_within_max_unavailable() {
                 }
                 _ => {}
             }
-            let nodes_ready: BTreeSet<&str> =
-                ready.iter().filter(|(_, r)| **r).map(|(k, _)| k.split('/').next().unwrap()).collect();
+            let nodes_ready: BTreeSet<&str> = ready
+                .iter()
+                .filter(|(_, r)| **r)
+                .map(|(k, _)| k.split('/').next().unwrap())
+                .collect();
             let missing = 3 - nodes_ready.len() as i32;
             let mut w = w.lock().unwrap();
             *w = (*w).max(missing);
@@ -274,56 +419,96 @@ async fn changing_capacity_rolls_the_daemonset_within_max_unavailable() {
     *worst.lock().unwrap() = 0;
 
     let patch = json!({"spec": {"sessionsPerNode": 3}});
-    let updated = pools.patch("fleet", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
-    let after = wait_for(&pools, "fleet", Duration::from_secs(120), "rolled out and Ready", |rp| {
-        rp.and_then(|r| r.status.as_ref()).is_some_and(|s| {
-            s.observed_generation == updated.metadata.generation
-                && is_true(&s.conditions, ct::READY)
-                && s.updated_nodes == 3
-                && s.session_capacity == 9
-        })
-    })
+    let updated = pools
+        .patch("fleet", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let after = wait_for(
+        &pools,
+        "fleet",
+        Duration::from_secs(120),
+        "rolled out and Ready",
+        |rp| {
+            rp.and_then(|r| r.status.as_ref()).is_some_and(|s| {
+                s.observed_generation == updated.metadata.generation
+                    && is_true(&s.conditions, ct::READY)
+                    && s.updated_nodes == 3
+                    && s.session_capacity == 9
+            })
+        },
+    )
     .await
     .unwrap()
     .unwrap();
     observer.abort();
     let ds = dss.get("fleet").await.unwrap();
-    assert_ne!(memory_limit(&ds), old_memory, "the pod was resized for the new capacity");
+    assert_ne!(
+        memory_limit(&ds),
+        old_memory,
+        "the pod was resized for the new capacity"
+    );
     let ru = ds.spec.update_strategy.unwrap().rolling_update.unwrap();
     assert_eq!(ru.max_unavailable, Some(IntOrString::Int(1)));
     let worst = *worst.lock().unwrap();
-    assert!(worst <= 1, "{worst} Runner nodes were without a ready Runner at once (maxUnavailable 1)");
+    assert!(
+        worst <= 1,
+        "{worst} Runner nodes were without a ready Runner at once (maxUnavailable 1)"
+    );
     assert_eq!(after.status.unwrap().session_capacity, 9);
 
     for n in node_names {
         let patch = json!({"metadata": {"labels": {key.clone(): null}}});
-        nodes_api.patch(n, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+        nodes_api
+            .patch(n, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
     }
     op.stop().await;
 }
 
 #[tokio::test]
 async fn a_hand_edited_daemonset_is_reported_and_repaired() {
-    let Some((ns, op)) = setup("rp-drift", PodSecurity::Privileged).await else { return };
+    let Some((ns, op)) = setup("rp-drift", PodSecurity::Privileged).await else {
+        return;
+    };
     let pools = ns.api::<RunnerPool>();
-    pools.create(&PostParams::default(), &pool(&ns, "drift", json!({}))).await.unwrap();
-    wait_for(&pools, "drift", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap();
+    pools
+        .create(&PostParams::default(), &pool(&ns, "drift", json!({})))
+        .await
+        .unwrap();
+    wait_for(&pools, "drift", TIMEOUT, "Ready", |rp| {
+        condition_true(rp, ct::READY)
+    })
+    .await
+    .unwrap();
 
-    // What `kubectl edit` would do: privileged on, a capability added, memory changed.
+    // What `kubectl edit` would do: privileged on (which the API server only accepts
+    // with privilege escalation allowed), a capability added, memory changed.
     let dss = ns.api::<DaemonSet>();
     let edit = json!({"spec": {"template": {"spec": {"containers": [{
         "name": "runner",
-        "securityContext": {"privileged": true, "capabilities": {"add": ["SYS_ADMIN"]}},
+        "securityContext": {
+            "privileged": true,
+            "allowPrivilegeEscalation": true,
+            "capabilities": {"add": ["SYS_ADMIN"]},
+        },
         "resources": {"limits": {"memory": "1Gi"}, "requests": {"memory": "1Gi"}},
     }]}}}});
-    dss.patch("drift", &PatchParams::default(), &Patch::Strategic(&edit)).await.unwrap();
+    dss.patch("drift", &PatchParams::default(), &Patch::Strategic(&edit))
+        .await
+        .unwrap();
 
     let repaired = wait_for(&dss, "drift", TIMEOUT, "the contract restored", |ds| {
         ds.is_some_and(|ds| {
             let c = &ds.spec.template.spec.as_ref().unwrap().containers[0];
             let sc = c.security_context.as_ref().unwrap();
             sc.privileged != Some(true)
-                && sc.capabilities.as_ref().and_then(|c| c.add.as_ref()).is_none_or(Vec::is_empty)
+                && sc.allow_privilege_escalation == Some(false)
+                && sc
+                    .capabilities
+                    .as_ref()
+                    .and_then(|c| c.add.as_ref())
+                    .is_none_or(Vec::is_empty)
                 && c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"].0 != "1Gi"
         })
     })
@@ -331,19 +516,33 @@ async fn a_hand_edited_daemonset_is_reported_and_repaired() {
     .unwrap()
     .unwrap();
     assert_eq!(
-        repaired.spec.template.spec.as_ref().unwrap().containers[0].security_context.as_ref().unwrap().capabilities
+        repaired.spec.template.spec.as_ref().unwrap().containers[0]
+            .security_context
+            .as_ref()
+            .unwrap()
+            .capabilities
             .as_ref()
             .unwrap()
             .drop,
         Some(vec!["ALL".to_string()])
     );
     // The drift was reported, naming the fields.
-    let events = wait_list(&ns.api::<CoreEvent>(), "", TIMEOUT, "a ShapeDrift event", |evs| {
-        evs.iter().any(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT))
-    })
+    let events = wait_list(
+        &ns.api::<CoreEvent>(),
+        "",
+        TIMEOUT,
+        "a ShapeDrift event",
+        |evs| {
+            evs.iter()
+                .any(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT))
+        },
+    )
     .await
     .unwrap();
-    let e = events.iter().find(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT)).unwrap();
+    let e = events
+        .iter()
+        .find(|e| e.reason.as_deref() == Some(reasons::SHAPE_DRIFT))
+        .unwrap();
     let note = e.message.clone().unwrap_or_default();
     assert!(note.contains("privileged"), "{note}");
     assert!(note.contains("SYS_ADMIN"), "{note}");
@@ -358,61 +557,163 @@ async fn a_hand_edited_daemonset_is_reported_and_repaired() {
 
 #[tokio::test]
 async fn deleting_the_pool_removes_everything_the_priority_class_included() {
-    let Some((ns, op)) = setup("rp-delete", PodSecurity::Privileged).await else { return };
+    let Some((ns, op)) = setup("rp-delete", PodSecurity::Privileged).await else {
+        return;
+    };
     let pools = ns.api::<RunnerPool>();
-    pools.create(&PostParams::default(), &pool(&ns, "gone", json!({}))).await.unwrap();
-    wait_for(&pools, "gone", TIMEOUT, "Ready", |rp| condition_true(rp, ct::READY)).await.unwrap();
+    pools
+        .create(&PostParams::default(), &pool(&ns, "gone", json!({})))
+        .await
+        .unwrap();
+    wait_for(&pools, "gone", TIMEOUT, "Ready", |rp| {
+        condition_true(rp, ct::READY)
+    })
+    .await
+    .unwrap();
     let pcs = Api::<PriorityClass>::all(ns.client.clone());
     let pc_name = format!("{}-runner", ns.name);
     assert!(pcs.get_opt(&pc_name).await.unwrap().is_some());
     let with_finalizer = pools.get("gone").await.unwrap();
-    assert!(with_finalizer.finalizers().iter().any(|f| f == "podmotion.io/runner-pool-cleanup"));
+    assert!(
+        with_finalizer
+            .finalizers()
+            .iter()
+            .any(|f| f == "podmotion.io/runner-pool-cleanup")
+    );
 
-    pools.delete("gone", &DeleteParams::foreground()).await.unwrap();
-    wait_for(&pools, "gone", TIMEOUT, "the RunnerPool gone", |rp| rp.is_none()).await.unwrap();
-    wait_for(&pcs, &pc_name, TIMEOUT, "the PriorityClass gone", |pc| pc.is_none()).await.unwrap();
-    wait_for(&ns.api::<DaemonSet>(), "gone", TIMEOUT, "the DaemonSet gone", |d| d.is_none()).await.unwrap();
-    for (what, present) in [
-        ("ServiceAccount", ns.api::<ServiceAccount>().get_opt("gone").await.unwrap().is_some()),
-        ("NetworkPolicy", ns.api::<NetworkPolicy>().get_opt("gone").await.unwrap().is_some()),
-        ("PodDisruptionBudget", ns.api::<PodDisruptionBudget>().get_opt("gone").await.unwrap().is_some()),
-        ("Secret", ns.api::<Secret>().get_opt("gone-credentials").await.unwrap().is_some()),
-    ] {
-        assert!(!present, "{what} survived its RunnerPool (foreground deletion waits for dependents)");
-    }
-    wait_list(&ns.api::<Pod>(), &runner_pods_selector("gone"), TIMEOUT, "Runner pods gone", |p| p.is_empty())
+    pools
+        .delete("gone", &DeleteParams::foreground())
         .await
         .unwrap();
+    wait_for(&pools, "gone", TIMEOUT, "the RunnerPool gone", |rp| {
+        rp.is_none()
+    })
+    .await
+    .unwrap();
+    wait_for(&pcs, &pc_name, TIMEOUT, "the PriorityClass gone", |pc| {
+        pc.is_none()
+    })
+    .await
+    .unwrap();
+    wait_for(
+        &ns.api::<DaemonSet>(),
+        "gone",
+        TIMEOUT,
+        "the DaemonSet gone",
+        |d| d.is_none(),
+    )
+    .await
+    .unwrap();
+    for (what, present) in [
+        (
+            "ServiceAccount",
+            ns.api::<ServiceAccount>()
+                .get_opt("gone")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "NetworkPolicy",
+            ns.api::<NetworkPolicy>()
+                .get_opt("gone")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "PodDisruptionBudget",
+            ns.api::<PodDisruptionBudget>()
+                .get_opt("gone")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "Secret",
+            ns.api::<Secret>()
+                .get_opt("gone-credentials")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+    ] {
+        assert!(
+            !present,
+            "{what} survived its RunnerPool (foreground deletion waits for dependents)"
+        );
+    }
+    wait_list(
+        &ns.api::<Pod>(),
+        &runner_pods_selector("gone"),
+        TIMEOUT,
+        "Runner pods gone",
+        |p| p.is_empty(),
+    )
+    .await
+    .unwrap();
     op.stop().await;
 }
 
 #[tokio::test]
 async fn a_baseline_namespace_is_reported_instead_of_failing_silently() {
-    let Some((ns, op)) = setup("rp-baseline", PodSecurity::Baseline).await else { return };
+    let Some((ns, op)) = setup("rp-baseline", PodSecurity::Baseline).await else {
+        return;
+    };
     let pools = ns.api::<RunnerPool>();
-    pools.create(&PostParams::default(), &pool(&ns, "blocked", json!({}))).await.unwrap();
-    let rp = wait_for(&pools, "blocked", TIMEOUT, "Stalled on PodSecurity", |rp| condition_true(rp, ct::STALLED))
+    pools
+        .create(&PostParams::default(), &pool(&ns, "blocked", json!({})))
         .await
-        .unwrap()
         .unwrap();
-    let c = find(&rp.status.as_ref().unwrap().conditions, ct::POD_SECURITY_ADMITTED).unwrap().clone();
-    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reasons::POD_SECURITY_REJECTS));
-    assert!(c.message.contains("enforce=privileged") && c.message.contains("hostPath"), "{}", c.message);
+    let rp = wait_for(&pools, "blocked", TIMEOUT, "Stalled on PodSecurity", |rp| {
+        condition_true(rp, ct::STALLED)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let c = find(
+        &rp.status.as_ref().unwrap().conditions,
+        ct::POD_SECURITY_ADMITTED,
+    )
+    .unwrap()
+    .clone();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reasons::POD_SECURITY_REJECTS)
+    );
+    assert!(
+        c.message.contains("enforce=privileged") && c.message.contains("hostPath"),
+        "{}",
+        c.message
+    );
     // And the API server agrees: the DaemonSet exists but no Runner pod was admitted.
-    let pods = ns.api::<Pod>().list(&ListParams::default().labels(&runner_pods_selector("blocked"))).await.unwrap();
+    let pods = ns
+        .api::<Pod>()
+        .list(&ListParams::default().labels(&runner_pods_selector("blocked")))
+        .await
+        .unwrap();
     assert!(pods.items.is_empty());
     op.stop().await;
 }
 
 #[tokio::test]
 async fn a_tag_or_max_unavailable_of_100_percent_is_rejected_with_a_clear_message() {
-    let Some(ns) = TestNamespace::new("rp-reject", PodSecurity::Privileged).await else { return };
+    let Some(ns) = TestNamespace::new("rp-reject", PodSecurity::Privileged).await else {
+        return;
+    };
     ensure_crd(&ns.client).await;
     let pools = ns.api::<RunnerPool>();
     let mut tagged = pool(&ns, "tagged", json!({}));
     tagged.spec.image = "registry.example/compass/runner:1.4.2".into();
-    let all = pool(&ns, "all-at-once", json!({"rollout": {"maxUnavailable": "100%"}}));
-    for (rp, want) in [(tagged, "image must be pinned by digest"), (all, "100% is rejected")] {
+    let all = pool(
+        &ns,
+        "all-at-once",
+        json!({"rollout": {"maxUnavailable": "100%"}}),
+    );
+    for (rp, want) in [
+        (tagged, "image must be pinned by digest"),
+        (all, "100% is rejected"),
+    ] {
         match pools.create(&PostParams::default(), &rp).await {
             Err(kube::Error::Api(e)) => {
                 assert_eq!(e.code, 422);
