@@ -383,6 +383,17 @@ async fn install_crds(client: &Client) {
 
 /// The migration controller, in this process, for one namespace.
 fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandle<()> {
+    start_controller_with(client, ns, agents, true)
+}
+
+/// `overrides`: reach the agents through endpoint overrides (local runs) rather than
+/// through the Ready agent pods in the namespace.
+fn start_controller_with(
+    client: &Client,
+    ns: &str,
+    agents: &ProcAgents,
+    overrides: bool,
+) -> JoinHandle<()> {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -395,17 +406,18 @@ fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandl
         .map(|n| format!("{n}=proc://{n}"))
         .collect::<Vec<_>>()
         .join(",");
-    let cli = Cli::try_parse_from([
+    let mut args = vec![
         "podmotion-operator",
         "--no-leader-election",
         "--migration-namespace",
         ns,
-        "--migration-agent-endpoint",
-        &endpoints,
         "--migration-agent-namespace",
         ns,
-    ])
-    .unwrap();
+    ];
+    if overrides {
+        args.extend(["--migration-agent-endpoint", endpoints.as_str()]);
+    }
+    let cli = Cli::try_parse_from(args).unwrap();
     let (_tx, rx) = watch::channel(false);
     let ctx = Arc::new(Context::new(
         client.clone(),
@@ -431,10 +443,14 @@ struct Setup {
 
 impl Setup {
     async fn new(prefix: &str) -> Option<Setup> {
+        Setup::new_with(prefix, true).await
+    }
+
+    async fn new_with(prefix: &str, overrides: bool) -> Option<Setup> {
         let ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
         install_crds(&ns.client).await;
         let agents = ProcAgents::default();
-        let controller = start_controller(&ns.client, &ns.name, &agents);
+        let controller = start_controller_with(&ns.client, &ns.name, &agents, overrides);
         let deploy: Deployment = from_json(json!({
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": "web"},
@@ -920,4 +936,55 @@ async fn an_unmigratable_pod_is_reported_stalled_and_its_migration_deletes_clean
     })
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_are_found_through_their_ready_pods_on_each_node() {
+    let Some(s) = Setup::new_with("mig-agents", false).await else {
+        return;
+    };
+    let api = s.migrate(json!({"dryRun": true})).await;
+    // No agent pods: not migratable, and a dry run says why.
+    let pm = s.wait_phase(&api, MigrationPhase::Failed).await;
+    assert_eq!(
+        pm.status.unwrap().failure_reason.as_deref(),
+        Some(reasons::NO_AGENT_ON_NODE)
+    );
+    api.delete("move-web", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(&api, "move-web", TIMEOUT, "deleted", |m| m.is_none())
+        .await
+        .unwrap();
+
+    // One Ready agent pod per node (what the agent DaemonSet provides).
+    for node in NODES {
+        let agent: Pod = from_json(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("agent-{node}"), "labels": {"app.kubernetes.io/name": "podmotion-agent"}},
+            "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "registry.example/agent:1"}]}
+        }));
+        s.ns.api::<Pod>()
+            .create(&PostParams::default(), &agent)
+            .await
+            .unwrap();
+    }
+    wait_list(
+        &s.ns.api::<Pod>(),
+        "app.kubernetes.io/name=podmotion-agent",
+        TIMEOUT,
+        "agents Ready",
+        |ps| ps.len() == 2 && ps.iter().all(pod_running_ready),
+    )
+    .await
+    .unwrap();
+    let api = s.migrate(json!({"dryRun": true})).await;
+    let pm = s.wait_phase(&api, MigrationPhase::Succeeded).await;
+    let st = pm.status.unwrap();
+    assert!(
+        st.conditions
+            .iter()
+            .any(|c| c.type_ == "Migratable" && c.status == "True"),
+        "{st:?}"
+    );
 }

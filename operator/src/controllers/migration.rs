@@ -24,7 +24,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
-use podmotion_api::names::{finalizers, labels, managers};
+use podmotion_api::names::{condition_types, finalizers, labels, managers};
 use rand::RngCore;
 use serde_json::json;
 
@@ -36,7 +36,9 @@ use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentView, Side, StepRequest,
 };
 use crate::migration::machine::{self, EventKind, Knobs, Observed, Preflight, SourcePodFacts};
-use crate::migration::preflight::{self, Me, NodeFacts, OtherMigration, PodFacts, Resources};
+use crate::migration::preflight::{
+    self, Limits, Me, NodeFacts, OtherMigration, PodFacts, Resources, SlotHolder,
+};
 use crate::migration::render::{self, Holder};
 
 const NAME: &str = "migration";
@@ -466,17 +468,36 @@ async fn evaluate_pending<A: AgentClient>(
     let verdict = preflight::preflight(&pm.spec, &me, facts.as_ref(), &nodes, &others);
     let slot = match &verdict {
         Preflight::Migratable(plan) => {
-            let running: Vec<_> = all
+            let holders: Vec<SlotHolder> = all
                 .iter()
-                .filter(|m| m.uid() != pm.uid())
-                .filter_map(|m| m.status.as_ref())
-                .filter(|st| st.phase != MigrationPhase::Pending && !st.phase.is_terminal())
+                .map(|m| {
+                    let st = m.status.clone().unwrap_or_default();
+                    SlotHolder {
+                        name: format!("{}/{}", m.namespace().unwrap_or_default(), m.name_any()),
+                        created: m
+                            .meta()
+                            .creation_timestamp
+                            .as_ref()
+                            .map_or(Timestamp::now(), |t| t.0),
+                        source_node: st.source_node.clone(),
+                        started: st.phase != MigrationPhase::Pending && !st.phase.is_terminal(),
+                        queued: st.phase == MigrationPhase::Pending
+                            && podmotion_api::conditions::is_true(
+                                &st.conditions,
+                                condition_types::MIGRATABLE,
+                            ),
+                    }
+                })
                 .collect();
-            let on_node = running
-                .iter()
-                .filter(|st| st.source_node.as_deref() == Some(&plan.source_node))
-                .count();
-            running.len() < s.cfg.max_parallel && on_node < s.cfg.max_per_node
+            let me_slot = Me {
+                name: format!("{}/{}", pm.namespace().unwrap_or_default(), pm.name_any()),
+                ..me.clone()
+            };
+            let limits = Limits {
+                per_cluster: s.cfg.max_parallel,
+                per_source_node: s.cfg.max_per_node,
+            };
+            preflight::slot_available(&me_slot, &plan.source_node, &holders, limits)
         }
         Preflight::NotMigratable { .. } => true,
     };

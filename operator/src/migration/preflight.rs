@@ -156,6 +156,41 @@ pub struct Me {
     pub created: Timestamp,
 }
 
+/// How many migrations may be past `Pending` at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub per_cluster: usize,
+    pub per_source_node: usize,
+}
+
+/// Another migration, as far as the concurrency limits need it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotHolder {
+    pub name: String,
+    pub created: Timestamp,
+    pub source_node: Option<String>,
+    /// Past `Pending` and not terminal: it holds a slot.
+    pub started: bool,
+    /// `Pending` with `Migratable=True`: queued for a slot.
+    pub queued: bool,
+}
+
+/// Whether `me` (migrating from `source_node`) may start now: the started migrations
+/// plus the older queued ones (first come, first served) leave a slot in the cluster
+/// and on the source node.
+pub fn slot_available(me: &Me, source_node: &str, others: &[SlotHolder], limits: Limits) -> bool {
+    let ahead: Vec<&SlotHolder> = others
+        .iter()
+        .filter(|o| o.name != me.name)
+        .filter(|o| o.started || (o.queued && (o.created, &o.name) < (me.created, &me.name)))
+        .collect();
+    let on_node = ahead
+        .iter()
+        .filter(|o| o.source_node.as_deref() == Some(source_node))
+        .count();
+    ahead.len() < limits.per_cluster && on_node < limits.per_source_node
+}
+
 /// Owner kinds whose controller adopts a pod of another name carrying its labels.
 /// StatefulSet pods have identities (name, volumes) and DaemonSet/Job pods are tied to
 /// their node or completion; none of those can be moved by adoption.
@@ -777,6 +812,41 @@ mod tests {
         );
         let err = select_target(&spec("web-0").target("n1").build(), &p, "n0", &nodes).unwrap_err();
         assert_eq!(err.0, reasons::TARGET_DOES_NOT_FIT);
+    }
+
+    #[test]
+    fn concurrency_limits_count_started_migrations_and_older_queued_ones() {
+        let limits = Limits {
+            per_cluster: 5,
+            per_source_node: 2,
+        };
+        let other = |name: &str, created: i64, node: &str, started: bool| SlotHolder {
+            name: name.into(),
+            created: ts(created),
+            source_node: Some(node.into()),
+            started,
+            queued: !started,
+        };
+        // Two started from n0: n0 is full, n1 is not.
+        let two_on_n0 = vec![other("a", 1, "n0", true), other("b", 2, "n0", true)];
+        assert!(!slot_available(&me(), "n0", &two_on_n0, limits));
+        assert!(slot_available(&me(), "n1", &two_on_n0, limits));
+        // Five started across nodes: the cluster is full.
+        let five: Vec<_> = (0..5)
+            .map(|i| other(&format!("m{i}"), 1, &format!("x{i}"), true))
+            .collect();
+        assert!(!slot_available(&me(), "n1", &five, limits));
+        // An older queued migration from n0 goes first; a younger one does not count.
+        let older = vec![other("a", 1, "n0", true), other("early", 50, "n0", false)];
+        assert!(!slot_available(&me(), "n0", &older, limits));
+        let younger = vec![other("a", 1, "n0", true), other("late", 500, "n0", false)];
+        assert!(slot_available(&me(), "n0", &younger, limits));
+        // Itself never counts.
+        let itself = vec![
+            other("move-web", 100, "n0", true),
+            other("a", 1, "n0", true),
+        ];
+        assert!(slot_available(&me(), "n0", &itself, limits));
     }
 
     #[test]
