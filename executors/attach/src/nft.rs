@@ -23,7 +23,7 @@
 use nix::sys::socket::{
     self, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, sockopt,
 };
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -397,11 +397,7 @@ impl NftSession {
             SockProtocol::NetlinkNetFilter,
         )
         .map_err(NftError::Socket)?;
-        socket::bind(
-            std::os::fd::AsRawFd::as_raw_fd(&fd),
-            &NetlinkAddr::new(0, 0),
-        )
-        .map_err(NftError::Socket)?;
+        socket::bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).map_err(NftError::Socket)?;
         socket::setsockopt(
             &fd,
             sockopt::ReceiveTimeout,
@@ -420,8 +416,8 @@ impl NftSession {
     /// Our own netlink port id (the owner id the kernel records on our table).
     pub fn port_id(&self) -> Result<u32, NftError> {
         let inner = self.inner.lock().expect("nft session lock");
-        let addr: NetlinkAddr = socket::getsockname(std::os::fd::AsRawFd::as_raw_fd(&inner.fd))
-            .map_err(NftError::Socket)?;
+        let addr: NetlinkAddr =
+            socket::getsockname(inner.fd.as_raw_fd()).map_err(NftError::Socket)?;
         Ok(addr.pid())
     }
 
@@ -524,7 +520,7 @@ impl NftSession {
 
 fn send(fd: &OwnedFd, buf: &[u8]) -> Result<(), NftError> {
     socket::sendto(
-        std::os::fd::AsRawFd::as_raw_fd(fd),
+        fd.as_raw_fd(),
         buf,
         &NetlinkAddr::new(0, 0),
         MsgFlags::empty(),
@@ -535,12 +531,7 @@ fn send(fd: &OwnedFd, buf: &[u8]) -> Result<(), NftError> {
 
 fn recv(fd: &OwnedFd) -> Result<Vec<u8>, NftError> {
     let mut buf = vec![0u8; 65536];
-    let n = socket::recv(
-        std::os::fd::AsRawFd::as_raw_fd(fd),
-        &mut buf,
-        MsgFlags::empty(),
-    )
-    .map_err(NftError::Socket)?;
+    let n = socket::recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(NftError::Socket)?;
     buf.truncate(n);
     Ok(buf)
 }
@@ -548,14 +539,7 @@ fn recv(fd: &OwnedFd) -> Result<Vec<u8>, NftError> {
 /// Discards replies left over from an earlier, failed exchange.
 fn drain(fd: &OwnedFd) {
     let mut buf = vec![0u8; 65536];
-    while socket::recv(
-        std::os::fd::AsRawFd::as_raw_fd(fd),
-        &mut buf,
-        MsgFlags::MSG_DONTWAIT,
-    )
-    .is_ok()
-    {}
-    let _ = fd.as_fd();
+    while socket::recv(fd.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT).is_ok() {}
 }
 
 /// Sends a batch and waits for an ack of every message that asked for one; the
