@@ -17,6 +17,8 @@
 #
 # CI: bash hack/install-attach-deps.sh && cargo test -p podmotion-attach
 set -euo pipefail
+# ip, nft, runc live in sbin, which a CI environment may not have on PATH.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 pkgs=(nftables iproute2 containerd runc containernetworking-plugins busybox-static util-linux procps python3-minimal)
 missing=()

@@ -7,7 +7,6 @@ mod common;
 use common::*;
 use podmotion_attach::cri::{CriClient, v1};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -33,7 +32,7 @@ impl Containerd {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri-fixture.sh");
-        let out = run(Command::new("bash").arg(&script).arg("up").arg(&dir));
+        let out = run(common::tool("bash").arg(&script).arg("up").arg(&dir));
         let socket = PathBuf::from(out.trim().lines().last().unwrap());
         Containerd { dir, socket }
     }
@@ -46,7 +45,7 @@ impl Drop for Containerd {
             return;
         }
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri-fixture.sh");
-        let _ = Command::new("bash")
+        let _ = common::tool("bash")
             .arg(script)
             .arg("down")
             .arg(&self.dir)
@@ -176,7 +175,7 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     .await;
 
     // The PID as containerd's own task service reports it (independent of CRI).
-    let tasks = run(Command::new("ctr")
+    let tasks = run(common::tool("ctr")
         .arg("-a")
         .arg(&containerd.socket)
         .args(["-n", "k8s.io", "tasks", "ls"]));
@@ -357,7 +356,7 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
         listing.contains(&format!("tcp dport {APP_PORT} redirect to :{AGENT_PORT}")),
         "{listing}"
     );
-    let body = run(Command::new("nsenter")
+    let body = run(common::tool("nsenter")
         .args([netns.as_str(), "busybox", "wget", "-qO-"])
         .arg(format!("http://127.0.0.1:{APP_PORT}/")));
     assert_eq!(body, "hello from the container\n");
@@ -379,7 +378,7 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
         head
     });
     std::thread::sleep(Duration::from_millis(300));
-    let body = run(Command::new("nsenter")
+    let body = run(common::tool("nsenter")
         .args([netns.as_str(), "busybox", "wget", "-qO-"])
         .arg(format!("http://127.0.0.1:{APP_PORT}/")));
     assert_eq!(body, "intercepted-in-cri-pod");
@@ -392,7 +391,7 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
 
     agent.signal(nix::sys::signal::Signal::SIGTERM);
     let gone = wait_for(Duration::from_secs(5), || {
-        !run(Command::new("nsenter").args([netns.as_str(), "nft", "list", "tables"]))
+        !run(common::tool("nsenter").args([netns.as_str(), "nft", "list", "tables"]))
             .contains(TABLE)
     });
     assert!(gone.is_ok(), "table removed on SIGTERM");

@@ -283,7 +283,7 @@ fn user_namespaced_target_is_rejected_with_a_clear_error() {
     if !root_tests_enabled() {
         return;
     }
-    let mut target_proc = std::process::Command::new("unshare")
+    let mut target_proc = common::tool("unshare")
         .args([
             "--user",
             "--map-root-user",
@@ -511,21 +511,19 @@ fn agent_in_its_own_job_pod_namespace_serves_the_api_there_and_forwards_in_the_t
     let pod = NetnsPod::start(&[("A", "1")]);
     // The Job pod's own network namespace, with loopback only.
     let job_ns = format!("{}-job", pod.pod_ns);
-    common::run(std::process::Command::new("ip").args(["netns", "add", &job_ns]));
-    common::run(std::process::Command::new("ip").args(["-n", &job_ns, "link", "set", "lo", "up"]));
+    common::run(common::tool("ip").args(["netns", "add", &job_ns]));
+    common::run(common::tool("ip").args(["-n", &job_ns, "link", "set", "lo", "up"]));
     struct DelNs(String);
     impl Drop for DelNs {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", &self.0])
-                .status();
+            let _ = common::tool("ip").args(["netns", "del", &self.0]).status();
         }
     }
     let _job_ns_guard = DelNs(job_ns.clone());
 
     let (cmd, control, exports, log, stderr) = agent_cmd(Some(AGENT_GID), &target(&pod), &[]);
     // Same command, started inside the Job namespace.
-    let mut wrapped = std::process::Command::new("ip");
+    let mut wrapped = common::tool("ip");
     wrapped
         .args(["netns", "exec", &job_ns])
         .arg(cmd.get_program())

@@ -43,11 +43,29 @@ pub fn root_tests_enabled() -> bool {
     true
 }
 
+/// PATH with the sbin directories added: CI's environment may not carry them, and
+/// ip, nft, runc and containerd-shim live there.
+pub fn full_path() -> String {
+    let mut path = std::env::var("PATH").unwrap_or_default();
+    for d in ["/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
+        if !path.split(':').any(|p| p == d) {
+            path.push(':');
+            path.push_str(d);
+        }
+    }
+    path
+}
+
+/// A command for a system tool, resolved on [`full_path`] (which the child inherits).
+pub fn tool(name: &str) -> Command {
+    let mut c = Command::new(name);
+    c.env("PATH", full_path());
+    c
+}
+
 pub fn which(tool: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
+    full_path()
         .split(':')
-        .chain(["/usr/sbin", "/sbin"])
         .map(|d| Path::new(d).join(tool))
         .find(|p| p.is_file())
 }
@@ -100,9 +118,9 @@ impl NetnsPod {
         let k = (std::process::id() as u32 * 7 + n) % 250;
         let (cli_ip, pod_ip) = (format!("10.213.{k}.1"), format!("10.213.{k}.2"));
         let (va, vb) = (format!("pmta{tag}"), format!("pmtb{tag}"));
-        run(Command::new("ip").args(["netns", "add", &pod_ns]));
-        run(Command::new("ip").args(["netns", "add", &client_ns]));
-        run(Command::new("ip").args([
+        run(tool("ip").args(["netns", "add", &pod_ns]));
+        run(tool("ip").args(["netns", "add", &client_ns]));
+        run(tool("ip").args([
             "-n", &client_ns, "link", "add", &va, "type", "veth", "peer", "name", &vb, "netns",
             &pod_ns,
         ]));
@@ -115,10 +133,10 @@ impl NetnsPod {
         for (ns, dev, ip, ip6) in ends {
             let ip4 = format!("{ip}/30");
             let ip6 = format!("{ip6}/64");
-            run(Command::new("ip").args(["-n", ns, "link", "set", "lo", "up"]));
-            run(Command::new("ip").args(["-n", ns, "addr", "add", &ip4, "dev", dev]));
-            run(Command::new("ip").args(["-n", ns, "-6", "addr", "add", &ip6, "dev", dev, "nodad"]));
-            run(Command::new("ip").args(["-n", ns, "link", "set", dev, "up"]));
+            run(tool("ip").args(["-n", ns, "link", "set", "lo", "up"]));
+            run(tool("ip").args(["-n", ns, "addr", "add", &ip4, "dev", dev]));
+            run(tool("ip").args(["-n", ns, "-6", "addr", "add", &ip6, "dev", dev, "nodad"]));
+            run(tool("ip").args(["-n", ns, "link", "set", dev, "up"]));
         }
         let www = std::env::temp_dir().join(format!("pmt-www-{tag}"));
         std::fs::create_dir_all(www.join("sub")).unwrap();
@@ -194,7 +212,7 @@ impl NetnsPod {
     /// A GET from inside the pod over loopback, made by a process carrying the
     /// agent GID — the ruleset lets that through to the application itself.
     pub fn get_as_agent_gid_from_inside(&self) -> String {
-        run(Command::new("setpriv")
+        run(tool("setpriv")
             .args([
                 "--regid",
                 &AGENT_GID.to_string(),
@@ -213,7 +231,7 @@ impl NetnsPod {
     }
 
     pub fn nft_tables(&self) -> String {
-        run(Command::new("ip").args(["netns", "exec", &self.pod_ns, "nft", "list", "tables"]))
+        run(tool("ip").args(["netns", "exec", &self.pod_ns, "nft", "list", "tables"]))
     }
 
     pub fn nft_table(&self) -> String {
@@ -228,7 +246,7 @@ impl NetnsPod {
 /// `nft list table inet <TABLE>` through a namespace-entering prefix command, with
 /// nft's `# progname …` comment (the owning process's name) removed.
 pub fn nft_table_of(prefix: &[&str]) -> String {
-    let out = run(Command::new(prefix[0])
+    let out = run(tool(prefix[0])
         .args(&prefix[1..])
         .args(["nft", "list", "table", "inet", TABLE]));
     out.lines()
@@ -243,7 +261,7 @@ impl Drop for NetnsPod {
         let _ = self.app.kill();
         let _ = self.app.wait();
         for ns in [&self.pod_ns, &self.client_ns] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            let _ = tool("ip").args(["netns", "del", ns]).status();
         }
         let _ = std::fs::remove_dir_all(&self.www);
     }
@@ -317,7 +335,7 @@ pub fn agent_cmd_bare(
     let stderr_path = base.join("stderr");
     let mut cmd = match gid {
         Some(g) => {
-            let mut c = Command::new("setpriv");
+            let mut c = tool("setpriv");
             c.args([
                 "--regid",
                 &g.to_string(),
