@@ -850,19 +850,25 @@ impl<'a> Machine<'a> {
         }
         // The kill of the frozen source: only on proof that the target passed.
         let source_killed = match &o.source_agent {
-            AgentView::Reported(r) => {
-                r.done(Step::Commit)
-                    || r.last_step() == Some(Step::Cleanup)
-                    || r.last.is_none() && !source_present
+            AgentView::Reported(r)
+                if r.done(Step::Commit) || r.last_step() == Some(Step::Cleanup) =>
+            {
+                true
             }
-            // Deleting the source pod kills its (frozen) containers through the
-            // kubelet; that is the fallback when its agent is gone.
+            AgentView::Reported(r) if r.running(Step::Commit) => false,
+            // The agent cannot kill it (it forgot the migration, or the kill failed):
+            // deleting the source pod kills its containers through the kubelet.
+            AgentView::Reported(r) if r.last.is_none() || r.failure().is_some() => true,
+            AgentView::Reported(_) => {
+                if probe_passed {
+                    self.act(Action::Agent(Side::Source, Step::Commit));
+                }
+                false
+            }
+            // Same fallback when the agent is gone.
             AgentView::Missing | AgentView::Unreachable(_) => true,
         };
         if !source_killed {
-            if probe_passed {
-                self.act(Action::Agent(Side::Source, Step::Commit));
-            }
             return;
         }
         match &o.target_pod {
@@ -916,7 +922,15 @@ impl<'a> Machine<'a> {
                     self.act(Action::Agent(Side::Target, Step::Abort));
                     false
                 } else if r.last_step() == Some(Step::Abort) {
-                    r.done(Step::Abort)
+                    if r.failure().is_some() {
+                        // The kill failed: retry it, and remove the pod (the kubelet
+                        // kills its containers, the restored tree with them).
+                        self.act(Action::Agent(Side::Target, Step::Abort));
+                        self.act(Action::DeleteTargetPod);
+                        o.target_pod.is_none()
+                    } else {
+                        r.done(Step::Abort)
+                    }
                 } else {
                     // Receive (or nothing): no process was restored. Stop the receiver.
                     if r.last.is_some() {

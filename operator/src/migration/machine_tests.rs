@@ -254,6 +254,44 @@ fn a_restored_target_is_killed_before_the_source_is_thawed() {
 }
 
 #[test]
+fn a_failed_kill_of_the_restored_copy_removes_the_target_pod_before_the_source_thaws() {
+    let o = at(P::Restoring)
+        .target(failed(Step::Abort, "KillFailed"))
+        .failing(reasons::PROBE_FAILED);
+    let t = next(&o);
+    assert!(
+        has(&t, &Action::DeleteTargetPod) && has(&t, &Action::Agent(Side::Target, Step::Abort))
+    );
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    let mut gone = o;
+    gone.target_pod = None;
+    assert!(has(&next(&gone), &Action::Agent(Side::Source, Step::Abort)));
+}
+
+#[test]
+fn a_source_agent_that_cannot_kill_at_commit_leaves_it_to_the_pod_deletion() {
+    for source in [blank(), failed(Step::Commit, "NotFound")] {
+        let t = next(&at(P::Committing).source(source.clone()));
+        assert!(
+            has(&t, &Action::HandOverTargetPod),
+            "{source:?}: {:?}",
+            t.actions
+        );
+        assert!(!has(&t, &Action::Agent(Side::Source, Step::Commit)));
+    }
+    let t = next(&at(P::Committing).source(running(Step::Commit)));
+    assert!(
+        t.actions == vec![Action::LowerSourceDeletionCost],
+        "waits for the kill: {:?}",
+        t.actions
+    );
+}
+
+#[test]
 fn an_unreachable_target_agent_must_lose_its_pod_before_the_source_thaws() {
     let o = at(P::Restoring)
         .target_view(AgentView::Unreachable("connection refused".into()))
