@@ -429,6 +429,10 @@ fn ruleset_apply_is_an_idempotent_full_replace_and_a_foreign_session_is_refused(
     }
     other.delete(TABLE).unwrap();
     assert_eq!(pod.nft_table(), replaced);
+    // Not even a ruleset flush by another process (e.g. `nft flush ruleset` from an
+    // init script in the pod) removes an owned table.
+    common::run(common::tool("ip").args(["netns", "exec", &pod.pod_ns, "nft", "flush", "ruleset"]));
+    assert_eq!(pod.nft_table(), replaced);
 
     // Closing the owner's socket removes the table; the other one can then apply.
     drop(mine);
