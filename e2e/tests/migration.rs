@@ -383,7 +383,7 @@ async fn install_crds(client: &Client) {
 
 /// The migration controller, in this process, for one namespace.
 fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandle<()> {
-    start_controller_with(client, ns, agents, true)
+    start_controller_with(client, ns, agents, true, &[])
 }
 
 /// `overrides`: reach the agents through endpoint overrides (local runs) rather than
@@ -393,6 +393,7 @@ fn start_controller_with(
     ns: &str,
     agents: &ProcAgents,
     overrides: bool,
+    extra: &[&str],
 ) -> JoinHandle<()> {
     #[derive(Parser)]
     struct Cli {
@@ -417,6 +418,7 @@ fn start_controller_with(
     if overrides {
         args.extend(["--migration-agent-endpoint", endpoints.as_str()]);
     }
+    args.extend(extra);
     let cli = Cli::try_parse_from(args).unwrap();
     let (_tx, rx) = watch::channel(false);
     let ctx = Arc::new(Context::new(
@@ -438,6 +440,7 @@ struct Setup {
     agents: ProcAgents,
     controller: JoinHandle<()>,
     pod: Pod,
+    pods: Vec<Pod>,
     dir: PathBuf,
 }
 
@@ -447,15 +450,26 @@ impl Setup {
     }
 
     async fn new_with(prefix: &str, overrides: bool) -> Option<Setup> {
+        Setup::build(prefix, overrides, 1, &[]).await
+    }
+
+    /// A namespace, the controller, and a Deployment `web` of `replicas` pods on the
+    /// two agent nodes, each with a process standing for its container.
+    async fn build(
+        prefix: &str,
+        overrides: bool,
+        replicas: usize,
+        extra: &[&str],
+    ) -> Option<Setup> {
         let ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
         install_crds(&ns.client).await;
         let agents = ProcAgents::default();
-        let controller = start_controller_with(&ns.client, &ns.name, &agents, overrides);
+        let controller = start_controller_with(&ns.client, &ns.name, &agents, overrides, extra);
         let deploy: Deployment = from_json(json!({
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": "web"},
             "spec": {
-                "replicas": 1,
+                "replicas": replicas,
                 "selector": {"matchLabels": {"app": "web"}},
                 "template": {
                     "metadata": {"labels": {"app": "web"}},
@@ -480,19 +494,22 @@ impl Setup {
             "app=web",
             TIMEOUT,
             "web pod Running",
-            |ps| ps.len() == 1 && ps.iter().all(pod_running_ready),
+            |ps| ps.len() == replicas && ps.iter().all(pod_running_ready),
         )
         .await
         .unwrap();
         let pod = pods[0].clone();
         let dir = std::env::temp_dir().join(format!("pm-e2e-{}", ns.name));
         std::fs::create_dir_all(&dir).unwrap();
-        agents.add_container(&ns.name, &pod.name_any(), &dir);
+        for p in &pods {
+            agents.add_container(&ns.name, &p.name_any(), &dir);
+        }
         Some(Setup {
             ns,
             agents,
             controller,
             pod,
+            pods,
             dir,
         })
     }
@@ -502,13 +519,24 @@ impl Setup {
     }
 
     async fn migrate(&self, extra: serde_json::Value) -> Api<PodMigration> {
-        let mut spec = json!({"podName": self.pod.name_any(), "freezeBudgetMillis": 5000, "progressTimeoutSeconds": 10});
+        self.migrate_named("move-web", &self.pod.name_any(), extra)
+            .await
+    }
+
+    async fn migrate_named(
+        &self,
+        name: &str,
+        pod: &str,
+        extra: serde_json::Value,
+    ) -> Api<PodMigration> {
+        let mut spec =
+            json!({"podName": pod, "freezeBudgetMillis": 5000, "progressTimeoutSeconds": 10});
         for (k, v) in extra.as_object().unwrap() {
             spec[k] = v.clone();
         }
         let pm: PodMigration = from_json(json!({
             "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
-            "metadata": {"name": "move-web"}, "spec": spec
+            "metadata": {"name": name}, "spec": spec
         }));
         let api = self.ns.api::<PodMigration>();
         api.create(&PostParams::default(), &pm).await.unwrap();
@@ -516,9 +544,18 @@ impl Setup {
     }
 
     async fn wait_phase(&self, api: &Api<PodMigration>, want: MigrationPhase) -> PodMigration {
+        self.wait_phase_named(api, "move-web", want).await
+    }
+
+    async fn wait_phase_named(
+        &self,
+        api: &Api<PodMigration>,
+        name: &str,
+        want: MigrationPhase,
+    ) -> PodMigration {
         let got = wait_for(
             api,
-            "move-web",
+            name,
             Duration::from_secs(90),
             &format!("phase {want:?}"),
             |m| {
@@ -530,7 +567,7 @@ impl Setup {
         match got {
             Ok(Some(m)) => m,
             _ => {
-                let now = api.get_opt("move-web").await.ok().flatten();
+                let now = api.get_opt(name).await.ok().flatten();
                 let status = now
                     .as_ref()
                     .map(|m| serde_json::to_string_pretty(&m.status).unwrap());
@@ -986,5 +1023,53 @@ async fn agents_are_found_through_their_ready_pods_on_each_node() {
             .iter()
             .any(|c| c.type_ == "Migratable" && c.status == "True"),
         "{st:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_over_the_parallel_limit_waits_queued_until_a_slot_frees() {
+    let Some(s) = Setup::build("mig-queue", true, 2, &["--migration-max-parallel", "1"]).await
+    else {
+        return;
+    };
+    s.agents.delay("Transfer", Duration::from_secs(2));
+    let (a, b) = (s.pods[0].name_any(), s.pods[1].name_any());
+    let api = s
+        .migrate_named("move-a", &a, json!({"freezeBudgetMillis": 60000}))
+        .await;
+    s.wait_phase_named(&api, "move-a", MigrationPhase::Transferring)
+        .await;
+    s.migrate_named("move-b", &b, json!({"freezeBudgetMillis": 60000}))
+        .await;
+    wait_for(&api, "move-b", TIMEOUT, "move-b Queued", |m| {
+        m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
+            st.phase == MigrationPhase::Pending
+                && st
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Reconciling" && c.reason == reasons::QUEUED)
+        })
+    })
+    .await
+    .unwrap();
+    let done_a = s
+        .wait_phase_named(&api, "move-a", MigrationPhase::Succeeded)
+        .await;
+    let done_b = s
+        .wait_phase_named(&api, "move-b", MigrationPhase::Succeeded)
+        .await;
+    let at = |m: &PodMigration, p: MigrationPhase| {
+        m.status
+            .as_ref()
+            .unwrap()
+            .phase_transition_timestamps
+            .iter()
+            .find(|t| t.phase == p)
+            .map(|t| t.time.0)
+            .unwrap()
+    };
+    assert!(
+        at(&done_b, MigrationPhase::Preparing) >= at(&done_a, MigrationPhase::Succeeded),
+        "move-b started before move-a finished"
     );
 }

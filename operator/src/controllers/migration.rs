@@ -17,9 +17,10 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{Action as Requeue, Controller};
 use kube::runtime::events::EventType;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{self, Store, reflector};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
@@ -189,6 +190,8 @@ struct Shared<A> {
     cfg: MigrationConfig,
     agents: Arc<A>,
     store: Store<PodMigration>,
+    /// The node agents' pods (watched; endpoints come from their IPs).
+    agent_pods: Store<Pod>,
 }
 
 /// Runs the controller with the settings from the environment, driving the agents
@@ -227,7 +230,24 @@ pub async fn run_with<A: AgentClient>(
         )
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
+    // The agents' pods are few: watch them rather than list them on every poll.
+    let (agent_pods, writer) = reflector::store();
+    let agent_api: Api<Pod> = Api::namespaced(client.clone(), &cfg.agent_namespace);
+    let agent_watch = reflector(
+        writer,
+        watcher::watcher(
+            agent_api,
+            watcher::Config::default().labels(&cfg.agent_selector),
+        )
+        .default_backoff(),
+    );
+    tokio::spawn(agent_watch.for_each(|ev| async move {
+        if let Err(e) = ev {
+            tracing::debug!(error = %e, "agent pod watch");
+        }
+    }));
     let shared = Arc::new(Shared {
+        agent_pods,
         ctx: ctx.clone(),
         cfg,
         agents,
@@ -505,29 +525,32 @@ async fn evaluate_pending<A: AgentClient>(
 }
 
 /// Node → agent endpoint: overrides first, then the Ready agent pods.
+/// Node → agent endpoint: the Ready agent pods (from the watch), then the overrides.
 async fn agent_endpoints<A>(s: &Shared<A>) -> Result<BTreeMap<String, String>, MigrationError> {
     let mut out: BTreeMap<String, String> = BTreeMap::new();
-    let agent_pods = Api::<Pod>::namespaced(s.ctx.client.clone(), &s.cfg.agent_namespace)
-        .list(&ListParams::default().labels(&s.cfg.agent_selector))
-        .await;
-    match agent_pods {
-        Ok(list) => {
-            for p in list.items {
-                let ready = p
-                    .status
-                    .as_ref()
-                    .and_then(|st| st.conditions.as_ref())
-                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-                let node = p.spec.as_ref().and_then(|sp| sp.node_name.clone());
-                let ip = p.status.as_ref().and_then(|st| st.pod_ip.clone());
-                if let (true, Some(node), Some(ip)) = (ready, node, ip) {
-                    out.insert(node, format!("https://{ip}:{}", s.cfg.agent_port));
-                }
-            }
+    // With overrides (local runs) the watch may never sync (no RBAC, no namespace).
+    if s.cfg.agent_endpoints.is_empty()
+        && tokio::time::timeout(Duration::from_secs(5), s.agent_pods.wait_until_ready())
+            .await
+            .is_err()
+    {
+        return Err(MigrationError::Inconsistent(
+            "the agent pod watch has not synced yet".into(),
+        ));
+    }
+    for p in s.agent_pods.state() {
+        let ready = p
+            .status
+            .as_ref()
+            .and_then(|st| st.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let node = p.spec.as_ref().and_then(|sp| sp.node_name.clone());
+        let ip = p.status.as_ref().and_then(|st| st.pod_ip.clone());
+        if let (true, Some(node), Some(ip)) =
+            (ready && p.metadata.deletion_timestamp.is_none(), node, ip)
+        {
+            out.insert(node, format!("https://{ip}:{}", s.cfg.agent_port));
         }
-        // Without RBAC or namespace the overrides may still serve (local runs).
-        Err(e) if s.cfg.agent_endpoints.is_empty() => return Err(api_err("list", "agent pods")(e)),
-        Err(_) => {}
     }
     for (node, url) in &s.cfg.agent_endpoints {
         out.insert(node.clone(), url.clone());
@@ -539,12 +562,6 @@ async fn endpoint_of<A>(
     s: &Shared<A>,
     node: &str,
 ) -> Result<Option<AgentEndpoint>, MigrationError> {
-    if let Some((_, url)) = s.cfg.agent_endpoints.iter().find(|(n, _)| n == node) {
-        return Ok(Some(AgentEndpoint {
-            node: node.into(),
-            url: url.clone(),
-        }));
-    }
     let all = agent_endpoints(s).await?;
     Ok(all.get(node).map(|url| AgentEndpoint {
         node: node.into(),

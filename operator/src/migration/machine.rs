@@ -659,14 +659,8 @@ impl<'a> Machine<'a> {
                         return;
                     }
                 }
-                AgentView::Missing if phase != MigrationPhase::Preparing => {
-                    self.fail(
-                        reasons::NO_AGENT_ON_NODE,
-                        format!("no {side} agent any more"),
-                    );
-                    return;
-                }
-                // Unreachable agents are given until the progress timeout.
+                // Agents that are unreachable or whose pod is not Ready (restarting)
+                // are given until the progress timeout.
                 AgentView::Missing | AgentView::Unreachable(_) => {}
             }
         }
