@@ -677,6 +677,18 @@ async fn execute<A: AgentClient>(
                     Some(t) => endpoint_of(s, t).await?.map(|e| e.url),
                     None => None,
                 },
+                container_ids: match side {
+                    Side::Source => source,
+                    Side::Target => target,
+                }
+                .and_then(|p| p.status.as_ref())
+                .and_then(|st| st.container_statuses.as_ref())
+                .map(|cs| cs.iter().filter_map(|c| c.container_id.clone()).collect())
+                .unwrap_or_default(),
+                close_connections: status
+                    .network
+                    .as_ref()
+                    .is_some_and(|n| n.connections_closed > 0),
                 step: *step,
             };
             s.agents.start(&endpoint, &request).await?;

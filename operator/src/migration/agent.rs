@@ -167,6 +167,13 @@ pub struct StepRequest {
     pub probe: Option<ApplicationProbe>,
     /// Where the target agent is reached (the source streams the images there).
     pub target_agent_url: Option<String>,
+    /// Container IDs (`containerd://…`) of the pod this step acts on: the source pod's
+    /// for source steps, the target pod's holders for target steps. The agent resolves
+    /// them to host PIDs through CRI; the operator never sees host PIDs.
+    pub container_ids: Vec<String>,
+    /// The target closed (did not preserve) established connections: at commit the
+    /// source sends FIN on them before it dies.
+    pub close_connections: bool,
     pub step: Step,
 }
 
