@@ -64,8 +64,8 @@ fn components(path: &str) -> Result<Vec<&str>, ExportError> {
 /// `<dir>/<container path>` → `<proc_root>/<pid>/root/<container path>`; `/` exports
 /// the whole root as `<dir>/root` and makes every other path redundant.
 ///
-/// The directory is rebuilt from scratch (restarts converge, stale links vanish;
-/// `remove_dir_all` removes symlinks without following them). A path below another
+/// The directory's contents are rebuilt from scratch (restarts converge, stale links
+/// vanish; `DirEntry::file_type` and `remove_dir_all` never follow symlinks). A path below another
 /// exported path is already reachable through its ancestor's link and is skipped:
 /// creating its link would mean creating directories *through* the ancestor's
 /// symlink, i.e. writing into the target container's filesystem.
@@ -99,11 +99,19 @@ pub fn populate(
     if !dir.is_absolute() || depth < 2 {
         return Err(ExportError::BadPath(dir.display().to_string()));
     }
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(dir_err(e)),
-        _ => {}
-    }
+    // Emptied, not removed: in the Job it is an emptyDir mount point (rmdir → EBUSY).
     std::fs::create_dir_all(dir).map_err(dir_err)?;
+    for entry in std::fs::read_dir(dir).map_err(dir_err)? {
+        let entry = entry.map_err(dir_err)?;
+        let ty = entry.file_type().map_err(dir_err)?;
+        let r = if ty.is_dir() {
+            // A real directory we made earlier; links inside it are removed as links.
+            std::fs::remove_dir_all(entry.path())
+        } else {
+            std::fs::remove_file(entry.path())
+        };
+        r.map_err(dir_err)?;
+    }
 
     let mut out = Vec::new();
     for (comps, path) in kept {

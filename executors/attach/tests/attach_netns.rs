@@ -589,3 +589,41 @@ fn agent_in_its_own_job_pod_namespace_serves_the_api_there_and_forwards_in_the_t
     assert!(agent.child.wait().unwrap().success(), "{}", agent.stderr());
     assert!(!pod.nft_tables().contains(TABLE));
 }
+
+#[test]
+fn exports_dir_can_be_a_mount_point_like_the_jobs_empty_dir() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let base = std::env::temp_dir().join(format!("pmt-exports-mnt-{}", std::process::id()));
+    let dir = base.join("exports");
+    std::fs::create_dir_all(&dir).unwrap();
+    common::run(
+        common::tool("mount")
+            .args(["-t", "tmpfs", "tmpfs"])
+            .arg(&dir),
+    );
+    let me = std::process::id();
+    let first = podmotion_attach::exports::populate(
+        &dir,
+        std::path::Path::new("/proc"),
+        me,
+        &["/etc".into(), "/usr/share".into()],
+    );
+    let second = podmotion_attach::exports::populate(
+        &dir,
+        std::path::Path::new("/proc"),
+        me,
+        &["/usr/share".into()],
+    );
+    let stale = std::fs::symlink_metadata(dir.join("etc")).is_ok();
+    let share = std::fs::read_link(dir.join("usr/share")).ok();
+    common::run(common::tool("umount").arg(&dir));
+    std::fs::remove_dir_all(&base).unwrap();
+    assert!(first.is_ok() && second.is_ok(), "{first:?} {second:?}");
+    assert!(!stale, "stale link removed");
+    assert_eq!(
+        share.unwrap(),
+        std::path::Path::new(&format!("/proc/{me}/root/usr/share"))
+    );
+}
