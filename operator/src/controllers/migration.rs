@@ -367,6 +367,9 @@ async fn reconcile_one<A: AgentClient>(
 
     let migrations: Api<PodMigration> = Api::namespaced(client.clone(), &ns);
     let object_going = observed.deletion_requested && !observed.has_finalizer;
+    // The finalizer patches compare-and-swap on resourceVersion: they use the version
+    // the status write returns.
+    let mut current = pm.clone();
     if t.status != status && !object_going {
         ctx.ensure_leader()?;
         let patch = json!({ "status": t.status });
@@ -378,7 +381,7 @@ async fn reconcile_one<A: AgentClient>(
             )
             .await
         {
-            Ok(_) => {}
+            Ok(updated) => current.metadata.resource_version = updated.metadata.resource_version,
             Err(kube::Error::Api(e)) if e.code == 404 => return Ok(Requeue::await_change()),
             Err(e) => return Err(api_err("patch status of", name.clone())(e)),
         }
@@ -395,7 +398,15 @@ async fn reconcile_one<A: AgentClient>(
     }
 
     for action in &t.actions {
-        execute(pm, s, action, source.as_ref(), target.as_ref(), &t.status).await?;
+        execute(
+            &current,
+            s,
+            action,
+            source.as_ref(),
+            target.as_ref(),
+            &t.status,
+        )
+        .await?;
     }
     Ok(match t.requeue_after {
         Some(d) => Requeue::requeue(d),
