@@ -3,7 +3,10 @@
 # the path of a wrapper that runs it.
 #
 # Why: Debian bookworm's criu 3.17 fails in vDSO detection on current kernels;
-# trixie's 4.x works. We must not mix trixie's libc into the system, so the
+# trixie's 4.1.1 checkpoints processes but cannot dump any TCP socket on kernels
+# >= 6.16 (getsockopt(SO_PASSCRED) on inet sockets now fails with EOPNOTSUPP;
+# fixed in criu 4.2, "Restrict SO_PASSCRED and SO_PASSSEC to supported
+# families"). So we take criu from forky (Debian testing, 4.2.x). We must not mix trixie's libc into the system, so the
 # packages are fetched with apt's own client pointed at a private sources list,
 # lists dir and archive cache (the system's apt configuration and dpkg status
 # are never read for resolution nor written), unpacked with dpkg-deb into
@@ -18,11 +21,13 @@
 #   --check  also run `criu check` (needs root) and fail if it fails.
 set -euo pipefail
 
-CRIU_VERSION="${CRIU_VERSION:-4.1.1-1}"
-SUITE="${CRIU_SUITE:-trixie}"
+# The suite's current criu is taken (a pinned Debian revision disappears from
+# a testing suite when it moves); it must be at least MIN_VERSION.
+SUITE="${CRIU_SUITE:-forky}"
+MIN_VERSION="${CRIU_MIN_VERSION:-4.2}"
 CACHE="${PODMOTION_CACHE:-$HOME/.cache/podmotion}"
-PREFIX="$CACHE/criu-${CRIU_VERSION}"
-WRAPPER="$PREFIX/bin/criu"
+# $CACHE/criu is a symlink to the versioned prefix criu-<debian version>.
+WRAPPER="$CACHE/criu/bin/criu"
 
 log() { echo "install-criu: $*" >&2; }
 
@@ -32,7 +37,8 @@ run_check() {
   fi
 }
 
-if [[ -x "$WRAPPER" ]] && "$WRAPPER" --version >/dev/null 2>&1; then
+have=$("$WRAPPER" --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
+if [[ -n "$have" ]] && dpkg --compare-versions "$have" ge "$MIN_VERSION"; then
   run_check "${1:-}"
   echo "$WRAPPER"
   exit 0
@@ -71,7 +77,7 @@ apt_opts=(
   # write them, so download as the caller instead of warning about it.
   -o "APT::Sandbox::User=$(id -un)"
 )
-log "fetching criu $CRIU_VERSION from $mirror $SUITE (private apt state in $work)"
+log "fetching criu from $mirror $SUITE (private apt state in $work)"
 apt-get "${apt_opts[@]}" -qq update
 # The runtime closure of criu (libraries only: no maintainer scripts run, so
 # the package set is exactly what the loader needs).
@@ -79,8 +85,12 @@ mapfile -t pkgs < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends
   --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances criu \
   | grep -v '^ ' | grep -v '^<' | sort -u)
 [[ " ${pkgs[*]} " == *" criu "* ]] || { log "criu not in $SUITE"; exit 1; }
-(cd "$work/archives" && apt-get "${apt_opts[@]}" -qq download "criu=$CRIU_VERSION" \
-  $(printf '%s\n' "${pkgs[@]}" | grep -vx criu))
+CRIU_VERSION=$(apt-cache "${apt_opts[@]}" show criu | awk '/^Version:/{print $2; exit}')
+dpkg --compare-versions "$CRIU_VERSION" ge "$MIN_VERSION" \
+  || { log "$SUITE has criu $CRIU_VERSION, need >= $MIN_VERSION"; exit 1; }
+PREFIX="$CACHE/criu-${CRIU_VERSION}"
+rm -f "$work"/archives/*.deb
+(cd "$work/archives" && apt-get "${apt_opts[@]}" -qq download "${pkgs[@]}")
 
 tmp="$PREFIX.tmp.$$"
 rm -rf "$tmp"
@@ -103,6 +113,7 @@ WRAP
 chmod 0755 "$tmp/bin/criu"
 rm -rf "$PREFIX"
 mv "$tmp" "$PREFIX"
+ln -sfn "criu-${CRIU_VERSION}" "$CACHE/criu"
 "$WRAPPER" --version >&2
 run_check "${1:-}"
 echo "$WRAPPER"

@@ -69,7 +69,7 @@ fn main() {
         .method(method(
             "commit",
             "Commit",
-            "MigrationRef",
+            "CommitRequest",
             "MigrationStatus",
             false,
         ))

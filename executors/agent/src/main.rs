@@ -1,4 +1,94 @@
-//! Migration node agent: CRIU checkpoint, transfer and restore driven by the operator
+//! podmotion-agent: serves the MigrationAgent gRPC service over mutual TLS.
 #![forbid(unsafe_code)]
 
-fn main() {}
+use clap::Parser;
+use podmotion_agent::{
+    criu::Criu,
+    images,
+    service::{Agent, Config},
+};
+use podmotion_wire::client::TlsFiles;
+use podmotion_wire::proto::migration_agent_server::MigrationAgentServer;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Address to serve gRPC on.
+    #[arg(long, env = "PODMOTION_AGENT_LISTEN", default_value = "0.0.0.0:7443")]
+    listen: std::net::SocketAddr,
+    #[arg(long, env = "PODMOTION_TLS_CA")]
+    tls_ca: PathBuf,
+    #[arg(long, env = "PODMOTION_TLS_CERT")]
+    tls_cert: PathBuf,
+    #[arg(long, env = "PODMOTION_TLS_KEY")]
+    tls_key: PathBuf,
+    /// criu binary (or the wrapper installed by hack/install-criu.sh).
+    #[arg(long, env = "PODMOTION_CRIU", default_value = "criu")]
+    criu: PathBuf,
+    #[arg(
+        long,
+        env = "PODMOTION_BROKER_SOCKET",
+        default_value = "/run/podmotion/broker.sock"
+    )]
+    broker_socket: PathBuf,
+    /// tmpfs directory for checkpoint images.
+    #[arg(
+        long,
+        env = "PODMOTION_CHECKPOINTS",
+        default_value = "/run/podmotion/checkpoints"
+    )]
+    checkpoints_root: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let a = Args::parse();
+    images::check_root(&a.checkpoints_root)?;
+    let swept = images::sweep(&a.checkpoints_root)?;
+    if swept > 0 {
+        tracing::warn!(swept, "zeroized checkpoint images left by a previous run");
+    }
+    // Soft-dirty tracking decides how pre-copy works (see service::Config::track_mem).
+    let track_mem = std::process::Command::new(&a.criu)
+        .args(["check", "--feature", "mem_dirty_track"])
+        .output()
+        .map(|o| o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("OFF"))
+        .unwrap_or(false);
+    let criu = Criu { binary: a.criu };
+    let (maj, min) = criu.version()?;
+    tracing::info!(criu = %format!("{maj}.{min}"), track_mem, "criu reachable over RPC");
+    let tls = TlsFiles::load(
+        &a.tls_ca.to_string_lossy(),
+        &a.tls_cert.to_string_lossy(),
+        &a.tls_key.to_string_lossy(),
+    )?;
+    let agent = Agent::new(Config {
+        criu,
+        track_mem,
+        broker_socket: a.broker_socket,
+        checkpoints_root: a.checkpoints_root,
+        tls: tls.clone(),
+    });
+    tracing::info!(listen = %a.listen, "agent serving");
+    tonic::transport::Server::builder()
+        .tls_config(tls.server_config())?
+        .add_service(MigrationAgentServer::new(agent).max_decoding_message_size(4 << 20))
+        .serve(a.listen)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        super::Args::command().debug_assert();
+    }
+}

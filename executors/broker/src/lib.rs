@@ -536,10 +536,28 @@ fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
         for link in &l.links {
             ip(&["link", "set", "dev", link, "up"])?;
         }
-        for r in &l.routes {
-            let mut args = vec!["route", "replace"];
-            args.extend(r.split_whitespace().filter(|w| *w != "linkdown"));
-            ip(&args)?;
+        // Routes come back in dependency order: a gateway route needs the route to
+        // its gateway first, so retry the failures while each pass makes progress.
+        let mut left: Vec<&String> = l.routes.iter().collect();
+        let mut last_err = None;
+        while !left.is_empty() {
+            let before = left.len();
+            left.retain(|r| {
+                let mut args = vec!["route", "replace"];
+                args.extend(r.split_whitespace().filter(|w| *w != "linkdown"));
+                match ip(&args) {
+                    Ok(_) => false,
+                    Err(e) => {
+                        last_err = Some(e);
+                        true
+                    }
+                }
+            });
+            if left.len() == before {
+                return Err(last_err
+                    .take()
+                    .unwrap_or_else(|| std::io::Error::other("route restore")));
+            }
         }
         Ok(())
     })

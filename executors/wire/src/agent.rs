@@ -108,6 +108,16 @@ pub struct SendRequest {
     pub bandwidth_limit: u64,
 }
 
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct CommitRequest {
+    #[prost(string, tag = "1")]
+    pub migration_uid: String,
+    /// The target closed (did not preserve) established connections: let the source
+    /// send FIN on them before it is killed, so peers see a clean close.
+    #[prost(bool, tag = "2")]
+    pub close_connections: bool,
+}
+
 /// One sealed piece of a checkpoint image file, agent to agent.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ImageChunk {
@@ -126,6 +136,15 @@ pub struct ImageChunk {
     /// Last chunk of the stream: `path` is empty and `sealed` authenticates the count.
     #[prost(bool, tag = "6")]
     pub end: bool,
+    /// The entry is a symlink (CRIU's `parent` link between image dirs); `sealed`
+    /// holds its target.
+    #[prost(bool, tag = "7")]
+    pub symlink: bool,
+    /// Delta instruction: create `path` as a copy of `base` (an image the target
+    /// already holds from an earlier round), resized to the length in `sealed` (u64
+    /// big-endian); the following chunks of `path` patch it at their offsets.
+    #[prost(string, tag = "8")]
+    pub base: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

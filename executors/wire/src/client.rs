@@ -150,12 +150,23 @@ impl AgentClient {
             .into_inner())
     }
     /// Source: kill the frozen tree. Only after the target passed its probe.
+    /// `close_connections`: the target reported `ClosedCleanly` sockets, so the source
+    /// sends FIN on them before it dies.
     pub async fn commit(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
-        Ok(self
-            .inner
-            .commit(MigrationRef::new(uid))
-            .await?
-            .into_inner())
+        self.commit_closing(uid, false).await
+    }
+    /// Commit when the target restored some connections closed (`ClosedCleanly` in
+    /// its status): the source takes them out of repair and lets them send FIN first.
+    pub async fn commit_closing(
+        &mut self,
+        uid: &str,
+        close_connections: bool,
+    ) -> Result<MigrationStatus, ClientError> {
+        let req = CommitRequest {
+            migration_uid: uid.into(),
+            close_connections,
+        };
+        Ok(self.inner.commit(req).await?.into_inner())
     }
     /// Source: resume the tree; target: kill whatever was restored.
     pub async fn abort(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {

@@ -1,0 +1,83 @@
+//! Test workload for the migration tests and benchmarks (not shipped in images): a TCP
+//! server whose state lives only in memory.
+//!
+//! `podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]`
+//! * a counter incremented every 10 ms by a thread (proves execution continues);
+//! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
+//!   `total` → how many requests this connection served (per-connection state);
+//! * optional ballast memory, filled with non-zero data, and rewritten at a bounded
+//!   dirty rate (for pre-copy).
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
+    let mut w = s.try_clone().expect("clone");
+    let mut served = 0u64;
+    for line in BufReader::new(s).lines() {
+        let Ok(line) = line else { break };
+        served += 1;
+        let reply = match line.split_once(' ') {
+            Some(("echo", x)) => x.to_owned(),
+            _ if line == "get" => counter.load(Ordering::SeqCst).to_string(),
+            _ if line == "total" => served.to_string(),
+            _ => "?".to_owned(),
+        };
+        if writeln!(w, "{reply}").is_err() {
+            break;
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some("serve") {
+        eprintln!("usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]");
+        std::process::exit(2);
+    }
+    let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8080);
+    let mib: usize = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let dirty_kib: usize = args.get(4).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let counter = Arc::new(AtomicU64::new(0));
+    let c = Arc::clone(&counter);
+    std::thread::spawn(move || {
+        loop {
+            c.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    if mib > 0 {
+        std::thread::spawn(move || {
+            let mut ballast = vec![0u8; mib << 20];
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            for chunk in ballast.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+            }
+            // Rewrite `dirty_kib` per second, one page at a time, round robin.
+            let pages = ballast.len() / 4096;
+            let per_tick = (dirty_kib / 4).div_ceil(10);
+            let mut next = 0usize;
+            loop {
+                for _ in 0..per_tick {
+                    ballast[(next % pages) * 4096] = ballast[(next % pages) * 4096].wrapping_add(1);
+                    next += 1;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                std::hint::black_box(&ballast);
+            }
+        });
+    }
+    let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
+    println!("ready");
+    for s in l.incoming().flatten() {
+        let c = Arc::clone(&counter);
+        std::thread::spawn(move || serve_conn(s, c));
+    }
+}

@@ -1,0 +1,218 @@
+//! CRIU over its RPC: `criu swrk <fd>` is spawned per request and spoken to over a
+//! SOCK_SEQPACKET pair; criu is never linked. The messages below are the subset of
+//! CRIU's `images/rpc.proto` we use, with its field numbers (prost derive, proto2
+//! optional semantics), so pre-dump, leave_stopped and network_lock are reachable.
+
+use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, recv, send, socketpair};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+pub const REQ_DUMP: i32 = 1;
+pub const REQ_RESTORE: i32 = 2;
+pub const REQ_PRE_DUMP: i32 = 4;
+pub const REQ_VERSION: i32 = 10;
+
+pub const CG_IGNORE: i32 = 0;
+pub const NETWORK_LOCK_SKIP: i32 = 3;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct InheritFd {
+    #[prost(string, required, tag = "1")]
+    pub key: String,
+    #[prost(int32, required, tag = "2")]
+    pub fd: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Opts {
+    #[prost(int32, required, tag = "1")]
+    pub images_dir_fd: i32,
+    #[prost(int32, optional, tag = "2")]
+    pub pid: Option<i32>,
+    #[prost(bool, optional, tag = "3")]
+    pub leave_running: Option<bool>,
+    #[prost(bool, optional, tag = "5")]
+    pub tcp_established: Option<bool>,
+    #[prost(bool, optional, tag = "7")]
+    pub shell_job: Option<bool>,
+    #[prost(int32, optional, tag = "9")]
+    pub log_level: Option<i32>,
+    #[prost(string, optional, tag = "10")]
+    pub log_file: Option<String>,
+    #[prost(string, optional, tag = "14")]
+    pub parent_img: Option<String>,
+    #[prost(bool, optional, tag = "15")]
+    pub track_mem: Option<bool>,
+    #[prost(bool, optional, tag = "26")]
+    pub rst_sibling: Option<bool>,
+    #[prost(message, repeated, tag = "27")]
+    pub inherit_fd: Vec<InheritFd>,
+    #[prost(int32, optional, tag = "34")]
+    pub manage_cgroups_mode: Option<i32>,
+    #[prost(string, repeated, tag = "37")]
+    pub external: Vec<String>,
+    #[prost(bool, optional, tag = "46")]
+    pub tcp_skip_in_flight: Option<bool>,
+    #[prost(bool, optional, tag = "52")]
+    pub tcp_close: Option<bool>,
+    #[prost(int32, optional, tag = "64")]
+    pub network_lock: Option<i32>,
+    #[prost(string, optional, tag = "68")]
+    pub images_dir: Option<String>,
+    #[prost(bool, optional, tag = "69")]
+    pub leave_stopped: Option<bool>,
+}
+
+impl Opts {
+    pub fn new(dir: &Path, log: &str) -> Self {
+        Self {
+            images_dir_fd: -1,
+            images_dir: Some(dir.to_string_lossy().into_owned()),
+            log_file: Some(log.to_owned()),
+            log_level: Some(4),
+            manage_cgroups_mode: Some(CG_IGNORE),
+            network_lock: Some(NETWORK_LOCK_SKIP),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Req {
+    #[prost(int32, required, tag = "1")]
+    pub r#type: i32,
+    #[prost(message, optional, tag = "2")]
+    pub opts: Option<Opts>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RestoreResp {
+    #[prost(int32, required, tag = "1")]
+    pub pid: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Version {
+    #[prost(int32, required, tag = "1")]
+    pub major_number: i32,
+    #[prost(int32, required, tag = "2")]
+    pub minor_number: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Resp {
+    #[prost(int32, required, tag = "1")]
+    pub r#type: i32,
+    #[prost(bool, required, tag = "2")]
+    pub success: bool,
+    #[prost(message, optional, tag = "4")]
+    pub restore: Option<RestoreResp>,
+    #[prost(int32, optional, tag = "7")]
+    pub cr_errno: Option<i32>,
+    #[prost(string, optional, tag = "9")]
+    pub cr_errmsg: Option<String>,
+    #[prost(message, optional, tag = "10")]
+    pub version: Option<Version>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    #[error("cannot run criu: {0}")]
+    Spawn(String),
+    #[error("criu {op} failed (errno {errno}): {msg}; log tail: {log}")]
+    Failed {
+        op: &'static str,
+        errno: i32,
+        msg: String,
+        log: String,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct Criu {
+    pub binary: PathBuf,
+}
+
+impl Criu {
+    /// Runs one request in a fresh `criu swrk`. `inherit` descriptors must not be
+    /// close-on-exec (criu finds them by number).
+    pub fn call(&self, req: Req, log_in: Option<&Path>) -> Result<Resp, CriuError> {
+        let op = match req.r#type {
+            REQ_DUMP => "dump",
+            REQ_RESTORE => "restore",
+            REQ_PRE_DUMP => "pre-dump",
+            _ => "request",
+        };
+        let (ours, theirs): (OwnedFd, OwnedFd) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::empty(),
+        )
+        .map_err(|e| CriuError::Spawn(e.to_string()))?;
+        nix::fcntl::fcntl(
+            &ours,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| CriuError::Spawn(e.to_string()))?;
+        let mut child = std::process::Command::new(&self.binary)
+            .arg("swrk")
+            .arg(theirs.as_raw_fd().to_string())
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| CriuError::Spawn(format!("{}: {e}", self.binary.display())))?;
+        drop(theirs);
+        let buf = prost::Message::encode_to_vec(&req);
+        send(ours.as_raw_fd(), &buf, MsgFlags::empty())
+            .map_err(|e| CriuError::Spawn(e.to_string()))?;
+        let mut rbuf = vec![0u8; 64 * 1024];
+        let n = recv(ours.as_raw_fd(), &mut rbuf, MsgFlags::empty())
+            .map_err(|e| CriuError::Spawn(e.to_string()))?;
+        drop(ours);
+        let _ = child.wait();
+        let log = || log_in.map(log_tail).unwrap_or_default();
+        if n == 0 {
+            return Err(CriuError::Failed {
+                op,
+                errno: 0,
+                msg: "criu closed the connection".into(),
+                log: log(),
+            });
+        }
+        let resp: Resp =
+            prost::Message::decode(&rbuf[..n]).map_err(|e| CriuError::Spawn(e.to_string()))?;
+        if !resp.success {
+            return Err(CriuError::Failed {
+                op,
+                errno: resp.cr_errno.unwrap_or(0),
+                msg: resp.cr_errmsg.clone().unwrap_or_default(),
+                log: log(),
+            });
+        }
+        Ok(resp)
+    }
+
+    pub fn version(&self) -> Result<(i32, i32), CriuError> {
+        let r = self.call(
+            Req {
+                r#type: REQ_VERSION,
+                opts: None,
+            },
+            None,
+        )?;
+        let v = r.version.unwrap_or_default();
+        Ok((v.major_number, v.minor_number))
+    }
+}
+
+/// The last error lines of a CRIU log, for error messages.
+pub fn log_tail(path: &Path) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let errs: Vec<&str> = s.lines().filter(|l| l.contains("Error")).collect();
+    let lines = if errs.is_empty() {
+        s.lines().rev().take(3).collect::<Vec<_>>()
+    } else {
+        errs.into_iter().rev().take(4).collect()
+    };
+    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}

@@ -1,0 +1,10 @@
+//! The migration node agent: a gRPC service (mutual TLS) the operator drives step by
+//! step, idempotent per migration UID. CRIU runs through its RPC (`criu swrk`, see
+//! [`criu`]); privileged node steps go through the netns broker; images live on tmpfs
+//! and are zeroized on every exit path ([`images`]).
+#![forbid(unsafe_code)]
+
+pub mod criu;
+pub mod images;
+pub mod service;
+pub mod testbed;

@@ -1,0 +1,1091 @@
+//! The `MigrationAgent` service. Each migration is a small state machine keyed by its
+//! UID; a step that already happened returns the current status instead of running
+//! again, a step out of order is `FailedPrecondition`.
+
+use crate::criu::{self, Criu, Opts, Req};
+use crate::images;
+use futures::Stream;
+use podmotion_broker::client::BrokerClient;
+use podmotion_broker::procfs;
+use podmotion_wire::agent::*;
+use podmotion_wire::broker::{BrokerError, BrokerRole, Reply, Request};
+use podmotion_wire::client::TlsFiles;
+use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
+use podmotion_wire::proto::migration_agent_server::MigrationAgent;
+use podmotion_wire::transfer::{self, Sealer};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::Mutex;
+use tonic::{Request as GrpcRequest, Response, Status, Streaming};
+
+pub struct Config {
+    pub criu: Criu,
+    /// The kernel tracks dirty pages (soft-dirty): pre-dumps are CRIU pre-dumps with
+    /// parent images. Without it, a pre-dump is a full warm copy taken while the
+    /// workload keeps running, and the final transfer sends only blocks that differ
+    /// from it.
+    pub track_mem: bool,
+    pub broker_socket: PathBuf,
+    pub checkpoints_root: PathBuf,
+    /// Identity used when this agent sends images to a target agent.
+    pub tls: TlsFiles,
+}
+
+struct Migration {
+    uid: MigrationUid,
+    role: Role,
+    phase: Phase,
+    process: ProcRef,
+    key: Vec<u8>,
+    tcp: TcpPreservation,
+    dir: PathBuf,
+    iteration: u32,
+    last_round_bytes: u64,
+    image_bytes: u64,
+    final_dump_bytes: u64,
+    bytes_sent: u64,
+    bytes_received: u64,
+    timings: Timings,
+    sockets: Vec<SocketReport>,
+    restored: Option<ProcRef>,
+    /// Relative paths already streamed to the target (Send is incremental).
+    sent: std::collections::BTreeSet<String>,
+    broker: Arc<StdMutex<BrokerClient>>,
+    netns_path: Option<String>,
+}
+
+impl Migration {
+    fn status(&self) -> MigrationStatus {
+        MigrationStatus {
+            migration_uid: self.uid.to_string(),
+            role: self.role as i32,
+            phase: self.phase as i32,
+            iteration: self.iteration,
+            last_round_bytes: self.last_round_bytes,
+            image_bytes: self.image_bytes,
+            bytes_sent: self.bytes_sent,
+            bytes_received: self.bytes_received,
+            timings: Some(self.timings),
+            sockets: self.sockets.clone(),
+            restored_pid: self.restored.map(|p| p.pid).unwrap_or(0),
+            final_dump_bytes: self.final_dump_bytes,
+        }
+    }
+
+    async fn broker(&self, req: Request) -> Result<Reply, Status> {
+        let b = Arc::clone(&self.broker);
+        blocking(move || {
+            b.lock()
+                .expect("broker client")
+                .call(&req)
+                .map_err(broker_status)
+        })
+        .await
+    }
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+fn broker_status(e: BrokerError) -> Status {
+    Status::failed_precondition(format!("broker: {e}"))
+}
+
+fn criu_status(e: criu::CriuError) -> Status {
+    Status::internal(e.to_string())
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+}
+
+fn netns_ino(pid: i32) -> Result<String, Status> {
+    let l = std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .map_err(|e| Status::not_found(e.to_string()))?;
+    Ok(l.to_string_lossy()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect())
+}
+
+/// Name under which the pod's network namespace is external to the images: CRIU
+/// neither dumps nor recreates it; the target passes its own namespace for this key.
+const NETNS_KEY: &str = "podnet";
+
+pub struct Agent {
+    cfg: Arc<Config>,
+    migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
+}
+
+impl Agent {
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            cfg: Arc::new(cfg),
+            migrations: StdMutex::new(HashMap::new()),
+        }
+    }
+
+    fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {
+        self.migrations
+            .lock()
+            .expect("migrations")
+            .get(uid)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("no migration {uid:?} on this agent")))
+    }
+
+    async fn prepare_impl(&self, r: PrepareRequest) -> Result<MigrationStatus, Status> {
+        let uid = MigrationUid::parse(&r.migration_uid)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Ok(m) = self.get(uid.as_str()) {
+            return Ok(m.lock().await.status());
+        }
+        let role = Role::try_from(r.role).unwrap_or(Role::Unspecified);
+        if role == Role::Unspecified {
+            return Err(Status::invalid_argument("role must be Source or Target"));
+        }
+        if r.transfer_key.len() != transfer::KEY_LEN {
+            return Err(Status::invalid_argument("transfer key must be 32 bytes"));
+        }
+        let start_time = if r.pid_start_time == 0 {
+            procfs::start_time(r.pid).map_err(|e| Status::not_found(e.to_string()))?
+        } else {
+            r.pid_start_time
+        };
+        let process = ProcRef {
+            pid: r.pid,
+            start_time,
+        };
+        let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let sock = self.cfg.broker_socket.clone();
+        let client = blocking(move || {
+            BrokerClient::connect(&sock).map_err(|e| Status::unavailable(format!("broker: {e}")))
+        })
+        .await?;
+        let mut m = Migration {
+            uid: uid.clone(),
+            role,
+            phase: Phase::Prepared,
+            process,
+            key: r.transfer_key,
+            tcp: TcpPreservation::try_from(r.tcp).unwrap_or(TcpPreservation::BestEffort),
+            dir: dir.clone(),
+            iteration: 0,
+            last_round_bytes: 0,
+            image_bytes: 0,
+            final_dump_bytes: 0,
+            bytes_sent: 0,
+            bytes_received: 0,
+            timings: Timings::default(),
+            sockets: vec![],
+            restored: None,
+            sent: Default::default(),
+            broker: Arc::new(StdMutex::new(client)),
+            netns_path: None,
+        };
+        let broker_role = if role == Role::Source {
+            BrokerRole::Source
+        } else {
+            BrokerRole::Target
+        };
+        let reg = m
+            .broker(Request::Register {
+                uid: uid.clone(),
+                role: broker_role,
+                process,
+            })
+            .await;
+        if let Err(e) = reg {
+            let _ = images::zeroize(&dir);
+            return Err(e);
+        }
+        if role == Role::Target {
+            match m.broker(Request::BindNetns { uid: uid.clone() }).await {
+                Ok(Reply::NetnsPath { path }) => m.netns_path = Some(path),
+                Ok(other) => return Err(Status::internal(format!("broker replied {other:?}"))),
+                Err(e) => {
+                    let _ = images::zeroize(&dir);
+                    return Err(e);
+                }
+            }
+        }
+        let st = m.status();
+        self.migrations
+            .lock()
+            .expect("migrations")
+            .insert(uid.to_string(), Arc::new(Mutex::new(m)));
+        tracing::info!(%uid, ?role, pid = process.pid, "prepared");
+        Ok(st)
+    }
+
+    fn dump_opts(&self, m: &Migration, dir: &Path, log: &str) -> Result<Opts, Status> {
+        let mut o = Opts::new(dir, log);
+        o.pid = Some(m.process.pid);
+        o.external = vec![format!("net[{}]:{NETNS_KEY}", netns_ino(m.process.pid)?)];
+        if self.cfg.track_mem {
+            o.track_mem = Some(true);
+            if m.iteration > 0 {
+                o.parent_img = Some(format!("../pre-{}", m.iteration));
+            }
+        }
+        Ok(o)
+    }
+
+    async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
+        if m.role != Role::Source || !matches!(m.phase, Phase::Prepared | Phase::PreDumping) {
+            return Err(Status::failed_precondition(format!(
+                "pre-dump in phase {:?}",
+                m.phase
+            )));
+        }
+        procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let n = m.iteration + 1;
+        let dir = m.dir.join(format!("pre-{n}"));
+        std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
+        let mut opts = self.dump_opts(&m, &dir, "pre-dump.log")?;
+        let kind = if self.cfg.track_mem {
+            criu::REQ_PRE_DUMP
+        } else {
+            // Warm copy: a full dump that leaves the workload running and does not
+            // touch its connections (they are captured by the final dump only).
+            opts.leave_running = Some(true);
+            opts.tcp_close = Some(true);
+            criu::REQ_DUMP
+        };
+        let criu = self.cfg.criu.clone();
+        let t = Instant::now();
+        let log = dir.join("pre-dump.log");
+        blocking(move || {
+            criu.call(
+                Req {
+                    r#type: kind,
+                    opts: Some(opts),
+                },
+                Some(&log),
+            )
+            .map_err(criu_status)
+        })
+        .await?;
+        m.timings.pre_dump_total_us += t.elapsed().as_micros() as u64;
+        m.timings.last_pre_dump_us = now_us();
+        m.iteration = n;
+        m.phase = Phase::PreDumping;
+        m.last_round_bytes = images::size(&dir);
+        m.image_bytes = images::size(&m.dir);
+        Ok(m.status())
+    }
+
+    async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
+        if m.role == Role::Source && matches!(m.phase, Phase::Dumped | Phase::Sent) {
+            return Ok(m.status());
+        }
+        if m.role != Role::Source || !matches!(m.phase, Phase::Prepared | Phase::PreDumping) {
+            return Err(Status::failed_precondition(format!(
+                "dump in phase {:?}",
+                m.phase
+            )));
+        }
+        procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let dir = m.dir.join("final");
+        std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
+        let opts = {
+            let mut o = self.dump_opts(&m, &dir, "dump.log")?;
+            o.tcp_established = Some(true);
+            o.tcp_skip_in_flight = Some(true);
+            o.leave_stopped = Some(true);
+            o
+        };
+        m.timings.freeze_started_us = now_us();
+        let t = Instant::now();
+        // Network first: from here nothing reaches or leaves the pod, so no segment
+        // is acknowledged after the socket state is captured.
+        m.broker(Request::LockNetwork { uid: m.uid.clone() })
+            .await?;
+        let sockets = match self.inventory(&m).await {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = m
+                    .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                    .await;
+                return Err(e);
+            }
+        };
+        let criu = self.cfg.criu.clone();
+        let log = dir.join("dump.log");
+        let res = blocking(move || {
+            criu.call(
+                Req {
+                    r#type: criu::REQ_DUMP,
+                    opts: Some(opts),
+                },
+                Some(&log),
+            )
+            .map_err(criu_status)
+        })
+        .await;
+        if let Err(e) = res {
+            // CRIU resumed the tree and its sockets on failure; reopen the network.
+            let _ = m
+                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                .await;
+            let _ = images::zeroize(&dir);
+            m.timings.freeze_started_us = 0;
+            return Err(e);
+        }
+        m.timings.dump_us = t.elapsed().as_micros() as u64;
+        m.timings.dump_finished_us = now_us();
+        let manifest = Manifest {
+            final_dir: "final".into(),
+            sockets: sockets
+                .iter()
+                .map(|s| ManifestSocket {
+                    local: s.local.clone(),
+                    remote: s.remote.clone(),
+                    listening: s.listening,
+                })
+                .collect(),
+            tcp: m.tcp as i32,
+        };
+        std::fs::write(
+            m.dir.join("manifest.json"),
+            serde_json::to_vec(&manifest).expect("manifest"),
+        )
+        .map_err(|e| Status::internal(e.to_string()))?;
+        m.sockets = sockets;
+        m.final_dump_bytes = images::size(&dir);
+        m.image_bytes = images::size(&m.dir);
+        m.phase = Phase::Dumped;
+        tracing::info!(
+            uid,
+            dump_ms = m.timings.dump_us / 1000,
+            bytes = m.final_dump_bytes,
+            "dumped; source left stopped"
+        );
+        Ok(m.status())
+    }
+
+    /// The workload's TCP sockets, duplicated to us by the broker.
+    async fn inventory(&self, m: &Migration) -> Result<Vec<SocketReport>, Status> {
+        let b = Arc::clone(&m.broker);
+        let uid = m.uid.clone();
+        blocking(move || {
+            let fds = b
+                .lock()
+                .expect("broker client")
+                .sockets(&uid)
+                .map_err(broker_status)?;
+            use nix::sys::socket::{
+                SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
+            };
+            use std::os::fd::AsRawFd;
+            let mut out = Vec::new();
+            for fd in fds {
+                let listening = getsockopt(&fd, AcceptConn).unwrap_or(false);
+                let local = getsockname::<SockaddrStorage>(fd.as_raw_fd())
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
+                let remote = if listening {
+                    String::new()
+                } else {
+                    getpeername::<SockaddrStorage>(fd.as_raw_fd())
+                        .map(|a| a.to_string())
+                        .unwrap_or_default()
+                };
+                out.push(SocketReport {
+                    local,
+                    remote,
+                    listening,
+                    outcome: SocketOutcome::Pending as i32,
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
+        let m = self.get(&r.migration_uid)?;
+        let mut m = m.lock().await;
+        if m.phase == Phase::Sent {
+            return Ok(m.status());
+        }
+        if m.role != Role::Source || !matches!(m.phase, Phase::Dumped | Phase::PreDumping) {
+            return Err(Status::failed_precondition(format!(
+                "send in phase {:?}",
+                m.phase
+            )));
+        }
+        let t = Instant::now();
+        let channel = tonic::transport::Endpoint::from_shared(r.target_endpoint.clone())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?
+            .tls_config(self.cfg.tls.client_config(&r.target_server_name))
+            .map_err(|e| Status::invalid_argument(e.to_string()))?
+            .connect()
+            .await
+            .map_err(|e| Status::unavailable(format!("target agent: {e}")))?;
+        let mut client = MigrationAgentClient::new(channel).max_encoding_message_size(4 << 20);
+        let (tx, rx) = tokio::sync::mpsc::channel::<ImageChunk>(8);
+        let dir = m.dir.clone();
+        let sealer =
+            Sealer::new(&m.key, m.uid.as_str()).map_err(|e| Status::internal(e.to_string()))?;
+        let uid = m.uid.to_string();
+        let already = m.sent.clone();
+        let delta = !self.cfg.track_mem;
+        let producer =
+            tokio::task::spawn_blocking(move || produce(&dir, &uid, &sealer, &tx, &already, delta));
+        let stream =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+        let summary = client.receive_images(stream).await;
+        let (sent, paths) = producer
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        let summary = summary?.into_inner();
+        if summary.bytes != sent {
+            return Err(Status::data_loss(format!(
+                "target stored {} of {sent} bytes",
+                summary.bytes
+            )));
+        }
+        m.bytes_sent += sent;
+        m.sent.extend(paths);
+        if m.phase == Phase::Dumped {
+            m.timings.send_us = t.elapsed().as_micros() as u64;
+            m.timings.send_finished_us = now_us();
+            m.phase = Phase::Sent;
+        }
+        Ok(m.status())
+    }
+
+    async fn receive_impl(&self, mut s: Streaming<ImageChunk>) -> Result<ReceiveSummary, Status> {
+        let Some(first) = s.message().await? else {
+            return Err(Status::invalid_argument("empty image stream"));
+        };
+        let m = self.get(&first.migration_uid)?;
+        let mut m = m.lock().await;
+        if m.phase == Phase::Received {
+            return Err(Status::already_exists(
+                "the final images were already received",
+            ));
+        }
+        if m.role != Role::Target || !matches!(m.phase, Phase::Prepared | Phase::Receiving) {
+            return Err(Status::failed_precondition(format!(
+                "receive in phase {:?}",
+                m.phase
+            )));
+        }
+        m.phase = Phase::Receiving;
+        let sealer =
+            Sealer::new(&m.key, m.uid.as_str()).map_err(|e| Status::internal(e.to_string()))?;
+        let dir = m.dir.clone();
+        let mut next = Some(first);
+        let mut seq = 0u64;
+        let mut patched = std::collections::BTreeSet::new();
+        let (mut files, mut bytes) = (0u64, 0u64);
+        let res: Result<(), Status> = async {
+            loop {
+                let c = match next.take() {
+                    Some(c) => c,
+                    None => s
+                        .message()
+                        .await?
+                        .ok_or_else(|| Status::data_loss("stream ended without its final chunk"))?,
+                };
+                if c.seq != seq || c.migration_uid != m.uid.as_str() {
+                    return Err(Status::invalid_argument(
+                        "chunk out of order or for another migration",
+                    ));
+                }
+                seq += 1;
+                if c.end {
+                    let count = sealer
+                        .open(c.seq, "", c.offset, true, &c.sealed)
+                        .map_err(|e| Status::permission_denied(e.to_string()))?;
+                    if count != c.seq.to_be_bytes() {
+                        return Err(Status::data_loss("chunk count mismatch"));
+                    }
+                    return Ok(());
+                }
+                transfer::check_image_path(&c.path)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                let plain = sealer
+                    .open(c.seq, &c.path, c.offset, false, &c.sealed)
+                    .map_err(|e| Status::permission_denied(e.to_string()))?;
+                let path = dir.join(&c.path);
+                if let Some(p) = path.parent() {
+                    std::fs::create_dir_all(p).map_err(|e| Status::internal(e.to_string()))?;
+                }
+                if !c.base.is_empty() {
+                    transfer::check_image_path(&c.base)
+                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    let len: [u8; 8] = plain
+                        .as_slice()
+                        .try_into()
+                        .map_err(|_| Status::invalid_argument("bad delta length"))?;
+                    std::fs::copy(dir.join(&c.base), &path).map_err(|e| {
+                        Status::failed_precondition(format!("delta base {}: {e}", c.base))
+                    })?;
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(&path)
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                    f.set_len(u64::from_be_bytes(len))
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                    files += 1;
+                    patched.insert(c.path.clone());
+                    continue;
+                }
+                if patched.contains(&c.path) {
+                    use std::os::unix::fs::FileExt;
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(&path)
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                    let len = f
+                        .metadata()
+                        .map_err(|e| Status::internal(e.to_string()))?
+                        .len();
+                    if c.offset + plain.len() as u64 > len {
+                        return Err(Status::invalid_argument(
+                            "delta block past the end of the file",
+                        ));
+                    }
+                    f.write_all_at(&plain, c.offset)
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                    bytes += plain.len() as u64;
+                    continue;
+                }
+                if c.symlink {
+                    let target = String::from_utf8(plain)
+                        .map_err(|_| Status::invalid_argument("bad link"))?;
+                    let ok = target
+                        .strip_prefix("../")
+                        .is_some_and(|t| transfer::check_image_path(t).is_ok() && !t.contains('/'));
+                    if !ok {
+                        return Err(Status::invalid_argument(format!(
+                            "link target {target:?} leaves the checkpoint"
+                        )));
+                    }
+                    std::os::unix::fs::symlink(&target, &path)
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                    continue;
+                }
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| Status::internal(e.to_string()))?;
+                let len = f
+                    .metadata()
+                    .map_err(|e| Status::internal(e.to_string()))?
+                    .len();
+                if len != c.offset {
+                    return Err(Status::invalid_argument(format!(
+                        "{}: offset {} but have {len}",
+                        c.path, c.offset
+                    )));
+                }
+                if c.offset == 0 {
+                    files += 1;
+                }
+                f.write_all(&plain)
+                    .map_err(|e| Status::internal(e.to_string()))?;
+                bytes += plain.len() as u64;
+            }
+        }
+        .await;
+        if let Err(e) = res {
+            // Never keep half an image: zeroize and start over on the next attempt.
+            let _ = images::zeroize(&dir);
+            let _ = images::create(&self.cfg.checkpoints_root, m.uid.as_str());
+            m.phase = Phase::Prepared;
+            return Err(e);
+        }
+        m.bytes_received += bytes;
+        m.image_bytes = images::size(&dir);
+        // Pre-copy rounds arrive first; the round carrying the manifest is the last.
+        m.phase = if dir.join("manifest.json").exists() {
+            Phase::Received
+        } else {
+            Phase::Receiving
+        };
+        Ok(ReceiveSummary { files, bytes })
+    }
+
+    async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
+        if m.phase == Phase::Restored {
+            return Ok(m.status());
+        }
+        if m.role != Role::Target || m.phase != Phase::Received {
+            return Err(Status::failed_precondition(format!(
+                "restore in phase {:?}",
+                m.phase
+            )));
+        }
+        let manifest: Manifest = serde_json::from_slice(
+            &std::fs::read(m.dir.join("manifest.json"))
+                .map_err(|e| Status::data_loss(format!("manifest: {e}")))?,
+        )
+        .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
+        let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
+        else {
+            return Err(Status::internal("unexpected broker reply"));
+        };
+        let ip_of = |s: &str| {
+            s.parse::<std::net::SocketAddr>()
+                .map(|a| a.ip().to_string())
+                .unwrap_or_default()
+        };
+        let established: Vec<&ManifestSocket> =
+            manifest.sockets.iter().filter(|s| !s.listening).collect();
+        let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
+        let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(m.tcp);
+        let preserve = tcp != TcpPreservation::None && moved;
+        if tcp == TcpPreservation::Strict && !moved {
+            return Err(Status::failed_precondition(
+                "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
+            ));
+        }
+        let dir = m.dir.join(&manifest.final_dir);
+        let netns = m
+            .netns_path
+            .clone()
+            .ok_or_else(|| Status::internal("target netns not bound"))?;
+        // Not close-on-exec: criu swrk inherits it and finds it by number.
+        let ns_fd = nix::fcntl::open(
+            netns.as_str(),
+            nix::fcntl::OFlag::O_RDONLY,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| Status::internal(format!("open {netns}: {e}")))?;
+        let mut o = Opts::new(&dir, "restore.log");
+        {
+            use std::os::fd::AsRawFd;
+            o.inherit_fd = vec![criu::InheritFd {
+                key: NETNS_KEY.into(),
+                fd: ns_fd.as_raw_fd(),
+            }];
+        }
+        if preserve {
+            o.tcp_established = Some(true);
+        } else {
+            o.tcp_close = Some(true);
+        }
+        m.timings.restore_started_us = now_us();
+        let t = Instant::now();
+        let criu = self.cfg.criu.clone();
+        let log = dir.join("restore.log");
+        let resp = blocking(move || {
+            let r = criu
+                .call(
+                    Req {
+                        r#type: criu::REQ_RESTORE,
+                        opts: Some(o),
+                    },
+                    Some(&log),
+                )
+                .map_err(criu_status);
+            drop(ns_fd);
+            r
+        })
+        .await?;
+        m.timings.resumed_us = now_us();
+        m.timings.restore_us = t.elapsed().as_micros() as u64;
+        let pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+        let restored = ProcRef {
+            pid,
+            start_time: procfs::start_time(pid).map_err(|e| Status::internal(e.to_string()))?,
+        };
+        m.restored = Some(restored);
+        m.broker(Request::MoveCgroup {
+            uid: m.uid.clone(),
+            process: restored,
+        })
+        .await?;
+        m.sockets = manifest
+            .sockets
+            .iter()
+            .map(|s| SocketReport {
+                local: s.local.clone(),
+                remote: s.remote.clone(),
+                listening: s.listening,
+                outcome: if s.listening {
+                    SocketOutcome::ListenerRestored
+                } else if preserve {
+                    SocketOutcome::Preserved
+                } else {
+                    SocketOutcome::ClosedCleanly
+                } as i32,
+            })
+            .collect();
+        // The images are no longer needed: do not keep the workload's memory around.
+        let _ = images::zeroize(&m.dir);
+        m.image_bytes = 0;
+        m.phase = Phase::Restored;
+        tracing::info!(
+            uid,
+            pid,
+            restore_ms = m.timings.restore_us / 1000,
+            "restored"
+        );
+        Ok(m.status())
+    }
+
+    async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
+        let m = self.get(&r.migration_uid)?;
+        let mut m = m.lock().await;
+        if m.phase == Phase::Committed {
+            return Ok(m.status());
+        }
+        if m.role != Role::Source || !matches!(m.phase, Phase::Dumped | Phase::Sent) {
+            return Err(Status::failed_precondition(format!(
+                "commit in phase {:?}",
+                m.phase
+            )));
+        }
+        if r.close_connections || m.tcp == TcpPreservation::None {
+            // Out of repair mode and network back: killing the tree now sends FIN.
+            m.broker(Request::ReleaseTcpRepair { uid: m.uid.clone() })
+                .await?;
+            m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                .await?;
+        }
+        m.broker(Request::Kill { uid: m.uid.clone() }).await?;
+        let pid = m.process;
+        blocking(move || {
+            for _ in 0..500 {
+                if procfs::check_live(pid).is_err() {
+                    return Ok(());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(Status::internal("source tree did not die"))
+        })
+        .await?;
+        let _ = images::zeroize(&m.dir);
+        m.image_bytes = 0;
+        m.phase = Phase::Committed;
+        Ok(m.status())
+    }
+
+    async fn abort_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
+        match (m.role, m.phase) {
+            (_, Phase::Aborted) => return Ok(m.status()),
+            (Role::Source, Phase::Committed) => {
+                return Err(Status::failed_precondition(
+                    "already committed: the source is gone",
+                ));
+            }
+            (Role::Source, _) => {
+                // Out of repair, network back, then run: in that order, so the
+                // resumed workload's sockets work from its first instruction.
+                m.broker(Request::ReleaseTcpRepair { uid: m.uid.clone() })
+                    .await?;
+                m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                    .await?;
+                m.broker(Request::Resume { uid: m.uid.clone() }).await?;
+                m.timings.resumed_us = now_us();
+            }
+            (_, _) => {
+                if let Some(p) = m.restored.take() {
+                    if procfs::check_live(p).is_ok() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(p.pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+        }
+        let _ = images::zeroize(&m.dir);
+        m.image_bytes = 0;
+        m.phase = Phase::Aborted;
+        tracing::info!(uid, "aborted");
+        Ok(m.status())
+    }
+
+    async fn cleanup_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let Ok(mm) = self.get(uid) else {
+            // Unknown (never prepared, or already cleaned up, or lost in a restart):
+            // make sure nothing is left on disk either way.
+            if let Ok(u) = MigrationUid::parse(uid) {
+                let _ = images::zeroize(&self.cfg.checkpoints_root.join(u.as_str()));
+            }
+            return Ok(MigrationStatus {
+                migration_uid: uid.into(),
+                phase: Phase::CleanedUp as i32,
+                ..Default::default()
+            });
+        };
+        let mut m = mm.lock().await;
+        if m.role == Role::Source && matches!(m.phase, Phase::Dumped | Phase::Sent) {
+            return Err(Status::failed_precondition(
+                "the source is frozen: commit or abort first",
+            ));
+        }
+        images::zeroize(&m.dir).map_err(|e| Status::internal(e.to_string()))?;
+        let _ = m.broker(Request::Forget { uid: m.uid.clone() }).await;
+        m.phase = Phase::CleanedUp;
+        m.image_bytes = 0;
+        let st = m.status();
+        drop(m);
+        self.migrations.lock().expect("migrations").remove(uid);
+        Ok(st)
+    }
+}
+
+/// Delta block size when comparing a final image with its warm copy.
+const BLOCK: usize = 64 * 1024;
+
+/// Reads the checkpoint dir and sends what was not sent before as sealed chunks;
+/// returns the plaintext bytes sent and the paths now on the target. With `delta`, a
+/// final image that has a warm copy on the target is sent as the blocks that differ.
+fn produce(
+    dir: &Path,
+    uid: &str,
+    sealer: &Sealer,
+    tx: &tokio::sync::mpsc::Sender<ImageChunk>,
+    already: &std::collections::BTreeSet<String>,
+    delta: bool,
+) -> Result<(u64, Vec<String>), Status> {
+    let ierr = |e: std::io::Error| Status::internal(e.to_string());
+    let mut entries = Vec::new();
+    collect(dir, dir, &mut entries).map_err(ierr)?;
+    entries.retain(|(rel, _)| !already.contains(rel));
+    // Parents before children: pre-1, pre-2, …, final, then the manifest last (its
+    // arrival tells the target the image set is complete).
+    entries.sort_by_key(|(rel, _)| {
+        (
+            rel.starts_with("manifest"),
+            rel.starts_with("final"),
+            pre_round(rel),
+            rel.clone(),
+        )
+    });
+    // The newest warm copy the target holds, for deltas.
+    let base_dir = already
+        .iter()
+        .filter_map(|p| p.split_once('/').map(|(d, _)| d))
+        .filter(|d| d.starts_with("pre-"))
+        .max_by_key(|d| pre_round(d))
+        .map(str::to_owned);
+    let mut seq = 0u64;
+    let mut bytes = 0u64;
+    let mut paths = Vec::new();
+    let chunk =
+        |seq: u64, path: &str, offset: u64, data: &[u8], symlink: bool, base: &str| ImageChunk {
+            migration_uid: uid.into(),
+            seq,
+            path: path.into(),
+            offset,
+            sealed: sealer.seal(seq, path, offset, false, data),
+            end: false,
+            symlink,
+            base: base.into(),
+        };
+    let send = |c: ImageChunk| {
+        tx.blocking_send(c)
+            .map_err(|_| Status::aborted("target closed the stream"))
+    };
+    for (rel, is_link) in entries {
+        let full = dir.join(&rel);
+        paths.push(rel.clone());
+        if is_link {
+            let target = std::fs::read_link(&full).map_err(ierr)?;
+            send(chunk(
+                seq,
+                &rel,
+                0,
+                target.to_string_lossy().as_bytes(),
+                true,
+                "",
+            ))?;
+            seq += 1;
+            continue;
+        }
+        let name = rel.rsplit('/').next().unwrap_or_default();
+        let base = match (&base_dir, delta && rel.starts_with("final/")) {
+            (Some(b), true) if already.contains(&format!("{b}/{name}")) => {
+                Some(format!("{b}/{name}"))
+            }
+            _ => None,
+        };
+        if let Some(base) = base {
+            let new = std::fs::read(&full).map_err(ierr)?;
+            let old = std::fs::read(dir.join(&base)).map_err(ierr)?;
+            send(chunk(
+                seq,
+                &rel,
+                0,
+                &(new.len() as u64).to_be_bytes(),
+                false,
+                &base,
+            ))?;
+            seq += 1;
+            // Runs of differing blocks, each at most one CHUNK.
+            let mut off = 0;
+            while off < new.len() {
+                let end = (off + BLOCK).min(new.len());
+                if old.get(off..end) == Some(&new[off..end]) {
+                    off = end;
+                    continue;
+                }
+                let mut run_end = end;
+                while run_end < new.len() && run_end - off < transfer::CHUNK {
+                    let e = (run_end + BLOCK).min(new.len());
+                    if old.get(run_end..e) == Some(&new[run_end..e]) {
+                        break;
+                    }
+                    run_end = e;
+                }
+                send(chunk(seq, &rel, off as u64, &new[off..run_end], false, ""))?;
+                seq += 1;
+                bytes += (run_end - off) as u64;
+                off = run_end;
+            }
+            continue;
+        }
+        let mut f = std::fs::File::open(&full).map_err(ierr)?;
+        let mut offset = 0u64;
+        let mut buf = vec![0u8; transfer::CHUNK];
+        loop {
+            let n = read_up_to(&mut f, &mut buf).map_err(ierr)?;
+            if n == 0 && offset > 0 {
+                break;
+            }
+            send(chunk(seq, &rel, offset, &buf[..n], false, ""))?;
+            seq += 1;
+            offset += n as u64;
+            bytes += n as u64;
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    let sealed = sealer.seal(seq, "", 0, true, &seq.to_be_bytes());
+    send(ImageChunk {
+        migration_uid: uid.into(),
+        seq,
+        path: String::new(),
+        offset: 0,
+        sealed,
+        end: true,
+        symlink: false,
+        base: String::new(),
+    })?;
+    Ok((bytes, paths))
+}
+
+fn pre_round(rel: &str) -> u32 {
+    rel.strip_prefix("pre-")
+        .and_then(|r| r.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = f.read(&mut buf[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    Ok(got)
+}
+
+fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, bool)>) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let ft = e.file_type()?;
+        let rel = e
+            .path()
+            .strip_prefix(root)
+            .expect("under root")
+            .to_string_lossy()
+            .into_owned();
+        if rel.ends_with(".log") {
+            continue;
+        }
+        if ft.is_dir() {
+            collect(root, &e.path(), out)?;
+        } else if ft.is_symlink() {
+            out.push((rel, true));
+        } else if ft.is_file() {
+            out.push((rel, false));
+        }
+    }
+    Ok(())
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl MigrationAgent for Agent {
+    async fn prepare(&self, r: GrpcRequest<PrepareRequest>) -> Res<MigrationStatus> {
+        self.prepare_impl(r.into_inner()).await.map(Response::new)
+    }
+    async fn pre_dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.pre_dump_impl(&r.into_inner().migration_uid)
+            .await
+            .map(Response::new)
+    }
+    async fn dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.dump_impl(&r.into_inner().migration_uid)
+            .await
+            .map(Response::new)
+    }
+    async fn send(&self, r: GrpcRequest<SendRequest>) -> Res<MigrationStatus> {
+        self.send_impl(r.into_inner()).await.map(Response::new)
+    }
+    async fn receive_images(&self, r: GrpcRequest<Streaming<ImageChunk>>) -> Res<ReceiveSummary> {
+        self.receive_impl(r.into_inner()).await.map(Response::new)
+    }
+    async fn restore(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.restore_impl(&r.into_inner().migration_uid)
+            .await
+            .map(Response::new)
+    }
+    async fn commit(&self, r: GrpcRequest<CommitRequest>) -> Res<MigrationStatus> {
+        self.commit_impl(r.into_inner()).await.map(Response::new)
+    }
+    async fn abort(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.abort_impl(&r.into_inner().migration_uid)
+            .await
+            .map(Response::new)
+    }
+    async fn cleanup(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.cleanup_impl(&r.into_inner().migration_uid)
+            .await
+            .map(Response::new)
+    }
+    async fn status(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        let uid = r.into_inner().migration_uid;
+        let m = self.get(&uid)?;
+        Ok(Response::new(m.lock().await.status()))
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_stream<S: Stream>(_: S) {}

@@ -1,0 +1,485 @@
+//! A two-node testbed on one machine, for the root-only migration tests and the
+//! benchmark: every address lives in network namespaces created here.
+//!
+//! ```text
+//!  <p>-na 10.213.0.1 ── veth ── 10.213.0.2 <p>-nb        node network (agents, gRPC+mTLS)
+//!  <p>-src 10.213.1.10 ─ veth ─┐                          source pod (workload)
+//!                              <p>-cli 10.213.1.1         "the network" + the client
+//!  <p>-tgt (no address) ─ veth ┘                          target pod (holder)
+//! ```
+//! Moving the pod address = adding 10.213.1.10 to the target pod and pointing the
+//! client's /32 route at the target's veth (what a CNI with sticky pod IPs does).
+//! Brokers run in-process (one per node, separate sockets and run dirs); agents are
+//! real `podmotion-agent` processes; checkpoint roots are private tmpfs mounts.
+
+use podmotion_broker::{Broker, Config as BrokerConfig, procfs};
+use podmotion_wire::client::{AgentClient, TlsFiles};
+use podmotion_wire::ids::ProcRef;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const POD_IP: &str = "10.213.1.10";
+pub const POD_PORT: u16 = 8080;
+pub const NODE_IPS: [&str; 2] = ["10.213.0.1", "10.213.0.2"];
+pub const AGENT_NAMES: [&str; 2] = ["agent-a", "agent-b"];
+
+fn sh(cmd: &str) {
+    let st = Command::new("sh").args(["-c", cmd]).status().expect("sh");
+    assert!(st.success(), "failed: {cmd}");
+}
+
+fn ip(args: &str) {
+    sh(&format!("ip {args}"));
+}
+
+/// The criu wrapper to use: $PODMOTION_CRIU or the one hack/install-criu.sh installs.
+pub fn criu_path() -> PathBuf {
+    if let Ok(p) = std::env::var("PODMOTION_CRIU") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var("PODMOTION_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+                .join(".cache/podmotion")
+        });
+    home.join("criu/bin/criu")
+}
+
+/// Whether root tests run: they do unless PODMOTION_ROOT_TESTS=0; if they run, root and
+/// CRIU must be there (a missing CRIU fails the test, it never skips silently).
+pub fn root_tests_enabled() -> bool {
+    if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
+        eprintln!("PODMOTION_ROOT_TESTS=0: skipping root-only migration test");
+        return false;
+    }
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "migration tests need root (PODMOTION_ROOT_TESTS=0 skips them)"
+    );
+    let c = criu_path();
+    assert!(
+        c.exists(),
+        "criu not found at {} — run hack/install-criu.sh (PODMOTION_ROOT_TESTS=0 skips)",
+        c.display()
+    );
+    true
+}
+
+pub struct Tls {
+    pub ca_pem: Vec<u8>,
+    pub agents: [TlsFiles; 2],
+    pub operator: TlsFiles,
+}
+
+fn make_tls(dir: &Path) -> Tls {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().expect("key")).expect("ca");
+    let ca_pem = ca.pem().into_bytes();
+    let leaf = |name: &str| {
+        let k = KeyPair::generate().expect("key");
+        let c = CertificateParams::new(vec![name.to_owned()])
+            .expect("params")
+            .signed_by(&k, &ca)
+            .expect("sign");
+        let files = TlsFiles {
+            ca_pem: ca_pem.clone(),
+            cert_pem: c.pem().into_bytes(),
+            key_pem: k.serialize_pem().into_bytes(),
+        };
+        std::fs::write(dir.join(format!("{name}.crt")), &files.cert_pem).expect("write");
+        std::fs::write(dir.join(format!("{name}.key")), &files.key_pem).expect("write");
+        files
+    };
+    std::fs::write(dir.join("ca.crt"), &ca_pem).expect("write");
+    Tls {
+        agents: [leaf(AGENT_NAMES[0]), leaf(AGENT_NAMES[1])],
+        operator: leaf("operator"),
+        ca_pem,
+    }
+}
+
+pub struct Testbed {
+    pub p: String,
+    pub dir: PathBuf,
+    pub cgroup: PathBuf,
+    pub brokers: [Arc<Broker>; 2],
+    pub tls: Tls,
+    agent_bin: PathBuf,
+    pub testload_bin: PathBuf,
+    agents: [Option<Child>; 2],
+    children: Vec<Child>,
+}
+
+impl Testbed {
+    pub fn new(name: &str, agent_bin: &Path, testload_bin: &Path) -> Self {
+        let p = format!("pm{}{}", name, std::process::id() % 100_000);
+        let dir = PathBuf::from(format!("/run/podmotion-testbed/{p}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let ns = |n: &str| format!("{p}-{n}");
+        for n in ["na", "nb", "src", "tgt", "cli"] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &ns(n)])
+                .stderr(Stdio::null())
+                .status();
+            ip(&format!("netns add {}", ns(n)));
+            ip(&format!("-n {} link set lo up", ns(n)));
+        }
+        ip(&format!(
+            "link add eth0 netns {} type veth peer name eth0 netns {}",
+            ns("na"),
+            ns("nb")
+        ));
+        for (i, n) in ["na", "nb"].iter().enumerate() {
+            ip(&format!(
+                "-n {} addr add {}/24 dev eth0",
+                ns(n),
+                NODE_IPS[i]
+            ));
+            ip(&format!("-n {} link set eth0 up", ns(n)));
+        }
+        ip(&format!(
+            "link add to-src netns {} type veth peer name eth0 netns {}",
+            ns("cli"),
+            ns("src")
+        ));
+        ip(&format!(
+            "link add to-tgt netns {} type veth peer name eth0 netns {}",
+            ns("cli"),
+            ns("tgt")
+        ));
+        for l in ["to-src", "to-tgt"] {
+            ip(&format!("-n {} addr add 10.213.1.1/32 dev {l}", ns("cli")));
+            ip(&format!("-n {} link set {l} up", ns("cli")));
+        }
+        ip(&format!("-n {} addr add {POD_IP}/32 dev eth0", ns("src")));
+        for n in ["src", "tgt"] {
+            ip(&format!("-n {} link set eth0 up", ns(n)));
+            ip(&format!("-n {} route add 10.213.1.1 dev eth0", ns(n)));
+            ip(&format!(
+                "-n {} route add default via 10.213.1.1 dev eth0",
+                ns(n)
+            ));
+        }
+        ip(&format!(
+            "-n {} route add {POD_IP}/32 dev to-src",
+            ns("cli")
+        ));
+
+        let cgroup = procfs::cgroup2_mount().expect("cgroup2").join(&p);
+        for c in ["src", "tgt"] {
+            std::fs::create_dir_all(cgroup.join(c)).expect("cgroup");
+        }
+        let brokers = [0, 1].map(|i| {
+            let run = dir.join(format!("node{i}"));
+            std::fs::create_dir_all(run.join("checkpoints")).expect("dir");
+            sh(&format!(
+                "mount -t tmpfs -o mode=0700,size=2g tmpfs {}",
+                run.join("checkpoints").display()
+            ));
+            let b = Broker::new(BrokerConfig {
+                run_dir: run.clone(),
+                pods_cgroup_root: format!("/{p}"),
+                allowed_uid: 0,
+            });
+            let l = b.bind(&run.join("broker.sock")).expect("broker socket");
+            let b2 = Arc::clone(&b);
+            std::thread::spawn(move || b2.serve_listener(l));
+            b
+        });
+        let tls = make_tls(&dir);
+        Self {
+            p,
+            dir,
+            cgroup,
+            brokers,
+            tls,
+            agent_bin: agent_bin.into(),
+            testload_bin: testload_bin.into(),
+            agents: [None, None],
+            children: vec![],
+        }
+    }
+
+    pub fn ns(&self, n: &str) -> String {
+        format!("{}-{n}", self.p)
+    }
+
+    pub fn checkpoints(&self, node: usize) -> PathBuf {
+        self.dir.join(format!("node{node}/checkpoints"))
+    }
+
+    /// Every file left under a node's checkpoint root.
+    pub fn checkpoint_files(&self, node: usize) -> Vec<PathBuf> {
+        fn walk(d: &Path, out: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    walk(&e.path(), out)
+                }
+                out.push(e.path());
+            }
+        }
+        let mut v = vec![];
+        walk(&self.checkpoints(node), &mut v);
+        v
+    }
+
+    pub fn start_agent(&mut self, node: usize) {
+        let name = AGENT_NAMES[node];
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).expect("log");
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.ns(["na", "nb"][node])))
+            .arg(&self.agent_bin)
+            .args(["--listen", &format!("{}:7443", NODE_IPS[node])])
+            .arg("--tls-ca")
+            .arg(self.dir.join("ca.crt"))
+            .arg("--tls-cert")
+            .arg(self.dir.join(format!("{name}.crt")))
+            .arg("--tls-key")
+            .arg(self.dir.join(format!("{name}.key")))
+            .arg("--criu")
+            .arg(criu_path())
+            .arg("--broker-socket")
+            .arg(self.dir.join(format!("node{node}/broker.sock")))
+            .arg("--checkpoints-root")
+            .arg(self.checkpoints(node))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("agent");
+        self.agents[node] = Some(child);
+    }
+
+    pub fn kill_agent(&mut self, node: usize) {
+        if let Some(mut c) = self.agents[node].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn endpoint(node: usize) -> String {
+        format!("https://{}:7443", NODE_IPS[node])
+    }
+
+    /// Starts the workload (its own pid namespace, session leader) in the source pod's
+    /// netns and cgroup; returns the root of the tree to migrate once it serves.
+    pub fn start_workload(&mut self, ballast_mib: usize, dirty_kib_s: usize) -> ProcRef {
+        let script = format!(
+            "echo $$ > {cg}/cgroup.procs && exec nsenter --net=/run/netns/{ns} unshare -p -f setsid {bin} serve {POD_PORT} {ballast_mib} {dirty_kib_s}",
+            cg = self.cgroup.join("src").display(),
+            ns = self.ns("src"),
+            bin = self.testload_bin.display()
+        );
+        let child = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("workload");
+        let outer = child.id() as i32;
+        self.children.push(child);
+        for _ in 0..400 {
+            if let Some(root) = procfs::tree(outer).into_iter().find(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/status"))
+                    .map(|s| {
+                        s.lines()
+                            .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1"))
+                    })
+                    .unwrap_or(false)
+            }) {
+                if self.connect_timeout(Duration::from_millis(200)).is_ok() {
+                    return ProcRef {
+                        pid: root,
+                        start_time: procfs::start_time(root).expect("start"),
+                    };
+                }
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("workload did not come up");
+    }
+
+    /// The target pod's holder: keeps its netns and cgroup.
+    pub fn start_holder(&mut self) -> ProcRef {
+        let script = format!(
+            "echo $$ > {cg}/cgroup.procs && exec nsenter --net=/run/netns/{ns} sleep 100000",
+            cg = self.cgroup.join("tgt").display(),
+            ns = self.ns("tgt")
+        );
+        let child = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("holder");
+        let pid = child.id() as i32;
+        self.children.push(child);
+        for _ in 0..200 {
+            if procfs::cgroup_of(pid)
+                .map(|c| c.ends_with("/tgt"))
+                .unwrap_or(false)
+                && std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .map(|e| e.ends_with("sleep"))
+                    .unwrap_or(false)
+            {
+                return ProcRef {
+                    pid,
+                    start_time: procfs::start_time(pid).expect("start"),
+                };
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("holder did not come up");
+    }
+
+    /// "The CNI": the pod address now exists in the target pod too.
+    pub fn add_address_to_target(&self) {
+        ip(&format!(
+            "-n {} addr add {POD_IP}/32 dev eth0",
+            self.ns("tgt")
+        ));
+    }
+
+    /// "The network": traffic for the pod address goes to the target pod.
+    pub fn route_to_target(&self) {
+        ip(&format!(
+            "-n {} route replace {POD_IP}/32 dev to-tgt",
+            self.ns("cli")
+        ));
+    }
+
+    /// Runs `f` on a thread inside network namespace `ns`.
+    pub fn in_netns<T: Send + 'static>(
+        &self,
+        ns: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        let file = std::fs::File::open(format!("/run/netns/{}", self.ns(ns))).expect("netns");
+        std::thread::spawn(move || {
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .expect("netns thread")
+    }
+
+    /// A client connection to the pod address from the client namespace.
+    pub fn connect_timeout(&self, t: Duration) -> std::io::Result<TcpStream> {
+        self.in_netns("cli", move || {
+            let s = TcpStream::connect_timeout(
+                &format!("{POD_IP}:{POD_PORT}").parse().expect("addr"),
+                t,
+            )?;
+            s.set_read_timeout(Some(Duration::from_secs(20)))?;
+            Ok(s)
+        })
+    }
+
+    /// Runs the operator side (an async closure) on a thread in node A's namespace.
+    pub fn operator<F, Fut, T>(&self, f: F) -> T
+    where
+        F: FnOnce(Tls2) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T>,
+        T: Send + 'static,
+    {
+        let tls = Tls2 {
+            operator: self.tls.operator.clone(),
+        };
+        self.in_netns("na", move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("rt")
+                .block_on(f(tls))
+        })
+    }
+}
+
+/// What the operator closure gets.
+pub struct Tls2 {
+    pub operator: TlsFiles,
+}
+
+impl Tls2 {
+    /// Connects to an agent, retrying while it starts.
+    pub async fn agent(&self, node: usize) -> AgentClient {
+        for _ in 0..100 {
+            if let Ok(c) =
+                AgentClient::connect(&Testbed::endpoint(node), AGENT_NAMES[node], &self.operator)
+                    .await
+            {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("agent {node} unreachable");
+    }
+}
+
+/// One request/response line on a client connection.
+pub fn ask(s: &mut TcpStream, line: &str) -> std::io::Result<String> {
+    use std::io::{BufRead, BufReader, Write};
+    writeln!(s, "{line}")?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut out = String::new();
+    if r.read_line(&mut out)? == 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "closed",
+        ));
+    }
+    Ok(out.trim().to_owned())
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        self.kill_agent(0);
+        self.kill_agent(1);
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Whatever is still in the pod cgroups (restored trees, pid-ns inits).
+        for c in ["src", "tgt"] {
+            let procs = std::fs::read_to_string(self.cgroup.join(c).join("cgroup.procs"))
+                .unwrap_or_default();
+            for p in procs
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        for c in ["src", "tgt", ""] {
+            let _ = std::fs::remove_dir(self.cgroup.join(c));
+        }
+        for i in 0..2 {
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.checkpoints(i))
+                .status();
+            let netns = self.dir.join(format!("node{i}/netns"));
+            for e in std::fs::read_dir(&netns).into_iter().flatten().flatten() {
+                let _ = Command::new("umount").arg("-l").arg(e.path()).status();
+            }
+        }
+        for n in ["na", "nb", "src", "tgt", "cli"] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(n)])
+                .status();
+        }
+        if std::env::var("PODMOTION_KEEP_TESTBED").is_err() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,358 @@
+//! Real migrations on this machine's kernel, as root: two agents for two "nodes", each
+//! in its own network namespace, CRIU through its RPC, the netns broker, cgroup v2.
+//! Run with `cargo test -p podmotion-agent --test migration -- --test-threads=1`
+//! (they serialize themselves anyway). `PODMOTION_ROOT_TESTS=0` skips them; otherwise
+//! a missing CRIU fails them.
+
+use podmotion_agent::testbed::{POD_IP, Testbed, ask};
+use podmotion_broker::procfs;
+use podmotion_wire::agent::*;
+use std::sync::Mutex;
+use std::time::Duration;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn testbed(name: &str) -> Testbed {
+    let mut tb = Testbed::new(
+        name,
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    tb.start_agent(0);
+    tb.start_agent(1);
+    tb
+}
+
+fn counter(s: &mut std::net::TcpStream) -> u64 {
+    ask(s, "get").expect("get").parse().expect("number")
+}
+
+fn prepare(uid: &str, role: Role, pid: i32, tcp: TcpPreservation) -> PrepareRequest {
+    PrepareRequest {
+        migration_uid: uid.into(),
+        role: role as i32,
+        pid,
+        pid_start_time: 0,
+        transfer_key: vec![42; 32],
+        tcp: tcp as i32,
+    }
+}
+
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("State:") && (l.contains("S (") || l.contains("R (")))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn migration_moves_state_listener_and_established_connection() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("mig");
+    let src = tb.start_workload(16, 64);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    assert_eq!(ask(&mut conn, "total").unwrap(), "2");
+
+    let uid = "6f1c1e1a-3b7e-4d0e-9a3c-0d1f2e3a4b5c";
+    let s_st = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prepare(uid, Role::Source, src.pid, TcpPreservation::Strict)).await.unwrap();
+        // Idempotent: a second Prepare answers with the same migration.
+        assert_eq!(a.prepare(prepare(uid, Role::Source, src.pid, TcpPreservation::Strict)).await.unwrap().phase(), Phase::Prepared);
+        b.prepare(prepare(uid, Role::Target, holder.pid, TcpPreservation::Strict)).await.unwrap();
+        // Pre-copy: a round while the workload runs, streamed to the target ahead of
+        // the freeze.
+        let p1 = a.pre_dump(uid).await.unwrap();
+        assert_eq!(p1.iteration, 1);
+        assert!(p1.last_round_bytes > 16 << 20, "the warm copy holds the ballast");
+        let warm = a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        assert_eq!(warm.phase(), Phase::PreDumping);
+        assert!(warm.bytes_sent >= p1.last_round_bytes / 2);
+        let d = a.dump(uid).await.unwrap();
+        assert_eq!(d.phase(), Phase::Dumped);
+        assert_eq!(a.dump(uid).await.unwrap().phase(), Phase::Dumped, "dump is idempotent");
+        let s = a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        let during_freeze = s.bytes_sent - warm.bytes_sent;
+        assert!(
+            during_freeze < d.final_dump_bytes / 4,
+            "only what changed since the warm copy crosses the wire in the freeze: {during_freeze} of {}",
+            d.final_dump_bytes
+        );
+        s
+    });
+    assert!(
+        !running(src.pid),
+        "source must stay frozen between dump and commit"
+    );
+    let listeners = s_st.sockets.iter().filter(|s| s.listening).count();
+    let established: Vec<_> = s_st.sockets.iter().filter(|s| !s.listening).collect();
+    assert_eq!(listeners, 1, "{:?}", s_st.sockets);
+    assert_eq!(established.len(), 1, "{:?}", s_st.sockets);
+    assert!(established[0].local.starts_with(POD_IP));
+
+    // A client connecting during the freeze must wait, not be reset.
+    let tbp = tb.ns("cli");
+    let during = std::thread::spawn(move || {
+        let file = std::fs::File::open(format!("/run/netns/{tbp}")).unwrap();
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut s = std::net::TcpStream::connect_timeout(
+            &format!("{POD_IP}:8080").parse().unwrap(),
+            Duration::from_secs(15),
+        )?;
+        s.set_read_timeout(Some(Duration::from_secs(15)))?;
+        ask(&mut s, "echo during-freeze")
+    });
+    std::thread::sleep(Duration::from_millis(200));
+
+    tb.add_address_to_target();
+    let restored =
+        tb.operator(move |tls| async move { tls.agent(1).await.restore(uid).await.unwrap() });
+    tb.route_to_target();
+    assert_eq!(restored.phase(), Phase::Restored);
+    assert_eq!(
+        restored.count(SocketOutcome::Preserved),
+        1,
+        "{:?}",
+        restored.sockets
+    );
+    assert_eq!(restored.count(SocketOutcome::ListenerRestored), 1);
+    let rpid = restored.restored_pid;
+    assert!(running(rpid));
+    assert_eq!(
+        procfs::netns_inode(rpid).unwrap(),
+        procfs::netns_inode(holder.pid).unwrap(),
+        "restored into the target netns"
+    );
+    assert_eq!(
+        procfs::cgroup_of(rpid).unwrap(),
+        format!("/{}/tgt", tb.p),
+        "restored into the target cgroup"
+    );
+
+    // The established connection survived, with its per-connection state, and the
+    // counter kept counting (in-memory state carried over).
+    let after = counter(&mut conn);
+    assert!(after > before, "counter went from {before} to {after}");
+    assert_eq!(ask(&mut conn, "total").unwrap(), "4");
+    // The listener answers on the target, and the client from the freeze got through.
+    let mut fresh = tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    assert!(counter(&mut fresh) >= after);
+    assert_eq!(during.join().unwrap().unwrap(), "during-freeze");
+
+    let (commit, t_status) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        let c = a.commit(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        let t = b.cleanup(uid).await.unwrap();
+        (c, t)
+    });
+    assert_eq!(commit.phase(), Phase::Committed);
+    assert_eq!(t_status.phase(), Phase::CleanedUp);
+    assert!(procfs::check_live(src).is_err(), "source killed on commit");
+    let t = s_st.timings();
+    let downtime_ms = (restored
+        .timings()
+        .resumed_us
+        .saturating_sub(t.freeze_started_us))
+        / 1000;
+    eprintln!(
+        "dump {} ms, send {} ms, restore {} ms, downtime {downtime_ms} ms",
+        t.dump_us / 1000,
+        t.send_us / 1000,
+        restored.timings().restore_us / 1000
+    );
+    assert!(counter(&mut conn) > after, "still counting after commit");
+    assert!(
+        tb.checkpoint_files(0).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(0)
+    );
+    assert!(
+        tb.checkpoint_files(1).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(1)
+    );
+}
+
+#[test]
+fn abort_after_dump_resumes_the_source_with_its_connections() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("abt");
+    let src = tb.start_workload(8, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "abort-after-dump";
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prepare(
+            uid,
+            Role::Source,
+            src.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        b.prepare(prepare(
+            uid,
+            Role::Target,
+            holder.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        // Cleanup refuses while the source is frozen: it must be committed or aborted.
+        assert!(a.cleanup(uid).await.is_err());
+        assert_eq!(a.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(running(src.pid), "source resumed");
+    let after = counter(&mut conn);
+    assert!(after > before, "{before} → {after}");
+    assert!(
+        tb.connect_timeout(Duration::from_secs(3)).is_ok(),
+        "listener back on the source"
+    );
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
+#[test]
+fn failed_restore_resumes_the_source() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("rsf");
+    let src = tb.start_workload(8, 0);
+    let holder = tb.start_holder();
+    // Something already listens on the workload's port in the target pod: the restore
+    // cannot bind its listener and must fail.
+    let squatter = tb.in_netns("tgt", || {
+        std::net::TcpListener::bind(("0.0.0.0", 8080)).unwrap()
+    });
+    tb.add_address_to_target();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "restore-fails";
+    let err = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prepare(
+            uid,
+            Role::Source,
+            src.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        b.prepare(prepare(
+            uid,
+            Role::Target,
+            holder.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        let err = b.restore(uid).await.unwrap_err();
+        a.abort(uid).await.unwrap();
+        b.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+        err.to_string()
+    });
+    drop(squatter);
+    assert!(err.contains("restore"), "{err}");
+    assert!(running(src.pid));
+    assert!(counter(&mut conn) > before);
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
+#[test]
+fn killed_source_agent_mid_dump_leaves_the_workload_running() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("kil");
+    // Big enough that the dump is still writing pages when the agent dies.
+    let src = tb.start_workload(384, 0);
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "agent-killed";
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.prepare(prepare(
+            uid,
+            Role::Source,
+            src.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        // Fire the dump and do not wait for it.
+        let mut a2 = a.clone();
+        tokio::spawn(async move {
+            let _ = a2.dump(uid).await;
+        });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    });
+    let frozen_seen = std::fs::read_dir(tb.checkpoints(0).join(uid).join("final"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    tb.kill_agent(0);
+    eprintln!("agent killed with {frozen_seen} image files written");
+    // The broker notices the lease is gone, waits for CRIU to detach, rolls back.
+    let mut ok = false;
+    conn.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    for _ in 0..100 {
+        if running(src.pid)
+            && ask(&mut conn, "get")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|v| v > before)
+        {
+            ok = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        ok,
+        "workload did not keep running after its agent died mid-dump"
+    );
+    assert!(tb.connect_timeout(Duration::from_secs(3)).is_ok());
+    // A restarted agent sweeps what the dead one left on tmpfs.
+    tb.start_agent(0);
+    tb.operator(|tls| async move {
+        let mut a = tls.agent(0).await;
+        assert_eq!(
+            a.status("agent-killed").await.unwrap_err().category(),
+            "MigrationUnknown"
+        );
+    });
+    assert!(
+        tb.checkpoint_files(0).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(0)
+    );
+}
