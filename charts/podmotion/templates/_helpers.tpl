@@ -108,6 +108,14 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_MIGRATION_NAMESPACE
   value: {{ . | quote }}
 {{- end }}
+{{- if .Values.migrationAgent.enabled }}
+- name: PODMOTION_AGENT_TLS_CA
+  value: /etc/podmotion/agent-tls/ca.crt
+- name: PODMOTION_AGENT_TLS_CERT
+  value: /etc/podmotion/agent-tls/tls.crt
+- name: PODMOTION_AGENT_TLS_KEY
+  value: /etc/podmotion/agent-tls/tls.key
+{{- end }}
 - name: PODMOTION_MIGRATION_MAX_PARALLEL
   value: {{ .Values.migration.maxParallel | quote }}
 - name: PODMOTION_MIGRATION_MAX_PER_NODE
@@ -145,4 +153,12 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_ATTACHMENT_WATCH_NAMESPACE
   value: {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+{{- define "podmotion.agentTLSSecret" -}}
+{{- default (printf "%s-tls" (include "podmotion.agentName" .)) .Values.migrationAgent.tls.agentSecretName -}}
+{{- end -}}
+
+{{- define "podmotion.operatorTLSSecret" -}}
+{{- default (printf "%s-agent-client-tls" (include "podmotion.fullname" .)) .Values.migrationAgent.tls.operatorSecretName -}}
 {{- end -}}
