@@ -131,6 +131,8 @@ struct World {
     checkpoints: BTreeMap<String, u64>,
     /// Delay before a step completes (to catch a migration mid-step).
     delays: BTreeMap<&'static str, Duration>,
+    /// Steps that fail (by name).
+    failing: Vec<&'static str>,
 }
 
 /// The node agents of [`NODES`], over local processes. See the module documentation.
@@ -143,6 +145,7 @@ fn step_name(s: Step) -> &'static str {
         Step::Dump => "Dump",
         Step::Transfer => "Transfer",
         Step::Restore => "Restore",
+        Step::Probe => "Probe",
         _ => "other",
     }
 }
@@ -155,6 +158,9 @@ impl ProcAgents {
             .unwrap()
             .containers
             .insert(format!("{ns}/{pod}"), p);
+    }
+    fn fail(&self, step: &'static str) {
+        self.0.lock().unwrap().failing.push(step);
     }
     fn delay(&self, step: &'static str, d: Duration) {
         self.0.lock().unwrap().delays.insert(step, d);
@@ -211,6 +217,9 @@ impl ProcAgents {
             category: "StandInError".into(),
             message: m.into(),
         };
+        if w.failing.contains(&step_name(r.step)) {
+            return fail("injected failure");
+        }
         match r.step {
             Step::Prepare => {
                 let alive = w.containers.get_mut(&key).and_then(|p| p.state()).is_some();
@@ -684,6 +693,22 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
         vec![target_name.clone()]
     );
 
+    // The workload objects were never written by the operator.
+    let deploy = s.ns.api::<Deployment>().get("web").await.unwrap();
+    assert_eq!(deploy.metadata.generation, Some(1));
+    for managed in [
+        deploy.metadata.managed_fields.clone(),
+        rs.metadata.managed_fields.clone(),
+    ] {
+        assert!(
+            managed
+                .unwrap_or_default()
+                .iter()
+                .all(|m| m.manager.as_deref() != Some("podmotion.io/migration-controller")),
+            "the operator wrote a workload object"
+        );
+    }
+
     // Status: downtime measured, progress, conditions.
     assert!(st.downtime_millis.is_some_and(|d| d >= 0), "{st:?}");
     assert!(
@@ -1072,4 +1097,52 @@ async fn a_migration_over_the_parallel_limit_waits_queued_until_a_slot_frees() {
         at(&done_b, MigrationPhase::Preparing) >= at(&done_a, MigrationPhase::Succeeded),
         "move-b started before move-a finished"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_probe_rolls_back_to_the_source_and_kills_the_restored_copy() {
+    let Some(s) = Setup::new("mig-probe").await else {
+        return;
+    };
+    s.agents.fail("Probe");
+    let api = s.migrate(json!({})).await;
+    let pm = s.wait_phase(&api, MigrationPhase::Failed).await;
+    let st = pm.status.clone().unwrap();
+    assert_eq!(
+        st.failure_reason.as_deref(),
+        Some(reasons::PROBE_FAILED),
+        "{st:?}"
+    );
+    assert!(s.agents.source_running(&s.key()), "source not resumed");
+    {
+        let mut w = s.agents.0.lock().unwrap();
+        let uid = pm.uid().unwrap();
+        assert!(
+            w.checkpoints.contains_key(&uid),
+            "never got as far as the dump"
+        );
+        assert!(
+            w.restored.get_mut(&uid).is_none_or(|p| !p.running()),
+            "restored copy left running"
+        );
+        assert_eq!(w.max_copies, 1, "two running copies were seen");
+    }
+    let target = st.target_pod.unwrap();
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &target,
+        TIMEOUT,
+        "target pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
+    let src = s.ns.api::<Pod>().get(&s.pod.name_any()).await.unwrap();
+    assert!(src.metadata.deletion_timestamp.is_none());
+    assert!(
+        !src.annotations()
+            .contains_key("controller.kubernetes.io/pod-deletion-cost"),
+        "the source was marked for removal before the probe passed"
+    );
+    s.replicaset_settled().await;
 }
