@@ -31,14 +31,19 @@ fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
     if !root_tests_enabled() {
         return;
     }
-    let pod = NetnsPod::start(&[
-        ("ZED", "z1"),
-        ("A", "1"),
-        ("ZED", "z2"),
-        ("SKIP_ME", "x"),
-        ("URL", "http://x/?a=b"),
-        ("EMPTY", ""),
-    ]);
+    // A non-root application: its /proc files are 0400 and owned by uid 1000, so the
+    // agent reads them only with the Job's capabilities (it runs with exactly those).
+    let pod = NetnsPod::start_as(
+        1000,
+        &[
+            ("ZED", "z1"),
+            ("A", "1"),
+            ("ZED", "z2"),
+            ("SKIP_ME", "x"),
+            ("URL", "http://x/?a=b"),
+            ("EMPTY", ""),
+        ],
+    );
     let agent = Agent::start(
         &target(&pod),
         &[
@@ -51,6 +56,11 @@ fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
         ],
     );
 
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pod.pid())).unwrap();
+    assert!(
+        status.lines().any(|l| l.starts_with("Uid:\t1000")),
+        "{status}"
+    );
     // The kernel holds the block as given (the fixture is not deduplicating)…
     let raw = std::fs::read(format!("/proc/{}/environ", pod.pid())).unwrap();
     assert_eq!(

@@ -110,6 +110,13 @@ pub struct NetnsPod {
 impl NetnsPod {
     /// `env` is the app's whole environment block, in this order, duplicates kept.
     pub fn start(env: &[(&str, &str)]) -> NetnsPod {
+        Self::start_as(0, env)
+    }
+
+    /// Like [`NetnsPod::start`], with the application running as `uid` (and that
+    /// gid): a non-root app whose /proc files the agent can read only with the
+    /// Job's capabilities.
+    pub fn start_as(uid: u32, env: &[(&str, &str)]) -> NetnsPod {
         let n = SEQ.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100000, n);
         let pod_ns = format!("pmt-pod-{tag}");
@@ -150,9 +157,18 @@ impl NetnsPod {
         cmd.arg("-c")
             .arg(RAW_EXECVE)
             .arg(which("ip").unwrap())
-            .args([
-                "ip", "netns", "exec", &pod_ns, "busybox", "httpd", "-f", "-p",
-            ])
+            .args(["ip", "netns", "exec", &pod_ns])
+            .args(if uid == 0 {
+                vec![]
+            } else {
+                vec![
+                    "setpriv".to_owned(),
+                    format!("--reuid={uid}"),
+                    format!("--regid={uid}"),
+                    "--clear-groups".to_owned(),
+                ]
+            })
+            .args(["busybox", "httpd", "-f", "-p"])
             .arg(APP_PORT.to_string())
             .arg("-h")
             .arg(&www)
@@ -294,6 +310,23 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The capabilities the agent Job adds (all others dropped); see
+/// docs/attach-executor.md for why each is needed.
+pub const JOB_CAPABILITIES: [&str; 5] = [
+    "sys_admin",
+    "sys_ptrace",
+    "net_admin",
+    "net_raw",
+    "dac_read_search",
+];
+
+pub fn job_bounding_set() -> String {
+    std::iter::once("-all".to_owned())
+        .chain(JOB_CAPABILITIES.iter().map(|c| format!("+{c}")))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The agent binary, started with the agent GID like the Job's runAsGroup.
 pub struct Agent {
     pub child: Child,
@@ -334,14 +367,13 @@ pub fn agent_cmd_bare(
     let termination_log = base.join("termination-log");
     let stderr_path = base.join("stderr");
     let mut cmd = match gid {
+        // Exactly the Job's privileges: root with the agent GID, and only the
+        // capabilities the Job adds (everything else dropped from the bounding set).
         Some(g) => {
             let mut c = tool("setpriv");
-            c.args([
-                "--regid",
-                &g.to_string(),
-                "--clear-groups",
-                env!("CARGO_BIN_EXE_podmotion-attach"),
-            ]);
+            c.args(["--bounding-set", &job_bounding_set()])
+                .args(["--regid", &g.to_string(), "--clear-groups"])
+                .arg(env!("CARGO_BIN_EXE_podmotion-attach"));
             c
         }
         None => Command::new(env!("CARGO_BIN_EXE_podmotion-attach")),
