@@ -807,13 +807,13 @@ impl Agent {
                 m.timings.resumed_us = now_us();
             }
             (_, _) => {
-                if let Some(p) = m.restored.take() {
-                    if procfs::check_live(p).is_ok() {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(p.pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
+                if let Some(p) = m.restored.take()
+                    && procfs::check_live(p).is_ok()
+                {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p.pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
                 }
             }
         }

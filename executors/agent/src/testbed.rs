@@ -293,13 +293,12 @@ impl Testbed {
                             .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1"))
                     })
                     .unwrap_or(false)
-            }) {
-                if self.connect_timeout(Duration::from_millis(200)).is_ok() {
-                    return ProcRef {
-                        pid: root,
-                        start_time: procfs::start_time(root).expect("start"),
-                    };
-                }
+            }) && self.connect_timeout(Duration::from_millis(200)).is_ok()
+            {
+                return ProcRef {
+                    pid: root,
+                    start_time: procfs::start_time(root).expect("start"),
+                };
             }
             std::thread::sleep(Duration::from_millis(25));
         }

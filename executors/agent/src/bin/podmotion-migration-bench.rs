@@ -1,1 +1,219 @@
-fn main() {}
+//! Migration benchmark (not a timed test): for each workload size, one raw CRIU
+//! checkpoint/restore and one migration through the agents in Cold and PreCopy mode,
+//! all in the same run on the same testbed layout, printed side by side.
+//!
+//! `cargo build -p podmotion-agent --bins && target/debug/podmotion-migration-bench [MiB…]`
+//! (root; CRIU from hack/install-criu.sh). Default sizes: 64 512.
+#![forbid(unsafe_code)]
+
+use podmotion_agent::testbed::{Testbed, ask, criu_path};
+use podmotion_wire::agent::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[derive(Default, Clone, Copy)]
+struct Row {
+    dump_ms: f64,
+    transfer_ms: f64,
+    restore_ms: f64,
+    downtime_ms: f64,
+    freeze_bytes: u64,
+    ok: bool,
+}
+
+fn bins() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::current_exe()
+        .expect("exe")
+        .parent()
+        .expect("dir")
+        .to_path_buf();
+    (dir.join("podmotion-agent"), dir.join("podmotion-testload"))
+}
+
+const DIRTY_KIB_S: usize = 1024;
+
+fn raw(mib: usize) -> Row {
+    let (agent, load) = bins();
+    let mut tb = Testbed::new("bR", &agent, &load);
+    let src = tb.start_workload(mib, DIRTY_KIB_S);
+    tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(5)).expect("connect");
+    let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
+    let img = tb.checkpoints(0).join("raw");
+    std::fs::create_dir_all(&img).expect("dir");
+    let ino: String = std::fs::read_link(format!("/proc/{}/ns/net", src.pid))
+        .expect("ns")
+        .to_string_lossy()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    let criu = criu_path();
+    let t0 = Instant::now();
+    let st = Command::new(&criu)
+        .args(["dump", "-t", &src.pid.to_string(), "-D"])
+        .arg(&img)
+        .args([
+            "--tcp-established",
+            "--skip-in-flight",
+            "--network-lock",
+            "skip",
+            "--manage-cgroups=ignore",
+            "-o",
+            "dump.log",
+        ])
+        .arg(format!("--external=net[{ino}]:podnet"))
+        .status()
+        .expect("criu");
+    let dump = t0.elapsed();
+    assert!(st.success(), "raw criu dump failed");
+    // The same-host lower bound of a transfer: copy the images to the other node's tmpfs.
+    let t1 = Instant::now();
+    let dst = tb.checkpoints(1).join("raw");
+    assert!(
+        Command::new("cp")
+            .arg("-r")
+            .arg(&img)
+            .arg(&dst)
+            .status()
+            .expect("cp")
+            .success()
+    );
+    let copy = t1.elapsed();
+    // Wait for the dumped tree to be reaped before its pids come back.
+    for _ in 0..200 {
+        if podmotion_broker::procfs::check_live(src).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    tb.add_address_to_target();
+    let t2 = Instant::now();
+    let script = format!(
+        "exec {} restore -D {} -d --tcp-established --manage-cgroups=ignore -o restore.log --inherit-fd fd[5]:podnet 5</run/netns/{}",
+        criu.display(),
+        dst.display(),
+        tb.ns("tgt")
+    );
+    let st = Command::new("sh")
+        .args(["-c", &script])
+        .status()
+        .expect("criu");
+    let restore = t2.elapsed();
+    tb.route_to_target();
+    let ok = st.success()
+        && ask(&mut conn, "get")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|v| v > before);
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    Row {
+        dump_ms: ms(dump),
+        transfer_ms: ms(copy),
+        restore_ms: ms(restore),
+        downtime_ms: ms(dump + copy + restore),
+        freeze_bytes: podmotion_agent::images::size(&dst),
+        ok,
+    }
+}
+
+fn agents(mib: usize, precopy: bool) -> Row {
+    let (agent, load) = bins();
+    let mut tb = Testbed::new(if precopy { "bP" } else { "bC" }, &agent, &load);
+    let src = tb.start_workload(mib, DIRTY_KIB_S);
+    let holder = tb.start_holder();
+    tb.start_agent(0);
+    tb.start_agent(1);
+    let mut conn = tb.connect_timeout(Duration::from_secs(5)).expect("connect");
+    let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
+    tb.add_address_to_target();
+    let uid = "bench";
+    let prep = |role: Role, pid: i32| PrepareRequest {
+        migration_uid: uid.into(),
+        role: role as i32,
+        pid,
+        pid_start_time: 0,
+        transfer_key: vec![7; 32],
+        tcp: TcpPreservation::Strict as i32,
+    };
+    let (s, sent_in_freeze, r) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep(Role::Source, src.pid))
+            .await
+            .expect("prepare");
+        b.prepare(prep(Role::Target, holder.pid))
+            .await
+            .expect("prepare");
+        let mut warm = 0;
+        if precopy {
+            a.pre_dump(uid).await.expect("pre-dump");
+            warm = a
+                .send(uid, &Testbed::endpoint(1), "agent-b")
+                .await
+                .expect("warm send")
+                .bytes_sent;
+        }
+        a.dump(uid).await.expect("dump");
+        let s = a
+            .send(uid, &Testbed::endpoint(1), "agent-b")
+            .await
+            .expect("send");
+        let r = b.restore(uid).await.expect("restore");
+        (s.clone(), s.bytes_sent - warm, r)
+    });
+    tb.route_to_target();
+    let ok = ask(&mut conn, "get")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|v| v > before);
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.commit(uid).await.expect("commit");
+        a.cleanup(uid).await.expect("cleanup");
+        b.cleanup(uid).await.expect("cleanup");
+    });
+    let (st, rt) = (s.timings(), r.timings());
+    Row {
+        dump_ms: st.dump_us as f64 / 1000.0,
+        transfer_ms: st.send_us as f64 / 1000.0,
+        restore_ms: rt.restore_us as f64 / 1000.0,
+        downtime_ms: rt.resumed_us.saturating_sub(st.freeze_started_us) as f64 / 1000.0,
+        freeze_bytes: sent_in_freeze,
+        ok,
+    }
+}
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![64, 512]
+    } else {
+        sizes
+    };
+    println!(
+        "| workload | method | dump ms | transfer ms | restore ms | downtime ms | bytes moved in freeze | state kept |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---|");
+    for mib in sizes {
+        let rows = [
+            ("raw criu dump/cp/restore", raw(mib)),
+            ("agents Cold", agents(mib, false)),
+            ("agents PreCopy", agents(mib, true)),
+        ];
+        for (name, r) in rows {
+            println!(
+                "| {mib} MiB | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} MiB | {} |",
+                r.dump_ms,
+                r.transfer_ms,
+                r.restore_ms,
+                r.downtime_ms,
+                r.freeze_bytes as f64 / (1 << 20) as f64,
+                if r.ok { "yes" } else { "NO" }
+            );
+        }
+    }
+}
