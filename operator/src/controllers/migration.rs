@@ -17,6 +17,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::core::DeserializeGuard;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{Action as Requeue, Controller};
 use kube::runtime::events::EventType;
@@ -25,7 +26,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
-use podmotion_api::names::{condition_types, finalizers, labels, managers};
+use podmotion_api::names::{condition_types, finalizers, labels, managers, reasons};
 use rand::RngCore;
 use serde_json::json;
 
@@ -189,7 +190,7 @@ struct Shared<A> {
     ctx: Arc<Context>,
     cfg: MigrationConfig,
     agents: Arc<A>,
-    store: Store<PodMigration>,
+    store: Store<DeserializeGuard<PodMigration>>,
     /// The node agents' pods (watched; endpoints come from their IPs).
     agent_pods: Store<Pod>,
 }
@@ -216,18 +217,22 @@ pub async fn run_with<A: AgentClient>(
     agents: Arc<A>,
 ) -> anyhow::Result<()> {
     let client = ctx.client.clone();
-    let (migrations, target_pods): (Api<PodMigration>, Api<Pod>) = match &cfg.watch_namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+    // Through `DeserializeGuard`: one malformed PodMigration cannot wedge the controller.
+    let (migrations, target_pods): (Api<DeserializeGuard<PodMigration>>, Api<Pod>) =
+        match &cfg.watch_namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        };
     let controller = Controller::new(migrations, watcher::Config::default().any_semantic())
         .owns(
             target_pods,
             watcher::Config::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND)),
         )
+        // A replica that wins the lease reconciles everything once.
+        .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
     // The agents' pods are few: watch them rather than list them on every poll.
@@ -273,7 +278,7 @@ pub async fn run_with<A: AgentClient>(
 }
 
 fn error_policy<A: AgentClient>(
-    _pm: Arc<PodMigration>,
+    _pm: Arc<DeserializeGuard<PodMigration>>,
     err: &MigrationError,
     _s: Arc<Shared<A>>,
 ) -> Requeue {
@@ -282,14 +287,30 @@ fn error_policy<A: AgentClient>(
 }
 
 async fn reconcile<A: AgentClient>(
-    pm: Arc<PodMigration>,
+    guard: Arc<DeserializeGuard<PodMigration>>,
     s: Arc<Shared<A>>,
 ) -> Result<Requeue, MigrationError> {
     if let Some(wait) = reconcile_guard(&s.ctx) {
         return Ok(wait);
     }
+    let pm = match &guard.0 {
+        Ok(pm) => pm,
+        Err(invalid) => {
+            tracing::warn!(name = ?invalid.metadata.name, error = %invalid.error, "PodMigration does not deserialize");
+            publish(
+                &s.ctx,
+                guard.as_ref(),
+                EventType::Warning,
+                reasons::INVALID_SPEC,
+                "Reconcile",
+                invalid.error.clone(),
+            )
+            .await;
+            return Ok(Requeue::await_change());
+        }
+    };
     let ctx = s.ctx.clone();
-    timed(&ctx, NAME, reconcile_one(&pm, &s)).await
+    timed(&ctx, NAME, reconcile_one(pm, &s)).await
 }
 
 async fn reconcile_one<A: AgentClient>(
@@ -471,7 +492,12 @@ async fn evaluate_pending<A: AgentClient>(
         })
         .collect();
     let ns = pm.namespace();
-    let all = s.store.state();
+    let all: Vec<PodMigration> = s
+        .store
+        .state()
+        .iter()
+        .filter_map(|g| g.0.as_ref().ok().cloned())
+        .collect();
     let others: Vec<OtherMigration> = all
         .iter()
         .filter(|m| m.namespace() == ns)
