@@ -470,18 +470,97 @@ async fn reconcile_workload(
     let p = plan(&group, &s.settings);
     s.ctx.metrics.attachment_jobs.set(p.kept_jobs as i64);
 
-    let deletions = stream::iter(p.delete.clone())
-        .map(|d| delete_job(s, d, about))
-        .buffer_unordered(s.cfg.write_parallelism.max(1));
-    let results: Vec<Result<(), AttachmentError>> = deletions.collect().await;
-    results.into_iter().collect::<Result<Vec<()>, _>>()?;
+    let par = s.cfg.write_parallelism.max(1);
+    let deleted: Vec<bool> = stream::iter(p.delete.clone())
+        .map(|d| async move { delete_job(s, &d).await })
+        .buffer_unordered(par)
+        .try_collect()
+        .await?;
+    if let Some(a) = about {
+        // One Event per kind of change and reconcile, not one per Job: a 100-replica
+        // workload must not cost 100 extra writes.
+        for (fate_is, reason, verb) in [
+            (true, reasons::JOB_REPLACED, "replacing"),
+            (false, reasons::JOB_REAPED, "reaping"),
+        ] {
+            let lines: Vec<String> = p
+                .delete
+                .iter()
+                .zip(&deleted)
+                .filter(|(d, done)| **done && matches!(d.fate, JobFate::Replace(_)) == fate_is)
+                .map(|(d, _)| {
+                    let why = match d.fate {
+                        JobFate::Replace(r) => r.describe(),
+                        JobFate::Reap(r) => r.describe(),
+                        JobFate::Keep => "",
+                    };
+                    format!("{} (pod {}: {why})", d.job, d.pod)
+                })
+                .collect();
+            if !lines.is_empty() {
+                let note = format!(
+                    "{verb} {} agent Job(s): {}",
+                    lines.len(),
+                    some_names(&lines)
+                );
+                publish(&s.ctx, a, EventType::Normal, reason, "DeleteJob", note).await;
+            }
+        }
+    }
     if mode == Mode::Full && !p.create.is_empty() {
         ensure_network_policy(s).await?;
-        let creations = stream::iter(p.create.clone())
-            .map(|c| create_job(s, c.job, c.pod, about))
-            .buffer_unordered(s.cfg.write_parallelism.max(1));
-        let results: Vec<Result<(), AttachmentError>> = creations.collect().await;
-        results.into_iter().collect::<Result<Vec<()>, _>>()?;
+        // Jobs first, all of them; then their Secrets (a Job's pod waits for its Secret).
+        let created: Vec<Option<Job>> = stream::iter(p.create.clone())
+            .map(|c| create_job(s, c.job))
+            .buffer_unordered(par)
+            .try_collect()
+            .await?;
+        let created: Vec<Job> = created.into_iter().flatten().collect();
+        stream::iter(created.clone())
+            .map(|j| async move { create_secret(s, &j).await })
+            .buffer_unordered(par)
+            .try_collect::<Vec<()>>()
+            .await?;
+        s.ctx
+            .metrics
+            .attachment_job_changes
+            .get_or_create(&crate::metrics::OutcomeLabels { outcome: "Created" })
+            .inc_by(created.len() as u64);
+        if let Some(a) = about
+            && !created.is_empty()
+        {
+            let lines: Vec<String> = created
+                .iter()
+                .map(|j| {
+                    let pod = j
+                        .annotations()
+                        .get(annotations::TARGET_POD)
+                        .cloned()
+                        .unwrap_or_default();
+                    let node = j
+                        .spec
+                        .as_ref()
+                        .and_then(|j| j.template.spec.as_ref())
+                        .and_then(|p| p.node_name.clone())
+                        .unwrap_or_default();
+                    format!("{} (pod {pod} on {node})", j.name_any())
+                })
+                .collect();
+            let note = format!(
+                "created {} agent Job(s): {}",
+                lines.len(),
+                some_names(&lines)
+            );
+            publish(
+                &s.ctx,
+                a,
+                EventType::Normal,
+                reasons::JOB_CREATED,
+                "CreateJob",
+                note,
+            )
+            .await;
+        }
     }
     Ok((p, group))
 }
@@ -605,80 +684,56 @@ async fn ensure_network_policy(s: &Shared) -> Result<(), AttachmentError> {
     Ok(())
 }
 
-async fn create_job(
-    s: &Shared,
-    job: Job,
-    pod: String,
-    about: Option<&NodeAgentAttachment>,
-) -> Result<(), AttachmentError> {
+/// Creates one agent Job; `None` when another reconcile created it first.
+async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, AttachmentError> {
     s.ctx.ensure_leader()?;
     let name = job.name_any();
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    let created = match api
-        .create(
-            &PostParams {
-                field_manager: Some(managers::ATTACHMENT.into()),
-                ..Default::default()
-            },
-            &job,
-        )
-        .await
-    {
-        Ok(j) => j,
-        // Another reconcile of the same workload got there first.
-        Err(e) if is_status(&e, 409) => return Ok(()),
-        Err(e) => return Err(api_err("create Job", &name)(e)),
+    let pp = PostParams {
+        field_manager: Some(managers::ATTACHMENT.into()),
+        ..Default::default()
     };
-    let mut token = [0u8; 32];
-    rand::rng().fill_bytes(&mut token);
-    let secret = render::credentials(&created, &created.uid().unwrap_or_default(), &token);
-    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    match secrets
-        .create(
-            &PostParams {
-                field_manager: Some(managers::ATTACHMENT.into()),
-                ..Default::default()
-            },
-            &secret,
-        )
-        .await
-    {
-        Ok(_) => {}
-        Err(e) if is_status(&e, 409) => {}
-        Err(e) => return Err(api_err("create Secret", &name)(e)),
+    match api.create(&pp, &job).await {
+        Ok(j) => Ok(Some(j)),
+        Err(e) if is_status(&e, 409) => Ok(None),
+        Err(e) => Err(api_err("create Job", &name)(e)),
     }
-    s.ctx
-        .metrics
-        .attachment_job_changes
-        .get_or_create(&crate::metrics::OutcomeLabels { outcome: "Created" })
-        .inc();
-    if let Some(a) = about {
-        let node = job
-            .spec
-            .as_ref()
-            .and_then(|j| j.template.spec.as_ref())
-            .and_then(|p| p.node_name.clone());
-        publish(
-            &s.ctx,
-            a,
-            EventType::Normal,
-            reasons::JOB_CREATED,
-            "CreateJob",
-            format!(
-                "created agent Job {name} for pod {pod} on node {}",
-                node.unwrap_or_default()
-            ),
-        )
-        .await;
-    }
-    Ok(())
 }
 
-async fn delete_job(
-    s: &Shared,
-    d: Deletion,
-    about: Option<&NodeAgentAttachment>,
-) -> Result<(), AttachmentError> {
+/// Creates the credential Secret of a created Job (owned by it, random token).
+async fn create_secret(s: &Shared, job: &Job) -> Result<(), AttachmentError> {
+    s.ctx.ensure_leader()?;
+    let mut token = [0u8; 32];
+    rand::rng().fill_bytes(&mut token);
+    let secret = render::credentials(job, &job.uid().unwrap_or_default(), &token);
+    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
+    let pp = PostParams {
+        field_manager: Some(managers::ATTACHMENT.into()),
+        ..Default::default()
+    };
+    match secrets.create(&pp, &secret).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_err("create Secret", &job.name_any())(e)),
+    }
+}
+
+/// A short list of names for an Event note.
+fn some_names(names: &[String]) -> String {
+    let mut out = names
+        .iter()
+        .take(10)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > 10 {
+        out.push_str(&format!(" and {} more", names.len() - 10));
+    }
+    out
+}
+
+/// Deletes one agent Job with foreground propagation; `false` if it was already gone.
+async fn delete_job(s: &Shared, d: &Deletion) -> Result<bool, AttachmentError> {
     s.ctx.ensure_leader()?;
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
     let dp = DeleteParams {
@@ -687,13 +742,13 @@ async fn delete_job(
     };
     match api.delete(&d.job, &dp).await {
         Ok(_) => {}
-        Err(e) if is_status(&e, 404) => return Ok(()),
+        Err(e) if is_status(&e, 404) => return Ok(false),
         Err(e) => return Err(api_err("delete Job", &d.job)(e)),
     }
-    let (reason, outcome, why) = match d.fate {
-        JobFate::Replace(r) => (reasons::JOB_REPLACED, "Replaced", r.describe()),
-        JobFate::Reap(r) => (reasons::JOB_REAPED, "Reaped", r.describe()),
-        JobFate::Keep => return Ok(()),
+    let (outcome, why) = match d.fate {
+        JobFate::Replace(r) => ("Replaced", r.describe()),
+        JobFate::Reap(r) => ("Reaped", r.describe()),
+        JobFate::Keep => return Ok(false),
     };
     s.ctx
         .metrics
@@ -701,18 +756,7 @@ async fn delete_job(
         .get_or_create(&crate::metrics::OutcomeLabels { outcome })
         .inc();
     tracing::info!(job = %d.job, pod = %d.pod, %why, "deleting agent Job");
-    if let Some(a) = about {
-        publish(
-            &s.ctx,
-            a,
-            EventType::Normal,
-            reason,
-            "DeleteJob",
-            format!("deleting agent Job {} of pod {}: {why}", d.job, d.pod),
-        )
-        .await;
-    }
-    Ok(())
+    Ok(true)
 }
 
 /// The periodic orphan sweep: every workload that has agent Jobs is planned (with the
