@@ -630,6 +630,10 @@ pub struct RunnerPoolStatus {
     /// CPU request (= limit) of one Runner pod, as a Kubernetes quantity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_cpu: Option<String>,
+    /// Name of the credential Secret the operator generated and owns (unset when the
+    /// pool references its own Secret).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_secret: Option<String>,
     /// Nodes whose preflight check failed, with the failing checks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub preflight_failures: Vec<PreflightFailure>,

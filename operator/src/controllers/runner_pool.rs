@@ -142,15 +142,12 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
     let client = ctx.client.clone();
     let ns = cfg.watch_namespace.as_deref();
     let children = watcher::Config::default().labels(&format!("{}=RunnerPool", labels::OWNER_KIND));
+    let children_cfg = children.clone();
     let pools: Api<DeserializeGuard<RunnerPool>> = scoped(&client, ns);
     let controller = Controller::new(pools, watcher::Config::default().any_semantic())
         .owns(scoped::<DaemonSet>(&client, ns), children.clone())
         .owns(
             scoped::<PartialObjectMeta<ServiceAccount>>(&client, ns),
-            children.clone(),
-        )
-        .owns(
-            scoped::<PartialObjectMeta<Secret>>(&client, ns),
             children.clone(),
         )
         .owns(
@@ -170,6 +167,14 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
         .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
+    // Secrets are read only where the operator may read them: in its watch namespace.
+    let controller = match ns {
+        Some(_) => controller.owns(
+            scoped::<PartialObjectMeta<Secret>>(&client, ns),
+            children_cfg,
+        ),
+        None => controller,
+    };
     ctx.readiness.register(NAME);
     let store = controller.store();
     let ready = ctx.clone();
@@ -294,9 +299,7 @@ async fn reconcile_pool(pool: &RunnerPool, s: &Shared) -> Result<Action, RunnerP
         desired.service_account.clone(),
     )
     .await?;
-    if let Some(secret) = desired.secret.clone() {
-        apply_if_changed(ctx, &Api::namespaced(client.clone(), &ns), secret).await?;
-    }
+    let credential_secret = ensure_credential_secret(s, pool, &desired).await?;
     apply_if_changed(
         ctx,
         &Api::namespaced(client.clone(), &ns),
@@ -321,16 +324,6 @@ async fn reconcile_pool(pool: &RunnerPool, s: &Shared) -> Result<Action, RunnerP
         .map(|p| p.name_any())
         .collect();
     delete_priority_classes(ctx, pool, &keep_pc).await?;
-    let keep_secret: BTreeSet<String> = desired.secret.iter().map(|p| p.name_any()).collect();
-    children::delete_orphans(
-        ctx,
-        &Api::<Secret>::namespaced(client.clone(), &ns),
-        &owner_selector(pool),
-        &keep_secret,
-        PropagationPolicy::Background,
-    )
-    .await?;
-
     // The DaemonSet: drift is judged on the live object before the apply.
     let (live, drift) = apply_daemonset(ctx, pool, &desired).await?;
     if !drift.is_empty() {
@@ -348,7 +341,13 @@ async fn reconcile_pool(pool: &RunnerPool, s: &Shared) -> Result<Action, RunnerP
         .await;
     }
 
-    let observed = observe(s, pool, &desired, live, drift, &inputs, conflicts).await?;
+    let applied = Applied {
+        daemonset: live,
+        drift,
+        conflicts,
+        credential_secret,
+    };
+    let observed = observe(s, pool, &desired, &inputs, applied).await?;
     let new_status = status::compute(pool, &observed, Timestamp::now());
     let old_status = pool.status.clone().unwrap_or_default();
     if serde_json::to_value(&new_status).ok() != serde_json::to_value(&old_status).ok() {
@@ -403,7 +402,7 @@ async fn fetch_inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, RunnerPoo
     });
     let credential_token = if pool.spec.credentials.secret_name.is_some() {
         None
-    } else {
+    } else if s.reads_secrets() {
         let (name, key) = render::credential_secret(pool);
         let existing = Api::<Secret>::namespaced(client.clone(), &ns)
             .get_opt(&name)
@@ -416,6 +415,9 @@ async fn fetch_inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, RunnerPoo
             Some(token) => String::from_utf8_lossy(&token.0).into_owned(),
             None => fresh_token(),
         })
+    } else {
+        // Used only when the Secret is created (once, see `ensure_credential_secret`).
+        Some(fresh_token())
     };
     Ok(Inputs {
         preflight_image: s.cfg.preflight_image.clone(),
@@ -423,6 +425,67 @@ async fn fetch_inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, RunnerPoo
         server,
         credential_token,
     })
+}
+
+impl Shared {
+    /// Whether the operator may read Secrets: only in its watch namespace (the chart
+    /// grants get/list/watch there through a Role, and nowhere else).
+    fn reads_secrets(&self) -> bool {
+        self.cfg.watch_namespace.is_some()
+    }
+}
+
+/// Keeps the generated credential Secret: returns the name of the one the operator owns.
+///
+/// Where Secrets may be read, it is applied like the other children and stale ones are
+/// deleted by label. Elsewhere the operator never reads a Secret: it creates the Secret
+/// once (an existing one is kept: 409), records its name in the status, and deletes a
+/// previously recorded one by name when the pool switches to its own Secret.
+async fn ensure_credential_secret(
+    s: &Shared,
+    pool: &RunnerPool,
+    desired: &Desired,
+) -> Result<Option<String>, RunnerPoolError> {
+    let ctx = &s.ctx;
+    let api: Api<Secret> =
+        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
+    let want = desired.secret.as_ref().map(|x| x.name_any());
+    if s.reads_secrets() {
+        if let Some(secret) = desired.secret.clone() {
+            apply_if_changed(ctx, &api, secret).await?;
+        }
+        let keep: BTreeSet<String> = want.iter().cloned().collect();
+        children::delete_orphans(
+            ctx,
+            &api,
+            &owner_selector(pool),
+            &keep,
+            PropagationPolicy::Background,
+        )
+        .await?;
+        return Ok(want);
+    }
+    let recorded = pool
+        .status
+        .as_ref()
+        .and_then(|st| st.credential_secret.clone());
+    if let Some(old) = recorded.as_ref().filter(|old| want.as_ref() != Some(*old)) {
+        children::delete(ctx, &api, old, PropagationPolicy::Background).await?;
+    }
+    if let Some(secret) = desired.secret.as_ref().filter(|_| recorded != want) {
+        ctx.ensure_leader()?;
+        let (secret, _) = stamp(secret.clone());
+        match api.create(&PostParams::default(), &secret).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => {
+                return Err(api_err("create", format!("Secret {}", secret.name_any()))(
+                    e,
+                ));
+            }
+        }
+    }
+    Ok(want)
 }
 
 /// 32 random bytes as hex.
@@ -555,14 +618,20 @@ async fn apply_daemonset(
     Ok((replaced, drift))
 }
 
+/// What this round's applies left behind, for the status.
+struct Applied {
+    daemonset: DaemonSet,
+    drift: Vec<String>,
+    conflicts: Vec<String>,
+    credential_secret: Option<String>,
+}
+
 async fn observe(
     s: &Shared,
     pool: &RunnerPool,
     desired: &Desired,
-    daemonset: DaemonSet,
-    drift: Vec<String>,
     inputs: &Inputs,
-    conflicts: Vec<String>,
+    applied: Applied,
 ) -> Result<Observed, RunnerPoolError> {
     let client = s.ctx.client.clone();
     let ns = pool.namespace().unwrap_or_default();
@@ -620,13 +689,14 @@ async fn observe(
         )),
     };
     Ok(Observed {
-        daemonset: Some(daemonset),
-        drift,
+        daemonset: Some(applied.daemonset),
+        drift: applied.drift,
         pod_security,
         preflight,
         server,
         foreign_policies: foreign,
-        conflicts,
+        conflicts: applied.conflicts,
+        credential_secret: applied.credential_secret,
     })
 }
 

@@ -32,6 +32,9 @@ pub struct Observed {
     pub foreign_policies: Vec<String>,
     /// Children the pool cannot own (a PriorityClass of another owner), with why.
     pub conflicts: Vec<String>,
+    /// The credential Secret the operator generated (recorded in the status, so that
+    /// an operator without Secret read access creates it only once).
+    pub credential_secret: Option<String>,
 }
 
 /// First 12 hex digits of the image digest.
@@ -259,6 +262,7 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
         session_capacity: c.ready.saturating_mul(spec.sessions_per_node),
         pod_memory: Some(size.memory_quantity()),
         pod_cpu: Some(size.cpu_quantity()),
+        credential_secret: observed.credential_secret.clone(),
         preflight_failures: failures,
         foreign_network_policies: observed.foreign_policies.clone(),
         conditions,
@@ -312,6 +316,7 @@ mod tests {
             server: Ok(()),
             foreign_policies: vec![],
             conflicts: vec![],
+            credential_secret: Some("rp-credentials".into()),
         }
     }
 
