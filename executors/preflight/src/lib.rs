@@ -403,6 +403,31 @@ mod tests {
     }
 
     #[test]
+    fn the_verdict_format_matches_the_golden_line_the_operator_parses() {
+        // operator/src/runner_pool/preflight.rs parses the same file: a change of the
+        // format must change both sides.
+        let v = Verdict::new(vec![
+            Check::fail(
+                "kvm",
+                "open /dev/kvm: Permission denied (os error 13) (mode 0600; under hostUsers: false the node must set mode 0666)",
+            ),
+            Check::pass("userns", "created a user namespace and mounted in it"),
+            Check::pass(
+                "apparmor",
+                "kernel.apparmor_restrict_unprivileged_userns not present",
+            ),
+            Check::fail(
+                "quota",
+                "/var/lib/compass/sessions is on / (ext4) with options rw,relatime: no project quota (mount it with prjquota)",
+            ),
+        ]);
+        assert_eq!(
+            v.to_line(),
+            include_str!("../testdata/verdict-v1.json").trim_end()
+        );
+    }
+
+    #[test]
     fn verdict_line_is_one_json_line_under_the_termination_message_limit() {
         let v = Verdict::new(vec![
             Check::pass("kvm", "ok"),

@@ -170,6 +170,24 @@ mod tests {
     }
 
     #[test]
+    fn the_executors_golden_verdict_parses_with_both_failures_named() {
+        let line = include_str!("../../../executors/preflight/testdata/verdict-v1.json");
+        let p = pod_with(
+            json!({"terminated": {"exitCode": 1, "message": line}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["kvm", "quota"]);
+        assert!(
+            f.message.contains("mode 0666") && f.message.contains("prjquota"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
     fn retried_preflight_reports_the_last_failed_run() {
         let p = pod_with(
             json!({"waiting": {"reason": "CrashLoopBackOff"}}),
