@@ -88,6 +88,18 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
 
 type Key = (String, String);
 
+/// What the adapter keeps of a finished call. A success is forgotten (the agent's own
+/// status shows it) except for the probe, which the agent does not know about: without
+/// the memory the machine would see `Restore` done and probe again forever. Failures
+/// are kept until the next step replaces them.
+fn remembered_outcome(step: Step, res: Result<(), (String, String)>) -> Option<(Step, StepState)> {
+    match res {
+        Ok(()) if step == Step::Probe => Some((step, StepState::Done)),
+        Ok(()) => None,
+        Err((category, message)) => Some((step, StepState::Failed { category, message })),
+    }
+}
+
 /// `AgentClient` over mutual TLS (or plain HTTP/2 for `http://` endpoints in local runs).
 #[derive(Clone)]
 pub struct WireAgents {
@@ -334,14 +346,10 @@ impl AgentClient for WireAgents {
         tokio::spawn(async move {
             let res = this.call(&e, &r).await;
             let mut inflight = this.inflight.lock().expect("inflight lock");
-            match res {
-                Ok(()) => {
-                    inflight.remove(&key);
-                }
-                Err((category, message)) => {
-                    inflight.insert(key, (r.step, StepState::Failed { category, message }));
-                }
-            }
+            match remembered_outcome(r.step, res) {
+                Some(outcome) => inflight.insert(key, outcome),
+                None => inflight.remove(&key),
+            };
         });
         Ok(())
     }
@@ -432,6 +440,20 @@ mod tests {
             phase: phase as i32,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_passed_probe_is_remembered_because_the_agent_cannot_report_it() {
+        assert_eq!(
+            remembered_outcome(Step::Probe, Ok(())),
+            Some((Step::Probe, StepState::Done))
+        );
+        assert_eq!(remembered_outcome(Step::Restore, Ok(())), None);
+        let failed = remembered_outcome(Step::Dump, Err(("WrongPhase".into(), "x".into())));
+        assert!(matches!(
+            failed,
+            Some((Step::Dump, StepState::Failed { .. }))
+        ));
     }
 
     #[test]

@@ -830,11 +830,9 @@ impl<'a> Machine<'a> {
     fn committing(&mut self) {
         let o = self.o;
         self.poll();
-        let probe_passed = o
-            .target_agent
-            .report()
-            .is_some_and(|r| r.done(Step::Probe) || r.last_step() == Some(Step::Cleanup))
-            || o.target_pod.as_ref().is_some_and(|t| t.handed_over);
+        // `Committing` is only ever entered (and persisted) once the target's probe
+        // passed, so the phase itself is the proof: an agent that cannot remember the
+        // probe after an operator restart must not hold the commit back.
         let source_present = o.source_pod.as_ref().is_some_and(|s| !s.terminating);
         if let Some(s) = &o.source_pod
             && !s.terminating
@@ -842,7 +840,7 @@ impl<'a> Machine<'a> {
         {
             self.act(Action::LowerSourceDeletionCost);
         }
-        // The kill of the frozen source: only on proof that the target passed.
+        // The kill of the frozen source.
         let source_killed = match &o.source_agent {
             AgentView::Reported(r)
                 if r.done(Step::Commit) || r.last_step() == Some(Step::Cleanup) =>
@@ -854,9 +852,7 @@ impl<'a> Machine<'a> {
             // deleting the source pod kills its containers through the kubelet.
             AgentView::Reported(r) if r.last.is_none() || r.failure().is_some() => true,
             AgentView::Reported(_) => {
-                if probe_passed {
-                    self.act(Action::Agent(Side::Source, Step::Commit));
-                }
+                self.act(Action::Agent(Side::Source, Step::Commit));
                 false
             }
             // Same fallback when the agent is gone.

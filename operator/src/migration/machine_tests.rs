@@ -643,6 +643,18 @@ fn the_source_is_given_up_only_after_the_probe_passed() {
 }
 
 #[test]
+fn committing_resumes_after_a_restart_even_when_the_probe_is_no_longer_reported() {
+    // The wire adapter keeps a passed probe in memory only; after a restart the target
+    // reports its restore as the last step. The persisted phase is the proof.
+    let t = next(&at(P::Committing).target(done(Step::Restore)));
+    assert!(
+        has(&t, &Action::Agent(Side::Source, Step::Commit)),
+        "{:?}",
+        t.actions
+    );
+}
+
+#[test]
 fn commit_hands_over_waits_for_adoption_then_removes_the_source() {
     let o = at(P::Committing).source(done(Step::Commit));
     assert!(has(&next(&o), &Action::HandOverTargetPod));
