@@ -1146,3 +1146,40 @@ async fn a_failed_probe_rolls_back_to_the_source_and_kills_the_restored_copy() {
     );
     s.replicaset_settled().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_past_its_deadline_is_aborted_with_the_source_running() {
+    let Some(s) = Setup::new("mig-deadline").await else {
+        return;
+    };
+    s.agents.delay("Transfer", Duration::from_secs(30));
+    let spec =
+        json!({"deadlineSeconds": 10, "progressTimeoutSeconds": 120, "freezeBudgetMillis": 600000});
+    let api = s.migrate(spec).await;
+    let pm = s.wait_phase(&api, MigrationPhase::Aborted).await;
+    let st = pm.status.unwrap();
+    assert_eq!(
+        st.failure_reason.as_deref(),
+        Some(reasons::DEADLINE_EXCEEDED),
+        "{st:?}"
+    );
+    assert!(
+        st.phase_transition_timestamps
+            .iter()
+            .any(|t| t.phase == MigrationPhase::Transferring)
+    );
+    assert!(
+        s.agents.source_running(&s.key()),
+        "source not resumed after the deadline"
+    );
+    let target = st.target_pod.unwrap();
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &target,
+        TIMEOUT,
+        "target pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
+}
