@@ -450,8 +450,9 @@ fn disabled_controllers_lose_their_permissions() {
 }
 
 /// `(long flag, env var)` of every clap argument declared under `src` (a directory of
-/// the repository), plus `PODMOTION_*` variables read with `std::env::var`.
-fn clap_flags(src: &str) -> Vec<(String, Option<String>)> {
+/// the repository), plus, `with_env_reads`, `PODMOTION_*` variables read with
+/// `std::env::var`.
+fn clap_flags(src: &str, with_env_reads: bool) -> Vec<(String, Option<String>)> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -497,8 +498,9 @@ fn clap_flags(src: &str) -> Vec<(String, Option<String>)> {
             rest = after;
         }
     }
-    // Settings read from the environment directly (`std::env::var("PODMOTION_…")`).
-    for file in &rust_files(src) {
+    // Settings read from the environment directly (`std::env::var("PODMOTION_…")`);
+    // the executors' are test-bed switches, not settings.
+    for file in rust_files(src).iter().filter(|_| with_env_reads) {
         let text = std::fs::read_to_string(file).unwrap();
         for part in text.split("env::var(\"").skip(1) {
             let var = part.split('"').next().unwrap_or("");
@@ -528,7 +530,7 @@ fn rust_files(src: &str) -> Vec<PathBuf> {
 
 #[test]
 fn every_operator_flag_has_a_value_in_the_chart() {
-    let flags = clap_flags("operator/src");
+    let flags = clap_flags("operator/src", true);
     let names: Vec<&str> = flags.iter().map(|(f, _)| f.as_str()).collect();
     for known in [
         "namespace",
@@ -1336,7 +1338,7 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
         ("agent", "executors/agent/src"),
         ("netns-broker", "executors/broker/src"),
     ] {
-        let declared = clap_flags(src);
+        let declared = clap_flags(src, false);
         let (args, env) = container_settings(spec, container);
         // Every flag of the binary has a value (its default only where that is right
         // for a pod: then the flag is listed here with its default, not left out).
@@ -1533,4 +1535,185 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     assert_eq!(http_status(port, "/healthz"), Some(200));
     let _ = std::fs::remove_file(&kubeconfig);
     let _ = std::fs::remove_file(&log);
+}
+
+// ---------------------------------------------------------------- helm install, upgrade, uninstall
+
+fn helm_cmd(args: &[&str]) -> Output {
+    Command::new(helm())
+        .env("KUBECONFIG", kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running helm")
+}
+
+/// Uninstalls a test release if the test did not get that far.
+struct UninstallOnDrop {
+    release: String,
+    namespace: String,
+    done: bool,
+}
+
+impl Drop for UninstallOnDrop {
+    fn drop(&mut self) {
+        if self.done || std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
+            return;
+        }
+        let _ = helm_cmd(&[
+            "uninstall",
+            &self.release,
+            "-n",
+            &self.namespace,
+            "--no-hooks",
+            "--wait=false",
+        ]);
+    }
+}
+
+fn secret_data(ns: &str, name: &str) -> Value {
+    let out = kubectl(&["-n", ns, "get", "secret", name, "-o", "json"], None);
+    assert!(out.status.success(), "{}", output_text(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook() {
+    let Some(op) = TestNamespace::new("helm", PodSecurity::Restricted).await else {
+        return;
+    };
+    let release = format!("pm{}", random_suffix());
+    let agents = format!("{}-agents", op.name);
+    let _cleanup = ReleaseCleanup(release.clone());
+    let mut uninstall = UninstallOnDrop {
+        release: release.clone(),
+        namespace: op.name.clone(),
+        done: false,
+    };
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    // The CRDs already exist on this shared control plane (other tests apply them):
+    // the release takes them over, as an upgrade from a manual install would.
+    let install = helm_cmd(&[
+        "install",
+        &release,
+        chart,
+        "-n",
+        &op.name,
+        "--take-ownership",
+        "--force-conflicts",
+        "--wait",
+        "--timeout",
+        "3m",
+    ]);
+    assert!(
+        install.status.success(),
+        "helm install:\n{}",
+        output_text(&install)
+    );
+    assert!(
+        String::from_utf8_lossy(&install.stdout).contains("rollout status deployment/"),
+        "NOTES tell what to do next:\n{}",
+        output_text(&install)
+    );
+
+    // The chart created the agents' namespace at the level they need.
+    let out = kubectl(&["get", "namespace", &agents, "-o", "json"], None);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let ns: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        ns.pointer("/metadata/labels/pod-security.kubernetes.io~1enforce"),
+        Some(&json!("privileged"))
+    );
+
+    // The agents' certificate names every node (looked up at install).
+    let agent_tls = format!("{release}-podmotion-migration-agent-tls");
+    let before = secret_data(&agents, &agent_tls);
+    let sans = before
+        .pointer("/metadata/annotations/podmotion.io~1sans")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let nodes = kubectl(&["get", "nodes", "-o", "name"], None);
+    for node in String::from_utf8_lossy(&nodes.stdout).lines() {
+        let node = node.trim_start_matches("node/");
+        assert!(
+            sans.contains(&format!("podmotion-agent.{node}")),
+            "{node} missing from {sans}"
+        );
+    }
+
+    // An upgrade keeps the certificates (no churn on every sync).
+    let upgrade = helm_cmd(&[
+        "upgrade",
+        &release,
+        chart,
+        "-n",
+        &op.name,
+        "--force-conflicts",
+        "--wait",
+        "--timeout",
+        "3m",
+        "--set",
+        "operator.concurrency=4",
+    ]);
+    assert!(
+        upgrade.status.success(),
+        "helm upgrade:\n{}",
+        output_text(&upgrade)
+    );
+    let after = secret_data(&agents, &agent_tls);
+    assert_eq!(
+        before["data"], after["data"],
+        "upgrade regenerated the agent certificate"
+    );
+
+    // Uninstall runs the pre-delete reap-all hook (it must complete, or uninstall
+    // fails), removes the release's objects and keeps the CRDs.
+    let out = helm_cmd(&[
+        "uninstall",
+        &release,
+        "-n",
+        &op.name,
+        "--wait",
+        "--timeout",
+        "3m",
+    ]);
+    assert!(
+        out.status.success(),
+        "helm uninstall:\n{}",
+        output_text(&out)
+    );
+    uninstall.done = true;
+    for crd in [
+        "podmigrations.podmotion.io",
+        "nodeagentattachments.podmotion.io",
+        "runnerpools.podmotion.io",
+    ] {
+        let out = kubectl(&["get", "crd", crd, "-o", "name"], None);
+        assert!(out.status.success(), "{crd} deleted by uninstall");
+    }
+    let out = kubectl(
+        &[
+            "get",
+            "clusterrole",
+            &format!("{release}-podmotion-operator"),
+            "--ignore-not-found",
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+        "ClusterRole left behind"
+    );
+    let out = kubectl(
+        &["-n", &op.name, "get", "deployments,jobs", "-o", "name"],
+        None,
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+        "left behind: {}",
+        output_text(&out)
+    );
 }
