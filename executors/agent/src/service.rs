@@ -437,6 +437,9 @@ impl Agent {
             .map_err(|e| Status::invalid_argument(e.to_string()))?
             .tls_config(self.cfg.tls.client_config(&r.target_server_name))
             .map_err(|e| Status::invalid_argument(e.to_string()))?
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(16 << 20))
             .connect()
             .await
             .map_err(|e| Status::unavailable(format!("target agent: {e}")))?;

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 pub const POD_IP: &str = "10.213.1.10";
 pub const POD_PORT: u16 = 8080;
+pub const TARGET_OWN_IP: &str = "10.213.1.20";
 pub const NODE_IPS: [&str; 2] = ["10.213.0.1", "10.213.0.2"];
 pub const AGENT_NAMES: [&str; 2] = ["agent-a", "agent-b"];
 
@@ -343,6 +344,30 @@ impl Testbed {
             "-n {} addr add {POD_IP}/32 dev eth0",
             self.ns("tgt")
         ));
+    }
+
+    /// The target pod gets its own address (the pod address does not move).
+    pub fn give_target_its_own_address(&self) {
+        ip(&format!(
+            "-n {} addr add {TARGET_OWN_IP}/32 dev eth0",
+            self.ns("tgt")
+        ));
+        ip(&format!(
+            "-n {} route add {TARGET_OWN_IP}/32 dev to-tgt",
+            self.ns("cli")
+        ));
+    }
+
+    /// A client connection to `ip:8080` from the client namespace.
+    pub fn connect_to(&self, ip: &'static str) -> std::io::Result<TcpStream> {
+        self.in_netns("cli", move || {
+            let s = TcpStream::connect_timeout(
+                &format!("{ip}:{POD_PORT}").parse().expect("addr"),
+                Duration::from_secs(5),
+            )?;
+            s.set_read_timeout(Some(Duration::from_secs(20)))?;
+            Ok(s)
+        })
     }
 
     /// "The network": traffic for the pod address goes to the target pod.

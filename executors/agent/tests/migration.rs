@@ -356,3 +356,64 @@ fn killed_source_agent_mid_dump_leaves_the_workload_running() {
         tb.checkpoint_files(0)
     );
 }
+
+#[test]
+fn connections_close_cleanly_when_the_address_does_not_move() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("cls");
+    let src = tb.start_workload(8, 0);
+    let holder = tb.start_holder();
+    tb.give_target_its_own_address();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "no-address-move";
+    let restored = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        // Strict refuses: the pod address is not in the target.
+        a.prepare(prepare(
+            uid,
+            Role::Source,
+            src.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        b.prepare(prepare(
+            uid,
+            Role::Target,
+            holder.pid,
+            TcpPreservation::BestEffort,
+        ))
+        .await
+        .unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        let r = b.restore(uid).await.unwrap();
+        let closing = r.count(SocketOutcome::ClosedCleanly) > 0;
+        a.commit_closing(uid, closing).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+        r
+    });
+    assert_eq!(
+        restored.count(SocketOutcome::ClosedCleanly),
+        1,
+        "{:?}",
+        restored.sockets
+    );
+    assert_eq!(restored.count(SocketOutcome::ListenerRestored), 1);
+    // The peer sees an orderly close (FIN: a read returns EOF), not a reset, not a hang.
+    use std::io::Read;
+    let mut buf = [0u8; 16];
+    assert_eq!(conn.read(&mut buf).expect("orderly close, not a reset"), 0);
+    // The state moved: the listener answers on the target's own address.
+    let mut fresh = tb
+        .connect_to(podmotion_agent::testbed::TARGET_OWN_IP)
+        .unwrap();
+    assert!(counter(&mut fresh) > before);
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
