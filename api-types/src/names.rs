@@ -168,4 +168,6 @@ pub mod reasons {
     pub const FOREIGN_NETWORK_POLICY: &str = "ForeignNetworkPolicy";
     /// The PriorityClass to create exists and belongs to someone else.
     pub const PRIORITY_CLASS_CONFLICT: &str = "PriorityClassConflict";
+    /// A Runner pod cannot be scheduled on its node (it does not fit, usually).
+    pub const RUNNER_UNSCHEDULABLE: &str = "RunnerUnschedulable";
 }

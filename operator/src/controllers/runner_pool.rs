@@ -660,6 +660,11 @@ async fn observe(
         .await
         .map_err(api_err("list", "Runner pods"))?;
     let preflight = pods.items.iter().map(preflight::from_pod).collect();
+    let unschedulable = pods
+        .items
+        .iter()
+        .filter_map(status::unschedulable)
+        .collect();
 
     let nps = Api::<NetworkPolicy>::namespaced(client.clone(), &ns)
         .list(&ListParams::default())
@@ -696,6 +701,7 @@ async fn observe(
         server,
         foreign_policies: foreign,
         conflicts: applied.conflicts,
+        unschedulable,
         credential_secret: applied.credential_secret,
     })
 }

@@ -32,6 +32,8 @@ pub struct Observed {
     pub foreign_policies: Vec<String>,
     /// Children the pool cannot own (a PriorityClass of another owner), with why.
     pub conflicts: Vec<String>,
+    /// Runner pods the scheduler cannot place, with its message.
+    pub unschedulable: Vec<String>,
     /// The credential Secret the operator generated (recorded in the status, so that
     /// an operator without Secret read access creates it only once).
     pub credential_secret: Option<String>,
@@ -46,6 +48,21 @@ pub fn digest_short(image: &str) -> Option<String> {
 
 /// `maxUnavailable` as a node count for `desired` nodes (percentages round up, as the
 /// DaemonSet controller does).
+/// `Some("<pod>: <scheduler message>")` when the scheduler reported `pod` unschedulable
+/// (a Runner sized beyond what its node can allocate stays Pending forever otherwise).
+pub fn unschedulable(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let c = pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| {
+        c.type_ == "PodScheduled"
+            && c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+    })?;
+    Some(format!(
+        "{}: {}",
+        pod.name_any(),
+        c.message.clone().unwrap_or_default()
+    ))
+}
+
 pub fn max_unavailable_count(v: &IntOrString, desired: i32) -> i32 {
     match v {
         IntOrString::Int(n) => *n,
@@ -165,6 +182,15 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
             observed.conflicts.join("; "),
         ));
     }
+    if !observed.unschedulable.is_empty() {
+        degraded.push((
+            reasons::RUNNER_UNSCHEDULABLE,
+            format!(
+                "Runner pods cannot be scheduled: {}",
+                observed.unschedulable.join("; ")
+            ),
+        ));
+    }
     if !observed.foreign_policies.is_empty() {
         degraded.push((
             reasons::FOREIGN_NETWORK_POLICY,
@@ -231,6 +257,15 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
             reasons::PRIORITY_CLASS_CONFLICT,
             observed.conflicts.join("; "),
         )
+    } else if !observed.unschedulable.is_empty() {
+        Health::stalled(
+            reasons::RUNNER_UNSCHEDULABLE,
+            format!(
+                "Runner pods ({} per pod) cannot be scheduled: {}",
+                describe_size(pool),
+                observed.unschedulable.join("; ")
+            ),
+        )
     } else if let Err(why) = &observed.server {
         Health::stalled(reasons::SERVER_UNRESOLVED, why.clone())
     } else if observed.daemonset.is_some() && c.desired == 0 && !c.rolling {
@@ -267,6 +302,15 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
         foreign_network_policies: observed.foreign_policies.clone(),
         conditions,
     }
+}
+
+fn describe_size(pool: &RunnerPool) -> String {
+    let size = pod_size(&pool.spec);
+    format!(
+        "{} memory, {} CPU",
+        size.memory_quantity(),
+        size.cpu_quantity()
+    )
 }
 
 fn no_nodes_message(pool: &RunnerPool) -> String {
@@ -316,6 +360,7 @@ mod tests {
             server: Ok(()),
             foreign_policies: vec![],
             conflicts: vec![],
+            unschedulable: vec![],
             credential_secret: Some("rp-credentials".into()),
         }
     }
@@ -456,6 +501,36 @@ mod tests {
             (c.status.as_str(), c.reason.as_str()),
             ("True", reasons::PRIORITY_CLASS_CONFLICT)
         );
+    }
+
+    #[test]
+    fn a_runner_too_big_for_its_node_stalls_with_the_schedulers_reason() {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+            "metadata": {"name": "rp-abcde"},
+            "status": {"phase": "Pending", "conditions": [{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/5 nodes are available: 1 Insufficient memory."
+            }]}
+        }))
+        .unwrap();
+        let mut o = observed(Some(ds(1, 1, 1, 0, 1)));
+        o.unschedulable = unschedulable(&pod).into_iter().collect();
+        let s = compute(&pool("rp").build(), &o, t());
+        let c = find(&s.conditions, ct::STALLED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", reasons::RUNNER_UNSCHEDULABLE)
+        );
+        assert!(
+            c.message.contains("Insufficient memory") && c.message.contains("Mi memory"),
+            "{}",
+            c.message
+        );
+        let scheduled: k8s_openapi::api::core::v1::Pod = serde_json::from_value(
+            json!({"metadata": {"name": "x"}, "status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}),
+        )
+        .unwrap();
+        assert_eq!(unschedulable(&scheduled), None);
     }
 
     #[test]
