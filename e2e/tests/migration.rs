@@ -272,7 +272,13 @@ impl ProcAgents {
                 let Some(image) = image else {
                     return fail("no image received");
                 };
-                let file = std::env::temp_dir().join(format!("pm-e2e-restored-{uid}.counter"));
+                // Next to the source's counter, in the test's own directory.
+                let dir = w
+                    .containers
+                    .get(&key)
+                    .and_then(|p| p.file.parent().map(PathBuf::from))
+                    .unwrap_or_else(std::env::temp_dir);
+                let file = dir.join(format!("restored-{uid}.counter"));
                 w.restored.insert(uid.clone(), Proc::start(file, image));
                 let m = w.migs.entry((node.into(), uid.clone())).or_default();
                 m.progress.resumed_at = Some(Timestamp::now());
@@ -623,7 +629,13 @@ impl Drop for Setup {
             w.containers.clear();
             w.restored.clear();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // A killed loop's last `mv` may still land: retry briefly.
+        for _ in 0..10 {
+            if std::fs::remove_dir_all(&self.dir).is_ok() || !self.dir.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
