@@ -135,7 +135,9 @@ fn default_progress_timeout_seconds() -> i64 {
 }
 
 /// How memory is moved to the target node.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum MigrationMode {
     /// Iterative pre-dumps while the pod runs, then a short final dump.
     #[default]
@@ -169,7 +171,9 @@ fn default_dirty_threshold_bytes() -> i64 {
 }
 
 /// What happens to established TCP connections.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum TcpPreservation {
     /// Connections must survive; refuse the migration when they cannot.
     Strict,
@@ -236,7 +240,9 @@ fn default_http_path() -> String {
 }
 
 /// Scheme of an HTTP probe.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum HttpScheme {
     #[default]
@@ -278,7 +284,9 @@ pub struct ExecProbe {
 }
 
 /// Phase of a migration. `Succeeded`, `Failed` and `Aborted` are terminal.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
 pub enum MigrationPhase {
     /// Accepted, not yet validated.
     #[default]
@@ -372,7 +380,11 @@ pub struct PodMigrationStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub phase_transition_timestamps: Vec<PhaseTransition>,
     /// UID of the source pod, pinned when the migration started.
-    #[serde(default, rename = "sourcePodUID", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "sourcePodUID",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub source_pod_uid: Option<String>,
     /// Node the pod ran on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
