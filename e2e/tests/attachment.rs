@@ -721,3 +721,44 @@ async fn ingest_holds_one_job_until_its_lease_expires() {
     .unwrap_or_else(|e| panic!("{e:#}"));
     op.stop().await;
 }
+
+#[tokio::test]
+async fn reap_all_removes_every_agent_job_and_releases_the_attachments() {
+    let Some((app, agents, op)) = setup("naa-reap", PodSecurity::Restricted).await else {
+        return;
+    };
+    let deployments: Api<Deployment> = app.api();
+    deployments
+        .create(&PostParams::default(), &deployment("web", 3, false))
+        .await
+        .unwrap();
+    let pods = settled_pods(&app, "web", 3).await;
+    let naas: Api<NodeAgentAttachment> = app.api();
+    naas.create(&PostParams::default(), &attachment("web", "web", json!({})))
+        .await
+        .unwrap();
+    jobs_follow(&agents, &app.name, &pods, "one Job per replica").await;
+    // As the Helm pre-delete hook runs it: the controllers are stopped first.
+    op.stop().await;
+    let n = podmotion_operator::controllers::attachment::reap_all(
+        app.client.clone(),
+        &agents.name,
+        TIMEOUT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 3);
+    let jobs: Api<Job> = agents.api();
+    let left = jobs
+        .list(&ListParams::default().labels("app.kubernetes.io/component=node-agent"))
+        .await
+        .unwrap();
+    assert!(left.items.is_empty(), "reap-all returned with Jobs left");
+    let a = naas.get("web").await.unwrap();
+    assert!(
+        !a.finalizers()
+            .iter()
+            .any(|f| f == podmotion_api::names::finalizers::ATTACHMENT_CLEANUP),
+        "the attachment finalizer is released, so uninstalling cannot leave it stuck"
+    );
+}
