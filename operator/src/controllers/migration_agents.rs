@@ -208,7 +208,7 @@ impl WireAgents {
             // pod over the pod network itself (TCP and plain HTTP); other kinds fail
             // closed, so nothing is committed without proof.
             Step::Probe => return self.probe(r).await,
-            Step::Commit => c.commit(uid).await,
+            Step::Commit => c.commit_closing(uid, r.close_connections).await,
             Step::Abort => c.abort(uid).await,
             Step::Cleanup => c.cleanup(uid).await,
         };
