@@ -604,17 +604,30 @@ async fn apply_daemonset(
     if drift::shape_drift(&ds, &applied).is_empty() {
         return Ok((applied, drift));
     }
-    ctx.ensure_leader()?;
-    let mut replacement = ds.clone();
-    replacement.metadata.resource_version = applied.resource_version();
     let pp = PostParams {
         field_manager: Some(managers::RUNNER_POOL.into()),
         ..Default::default()
     };
-    let replaced = api
-        .replace(&name, &pp, &replacement)
-        .await
-        .map_err(api_err("replace", format!("DaemonSet {name}")))?;
+    // The DaemonSet controller writes its status all the time, so the resourceVersion
+    // may move between our read and the replace: retry a conflict on a fresh read.
+    let mut current = applied;
+    let mut attempts = 0;
+    let replaced = loop {
+        ctx.ensure_leader()?;
+        let mut replacement = ds.clone();
+        replacement.metadata.resource_version = current.resource_version();
+        match api.replace(&name, &pp, &replacement).await {
+            Ok(r) => break r,
+            Err(kube::Error::Api(e)) if e.code == 409 && attempts < 5 => {
+                attempts += 1;
+                current = api
+                    .get(&name)
+                    .await
+                    .map_err(api_err("get", format!("DaemonSet {name}")))?;
+            }
+            Err(e) => return Err(api_err("replace", format!("DaemonSet {name}"))(e)),
+        }
+    };
     Ok((replaced, drift))
 }
 
