@@ -23,7 +23,12 @@ pub enum ChildError {
     #[error(transparent)]
     NotLeader(#[from] NotLeader),
     #[error("{verb} {kind} {name}: {source}")]
-    Api { verb: &'static str, kind: String, name: String, source: kube::Error },
+    Api {
+        verb: &'static str,
+        kind: String,
+        name: String,
+        source: kube::Error,
+    },
 }
 
 impl ChildError {
@@ -60,10 +65,19 @@ pub fn short_hash(s: &str, len: usize) -> String {
 pub fn owner_labels<K: Resource<DynamicType = ()>>(owner: &K) -> BTreeMap<String, String> {
     let ns = owner.namespace().unwrap_or_default();
     BTreeMap::from([
-        (labels::MANAGED_BY.to_string(), labels::MANAGED_BY_VALUE.to_string()),
+        (
+            labels::MANAGED_BY.to_string(),
+            labels::MANAGED_BY_VALUE.to_string(),
+        ),
         (labels::OWNER_KIND.to_string(), K::kind(&()).to_string()),
-        (labels::OWNER.to_string(), label_value(&format!("{ns}.{}", owner.name_any()))),
-        (labels::OWNER_UID.to_string(), owner.uid().unwrap_or_default()),
+        (
+            labels::OWNER.to_string(),
+            label_value(&format!("{ns}.{}", owner.name_any())),
+        ),
+        (
+            labels::OWNER_UID.to_string(),
+            owner.uid().unwrap_or_default(),
+        ),
     ])
 }
 
@@ -97,7 +111,11 @@ pub fn child_meta<K: Resource<DynamicType = ()>>(
         name: Some(name.into()),
         namespace: namespace.map(Into::into),
         labels: Some(l),
-        owner_references: if same_namespace { controller_ref(owner).map(|r| vec![r]) } else { None },
+        owner_references: if same_namespace {
+            controller_ref(owner).map(|r| vec![r])
+        } else {
+            None
+        },
         ..Default::default()
     }
 }
@@ -115,12 +133,14 @@ where
     ctx.ensure_leader()?;
     let name = obj.name_any();
     let params = PatchParams::apply(manager).force();
-    api.patch(&name, &params, &Patch::Apply(obj)).await.map_err(|source| ChildError::Api {
-        verb: "apply",
-        kind: K::kind(&()).to_string(),
-        name,
-        source,
-    })
+    api.patch(&name, &params, &Patch::Apply(obj))
+        .await
+        .map_err(|source| ChildError::Api {
+            verb: "apply",
+            kind: K::kind(&()).to_string(),
+            name,
+            source,
+        })
 }
 
 /// Deletes every object matching `selector` whose name is not in `keep`, with the
@@ -138,7 +158,12 @@ where
     let list = api
         .list_metadata(&ListParams::default().labels(selector))
         .await
-        .map_err(|source| ChildError::Api { verb: "list", kind: K::kind(&()).to_string(), name: selector.into(), source })?;
+        .map_err(|source| ChildError::Api {
+            verb: "list",
+            kind: K::kind(&()).to_string(),
+            name: selector.into(),
+            source,
+        })?;
     let mut deleted = vec![];
     for obj in list.items {
         let name = obj.name_any();
@@ -152,16 +177,29 @@ where
 }
 
 /// Deletes one object; a missing object counts as deleted.
-pub async fn delete<K>(ctx: &Context, api: &Api<K>, name: &str, propagation: PropagationPolicy) -> Result<(), ChildError>
+pub async fn delete<K>(
+    ctx: &Context,
+    api: &Api<K>,
+    name: &str,
+    propagation: PropagationPolicy,
+) -> Result<(), ChildError>
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
 {
     ctx.ensure_leader()?;
-    let params = DeleteParams { propagation_policy: Some(propagation), ..Default::default() };
+    let params = DeleteParams {
+        propagation_policy: Some(propagation),
+        ..Default::default()
+    };
     match api.delete(name, &params).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        Err(source) => Err(ChildError::Api { verb: "delete", kind: K::kind(&()).to_string(), name: name.into(), source }),
+        Err(source) => Err(ChildError::Api {
+            verb: "delete",
+            kind: K::kind(&()).to_string(),
+            name: name.into(),
+            source,
+        }),
     }
 }
 

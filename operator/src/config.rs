@@ -31,7 +31,8 @@ impl ControllerKind {
 /// Settings shared by every controller.
 #[derive(Args, Clone, Debug)]
 pub struct OperatorConfig {
-    /// Namespace the operator runs in; attachment Jobs and the leader Lease live here.
+    /// Namespace the operator runs in; the leader Lease lives here (and the attachment
+    /// Jobs, unless `--attachment-namespace` names another).
     #[arg(long, env = "POD_NAMESPACE", default_value = "podmotion-system")]
     pub namespace: String,
 
@@ -68,11 +69,19 @@ pub struct LeaderConfig {
     pub enabled: bool,
 
     /// Name of the Lease in the operator's namespace.
-    #[arg(long = "leader-lease-name", env = "PODMOTION_LEADER_LEASE", default_value = "podmotion-operator")]
+    #[arg(
+        long = "leader-lease-name",
+        env = "PODMOTION_LEADER_LEASE",
+        default_value = "podmotion-operator"
+    )]
     pub lease_name: String,
 
     /// Seconds a Lease is valid without renewal.
-    #[arg(long = "leader-lease-seconds", env = "PODMOTION_LEADER_LEASE_SECONDS", default_value_t = 15)]
+    #[arg(
+        long = "leader-lease-seconds",
+        env = "PODMOTION_LEADER_LEASE_SECONDS",
+        default_value_t = 15
+    )]
     pub lease_seconds: u32,
 }
 

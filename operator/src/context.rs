@@ -71,16 +71,27 @@ pub struct Readiness {
 impl Readiness {
     /// Registers a part that is not ready yet.
     pub fn register(&self, name: &'static str) {
-        self.parts.lock().expect("readiness lock").entry(name).or_insert(false);
+        self.parts
+            .lock()
+            .expect("readiness lock")
+            .entry(name)
+            .or_insert(false);
     }
     /// Marks a registered part ready.
     pub fn set_ready(&self, name: &'static str) {
-        self.parts.lock().expect("readiness lock").insert(name, true);
+        self.parts
+            .lock()
+            .expect("readiness lock")
+            .insert(name, true);
     }
     /// Names of the parts not ready yet; empty means ready.
     pub fn pending(&self) -> Vec<&'static str> {
         let parts = self.parts.lock().expect("readiness lock");
-        parts.iter().filter(|(_, ready)| !**ready).map(|(n, _)| *n).collect()
+        parts
+            .iter()
+            .filter(|(_, ready)| !**ready)
+            .map(|(n, _)| *n)
+            .collect()
     }
 }
 

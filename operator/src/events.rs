@@ -27,7 +27,13 @@ pub async fn publish<K: Resource<DynamicType = ()>>(
         }
         note.truncate(cut);
     }
-    let event = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
+        secondary: None,
+    };
     if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
         tracing::warn!(error = %e, %reason, "could not record event");
     }

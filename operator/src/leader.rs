@@ -14,8 +14,8 @@ use futures::Stream;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, ObjectMeta, PostParams};
 use kube::Client;
+use kube::api::{Api, ObjectMeta, PostParams};
 use tokio::sync::watch;
 
 use crate::config::LeaderConfig;
@@ -37,23 +37,37 @@ impl Leadership {
     /// Leadership that is always held (leader election off).
     pub fn always() -> Self {
         let (tx, _) = watch::channel(Some(Instant::now()));
-        Leadership { valid_until: tx, always: true }
+        Leadership {
+            valid_until: tx,
+            always: true,
+        }
     }
 
     /// Leadership to be won by [`Leadership::run`].
     pub fn elected() -> Self {
         let (tx, _) = watch::channel(None);
-        Leadership { valid_until: tx, always: false }
+        Leadership {
+            valid_until: tx,
+            always: false,
+        }
     }
 
     /// Whether we hold a lease that has not expired.
     pub fn is_leader(&self) -> bool {
-        self.always || self.valid_until.borrow().is_some_and(|d| d > Instant::now())
+        self.always
+            || self
+                .valid_until
+                .borrow()
+                .is_some_and(|d| d > Instant::now())
     }
 
     /// `Ok` only while we hold a current lease. Call before every write.
     pub fn ensure(&self) -> Result<(), NotLeader> {
-        if self.is_leader() { Ok(()) } else { Err(NotLeader) }
+        if self.is_leader() {
+            Ok(())
+        } else {
+            Err(NotLeader)
+        }
     }
 
     /// Yields once each time this replica becomes the leader (and once at start when
@@ -70,10 +84,8 @@ impl Leadership {
             let mut was = false;
             loop {
                 let now = rx.borrow_and_update().is_some();
-                if now && !was {
-                    if tx.send(()).await.is_err() {
-                        return;
-                    }
+                if now && !was && tx.send(()).await.is_err() {
+                    return;
                 }
                 was = now;
                 if rx.changed().await.is_err() {
@@ -84,7 +96,13 @@ impl Leadership {
     }
 
     /// Acquires and renews the lease until an error or the loss of a lease we held.
-    pub async fn run(&self, client: Client, namespace: &str, identity: &str, cfg: &LeaderConfig) -> anyhow::Result<()> {
+    pub async fn run(
+        &self,
+        client: Client,
+        namespace: &str,
+        identity: &str,
+        cfg: &LeaderConfig,
+    ) -> anyhow::Result<()> {
         if self.always {
             return std::future::pending().await;
         }
@@ -103,14 +121,25 @@ impl Leadership {
                 Ok(false) => {
                     if held {
                         self.valid_until.send_replace(None);
-                        anyhow::bail!("lost leadership: lease {} is held by another replica", cfg.lease_name);
+                        anyhow::bail!(
+                            "lost leadership: lease {} is held by another replica",
+                            cfg.lease_name
+                        );
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lease renewal failed");
-                    if held && self.valid_until.borrow().is_some_and(|d| d <= Instant::now()) {
+                    if held
+                        && self
+                            .valid_until
+                            .borrow()
+                            .is_some_and(|d| d <= Instant::now())
+                    {
                         self.valid_until.send_replace(None);
-                        anyhow::bail!("lost leadership: could not renew lease {} in time: {e}", cfg.lease_name);
+                        anyhow::bail!(
+                            "lost leadership: could not renew lease {} in time: {e}",
+                            cfg.lease_name
+                        );
                     }
                 }
             }
@@ -120,12 +149,20 @@ impl Leadership {
 }
 
 /// One attempt to take or renew the lease. `Ok(true)`: we hold it now.
-async fn try_acquire(api: &Api<Lease>, name: &str, identity: &str, duration: Duration) -> kube::Result<bool> {
+async fn try_acquire(
+    api: &Api<Lease>,
+    name: &str,
+    identity: &str,
+    duration: Duration,
+) -> kube::Result<bool> {
     let now = Timestamp::now();
     let seconds = i32::try_from(duration.as_secs()).unwrap_or(i32::MAX);
     let Some(mut lease) = api.get_opt(name).await? else {
         let lease = Lease {
-            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
             spec: Some(LeaseSpec {
                 holder_identity: Some(identity.into()),
                 lease_duration_seconds: Some(seconds),
@@ -196,21 +233,28 @@ mod tests {
     async fn elected_leadership_expires_by_the_monotonic_clock() {
         let l = Leadership::elected();
         assert!(l.ensure().is_err());
-        l.valid_until.send_replace(Some(Instant::now() + Duration::from_secs(60)));
+        l.valid_until
+            .send_replace(Some(Instant::now() + Duration::from_secs(60)));
         assert!(l.is_leader());
-        l.valid_until.send_replace(Some(Instant::now() - Duration::from_millis(1)));
-        assert!(!l.is_leader(), "an expired lease must not count as leadership");
+        l.valid_until
+            .send_replace(Some(Instant::now() - Duration::from_millis(1)));
+        assert!(
+            !l.is_leader(),
+            "an expired lease must not count as leadership"
+        );
     }
 
     #[tokio::test]
     async fn on_acquire_fires_on_each_acquisition() {
         let l = Leadership::elected();
         let mut s = Box::pin(l.on_acquire());
-        l.valid_until.send_replace(Some(Instant::now() + Duration::from_secs(60)));
+        l.valid_until
+            .send_replace(Some(Instant::now() + Duration::from_secs(60)));
         assert_eq!(s.next().await, Some(()));
         l.valid_until.send_replace(None);
         tokio::task::yield_now().await;
-        l.valid_until.send_replace(Some(Instant::now() + Duration::from_secs(60)));
+        l.valid_until
+            .send_replace(Some(Instant::now() + Duration::from_secs(60)));
         assert_eq!(s.next().await, Some(()));
     }
 }

@@ -13,6 +13,9 @@ use kube::{Client, CustomResourceExt};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use podmotion_operator::config::{ControllerKind, OperatorConfig};
 use podmotion_operator::context::Context;
+use podmotion_operator::controllers::attachment::{self, AttachmentConfig};
+use podmotion_operator::controllers::migration::{self, MigrationConfig};
+use podmotion_operator::controllers::runner_pool;
 use podmotion_operator::leader::Leadership;
 use podmotion_operator::metrics::Metrics;
 use podmotion_operator::server;
@@ -25,8 +28,17 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     operator: OperatorConfig,
+    #[command(flatten)]
+    attachment: AttachmentConfig,
+    #[command(flatten)]
+    migration: MigrationConfig,
     /// Log format.
-    #[arg(long, env = "PODMOTION_LOG_FORMAT", default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "PODMOTION_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
     log_format: LogFormat,
 }
 
@@ -34,7 +46,7 @@ struct Cli {
 enum Command {
     /// Run the enabled controllers (the default).
     Run,
-    /// Delete every attachment Job (foreground) in the operator's namespace and exit.
+    /// Delete every attachment Job (foreground propagation) and exit: the Helm pre-delete hook.
     ReapAll,
 }
 
@@ -58,32 +70,68 @@ fn init_tracing(format: LogFormat) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
-    let client = Client::try_default().await.context("no kubeconfig or in-cluster configuration")?;
+    let client = Client::try_default()
+        .await
+        .context("no kubeconfig or in-cluster configuration")?;
     match cli.command.unwrap_or(Command::Run) {
-        Command::Run => run(client, cli.operator).await,
-        Command::ReapAll => reap_all(client, cli.operator).await,
+        Command::Run => {
+            run(
+                client,
+                cli.operator,
+                Controllers {
+                    attachment: cli.attachment,
+                    migration: cli.migration,
+                },
+            )
+            .await
+        }
+        Command::ReapAll => {
+            let namespace = cli.attachment.jobs_namespace_or(&cli.operator.namespace);
+            let n = attachment::reap_all(client, &namespace, REAP_ALL_TIMEOUT).await?;
+            tracing::info!(jobs = n, %namespace, "reaped every attachment Job");
+            Ok(())
+        }
     }
 }
 
-async fn reap_all(_client: Client, _config: OperatorConfig) -> anyhow::Result<()> {
-    anyhow::bail!("reap-all arrives with the attachment controller")
+/// How long `reap-all` waits for the foreground deletion of every Job.
+const REAP_ALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Settings of the controllers that take flags.
+struct Controllers {
+    attachment: AttachmentConfig,
+    migration: MigrationConfig,
 }
 
 /// Waits until the three CRDs are Established.
 async fn wait_for_crds(client: &Client) -> anyhow::Result<()> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for name in [PodMigration::crd_name(), NodeAgentAttachment::crd_name(), RunnerPool::crd_name()] {
+    for name in [
+        PodMigration::crd_name(),
+        NodeAgentAttachment::crd_name(),
+        RunnerPool::crd_name(),
+    ] {
         tracing::info!(crd = name, "waiting for CRD to be established");
         await_condition(api.clone(), name, conditions::is_crd_established()).await?;
     }
     Ok(())
 }
 
-async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
-    let leader = if config.leader.enabled { Leadership::elected() } else { Leadership::always() };
+async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> anyhow::Result<()> {
+    let leader = if config.leader.enabled {
+        Leadership::elected()
+    } else {
+        Leadership::always()
+    };
     let (stop_tx, stop_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::new());
-    let ctx = Arc::new(Context::new(client.clone(), config.clone(), leader.clone(), metrics, stop_rx));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        config.clone(),
+        leader.clone(),
+        metrics,
+        stop_rx,
+    ));
     for kind in &config.controllers {
         ctx.readiness.register(kind.name());
     }
@@ -92,9 +140,11 @@ async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
     wait_for_crds(&client).await?;
 
     let mut tasks = tokio::task::JoinSet::new();
+    let settings = Arc::new(settings);
     for kind in config.controllers.clone() {
         let ctx = ctx.clone();
-        tasks.spawn(async move { (kind, run_controller(kind, ctx).await) });
+        let settings = settings.clone();
+        tasks.spawn(async move { (kind, run_controller(kind, ctx, &settings).await) });
     }
     let identity = config.identity.clone();
     let leader_cfg = config.leader.clone();
@@ -126,12 +176,18 @@ async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_controller(kind: ControllerKind, ctx: Arc<Context>) -> anyhow::Result<()> {
-    // Each controller's module provides `run(ctx)`; they arrive with their issues.
-    tracing::warn!(controller = kind.name(), "controller not built yet");
-    ctx.readiness.set_ready(kind.name());
-    ctx.shutdown().await;
-    Ok(())
+async fn run_controller(
+    kind: ControllerKind,
+    ctx: Arc<Context>,
+    settings: &Controllers,
+) -> anyhow::Result<()> {
+    match kind {
+        ControllerKind::Attachment => attachment::run_with(ctx, settings.attachment.clone()).await,
+        ControllerKind::Migration => {
+            migration::run_configured(ctx, settings.migration.clone()).await
+        }
+        ControllerKind::RunnerPool => runner_pool::run(ctx).await,
+    }
 }
 
 async fn shutdown_signal() {
@@ -158,7 +214,14 @@ mod tests {
         let cli = Cli::try_parse_from(["podmotion-operator"]).unwrap();
         assert_eq!(cli.operator.controllers.len(), 3);
         assert!(cli.operator.leader.enabled);
-        let cli = Cli::try_parse_from(["podmotion-operator", "--no-leader-election", "--controllers", "runner-pool", "reap-all"]).unwrap();
+        let cli = Cli::try_parse_from([
+            "podmotion-operator",
+            "--no-leader-election",
+            "--controllers",
+            "runner-pool",
+            "reap-all",
+        ])
+        .unwrap();
         assert!(!cli.operator.leader.enabled);
         assert_eq!(cli.operator.controllers, vec![ControllerKind::RunnerPool]);
         assert!(matches!(cli.command, Some(Command::ReapAll)));

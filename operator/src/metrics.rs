@@ -73,16 +73,21 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("podmotion");
         let reconciles = Family::<ResultLabels, Counter>::default();
-        registry.register("reconciles", "Reconciles by controller and result", reconciles.clone());
+        registry.register(
+            "reconciles",
+            "Reconciles by controller and result",
+            reconciles.clone(),
+        );
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
         registry.register(
             "reconcile_errors",
             "Reconcile errors by controller and error category",
             reconcile_errors.clone(),
         );
-        let reconcile_duration = Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.001, 2.0, 15))
-        });
+        let reconcile_duration =
+            Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 15))
+            });
         registry.register(
             "reconcile_duration_seconds",
             "Time spent in one reconcile",
@@ -95,7 +100,11 @@ impl Metrics {
             reconciles_in_flight.clone(),
         );
         let migrations = Family::<OutcomeLabels, Counter>::default();
-        registry.register("migrations", "PodMigrations finished, by terminal phase", migrations.clone());
+        registry.register(
+            "migrations",
+            "PodMigrations finished, by terminal phase",
+            migrations.clone(),
+        );
         let migration_downtime = Histogram::new(exponential_buckets(0.01, 2.0, 12));
         registry.register(
             "migration_downtime_seconds",
@@ -103,9 +112,17 @@ impl Metrics {
             migration_downtime.clone(),
         );
         let migration_bytes = Counter::default();
-        registry.register("migration_bytes", "Checkpoint bytes moved between nodes", migration_bytes.clone());
+        registry.register(
+            "migration_bytes",
+            "Checkpoint bytes moved between nodes",
+            migration_bytes.clone(),
+        );
         let attachment_jobs = Gauge::default();
-        registry.register("attachment_jobs", "Attachment Jobs that exist now", attachment_jobs.clone());
+        registry.register(
+            "attachment_jobs",
+            "Attachment Jobs that exist now",
+            attachment_jobs.clone(),
+        );
         let attachment_job_changes = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "attachment_job_changes",
@@ -128,8 +145,15 @@ impl Metrics {
 
     /// Starts timing one reconcile of `controller`; finish it with [`ReconcileTimer::done`].
     pub fn reconcile(&self, controller: &'static str) -> ReconcileTimer<'_> {
-        self.reconciles_in_flight.get_or_create(&ControllerLabels { controller }).inc();
-        ReconcileTimer { metrics: self, controller, start: Instant::now(), finished: false }
+        self.reconciles_in_flight
+            .get_or_create(&ControllerLabels { controller })
+            .inc();
+        ReconcileTimer {
+            metrics: self,
+            controller,
+            start: Instant::now(),
+            finished: false,
+        }
     }
 
     /// The text exposition format.
@@ -161,18 +185,30 @@ impl ReconcileTimer<'_> {
         }
         let controller = self.controller;
         let m = self.metrics;
-        m.reconciles_in_flight.get_or_create(&ControllerLabels { controller }).dec();
+        m.reconciles_in_flight
+            .get_or_create(&ControllerLabels { controller })
+            .dec();
         m.reconcile_duration
             .get_or_create(&ControllerLabels { controller })
             .observe(self.start.elapsed().as_secs_f64());
         let result_label = match result {
             Ok(()) => ReconcileResult::Success,
             Err(category) => {
-                m.reconcile_errors.get_or_create(&ErrorLabels { controller, category }).inc();
+                m.reconcile_errors
+                    .get_or_create(&ErrorLabels {
+                        controller,
+                        category,
+                    })
+                    .inc();
                 ReconcileResult::Error
             }
         };
-        m.reconciles.get_or_create(&ResultLabels { controller, result: result_label }).inc();
+        m.reconciles
+            .get_or_create(&ResultLabels {
+                controller,
+                result: result_label,
+            })
+            .inc();
     }
 }
 
@@ -194,7 +230,15 @@ mod tests {
         m.reconcile("runner-pool").done(Ok(()));
         let text = m.encode();
         assert!(text.contains(r#"podmotion_reconcile_errors_total{controller="runner-pool",category="ApiError"} 1"#), "{text}");
-        assert!(text.contains(r#"podmotion_reconciles_total{controller="runner-pool",result="Success"} 1"#), "{text}");
-        assert!(text.contains(r#"podmotion_reconciles_in_flight{controller="runner-pool"} 0"#), "{text}");
+        assert!(
+            text.contains(
+                r#"podmotion_reconciles_total{controller="runner-pool",result="Success"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"podmotion_reconciles_in_flight{controller="runner-pool"} 0"#),
+            "{text}"
+        );
     }
 }

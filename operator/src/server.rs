@@ -33,7 +33,11 @@ pub fn route(ctx: &Context, method: &Method, path: &str) -> (StatusCode, &'stati
             if pending.is_empty() {
                 (StatusCode::OK, TEXT, "ok\n".into())
             } else {
-                (StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("caches not synced: {}\n", pending.join(", ")))
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    TEXT,
+                    format!("caches not synced: {}\n", pending.join(", ")),
+                )
             }
         }
         _ => (StatusCode::NOT_FOUND, TEXT, "not found\n".into()),
@@ -60,7 +64,10 @@ pub async fn serve(ctx: Arc<Context>, addr: SocketAddr) -> anyhow::Result<()> {
                     )
                 }
             });
-            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await {
+            if let Err(e) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await
+            {
                 tracing::debug!(error = %e, "metrics connection ended");
             }
         });

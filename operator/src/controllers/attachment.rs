@@ -98,6 +98,11 @@ pub struct AttachmentConfig {
         default_value_t = 3
     )]
     pub backoff_limit: i32,
+    /// Namespace of the agent Jobs (and their Secrets and NetworkPolicy). Their pods
+    /// use hostPID and capabilities, so it must enforce the `privileged` PodSecurity
+    /// level. Unset: the operator's own namespace.
+    #[arg(long = "attachment-namespace", env = "PODMOTION_ATTACHMENT_NAMESPACE")]
+    pub jobs_namespace: Option<String>,
     /// Only handle attachments (and watch pods) in this namespace. Unset: every namespace.
     #[arg(
         long = "attachment-watch-namespace",
@@ -117,9 +122,17 @@ impl AttachmentConfig {
         Ok(Only::try_parse_from(["podmotion-operator"])?.a)
     }
 
-    pub fn settings(&self, namespace: &str) -> Settings {
+    /// Namespace of the agent Jobs, given the operator's own.
+    pub fn jobs_namespace_or(&self, operator_namespace: &str) -> String {
+        self.jobs_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| operator_namespace.into())
+    }
+
+    pub fn settings(&self, operator_namespace: &str) -> Settings {
         Settings {
-            namespace: namespace.into(),
+            namespace: self.jobs_namespace_or(operator_namespace),
             job_prefix: self.job_prefix.clone(),
             default_image: self.agent_image.clone(),
             default_cri_socket_path: self.cri_socket_path.clone(),
@@ -468,7 +481,6 @@ async fn reconcile_workload(
         now: Timestamp::now(),
     };
     let p = plan(&group, &s.settings);
-    s.ctx.metrics.attachment_jobs.set(p.kept_jobs as i64);
 
     let par = s.cfg.write_parallelism.max(1);
     let deleted: Vec<bool> = stream::iter(p.delete.clone())
@@ -769,6 +781,7 @@ async fn sweep(s: &Shared) -> Result<usize, AttachmentError> {
         .list(&ListParams::default().labels(&render::agent_selector()))
         .await
         .map_err(api_err("list", "agent Jobs"))?;
+    s.ctx.metrics.attachment_jobs.set(jobs.items.len() as i64);
     let groups: BTreeSet<(String, String)> = jobs
         .items
         .iter()

@@ -104,7 +104,7 @@ pub struct MigrationConfig {
     pub agent_tls_key: Option<String>,
 
     /// Reconcile PodMigrations of this namespace only (default: all namespaces).
-    #[arg(long = "migration-namespace", env = "PODMOTION_MIGRATION_NAMESPACE")]
+    #[arg(id = "migration_namespace", long = "migration-namespace", env = "PODMOTION_MIGRATION_NAMESPACE")]
     pub watch_namespace: Option<String>,
 
     /// Image of the holder containers that keep a target pod's namespaces until restore.
@@ -198,7 +198,12 @@ struct Shared<A> {
 /// Runs the controller with the settings from the environment, driving the agents
 /// over the executors' gRPC wire client.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
-    let cfg = MigrationConfig::from_env()?;
+    run_configured(ctx, MigrationConfig::from_env()?).await
+}
+
+/// Runs the controller with explicit settings (the binary's flags), driving the agents
+/// over the executors' gRPC wire client.
+pub async fn run_configured(ctx: Arc<Context>, cfg: MigrationConfig) -> anyhow::Result<()> {
     let tls = match (&cfg.agent_tls_ca, &cfg.agent_tls_cert, &cfg.agent_tls_key) {
         (Some(ca), Some(cert), Some(key)) => Some(
             podmotion_wire::client::TlsFiles::load(ca, cert, key)

@@ -29,7 +29,9 @@ impl CategorizedError for crate::children::ChildError {
 
 /// Controller settings every PodMotion controller uses.
 pub fn controller_config(ctx: &Context) -> Config {
-    Config::default().concurrency(ctx.config.concurrency).debounce(Duration::from_millis(200))
+    Config::default()
+        .concurrency(ctx.config.concurrency)
+        .debounce(Duration::from_millis(200))
 }
 
 /// `Some(action)` when this replica must not reconcile (it is not the leader): the
