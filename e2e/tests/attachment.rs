@@ -74,6 +74,7 @@ impl Operator {
             sweep_seconds: 5,
             write_parallelism: 16,
             backoff_limit: 3,
+            jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };
         let task = tokio::spawn(async move {

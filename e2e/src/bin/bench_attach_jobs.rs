@@ -163,6 +163,7 @@ async fn main() -> anyhow::Result<()> {
         sweep_seconds: 3600,
         write_parallelism: PARALLEL,
         backoff_limit: 3,
+        jobs_namespace: None,
         watch_namespace: Some(app_ns.clone()),
     };
     let controller = tokio::spawn(run_with(ctx, cfg));
