@@ -33,7 +33,7 @@ fn run(bin: &Path, dir: &Path, uid: Option<u32>, extra: &[&str]) -> (i32, Value,
         // std drops supplementary groups when root switches uid.
         cmd.uid(uid).gid(uid);
     }
-    let out = cmd.output().expect("run preflight");
+    let out = output_of(&mut cmd);
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(stdout.lines().count(), 1, "one verdict line: {stdout}");
     let verdict: Value = serde_json::from_str(stdout.trim()).unwrap();
@@ -44,6 +44,21 @@ fn run(bin: &Path, dir: &Path, uid: Option<u32>, extra: &[&str]) -> (i32, Value,
     )
     .unwrap();
     (out.status.code().unwrap_or(-1), verdict, written)
+}
+
+/// Runs `cmd`, retrying "Text file busy": tests run in parallel threads, and a child
+/// forked by one test while another copies its binary briefly holds the copy's write
+/// descriptor (until its own exec), which makes exec of that copy fail with ETXTBSY.
+fn output_of(cmd: &mut Command) -> std::process::Output {
+    for _ in 0..100 {
+        match cmd.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other.expect("run preflight"),
+        }
+    }
+    panic!("the preflight binary stayed busy");
 }
 
 fn check<'a>(v: &'a Value, name: &str) -> &'a Value {
