@@ -286,7 +286,7 @@ impl Testbed {
             .expect("workload");
         let outer = child.id() as i32;
         self.children.push(child);
-        for _ in 0..400 {
+        for _ in 0..1200 {
             if let Some(root) = procfs::tree(outer).into_iter().find(|p| {
                 std::fs::read_to_string(format!("/proc/{p}/status"))
                     .map(|s| {
@@ -294,8 +294,12 @@ impl Testbed {
                             .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1"))
                     })
                     .unwrap_or(false)
-            }) && self.connect_timeout(Duration::from_millis(200)).is_ok()
+            }) && let Ok(mut c) = self.connect_timeout(Duration::from_millis(200))
             {
+                // Measure the workload, not its warm-up: wait for the ballast.
+                while ask(&mut c, "ballast").expect("ballast") != "filled" {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 return ProcRef {
                     pid: root,
                     start_time: procfs::start_time(root).expect("start"),

@@ -100,11 +100,19 @@ fn raw(mib: usize) -> Row {
         .expect("criu");
     let restore = t2.elapsed();
     tb.route_to_target();
+    let answer = ask(&mut conn, "get");
     let ok = st.success()
-        && ask(&mut conn, "get")
+        && answer
+            .as_ref()
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
             .is_some_and(|v| v > before);
+    if !ok {
+        eprintln!(
+            "raw {mib} MiB: restore {st}, connection: {answer:?}; {}",
+            podmotion_agent::criu::log_tail(&dst.join("restore.log"))
+        );
+    }
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     Row {
         dump_ms: ms(dump),

@@ -4,7 +4,8 @@
 //! `podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]`
 //! * a counter incremented every 10 ms by a thread (proves execution continues);
 //! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
-//!   `total` → how many requests this connection served (per-connection state);
+//!   `total` → how many requests this connection served (per-connection state),
+//!   `ballast` → `filled` once the ballast is written;
 //! * optional ballast memory, filled with non-zero data, and rewritten at a bounded
 //!   dirty rate (for pre-copy).
 #![forbid(unsafe_code)]
@@ -14,6 +15,8 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+static BALLAST_FILLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
     let mut w = s.try_clone().expect("clone");
@@ -25,6 +28,9 @@ fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
             Some(("echo", x)) => x.to_owned(),
             _ if line == "get" => counter.load(Ordering::SeqCst).to_string(),
             _ if line == "total" => served.to_string(),
+            _ if line == "ballast" => {
+                if BALLAST_FILLED.load(Ordering::SeqCst) { "filled" } else { "filling" }.to_owned()
+            }
             _ => "?".to_owned(),
         };
         if writeln!(w, "{reply}").is_err() {
@@ -42,6 +48,9 @@ fn main() {
     let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8080);
     let mib: usize = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
     let dirty_kib: usize = args.get(4).and_then(|p| p.parse().ok()).unwrap_or(0);
+    if mib == 0 {
+        BALLAST_FILLED.store(true, Ordering::SeqCst);
+    }
     let counter = Arc::new(AtomicU64::new(0));
     let c = Arc::clone(&counter);
     std::thread::spawn(move || {
@@ -60,6 +69,7 @@ fn main() {
                 x ^= x << 17;
                 chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
             }
+            BALLAST_FILLED.store(true, Ordering::SeqCst);
             // Rewrite `dirty_kib` per second, one page at a time, round robin.
             let pages = ballast.len() / 4096;
             let per_tick = (dirty_kib / 4).div_ceil(10);
