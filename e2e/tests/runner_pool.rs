@@ -48,6 +48,10 @@ struct Operator {
 
 impl Operator {
     fn start(client: &Client, ns: &str) -> Operator {
+        Operator::start_with(client, ns, true)
+    }
+
+    fn start_with(client: &Client, ns: &str, read_secrets: bool) -> Operator {
         let config = OperatorConfig {
             namespace: ns.into(),
             identity: format!("e2e-{ns}"),
@@ -71,6 +75,7 @@ impl Operator {
         let cfg = RunnerPoolConfig {
             preflight_image: "registry.example/podmotion/preflight@sha256:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff".into(),
             watch_namespace: Some(ns.into()),
+            read_secrets,
         };
         let task = tokio::spawn(async move {
             if let Err(e) = run_with(ctx, cfg).await {
@@ -761,4 +766,156 @@ async fn a_runner_too_big_for_its_nodes_stalls_with_the_schedulers_reason() {
         .clone();
     assert!(msg.contains("Insufficient memory"), "{msg}");
     op.stop().await;
+}
+
+/// A client that acts as ServiceAccount `sa` of `ns` (impersonation by the admin).
+async fn impersonating(ns: &str, sa: &str) -> Client {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+    let kubeconfig = Kubeconfig::read_from(podmotion_e2e::kubeconfig_path()).unwrap();
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap();
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{sa}"));
+    Client::try_from(config).unwrap()
+}
+
+/// The cluster-wide rules the chart gives the operator for RunnerPool when it watches
+/// every namespace: Secrets may be created, patched and deleted, never read.
+fn operator_rules() -> Value {
+    json!([
+        {"apiGroups": ["podmotion.io"], "resources": ["runnerpools"], "verbs": ["get", "list", "watch", "patch", "update"]},
+        {"apiGroups": ["podmotion.io"], "resources": ["runnerpools/status"], "verbs": ["get", "patch", "update"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]},
+        {"apiGroups": [""], "resources": ["pods", "nodes", "namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+        {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    ])
+}
+
+#[tokio::test]
+async fn without_secret_reads_the_credential_is_created_once_and_removed_by_name() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let Some(ns) = TestNamespace::new("rp-noread", PodSecurity::Privileged).await else {
+        return;
+    };
+    ensure_crd(&ns.client).await;
+    let svc: Service = from_json(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "compass-server"},
+        "spec": {"selector": {"app": "compass-server"}, "ports": [{"port": 8443, "targetPort": 9443}]}
+    }));
+    ns.api::<Service>()
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let sa: ServiceAccount = from_json(json!({"metadata": {"name": "rp-operator"}}));
+    ns.api::<ServiceAccount>()
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+    let role_name = format!("{}-runner-pool", ns.name);
+    let roles = Api::<ClusterRole>::all(ns.client.clone());
+    let bindings = Api::<ClusterRoleBinding>::all(ns.client.clone());
+    roles
+        .create(
+            &PostParams::default(),
+            &from_json(json!({"metadata": {"name": role_name}, "rules": operator_rules()})),
+        )
+        .await
+        .unwrap();
+    bindings
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "metadata": {"name": role_name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+                "subjects": [{"kind": "ServiceAccount", "name": "rp-operator", "namespace": ns.name}]
+            })),
+        )
+        .await
+        .unwrap();
+    let client = impersonating(&ns.name, "rp-operator").await;
+    // The premise: this identity cannot read a Secret.
+    match Api::<Secret>::namespaced(client.clone(), &ns.name)
+        .get_opt("anything")
+        .await
+    {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 403),
+        other => panic!("the operator identity can read Secrets: {other:?}"),
+    }
+    let op = Operator::start_with(&client, &ns.name, false);
+
+    let pools = ns.api::<RunnerPool>();
+    pools
+        .create(&PostParams::default(), &pool(&ns, "noread", json!({})))
+        .await
+        .unwrap();
+    let rp = wait_for(&pools, "noread", TIMEOUT, "Ready", |rp| {
+        condition_true(rp, ct::READY)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        rp.status.unwrap().credential_secret.as_deref(),
+        Some("noread-credentials")
+    );
+    let secret = ns.api::<Secret>().get("noread-credentials").await.unwrap();
+    let token = secret.data.unwrap()["token"].clone();
+    assert_eq!(token.0.len(), 64);
+
+    // Switch to a Secret of the user's: the generated one is deleted by name.
+    let mine: Secret =
+        from_json(json!({"metadata": {"name": "my-token"}, "stringData": {"token": "t0k3n"}}));
+    ns.api::<Secret>()
+        .create(&PostParams::default(), &mine)
+        .await
+        .unwrap();
+    let patch = json!({"spec": {"credentials": {"secretName": "my-token"}}});
+    pools
+        .patch("noread", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    wait_for(
+        &ns.api::<Secret>(),
+        "noread-credentials",
+        TIMEOUT,
+        "the generated Secret deleted",
+        |s| s.is_none(),
+    )
+    .await
+    .unwrap();
+    let rp = wait_for(
+        &pools,
+        "noread",
+        TIMEOUT,
+        "status without a generated Secret",
+        |rp| {
+            rp.and_then(|r| r.status.as_ref())
+                .is_some_and(|s| s.credential_secret.is_none() && is_true(&s.conditions, ct::READY))
+        },
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(rp.status.unwrap().credential_secret.is_none());
+    let ds = ns.api::<DaemonSet>().get("noread").await.unwrap();
+    let vols = serde_json::to_string(&ds.spec.template.spec.unwrap().volumes).unwrap();
+    assert!(vols.contains("my-token"), "{vols}");
+    op.stop().await;
+    bindings
+        .delete(&role_name, &DeleteParams::default())
+        .await
+        .ok();
+    roles
+        .delete(&role_name, &DeleteParams::default())
+        .await
+        .ok();
 }

@@ -107,6 +107,10 @@ pub struct RunnerPoolConfig {
     /// Reconcile RunnerPools of this namespace only (`PODMOTION_RUNNER_POOL_NAMESPACE`;
     /// default: all namespaces).
     pub watch_namespace: Option<String>,
+    /// Whether the operator may read Secrets (in `watch_namespace`). The chart grants
+    /// get/list/watch on Secrets only through a Role in the watch namespace, so this
+    /// is true exactly when a watch namespace is set.
+    pub read_secrets: bool,
 }
 
 impl RunnerPoolConfig {
@@ -118,7 +122,15 @@ impl RunnerPoolConfig {
             watch_namespace: std::env::var("PODMOTION_RUNNER_POOL_NAMESPACE")
                 .ok()
                 .filter(|s| !s.is_empty()),
+            read_secrets: false,
         }
+        .with_secret_reads_where_granted()
+    }
+
+    /// `read_secrets` as the chart grants it: only with a watch namespace.
+    pub fn with_secret_reads_where_granted(mut self) -> RunnerPoolConfig {
+        self.read_secrets = self.watch_namespace.is_some();
+        self
     }
 }
 
@@ -168,7 +180,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
     // Secrets are read only where the operator may read them: in its watch namespace.
-    let controller = match ns {
+    let controller = match ns.filter(|_| cfg.read_secrets) {
         Some(_) => controller.owns(
             scoped::<PartialObjectMeta<Secret>>(&client, ns),
             children_cfg,
@@ -356,7 +368,7 @@ async fn reconcile_pool(pool: &RunnerPool, s: &Shared) -> Result<Action, RunnerP
         api.patch_status(
             &pool.name_any(),
             &PatchParams::default(),
-            &Patch::Merge(&json!({"status": new_status})),
+            &Patch::Merge(&json!({"status": status_patch(&old_status, &new_status)})),
         )
         .await
         .map_err(api_err("update status of", pool.name_any()))?;
@@ -431,7 +443,7 @@ impl Shared {
     /// Whether the operator may read Secrets: only in its watch namespace (the chart
     /// grants get/list/watch there through a Role, and nowhere else).
     fn reads_secrets(&self) -> bool {
-        self.cfg.watch_namespace.is_some()
+        self.cfg.read_secrets && self.cfg.watch_namespace.is_some()
     }
 }
 
@@ -719,6 +731,23 @@ async fn observe(
     })
 }
 
+/// The merge patch from `old` to `new` status. Fields that went away (an empty list,
+/// an unset option: not serialized) are set to null, or a merge patch would keep them.
+fn status_patch(
+    old: &podmotion_api::RunnerPoolStatus,
+    new: &podmotion_api::RunnerPoolStatus,
+) -> serde_json::Value {
+    let mut patch = serde_json::to_value(new).unwrap_or_default();
+    if let (Some(p), Ok(serde_json::Value::Object(o))) =
+        (patch.as_object_mut(), serde_json::to_value(old))
+    {
+        for key in o.keys() {
+            p.entry(key.clone()).or_insert(serde_json::Value::Null);
+        }
+    }
+    patch
+}
+
 /// Records an Event when the pool's kstatus health changes.
 async fn announce_health_change(
     ctx: &Context,
@@ -748,4 +777,27 @@ async fn announce_health_change(
         EventType::Normal
     };
     publish(ctx, pool, kind, &reason, "Reconcile", message).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podmotion_api::RunnerPoolStatus;
+
+    #[test]
+    fn a_status_field_that_went_away_is_nulled_in_the_patch() {
+        let old = RunnerPoolStatus {
+            credential_secret: Some("rp-credentials".into()),
+            ready_nodes: 2,
+            ..Default::default()
+        };
+        let new = RunnerPoolStatus {
+            ready_nodes: 3,
+            ..Default::default()
+        };
+        let p = status_patch(&old, &new);
+        assert_eq!(p["credentialSecret"], serde_json::Value::Null);
+        assert!(p.as_object().unwrap().contains_key("credentialSecret"));
+        assert_eq!(p["readyNodes"], 3);
+    }
 }
