@@ -83,6 +83,12 @@ async fn delete_all(jobs: &Api<Job>, sel: &str) -> anyhow::Result<()> {
     count(jobs, sel, 0).await
 }
 
+/// Lets the control plane finish the previous round's aftermath (garbage collection of
+/// Job pods, kwok status updates) so it does not bill the next measurement.
+async fn settle() {
+    tokio::time::sleep(Duration::from_secs(5)).await;
+}
+
 fn median(v: &[Duration]) -> Duration {
     let mut v = v.to_vec();
     v.sort();
@@ -223,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
                 plain.push(d);
                 eprintln!("round {round}: plain client created {replicas} Jobs in {d:?}");
                 delete_all(&plain_api, &sel).await?;
+                settle().await;
             } else {
                 let mut jobs_seen =
                     watcher::watcher(agent_jobs.clone(), watcher::Config::default().labels(&sel))
@@ -270,6 +277,7 @@ async fn main() -> anyhow::Result<()> {
                 )
                 .await?;
                 count(&agent_secrets, "app.kubernetes.io/component=node-agent", 0).await?;
+                settle().await;
             }
         }
     }

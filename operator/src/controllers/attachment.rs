@@ -215,7 +215,9 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
             attachments_in_namespace(&for_pods, &p)
         })
         .reconcile_all_on(ctx.leader.on_acquire())
-        .with_config(controller_config(&ctx))
+        // Shorter than the shared debounce: a new attachment should get its Jobs at once;
+        // triggers that arrive while a reconcile runs are coalesced anyway.
+        .with_config(controller_config(&ctx).debounce(Duration::from_millis(20)))
         .graceful_shutdown_on(ctx.shutdown());
     let shared = Arc::new(Shared {
         ctx: ctx.clone(),
