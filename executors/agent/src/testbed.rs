@@ -278,10 +278,13 @@ impl Testbed {
             ns = self.ns("src"),
             bin = self.testload_bin.display()
         );
+        // No inherited files: CRIU restores open files by path and size, so a log
+        // that grew between dump and restore would (rightly) fail the restore.
         let child = Command::new("sh")
             .args(["-c", &script])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
+            .stderr(Stdio::null())
             .spawn()
             .expect("workload");
         let outer = child.id() as i32;

@@ -28,9 +28,12 @@ fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
             Some(("echo", x)) => x.to_owned(),
             _ if line == "get" => counter.load(Ordering::SeqCst).to_string(),
             _ if line == "total" => served.to_string(),
-            _ if line == "ballast" => {
-                if BALLAST_FILLED.load(Ordering::SeqCst) { "filled" } else { "filling" }.to_owned()
+            _ if line == "ballast" => if BALLAST_FILLED.load(Ordering::SeqCst) {
+                "filled"
+            } else {
+                "filling"
             }
+            .to_owned(),
             _ => "?".to_owned(),
         };
         if writeln!(w, "{reply}").is_err() {
