@@ -15,6 +15,18 @@
 //!
 //! Every call is idempotent per migration UID; on any error before `commit` the
 //! operator calls `abort` on the source (which resumes it) and `cleanup` on both.
+//!
+//! Contract details the controller relies on:
+//! * `pre_dump` may be repeated; `send` may be called after each round (it streams only
+//!   what the target does not have yet) and once more after `dump` (the final round;
+//!   `Phase::Sent`). `last_round_bytes`/`bytes_sent` never run backwards.
+//! * Downtime = target `timings.resumed_us` − source `timings.freeze_started_us`.
+//! * After `restore`, count `SocketOutcome::ClosedCleanly` in the target's status; if
+//!   non-zero, commit with `commit_closing(uid, true)` so peers get FIN.
+//! * `cleanup` on a frozen source is refused (`FailedPrecondition`): commit or abort first.
+//! * `NotFound` (category `MigrationUnknown`) for a migration that was prepared means
+//!   the agent restarted: its broker already resumed a frozen source and the agent
+//!   zeroized the images at start. Treat the migration as failed; abort the target.
 
 use crate::agent::*;
 use crate::proto::migration_agent_client::MigrationAgentClient;
