@@ -79,6 +79,7 @@ impl Readiness {
     }
     /// Marks a registered part ready.
     pub fn set_ready(&self, name: &'static str) {
+        tracing::info!(part = name, "caches synced");
         self.parts
             .lock()
             .expect("readiness lock")

@@ -227,13 +227,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
         policy_applied: AtomicBool::new(false),
     });
 
-    ctx.readiness.register(NAME);
-    let ready = shared.clone();
-    tokio::spawn(async move {
-        if ready.store.wait_until_ready().await.is_ok() {
-            ready.ctx.readiness.set_ready(NAME);
-        }
-    });
+    super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
     let sweeper = shared.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(sweeper.cfg.sweep_seconds.max(1)));

@@ -263,14 +263,7 @@ pub async fn run_with<A: AgentClient>(
         agents,
         store: controller.store(),
     });
-    ctx.readiness.register("migration");
-    let ready_ctx = ctx.clone();
-    let store = shared.store.clone();
-    tokio::spawn(async move {
-        if store.wait_until_ready().await.is_ok() {
-            ready_ctx.readiness.set_ready("migration");
-        }
-    });
+    super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
     controller
         .run(reconcile::<A>, error_policy::<A>, shared)
         .for_each(|res| async move {

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::runtime::controller::{Action, Config};
+use kube::runtime::reflector::Store;
 
 use crate::context::Context;
 
@@ -51,6 +52,33 @@ where
     let res = reconcile.await;
     timer.done(res.as_ref().map(|_| ()).map_err(|e| e.category()));
     res
+}
+
+/// Marks `name` ready on `/readyz` once `store` has its first complete list.
+///
+/// The store's readiness future is re-polled every second instead of awaited once:
+/// kube-runtime's `Store::wait_until_ready` wakes only the last task that polled it,
+/// and the controller's own applier polls it too, so a single long await could sleep
+/// forever.
+pub fn mark_ready_when_synced<K>(ctx: &Arc<Context>, name: &'static str, store: Store<K>)
+where
+    K: kube::Resource + Clone + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    ctx.readiness.register(name);
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(1), store.wait_until_ready()).await {
+                Ok(Ok(())) => {
+                    ctx.readiness.set_ready(name);
+                    return;
+                }
+                Ok(Err(_)) => return,
+                Err(_) => continue,
+            }
+        }
+    });
 }
 
 /// Requeue delay after a failed reconcile: short for conflicts and API hiccups.

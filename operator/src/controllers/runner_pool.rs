@@ -187,14 +187,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
         ),
         None => controller,
     };
-    ctx.readiness.register(NAME);
-    let store = controller.store();
-    let ready = ctx.clone();
-    tokio::spawn(async move {
-        if store.wait_until_ready().await.is_ok() {
-            ready.readiness.set_ready(NAME);
-        }
-    });
+    super::mark_ready_when_synced(&ctx, NAME, controller.store());
     let shared = Arc::new(Shared {
         ctx: ctx.clone(),
         cfg,
