@@ -46,15 +46,21 @@ echo "operator ready (logs: $run/logs/operator.log, metrics: http://127.0.0.1:18
 echo "== workload and samples"
 kubectl apply -f hack/demo/workload.yaml
 kubectl -n demo rollout status deployment/web --timeout=90s
+pod=$(kubectl -n demo get pods -l app=web -o jsonpath='{.items[0].metadata.name}')
 for f in hack/demo/resources/*.yaml; do
-  [[ -e $f ]] && kubectl apply -f "$f"
+  sed "s/PODNAME/$pod/" "$f" | kubectl apply -f -
 done
+kubectl -n runners wait runnerpool/runners --for=jsonpath='{.status.observedGeneration}'=1 --timeout=60s || true
+kubectl -n demo wait nodeagentattachment/web-intercept --for=condition=Ready --timeout=60s || true
 
 echo "== result"
-sleep 5
 kubectl get nodes
-kubectl get pods -A -o wide --field-selector=metadata.namespace!=kube-system
 kubectl get podmotion -A
+echo
+kubectl -n podmotion-system get jobs -o wide
+kubectl -n runners get daemonset,networkpolicy,poddisruptionbudget,serviceaccount -l app.kubernetes.io/managed-by=podmotion
+echo
+kubectl -n demo get podmigration can-web-move -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}'
 echo
 echo "The cluster and the operator keep running: export KUBECONFIG=$KUBECONFIG"
 echo "Stop both with: bash hack/demo.sh down"

@@ -357,7 +357,7 @@ async fn one_job_per_ready_replica_follows_scaling_restarts_and_container_change
             .unwrap();
         assert_eq!(
             caps.add.as_ref().unwrap(),
-            &["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"]
+            &["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "DAC_READ_SEARCH"]
         );
     }
     let np: Api<NetworkPolicy> = agents.api();

@@ -4,7 +4,7 @@
 //!
 //! The agent pod is privileged in the seed's sense, and no more: `hostPID`, the node's
 //! container-runtime socket directory mounted read-only, capabilities SYS_ADMIN,
-//! SYS_PTRACE, NET_ADMIN and NET_RAW (everything else dropped), `runAsGroup` set to the
+//! SYS_PTRACE, NET_ADMIN and DAC_READ_SEARCH (everything else dropped), `runAsGroup` set to the
 //! agent GID so the redirect rules exempt the agent's own sockets. It is not
 //! `privileged`, has no service-account token and no host network.
 
@@ -39,7 +39,10 @@ pub const EXPORTS_DIR: &str = "/var/run/podmotion/exports";
 /// The executor's control API port (reached by `kubectl port-forward`).
 pub const CONTROL_PORT: i32 = 8400;
 /// The agent's capabilities, exactly these.
-pub const CAPABILITIES: [&str; 4] = ["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"];
+// DAC_READ_SEARCH: /proc/<pid>/environ is 0400 and owned by the application's uid, so
+// root without a read-only DAC bypass cannot open it (proven by the attach executor's
+// root tests). The seed's NET_RAW is not granted: the executor never uses it.
+pub const CAPABILITIES: [&str; 4] = ["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "DAC_READ_SEARCH"];
 
 /// Operator-wide settings of attachment Jobs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -452,7 +455,7 @@ mod tests {
         let caps = sc.capabilities.as_ref().unwrap();
         assert_eq!(
             caps.add.as_ref().unwrap(),
-            &["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "NET_RAW"]
+            &["SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "DAC_READ_SEARCH"]
         );
         assert_eq!(caps.drop.as_ref().unwrap(), &["ALL"]);
         let cri = ps
