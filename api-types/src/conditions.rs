@@ -24,13 +24,22 @@ pub enum Health {
 
 impl Health {
     pub fn ready(reason: &str, message: impl Into<String>) -> Self {
-        Health::Ready { reason: reason.into(), message: message.into() }
+        Health::Ready {
+            reason: reason.into(),
+            message: message.into(),
+        }
     }
     pub fn reconciling(reason: &str, message: impl Into<String>) -> Self {
-        Health::Reconciling { reason: reason.into(), message: message.into() }
+        Health::Reconciling {
+            reason: reason.into(),
+            message: message.into(),
+        }
     }
     pub fn stalled(reason: &str, message: impl Into<String>) -> Self {
-        Health::Stalled { reason: reason.into(), message: message.into() }
+        Health::Stalled {
+            reason: reason.into(),
+            message: message.into(),
+        }
     }
     pub fn reason(&self) -> &str {
         match self {
@@ -94,7 +103,15 @@ pub fn set_health(
         Health::Stalled { .. } => want == STALLED,
     };
     for t in [READY, RECONCILING, STALLED] {
-        set_condition(conditions, t, is(t), reason, message, observed_generation, now);
+        set_condition(
+            conditions,
+            t,
+            is(t),
+            reason,
+            message,
+            observed_generation,
+            now,
+        );
     }
 }
 
@@ -149,7 +166,12 @@ mod tests {
             assert!(c.iter().all(|c| c.observed_generation == Some(3)));
         }
         let mut c = vec![];
-        set_health(&mut c, &Health::stalled("NoAdmissibleTarget", "m"), None, t(1));
+        set_health(
+            &mut c,
+            &Health::stalled("NoAdmissibleTarget", "m"),
+            None,
+            t(1),
+        );
         assert!(is_true(&c, STALLED));
         assert!(!is_true(&c, READY));
     }

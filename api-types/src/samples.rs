@@ -42,17 +42,28 @@ impl Sample {
             }
             n => return Err(format!("{}: {n} documents; want 1 or 2", path.display())),
         };
-        Ok(Sample { path: path.to_path_buf(), old, object, expect })
+        Ok(Sample {
+            path: path.to_path_buf(),
+            old,
+            object,
+            expect,
+        })
     }
 
     /// `kind` of the object.
     pub fn kind(&self) -> &str {
-        self.object.get("kind").and_then(Value::as_str).unwrap_or_default()
+        self.object
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
     }
 
     /// File name, for messages.
     pub fn name(&self) -> String {
-        self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+        self.path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
     }
 }
 

@@ -18,9 +18,17 @@ fn committed_crds_match_the_types() {
     }
 }
 
-fn schema_of(crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition) -> Value {
+fn schema_of(
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> Value {
     serde_json::to_value(
-        crd.spec.versions[0].schema.as_ref().unwrap().open_api_v3_schema.as_ref().unwrap(),
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .unwrap()
+            .open_api_v3_schema
+            .as_ref()
+            .unwrap(),
     )
     .unwrap()
 }
@@ -55,7 +63,10 @@ fn schemas_have_no_unsigned_formats_and_no_null_defaults() {
             if let Some(fmt) = s.get("format").and_then(Value::as_str) {
                 assert!(!fmt.starts_with("uint"), "{path}: unsigned format {fmt}");
             }
-            assert!(s.get("default") != Some(&Value::Null), "{path}: null default");
+            assert!(
+                s.get("default") != Some(&Value::Null),
+                "{path}: null default"
+            );
         });
     }
 }
@@ -73,7 +84,9 @@ fn every_spec_and_status_field_has_a_description() {
                     return;
                 }
                 assert!(
-                    s.get("description").and_then(Value::as_str).is_some_and(|d| !d.is_empty()),
+                    s.get("description")
+                        .and_then(Value::as_str)
+                        .is_some_and(|d| !d.is_empty()),
                     "{path} has no description"
                 );
             });
@@ -85,17 +98,40 @@ fn every_spec_and_status_field_has_a_description() {
 fn every_kind_has_status_ready_column_category_and_cel_rules() {
     for (stem, crd) in crds::all() {
         let v = &crd.spec.versions[0];
-        assert!(v.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(), "{stem}: no status subresource");
-        let cols = v.additional_printer_columns.as_ref().expect("printer columns");
         assert!(
-            cols.iter().any(|c| c.json_path.contains(r#"@.type=="Ready""#)),
+            v.subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some(),
+            "{stem}: no status subresource"
+        );
+        let cols = v
+            .additional_printer_columns
+            .as_ref()
+            .expect("printer columns");
+        assert!(
+            cols.iter()
+                .any(|c| c.json_path.contains(r#"@.type=="Ready""#)),
             "{stem}: no column shows the Ready condition"
         );
-        assert!(cols.iter().any(|c| c.name == "Age"), "{stem}: no Age column");
-        assert_eq!(crd.spec.names.categories.as_deref(), Some(&["podmotion".to_string()][..]));
-        assert_eq!(crd.spec.names.short_names.as_ref().map(Vec::len), Some(1), "{stem}: short name");
+        assert!(
+            cols.iter().any(|c| c.name == "Age"),
+            "{stem}: no Age column"
+        );
+        assert_eq!(
+            crd.spec.names.categories.as_deref(),
+            Some(&["podmotion".to_string()][..])
+        );
+        assert_eq!(
+            crd.spec.names.short_names.as_ref().map(Vec::len),
+            Some(1),
+            "{stem}: short name"
+        );
         let json = serde_json::to_string(&schema_of(&crd)).unwrap();
-        assert!(json.contains("x-kubernetes-validations"), "{stem}: no CEL rules");
+        assert!(
+            json.contains("x-kubernetes-validations"),
+            "{stem}: no CEL rules"
+        );
         let mut conditions_is_map = false;
         walk(stem, &schema_of(&crd), &mut |path, s| {
             if path.ends_with("status.conditions") {
@@ -103,7 +139,10 @@ fn every_kind_has_status_ready_column_category_and_cel_rules() {
                     && s.get("x-kubernetes-list-map-keys") == Some(&serde_json::json!(["type"]));
             }
         });
-        assert!(conditions_is_map, "{stem}: status.conditions is not a list-map keyed by type");
+        assert!(
+            conditions_is_map,
+            "{stem}: status.conditions is not a list-map keyed by type"
+        );
     }
 }
 
@@ -111,9 +150,16 @@ fn every_kind_has_status_ready_column_category_and_cel_rules() {
 fn every_cel_rule_has_a_message() {
     for (stem, crd) in crds::all() {
         walk(stem, &schema_of(&crd), &mut |path, s| {
-            for rule in s.get("x-kubernetes-validations").and_then(Value::as_array).into_iter().flatten() {
+            for rule in s
+                .get("x-kubernetes-validations")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
                 assert!(
-                    rule.get("message").and_then(Value::as_str).is_some_and(|m| !m.is_empty()),
+                    rule.get("message")
+                        .and_then(Value::as_str)
+                        .is_some_and(|m| !m.is_empty()),
                     "{path}: rule {rule} has no message"
                 );
             }

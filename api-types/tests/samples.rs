@@ -14,8 +14,16 @@ fn schema_for(kind: &str) -> Value {
         .map(|(_, c)| c)
         .find(|c| c.spec.names.kind == kind)
         .unwrap_or_else(|| panic!("no CRD of kind {kind:?}"));
-    serde_json::to_value(crd.spec.versions[0].schema.as_ref().unwrap().open_api_v3_schema.as_ref().unwrap())
-        .unwrap()
+    serde_json::to_value(
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .unwrap()
+            .open_api_v3_schema
+            .as_ref()
+            .unwrap(),
+    )
+    .unwrap()
 }
 
 /// Structural validation in the API server's words (the parts our schemas use).
@@ -43,29 +51,48 @@ fn structural(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
     if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
         if !allowed.contains(v) {
             let list: Vec<String> = allowed.iter().map(|a| a.to_string()).collect();
-            errs.push(format!("{path}: Unsupported value: {v}: supported values: {}", list.join(", ")));
+            errs.push(format!(
+                "{path}: Unsupported value: {v}: supported values: {}",
+                list.join(", ")
+            ));
         }
     }
     let num = |k: &str| schema.get(k).and_then(Value::as_f64);
     if let Some(x) = v.as_f64() {
         if num("minimum").is_some_and(|m| x < m) {
-            errs.push(format!("{path}: Invalid value: {v}: should be greater than or equal to {}", num("minimum").unwrap()));
+            errs.push(format!(
+                "{path}: Invalid value: {v}: should be greater than or equal to {}",
+                num("minimum").unwrap()
+            ));
         }
         if num("maximum").is_some_and(|m| x > m) {
-            errs.push(format!("{path}: Invalid value: {v}: should be less than or equal to {}", num("maximum").unwrap()));
+            errs.push(format!(
+                "{path}: Invalid value: {v}: should be less than or equal to {}",
+                num("maximum").unwrap()
+            ));
         }
     }
     if let Some(s) = v.as_str() {
         if num("maxLength").is_some_and(|m| s.len() as f64 > m) {
-            errs.push(format!("{path}: Too long: may not be more than {} bytes", num("maxLength").unwrap()));
+            errs.push(format!(
+                "{path}: Too long: may not be more than {} bytes",
+                num("maxLength").unwrap()
+            ));
         }
         if num("minLength").is_some_and(|m| (s.len() as f64) < m) {
-            errs.push(format!("{path}: Invalid value: {v}: should be at least {} chars long", num("minLength").unwrap()));
+            errs.push(format!(
+                "{path}: Invalid value: {v}: should be at least {} chars long",
+                num("minLength").unwrap()
+            ));
         }
     }
     if let Some(items) = v.as_array() {
         if num("maxItems").is_some_and(|m| items.len() as f64 > m) {
-            errs.push(format!("{path}: Too many: {}: must have at most {} items", items.len(), num("maxItems").unwrap()));
+            errs.push(format!(
+                "{path}: Too many: {}: must have at most {} items",
+                items.len(),
+                num("maxItems").unwrap()
+            ));
         }
         if let Some(sub) = schema.get("items") {
             for (i, item) in items.iter().enumerate() {
@@ -78,7 +105,12 @@ fn structural(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
         if path == "metadata" {
             return;
         }
-        for req in schema.get("required").and_then(Value::as_array).into_iter().flatten() {
+        for req in schema
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let req = req.as_str().unwrap_or_default();
             if !obj.contains_key(req) {
                 errs.push(format!("{path}.{req}: Required value"));
@@ -88,12 +120,18 @@ fn structural(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
         let extra = schema.get("additionalProperties");
         let open = schema.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));
         for (k, sub) in obj {
-            let child = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+            let child = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
             if let Some(s) = props.and_then(|p| p.get(k)) {
                 structural(s, sub, &child, errs);
             } else if let Some(s) = extra.filter(|e| e.is_object()) {
                 structural(s, sub, &child, errs);
-            } else if !open && !(path.is_empty() && matches!(k.as_str(), "apiVersion" | "kind" | "metadata")) {
+            } else if !open
+                && !(path.is_empty() && matches!(k.as_str(), "apiVersion" | "kind" | "metadata"))
+            {
                 errs.push(format!("unknown field \"{child}\""));
             }
         }
@@ -105,8 +143,16 @@ fn rejections(sample: &Sample) -> Vec<String> {
     let schema = schema_for(sample.kind());
     let mut errs = vec![];
     if let Some(old) = &sample.old {
-        let old_errs = rejections(&Sample { old: None, object: old.clone(), ..sample.clone() });
-        assert!(old_errs.is_empty(), "{}: the first document must be valid: {old_errs:?}", sample.name());
+        let old_errs = rejections(&Sample {
+            old: None,
+            object: old.clone(),
+            ..sample.clone()
+        });
+        assert!(
+            old_errs.is_empty(),
+            "{}: the first document must be valid: {old_errs:?}",
+            sample.name()
+        );
     }
     structural(&schema, &sample.object, "", &mut errs);
     if errs.is_empty() {
@@ -121,7 +167,10 @@ fn rejections(sample: &Sample) -> Vec<String> {
 fn every_valid_example_is_accepted() {
     let samples = load_dir(&examples_dir().join("valid")).unwrap();
     for kind in ["PodMigration", "NodeAgentAttachment", "RunnerPool"] {
-        assert!(samples.iter().any(|s| s.kind() == kind), "no valid example of {kind}");
+        assert!(
+            samples.iter().any(|s| s.kind() == kind),
+            "no valid example of {kind}"
+        );
     }
     for s in &samples {
         let errs = rejections(s);
@@ -132,9 +181,16 @@ fn every_valid_example_is_accepted() {
 #[test]
 fn every_invalid_example_is_rejected_with_its_message() {
     let samples = load_dir(&examples_dir().join("invalid")).unwrap();
-    assert!(samples.len() >= 20, "only {} invalid examples", samples.len());
+    assert!(
+        samples.len() >= 20,
+        "only {} invalid examples",
+        samples.len()
+    );
     for s in &samples {
-        let expect = s.expect.as_deref().unwrap_or_else(|| panic!("{} has no `# expect:` line", s.name()));
+        let expect = s
+            .expect
+            .as_deref()
+            .unwrap_or_else(|| panic!("{} has no `# expect:` line", s.name()));
         let errs = rejections(s);
         assert!(
             errs.iter().any(|e| e.contains(expect)),
@@ -152,6 +208,14 @@ fn the_checks_can_reject_an_unknown_field_and_a_bad_enum() {
     )
     .unwrap();
     let errs = rejections(&s);
-    assert!(errs.iter().any(|e| e.contains("Unsupported value: \"Hot\"")), "{errs:?}");
-    assert!(errs.iter().any(|e| e.contains("unknown field \"spec.colour\"")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("Unsupported value: \"Hot\"")),
+        "{errs:?}"
+    );
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("unknown field \"spec.colour\"")),
+        "{errs:?}"
+    );
 }

@@ -104,7 +104,11 @@ pub struct MigrationConfig {
     pub agent_tls_key: Option<String>,
 
     /// Reconcile PodMigrations of this namespace only (default: all namespaces).
-    #[arg(id = "migration_namespace", long = "migration-namespace", env = "PODMOTION_MIGRATION_NAMESPACE")]
+    #[arg(
+        id = "migration_namespace",
+        long = "migration-namespace",
+        env = "PODMOTION_MIGRATION_NAMESPACE"
+    )]
     pub watch_namespace: Option<String>,
 
     /// Image of the holder containers that keep a target pod's namespaces until restore.
