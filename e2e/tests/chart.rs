@@ -669,16 +669,24 @@ struct Installed {
 
 /// Creates the operator's namespace (restricted) and the agents' (privileged), renders
 /// the chart for them and applies it for real (hooks excluded).
-async fn install(prefix: &str) -> Option<Installed> {
+/// `scoped`: every controller handles only the operator's own (empty) namespace, so an
+/// operator started by a test never acts on other tests' objects.
+async fn install(prefix: &str, scoped: bool) -> Option<Installed> {
     let operator_ns = TestNamespace::new(prefix, PodSecurity::Restricted).await?;
     let agents_ns = TestNamespace::new(&format!("{prefix}-ag"), PodSecurity::Privileged).await?;
     let baseline_ns = TestNamespace::new(&format!("{prefix}-bl"), PodSecurity::Baseline).await?;
     let release = format!("pm{}", random_suffix());
     let cleanup = ReleaseCleanup(release.clone());
-    let set = format!(
+    let mut set = format!(
         "agents.createNamespace=false,agents.namespace={}",
         agents_ns.name
     );
+    if scoped {
+        let ns = &operator_ns.name;
+        set.push_str(&format!(
+            ",attachment.watchNamespace={ns},migration.watchNamespace={ns},runnerPool.watchNamespace={ns}"
+        ));
+    }
     let text = try_render(&release, &operator_ns.name, &["--set", &set])
         .unwrap_or_else(|e| panic!("helm template: {e}"));
     let docs = parse_docs(&text);
@@ -750,7 +758,7 @@ fn dry_run_pod(name: &str, namespace: &str, spec: &Value) -> Output {
 
 #[tokio::test]
 async fn chart_is_admitted_with_a_restricted_operator_namespace_and_privileged_agents() {
-    let Some(inst) = install("chart").await else {
+    let Some(inst) = install("chart", false).await else {
         return;
     };
     let (op, ag) = (&inst.operator_ns, &inst.agents_ns);
@@ -848,7 +856,7 @@ fn can_i(sa: &str, args: &[&str]) -> bool {
 
 #[tokio::test]
 async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
-    let Some(inst) = install("rbac").await else {
+    let Some(inst) = install("rbac", false).await else {
         return;
     };
     let op = inst.operator_ns.name.as_str();
@@ -1453,7 +1461,7 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
 
 #[tokio::test]
 async fn the_operator_runs_with_only_the_charts_permissions() {
-    let Some(inst) = install("run").await else {
+    let Some(inst) = install("run", true).await else {
         return;
     };
     let op = inst.operator_ns.name.clone();
@@ -1475,6 +1483,9 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
         .map(|a| {
             if a.starts_with("--http-addr=") {
                 format!("--http-addr=127.0.0.1:{port}")
+            } else if a.starts_with("--log-format=") {
+                // Text: the client's HTTP spans (with status codes) are on each line.
+                "--log-format=text".to_string()
             } else {
                 a.replace("$(POD_NAMESPACE)", &op)
                     .replace("$(POD_NAME)", &identity)
@@ -1488,34 +1499,95 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAMESPACE", &op)
         .env("POD_NAME", &identity)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::options().append(true).open(&log).unwrap());
+    // Never let a test's operator loose on the whole cluster (other tests' objects).
+    for var in [
+        "PODMOTION_ATTACHMENT_WATCH_NAMESPACE",
+        "PODMOTION_MIGRATION_NAMESPACE",
+        "PODMOTION_RUNNER_POOL_NAMESPACE",
+    ] {
+        let value = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == var)
+            .and_then(|e| e["value"].as_str());
+        assert_eq!(
+            value,
+            Some(op.as_str()),
+            "{var} must scope the test's operator"
+        );
+    }
+    // Secret volumes (the agents' client certificate) as the kubelet would mount them.
+    let mounts = materialize_secret_mounts(deploy, &op, &inst.release);
+    let local = |v: &str| {
+        mounts.iter().fold(v.to_string(), |v, (mount, dir)| {
+            v.replace(mount.as_str(), &dir.to_string_lossy())
+        })
+    };
     for e in c["env"].as_array().unwrap() {
         if let Some(v) = e["value"].as_str() {
-            cmd.env(e["name"].as_str().unwrap(), v);
+            cmd.env(e["name"].as_str().unwrap(), local(v));
         }
     }
+    // Every API response with its status code, to find any refusal.
+    cmd.env("RUST_LOG", "info,kube_client=debug");
     let mut child = KillOnDrop(cmd.spawn().expect("starting podmotion-operator"));
 
-    // Ready means: the CRDs were found (by name), every enabled controller's caches
-    // synced (list + watch allowed) and the Lease was taken.
+    // Every controller starts: it lists and watches its kind (and what it owns) with
+    // the chart's permissions and is never refused (the client's debug log records
+    // each response's status code).
+    let started = |text: &str| {
+        ["podmigrations?", "nodeagentattachments?", "runnerpools?"]
+            .iter()
+            .all(|kind| text.contains(&format!("namespaces/{op}/{kind}")))
+    };
     let deadline = std::time::Instant::now() + TIMEOUT;
-    let mut ready = false;
+    let mut text = String::new();
     while std::time::Instant::now() < deadline {
         if let Ok(Some(status)) = child.0.try_wait() {
             let err = std::fs::read_to_string(&log).unwrap_or_default();
             panic!("podmotion-operator exited ({status}) as {sa}:\n{err}");
         }
-        if http_status(port, "/readyz") == Some(200) {
-            ready = true;
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+        if started(&text) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
+    assert!(started(&text), "controllers did not start as {sa}:\n{text}");
+    // Let the watches, the sweep and the first reconciles run.
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
     assert!(
-        ready,
-        "podmotion-operator not ready within {TIMEOUT:?} as {sa}:\n{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
+        matches!(child.0.try_wait(), Ok(None)),
+        "podmotion-operator exited as {sa}"
+    );
+    let text = strip_ansi(&std::fs::read_to_string(&log).unwrap_or_default());
+    // The pattern below matches this log format: accepted requests are recorded.
+    assert!(
+        text.contains("status_code=200"),
+        "no response codes in the operator's log:\n{text}"
+    );
+    let refused: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("status_code=403"))
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "requests refused by RBAC as {sa}:\n{}",
+        refused.join("\n")
+    );
+    // And it becomes ready: every controller's caches synced with these permissions.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while http_status(port, "/readyz") != Some(200) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert_eq!(
+        http_status(port, "/readyz"),
+        Some(200),
+        "not ready as {sa}:\n{}",
+        strip_ansi(&std::fs::read_to_string(&log).unwrap_or_default())
     );
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(inst.operator_ns.client.clone(), &op);
@@ -1535,6 +1607,53 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     assert_eq!(http_status(port, "/healthz"), Some(200));
     let _ = std::fs::remove_file(&kubeconfig);
     let _ = std::fs::remove_file(&log);
+    for (_, dir) in mounts {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Writes the Secrets mounted into the first container of `workload` to local
+/// directories; returns (mount path, local directory) pairs.
+fn materialize_secret_mounts(workload: &Value, ns: &str, tag: &str) -> Vec<(String, PathBuf)> {
+    let spec = &workload["spec"]["template"]["spec"];
+    let c = &spec["containers"][0];
+    let mut out = Vec::new();
+    for m in c["volumeMounts"].as_array().into_iter().flatten() {
+        let Some(volume) = spec["volumes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["name"] == m["name"])
+        else {
+            continue;
+        };
+        let Some(secret) = volume["secret"]["secretName"].as_str() else {
+            continue;
+        };
+        let dir =
+            std::env::temp_dir().join(format!("podmotion-{tag}-{}", m["name"].as_str().unwrap()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = secret_data(ns, secret);
+        for (key, b64) in data["data"].as_object().into_iter().flatten() {
+            let mut child = Command::new("base64")
+                .arg("-d")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("base64");
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(b64.as_str().unwrap().as_bytes())
+                .unwrap();
+            let decoded = child.wait_with_output().unwrap();
+            assert!(decoded.status.success());
+            std::fs::write(dir.join(key), decoded.stdout).unwrap();
+        }
+        out.push((m["mountPath"].as_str().unwrap().to_string(), dir));
+    }
+    out
 }
 
 // ---------------------------------------------------------------- helm install, upgrade, uninstall
@@ -1716,4 +1835,23 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
         "left behind: {}",
         output_text(&out)
     );
+}
+
+/// `s` without ANSI colour sequences (tracing colours its output even into a file).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            // ESC [ … final byte in @..~
+            for c in chars.by_ref() {
+                if ('@'..='~').contains(&c) && c != '[' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
