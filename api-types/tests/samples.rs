@@ -48,14 +48,14 @@ fn structural(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
         errs.push(format!("{path}: Invalid value: {v}: must be of type {ty}"));
         return;
     }
-    if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
-        if !allowed.contains(v) {
-            let list: Vec<String> = allowed.iter().map(|a| a.to_string()).collect();
-            errs.push(format!(
-                "{path}: Unsupported value: {v}: supported values: {}",
-                list.join(", ")
-            ));
-        }
+    if let Some(allowed) = schema.get("enum").and_then(Value::as_array)
+        && !allowed.contains(v)
+    {
+        let list: Vec<String> = allowed.iter().map(|a| a.to_string()).collect();
+        errs.push(format!(
+            "{path}: Unsupported value: {v}: supported values: {}",
+            list.join(", ")
+        ));
     }
     let num = |k: &str| schema.get(k).and_then(Value::as_f64);
     if let Some(x) = v.as_f64() {
@@ -129,8 +129,8 @@ fn structural(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
                 structural(s, sub, &child, errs);
             } else if let Some(s) = extra.filter(|e| e.is_object()) {
                 structural(s, sub, &child, errs);
-            } else if !open
-                && !(path.is_empty() && matches!(k.as_str(), "apiVersion" | "kind" | "metadata"))
+            } else if !(open
+                || path.is_empty() && matches!(k.as_str(), "apiVersion" | "kind" | "metadata"))
             {
                 errs.push(format!("unknown field \"{child}\""));
             }
@@ -155,10 +155,10 @@ fn rejections(sample: &Sample) -> Vec<String> {
         );
     }
     structural(&schema, &sample.object, "", &mut errs);
-    if errs.is_empty() {
-        if let Err(cel) = Validator::new().validate(&schema, &sample.object, sample.old.as_ref()) {
-            errs.extend(cel.iter().map(|e| e.to_string()));
-        }
+    if errs.is_empty()
+        && let Err(cel) = Validator::new().validate(&schema, &sample.object, sample.old.as_ref())
+    {
+        errs.extend(cel.iter().map(|e| e.to_string()));
     }
     errs
 }
