@@ -27,6 +27,8 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+pub mod operator;
+
 /// Default bound of every wait in these tests.
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -18,55 +18,26 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::watcher::{self, Event};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{SkipReason, TargetState};
 use podmotion_api::names::{annotations, labels};
+use podmotion_e2e::operator::{InProcessController, install_crds, test_config};
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, restricted_container,
     wait_for, wait_list,
 };
-use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
-use podmotion_operator::context::Context;
+use podmotion_operator::config::ControllerKind;
 use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
-use podmotion_operator::leader::Leadership;
-use podmotion_operator::metrics::Metrics;
 use serde_json::{Value, json};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 /// The attachment controller, running in this test process.
-struct Operator {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-}
+struct Operator;
 
 impl Operator {
-    async fn start(client: &Client, agents_ns: &str, watch_ns: &str) -> Operator {
-        let config = OperatorConfig {
-            namespace: agents_ns.into(),
-            identity: format!("e2e-{watch_ns}"),
-            controllers: vec![ControllerKind::Attachment],
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            leader: LeaderConfig {
-                enabled: false,
-                lease_name: "unused".into(),
-                lease_seconds: 15,
-            },
-            concurrency: 4,
-        };
-        let (stop, rx) = watch::channel(false);
-        let ctx = Arc::new(Context::new(
-            client.clone(),
-            config,
-            Leadership::always(),
-            Arc::new(Metrics::new()),
-            rx,
-        ));
+    async fn start(client: &Client, agents_ns: &str, watch_ns: &str) -> InProcessController {
         let cfg = AttachmentConfig {
             job_prefix: "pm-agent".into(),
             agent_image: "registry.example/podmotion/attach:e2e".into(),
@@ -77,51 +48,22 @@ impl Operator {
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };
-        let task = tokio::spawn(async move {
-            if let Err(e) = run_with(ctx, cfg).await {
-                eprintln!("attachment controller ended: {e:#}");
-            }
-        });
-        Operator { stop, task }
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(true);
-        let abort = self.task.abort_handle();
-        if tokio::time::timeout(Duration::from_secs(10), self.task)
-            .await
-            .is_err()
-        {
-            abort.abort();
-        }
+        let mut config = test_config(agents_ns, ControllerKind::Attachment);
+        config.identity = format!("e2e-{watch_ns}");
+        InProcessController::spawn(client, config, |ctx| run_with(ctx, cfg))
     }
 }
 
-/// Installs (or updates) the NodeAgentAttachment CRD from the types and waits for it.
+/// Installs (or updates) the CRDs from the types and waits for them.
 async fn ensure_crd(client: &Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = NodeAgentAttachment::crd();
-    api.patch(
-        &crd.name_any(),
-        &PatchParams::apply("podmotion-e2e").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap();
-    tokio::time::timeout(
-        TIMEOUT,
-        await_condition(api, &crd.name_any(), conditions::is_crd_established()),
-    )
-    .await
-    .expect("CRD established in time")
-    .unwrap();
+    install_crds(client).await;
 }
 
 /// Two namespaces (the workload's and the agents'), the CRD, and the controller.
 async fn setup(
     prefix: &str,
     app_level: PodSecurity,
-) -> Option<(TestNamespace, TestNamespace, Operator)> {
+) -> Option<(TestNamespace, TestNamespace, InProcessController)> {
     let app = TestNamespace::new(prefix, app_level).await?;
     // The agents' namespace must admit hostPID, hostPath and added capabilities.
     let agents = TestNamespace::new(&format!("{prefix}-agents"), PodSecurity::Privileged).await?;

@@ -5,51 +5,15 @@
 //!
 //! Needs `hack/cluster.sh up`; fails without a cluster unless PODMOTION_E2E=0.
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Resource;
-use kube::api::{
-    Api, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
-};
+use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
 use kube::core::{ApiResource, Request};
 use podmotion_api::samples::{Sample, examples_dir, load_dir};
+use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, wait_for};
 use serde_json::Value;
 
 const MANAGER: &str = "podmotion-e2e";
-
-/// Applies the generated CRDs and waits until each is Established. Returns their API resources.
-async fn install_crds(client: &kube::Client) -> Vec<ApiResource> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let mut out = Vec::new();
-    for (_, crd) in podmotion_api::crds::all() {
-        let name = crd.metadata.name.clone().unwrap();
-        crds.patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&crd),
-        )
-        .await
-        .unwrap();
-        wait_for(&crds, &name, TIMEOUT, "CRD Established", |c| {
-            c.and_then(|c| c.status.as_ref())
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                })
-        })
-        .await
-        .unwrap();
-        for v in &crd.spec.versions {
-            let gvk = GroupVersionKind::gvk(&crd.spec.group, &v.name, &crd.spec.names.kind);
-            out.push(ApiResource::from_gvk_with_plural(
-                &gvk,
-                &crd.spec.names.plural,
-            ));
-        }
-    }
-    out
-}
 
 fn resource_for<'a>(resources: &'a [ApiResource], obj: &Value, file: &str) -> &'a ApiResource {
     let api_version = obj

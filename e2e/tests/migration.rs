@@ -22,13 +22,13 @@ use std::time::Duration;
 use clap::Parser;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::reasons;
+use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, wait_for, wait_list,
 };
@@ -371,30 +371,6 @@ impl AgentClient for ProcAgents {
 }
 
 // --------------------------------------------------------------- harness
-
-async fn install_crds(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, crd) in podmotion_api::crds::all() {
-        let name = crd.metadata.name.clone().unwrap();
-        crds.patch(
-            &name,
-            &PatchParams::apply("podmotion-e2e").force(),
-            &Patch::Apply(&crd),
-        )
-        .await
-        .unwrap();
-        wait_for(&crds, &name, TIMEOUT, "CRD Established", |c| {
-            c.and_then(|c| c.status.as_ref())
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                })
-        })
-        .await
-        .unwrap();
-    }
-}
 
 /// The migration controller, in this process, for one namespace.
 fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandle<()> {

@@ -19,105 +19,47 @@ use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, Secret, Service,
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::watcher::{self, Event};
-use kube::{Client, CustomResourceExt, Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use podmotion_api::RunnerPool;
 use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types as ct, labels, reasons};
+use podmotion_e2e::operator::{InProcessController, install_crds, test_config};
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
-use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
-use podmotion_operator::context::Context;
+use podmotion_operator::config::ControllerKind;
 use podmotion_operator::controllers::runner_pool::{RunnerPoolConfig, run_with};
-use podmotion_operator::leader::Leadership;
-use podmotion_operator::metrics::Metrics;
 use serde_json::{Value, json};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 const IMAGE: &str = "registry.example/compass/runner@sha256:4f1c3a2b5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708";
 
 /// The RunnerPool controller, running in this test process.
-struct Operator {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-}
+struct Operator;
 
 impl Operator {
-    fn start(client: &Client, ns: &str) -> Operator {
+    fn start(client: &Client, ns: &str) -> InProcessController {
         Operator::start_with(client, ns, true)
     }
 
-    fn start_with(client: &Client, ns: &str, read_secrets: bool) -> Operator {
-        let config = OperatorConfig {
-            namespace: ns.into(),
-            identity: format!("e2e-{ns}"),
-            controllers: vec![ControllerKind::RunnerPool],
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            leader: LeaderConfig {
-                enabled: false,
-                lease_name: "unused".into(),
-                lease_seconds: 15,
-            },
-            concurrency: 4,
-        };
-        let (stop, rx) = watch::channel(false);
-        let ctx = Arc::new(Context::new(
-            client.clone(),
-            config,
-            Leadership::always(),
-            Arc::new(Metrics::new()),
-            rx,
-        ));
+    fn start_with(client: &Client, ns: &str, read_secrets: bool) -> InProcessController {
         let cfg = RunnerPoolConfig {
             preflight_image: "registry.example/podmotion/preflight@sha256:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff".into(),
             watch_namespace: Some(ns.into()),
             read_secrets,
         };
-        let task = tokio::spawn(async move {
-            if let Err(e) = run_with(ctx, cfg).await {
-                eprintln!("runner-pool controller ended: {e:#}");
-            }
-        });
-        Operator { stop, task }
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(true);
-        let abort = self.task.abort_handle();
-        if tokio::time::timeout(Duration::from_secs(10), self.task)
-            .await
-            .is_err()
-        {
-            abort.abort();
-        }
+        InProcessController::spawn(client, test_config(ns, ControllerKind::RunnerPool), |ctx| {
+            run_with(ctx, cfg)
+        })
     }
 }
 
 async fn ensure_crd(client: &Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = RunnerPool::crd();
-    api.patch(
-        &crd.name_any(),
-        &PatchParams::apply("podmotion-e2e").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap();
-    tokio::time::timeout(
-        TIMEOUT,
-        await_condition(api, &crd.name_any(), conditions::is_crd_established()),
-    )
-    .await
-    .expect("CRD established in time")
-    .unwrap();
+    install_crds(client).await;
 }
 
 /// The namespace, the CRD, the Server's Service and the controller.
-async fn setup(prefix: &str, level: PodSecurity) -> Option<(TestNamespace, Operator)> {
+async fn setup(prefix: &str, level: PodSecurity) -> Option<(TestNamespace, InProcessController)> {
     let ns = TestNamespace::new(prefix, level).await?;
     ensure_crd(&ns.client).await;
     let svc: Service = from_json(json!({
