@@ -28,6 +28,7 @@ use kube::{Client, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::reasons;
+use podmotion_e2e::kubectl_wait;
 use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, wait_for, wait_list,
@@ -626,6 +627,8 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
     let api = s.migrate(json!({})).await;
     let pm = s.wait_phase(&api, MigrationPhase::Succeeded).await;
     let st = pm.status.clone().unwrap();
+    // What a user's pipeline runs: kubectl sees the committed migration as Ready.
+    kubectl_wait(&s.ns.name, "podmigration/move-web", "Ready", TIMEOUT).unwrap();
 
     // Target pod: on the other node, adopted by the same ReplicaSet, source labels on.
     let target_name = st.target_pod.clone().unwrap();

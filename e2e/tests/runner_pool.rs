@@ -26,6 +26,7 @@ use kube::{Client, Resource, ResourceExt};
 use podmotion_api::RunnerPool;
 use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types as ct, labels, reasons};
+use podmotion_e2e::kubectl_wait;
 use podmotion_e2e::operator::{InProcessController, install_crds, test_config};
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
 use podmotion_operator::config::ControllerKind;
@@ -196,6 +197,7 @@ async fn runner_pods_land_only_on_runner_nodes_with_every_child_owned() {
     .await
     .unwrap()
     .unwrap();
+    kubectl_wait(&ns.name, "runnerpool/runners", "Ready", TIMEOUT).unwrap();
     let status = ready.status.as_ref().unwrap();
     let n = i32::try_from(runner_nodes.len()).unwrap();
     assert_eq!((status.desired_nodes, status.ready_nodes), (n, n));
