@@ -523,20 +523,22 @@ pub fn restricted_container(name: &str) -> serde_json::Value {
 
 /// `kubectl wait --for=condition=<condition>` on `resource` (such as
 /// `runnerpool/runners`) in `namespace`, through our kubectl: what a user's script or CI
-/// job runs. `Err` carries kubectl's output.
-pub fn kubectl_wait(
+/// job runs. Async, so a controller running in the same test runtime keeps working
+/// while kubectl waits. `Err` carries kubectl's output.
+pub async fn kubectl_wait(
     namespace: &str,
     resource: &str,
     condition: &str,
     timeout: Duration,
 ) -> anyhow::Result<()> {
-    let out = Command::new(kubectl_path()?)
+    let out = tokio::process::Command::new(kubectl_path()?)
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
         .args(["-n", namespace, "wait", resource])
         .arg(format!("--for=condition={condition}"))
         .arg(format!("--timeout={}s", timeout.as_secs()))
         .output()
+        .await
         .context("running kubectl wait")?;
     if out.status.success() {
         Ok(())

@@ -24,6 +24,7 @@ use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{SkipReason, TargetState};
 use podmotion_api::names::{annotations, labels};
+use podmotion_e2e::kubectl_wait;
 use podmotion_e2e::operator::{InProcessController, install_crds, test_config};
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, restricted_container,
@@ -555,6 +556,10 @@ async fn host_network_replicas_are_skipped_with_their_reason() {
     // The other workload is attached as usual, and the host-network pods got no Job.
     let jobs = jobs_follow(&agents, &app.name, &pods, "Jobs of web only").await;
     assert_eq!(jobs.len(), 3);
+    // Every admissible replica has a running agent: kubectl sees the attachment Ready.
+    kubectl_wait(&app.name, "nodeagentattachment/web", "Ready", TIMEOUT)
+        .await
+        .unwrap();
     op.stop().await;
 }
 

@@ -628,7 +628,9 @@ async fn a_migrated_pod_runs_on_the_target_owned_by_its_replicaset_and_its_state
     let pm = s.wait_phase(&api, MigrationPhase::Succeeded).await;
     let st = pm.status.clone().unwrap();
     // What a user's pipeline runs: kubectl sees the committed migration as Ready.
-    kubectl_wait(&s.ns.name, "podmigration/move-web", "Ready", TIMEOUT).unwrap();
+    kubectl_wait(&s.ns.name, "podmigration/move-web", "Ready", TIMEOUT)
+        .await
+        .unwrap();
 
     // Target pod: on the other node, adopted by the same ReplicaSet, source labels on.
     let target_name = st.target_pod.clone().unwrap();

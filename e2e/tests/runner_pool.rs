@@ -197,7 +197,9 @@ async fn runner_pods_land_only_on_runner_nodes_with_every_child_owned() {
     .await
     .unwrap()
     .unwrap();
-    kubectl_wait(&ns.name, "runnerpool/runners", "Ready", TIMEOUT).unwrap();
+    kubectl_wait(&ns.name, "runnerpool/runners", "Ready", TIMEOUT)
+        .await
+        .unwrap();
     let status = ready.status.as_ref().unwrap();
     let n = i32::try_from(runner_nodes.len()).unwrap();
     assert_eq!((status.desired_nodes, status.ready_nodes), (n, n));
