@@ -150,6 +150,31 @@ fn target_of(job: &Job) -> String {
 }
 
 /// Waits until the workload has exactly `n` pods, all Running and Ready, none terminating.
+/// Creates Deployment `name` and returns its pods once all are Running and Ready.
+async fn deploy(ns: &TestNamespace, name: &str, replicas: i32, host_network: bool) -> Vec<Pod> {
+    let deployments: Api<Deployment> = ns.api();
+    deployments
+        .create(
+            &PostParams::default(),
+            &deployment(name, replicas, host_network),
+        )
+        .await
+        .unwrap();
+    settled_pods(ns, name, usize::try_from(replicas).unwrap()).await
+}
+
+/// Deployment `web` with 3 replicas and an intercept attachment `web` on it, once every
+/// replica has its Job.
+async fn attached_web(app: &TestNamespace, agents: &TestNamespace) -> Vec<Pod> {
+    let pods = deploy(app, "web", 3, false).await;
+    let naas: Api<NodeAgentAttachment> = app.api();
+    naas.create(&PostParams::default(), &attachment("web", "web", json!({})))
+        .await
+        .unwrap();
+    jobs_follow(agents, &app.name, &pods, "one Job per replica").await;
+    pods
+}
+
 async fn settled_pods(ns: &TestNamespace, app: &str, n: usize) -> Vec<Pod> {
     let pods: Api<Pod> = ns.api();
     wait_list(
@@ -512,17 +537,8 @@ async fn host_network_replicas_are_skipped_with_their_reason() {
     let Some((app, agents, op)) = setup("naa-hostnet", PodSecurity::Privileged).await else {
         return;
     };
-    let deployments: Api<Deployment> = app.api();
-    deployments
-        .create(&PostParams::default(), &deployment("web", 3, false))
-        .await
-        .unwrap();
-    deployments
-        .create(&PostParams::default(), &deployment("edge", 2, true))
-        .await
-        .unwrap();
-    let pods = settled_pods(&app, "web", 3).await;
-    settled_pods(&app, "edge", 2).await;
+    let pods = deploy(&app, "web", 3, false).await;
+    deploy(&app, "edge", 2, true).await;
     let naas: Api<NodeAgentAttachment> = app.api();
     naas.create(
         &PostParams::default(),
@@ -568,17 +584,8 @@ async fn sweep_reaps_the_jobs_of_an_attachment_deleted_while_the_operator_was_do
     let Some((app, agents, op)) = setup("naa-sweep", PodSecurity::Restricted).await else {
         return;
     };
-    let deployments: Api<Deployment> = app.api();
-    deployments
-        .create(&PostParams::default(), &deployment("web", 3, false))
-        .await
-        .unwrap();
-    let pods = settled_pods(&app, "web", 3).await;
+    attached_web(&app, &agents).await;
     let naas: Api<NodeAgentAttachment> = app.api();
-    naas.create(&PostParams::default(), &attachment("web", "web", json!({})))
-        .await
-        .unwrap();
-    jobs_follow(&agents, &app.name, &pods, "one Job per replica").await;
 
     op.stop().await;
     // The attachment disappears while no operator runs (its finalizer force-removed, as
@@ -620,12 +627,7 @@ async fn ingest_holds_one_job_until_its_lease_expires() {
     let Some((app, agents, op)) = setup("naa-ingest", PodSecurity::Restricted).await else {
         return;
     };
-    let deployments: Api<Deployment> = app.api();
-    deployments
-        .create(&PostParams::default(), &deployment("web", 3, false))
-        .await
-        .unwrap();
-    settled_pods(&app, "web", 3).await;
+    deploy(&app, "web", 3, false).await;
     let naas: Api<NodeAgentAttachment> = app.api();
     let ingest = attachment(
         "peek",
@@ -675,17 +677,8 @@ async fn reap_all_removes_every_agent_job_and_releases_the_attachments() {
     let Some((app, agents, op)) = setup("naa-reap", PodSecurity::Restricted).await else {
         return;
     };
-    let deployments: Api<Deployment> = app.api();
-    deployments
-        .create(&PostParams::default(), &deployment("web", 3, false))
-        .await
-        .unwrap();
-    let pods = settled_pods(&app, "web", 3).await;
+    attached_web(&app, &agents).await;
     let naas: Api<NodeAgentAttachment> = app.api();
-    naas.create(&PostParams::default(), &attachment("web", "web", json!({})))
-        .await
-        .unwrap();
-    jobs_follow(&agents, &app.name, &pods, "one Job per replica").await;
     // As the Helm pre-delete hook runs it: the controllers are stopped first.
     op.stop().await;
     let n = podmotion_operator::controllers::attachment::reap_all(
