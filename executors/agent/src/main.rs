@@ -3,6 +3,7 @@
 
 use clap::Parser;
 use podmotion_agent::{
+    containers::Containers,
     criu::Criu,
     images,
     service::{Agent, Config},
@@ -32,6 +33,15 @@ struct Args {
         default_value = "/run/podmotion/broker.sock"
     )]
     broker_socket: PathBuf,
+    /// The node's /run (or the CRI socket's directory) as mounted into the agent: the
+    /// runtime socket is found there at a well-known path (containerd, CRI-O,
+    /// cri-dockerd) and resolves the operator's container IDs to host PIDs.
+    #[arg(long, env = "PODMOTION_CRI_RUN_DIR", default_value = "/run")]
+    cri_run_dir: PathBuf,
+    /// Local runs only (nodes simulated by kwok): resolve container IDs through a file
+    /// of `<container-id> <pid>` lines instead of the container runtime.
+    #[arg(long, env = "PODMOTION_CONTAINER_TABLE")]
+    container_table: Option<PathBuf>,
     /// tmpfs directory for checkpoint images.
     #[arg(
         long,
@@ -68,8 +78,16 @@ async fn main() -> anyhow::Result<()> {
         &a.tls_cert.to_string_lossy(),
         &a.tls_key.to_string_lossy(),
     )?;
+    let containers = match a.container_table {
+        Some(path) => Containers::Table { path },
+        None => Containers::Cri {
+            run_dir: a.cri_run_dir,
+        },
+    };
+    tracing::info!(?containers, "container IDs resolve through");
     let agent = Agent::new(Config {
         criu,
+        containers,
         track_mem,
         broker_socket: a.broker_socket,
         checkpoints_root: a.checkpoints_root,

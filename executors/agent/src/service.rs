@@ -2,6 +2,7 @@
 //! UID; a step that already happened returns the current status instead of running
 //! again, a step out of order is `FailedPrecondition`.
 
+use crate::containers::Containers;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
 use futures::Stream;
@@ -24,6 +25,8 @@ use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 pub struct Config {
     pub criu: Criu,
+    /// Where the container IDs of a `Prepare` are resolved to host PIDs.
+    pub containers: Containers,
     /// The kernel tracks dirty pages (soft-dirty): pre-dumps are CRIU pre-dumps with
     /// parent images. Without it, a pre-dump is a full warm copy taken while the
     /// workload keeps running, and the final transfer sends only blocks that differ
@@ -159,15 +162,16 @@ impl Agent {
         if r.transfer_key.len() != transfer::KEY_LEN {
             return Err(Status::invalid_argument("transfer key must be 32 bytes"));
         }
+        let pid = match r.pid {
+            0 => self.cfg.containers.pid(&r.container_ids).await?,
+            pid => pid,
+        };
         let start_time = if r.pid_start_time == 0 {
-            procfs::start_time(r.pid).map_err(|e| Status::not_found(e.to_string()))?
+            procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?
         } else {
             r.pid_start_time
         };
-        let process = ProcRef {
-            pid: r.pid,
-            start_time,
-        };
+        let process = ProcRef { pid, start_time };
         let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
             .map_err(|e| Status::internal(e.to_string()))?;
         let sock = self.cfg.broker_socket.clone();

@@ -76,15 +76,17 @@ pub struct Tls {
     pub operator: TlsFiles,
 }
 
-fn make_tls(dir: &Path) -> Tls {
+/// A CA and leaf certificates: agent `i` carries `AGENT_NAMES[i]` plus `extra_sans[i]`.
+fn make_tls(dir: &Path, extra_sans: &[Vec<String>; 2]) -> Tls {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().expect("key")).expect("ca");
     let ca_pem = ca.pem().into_bytes();
-    let leaf = |name: &str| {
+    let leaf = |name: &str, extra: &[String]| {
         let k = KeyPair::generate().expect("key");
-        let c = CertificateParams::new(vec![name.to_owned()])
+        let sans = std::iter::once(name.to_owned()).chain(extra.iter().cloned());
+        let c = CertificateParams::new(sans.collect::<Vec<_>>())
             .expect("params")
             .signed_by(&k, &ca)
             .expect("sign");
@@ -99,8 +101,11 @@ fn make_tls(dir: &Path) -> Tls {
     };
     std::fs::write(dir.join("ca.crt"), &ca_pem).expect("write");
     Tls {
-        agents: [leaf(AGENT_NAMES[0]), leaf(AGENT_NAMES[1])],
-        operator: leaf("operator"),
+        agents: [
+            leaf(AGENT_NAMES[0], &extra_sans[0]),
+            leaf(AGENT_NAMES[1], &extra_sans[1]),
+        ],
+        operator: leaf("operator", &[]),
         ca_pem,
     }
 }
@@ -119,6 +124,17 @@ pub struct Testbed {
 
 impl Testbed {
     pub fn new(name: &str, agent_bin: &Path, testload_bin: &Path) -> Self {
+        Self::with_agent_names(name, agent_bin, testload_bin, [vec![], vec![]])
+    }
+
+    /// A testbed whose agent certificates also carry `extra_sans` (e.g. the names an
+    /// operator expects for the nodes the agents stand for).
+    pub fn with_agent_names(
+        name: &str,
+        agent_bin: &Path,
+        testload_bin: &Path,
+        extra_sans: [Vec<String>; 2],
+    ) -> Self {
         let p = format!("pm{}{}", name, std::process::id() % 100_000);
         let dir = PathBuf::from(format!("/run/podmotion-testbed/{p}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -194,7 +210,7 @@ impl Testbed {
             std::thread::spawn(move || b2.serve_listener(l));
             b
         });
-        let tls = make_tls(&dir);
+        let tls = make_tls(&dir, &extra_sans);
         Self {
             p,
             dir,
@@ -231,13 +247,29 @@ impl Testbed {
         v
     }
 
+    /// Starts the agent of `node` in that node's network namespace, on port 7443.
     pub fn start_agent(&mut self, node: usize) {
+        self.start_agent_at(node, None)
+    }
+
+    /// Starts the agent of `node`: in the node's network namespace, or, with `listen`,
+    /// in the caller's (e.g. `127.0.0.1:port`, for an operator in this process that
+    /// also talks to an API server on loopback). Either way it resolves container IDs
+    /// through [`Testbed::container_table`].
+    pub fn start_agent_at(&mut self, node: usize, listen: Option<&str>) {
         let name = AGENT_NAMES[node];
         let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).expect("log");
+        let netns = match listen {
+            None => format!("--net=/run/netns/{}", self.ns(["na", "nb"][node])),
+            Some(_) => "--net=/proc/self/ns/net".to_string(),
+        };
+        let listen = listen.map_or_else(|| format!("{}:7443", NODE_IPS[node]), str::to_string);
         let child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.ns(["na", "nb"][node])))
+            .arg(netns)
             .arg(&self.agent_bin)
-            .args(["--listen", &format!("{}:7443", NODE_IPS[node])])
+            .args(["--listen", &listen])
+            .arg("--container-table")
+            .arg(self.container_table())
             .arg("--tls-ca")
             .arg(self.dir.join("ca.crt"))
             .arg("--tls-cert")
@@ -256,6 +288,28 @@ impl Testbed {
             .spawn()
             .expect("agent");
         self.agents[node] = Some(child);
+    }
+
+    /// The agents' container table (see `containers::Containers::Table`).
+    pub fn container_table(&self) -> PathBuf {
+        self.dir.join("containers")
+    }
+
+    /// "The container runtime" starts a container: `id` runs as host `pid`.
+    pub fn register_container(&self, id: &str, pid: i32) {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.container_table())
+            .expect("container table");
+        writeln!(f, "{id} {pid}").expect("container table");
+    }
+
+    /// The agent log of `node` (for failure output).
+    pub fn agent_log(&self, node: usize) -> String {
+        std::fs::read_to_string(self.dir.join(format!("{}.log", AGENT_NAMES[node])))
+            .unwrap_or_default()
     }
 
     pub fn kill_agent(&mut self, node: usize) {

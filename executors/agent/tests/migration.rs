@@ -35,6 +35,7 @@ fn prepare(uid: &str, role: Role, pid: i32, tcp: TcpPreservation) -> PrepareRequ
         pid_start_time: 0,
         transfer_key: vec![42; 32],
         tcp: tcp as i32,
+        container_ids: vec![],
     }
 }
 

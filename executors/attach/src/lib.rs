@@ -7,7 +7,8 @@
 
 pub mod agent;
 pub mod api;
-pub mod cri;
+/// CRI client, shared with the migration agent (crate `podmotion-cri`).
+pub use podmotion_cri as cri;
 pub mod environ;
 pub mod exports;
 pub mod forward;

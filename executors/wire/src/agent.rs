@@ -79,7 +79,8 @@ pub struct PrepareRequest {
     #[prost(enumeration = "Role", tag = "2")]
     pub role: i32,
     /// Source: the root of the workload's process tree. Target: the pid of the target
-    /// pod's holder (its namespaces and cgroup receive the restored tree).
+    /// pod's holder (its namespaces and cgroup receive the restored tree). 0: resolve
+    /// `container_ids` instead (the operator never sees host PIDs).
     #[prost(int32, tag = "3")]
     pub pid: i32,
     /// Start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22);
@@ -91,6 +92,11 @@ pub struct PrepareRequest {
     pub transfer_key: Vec<u8>,
     #[prost(enumeration = "TcpPreservation", tag = "6")]
     pub tcp: i32,
+    /// Container IDs of the pod as the kubelet reports them (`containerd://…`),
+    /// first the one whose process tree migrates (source) or holds the namespaces
+    /// (target). The agent resolves them to host PIDs through the node's runtime.
+    #[prost(string, repeated, tag = "7")]
+    pub container_ids: Vec<String>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -216,7 +216,9 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
         })
         .reconcile_all_on(ctx.leader.on_acquire())
         // Shorter than the shared debounce: a new attachment should get its Jobs at once;
-        // triggers that arrive while a reconcile runs are coalesced anyway.
+        // triggers that arrive while a reconcile runs are coalesced anyway. Not zero: a
+        // rolling restart sends pod events faster than a reconcile, and each would cost
+        // one (four reads) instead of one per quiet spell.
         .with_config(controller_config(&ctx).debounce(Duration::from_millis(20)))
         .graceful_shutdown_on(ctx.shutdown());
     let shared = Arc::new(Shared {
@@ -324,21 +326,29 @@ async fn reconcile_inner(
     if deleting && !has_finalizer {
         return Ok(Action::await_change());
     }
-    if !deleting && !has_finalizer {
-        s.ctx.ensure_leader()?;
-        // A merge patch replaces the list: keep the other finalizers; the resourceVersion
-        // makes a concurrent change fail (and retry) instead of being overwritten.
-        let mut all: Vec<String> = a.finalizers().to_vec();
-        all.push(finalizers::ATTACHMENT_CLEANUP.into());
-        let patch =
-            json!({"metadata": {"finalizers": all, "resourceVersion": a.resource_version()}});
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(api_err("add finalizer to", &name))?;
-    }
-
-    let (p, _group) =
-        reconcile_workload(s, &ns, &a.spec.workload_ref, Some(&a), Mode::Full).await?;
+    let add_finalizer = async {
+        if !deleting && !has_finalizer {
+            s.ctx.ensure_leader()?;
+            // A merge patch replaces the list: keep the other finalizers; the
+            // resourceVersion makes a concurrent change fail (and retry) instead of
+            // being overwritten.
+            let mut all: Vec<String> = a.finalizers().to_vec();
+            all.push(finalizers::ATTACHMENT_CLEANUP.into());
+            let patch =
+                json!({"metadata": {"finalizers": all, "resourceVersion": a.resource_version()}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(api_err("add finalizer to", &name))?;
+        }
+        Ok(())
+    };
+    // The finalizer goes on while the workload is read; nothing is created before
+    // both are done.
+    let ((), group) = tokio::try_join!(
+        add_finalizer,
+        observe_workload(s, &ns, &a.spec.workload_ref, Some(&a), Mode::Full)
+    )?;
+    let (p, _group) = carry_out(s, group, Some(&a), Mode::Full).await?;
 
     if deleting {
         if p.unwanted_jobs > 0 {
@@ -412,42 +422,68 @@ async fn reconcile_workload(
     about: Option<&NodeAgentAttachment>,
     mode: Mode,
 ) -> Result<(Plan, ObservedGroup), AttachmentError> {
+    let group = observe_workload(s, ns, workload, about, mode).await?;
+    carry_out(s, group, about, mode).await
+}
+
+/// One workload's state: the workload and its pods, its agent Jobs, and the
+/// attachments claiming it (with their ingest Leases). The three reads are
+/// independent and run at once: a reconcile's latency is one chain of round trips
+/// (workload, then its pods), not four.
+async fn observe_workload(
+    s: &Shared,
+    ns: &str,
+    workload: &WorkloadRef,
+    about: Option<&NodeAgentAttachment>,
+    mode: Mode,
+) -> Result<ObservedGroup, AttachmentError> {
     let client = s.ctx.client.clone();
-    let (workload_exists, selector) = workload_selector(&client, ns, workload).await?;
-    let pods = match &selector {
-        Some(sel) => {
-            let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-            api.list(&ListParams::default().labels_from(sel))
+    let pods = async {
+        let (workload_exists, selector) = workload_selector(&client, ns, workload).await?;
+        let pods: Vec<PodView> = match &selector {
+            Some(sel) => {
+                let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+                api.list(&ListParams::default().labels_from(sel))
+                    .await
+                    .map_err(api_err("list pods of", workload_key(workload)))?
+                    .items
+                    .iter()
+                    .map(PodView::from_pod)
+                    .collect()
+            }
+            None => vec![],
+        };
+        Ok::<_, AttachmentError>((workload_exists, pods))
+    };
+    let jobs = async {
+        let jobs_api: Api<Job> = Api::namespaced(client.clone(), &s.settings.namespace);
+        Ok::<Vec<JobView>, AttachmentError>(
+            jobs_api
+                .list(&ListParams::default().labels(&render::workload_selector(ns, workload)))
                 .await
-                .map_err(api_err("list pods of", workload_key(workload)))?
+                .map_err(api_err("list agent Jobs of", workload_key(workload)))?
                 .items
                 .iter()
-                .map(PodView::from_pod)
-                .collect()
-        }
-        None => vec![],
+                .filter_map(JobView::from_job)
+                .filter(|j| j.workload == workload_key(workload))
+                .collect(),
+        )
     };
-    let jobs_api: Api<Job> = Api::namespaced(client.clone(), &s.settings.namespace);
-    let jobs: Vec<JobView> = jobs_api
-        .list(&ListParams::default().labels(&render::workload_selector(ns, workload)))
-        .await
-        .map_err(api_err("list agent Jobs of", workload_key(workload)))?
-        .items
-        .iter()
-        .filter_map(JobView::from_job)
-        .filter(|j| j.workload == workload_key(workload))
-        .collect();
     // Listed, not read from the controller's cache: the sweep must never mistake a
     // cache that has not synced yet for "no attachment claims this workload".
-    let members: Vec<NodeAgentAttachment> =
-        Api::<NodeAgentAttachment>::namespaced(client.clone(), ns)
-            .list(&ListParams::default())
-            .await
-            .map_err(api_err("list NodeAgentAttachments in", ns))?
-            .items
-            .into_iter()
-            .filter(|a| a.spec.workload_ref == *workload)
-            .collect();
+    let members = async {
+        Ok::<Vec<NodeAgentAttachment>, AttachmentError>(
+            Api::<NodeAgentAttachment>::namespaced(client.clone(), ns)
+                .list(&ListParams::default())
+                .await
+                .map_err(api_err("list NodeAgentAttachments in", ns))?
+                .items
+                .into_iter()
+                .filter(|a| a.spec.workload_ref == *workload)
+                .collect(),
+        )
+    };
+    let ((workload_exists, pods), jobs, members) = tokio::try_join!(pods, jobs, members)?;
     let mut attachments = vec![];
     for m in &members {
         let lease = if m.spec.mode == AttachMode::Ingest {
@@ -467,7 +503,7 @@ async fn reconcile_workload(
         *v = AttachmentView::from_object(a, None);
         v.lease = lease;
     }
-    let group = ObservedGroup {
+    Ok(ObservedGroup {
         namespace: ns.into(),
         workload: workload.clone(),
         workload_exists,
@@ -475,7 +511,17 @@ async fn reconcile_workload(
         pods,
         jobs,
         now: Timestamp::now(),
-    };
+    })
+}
+
+/// Plans an observed workload and carries out the plan's Job deletions and (in
+/// `Mode::Full`) creations.
+async fn carry_out(
+    s: &Shared,
+    group: ObservedGroup,
+    about: Option<&NodeAgentAttachment>,
+    mode: Mode,
+) -> Result<(Plan, ObservedGroup), AttachmentError> {
     let p = plan(&group, &s.settings);
 
     let par = s.cfg.write_parallelism.max(1);

@@ -37,6 +37,7 @@ use crate::leader::NotLeader;
 use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentView, Side, StepRequest,
 };
+use crate::migration::key::{KEY_LEN, MasterKey};
 use crate::migration::machine::{self, EventKind, Knobs, Observed, Preflight, SourcePodFacts};
 use crate::migration::preflight::{
     self, Limits, Me, NodeFacts, OtherMigration, PodFacts, Resources, SlotHolder,
@@ -110,6 +111,12 @@ pub struct MigrationConfig {
         env = "PODMOTION_MIGRATION_NAMESPACE"
     )]
     pub watch_namespace: Option<String>,
+
+    /// File holding the master key per-migration transfer keys are derived from (at
+    /// least 32 bytes). Without it a random key is used, and a migration in flight
+    /// when the operator restarts fails its transfer and rolls back.
+    #[arg(long = "migration-key-file", env = "PODMOTION_MIGRATION_KEY_FILE")]
+    pub key_file: Option<std::path::PathBuf>,
 
     /// Image of the holder containers that keep a target pod's namespaces until restore.
     #[arg(
@@ -192,6 +199,12 @@ fn api_err(
 
 struct Shared<A> {
     ctx: Arc<Context>,
+    /// Transfer keys are derived from it (see `migration::key`).
+    master_key: MasterKey,
+    /// Per migration UID: whether this process created (true) or deleted (false) its
+    /// transfer-key Secret. The operator cannot read Secrets back, so after a restart
+    /// a migration past `Pending` is assumed to have its key until cleanup deletes it.
+    key_secrets: std::sync::Mutex<BTreeMap<String, bool>>,
     cfg: MigrationConfig,
     agents: Arc<A>,
     store: Store<DeserializeGuard<PodMigration>>,
@@ -217,6 +230,25 @@ pub async fn run_configured(ctx: Arc<Context>, cfg: MigrationConfig) -> anyhow::
     };
     let agents = super::migration_agents::WireAgents::new(ctx.client.clone(), tls);
     run_with(ctx, cfg, Arc::new(agents)).await
+}
+
+/// The master key from `file`, or a random one (local runs) with a warning.
+fn load_master_key(file: Option<&std::path::Path>) -> anyhow::Result<MasterKey> {
+    match file {
+        Some(f) => {
+            let material = std::fs::read(f)
+                .map_err(|e| anyhow::anyhow!("migration key file {}: {e}", f.display()))?;
+            MasterKey::from_material(&material).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))
+        }
+        None => {
+            tracing::warn!(
+                "no --migration-key-file: transfer keys come from a random master key, so a migration in flight across an operator restart fails and rolls back"
+            );
+            let mut bytes = [0u8; KEY_LEN];
+            rand::rng().fill_bytes(&mut bytes);
+            Ok(MasterKey::from_bytes(bytes))
+        }
+    }
 }
 
 /// Runs the controller with explicit settings and agent client.
@@ -260,7 +292,10 @@ pub async fn run_with<A: AgentClient>(
             tracing::debug!(error = %e, "agent pod watch");
         }
     }));
+    let master_key = load_master_key(cfg.key_file.as_deref())?;
     let shared = Arc::new(Shared {
+        master_key,
+        key_secrets: Default::default(),
         agent_pods,
         ctx: ctx.clone(),
         cfg,
@@ -325,7 +360,6 @@ async fn reconcile_one<A: AgentClient>(
     let name = pm.name_any();
     let uid = pm.uid().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
     let status = pm.status.clone().unwrap_or_default();
     let now = Timestamp::now();
     let created = pm.meta().creation_timestamp.as_ref().map_or(now, |t| t.0);
@@ -349,12 +383,13 @@ async fn reconcile_one<A: AgentClient>(
         terminating: p.meta().deletion_timestamp.is_some(),
         deletion_cost_lowered: render::deletion_cost_lowered(p),
     });
-    let key_name = render::transfer_key_name(pm);
-    let key_present = secrets
-        .get_metadata_opt(&key_name)
-        .await
-        .map_err(api_err("get", "transfer key"))?
-        .is_some();
+    let key_present = s
+        .key_secrets
+        .lock()
+        .expect("key secrets")
+        .get(&uid)
+        .copied()
+        .unwrap_or(status.phase != MigrationPhase::Pending);
 
     let mut preflight_verdict = None;
     let mut slot_available = true;
@@ -654,6 +689,13 @@ async fn execute<A: AgentClient>(
             if *action == A_::AddFinalizer {
                 list.push(finalizers::MIGRATION_CLEANUP.into());
             }
+            if *action == A_::RemoveFinalizer {
+                // The object goes: forget what we remembered of its key Secret.
+                s.key_secrets
+                    .lock()
+                    .expect("key secrets")
+                    .remove(&pm.uid().unwrap_or_default());
+            }
             // resourceVersion makes this a compare-and-swap with other finalizer owners.
             let patch =
                 json!({"metadata": {"finalizers": list, "resourceVersion": pm.resource_version()}});
@@ -666,10 +708,11 @@ async fn execute<A: AgentClient>(
             }
         }
         A_::EnsureTransferKey => {
-            let mut key = [0u8; 32];
-            rand::rng().fill_bytes(&mut key);
-            let secret = render::transfer_key_secret(pm, &key);
-            create_if_absent(&secrets, &secret, "transfer key").await
+            let key = s.master_key.transfer_key(&pm.uid().unwrap_or_default());
+            let secret = render::transfer_key_secret(pm, &key.0);
+            create_if_absent(&secrets, &secret, "transfer key").await?;
+            remember_key_secret(s, pm, true);
+            Ok(())
         }
         A_::EnsureTargetPod => {
             let (Some(src), Some(node)) = (source, status.target_node.as_deref()) else {
@@ -707,7 +750,7 @@ async fn execute<A: AgentClient>(
                 target_pod: status.target_pod.clone().unwrap_or_default(),
                 source_node: status.source_node.clone().unwrap_or_default(),
                 target_node: status.target_node.clone().unwrap_or_default(),
-                transfer_key_secret: render::transfer_key_name(pm),
+                transfer_key: s.master_key.transfer_key(&pm.uid().unwrap_or_default()),
                 mode: pm.spec.mode,
                 tcp_preservation: pm.spec.tcp_preservation,
                 bandwidth_limit_bytes_per_second: pm.spec.bandwidth_limit_bytes_per_second,
@@ -778,13 +821,24 @@ async fn execute<A: AgentClient>(
                 .or_else(ignore_404)
                 .map_err(api_err("delete", "target pod"))
         }
-        A_::DeleteTransferKey => secrets
-            .delete(&render::transfer_key_name(pm), &DeleteParams::default())
-            .await
-            .map(|_| ())
-            .or_else(ignore_404)
-            .map_err(api_err("delete", "transfer key")),
+        A_::DeleteTransferKey => {
+            secrets
+                .delete(&render::transfer_key_name(pm), &DeleteParams::default())
+                .await
+                .map(|_| ())
+                .or_else(ignore_404)
+                .map_err(api_err("delete", "transfer key"))?;
+            remember_key_secret(s, pm, false);
+            Ok(())
+        }
     }
+}
+
+fn remember_key_secret<A>(s: &Shared<A>, pm: &PodMigration, exists: bool) {
+    s.key_secrets
+        .lock()
+        .expect("key secrets")
+        .insert(pm.uid().unwrap_or_default(), exists);
 }
 
 fn ignore_404(e: kube::Error) -> Result<(), kube::Error> {

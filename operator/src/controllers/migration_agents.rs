@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use podmotion_api::migration::{ApplicationProbe, HttpScheme};
@@ -29,7 +29,6 @@ use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentProgress, AgentReport, Step, StepRequest,
     StepState,
 };
-use crate::migration::render::TRANSFER_KEY;
 
 /// TLS server name of the agent on `node` (the SAN its certificate carries).
 pub fn agent_server_name(node: &str) -> String {
@@ -139,17 +138,6 @@ impl WireAgents {
         }
     }
 
-    async fn transfer_key(&self, r: &StepRequest) -> Result<Vec<u8>, String> {
-        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &r.namespace);
-        let s = secrets
-            .get(&r.transfer_key_secret)
-            .await
-            .map_err(|e| format!("transfer key: {e}"))?;
-        s.data
-            .and_then(|d| d.get(TRANSFER_KEY).map(|b| b.0.clone()))
-            .ok_or_else(|| "transfer key Secret has no key".to_string())
-    }
-
     async fn call(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
         let fail = |c: &ClientError| (c.category().to_string(), c.to_string());
         let mut c = self
@@ -164,24 +152,22 @@ impl WireAgents {
         };
         let res = match r.step {
             Step::Prepare | Step::Receive => {
-                let key = self
-                    .transfer_key(r)
-                    .await
-                    .map_err(|m| ("TransferKey".to_string(), m))?;
                 let role = if r.step == Step::Prepare {
                     Role::Source
                 } else {
                     Role::Target
                 };
-                // pid 0: the agent resolves the pod's process tree (source) or the
-                // holder (target) itself; the operator cannot see host pids.
+                // pid 0: the agent resolves the container IDs to the pod's process
+                // tree (source) or its holder (target); the operator never sees host
+                // pids.
                 c.prepare(PrepareRequest {
                     migration_uid: uid.into(),
                     role: role as i32,
                     pid: 0,
                     pid_start_time: 0,
-                    transfer_key: key,
+                    transfer_key: r.transfer_key.0.to_vec(),
                     tcp: tcp as i32,
+                    container_ids: r.container_ids.clone(),
                 })
                 .await
             }

@@ -12,6 +12,7 @@
 
 use std::fmt;
 
+use crate::migration::key::TransferKey;
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::{ApplicationProbe, MigrationMode, NetworkOutcome, TcpPreservation};
 
@@ -158,8 +159,8 @@ pub struct StepRequest {
     pub target_pod: String,
     pub source_node: String,
     pub target_node: String,
-    /// Name of the Secret (in the migration's namespace) holding the transfer key.
-    pub transfer_key_secret: String,
+    /// The key the images are sealed under (see `key`).
+    pub transfer_key: TransferKey,
     pub mode: MigrationMode,
     pub tcp_preservation: TcpPreservation,
     pub bandwidth_limit_bytes_per_second: Option<i64>,

@@ -171,6 +171,11 @@ pub struct Transition {
 
 /// Poll interval while agents are working.
 pub const POLL: Duration = Duration::from_millis(500);
+/// Re-check interval while the source is frozen (from the final dump until the
+/// hand-over): every step of that window waits for the next poll, and that wait is
+/// downtime. Few migrations are ever frozen at once (the concurrency limits), so the
+/// extra reconciles are bounded.
+pub const FROZEN_POLL: Duration = Duration::from_millis(50);
 /// Re-check interval while waiting for a slot or for the cluster to become migratable.
 pub const IDLE_RECHECK: Duration = Duration::from_secs(10);
 
@@ -258,6 +263,9 @@ impl<'a> Machine<'a> {
 
     fn finish(mut self) -> Transition {
         let now = self.o.now;
+        if self.requeue_after == Some(POLL) && self.source_frozen() {
+            self.requeue_after = Some(FROZEN_POLL);
+        }
         self.status.observed_generation = self.o.generation;
         let health = self
             .health
@@ -269,6 +277,29 @@ impl<'a> Machine<'a> {
             actions: self.actions,
             notes: self.notes,
             requeue_after: self.requeue_after,
+        }
+    }
+
+    /// Whether the source is (being) frozen: the final dump was asked for and the
+    /// migration has not ended.
+    fn source_frozen(&self) -> bool {
+        let dumping = self
+            .o
+            .source_agent
+            .report()
+            .and_then(AgentReport::last_step)
+            .is_some_and(|s| s != Step::Prepare && !matches!(s, Step::PreDump(_)));
+        match self.status.phase {
+            MigrationPhase::Transferring
+            | MigrationPhase::Restoring
+            | MigrationPhase::Committing => true,
+            MigrationPhase::Checkpointing => {
+                dumping
+                    || self
+                        .actions
+                        .contains(&Action::Agent(Side::Source, Step::Dump))
+            }
+            _ => false,
         }
     }
 

@@ -1015,3 +1015,33 @@ fn a_cold_migration_goes_straight_to_the_final_dump() {
     assert_eq!(w.o.status.phase, P::Succeeded);
     assert_eq!(w.o.status.progress.as_ref().map(|p| p.iteration), Some(0));
 }
+
+#[test]
+fn the_controller_polls_fast_only_while_the_source_is_frozen() {
+    // Every poll the frozen pod waits for is downtime; outside the freeze the slower
+    // poll keeps the API and agent load low.
+    let cases = [
+        (P::Preparing, POLL),
+        (P::Checkpointing, POLL), // pre-copy round running: the pod still runs
+        (P::Transferring, FROZEN_POLL),
+        (P::Restoring, FROZEN_POLL),
+    ];
+    for (phase, want) in cases {
+        let t = next(&at(phase));
+        assert_eq!(t.requeue_after, Some(want), "{phase:?}");
+    }
+    // The final dump runs: frozen from its start.
+    let t = next(&at(P::Checkpointing).source(running(Step::Dump)));
+    assert_eq!(t.requeue_after, Some(FROZEN_POLL));
+    // A last pre-copy round that fits the budget asks for the final dump: the next
+    // poll already finds the pod frozen.
+    let mut done_round = done(Step::PreDump(1));
+    done_round.progress.dirty_bytes = Some(0);
+    let t = next(&at(P::Checkpointing).source(done_round));
+    assert!(
+        has(&t, &Action::Agent(Side::Source, Step::Dump)),
+        "{:?}",
+        t.actions
+    );
+    assert_eq!(t.requeue_after, Some(FROZEN_POLL));
+}

@@ -5,6 +5,7 @@
 //! these, and applies what they return.
 
 pub mod agent;
+pub mod key;
 pub mod machine;
 pub mod preflight;
 pub mod render;

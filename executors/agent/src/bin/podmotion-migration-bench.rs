@@ -142,6 +142,7 @@ fn agents(mib: usize, precopy: bool) -> Row {
         pid_start_time: 0,
         transfer_key: vec![7; 32],
         tcp: TcpPreservation::Strict as i32,
+        container_ids: vec![],
     };
     let (s, sent_in_freeze, r) = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;

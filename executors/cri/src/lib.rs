@@ -9,6 +9,8 @@
 //! are hand-written and wire-compatible with `runtime.v1` for the fields we read or
 //! set; everything else is skipped by prost as unknown fields.
 
+#![forbid(unsafe_code)]
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,0 +1,383 @@
+//! Full stack: the PodMigration controller, on the real API server
+//! (`hack/cluster.sh up`), drives the **real node agents** (`podmotion-agent` processes
+//! with their netns brokers and CRIU) over gRPC and mutual TLS, for a kwok pod whose
+//! container is a real process tree.
+//!
+//! What stands in for what (the agents' testbed, `podmotion_agent::testbed`):
+//! - the two kwok nodes `pm-node-0` / `pm-node-1` are two agents on loopback, reached
+//!   through the controller's endpoint override, with certificates for the names the
+//!   controller expects (`podmotion-agent.<node>`);
+//! - the source pod's container is the testbed's workload (its own pid and network
+//!   namespace, a TCP server keeping a counter); the target pod's holder container is
+//!   the testbed's holder process;
+//! - the container runtime is the agents' container table: when kwok reports a
+//!   container ID, the test registers the process standing for it, and the agents
+//!   resolve the controller's container IDs through the table as they would over CRI;
+//! - the CNI is the testbed's "pod address moves" step (`add_address_to_target`,
+//!   `route_to_target`).
+//!
+//! Needs root and CRIU (`hack/install-criu.sh`; PODMOTION_ROOT_TESTS=0 skips) and a
+//! cluster (PODMOTION_E2E=0 skips).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use podmotion_agent::testbed::{AGENT_NAMES, Testbed, ask, root_tests_enabled};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::operator::install_crds;
+use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
+use podmotion_operator::config::OperatorConfig;
+use podmotion_operator::context::Context;
+use podmotion_operator::controllers::migration::{MigrationConfig, run_configured};
+use podmotion_operator::leader::Leadership;
+use podmotion_operator::metrics::Metrics;
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+const NODES: [&str; 2] = ["pm-node-0", "pm-node-1"];
+
+/// A binary of the workspace, next to this test's own `deps/` directory (built by
+/// `cargo test --workspace`); `PODMOTION_<NAME>_BIN` overrides.
+fn workspace_bin(name: &str) -> PathBuf {
+    let var = format!(
+        "PODMOTION_{}_BIN",
+        name.trim_start_matches("podmotion-")
+            .to_uppercase()
+            .replace('-', "_")
+    );
+    if let Ok(p) = std::env::var(&var) {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target profile dir");
+    let bin = dir.join(name);
+    assert!(
+        bin.exists(),
+        "{} not built: run `cargo build -p podmotion-agent` (or the whole workspace's tests), or set {var}",
+        bin.display()
+    );
+    bin
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// The migration controller of this process, driving the agents over the wire.
+fn start_controller(
+    client: &Client,
+    ns: &str,
+    tb: &Testbed,
+    nodes: [&str; 2],
+    ports: [u16; 2],
+) -> JoinHandle<()> {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        op: OperatorConfig,
+        #[command(flatten)]
+        mig: MigrationConfig,
+    }
+    let endpoints = (0..2)
+        .map(|i| format!("{}=https://127.0.0.1:{}", nodes[i], ports[i]))
+        .collect::<Vec<_>>()
+        .join(",");
+    let file = |f: &str| tb.dir.join(f).display().to_string();
+    let (ca, cert, key) = (file("ca.crt"), file("operator.crt"), file("operator.key"));
+    let args = [
+        "podmotion-operator",
+        "--no-leader-election",
+        "--migration-namespace",
+        ns,
+        "--migration-agent-namespace",
+        ns,
+        "--migration-agent-endpoint",
+        &endpoints,
+        "--migration-agent-tls-ca",
+        &ca,
+        "--migration-agent-tls-cert",
+        &cert,
+        "--migration-agent-tls-key",
+        &key,
+    ];
+    let cli = Cli::try_parse_from(args).unwrap();
+    let (tx, rx) = watch::channel(false);
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        cli.op,
+        Leadership::always(),
+        Arc::new(Metrics::new()),
+        rx,
+    ));
+    tokio::spawn(async move {
+        let _keep = tx;
+        run_configured(ctx, cli.mig).await.unwrap();
+    })
+}
+
+/// The first container ID kwok reports for `pod` once it runs.
+fn container_id(pod: &Pod) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .container_id
+        .clone()
+}
+
+/// The phase a PodMigration is in now (for failure messages).
+async fn status_of(api: &Api<PodMigration>, name: &str) -> String {
+    api.get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|m| m.status)
+        .map(|s| serde_json::to_string_pretty(&s).unwrap())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let Some(ns) = TestNamespace::new("mig-fs", PodSecurity::Baseline).await else {
+        return;
+    };
+    install_crds(&ns.client).await;
+
+    // The workload's pod: one replica on one of the two agent nodes.
+    let deploy: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
+                        ]}]
+                    }}},
+                    "containers": [{"name": "app", "image": "registry.example/web:1",
+                        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]
+                }
+            }
+        }
+    }));
+    ns.api::<Deployment>()
+        .create(&PostParams::default(), &deploy)
+        .await
+        .unwrap();
+    let pods = wait_list(
+        &ns.api::<Pod>(),
+        "app=web",
+        TIMEOUT,
+        "web pod with a container ID",
+        |ps| ps.len() == 1 && container_id(&ps[0]).is_some(),
+    )
+    .await
+    .unwrap();
+    let source = pods[0].clone();
+    // Agent 0 stands for the source's node, agent 1 for the other one.
+    let source_node = source.spec.as_ref().unwrap().node_name.clone().unwrap();
+    let nodes = if source_node == NODES[0] {
+        NODES
+    } else {
+        [NODES[1], NODES[0]]
+    };
+    let mut tb = Testbed::with_agent_names(
+        "fs",
+        &workspace_bin("podmotion-agent"),
+        &workspace_bin("podmotion-testload"),
+        nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
+    );
+    let ports = [free_port(), free_port()];
+    for (i, port) in ports.iter().enumerate() {
+        tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
+    }
+    let workload = tb.start_workload(16, 64);
+    tb.register_container(&container_id(&source).unwrap(), workload.pid);
+    let controller = start_controller(&ns.client, &ns.name, &tb, nodes, ports);
+
+    // A client with an established connection to the pod address, before the move.
+    let mut conn = tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "move-web"},
+        "spec": {"podName": source.name_any(), "targetNode": nodes[1], "mode": "Cold",
+                 "tcpPreservation": "BestEffort", "freezeBudgetMillis": 30000,
+                 "progressTimeoutSeconds": 60, "deadlineSeconds": 240}
+    }));
+    let migrations = ns.api::<PodMigration>();
+    migrations
+        .create(&PostParams::default(), &pm)
+        .await
+        .unwrap();
+
+    // "The runtime" starts the target pod's holder once kwok runs the target pod, and
+    // "the CNI" gives it the pod address.
+    let target = wait_for(
+        &migrations,
+        "move-web",
+        TIMEOUT,
+        "a target pod named in status",
+        |m| {
+            m.and_then(|m| m.status.as_ref())
+                .is_some_and(|s| s.target_pod.is_some())
+        },
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .status
+    .unwrap()
+    .target_pod
+    .unwrap();
+    let target_pod = wait_for(
+        &ns.api::<Pod>(),
+        &target,
+        TIMEOUT,
+        "target pod with a container ID",
+        |p| p.is_some_and(|p| container_id(p).is_some()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let holder = tb.start_holder();
+    tb.add_address_to_target();
+    tb.register_container(&container_id(&target_pod).unwrap(), holder.pid);
+
+    let done = wait_for(
+        &migrations,
+        "move-web",
+        Duration::from_secs(180),
+        "Succeeded or Failed",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+                )
+            })
+        },
+    )
+    .await;
+    let status = status_of(&migrations, "move-web").await;
+    let Ok(Some(pm)) = done else {
+        panic!(
+            "the migration did not finish; status: {status}\nsource agent log:\n{}\ntarget agent log:\n{}",
+            tb.agent_log(0),
+            tb.agent_log(1)
+        );
+    };
+    let st = pm.status.unwrap();
+    assert_eq!(
+        st.phase,
+        MigrationPhase::Succeeded,
+        "status: {status}\nsource agent log:\n{}\ntarget agent log:\n{}",
+        tb.agent_log(0),
+        tb.agent_log(1)
+    );
+    tb.route_to_target();
+
+    // The process state continued over the preserved connection, now served by the
+    // restored tree on the target.
+    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(
+        after >= before,
+        "the counter ran backwards: {before} → {after}"
+    );
+    let network = st.network.clone().expect("network outcome in status");
+    assert_eq!(network.connections_preserved, 1, "{network:?}");
+    assert_eq!(network.listeners_restored, 1, "{network:?}");
+    assert!(
+        st.downtime_millis.is_some_and(|d| d > 0),
+        "downtime recorded: {:?}",
+        st.downtime_millis
+    );
+    assert!(st.progress.as_ref().is_some_and(|p| p.bytes_sent > 0));
+
+    // The source tree was killed at commit; the source pod is gone; the target pod is
+    // on the target node and owned by the ReplicaSet, which still has one replica.
+    assert!(
+        !std::path::Path::new(&format!("/proc/{}", workload.pid)).exists()
+            || std::fs::read_to_string(format!("/proc/{}/stat", workload.pid))
+                .is_ok_and(|s| s.contains(") Z")),
+        "the frozen source tree was killed at commit"
+    );
+    wait_for(
+        &ns.api::<Pod>(),
+        &source.name_any(),
+        TIMEOUT,
+        "source pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
+    let moved = ns.api::<Pod>().get(&target).await.unwrap();
+    assert_eq!(
+        moved.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(nodes[1])
+    );
+    let owner = moved
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.kind.clone());
+    assert_eq!(owner.as_deref(), Some("ReplicaSet"));
+    let rs = ns
+        .api::<ReplicaSet>()
+        .list(&ListParams::default().labels("app=web"))
+        .await
+        .unwrap();
+    assert_eq!(
+        rs.items[0].spec.replicas,
+        Some(1),
+        "the workload is never mutated"
+    );
+
+    // Cleanup zeroized and removed every checkpoint image on both nodes.
+    for (node, name) in AGENT_NAMES.iter().enumerate() {
+        let left = wait_until(Duration::from_secs(20), || {
+            tb.checkpoint_files(node).is_empty()
+        })
+        .await;
+        assert!(
+            left,
+            "checkpoint images left on {name}: {:?}",
+            tb.checkpoint_files(node)
+        );
+    }
+    controller.abort();
+}
+
+async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < end {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    f()
+}

@@ -1,0 +1,109 @@
+//! Container ID → host PID, for `Prepare`.
+//!
+//! The operator names the containers of a pod by the IDs the kubelet reports
+//! (`containerd://…`); it never sees host PIDs. On a node the agent asks the container
+//! runtime over its CRI socket (the same client the attach executor uses). Local runs,
+//! where kwok simulates the nodes and real processes stand for containers, use a
+//! container table instead: a file of `<container-id> <pid>` lines kept by whoever
+//! starts those processes — the runtime's role, played by the test harness.
+//!
+//! A container reported by the kubelet may not be known to the runtime (or written to
+//! the table) for a moment; resolution retries for a bounded time before giving up.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use podmotion_cri as cri;
+use tonic::Status;
+
+/// Where container IDs are resolved.
+#[derive(Clone, Debug)]
+pub enum Containers {
+    /// The node's run directory (or the socket's directory) holding a CRI socket at
+    /// one of the well-known paths (containerd, CRI-O, cri-dockerd).
+    Cri { run_dir: PathBuf },
+    /// Local runs: a file of `<container-id> <pid>` lines.
+    Table { path: PathBuf },
+}
+
+/// How long a container that is not (yet) known is waited for.
+const SETTLE: Duration = Duration::from_secs(10);
+
+impl Containers {
+    /// Host PID of the first of `ids` (the pod's first container: the tree CRIU dumps
+    /// on the source, the holder on the target).
+    pub async fn pid(&self, ids: &[String]) -> Result<i32, Status> {
+        let Some(id) = ids.first() else {
+            return Err(Status::invalid_argument(
+                "neither a pid nor a container ID was given",
+            ));
+        };
+        let deadline = tokio::time::Instant::now() + SETTLE;
+        loop {
+            let res = match self {
+                Containers::Cri { run_dir } => match cri::discover(run_dir, id).await {
+                    Ok(c) => c.container_pid(id).await.map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                Containers::Table { path } => lookup(path, id),
+            };
+            match res {
+                Ok(pid) => {
+                    return i32::try_from(pid)
+                        .map_err(|_| Status::internal(format!("container {id}: pid {pid}")));
+                }
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(Status::not_found(format!("container {id}: {e}")));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+}
+
+/// `id`'s PID in the table at `path` (the last line naming it wins).
+fn lookup(path: &std::path::Path, id: &str) -> Result<u32, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("container table {}: {e}", path.display()))?;
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            Some((f.next()?, f.next()?))
+        })
+        .rfind(|(c, _)| *c == id || cri::strip_runtime_prefix(c) == cri::strip_runtime_prefix(id))
+        .ok_or_else(|| format!("not in the container table {}", path.display()))?
+        .1
+        .parse::<u32>()
+        .map_err(|e| format!("container table {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_maps_ids_with_or_without_the_runtime_prefix_and_the_last_line_wins() {
+        let dir = std::env::temp_dir().join(format!("pm-ctable-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("table");
+        std::fs::write(
+            &path,
+            "kwok://u1/app 100\n\nkwok://u2/app 200\nkwok://u1/app 101\n",
+        )
+        .unwrap();
+        assert_eq!(lookup(&path, "kwok://u1/app"), Ok(101));
+        assert_eq!(lookup(&path, "u2/app"), Ok(200));
+        assert!(lookup(&path, "kwok://u3/app").is_err());
+        assert!(lookup(&dir.join("missing"), "kwok://u1/app").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn no_container_id_is_an_invalid_argument_not_a_wait() {
+        let c = Containers::Table {
+            path: "/nonexistent".into(),
+        };
+        let e = c.pid(&[]).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    }
+}
