@@ -133,6 +133,7 @@ fn helm_lint_is_clean_for_the_defaults_and_the_variants() {
             "--set",
             "operator.leaderElection.enabled=false,operator.networkPolicy.enabled=false",
         ],
+        vec!["--set", "migration.masterKey.existingSecret=my-key"],
     ] {
         let out = Command::new(helm())
             .args(["lint", "--strict"])
@@ -338,6 +339,148 @@ fn the_netns_broker_is_the_only_privileged_container() {
             assert_eq!(m["readOnly"], true, "agent mount {m}");
         }
     }
+    // The one host path it has: the runtime socket's directory (container ID → PID).
+    let agent_host_mounts: Vec<&str> = agent["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .filter(|n| host_volumes.contains(n))
+        .collect();
+    assert_eq!(agent_host_mounts, vec!["cri"]);
+}
+
+/// The volume named `name` of a pod spec.
+fn volume<'a>(spec: &'a Value, name: &str) -> &'a Value {
+    spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+/// The mount of volume `name` in `container`, if any.
+fn mount<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+    container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["name"] == name)
+}
+
+#[test]
+fn the_agent_reads_the_runtime_socket_directory_read_only() {
+    for (set, host) in [
+        (vec![], "/run"),
+        (
+            vec![
+                "--set",
+                "migrationAgent.agent.criRunDir=/run/k3s/containerd",
+            ],
+            "/run/k3s/containerd",
+        ),
+    ] {
+        let docs = render(&set);
+        let spec = &of_kind(&docs, "DaemonSet")[0]["spec"]["template"]["spec"];
+        let cri = volume(spec, "cri");
+        assert_eq!(cri["hostPath"]["path"], host, "{set:?}");
+        assert_eq!(cri["hostPath"]["type"], "Directory", "{set:?}");
+        let agent = containers(spec)
+            .into_iter()
+            .find(|c| c["name"] == "agent")
+            .unwrap();
+        let m = mount(agent, "cri").expect("agent mounts the CRI run directory");
+        assert_eq!(m["mountPath"], "/host/run");
+        assert_eq!(m["readOnly"], true);
+        assert!(strs(&agent["args"]).contains(&"--cri-run-dir=/host/run"));
+        // Only the agent talks to the runtime; the broker never sees the socket.
+        let broker = containers(spec)
+            .into_iter()
+            .find(|c| c["name"] == "netns-broker")
+            .unwrap();
+        assert!(mount(broker, "cri").is_none());
+    }
+}
+
+#[test]
+fn the_operator_gets_the_migration_master_key_as_a_read_only_file() {
+    let flag = "--migration-key-file=/etc/podmotion/migration-key/key";
+    let docs = render(&[]);
+    let deploy = of_kind(&docs, "Deployment")[0];
+    let spec = &deploy["spec"]["template"]["spec"];
+    let c = &spec["containers"][0];
+    assert!(strs(&c["args"]).contains(&flag), "{}", c["args"]);
+    let m = mount(c, "migration-key").expect("master key mounted");
+    assert_eq!(m["mountPath"], "/etc/podmotion/migration-key");
+    assert_eq!(m["readOnly"], true);
+    let v = volume(spec, "migration-key");
+    assert_eq!(v["secret"]["secretName"], "pm-podmotion-migration-key");
+    // Same mode as the client certificate: 0440, group = the pod's fsGroup.
+    assert_eq!(
+        v["secret"]["defaultMode"],
+        volume(spec, "agent-tls")["secret"]["defaultMode"]
+    );
+    assert!(spec["securityContext"]["fsGroup"].is_number());
+    // Generated in the release namespace, long enough for the operator.
+    let secret = of_kind(&docs, "Secret")
+        .into_iter()
+        .find(|s| name(s) == "pm-podmotion-migration-key")
+        .expect("master key Secret generated");
+    assert_eq!(secret["metadata"]["namespace"], "podmotion-system");
+    let b64 = secret["data"]["key"].as_str().unwrap();
+    let decoded = Command::new("base64")
+        .arg("-d")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut ch| {
+            ch.stdin.take().unwrap().write_all(b64.as_bytes())?;
+            ch.wait_with_output()
+        })
+        .unwrap();
+    assert!(decoded.status.success());
+    assert!(
+        decoded.stdout.trim_ascii().len() >= 32,
+        "master key too short"
+    );
+    // A file, never an environment variable.
+    assert!(
+        !c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "PODMOTION_MIGRATION_KEY_FILE")
+    );
+
+    // A Secret of the user's: mounted, none generated.
+    let docs = render(&["--set", "migration.masterKey.existingSecret=my-key"]);
+    let spec = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    assert_eq!(
+        volume(spec, "migration-key")["secret"]["secretName"],
+        "my-key"
+    );
+    assert!(
+        of_kind(&docs, "Secret")
+            .iter()
+            .all(|s| !name(s).contains("migration-key"))
+    );
+
+    // Without the migration controller: no key, no flag, no mount.
+    let docs = render(&["--set", "operator.controllers={attachment,runner-pool}"]);
+    let spec = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    let c = &spec["containers"][0];
+    assert!(
+        !strs(&c["args"])
+            .iter()
+            .any(|a| a.starts_with("--migration-key-file"))
+    );
+    assert!(mount(c, "migration-key").is_none());
+    assert!(
+        of_kind(&docs, "Secret")
+            .iter()
+            .all(|s| !name(s).contains("migration-key"))
+    );
 }
 
 /// Every rule of every Role and ClusterRole of a rendering: (kind/name, namespace, rule).
@@ -443,6 +586,21 @@ fn disabled_controllers_lose_their_permissions() {
     );
     assert!(!grants("podmigrations", "get"));
     assert!(!grants("deployments", "get"));
+    assert!(
+        grants("secrets", "patch"),
+        "RunnerPool applies its credential"
+    );
+
+    // The migration controller alone writes Secrets with create and delete only: the
+    // transfer key is derived from the master key file, never read back or patched.
+    let docs = render(&["--set", "operator.controllers={migration}"]);
+    let all = rules(&docs);
+    let secret_verbs: Vec<Vec<&str>> = all
+        .iter()
+        .filter(|(_, _, r)| strs(&r["resources"]).contains(&"secrets"))
+        .map(|(_, _, r)| strs(&r["verbs"]))
+        .collect();
+    assert_eq!(secret_verbs, vec![vec!["create", "delete"]]);
     assert!(
         !docs.iter().any(is_hook),
         "no attachment controller, nothing to reap"
@@ -951,6 +1109,10 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["list", "secrets", "-A"],
         vec!["watch", "secrets", "-A"],
         vec!["get", "secrets", "-n", "kube-system"],
+        // An application namespace (where PodMigrations create transfer-key Secrets).
+        vec!["get", "secrets", "-n", "default"],
+        vec!["list", "secrets", "-n", "default"],
+        vec!["watch", "secrets", "-n", "default"],
         vec!["list", "secrets", "-n", op],
         vec!["get", "secrets", "-n", ag],
         // No way into a pod.
@@ -1346,7 +1508,12 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
         ("agent", "executors/agent/src"),
         ("netns-broker", "executors/broker/src"),
     ] {
-        let declared = clap_flags(src, false);
+        // Local runs only (kwok nodes): the chart leaves them at their (unset) default.
+        let local_only = ["container-table"];
+        let declared: Vec<_> = clap_flags(src, false)
+            .into_iter()
+            .filter(|(long, _)| !local_only.contains(&long.as_str()))
+            .collect();
         let (args, env) = container_settings(spec, container);
         // Every flag of the binary has a value (its default only where that is right
         // for a pod: then the flag is listed here with its default, not left out).
@@ -1478,6 +1645,20 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
         .unwrap()
         .port();
     let identity = format!("{sa}-e2e");
+    // Secret volumes (the agents' client certificate, the migration master key) as the
+    // kubelet would mount them.
+    let mounts = materialize_secret_mounts(deploy, &op, &inst.release);
+    let local = |v: &str| {
+        mounts.iter().fold(v.to_string(), |v, (mount, dir)| {
+            v.replace(mount.as_str(), &dir.to_string_lossy())
+        })
+    };
+    assert!(
+        strs(&c["args"])
+            .iter()
+            .any(|a| a.starts_with("--migration-key-file=")),
+        "the operator is given its master key"
+    );
     let args: Vec<String> = strs(&c["args"])
         .into_iter()
         .map(|a| {
@@ -1487,7 +1668,8 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
                 // Text: the client's HTTP spans (with status codes) are on each line.
                 "--log-format=text".to_string()
             } else {
-                a.replace("$(POD_NAMESPACE)", &op)
+                local(a)
+                    .replace("$(POD_NAMESPACE)", &op)
                     .replace("$(POD_NAME)", &identity)
             }
         })
@@ -1519,13 +1701,6 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
             "{var} must scope the test's operator"
         );
     }
-    // Secret volumes (the agents' client certificate) as the kubelet would mount them.
-    let mounts = materialize_secret_mounts(deploy, &op, &inst.release);
-    let local = |v: &str| {
-        mounts.iter().fold(v.to_string(), |v, (mount, dir)| {
-            v.replace(mount.as_str(), &dir.to_string_lossy())
-        })
-    };
     for e in c["env"].as_array().unwrap() {
         if let Some(v) = e["value"].as_str() {
             cmd.env(e["name"].as_str().unwrap(), local(v));
@@ -1568,6 +1743,11 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     assert!(
         text.contains("status_code=200"),
         "no response codes in the operator's log:\n{text}"
+    );
+    // The master key came from the mounted Secret, not the random fallback.
+    assert!(
+        !text.contains("no --migration-key-file"),
+        "the operator did not read its master key file:\n{text}"
     );
     let refused: Vec<&str> = text
         .lines()
@@ -1747,6 +1927,8 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
     // The agents' certificate names every node (looked up at install).
     let agent_tls = format!("{release}-podmotion-migration-agent-tls");
     let before = secret_data(&agents, &agent_tls);
+    let master_key = format!("{release}-podmotion-migration-key");
+    let key_before = secret_data(&op.name, &master_key);
     let sans = before
         .pointer("/metadata/annotations/podmotion.io~1sans")
         .and_then(Value::as_str)
@@ -1784,6 +1966,11 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
     assert_eq!(
         before["data"], after["data"],
         "upgrade regenerated the agent certificate"
+    );
+    let key_after = secret_data(&op.name, &master_key);
+    assert_eq!(
+        key_before["data"], key_after["data"],
+        "upgrade regenerated the migration master key (in-flight migrations would fail)"
     );
 
     // Uninstall runs the pre-delete reap-all hook (it must complete, or uninstall

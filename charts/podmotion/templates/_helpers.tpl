@@ -77,6 +77,10 @@ app.kubernetes.io/component: migration-agent
 {{- else }}
 - --no-leader-election
 {{- end }}
+{{- if has "migration" .Values.operator.controllers }}
+{{- /* A file, not an environment variable: the key never shows in the pod spec. */}}
+- --migration-key-file={{ include "podmotion.migrationKeyDir" . }}/key
+{{- end }}
 {{- end -}}
 
 {{/* Environment shared by the operator and its hook. The controllers' own settings
@@ -161,4 +165,14 @@ app.kubernetes.io/component: migration-agent
 
 {{- define "podmotion.operatorTLSSecret" -}}
 {{- default (printf "%s-agent-client-tls" (include "podmotion.fullname" .)) .Values.migrationAgent.tls.operatorSecretName -}}
+{{- end -}}
+
+{{/* Secret in the release namespace holding the migration master key (entry `key`). */}}
+{{- define "podmotion.migrationKeySecret" -}}
+{{- default (printf "%s-migration-key" (include "podmotion.fullname" .)) .Values.migration.masterKey.existingSecret -}}
+{{- end -}}
+
+{{/* Where the operator mounts it. */}}
+{{- define "podmotion.migrationKeyDir" -}}
+/etc/podmotion/migration-key
 {{- end -}}
