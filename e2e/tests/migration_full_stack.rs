@@ -18,6 +18,10 @@
 //!
 //! Needs root and CRIU (`hack/install-criu.sh`; PODMOTION_ROOT_TESTS=0 skips) and a
 //! cluster (PODMOTION_E2E=0 skips).
+//!
+//! The agent binaries come from the workspace's target directory: `cargo test
+//! --workspace` builds them; with `-p podmotion-e2e` alone, run `cargo build -p
+//! podmotion-agent` first or the test runs whatever agent was built last.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,7 +34,7 @@ use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use podmotion_agent::testbed::{AGENT_NAMES, Testbed, ask, root_tests_enabled};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::MigrationPhase;
+use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
 use podmotion_operator::config::OperatorConfig;
@@ -151,154 +155,225 @@ async fn status_of(api: &Api<PodMigration>, name: &str) -> String {
         .unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
-    if !root_tests_enabled() {
-        return;
-    }
-    let Some(ns) = TestNamespace::new("mig-fs", PodSecurity::Baseline).await else {
-        return;
-    };
-    install_crds(&ns.client).await;
+/// One workload pod on a kwok node, the two real agents standing for the two agent
+/// nodes, the workload's process tree, and the controller of this process.
+struct FullStack {
+    ns: TestNamespace,
+    tb: Testbed,
+    /// The source's node first.
+    nodes: [&'static str; 2],
+    source: Pod,
+    workload: podmotion_wire::ids::ProcRef,
+    controller: JoinHandle<()>,
+}
 
-    // The workload's pod: one replica on one of the two agent nodes.
-    let deploy: Deployment = from_json(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "web"},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": "web"}},
-            "template": {
-                "metadata": {"labels": {"app": "web"}},
-                "spec": {
-                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [{"matchExpressions": [
-                            {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
-                        ]}]
-                    }}},
-                    "containers": [{"name": "app", "image": "registry.example/web:1",
-                        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]
+impl FullStack {
+    async fn new(prefix: &str) -> Option<FullStack> {
+        if !root_tests_enabled() {
+            return None;
+        }
+        let ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
+        install_crds(&ns.client).await;
+        // The workload's pod: one replica on one of the two agent nodes.
+        let deploy: Deployment = from_json(json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "web"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
+                            ]}]
+                        }}},
+                        "containers": [{"name": "app", "image": "registry.example/web:1",
+                            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]
+                    }
                 }
             }
-        }
-    }));
-    ns.api::<Deployment>()
-        .create(&PostParams::default(), &deploy)
+        }));
+        ns.api::<Deployment>()
+            .create(&PostParams::default(), &deploy)
+            .await
+            .unwrap();
+        let pods = wait_list(
+            &ns.api::<Pod>(),
+            "app=web",
+            TIMEOUT,
+            "web pod with a container ID",
+            |ps| ps.len() == 1 && container_id(&ps[0]).is_some(),
+        )
         .await
         .unwrap();
-    let pods = wait_list(
-        &ns.api::<Pod>(),
-        "app=web",
-        TIMEOUT,
-        "web pod with a container ID",
-        |ps| ps.len() == 1 && container_id(&ps[0]).is_some(),
-    )
-    .await
-    .unwrap();
-    let source = pods[0].clone();
-    // Agent 0 stands for the source's node, agent 1 for the other one.
-    let source_node = source.spec.as_ref().unwrap().node_name.clone().unwrap();
-    let nodes = if source_node == NODES[0] {
-        NODES
-    } else {
-        [NODES[1], NODES[0]]
-    };
-    let mut tb = Testbed::with_agent_names(
-        "fs",
-        &workspace_bin("podmotion-agent"),
-        &workspace_bin("podmotion-testload"),
-        nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
-    );
-    let ports = [free_port(), free_port()];
-    for (i, port) in ports.iter().enumerate() {
-        tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
+        let source = pods[0].clone();
+        // Agent 0 stands for the source's node, agent 1 for the other one.
+        let source_node = source.spec.as_ref().unwrap().node_name.clone().unwrap();
+        let nodes = if source_node == NODES[0] {
+            NODES
+        } else {
+            [NODES[1], NODES[0]]
+        };
+        let mut tb = Testbed::with_agent_names(
+            prefix.trim_start_matches("mig-"),
+            &workspace_bin("podmotion-agent"),
+            &workspace_bin("podmotion-testload"),
+            nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
+        );
+        let ports = [free_port(), free_port()];
+        for (i, port) in ports.iter().enumerate() {
+            tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
+        }
+        let workload = tb.start_workload(16, 64);
+        tb.register_container(&container_id(&source).unwrap(), workload.pid);
+        let controller = start_controller(&ns.client, &ns.name, &tb, nodes, ports);
+        Some(FullStack {
+            ns,
+            tb,
+            nodes,
+            source,
+            workload,
+            controller,
+        })
     }
-    let workload = tb.start_workload(16, 64);
-    tb.register_container(&container_id(&source).unwrap(), workload.pid);
-    let controller = start_controller(&ns.client, &ns.name, &tb, nodes, ports);
 
+    /// Migrates the pod to the other node with `spec` (merged over the defaults) and
+    /// waits for the end. Plays the runtime and the CNI for the target pod: once kwok
+    /// runs it, its holder process starts, is registered under its container ID, and
+    /// gets the pod address.
+    async fn migrate(&mut self, spec: serde_json::Value) -> PodMigrationStatus {
+        let mut full = json!({"podName": self.source.name_any(), "targetNode": self.nodes[1],
+            "tcpPreservation": "BestEffort", "progressTimeoutSeconds": 60, "deadlineSeconds": 240});
+        for (k, v) in spec.as_object().unwrap() {
+            full[k] = v.clone();
+        }
+        let pm: PodMigration = from_json(json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": "move-web"}, "spec": full
+        }));
+        let migrations = self.ns.api::<PodMigration>();
+        migrations
+            .create(&PostParams::default(), &pm)
+            .await
+            .unwrap();
+        let target = wait_for(
+            &migrations,
+            "move-web",
+            TIMEOUT,
+            "a target pod named in status",
+            |m| {
+                m.and_then(|m| m.status.as_ref())
+                    .is_some_and(|s| s.target_pod.is_some())
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .status
+        .unwrap()
+        .target_pod
+        .unwrap();
+        let target_pod = wait_for(
+            &self.ns.api::<Pod>(),
+            &target,
+            TIMEOUT,
+            "target pod with a container ID",
+            |p| p.is_some_and(|p| container_id(p).is_some()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let holder = self.tb.start_holder();
+        self.tb.add_address_to_target();
+        self.tb
+            .register_container(&container_id(&target_pod).unwrap(), holder.pid);
+        let done = wait_for(
+            &migrations,
+            "move-web",
+            Duration::from_secs(180),
+            "Succeeded, Failed or Aborted",
+            |m| {
+                m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                    matches!(
+                        s.phase,
+                        MigrationPhase::Succeeded
+                            | MigrationPhase::Failed
+                            | MigrationPhase::Aborted
+                    )
+                })
+            },
+        )
+        .await;
+        match done {
+            Ok(Some(pm)) => pm.status.unwrap(),
+            _ => panic!(
+                "the migration did not finish; status: {}\n{}",
+                status_of(&migrations, "move-web").await,
+                self.logs()
+            ),
+        }
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "source agent log:\n{}\ntarget agent log:\n{}",
+            self.tb.agent_log(0),
+            self.tb.agent_log(1)
+        )
+    }
+
+    /// Cleanup zeroized and removed every checkpoint image on both nodes.
+    async fn assert_no_images_left(&self) {
+        for (node, name) in AGENT_NAMES.iter().enumerate() {
+            let left = wait_until(Duration::from_secs(20), || {
+                self.tb.checkpoint_files(node).is_empty()
+            })
+            .await;
+            assert!(
+                left,
+                "checkpoint images left on {name}: {:?}",
+                self.tb.checkpoint_files(node)
+            );
+        }
+    }
+
+    fn source_alive(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.workload.pid))
+            .is_ok_and(|s| !s.contains(") Z"))
+    }
+}
+
+impl Drop for FullStack {
+    fn drop(&mut self) {
+        self.controller.abort();
+    }
+}
+
+/// Root tests share the machine's CRIU and cgroups: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fs").await else {
+        return;
+    };
     // A client with an established connection to the pod address, before the move.
-    let mut conn = tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
     let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
 
-    let pm: PodMigration = from_json(json!({
-        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
-        "metadata": {"name": "move-web"},
-        "spec": {"podName": source.name_any(), "targetNode": nodes[1], "mode": "Cold",
-                 "tcpPreservation": "BestEffort", "freezeBudgetMillis": 30000,
-                 "progressTimeoutSeconds": 60, "deadlineSeconds": 240}
-    }));
-    let migrations = ns.api::<PodMigration>();
-    migrations
-        .create(&PostParams::default(), &pm)
-        .await
-        .unwrap();
-
-    // "The runtime" starts the target pod's holder once kwok runs the target pod, and
-    // "the CNI" gives it the pod address.
-    let target = wait_for(
-        &migrations,
-        "move-web",
-        TIMEOUT,
-        "a target pod named in status",
-        |m| {
-            m.and_then(|m| m.status.as_ref())
-                .is_some_and(|s| s.target_pod.is_some())
-        },
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .status
-    .unwrap()
-    .target_pod
-    .unwrap();
-    let target_pod = wait_for(
-        &ns.api::<Pod>(),
-        &target,
-        TIMEOUT,
-        "target pod with a container ID",
-        |p| p.is_some_and(|p| container_id(p).is_some()),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let holder = tb.start_holder();
-    tb.add_address_to_target();
-    tb.register_container(&container_id(&target_pod).unwrap(), holder.pid);
-
-    let done = wait_for(
-        &migrations,
-        "move-web",
-        Duration::from_secs(180),
-        "Succeeded or Failed",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-                )
-            })
-        },
-    )
-    .await;
-    let status = status_of(&migrations, "move-web").await;
-    let Ok(Some(pm)) = done else {
-        panic!(
-            "the migration did not finish; status: {status}\nsource agent log:\n{}\ntarget agent log:\n{}",
-            tb.agent_log(0),
-            tb.agent_log(1)
-        );
-    };
-    let st = pm.status.unwrap();
+    let st = fs
+        .migrate(json!({"mode": "Cold", "freezeBudgetMillis": 30000}))
+        .await;
     assert_eq!(
         st.phase,
         MigrationPhase::Succeeded,
-        "status: {status}\nsource agent log:\n{}\ntarget agent log:\n{}",
-        tb.agent_log(0),
-        tb.agent_log(1)
+        "{st:#?}\n{}",
+        fs.logs()
     );
-    tb.route_to_target();
+    fs.tb.route_to_target();
 
     // The process state continued over the preserved connection, now served by the
     // restored tree on the target.
@@ -320,24 +395,24 @@ async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
     // The source tree was killed at commit; the source pod is gone; the target pod is
     // on the target node and owned by the ReplicaSet, which still has one replica.
     assert!(
-        !std::path::Path::new(&format!("/proc/{}", workload.pid)).exists()
-            || std::fs::read_to_string(format!("/proc/{}/stat", workload.pid))
-                .is_ok_and(|s| s.contains(") Z")),
+        !fs.source_alive(),
         "the frozen source tree was killed at commit"
     );
+    let ns = &fs.ns;
     wait_for(
         &ns.api::<Pod>(),
-        &source.name_any(),
+        &fs.source.name_any(),
         TIMEOUT,
         "source pod gone",
         |p| p.is_none(),
     )
     .await
     .unwrap();
+    let target = st.target_pod.clone().unwrap();
     let moved = ns.api::<Pod>().get(&target).await.unwrap();
     assert_eq!(
         moved.spec.as_ref().unwrap().node_name.as_deref(),
-        Some(nodes[1])
+        Some(fs.nodes[1])
     );
     let owner = moved
         .owner_references()
@@ -355,20 +430,105 @@ async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
         Some(1),
         "the workload is never mutated"
     );
+    fs.assert_no_images_left().await;
+}
 
-    // Cleanup zeroized and removed every checkpoint image on both nodes.
-    for (node, name) in AGENT_NAMES.iter().enumerate() {
-        let left = wait_until(Duration::from_secs(20), || {
-            tb.checkpoint_files(node).is_empty()
-        })
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_copy_streams_rounds_while_the_pod_runs_and_freezes_within_budget() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fspc").await else {
+        return;
+    };
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    // 16 MiB of ballast dirtied at 64 KiB/s: the first round moves it all and measures
+    // the link, the next moves only what changed, which fits a generous budget.
+    let st = fs
+        .migrate(json!({"mode": "PreCopy", "freezeBudgetMillis": 20000,
+                        "preCopy": {"maxRounds": 5, "dirtyThresholdBytes": 0}}))
         .await;
-        assert!(
-            left,
-            "checkpoint images left on {name}: {:?}",
-            tb.checkpoint_files(node)
-        );
-    }
-    controller.abort();
+    assert_eq!(
+        st.phase,
+        MigrationPhase::Succeeded,
+        "{st:#?}\n{}",
+        fs.logs()
+    );
+    let progress = st.progress.clone().unwrap();
+    assert!(progress.iteration >= 1, "{progress:?}");
+    assert!(
+        progress
+            .transfer_rate_bytes_per_second
+            .is_some_and(|r| r > 0),
+        "a rate measured before the freeze: {progress:?}"
+    );
+    assert!(
+        progress.bytes_sent > 16 << 20,
+        "the warm copy crossed the wire: {progress:?}"
+    );
+    fs.tb.route_to_target();
+    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(after >= before, "{before} → {after}");
+    assert!(!fs.source_alive());
+    fs.assert_no_images_left().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freeze_that_cannot_fit_the_budget_aborts_before_freezing_and_the_source_runs_on() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fsbx").await else {
+        return;
+    };
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    // 10 ms cannot hold even the final dump of 16 MiB.
+    let st = fs
+        .migrate(json!({"mode": "PreCopy", "freezeBudgetMillis": 10,
+                        "preCopy": {"maxRounds": 2, "dirtyThresholdBytes": 0}}))
+        .await;
+    assert_eq!(st.phase, MigrationPhase::Aborted, "{st:#?}\n{}", fs.logs());
+    assert_eq!(
+        st.failure_reason.as_deref(),
+        Some(podmotion_api::names::reasons::FREEZE_BUDGET_EXCEEDED),
+        "{st:#?}"
+    );
+    assert!(st.downtime_millis.is_none(), "never frozen: {st:#?}");
+    // Both rounds streamed while the pod ran; the second moved only what changed.
+    let progress = st.progress.clone().unwrap();
+    assert_eq!(progress.iteration, 2, "{progress:?}");
+    let dirty = progress.bytes_remaining_estimate.unwrap();
+    assert!(
+        dirty < 4 << 20,
+        "the second round streams the dirty set, not the 16 MiB again: {progress:?}"
+    );
+    assert!(progress.bytes_sent < 24 << 20, "{progress:?}");
+    // The source was never frozen: it serves on the same connection, counting on.
+    assert!(fs.source_alive());
+    std::thread::sleep(Duration::from_millis(300));
+    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(
+        after > before,
+        "the source kept running: {before} → {after}"
+    );
+    // The target pod is gone, the source pod stays, nothing is left on the nodes.
+    let target = st.target_pod.clone().unwrap();
+    wait_for(
+        &fs.ns.api::<Pod>(),
+        &target,
+        TIMEOUT,
+        "target pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        fs.ns
+            .api::<Pod>()
+            .get_opt(&fs.source.name_any())
+            .await
+            .unwrap()
+            .is_some()
+    );
+    fs.assert_no_images_left().await;
 }
 
 async fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {

@@ -50,6 +50,8 @@ struct Migration {
     last_round_bytes: u64,
     image_bytes: u64,
     final_dump_bytes: u64,
+    last_round_sent_bytes: u64,
+    pre_copy_sent_bytes: u64,
     bytes_sent: u64,
     bytes_received: u64,
     timings: Timings,
@@ -76,6 +78,8 @@ impl Migration {
             sockets: self.sockets.clone(),
             restored_pid: self.restored.map(|p| p.pid).unwrap_or(0),
             final_dump_bytes: self.final_dump_bytes,
+            last_round_sent_bytes: self.last_round_sent_bytes,
+            pre_copy_sent_bytes: self.pre_copy_sent_bytes,
         }
     }
 
@@ -191,6 +195,8 @@ impl Agent {
             last_round_bytes: 0,
             image_bytes: 0,
             final_dump_bytes: 0,
+            last_round_sent_bytes: 0,
+            pre_copy_sent_bytes: 0,
             bytes_sent: 0,
             bytes_received: 0,
             timings: Timings::default(),
@@ -285,7 +291,8 @@ impl Agent {
             .map_err(criu_status)
         })
         .await?;
-        m.timings.pre_dump_total_us += t.elapsed().as_micros() as u64;
+        m.timings.last_round_us = t.elapsed().as_micros() as u64;
+        m.timings.pre_dump_total_us += m.timings.last_round_us;
         m.timings.last_pre_dump_us = now_us();
         m.iteration = n;
         m.phase = Phase::PreDumping;
@@ -472,6 +479,13 @@ impl Agent {
         }
         m.bytes_sent += sent;
         m.sent.extend(paths);
+        if m.phase == Phase::PreDumping {
+            // A pre-copy round streamed while the workload runs: its size is the
+            // dirty set, its speed the link's, both what the freeze budget needs.
+            m.last_round_sent_bytes = sent;
+            m.pre_copy_sent_bytes += sent;
+            m.timings.pre_copy_send_us += t.elapsed().as_micros() as u64;
+        }
         if m.phase == Phase::Dumped {
             m.timings.send_us = t.elapsed().as_micros() as u64;
             m.timings.send_finished_us = now_us();
@@ -865,8 +879,10 @@ impl Agent {
 const BLOCK: usize = 64 * 1024;
 
 /// Reads the checkpoint dir and sends what was not sent before as sealed chunks;
-/// returns the plaintext bytes sent and the paths now on the target. With `delta`, a
-/// final image that has a warm copy on the target is sent as the blocks that differ.
+/// returns the plaintext bytes sent and the paths now on the target. With `delta`, an
+/// image of a later round (a warm copy after the first, or the final dump) whose
+/// namesake the target holds from the newest earlier warm copy is sent as the blocks
+/// that differ: each round then moves only what the workload changed since the last.
 fn produce(
     dir: &Path,
     uid: &str,
@@ -931,7 +947,8 @@ fn produce(
             continue;
         }
         let name = rel.rsplit('/').next().unwrap_or_default();
-        let base = match (&base_dir, delta && rel.starts_with("final/")) {
+        let later_round = rel.starts_with("final/") || pre_round(&rel) > 0;
+        let base = match (&base_dir, delta && later_round) {
             (Some(b), true) if already.contains(&format!("{b}/{name}")) => {
                 Some(format!("{b}/{name}"))
             }

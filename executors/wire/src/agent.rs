@@ -197,6 +197,12 @@ pub struct Timings {
     pub send_us: u64,
     #[prost(uint64, tag = "10")]
     pub restore_us: u64,
+    /// Duration of the last pre-dump round (what the final dump will roughly cost).
+    #[prost(uint64, tag = "11")]
+    pub last_round_us: u64,
+    /// Time spent streaming pre-copy rounds to the target, in total.
+    #[prost(uint64, tag = "12")]
+    pub pre_copy_send_us: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -230,6 +236,13 @@ pub struct MigrationStatus {
     /// Bytes of the final dump (what the freeze had to write).
     #[prost(uint64, tag = "12")]
     pub final_dump_bytes: u64,
+    /// Bytes the last pre-copy round had to stream (what changed since the round
+    /// before: the dirty set the final transfer will roughly have to move).
+    #[prost(uint64, tag = "13")]
+    pub last_round_sent_bytes: u64,
+    /// Bytes streamed to the target while the workload still ran.
+    #[prost(uint64, tag = "14")]
+    pub pre_copy_sent_bytes: u64,
 }
 
 impl MigrationStatus {

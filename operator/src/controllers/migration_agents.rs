@@ -59,8 +59,23 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
             .then(|| Timestamp::from_microsecond(us as i64).ok())
             .flatten()
     };
-    let rate = (t.send_us > 0 && st.bytes_sent > 0)
-        .then(|| st.bytes_sent.saturating_mul(1_000_000) / t.send_us);
+    // The link's speed: the final transfer's once it ran, before that the pre-copy
+    // rounds' (streamed while the workload runs, so known before the freeze).
+    let final_bytes = st.bytes_sent.saturating_sub(st.pre_copy_sent_bytes);
+    let rate = if t.send_us > 0 && final_bytes > 0 {
+        Some(final_bytes.saturating_mul(1_000_000) / t.send_us)
+    } else if t.pre_copy_send_us > 0 && st.pre_copy_sent_bytes > 0 {
+        Some(st.pre_copy_sent_bytes.saturating_mul(1_000_000) / t.pre_copy_send_us)
+    } else {
+        None
+    };
+    // What the final transfer will move: what the last streamed round had to send
+    // (the dirty set), else the last round's whole image.
+    let dirty = (st.iteration > 0).then_some(if t.pre_copy_send_us > 0 {
+        st.last_round_sent_bytes
+    } else {
+        st.last_round_bytes
+    });
     let network = (!st.sockets.is_empty()).then(|| NetworkOutcome {
         listeners_restored: st.count(SocketOutcome::ListenerRestored) as i32,
         connections_preserved: st.count(SocketOutcome::Preserved) as i32,
@@ -72,8 +87,10 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
         progress: AgentProgress {
             iteration: st.iteration,
             bytes_sent: st.bytes_sent,
-            dirty_bytes: (st.iteration > 0).then_some(st.last_round_bytes),
+            dirty_bytes: dirty,
             rate_bytes_per_second: rate,
+            dump_millis: (st.iteration > 0 && t.last_round_us > 0)
+                .then(|| t.last_round_us.div_ceil(1000)),
             frozen_at: at(t.freeze_started_us),
             resumed_at: if role == Role::Target {
                 at(t.resumed_us)
@@ -171,23 +188,19 @@ impl WireAgents {
                 })
                 .await
             }
-            Step::PreDump(_) => c.pre_dump(uid).await,
+            // A pre-copy round is the dump while the workload runs and the stream of
+            // what changed to the target: pages move before the freeze, and the
+            // stream measures the dirty set and the link for the freeze budget.
+            Step::PreDump(_) => match (c.pre_dump(uid).await, &r.target_agent_url) {
+                (Ok(_), Some(url)) => send(&mut c, r, url).await,
+                (res, _) => res,
+            },
             Step::Dump => c.dump(uid).await,
             Step::Transfer => {
                 let Some(url) = &r.target_agent_url else {
                     return Err(("NoTargetAgent".into(), "no target agent endpoint".into()));
                 };
-                let req = SendRequest {
-                    migration_uid: uid.into(),
-                    target_endpoint: url.clone(),
-                    target_server_name: agent_server_name(&r.target_node),
-                    bandwidth_limit: r.bandwidth_limit_bytes_per_second.unwrap_or(0).max(0) as u64,
-                };
-                c.raw()
-                    .send(req)
-                    .await
-                    .map(|resp| resp.into_inner())
-                    .map_err(ClientError::from)
+                send(&mut c, r, url).await
             }
             Step::Restore => c.restore(uid).await,
             // The wire service has no probe call yet: the operator probes the restored
@@ -200,6 +213,25 @@ impl WireAgents {
         };
         res.map(|_| ()).map_err(|e| fail(&e))
     }
+}
+
+/// Streams the images the source holds and the target lacks (incremental).
+async fn send(
+    c: &mut WireClient,
+    r: &StepRequest,
+    target_url: &str,
+) -> Result<MigrationStatus, ClientError> {
+    let req = SendRequest {
+        migration_uid: r.migration_uid.clone(),
+        target_endpoint: target_url.into(),
+        target_server_name: agent_server_name(&r.target_node),
+        bandwidth_limit: r.bandwidth_limit_bytes_per_second.unwrap_or(0).max(0) as u64,
+    };
+    c.raw()
+        .send(req)
+        .await
+        .map(|resp| resp.into_inner())
+        .map_err(ClientError::from)
 }
 
 impl WireAgents {
@@ -469,6 +501,38 @@ mod tests {
         let r = report_from_status(&st);
         assert_eq!(r.last_step(), Some(Step::PreDump(3)));
         assert_eq!(r.progress.dirty_bytes, Some(4096));
+    }
+
+    #[test]
+    fn pre_copy_rounds_report_the_dirty_set_the_link_speed_and_the_dump_cost() {
+        // Round 2 streamed 3 MB of 64 MB; 60 MB went in 0.6 s over both rounds.
+        let mut st = status(Role::Source, Phase::PreDumping);
+        st.iteration = 2;
+        st.last_round_bytes = 64_000_000;
+        st.last_round_sent_bytes = 3_000_000;
+        st.pre_copy_sent_bytes = 60_000_000;
+        st.bytes_sent = 60_000_000;
+        st.timings = Some(Timings {
+            pre_copy_send_us: 600_000,
+            last_round_us: 120_400,
+            ..Default::default()
+        });
+        let r = report_from_status(&st);
+        assert_eq!(r.last_step(), Some(Step::PreDump(2)));
+        assert_eq!(r.progress.dirty_bytes, Some(3_000_000));
+        assert_eq!(r.progress.rate_bytes_per_second, Some(100_000_000));
+        assert_eq!(r.progress.dump_millis, Some(121));
+        // After the final transfer its own speed is reported, not the pre-copy one.
+        st.phase = Phase::Sent as i32;
+        st.bytes_sent = 62_000_000;
+        st.timings = Some(Timings {
+            send_us: 10_000,
+            ..st.timings()
+        });
+        assert_eq!(
+            report_from_status(&st).progress.rate_bytes_per_second,
+            Some(200_000_000)
+        );
     }
 
     #[test]

@@ -91,6 +91,10 @@ pub struct AgentProgress {
     pub dirty_bytes: Option<u64>,
     /// Transfer rate measured in the last round, bytes per second (source).
     pub rate_bytes_per_second: Option<u64>,
+    /// What the final dump itself will take, in milliseconds, whatever the dirty set:
+    /// the last pre-copy round's duration (source). Without soft-dirty tracking the
+    /// final dump writes the whole memory again, so this is most of the freeze.
+    pub dump_millis: Option<u64>,
     /// When the pod was frozen for the final dump (source).
     pub frozen_at: Option<Timestamp>,
     /// When the restored process resumed (target).

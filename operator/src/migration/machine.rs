@@ -191,13 +191,19 @@ pub enum PreCopyDecision {
     BudgetExceeded { estimate_millis: Option<u64> },
 }
 
-/// Estimated freeze for `dirty` bytes at `rate` bytes/s, rounded up; `None` if unknown.
-pub fn freeze_estimate_millis(dirty: Option<u64>, rate: Option<u64>) -> Option<u64> {
-    match (dirty, rate) {
+/// Estimated freeze for `dirty` bytes at `rate` bytes/s, rounded up, plus the final
+/// dump's own cost `dump_millis` where known; `None` if unknown.
+pub fn freeze_estimate_millis(
+    dirty: Option<u64>,
+    rate: Option<u64>,
+    dump_millis: Option<u64>,
+) -> Option<u64> {
+    let transfer = match (dirty, rate) {
         (Some(0), _) => Some(0),
         (Some(d), Some(r)) if r > 0 => Some((d.saturating_mul(1000)).div_ceil(r)),
         _ => None,
-    }
+    }?;
+    Some(transfer.saturating_add(dump_millis.unwrap_or(0)))
 }
 
 /// The freeze-budget rule. Keep pre-copying until the remaining dirty bytes fit
@@ -206,7 +212,11 @@ pub fn freeze_estimate_millis(dirty: Option<u64>, rate: Option<u64>) -> Option<u
 /// within budget, else abort.
 pub fn pre_copy_decision(round: u32, report: &AgentReport, knobs: &Knobs) -> PreCopyDecision {
     let dirty = report.progress.dirty_bytes;
-    let estimate = freeze_estimate_millis(dirty, report.progress.rate_bytes_per_second);
+    let estimate = freeze_estimate_millis(
+        dirty,
+        report.progress.rate_bytes_per_second,
+        report.progress.dump_millis,
+    );
     let fits = estimate.is_some_and(|e| e <= knobs.freeze_budget_millis);
     let small = dirty.is_some_and(|d| d <= knobs.dirty_threshold_bytes);
     if fits {

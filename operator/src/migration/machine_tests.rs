@@ -407,6 +407,27 @@ fn pre_copy_continues_until_the_dirty_set_fits_the_budget() {
 }
 
 #[test]
+fn the_final_dump_itself_counts_against_the_freeze_budget() {
+    let k = knobs(500, 5, 1024);
+    // 40 MiB at 100 MiB/s is 400 ms of transfer: alone it fits 500 ms, but the final
+    // dump the last round says costs 150 ms does not fit with it.
+    let mut r = done(Step::PreDump(2)).dirty(40 << 20, 100 << 20);
+    r.progress.dump_millis = Some(150);
+    assert_eq!(
+        freeze_estimate_millis(Some(40 << 20), Some(100 << 20), Some(150)),
+        Some(550)
+    );
+    assert_eq!(
+        pre_copy_decision(2, &r, &k),
+        PreCopyDecision::AnotherRound(3)
+    );
+    r.progress.dump_millis = Some(90);
+    assert_eq!(pre_copy_decision(2, &r, &k), PreCopyDecision::FinalDump);
+    // No rate measured: unknown, whatever the dump costs.
+    assert_eq!(freeze_estimate_millis(Some(1), None, Some(10)), None);
+}
+
+#[test]
 fn the_last_round_over_budget_aborts_with_freeze_budget_exceeded() {
     let k = knobs(500, 3, 1024);
     let r = done(Step::PreDump(3)).dirty(100 << 20, 100 << 20);
