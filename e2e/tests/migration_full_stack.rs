@@ -89,6 +89,11 @@ fn start_controller(
     nodes: [&str; 2],
     ports: [u16; 2],
 ) -> JoinHandle<()> {
+    // The master key as the chart mounts it: the same across operator restarts.
+    let key_file = tb.dir.join("migration-master-key");
+    if !key_file.exists() {
+        std::fs::write(&key_file, "k".repeat(64)).unwrap();
+    }
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -102,6 +107,7 @@ fn start_controller(
         .join(",");
     let file = |f: &str| tb.dir.join(f).display().to_string();
     let (ca, cert, key) = (file("ca.crt"), file("operator.crt"), file("operator.key"));
+    let master = file("migration-master-key");
     let args = [
         "podmotion-operator",
         "--no-leader-election",
@@ -117,6 +123,8 @@ fn start_controller(
         &cert,
         "--migration-agent-tls-key",
         &key,
+        "--migration-key-file",
+        &master,
     ];
     let cli = Cli::try_parse_from(args).unwrap();
     let (tx, rx) = watch::channel(false);
@@ -164,6 +172,7 @@ struct FullStack {
     nodes: [&'static str; 2],
     source: Pod,
     workload: podmotion_wire::ids::ProcRef,
+    ports: [u16; 2],
     controller: JoinHandle<()>,
 }
 
@@ -235,8 +244,29 @@ impl FullStack {
             nodes,
             source,
             workload,
+            ports,
             controller,
         })
+    }
+
+    /// The operator process dies and a new one starts (same flags and master key, no
+    /// memory of the old one's calls).
+    async fn restart_controller(&mut self) {
+        self.controller.abort();
+        let _ = (&mut self.controller).await;
+        self.controller = start_controller(
+            &self.ns.client,
+            &self.ns.name,
+            &self.tb,
+            self.nodes,
+            self.ports,
+        );
+    }
+
+    /// The agent of `node` (0 = source) comes back on its port, empty.
+    fn restart_agent(&mut self, node: usize) {
+        self.tb
+            .start_agent_at(node, Some(&format!("127.0.0.1:{}", self.ports[node])));
     }
 
     /// Migrates the pod to the other node with `spec` (merged over the defaults) and
@@ -244,6 +274,12 @@ impl FullStack {
     /// runs it, its holder process starts, is registered under its container ID, and
     /// gets the pod address.
     async fn migrate(&mut self, spec: serde_json::Value) -> PodMigrationStatus {
+        self.start_migration(spec).await;
+        self.wait_end().await
+    }
+
+    /// Creates the PodMigration and plays runtime and CNI for its target pod.
+    async fn start_migration(&mut self, spec: serde_json::Value) {
         let mut full = json!({"podName": self.source.name_any(), "targetNode": self.nodes[1],
             "tcpPreservation": "BestEffort", "progressTimeoutSeconds": 60, "deadlineSeconds": 240});
         for (k, v) in spec.as_object().unwrap() {
@@ -289,6 +325,33 @@ impl FullStack {
         self.tb.add_address_to_target();
         self.tb
             .register_container(&container_id(&target_pod).unwrap(), holder.pid);
+    }
+
+    async fn wait_phase(&self, want: MigrationPhase) {
+        let migrations = self.ns.api::<PodMigration>();
+        let got = wait_for(
+            &migrations,
+            "move-web",
+            TIMEOUT,
+            &format!("{want:?}"),
+            |m| {
+                m.and_then(|m| m.status.as_ref())
+                    .is_some_and(|s| s.phase == want)
+            },
+        )
+        .await;
+        if got.is_err() {
+            panic!(
+                "never reached {want:?}; status: {}\n{}",
+                status_of(&migrations, "move-web").await,
+                self.logs()
+            );
+        }
+    }
+
+    /// Waits for the end of the migration; its final status.
+    async fn wait_end(&self) -> PodMigrationStatus {
+        let migrations = self.ns.api::<PodMigration>();
         let done = wait_for(
             &migrations,
             "move-web",
@@ -342,6 +405,46 @@ impl FullStack {
     fn source_alive(&self) -> bool {
         std::fs::read_to_string(format!("/proc/{}/stat", self.workload.pid))
             .is_ok_and(|s| !s.contains(") Z"))
+    }
+
+    /// The target pod of a rolled-back migration is deleted.
+    async fn assert_target_gone(&self, st: &PodMigrationStatus) {
+        let target = st.target_pod.clone().unwrap();
+        wait_for(
+            &self.ns.api::<Pod>(),
+            &target,
+            TIMEOUT,
+            "target pod gone",
+            |p| p.is_none(),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// The source tree runs (alive and not stopped) and serves on `conn`, counting on.
+    async fn assert_source_serves(&self, conn: &mut std::net::TcpStream, before: u64) {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.workload.pid))
+            .unwrap_or_default();
+        let state = stat.rsplit_once(") ").map(|(_, r)| &r[..1]);
+        assert!(
+            matches!(state, Some("S" | "R")),
+            "the source is not running: {stat}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let after: u64 = ask(conn, "get").unwrap().parse().unwrap();
+        assert!(
+            after > before,
+            "the source kept counting: {before} → {after}"
+        );
+        assert!(
+            self.ns
+                .api::<Pod>()
+                .get_opt(&self.source.name_any())
+                .await
+                .unwrap()
+                .is_some(),
+            "the source pod stays"
+        );
     }
 }
 
@@ -502,32 +605,106 @@ async fn a_freeze_that_cannot_fit_the_budget_aborts_before_freezing_and_the_sour
     );
     assert!(progress.bytes_sent < 24 << 20, "{progress:?}");
     // The source was never frozen: it serves on the same connection, counting on.
-    assert!(fs.source_alive());
-    std::thread::sleep(Duration::from_millis(300));
-    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
-    assert!(
-        after > before,
-        "the source kept running: {before} → {after}"
-    );
-    // The target pod is gone, the source pod stays, nothing is left on the nodes.
-    let target = st.target_pod.clone().unwrap();
+    fs.assert_source_serves(&mut conn, before).await;
+    fs.assert_target_gone(&st).await;
+    fs.assert_no_images_left().await;
+}
+
+/// A transfer slow enough to act in the middle of: 16 MiB at 2 MiB/s.
+fn slow_cold() -> serde_json::Value {
+    json!({"mode": "Cold", "freezeBudgetMillis": 120000,
+           "bandwidthLimitBytesPerSecond": 2 << 20})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_migration_mid_transfer_rolls_back_to_the_running_source() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fsdel").await else {
+        return;
+    };
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    fs.start_migration(slow_cold()).await;
+    fs.wait_phase(MigrationPhase::Transferring).await;
+    let migrations = fs.ns.api::<PodMigration>();
+    let st = migrations.get("move-web").await.unwrap().status.unwrap();
+    migrations
+        .delete("move-web", &Default::default())
+        .await
+        .unwrap();
     wait_for(
-        &fs.ns.api::<Pod>(),
-        &target,
-        TIMEOUT,
-        "target pod gone",
-        |p| p.is_none(),
+        &migrations,
+        "move-web",
+        Duration::from_secs(120),
+        "PodMigration gone after rollback",
+        |m| m.is_none(),
     )
     .await
-    .unwrap();
-    assert!(
-        fs.ns
-            .api::<Pod>()
-            .get_opt(&fs.source.name_any())
-            .await
-            .unwrap()
-            .is_some()
+    .unwrap_or_else(|e| panic!("{e}\n{}", fs.logs()));
+    // Frozen for the dump, thawed by the rollback: the same connection works again.
+    fs.assert_source_serves(&mut conn, before).await;
+    fs.assert_target_gone(&st).await;
+    fs.assert_no_images_left().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_source_agent_mid_transfer_fails_the_migration_and_the_source_runs_on() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fskill").await else {
+        return;
+    };
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    let mut spec = slow_cold();
+    spec["progressTimeoutSeconds"] = json!(10);
+    fs.start_migration(spec).await;
+    fs.wait_phase(MigrationPhase::Transferring).await;
+    // The agent dies with the source frozen; its broker's lease rolls the source back.
+    fs.tb.kill_agent(0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    fs.restart_agent(0);
+    let st = fs.wait_end().await;
+    assert_eq!(st.phase, MigrationPhase::Failed, "{st:#?}\n{}", fs.logs());
+    assert_eq!(
+        st.failure_reason.as_deref(),
+        Some(podmotion_api::names::reasons::AGENT_ERROR),
+        "{st:#?}"
     );
+    assert!(
+        st.failure_message
+            .as_deref()
+            .unwrap_or("")
+            .contains("source agent"),
+        "{st:#?}"
+    );
+    fs.assert_source_serves(&mut conn, before).await;
+    fs.assert_target_gone(&st).await;
+    fs.assert_no_images_left().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarting_the_operator_mid_transfer_resumes_with_one_copy_running() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut fs) = FullStack::new("mig-fsrst").await else {
+        return;
+    };
+    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    fs.start_migration(slow_cold()).await;
+    fs.wait_phase(MigrationPhase::Transferring).await;
+    fs.restart_controller().await;
+    let st = fs.wait_end().await;
+    assert_eq!(
+        st.phase,
+        MigrationPhase::Succeeded,
+        "{st:#?}\n{}",
+        fs.logs()
+    );
+    // One copy: the source tree is gone, the restored one serves the old connection.
+    assert!(!fs.source_alive(), "two copies running");
+    fs.tb.route_to_target();
+    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(after >= before, "{before} → {after}");
     fs.assert_no_images_left().await;
 }
 

@@ -462,8 +462,10 @@ impl Agent {
         let uid = m.uid.to_string();
         let already = m.sent.clone();
         let delta = !self.cfg.track_mem;
-        let producer =
-            tokio::task::spawn_blocking(move || produce(&dir, &uid, &sealer, &tx, &already, delta));
+        let pace = Pace::new(r.bandwidth_limit);
+        let producer = tokio::task::spawn_blocking(move || {
+            produce(&dir, &uid, &sealer, &tx, &already, delta, &pace)
+        });
         let stream =
             futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
         let summary = client.receive_images(stream).await;
@@ -808,7 +810,18 @@ impl Agent {
     }
 
     async fn abort_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?;
+        let Ok(m) = self.get(uid) else {
+            // Unknown here (never prepared, or lost in an agent restart): nothing of it
+            // runs or is frozen by this agent — a lost agent's broker lease already
+            // rolled its source back. Aborting nothing succeeds, so the operator's
+            // rollback can finish.
+            MigrationUid::parse(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            return Ok(MigrationStatus {
+                migration_uid: uid.into(),
+                phase: Phase::Aborted as i32,
+                ..Default::default()
+            });
+        };
         let mut m = m.lock().await;
         match (m.role, m.phase) {
             (_, Phase::Aborted) => return Ok(m.status()),
@@ -890,6 +903,7 @@ fn produce(
     tx: &tokio::sync::mpsc::Sender<ImageChunk>,
     already: &std::collections::BTreeSet<String>,
     delta: bool,
+    pace: &Pace,
 ) -> Result<(u64, Vec<String>), Status> {
     let ierr = |e: std::io::Error| Status::internal(e.to_string());
     let mut entries = Vec::new();
@@ -927,6 +941,7 @@ fn produce(
             base: base.into(),
         };
     let send = |c: ImageChunk| {
+        pace.wait(c.sealed.len() as u64);
         tx.blocking_send(c)
             .map_err(|_| Status::aborted("target closed the stream"))
     };
@@ -1018,6 +1033,38 @@ fn produce(
         base: String::new(),
     })?;
     Ok((bytes, paths))
+}
+
+/// The PodMigration's bandwidth limit: the stream never runs ahead of `limit` bytes
+/// per second since it started (0 = unlimited).
+struct Pace {
+    limit: u64,
+    started: Instant,
+    sent: std::sync::atomic::AtomicU64,
+}
+
+impl Pace {
+    fn new(limit: u64) -> Pace {
+        Pace {
+            limit,
+            started: Instant::now(),
+            sent: Default::default(),
+        }
+    }
+
+    /// Blocks until `bytes` more may go out.
+    fn wait(&self, bytes: u64) {
+        if self.limit == 0 {
+            return;
+        }
+        let before = self
+            .sent
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        let due = std::time::Duration::from_secs_f64(before as f64 / self.limit as f64);
+        if let Some(ahead) = due.checked_sub(self.started.elapsed()) {
+            std::thread::sleep(ahead);
+        }
+    }
 }
 
 fn pre_round(rel: &str) -> u32 {
