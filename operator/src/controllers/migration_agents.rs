@@ -204,7 +204,7 @@ impl WireAgents {
             }
             Step::Restore => c.restore(uid).await,
             // The wire service has no probe call yet: the operator probes the restored
-            // pod over the pod network itself (TCP and plain HTTP); other kinds fail
+            // pod over the pod network itself (TCP, plain HTTP, gRPC); other kinds fail
             // closed, so nothing is committed without proof.
             Step::Probe => return self.probe(r).await,
             Step::Commit => c.commit_closing(uid, r.close_connections).await,
@@ -271,15 +271,66 @@ enum ProbeError {
     Failed(String),
 }
 
-/// One attempt of a TCP or plain-HTTP probe against `ip`.
+/// `grpc.health.v1` messages (the kubelet's gRPC probe protocol).
+mod health {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HealthCheckRequest {
+        #[prost(string, tag = "1")]
+        pub service: String,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HealthCheckResponse {
+        /// 1 = SERVING.
+        #[prost(int32, tag = "1")]
+        pub status: i32,
+    }
+    pub const SERVING: i32 = 1;
+    pub const CHECK: &str = "/grpc.health.v1.Health/Check";
+}
+
+/// One gRPC health check (plaintext, as the kubelet's gRPC probes).
+async fn grpc_health(addr: &str, service: &str) -> Result<(), String> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.map_err(|e| e.to_string())?;
+    let resp = grpc
+        .unary::<_, health::HealthCheckResponse, _>(
+            tonic::Request::new(health::HealthCheckRequest {
+                service: service.into(),
+            }),
+            tonic::codegen::http::uri::PathAndQuery::from_static(health::CHECK),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .map_err(|s| format!("{addr} health check: {}", s.message()))?;
+    match resp.into_inner().status {
+        health::SERVING => Ok(()),
+        other => Err(format!("{addr} health status {other}, not SERVING")),
+    }
+}
+
+/// One attempt of a TCP, plain-HTTP or gRPC probe against `ip`.
 async fn probe_once(ip: &str, p: &ApplicationProbe, timeout: Duration) -> Result<(), ProbeError> {
     let failed = |m: String| ProbeError::Failed(m);
+    if let Some(g) = &p.grpc {
+        let addr = format!("{ip}:{}", g.port);
+        let service = g.service.clone().unwrap_or_default();
+        return tokio::time::timeout(timeout, grpc_health(&addr, &service))
+            .await
+            .map_err(|_| failed(format!("{addr}: no answer within {timeout:?}")))?
+            .map_err(failed);
+    }
     let (port, http_path) = match (&p.tcp_socket, &p.http_get) {
         (Some(t), _) => (t.port, None),
         (None, Some(h)) if h.scheme == HttpScheme::Http => (h.port, Some(h.path.clone())),
         _ => {
             return Err(ProbeError::Unsupported(
-                "HTTPS, gRPC and exec probes need the agent, whose wire protocol has no probe call yet".into(),
+                "HTTPS and exec probes need the agent, whose wire protocol has no probe call yet"
+                    .into(),
             ));
         }
     };
@@ -438,17 +489,65 @@ mod tests {
             probe_once("127.0.0.1", &probe(Some(i32::from(closed)), None), t).await,
             Err(ProbeError::Failed(_))
         ));
-        let grpc = ApplicationProbe {
-            grpc: Some(podmotion_api::migration::GrpcProbe {
+        let https = ApplicationProbe {
+            http_get: Some(HttpProbe {
+                path: "/".into(),
                 port,
-                service: None,
+                scheme: HttpScheme::Https,
             }),
             ..probe(None, None)
         };
         assert!(matches!(
-            probe_once("127.0.0.1", &grpc, t).await,
+            probe_once("127.0.0.1", &https, t).await,
             Err(ProbeError::Unsupported(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_grpc_probe_passes_only_while_the_service_reports_serving() {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("web", tonic_health::ServingStatus::Serving)
+            .await;
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = i32::from(l.local_addr().unwrap().port());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream_of(l)),
+        );
+        let grpc = |service: &str| ApplicationProbe {
+            grpc: Some(podmotion_api::migration::GrpcProbe {
+                port,
+                service: Some(service.into()),
+            }),
+            ..probe(None, None)
+        };
+        let t = Duration::from_secs(2);
+        probe_once("127.0.0.1", &grpc("web"), t)
+            .await
+            .unwrap_or_else(|_| panic!("serving service must pass"));
+        assert!(matches!(
+            probe_once("127.0.0.1", &grpc("other"), t).await,
+            Err(ProbeError::Failed(_))
+        ));
+        reporter
+            .set_service_status("web", tonic_health::ServingStatus::NotServing)
+            .await;
+        assert!(matches!(
+            probe_once("127.0.0.1", &grpc("web"), t).await,
+            Err(ProbeError::Failed(_))
+        ));
+    }
+
+    /// The listener as the incoming-connection stream tonic's server takes.
+    fn tokio_stream_of(
+        l: TcpListener,
+    ) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+        futures::stream::unfold(l, |l| async move {
+            let r = l.accept().await.map(|(s, _)| s);
+            Some((r, l))
+        })
     }
 
     fn status(role: Role, phase: Phase) -> MigrationStatus {
