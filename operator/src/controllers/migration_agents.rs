@@ -204,7 +204,7 @@ impl WireAgents {
             }
             Step::Restore => c.restore(uid).await,
             // The wire service has no probe call yet: the operator probes the restored
-            // pod over the pod network itself (TCP, plain HTTP, gRPC); other kinds fail
+            // pod over the pod network itself (TCP, HTTP, HTTPS, gRPC); exec probes fail
             // closed, so nothing is committed without proof.
             Step::Probe => return self.probe(r).await,
             Step::Commit => c.commit_closing(uid, r.close_connections).await,
@@ -324,39 +324,37 @@ async fn probe_once(ip: &str, p: &ApplicationProbe, timeout: Duration) -> Result
             .map_err(|_| failed(format!("{addr}: no answer within {timeout:?}")))?
             .map_err(failed);
     }
-    let (port, http_path) = match (&p.tcp_socket, &p.http_get) {
+    let (port, http) = match (&p.tcp_socket, &p.http_get) {
         (Some(t), _) => (t.port, None),
-        (None, Some(h)) if h.scheme == HttpScheme::Http => (h.port, Some(h.path.clone())),
+        (None, Some(h)) => (h.port, Some((h.path.clone(), h.scheme))),
         _ => {
             return Err(ProbeError::Unsupported(
-                "HTTPS and exec probes need the agent, whose wire protocol has no probe call yet"
-                    .into(),
+                "exec probes need the agent, whose wire protocol has no probe call yet".into(),
             ));
         }
     };
     let addr = format!("{ip}:{port}");
     let attempt = async {
-        let mut stream = TcpStream::connect(&addr)
+        let stream = TcpStream::connect(&addr)
             .await
             .map_err(|e| failed(format!("connect {addr}: {e}")))?;
-        let Some(path) = http_path else { return Ok(()) };
-        let req =
-            format!("GET {path} HTTP/1.0\r\nHost: {ip}\r\nUser-Agent: podmotion-probe\r\n\r\n");
-        stream
-            .write_all(req.as_bytes())
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        let mut buf = vec![0u8; 64];
-        let n = stream
-            .read(&mut buf)
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        let line = String::from_utf8_lossy(&buf[..n]);
-        match line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse::<u16>().ok())
-        {
+        let Some((path, scheme)) = http else {
+            return Ok(());
+        };
+        let code = match scheme {
+            HttpScheme::Http => http_status(stream, ip, &path).await,
+            HttpScheme::Https => {
+                let name = rustls::pki_types::ServerName::try_from(ip.to_string())
+                    .map_err(|e| failed(format!("{ip}: {e}")))?;
+                let tls = tokio_rustls::TlsConnector::from(probe_tls())
+                    .connect(name, stream)
+                    .await
+                    .map_err(|e| failed(format!("TLS to {addr}: {e}")))?;
+                http_status(tls, ip, &path).await
+            }
+        }
+        .map_err(|e| failed(format!("GET {addr}{path}: {e}")))?;
+        match code {
             Some(code) if (200..400).contains(&code) => Ok(()),
             other => Err(failed(format!("GET {addr}{path}: status {other:?}"))),
         }
@@ -364,6 +362,82 @@ async fn probe_once(ip: &str, p: &ApplicationProbe, timeout: Duration) -> Result
     tokio::time::timeout(timeout, attempt)
         .await
         .map_err(|_| failed(format!("{addr}: no answer within {timeout:?}")))?
+}
+
+/// Sends `GET path` and returns the response's status code.
+async fn http_status<S>(mut stream: S, host: &str, path: &str) -> std::io::Result<Option<u16>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let req = format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nUser-Agent: podmotion-probe\r\n\r\n");
+    stream.write_all(req.as_bytes()).await?;
+    stream.flush().await?;
+    let mut buf = vec![0u8; 64];
+    let n = stream.read(&mut buf).await?;
+    Ok(String::from_utf8_lossy(&buf[..n])
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok()))
+}
+
+/// TLS for HTTPS probes: like the kubelet's, they check that the application answers
+/// over TLS, not who it is, so the server's certificate is not verified.
+fn probe_tls() -> Arc<rustls::ClientConfig> {
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls::{DigitallySignedStruct, SignatureScheme};
+
+    #[derive(Debug)]
+    struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
+    impl ServerCertVerifier for AnyCertificate {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+        .with_no_client_auth();
+    Arc::new(config)
 }
 
 impl AgentClient for WireAgents {
@@ -489,18 +563,80 @@ mod tests {
             probe_once("127.0.0.1", &probe(Some(i32::from(closed)), None), t).await,
             Err(ProbeError::Failed(_))
         ));
-        let https = ApplicationProbe {
-            http_get: Some(HttpProbe {
-                path: "/".into(),
-                port,
-                scheme: HttpScheme::Https,
+        let exec = ApplicationProbe {
+            exec: Some(podmotion_api::migration::ExecProbe {
+                command: vec!["true".into()],
+                container: None,
             }),
             ..probe(None, None)
         };
         assert!(matches!(
-            probe_once("127.0.0.1", &https, t).await,
+            probe_once("127.0.0.1", &exec, t).await,
             Err(ProbeError::Unsupported(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn an_https_probe_passes_against_a_self_signed_server_and_fails_on_its_errors() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["app.invalid".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+        )
+        .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = i32::from(l.local_addr().unwrap().port());
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                let Ok(mut s) = acceptor.accept(s).await else {
+                    continue;
+                };
+                let mut buf = [0u8; 256];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let ok = String::from_utf8_lossy(&buf[..n]).starts_with("GET /healthz ");
+                let line = if ok {
+                    "HTTP/1.0 204 No Content\r\n\r\n"
+                } else {
+                    "HTTP/1.0 500 Oops\r\n\r\n"
+                };
+                let _ = s.write_all(line.as_bytes()).await;
+                let _ = s.shutdown().await;
+            }
+        });
+        let get = |path: &str, scheme: HttpScheme| ApplicationProbe {
+            http_get: Some(HttpProbe {
+                path: path.into(),
+                port,
+                scheme,
+            }),
+            ..probe(None, None)
+        };
+        let t = Duration::from_secs(2);
+        probe_once("127.0.0.1", &get("/healthz", HttpScheme::Https), t)
+            .await
+            .unwrap_or_else(|_| panic!("a healthy HTTPS server must pass"));
+        assert!(matches!(
+            probe_once("127.0.0.1", &get("/broken", HttpScheme::Https), t).await,
+            Err(ProbeError::Failed(_))
+        ));
+        // Plain HTTP against the TLS port gets no status line: a failure, not a pass.
+        assert!(
+            probe_once("127.0.0.1", &get("/healthz", HttpScheme::Http), t)
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test]
