@@ -506,6 +506,35 @@ pub fn from_json<K: DeserializeOwned>(v: serde_json::Value) -> K {
     serde_json::from_value(v).expect("test manifest matches the type")
 }
 
+/// A Deployment `name` (pods labelled `app=<name>`) of `replicas` pods that may run only
+/// on `nodes`: one container, no probes, small requests.
+pub fn deployment_on_nodes(
+    name: &str,
+    replicas: usize,
+    nodes: &[&str],
+) -> k8s_openapi::api::apps::v1::Deployment {
+    from_json(serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}
+                        ]}]
+                    }}},
+                    "containers": [{"name": "app", "image": "registry.example/web:1",
+                        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]
+                }
+            }
+        }
+    }))
+}
+
 /// A container spec that satisfies the `restricted` PodSecurity level.
 pub fn restricted_container(name: &str) -> serde_json::Value {
     serde_json::json!({

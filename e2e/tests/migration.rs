@@ -31,7 +31,8 @@ use podmotion_api::names::reasons;
 use podmotion_e2e::kubectl_wait;
 use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{
-    PodSecurity, TIMEOUT, TestNamespace, from_json, pod_running_ready, wait_for, wait_list,
+    PodSecurity, TIMEOUT, TestNamespace, deployment_on_nodes, from_json, pod_running_ready,
+    wait_for, wait_list,
 };
 use podmotion_operator::config::OperatorConfig;
 use podmotion_operator::context::Context;
@@ -457,26 +458,8 @@ impl Setup {
         install_crds(&ns.client).await;
         let agents = ProcAgents::default();
         let controller = start_controller_with(&ns.client, &ns.name, &agents, overrides, extra);
-        let deploy: Deployment = from_json(json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": replicas,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {
-                    "metadata": {"labels": {"app": "web"}},
-                    "spec": {
-                        // Only the two nodes with a (stand-in) agent.
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [
-                                {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
-                            ]}]
-                        }}},
-                        "containers": [{"name": "app", "image": "registry.example/web:1",
-                        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]}
-                }
-            }
-        }));
+        // Only the two nodes with a (stand-in) agent.
+        let deploy = deployment_on_nodes("web", replicas, &NODES);
         ns.api::<Deployment>()
             .create(&PostParams::default(), &deploy)
             .await

@@ -36,7 +36,9 @@ use podmotion_agent::testbed::{AGENT_NAMES, Testbed, ask, root_tests_enabled};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::operator::install_crds;
-use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for, wait_list};
+use podmotion_e2e::{
+    PodSecurity, TIMEOUT, TestNamespace, deployment_on_nodes, from_json, wait_for, wait_list,
+};
 use podmotion_operator::config::OperatorConfig;
 use podmotion_operator::context::Context;
 use podmotion_operator::controllers::migration::{MigrationConfig, run_configured};
@@ -184,26 +186,7 @@ impl FullStack {
         let ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
         install_crds(&ns.client).await;
         // The workload's pod: one replica on one of the two agent nodes.
-        let deploy: Deployment = from_json(json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {
-                    "metadata": {"labels": {"app": "web"}},
-                    "spec": {
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [
-                                {"key": "kubernetes.io/hostname", "operator": "In", "values": NODES}
-                            ]}]
-                        }}},
-                        "containers": [{"name": "app", "image": "registry.example/web:1",
-                            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]
-                    }
-                }
-            }
-        }));
+        let deploy = deployment_on_nodes("web", 1, &NODES);
         ns.api::<Deployment>()
             .create(&PostParams::default(), &deploy)
             .await
@@ -457,15 +440,29 @@ impl Drop for FullStack {
 /// Root tests share the machine's CRIU and cgroups: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fs").await else {
-        return;
-    };
-    // A client with an established connection to the pod address, before the move.
+/// The serial turn, a full stack, and a client's established connection to the pod
+/// address with the workload's counter read over it; `None` where the test is skipped.
+async fn start(
+    prefix: &str,
+) -> Option<(
+    tokio::sync::MutexGuard<'static, ()>,
+    FullStack,
+    std::net::TcpStream,
+    u64,
+)> {
+    let serial = SERIAL.lock().await;
+    let fs = FullStack::new(prefix).await?;
     let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
     let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    Some((serial, fs, conn, before))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
+    // A client with an established connection to the pod address, before the move.
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fs").await else {
+        return;
+    };
 
     let st = fs
         .migrate(json!({"mode": "Cold", "freezeBudgetMillis": 30000}))
@@ -538,12 +535,9 @@ async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pre_copy_streams_rounds_while_the_pod_runs_and_freezes_within_budget() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fspc").await else {
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fspc").await else {
         return;
     };
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
-    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     // 16 MiB of ballast dirtied at 64 KiB/s: the first round moves it all and measures
     // the link, the next moves only what changed, which fits a generous budget.
     let st = fs
@@ -577,12 +571,9 @@ async fn pre_copy_streams_rounds_while_the_pod_runs_and_freezes_within_budget() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_freeze_that_cannot_fit_the_budget_aborts_before_freezing_and_the_source_runs_on() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fsbx").await else {
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fsbx").await else {
         return;
     };
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
-    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     // 10 ms cannot hold even the final dump of 16 MiB.
     let st = fs
         .migrate(json!({"mode": "PreCopy", "freezeBudgetMillis": 10,
@@ -618,12 +609,9 @@ fn slow_cold() -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_migration_mid_transfer_rolls_back_to_the_running_source() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fsdel").await else {
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fsdel").await else {
         return;
     };
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
-    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     fs.start_migration(slow_cold()).await;
     fs.wait_phase(MigrationPhase::Transferring).await;
     let migrations = fs.ns.api::<PodMigration>();
@@ -649,12 +637,9 @@ async fn deleting_the_migration_mid_transfer_rolls_back_to_the_running_source() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_source_agent_mid_transfer_fails_the_migration_and_the_source_runs_on() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fskill").await else {
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fskill").await else {
         return;
     };
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
-    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     let mut spec = slow_cold();
     spec["progressTimeoutSeconds"] = json!(10);
     fs.start_migration(spec).await;
@@ -684,12 +669,9 @@ async fn killing_the_source_agent_mid_transfer_fails_the_migration_and_the_sourc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_the_operator_mid_transfer_resumes_with_one_copy_running() {
-    let _serial = SERIAL.lock().await;
-    let Some(mut fs) = FullStack::new("mig-fsrst").await else {
+    let Some((_serial, mut fs, mut conn, before)) = start("mig-fsrst").await else {
         return;
     };
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
-    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     fs.start_migration(slow_cold()).await;
     fs.wait_phase(MigrationPhase::Transferring).await;
     fs.restart_controller().await;
