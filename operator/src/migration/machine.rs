@@ -962,6 +962,14 @@ impl<'a> Machine<'a> {
                     } else {
                         r.done(Step::Abort)
                     }
+                } else if r.last.is_none()
+                    && rank(self.status.phase) >= rank(MigrationPhase::Restoring)
+                {
+                    // The agent forgot the migration (it restarted) after a restore may
+                    // have run: its silence proves nothing. Only the target pod's
+                    // removal (the kubelet kills its containers) does.
+                    self.act(Action::DeleteTargetPod);
+                    o.target_pod.is_none()
                 } else {
                     // Receive (or nothing): no process was restored. Stop the receiver.
                     if r.last.is_some() {

@@ -1066,3 +1066,35 @@ fn the_controller_polls_fast_only_while_the_source_is_frozen() {
     );
     assert_eq!(t.requeue_after, Some(FROZEN_POLL));
 }
+
+#[test]
+fn a_target_agent_that_forgot_after_a_restore_holds_the_thaw_until_the_target_pod_is_gone() {
+    // Failed while restoring; the target agent restarted and reports nothing.
+    let o = at(P::Restoring)
+        .failing(reasons::AGENT_ERROR)
+        .target(blank());
+    let t = next(&o);
+    assert!(has(&t, &Action::DeleteTargetPod), "{:?}", t.actions);
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "the source must not be thawed while a restored copy may run: {:?}",
+        t.actions
+    );
+    // Once the pod is gone, no copy can run there: thaw the source.
+    let mut gone = o.clone();
+    gone.target_pod = None;
+    let t = next(&gone);
+    assert!(
+        has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    // Before any restore, an empty target report needs no such wait.
+    let early = at(P::Transferring)
+        .failing(reasons::AGENT_ERROR)
+        .target(blank());
+    assert!(has(
+        &next(&early),
+        &Action::Agent(Side::Source, Step::Abort)
+    ));
+}
