@@ -173,7 +173,8 @@ struct FullStack {
     /// The source's node first.
     nodes: [&'static str; 2],
     source: Pod,
-    workload: podmotion_wire::ids::ProcRef,
+    /// Host pid of the root of the workload's process tree.
+    workload: i32,
     ports: [u16; 2],
     controller: JoinHandle<()>,
 }
@@ -218,8 +219,8 @@ impl FullStack {
         for (i, port) in ports.iter().enumerate() {
             tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
         }
-        let workload = tb.start_workload(16, 64);
-        tb.register_container(&container_id(&source).unwrap(), workload.pid);
+        let workload = tb.start_workload(16, 64).pid;
+        tb.register_container(&container_id(&source).unwrap(), workload);
         let controller = start_controller(&ns.client, &ns.name, &tb, nodes, ports);
         Some(FullStack {
             ns,
@@ -386,8 +387,24 @@ impl FullStack {
     }
 
     fn source_alive(&self) -> bool {
-        std::fs::read_to_string(format!("/proc/{}/stat", self.workload.pid))
+        std::fs::read_to_string(format!("/proc/{}/stat", self.workload))
             .is_ok_and(|s| !s.contains(") Z"))
+    }
+
+    /// After a committed migration: the source tree is gone (one copy), and once the
+    /// pod address routes to the target the restored tree serves the client's old
+    /// connection with the counter continued.
+    fn assert_moved(&self, conn: &mut std::net::TcpStream, before: u64) {
+        assert!(
+            !self.source_alive(),
+            "the source tree was not killed at commit"
+        );
+        self.tb.route_to_target();
+        let after: u64 = ask(conn, "get").unwrap().parse().unwrap();
+        assert!(
+            after >= before,
+            "the counter ran backwards: {before} → {after}"
+        );
     }
 
     /// The target pod of a rolled-back migration is deleted.
@@ -406,8 +423,8 @@ impl FullStack {
 
     /// The source tree runs (alive and not stopped) and serves on `conn`, counting on.
     async fn assert_source_serves(&self, conn: &mut std::net::TcpStream, before: u64) {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.workload.pid))
-            .unwrap_or_default();
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.workload)).unwrap_or_default();
         let state = stat.rsplit_once(") ").map(|(_, r)| &r[..1]);
         assert!(
             matches!(state, Some("S" | "R")),
@@ -473,15 +490,9 @@ async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
         "{st:#?}\n{}",
         fs.logs()
     );
-    fs.tb.route_to_target();
-
     // The process state continued over the preserved connection, now served by the
-    // restored tree on the target.
-    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
-    assert!(
-        after >= before,
-        "the counter ran backwards: {before} → {after}"
-    );
+    // restored tree on the target; the source tree was killed at commit.
+    fs.assert_moved(&mut conn, before);
     let network = st.network.clone().expect("network outcome in status");
     assert_eq!(network.connections_preserved, 1, "{network:?}");
     assert_eq!(network.listeners_restored, 1, "{network:?}");
@@ -492,12 +503,8 @@ async fn the_controller_migrates_a_real_process_tree_through_the_real_agents() {
     );
     assert!(st.progress.as_ref().is_some_and(|p| p.bytes_sent > 0));
 
-    // The source tree was killed at commit; the source pod is gone; the target pod is
-    // on the target node and owned by the ReplicaSet, which still has one replica.
-    assert!(
-        !fs.source_alive(),
-        "the frozen source tree was killed at commit"
-    );
+    // The source pod is gone; the target pod is on the target node and owned by the
+    // ReplicaSet, which still has one replica.
     let ns = &fs.ns;
     wait_for(
         &ns.api::<Pod>(),
@@ -562,10 +569,7 @@ async fn pre_copy_streams_rounds_while_the_pod_runs_and_freezes_within_budget() 
         progress.bytes_sent > 16 << 20,
         "the warm copy crossed the wire: {progress:?}"
     );
-    fs.tb.route_to_target();
-    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
-    assert!(after >= before, "{before} → {after}");
-    assert!(!fs.source_alive());
+    fs.assert_moved(&mut conn, before);
     fs.assert_no_images_left().await;
 }
 
@@ -683,10 +687,7 @@ async fn restarting_the_operator_mid_transfer_resumes_with_one_copy_running() {
         fs.logs()
     );
     // One copy: the source tree is gone, the restored one serves the old connection.
-    assert!(!fs.source_alive(), "two copies running");
-    fs.tb.route_to_target();
-    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
-    assert!(after >= before, "{before} → {after}");
+    fs.assert_moved(&mut conn, before);
     fs.assert_no_images_left().await;
 }
 

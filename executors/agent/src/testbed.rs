@@ -259,14 +259,16 @@ impl Testbed {
     pub fn start_agent_at(&mut self, node: usize, listen: Option<&str>) {
         let name = AGENT_NAMES[node];
         let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).expect("log");
-        let netns = match listen {
-            None => format!("--net=/run/netns/{}", self.ns(["na", "nb"][node])),
-            Some(_) => "--net=/proc/self/ns/net".to_string(),
+        let (mut cmd, listen) = match listen {
+            None => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{}", self.ns(["na", "nb"][node])))
+                    .arg(&self.agent_bin);
+                (c, format!("{}:7443", NODE_IPS[node]))
+            }
+            Some(l) => (Command::new(&self.agent_bin), l.to_string()),
         };
-        let listen = listen.map_or_else(|| format!("{}:7443", NODE_IPS[node]), str::to_string);
-        let child = Command::new("nsenter")
-            .arg(netns)
-            .arg(&self.agent_bin)
+        let child = cmd
             .args(["--listen", &listen])
             .arg("--container-table")
             .arg(self.container_table())

@@ -691,10 +691,7 @@ async fn execute<A: AgentClient>(
             }
             if *action == A_::RemoveFinalizer {
                 // The object goes: forget what we remembered of its key Secret.
-                s.key_secrets
-                    .lock()
-                    .expect("key secrets")
-                    .remove(&pm.uid().unwrap_or_default());
+                remember_key_secret(s, pm, None);
             }
             // resourceVersion makes this a compare-and-swap with other finalizer owners.
             let patch =
@@ -711,7 +708,7 @@ async fn execute<A: AgentClient>(
             let key = s.master_key.transfer_key(&pm.uid().unwrap_or_default());
             let secret = render::transfer_key_secret(pm, &key.0);
             create_if_absent(&secrets, &secret, "transfer key").await?;
-            remember_key_secret(s, pm, true);
+            remember_key_secret(s, pm, Some(true));
             Ok(())
         }
         A_::EnsureTargetPod => {
@@ -828,17 +825,21 @@ async fn execute<A: AgentClient>(
                 .map(|_| ())
                 .or_else(ignore_404)
                 .map_err(api_err("delete", "transfer key"))?;
-            remember_key_secret(s, pm, false);
+            remember_key_secret(s, pm, Some(false));
             Ok(())
         }
     }
 }
 
-fn remember_key_secret<A>(s: &Shared<A>, pm: &PodMigration, exists: bool) {
-    s.key_secrets
-        .lock()
-        .expect("key secrets")
-        .insert(pm.uid().unwrap_or_default(), exists);
+/// Records that this process created (`Some(true)`) or deleted (`Some(false)`) the
+/// migration's key Secret, or forgets the migration (`None`).
+fn remember_key_secret<A>(s: &Shared<A>, pm: &PodMigration, exists: Option<bool>) {
+    let mut memo = s.key_secrets.lock().expect("key secrets");
+    let uid = pm.uid().unwrap_or_default();
+    match exists {
+        Some(e) => memo.insert(uid, e),
+        None => memo.remove(&uid),
+    };
 }
 
 fn ignore_404(e: kube::Error) -> Result<(), kube::Error> {
