@@ -703,3 +703,75 @@ async fn reap_all_removes_every_agent_job_and_releases_the_attachments() {
         "the attachment finalizer is released, so uninstalling cannot leave it stuck"
     );
 }
+
+/// Agent Jobs are created suspended and resumed once their credential Secret exists
+/// (owned by the Job). A Job left suspended, its Secret missing (the operator stopped
+/// between the two), is resumed with a Secret after a restart; the operator never reads
+/// Secrets to find out.
+#[tokio::test]
+async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
+    let Some((app, agents, op)) = setup("naa-creds", PodSecurity::Restricted).await else {
+        return;
+    };
+    attached_web(&app, &agents).await;
+    let jobs: Api<Job> = agents.api();
+    let secrets: Api<Secret> = agents.api();
+    let sel = format!("{}={}", labels::TARGET_NAMESPACE, app.name);
+    let owned_by = |s: Option<&Secret>, j: &Job| {
+        s.and_then(|s| s.metadata.owner_references.as_ref())
+            .is_some_and(|o| o.iter().any(|r| Some(&r.uid) == j.metadata.uid.as_ref()))
+    };
+    let resumed = |j: &Job| j.spec.as_ref().and_then(|s| s.suspend) == Some(false);
+    let all = wait_list(&jobs, &sel, TIMEOUT, "every Job resumed", |js| {
+        js.len() == 3 && js.iter().all(resumed)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    for j in &all {
+        let s = secrets.get_opt(&j.name_any()).await.unwrap();
+        assert!(owned_by(s.as_ref(), j), "Secret of {}", j.name_any());
+    }
+
+    // The state a crash between creating a Job and resuming it leaves.
+    op.stop().await;
+    let first = &all[0];
+    secrets
+        .delete(&first.name_any(), &DeleteParams::default())
+        .await
+        .unwrap();
+    jobs.patch(
+        &first.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await
+    .unwrap();
+    wait_for(&secrets, &first.name_any(), TIMEOUT, "Secret gone", |s| {
+        s.is_none()
+    })
+    .await
+    .unwrap();
+
+    let op = Operator::start(&app.client, &agents.name, &app.name).await;
+    wait_for(&jobs, &first.name_any(), TIMEOUT, "Job resumed", |j| {
+        j.is_some_and(resumed)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let s = secrets.get_opt(&first.name_any()).await.unwrap();
+    assert!(
+        owned_by(s.as_ref(), first),
+        "the Secret is in place before the Job is resumed"
+    );
+    let left = jobs
+        .list(&ListParams::default().labels(&sel))
+        .await
+        .unwrap();
+    let uids = |js: &[Job]| js.iter().map(|j| j.uid()).collect::<BTreeSet<_>>();
+    assert_eq!(
+        uids(&left.items),
+        uids(&all),
+        "the Jobs themselves are kept"
+    );
+    op.stop().await;
+}

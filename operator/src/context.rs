@@ -85,6 +85,15 @@ impl Readiness {
             .expect("readiness lock")
             .insert(name, true);
     }
+    /// Whether the part `name` is registered and ready.
+    pub fn is_ready(&self, name: &str) -> bool {
+        self.parts
+            .lock()
+            .expect("readiness lock")
+            .get(name)
+            .copied()
+            .unwrap_or(false)
+    }
     /// Names of the parts not ready yet; empty means ready.
     pub fn pending(&self) -> Vec<&'static str> {
         let parts = self.parts.lock().expect("readiness lock");

@@ -1,7 +1,7 @@
 //! The PodMotion operator as a library: pure reconcile cores (`runner_pool`,
 //! `attachment`, `migration`), the thin controllers that feed them observed state and
 //! apply what they return (`controllers`), and the runtime every controller shares
-//! (`context`, `children`, `events`, `leader`, `metrics`, `server`).
+//! (`context`, `cache`, `children`, `events`, `leader`, `metrics`, `server`).
 //!
 //! The pure cores take plain structs and return desired objects and status; they never
 //! touch the network. Everything that talks to the API server lives in `controllers`
@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attachment;
+pub mod cache;
 pub mod children;
 pub mod config;
 pub mod context;

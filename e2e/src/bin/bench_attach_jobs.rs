@@ -5,10 +5,14 @@
 //!     hack/cluster.sh up
 //!     cargo run --release -p podmotion-e2e --bin bench_attach_jobs -- [replicas] [rounds]
 //!
-//! Each round times (a) a plain client POSTing the N rendered Jobs, 16 in flight, until
-//! the last POST returns, and (b) the controller, already running and synced, from the
-//! POST of a NodeAgentAttachment until its N Jobs exist (watched), and until their N
-//! credential Secrets exist too. Rounds alternate the order; medians are printed.
+//! Each round times, to the same stop on both sides (a watch on the Jobs' namespace,
+//! established before the clock starts, has seen all N Jobs):
+//! (a) a plain client POSTing the N rendered Jobs, 16 in flight, from its first POST;
+//! (b) the controller, already running and synced, from the POST of a
+//!     NodeAgentAttachment (so including the controller's own work before its first
+//!     Job); it also reports when the N Jobs are resumed with their credential Secrets.
+//! Each side also reports when its first Job was seen. Rounds alternate the order; the
+//! headline is the median of the per-round ratios.
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
@@ -87,6 +91,37 @@ async fn delete_all(jobs: &Api<Job>, sel: &str) -> anyhow::Result<()> {
 /// Job pods, kwok status updates) so it does not bill the next measurement.
 async fn settle() {
     tokio::time::sleep(Duration::from_secs(5)).await;
+}
+
+type JobWatch = futures::stream::BoxStream<'static, Result<Event<Job>, watcher::Error>>;
+
+/// A Job watch on `sel`, its initial (empty) list drained, so that the clock starts
+/// with the watch already established.
+async fn synced_watch(api: &Api<Job>, sel: &str) -> anyhow::Result<JobWatch> {
+    let mut w = watcher::watcher(api.clone(), watcher::Config::default().labels(sel)).boxed();
+    while let Some(ev) = w.try_next().await? {
+        if matches!(ev, Event::InitDone) {
+            break;
+        }
+    }
+    Ok(w)
+}
+
+/// Reads `w` until `n` distinct Jobs were seen: (first seen, all seen) since `t0`.
+async fn seen_all(w: &mut JobWatch, n: usize, t0: Instant) -> anyhow::Result<(Duration, Duration)> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut first = None;
+    while names.len() < n {
+        match w.try_next().await? {
+            Some(Event::Apply(j)) => {
+                first.get_or_insert_with(|| t0.elapsed());
+                names.insert(j.name_any());
+            }
+            Some(_) => {}
+            None => anyhow::bail!("Job watch ended"),
+        }
+    }
+    Ok((first.unwrap_or_default(), t0.elapsed()))
 }
 
 fn median(v: &[Duration]) -> Duration {
@@ -209,6 +244,7 @@ async fn main() -> anyhow::Result<()> {
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), &app_ns);
     let sel = format!("{}={app_ns}", labels::TARGET_NAMESPACE);
     let (mut plain, mut op_jobs, mut op_all) = (vec![], vec![], vec![]);
+    let (mut plain_first, mut op_first) = (vec![], vec![]);
     for round in 0..rounds {
         for which in if round % 2 == 0 {
             ["plain", "operator"]
@@ -216,30 +252,30 @@ async fn main() -> anyhow::Result<()> {
             ["operator", "plain"]
         } {
             if which == "plain" {
+                let mut seen = synced_watch(&plain_api, &sel).await?;
                 let t0 = Instant::now();
-                stream::iter(plain_jobs.iter())
-                    .map(|j| {
-                        let api = plain_api.clone();
-                        async move { api.create(&PostParams::default(), j).await }
-                    })
-                    .buffer_unordered(PARALLEL)
-                    .try_collect::<Vec<_>>()
-                    .await?;
-                let d = t0.elapsed();
-                plain.push(d);
-                eprintln!("round {round}: plain client created {replicas} Jobs in {d:?}");
+                let posts = async {
+                    stream::iter(plain_jobs.iter())
+                        .map(|j| {
+                            let api = plain_api.clone();
+                            async move { api.create(&PostParams::default(), j).await }
+                        })
+                        .buffer_unordered(PARALLEL)
+                        .try_collect::<Vec<_>>()
+                        .await?;
+                    Ok::<_, anyhow::Error>(t0.elapsed())
+                };
+                let (posted, (first, all)) =
+                    tokio::try_join!(posts, seen_all(&mut seen, replicas, t0))?;
+                plain.push(all);
+                plain_first.push(first);
+                eprintln!(
+                    "round {round}: plain client: first Job seen {first:?}, last POST returned {posted:?}, all {replicas} seen {all:?}"
+                );
                 delete_all(&plain_api, &sel).await?;
                 settle().await;
             } else {
-                let mut jobs_seen =
-                    watcher::watcher(agent_jobs.clone(), watcher::Config::default().labels(&sel))
-                        .boxed();
-                // Drain the initial (empty) list before the clock starts.
-                while let Some(ev) = jobs_seen.try_next().await? {
-                    if matches!(ev, Event::InitDone) {
-                        break;
-                    }
-                }
+                let mut seen = synced_watch(&agent_jobs, &sel).await?;
                 let naa: NodeAgentAttachment = from_json(json!({
                     "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
                     "metadata": {"name": "bench"},
@@ -247,24 +283,27 @@ async fn main() -> anyhow::Result<()> {
                 }));
                 let t0 = Instant::now();
                 naas.create(&PostParams::default(), &naa).await?;
-                let mut names = std::collections::BTreeSet::new();
-                while names.len() < replicas {
-                    if let Some(Event::Apply(j)) = jobs_seen.try_next().await? {
-                        names.insert(j.name_any());
-                    }
-                }
-                let d = t0.elapsed();
-                count(
-                    &agent_secrets,
-                    "app.kubernetes.io/component=node-agent",
-                    replicas,
+                let (first, d) = seen_all(&mut seen, replicas, t0).await?;
+                op_first.push(first);
+                // Resumed: each Job's credential Secret exists and its pod may start.
+                wait_list(
+                    &agent_jobs,
+                    &sel,
+                    Duration::from_secs(300),
+                    "Jobs resumed",
+                    |js| {
+                        js.len() == replicas
+                            && js
+                                .iter()
+                                .all(|j| j.spec.as_ref().and_then(|s| s.suspend) == Some(false))
+                    },
                 )
                 .await?;
                 let d_all = t0.elapsed();
                 op_jobs.push(d);
                 op_all.push(d_all);
                 eprintln!(
-                    "round {round}: operator created {replicas} Jobs in {d:?} ({d_all:?} with their Secrets)"
+                    "round {round}: operator: first Job seen {first:?}, all {replicas} seen {d:?} (all resumed with their Secrets {d_all:?})"
                 );
                 naas.delete("bench", &DeleteParams::default()).await?;
                 count(&agent_jobs, &sel, 0).await?;
@@ -300,13 +339,18 @@ async fn main() -> anyhow::Result<()> {
         med(rj.clone())
     );
     println!(
-        "per-round ratio operator/plain, Jobs + Secrets: {ra:.2?}  median {:.2}",
+        "per-round ratio operator/plain, Jobs resumed with Secrets: {ra:.2?}  median {:.2}",
         med(ra.clone())
     );
     let (p, o, a) = (median(&plain), median(&op_jobs), median(&op_all));
+    println!(
+        "median first Job seen: plain {:?}, operator {:?}",
+        median(&plain_first),
+        median(&op_first)
+    );
     println!("median plain client, {replicas} Jobs:       {p:?}");
     println!("median operator, {replicas} Jobs:           {o:?}");
-    println!("median operator, {replicas} Jobs + Secrets: {a:?}");
+    println!("median operator, {replicas} Jobs resumed with Secrets: {a:?}");
     let _ = stop.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
     for ns in [app_ns, agents_ns, plain_ns] {

@@ -25,6 +25,7 @@ pub fn pod(name: &str) -> PodBuilder {
     PodBuilder(PodView {
         name: name.into(),
         uid: format!("uid-{name}"),
+        labels: BTreeMap::from([("app".to_string(), "web".to_string())]),
         node: None,
         ip: Some(format!("10.244.{}.{}", n % 200, n % 250 + 1)),
         phase: PodPhase::Pending,
@@ -225,6 +226,7 @@ pub fn created_jobs(p: &super::Plan) -> Vec<JobView> {
         .map(|c| {
             let mut v = JobView::from_job(&c.job).expect("rendered Jobs carry their target");
             v.uid = format!("juid-{}", c.pod);
+            v.suspended = false;
             v.run = JobRun::Active { ready: true };
             v
         })

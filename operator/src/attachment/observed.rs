@@ -137,11 +137,14 @@ pub struct ContainerView {
     pub ports: Vec<(i32, Option<String>, String)>,
 }
 
-/// One pod of the workload.
-#[derive(Clone, Debug)]
+/// One pod of the workload. Also what the controller caches per pod, so it keeps
+/// only what the core reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodView {
     pub name: String,
     pub uid: String,
+    /// Labels (the workload's selector is matched against them).
+    pub labels: BTreeMap<String, String>,
     pub node: Option<String>,
     pub ip: Option<String>,
     pub phase: PodPhase,
@@ -149,6 +152,8 @@ pub struct PodView {
     pub terminating: bool,
     pub host_network: bool,
     pub host_users: Option<bool>,
+    /// The annotations whose value is `true` (any case): the only ones the core reads
+    /// (sidecar recognition). Others are dropped, however large.
     pub annotations: BTreeMap<String, String>,
     pub containers: Vec<ContainerView>,
 }
@@ -199,6 +204,7 @@ impl PodView {
         PodView {
             name: p.name_any(),
             uid: p.uid().unwrap_or_default(),
+            labels: p.labels().clone(),
             node: spec
                 .and_then(|s| s.node_name.clone())
                 .filter(|n| !n.is_empty()),
@@ -214,7 +220,12 @@ impl PodView {
             terminating: p.metadata.deletion_timestamp.is_some(),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             host_users: spec.and_then(|s| s.host_users),
-            annotations: p.annotations().clone(),
+            annotations: p
+                .annotations()
+                .iter()
+                .filter(|(_, v)| v.eq_ignore_ascii_case("true"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             containers,
         }
     }
@@ -249,6 +260,8 @@ pub struct JobView {
     /// Port numbers the agent redirects.
     pub ports: Vec<i32>,
     pub terminating: bool,
+    /// Still suspended: created, but its credential Secret not confirmed yet.
+    pub suspended: bool,
     pub run: JobRun,
 }
 
@@ -291,6 +304,7 @@ impl JobView {
                 .and_then(|s| serde_json::from_str(s).ok())
                 .unwrap_or_default(),
             terminating: j.metadata.deletion_timestamp.is_some(),
+            suspended: j.spec.as_ref().and_then(|s| s.suspend) == Some(true),
             run,
         })
     }
@@ -299,4 +313,40 @@ impl JobView {
 /// `Kind/name` of a workload, as in `status.workload` and the Jobs' annotation.
 pub fn workload_key(w: &WorkloadRef) -> String {
     format!("{}/{}", w.kind.as_str(), w.name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_view_keeps_labels_and_only_the_annotations_the_core_reads() {
+        let p: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-0", "namespace": "shop", "uid": "u1",
+              "labels": {"app": "web", "pod-template-hash": "abc"},
+              "annotations": {
+                "telepresence.io/injected": "TRUE",
+                "kubectl.kubernetes.io/last-applied-configuration": "{\"a\": \"very long\"}",
+                "other": "false"
+              }},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "ports": [{"containerPort": 8080}]}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+              "conditions": [{"type": "Ready", "status": "True"}],
+              "containerStatuses": [{"name": "app", "containerID": "containerd://c1", "image": "i",
+                "imageID": "", "ready": true, "restartCount": 0}]}
+        }))
+        .unwrap();
+        let v = PodView::from_pod(&p);
+        assert_eq!(v.labels.get("app").map(String::as_str), Some("web"));
+        assert_eq!(v.labels.len(), 2);
+        assert_eq!(
+            v.annotations.keys().collect::<Vec<_>>(),
+            vec!["telepresence.io/injected"]
+        );
+        assert_eq!(v.node.as_deref(), Some("n1"));
+        assert_eq!(v.ip.as_deref(), Some("10.0.0.1"));
+        assert!(v.ready && v.phase == PodPhase::Running);
+        assert_eq!(v.containers[0].id.as_deref(), Some("containerd://c1"));
+        assert_eq!(v.containers[0].ports, vec![(8080, None, "TCP".into())]);
+    }
 }

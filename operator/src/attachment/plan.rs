@@ -40,6 +40,14 @@ pub struct Deletion {
     pub fate: JobFate,
 }
 
+/// A Job to resume: its credential Secret is created (owned by it; one that exists
+/// already is fine), then the Job is unsuspended and its pod starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resume {
+    pub job: String,
+    pub job_uid: String,
+}
+
 /// An Event about one attachment, beyond the Job created/replaced/reaped ones the
 /// controller records as it acts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +70,9 @@ pub enum Rejection {
 pub struct Plan {
     pub create: Vec<Creation>,
     pub delete: Vec<Deletion>,
+    /// Kept Jobs still suspended (the operator stopped between creating one and
+    /// resuming it). The Jobs in `create` are resumed once they exist.
+    pub resume: Vec<Resume>,
     /// Status of every attachment that is not being deleted, by name.
     pub statuses: BTreeMap<String, NodeAgentAttachmentStatus>,
     pub notices: Vec<Notice>,
@@ -284,6 +295,12 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
         }
         if f == JobFate::Keep {
             out.kept_jobs += 1;
+            if j.suspended && !j.terminating {
+                out.resume.push(Resume {
+                    job: j.name.clone(),
+                    job_uid: j.uid.clone(),
+                });
+            }
         } else {
             out.unwanted_jobs += 1;
         }

@@ -180,6 +180,7 @@ mod tests {
             spec_hash: "h1".into(),
             ports: vec![8080],
             terminating: false,
+            suspended: false,
             run: JobRun::Active { ready: true },
         }
     }

@@ -140,8 +140,9 @@ pub fn workload_selector(namespace: &str, w: &WorkloadRef) -> String {
     )
 }
 
-/// The agent Job for `pod`, named `name`, carrying `container_ids`. The spec hash is
-/// recorded in an annotation (and returned) so a change of agent settings is noticed.
+/// The agent Job for `pod`, named `name`, carrying `container_ids`, created suspended
+/// (see below). The spec hash is recorded in an annotation (and returned) so a change
+/// of agent settings is noticed.
 pub fn job(
     settings: &Settings,
     profile: &AgentProfile<'_>,
@@ -301,6 +302,11 @@ pub fn job(
     };
     let hash = spec_hash(&spec);
     let mut spec = spec;
+    // Created suspended: the operator resumes it once its credential Secret exists, so
+    // its pod never waits on a missing Secret, and a Job still suspended is one whose
+    // Secret is not confirmed (an operator stopped between the two resumes it). Like
+    // the ports, not part of the hash: it is the handshake's state, not a setting.
+    spec.suspend = Some(true);
     agent_config["ports"] = serde_json::json!(target.ports);
     if let Some(env) = spec
         .template
@@ -353,17 +359,16 @@ pub fn spec_hash(spec: &JobSpec) -> String {
 
 /// The Job's credential Secret: same name and namespace, owned by the Job (deleted with
 /// it, and foreground deletion of the Job waits for it). `token` is random.
-pub fn credentials(job: &Job, job_uid: &str, token: &[u8]) -> Secret {
-    let meta = &job.metadata;
+pub fn credentials(namespace: &str, job: &str, job_uid: &str, token: &[u8]) -> Secret {
     Secret {
         metadata: ObjectMeta {
-            name: meta.name.clone(),
-            namespace: meta.namespace.clone(),
+            name: Some(job.into()),
+            namespace: Some(namespace.into()),
             labels: Some(agent_selector_labels()),
             owner_references: Some(vec![OwnerReference {
                 api_version: "batch/v1".into(),
                 kind: "Job".into(),
-                name: meta.name.clone().unwrap_or_default(),
+                name: job.into(),
                 uid: job_uid.into(),
                 controller: Some(true),
                 block_owner_deletion: Some(true),
@@ -560,7 +565,12 @@ mod tests {
     #[test]
     fn secret_is_owned_by_its_job_and_policy_denies_all_ingress() {
         let j = render(&AgentSettings::default());
-        let s = credentials(&j, "job-uid", b"t0k3n");
+        let s = credentials(
+            "podmotion-system",
+            j.metadata.name.as_deref().unwrap(),
+            "job-uid",
+            b"t0k3n",
+        );
         let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str()),

@@ -1,17 +1,28 @@
 //! The NodeAgentAttachment controller: the thin I/O shell around `crate::attachment`.
 //!
-//! One reconcile handles one attachment's *workload*: it reads the workload, its pods
-//! (through the workload's selector), the agent Jobs labelled for it and the ingest
-//! Leases of its attachments, asks [`plan`] what to do, creates and deletes Jobs
+//! One reconcile handles one attachment's *workload*: it observes the workload, its
+//! pods (through the workload's selector), the agent Jobs labelled for it and the
+//! ingest Leases of its attachments, asks [`plan`] what to do, creates and deletes Jobs
 //! (always foreground), and writes the attachment's status only when it changed. The
 //! same function serves the finalizer (the attachment, deleting, claims nothing; the
 //! finalizer goes once no unwanted Job is left), lease expiry (a requeue at the earliest
 //! expiry) and the periodic orphan sweep (every workload that has agent Jobs, deletes
 //! only), so all removal paths go through the one reaping predicate.
 //!
-//! Watches: the attachments (full), agent Jobs and all pods metadata-only (a pod change
-//! wakes the attachments of its namespace; pods are then listed by the workload's
-//! selector). Nothing polls the API server except the orphan sweep, by design.
+//! Reads come from caches, not from lists: the attachments (the controller's store),
+//! and projection caches ([`crate::cache`]) of all pods (a `PodView` each) and the
+//! agent Jobs (a `JobView` each). Only the workload itself (for its selector) and
+//! ingest Leases are read per reconcile. A change of a cached projection wakes the
+//! attachments it concerns (a pod: those of its namespace; a Job: those of its
+//! workload); updates the core cannot see wake nothing.
+//!
+//! A Job is created suspended; its credential Secret (owned by the Job) is created
+//! next, then the Job is resumed. Secrets are never read: a Job still suspended is one
+//! whose Secret is not confirmed, and is resumed the same way.
+//!
+//! Nothing is decided before every cache has its first complete list, and the
+//! controller records its own writes in the caches at once. Nothing polls the API
+//! server except the orphan sweep, by design.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -28,12 +39,12 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
-use kube::core::{PartialObjectMeta, Selector};
+use kube::core::{Selector, SelectorExt};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::wait::{await_condition, conditions};
-use kube::runtime::watcher;
+use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Resource, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, WorkloadKind, WorkloadRef};
@@ -43,9 +54,10 @@ use serde_json::json;
 
 use super::{CategorizedError, controller_config, reconcile_guard, timed};
 use crate::attachment::observed::workload_key;
-use crate::attachment::plan::{Deletion, Plan};
+use crate::attachment::plan::{Deletion, Plan, Resume};
 use crate::attachment::render::{self, Settings};
 use crate::attachment::{AttachmentView, JobFate, JobView, ObservedGroup, PodView, plan};
+use crate::cache::{self, Key, Projection};
 use crate::context::Context;
 use crate::events::publish;
 use crate::leader::NotLeader;
@@ -180,7 +192,21 @@ struct Shared {
     cfg: AttachmentConfig,
     settings: Settings,
     store: Store<NodeAgentAttachment>,
+    pods: Arc<Projection<PodView>>,
+    jobs: Arc<Projection<JobView>>,
     policy_applied: AtomicBool,
+}
+
+impl Shared {
+    /// Whether every cache has its first complete list (the attachments' store is
+    /// waited for by the controller runtime itself).
+    fn caches_ready(&self) -> bool {
+        self.pods.is_ready() && self.jobs.is_ready()
+    }
+
+    fn job_key(&self, name: &str) -> Key {
+        (self.settings.namespace.clone(), name.into())
+    }
 }
 
 /// Runs the controller with the settings from the environment.
@@ -193,48 +219,72 @@ pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
 pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Result<()> {
     let client = ctx.client.clone();
     let settings = cfg.settings(&ctx.config.namespace);
-    let (attachments, pods): (Api<NodeAgentAttachment>, Api<PartialObjectMeta<Pod>>) =
-        match &cfg.watch_namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client.clone(), ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        };
+    let (attachments, pods): (Api<NodeAgentAttachment>, Api<Pod>) = match &cfg.watch_namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
     let controller = Controller::new(attachments, watcher::Config::default().any_semantic());
-    let store = controller.store();
-    let (for_jobs, for_pods) = (store.clone(), store.clone());
-    let jobs: Api<PartialObjectMeta<Job>> = Api::namespaced(client.clone(), &settings.namespace);
-    let controller = controller
-        .watches(
-            jobs,
-            watcher::Config::default().labels(&render::agent_selector()),
-            move |j| attachments_of_job(&for_jobs, &j),
-        )
-        .watches(pods, watcher::Config::default().any_semantic(), move |p| {
-            attachments_in_namespace(&for_pods, &p)
-        })
-        .reconcile_all_on(ctx.leader.on_acquire())
-        // Shorter than the shared debounce: a new attachment should get its Jobs at once;
-        // triggers that arrive while a reconcile runs are coalesced anyway. Not zero: a
-        // rolling restart sends pod events faster than a reconcile, and each would cost
-        // one (four reads) instead of one per quiet spell.
-        .with_config(controller_config(&ctx).debounce(Duration::from_millis(20)))
-        .graceful_shutdown_on(ctx.shutdown());
     let shared = Arc::new(Shared {
         ctx: ctx.clone(),
+        store: controller.store(),
+        pods: Arc::new(Projection::new()),
+        jobs: Arc::new(Projection::new()),
+        policy_applied: AtomicBool::new(false),
         cfg,
         settings,
-        store,
-        policy_applied: AtomicBool::new(false),
     });
+    let s = shared.clone();
+    let pod_triggers = cache::feed(
+        &ctx,
+        "attachment-pods",
+        watcher(pods, watcher::Config::default().any_semantic()),
+        shared.pods.clone(),
+        |p: &Pod| Some(PodView::from_pod(p)),
+        move |c| attachments_in_namespace(&s.store, &c.key.0),
+    );
+    let s = shared.clone();
+    let job_triggers = cache::feed(
+        &ctx,
+        "attachment-jobs",
+        watcher(
+            Api::<Job>::namespaced(client.clone(), &shared.settings.namespace),
+            watcher::Config::default()
+                .labels(&render::agent_selector())
+                .any_semantic(),
+        ),
+        shared.jobs.clone(),
+        JobView::from_job,
+        move |c| {
+            c.latest()
+                .map(|j| attachments_of_job(&s.store, j))
+                .unwrap_or_default()
+        },
+    );
+    let controller = controller
+        .reconcile_on(stream::select(pod_triggers, job_triggers))
+        .reconcile_all_on(ctx.leader.on_acquire())
+        // Shorter than the shared debounce: a new attachment should get its Jobs at once;
+        // triggers that arrive while a reconcile runs are coalesced anyway.
+        .with_config(controller_config(&ctx).debounce(Duration::from_millis(20)))
+        .graceful_shutdown_on(ctx.shutdown());
 
     super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
     let sweeper = shared.clone();
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(sweeper.cfg.sweep_seconds.max(1)));
         let stop = sweeper.ctx.shutdown();
         tokio::pin!(stop);
+        // The first sweep runs as soon as every cache is synced: it reaps what was
+        // orphaned while the operator was down.
+        while !(sweeper.caches_ready() && sweeper.ctx.readiness.is_ready(NAME)) {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+        let mut tick = tokio::time::interval(Duration::from_secs(sweeper.cfg.sweep_seconds.max(1)));
         loop {
             tokio::select! {
                 _ = &mut stop => return,
@@ -271,35 +321,29 @@ fn error_policy(_a: Arc<NodeAgentAttachment>, err: &AttachmentError, _s: Arc<Sha
 /// A Job wakes every attachment of the workload it was made for.
 fn attachments_of_job(
     store: &Store<NodeAgentAttachment>,
-    job: &PartialObjectMeta<Job>,
+    job: &JobView,
 ) -> Vec<ObjectRef<NodeAgentAttachment>> {
-    let (Some(ns), Some(workload)) = (
-        job.labels().get(labels::TARGET_NAMESPACE),
-        job.annotations().get(annotations::WORKLOAD),
-    ) else {
-        return vec![];
-    };
     store
         .state()
         .iter()
         .filter(|a| {
-            a.namespace().as_ref() == Some(ns) && workload_key(&a.spec.workload_ref) == *workload
+            a.namespace().as_deref() == Some(job.target_namespace.as_str())
+                && workload_key(&a.spec.workload_ref) == job.workload
         })
         .map(|a| ObjectRef::from_obj(a.as_ref()))
         .collect()
 }
 
-/// A pod wakes the attachments of its namespace (there are few; each lists its
-/// workload's pods by selector).
+/// A pod wakes the attachments of its namespace (there are few; each selects its
+/// workload's pods from the cache).
 fn attachments_in_namespace(
     store: &Store<NodeAgentAttachment>,
-    pod: &PartialObjectMeta<Pod>,
+    ns: &str,
 ) -> Vec<ObjectRef<NodeAgentAttachment>> {
-    let ns = pod.namespace();
     store
         .state()
         .iter()
-        .filter(|a| a.namespace() == ns)
+        .filter(|a| a.namespace().as_deref() == Some(ns))
         .map(|a| ObjectRef::from_obj(a.as_ref()))
         .collect()
 }
@@ -315,6 +359,10 @@ async fn reconcile_inner(
     a: Arc<NodeAgentAttachment>,
     s: &Shared,
 ) -> Result<Action, AttachmentError> {
+    if !s.caches_ready() {
+        // Deciding on a cache that has not listed yet could reap wanted Jobs.
+        return Ok(Action::requeue(Duration::from_millis(250)));
+    }
     let ns = a.namespace().unwrap_or_default();
     let name = a.name_any();
     let api: Api<NodeAgentAttachment> = Api::namespaced(s.ctx.client.clone(), &ns);
@@ -426,10 +474,9 @@ async fn reconcile_workload(
     carry_out(s, group, about, mode).await
 }
 
-/// One workload's state: the workload and its pods, its agent Jobs, and the
-/// attachments claiming it (with their ingest Leases). The three reads are
-/// independent and run at once: a reconcile's latency is one chain of round trips
-/// (workload, then its pods), not four.
+/// One workload's state: the workload (read, for its selector), its pods, its agent
+/// Jobs, and the attachments claiming it (from the caches), with
+/// the ingest Leases of those attachments (read).
 async fn observe_workload(
     s: &Shared,
     ns: &str,
@@ -437,71 +484,42 @@ async fn observe_workload(
     about: Option<&NodeAgentAttachment>,
     mode: Mode,
 ) -> Result<ObservedGroup, AttachmentError> {
-    let client = s.ctx.client.clone();
-    let pods = async {
-        let (workload_exists, selector) = workload_selector(&client, ns, workload).await?;
-        let pods: Vec<PodView> = match &selector {
-            Some(sel) => {
-                let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-                api.list(&ListParams::default().labels_from(sel))
-                    .await
-                    .map_err(api_err("list pods of", workload_key(workload)))?
-                    .items
-                    .iter()
-                    .map(PodView::from_pod)
-                    .collect()
-            }
-            None => vec![],
-        };
-        Ok::<_, AttachmentError>((workload_exists, pods))
+    let (workload_exists, selector) = workload_selector(&s.ctx.client, ns, workload).await?;
+    let pods: Vec<PodView> = match &selector {
+        Some(sel) => s
+            .pods
+            .select(|(pod_ns, _), p| pod_ns == ns && sel.matches(&p.labels))
+            .iter()
+            .map(|p| p.as_ref().clone())
+            .collect(),
+        None => vec![],
     };
-    let jobs = async {
-        let jobs_api: Api<Job> = Api::namespaced(client.clone(), &s.settings.namespace);
-        Ok::<Vec<JobView>, AttachmentError>(
-            jobs_api
-                .list(&ListParams::default().labels(&render::workload_selector(ns, workload)))
-                .await
-                .map_err(api_err("list agent Jobs of", workload_key(workload)))?
-                .items
-                .iter()
-                .filter_map(JobView::from_job)
-                .filter(|j| j.workload == workload_key(workload))
-                .collect(),
-        )
-    };
-    // Listed, not read from the controller's cache: the sweep must never mistake a
-    // cache that has not synced yet for "no attachment claims this workload".
-    let members = async {
-        Ok::<Vec<NodeAgentAttachment>, AttachmentError>(
-            Api::<NodeAgentAttachment>::namespaced(client.clone(), ns)
-                .list(&ListParams::default())
-                .await
-                .map_err(api_err("list NodeAgentAttachments in", ns))?
-                .items
-                .into_iter()
-                .filter(|a| a.spec.workload_ref == *workload)
-                .collect(),
-        )
-    };
-    let ((workload_exists, pods), jobs, members) = tokio::try_join!(pods, jobs, members)?;
+    let key = workload_key(workload);
+    let jobs: Vec<JobView> = s
+        .jobs
+        .select(|_, j| j.target_namespace == ns && j.workload == key)
+        .iter()
+        .map(|j| j.as_ref().clone())
+        .collect();
+    let members: Vec<Arc<NodeAgentAttachment>> = s
+        .store
+        .state()
+        .into_iter()
+        .filter(|a| a.namespace().as_deref() == Some(ns) && a.spec.workload_ref == *workload)
+        .collect();
     let mut attachments = vec![];
     for m in &members {
+        // The reconciled attachment as the watch delivered it (fresher than the store).
+        let m = match about {
+            Some(a) if a.uid() == m.uid() => a,
+            _ => m.as_ref(),
+        };
         let lease = if m.spec.mode == AttachMode::Ingest {
             ingest_lease(s, m, mode).await?
         } else {
             None
         };
         attachments.push(AttachmentView::from_object(m, lease.as_ref()));
-    }
-    // The reconciled attachment as the watch delivered it (fresher than the store).
-    if let Some(a) = about
-        && let Some(v) = attachments
-            .iter_mut()
-            .find(|v| v.uid == a.uid().unwrap_or_default())
-    {
-        let lease = v.lease.clone();
-        *v = AttachmentView::from_object(a, None);
-        v.lease = lease;
     }
     Ok(ObservedGroup {
         namespace: ns.into(),
@@ -563,18 +581,22 @@ async fn carry_out(
     }
     if mode == Mode::Full && !p.create.is_empty() {
         ensure_network_policy(s).await?;
-        // Jobs first, all of them; then their Secrets (a Job's pod waits for its Secret).
+        // Jobs first, all of them; then each one's Secret, and it is resumed.
         let created: Vec<Option<Job>> = stream::iter(p.create.clone())
             .map(|c| create_job(s, c.job))
             .buffer_unordered(par)
             .try_collect()
             .await?;
         let created: Vec<Job> = created.into_iter().flatten().collect();
-        stream::iter(created.clone())
-            .map(|j| async move { create_secret(s, &j).await })
-            .buffer_unordered(par)
-            .try_collect::<Vec<()>>()
-            .await?;
+        let resume: Vec<Resume> = created
+            .iter()
+            .map(|j| Resume {
+                job: j.name_any(),
+                job_uid: j.uid().unwrap_or_default(),
+            })
+            .chain(p.resume.iter().cloned())
+            .collect();
+        resume_all(s, resume).await?;
         s.ctx
             .metrics
             .attachment_job_changes
@@ -615,6 +637,13 @@ async fn carry_out(
             )
             .await;
         }
+    }
+    if mode == Mode::Full && p.create.is_empty() && !p.resume.is_empty() {
+        tracing::info!(
+            jobs = %some_names(&p.resume.iter().map(|r| r.job.clone()).collect::<Vec<_>>()),
+            "resuming agent Jobs left suspended"
+        );
+        resume_all(s, p.resume.clone()).await?;
     }
     Ok((p, group))
 }
@@ -748,18 +777,37 @@ async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, AttachmentError
         ..Default::default()
     };
     match api.create(&pp, &job).await {
-        Ok(j) => Ok(Some(j)),
+        Ok(j) => {
+            if let Some(v) = JobView::from_job(&j) {
+                s.jobs.insert_if_absent(s.job_key(&name), v);
+            }
+            Ok(Some(j))
+        }
         Err(e) if is_status(&e, 409) => Ok(None),
         Err(e) => Err(api_err("create Job", &name)(e)),
     }
 }
 
-/// Creates the credential Secret of a created Job (owned by it, random token).
-async fn create_secret(s: &Shared, job: &Job) -> Result<(), AttachmentError> {
+/// Resumes suspended agent Jobs, `write_parallelism` at a time: each gets its
+/// credential Secret (owned by it, random token; one that exists already is kept),
+/// then is unsuspended, so its pod starts with the Secret in place.
+async fn resume_all(s: &Shared, jobs: Vec<Resume>) -> Result<(), AttachmentError> {
+    stream::iter(jobs)
+        .map(|r| async move {
+            create_secret(s, &r).await?;
+            unsuspend(s, &r.job).await
+        })
+        .buffer_unordered(s.cfg.write_parallelism.max(1))
+        .try_collect::<Vec<()>>()
+        .await
+        .map(|_| ())
+}
+
+async fn create_secret(s: &Shared, r: &Resume) -> Result<(), AttachmentError> {
     s.ctx.ensure_leader()?;
     let mut token = [0u8; 32];
     rand::rng().fill_bytes(&mut token);
-    let secret = render::credentials(job, &job.uid().unwrap_or_default(), &token);
+    let secret = render::credentials(&s.settings.namespace, &r.job, &r.job_uid, &token);
     let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
     let pp = PostParams {
         field_manager: Some(managers::ATTACHMENT.into()),
@@ -768,8 +816,29 @@ async fn create_secret(s: &Shared, job: &Job) -> Result<(), AttachmentError> {
     match secrets.create(&pp, &secret).await {
         Ok(_) => Ok(()),
         Err(e) if is_status(&e, 409) => Ok(()),
-        Err(e) => Err(api_err("create Secret", &job.name_any())(e)),
+        Err(e) => Err(api_err("create Secret", &r.job)(e)),
     }
+}
+
+async fn unsuspend(s: &Shared, job: &str) -> Result<(), AttachmentError> {
+    s.ctx.ensure_leader()?;
+    let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
+    let patch = json!({"spec": {"suspend": false}});
+    let pp = PatchParams {
+        field_manager: Some(managers::ATTACHMENT.into()),
+        ..Default::default()
+    };
+    match api.patch(job, &pp, &Patch::Merge(&patch)).await {
+        Ok(_) => {}
+        // Deleted meanwhile: nothing to resume.
+        Err(e) if is_status(&e, 404) => {}
+        Err(e) => return Err(api_err("resume Job", job)(e)),
+    }
+    s.jobs.update_if_present(&s.job_key(job), |j| JobView {
+        suspended: false,
+        ..j.clone()
+    });
+    Ok(())
 }
 
 /// A short list of names for an Event note.
@@ -799,6 +868,10 @@ async fn delete_job(s: &Shared, d: &Deletion) -> Result<bool, AttachmentError> {
         Err(e) if is_status(&e, 404) => return Ok(false),
         Err(e) => return Err(api_err("delete Job", &d.job)(e)),
     }
+    s.jobs.update_if_present(&s.job_key(&d.job), |j| JobView {
+        terminating: true,
+        ..j.clone()
+    });
     let (outcome, why) = match d.fate {
         JobFate::Replace(r) => ("Replaced", r.describe()),
         JobFate::Reap(r) => ("Reaped", r.describe()),
@@ -818,17 +891,11 @@ async fn delete_job(s: &Shared, d: &Deletion) -> Result<bool, AttachmentError> {
 /// attachments deleted while the operator was down, and vanished ingest clients.
 /// Returns the number of Jobs deleted.
 async fn sweep(s: &Shared) -> Result<usize, AttachmentError> {
-    let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    let jobs = api
-        .list(&ListParams::default().labels(&render::agent_selector()))
-        .await
-        .map_err(api_err("list", "agent Jobs"))?;
-    s.ctx.metrics.attachment_jobs.set(jobs.items.len() as i64);
+    let jobs = s.jobs.select(|_, _| true);
+    s.ctx.metrics.attachment_jobs.set(jobs.len() as i64);
     let groups: BTreeSet<(String, String)> = jobs
-        .items
         .iter()
-        .filter_map(JobView::from_job)
-        .map(|j| (j.target_namespace, j.workload))
+        .map(|j| (j.target_namespace.clone(), j.workload.clone()))
         .collect();
     let mut reaped = 0;
     for (ns, key) in groups {

@@ -617,3 +617,51 @@ fn exited_and_starting_agents_are_reported_not_ready() {
     assert!(states.contains(&TargetState::Exited) && states.contains(&TargetState::Starting));
     assert!(!is_true(&st.conditions, condition_types::READY));
 }
+
+#[test]
+fn kept_jobs_still_suspended_are_resumed_and_others_are_not() {
+    // Created Jobs are suspended until the operator has made their Secret.
+    let p = plan(
+        &group(vec![attachment("a").build()], five_ready(), vec![]),
+        &settings(),
+    );
+    assert!(
+        p.create
+            .iter()
+            .all(|c| c.job.spec.as_ref().unwrap().suspend == Some(true))
+    );
+    assert!(p.resume.is_empty(), "new Jobs are resumed once they exist");
+    let jobs = converged(vec![attachment("a").build()], five_ready());
+    let mut g = group(vec![attachment("a").build()], five_ready(), jobs.clone());
+    assert!(
+        plan(&g, &settings()).resume.is_empty(),
+        "all resumed already"
+    );
+    // The operator stopped between web-2's Job and its Secret.
+    let web2 = g.jobs.iter_mut().find(|j| j.target_pod == "web-2").unwrap();
+    web2.suspended = true;
+    let web2 = web2.clone();
+    let p = plan(&g, &settings());
+    assert_eq!(
+        p.resume,
+        vec![Resume {
+            job: web2.name.clone(),
+            job_uid: web2.uid.clone(),
+        }]
+    );
+    assert!(p.create.is_empty() && p.delete.is_empty());
+    // A terminating Job, or one about to be reaped, is not resumed.
+    let mut terminating = g.clone();
+    terminating
+        .jobs
+        .iter_mut()
+        .find(|j| j.target_pod == "web-2")
+        .unwrap()
+        .terminating = true;
+    assert!(plan(&terminating, &settings()).resume.is_empty());
+    let mut unclaimed = g.clone();
+    unclaimed.attachments.clear();
+    let p = plan(&unclaimed, &settings());
+    assert_eq!(p.delete.len(), 5);
+    assert!(p.resume.is_empty());
+}
