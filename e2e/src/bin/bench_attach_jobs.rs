@@ -39,7 +39,7 @@ use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
 use podmotion_operator::context::Context;
 use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
 use podmotion_operator::leader::Leadership;
-use podmotion_operator::metrics::Metrics;
+use podmotion_operator::metrics::{Metrics, ReconcileResult, ResultLabels};
 use serde_json::json;
 
 const PARALLEL: usize = 16;
@@ -190,13 +190,29 @@ async fn main() -> anyhow::Result<()> {
         concurrency: 8,
     };
     let (stop, rx) = tokio::sync::watch::channel(false);
+    let metrics = Arc::new(Metrics::new());
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
         Leadership::always(),
-        Arc::new(Metrics::new()),
+        metrics.clone(),
         rx,
     ));
+    // Reconciles of the attachment controller so far (every result).
+    let reconciles = || -> u64 {
+        [ReconcileResult::Success, ReconcileResult::Error]
+            .into_iter()
+            .map(|result| {
+                metrics
+                    .reconciles
+                    .get_or_create(&ResultLabels {
+                        controller: "attachment",
+                        result,
+                    })
+                    .get()
+            })
+            .sum()
+    };
     let cfg = AttachmentConfig {
         job_prefix: "pm-agent".into(),
         agent_image: "registry.example/podmotion/attach:bench".into(),
@@ -244,7 +260,7 @@ async fn main() -> anyhow::Result<()> {
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), &app_ns);
     let sel = format!("{}={app_ns}", labels::TARGET_NAMESPACE);
     let (mut plain, mut op_jobs, mut op_all) = (vec![], vec![], vec![]);
-    let (mut plain_first, mut op_first) = (vec![], vec![]);
+    let (mut plain_first, mut op_first, mut op_reconciles) = (vec![], vec![], vec![]);
     for round in 0..rounds {
         for which in if round % 2 == 0 {
             ["plain", "operator"]
@@ -281,6 +297,7 @@ async fn main() -> anyhow::Result<()> {
                     "metadata": {"name": "bench"},
                     "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
                 }));
+                let r0 = reconciles();
                 let t0 = Instant::now();
                 naas.create(&PostParams::default(), &naa).await?;
                 let (first, d) = seen_all(&mut seen, replicas, t0).await?;
@@ -316,6 +333,9 @@ async fn main() -> anyhow::Result<()> {
                 )
                 .await?;
                 count(&agent_secrets, "app.kubernetes.io/component=node-agent", 0).await?;
+                let r = reconciles() - r0;
+                op_reconciles.push(r);
+                eprintln!("round {round}: operator: {r} reconciles from create to deletion");
                 settle().await;
             }
         }
@@ -348,6 +368,7 @@ async fn main() -> anyhow::Result<()> {
         median(&plain_first),
         median(&op_first)
     );
+    println!("attachment reconciles per round, create to deletion: {op_reconciles:?}");
     println!("median plain client, {replicas} Jobs:       {p:?}");
     println!("median operator, {replicas} Jobs:           {o:?}");
     println!("median operator, {replicas} Jobs resumed with Secrets: {a:?}");

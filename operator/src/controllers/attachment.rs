@@ -240,7 +240,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     let pod_triggers = cache::feed(
         &ctx,
         "attachment-pods",
-        watcher(pods, watcher::Config::default().any_semantic()),
+        watcher(pods, paged()),
         shared.pods.clone(),
         |p: &Pod| Some(PodView::from_pod(p)),
         move |c| attachments_in_namespace(&s.store, &c.key.0),
@@ -251,9 +251,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
         "attachment-jobs",
         watcher(
             Api::<Job>::namespaced(client.clone(), &shared.settings.namespace),
-            watcher::Config::default()
-                .labels(&render::agent_selector())
-                .any_semantic(),
+            paged().labels(&render::agent_selector()),
         ),
         shared.jobs.clone(),
         JobView::from_job,
@@ -266,9 +264,10 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     let controller = controller
         .reconcile_on(stream::select(pod_triggers, job_triggers))
         .reconcile_all_on(ctx.leader.on_acquire())
-        // Shorter than the shared debounce: a new attachment should get its Jobs at once;
-        // triggers that arrive while a reconcile runs are coalesced anyway.
-        .with_config(controller_config(&ctx).debounce(Duration::from_millis(20)))
+        // No debounce: a new attachment gets its Jobs at once. A reconcile reads caches
+        // (one GET), triggers that arrive while it runs are coalesced into one rerun by
+        // the runtime, and changes the plan cannot see wake nothing.
+        .with_config(controller_config(&ctx).debounce(Duration::ZERO))
         .graceful_shutdown_on(ctx.shutdown());
 
     super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
@@ -316,6 +315,15 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
 fn error_policy(_a: Arc<NodeAgentAttachment>, err: &AttachmentError, _s: Arc<Shared>) -> Action {
     tracing::warn!(category = err.category(), error = %err, "attachment reconcile failed");
     Action::requeue(Duration::from_secs(2))
+}
+
+/// The list-then-watch of a cache: small pages, not `any_semantic` (the API server's
+/// watch cache serves such a list whole, ignoring the page size). Each page is decoded
+/// as full objects before it is projected, and the allocator keeps the largest such
+/// moment: 500-pod pages left the operator at 91 MiB with 10,000 pods, 100-pod pages
+/// at 48 MiB (`bench_operator_rss`).
+fn paged() -> watcher::Config {
+    watcher::Config::default().page_size(100)
 }
 
 /// A Job wakes every attachment of the workload it was made for.

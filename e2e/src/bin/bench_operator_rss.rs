@@ -1,0 +1,219 @@
+//! Benchmark (not a test): the operator's resident memory while it watches N pods.
+//! DESIGN.md §4: RSS ≤ 64 MiB with 10,000 pods watched.
+//!
+//!     hack/cluster.sh up
+//!     cargo build --release -p podmotion-operator -p podmotion-e2e --bin bench_operator_rss
+//!     target/release/bench_operator_rss [pods]          # default 10000
+//!
+//! Runs the real `podmotion-operator` binary (built next to this one) with the
+//! attachment controller only, which caches every pod of the cluster (a projection of
+//! each, `crate::cache`). Measures VmRSS once it is ready (every cache synced) with
+//! none of the benchmark's pods, then creates N pods (two containers, probes,
+//! resources, labels and a 1 KiB annotation each: typical Deployment pods; an unknown
+//! `schedulerName` keeps them Pending without status churn), restarts the operator so
+//! that it lists them all from scratch, and measures VmRSS and the peak (VmHWM) again.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use podmotion_e2e::{connect, from_json, random_suffix};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const PARALLEL: usize = 32;
+
+fn pod(i: usize) -> Pod {
+    from_json(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": format!("rss-{i:05}"),
+            "labels": {"app": "rss", "tier": "web", "pod-template-hash": "5d8f7c9b4",
+                       "app.kubernetes.io/part-of": format!("shop-{}", i % 50)},
+            "annotations": {
+                "kubectl.kubernetes.io/restartedAt": "2026-11-29T12:00:00Z",
+                "example.com/config": "x".repeat(1024),
+            }
+        },
+        "spec": {
+            "schedulerName": "podmotion-bench-nobody",
+            "containers": [
+                {"name": "app", "image": "registry.example/shop/web:1.2.3",
+                 "ports": [{"name": "http", "containerPort": 8080}],
+                 "env": (0..6).map(|e| json!({"name": format!("SETTING_{e}"), "value": format!("value-{e}")})).collect::<Vec<_>>(),
+                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 5}},
+                {"name": "proxy", "image": "registry.example/mesh/proxy:1.0",
+                 "ports": [{"name": "admin", "containerPort": 15000}],
+                 "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}}}
+            ]
+        }
+    }))
+}
+
+/// The operator binary built next to this benchmark.
+fn operator_bin() -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let bin = me
+        .parent()
+        .ok_or_else(|| anyhow::anyhow!("no parent of {me:?}"))?
+        .join("podmotion-operator");
+    anyhow::ensure!(
+        bin.exists(),
+        "{bin:?} missing: cargo build --release -p podmotion-operator"
+    );
+    Ok(bin)
+}
+
+/// `VmRSS` and `VmHWM` of `pid`, in KiB.
+fn rss_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("{name} missing in /proc/{pid}/status"))
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Whether `GET /readyz` answers 200.
+async fn ready(addr: &str) -> bool {
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
+    let req = format!("GET /readyz HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out.starts_with("HTTP/1.1 200") || out.starts_with("HTTP/1.0 200")
+}
+
+/// Starts the operator, waits until it is ready, lets it settle, and returns it with
+/// its (RSS, peak) in KiB and how long it took to become ready.
+async fn run_operator(
+    ns: &str,
+    addr: &str,
+) -> anyhow::Result<(tokio::process::Child, u64, u64, Duration)> {
+    let t0 = Instant::now();
+    let child = tokio::process::Command::new(operator_bin()?)
+        .args([
+            "--namespace",
+            ns,
+            "--controllers",
+            "attachment",
+            "--no-leader-election",
+            "--http-addr",
+            addr,
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = child
+        .id()
+        .ok_or_else(|| anyhow::anyhow!("operator exited"))?;
+    while !ready(addr).await {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(300),
+            "operator not ready after 300 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = t0.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (rss, hwm) = rss_kib(pid)?;
+    Ok((child, rss, hwm, took))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let n: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(10_000);
+    let client = connect().await?;
+    let ns = format!("bench-rss-{}", random_suffix());
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some(ns.clone()),
+                    labels: Some(BTreeMap::from([(
+                        "podmotion.io/e2e".to_string(),
+                        "bench".to_string(),
+                    )])),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await?;
+    podmotion_e2e::operator::install_crds(&client).await;
+    let addr = "127.0.0.1:18481";
+    let before = Api::<Pod>::all(client.clone())
+        .list_metadata(&ListParams::default())
+        .await?
+        .items
+        .len();
+
+    let (mut op, rss0, hwm0, took0) = run_operator(&ns, addr).await?;
+    op.kill().await?;
+    eprintln!("baseline: {before} pods in the cluster, ready in {took0:?}, RSS {rss0} KiB");
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let t = Instant::now();
+    stream::iter(0..n)
+        .map(|i| {
+            let pods = pods.clone();
+            async move { pods.create(&PostParams::default(), &pod(i)).await }
+        })
+        .buffer_unordered(PARALLEL)
+        .try_collect::<Vec<_>>()
+        .await?;
+    eprintln!("created {n} pods in {:?}", t.elapsed());
+
+    let (mut op, rss1, hwm1, took1) = run_operator(&ns, addr).await?;
+    op.kill().await?;
+
+    println!(
+        "pods watched: {before} (baseline) and {} (with the benchmark's)",
+        before + n
+    );
+    println!("ready after:  {took0:?} and {took1:?}");
+    println!(
+        "VmRSS:        {:.1} MiB and {:.1} MiB",
+        rss0 as f64 / 1024.0,
+        rss1 as f64 / 1024.0
+    );
+    println!(
+        "VmHWM (peak): {:.1} MiB and {:.1} MiB",
+        hwm0 as f64 / 1024.0,
+        hwm1 as f64 / 1024.0
+    );
+    println!(
+        "per pod:      {:.0} bytes resident",
+        (rss1.saturating_sub(rss0) * 1024) as f64 / n as f64
+    );
+
+    let dp = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete_collection(&dp, &ListParams::default()).await?;
+    Api::<Namespace>::all(client.clone())
+        .delete(&ns, &DeleteParams::default())
+        .await?;
+    Ok(())
+}
