@@ -60,6 +60,21 @@ struct State<V> {
     ready: bool,
 }
 
+impl<V> State<V> {
+    /// Removes `key`; the change, if it was there.
+    fn remove(&mut self, key: Key) -> Vec<Change<V>> {
+        self.live
+            .remove(&key)
+            .map(|old| Change {
+                key,
+                old: Some(old),
+                new: None,
+            })
+            .into_iter()
+            .collect()
+    }
+}
+
 /// A cache of projections `V` of the objects of one watch.
 #[derive(Debug)]
 pub struct Projection<V> {
@@ -180,30 +195,11 @@ impl<V: PartialEq> Projection<V> {
                             new: Some(new),
                         }]
                     }
-                    None => st
-                        .live
-                        .remove(&key)
-                        .map(|old| Change {
-                            key,
-                            old: Some(old),
-                            new: None,
-                        })
-                        .into_iter()
-                        .collect(),
+                    // No longer an object the cache keeps: as good as deleted.
+                    None => st.remove(key),
                 }
             }
-            Event::Delete(o) => {
-                let key = key_of(o);
-                st.live
-                    .remove(&key)
-                    .map(|old| Change {
-                        key,
-                        old: Some(old),
-                        new: None,
-                    })
-                    .into_iter()
-                    .collect()
-            }
+            Event::Delete(o) => st.remove(key_of(o)),
         }
     }
 
