@@ -2,10 +2,10 @@
 //! controller runs in this process (scoped to the test's namespace, its Jobs in a
 //! second, privileged namespace), kwok plays the kubelets.
 //!
-//! kwok completes every Job pod about a second after it starts, so agent Jobs here end
-//! up `Complete` (state `Exited`) where a real agent would keep running; these tests
-//! check the Jobs themselves (existence, pinning, container IDs, IP, replacement,
-//! reaping, foreground deletion), not agent readiness.
+//! kwok runs the agent Jobs' pods as it runs node agents (Running and Ready until
+//! reaped; `hack/kwok/stages.yaml`) without running the agent; these tests check the
+//! Jobs themselves (existence, pinning, container IDs, IP, suspension and resumption,
+//! replacement, reaping, foreground deletion), not the agent.
 //!
 //! Needs `hack/cluster.sh up`; fails without a cluster unless PODMOTION_E2E=0.
 
