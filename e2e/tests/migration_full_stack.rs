@@ -76,11 +76,13 @@ fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
+/// `N` distinct free loopback ports: all are held until all are picked (picked one at
+/// a time, the kernel may hand out a just-released port twice).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("free port"))
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().expect("bound").port())
 }
 
 /// The migration controller of this process, driving the agents over the wire.
@@ -215,7 +217,7 @@ impl FullStack {
             &workspace_bin("podmotion-testload"),
             nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
         );
-        let ports = [free_port(), free_port()];
+        let ports: [u16; 2] = free_ports();
         for (i, port) in ports.iter().enumerate() {
             tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
         }
