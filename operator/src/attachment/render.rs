@@ -128,18 +128,6 @@ pub fn workload_label(w: &WorkloadRef) -> String {
     format!("{prefix}-{hash}")
 }
 
-/// Label selector (string form) of the agent Jobs of one workload.
-pub fn workload_selector(namespace: &str, w: &WorkloadRef) -> String {
-    format!(
-        "{},{}={},{}={}",
-        agent_selector(),
-        labels::TARGET_NAMESPACE,
-        namespace,
-        labels::WORKLOAD,
-        workload_label(w)
-    )
-}
-
 /// The agent Job for `pod`, named `name`, carrying `container_ids`, created suspended
 /// (see below). The spec hash is recorded in an annotation (and returned) so a change
 /// of agent settings is noticed.
