@@ -596,15 +596,7 @@ async fn carry_out(
             .try_collect()
             .await?;
         let created: Vec<Job> = created.into_iter().flatten().collect();
-        let resume: Vec<Resume> = created
-            .iter()
-            .map(|j| Resume {
-                job: j.name_any(),
-                job_uid: j.uid().unwrap_or_default(),
-            })
-            .chain(p.resume.iter().cloned())
-            .collect();
-        resume_all(s, resume).await?;
+        resume_all(s, &created, &p.resume).await?;
         s.ctx
             .metrics
             .attachment_job_changes
@@ -646,12 +638,8 @@ async fn carry_out(
             .await;
         }
     }
-    if mode == Mode::Full && p.create.is_empty() && !p.resume.is_empty() {
-        tracing::info!(
-            jobs = %some_names(&p.resume.iter().map(|r| r.job.clone()).collect::<Vec<_>>()),
-            "resuming agent Jobs left suspended"
-        );
-        resume_all(s, p.resume.clone()).await?;
+    if mode == Mode::Full && p.create.is_empty() {
+        resume_all(s, &[], &p.resume).await?;
     }
     Ok((p, group))
 }
@@ -796,10 +784,23 @@ async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, AttachmentError
     }
 }
 
-/// Resumes suspended agent Jobs, `write_parallelism` at a time: each gets its
-/// credential Secret (owned by it, random token; one that exists already is kept),
-/// then is unsuspended, so its pod starts with the Secret in place.
-async fn resume_all(s: &Shared, jobs: Vec<Resume>) -> Result<(), AttachmentError> {
+/// Resumes the Jobs just `created` and the kept ones left suspended,
+/// `write_parallelism` at a time: each gets its credential Secret (owned by it, random
+/// token; one that exists already is kept), then is unsuspended, so its pod starts with
+/// the Secret in place.
+async fn resume_all(s: &Shared, created: &[Job], left: &[Resume]) -> Result<(), AttachmentError> {
+    if !left.is_empty() {
+        let names: Vec<String> = left.iter().map(|r| r.job.clone()).collect();
+        tracing::info!(jobs = %some_names(&names), "resuming agent Jobs left suspended");
+    }
+    let jobs = created
+        .iter()
+        .map(|j| Resume {
+            job: j.name_any(),
+            job_uid: j.uid().unwrap_or_default(),
+        })
+        .chain(left.iter().cloned())
+        .collect::<Vec<_>>();
     stream::iter(jobs)
         .map(|r| async move {
             create_secret(s, &r).await?;
