@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from the Go modules pinned in hack/versions.env:
 #   kube-apiserver kube-controller-manager kube-scheduler kubectl  (hack/k8s/kube)
+#   kubelet kube-proxy (the real nodes, hack/cluster.sh REAL_NODES)  (hack/k8s/kube)
 #   etcd                                                          (hack/k8s/etcd)
 #   kwok                                                          (hack/k8s/kwok)
 # into ${PODMOTION_CACHE:-$HOME/.cache/podmotion}/k8s-$KUBE_VERSION/bin/.
@@ -21,7 +22,7 @@ cache=${PODMOTION_CACHE:-$HOME/.cache/podmotion}
 root=$cache/k8s-$KUBE_VERSION
 bin=$root/bin
 stamp=$root/.stamp
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok)
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd kwok)
 
 force=0
 case ${1:-} in
@@ -101,12 +102,14 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   kube_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
 done
 
-log "building Kubernetes $KUBE_VERSION (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl) with $(go version | cut -d' ' -f3)"
+log "building Kubernetes $KUBE_VERSION (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy) with $(go version | cut -d' ' -f3)"
 (cd "$here/k8s/kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/" \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \
-  k8s.io/kubernetes/cmd/kubectl)
+  k8s.io/kubernetes/cmd/kubectl \
+  k8s.io/kubernetes/cmd/kubelet \
+  k8s.io/kubernetes/cmd/kube-proxy)
 
 log "building etcd $ETCD_VERSION"
 (cd "$here/k8s/etcd" && go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" .)

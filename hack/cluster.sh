@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# PodMotion's local Kubernetes control plane: real etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kwok (simulated nodes and pod lifecycles),
-# run as plain processes on loopback. Binaries come from hack/build-k8s.sh (built on first
-# use into ${PODMOTION_CACHE:-~/.cache/podmotion}/k8s-<version>/bin, versions in
-# hack/versions.env).
+# PodMotion's local Kubernetes cluster: real etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, a local OCI registry (hack/registry.sh), kwok (simulated nodes and pod
+# lifecycles, for scale and churn) and REAL_NODES real nodes (a kubelet with its own
+# containerd, runc and CNI each, see hack/lib/real-nodes.sh), run as plain processes on
+# this machine. Binaries come from hack/build-k8s.sh and hack/build-node.sh (built on first
+# use into ${PODMOTION_CACHE:-~/.cache/podmotion}/, versions in hack/versions.env).
 #
-#   hack/cluster.sh up       build if needed, start everything, wait until healthy, create nodes
-#   hack/cluster.sh down     stop every process by its PID file, delete etcd's data
-#   hack/cluster.sh status   state of each component (exit 0 only if all are healthy)
-#   hack/cluster.sh env      print `export KUBECONFIG=...` (and PATH with our kubectl first)
-#                            use: eval "$(hack/cluster.sh env)"
+#   hack/cluster.sh up          build if needed, start everything, wait until healthy, create nodes
+#   hack/cluster.sh down        stop pods, every process, the nodes' namespaces, cgroups and
+#                               network; delete etcd's data
+#   hack/cluster.sh status      state of each component (exit 0 only if all are healthy)
+#   hack/cluster.sh env         print `export KUBECONFIG=... PODMOTION_REGISTRY=...` (and PATH
+#                               with our kubectl first); use: eval "$(hack/cluster.sh env)"
+#   hack/cluster.sh leftovers   list what a cluster left on this machine (processes, mounts,
+#                               bridge, veths, cgroups, netns, nft tables); exit 1 if any
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
 #                    pki/, logs/<component>.log, pids/<component>.pid, etcd/ (data), kwok/
 #   PODMOTION_CACHE  binary cache root (see hack/build-k8s.sh)
-#   NODES            number of fake nodes, named pm-node-0 .. pm-node-<NODES-1> (default 3)
+#   NODES            number of fake (kwok) nodes, named pm-node-0 .. pm-node-<NODES-1> (default 3)
+#   REAL_NODES       number of real nodes, pm-real-0 .. (default 2; needs root). Labelled
+#                    type=real (kwok nodes: type=kwok). REAL_NODES=0: the fast kwok-only
+#                    cluster, everything on loopback. Real nodes need PODMOTION_PORT_OFFSET=0.
+#   REAL_NODE_<i>_LABELS  extra labels of pm-real-<i>, comma-separated key=value
 #   NODE_CPU, NODE_MEMORY, NODE_PODS
 #                    capacity = allocatable of every node (default 16, 64Gi, 110); every node
 #                    also has devices.kubevirt.io/kvm: "110"
@@ -37,7 +45,9 @@
 #                    next to the first one (give it its own PODMOTION_RUN too)
 #
 # Loopback ports: etcd 12379 (client) / 12380 (peer), kube-apiserver 16443,
-# kube-controller-manager 16457, kube-scheduler 16459, kwok 16447.
+# kube-controller-manager 16457, kube-scheduler 16459, kwok 16447, registry 15000,
+# kube-proxy 16456 (healthz) / 16449 (metrics). With real nodes the API server listens on
+# 198.18.255.1:16443 instead (the pods' gateway), and each kubelet on 198.18.255.<10+i>:10250.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -46,6 +56,10 @@ source "$here/versions.env"
 
 RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 NODES=${NODES:-3}
+# status, env and down act on the cluster as it was brought up, unless told otherwise.
+if [[ -z ${REAL_NODES:-} && -f $RUN/real-nodes ]]; then REAL_NODES=$(cat "$RUN/real-nodes"); fi
+REAL_NODES=${REAL_NODES:-2}
+[[ $REAL_NODES =~ ^[0-9]+$ ]] || { echo "[cluster] REAL_NODES must be a number, not '$REAL_NODES'" >&2; exit 2; }
 NODE_CPU=${NODE_CPU:-16}
 NODE_MEMORY=${NODE_MEMORY:-64Gi}
 NODE_PODS=${NODE_PODS:-110}
@@ -63,14 +77,36 @@ APISERVER_PORT=$((16443 + off))
 KCM_PORT=$((16457 + off))
 SCHED_PORT=$((16459 + off))
 KWOK_PORT=$((16447 + off))
-SERVICE_CIDR=10.96.0.0/16
-POD_CIDR=10.244.0.0/16
+KUBE_PROXY_HEALTHZ_PORT=$((16456 + off))
+KUBE_PROXY_METRICS_PORT=$((16449 + off))
+# Pods and Services use 198.18.0.0/15 (set aside for benchmarking), never a private range:
+# real nodes' pods 198.18.<i>.0/24, kwok pods 198.18.128.0/17, Services 198.19.0.0/16.
+SERVICE_CIDR=198.19.0.0/16
+SERVICE_API_IP=198.19.0.1
+POD_CIDR=198.18.0.0/16
+KWOK_POD_CIDR=198.18.128.0/17
+PODMOTION_CACHE_DIR=${PODMOTION_CACHE:-$HOME/.cache/podmotion}
+REGISTRY_ADDR=127.0.0.1:$((15000 + off))
 
 PKI=$RUN/pki
 LOGS=$RUN/logs
 PIDS=$RUN/pids
 KUBECONFIG_ADMIN=$RUN/admin.kubeconfig
+# shellcheck source=lib/real-nodes.sh
+source "$here/lib/real-nodes.sh"
+# With real nodes the API server listens where pods reach it (the bridge's gateway).
+API_HOST=127.0.0.1
+if ((REAL_NODES > 0)); then
+  ((off == 0)) || { echo "[cluster] real nodes need PODMOTION_PORT_OFFSET=0 (one bridge, one pod network); use REAL_NODES=0" >&2; exit 2; }
+  API_HOST=$GATEWAY_IP
+fi
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+REAL_COMPONENTS=()
+for ((_i = 0; _i < REAL_NODES; _i++)); do
+  # shellcheck disable=SC2207
+  REAL_COMPONENTS+=($(real_node_components "$_i"))
+done
+((REAL_NODES > 0)) && REAL_COMPONENTS+=(kube-proxy)
 
 log() { echo "[cluster] $*" >&2; }
 die() { echo "[cluster] ERROR: $*" >&2; exit 1; }
@@ -80,13 +116,14 @@ bin_dir() { "$here/build-k8s.sh" --print; }
 # ---------------------------------------------------------------- processes
 
 pid_of() { # component -> pid if its PID file names a live process of that binary
+  # A component is named after its binary, or <node>.<binary> for a real node's.
   local f=$PIDS/$1.pid pid exe
   [[ -f $f ]] || return 1
   pid=$(cat "$f")
   [[ $pid =~ ^[0-9]+$ ]] || return 1
   exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
   # The binary may have been replaced by a rebuild: "(deleted)" suffix.
-  [[ ${exe% (deleted)} == */"$1" ]] || return 1
+  [[ ${exe% (deleted)} == */"${1##*.}" ]] || return 1
   echo "$pid"
 }
 
@@ -97,6 +134,15 @@ start() { # component args...
   # setsid: own session, so the process outlives this script and its caller's job control.
   # 8>&-: the daemons must not inherit (and so hold forever) the run directory's lock.
   setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
+  echo $! >"$PIDS/$name.pid"
+}
+
+start_in_ns() { # component binary args... : like start, inside the mount namespace $NS
+  local name=$1 binary=$2
+  shift 2
+  : >"$LOGS/$name.log"
+  # nsenter execs the binary in place (no fork for a mount namespace): $! is its pid.
+  setsid nsenter --mount="$NS" -- "$binary" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
   echo $! >"$PIDS/$name.pid"
 }
 
@@ -125,15 +171,16 @@ curl_admin() { # url : HTTPS with the admin client certificate
 healthy() { # component
   case $1 in
     etcd) curl -fsS --max-time 3 "http://127.0.0.1:$ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"' ;;
-    kube-apiserver) [[ $(curl_admin "https://127.0.0.1:$APISERVER_PORT/readyz" 2>/dev/null) == ok ]] ;;
+    kube-apiserver) [[ $(curl_admin "https://$API_HOST:$APISERVER_PORT/readyz" 2>/dev/null) == ok ]] ;;
     kube-controller-manager) [[ $(curl -fsSk --max-time 3 "https://127.0.0.1:$KCM_PORT/healthz" 2>/dev/null) == ok ]] ;;
     kube-scheduler) [[ $(curl -fsSk --max-time 3 "https://127.0.0.1:$SCHED_PORT/readyz" 2>/dev/null) == ok ]] ;;
     kwok) curl -fsS --max-time 3 "http://127.0.0.1:$KWOK_PORT/healthz" >/dev/null 2>&1 ;;
+    *) real_healthy "$1" ;;
   esac
 }
 
 fail_with_log() { # component message
-  echo "[cluster] ERROR: $2" >&2
+  echo "[cluster] ERROR: $1 failed to start: $2 (log: $LOGS/$1.log)" >&2
   echo "----- last 40 lines of $LOGS/$1.log -----" >&2
   tail -n 40 "$LOGS/$1.log" >&2 || true
   echo "-----" >&2
@@ -173,7 +220,7 @@ sign() { # name subject extensions...
   rm -f "$PKI/$name.csr" "$PKI/$name.ext"
 }
 
-PKI_LAYOUT=2 # bump when gen_pki changes, so existing run directories regenerate
+PKI_LAYOUT=3 # bump when gen_pki changes, so existing run directories regenerate
 gen_pki() {
   [[ $(cat "$PKI/.complete" 2>/dev/null) == "$PKI_LAYOUT" ]] && return 0
   rm -rf "$PKI"
@@ -184,11 +231,14 @@ gen_pki() {
     -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
     -out "$PKI/ca.crt" 2>/dev/null
   sign apiserver "/CN=kube-apiserver" "extendedKeyUsage=serverAuth" \
-    "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    "subjectAltName=IP:127.0.0.1,IP:$SERVICE_API_IP,IP:198.18.255.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
   sign admin "/O=system:masters/CN=podmotion-admin" "extendedKeyUsage=clientAuth"
   sign kube-controller-manager "/CN=system:kube-controller-manager" "extendedKeyUsage=clientAuth"
   sign kube-scheduler "/CN=system:kube-scheduler" "extendedKeyUsage=clientAuth"
   sign kwok "/CN=podmotion:kwok" "extendedKeyUsage=clientAuth"
+  sign kube-proxy "/CN=system:kube-proxy" "extendedKeyUsage=clientAuth"
+  # The API server's client identity towards kubelets (logs, exec, port-forward).
+  sign apiserver-kubelet-client "/CN=kube-apiserver-kubelet-client" "extendedKeyUsage=clientAuth"
   # Aggregation layer (front proxy): its own CA and the apiserver's proxy client cert.
   # Without it, controller-manager and scheduler log errors about the missing
   # requestheader CA in kube-system/extension-apiserver-authentication.
@@ -213,7 +263,7 @@ kind: Config
 clusters:
 - name: podmotion
   cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
+    server: https://$API_HOST:$APISERVER_PORT
     certificate-authority-data: $($b64 <"$PKI/ca.crt")
 users:
 - name: $2
@@ -263,7 +313,7 @@ EOF
     echo "    ${kv%%=*}: \"${kv#*=}\""
   done
   echo "spec:"
-  echo "  podCIDR: 10.244.$i.0/24"
+  echo "  podCIDR: 198.18.$((128 + i % 128)).0/24"
   local tl=""
   for kv in $taints; do
     [[ -n $kv ]] || continue
@@ -278,7 +328,7 @@ EOF
   cat <<EOF
 status:
   addresses:
-  - {type: InternalIP, address: "10.0.0.$((10 + i))"}
+  - {type: InternalIP, address: "198.18.254.$((i % 250 + 1))"}
   - {type: Hostname, address: "$name"}
   capacity: &res
     cpu: "$NODE_CPU"
@@ -306,13 +356,16 @@ create_nodes() {
 
 all_healthy() {
   local c
-  for c in "${COMPONENTS[@]}"; do healthy "$c" || return 1; done
+  for c in "${COMPONENTS[@]}" "${REAL_COMPONENTS[@]}"; do healthy "$c" || return 1; done
+  bash "$here/registry.sh" status >/dev/null 2>&1
 }
 
 any_running() {
-  local c
-  for c in "${COMPONENTS[@]}"; do pid_of "$c" >/dev/null && return 0; done
-  return 1
+  local c f
+  for c in "${COMPONENTS[@]}" "${REAL_COMPONENTS[@]}"; do pid_of "$c" >/dev/null && return 0; done
+  # Components of an earlier run with more real nodes.
+  for f in "$PIDS"/*.pid; do [[ -f $f ]] && pid_of "$(basename "$f" .pid)" >/dev/null && return 0; done
+  [[ -d $RUN/nodes ]]
 }
 
 cmd_up() {
@@ -327,12 +380,16 @@ cmd_up() {
     cmd_down
   fi
   BIN=$("$here/build-k8s.sh")
+  ((REAL_NODES > 0)) && NODE_BIN=$(node_bin)
   mkdir -p "$RUN" "$LOGS" "$PIDS" "$RUN/kwok"
   local p
   for p in $ETCD_PORT $ETCD_PEER_PORT $APISERVER_PORT $KCM_PORT $SCHED_PORT $KWOK_PORT; do
     port_free "$p" || die "127.0.0.1:$p is already in use: $(ss -Hltnp "sport = :$p" | head -1)"
   done
+  PODMOTION_RUN=$RUN bash "$here/registry.sh" up >&2 || die "registry failed to start (log: $LOGS/registry.log)"
   gen_pki
+  echo "$REAL_NODES" >"$RUN/real-nodes"
+  ((REAL_NODES > 0)) && net_up
   write_kubeconfig "$KUBECONFIG_ADMIN" admin
   local c
   for c in kube-controller-manager kube-scheduler kwok; do write_kubeconfig "$RUN/$c.kubeconfig" "$c"; done
@@ -348,7 +405,7 @@ cmd_up() {
   # UserNamespacesSupport (hostUsers: false) and ProcMountType (procMount: Unmasked) are GA
   # and locked on since 1.36, so no --feature-gates are needed for the RunnerPool pod shape.
   start kube-apiserver \
-    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$APISERVER_PORT" \
+    --bind-address="$API_HOST" --advertise-address="$API_HOST" --secure-port="$APISERVER_PORT" \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
     --client-ca-file="$PKI/ca.crt" \
@@ -359,7 +416,11 @@ cmd_up() {
     --service-account-issuer=https://kubernetes.default.svc.cluster.local \
     --service-account-key-file="$PKI/sa.pub" \
     --service-account-signing-key-file="$PKI/sa.key" \
-    --endpoint-reconciler-type=none \
+    --endpoint-reconciler-type="$([[ $API_HOST == 127.0.0.1 ]] && echo none || echo lease)" \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
+    --kubelet-certificate-authority="$PKI/ca.crt" \
+    --kubelet-preferred-address-types=InternalIP \
     --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" \
     --requestheader-allowed-names=front-proxy-client \
     --requestheader-username-headers=X-Remote-User \
@@ -373,6 +434,9 @@ cmd_up() {
   # kwok plays the kubelet of every fake node with one identity.
   "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" create clusterrolebinding podmotion:kwok \
     --clusterrole=cluster-admin --user=podmotion:kwok >/dev/null
+  # The API server proxies logs, exec and port-forward to kubelets with this identity.
+  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" create clusterrolebinding podmotion:apiserver-kubelet-client \
+    --clusterrole=system:kubelet-api-admin --user=kube-apiserver-kubelet-client >/dev/null
 
   start kube-controller-manager \
     --kubeconfig="$RUN/kube-controller-manager.kubeconfig" \
@@ -400,19 +464,21 @@ cmd_up() {
     --manage-all-nodes=false \
     --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
     --node-lease-duration-seconds=40 \
-    --cidr="$POD_CIDR" \
+    --cidr="$KWOK_POD_CIDR" \
     --server-address="127.0.0.1:$KWOK_PORT"
 
   create_nodes
+  real_nodes_up
   wait_healthy kube-controller-manager
   wait_healthy kube-scheduler
   wait_healthy kwok
 
   if ((NODES > 0)); then
-    "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready node --all --timeout="${TIMEOUT}s" >/dev/null ||
+    "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready node -l type=kwok --timeout="${TIMEOUT}s" >/dev/null ||
       fail_with_log kwok "nodes not Ready after ${TIMEOUT}s"
     log "nodes Ready ($((SECONDS - T0))s)"
   fi
+  real_nodes_wait_ready
   # The ServiceAccount controller must be working before pods can be created.
   local deadline=$((SECONDS + TIMEOUT))
   until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" -n default get serviceaccount default >/dev/null 2>&1; do
@@ -424,15 +490,35 @@ cmd_up() {
 }
 
 cmd_down() {
-  local i
+  local i f
+  BIN=$(bin_dir)
+  # The controllers first, so nothing recreates the pods the real nodes are told to stop.
+  stop kube-controller-manager
+  stop kube-scheduler
+  real_nodes_down
+  for f in "$PIDS"/*.pid; do # components of a run with more real nodes than now
+    [[ -f $f ]] || continue
+    case $(basename "$f" .pid) in "$REAL_NODE_PREFIX"*) stop "$(basename "$f" .pid)" ;; esac
+  done
   for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop "${COMPONENTS[i]}"; done
+  PODMOTION_RUN=$RUN bash "$here/registry.sh" down >&2 || true
   rm -rf "$RUN/etcd"
   log "down (logs kept in $LOGS/)"
 }
 
+cmd_leftovers() {
+  local out
+  out=$(real_leftovers)
+  if [[ -n $out ]]; then
+    echo "$out"
+    return 1
+  fi
+  log "nothing left behind"
+}
+
 cmd_status() {
   local c pid ok=0 state
-  for c in "${COMPONENTS[@]}"; do
+  for c in "${COMPONENTS[@]}" "${REAL_COMPONENTS[@]}"; do
     if pid=$(pid_of "$c"); then
       if healthy "$c"; then state="running (pid $pid), healthy"
       else state="running (pid $pid), NOT healthy"; ok=1; fi
@@ -442,6 +528,9 @@ cmd_status() {
     fi
     printf '%-24s %s\n' "$c" "$state"
   done
+  if bash "$here/registry.sh" status >/dev/null 2>&1; then state="running, answering on $REGISTRY_ADDR"
+  else state="stopped"; ok=1; fi
+  printf '%-24s %s\n' registry "$state"
   if healthy kube-apiserver; then
     echo
     "$(bin_dir)/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" get nodes -o wide 2>&1 || true
@@ -451,6 +540,7 @@ cmd_status() {
 
 cmd_env() {
   echo "export KUBECONFIG=$KUBECONFIG_ADMIN"
+  echo "export PODMOTION_REGISTRY=$REGISTRY_ADDR"
   echo "export PATH=\"$(bin_dir):\$PATH\""
 }
 
@@ -467,5 +557,6 @@ case ${1:-} in
   down) lock; cmd_down ;;
   status) cmd_status ;;
   env) cmd_env ;;
-  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+  leftovers) cmd_leftovers ;;
+  *) echo "usage: $0 up|down|status|env|leftovers" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 # image, each step idempotent (a warm machine does nothing here):
 #   - rustfmt and clippy for the toolchain
 #   - the executors' kernel-side dependencies (CRIU from a private prefix, nftables,
-#     containerd, ...), through their own scripts
+#     containerd, ...), the image builder (buildah, ...), through their own scripts
 # The control-plane binaries are built by hack/cluster.sh (hack/build-k8s.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,7 +13,7 @@ if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 fi
 
-for script in install-criu.sh install-attach-deps.sh install-tools.sh; do
+for script in install-criu.sh install-attach-deps.sh install-tools.sh install-image-tools.sh; do
   if [[ -x $here/$script || -f $here/$script ]]; then
     echo "== hack/$script"
     bash "$here/$script"

@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# The test command (README): installs what the tests need, brings the local control
-# plane up (building it on a cold cache), runs every test of the workspace — unit,
-# golden, e2e against the control plane, and the executors' root tests on the real
-# kernel — and brings the control plane down again, even when tests fail.
+# The test command (README): installs what the tests need, brings the local cluster up
+# (building it on a cold cache: control plane, real nodes, registry), builds and pushes
+# our images (hack/images.sh), runs every test of the workspace — unit, golden, e2e
+# against the cluster and its real nodes, and the executors' root tests on the real
+# kernel — then brings the cluster down and checks that it left nothing behind.
 #
 #   bash hack/test.sh [extra cargo test args]
 #
-# PODMOTION_KEEP_CLUSTER=1 leaves the control plane running afterwards.
+# A cluster left running by the demo (bash hack/demo.sh) is replaced: its operator,
+# installed by the chart, would reconcile the tests' objects too. Any other running
+# cluster is reused and left running.
+# PODMOTION_KEEP_CLUSTER=1 leaves a cluster this script started running afterwards.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+run=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 
+step() { echo "== $*" >&2; }
+
+step "dependencies (hack/install-deps.sh)"
 bash hack/install-deps.sh
 
+if [[ -f $run/demo ]]; then
+  step "the demo's cluster is running with its operator: bringing it down first"
+  hack/cluster.sh down
+  rm -f "$run/demo"
+fi
 started=0
 if ! hack/cluster.sh status >/dev/null 2>&1; then
+  step "cluster up (hack/cluster.sh up)"
   hack/cluster.sh up
   started=1
 fi
-cleanup() {
-  if [[ $started == 1 && ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
-    hack/cluster.sh down || true
-  fi
-}
-trap cleanup EXIT
 eval "$(hack/cluster.sh env)"
 
 # Executors find CRIU through this (hack/install-criu.sh prints its path last).
@@ -32,4 +40,21 @@ if [[ -z ${PODMOTION_CRIU:-} && -f hack/install-criu.sh ]]; then
   export PODMOTION_CRIU
 fi
 
-cargo test --workspace --locked "$@"
+step "images (hack/images.sh): built, pushed to $PODMOTION_REGISTRY"
+bash hack/images.sh >"$run/images.txt"
+cat "$run/images.txt"
+export PODMOTION_IMAGES_VALUES=$run/images-values.yaml PODMOTION_IMAGES_LIST=$run/images.txt
+
+step "cargo test --workspace"
+rc=0
+cargo test --workspace --locked "$@" || rc=$?
+
+if [[ $started == 1 && ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
+  step "cluster down, and nothing left behind"
+  hack/cluster.sh down || rc=1
+  if ! hack/cluster.sh leftovers; then
+    echo "hack/cluster.sh down left the above behind" >&2
+    rc=1
+  fi
+fi
+exit $rc

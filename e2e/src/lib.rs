@@ -28,6 +28,7 @@ use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 pub mod operator;
+pub mod real;
 
 /// Default bound of every wait in these tests.
 pub const TIMEOUT: Duration = Duration::from_secs(60);

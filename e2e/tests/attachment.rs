@@ -46,6 +46,7 @@ impl Operator {
             sweep_seconds: 5,
             write_parallelism: 16,
             backoff_limit: 3,
+            image_pull_secrets: Vec::new(),
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };
@@ -87,7 +88,9 @@ fn deployment(name: &str, replicas: i32, host_network: bool) -> Deployment {
                 "spec": {
                     "hostNetwork": host_network,
                     "containers": [container],
-                    // Every kwok node, the runner node included, and evenly spread.
+                    // Every kwok node, the runner node included, and evenly spread; never
+                    // the real nodes (this test's image exists nowhere).
+                    "nodeSelector": {"type": "kwok"},
                     "tolerations": [{"operator": "Exists"}],
                     "topologySpreadConstraints": [{
                         "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -773,5 +776,45 @@ async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
         uids(&all),
         "the Jobs themselves are kept"
     );
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn scaling_an_attached_workload_to_zero_empties_its_targets() {
+    let Some((app, agents, op)) = setup("naa-zero", PodSecurity::Restricted).await else {
+        return;
+    };
+    attached_web(&app, &agents).await;
+    let naas: Api<NodeAgentAttachment> = app.api();
+    wait_for(&naas, "web", TIMEOUT, "three targets in status", |a| {
+        a.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.targets.len() == 3)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+
+    scale(&app, "web", 0).await;
+    settled_pods(&app, "web", 0).await;
+    jobs_follow(&agents, &app.name, &[], "no Job left").await;
+    let a = wait_for(&naas, "web", TIMEOUT, "no target in status", |a| {
+        a.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.total_targets == 0 && s.targets.is_empty())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap();
+    // Gone from the stored object, not merely defaulted when it is read back.
+    let raw: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        app.client.clone(),
+        &app.name,
+        &kube::api::ApiResource::erase::<NodeAgentAttachment>(&()),
+    );
+    let stored = raw.get("web").await.unwrap();
+    assert!(
+        stored.data["status"].get("targets").is_none(),
+        "status still lists targets: {}",
+        stored.data["status"]
+    );
+    assert!(a.status.unwrap().skipped.is_empty());
     op.stop().await;
 }

@@ -709,10 +709,23 @@ fn every_operator_flag_has_a_value_in_the_chart() {
             "runnerPool.watchNamespace=team-a,runnerPool.preflightImage=registry.example/preflight:1",
             "--set",
             "migration.agentEndpoints={pm-node-0=http://127.0.0.1:7443}",
+            "--set",
+            "imagePullSecrets[0].name=regcred,imagePullSecrets[1].name=mirror",
         ],
     ] {
         let docs = render(&variant);
         let deploy = of_kind(&docs, "Deployment")[0];
+        if variant.iter().any(|a| a.contains("imagePullSecrets")) {
+            // The attachment Jobs get the same pull Secrets as the chart's own pods.
+            let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+            let v = c["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == "PODMOTION_ATTACHMENT_IMAGE_PULL_SECRETS")
+                .map(|e| e["value"].clone());
+            assert_eq!(v, Some(json!("regcred,mirror")));
+        }
         let c = &deploy["spec"]["template"]["spec"]["containers"][0];
         for a in strs(&c["args"]) {
             args.insert(

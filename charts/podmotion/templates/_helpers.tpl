@@ -153,6 +153,12 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.attachment.writeParallelism | quote }}
 - name: PODMOTION_ATTACHMENT_BACKOFF_LIMIT
   value: {{ .Values.attachment.backoffLimit | quote }}
+{{- with .Values.imagePullSecrets }}
+{{- $names := list }}
+{{- range . }}{{ $names = append $names .name }}{{ end }}
+- name: PODMOTION_ATTACHMENT_IMAGE_PULL_SECRETS
+  value: {{ join "," $names | quote }}
+{{- end }}
 {{- with .Values.attachment.watchNamespace }}
 - name: PODMOTION_ATTACHMENT_WATCH_NAMESPACE
   value: {{ . | quote }}

@@ -160,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
         "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
           "template": {"metadata": {"labels": {"app": "web"}},
-            "spec": {"containers": [restricted_container("app")], "tolerations": [{"operator": "Exists"}]}}}
+            "spec": {"containers": [restricted_container("app")], "nodeSelector": {"type": "kwok"}, "tolerations": [{"operator": "Exists"}]}}}
     }));
     Api::<Deployment>::namespaced(client.clone(), &app_ns)
         .create(&PostParams::default(), &deploy)
@@ -220,6 +220,7 @@ async fn main() -> anyhow::Result<()> {
         sweep_seconds: 3600,
         write_parallelism: PARALLEL,
         backoff_limit: 3,
+        image_pull_secrets: Vec::new(),
         jobs_namespace: None,
         watch_namespace: Some(app_ns.clone()),
     };

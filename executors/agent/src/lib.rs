@@ -4,6 +4,7 @@
 //! and are zeroized on every exit path ([`images`]).
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod containers;
 pub mod criu;
 pub mod images;

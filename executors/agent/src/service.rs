@@ -2,6 +2,7 @@
 //! UID; a step that already happened returns the current status instead of running
 //! again, a step out of order is `FailedPrecondition`.
 
+use crate::admission::{Admission, Step, admit};
 use crate::containers::Containers;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
@@ -257,12 +258,7 @@ impl Agent {
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let m = self.get(uid)?;
         let mut m = m.lock().await;
-        if m.role != Role::Source || !matches!(m.phase, Phase::Prepared | Phase::PreDumping) {
-            return Err(Status::failed_precondition(format!(
-                "pre-dump in phase {:?}",
-                m.phase
-            )));
-        }
+        admit(m.role, m.phase, Step::PreDump)?;
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let n = m.iteration + 1;
         let dir = m.dir.join(format!("pre-{n}"));
@@ -304,14 +300,8 @@ impl Agent {
     async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let m = self.get(uid)?;
         let mut m = m.lock().await;
-        if m.role == Role::Source && matches!(m.phase, Phase::Dumped | Phase::Sent) {
+        if admit(m.role, m.phase, Step::Dump)? == Admission::Done {
             return Ok(m.status());
-        }
-        if m.role != Role::Source || !matches!(m.phase, Phase::Prepared | Phase::PreDumping) {
-            return Err(Status::failed_precondition(format!(
-                "dump in phase {:?}",
-                m.phase
-            )));
         }
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let dir = m.dir.join("final");
@@ -434,14 +424,8 @@ impl Agent {
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
         let m = self.get(&r.migration_uid)?;
         let mut m = m.lock().await;
-        if m.phase == Phase::Sent {
+        if admit(m.role, m.phase, Step::Send)? == Admission::Done {
             return Ok(m.status());
-        }
-        if m.role != Role::Source || !matches!(m.phase, Phase::Dumped | Phase::PreDumping) {
-            return Err(Status::failed_precondition(format!(
-                "send in phase {:?}",
-                m.phase
-            )));
         }
         let t = Instant::now();
         let channel = tonic::transport::Endpoint::from_shared(r.target_endpoint.clone())
@@ -502,17 +486,7 @@ impl Agent {
         };
         let m = self.get(&first.migration_uid)?;
         let mut m = m.lock().await;
-        if m.phase == Phase::Received {
-            return Err(Status::already_exists(
-                "the final images were already received",
-            ));
-        }
-        if m.role != Role::Target || !matches!(m.phase, Phase::Prepared | Phase::Receiving) {
-            return Err(Status::failed_precondition(format!(
-                "receive in phase {:?}",
-                m.phase
-            )));
-        }
+        admit(m.role, m.phase, Step::Receive)?;
         m.phase = Phase::Receiving;
         let sealer =
             Sealer::new(&m.key, m.uid.as_str()).map_err(|e| Status::internal(e.to_string()))?;
@@ -654,14 +628,8 @@ impl Agent {
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let m = self.get(uid)?;
         let mut m = m.lock().await;
-        if m.phase == Phase::Restored {
+        if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
             return Ok(m.status());
-        }
-        if m.role != Role::Target || m.phase != Phase::Received {
-            return Err(Status::failed_precondition(format!(
-                "restore in phase {:?}",
-                m.phase
-            )));
         }
         let manifest: Manifest = serde_json::from_slice(
             &std::fs::read(m.dir.join("manifest.json"))
@@ -775,14 +743,8 @@ impl Agent {
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
         let m = self.get(&r.migration_uid)?;
         let mut m = m.lock().await;
-        if m.phase == Phase::Committed {
+        if admit(m.role, m.phase, Step::Commit)? == Admission::Done {
             return Ok(m.status());
-        }
-        if m.role != Role::Source || !matches!(m.phase, Phase::Dumped | Phase::Sent) {
-            return Err(Status::failed_precondition(format!(
-                "commit in phase {:?}",
-                m.phase
-            )));
         }
         if r.close_connections || m.tcp == TcpPreservation::None {
             // Out of repair mode and network back: killing the tree now sends FIN.

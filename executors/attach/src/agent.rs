@@ -3,10 +3,11 @@
 //! the ruleset inside the target namespace, serve the control API, and tear the
 //! ruleset down on every way out.
 
+pub use crate::attached::{Attached, Container};
 use crate::cri::{self, CriClient};
-use crate::environ::{self, EnvEntry, EnvFilter};
-use crate::exports::{self, Export, Mount};
-use crate::forward::{self, ModeError, Port};
+use crate::environ::{self, EnvFilter};
+use crate::exports;
+use crate::forward::{self, Port};
 use crate::netns::{self, NetnsExecutor};
 use crate::nft::{NftError, NftSession, Redirect, Ruleset};
 use std::net::SocketAddr;
@@ -89,69 +90,6 @@ impl AttachError {
             AttachError::Listen { .. } => "ControlListenFailed",
             AttachError::NoTarget => "NoTarget",
         }
-    }
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Container {
-    pub id: String,
-    pub pid: u32,
-    pub env: Vec<EnvEntry>,
-}
-
-/// Everything the control API serves.
-pub struct Attached {
-    pub containers: Vec<Container>,
-    pub exports_dir: PathBuf,
-    pub exports: Vec<Export>,
-    pub mounts: Vec<Mount>,
-    pub ports: Vec<Arc<Port>>,
-    pub ruleset: Ruleset,
-    pub cri_socket: Option<PathBuf>,
-    pub token: Option<String>,
-}
-
-impl Attached {
-    pub fn health(&self) -> serde_json::Value {
-        serde_json::json!({
-            "status": "ok",
-            "pid": self.containers[0].pid,
-            "containers": self.containers.iter().map(|c| serde_json::json!({"id": c.id, "pid": c.pid})).collect::<Vec<_>>(),
-            "cri_socket": self.cri_socket,
-            "table": self.ruleset.table,
-            "agent_gid": self.ruleset.agent_gid,
-            "ports": self.ports.iter().map(|p| serde_json::json!({
-                "port": p.app_port,
-                "agent_port": p.agent_port,
-                "intercepted": p.intercepted(),
-                "wiretaps": p.wiretaps(),
-                "tap_drops": p.tap_drops.load(std::sync::atomic::Ordering::Relaxed),
-            })).collect::<Vec<_>>(),
-        })
-    }
-
-    pub fn env(&self, container: Option<&str>) -> Option<&[EnvEntry]> {
-        match container {
-            None => self.containers.first().map(|c| c.env.as_slice()),
-            Some(id) => self
-                .containers
-                .iter()
-                .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id)
-                .map(|c| c.env.as_slice()),
-        }
-    }
-
-    pub fn exports(&self) -> serde_json::Value {
-        serde_json::json!({ "dir": self.exports_dir, "exports": self.exports, "mounts": self.mounts })
-    }
-
-    pub fn port(&self, s: &str) -> Result<Arc<Port>, ModeError> {
-        let n: u16 = s.parse().map_err(|_| ModeError::UnknownPort(0))?;
-        self.ports
-            .iter()
-            .find(|p| p.app_port == n)
-            .cloned()
-            .ok_or(ModeError::UnknownPort(n))
     }
 }
 

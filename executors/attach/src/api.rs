@@ -14,7 +14,7 @@
 //! | `POST /v1/wiretaps/<port>` → `{"id"}` · `DELETE /v1/wiretaps/<port>/<id>` | start / stop a wiretap |
 //! | `GET /v1/wiretaps/<port>/<id>/stream` (upgrade) | the tap's frames, `[kind u8][conn u32 BE][len u32 BE][payload]`, kinds open(0, JSON meta) / to-app(1) / from-app(2) / close(3) |
 
-use crate::agent::Attached;
+use crate::attached::Attached;
 use crate::forward::ModeError;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
@@ -261,7 +261,7 @@ mod tests {
     fn with_token(token: Option<&str>) -> Arc<Attached> {
         Arc::new(Attached {
             containers: vec![
-                crate::agent::Container {
+                crate::attached::Container {
                     id: "containerd://aaa".into(),
                     pid: 10,
                     env: vec![
@@ -279,7 +279,7 @@ mod tests {
                         },
                     ],
                 },
-                crate::agent::Container {
+                crate::attached::Container {
                     id: "containerd://bbb".into(),
                     pid: 11,
                     env: vec![],

@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod attached;
 /// CRI client, shared with the migration agent (crate `podmotion-cri`).
 pub use podmotion_cri as cri;
 pub mod environ;

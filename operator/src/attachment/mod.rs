@@ -8,9 +8,11 @@
 //! [`selection`]; whether an existing Job is still wanted is decided by exactly one
 //! predicate, [`reap::wanted`], which every removal path (finalizer, lease expiry,
 //! orphan sweep) reaches through [`plan::plan`]; [`render`] builds the Job, its
-//! credential Secret and the deny-all-ingress NetworkPolicy. Nothing here does I/O.
+//! credential Secret, the ingest Lease and the deny-all-ingress NetworkPolicy;
+//! [`notes`] words the Events about Job changes. Nothing here does I/O.
 
 pub mod naming;
+pub mod notes;
 pub mod observed;
 pub mod plan;
 pub mod reap;

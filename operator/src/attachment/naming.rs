@@ -4,7 +4,7 @@
 //! the Job already created for it, two pods never share a Job, and a successor for the
 //! same target can only be created once its predecessor is gone (same name).
 
-use sha2::{Digest, Sha256};
+use crate::meta::sha256_hex;
 
 /// Hex digits of the hash in a Job name (64 bits: no collision among 10,000 targets
 /// short of a ~1e-11 chance; the unit test proves it for a concrete set).
@@ -15,12 +15,7 @@ pub const MAX_NAME: usize = 63;
 /// The agent Job's name for pod `namespace/pod`, under `prefix` (shortened and cleaned
 /// to a DNS label prefix if needed). Always at most 63 characters.
 pub fn job_name(prefix: &str, namespace: &str, pod: &str) -> String {
-    let digest = Sha256::digest(format!("{namespace}/{pod}").as_bytes());
-    let hash: String = digest
-        .iter()
-        .take(HASH_LEN / 2)
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hash = sha256_hex(format!("{namespace}/{pod}").as_bytes(), HASH_LEN);
     let mut p: String = prefix
         .chars()
         .map(|c| c.to_ascii_lowercase())

@@ -8,7 +8,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
-use podmotion_api::attachment::{NodeAgentAttachmentSpec, WorkloadRef};
+use podmotion_api::attachment::{NodeAgentAttachmentSpec, WorkloadKind, WorkloadRef};
 use podmotion_api::names::{annotations, labels};
 use podmotion_api::{NodeAgentAttachment, NodeAgentAttachmentStatus};
 
@@ -79,12 +79,7 @@ impl AttachmentView {
     /// the first one, its creation; or, without a Lease, the attachment's creation) plus
     /// its duration.
     pub fn lease_expiry(&self) -> Timestamp {
-        let default_secs = self
-            .spec
-            .ingest
-            .as_ref()
-            .map(|i| i.lease_duration_seconds)
-            .unwrap_or(60);
+        let default_secs = lease_duration_seconds(&self.spec);
         let (from, secs) = match &self.lease {
             Some(l) => (
                 l.renewed.unwrap_or(self.created),
@@ -310,14 +305,57 @@ impl JobView {
     }
 }
 
+/// The ingest session's lease duration the spec asks for (60 s when unset).
+pub fn lease_duration_seconds(spec: &NodeAgentAttachmentSpec) -> i32 {
+    spec.ingest
+        .as_ref()
+        .map(|i| i.lease_duration_seconds)
+        .unwrap_or(60)
+}
+
 /// `Kind/name` of a workload, as in `status.workload` and the Jobs' annotation.
 pub fn workload_key(w: &WorkloadRef) -> String {
     format!("{}/{}", w.kind.as_str(), w.name)
 }
 
+/// The inverse of [`workload_key`]; `None` for a key no workload kind makes.
+pub fn parse_workload_key(key: &str) -> Option<WorkloadRef> {
+    let (kind, name) = key.split_once('/')?;
+    let kind = [
+        WorkloadKind::Deployment,
+        WorkloadKind::StatefulSet,
+        WorkloadKind::ReplicaSet,
+        WorkloadKind::DaemonSet,
+    ]
+    .into_iter()
+    .find(|k| k.as_str() == kind)?;
+    Some(WorkloadRef {
+        kind,
+        name: name.into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workload_key_parses_back_into_its_workload() {
+        for kind in [
+            WorkloadKind::Deployment,
+            WorkloadKind::StatefulSet,
+            WorkloadKind::ReplicaSet,
+            WorkloadKind::DaemonSet,
+        ] {
+            let w = WorkloadRef {
+                kind,
+                name: "web".into(),
+            };
+            assert_eq!(parse_workload_key(&workload_key(&w)), Some(w));
+        }
+        assert_eq!(parse_workload_key("CronJob/web"), None);
+        assert_eq!(parse_workload_key("Deployment"), None);
+    }
 
     #[test]
     fn pod_view_keeps_labels_and_only_the_annotations_the_core_reads() {

@@ -15,15 +15,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::NodeAgentAttachmentStatus;
-use podmotion_api::attachment::{AttachMode, SkipReason, SkippedPod, TargetState, TargetStatus};
+use podmotion_api::attachment::{
+    AgentPort, AttachMode, SidecarRecognition, SkipReason, SkippedPod, TargetState, TargetStatus,
+};
 use podmotion_api::conditions::{Health, set_health};
 use podmotion_api::names::reasons;
 
 use super::naming::job_name;
-use super::observed::{AttachmentView, JobRun, ObservedGroup, PodPhase, PodView, workload_key};
+use super::observed::{
+    AttachmentView, JobRun, JobView, ObservedGroup, PodPhase, PodView, workload_key,
+};
 use super::reap::{Claims, JobFate, ReapReason, WantedTarget, fate};
 use super::render::{AgentProfile, AgentTarget, Settings, job};
 use super::selection::{PodClass, classify, container_ids, container_names, resolve_ports};
+use crate::note::{EventKind, Note};
 
 /// A Job to create for a target pod.
 #[derive(Clone, Debug)]
@@ -56,6 +61,23 @@ pub struct Notice {
     pub warning: bool,
     pub reason: &'static str,
     pub note: String,
+}
+
+impl Notice {
+    /// The Event it becomes on its attachment.
+    pub fn to_note(&self) -> Note {
+        let kind = if self.warning {
+            EventKind::Warning
+        } else {
+            EventKind::Normal
+        };
+        Note {
+            kind,
+            reason: self.reason.into(),
+            action: "Attach",
+            message: self.note.clone(),
+        }
+    }
 }
 
 /// Why an attachment is not accepted.
@@ -99,200 +121,300 @@ fn same_agent(a: &AttachmentView, b: &AttachmentView) -> bool {
 /// Plans one workload. Pure: same input, same output.
 pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
     let mut out = Plan::default();
-    let ns = obs.namespace.as_str();
+    let co = Coexistence::of(obs);
+    out.wake_at = co.wake_at;
+    let sel = Selection::of(obs, co.accepted.first().copied());
+    let claimed = Claimed::of(obs, settings, &co, &sel);
+    let fates = judge_jobs(obs, &claimed, &sel.pods, &mut out);
+    for a in &co.live {
+        let (st, notice) = attachment_status(a, obs, settings, &co, &sel, &claimed, &fates);
+        out.notices.extend(notice);
+        out.statuses.insert(a.name.clone(), st);
+    }
+    out
+}
 
-    // 1. Coexistence: live attachments, oldest first; reject the younger of a conflict.
-    let mut live: Vec<&AttachmentView> = obs.attachments.iter().filter(|a| !a.deleting).collect();
-    live.sort_by(|a, b| (a.created, &a.name).cmp(&(b.created, &b.name)));
-    let mut accepted: Vec<&AttachmentView> = vec![];
-    let mut rejected: BTreeMap<&str, Rejection> = BTreeMap::new();
-    for a in &live {
-        if let Some(first) = accepted.first().filter(|f| !same_agent(f, a)) {
-            rejected.insert(
-                &a.name,
-                Rejection::AgentConflict {
-                    with: first.name.clone(),
-                },
-            );
-            continue;
+/// 1. Coexistence: live attachments, oldest first; the younger of a conflict is
+///    rejected; ingests whose lease expired claim nothing.
+struct Coexistence<'a> {
+    live: Vec<&'a AttachmentView>,
+    accepted: Vec<&'a AttachmentView>,
+    rejected: BTreeMap<&'a str, Rejection>,
+    expired: BTreeSet<&'a str>,
+    /// Accepted and not expired.
+    claimants: Vec<&'a AttachmentView>,
+    wake_at: Option<Timestamp>,
+}
+
+impl<'a> Coexistence<'a> {
+    fn of(obs: &'a ObservedGroup) -> Self {
+        let mut live: Vec<&AttachmentView> =
+            obs.attachments.iter().filter(|a| !a.deleting).collect();
+        live.sort_by(|a, b| (a.created, &a.name).cmp(&(b.created, &b.name)));
+        let mut accepted: Vec<&AttachmentView> = vec![];
+        let mut rejected: BTreeMap<&str, Rejection> = BTreeMap::new();
+        for a in &live {
+            match rejection(&accepted, a) {
+                Some(r) => {
+                    rejected.insert(&a.name, r);
+                }
+                None => accepted.push(a),
+            }
         }
-        let clash = accepted.iter().find(|b| {
+        let ingest = |a: &&&AttachmentView| a.spec.mode == AttachMode::Ingest;
+        let expired: BTreeSet<&str> = accepted
+            .iter()
+            .filter(ingest)
+            .filter(|a| a.lease_expiry() <= obs.now)
+            .map(|a| a.name.as_str())
+            .collect();
+        let wake_at = accepted
+            .iter()
+            .filter(ingest)
+            .filter(|a| !expired.contains(a.name.as_str()))
+            .map(|a| a.lease_expiry())
+            .min();
+        let claimants = accepted
+            .iter()
+            .copied()
+            .filter(|a| !expired.contains(a.name.as_str()))
+            .collect();
+        Coexistence {
+            live,
+            accepted,
+            rejected,
+            expired,
+            claimants,
+            wake_at,
+        }
+    }
+}
+
+/// Why `a` cannot join the `accepted` ones, if it cannot.
+fn rejection(accepted: &[&AttachmentView], a: &AttachmentView) -> Option<Rejection> {
+    if let Some(first) = accepted.first().filter(|f| !same_agent(f, a)) {
+        return Some(Rejection::AgentConflict {
+            with: first.name.clone(),
+        });
+    }
+    accepted
+        .iter()
+        .find(|b| {
             a.spec.mode == AttachMode::Intercept
                 && b.spec.mode == AttachMode::Intercept
                 && ports_overlap(a, b)
-        });
-        if let Some(b) = clash {
-            rejected.insert(
-                &a.name,
-                Rejection::PortConflict {
-                    with: b.name.clone(),
-                },
-            );
-            continue;
-        }
-        accepted.push(a);
-    }
-    let expired: BTreeSet<&str> = accepted
-        .iter()
-        .filter(|a| a.spec.mode == AttachMode::Ingest && a.lease_expiry() <= obs.now)
-        .map(|a| a.name.as_str())
-        .collect();
-    out.wake_at = accepted
-        .iter()
-        .filter(|a| a.spec.mode == AttachMode::Ingest && !expired.contains(a.name.as_str()))
-        .map(|a| a.lease_expiry())
-        .min();
-    let claimants: Vec<&AttachmentView> = accepted
-        .iter()
-        .copied()
-        .filter(|a| !expired.contains(a.name.as_str()))
-        .collect();
+        })
+        .map(|b| Rejection::PortConflict {
+            with: b.name.clone(),
+        })
+}
 
-    // 2. Selection, under the oldest accepted attachment's agent profile.
-    let primary = accepted.first().copied();
-    let sidecar = primary.map(|p| p.spec.sidecar.clone()).unwrap_or_default();
-    let containers: &[String] = primary.map(|p| &p.spec.containers[..]).unwrap_or(&[]);
-    let mut pods: Vec<&PodView> = obs.pods.iter().collect();
-    pods.sort_by(|a, b| a.name.cmp(&b.name));
-    let has_job = |p: &PodView| {
-        obs.jobs
-            .iter()
-            .any(|j| j.target_pod == p.name && j.target_pod_uid == p.uid)
-    };
-    let classes: Vec<(&PodView, PodClass)> = pods
-        .iter()
-        .map(|p| (*p, classify(p, &sidecar, has_job(p))))
-        .collect();
-    let admissible: Vec<&PodView> = classes
-        .iter()
-        .filter(|(_, c)| *c == PodClass::Admissible)
-        .map(|(p, _)| *p)
-        .collect();
-    let held_or_admissible: Vec<&PodView> = classes
-        .iter()
-        .filter(|(_, c)| matches!(c, PodClass::Admissible | PodClass::Held))
-        .map(|(p, _)| *p)
-        .collect();
+/// 2. Selection, under the oldest accepted attachment's agent profile.
+struct Selection<'a> {
+    primary: Option<&'a AttachmentView>,
+    sidecar: SidecarRecognition,
+    containers: &'a [String],
+    /// Every pod, by name.
+    pods: Vec<&'a PodView>,
+    classes: Vec<(&'a PodView, PodClass)>,
+    admissible: Vec<&'a PodView>,
+    held_or_admissible: Vec<&'a PodView>,
+}
 
-    // 3. Claims: every target of an intercept or wiretap, one pod per live ingest.
-    let mut claimed: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    let mut per_attachment: BTreeMap<&str, Vec<&PodView>> = BTreeMap::new();
-    let every_replica: Vec<&AttachmentView> = claimants
-        .iter()
-        .copied()
-        .filter(|a| a.spec.mode != AttachMode::Ingest)
-        .collect();
-    for a in &every_replica {
-        for p in &held_or_admissible {
-            claimed.entry(&p.name).or_default().push(a.name.clone());
-        }
-        per_attachment.insert(&a.name, held_or_admissible.clone());
-    }
-    for a in claimants
-        .iter()
-        .filter(|a| a.spec.mode == AttachMode::Ingest)
-    {
-        let with_job = |p: &&&PodView| {
+impl<'a> Selection<'a> {
+    fn of(obs: &'a ObservedGroup, primary: Option<&'a AttachmentView>) -> Self {
+        let sidecar = primary.map(|p| p.spec.sidecar.clone()).unwrap_or_default();
+        let containers: &[String] = primary.map(|p| &p.spec.containers[..]).unwrap_or(&[]);
+        let mut pods: Vec<&PodView> = obs.pods.iter().collect();
+        pods.sort_by(|a, b| a.name.cmp(&b.name));
+        let has_job = |p: &PodView| {
             obs.jobs
                 .iter()
-                .any(|j| j.target_pod == p.name && !j.terminating)
+                .any(|j| j.target_pod == p.name && j.target_pod_uid == p.uid)
         };
-        let pick = admissible
+        let classes: Vec<(&PodView, PodClass)> = pods
             .iter()
-            .find(with_job)
-            .or_else(|| admissible.first())
-            .copied();
-        if let Some(p) = pick {
-            claimed.entry(&p.name).or_default().push(a.name.clone());
-            per_attachment.insert(&a.name, vec![p]);
-        } else {
-            per_attachment.insert(&a.name, vec![]);
-        }
-    }
-    let mut claims = Claims::default();
-    if !obs.workload_exists {
-        claims.unclaimed = Some(ReapReason::WorkloadGone);
-    } else if claimants.is_empty() {
-        claims.unclaimed = Some(if accepted.is_empty() {
-            ReapReason::NoLiveAttachment
-        } else {
-            ReapReason::LeaseExpired
-        });
-    }
-    let mut desired: BTreeMap<&str, Job> = BTreeMap::new();
-    if claims.unclaimed.is_none() {
-        let primary = primary.expect("claimants imply an accepted attachment");
-        let profile = AgentProfile {
-            namespace: ns,
-            workload: &obs.workload,
-            agent: &primary.spec.agent,
+            .map(|p| (*p, classify(p, &sidecar, has_job(p))))
+            .collect();
+        let of_class = |keep: fn(&PodClass) -> bool| -> Vec<&'a PodView> {
+            classes
+                .iter()
+                .filter(|(_, c)| keep(c))
+                .map(|(p, _)| *p)
+                .collect()
         };
-        let port_claims: Vec<&[podmotion_api::attachment::AgentPort]> =
-            every_replica.iter().map(|a| &a.spec.ports[..]).collect();
-        for p in &pods {
-            let Some(by) = claimed.get(p.name.as_str()) else {
-                let reason = match classes
-                    .iter()
-                    .find(|(q, _)| q.name == p.name)
-                    .map(|(_, c)| c)
-                {
-                    Some(PodClass::Skipped(r, _)) if *r != SkipReason::NotReady => {
-                        ReapReason::TargetNotAdmissible
-                    }
-                    Some(PodClass::Skipped(..)) => ReapReason::TargetGone,
-                    _ => ReapReason::NotSelected,
-                };
-                claims.not_targets.insert(p.name.clone(), reason);
-                continue;
-            };
-            let name = job_name(&settings.job_prefix, ns, &p.name);
-            let ids = container_ids(p, containers, &sidecar);
-            let names = container_names(p, containers, &sidecar);
-            let ports = resolve_ports(p, containers, &sidecar, &port_claims);
-            let target = AgentTarget {
-                pod: p,
-                containers: &names,
-                container_ids: &ids,
-                ports: &ports,
-            };
-            let (j, hash) = job(settings, &profile, &target, &name);
-            claims.targets.insert(
-                p.name.clone(),
-                WantedTarget {
-                    pod_uid: p.uid.clone(),
-                    job_name: name,
-                    container_ids: ids,
-                    spec_hash: hash,
-                    ports,
-                    claimed_by: by.clone(),
-                },
-            );
-            desired.insert(&p.name, j);
+        let admissible = of_class(|c| *c == PodClass::Admissible);
+        let held_or_admissible = of_class(|c| matches!(c, PodClass::Admissible | PodClass::Held));
+        Selection {
+            primary,
+            sidecar,
+            containers,
+            pods,
+            classes,
+            admissible,
+            held_or_admissible,
         }
     }
 
-    // 4. Existing Jobs: the reaping predicate and the replacement rules decide.
+    /// Why a pod nobody claims is not a target.
+    fn not_target_reason(&self, pod: &str) -> ReapReason {
+        match self
+            .classes
+            .iter()
+            .find(|(q, _)| q.name == pod)
+            .map(|(_, c)| c)
+        {
+            Some(PodClass::Skipped(r, _)) if *r != SkipReason::NotReady => {
+                ReapReason::TargetNotAdmissible
+            }
+            Some(PodClass::Skipped(..)) => ReapReason::TargetGone,
+            _ => ReapReason::NotSelected,
+        }
+    }
+}
+
+/// 3. Claims: every target of an intercept or wiretap, one pod per live ingest; the
+///    Jobs wanted for them.
+struct Claimed<'a> {
+    claims: Claims,
+    per_attachment: BTreeMap<&'a str, Vec<&'a PodView>>,
+    desired: BTreeMap<&'a str, Job>,
+}
+
+impl<'a> Claimed<'a> {
+    fn of(
+        obs: &'a ObservedGroup,
+        settings: &Settings,
+        co: &Coexistence<'a>,
+        sel: &Selection<'a>,
+    ) -> Self {
+        let mut claimed: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        let mut per_attachment: BTreeMap<&str, Vec<&PodView>> = BTreeMap::new();
+        let (ingests, every_replica): (Vec<&AttachmentView>, Vec<&AttachmentView>) = co
+            .claimants
+            .iter()
+            .copied()
+            .partition(|a| a.spec.mode == AttachMode::Ingest);
+        for a in &every_replica {
+            for p in &sel.held_or_admissible {
+                claimed.entry(&p.name).or_default().push(a.name.clone());
+            }
+            per_attachment.insert(&a.name, sel.held_or_admissible.clone());
+        }
+        for a in &ingests {
+            let pick = ingest_pick(obs, sel);
+            if let Some(p) = pick {
+                claimed.entry(&p.name).or_default().push(a.name.clone());
+            }
+            per_attachment.insert(&a.name, pick.into_iter().collect());
+        }
+        let mut claims = Claims::default();
+        if !obs.workload_exists {
+            claims.unclaimed = Some(ReapReason::WorkloadGone);
+        } else if co.claimants.is_empty() {
+            claims.unclaimed = Some(if co.accepted.is_empty() {
+                ReapReason::NoLiveAttachment
+            } else {
+                ReapReason::LeaseExpired
+            });
+        }
+        let mut desired: BTreeMap<&str, Job> = BTreeMap::new();
+        if claims.unclaimed.is_none() {
+            let primary = sel.primary.expect("claimants imply an accepted attachment");
+            let profile = AgentProfile {
+                namespace: &obs.namespace,
+                workload: &obs.workload,
+                agent: &primary.spec.agent,
+            };
+            let port_claims: Vec<&[AgentPort]> =
+                every_replica.iter().map(|a| &a.spec.ports[..]).collect();
+            for p in &sel.pods {
+                let Some(by) = claimed.get(p.name.as_str()) else {
+                    claims
+                        .not_targets
+                        .insert(p.name.clone(), sel.not_target_reason(&p.name));
+                    continue;
+                };
+                let (wanted, j) = wanted_job(settings, &profile, sel, p, &port_claims, by);
+                claims.targets.insert(p.name.clone(), wanted);
+                desired.insert(&p.name, j);
+            }
+        }
+        Claimed {
+            claims,
+            per_attachment,
+            desired,
+        }
+    }
+}
+
+/// The pod a live ingest holds: one that already has a live Job, else the first
+/// admissible one by name.
+fn ingest_pick<'a>(obs: &ObservedGroup, sel: &Selection<'a>) -> Option<&'a PodView> {
+    let with_job = |p: &&&PodView| {
+        obs.jobs
+            .iter()
+            .any(|j| j.target_pod == p.name && !j.terminating)
+    };
+    sel.admissible
+        .iter()
+        .find(with_job)
+        .or_else(|| sel.admissible.first())
+        .copied()
+}
+
+/// The Job wanted for target `p` claimed `by` these attachments, and what the reaping
+/// predicate compares existing Jobs with.
+fn wanted_job(
+    settings: &Settings,
+    profile: &AgentProfile,
+    sel: &Selection,
+    p: &PodView,
+    port_claims: &[&[AgentPort]],
+    by: &[String],
+) -> (WantedTarget, Job) {
+    let name = job_name(&settings.job_prefix, profile.namespace, &p.name);
+    let ids = container_ids(p, sel.containers, &sel.sidecar);
+    let names = container_names(p, sel.containers, &sel.sidecar);
+    let ports = resolve_ports(p, sel.containers, &sel.sidecar, port_claims);
+    let target = AgentTarget {
+        pod: p,
+        containers: &names,
+        container_ids: &ids,
+        ports: &ports,
+    };
+    let (j, hash) = job(settings, profile, &target, &name);
+    let wanted = WantedTarget {
+        pod_uid: p.uid.clone(),
+        job_name: name,
+        container_ids: ids,
+        spec_hash: hash,
+        ports,
+        claimed_by: by.to_vec(),
+    };
+    (wanted, j)
+}
+
+type Fates<'a> = BTreeMap<&'a str, (JobFate, &'a JobView)>;
+
+/// 4. Existing Jobs: the reaping predicate and the replacement rules decide; wanted
+///    Jobs that do not exist (and whose pod no unwanted Job blocks) are created.
+fn judge_jobs<'a>(
+    obs: &'a ObservedGroup,
+    claimed: &Claimed,
+    pods: &[&PodView],
+    out: &mut Plan,
+) -> Fates<'a> {
     let failed: BTreeSet<(&str, &str)> = pods
         .iter()
         .filter(|p| p.phase == PodPhase::Failed)
         .map(|p| (p.name.as_str(), p.uid.as_str()))
         .collect();
-    let mut fates: BTreeMap<&str, (JobFate, &super::observed::JobView)> = BTreeMap::new();
+    let mut fates: Fates = BTreeMap::new();
     let mut blocked: BTreeSet<&str> = BTreeSet::new();
     for j in &obs.jobs {
         let target_failed = failed.contains(&(j.target_pod.as_str(), j.target_pod_uid.as_str()));
-        let f = fate(j, &claims, target_failed);
-        if f != JobFate::Keep {
-            // Any Job of a pod that is not kept blocks that pod's successor until it is gone.
-            blocked.insert(&j.target_pod);
-            if !j.terminating {
-                out.delete.push(Deletion {
-                    job: j.name.clone(),
-                    pod: j.target_pod.clone(),
-                    fate: f,
-                });
-            }
-        }
+        let f = fate(j, &claimed.claims, target_failed);
         if f == JobFate::Keep {
             out.kept_jobs += 1;
             if j.suspended && !j.terminating {
@@ -302,11 +424,20 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
                 });
             }
         } else {
+            // Any Job of a pod that is not kept blocks that pod's successor until it is gone.
+            blocked.insert(&j.target_pod);
+            if !j.terminating {
+                out.delete.push(Deletion {
+                    job: j.name.clone(),
+                    pod: j.target_pod.clone(),
+                    fate: f,
+                });
+            }
             out.unwanted_jobs += 1;
         }
         fates.insert(&j.target_pod, (f, j));
     }
-    for (pod, j) in &desired {
+    for (pod, j) in &claimed.desired {
         let exists = obs.jobs.iter().any(|e| e.target_pod == *pod);
         if !exists && !blocked.contains(pod) {
             out.create.push(Creation {
@@ -315,99 +446,107 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
             });
         }
     }
+    fates
+}
 
-    // 5. Status of every live attachment.
-    let workload = workload_key(&obs.workload);
-    for a in &live {
-        let prev = a.status.clone().unwrap_or_default();
-        let mut st = NodeAgentAttachmentStatus {
-            observed_generation: a.generation,
-            workload: Some(workload.clone()),
-            conditions: prev.conditions.clone(),
-            ..Default::default()
-        };
-        st.skipped = classes
-            .iter()
-            .filter_map(|(p, c)| match c {
-                PodClass::Skipped(r, m) => Some(SkippedPod {
-                    pod: p.name.clone(),
-                    reason: *r,
-                    message: m.clone(),
-                }),
-                _ => None,
-            })
-            .collect();
-        let sidecars: Vec<&str> = st
-            .skipped
-            .iter()
-            .filter(|s| s.reason == SkipReason::InjectedSidecar)
-            .map(|s| s.pod.as_str())
-            .collect();
-        let prev_sidecars: Vec<&str> = prev
-            .skipped
-            .iter()
-            .filter(|s| s.reason == SkipReason::InjectedSidecar)
-            .map(|s| s.pod.as_str())
-            .collect();
-        if !sidecars.is_empty() && sidecars != prev_sidecars {
-            out.notices.push(Notice {
-                attachment: a.name.clone(),
-                warning: true,
-                reason: reasons::SIDECAR_CONFLICT,
-                note: format!(
-                    "not attaching to pods with an injected traffic-agent sidecar: {}",
-                    sidecars.join(", ")
-                ),
-            });
-        }
-        let targets: Vec<&PodView> = per_attachment
-            .get(a.name.as_str())
-            .cloned()
-            .unwrap_or_default();
-        st.targets = targets
-            .iter()
-            .map(|p| {
-                let state = match fates.get(p.name.as_str()) {
-                    None => TargetState::Pending,
-                    Some((JobFate::Keep, j)) => match j.run {
-                        JobRun::Active { ready: true } => TargetState::Running,
-                        JobRun::Active { ready: false } => TargetState::Starting,
-                        JobRun::Complete => TargetState::Exited,
-                        JobRun::Failed => TargetState::Replacing,
-                    },
-                    Some(_) => TargetState::Replacing,
-                };
-                TargetStatus {
-                    pod: p.name.clone(),
-                    node: p.node.clone().unwrap_or_default(),
-                    pod_ip: p.ip.clone(),
-                    job: job_name(&settings.job_prefix, ns, &p.name),
-                    state,
-                }
-            })
-            .collect();
-        let total = st.targets.len();
-        let ready = st
-            .targets
-            .iter()
-            .filter(|t| t.state == TargetState::Running)
-            .count();
-        st.ready_targets = ready as i32;
-        st.total_targets = total as i32;
-        st.ready_summary = Some(format!("{ready}/{total}"));
-        let health = health(
-            a,
-            obs,
-            &rejected,
-            expired.contains(a.name.as_str()),
-            &st,
-            ready,
-            total,
-        );
-        set_health(&mut st.conditions, &health, a.generation, obs.now);
-        out.statuses.insert(a.name.clone(), st);
+/// 5. The status of live attachment `a`, and the Event when its sidecar-skipped pods
+///    changed.
+fn attachment_status(
+    a: &AttachmentView,
+    obs: &ObservedGroup,
+    settings: &Settings,
+    co: &Coexistence,
+    sel: &Selection,
+    claimed: &Claimed,
+    fates: &Fates,
+) -> (NodeAgentAttachmentStatus, Option<Notice>) {
+    let prev = a.status.clone().unwrap_or_default();
+    let mut st = NodeAgentAttachmentStatus {
+        observed_generation: a.generation,
+        workload: Some(workload_key(&obs.workload)),
+        conditions: prev.conditions.clone(),
+        ..Default::default()
+    };
+    st.skipped = sel
+        .classes
+        .iter()
+        .filter_map(|(p, c)| match c {
+            PodClass::Skipped(r, m) => Some(SkippedPod {
+                pod: p.name.clone(),
+                reason: *r,
+                message: m.clone(),
+            }),
+            _ => None,
+        })
+        .collect();
+    let notice = sidecar_notice(a, &prev, &st);
+    let targets = claimed
+        .per_attachment
+        .get(a.name.as_str())
+        .cloned()
+        .unwrap_or_default();
+    st.targets = targets
+        .iter()
+        .map(|p| TargetStatus {
+            pod: p.name.clone(),
+            node: p.node.clone().unwrap_or_default(),
+            pod_ip: p.ip.clone(),
+            job: job_name(&settings.job_prefix, &obs.namespace, &p.name),
+            state: target_state(fates.get(p.name.as_str())),
+        })
+        .collect();
+    let total = st.targets.len();
+    let ready = st
+        .targets
+        .iter()
+        .filter(|t| t.state == TargetState::Running)
+        .count();
+    st.ready_targets = ready as i32;
+    st.total_targets = total as i32;
+    st.ready_summary = Some(format!("{ready}/{total}"));
+    let expired = co.expired.contains(a.name.as_str());
+    let health = health(a, obs, &co.rejected, expired, &st, ready, total);
+    set_health(&mut st.conditions, &health, a.generation, obs.now);
+    (st, notice)
+}
+
+/// A target's state from its Job's fate (no Job yet: pending).
+fn target_state(fate: Option<&(JobFate, &JobView)>) -> TargetState {
+    match fate {
+        None => TargetState::Pending,
+        Some((JobFate::Keep, j)) => match j.run {
+            JobRun::Active { ready: true } => TargetState::Running,
+            JobRun::Active { ready: false } => TargetState::Starting,
+            JobRun::Complete => TargetState::Exited,
+            JobRun::Failed => TargetState::Replacing,
+        },
+        Some(_) => TargetState::Replacing,
     }
-    out
+}
+
+/// The `SidecarConflict` Event, when the pods skipped for an injected sidecar changed.
+fn sidecar_notice(
+    a: &AttachmentView,
+    prev: &NodeAgentAttachmentStatus,
+    st: &NodeAgentAttachmentStatus,
+) -> Option<Notice> {
+    let sidecars = |s: &NodeAgentAttachmentStatus| -> Vec<String> {
+        s.skipped
+            .iter()
+            .filter(|s| s.reason == SkipReason::InjectedSidecar)
+            .map(|s| s.pod.clone())
+            .collect()
+    };
+    let now = sidecars(st);
+    (!now.is_empty() && now != sidecars(prev)).then(|| Notice {
+        attachment: a.name.clone(),
+        warning: true,
+        reason: reasons::SIDECAR_CONFLICT,
+        note: format!(
+            "not attaching to pods with an injected traffic-agent sidecar: {}",
+            now.join(", ")
+        ),
+    })
 }
 
 fn health(

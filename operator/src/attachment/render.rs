@@ -10,21 +10,26 @@
 
 use std::collections::BTreeMap;
 
+use crate::meta::{label_value, sha256_hex};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, PodSpec,
-    PodTemplateSpec, Probe, Secret, SecretVolumeSource, SecurityContext, Toleration, Volume,
-    VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource,
+    LocalObjectReference, PodSpec, PodTemplateSpec, Probe, Secret, SecretVolumeSource,
+    SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::Timestamp;
+use kube::{Resource, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AgentSettings, WorkloadRef};
 use podmotion_api::names::{annotations, labels};
-use sha2::{Digest, Sha256};
 
-use super::observed::{PodView, workload_key};
+use super::observed::{PodView, lease_duration_seconds, workload_key};
 
 /// `app.kubernetes.io/component` (and `name`) of agent Jobs and their pods.
 pub const COMPONENT: &str = "node-agent";
@@ -58,6 +63,8 @@ pub struct Settings {
     pub default_cri_socket_path: String,
     /// Retries of a failing agent pod before the Job fails (and is replaced).
     pub backoff_limit: i32,
+    /// Image pull Secrets of every agent pod (in `namespace`), chosen by the installer.
+    pub image_pull_secrets: Vec<String>,
 }
 
 impl Default for Settings {
@@ -68,6 +75,7 @@ impl Default for Settings {
             default_image: "ghcr.io/podmotion/attach:0.1.0".into(),
             default_cri_socket_path: "/run".into(),
             backoff_limit: 3,
+            image_pull_secrets: Vec::new(),
         }
     }
 }
@@ -112,20 +120,11 @@ pub fn agent_selector() -> String {
 
 /// Label value for the workload label: `<kind>.<name>`, shortened with a hash if long.
 pub fn workload_label(w: &WorkloadRef) -> String {
-    let s = format!("{}.{}", w.kind.as_str().to_ascii_lowercase(), w.name);
-    if s.len() <= 63 {
-        return s;
-    }
-    let hash: String = Sha256::digest(s.as_bytes())
-        .iter()
-        .take(5)
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let mut prefix: String = s.chars().take(52).collect();
-    while prefix.ends_with(|c: char| !c.is_ascii_alphanumeric()) {
-        prefix.pop();
-    }
-    format!("{prefix}-{hash}")
+    label_value(&format!(
+        "{}.{}",
+        w.kind.as_str().to_ascii_lowercase(),
+        w.name
+    ))
 }
 
 /// The agent Job for `pod`, named `name`, carrying `container_ids`, created suspended
@@ -248,6 +247,14 @@ pub fn job(
             }),
             spec: Some(PodSpec {
                 node_name: Some(node),
+                // Left out when empty, so Jobs made before this setting keep their hash.
+                image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
+                    settings
+                        .image_pull_secrets
+                        .iter()
+                        .map(|name| LocalObjectReference { name: name.clone() })
+                        .collect()
+                }),
                 host_pid: Some(true),
                 restart_policy: Some("Never".into()),
                 automount_service_account_token: Some(false),
@@ -338,11 +345,7 @@ pub fn job(
 /// Hash of a Job spec (its JSON is deterministic: maps are ordered).
 pub fn spec_hash(spec: &JobSpec) -> String {
     let json = serde_json::to_vec(spec).expect("a JobSpec serializes");
-    Sha256::digest(&json)
-        .iter()
-        .take(8)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sha256_hex(&json, 16)
 }
 
 /// The Job's credential Secret: same name and namespace, owned by the Job (deleted with
@@ -364,12 +367,38 @@ pub fn credentials(namespace: &str, job: &str, job_uid: &str, token: &[u8]) -> S
             ..Default::default()
         },
         type_: Some("Opaque".into()),
+        // Text (hex), as the agent reads it and as a client sends it in a header.
         data: Some(BTreeMap::from([(
             "token".to_string(),
-            ByteString(token.to_vec()),
+            ByteString(crate::meta::hex(token).into_bytes()),
         )])),
         immutable: Some(true),
         ..Default::default()
+    }
+}
+
+/// The ingest session Lease of attachment `a` (named `name`, owned by the
+/// attachment), acquired and renewed `now`, for the spec's lease duration (60 s when
+/// unset). The ingest client renews it; when it lapses the Jobs are reaped.
+pub fn ingest_lease(a: &NodeAgentAttachment, name: &str, now: Timestamp) -> Lease {
+    let secs = lease_duration_seconds(&a.spec);
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: a.namespace(),
+            labels: Some(BTreeMap::from([
+                (labels::MANAGED_BY.into(), labels::MANAGED_BY_VALUE.into()),
+                (labels::OWNER_KIND.into(), "NodeAgentAttachment".into()),
+            ])),
+            owner_references: a.controller_owner_ref(&()).map(|r| vec![r]),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            lease_duration_seconds: Some(secs),
+            acquire_time: Some(MicroTime(now)),
+            renew_time: Some(MicroTime(now)),
+            ..Default::default()
+        }),
     }
 }
 
@@ -430,6 +459,61 @@ mod tests {
             "podmotion-agent-1234",
         )
         .0
+    }
+
+    #[test]
+    fn the_credential_token_is_text_the_agent_can_read() {
+        let s = credentials("agents", "job", "uid", &[0xff, 0x00, 0x9a]);
+        let data = s.data.unwrap();
+        let token = std::str::from_utf8(&data["token"].0).expect("UTF-8, as the agent reads it");
+        assert_eq!(token, "ff009a");
+    }
+
+    #[test]
+    fn agent_pods_carry_the_installers_image_pull_secrets_and_none_by_default() {
+        let j = render(&AgentSettings::default());
+        let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_eq!(ps.image_pull_secrets, None);
+        let w = WorkloadRef {
+            kind: WorkloadKind::Deployment,
+            name: "web".into(),
+        };
+        let p = pod("web-0").on_node("n1").ready().build();
+        let ids = BTreeMap::from([("app".to_string(), "containerd://abc".to_string())]);
+        let agent = AgentSettings::default();
+        let profile = AgentProfile {
+            namespace: "shop",
+            workload: &w,
+            agent: &agent,
+        };
+        let names = ["app".to_string()];
+        let target = AgentTarget {
+            pod: &p,
+            containers: &names,
+            container_ids: &ids,
+            ports: &[8080],
+        };
+        let settings = Settings {
+            image_pull_secrets: vec!["regcred".into(), "mirror".into()],
+            ..Settings::default()
+        };
+        let (j2, hash2) = job(&settings, &profile, &target, "podmotion-agent-1234");
+        let ps2 = j2.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        let got: Vec<&str> = ps2
+            .image_pull_secrets
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect();
+        assert_eq!(got, ["regcred", "mirror"]);
+        let (_, hash) = job(
+            &Settings::default(),
+            &profile,
+            &target,
+            "podmotion-agent-1234",
+        );
+        assert_ne!(hash, hash2, "a changed pull secret replaces the Jobs");
     }
 
     #[test]

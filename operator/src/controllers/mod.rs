@@ -1,13 +1,13 @@
-//! Thin controllers: wiring, fetching inputs, calling a pure core, applying its output.
+//! Thin controllers: wiring, an observe step and an apply step around a pure core.
 //! Each exposes `run(ctx) -> anyhow::Result<()>` and is enabled by `--controllers`.
 //!
-//! What every controller does the same way lives here, so there is one way of doing it:
+//! What every controller does the same way has one home:
+//! - [`shell`]: the reconcile itself (deserialize guard, finalizer, status by
+//!   server-side apply, Events from the core's notes, one error type and policy);
 //! - [`controller_config`]: explicit concurrency (kube-rs's default is unlimited);
 //! - [`reconcile_guard`]: followers keep their caches warm but never reconcile;
-//! - [`timed`]: reconcile metrics (duration, result, error category);
-//! - [`error_policy`]: log with the error's category, requeue with a bounded delay.
+//! - [`mark_ready_when_synced`]: `/readyz` once the controller's store has listed.
 
-use std::fmt::Display;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,18 +15,6 @@ use kube::runtime::controller::{Action, Config};
 use kube::runtime::reflector::Store;
 
 use crate::context::Context;
-
-/// An error of one reconcile stage, with a bounded CamelCase category used as metric
-/// label and Event reason.
-pub trait CategorizedError: Display {
-    fn category(&self) -> &'static str;
-}
-
-impl CategorizedError for crate::children::ChildError {
-    fn category(&self) -> &'static str {
-        crate::children::ChildError::category(self)
-    }
-}
 
 /// Controller settings every PodMotion controller uses.
 pub fn controller_config(ctx: &Context) -> Config {
@@ -40,18 +28,6 @@ pub fn controller_config(ctx: &Context) -> Config {
 /// the controller reconcile everything once this replica wins the lease.
 pub fn reconcile_guard(ctx: &Context) -> Option<Action> {
     (!ctx.leader.is_leader()).then(|| Action::requeue(ctx.config.leader.lease_duration()))
-}
-
-/// Runs one reconcile with metrics.
-pub async fn timed<F, E>(ctx: &Context, controller: &'static str, reconcile: F) -> Result<Action, E>
-where
-    F: Future<Output = Result<Action, E>>,
-    E: CategorizedError,
-{
-    let timer = ctx.metrics.reconcile(controller);
-    let res = reconcile.await;
-    timer.done(res.as_ref().map(|_| ()).map_err(|e| e.category()));
-    res
 }
 
 /// Marks `name` ready on `/readyz` once `store` has its first complete list.
@@ -81,13 +57,7 @@ where
     });
 }
 
-/// Requeue delay after a failed reconcile: short for conflicts and API hiccups.
-pub fn error_policy<K, E: CategorizedError>(_obj: Arc<K>, err: &E, _ctx: Arc<Context>) -> Action {
-    tracing::warn!(category = err.category(), error = %err, "reconcile failed");
-    Action::requeue(Duration::from_secs(5))
-}
-
 pub mod attachment;
 pub mod migration;
-pub mod migration_agents;
 pub mod runner_pool;
+pub mod shell;

@@ -6,9 +6,12 @@
 //! calls, so an operator restart is just another call with the same facts: the
 //! machine resumes where the persisted status and the agents' reports say it is.
 //!
-//! Rolling back is not a phase of its own: a non-terminal phase with a
-//! `failureReason` is a migration rolling back. The rollback order is what keeps the
-//! invariants: the restored copy on the target is killed (and confirmed killed)
+//! The machine dispatches on the migration's [`Stage`] (`Forward`, `RollingBack`,
+//! `Terminal`), read from the persisted status: rolling back is not a phase of the API
+//! (a pre-commit phase with a `failureReason` is a migration rolling back), but it is
+//! a stage here, with its own handler. A handler that moves the migration to another
+//! stage hands over to that stage's handler in the same round (`Machine::resume`).
+//! The rollback order is what keeps the invariants: the restored copy on the target is killed (and confirmed killed)
 //! before the source is thawed, so there are never two running copies; the source is
 //! thawed on every failure before commit, so there is never zero; and `Commit` (kill
 //! the frozen source) is only issued after the target passed the application probe.
@@ -25,6 +28,7 @@ use podmotion_api::migration::{
 use podmotion_api::names::{condition_types as ct, reasons};
 
 use super::agent::{AgentReport, AgentView, Side, Step};
+pub use super::stage::{Active, Forward, Reason, Stage};
 
 /// The spec settings the machine needs, with defaults applied.
 #[derive(Clone, Debug, PartialEq)]
@@ -142,20 +146,7 @@ pub enum Action {
     RemoveFinalizer,
 }
 
-/// Severity of the Event published with a transition.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EventKind {
-    Normal,
-    Warning,
-}
-
-/// An Event to publish: `reason` is a condition reason constant.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Note {
-    pub kind: EventKind,
-    pub reason: &'static str,
-    pub message: String,
-}
+pub use crate::note::{EventKind, Note};
 
 /// What to do next.
 #[derive(Clone, Debug, PartialEq)]
@@ -168,6 +159,9 @@ pub struct Transition {
     /// When to look again without a watch event (agents are polled while active).
     pub requeue_after: Option<Duration>,
 }
+
+/// The Events' action: every note of the machine is about migrating.
+const ACTION: &str = "Migrate";
 
 /// Poll interval while agents are working.
 pub const POLL: Duration = Duration::from_millis(500);
@@ -233,10 +227,7 @@ pub fn pre_copy_decision(round: u32, report: &AgentReport, knobs: &Knobs) -> Pre
 /// Whether a failure reason ends in `Aborted` (the user's decision or limit) rather
 /// than `Failed` (something broke).
 pub fn is_abort_reason(reason: &str) -> bool {
-    matches!(
-        reason,
-        reasons::ABORTED | reasons::DEADLINE_EXCEEDED | reasons::FREEZE_BUDGET_EXCEEDED
-    )
+    Reason::parse(reason).is_some_and(Reason::is_abort)
 }
 
 /// The next step of a migration. Pure; see the module documentation.
@@ -338,6 +329,13 @@ impl<'a> Machine<'a> {
                 phase,
                 time: Time(self.o.now),
             });
+        let note = self.entry_note(phase);
+        self.notes.push(note);
+        self.bump_progress_time();
+    }
+
+    /// The Event of entering `phase` (a table: one line per phase).
+    fn entry_note(&self, phase: MigrationPhase) -> Note {
         let (kind, reason, message) = match phase {
             MigrationPhase::Pending => (EventKind::Normal, reasons::PENDING, "pending".to_string()),
             MigrationPhase::Preparing => (
@@ -394,20 +392,20 @@ impl<'a> Machine<'a> {
                 self.status
                     .failure_reason
                     .as_deref()
-                    .map(static_reason)
-                    .unwrap_or(reasons::ROLLED_BACK),
+                    .map_or(Reason::RolledBack, Reason::from_status)
+                    .as_str(),
                 format!(
                     "{}; the source pod was resumed",
                     self.status.failure_message.as_deref().unwrap_or("stopped")
                 ),
             ),
         };
-        self.notes.push(Note {
+        Note {
             kind,
-            reason,
+            reason: reason.into(),
+            action: ACTION,
             message,
-        });
-        self.bump_progress_time();
+        }
     }
 
     fn bump_progress_time(&mut self) {
@@ -416,17 +414,17 @@ impl<'a> Machine<'a> {
     }
 
     /// Records a failure (once) and switches to rollback.
-    fn fail(&mut self, reason: &'static str, message: String) {
+    fn fail(&mut self, reason: Reason, message: String) {
         if self.status.failure_reason.is_some() {
             return;
         }
-        self.status.failure_reason = Some(reason.to_string());
+        self.status.failure_reason = Some(reason.as_str().to_string());
         self.status.failure_message = Some(message.clone());
-        self.notes.push(Note {
-            kind: EventKind::Warning,
-            reason,
-            message: format!("{message}; rolling back"),
-        });
+        self.notes.push(Note::warning(
+            reason.as_str(),
+            ACTION,
+            format!("{message}; rolling back"),
+        ));
         self.bump_progress_time();
     }
 
@@ -468,25 +466,20 @@ impl<'a> Machine<'a> {
             self.act(Action::AddFinalizer);
         }
         self.merge_agent_progress();
-        match self.phase() {
-            MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted => {
-                self.terminal()
-            }
-            MigrationPhase::Committing => self.committing(),
-            MigrationPhase::Pending => self.pending(),
-            MigrationPhase::Preparing
-            | MigrationPhase::Checkpointing
-            | MigrationPhase::Transferring
-            | MigrationPhase::Restoring => {
-                if self.status.failure_reason.is_none() {
-                    self.detect_failure();
-                }
-                if self.status.failure_reason.is_some() {
-                    self.rollback();
-                } else {
-                    self.forward();
-                }
-            }
+        self.resume();
+    }
+
+    /// Runs the handler of the stage the status is in now.
+    fn resume(&mut self) {
+        match Stage::of(&self.status) {
+            Stage::Forward(Forward::Pending) => self.pending(),
+            Stage::Forward(Forward::Active(active)) => match self.detect_failure() {
+                Some(reason) => self.rollback(reason),
+                None => self.forward(active),
+            },
+            Stage::Forward(Forward::Committing) => self.committing(),
+            Stage::RollingBack(reason) => self.rollback(reason),
+            Stage::Terminal => self.terminal(),
         }
     }
 
@@ -543,193 +536,199 @@ impl<'a> Machine<'a> {
 
     fn pending(&mut self) {
         let o = self.o;
-        if o.deletion_requested {
-            self.status.failure_reason = Some(reasons::ABORTED.into());
-            self.status.failure_message = Some("deleted before it started".into());
+        let stop = if o.deletion_requested {
+            Some((Reason::Aborted, "deleted before it started"))
+        } else if self.deadline_passed() {
+            Some((
+                Reason::DeadlineExceeded,
+                "deadline passed before the migration could start",
+            ))
+        } else {
+            None
+        };
+        if let Some((reason, message)) = stop {
+            self.status.failure_reason = Some(reason.as_str().into());
+            self.status.failure_message = Some(message.into());
             self.enter(MigrationPhase::Aborted);
-            self.terminal();
-            return;
-        }
-        if self.deadline_passed() {
-            self.status.failure_reason = Some(reasons::DEADLINE_EXCEEDED.into());
-            self.status.failure_message =
-                Some("deadline passed before the migration could start".into());
-            self.enter(MigrationPhase::Aborted);
-            self.terminal();
+            self.resume();
             return;
         }
         match &o.preflight {
-            None => {
-                // The controller always evaluates pre-flight in Pending; without it
-                // there is nothing safe to do but look again.
-                self.requeue_after = Some(IDLE_RECHECK);
-            }
+            // The controller always evaluates pre-flight in Pending; without it there
+            // is nothing safe to do but look again.
+            None => self.requeue_after = Some(IDLE_RECHECK),
             Some(Preflight::NotMigratable { reason, message }) => {
-                set_condition(
-                    &mut self.status.conditions,
-                    ct::MIGRATABLE,
-                    false,
-                    reason,
-                    message,
-                    o.generation,
-                    o.now,
-                );
-                if o.knobs.dry_run {
-                    self.status.failure_reason = Some((*reason).to_string());
-                    self.status.failure_message = Some(format!("dry run: {message}"));
-                    self.enter(MigrationPhase::Failed);
-                } else {
-                    self.health = Some(Health::stalled(reason, message.clone()));
-                    self.requeue_after = Some(IDLE_RECHECK);
-                }
+                self.not_migratable(reason, message)
             }
-            Some(Preflight::Migratable(plan)) => {
-                set_condition(
-                    &mut self.status.conditions,
-                    ct::MIGRATABLE,
-                    true,
-                    reasons::MIGRATABLE,
-                    &format!("can move from {} to {}", plan.source_node, plan.target_node),
-                    o.generation,
-                    o.now,
-                );
-                self.status.source_node = Some(plan.source_node.clone());
-                self.status.target_node = Some(plan.target_node.clone());
-                if o.knobs.dry_run {
-                    self.enter(MigrationPhase::Succeeded);
-                    return;
-                }
-                if !o.slot_available {
-                    self.health = Some(Health::reconciling(
-                        reasons::QUEUED,
-                        "waiting for a free migration slot (per cluster or per source node)",
-                    ));
-                    self.requeue_after = Some(IDLE_RECHECK);
-                    return;
-                }
-                self.status.source_pod_uid = Some(plan.source_pod_uid.clone());
-                self.status.target_pod = Some(plan.target_pod.clone());
-                self.enter(MigrationPhase::Preparing);
-                self.act(Action::EnsureTransferKey);
-                self.act(Action::EnsureTargetPod);
-                self.poll();
-            }
+            Some(Preflight::Migratable(plan)) => self.migratable(plan),
         }
     }
 
-    /// Failures that stop a migration before commit, in order of precedence.
-    fn detect_failure(&mut self) {
+    fn not_migratable(&mut self, reason: &'static str, message: &str) {
         let o = self.o;
-        let phase = self.phase();
+        set_condition(
+            &mut self.status.conditions,
+            ct::MIGRATABLE,
+            false,
+            reason,
+            message,
+            o.generation,
+            o.now,
+        );
+        if o.knobs.dry_run {
+            self.status.failure_reason = Some(reason.to_string());
+            self.status.failure_message = Some(format!("dry run: {message}"));
+            self.enter(MigrationPhase::Failed);
+        } else {
+            self.health = Some(Health::stalled(reason, message.to_string()));
+            self.requeue_after = Some(IDLE_RECHECK);
+        }
+    }
+
+    fn migratable(&mut self, plan: &Plan) {
+        let o = self.o;
+        set_condition(
+            &mut self.status.conditions,
+            ct::MIGRATABLE,
+            true,
+            reasons::MIGRATABLE,
+            &format!("can move from {} to {}", plan.source_node, plan.target_node),
+            o.generation,
+            o.now,
+        );
+        self.status.source_node = Some(plan.source_node.clone());
+        self.status.target_node = Some(plan.target_node.clone());
+        if o.knobs.dry_run {
+            self.enter(MigrationPhase::Succeeded);
+            return;
+        }
+        if !o.slot_available {
+            self.health = Some(Health::reconciling(
+                reasons::QUEUED,
+                "waiting for a free migration slot (per cluster or per source node)",
+            ));
+            self.requeue_after = Some(IDLE_RECHECK);
+            return;
+        }
+        self.status.source_pod_uid = Some(plan.source_pod_uid.clone());
+        self.status.target_pod = Some(plan.target_pod.clone());
+        self.enter(MigrationPhase::Preparing);
+        self.act(Action::EnsureTransferKey);
+        self.act(Action::EnsureTargetPod);
+        self.poll();
+    }
+
+    /// Failures that stop a migration before commit, in order of precedence: the
+    /// first is recorded and its reason returned.
+    fn detect_failure(&mut self) -> Option<Reason> {
+        let (reason, message) = self
+            .stop_requested()
+            .or_else(|| self.pod_failure())
+            .or_else(|| self.agent_failure())
+            .or_else(|| self.time_failure())?;
+        self.fail(reason, message);
+        Some(reason)
+    }
+
+    /// The user's stop: deletion, or the deadline.
+    fn stop_requested(&self) -> Option<(Reason, String)> {
+        let o = self.o;
         if o.deletion_requested {
-            self.fail(reasons::ABORTED, "the PodMigration was deleted".into());
-            return;
+            return Some((Reason::Aborted, "the PodMigration was deleted".into()));
         }
-        if self.deadline_passed() {
-            self.fail(
-                reasons::DEADLINE_EXCEEDED,
+        self.deadline_passed().then(|| {
+            (
+                Reason::DeadlineExceeded,
                 format!("not committed within {}s", o.knobs.deadline.as_secs()),
-            );
-            return;
-        }
+            )
+        })
+    }
+
+    /// The source pod went away, or the target pod cannot run.
+    fn pod_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
+        let gone = |m: &str| Some((Reason::SourcePodGone, m.to_string()));
         match &o.source_pod {
-            None => {
-                self.fail(
-                    reasons::SOURCE_POD_GONE,
-                    "the source pod no longer exists".into(),
-                );
-                return;
-            }
+            None => return gone("the source pod no longer exists"),
             Some(s) if s.terminating || Some(&s.uid) != self.status.source_pod_uid.as_ref() => {
-                self.fail(
-                    reasons::SOURCE_POD_GONE,
-                    "the source pod is being deleted or was replaced".into(),
-                );
-                return;
+                return gone("the source pod is being deleted or was replaced");
             }
-            Some(s) if !s.running => {
-                self.fail(
-                    reasons::SOURCE_POD_GONE,
-                    "the source pod stopped running".into(),
-                );
-                return;
-            }
+            Some(s) if !s.running => return gone("the source pod stopped running"),
             Some(_) => {}
         }
-        if let Some(tp) = &o.target_pod
-            && let Some(why) = &tp.unusable
-        {
-            self.fail(
-                reasons::TARGET_POD_UNSCHEDULABLE,
+        if let Some(why) = o.target_pod.as_ref().and_then(|tp| tp.unusable.as_ref()) {
+            return Some((
+                Reason::TargetPodUnschedulable,
                 format!("target pod cannot run: {why}"),
-            );
-            return;
+            ));
         }
-        if phase != MigrationPhase::Preparing && o.target_pod.is_none() {
-            self.fail(
-                reasons::TARGET_POD_UNSCHEDULABLE,
-                "the target pod disappeared".into(),
-            );
-            return;
-        }
+        (self.phase() != MigrationPhase::Preparing && o.target_pod.is_none()).then(|| {
+            (
+                Reason::TargetPodUnschedulable,
+                "the target pod disappeared".to_string(),
+            )
+        })
+    }
+
+    /// A failed step, or an agent that forgot the migration.
+    fn agent_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
         for (side, view) in [
             (Side::Source, &o.source_agent),
             (Side::Target, &o.target_agent),
         ] {
-            match view {
-                AgentView::Reported(r) => {
-                    if let Some((step, category, message)) = r.failure() {
-                        let reason = if step == Step::Probe {
-                            reasons::PROBE_FAILED
-                        } else {
-                            reasons::AGENT_ERROR
-                        };
-                        self.fail(
-                            reason,
-                            format!("{side} agent: {step} failed ({category}): {message}"),
-                        );
-                        return;
-                    }
-                    // Past Preparing both agents must know the migration; an agent
-                    // that forgot it restarted and swept its checkpoint.
-                    if phase != MigrationPhase::Preparing && r.last.is_none() {
-                        self.fail(
-                            reasons::AGENT_ERROR,
-                            format!("{side} agent lost the migration (restarted?)"),
-                        );
-                        return;
-                    }
-                }
-                // Agents that are unreachable or whose pod is not Ready (restarting)
-                // are given until the progress timeout.
-                AgentView::Missing | AgentView::Unreachable(_) => {}
+            // Agents that are unreachable or whose pod is not Ready (restarting) are
+            // given until the progress timeout.
+            let AgentView::Reported(r) = view else {
+                continue;
+            };
+            if let Some((step, category, message)) = r.failure() {
+                let reason = if step == Step::Probe {
+                    Reason::ProbeFailed
+                } else {
+                    Reason::AgentError
+                };
+                let message = format!("{side} agent: {step} failed ({category}): {message}");
+                return Some((reason, message));
+            }
+            // Past Preparing both agents must know the migration; an agent that forgot
+            // it restarted and swept its checkpoint.
+            if self.phase() != MigrationPhase::Preparing && r.last.is_none() {
+                let message = format!("{side} agent lost the migration (restarted?)");
+                return Some((Reason::AgentError, message));
             }
         }
+        None
+    }
+
+    /// The freeze budget overrun, or no progress for too long.
+    fn time_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
         if self.freeze_overrun() {
-            self.fail(
-                reasons::FREEZE_BUDGET_EXCEEDED,
+            return Some((
+                Reason::FreezeBudgetExceeded,
                 format!(
                     "the source has been frozen longer than freezeBudgetMillis={} without a restore",
                     o.knobs.freeze_budget_millis
                 ),
-            );
-            return;
+            ));
         }
-        if self.progress_stalled() {
-            let detail = match (&o.source_agent, &o.target_agent) {
-                (AgentView::Unreachable(e), _) => format!("; source agent unreachable: {e}"),
-                (_, AgentView::Unreachable(e)) => format!("; target agent unreachable: {e}"),
-                _ => String::new(),
-            };
-            self.fail(
-                reasons::PROGRESS_TIMEOUT,
-                format!(
-                    "no progress for {}s in {:?}{detail}",
-                    o.knobs.progress_timeout.as_secs(),
-                    phase
-                ),
-            );
+        if !self.progress_stalled() {
+            return None;
         }
+        let detail = match (&o.source_agent, &o.target_agent) {
+            (AgentView::Unreachable(e), _) => format!("; source agent unreachable: {e}"),
+            (_, AgentView::Unreachable(e)) => format!("; target agent unreachable: {e}"),
+            _ => String::new(),
+        };
+        Some((
+            Reason::ProgressTimeout,
+            format!(
+                "no progress for {}s in {:?}{detail}",
+                o.knobs.progress_timeout.as_secs(),
+                self.phase()
+            ),
+        ))
     }
 
     /// The source is frozen (final dump started) and the target has not resumed, for
@@ -752,42 +751,17 @@ impl<'a> Machine<'a> {
             && self.elapsed_since(frozen) > Duration::from_millis(self.o.knobs.freeze_budget_millis)
     }
 
-    fn forward(&mut self) {
+    fn forward(&mut self, active: Active) {
         let o = self.o;
         self.poll();
-        match self.phase() {
-            MigrationPhase::Preparing => {
-                if !o.transfer_key_present {
-                    self.act(Action::EnsureTransferKey);
-                }
-                let Some(tp) = &o.target_pod else {
-                    self.act(Action::EnsureTargetPod);
-                    return;
-                };
-                if !tp.running || !o.transfer_key_present {
-                    return;
-                }
-                let (Some(src), Some(tgt)) = (o.source_agent.report(), o.target_agent.report())
-                else {
-                    return;
-                };
-                if src.last.is_none() {
-                    self.act(Action::Agent(Side::Source, Step::Prepare));
-                }
-                if tgt.last.is_none() {
-                    self.act(Action::Agent(Side::Target, Step::Receive));
-                }
-                if src.done(Step::Prepare) && tgt.done(Step::Receive) {
-                    self.enter(MigrationPhase::Checkpointing);
-                    self.checkpoint_step(src);
-                }
-            }
-            MigrationPhase::Checkpointing => {
+        match active {
+            Active::Preparing => self.prepare_step(),
+            Active::Checkpointing => {
                 if let Some(src) = o.source_agent.report() {
                     self.checkpoint_step(src);
                 }
             }
-            MigrationPhase::Transferring => {
+            Active::Transferring => {
                 let Some(src) = o.source_agent.report() else {
                     return;
                 };
@@ -798,8 +772,35 @@ impl<'a> Machine<'a> {
                     self.act(Action::Agent(Side::Source, Step::Transfer));
                 }
             }
-            MigrationPhase::Restoring => self.restore_step(),
-            _ => unreachable!("forward is only called in active pre-commit phases"),
+            Active::Restoring => self.restore_step(),
+        }
+    }
+
+    /// The transfer key and the target pod, then both agents' first steps.
+    fn prepare_step(&mut self) {
+        let o = self.o;
+        if !o.transfer_key_present {
+            self.act(Action::EnsureTransferKey);
+        }
+        let Some(tp) = &o.target_pod else {
+            self.act(Action::EnsureTargetPod);
+            return;
+        };
+        if !tp.running || !o.transfer_key_present {
+            return;
+        }
+        let (Some(src), Some(tgt)) = (o.source_agent.report(), o.target_agent.report()) else {
+            return;
+        };
+        if src.last.is_none() {
+            self.act(Action::Agent(Side::Source, Step::Prepare));
+        }
+        if tgt.last.is_none() {
+            self.act(Action::Agent(Side::Target, Step::Receive));
+        }
+        if src.done(Step::Prepare) && tgt.done(Step::Receive) {
+            self.enter(MigrationPhase::Checkpointing);
+            self.checkpoint_step(src);
         }
     }
 
@@ -825,13 +826,13 @@ impl<'a> Machine<'a> {
                                 format!("{e}ms")
                             });
                         self.fail(
-                            reasons::FREEZE_BUDGET_EXCEEDED,
+                            Reason::FreezeBudgetExceeded,
                             format!(
                                 "after {n} pre-copy rounds the final freeze would take {est}, over freezeBudgetMillis={}",
                                 knobs.freeze_budget_millis
                             ),
                         );
-                        self.rollback();
+                        self.resume();
                     }
                 }
             }
@@ -860,7 +861,7 @@ impl<'a> Machine<'a> {
                 self.record_restore(tgt);
                 if tgt.done(Step::Probe) {
                     self.enter(MigrationPhase::Committing);
-                    self.committing();
+                    self.resume();
                 }
             }
             _ => {}
@@ -912,11 +913,11 @@ impl<'a> Machine<'a> {
             None => {
                 // The restored pod vanished after the source was given up: nothing to
                 // roll back to. Report it; never silently succeed.
-                self.status.failure_reason = Some(reasons::TARGET_POD_UNSCHEDULABLE.into());
+                self.status.failure_reason = Some(Reason::TargetPodUnschedulable.as_str().into());
                 self.status.failure_message =
                     Some("the target pod disappeared during commit".into());
                 self.enter(MigrationPhase::Failed);
-                self.terminal();
+                self.resume();
                 return;
             }
         }
@@ -925,87 +926,27 @@ impl<'a> Machine<'a> {
             return;
         }
         self.enter(MigrationPhase::Succeeded);
-        self.terminal();
+        self.resume();
     }
 
     /// Undo everything before commit, in the order that keeps one running copy.
-    fn rollback(&mut self) {
+    fn rollback(&mut self, reason: Reason) {
         let o = self.o;
         self.poll();
-        let reason = static_reason(
-            self.status
-                .failure_reason
-                .as_deref()
-                .unwrap_or(reasons::ROLLED_BACK),
-        );
         let message = self.status.failure_message.clone().unwrap_or_default();
         self.health = Some(Health::reconciling(
-            reason,
+            reason.as_str(),
             format!("rolling back: {message}"),
         ));
-        let given_up = self.progress_stalled();
-
         // 1. No restored copy may run on the target when the source is thawed.
-        let target_copy_gone = match &o.target_agent {
-            AgentView::Reported(r) => {
-                let restored_steps = matches!(r.last_step(), Some(Step::Restore | Step::Probe));
-                if restored_steps {
-                    self.act(Action::Agent(Side::Target, Step::Abort));
-                    false
-                } else if r.last_step() == Some(Step::Abort) {
-                    if r.failure().is_some() {
-                        // The kill failed: retry it, and remove the pod (the kubelet
-                        // kills its containers, the restored tree with them).
-                        self.act(Action::Agent(Side::Target, Step::Abort));
-                        self.act(Action::DeleteTargetPod);
-                        o.target_pod.is_none()
-                    } else {
-                        r.done(Step::Abort)
-                    }
-                } else if r.last.is_none()
-                    && rank(self.status.phase) >= rank(MigrationPhase::Restoring)
-                {
-                    // The agent forgot the migration (it restarted) after a restore may
-                    // have run: its silence proves nothing. Only the target pod's
-                    // removal (the kubelet kills its containers) does.
-                    self.act(Action::DeleteTargetPod);
-                    o.target_pod.is_none()
-                } else {
-                    // Receive (or nothing): no process was restored. Stop the receiver.
-                    if r.last.is_some() {
-                        self.act(Action::Agent(Side::Target, Step::Abort));
-                    }
-                    true
-                }
-            }
-            // Unknown target agent: only the target pod's removal (the kubelet kills
-            // its containers and so the restored tree) proves no copy runs there.
-            AgentView::Missing | AgentView::Unreachable(_) => {
-                rank(self.status.phase) < rank(MigrationPhase::Restoring) || o.target_pod.is_none()
-            }
-        };
-        if !target_copy_gone {
+        if !self.target_copy_gone() {
             if !matches!(o.target_agent, AgentView::Reported(_)) {
                 self.act(Action::DeleteTargetPod);
             }
             return;
         }
-
         // 2. Thaw the source (a no-op for an agent that never froze it).
-        let source_resumed = match &o.source_agent {
-            AgentView::Reported(r) => match r.last_step() {
-                None => true,
-                Some(Step::Abort) if r.done(Step::Abort) => true,
-                Some(Step::Abort) if r.running(Step::Abort) => false,
-                Some(_) => {
-                    self.act(Action::Agent(Side::Source, Step::Abort));
-                    false
-                }
-            },
-            // The agent is gone or unreachable: keep trying until the progress timeout,
-            // then finish with a message that says the source's state is unknown.
-            AgentView::Missing | AgentView::Unreachable(_) => given_up,
-        };
+        let source_resumed = self.source_resumed();
         if o.target_pod.is_some() {
             self.act(Action::DeleteTargetPod);
         }
@@ -1018,13 +959,68 @@ impl<'a> Machine<'a> {
                 m.push_str("; source agent unreachable during rollback, source state unknown");
             }
         }
-        let end = if is_abort_reason(reason) {
-            MigrationPhase::Aborted
-        } else {
-            MigrationPhase::Failed
+        self.enter(reason.end_phase());
+        self.resume();
+    }
+
+    /// Whether no restored copy can run on the target (asking for its kill if one may).
+    fn target_copy_gone(&mut self) -> bool {
+        let o = self.o;
+        let restored = rank(self.status.phase) >= rank(MigrationPhase::Restoring);
+        let r = match &o.target_agent {
+            AgentView::Reported(r) => r,
+            // Unknown target agent: only the target pod's removal (the kubelet kills
+            // its containers and so the restored tree) proves no copy runs there.
+            AgentView::Missing | AgentView::Unreachable(_) => {
+                return !restored || o.target_pod.is_none();
+            }
         };
-        self.enter(end);
-        self.terminal();
+        match r.last_step() {
+            Some(Step::Restore | Step::Probe) => {
+                self.act(Action::Agent(Side::Target, Step::Abort));
+                false
+            }
+            Some(Step::Abort) if r.failure().is_some() => {
+                // The kill failed: retry it, and remove the pod (the kubelet kills its
+                // containers, the restored tree with them).
+                self.act(Action::Agent(Side::Target, Step::Abort));
+                self.act(Action::DeleteTargetPod);
+                o.target_pod.is_none()
+            }
+            Some(Step::Abort) => r.done(Step::Abort),
+            None if restored => {
+                // The agent forgot the migration (it restarted) after a restore may have
+                // run: its silence proves nothing. Only the target pod's removal (the
+                // kubelet kills its containers) does.
+                self.act(Action::DeleteTargetPod);
+                o.target_pod.is_none()
+            }
+            // Receive (or nothing): no process was restored. Stop the receiver.
+            last => {
+                if last.is_some() {
+                    self.act(Action::Agent(Side::Target, Step::Abort));
+                }
+                true
+            }
+        }
+    }
+
+    /// Whether the source runs again (asking for its thaw if not).
+    fn source_resumed(&mut self) -> bool {
+        match &self.o.source_agent {
+            AgentView::Reported(r) => match r.last_step() {
+                None => true,
+                Some(Step::Abort) if r.done(Step::Abort) => true,
+                Some(Step::Abort) if r.running(Step::Abort) => false,
+                Some(_) => {
+                    self.act(Action::Agent(Side::Source, Step::Abort));
+                    false
+                }
+            },
+            // The agent is gone or unreachable: keep trying until the progress timeout,
+            // then finish with a message that says the source's state is unknown.
+            AgentView::Missing | AgentView::Unreachable(_) => self.progress_stalled(),
+        }
     }
 
     /// Terminal: clean up what is left, then let a deletion go through.
@@ -1078,7 +1074,10 @@ impl Observed {
 /// The health (Ready/Reconciling/Stalled) a status implies when a phase handler did not
 /// choose one.
 fn default_health(status: &PodMigrationStatus) -> Health {
-    let reason = status.failure_reason.as_deref().map(static_reason);
+    let reason = status
+        .failure_reason
+        .as_deref()
+        .map(|r| Reason::from_status(r).as_str());
     let message = status.failure_message.clone().unwrap_or_default();
     match status.phase {
         MigrationPhase::Succeeded => {
@@ -1129,33 +1128,4 @@ fn phase_reason(p: MigrationPhase) -> &'static str {
         MigrationPhase::Succeeded => reasons::SUCCEEDED,
         MigrationPhase::Failed | MigrationPhase::Aborted => reasons::ROLLED_BACK,
     }
-}
-
-/// Maps a persisted reason back to its constant (Events need `&'static str`); an
-/// unknown reason (written by another version) becomes `RolledBack`.
-pub fn static_reason(s: &str) -> &'static str {
-    const ALL: &[&str] = &[
-        reasons::ABORTED,
-        reasons::DEADLINE_EXCEEDED,
-        reasons::FREEZE_BUDGET_EXCEEDED,
-        reasons::PROBE_FAILED,
-        reasons::AGENT_ERROR,
-        reasons::PROGRESS_TIMEOUT,
-        reasons::SOURCE_POD_GONE,
-        reasons::TARGET_POD_UNSCHEDULABLE,
-        reasons::NO_AGENT_ON_NODE,
-        reasons::SOURCE_POD_NOT_FOUND,
-        reasons::SOURCE_POD_NOT_RUNNING,
-        reasons::POD_UID_MISMATCH,
-        reasons::ALREADY_MIGRATING,
-        reasons::NO_TARGET_NODE,
-        reasons::TARGET_IS_SOURCE,
-        reasons::TARGET_DOES_NOT_FIT,
-        reasons::UNSUPPORTED_OWNER,
-        reasons::ROLLED_BACK,
-    ];
-    ALL.iter()
-        .copied()
-        .find(|r| *r == s)
-        .unwrap_or(reasons::ROLLED_BACK)
 }

@@ -7,8 +7,11 @@
 pub mod agent;
 pub mod key;
 pub mod machine;
+pub mod pending;
 pub mod preflight;
 pub mod render;
+pub mod report;
+pub mod stage;
 
 #[cfg(test)]
 mod fixtures;

@@ -20,13 +20,15 @@ use kube::ResourceExt;
 use kube::api::ObjectMeta;
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{
-    ApplicationProbe, ExecProbe, GrpcProbe, HttpProbe, HttpScheme, TcpProbe,
+    ApplicationProbe, ExecProbe, GrpcProbe, HttpProbe, HttpScheme, PodMigrationStatus, TcpProbe,
 };
 use podmotion_api::names::{annotations, labels};
 use serde_json::json;
 
-use super::machine::TargetPodFacts;
-use crate::children::{child_meta, short_hash};
+use super::agent::{Side, Step, StepRequest};
+use super::key::TransferKey;
+use super::machine::{SourcePodFacts, TargetPodFacts};
+use crate::meta::{child_meta, short_hash};
 
 /// Component label of a migration's target pod.
 pub const TARGET_COMPONENT: &str = "migration-target";
@@ -273,6 +275,61 @@ pub fn effective_probe(
             ..base
         })
     })
+}
+
+/// The source pod as the machine sees it.
+pub fn source_facts(p: &Pod) -> SourcePodFacts {
+    SourcePodFacts {
+        uid: p.uid().unwrap_or_default(),
+        running: p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"),
+        terminating: p.metadata.deletion_timestamp.is_some(),
+        deletion_cost_lowered: deletion_cost_lowered(p),
+    }
+}
+
+/// Container IDs (`containerd://…`) of `pod`'s containers that have one.
+pub fn container_ids(pod: Option<&Pod>) -> Vec<String> {
+    pod.and_then(|p| p.status.as_ref())
+        .and_then(|st| st.container_statuses.as_ref())
+        .map(|cs| cs.iter().filter_map(|c| c.container_id.clone()).collect())
+        .unwrap_or_default()
+}
+
+/// What the agent on `side` needs to run `step` of `pm`, whose status is `status`.
+/// `source`, `target`: the pods as observed; `target_agent_url`: where the target
+/// agent is reached.
+pub fn step_request(
+    pm: &PodMigration,
+    status: &PodMigrationStatus,
+    (side, step): (Side, Step),
+    (source, target): (Option<&Pod>, Option<&Pod>),
+    transfer_key: TransferKey,
+    target_agent_url: Option<String>,
+) -> StepRequest {
+    StepRequest {
+        migration_uid: pm.uid().unwrap_or_default(),
+        namespace: pm.namespace().unwrap_or_default(),
+        source_pod: pm.spec.pod_name.clone(),
+        source_pod_uid: status.source_pod_uid.clone().unwrap_or_default(),
+        target_pod: status.target_pod.clone().unwrap_or_default(),
+        source_node: status.source_node.clone().unwrap_or_default(),
+        target_node: status.target_node.clone().unwrap_or_default(),
+        transfer_key,
+        mode: pm.spec.mode,
+        tcp_preservation: pm.spec.tcp_preservation,
+        bandwidth_limit_bytes_per_second: pm.spec.bandwidth_limit_bytes_per_second,
+        probe: source.and_then(|src| effective_probe(pm.spec.probe.as_ref(), src)),
+        target_agent_url,
+        container_ids: container_ids(match side {
+            Side::Source => source,
+            Side::Target => target,
+        }),
+        close_connections: status
+            .network
+            .as_ref()
+            .is_some_and(|n| n.connections_closed > 0),
+        step,
+    }
 }
 
 /// The target pod's facts for the machine.

@@ -11,7 +11,8 @@ use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 use podmotion_api::runner_pool::PreflightFailure;
 use serde::Deserialize;
 
-use super::render::PREFLIGHT_CONTAINER;
+/// Name of the preflight init container in every Runner pod.
+pub const PREFLIGHT_CONTAINER: &str = "preflight";
 
 /// Version tag of the verdict format.
 pub const VERDICT_VERSION: &str = "v1";

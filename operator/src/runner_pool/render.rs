@@ -27,12 +27,11 @@ use serde_json::{Value, json};
 
 use super::sizing::{pod_size, termination_grace_seconds};
 use super::{Desired, Inputs};
-use crate::children::child_meta;
+use crate::meta::child_meta;
 
 /// Name of the Runner container.
 pub const RUNNER_CONTAINER: &str = "runner";
-/// Name of the preflight init container.
-pub const PREFLIGHT_CONTAINER: &str = "preflight";
+pub use super::preflight::PREFLIGHT_CONTAINER;
 /// `app.kubernetes.io/name` (and component) of every Runner child.
 pub const COMPONENT: &str = "runner";
 /// Where the credential Secret is mounted in the Runner container.
@@ -91,7 +90,7 @@ pub fn pod_selector(pool: &RunnerPool) -> BTreeMap<String, String> {
         (labels::NAME.to_string(), COMPONENT.to_string()),
         (
             labels::INSTANCE.to_string(),
-            crate::children::label_value(&pool.name_any()),
+            crate::meta::label_value(&pool.name_any()),
         ),
     ])
 }
@@ -115,7 +114,7 @@ pub fn effective_max_unavailable(pool: &RunnerPool, eligible_nodes: usize) -> In
 /// bound, so evictions are bounded like a rollout.
 pub fn pdb_min_available(pool: &RunnerPool, eligible_nodes: usize) -> i32 {
     let nodes = i32::try_from(eligible_nodes).unwrap_or(i32::MAX);
-    let down = super::status::max_unavailable_count(
+    let down = super::sizing::max_unavailable_count(
         &effective_max_unavailable(pool, eligible_nodes),
         nodes,
     );

@@ -3,6 +3,7 @@
 //! VMM, virtiofsd, passt and host page tables need per session, plus the Runner.
 //! Sources and numbers: `docs/runner-pool.md`.
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use podmotion_api::runner_pool::RunnerPoolSpec;
 
 /// Resources of one Runner pod. Requests equal limits (Guaranteed QoS), so the pod is
@@ -63,6 +64,18 @@ pub fn termination_grace_seconds(spec: &RunnerPoolSpec) -> i64 {
 
 /// Margin on top of the session reap budgets.
 pub const TERMINATION_MARGIN_SECONDS: i64 = 30;
+
+/// The number of pods `maxUnavailable` allows down out of `desired` (a percentage
+/// rounds up, as the DaemonSet controller does).
+pub fn max_unavailable_count(v: &IntOrString, desired: i32) -> i32 {
+    match v {
+        IntOrString::Int(n) => *n,
+        IntOrString::String(s) => {
+            let pct: i64 = s.trim_end_matches('%').parse().unwrap_or(0);
+            i32::try_from((pct * i64::from(desired) + 99) / 100).unwrap_or(i32::MAX)
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,6 @@
 //! see "progressing forever" for a pool that cannot make progress.
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use podmotion_api::conditions::{Health, set_condition, set_health};
@@ -14,7 +13,9 @@ use podmotion_api::runner_pool::{PreflightFailure, RunnerPool, RunnerPoolStatus}
 
 use super::pod_security::PodSecurityVerdict;
 use super::preflight::NodePreflight;
-use super::sizing::pod_size;
+use super::sizing::{max_unavailable_count, pod_size};
+use crate::note::{EventKind, Note};
+use podmotion_api::conditions::find;
 
 /// Everything the status is computed from.
 #[derive(Clone, Debug)]
@@ -63,14 +64,45 @@ pub fn unschedulable(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
     ))
 }
 
-pub fn max_unavailable_count(v: &IntOrString, desired: i32) -> i32 {
-    match v {
-        IntOrString::Int(n) => *n,
-        IntOrString::String(s) => {
-            let pct: i64 = s.trim_end_matches('%').parse().unwrap_or(0);
-            i32::try_from((pct * i64::from(desired) + 99) / 100).unwrap_or(i32::MAX)
-        }
+/// The Event for a change of the pool's kstatus health (`None` when the true health
+/// condition and its reason stayed the same): Warning when stalled.
+pub fn health_change(old: &RunnerPoolStatus, new: &RunnerPoolStatus) -> Option<Note> {
+    let true_health = |s: &RunnerPoolStatus| {
+        [ct::READY, ct::RECONCILING, ct::STALLED]
+            .into_iter()
+            .filter_map(|t| find(&s.conditions, t).filter(|c| c.status == "True"))
+            .map(|c| (c.type_.clone(), c.reason.clone(), c.message.clone()))
+            .next()
+    };
+    let (type_, reason, message) = true_health(new)?;
+    if true_health(old).as_ref().map(|(t, r, _)| (t, r)) == Some((&type_, &reason)) {
+        return None;
     }
+    let kind = if type_ == ct::STALLED {
+        EventKind::Warning
+    } else {
+        EventKind::Normal
+    };
+    Some(Note {
+        kind,
+        reason: reason.into(),
+        action: "Reconcile",
+        message,
+    })
+}
+
+/// The Event for drift found (and repaired) on the live DaemonSet.
+pub fn drift_note(drift: &[String]) -> Option<Note> {
+    (!drift.is_empty()).then(|| {
+        Note::warning(
+            reasons::SHAPE_DRIFT,
+            "Repair",
+            format!(
+                "live DaemonSet differed from the contract, re-applied: {}",
+                drift.join("; ")
+            ),
+        )
+    })
 }
 
 struct Counts {
@@ -117,140 +149,183 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
             _ => None,
         })
         .collect();
+    let facts = Summary {
+        preflight: failures
+            .iter()
+            .map(|f| format!("{}: {}", f.node, f.message))
+            .collect::<Vec<_>>()
+            .join("; "),
+        nodes: format!(
+            "{}/{} Runner nodes ready, {} updated",
+            c.ready, c.desired, c.updated
+        ),
+        failed_nodes: failures.len(),
+        c,
+    };
     let mut conditions = previous.conditions;
-    let mut set = |type_: &str, status: bool, reason: &str, message: &str| {
+    for (type_, status, reason, message) in condition_table(pool, observed, &facts) {
         set_condition(
             &mut conditions,
             type_,
             status,
             reason,
-            message,
+            &message,
             generation,
             now,
         );
-    };
+    }
+    let health = health(pool, observed, &facts);
+    set_health(&mut conditions, &health, generation, now);
+    let c = facts.c;
+    RunnerPoolStatus {
+        observed_generation: generation,
+        image_digest_short: digest_short(&spec.image),
+        desired_nodes: c.desired,
+        ready_nodes: c.ready,
+        updated_nodes: c.updated,
+        session_capacity: c.ready.saturating_mul(spec.sessions_per_node),
+        pod_memory: Some(size.memory_quantity()),
+        pod_cpu: Some(size.cpu_quantity()),
+        credential_secret: observed.credential_secret.clone(),
+        preflight_failures: failures,
+        foreign_network_policies: observed.foreign_policies.clone(),
+        conditions,
+    }
+}
 
-    if observed.drift.is_empty() {
-        set(
+/// What several conditions and the health say alike.
+struct Summary {
+    c: Counts,
+    /// `node: message` of every failed preflight.
+    preflight: String,
+    failed_nodes: usize,
+    /// Ready, desired and updated nodes in words.
+    nodes: String,
+}
+
+/// The kind-specific conditions, in the order they are set: (type, status, reason,
+/// message).
+fn condition_table(
+    pool: &RunnerPool,
+    observed: &Observed,
+    f: &Summary,
+) -> Vec<(&'static str, bool, &'static str, String)> {
+    let shape = if observed.drift.is_empty() {
+        (
             ct::SHAPE_CONFORMANT,
             true,
             reasons::SHAPE_MATCHES,
-            "the live DaemonSet matches the Runner pod contract",
-        );
+            "the live DaemonSet matches the Runner pod contract".to_string(),
+        )
     } else {
-        let msg = format!(
-            "the live DaemonSet differed from the contract and was re-applied: {}",
-            observed.drift.join("; ")
-        );
-        set(ct::SHAPE_CONFORMANT, false, reasons::SHAPE_DRIFT, &msg);
-    }
-
+        (
+            ct::SHAPE_CONFORMANT,
+            false,
+            reasons::SHAPE_DRIFT,
+            format!(
+                "the live DaemonSet differed from the contract and was re-applied: {}",
+                observed.drift.join("; ")
+            ),
+        )
+    };
     let ps = &observed.pod_security;
     let ps_reason = if ps.admitted() {
         reasons::POD_SECURITY_ALLOWS
     } else {
         reasons::POD_SECURITY_REJECTS
     };
-    set(
-        ct::POD_SECURITY_ADMITTED,
-        ps.admitted(),
-        ps_reason,
-        &ps.message(),
-    );
-
-    let preflight_msg = failures
-        .iter()
-        .map(|f| format!("{}: {}", f.node, f.message))
-        .collect::<Vec<_>>()
-        .join("; ");
-    let mut degraded: Vec<(&str, String)> = vec![];
-    if !failures.is_empty() {
-        degraded.push((
-            reasons::PREFLIGHT_FAILED,
-            format!(
-                "{} node(s) failed preflight: {preflight_msg}",
-                failures.len()
-            ),
-        ));
-    }
-    if let Err(why) = &observed.server {
-        degraded.push((reasons::SERVER_UNRESOLVED, why.clone()));
-    }
-    if !observed.conflicts.is_empty() {
-        degraded.push((
-            reasons::PRIORITY_CLASS_CONFLICT,
-            observed.conflicts.join("; "),
-        ));
-    }
-    if !observed.unschedulable.is_empty() {
-        degraded.push((
-            reasons::RUNNER_UNSCHEDULABLE,
-            format!(
-                "Runner pods cannot be scheduled: {}",
-                observed.unschedulable.join("; ")
-            ),
-        ));
-    }
-    if !observed.foreign_policies.is_empty() {
-        degraded.push((
-            reasons::FOREIGN_NETWORK_POLICY,
-            format!(
-                "other NetworkPolicies also select the Runner pods and can reopen traffic: {}",
-                observed.foreign_policies.join(", ")
-            ),
-        ));
-    }
-    match degraded.first() {
+    let degraded = degraded(observed, f);
+    let degraded = match degraded.first() {
         Some((reason, _)) => {
             let msg = degraded
                 .iter()
                 .map(|(_, m)| m.as_str())
                 .collect::<Vec<_>>()
                 .join("; ");
-            set(ct::DEGRADED, true, reason, &msg);
+            (ct::DEGRADED, true, *reason, msg)
         }
-        None => set(
+        None => (
             ct::DEGRADED,
             false,
             reasons::RECONCILED,
-            "no node failed preflight",
+            "no node failed preflight".to_string(),
         ),
-    }
-
-    let allowed_down = max_unavailable_count(&spec.rollout.max_unavailable, c.desired);
-    let nodes_msg = format!(
-        "{}/{} Runner nodes ready, {} updated",
-        c.ready, c.desired, c.updated
-    );
-    if c.desired == 0 {
-        set(
-            ct::AVAILABLE,
-            false,
-            reasons::NO_ELIGIBLE_NODES,
-            &no_nodes_message(pool),
-        );
+    };
+    let c = &f.c;
+    let allowed_down = max_unavailable_count(&pool.spec.rollout.max_unavailable, c.desired);
+    let available = if c.desired == 0 {
+        (false, reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool))
     } else if c.ready > 0 && c.ready >= c.desired - allowed_down {
-        set(
-            ct::AVAILABLE,
-            true,
-            reasons::MINIMUM_NODES_AVAILABLE,
-            &nodes_msg,
-        );
+        (true, reasons::MINIMUM_NODES_AVAILABLE, f.nodes.clone())
     } else {
-        set(ct::AVAILABLE, false, reasons::ROLLING_OUT, &nodes_msg);
-    }
-    if c.rolling {
-        set(ct::PROGRESSING, true, reasons::ROLLING_OUT, &nodes_msg);
+        (false, reasons::ROLLING_OUT, f.nodes.clone())
+    };
+    let progressing = if c.rolling {
+        reasons::ROLLING_OUT
     } else {
-        set(ct::PROGRESSING, false, reasons::RECONCILED, &nodes_msg);
-    }
+        reasons::RECONCILED
+    };
+    vec![
+        shape,
+        (
+            ct::POD_SECURITY_ADMITTED,
+            ps.admitted(),
+            ps_reason,
+            ps.message(),
+        ),
+        degraded,
+        (ct::AVAILABLE, available.0, available.1, available.2),
+        (ct::PROGRESSING, c.rolling, progressing, f.nodes.clone()),
+    ]
+}
 
-    let health = if !ps.admitted() {
+/// Why the pool is degraded, most important first (empty: it is not).
+fn degraded(observed: &Observed, f: &Summary) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = vec![];
+    if f.failed_nodes > 0 {
+        let msg = format!(
+            "{} node(s) failed preflight: {}",
+            f.failed_nodes, f.preflight
+        );
+        out.push((reasons::PREFLIGHT_FAILED, msg));
+    }
+    if let Err(why) = &observed.server {
+        out.push((reasons::SERVER_UNRESOLVED, why.clone()));
+    }
+    if !observed.conflicts.is_empty() {
+        out.push((
+            reasons::PRIORITY_CLASS_CONFLICT,
+            observed.conflicts.join("; "),
+        ));
+    }
+    if !observed.unschedulable.is_empty() {
+        let msg = format!(
+            "Runner pods cannot be scheduled: {}",
+            observed.unschedulable.join("; ")
+        );
+        out.push((reasons::RUNNER_UNSCHEDULABLE, msg));
+    }
+    if !observed.foreign_policies.is_empty() {
+        let msg = format!(
+            "other NetworkPolicies also select the Runner pods and can reopen traffic: {}",
+            observed.foreign_policies.join(", ")
+        );
+        out.push((reasons::FOREIGN_NETWORK_POLICY, msg));
+    }
+    out
+}
+
+/// The pool's kstatus health: the first blocker stalls it, else drift or a rollout
+/// keeps it reconciling, else it is ready.
+fn health(pool: &RunnerPool, observed: &Observed, f: &Summary) -> Health {
+    let ps = &observed.pod_security;
+    let c = &f.c;
+    if !ps.admitted() {
         Health::stalled(reasons::POD_SECURITY_REJECTS, ps.message())
-    } else if !failures.is_empty() {
+    } else if f.failed_nodes > 0 {
         Health::stalled(
             reasons::PREFLIGHT_FAILED,
-            format!("node preflight failed: {preflight_msg}"),
+            format!("node preflight failed: {}", f.preflight),
         )
     } else if !observed.conflicts.is_empty() {
         Health::stalled(
@@ -276,31 +351,16 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
             "re-applied the contract over a drifted DaemonSet",
         )
     } else if c.rolling {
-        Health::reconciling(reasons::ROLLING_OUT, nodes_msg.clone())
+        Health::reconciling(reasons::ROLLING_OUT, f.nodes.clone())
     } else {
         Health::ready(
             reasons::RECONCILED,
             format!(
-                "{nodes_msg}; capacity {} sessions",
-                i64::from(c.ready) * i64::from(spec.sessions_per_node)
+                "{}; capacity {} sessions",
+                f.nodes,
+                i64::from(c.ready) * i64::from(pool.spec.sessions_per_node)
             ),
         )
-    };
-    set_health(&mut conditions, &health, generation, now);
-
-    RunnerPoolStatus {
-        observed_generation: generation,
-        image_digest_short: digest_short(&spec.image),
-        desired_nodes: c.desired,
-        ready_nodes: c.ready,
-        updated_nodes: c.updated,
-        session_capacity: c.ready.saturating_mul(spec.sessions_per_node),
-        pod_memory: Some(size.memory_quantity()),
-        pod_cpu: Some(size.cpu_quantity()),
-        credential_secret: observed.credential_secret.clone(),
-        preflight_failures: failures,
-        foreign_network_policies: observed.foreign_policies.clone(),
-        conditions,
     }
 }
 
@@ -329,6 +389,7 @@ mod tests {
     use crate::runner_pool::fixtures::{inputs, pool};
     use crate::runner_pool::pod_security::{Level, PodSecurityVerdict};
     use crate::runner_pool::render;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use podmotion_api::conditions::{find, is_true};
     use serde_json::json;
 

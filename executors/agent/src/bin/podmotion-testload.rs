@@ -2,6 +2,7 @@
 //! server whose state lives only in memory.
 //!
 //! `podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]`
+//! `podmotion-testload get <host:port>` (client: prints the server's counter and exits 0)
 //! * a counter incremented every 10 ms by a thread (proves execution continues);
 //! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
 //!   `total` → how many requests this connection served (per-connection state),
@@ -42,10 +43,43 @@ fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
     }
 }
 
+/// The client side, for pods that check another pod or a Service from inside the
+/// cluster (the image has no shell and no other tool).
+fn get(addr: &str) -> std::io::Result<String> {
+    use std::net::ToSocketAddrs;
+    let target = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| std::io::Error::other(format!("{addr}: no address")))?;
+    let s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut w = s.try_clone()?;
+    writeln!(w, "get")?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    Ok(line.trim().to_owned())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("get") {
+        let Some(addr) = args.get(2) else {
+            eprintln!("usage: podmotion-testload get <host:port>");
+            std::process::exit(2);
+        };
+        match get(addr) {
+            Ok(v) => println!("{v}"),
+            Err(e) => {
+                eprintln!("podmotion-testload get {addr}: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if args.get(1).map(String::as_str) != Some("serve") {
-        eprintln!("usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]");
+        eprintln!(
+            "usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s] | get <host:port>"
+        );
         std::process::exit(2);
     }
     let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8080);

@@ -1,0 +1,203 @@
+//! The real nodes of the local cluster (`hack/cluster.sh`, `REAL_NODES`) and the images
+//! `hack/images.sh` built and pushed to the local registry.
+//!
+//! * [`real_nodes`] lists the nodes labelled `type=real`; none is a failure unless
+//!   `PODMOTION_REAL_NODES=0` says the cluster was started without them (then `None`).
+//! * [`Images`] reads the values file `hack/images.sh` writes
+//!   (`$PODMOTION_IMAGES_VALUES`, default `$PODMOTION_RUN/images-values.yaml`) and the
+//!   list of every image it printed; [`entrypoint`] reads an image's config from the
+//!   registry.
+//! * [`pin`] places a pod spec on one real node (node name, and the toleration of the
+//!   real nodes' taint).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+
+use crate::run_dir;
+
+/// Taint every real node carries, so that only pods asking for them land there.
+pub const REAL_NODE_TAINT: &str = "podmotion.io/real-node";
+
+/// `false` when `PODMOTION_REAL_NODES=0`: real-node tests are skipped instead of failing.
+pub fn real_nodes_enabled() -> bool {
+    std::env::var("PODMOTION_REAL_NODES")
+        .map(|v| v != "0")
+        .unwrap_or(true)
+}
+
+/// Names of the Ready nodes labelled `type=real`, sorted. Panics when there are none
+/// (the cluster must have been started with real nodes), unless real-node tests are
+/// disabled, in which case it returns `None`.
+pub async fn real_nodes(client: &Client) -> Option<Vec<String>> {
+    if !real_nodes_enabled() {
+        eprintln!("PODMOTION_REAL_NODES=0: skipping a real-node test");
+        return None;
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    let list = nodes
+        .list(&ListParams::default().labels("type=real"))
+        .await
+        .expect("listing nodes");
+    let mut names: Vec<String> = list
+        .items
+        .iter()
+        .filter(|n| {
+            n.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+        .map(|n| n.name_any())
+        .collect();
+    names.sort();
+    assert!(
+        !names.is_empty(),
+        "no Ready node labelled type=real: start the cluster with real nodes \
+         (hack/cluster.sh up, REAL_NODES defaults to 2) or set PODMOTION_REAL_NODES=0"
+    );
+    Some(names)
+}
+
+/// Places a pod spec on `node`: `nodeName` and the toleration of the real nodes' taint.
+pub fn pin(spec: &mut Value, node: &str) {
+    spec["nodeName"] = json!(node);
+    let mut tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+    tolerations.push(json!({"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}));
+    spec["tolerations"] = Value::Array(tolerations);
+}
+
+/// The images `hack/images.sh` pushed, as the chart values it wrote.
+pub struct Images {
+    values: Value,
+    pub path: PathBuf,
+}
+
+impl Images {
+    pub fn values_path() -> PathBuf {
+        std::env::var_os("PODMOTION_IMAGES_VALUES")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| run_dir().join("images-values.yaml"))
+    }
+
+    /// Reads the values file; fails with what to run when it is missing.
+    pub fn load() -> anyhow::Result<Images> {
+        let path = Self::values_path();
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "reading {}: build and push the images first (bash hack/images.sh)",
+                path.display()
+            )
+        })?;
+        let values: Value =
+            serde_saphyr::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        Ok(Images { values, path })
+    }
+
+    fn repo_digest(&self, at: &str) -> anyhow::Result<String> {
+        let img = self
+            .values
+            .pointer(at)
+            .with_context(|| format!("{} has no {at}", self.path.display()))?;
+        let repo = img["repository"].as_str().context("repository")?;
+        let digest = img["digest"].as_str().context("digest")?;
+        Ok(format!("{repo}@{digest}"))
+    }
+
+    fn string(&self, at: &str) -> anyhow::Result<String> {
+        self.values
+            .pointer(at)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .with_context(|| format!("{} has no {at}", self.path.display()))
+    }
+
+    pub fn operator(&self) -> anyhow::Result<String> {
+        self.repo_digest("/image")
+    }
+    pub fn agent(&self) -> anyhow::Result<String> {
+        self.repo_digest("/migrationAgent/agent/image")
+    }
+    pub fn broker(&self) -> anyhow::Result<String> {
+        self.repo_digest("/migrationAgent/broker/image")
+    }
+    pub fn attach(&self) -> anyhow::Result<String> {
+        self.string("/attachment/agentImage")
+    }
+    pub fn preflight(&self) -> anyhow::Result<String> {
+        self.string("/runnerPool/preflightImage")
+    }
+    /// The test-only image (never in the chart's values), from the list of every image
+    /// `hack/images.sh` printed (`$PODMOTION_IMAGES_LIST`, default
+    /// `$PODMOTION_RUN/images.txt`, which hack/test.sh and hack/demo.sh save).
+    pub fn testload(&self) -> anyhow::Result<String> {
+        let list = std::env::var_os("PODMOTION_IMAGES_LIST")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| run_dir().join("images.txt"));
+        let text = std::fs::read_to_string(&list)
+            .with_context(|| format!("reading {} (bash hack/images.sh > it)", list.display()))?;
+        text.lines()
+            .map(str::trim)
+            .find(|l| l.contains("/podmotion/testload@sha256:"))
+            .map(str::to_owned)
+            .with_context(|| format!("no podmotion/testload image in {}", list.display()))
+    }
+}
+
+fn curl(url: &str, accept: Option<&str>) -> anyhow::Result<(String, Vec<u8>)> {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-fsS", "--max-time", "10", "-D", "-", "-o", "-"]);
+    if let Some(a) = accept {
+        cmd.args(["-H", &format!("Accept: {a}")]);
+    }
+    let out = cmd.arg(url).output().context("running curl")?;
+    if !out.status.success() {
+        bail!("GET {url}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // Headers, a blank line, then the body.
+    let split = out
+        .stdout
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("no header end")?;
+    let headers = String::from_utf8_lossy(&out.stdout[..split]).into_owned();
+    Ok((headers, out.stdout[split + 4..].to_vec()))
+}
+
+const MANIFEST_TYPES: &str = "application/vnd.oci.image.manifest.v1+json,application/vnd.docker.distribution.manifest.v2+json,application/vnd.oci.image.index.v1+json";
+
+/// The image config (`config` of the OCI image configuration) of `registry/repo@digest`.
+pub fn image_config(image: &str) -> anyhow::Result<Value> {
+    let (name, digest) = image.split_once('@').context("image pinned by digest")?;
+    let (registry, repo) = name.split_once('/').context("registry/repository")?;
+    let (_, body) = curl(
+        &format!("http://{registry}/v2/{repo}/manifests/{digest}"),
+        Some(MANIFEST_TYPES),
+    )?;
+    let manifest: Value = serde_json::from_slice(&body)?;
+    let config_digest = manifest
+        .pointer("/config/digest")
+        .and_then(Value::as_str)
+        .context("manifest without config")?;
+    let (_, body) = curl(
+        &format!("http://{registry}/v2/{repo}/blobs/{config_digest}"),
+        None,
+    )?;
+    let config: Value = serde_json::from_slice(&body)?;
+    Ok(config["config"].clone())
+}
+
+/// The first element of the image's entrypoint: the path of its binary.
+pub fn entrypoint(image: &str) -> anyhow::Result<String> {
+    let config = image_config(image)?;
+    config
+        .pointer("/Entrypoint/0")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .with_context(|| format!("{image} has no entrypoint"))
+}

@@ -1,0 +1,561 @@
+//! The real nodes of the local cluster run our images (hack/images.sh), and the chart
+//! installed from them (hack/install.sh's values) works there: pods of every image start,
+//! pods on different nodes reach each other by pod IP and through a Service, the API server
+//! is reachable in-cluster, `kubectl logs` and `exec` work, and helm install, upgrade and
+//! uninstall (with the pre-delete reap hook really running) succeed.
+//!
+//! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
+//! (`hack/images.sh`); `hack/test.sh` does both.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{Api, ListParams, PostParams};
+use podmotion_e2e::real::{Images, entrypoint, pin, real_nodes};
+use podmotion_e2e::{
+    PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
+    random_suffix, repo_root, wait_for, wait_list,
+};
+use serde_json::json;
+
+/// Pulling an image the first time on a loaded machine takes a while.
+const POD_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn kubectl(args: &[&str]) -> Output {
+    Command::new(kubectl_path().expect("kubectl"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running kubectl")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn pod(name: &str, image: &str, args: &[&str], node: &str, restart: &str) -> Pod {
+    let mut spec = json!({
+        "restartPolicy": restart,
+        "enableServiceLinks": false,
+        "automountServiceAccountToken": false,
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "main", "image": image, "args": args}]
+    });
+    pin(&mut spec, node);
+    from_json(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": spec
+    }))
+}
+
+fn terminated(p: &Pod) -> Option<(i32, String)> {
+    let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
+    let t = cs.state.as_ref()?.terminated.as_ref()?;
+    Some((t.exit_code, t.reason.clone().unwrap_or_default()))
+}
+
+async fn wait_terminated(api: &Api<Pod>, name: &str) -> (i32, String) {
+    let p = wait_for(
+        api,
+        name,
+        POD_TIMEOUT,
+        "the container to run to its end",
+        |p| p.and_then(terminated).is_some(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    terminated(p.as_ref().unwrap()).unwrap()
+}
+
+async fn wait_ready(api: &Api<Pod>, name: &str) -> Pod {
+    wait_for(
+        api,
+        name,
+        POD_TIMEOUT,
+        "the pod to be Running and Ready",
+        |p| p.is_some_and(pod_running_ready),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap()
+}
+
+fn logs(ns: &str, pod: &str) -> String {
+    let out = kubectl(&["-n", ns, "logs", pod]);
+    assert!(out.status.success(), "kubectl logs {pod}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// One image's smoke run: its arguments, what its output must contain, and the exit
+/// codes that mean the binary ran.
+struct Case {
+    name: &'static str,
+    image: String,
+    args: &'static [&'static str],
+    expect: &'static str,
+    codes: &'static [i32],
+}
+
+impl Case {
+    fn new(
+        name: &'static str,
+        image: anyhow::Result<String>,
+        args: &'static [&'static str],
+        expect: &'static str,
+        codes: &'static [i32],
+    ) -> Case {
+        let image = image.unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        Case {
+            name,
+            image,
+            args,
+            expect,
+            codes,
+        }
+    }
+}
+
+/// A pod of every image we build starts on a real node, pulled from the local registry by
+/// digest: the binary runs (its usage or verdict is in the log) with a known exit code.
+#[tokio::test]
+async fn a_pod_of_every_image_starts_on_a_real_node() {
+    let Some(ns) = TestNamespace::new("images", PodSecurity::Privileged).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&ns.client).await else {
+        return;
+    };
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let pods: Api<Pod> = ns.api();
+    let cases = [
+        Case::new("operator", images.operator(), &["--help"], "Usage", &[0]),
+        Case::new("agent", images.agent(), &["--help"], "Usage", &[0]),
+        Case::new("broker", images.broker(), &["--help"], "Usage", &[0]),
+        Case::new("attach", images.attach(), &["--help"], "Usage", &[0]),
+        // The preflight checks this node and prints its one-line verdict; a node without
+        // a KVM device fails it (exit 1), which is the binary doing its job.
+        Case::new("preflight", images.preflight(), &[], "kvm", &[0, 1]),
+        Case::new("testload", images.testload(), &["--help"], "usage", &[2]),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let node = &nodes[i % nodes.len()];
+        pods.create(
+            &PostParams::default(),
+            &pod(c.name, &c.image, c.args, node, "Never"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("creating pod {}: {e}", c.name));
+    }
+    for c in &cases {
+        let (code, reason) = wait_terminated(&pods, c.name).await;
+        let out = logs(&ns.name, c.name);
+        assert!(
+            c.codes.contains(&code),
+            "{} ({}) exited {code} ({reason}):\n{out}",
+            c.name,
+            c.image
+        );
+        assert!(
+            out.to_lowercase().contains(&c.expect.to_lowercase()),
+            "{} ({}) printed no {:?}:\n{out}",
+            c.name,
+            c.image,
+            c.expect
+        );
+    }
+    // The agent image carries CRIU, new enough for this kernel.
+    pods.create(&PostParams::default(), &{
+        let mut p = pod("criu", &images.agent().unwrap(), &[], &nodes[0], "Never");
+        let spec = p.spec.as_mut().unwrap();
+        spec.containers[0].command = Some(vec!["criu".into()]);
+        spec.containers[0].args = Some(vec!["--version".into()]);
+        p
+    })
+    .await
+    .unwrap();
+    let (code, _) = wait_terminated(&pods, "criu").await;
+    let out = logs(&ns.name, "criu");
+    assert_eq!(code, 0, "criu --version in the agent image:\n{out}");
+    let version = out
+        .lines()
+        .find_map(|l| l.strip_prefix("Version:"))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no version in {out}"));
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    assert!((major, minor) >= (4, 2), "CRIU {version} < 4.2");
+}
+
+/// Pods on two real nodes talk by pod IP and through a ClusterIP Service; a pod reaches
+/// the API server through the `kubernetes` Service; `kubectl logs` and `exec` reach the
+/// kubelets through the API server.
+#[tokio::test]
+async fn pods_on_two_real_nodes_reach_each_other_the_service_and_the_api_server() {
+    let Some(ns) = TestNamespace::new("net", PodSecurity::Baseline).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&ns.client).await else {
+        return;
+    };
+    assert!(nodes.len() >= 2, "needs two real nodes, found {nodes:?}");
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let testload = images.testload().unwrap();
+    let binary = entrypoint(&testload).unwrap();
+    let pods: Api<Pod> = ns.api();
+
+    let mut server = pod("server", &testload, &["serve", "8080"], &nodes[0], "Always");
+    let c = &mut server.spec.as_mut().unwrap().containers[0];
+    c.ports = Some(vec![from_json(json!({"containerPort": 8080}))]);
+    c.readiness_probe = Some(from_json(
+        json!({"tcpSocket": {"port": 8080}, "periodSeconds": 1}),
+    ));
+    pods.create(&PostParams::default(), &server).await.unwrap();
+    let server = wait_ready(&pods, "server").await;
+    let server_ip = server.status.unwrap().pod_ip.expect("pod IP");
+    assert!(
+        server_ip.starts_with("198.18."),
+        "pod IP {server_ip} not in 198.18.0.0/15"
+    );
+
+    let svc: Api<Service> = ns.api();
+    let svc = svc
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "server"},
+                "spec": {"selector": {"app": "server"}, "ports": [{"port": 80, "targetPort": 8080}]}
+            })),
+        )
+        .await
+        .unwrap();
+    let cluster_ip = svc.spec.unwrap().cluster_ip.expect("cluster IP");
+    assert!(cluster_ip.starts_with("198.19."), "Service IP {cluster_ip}");
+
+    // From the other node: by pod IP, then through the Service (kube-proxy's rules; the
+    // endpoint may take a moment to be programmed, so the client retries by restarting).
+    let by_ip = format!("{server_ip}:8080");
+    let by_svc = format!("{cluster_ip}:80");
+    for (name, target) in [("by-ip", by_ip.as_str()), ("by-svc", by_svc.as_str())] {
+        pods.create(
+            &PostParams::default(),
+            &pod(name, &testload, &["get", target], &nodes[1], "OnFailure"),
+        )
+        .await
+        .unwrap();
+    }
+    for name in ["by-ip", "by-svc"] {
+        let (code, _) = wait_terminated(&pods, name).await;
+        let out = logs(&ns.name, name);
+        assert_eq!(code, 0, "{name}: {out}");
+        let n: u64 = out
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: not a counter: {out:?}"));
+        assert!(n > 0, "{name}: counter {n}");
+    }
+
+    // kubectl exec runs inside the server's container (and its network namespace).
+    let out = kubectl(&[
+        "-n",
+        &ns.name,
+        "exec",
+        "server",
+        "--",
+        &binary,
+        "get",
+        "127.0.0.1:8080",
+    ]);
+    assert!(out.status.success(), "kubectl exec: {}", text(&out));
+    let n: u64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("exec output {}", text(&out)));
+    assert!(n > 0);
+    assert!(
+        logs(&ns.name, "server").contains("ready"),
+        "the server's log"
+    );
+
+    // In-cluster configuration: the API server's address through the kubernetes Service,
+    // from the environment kubelet gives every pod.
+    pods.create(&PostParams::default(), &{
+        let mut p = pod("api", &testload, &[], &nodes[1], "OnFailure");
+        let spec = p.spec.as_mut().unwrap();
+        spec.enable_service_links = Some(true);
+        spec.containers[0].args = Some(vec![
+            "get".into(),
+            "$(KUBERNETES_SERVICE_HOST):$(KUBERNETES_SERVICE_PORT)".into(),
+        ]);
+        p
+    })
+    .await
+    .unwrap();
+    // The API server speaks TLS: the plain-text `get` gets no counter back, but the
+    // connection must be accepted (a refused or timed out connection exits 1 with the
+    // error). So: the container ran to its end with the TLS server's answer, not a
+    // connection error.
+    let (_, _) = wait_terminated(&pods, "api").await;
+    let out = kubectl(&["-n", &ns.name, "logs", "api"]);
+    let out = text(&out);
+    assert!(
+        !out.contains("Connection refused") && !out.contains("timed out"),
+        "the kubernetes Service did not reach the API server: {out}"
+    );
+}
+
+fn helm() -> String {
+    let out = Command::new("bash")
+        .arg(repo_root().join("hack/build-helm.sh"))
+        .arg("--print")
+        .output()
+        .expect("hack/build-helm.sh");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn helm_cmd(args: &[&str]) -> Output {
+    Command::new(helm())
+        .env("KUBECONFIG", kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running helm")
+}
+
+/// `helm install` of the chart with our images on the real nodes: the operator (with its
+/// in-cluster API access) and the migration agents and brokers run there; a
+/// NodeAgentAttachment on real replicas starts our attach image; `helm upgrade` rolls; and
+/// `helm uninstall` runs the pre-delete reap hook for real (the attachment Jobs are gone
+/// afterwards, which only the hook does) and succeeds.
+#[tokio::test]
+async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
+    let Some(op) = TestNamespace::new("chart", PodSecurity::Restricted).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        return;
+    };
+    let Some(app) = TestNamespace::new("chart-app", PodSecurity::Baseline).await else {
+        return;
+    };
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let release = format!("pm{}", random_suffix());
+    let agents = format!("{}-agents", op.name);
+    let chart = repo_root().join("charts/podmotion");
+    let install_values = repo_root().join("hack/install-values.yaml");
+    let images_values = images.path.to_str().unwrap().to_owned();
+    // Only this test's namespace: other tests run their own controllers meanwhile.
+    let scope = format!(
+        "migration.watchNamespace={0},attachment.watchNamespace={0},runnerPool.watchNamespace={0}",
+        app.name
+    );
+    let common = [
+        chart.to_str().unwrap(),
+        "-n",
+        &op.name,
+        "--values",
+        install_values.to_str().unwrap(),
+        "--values",
+        &images_values,
+        "--set",
+        &scope,
+        "--set",
+        "operator.leaderElection.leaseName=podmotion-e2e",
+        "--take-ownership",
+        "--force-conflicts",
+        "--wait",
+        "--timeout",
+        "5m",
+    ];
+    let mut args = vec!["install", release.as_str()];
+    args.extend_from_slice(&common);
+    let out = helm_cmd(&args);
+    let uninstalled = Uninstall {
+        release: release.clone(),
+        namespace: op.name.clone(),
+    };
+    assert!(out.status.success(), "helm install: {}", text(&out));
+
+    // The operator runs on a real node and is Ready: it reached the API server in-cluster
+    // (CRDs established, Lease taken).
+    let deploys: Api<Deployment> = op.api();
+    let list = deploys.list(&ListParams::default()).await.unwrap();
+    let operator = list.items.first().expect("the operator Deployment");
+    assert_eq!(
+        operator.status.as_ref().and_then(|s| s.ready_replicas),
+        Some(1),
+        "operator not Ready"
+    );
+    let op_pods: Api<Pod> = op.api();
+    for p in op_pods.list(&ListParams::default()).await.unwrap() {
+        let node = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        assert!(
+            nodes.contains(&node),
+            "{} on {node}",
+            p.metadata.name.unwrap_or_default()
+        );
+    }
+
+    // One migration agent (agent + broker) Ready on every real node.
+    let ds: Api<DaemonSet> = Api::namespaced(op.client.clone(), &agents);
+    let list = ds.list(&ListParams::default()).await.unwrap();
+    let agent = list.items.first().expect("the migration agent DaemonSet");
+    let st = agent.status.as_ref().unwrap();
+    assert_eq!(
+        (st.desired_number_scheduled, st.number_ready),
+        (nodes.len() as i32, nodes.len() as i32),
+        "agents on {nodes:?}: {st:?}"
+    );
+
+    // A NodeAgentAttachment on two real replicas: one attach Job each, Running our image.
+    let testload = images.testload().unwrap();
+    let mut spec = json!({
+        "containers": [{"name": "app", "image": testload, "args": ["serve", "8080"],
+            "ports": [{"containerPort": 8080}],
+            "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}]
+    });
+    pin(&mut spec, &nodes[0]);
+    spec.as_object_mut().unwrap().remove("nodeName");
+    spec["nodeSelector"] = json!({"type": "real"});
+    let web: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}}, "spec": spec}}
+    }));
+    app.api::<Deployment>()
+        .create(&PostParams::default(), &web)
+        .await
+        .unwrap();
+    let app_pods: Api<Pod> = app.api();
+    wait_list(
+        &app_pods,
+        "app=web",
+        POD_TIMEOUT,
+        "two Ready web replicas",
+        |ps| ps.iter().filter(|p| pod_running_ready(p)).count() == 2,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let naa = json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+        "metadata": {"name": "web", "namespace": app.name},
+        "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+    });
+    let mut child = Command::new(kubectl_path().unwrap())
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(naa.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "apply attachment: {}", text(&out));
+    let agent_pods: Api<Pod> = Api::namespaced(op.client.clone(), &agents);
+    let attach_image = images.attach().unwrap();
+    let running = wait_list(
+        &agent_pods,
+        // Every Job pod in the agents' namespace is an attachment's.
+        "batch.kubernetes.io/job-name",
+        POD_TIMEOUT,
+        "an attach Job pod Running and Ready (its /healthz) on each replica's node",
+        |ps| {
+            ps.iter()
+                .filter(|p| {
+                    pod_running_ready(p)
+                        && p.spec.as_ref().is_some_and(|s| {
+                            s.containers[0].image.as_deref() == Some(attach_image.as_str())
+                        })
+                })
+                .count()
+                == 2
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(running.len(), 2);
+
+    // Upgrade: a changed value rolls the operator, and everything stays Ready.
+    let mut args = vec!["upgrade", release.as_str()];
+    args.extend_from_slice(&common[..common.len() - 3]);
+    args.extend_from_slice(&[
+        "--wait",
+        "--timeout",
+        "5m",
+        "--set",
+        "operator.concurrency=4",
+    ]);
+    let args: Vec<&str> = args
+        .into_iter()
+        .filter(|a| *a != "--take-ownership")
+        .collect();
+    let out = helm_cmd(&args);
+    assert!(out.status.success(), "helm upgrade: {}", text(&out));
+
+    // Uninstall: the pre-delete hook (our operator image, `reap-all`) deletes every
+    // attachment Job before the operator goes; uninstall fails if the hook fails.
+    let out = helm_cmd(&[
+        "uninstall",
+        &release,
+        "-n",
+        &op.name,
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    assert!(out.status.success(), "helm uninstall: {}", text(&out));
+    std::mem::forget(uninstalled);
+    let jobs: Api<Job> = Api::namespaced(op.client.clone(), &agents);
+    let left = jobs
+        .list(&ListParams::default().labels("podmotion.io/owner-kind=NodeAgentAttachment"))
+        .await
+        .map(|l| l.items.len())
+        .unwrap_or(0);
+    assert_eq!(
+        left, 0,
+        "attachment Jobs left after uninstall: the reap hook did not run"
+    );
+}
+
+/// Uninstalls a release a failed test left (without hooks).
+struct Uninstall {
+    release: String,
+    namespace: String,
+}
+
+impl Drop for Uninstall {
+    fn drop(&mut self) {
+        if std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
+            return;
+        }
+        let _ = helm_cmd(&[
+            "uninstall",
+            &self.release,
+            "-n",
+            &self.namespace,
+            "--no-hooks",
+            "--wait=false",
+        ]);
+    }
+}

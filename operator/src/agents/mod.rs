@@ -1,0 +1,243 @@
+//! The operator's `AgentClient` (the port `crate::migration::agent` defines) over the
+//! executors' gRPC wire client (`podmotion_wire::client`).
+//!
+//! The wire calls block until a step is done and return the agent's
+//! `MigrationStatus`; the phase machine instead wants "start a step" and "how do the
+//! steps stand". This adapter starts each call on a task and remembers the call in
+//! flight (and its failure) per node and migration; reports merge that memory with the
+//! agent's own `Status`. The memory is only a convenience: after an operator restart
+//! the agent's status alone says which step completed, and every call is idempotent.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use podmotion_api::migration::TcpPreservation;
+use podmotion_wire::agent::{MigrationStatus, PrepareRequest, Role, SendRequest};
+use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
+
+mod probe;
+
+use crate::migration::agent::{
+    AgentCallError, AgentClient, AgentEndpoint, AgentReport, Step, StepRequest, StepState,
+};
+use crate::migration::report::{remembered_outcome, report_from_status};
+use probe::{ProbeError, probe_once};
+
+/// TLS server name of the agent on `node` (the SAN its certificate carries).
+pub fn agent_server_name(node: &str) -> String {
+    format!("podmotion-agent.{node}")
+}
+
+type Key = (String, String);
+
+/// `AgentClient` over mutual TLS (or plain HTTP/2 for `http://` endpoints in local runs).
+#[derive(Clone)]
+pub struct WireAgents {
+    client: kube::Client,
+    tls: Option<TlsFiles>,
+    inflight: Arc<Mutex<BTreeMap<Key, (Step, StepState)>>>,
+}
+
+impl WireAgents {
+    pub fn new(client: kube::Client, tls: Option<TlsFiles>) -> Self {
+        WireAgents {
+            client,
+            tls,
+            inflight: Default::default(),
+        }
+    }
+
+    async fn connect(&self, e: &AgentEndpoint) -> Result<WireClient, AgentCallError> {
+        let err = |m: String| AgentCallError {
+            node: e.node.clone(),
+            message: m,
+        };
+        match (&self.tls, e.url.starts_with("http://")) {
+            (_, true) => {
+                let ch = tonic::transport::Endpoint::from_shared(e.url.clone())
+                    .map_err(|x| err(x.to_string()))?
+                    .connect_timeout(std::time::Duration::from_secs(5))
+                    .connect()
+                    .await
+                    .map_err(|x| err(format!("cannot reach agent: {x}")))?;
+                Ok(WireClient::from_channel(ch))
+            }
+            (Some(tls), false) => WireClient::connect(&e.url, &agent_server_name(&e.node), tls)
+                .await
+                .map_err(|x| err(x.to_string())),
+            (None, false) => Err(err("no agent TLS material configured".into())),
+        }
+    }
+
+    async fn call(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
+        let fail = |c: &ClientError| (c.category().to_string(), c.to_string());
+        let mut c = self
+            .connect(e)
+            .await
+            .map_err(|x| ("AgentUnreachable".to_string(), x.message))?;
+        let uid = r.migration_uid.as_str();
+        let tcp = match r.tcp_preservation {
+            TcpPreservation::Strict => podmotion_wire::agent::TcpPreservation::Strict,
+            TcpPreservation::BestEffort => podmotion_wire::agent::TcpPreservation::BestEffort,
+            TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
+        };
+        let res = match r.step {
+            Step::Prepare | Step::Receive => {
+                let role = if r.step == Step::Prepare {
+                    Role::Source
+                } else {
+                    Role::Target
+                };
+                // pid 0: the agent resolves the container IDs to the pod's process
+                // tree (source) or its holder (target); the operator never sees host
+                // pids.
+                c.prepare(PrepareRequest {
+                    migration_uid: uid.into(),
+                    role: role as i32,
+                    pid: 0,
+                    pid_start_time: 0,
+                    transfer_key: r.transfer_key.0.to_vec(),
+                    tcp: tcp as i32,
+                    container_ids: r.container_ids.clone(),
+                })
+                .await
+            }
+            // A pre-copy round is the dump while the workload runs and the stream of
+            // what changed to the target: pages move before the freeze, and the
+            // stream measures the dirty set and the link for the freeze budget.
+            Step::PreDump(_) => match (c.pre_dump(uid).await, &r.target_agent_url) {
+                (Ok(_), Some(url)) => send(&mut c, r, url).await,
+                (res, _) => res,
+            },
+            Step::Dump => c.dump(uid).await,
+            Step::Transfer => {
+                let Some(url) = &r.target_agent_url else {
+                    return Err(("NoTargetAgent".into(), "no target agent endpoint".into()));
+                };
+                send(&mut c, r, url).await
+            }
+            Step::Restore => c.restore(uid).await,
+            // The wire service has no probe call yet: the operator probes the restored
+            // pod over the pod network itself (TCP, HTTP, HTTPS, gRPC); exec probes fail
+            // closed, so nothing is committed without proof.
+            Step::Probe => return self.probe(r).await,
+            Step::Commit => c.commit_closing(uid, r.close_connections).await,
+            Step::Abort => c.abort(uid).await,
+            Step::Cleanup => c.cleanup(uid).await,
+        };
+        res.map(|_| ()).map_err(|e| fail(&e))
+    }
+}
+
+/// Streams the images the source holds and the target lacks (incremental).
+async fn send(
+    c: &mut WireClient,
+    r: &StepRequest,
+    target_url: &str,
+) -> Result<MigrationStatus, ClientError> {
+    let req = SendRequest {
+        migration_uid: r.migration_uid.clone(),
+        target_endpoint: target_url.into(),
+        target_server_name: agent_server_name(&r.target_node),
+        bandwidth_limit: r.bandwidth_limit_bytes_per_second.unwrap_or(0).max(0) as u64,
+    };
+    c.raw()
+        .send(req)
+        .await
+        .map(|resp| resp.into_inner())
+        .map_err(ClientError::from)
+}
+
+impl WireAgents {
+    async fn probe(&self, r: &StepRequest) -> Result<(), (String, String)> {
+        let Some(p) = &r.probe else {
+            // No probe anywhere: the restore resuming the process is the proof.
+            return Ok(());
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
+        let ip = pods
+            .get(&r.target_pod)
+            .await
+            .ok()
+            .and_then(|pod| pod.status.and_then(|s| s.pod_ip))
+            .ok_or_else(|| {
+                (
+                    "ProbeFailed".to_string(),
+                    "the target pod has no IP".to_string(),
+                )
+            })?;
+        let timeout = Duration::from_secs(p.timeout_seconds.max(1) as u64);
+        let mut last = String::new();
+        for attempt in 1..=p.failure_threshold.max(1) {
+            match probe_once(&ip, p, timeout).await {
+                Ok(()) => return Ok(()),
+                Err(ProbeError::Unsupported(m)) => return Err(("ProbeUnsupported".into(), m)),
+                Err(ProbeError::Failed(m)) => last = format!("attempt {attempt}: {m}"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Err(("ProbeFailed".into(), last))
+    }
+}
+
+impl AgentClient for WireAgents {
+    async fn report(&self, e: &AgentEndpoint, uid: &str) -> Result<AgentReport, AgentCallError> {
+        let key = (e.node.clone(), uid.to_string());
+        let remembered = self
+            .inflight
+            .lock()
+            .expect("inflight lock")
+            .get(&key)
+            .cloned();
+        if let Some((step, state)) = remembered {
+            // A call in flight or failed says more than the agent's last completed phase.
+            let mut r = AgentReport {
+                last: Some((step, state)),
+                ..Default::default()
+            };
+            if let Ok(mut c) = self.connect(e).await
+                && let Ok(st) = c.status(uid).await
+            {
+                r.progress = report_from_status(&st).progress;
+            }
+            return Ok(r);
+        }
+        let mut c = self.connect(e).await?;
+        match c.status(uid).await {
+            Ok(st) => Ok(report_from_status(&st)),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
+                Ok(AgentReport::default())
+            }
+            Err(x) => Err(AgentCallError {
+                node: e.node.clone(),
+                message: x.to_string(),
+            }),
+        }
+    }
+
+    async fn start(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
+        let key = (e.node.clone(), r.migration_uid.clone());
+        {
+            let mut inflight = self.inflight.lock().expect("inflight lock");
+            if matches!(inflight.get(&key), Some((s, StepState::Running)) if *s == r.step) {
+                return Ok(());
+            }
+            inflight.insert(key.clone(), (r.step, StepState::Running));
+        }
+        let this = self.clone();
+        let (e, r) = (e.clone(), r.clone());
+        tokio::spawn(async move {
+            let res = this.call(&e, &r).await;
+            let mut inflight = this.inflight.lock().expect("inflight lock");
+            match remembered_outcome(r.step, res) {
+                Some(outcome) => inflight.insert(key, outcome),
+                None => inflight.remove(&key),
+            };
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,147 @@
+//! The orphan sweep and `reap-all`: the removal paths that do not start from a watch
+//! event. The sweep plans every workload that has agent Jobs, with the one reaping
+//! predicate, and deletes only; `reap-all` is the uninstall hook's.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::batch::v1::Job;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::names::finalizers;
+use serde_json::json;
+
+use super::{Mode, NAME, Shared, observe, writes};
+use crate::attachment::observed::parse_workload_key;
+use crate::attachment::render;
+use crate::controllers::shell::{ReconcileError, is_status};
+
+/// Sweeps once every cache is synced (reaping what was orphaned while the operator was
+/// down), then every `sweep_seconds`, while this replica leads.
+pub(super) async fn every_period(s: Arc<Shared>) {
+    let stop = s.ctx.shutdown();
+    tokio::pin!(stop);
+    while !(s.caches_ready() && s.ctx.readiness.is_ready(NAME)) {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs(s.cfg.sweep_seconds.max(1)));
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tick.tick() => {}
+        }
+        if !s.ctx.leader.is_leader() {
+            continue;
+        }
+        match sweep(&s).await {
+            Ok(n) if n > 0 => tracing::info!(reaped = n, "orphan sweep reaped agent Jobs"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(category = e.category(), error = %e, "orphan sweep failed"),
+        }
+    }
+}
+
+/// The periodic orphan sweep: every workload that has agent Jobs is planned (with the
+/// one reaping predicate) and its unwanted Jobs deleted. Covers operator restarts,
+/// attachments deleted while the operator was down, and vanished ingest clients.
+/// Returns the number of Jobs deleted.
+async fn sweep(s: &Shared) -> Result<usize, ReconcileError> {
+    let jobs = s.jobs.select(|_, _| true);
+    s.ctx.metrics.attachment_jobs.set(jobs.len() as i64);
+    let groups: BTreeSet<(String, String)> = jobs
+        .iter()
+        .map(|j| (j.target_namespace.clone(), j.workload.clone()))
+        .collect();
+    let mut reaped = 0;
+    for (ns, key) in groups {
+        let Some(w) = parse_workload_key(&key) else {
+            continue;
+        };
+        if s.cfg
+            .watch_namespace
+            .as_ref()
+            .is_some_and(|only| *only != ns)
+        {
+            continue;
+        }
+        let group = observe::workload(s, &ns, &w, None, Mode::DeletesOnly).await?;
+        let (p, _) = writes::carry_out(s, group, Mode::DeletesOnly).await?;
+        reaped += p.delete.len();
+    }
+    Ok(reaped)
+}
+
+/// `reap-all`: deletes every agent Job in `namespace` (foreground), waits until they are
+/// gone (bounded by `timeout`), and removes the attachment finalizer from every
+/// NodeAgentAttachment so that uninstalling the operator cannot leave them stuck.
+/// Returns the number of Jobs deleted. Run it with the controllers stopped (the Helm
+/// pre-delete hook), or live attachments get their Jobs back.
+pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> anyhow::Result<usize> {
+    let api: Api<Job> = Api::namespaced(client.clone(), namespace);
+    let lp = ListParams::default().labels(&render::agent_selector());
+    let jobs = api.list_metadata(&lp).await?;
+    let dp = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Foreground),
+        ..Default::default()
+    };
+    let mut deleted = vec![];
+    for j in &jobs.items {
+        match api.delete(&j.name_any(), &dp).await {
+            Ok(_) => deleted.push((j.name_any(), j.uid().unwrap_or_default())),
+            Err(e) if is_status(&e, 404) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Foreground deletion: each Job disappears once its pods (and Secret) are gone.
+    let gone = stream::iter(deleted.iter())
+        .map(|(name, uid)| await_condition(api.clone(), name, conditions::is_deleted(uid)))
+        .buffer_unordered(16)
+        .try_collect::<Vec<_>>();
+    tokio::time::timeout(timeout, gone)
+        .await
+        .map_err(|_| anyhow::anyhow!("agent Jobs still present after {timeout:?}"))??;
+    let n = deleted.len();
+    let attachments: Api<NodeAgentAttachment> = Api::all(client.clone());
+    for a in attachments
+        .list_metadata(&ListParams::default())
+        .await?
+        .items
+    {
+        if !a
+            .finalizers()
+            .iter()
+            .any(|f| f == finalizers::ATTACHMENT_CLEANUP)
+        {
+            continue;
+        }
+        let keep: Vec<String> = a
+            .finalizers()
+            .iter()
+            .filter(|f| *f != finalizers::ATTACHMENT_CLEANUP)
+            .cloned()
+            .collect();
+        let ns_api: Api<NodeAgentAttachment> =
+            Api::namespaced(client.clone(), &a.namespace().unwrap_or_default());
+        let patch = json!({"metadata": {"finalizers": keep}});
+        match ns_api
+            .patch(
+                &a.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if is_status(&e, 404) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(n)
+}

@@ -1,0 +1,193 @@
+//! The migration controller's writes: each action the machine returns, carried out
+//! idempotently (a repeated reconcile repeats them harmlessly). The finalizer is the
+//! shell's, so `AddFinalizer` and `RemoveFinalizer` only touch the key memo here.
+
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use podmotion_api::PodMigration;
+use podmotion_api::names::managers;
+
+use super::observe::endpoint_of;
+use super::{Deferred, Shared};
+use crate::controllers::shell::{ReconcileError, api_err, is_status};
+use crate::migration::agent::{AgentClient, Side, Step};
+use crate::migration::machine::Action;
+use crate::migration::render;
+
+pub(super) async fn execute<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    action: &Action,
+    d: &Deferred,
+) -> Result<(), ReconcileError> {
+    s.ctx.ensure_leader()?;
+    let ns = pm.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &ns);
+    match action {
+        // The shell added it before the machine ran.
+        Action::AddFinalizer => Ok(()),
+        // The shell removes it once this round succeeds: forget the key memo.
+        Action::RemoveFinalizer => {
+            s.remember_key_secret(pm, None);
+            Ok(())
+        }
+        Action::EnsureTransferKey => {
+            let key = s.master_key.transfer_key(&pm.uid().unwrap_or_default());
+            let secret = render::transfer_key_secret(pm, &key.0);
+            create_if_absent(&secrets, &secret, "transfer key").await?;
+            s.remember_key_secret(pm, Some(true));
+            Ok(())
+        }
+        Action::Agent(side, step) => start_step(s, pm, d, (*side, *step)).await,
+        Action::DeleteTransferKey => {
+            secrets
+                .delete(&render::transfer_key_name(pm), &DeleteParams::default())
+                .await
+                .map(|_| ())
+                .or_else(|e| ignore(e, &[404]))
+                .map_err(api_err("delete", "transfer key"))?;
+            s.remember_key_secret(pm, Some(false));
+            Ok(())
+        }
+        Action::EnsureTargetPod
+        | Action::LowerSourceDeletionCost
+        | Action::HandOverTargetPod
+        | Action::DeleteSourcePod
+        | Action::DeleteTargetPod => pod_action(s, pm, action, d).await,
+    }
+}
+
+/// The actions on the source and target pods.
+async fn pod_action<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    action: &Action,
+    d: &Deferred,
+) -> Result<(), ReconcileError> {
+    let pods: Api<Pod> = Api::namespaced(s.ctx.client.clone(), &pm.namespace().unwrap_or_default());
+    let merge = PatchParams::default();
+    let status = &d.status;
+    let (name, res, what) = match (action, &d.source, &d.target) {
+        (Action::EnsureTargetPod, Some(src), _) => {
+            let Some(node) = status.target_node.as_deref() else {
+                return Err(ReconcileError::Inconsistent(
+                    "target pod wanted without a target node".into(),
+                ));
+            };
+            let pod = render::target_pod(pm, src, node, &s.cfg.holder());
+            return create_if_absent(&pods, &pod, "target pod").await;
+        }
+        (Action::EnsureTargetPod, None, _) => {
+            return Err(ReconcileError::Inconsistent(
+                "target pod wanted without source pod".into(),
+            ));
+        }
+        (Action::LowerSourceDeletionCost, Some(src), _) => {
+            let patch = render::deletion_cost_patch();
+            let res = pods
+                .patch(&src.name_any(), &merge, &Patch::Merge(&patch))
+                .await;
+            (
+                src.name_any(),
+                res.map(|_| ()).or_else(|e| ignore(e, &[404])),
+                "patch deletion cost of",
+            )
+        }
+        (Action::HandOverTargetPod, _, Some(t)) => {
+            let patch = render::hand_over_patch(t);
+            let res = pods
+                .patch(&t.name_any(), &merge, &Patch::Merge(&patch))
+                .await;
+            (t.name_any(), res.map(|_| ()), "hand over")
+        }
+        (Action::DeleteSourcePod, _, _) => {
+            // Only the pod this migration pinned, never a namesake.
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: status.source_pod_uid.clone(),
+                    resource_version: None,
+                }),
+                ..Default::default()
+            };
+            let res = pods.delete(&pm.spec.pod_name, &dp).await;
+            (
+                pm.spec.pod_name.clone(),
+                res.map(|_| ()).or_else(|e| ignore(e, &[404, 409])),
+                "delete",
+            )
+        }
+        (Action::DeleteTargetPod, _, _) => {
+            let Some(t) = &status.target_pod else {
+                return Ok(());
+            };
+            let res = pods.delete(t, &DeleteParams::default()).await;
+            (
+                t.clone(),
+                res.map(|_| ()).or_else(|e| ignore(e, &[404])),
+                "delete",
+            )
+        }
+        // Nothing to act on (the pod is gone), or not a pod action.
+        _ => return Ok(()),
+    };
+    res.map_err(api_err(what, format!("pod {name}")))
+}
+
+/// Starts `step` on the agent of `side`'s node.
+async fn start_step<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    d: &Deferred,
+    (side, step): (Side, Step),
+) -> Result<(), ReconcileError> {
+    let status = &d.status;
+    let node = match side {
+        Side::Source => status.source_node.as_deref(),
+        Side::Target => status.target_node.as_deref(),
+    }
+    .ok_or_else(|| ReconcileError::Inconsistent(format!("no {side} node recorded")))?;
+    let Some(endpoint) = endpoint_of(s, node).await? else {
+        return Err(ReconcileError::Inconsistent(format!(
+            "no agent endpoint for {node}"
+        )));
+    };
+    let target_agent_url = match status.target_node.as_deref() {
+        Some(t) => endpoint_of(s, t).await?.map(|e| e.url),
+        None => None,
+    };
+    let request = render::step_request(
+        pm,
+        status,
+        (side, step),
+        (d.source.as_ref(), d.target.as_ref()),
+        s.master_key.transfer_key(&pm.uid().unwrap_or_default()),
+        target_agent_url,
+    );
+    s.agents.start(&endpoint, &request).await?;
+    Ok(())
+}
+
+/// `Ok` for the API server's answers in `codes` (the write's effect is already there).
+fn ignore(e: kube::Error, codes: &[u16]) -> Result<(), kube::Error> {
+    match e {
+        e if codes.iter().any(|c| is_status(&e, *c)) => Ok(()),
+        e => Err(e),
+    }
+}
+
+/// Creates `obj` as the migration controller; one that exists already is fine.
+async fn create_if_absent<K>(api: &Api<K>, obj: &K, what: &str) -> Result<(), ReconcileError>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let pp = PostParams {
+        field_manager: Some(managers::MIGRATION.into()),
+        ..Default::default()
+    };
+    match api.create(&pp, obj).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_err("create", what.to_string())(e)),
+    }
+}

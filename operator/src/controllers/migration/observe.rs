@@ -1,0 +1,181 @@
+//! The migration controller's reads: the pods, the agents' reports, and in `Pending`
+//! the cluster's nodes and load (for the pre-flight checks and the slot).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams};
+use kube::{Resource, ResourceExt};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::MigrationPhase;
+use podmotion_api::names::finalizers;
+
+use super::Shared;
+use crate::controllers::shell::{ReconcileError, api_err};
+use crate::migration::agent::{AgentClient, AgentEndpoint, AgentView};
+use crate::migration::machine::{Knobs, Observed, Preflight};
+use crate::migration::pending;
+use crate::migration::preflight::Limits;
+use crate::migration::render;
+
+/// The machine's input and the pods its actions act on.
+pub(super) struct Observation {
+    pub machine: Observed,
+    pub source: Option<Pod>,
+    pub target: Option<Pod>,
+}
+
+pub(super) async fn observe<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+) -> Result<Observation, ReconcileError> {
+    let ns = pm.namespace().unwrap_or_default();
+    let uid = pm.uid().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(s.ctx.client.clone(), &ns);
+    let status = pm.status.clone().unwrap_or_default();
+    let now = Timestamp::now();
+    let source = pods
+        .get_opt(&pm.spec.pod_name)
+        .await
+        .map_err(api_err("get", "source pod"))?;
+    let target = match &status.target_pod {
+        Some(t) => pods
+            .get_opt(t)
+            .await
+            .map_err(api_err("get", "target pod"))?,
+        None => None,
+    };
+    let deleting = pm.meta().deletion_timestamp.is_some();
+    let (preflight, slot_available) = match status.phase {
+        MigrationPhase::Pending if !deleting => {
+            let (verdict, slot) = evaluate_pending(s, pm, source.as_ref()).await?;
+            (Some(verdict), slot)
+        }
+        _ => (None, true),
+    };
+    let machine = Observed {
+        now,
+        created: pm.meta().creation_timestamp.as_ref().map_or(now, |t| t.0),
+        generation: pm.meta().generation,
+        knobs: Knobs::from_spec(&pm.spec),
+        has_finalizer: pm
+            .finalizers()
+            .iter()
+            .any(|f| f == finalizers::MIGRATION_CLEANUP),
+        deletion_requested: deleting,
+        preflight,
+        slot_available,
+        // The source of record is the pod the migration pinned (a pod recreated under
+        // the same name is a different pod; the machine compares UIDs).
+        source_pod: source.as_ref().map(render::source_facts),
+        target_pod: target.as_ref().map(render::target_facts),
+        transfer_key_present: s.key_present(pm, status.phase),
+        source_agent: agent_view(s, status.source_node.as_deref(), &uid).await?,
+        target_agent: agent_view(s, status.target_node.as_deref(), &uid).await?,
+        status,
+    };
+    Ok(Observation {
+        machine,
+        source,
+        target,
+    })
+}
+
+/// Pre-flight inputs (nodes, their load, agents, other migrations) and the verdict,
+/// plus whether a concurrency slot is free for it.
+async fn evaluate_pending<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    source: Option<&Pod>,
+) -> Result<(Preflight, bool), ReconcileError> {
+    let client = s.ctx.client.clone();
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(api_err("list", "nodes"))?;
+    let active = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
+        .await
+        .map_err(api_err("list", "pods"))?;
+    let endpoints = agent_endpoints(s).await?;
+    let nodes = pending::node_facts(
+        &nodes.items,
+        &pending::requested_by_node(&active.items),
+        |n| endpoints.contains_key(n),
+    );
+    let all: Vec<PodMigration> = s
+        .store
+        .state()
+        .iter()
+        .filter_map(|g| g.0.as_ref().ok().cloned())
+        .collect();
+    let limits = Limits {
+        per_cluster: s.cfg.max_parallel,
+        per_source_node: s.cfg.max_per_node,
+    };
+    Ok(pending::evaluate(pm, source, &nodes, &all, limits))
+}
+
+/// Node → agent endpoint: the Ready agent pods (from the watch), then the overrides.
+async fn agent_endpoints<A>(s: &Shared<A>) -> Result<BTreeMap<String, String>, ReconcileError> {
+    let mut out: BTreeMap<String, String> = BTreeMap::new();
+    // With overrides (local runs) the watch may never sync (no RBAC, no namespace).
+    if s.cfg.agent_endpoints.is_empty()
+        && tokio::time::timeout(Duration::from_secs(5), s.agent_pods.wait_until_ready())
+            .await
+            .is_err()
+    {
+        return Err(ReconcileError::Inconsistent(
+            "the agent pod watch has not synced yet".into(),
+        ));
+    }
+    for p in s.agent_pods.state() {
+        let ready = p
+            .status
+            .as_ref()
+            .and_then(|st| st.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let node = p.spec.as_ref().and_then(|sp| sp.node_name.clone());
+        let ip = p.status.as_ref().and_then(|st| st.pod_ip.clone());
+        if let (true, Some(node), Some(ip)) =
+            (ready && p.metadata.deletion_timestamp.is_none(), node, ip)
+        {
+            out.insert(node, format!("https://{ip}:{}", s.cfg.agent_port));
+        }
+    }
+    for (node, url) in &s.cfg.agent_endpoints {
+        out.insert(node.clone(), url.clone());
+    }
+    Ok(out)
+}
+
+/// The agent endpoint of `node`, if a Ready agent serves it.
+pub(super) async fn endpoint_of<A>(
+    s: &Shared<A>,
+    node: &str,
+) -> Result<Option<AgentEndpoint>, ReconcileError> {
+    let all = agent_endpoints(s).await?;
+    Ok(all.get(node).map(|url| AgentEndpoint {
+        node: node.into(),
+        url: url.clone(),
+    }))
+}
+
+async fn agent_view<A: AgentClient>(
+    s: &Shared<A>,
+    node: Option<&str>,
+    uid: &str,
+) -> Result<AgentView, ReconcileError> {
+    let Some(node) = node else {
+        return Ok(AgentView::Missing);
+    };
+    let Some(endpoint) = endpoint_of(s, node).await? else {
+        return Ok(AgentView::Missing);
+    };
+    Ok(match s.agents.report(&endpoint, uid).await {
+        Ok(r) => AgentView::Reported(r),
+        Err(e) => AgentView::Unreachable(e.message),
+    })
+}

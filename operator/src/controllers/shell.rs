@@ -1,0 +1,411 @@
+//! The controller shell: what every controller does, done one way.
+//!
+//! A controller is a [`Reconciler`]: an `observe` step (reads), an `apply` step (calls
+//! its pure core and makes the writes the core asks for) and, where some writes must
+//! follow the status, an `after_status` step. The shell runs them for each watch event:
+//!
+//! 1. leader guard (followers keep their caches warm but never reconcile);
+//! 2. deserialize guard (an object that does not deserialize gets a Warning Event and
+//!    waits for a change, so it cannot wedge the controller);
+//! 3. finalizer, through kube-runtime's helper: added before anything else happens;
+//!    a deleted object runs the same steps with `cleanup = true`, and the finalizer
+//!    goes once the step reports everything cleaned up;
+//! 4. observe → apply → status → Events → after_status. The status is written by
+//!    server-side apply on `/status` under the controller's field manager, only when it
+//!    changed; a field the core no longer sets is left out of the applied object and so
+//!    removed (a merge patch would keep it). The Events are the core's notes;
+//! 5. one error type ([`ReconcileError`], with a bounded `category()` for metrics and
+//!    logs) and one error policy.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::NamespaceResourceScope;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
+use kube::runtime::finalizer::{self, Event as Finalizer};
+use kube::{Resource, ResourceExt};
+use podmotion_api::names::reasons;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::reconcile_guard;
+use crate::children::ChildError;
+use crate::context::Context;
+use crate::events::publish;
+use crate::leader::NotLeader;
+use crate::migration::agent::AgentCallError;
+use crate::note::{EventKind, Note};
+
+/// The error of one reconcile, whatever stage failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    NotLeader(#[from] NotLeader),
+    #[error("{verb} {what}: {source}")]
+    Api {
+        verb: &'static str,
+        what: String,
+        source: kube::Error,
+    },
+    #[error(transparent)]
+    Agent(#[from] AgentCallError),
+    #[error("{0}")]
+    Inconsistent(String),
+    /// Not a failure: the object cannot be decided on yet (caches not synced, cleanup
+    /// under way). Looked at again after `retry`; a finalizer stays meanwhile.
+    #[error("waiting: {why}")]
+    Wait { why: &'static str, retry: Duration },
+}
+
+impl ReconcileError {
+    /// Bounded CamelCase category: metric label and log field, never free text.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ReconcileError::NotLeader(_) => "NotLeader",
+            ReconcileError::Api { .. } => "ApiError",
+            ReconcileError::Agent(_) => "AgentError",
+            ReconcileError::Inconsistent(_) => "Inconsistent",
+            ReconcileError::Wait { .. } => "Waiting",
+        }
+    }
+
+    pub fn wait(why: &'static str, retry: Duration) -> ReconcileError {
+        ReconcileError::Wait { why, retry }
+    }
+}
+
+impl From<ChildError> for ReconcileError {
+    fn from(e: ChildError) -> Self {
+        match e {
+            ChildError::NotLeader(e) => ReconcileError::NotLeader(e),
+            ChildError::Api {
+                verb,
+                kind,
+                name,
+                source,
+            } => ReconcileError::Api {
+                verb,
+                what: format!("{kind} {name}"),
+                source,
+            },
+        }
+    }
+}
+
+/// Maps a client error of `verb` on `what` into a [`ReconcileError`].
+pub fn api_err(
+    verb: &'static str,
+    what: impl Into<String>,
+) -> impl FnOnce(kube::Error) -> ReconcileError {
+    let what = what.into();
+    move |source| ReconcileError::Api { verb, what, source }
+}
+
+/// Whether `e` is the API server's answer with HTTP status `code`.
+pub fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+/// What one round of a controller produced, for the shell to finish.
+pub struct Outcome<S, T = ()> {
+    /// The status the core computed; written when it differs from the object's.
+    pub status: Option<S>,
+    /// Events to publish, in order.
+    pub notes: Vec<Note>,
+    /// Look again after this long (`None`: on the next watch event).
+    pub requeue: Option<Duration>,
+    /// Cleanup rounds only: everything the finalizer guards is gone.
+    pub cleaned_up: bool,
+    /// Writes for `after_status`.
+    pub then: T,
+}
+
+impl<S, T: Default> Outcome<S, T> {
+    pub fn new(status: Option<S>) -> Self {
+        Outcome {
+            status,
+            notes: vec![],
+            requeue: None,
+            cleaned_up: true,
+            then: T::default(),
+        }
+    }
+}
+
+/// A controller: its object kind, names, and its observe and apply steps.
+pub trait Reconciler: Send + Sync + Sized + 'static {
+    type Object: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + Debug
+        + Send
+        + Sync
+        + 'static;
+    type Status: Serialize + Send + Sync;
+    type Observed: Send;
+    type Then: Send;
+
+    /// Metric and log name.
+    const NAME: &'static str;
+    const FINALIZER: &'static str;
+    /// Field manager of the status (and the children).
+    const MANAGER: &'static str;
+
+    fn context(&self) -> &Arc<Context>;
+    /// The object's current status, to skip writes that change nothing.
+    fn status(obj: &Self::Object) -> Option<&Self::Status>;
+
+    /// Reads everything the core decides from.
+    fn observe(
+        &self,
+        obj: &Self::Object,
+        cleanup: bool,
+    ) -> impl Future<Output = Result<Self::Observed, ReconcileError>> + Send;
+
+    /// Calls the core and makes the writes it asks for, except the status and Events.
+    fn apply(
+        &self,
+        obj: &Self::Object,
+        observed: Self::Observed,
+        cleanup: bool,
+    ) -> impl Future<Output = Result<Outcome<Self::Status, Self::Then>, ReconcileError>> + Send;
+
+    /// Writes that must wait until the status is persisted (none by default).
+    fn after_status(
+        &self,
+        _obj: &Self::Object,
+        _then: Self::Then,
+    ) -> impl Future<Output = Result<(), ReconcileError>> + Send {
+        async { Ok(()) }
+    }
+}
+
+/// Runs `controller` with the shell around `r` until shutdown.
+pub async fn run<R: Reconciler>(controller: Controller<DeserializeGuard<R::Object>>, r: Arc<R>) {
+    controller
+        .run(reconcile::<R>, error_policy::<R>, r)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(controller = R::NAME, error = %e, "reconcile");
+            }
+        })
+        .await;
+}
+
+/// The one error policy: a wait is not a failure and comes back when it said; a
+/// failure is logged with its category and retried after a short, bounded delay.
+pub fn error_policy<R: Reconciler>(
+    _obj: Arc<DeserializeGuard<R::Object>>,
+    err: &ReconcileError,
+    _r: Arc<R>,
+) -> Action {
+    match err {
+        ReconcileError::Wait { why, retry } => {
+            tracing::debug!(controller = R::NAME, %why, "waiting");
+            Action::requeue(*retry)
+        }
+        e => {
+            tracing::warn!(controller = R::NAME, category = e.category(), error = %e, "reconcile failed");
+            Action::requeue(Duration::from_secs(2))
+        }
+    }
+}
+
+/// One reconcile of one object (see the module documentation for the order).
+pub async fn reconcile<R: Reconciler>(
+    guard: Arc<DeserializeGuard<R::Object>>,
+    r: Arc<R>,
+) -> Result<Action, ReconcileError> {
+    let ctx = r.context().clone();
+    if let Some(wait) = reconcile_guard(&ctx) {
+        return Ok(wait);
+    }
+    let obj = match &guard.0 {
+        Ok(obj) => Arc::new(obj.clone()),
+        Err(invalid) => {
+            tracing::warn!(controller = R::NAME, name = ?invalid.metadata.name, error = %invalid.error, "object does not deserialize");
+            let note = Note::warning(reasons::INVALID_SPEC, "Reconcile", invalid.error.clone());
+            announce(&ctx, guard.as_ref(), &[note]).await;
+            return Ok(Action::await_change());
+        }
+    };
+    let timer = ctx.metrics.reconcile(R::NAME);
+    let res = finalized(r.as_ref(), obj).await;
+    timer.done(match &res {
+        Ok(_) | Err(ReconcileError::Wait { .. }) => Ok(()),
+        Err(e) => Err(e.category()),
+    });
+    res
+}
+
+async fn finalized<R: Reconciler>(r: &R, obj: Arc<R::Object>) -> Result<Action, ReconcileError> {
+    let ctx = r.context();
+    // The helper's finalizer patches are writes too.
+    ctx.ensure_leader()?;
+    let name = obj.name_any();
+    let api: Api<R::Object> =
+        Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let res = finalizer::finalizer(&api, R::FINALIZER, obj, |event| async move {
+        match event {
+            Finalizer::Apply(obj) => round(r, &obj, false).await,
+            Finalizer::Cleanup(obj) => round(r, &obj, true).await,
+        }
+    })
+    .await;
+    match res {
+        Ok(action) => Ok(action),
+        Err(finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e)) => Err(e),
+        // Gone meanwhile: nothing left to release.
+        Err(finalizer::Error::RemoveFinalizer(e)) if is_status(&e, 404) => {
+            Ok(Action::await_change())
+        }
+        Err(finalizer::Error::AddFinalizer(e)) => Err(api_err("add finalizer to", name)(e)),
+        Err(finalizer::Error::RemoveFinalizer(e)) => Err(api_err("remove finalizer from", name)(e)),
+        Err(e) => Err(ReconcileError::Inconsistent(e.to_string())),
+    }
+}
+
+async fn round<R: Reconciler>(
+    r: &R,
+    obj: &R::Object,
+    cleanup: bool,
+) -> Result<Action, ReconcileError> {
+    let ctx = r.context();
+    let observed = r.observe(obj, cleanup).await?;
+    let out = r.apply(obj, observed, cleanup).await?;
+    if let Some(status) = &out.status {
+        write_status(ctx, obj, R::MANAGER, R::status(obj), status).await?;
+    }
+    announce(ctx, obj, &out.notes).await;
+    r.after_status(obj, out.then).await?;
+    if cleanup && !out.cleaned_up {
+        // An error keeps the finalizer (the helper removes it on success).
+        return Err(ReconcileError::wait(
+            "cleanup in progress",
+            out.requeue.unwrap_or(Duration::from_secs(30)),
+        ));
+    }
+    Ok(match out.requeue {
+        Some(d) => Action::requeue(d),
+        None => Action::await_change(),
+    })
+}
+
+/// The one status writer: server-side apply of `new` on `/status` as `manager`, when
+/// it differs from `old`. Fields `new` leaves out are removed (they were ours).
+pub async fn write_status<K, S>(
+    ctx: &Context,
+    obj: &K,
+    manager: &str,
+    old: Option<&S>,
+    new: &S,
+) -> Result<(), ReconcileError>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+    S: Serialize,
+{
+    let new = serde_json::to_value(new).unwrap_or_default();
+    if old.map(|o| serde_json::to_value(o).unwrap_or_default()) == Some(new.clone()) {
+        return Ok(());
+    }
+    ctx.ensure_leader()?;
+    let name = obj.name_any();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let body = status_apply_body(obj, new);
+    match api
+        .patch_status(
+            &name,
+            &PatchParams::apply(manager).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        // Gone meanwhile: act on nothing more (the store drops it, so no retry comes).
+        Err(e) if is_status(&e, 404) => {
+            Err(ReconcileError::wait("object gone", Duration::from_secs(5)))
+        }
+        Err(e) => Err(api_err("apply status of", name)(e)),
+    }
+}
+
+/// The applied object of a status write: type, name and the status alone, without
+/// nulls (an unset field is left out, and so released).
+pub fn status_apply_body<K: Resource<DynamicType = ()>>(obj: &K, status: Value) -> Value {
+    json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "metadata": { "name": obj.name_any(), "namespace": obj.namespace() },
+        "status": without_nulls(status),
+    })
+}
+
+fn without_nulls(v: Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k, without_nulls(v)))
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.into_iter().map(without_nulls).collect()),
+        v => v,
+    }
+}
+
+/// Publishes the core's notes as Events about `obj`.
+pub async fn announce<K: Resource<DynamicType = ()>>(ctx: &Context, obj: &K, notes: &[Note]) {
+    for n in notes {
+        let kind = match n.kind {
+            EventKind::Normal => EventType::Normal,
+            EventKind::Warning => EventType::Warning,
+        };
+        publish(ctx, obj, kind, &n.reason, n.action, n.message.clone()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use podmotion_api::RunnerPoolStatus;
+
+    #[test]
+    fn a_status_field_that_went_away_is_left_out_of_the_applied_status() {
+        // The old status had `credentialSecret`; the new one has not.
+        let obj = ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some("rp".into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let new = RunnerPoolStatus {
+            ready_nodes: 3,
+            ..Default::default()
+        };
+        let body = status_apply_body(&obj, serde_json::to_value(&new).unwrap());
+        let status = body["status"].as_object().unwrap();
+        assert!(!status.contains_key("credentialSecret"));
+        assert_eq!(status["readyNodes"], 3);
+        assert_eq!(body["kind"], "ConfigMap");
+        assert_eq!(body["metadata"]["name"], "rp");
+    }
+
+    #[test]
+    fn nulls_are_left_out_at_every_depth() {
+        let v = without_nulls(json!({"a": null, "b": {"c": null, "d": 1}, "e": [{"f": null}]}));
+        assert_eq!(v, json!({"b": {"d": 1}, "e": [{}]}));
+    }
+}
