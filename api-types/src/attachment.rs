@@ -219,21 +219,40 @@ pub enum PortProtocol {
     Udp,
 }
 
-/// Settings of the node agent.
+/// Settings of the node agent. What runs with privilege on the node (the agent
+/// image, the container-runtime socket mounted into it, annotations on its pod) is
+/// chosen by whoever installed the operator (chart values `attachment.agentImage`,
+/// `attachment.criSocketPath`, `attachment.podAnnotations`), never by an attachment:
+/// the agent Job runs as root with hostPID and SYS_ADMIN in the agents' namespace.
+// `image`, `criSocketPath` and `podAnnotations` stay in the schema only so that setting
+// them is rejected with a message that says where the setting moved (objects stored
+// before keep validating under CRD validation ratcheting while those fields are
+// unchanged). The operator never reads them.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.image)").message("agent.image is not accepted: the agent image is chosen by the operator's installer (chart value attachment.agentImage), since the agent runs as root with hostPID on the node; remove agent.image"),
+    validation = Rule::new("!has(self.criSocketPath)").message("agent.criSocketPath is not accepted: the host path mounted into the agent is chosen by the operator's installer (chart value attachment.criSocketPath); remove agent.criSocketPath"),
+    validation = Rule::new("!has(self.podAnnotations)").message("agent.podAnnotations is not accepted: annotations on the privileged agent pod (AppArmor, policy exemptions) are chosen by the operator's installer (chart value attachment.podAnnotations); remove agent.podAnnotations"),
+)]
 pub struct AgentSettings {
-    /// Agent image. Unset: the operator's default agent image.
+    /// Not accepted: chosen by the operator's installer (chart value `attachment.agentImage`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("self.size() > 0 && !self.matches('\\\\s')").message("agent.image must be an image reference without whitespace"))]
     #[schemars(length(max = 512))]
     pub image: Option<String>,
 
     /// Extra agent configuration, passed to the agent in `AGENT_CONFIG` next to the
     /// workload, mode, containers and ports (the same configuration a sidecar would
-    /// receive).
+    /// receive). At most 64 entries; keys are at most 63 characters of letters,
+    /// digits, `-`, `_` and `.`; values at most 448 characters without control
+    /// characters, so that `AGENT_CONFIG` always fits in one environment value
+    /// (128 KiB on Linux).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(extend("maxProperties" = 64))]
+    #[schemars(extend("maxProperties" = 64, "additionalProperties" = {"type": "string", "maxLength": 448}))]
+    #[x_kube(
+        validation = Rule::new("self.all(k, k.size() <= 63 && k.matches('^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$'))").message("agent.config keys must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"),
+        validation = Rule::new("self.all(k, self[k].size() <= 448 && !self[k].matches('[\\x00-\\x1f\\x7f]'))").message("agent.config values must be at most 448 characters without control characters (the whole configuration is passed in one environment value)"),
+    )]
     pub config: BTreeMap<String, String>,
 
     /// Group ID the agent runs with (`runAsGroup`). The redirect rules in the target
@@ -243,17 +262,12 @@ pub struct AgentSettings {
     #[x_kube(validation = Rule::new("self >= 1 && self <= 2147483647").message("agent.gid must be between 1 and 2147483647 (not root's group)"))]
     pub gid: i64,
 
-    /// Host path of the node's container-runtime socket (a path ending in `.sock`), or
-    /// of a directory holding it, mounted read-only into the agent. Unset: the
-    /// operator's default (`/run`, where the agent finds the containerd, CRI-O, k3s or
-    /// cri-dockerd socket).
+    /// Not accepted: chosen by the operator's installer (chart value `attachment.criSocketPath`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("self.startsWith('/') && !self.contains('..') && self.size() <= 255").message("agent.criSocketPath must be an absolute host path without '..'"))]
     #[schemars(length(max = 255))]
     pub cri_socket_path: Option<String>,
 
-    /// Annotations put on the agent Job's pod (for example for a policy engine's
-    /// exemptions).
+    /// Not accepted: chosen by the operator's installer (chart value `attachment.podAnnotations`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("maxProperties" = 32))]
     pub pod_annotations: BTreeMap<String, String>,

@@ -168,6 +168,9 @@ pub mod reasons {
     pub const FOREIGN_NETWORK_POLICY: &str = "ForeignNetworkPolicy";
     /// The PriorityClass to create exists and belongs to someone else.
     pub const PRIORITY_CLASS_CONFLICT: &str = "PriorityClassConflict";
+    /// The pool's PriorityClass is above the installer's ceiling, reserved (`system-*`)
+    /// or missing: the pool gets no DaemonSet.
+    pub const PRIORITY_CLASS_REFUSED: &str = "PriorityClassRefused";
     /// A Runner pod cannot be scheduled on its node (it does not fit, usually).
     pub const RUNNER_UNSCHEDULABLE: &str = "RunnerUnschedulable";
 }

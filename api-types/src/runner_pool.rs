@@ -393,7 +393,7 @@ fn default_runtime_dir() -> String {
 /// PriorityClass of Runner pods: an existing one, or one the operator creates.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!self.create || !self.name.startsWith('system-')").message("priorityClass.name must not start with 'system-' when create is true: those names are reserved"))]
+#[x_kube(validation = Rule::new("!self.name.startsWith('system-')").message("priorityClass.name must not start with 'system-': those classes belong to the cluster's own components, which a Runner must never preempt"))]
 pub struct PriorityClassRef {
     /// Name of the PriorityClass.
     #[serde(default = "default_priority_class")]
@@ -405,7 +405,10 @@ pub struct PriorityClassRef {
     #[serde(default = "default_true")]
     pub create: bool,
     /// Value of the created PriorityClass: higher than ordinary workload, below the
-    /// system classes (1000000000 and above are reserved).
+    /// system classes (1000000000 and above are reserved). A created or referenced
+    /// class above the ceiling the operator's installer set (chart value
+    /// `runnerPool.maxPriority`, default 1000000) stalls the pool with reason
+    /// `PriorityClassRefused`.
     #[serde(default = "default_priority_value")]
     #[x_kube(validation = Rule::new("self >= 1 && self <= 999999999").message("priorityClass.value must be between 1 and 999999999 (higher values are reserved for system classes)"))]
     pub value: i32,

@@ -580,3 +580,35 @@ pub async fn kubectl_wait(
         )
     }
 }
+
+/// A client that acts as `subject` (a user name, or
+/// `system:serviceaccount:<ns>:<name>`), by impersonation from the admin's kubeconfig:
+/// what the API server allows it is what RBAC grants that subject, nothing more.
+pub async fn impersonating(subject: &str) -> anyhow::Result<Client> {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+    let kubeconfig = Kubeconfig::read_from(kubeconfig_path())?;
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    config.auth_info.impersonate = Some(subject.into());
+    Ok(Client::try_from(config)?)
+}
+
+/// Grants user `user` the `rules` in `ns` (a Role and its RoleBinding, both named
+/// after the user; they go with the namespace).
+pub async fn grant_user(
+    ns: &TestNamespace,
+    user: &str,
+    rules: serde_json::Value,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let pp = kube::api::PostParams::default();
+    let role: Role = from_json(serde_json::json!({"metadata": {"name": user}, "rules": rules}));
+    ns.api::<Role>().create(&pp, &role).await?;
+    let binding: RoleBinding = from_json(serde_json::json!({
+        "metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
+    }));
+    ns.api::<RoleBinding>().create(&pp, &binding).await?;
+    Ok(())
+}

@@ -47,6 +47,7 @@ impl Operator {
             write_parallelism: 16,
             backoff_limit: 3,
             image_pull_secrets: Vec::new(),
+            pod_annotations: BTreeMap::new(),
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };
@@ -319,6 +320,29 @@ async fn one_job_per_ready_replica_follows_scaling_restarts_and_container_change
         );
         let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
         assert_eq!(ps.host_pid, Some(true));
+        assert_eq!(
+            ps.security_context
+                .as_ref()
+                .and_then(|sc| sc.seccomp_profile.as_ref())
+                .map(|p| p.type_.as_str()),
+            Some("RuntimeDefault")
+        );
+        // The agent tolerates what its target tolerates, and nothing more.
+        let target = pods
+            .iter()
+            .find(|p| p.name_any() == j.annotations()[annotations::TARGET_POD])
+            .expect("the Job's target pod");
+        assert_eq!(
+            ps.tolerations,
+            target.spec.as_ref().unwrap().tolerations,
+            "Job {}",
+            j.name_any()
+        );
+        assert_eq!(
+            ps.containers[0].image.as_deref(),
+            Some("registry.example/podmotion/attach:e2e"),
+            "the installer's image"
+        );
         let caps = ps.containers[0]
             .security_context
             .as_ref()
@@ -817,4 +841,64 @@ async fn scaling_an_attached_workload_to_zero_empties_its_targets() {
     );
     assert!(a.status.unwrap().skipped.is_empty());
     op.stop().await;
+}
+
+#[tokio::test]
+async fn a_tenant_cannot_choose_what_the_privileged_agent_runs() {
+    let Some(app) = TestNamespace::new("naa-tenant", PodSecurity::Restricted).await else {
+        return;
+    };
+    ensure_crd(&app.client).await;
+    // A tenant who may manage attachments in their own namespace, and nothing else.
+    let user = format!("tenant-{}", app.name);
+    podmotion_e2e::grant_user(
+        &app,
+        &user,
+        json!([{"apiGroups": ["podmotion.io"], "resources": ["nodeagentattachments"], "verbs": ["get", "list", "watch", "create", "update", "delete"]}]),
+    )
+    .await
+    .unwrap();
+    let tenant = Api::<NodeAgentAttachment>::namespaced(
+        podmotion_e2e::impersonating(&user).await.unwrap(),
+        &app.name,
+    );
+    let exploits = [
+        (
+            json!({"agent": {"image": "evil.example/rootkit:1"}}),
+            "agent.image is not accepted",
+        ),
+        (
+            json!({"agent": {"criSocketPath": "/"}}),
+            "agent.criSocketPath is not accepted",
+        ),
+        (
+            json!({"agent": {"podAnnotations": {"container.apparmor.security.beta.kubernetes.io/agent": "unconfined"}}}),
+            "agent.podAnnotations is not accepted",
+        ),
+        (
+            json!({"agent": {"config": {"blob": "x".repeat(449)}}}),
+            "448",
+        ),
+        (
+            json!({"agent": {"config": {"line": "a\nb"}}}),
+            "without control characters",
+        ),
+    ];
+    for (i, (extra, want)) in exploits.into_iter().enumerate() {
+        let a = attachment(&format!("exploit-{i}"), "web", extra.clone());
+        match tenant.create(&PostParams::default(), &a).await {
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{extra}: {}", e.message);
+                assert!(e.message.contains(want), "{extra}: {}", e.message);
+            }
+            other => panic!("{extra} accepted: {other:?}"),
+        }
+    }
+    // The same tenant may create an attachment that chooses only what it may choose.
+    let fine = attachment(
+        "fine",
+        "web",
+        json!({"agent": {"gid": 4242, "config": {"log-level": "debug"}}}),
+    );
+    tenant.create(&PostParams::default(), &fine).await.unwrap();
 }

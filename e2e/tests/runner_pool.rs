@@ -47,6 +47,7 @@ impl Operator {
         let cfg = RunnerPoolConfig {
             preflight_image: "registry.example/podmotion/preflight@sha256:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff".into(),
             watch_namespace: Some(ns.into()),
+            max_priority: podmotion_operator::runner_pool::priority::DEFAULT_CEILING,
             read_secrets,
         };
         InProcessController::spawn(client, test_config(ns, ControllerKind::RunnerPool), |ctx| {
@@ -716,14 +717,9 @@ async fn a_runner_too_big_for_its_nodes_stalls_with_the_schedulers_reason() {
 
 /// A client that acts as ServiceAccount `sa` of `ns` (impersonation by the admin).
 async fn impersonating(ns: &str, sa: &str) -> Client {
-    use kube::config::{KubeConfigOptions, Kubeconfig};
-    let kubeconfig = Kubeconfig::read_from(podmotion_e2e::kubeconfig_path()).unwrap();
-    let mut config =
-        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .unwrap();
-    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{sa}"));
-    Client::try_from(config).unwrap()
+    podmotion_e2e::impersonating(&format!("system:serviceaccount:{ns}:{sa}"))
+        .await
+        .unwrap()
 }
 
 /// The cluster-wide rules the chart gives the operator for RunnerPool when it watches
@@ -864,4 +860,85 @@ async fn without_secret_reads_the_credential_is_created_once_and_removed_by_name
         .delete(&role_name, &DeleteParams::default())
         .await
         .ok();
+}
+
+#[tokio::test]
+async fn a_tenants_pool_cannot_use_a_priority_class_above_the_installers_ceiling() {
+    let Some((ns, op)) = setup("rp-ceiling", PodSecurity::Privileged).await else {
+        return;
+    };
+    // A tenant who may manage RunnerPools in this namespace, and nothing else.
+    let user = format!("tenant-{}", ns.name);
+    podmotion_e2e::grant_user(
+        &ns,
+        &user,
+        json!([{"apiGroups": ["podmotion.io"], "resources": ["runnerpools"], "verbs": ["get", "list", "watch", "create", "delete"]}]),
+    )
+    .await
+    .unwrap();
+    let tenant =
+        Api::<RunnerPool>::namespaced(podmotion_e2e::impersonating(&user).await.unwrap(), &ns.name);
+    // A reserved class is rejected at admission, created or referenced.
+    let system = pool(
+        &ns,
+        "system",
+        json!({"priorityClass": {"name": "system-node-critical", "create": false}}),
+    );
+    match tenant.create(&PostParams::default(), &system).await {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422, "{}", e.message);
+            assert!(
+                e.message.contains("must not start with 'system-'"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("a system-* class was accepted: {other:?}"),
+    }
+    // A class above the ceiling is admitted (its value is not known at admission when
+    // referenced) but refused by the operator: Stalled, and nothing is created.
+    let pc_name = format!("{}-preempts-all", ns.name);
+    let high = pool(
+        &ns,
+        "high",
+        json!({"priorityClass": {"name": pc_name, "value": 999_999_999}}),
+    );
+    tenant.create(&PostParams::default(), &high).await.unwrap();
+    let pools = ns.api::<RunnerPool>();
+    let rp = wait_for(
+        &pools,
+        "high",
+        TIMEOUT,
+        "Stalled: PriorityClassRefused",
+        |rp| {
+            rp.and_then(|r| r.status.as_ref())
+                .and_then(|s| find(&s.conditions, ct::STALLED))
+                .is_some_and(|c| c.status == "True" && c.reason == reasons::PRIORITY_CLASS_REFUSED)
+        },
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let msg = find(&rp.status.unwrap().conditions, ct::STALLED)
+        .unwrap()
+        .message
+        .clone();
+    assert!(msg.contains("runnerPool.maxPriority"), "{msg}");
+    assert!(
+        ns.api::<DaemonSet>()
+            .get_opt("high")
+            .await
+            .unwrap()
+            .is_none(),
+        "no DaemonSet for a refused pool"
+    );
+    assert!(
+        Api::<PriorityClass>::all(ns.client.clone())
+            .get_opt(&pc_name)
+            .await
+            .unwrap()
+            .is_none(),
+        "no PriorityClass was created"
+    );
+    op.stop().await;
 }

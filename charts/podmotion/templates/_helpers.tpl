@@ -133,6 +133,8 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_PREFLIGHT_IMAGE
   value: {{ . | quote }}
 {{- end }}
+- name: PODMOTION_RUNNER_POOL_MAX_PRIORITY
+  value: {{ .Values.runnerPool.maxPriority | quote }}
 {{- with .Values.runnerPool.watchNamespace }}
 - name: PODMOTION_RUNNER_POOL_NAMESPACE
   value: {{ . | quote }}
@@ -147,6 +149,10 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.attachment.agentImage | quote }}
 - name: PODMOTION_ATTACHMENT_CRI_SOCKET_PATH
   value: {{ .Values.attachment.criSocketPath | quote }}
+{{- with .Values.attachment.podAnnotations }}
+- name: PODMOTION_ATTACHMENT_POD_ANNOTATIONS
+  value: {{ toJson . | quote }}
+{{- end }}
 - name: PODMOTION_ATTACHMENT_SWEEP_SECONDS
   value: {{ .Values.attachment.sweepSeconds | quote }}
 - name: PODMOTION_ATTACHMENT_WRITE_PARALLELISM

@@ -221,6 +221,7 @@ async fn main() -> anyhow::Result<()> {
         write_parallelism: PARALLEL,
         backoff_limit: 3,
         image_pull_secrets: Vec::new(),
+        pod_annotations: Default::default(),
         jobs_namespace: None,
         watch_namespace: Some(app_ns.clone()),
     };

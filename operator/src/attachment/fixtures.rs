@@ -39,6 +39,7 @@ pub fn pod(name: &str) -> PodBuilder {
             id: Some(format!("containerd://{name}-app-1")),
             ports: vec![(8080, Some("http".into()), "TCP".into())],
         }],
+        tolerations: vec![],
     })
 }
 
@@ -174,8 +175,8 @@ impl AttachmentBuilder {
             .collect();
         self
     }
-    pub fn image(mut self, image: &str) -> Self {
-        self.0.spec.agent.image = Some(image.into());
+    pub fn agent_gid(mut self, gid: i64) -> Self {
+        self.0.spec.agent.gid = gid;
         self
     }
     /// The session lease was last renewed at `t(secs)` for `duration` seconds.

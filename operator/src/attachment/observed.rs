@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use podmotion_api::attachment::{NodeAgentAttachmentSpec, WorkloadKind, WorkloadRef};
@@ -77,20 +77,31 @@ impl AttachmentView {
 
     /// When the ingest session ends unless renewed: the Lease's last renewal (or, before
     /// the first one, its creation; or, without a Lease, the attachment's creation) plus
-    /// its duration.
-    pub fn lease_expiry(&self) -> Timestamp {
-        let default_secs = lease_duration_seconds(&self.spec);
+    /// its duration. The Lease is written by the client, so it cannot stretch the
+    /// session beyond what the attachment allows: its `leaseDurationSeconds` counts only
+    /// up to the attachment's `ingest.leaseDurationSeconds`, and a renewal stamped more
+    /// than [`LEASE_CLOCK_SKEW`] after `now` is no renewal at all (the session then
+    /// counts from the attachment's creation).
+    pub fn lease_expiry(&self, now: Timestamp) -> Timestamp {
+        let bound = lease_duration_seconds(&self.spec);
+        let latest_believable = now.checked_add(LEASE_CLOCK_SKEW).unwrap_or(Timestamp::MAX);
         let (from, secs) = match &self.lease {
             Some(l) => (
-                l.renewed.unwrap_or(self.created),
-                l.duration_seconds.unwrap_or(default_secs),
+                l.renewed
+                    .filter(|r| *r <= latest_believable)
+                    .unwrap_or(self.created),
+                l.duration_seconds.unwrap_or(bound).min(bound),
             ),
-            None => (self.created, default_secs),
+            None => (self.created, bound),
         };
         from.checked_add(SignedDuration::from_secs(i64::from(secs.max(0))))
             .unwrap_or(Timestamp::MAX)
     }
 }
+
+/// How far ahead of the operator's clock a client's Lease renewal may be stamped and
+/// still count (the client's clock may run ahead).
+pub const LEASE_CLOCK_SKEW: SignedDuration = SignedDuration::from_secs(30);
 
 /// The facts of a `coordination.k8s.io` Lease that decide an ingest session's life.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -134,7 +145,7 @@ pub struct ContainerView {
 
 /// One pod of the workload. Also what the controller caches per pod, so it keeps
 /// only what the core reads.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PodView {
     pub name: String,
     pub uid: String,
@@ -151,6 +162,10 @@ pub struct PodView {
     /// (sidecar recognition). Others are dropped, however large.
     pub annotations: BTreeMap<String, String>,
     pub containers: Vec<ContainerView>,
+    /// The pod's tolerations: its agent Job tolerates exactly these (the agent goes
+    /// only where its target may run, never onto a node because of a blanket
+    /// toleration).
+    pub tolerations: Vec<Toleration>,
 }
 
 impl PodView {
@@ -215,6 +230,7 @@ impl PodView {
             terminating: p.metadata.deletion_timestamp.is_some(),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             host_users: spec.and_then(|s| s.host_users),
+            tolerations: spec.and_then(|s| s.tolerations.clone()).unwrap_or_default(),
             annotations: p
                 .annotations()
                 .iter()

@@ -112,8 +112,13 @@ fn ports_overlap(a: &AttachmentView, b: &AttachmentView) -> bool {
     pa.is_empty() || pb.is_empty() || pa.iter().any(|p| pb.contains(p))
 }
 
+/// Whether two attachments ask the same of a shared agent. Only what an attachment
+/// may choose counts (`config`, `gid`): the deprecated installer-owned fields are
+/// rejected at admission and never read.
 fn same_agent(a: &AttachmentView, b: &AttachmentView) -> bool {
-    a.spec.agent == b.spec.agent
+    let (x, y) = (&a.spec.agent, &b.spec.agent);
+    x.config == y.config
+        && x.gid == y.gid
         && a.spec.containers == b.spec.containers
         && a.spec.sidecar == b.spec.sidecar
 }
@@ -165,14 +170,14 @@ impl<'a> Coexistence<'a> {
         let expired: BTreeSet<&str> = accepted
             .iter()
             .filter(ingest)
-            .filter(|a| a.lease_expiry() <= obs.now)
+            .filter(|a| a.lease_expiry(obs.now) <= obs.now)
             .map(|a| a.name.as_str())
             .collect();
         let wake_at = accepted
             .iter()
             .filter(ingest)
             .filter(|a| !expired.contains(a.name.as_str()))
-            .map(|a| a.lease_expiry())
+            .map(|a| a.lease_expiry(obs.now))
             .min();
         let claimants = accepted
             .iter()
@@ -591,7 +596,7 @@ fn health(
             format!(
                 "the ingest session lease {} expired at {}; its Job was released. Renew the Lease to ingest again",
                 a.lease_name(),
-                a.lease_expiry()
+                a.lease_expiry(obs.now)
             ),
         );
     }

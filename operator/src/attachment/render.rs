@@ -16,8 +16,8 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource,
-    LocalObjectReference, PodSpec, PodTemplateSpec, Probe, Secret, SecretVolumeSource,
-    SecurityContext, Toleration, Volume, VolumeMount,
+    LocalObjectReference, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
+    Secret, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -56,11 +56,15 @@ pub struct Settings {
     pub namespace: String,
     /// Prefix of every Job name.
     pub job_prefix: String,
-    /// Agent image when an attachment does not name one.
-    pub default_image: String,
-    /// Host path mounted as the container-runtime socket when an attachment does not
-    /// name one (`/run`: the agent picks the socket that knows the target's containers).
-    pub default_cri_socket_path: String,
+    /// The agent image (installer's choice: an attachment never names one).
+    pub image: String,
+    /// Host path mounted read-only as the container-runtime socket, or the directory
+    /// holding it (`/run`: the agent picks the socket that knows the target's
+    /// containers). Installer's choice.
+    pub cri_socket_path: String,
+    /// Annotations on every agent pod (policy-engine exemptions, AppArmor), installer's
+    /// choice.
+    pub pod_annotations: BTreeMap<String, String>,
     /// Retries of a failing agent pod before the Job fails (and is replaced).
     pub backoff_limit: i32,
     /// Image pull Secrets of every agent pod (in `namespace`), chosen by the installer.
@@ -72,8 +76,9 @@ impl Default for Settings {
         Settings {
             namespace: "podmotion-system".into(),
             job_prefix: "podmotion-agent".into(),
-            default_image: "ghcr.io/podmotion/attach:0.1.0".into(),
-            default_cri_socket_path: "/run".into(),
+            image: "ghcr.io/podmotion/attach:0.1.0".into(),
+            cri_socket_path: "/run".into(),
+            pod_annotations: BTreeMap::new(),
             backoff_limit: 3,
             image_pull_secrets: Vec::new(),
         }
@@ -138,14 +143,11 @@ pub fn job(
 ) -> (Job, String) {
     let (pod, container_ids) = (target.pod, target.container_ids);
     let agent = profile.agent;
-    let image = agent
-        .image
-        .clone()
-        .unwrap_or_else(|| settings.default_image.clone());
-    let cri_path = agent
-        .cri_socket_path
-        .clone()
-        .unwrap_or_else(|| settings.default_cri_socket_path.clone());
+    // The image, the host path and the pod's annotations are the installer's (the
+    // attachment's deprecated fields of the same names are rejected at admission and
+    // never read): an attachment must not choose what runs as root on the node.
+    let image = settings.image.clone();
+    let cri_path = settings.cri_socket_path.clone();
     // A path naming the socket itself is handed over as the socket; anything else is a
     // directory the agent probes for the well-known runtime sockets.
     let cri_is_socket = cri_path.ends_with(".sock");
@@ -241,8 +243,8 @@ pub fn job(
         template: PodTemplateSpec {
             metadata: Some(ObjectMeta {
                 labels: Some(pod_labels),
-                annotations: (!agent.pod_annotations.is_empty())
-                    .then(|| agent.pod_annotations.clone()),
+                annotations: (!settings.pod_annotations.is_empty())
+                    .then(|| settings.pod_annotations.clone()),
                 ..Default::default()
             }),
             spec: Some(PodSpec {
@@ -260,11 +262,19 @@ pub fn job(
                 automount_service_account_token: Some(false),
                 enable_service_links: Some(false),
                 termination_grace_period_seconds: Some(30),
-                // Pinned to the target's node, whatever its taints: the target runs there.
-                tolerations: Some(vec![Toleration {
-                    operator: Some("Exists".into()),
+                // Pinned to the target's node with exactly the target's tolerations: the
+                // agent may go where its target may run, and nowhere else (a blanket
+                // toleration would let it onto tainted control-plane nodes).
+                tolerations: (!pod.tolerations.is_empty()).then(|| pod.tolerations.clone()),
+                // The runtime's default syscall filter: the agent needs setns, ptrace
+                // (of the target only, CAP_SYS_PTRACE) and netlink, all allowed by it.
+                security_context: Some(PodSecurityContext {
+                    seccomp_profile: Some(SeccompProfile {
+                        type_: "RuntimeDefault".into(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
-                }]),
+                }),
                 containers: vec![container],
                 volumes: Some(vec![
                     Volume {
@@ -431,6 +441,7 @@ pub fn network_policy(settings: &Settings) -> NetworkPolicy {
 mod tests {
     use super::*;
     use crate::attachment::fixtures::pod;
+    use k8s_openapi::api::core::v1::Toleration;
     use podmotion_api::attachment::WorkloadKind;
 
     fn render(agent: &AgentSettings) -> Job {
@@ -570,58 +581,190 @@ mod tests {
         assert_eq!(env["AGENT_CRI_SOCKET_DIR"], CRI_MOUNT);
     }
 
-    #[test]
-    fn agent_settings_reach_the_job_and_change_its_hash() {
-        let base = render(&AgentSettings::default());
-        let custom = AgentSettings {
-            image: Some("registry.example/agent:2".into()),
-            gid: 4242,
-            cri_socket_path: Some("/run/containerd".into()),
-            ..Default::default()
+    fn render_with(settings: &Settings, agent: &AgentSettings, p: &PodView) -> Job {
+        let w = WorkloadRef {
+            kind: WorkloadKind::Deployment,
+            name: "web".into(),
         };
-        let j = render(&custom);
-        let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        let ids = BTreeMap::from([("app".to_string(), "containerd://abc".to_string())]);
+        let profile = AgentProfile {
+            namespace: "shop",
+            workload: &w,
+            agent,
+        };
+        let names = ["app".to_string()];
+        let target = AgentTarget {
+            pod: p,
+            containers: &names,
+            container_ids: &ids,
+            ports: &[8080],
+        };
+        job(settings, &profile, &target, "podmotion-agent-1234").0
+    }
+
+    fn pod_spec(j: &Job) -> &PodSpec {
+        j.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+    }
+
+    #[test]
+    fn the_installers_settings_reach_the_job_and_change_its_hash() {
+        let p = pod("web-0").on_node("n1").ready().build();
+        let base = render_with(&Settings::default(), &AgentSettings::default(), &p);
+        let installer = Settings {
+            image: "registry.example/agent:2".into(),
+            cri_socket_path: "/run/containerd".into(),
+            pod_annotations: BTreeMap::from([(
+                "policy.example/exempt".to_string(),
+                "agent".to_string(),
+            )]),
+            ..Settings::default()
+        };
+        let j = render_with(&installer, &AgentSettings::default(), &p);
+        let ps = pod_spec(&j);
         assert_eq!(
             ps.containers[0].image.as_deref(),
             Some("registry.example/agent:2")
         );
+        let cri = ps.volumes.as_ref().unwrap()[0].host_path.as_ref().unwrap();
+        assert_eq!(cri.path, "/run/containerd");
+        let pod_meta = j.spec.as_ref().unwrap().template.metadata.as_ref().unwrap();
         assert_eq!(
-            ps.containers[0]
-                .security_context
-                .as_ref()
-                .unwrap()
-                .run_as_group,
-            Some(4242)
+            pod_meta.annotations.as_ref().unwrap()["policy.example/exempt"],
+            "agent"
         );
-        assert_eq!(
-            ps.volumes.as_ref().unwrap()[0]
-                .host_path
-                .as_ref()
-                .unwrap()
-                .path,
-            "/run/containerd"
+        let socket = render_with(
+            &Settings {
+                cri_socket_path: "/run/k3s/containerd/containerd.sock".into(),
+                ..Settings::default()
+            },
+            &AgentSettings::default(),
+            &p,
         );
-        let socket = render(&AgentSettings {
-            cri_socket_path: Some("/run/k3s/containerd/containerd.sock".into()),
-            ..Default::default()
-        });
-        let ps = socket
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap();
+        let ps = pod_spec(&socket);
         let cri = ps.volumes.as_ref().unwrap()[0].host_path.as_ref().unwrap();
         assert_eq!(cri.type_.as_deref(), Some("Socket"));
         let env = ps.containers[0].env.as_ref().unwrap();
         assert!(env.iter().any(|e| e.name == "PODMOTION_CRI_SOCKET"));
         assert!(!env.iter().any(|e| e.name == "AGENT_CRI_SOCKET_DIR"));
+        let gid = render(&AgentSettings {
+            gid: 4242,
+            ..Default::default()
+        });
+        let sc = pod_spec(&gid).containers[0]
+            .security_context
+            .clone()
+            .unwrap();
+        assert_eq!(sc.run_as_group, Some(4242));
         let hash =
             |j: &Job| j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
         assert_ne!(hash(&base), hash(&j));
+        assert_ne!(hash(&base), hash(&gid));
         assert_eq!(hash(&base), hash(&render(&AgentSettings::default())));
+    }
+
+    #[test]
+    fn an_attachment_cannot_choose_the_image_host_path_or_annotations_of_its_agent() {
+        // What a tenant would write (admission rejects it; the core ignores it too).
+        let exploit = AgentSettings {
+            image: Some("evil.example/rootkit:1".into()),
+            cri_socket_path: Some("/".into()),
+            pod_annotations: BTreeMap::from([(
+                "container.apparmor.security.beta.kubernetes.io/agent".to_string(),
+                "unconfined".to_string(),
+            )]),
+            ..Default::default()
+        };
+        let j = render(&exploit);
+        assert_eq!(j, render(&AgentSettings::default()));
+        let ps = pod_spec(&j);
+        assert_eq!(
+            ps.containers[0].image.as_deref(),
+            Some("ghcr.io/podmotion/attach:0.1.0")
+        );
+        let host_paths: Vec<&str> = ps
+            .volumes
+            .iter()
+            .flatten()
+            .filter_map(|v| v.host_path.as_ref().map(|h| h.path.as_str()))
+            .collect();
+        assert_eq!(host_paths, ["/run"]);
+        assert_eq!(
+            j.spec
+                .as_ref()
+                .unwrap()
+                .template
+                .metadata
+                .as_ref()
+                .unwrap()
+                .annotations,
+            None
+        );
+    }
+
+    #[test]
+    fn the_agent_tolerates_exactly_what_its_target_tolerates_under_runtime_default_seccomp() {
+        let plain = render(&AgentSettings::default());
+        let ps = pod_spec(&plain);
+        assert_eq!(ps.tolerations, None, "no blanket toleration");
+        let seccomp = ps
+            .security_context
+            .as_ref()
+            .and_then(|sc| sc.seccomp_profile.as_ref())
+            .expect("a seccomp profile");
+        assert_eq!(seccomp.type_, "RuntimeDefault");
+        let mut p = pod("web-0").on_node("n1").ready().build();
+        p.tolerations = vec![Toleration {
+            key: Some("podmotion.io/real-node".into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Default::default()
+        }];
+        let j = render_with(&Settings::default(), &AgentSettings::default(), &p);
+        assert_eq!(pod_spec(&j).tolerations.as_ref(), Some(&p.tolerations));
+    }
+
+    #[test]
+    fn the_largest_admissible_config_fits_in_one_environment_value() {
+        // The CRD's bounds: 64 entries, keys of 63 characters, values of 448 characters
+        // (of up to 4 UTF-8 bytes, or 2 once JSON-escaped); also 32 containers of 63
+        // characters and 256 ports (16 from the spec, or what the containers declare).
+        let config: BTreeMap<String, String> = (0..64)
+            .map(|i| (format!("{i:0>63}"), "\u{10FFFF}".repeat(448)))
+            .collect();
+        let agent = AgentSettings {
+            config,
+            ..Default::default()
+        };
+        let w = WorkloadRef {
+            kind: WorkloadKind::StatefulSet,
+            name: "w".repeat(253),
+        };
+        let p = pod("web-0").on_node("n1").ready().build();
+        let containers: Vec<String> = (0..32).map(|i| format!("{i:c>63}")).collect();
+        let ids: BTreeMap<String, String> = containers
+            .iter()
+            .map(|c| (c.clone(), format!("containerd://{}", "f".repeat(64))))
+            .collect();
+        let ports: Vec<i32> = (60_000..60_256).collect();
+        let profile = AgentProfile {
+            namespace: &"n".repeat(63),
+            workload: &w,
+            agent: &agent,
+        };
+        let target = AgentTarget {
+            pod: &p,
+            containers: &containers,
+            container_ids: &ids,
+            ports: &ports,
+        };
+        let (j, _) = job(&Settings::default(), &profile, &target, "podmotion-agent-1");
+        let env = pod_spec(&j).containers[0].env.clone().unwrap();
+        // Linux: MAX_ARG_STRLEN (32 pages) per `NAME=value` string, NUL included.
+        const MAX_ARG_STRLEN: usize = 32 * 4096;
+        for e in env {
+            let len = e.name.len() + 1 + e.value.unwrap_or_default().len() + 1;
+            assert!(len <= MAX_ARG_STRLEN, "{} is {len} bytes", e.name);
+        }
     }
 
     #[test]

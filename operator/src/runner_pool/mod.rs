@@ -21,6 +21,7 @@ pub mod drift;
 pub mod pod_security;
 pub mod policies;
 pub mod preflight;
+pub mod priority;
 pub mod render;
 pub mod sizing;
 pub mod status;

@@ -193,6 +193,23 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
     }
 }
 
+/// The status of a pool refused before anything was applied (its PriorityClass, see
+/// [`super::priority`]): Stalled with `reason`, the rest of the previous status kept
+/// (objects applied before stay as they were).
+pub fn refused(pool: &RunnerPool, reason: &str, why: &str, now: Timestamp) -> RunnerPoolStatus {
+    let generation = pool.metadata.generation;
+    let mut status = pool.status.clone().unwrap_or_default();
+    let message = format!("{why}; no DaemonSet is created or updated until this is fixed");
+    set_health(
+        &mut status.conditions,
+        &Health::stalled(reason, message),
+        generation,
+        now,
+    );
+    status.observed_generation = generation;
+    status
+}
+
 /// What several conditions and the health say alike.
 struct Summary {
     c: Counts,

@@ -6,9 +6,10 @@ use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types, reasons};
 
 use super::*;
-use crate::attachment::fixtures::{attachment, created_jobs, group, pod, settings};
+use crate::attachment::fixtures::{attachment, created_jobs, group, pod, settings, t};
 use crate::attachment::observed::JobView;
 use crate::attachment::reap::ReplaceReason;
+use k8s_openapi::jiff::SignedDuration;
 
 fn five_ready() -> Vec<PodView> {
     (0..5)
@@ -455,7 +456,7 @@ fn attachment_with_other_agent_settings_is_rejected_and_claims_nothing() {
     let a = attachment("a").ports(&[8080]).build();
     let b = attachment("b")
         .ports(&[9090])
-        .image("registry.example/other:1")
+        .agent_gid(4242)
         .created(10)
         .build();
     let jobs = converged(vec![a.clone()], five_ready());
@@ -664,4 +665,53 @@ fn kept_jobs_still_suspended_are_resumed_and_others_are_not() {
     let p = plan(&unclaimed, &settings());
     assert_eq!(p.delete.len(), 5);
     assert!(p.resume.is_empty());
+}
+
+#[test]
+fn a_lease_cannot_stretch_the_session_beyond_the_attachments_bound() {
+    // The client writes the Lease: a year-long duration counts as the attachment's
+    // 60 s, so a session renewed at 10 s has expired at 100 s.
+    let ingest = attachment("i")
+        .mode(AttachMode::Ingest)
+        .lease_renewed(10, 365 * 86_400)
+        .build();
+    assert_eq!(ingest.lease_expiry(t(100)), t(70));
+    let jobs = converged(
+        vec![
+            attachment("i")
+                .mode(AttachMode::Ingest)
+                .lease_renewed(90, 60)
+                .build(),
+        ],
+        five_ready(),
+    );
+    let p = plan(&group(vec![ingest], five_ready(), jobs), &settings());
+    assert_eq!(
+        deleted(&p),
+        vec![("web-0".to_string(), JobFate::Reap(ReapReason::LeaseExpired))]
+    );
+}
+
+#[test]
+fn a_renewal_stamped_far_in_the_future_is_no_renewal() {
+    // Created at 0 (the fixture's default): without a believable renewal the session
+    // counts from the attachment's creation, whatever the clock says later.
+    let ingest = attachment("i")
+        .mode(AttachMode::Ingest)
+        .lease_renewed(10_000_000, 60)
+        .build();
+    assert_eq!(
+        ingest.lease_expiry(t(100)),
+        ingest.created + SignedDuration::from_secs(60)
+    );
+    assert_eq!(
+        ingest.lease_expiry(t(5_000)),
+        ingest.created + SignedDuration::from_secs(60)
+    );
+    // A client clock a little ahead still renews.
+    let ahead = attachment("i")
+        .mode(AttachMode::Ingest)
+        .lease_renewed(120, 60)
+        .build();
+    assert_eq!(ahead.lease_expiry(t(100)), t(180));
 }

@@ -29,6 +29,7 @@ mod observe;
 mod sweep;
 mod writes;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -69,21 +70,30 @@ pub struct AttachmentConfig {
         default_value = "podmotion-agent"
     )]
     pub job_prefix: String,
-    /// Agent image for attachments that do not name one.
+    /// The agent image of every attachment Job (an attachment never chooses it).
     #[arg(
         long = "attachment-agent-image",
         env = "PODMOTION_ATTACHMENT_AGENT_IMAGE",
         default_value = "ghcr.io/podmotion/attach:0.1.0"
     )]
     pub agent_image: String,
-    /// Host path mounted read-only as the container-runtime socket (directory) when an
-    /// attachment does not name one.
+    /// Host path mounted read-only into every agent as the container-runtime socket, or
+    /// the directory holding it.
     #[arg(
         long = "attachment-cri-socket-path",
         env = "PODMOTION_ATTACHMENT_CRI_SOCKET_PATH",
         default_value = "/run"
     )]
     pub cri_socket_path: String,
+    /// Annotations on every agent pod, as a JSON object of strings (policy-engine
+    /// exemptions, an AppArmor profile). The chart passes `attachment.podAnnotations`.
+    #[arg(
+        long = "attachment-pod-annotations",
+        env = "PODMOTION_ATTACHMENT_POD_ANNOTATIONS",
+        default_value = "{}",
+        value_parser = parse_annotations
+    )]
+    pub pod_annotations: BTreeMap<String, String>,
     /// Seconds between orphan sweeps (one also runs at start).
     #[arg(
         long = "attachment-sweep-seconds",
@@ -126,6 +136,13 @@ pub struct AttachmentConfig {
     pub watch_namespace: Option<String>,
 }
 
+/// `--attachment-pod-annotations`: a JSON object of strings.
+fn parse_annotations(s: &str) -> Result<BTreeMap<String, String>, String> {
+    serde_json::from_str(s).map_err(|e| {
+        format!("expected a JSON object of strings, such as {{\"example.com/key\":\"value\"}}: {e}")
+    })
+}
+
 impl AttachmentConfig {
     /// The settings from the environment alone (until the binary flattens the flags).
     pub fn from_env() -> anyhow::Result<AttachmentConfig> {
@@ -149,8 +166,9 @@ impl AttachmentConfig {
         Settings {
             namespace: self.jobs_namespace_or(operator_namespace),
             job_prefix: self.job_prefix.clone(),
-            default_image: self.agent_image.clone(),
-            default_cri_socket_path: self.cri_socket_path.clone(),
+            image: self.agent_image.clone(),
+            cri_socket_path: self.cri_socket_path.clone(),
+            pod_annotations: self.pod_annotations.clone(),
             backoff_limit: self.backoff_limit,
             image_pull_secrets: self
                 .image_pull_secrets

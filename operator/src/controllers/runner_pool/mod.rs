@@ -25,6 +25,7 @@ use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use kube::core::{DeserializeGuard, PartialObjectMeta};
@@ -38,6 +39,7 @@ use podmotion_api::{RunnerPool, RunnerPoolStatus};
 use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler, api_err};
 use crate::context::Context;
+use crate::runner_pool::priority::{self, Referenced};
 use crate::runner_pool::status;
 use crate::runner_pool::{Applied, Facts, Inputs, ServerEndpoint, render, server_namespace};
 
@@ -66,6 +68,9 @@ pub struct RunnerPoolConfig {
     /// Reconcile RunnerPools of this namespace only (`PODMOTION_RUNNER_POOL_NAMESPACE`;
     /// default: all namespaces).
     pub watch_namespace: Option<String>,
+    /// The highest PriorityClass value a pool may create or reference
+    /// (`PODMOTION_RUNNER_POOL_MAX_PRIORITY`, chart value `runnerPool.maxPriority`).
+    pub max_priority: i32,
     /// Whether the operator may read Secrets (in `watch_namespace`). The chart grants
     /// get/list/watch on Secrets only through a Role in the watch namespace, so this
     /// is true exactly when a watch namespace is set.
@@ -74,8 +79,15 @@ pub struct RunnerPoolConfig {
 
 impl RunnerPoolConfig {
     /// The settings from the environment.
-    pub fn from_env() -> RunnerPoolConfig {
-        RunnerPoolConfig {
+    pub fn from_env() -> anyhow::Result<RunnerPoolConfig> {
+        let max_priority = match std::env::var("PODMOTION_RUNNER_POOL_MAX_PRIORITY") {
+            Ok(v) if !v.is_empty() => v.parse().map_err(|e| {
+                anyhow::anyhow!("PODMOTION_RUNNER_POOL_MAX_PRIORITY={v:?} is not a number: {e}")
+            })?,
+            _ => priority::DEFAULT_CEILING,
+        };
+        Ok(RunnerPoolConfig {
+            max_priority,
             preflight_image: std::env::var("PODMOTION_PREFLIGHT_IMAGE")
                 .unwrap_or_else(|_| DEFAULT_PREFLIGHT_IMAGE.to_string()),
             watch_namespace: std::env::var("PODMOTION_RUNNER_POOL_NAMESPACE")
@@ -83,7 +95,7 @@ impl RunnerPoolConfig {
                 .filter(|s| !s.is_empty()),
             read_secrets: false,
         }
-        .with_secret_reads_where_granted()
+        .with_secret_reads_where_granted())
     }
 
     /// `read_secrets` as the chart grants it: only with a watch namespace.
@@ -95,7 +107,7 @@ impl RunnerPoolConfig {
 
 /// Runs the controller with the settings from the environment.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
-    run_with(ctx, RunnerPoolConfig::from_env()).await
+    run_with(ctx, RunnerPoolConfig::from_env()?).await
 }
 
 fn scoped<K>(client: &kube::Client, ns: Option<&str>) -> Api<K>
@@ -215,6 +227,22 @@ impl Shared {
         }))
     }
 
+    /// The value of the PriorityClass the pool references (nothing is read when the
+    /// pool creates its own).
+    async fn referenced_priority(&self, pool: &RunnerPool) -> Result<Referenced, ReconcileError> {
+        let pc = &pool.spec.priority_class;
+        if pc.create {
+            return Ok(Referenced::NotRead);
+        }
+        let class = Api::<PriorityClass>::all(self.ctx.client.clone())
+            .get_opt(&pc.name)
+            .await
+            .map_err(api_err("get", format!("PriorityClass {}", pc.name)))?;
+        Ok(class.map_or(Referenced::Missing, |c| {
+            Referenced::Value(c.value.unwrap_or(0))
+        }))
+    }
+
     /// The facts the status needs: namespace labels, Runner pods, NetworkPolicies.
     async fn facts(&self, pool: &RunnerPool) -> Result<Facts, ReconcileError> {
         let client = self.ctx.client.clone();
@@ -248,6 +276,7 @@ impl Shared {
 struct Observation {
     inputs: Inputs,
     facts: Facts,
+    priority: Referenced,
 }
 
 impl Reconciler for Shared {
@@ -276,8 +305,16 @@ impl Reconciler for Shared {
         if cleanup {
             return Ok(None);
         }
-        let (inputs, facts) = tokio::try_join!(self.inputs(pool), self.facts(pool))?;
-        Ok(Some(Observation { inputs, facts }))
+        let (inputs, facts, priority) = tokio::try_join!(
+            self.inputs(pool),
+            self.facts(pool),
+            self.referenced_priority(pool)
+        )?;
+        Ok(Some(Observation {
+            inputs,
+            facts,
+            priority,
+        }))
     }
 
     async fn apply(
@@ -291,6 +328,21 @@ impl Reconciler for Shared {
             children::delete_priority_classes(&self.ctx, pool, &BTreeSet::new()).await?;
             return Ok(Outcome::new(None));
         };
+        if let Err(why) = priority::check(pool, self.cfg.max_priority, o.priority) {
+            let new = status::refused(
+                pool,
+                podmotion_api::names::reasons::PRIORITY_CLASS_REFUSED,
+                &why,
+                Timestamp::now(),
+            );
+            let old = pool.status.clone().unwrap_or_default();
+            let mut out = Outcome::new(Some(new));
+            if let Some(new) = &out.status {
+                out.notes.extend(status::health_change(&old, new));
+            }
+            out.requeue = Some(RESYNC);
+            return Ok(out);
+        }
         let applied = self.apply_children(pool, &o.inputs).await?;
         let (desired, applied) = applied;
         let drift = status::drift_note(&applied.drift);
