@@ -201,3 +201,123 @@ pub fn entrypoint(image: &str) -> anyhow::Result<String> {
         .map(str::to_owned)
         .with_context(|| format!("{image} has no entrypoint"))
 }
+
+/// `kubectl port-forward` to a pod's port, as a user reaches an attach agent's control
+/// API: the local port it listens on, and the process (killed on drop).
+pub struct PortForward {
+    child: std::process::Child,
+    pub local_port: u16,
+}
+
+impl PortForward {
+    pub fn start(namespace: &str, pod: &str, port: u16) -> anyhow::Result<PortForward> {
+        use std::io::{BufRead, BufReader};
+        let mut child = Command::new(crate::kubectl_path()?)
+            .arg("--kubeconfig")
+            .arg(crate::kubeconfig_path())
+            .args(["port-forward", "-n", namespace, &format!("pod/{pod}")])
+            .arg(format!("127.0.0.1:0:{port}"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("kubectl port-forward")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        // "Forwarding from 127.0.0.1:41234 -> 8400"
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let local_port = line
+            .split_once("127.0.0.1:")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|p| p.parse().ok());
+        match local_port {
+            Some(local_port) => Ok(PortForward { child, local_port }),
+            None => {
+                let _ = child.kill();
+                let out = child.wait_with_output()?;
+                bail!(
+                    "kubectl port-forward printed {line:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            }
+        }
+    }
+}
+
+impl Drop for PortForward {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Writes one HTTP/1.1 request (`Connection: close` unless `upgrade`) on a fresh
+/// connection to `127.0.0.1:port` and reads the status line and headers.
+fn http_head(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: &str,
+    upgrade: bool,
+) -> anyhow::Result<(u16, std::io::BufReader<std::net::TcpStream>)> {
+    use std::io::{BufRead, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    let extra = if upgrade {
+        "Connection: Upgrade\r\nUpgrade: podmotion-stream\r\n"
+    } else {
+        "Connection: close\r\nContent-Length: 0\r\n"
+    };
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer {token}\r\n{extra}\r\n"
+    )?;
+    let mut r = std::io::BufReader::new(s);
+    let mut status = String::new();
+    r.read_line(&mut status)?;
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("{method} {path}: status line {status:?}"))?;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h)?;
+        if h.trim().is_empty() {
+            break;
+        }
+    }
+    Ok((code, r))
+}
+
+/// One request to an attach agent's control API; the status and the body.
+pub fn agent_call(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: &str,
+) -> anyhow::Result<(u16, String)> {
+    use std::io::Read;
+    let (code, mut r) = http_head(port, method, path, token, false)?;
+    let mut body = String::new();
+    r.read_to_string(&mut body)?;
+    // Chunked bodies: keep the JSON between the chunk sizes.
+    let body = match (body.find(['{', '[']), body.rfind(['}', ']'])) {
+        (Some(a), Some(b)) if b >= a => body[a..=b].to_owned(),
+        _ => body,
+    };
+    Ok((code, body))
+}
+
+/// An upgraded stream of the control API (`GET …/accept`, `GET …/stream`).
+pub fn agent_stream(
+    port: u16,
+    path: &str,
+    token: &str,
+) -> anyhow::Result<std::io::BufReader<std::net::TcpStream>> {
+    let (code, r) = http_head(port, "GET", path, token, true)?;
+    anyhow::ensure!(
+        code == 101,
+        "GET {path}: {code}, not 101 Switching Protocols"
+    );
+    Ok(r)
+}

@@ -7,14 +7,19 @@
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
+use std::collections::BTreeMap;
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use podmotion_e2e::real::{Images, entrypoint, pin, real_nodes};
+use podmotion_api::names::labels;
+use podmotion_e2e::real::{
+    Images, PortForward, agent_call, agent_stream, entrypoint, pin, real_nodes,
+};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
     random_suffix, repo_root, wait_for, wait_list,
@@ -421,9 +426,11 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
 
     // A NodeAgentAttachment on two real replicas: one attach Job each, Running our image.
     let testload = images.testload().unwrap();
+    let mark = format!("real-{}", random_suffix());
     let mut spec = json!({
         "containers": [{"name": "app", "image": testload, "args": ["serve", "8080"],
             "ports": [{"containerPort": 8080}],
+            "env": [{"name": "PODMOTION_E2E_MARK", "value": mark}],
             "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}]
     });
     pin(&mut spec, &nodes[0]);
@@ -454,47 +461,61 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         "metadata": {"name": "web", "namespace": app.name},
         "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
     });
-    let mut child = Command::new(kubectl_path().unwrap())
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(["apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(naa.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "apply attachment: {}", text(&out));
+    kubectl_apply(&naa);
     let agent_pods: Api<Pod> = Api::namespaced(op.client.clone(), &agents);
     let attach_image = images.attach().unwrap();
-    let running = wait_list(
+    let running = attach_pods_running(&agent_pods, &attach_image, 2).await;
+    assert_eq!(running.len(), 2);
+    let before = app_containers(&app_pods).await;
+
+    // Each agent, reached as a user reaches it (kubectl port-forward, the Job's token),
+    // sees its replica: the environment, the files, intercepts and wiretaps real
+    // traffic to the replica's pod IP, and the application is never restarted.
+    let mut target_pids = vec![];
+    for agent in &running {
+        let target_uid = &agent.labels()[labels::TARGET_POD_UID];
+        let (app_ip, _) = before
+            .get(target_uid)
+            .unwrap_or_else(|| panic!("no app pod with uid {target_uid}: {before:?}"));
+        let pid = exercise_agent(&op.client, &agents, agent, app_ip, &mark, &testload).await;
+        target_pids.push(pid);
+    }
+    assert_eq!(
+        app_containers(&app_pods).await,
+        before,
+        "the replicas' containers changed (restarted or replaced)"
+    );
+
+    // Deleting the attachment removes every Job and the redirect table in every replica.
+    let out = kubectl(&[
+        "delete",
+        "naa",
+        "web",
+        "-n",
+        &app.name,
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    assert!(out.status.success(), "delete attachment: {}", text(&out));
+    wait_list(
         &agent_pods,
-        // Every Job pod in the agents' namespace is an attachment's.
         "batch.kubernetes.io/job-name",
         POD_TIMEOUT,
-        "an attach Job pod Running and Ready (its /healthz) on each replica's node",
-        |ps| {
-            ps.iter()
-                .filter(|p| {
-                    pod_running_ready(p)
-                        && p.spec.as_ref().is_some_and(|s| {
-                            s.containers[0].image.as_deref() == Some(attach_image.as_str())
-                        })
-                })
-                .count()
-                == 2
-        },
+        "no attach Job pod left",
+        |ps| ps.is_empty(),
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
-    assert_eq!(running.len(), 2);
+    for pid in &target_pids {
+        let tables = nft_tables(*pid);
+        assert!(
+            !tables.contains("podmotion_agent"),
+            "pid {pid} still has the agent's table: {tables}"
+        );
+    }
+    // Attached again, for the uninstall hook below.
+    kubectl_apply(&naa);
+    attach_pods_running(&agent_pods, &attach_image, 2).await;
 
     // Upgrade: a changed value rolls the operator, and everything stays Ready.
     let mut args = vec!["upgrade", release.as_str()];
@@ -536,6 +557,232 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         left, 0,
         "attachment Jobs left after uninstall: the reap hook did not run"
     );
+}
+
+/// `kubectl apply -f -` of one object.
+fn kubectl_apply(obj: &serde_json::Value) {
+    use std::io::Write;
+    let mut child = Command::new(kubectl_path().unwrap())
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(obj.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "kubectl apply: {}", text(&out));
+}
+
+/// Waits for `n` attach Job pods Running and Ready (their /healthz) with our image.
+async fn attach_pods_running(agent_pods: &Api<Pod>, image: &str, n: usize) -> Vec<Pod> {
+    let pods = wait_list(
+        agent_pods,
+        // Every Job pod in the agents' namespace is an attachment's.
+        "batch.kubernetes.io/job-name",
+        POD_TIMEOUT,
+        "an attach Job pod Running and Ready (its /healthz) on each replica's node",
+        |ps| {
+            ps.iter()
+                .filter(|p| {
+                    pod_running_ready(p)
+                        && p.spec
+                            .as_ref()
+                            .is_some_and(|s| s.containers[0].image.as_deref() == Some(image))
+                })
+                .count()
+                == n
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    pods.into_iter().filter(pod_running_ready).collect()
+}
+
+/// The app pods by UID: pod IP, and each container's (ID, restart count).
+async fn app_containers(pods: &Api<Pod>) -> BTreeMap<String, (String, Vec<(String, i32)>)> {
+    pods.list(&ListParams::default().labels("app=web"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|p| {
+            let st = p.status.clone().unwrap_or_default();
+            let containers = st
+                .container_statuses
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| (c.container_id.unwrap_or_default(), c.restart_count))
+                .collect();
+            (
+                p.uid().unwrap_or_default(),
+                (st.pod_ip.unwrap_or_default(), containers),
+            )
+        })
+        .collect()
+}
+
+/// The nftables tables in the network namespace of host PID `pid`.
+fn nft_tables(pid: u32) -> String {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(["nft", "list", "tables"])
+        .output()
+        .expect("nsenter nft");
+    assert!(
+        out.status.success(),
+        "nft list tables in {pid}: {}",
+        text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// One line to the testload server at `ip:8080` and its answer.
+fn ask(ip: &str, line: &str) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::net::TcpStream::connect((ip, 8080)).expect("connect to the replica");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    writeln!(s, "{line}").unwrap();
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).unwrap();
+    answer.trim_end().to_owned()
+}
+
+/// Drives one attach agent through its control API and returns its target's host PID:
+/// the environment and files it reads are the replica's, its table is in the replica's
+/// network namespace, an intercept takes a real connection to the replica's IP (and
+/// stopping it gives the application its traffic back), a wiretap copies a request the
+/// application still answers.
+async fn exercise_agent(
+    client: &kube::Client,
+    agents: &str,
+    agent: &Pod,
+    app_ip: &str,
+    mark: &str,
+    testload: &str,
+) -> u32 {
+    use std::io::{BufRead, Read, Write};
+    let name = agent.name_any();
+    let job = &agent.labels()["batch.kubernetes.io/job-name"];
+    let secret = Api::<Secret>::namespaced(client.clone(), agents)
+        .get(job)
+        .await
+        .unwrap();
+    let token = String::from_utf8(secret.data.unwrap()["token"].0.clone()).unwrap();
+    let pf = PortForward::start(agents, &name, 8400).unwrap_or_else(|e| panic!("{e:#}"));
+    let port = pf.local_port;
+    let call = |method: &str, path: &str| {
+        agent_call(port, method, path, &token).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+    };
+
+    let (code, health) = call("GET", "/healthz");
+    assert_eq!(code, 200, "{name} /healthz: {health}");
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    let pid = health["pid"].as_u64().expect("pid") as u32;
+    assert!(
+        health["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["port"] == 8080),
+        "{health}"
+    );
+    // Unauthenticated calls are refused.
+    assert_eq!(agent_call(port, "GET", "/v1/env", "wrong").unwrap().0, 401);
+
+    let (code, env) = call("GET", "/v1/env");
+    assert_eq!(code, 200, "{env}");
+    let env: Vec<serde_json::Value> = serde_json::from_str(&env).unwrap();
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == "PODMOTION_E2E_MARK" && e["value"] == mark),
+        "{name}: the target's environment lacks its mark: {env:?}"
+    );
+    let (code, exports) = call("GET", "/v1/exports");
+    assert_eq!(code, 200, "{exports}");
+    let exports: serde_json::Value = serde_json::from_str(&exports).unwrap();
+    let root = exports["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["container_path"] == "/")
+        .unwrap_or_else(|| panic!("{exports}"));
+    assert!(
+        root["target"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("/proc/{pid}/root")),
+        "{exports}"
+    );
+    let program = entrypoint(testload).unwrap();
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}/root{program}")).exists(),
+        "the export's target does not hold the replica's {program}"
+    );
+    assert!(
+        nft_tables(pid).contains("podmotion_agent"),
+        "no agent table in pid {pid}'s netns"
+    );
+
+    // Intercept: a connection to the replica's IP reaches this client, not the app.
+    assert_eq!(ask(app_ip, "echo before"), "before");
+    let (code, body) = call("POST", "/v1/intercepts/8080");
+    assert_eq!(code, 201, "{body}");
+    let mut taken = agent_stream(port, "/v1/intercepts/8080/accept", &token)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let ip = app_ip.to_owned();
+    let asker = std::thread::spawn(move || ask(&ip, "echo hello"));
+    let mut meta = String::new();
+    taken.read_line(&mut meta).unwrap();
+    assert!(meta.contains("original_dst"), "{meta}");
+    let mut request = String::new();
+    taken.read_line(&mut request).unwrap();
+    assert_eq!(request, "echo hello\n");
+    taken.get_mut().write_all(b"intercepted\n").unwrap();
+    assert_eq!(asker.join().unwrap(), "intercepted");
+    drop(taken);
+    let (code, body) = call("DELETE", "/v1/intercepts/8080");
+    assert!((200..300).contains(&code), "{code} {body}");
+    assert_eq!(
+        ask(app_ip, "echo after"),
+        "after",
+        "the app has its traffic back"
+    );
+
+    // Wiretap: the app answers, and the tap sees the request.
+    let (code, body) = call("POST", "/v1/wiretaps/8080");
+    assert!((200..300).contains(&code), "{code} {body}");
+    let id = serde_json::from_str::<serde_json::Value>(&body).unwrap()["id"]
+        .as_str()
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("{body}"));
+    let mut tap = agent_stream(port, &format!("/v1/wiretaps/8080/{id}/stream"), &token)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(ask(app_ip, "echo tapped"), "tapped");
+    let mut seen = Vec::new();
+    loop {
+        let mut head = [0u8; 9];
+        tap.read_exact(&mut head).expect("a wiretap frame");
+        let len = u32::from_be_bytes(head[5..9].try_into().unwrap()) as usize;
+        let mut payload = vec![0; len];
+        tap.read_exact(&mut payload).unwrap();
+        if head[0] == 1 {
+            seen.extend_from_slice(&payload);
+            if seen.windows(11).any(|w| w == b"echo tapped") {
+                break;
+            }
+        }
+    }
+    let (code, body) = call("DELETE", &format!("/v1/wiretaps/8080/{id}"));
+    assert!((200..300).contains(&code), "{code} {body}");
+    pid
 }
 
 /// Uninstalls a release a failed test left (without hooks).
