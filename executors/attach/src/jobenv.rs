@@ -7,103 +7,53 @@
 //! `PODMOTION_*` variables take precedence; these fill what is left unset.
 
 use crate::nft::Redirect;
-use serde::Deserialize;
-use std::collections::BTreeMap;
+pub use podmotion_attach_job::{AgentConfig, PortEntry, config_keys, container_ids, env};
 
 /// First forwarder port handed out when the config does not name one.
 pub const AGENT_PORT_BASE: u16 = 15001;
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AgentConfig {
-    #[serde(default, rename = "agentGID")]
-    pub agent_gid: Option<u32>,
-    /// Target container names, primary first.
-    #[serde(default)]
-    pub containers: Vec<String>,
-    /// Intercepted ports: numbers, or `{"port": N, "agentPort": M}`.
-    #[serde(default)]
-    pub ports: Vec<PortEntry>,
-    /// Free-form sidecar settings; `envPrefix` and `envExclude` (comma list) are used.
-    #[serde(default)]
-    pub config: BTreeMap<String, String>,
-}
-
-#[derive(Debug, Deserialize, PartialEq, Eq)]
-#[serde(untagged)]
-pub enum PortEntry {
-    Number(u16),
-    Mapped {
-        port: u16,
-        #[serde(default, rename = "agentPort")]
-        agent_port: Option<u16>,
-        /// `TCP` (default) or `UDP`; only TCP is redirected.
-        #[serde(default)]
-        protocol: Option<String>,
-    },
-}
-
-pub fn parse_agent_config(json: &str) -> Result<AgentConfig, String> {
-    serde_json::from_str(json).map_err(|e| format!("AGENT_CONFIG: {e}"))
-}
-
-impl AgentConfig {
-    /// Port mappings, with forwarder ports assigned from [`AGENT_PORT_BASE`] upwards
-    /// where none is given (never colliding with an application or forwarder port).
-    pub fn redirects(&self) -> Result<Vec<Redirect>, String> {
-        let wanted: Vec<(u16, Option<u16>)> = self
-            .ports
-            .iter()
-            .map(|p| match p {
-                PortEntry::Number(n) => Ok((*n, None)),
-                PortEntry::Mapped { port, agent_port, protocol } => match protocol.as_deref() {
-                    None | Some("TCP") => Ok((*port, *agent_port)),
-                    Some(p) => Err(format!("AGENT_CONFIG: port {port}/{p}: only TCP ports can be intercepted by the node agent")),
-                },
-            })
-            .collect::<Result<_, String>>()?;
-        let mut taken: Vec<u16> = wanted
-            .iter()
-            .flat_map(|(a, b)| [Some(*a), *b])
-            .flatten()
-            .collect();
-        let mut next = AGENT_PORT_BASE;
-        let mut out = Vec::new();
-        for (port, agent_port) in wanted {
-            if port == 0 {
-                return Err("AGENT_CONFIG: port 0".into());
-            }
-            if out.iter().any(|r: &Redirect| r.port == port) {
-                return Err(format!("AGENT_CONFIG: port {port} listed twice"));
-            }
-            let to = match agent_port {
-                Some(p) => p,
-                None => {
-                    while taken.contains(&next) {
-                        next = next
-                            .checked_add(1)
-                            .ok_or("AGENT_CONFIG: out of forwarder ports")?;
-                    }
-                    taken.push(next);
-                    next
+/// The port mappings of `config`, with forwarder ports assigned from
+/// [`AGENT_PORT_BASE`] upwards where none is given (never colliding with an application
+/// or forwarder port).
+pub fn redirects(config: &AgentConfig) -> Result<Vec<Redirect>, String> {
+    let wanted: Vec<(u16, Option<u16>)> = config
+        .ports
+        .iter()
+        .map(|p| match p {
+            PortEntry::Number(n) => Ok((*n, None)),
+            PortEntry::Mapped { port, agent_port, protocol } => match protocol.as_deref() {
+                None | Some("TCP") => Ok((*port, *agent_port)),
+                Some(p) => Err(format!("AGENT_CONFIG: port {port}/{p}: only TCP ports can be intercepted by the node agent")),
+            },
+        })
+        .collect::<Result<_, String>>()?;
+    let mut taken: Vec<u16> = wanted
+        .iter()
+        .flat_map(|(a, b)| [Some(*a), *b])
+        .flatten()
+        .collect();
+    let mut next = AGENT_PORT_BASE;
+    let mut out = Vec::new();
+    for (port, agent_port) in wanted {
+        if port == 0 {
+            return Err("AGENT_CONFIG: port 0".into());
+        }
+        if out.iter().any(|r: &Redirect| r.port == port) {
+            return Err(format!("AGENT_CONFIG: port {port} listed twice"));
+        }
+        let to = match agent_port {
+            Some(p) => p,
+            None => {
+                while taken.contains(&next) {
+                    next = next
+                        .checked_add(1)
+                        .ok_or("AGENT_CONFIG: out of forwarder ports")?;
                 }
-            };
-            out.push(Redirect { port, to });
-        }
-        Ok(out)
-    }
-}
-
-/// `AGENT_CONTAINER_IDS` (`{"app": "containerd://…", …}`) as a list, primary first:
-/// the order of `AGENT_CONFIG.containers`, then the remaining names sorted.
-pub fn container_ids(json: &str, order: &[String]) -> Result<Vec<String>, String> {
-    let map: BTreeMap<String, String> =
-        serde_json::from_str(json).map_err(|e| format!("AGENT_CONTAINER_IDS: {e}"))?;
-    let mut out: Vec<String> = order.iter().filter_map(|n| map.get(n).cloned()).collect();
-    for (name, id) in &map {
-        if !order.contains(name) {
-            out.push(id.clone());
-        }
+                taken.push(next);
+                next
+            }
+        };
+        out.push(Redirect { port, to });
     }
     Ok(out)
 }
@@ -114,7 +64,7 @@ mod tests {
 
     #[test]
     fn controller_agent_config_yields_gid_ports_and_env_treatment() {
-        let c = parse_agent_config(
+        let c = AgentConfig::parse(
             r#"{"namespace":"ns","workload":{"kind":"Deployment","name":"web"},"containers":["app","side"],
                 "agentGID":7777,"managerNamespace":"podmotion","config":{"envPrefix":"T_"},
                 "ports":[8080,{"port":9090,"agentPort":15001},{"port":7070}]}"#,
@@ -124,7 +74,7 @@ mod tests {
         assert_eq!(c.config["envPrefix"], "T_");
         // 15001 is taken by 9090's explicit mapping: auto-assignment skips it.
         assert_eq!(
-            c.redirects().unwrap(),
+            redirects(&c).unwrap(),
             vec![
                 Redirect {
                     port: 8080,
@@ -144,17 +94,17 @@ mod tests {
 
     #[test]
     fn udp_ports_are_refused_with_a_clear_error() {
-        let c = parse_agent_config(r#"{"ports":[{"port":53,"protocol":"UDP"}]}"#).unwrap();
-        let e = c.redirects().unwrap_err();
+        let c = AgentConfig::parse(r#"{"ports":[{"port":53,"protocol":"UDP"}]}"#).unwrap();
+        let e = redirects(&c).unwrap_err();
         assert!(e.contains("only TCP"), "{e}");
-        let c = parse_agent_config(r#"{"ports":[{"port":80,"protocol":"TCP"}]}"#).unwrap();
-        assert_eq!(c.redirects().unwrap()[0].port, 80);
+        let c = AgentConfig::parse(r#"{"ports":[{"port":80,"protocol":"TCP"}]}"#).unwrap();
+        assert_eq!(redirects(&c).unwrap()[0].port, 80);
     }
 
     #[test]
     fn duplicate_ports_are_refused() {
-        let c = parse_agent_config(r#"{"ports":[8080,8080]}"#).unwrap();
-        assert!(c.redirects().is_err());
+        let c = AgentConfig::parse(r#"{"ports":[8080,8080]}"#).unwrap();
+        assert!(redirects(&c).is_err());
     }
 
     #[test]

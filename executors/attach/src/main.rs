@@ -4,7 +4,7 @@
 use clap::Parser;
 use podmotion_attach::agent::{self, Config};
 use podmotion_attach::environ::EnvFilter;
-use podmotion_attach::jobenv;
+use podmotion_attach::jobenv::{self, config_keys, env};
 use podmotion_attach::nft::{DEFAULT_TABLE, Redirect};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -53,7 +53,7 @@ struct TargetArgs {
     #[arg(long, env = "PODMOTION_TARGET_PID")]
     pid: Option<u32>,
     /// The container-runtime socket; when absent, well-known sockets under --host-run are probed.
-    #[arg(long, env = "PODMOTION_CRI_SOCKET")]
+    #[arg(long, env = env::CRI_SOCKET)]
     cri_socket: Option<PathBuf>,
     /// The node's /run (or the runtime socket's directory) as mounted into the Job
     /// pod. Default: AGENT_CRI_SOCKET_DIR, else /run.
@@ -88,17 +88,17 @@ struct NetArgs {
 #[derive(Debug, clap::Args)]
 struct ControllerArgs {
     /// The sidecar-compatible agent configuration (JSON).
-    #[arg(long, env = "AGENT_CONFIG", hide_env_values = true)]
+    #[arg(long, env = env::AGENT_CONFIG, hide_env_values = true)]
     agent_config: Option<String>,
     /// Container name → CRI ID (JSON object).
-    #[arg(long, env = "AGENT_CONTAINER_IDS")]
+    #[arg(long, env = env::AGENT_CONTAINER_IDS)]
     container_ids_json: Option<String>,
     /// Where the runtime socket (or its directory) is mounted.
-    #[arg(long, env = "AGENT_CRI_SOCKET_DIR")]
+    #[arg(long, env = env::AGENT_CRI_SOCKET_DIR)]
     cri_socket_dir: Option<PathBuf>,
     /// Directory holding `token`: when set, the control API requires
     /// `Authorization: Bearer <token>` (all but /healthz).
-    #[arg(long, env = "AGENT_CREDENTIALS_DIR")]
+    #[arg(long, env = env::AGENT_CREDENTIALS_DIR)]
     credentials_dir: Option<PathBuf>,
 }
 
@@ -107,7 +107,7 @@ struct FileArgs {
     /// Directory the export symlinks are created in.
     #[arg(
         long,
-        env = "PODMOTION_EXPORTS_DIR",
+        env = env::EXPORTS_DIR,
         default_value = "/var/run/podmotion/exports"
     )]
     exports_dir: PathBuf,
@@ -169,7 +169,7 @@ fn main() -> std::process::ExitCode {
 fn config(cli: &Cli) -> Result<Config, String> {
     let c = &cli.controller;
     let agent_config = match &c.agent_config {
-        Some(json) => jobenv::parse_agent_config(json)?,
+        Some(json) => jobenv::AgentConfig::parse(json)?,
         None => jobenv::AgentConfig::default(),
     };
     let mut container_ids = cli.target.container_ids.clone();
@@ -187,7 +187,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
         .or(agent_config.agent_gid)
         .ok_or("no agent GID: give --agent-gid (or agentGID in AGENT_CONFIG)")?;
     let redirects = if cli.net.ports.is_empty() {
-        agent_config.redirects()?
+        jobenv::redirects(&agent_config)?
     } else {
         cli.net.ports.clone()
     };
@@ -195,11 +195,11 @@ fn config(cli: &Cli) -> Result<Config, String> {
         .files
         .env_prefix
         .clone()
-        .or_else(|| agent_config.config.get("envPrefix").cloned())
+        .or_else(|| agent_config.config.get(config_keys::ENV_PREFIX).cloned())
         .unwrap_or_default();
     let mut env_exclude = cli.files.env_exclude.clone();
     if env_exclude.is_empty()
-        && let Some(list) = agent_config.config.get("envExclude")
+        && let Some(list) = agent_config.config.get(config_keys::ENV_EXCLUDE)
     {
         env_exclude = list
             .split(',')

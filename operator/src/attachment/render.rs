@@ -28,6 +28,7 @@ use kube::{Resource, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AgentSettings, WorkloadRef};
 use podmotion_api::names::{annotations, labels};
+use podmotion_attach_job::{self as agent_job, AgentConfig, PortEntry, env as agent_env};
 
 use super::observed::{PodView, lease_duration_seconds, workload_key};
 
@@ -152,17 +153,22 @@ pub fn job(
     // directory the agent probes for the well-known runtime sockets.
     let cri_is_socket = cri_path.ends_with(".sock");
     let node = pod.node.clone().unwrap_or_default();
-    let ids_json = serde_json::to_string(container_ids).expect("a string map serializes");
+    let ids_json = agent_job::container_ids_json(container_ids);
     // The ports are left out of the hashed spec: a Job that already redirects every
     // wanted port is kept when fewer are wanted (see `reap::fate`).
-    let mut agent_config = serde_json::json!({
-        "namespace": profile.namespace,
-        "workload": {"kind": profile.workload.kind.as_str(), "name": profile.workload.name},
-        "containers": target.containers,
-        "agentGID": agent.gid,
-        "managerNamespace": settings.namespace,
-        "config": agent.config,
-    });
+    let mut agent_config = AgentConfig {
+        namespace: profile.namespace.into(),
+        workload: Some(agent_job::Workload {
+            kind: profile.workload.kind.as_str().into(),
+            name: profile.workload.name.clone(),
+        }),
+        containers: target.containers.to_vec(),
+        // Admission bounds the GID to 1..=2^31-1.
+        agent_gid: u32::try_from(agent.gid).ok(),
+        manager_namespace: settings.namespace.clone(),
+        config: agent.config.clone(),
+        ports: vec![],
+    };
     let env = |name: &str, value: String| EnvVar {
         name: name.into(),
         value: Some(value),
@@ -176,20 +182,23 @@ pub fn job(
         image: Some(image),
         args: Some(vec!["node-agent".into()]),
         env: Some(vec![
-            env("AGENT_CONFIG", agent_config.to_string()),
-            env("AGENT_TARGET_NAMESPACE", profile.namespace.into()),
-            env("AGENT_TARGET_POD", pod.name.clone()),
-            env("AGENT_TARGET_POD_UID", pod.uid.clone()),
-            env("AGENT_TARGET_POD_IP", pod.ip.clone().unwrap_or_default()),
-            env("AGENT_CONTAINER_IDS", ids_json.clone()),
+            env(agent_env::AGENT_CONFIG, agent_config.to_json()),
+            env(agent_env::AGENT_TARGET_NAMESPACE, profile.namespace.into()),
+            env(agent_env::AGENT_TARGET_POD, pod.name.clone()),
+            env(agent_env::AGENT_TARGET_POD_UID, pod.uid.clone()),
+            env(
+                agent_env::AGENT_TARGET_POD_IP,
+                pod.ip.clone().unwrap_or_default(),
+            ),
+            env(agent_env::AGENT_CONTAINER_IDS, ids_json.clone()),
             if cri_is_socket {
-                env("PODMOTION_CRI_SOCKET", CRI_MOUNT.into())
+                env(agent_env::CRI_SOCKET, CRI_MOUNT.into())
             } else {
-                env("AGENT_CRI_SOCKET_DIR", CRI_MOUNT.into())
+                env(agent_env::AGENT_CRI_SOCKET_DIR, CRI_MOUNT.into())
             },
-            env("AGENT_CREDENTIALS_DIR", CREDENTIALS_DIR.into()),
-            env("PODMOTION_EXPORTS_DIR", EXPORTS_DIR.into()),
-            env("NODE_NAME", node.clone()),
+            env(agent_env::AGENT_CREDENTIALS_DIR, CREDENTIALS_DIR.into()),
+            env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
+            env(agent_env::NODE_NAME, node.clone()),
         ]),
         ports: Some(vec![ContainerPort {
             name: Some("control".into()),
@@ -312,15 +321,19 @@ pub fn job(
     // Secret is not confirmed (an operator stopped between the two resumes it). Like
     // the ports, not part of the hash: it is the handshake's state, not a setting.
     spec.suspend = Some(true);
-    agent_config["ports"] = serde_json::json!(target.ports);
+    agent_config.ports = target
+        .ports
+        .iter()
+        .filter_map(|p| u16::try_from(*p).ok().map(PortEntry::Number))
+        .collect();
     if let Some(env) = spec
         .template
         .spec
         .as_mut()
         .and_then(|ps| ps.containers[0].env.as_mut())
-        .and_then(|env| env.iter_mut().find(|e| e.name == "AGENT_CONFIG"))
+        .and_then(|env| env.iter_mut().find(|e| e.name == agent_env::AGENT_CONFIG))
     {
-        env.value = Some(agent_config.to_string());
+        env.value = Some(agent_config.to_json());
     }
     let mut job_labels = agent_selector_labels();
     job_labels.insert(labels::NAME.into(), COMPONENT.into());

@@ -1,0 +1,190 @@
+//! The agent Job contract: what the attachment controller (operator) writes into an
+//! agent Job's environment and what the attach executor reads from it, defined once.
+//! The operator renders with these types and names, the executor parses with them, and
+//! `e2e/tests/attach_contract.rs` renders a Job and parses it back end to end.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Environment variable names of the agent container.
+pub mod env {
+    /// [`AgentConfig`](super::AgentConfig) as JSON: the sidecar-compatible configuration.
+    pub const AGENT_CONFIG: &str = "AGENT_CONFIG";
+    /// JSON object, container name → CRI container ID (`containerd://…` accepted).
+    pub const AGENT_CONTAINER_IDS: &str = "AGENT_CONTAINER_IDS";
+    /// Where the node's runtime socket directory (or `/run`) is mounted; probed.
+    pub const AGENT_CRI_SOCKET_DIR: &str = "AGENT_CRI_SOCKET_DIR";
+    /// Where the runtime socket itself is mounted (when the installer named a socket).
+    pub const CRI_SOCKET: &str = "PODMOTION_CRI_SOCKET";
+    /// Directory holding `token`, the control API's bearer token.
+    pub const AGENT_CREDENTIALS_DIR: &str = "AGENT_CREDENTIALS_DIR";
+    /// Where the export symlinks are created (a writable emptyDir).
+    pub const EXPORTS_DIR: &str = "PODMOTION_EXPORTS_DIR";
+    /// The target, for the agent's logs and its clients (informational).
+    pub const AGENT_TARGET_NAMESPACE: &str = "AGENT_TARGET_NAMESPACE";
+    pub const AGENT_TARGET_POD: &str = "AGENT_TARGET_POD";
+    pub const AGENT_TARGET_POD_UID: &str = "AGENT_TARGET_POD_UID";
+    pub const AGENT_TARGET_POD_IP: &str = "AGENT_TARGET_POD_IP";
+    /// The node the Job is pinned to (informational).
+    pub const NODE_NAME: &str = "NODE_NAME";
+
+    /// Every name the controller may set.
+    pub const ALL: [&str; 11] = [
+        AGENT_CONFIG,
+        AGENT_CONTAINER_IDS,
+        AGENT_CRI_SOCKET_DIR,
+        CRI_SOCKET,
+        AGENT_CREDENTIALS_DIR,
+        EXPORTS_DIR,
+        AGENT_TARGET_NAMESPACE,
+        AGENT_TARGET_POD,
+        AGENT_TARGET_POD_UID,
+        AGENT_TARGET_POD_IP,
+        NODE_NAME,
+    ];
+}
+
+/// Keys of [`AgentConfig::config`] the executor itself reads.
+pub mod config_keys {
+    /// Prefix added to every environment name the agent reports.
+    pub const ENV_PREFIX: &str = "envPrefix";
+    /// Comma list of environment names (`NAME` or `PREFIX*`) the agent drops.
+    pub const ENV_EXCLUDE: &str = "envExclude";
+}
+
+/// `AGENT_CONFIG`: what a traffic-agent sidecar would be told, plus the ports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentConfig {
+    /// The workload's namespace.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
+    /// Target container names, primary first.
+    #[serde(default)]
+    pub containers: Vec<String>,
+    /// The agent's GID (the Job's `runAsGroup`), exempted by the redirect rules.
+    #[serde(default, rename = "agentGID", skip_serializing_if = "Option::is_none")]
+    pub agent_gid: Option<u32>,
+    /// The namespace the agent Jobs live in.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub manager_namespace: String,
+    /// The attachment's `agent.config`; [`config_keys`] are read by the executor.
+    #[serde(default)]
+    pub config: BTreeMap<String, String>,
+    /// Intercepted ports: numbers, or `{"port": N, "agentPort": M}`.
+    #[serde(default)]
+    pub ports: Vec<PortEntry>,
+}
+
+/// The workload an agent is attached to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    pub kind: String,
+    pub name: String,
+}
+
+/// One intercepted port.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum PortEntry {
+    Number(u16),
+    Mapped {
+        port: u16,
+        #[serde(default, rename = "agentPort", skip_serializing_if = "Option::is_none")]
+        agent_port: Option<u16>,
+        /// `TCP` (default) or `UDP`; only TCP is redirected.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        protocol: Option<String>,
+    },
+}
+
+impl AgentConfig {
+    /// The JSON the controller puts in `AGENT_CONFIG`.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("strings and numbers serialize")
+    }
+
+    /// Parses `AGENT_CONFIG`.
+    pub fn parse(json: &str) -> Result<AgentConfig, String> {
+        serde_json::from_str(json).map_err(|e| format!("{}: {e}", env::AGENT_CONFIG))
+    }
+}
+
+/// `AGENT_CONTAINER_IDS` as the controller writes it.
+pub fn container_ids_json(ids: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(ids).expect("a string map serializes")
+}
+
+/// `AGENT_CONTAINER_IDS` (`{"app": "containerd://…", …}`) as a list, primary first:
+/// the order of `order` (`AGENT_CONFIG.containers`), then the remaining names sorted.
+pub fn container_ids(json: &str, order: &[String]) -> Result<Vec<String>, String> {
+    let map: BTreeMap<String, String> =
+        serde_json::from_str(json).map_err(|e| format!("{}: {e}", env::AGENT_CONTAINER_IDS))?;
+    let mut out: Vec<String> = order.iter().filter_map(|n| map.get(n).cloned()).collect();
+    for (name, id) in &map {
+        if !order.contains(name) {
+            out.push(id.clone());
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_reads_back_as_written() {
+        let c = AgentConfig {
+            namespace: "shop".into(),
+            workload: Some(Workload {
+                kind: "Deployment".into(),
+                name: "web".into(),
+            }),
+            containers: vec!["app".into()],
+            agent_gid: Some(7777),
+            manager_namespace: "agents".into(),
+            config: BTreeMap::from([(config_keys::ENV_PREFIX.to_string(), "T_".to_string())]),
+            ports: vec![PortEntry::Number(8080)],
+        };
+        assert_eq!(AgentConfig::parse(&c.to_json()), Ok(c));
+    }
+
+    #[test]
+    fn mapped_ports_and_the_sidecar_form_parse() {
+        let c = AgentConfig::parse(
+            r#"{"agentGID":7,"ports":[8080,{"port":9090,"agentPort":15001},{"port":53,"protocol":"UDP"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.ports,
+            vec![
+                PortEntry::Number(8080),
+                PortEntry::Mapped {
+                    port: 9090,
+                    agent_port: Some(15001),
+                    protocol: None
+                },
+                PortEntry::Mapped {
+                    port: 53,
+                    agent_port: None,
+                    protocol: Some("UDP".into())
+                },
+            ]
+        );
+        assert!(AgentConfig::parse("{\"ports\":[70000]}").is_err());
+    }
+
+    #[test]
+    fn container_ids_come_primary_first() {
+        let json = r#"{"b":"containerd://2","a":"containerd://1","c":"containerd://3"}"#;
+        assert_eq!(
+            container_ids(json, &["c".into()]).unwrap(),
+            ["containerd://3", "containerd://1", "containerd://2"]
+        );
+    }
+}
