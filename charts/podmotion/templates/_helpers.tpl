@@ -134,7 +134,7 @@ app.kubernetes.io/component: migration-agent
   value: {{ . | quote }}
 {{- end }}
 - name: PODMOTION_RUNNER_POOL_MAX_PRIORITY
-  value: {{ .Values.runnerPool.maxPriority | quote }}
+  value: {{ .Values.runnerPool.maxPriority | int64 | quote }}
 {{- with .Values.runnerPool.watchNamespace }}
 - name: PODMOTION_RUNNER_POOL_NAMESPACE
   value: {{ . | quote }}
