@@ -215,16 +215,20 @@ impl PortForward {
         let mut child = Command::new(crate::kubectl_path()?)
             .arg("--kubeconfig")
             .arg(crate::kubeconfig_path())
-            .args(["port-forward", "-n", namespace, &format!("pod/{pod}")])
-            .arg(format!("127.0.0.1:0:{port}"))
+            .args(["port-forward", "--address", "127.0.0.1", "-n", namespace])
+            .arg(format!("pod/{pod}"))
+            .arg(format!(":{port}"))
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .context("kubectl port-forward")?;
         let stdout = child.stdout.take().context("stdout")?;
         // "Forwarding from 127.0.0.1:41234 -> 8400"
+        let mut out = BufReader::new(stdout);
         let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
+        out.read_line(&mut line)?;
+        // kubectl prints a line per connection: keep reading, or it dies of SIGPIPE.
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
         let local_port = line
             .split_once("127.0.0.1:")
             .and_then(|(_, rest)| rest.split_whitespace().next())

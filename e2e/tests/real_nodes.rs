@@ -678,6 +678,13 @@ async fn exercise_agent(
     let token = String::from_utf8(secret.data.unwrap()["token"].0.clone()).unwrap();
     let pf = PortForward::start(agents, &name, 8400).unwrap_or_else(|e| panic!("{e:#}"));
     let port = pf.local_port;
+    // Wait until /healthz answers through the fresh port-forward.
+    let mut tries = 0;
+    while agent_call(port, "GET", "/healthz", "").is_err() {
+        tries += 1;
+        assert!(tries < 40, "{name}: no answer through kubectl port-forward");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let call = |method: &str, path: &str| {
         agent_call(port, method, path, &token).unwrap_or_else(|e| panic!("{name}: {e:#}"))
     };
@@ -735,16 +742,25 @@ async fn exercise_agent(
     assert_eq!(ask(app_ip, "echo before"), "before");
     let (code, body) = call("POST", "/v1/intercepts/8080");
     assert_eq!(code, 201, "{body}");
-    let mut taken = agent_stream(port, "/v1/intercepts/8080/accept", &token)
-        .unwrap_or_else(|e| panic!("{e:#}"));
     let ip = app_ip.to_owned();
     let asker = std::thread::spawn(move || ask(&ip, "echo hello"));
-    let mut meta = String::new();
-    taken.read_line(&mut meta).unwrap();
-    assert!(meta.contains("original_dst"), "{meta}");
-    let mut request = String::new();
-    taken.read_line(&mut request).unwrap();
-    assert_eq!(request, "echo hello\n");
+    // The kubelet's readiness probe (a TCP connect to 8080) is intercepted too: take
+    // connections until the one carrying our request arrives.
+    let mut taken = None;
+    for _ in 0..20 {
+        let mut stream = agent_stream(port, "/v1/intercepts/8080/accept", &token)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let mut meta = String::new();
+        stream.read_line(&mut meta).unwrap();
+        assert!(meta.contains("original_dst"), "{meta}");
+        let mut request = String::new();
+        stream.read_line(&mut request).unwrap();
+        if request == "echo hello\n" {
+            taken = Some(stream);
+            break;
+        }
+    }
+    let mut taken = taken.expect("our connection was never handed over");
     taken.get_mut().write_all(b"intercepted\n").unwrap();
     assert_eq!(asker.join().unwrap(), "intercepted");
     drop(taken);
@@ -760,8 +776,7 @@ async fn exercise_agent(
     let (code, body) = call("POST", "/v1/wiretaps/8080");
     assert!((200..300).contains(&code), "{code} {body}");
     let id = serde_json::from_str::<serde_json::Value>(&body).unwrap()["id"]
-        .as_str()
-        .map(str::to_owned)
+        .as_u64()
         .unwrap_or_else(|| panic!("{body}"));
     let mut tap = agent_stream(port, &format!("/v1/wiretaps/8080/{id}/stream"), &token)
         .unwrap_or_else(|e| panic!("{e:#}"));
