@@ -149,10 +149,8 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.attachment.agentImage | quote }}
 - name: PODMOTION_ATTACHMENT_CRI_SOCKET_PATH
   value: {{ .Values.attachment.criSocketPath | quote }}
-{{- with .Values.attachment.podAnnotations }}
 - name: PODMOTION_ATTACHMENT_POD_ANNOTATIONS
-  value: {{ toJson . | quote }}
-{{- end }}
+  value: {{ toJson (.Values.attachment.podAnnotations | default dict) | quote }}
 - name: PODMOTION_ATTACHMENT_SWEEP_SECONDS
   value: {{ .Values.attachment.sweepSeconds | quote }}
 - name: PODMOTION_ATTACHMENT_WRITE_PARALLELISM
