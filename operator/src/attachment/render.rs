@@ -458,31 +458,8 @@ mod tests {
     use podmotion_api::attachment::WorkloadKind;
 
     fn render(agent: &AgentSettings) -> Job {
-        let w = WorkloadRef {
-            kind: WorkloadKind::Deployment,
-            name: "web".into(),
-        };
         let p = pod("web-0").on_node("n1").ready().build();
-        let ids = BTreeMap::from([("app".to_string(), "containerd://abc".to_string())]);
-        let profile = AgentProfile {
-            namespace: "shop",
-            workload: &w,
-            agent,
-        };
-        let names = ["app".to_string()];
-        let target = AgentTarget {
-            pod: &p,
-            containers: &names,
-            container_ids: &ids,
-            ports: &[8080],
-        };
-        job(
-            &Settings::default(),
-            &profile,
-            &target,
-            "podmotion-agent-1234",
-        )
-        .0
+        render_with(&Settings::default(), agent, &p)
     }
 
     #[test]
@@ -496,34 +473,14 @@ mod tests {
     #[test]
     fn agent_pods_carry_the_installers_image_pull_secrets_and_none_by_default() {
         let j = render(&AgentSettings::default());
-        let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
-        assert_eq!(ps.image_pull_secrets, None);
-        let w = WorkloadRef {
-            kind: WorkloadKind::Deployment,
-            name: "web".into(),
-        };
-        let p = pod("web-0").on_node("n1").ready().build();
-        let ids = BTreeMap::from([("app".to_string(), "containerd://abc".to_string())]);
-        let agent = AgentSettings::default();
-        let profile = AgentProfile {
-            namespace: "shop",
-            workload: &w,
-            agent: &agent,
-        };
-        let names = ["app".to_string()];
-        let target = AgentTarget {
-            pod: &p,
-            containers: &names,
-            container_ids: &ids,
-            ports: &[8080],
-        };
+        assert_eq!(pod_spec(&j).image_pull_secrets, None);
         let settings = Settings {
             image_pull_secrets: vec!["regcred".into(), "mirror".into()],
             ..Settings::default()
         };
-        let (j2, hash2) = job(&settings, &profile, &target, "podmotion-agent-1234");
-        let ps2 = j2.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
-        let got: Vec<&str> = ps2
+        let p = pod("web-0").on_node("n1").ready().build();
+        let j2 = render_with(&settings, &AgentSettings::default(), &p);
+        let got: Vec<&str> = pod_spec(&j2)
             .image_pull_secrets
             .as_ref()
             .unwrap()
@@ -531,13 +488,13 @@ mod tests {
             .map(|r| r.name.as_str())
             .collect();
         assert_eq!(got, ["regcred", "mirror"]);
-        let (_, hash) = job(
-            &Settings::default(),
-            &profile,
-            &target,
-            "podmotion-agent-1234",
+        let hash =
+            |j: &Job| j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
+        assert_ne!(
+            hash(&j),
+            hash(&j2),
+            "a changed pull secret replaces the Jobs"
         );
-        assert_ne!(hash, hash2, "a changed pull secret replaces the Jobs");
     }
 
     #[test]
