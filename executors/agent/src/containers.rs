@@ -13,6 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::mounts::{HostView, SpecMount, rootfs, spec_mounts};
 use podmotion_cri as cri;
 use tonic::Status;
 
@@ -20,8 +21,9 @@ use tonic::Status;
 #[derive(Clone, Debug)]
 pub enum Containers {
     /// The node's run directory (or the socket's directory) holding a CRI socket at
-    /// one of the well-known paths (containerd, CRI-O, cri-dockerd).
-    Cri { run_dir: PathBuf },
+    /// one of the well-known paths (containerd, CRI-O, cri-dockerd); `host` is where
+    /// the node's root filesystem is seen (paths of the runtime spec are node paths).
+    Cri { run_dir: PathBuf, host: HostView },
     /// Local runs: a file of `<container-id> <pid>` lines.
     Table { path: PathBuf },
 }
@@ -30,9 +32,41 @@ pub enum Containers {
 const SETTLE: Duration = Duration::from_secs(10);
 
 impl Containers {
+    /// Where the node's files are seen from the agent.
+    pub fn host(&self) -> HostView {
+        match self {
+            Containers::Cri { host, .. } => host.clone(),
+            Containers::Table { .. } => HostView {
+                host_root: "/".into(),
+            },
+        }
+    }
+}
+
+/// A resolved container: its host PID and, for a real container, what its mount
+/// namespace is made of.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub pid: i32,
+    pub fs: Option<ContainerFs>,
+}
+
+/// A real container's runtime bind mounts and root filesystem (agent paths).
+#[derive(Clone, Debug)]
+pub struct ContainerFs {
+    pub spec: Vec<SpecMount>,
+    pub rootfs: PathBuf,
+}
+
+impl Containers {
     /// Host PID of the first of `ids` (the pod's first container: the tree CRIU dumps
     /// on the source, the holder on the target).
     pub async fn pid(&self, ids: &[String]) -> Result<i32, Status> {
+        Ok(self.resolve(ids).await?.pid)
+    }
+
+    /// The first of `ids`, resolved (see [`Containers::pid`]).
+    pub async fn resolve(&self, ids: &[String]) -> Result<Resolved, Status> {
         let Some(id) = ids.first() else {
             return Err(Status::invalid_argument(
                 "neither a pid nor a container ID was given",
@@ -41,16 +75,27 @@ impl Containers {
         let deadline = tokio::time::Instant::now() + SETTLE;
         loop {
             let res = match self {
-                Containers::Cri { run_dir } => match cri::discover(run_dir, id).await {
-                    Ok(c) => c.container_pid(id).await.map_err(|e| e.to_string()),
+                Containers::Cri { run_dir, host } => match cri::discover(run_dir, id).await {
+                    Ok(c) => c
+                        .running_container(id)
+                        .await
+                        .map(|r| {
+                            let fs = r.runtime_spec.as_ref().map(|spec| ContainerFs {
+                                spec: spec_mounts(spec),
+                                rootfs: rootfs(spec, &r.id, c.socket(), host),
+                            });
+                            (r.pid, fs)
+                        })
+                        .map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 },
-                Containers::Table { path } => lookup(path, id),
+                Containers::Table { path } => lookup(path, id).map(|pid| (pid, None)),
             };
             match res {
-                Ok(pid) => {
-                    return i32::try_from(pid)
-                        .map_err(|_| Status::internal(format!("container {id}: pid {pid}")));
+                Ok((pid, fs)) => {
+                    let pid = i32::try_from(pid)
+                        .map_err(|_| Status::internal(format!("container {id}: pid {pid}")))?;
+                    return Ok(Resolved { pid, fs });
                 }
                 Err(e) if tokio::time::Instant::now() >= deadline => {
                     return Err(Status::not_found(format!("container {id}: {e}")));

@@ -39,6 +39,9 @@ pub struct Opts {
     pub log_level: Option<i32>,
     #[prost(string, optional, tag = "10")]
     pub log_file: Option<String>,
+    /// Root of the restored mount namespace (a container's root filesystem).
+    #[prost(string, optional, tag = "13")]
+    pub root: Option<String>,
     #[prost(string, optional, tag = "14")]
     pub parent_img: Option<String>,
     #[prost(bool, optional, tag = "15")]
@@ -137,6 +140,17 @@ impl Criu {
     /// Runs one request in a fresh `criu swrk`. `inherit` descriptors must not be
     /// close-on-exec (criu finds them by number).
     pub fn call(&self, req: Req, log_in: Option<&Path>) -> Result<Resp, CriuError> {
+        self.call_in(req, log_in, None)
+    }
+
+    /// [`Criu::call`], with CRIU running inside the PID namespace of `holder_pid` when
+    /// given (a container's restore, see [`crate::pidns`]).
+    pub fn call_in(
+        &self,
+        req: Req,
+        log_in: Option<&Path>,
+        holder_pid: Option<i32>,
+    ) -> Result<Resp, CriuError> {
         let op = match req.r#type {
             REQ_DUMP => "dump",
             REQ_RESTORE => "restore",
@@ -155,7 +169,12 @@ impl Criu {
             nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
         )
         .map_err(|e| CriuError::Spawn(e.to_string()))?;
-        let mut child = std::process::Command::new(&self.binary)
+        let mut cmd = match holder_pid {
+            Some(pid) => crate::pidns::criu_command(&self.binary, pid)
+                .map_err(|e| CriuError::Spawn(e.to_string()))?,
+            None => std::process::Command::new(&self.binary),
+        };
+        let mut child = cmd
             .arg("swrk")
             .arg(theirs.as_raw_fd().to_string())
             .stdin(std::process::Stdio::null())

@@ -8,5 +8,7 @@ pub mod admission;
 pub mod containers;
 pub mod criu;
 pub mod images;
+pub mod mounts;
+pub mod pidns;
 pub mod service;
 pub mod testbed;

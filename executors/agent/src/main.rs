@@ -38,6 +38,11 @@ struct Args {
     /// cri-dockerd) and resolves the operator's container IDs to host PIDs.
     #[arg(long, env = "PODMOTION_CRI_RUN_DIR", default_value = "/run")]
     cri_run_dir: PathBuf,
+    /// Where the node's root filesystem is mounted into the agent (read-only, with
+    /// host-to-container propagation): paths in the runtime's container specs are node
+    /// paths, found under it.
+    #[arg(long, env = "PODMOTION_HOST_ROOT", default_value = "/")]
+    host_root: PathBuf,
     /// Local runs only (nodes simulated by kwok): resolve container IDs through a file
     /// of `<container-id> <pid>` lines instead of the container runtime.
     #[arg(long, env = "PODMOTION_CONTAINER_TABLE")]
@@ -51,8 +56,17 @@ struct Args {
     checkpoints_root: PathBuf,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // CRIU's launch stages (crate::pidns) are this binary too; they run before any
+    // thread exists, as entering namespaces requires.
+    let argv: Vec<String> = std::env::args().collect();
+    if let Some(code) = podmotion_agent::pidns::run_stage(&argv) {
+        std::process::exit(code);
+    }
+    tokio::runtime::Runtime::new()?.block_on(serve())
+}
+
+async fn serve() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -82,6 +96,9 @@ async fn main() -> anyhow::Result<()> {
         Some(path) => Containers::Table { path },
         None => Containers::Cri {
             run_dir: a.cri_run_dir,
+            host: podmotion_agent::mounts::HostView {
+                host_root: a.host_root,
+            },
         },
     };
     tracing::info!(?containers, "container IDs resolve through");

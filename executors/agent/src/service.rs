@@ -3,9 +3,10 @@
 //! again, a step out of order is `FailedPrecondition`.
 
 use crate::admission::{Admission, Step, admit};
-use crate::containers::Containers;
+use crate::containers::{ContainerFs, Containers, Resolved};
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
+use crate::mounts;
 use futures::Stream;
 use podmotion_broker::client::BrokerClient;
 use podmotion_broker::procfs;
@@ -62,6 +63,8 @@ struct Migration {
     sent: std::collections::BTreeSet<String>,
     broker: Arc<StdMutex<BrokerClient>>,
     netns_path: Option<String>,
+    /// A real container (source: the dumped one; target: the holder): its mounts.
+    fs: Option<ContainerFs>,
 }
 
 impl Migration {
@@ -167,9 +170,9 @@ impl Agent {
         if r.transfer_key.len() != transfer::KEY_LEN {
             return Err(Status::invalid_argument("transfer key must be 32 bytes"));
         }
-        let pid = match r.pid {
-            0 => self.cfg.containers.pid(&r.container_ids).await?,
-            pid => pid,
+        let Resolved { pid, fs } = match r.pid {
+            0 => self.cfg.containers.resolve(&r.container_ids).await?,
+            pid => Resolved { pid, fs: None },
         };
         let start_time = if r.pid_start_time == 0 {
             procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?
@@ -206,6 +209,7 @@ impl Agent {
             sent: Default::default(),
             broker: Arc::new(StdMutex::new(client)),
             netns_path: None,
+            fs,
         };
         let broker_role = if role == Role::Source {
             BrokerRole::Source
@@ -246,6 +250,8 @@ impl Agent {
         let mut o = Opts::new(dir, log);
         o.pid = Some(m.process.pid);
         o.external = vec![format!("net[{}]:{NETNS_KEY}", netns_ino(m.process.pid)?)];
+        o.external
+            .extend(mounts::dump_external_args(&self.external_mounts(m)?));
         if self.cfg.track_mem {
             o.track_mem = Some(true);
             if m.iteration > 0 {
@@ -253,6 +259,20 @@ impl Agent {
             }
         }
         Ok(o)
+    }
+
+    /// The mount points a container's dump declares external (none for a process in
+    /// the node's mount namespace).
+    fn external_mounts(&self, m: &Migration) -> Result<Vec<String>, Status> {
+        let Some(fs) = &m.fs else {
+            return Ok(vec![]);
+        };
+        let mi = std::fs::read_to_string(format!("/proc/{}/mountinfo", m.process.pid))
+            .map_err(|e| Status::failed_precondition(format!("mounts of the source: {e}")))?;
+        Ok(mounts::dump_externals(
+            &fs.spec,
+            &mounts::parse_mountinfo(&mi),
+        ))
     }
 
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
@@ -306,6 +326,15 @@ impl Agent {
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let dir = m.dir.join("final");
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
+        let external_mounts = self.external_mounts(&m)?;
+        let stdio_pipes: Vec<(i32, String)> = if m.fs.is_some() {
+            mounts::stdio_pipes(m.process.pid)
+                .into_iter()
+                .map(|p| (p.fd, p.key))
+                .collect()
+        } else {
+            vec![]
+        };
         let opts = {
             let mut o = self.dump_opts(&m, &dir, "dump.log")?;
             o.tcp_established = Some(true);
@@ -363,6 +392,8 @@ impl Agent {
                 })
                 .collect(),
             tcp: m.tcp as i32,
+            external_mounts,
+            stdio_pipes,
         };
         std::fs::write(
             m.dir.join("manifest.json"),
@@ -675,6 +706,11 @@ impl Agent {
                 fd: ns_fd.as_raw_fd(),
             }];
         }
+        // A container: its mounts bound to the holder's, its root the holder's root
+        // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
+        // the holder's PID namespace (crate::pidns).
+        let container = self.container_restore(&m, &manifest, &mut o)?;
+        let holder_pid = container.is_some().then_some(m.process.pid);
         if preserve {
             o.tcp_established = Some(true);
         } else {
@@ -686,15 +722,17 @@ impl Agent {
         let log = dir.join("restore.log");
         let resp = blocking(move || {
             let r = criu
-                .call(
+                .call_in(
                     Req {
                         r#type: criu::REQ_RESTORE,
                         opts: Some(o),
                     },
                     Some(&log),
+                    holder_pid,
                 )
                 .map_err(criu_status);
             drop(ns_fd);
+            drop(container);
             r
         })
         .await?;
@@ -738,6 +776,60 @@ impl Agent {
             "restored"
         );
         Ok(m.status())
+    }
+
+    /// Restore options for a container's dump (`None`: a process of the node's mount
+    /// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
+    /// stay open until the restore has run.
+    fn container_restore(
+        &self,
+        m: &Migration,
+        manifest: &Manifest,
+        o: &mut Opts,
+    ) -> Result<Option<Vec<std::os::fd::OwnedFd>>, Status> {
+        if manifest.external_mounts.is_empty() && m.fs.is_none() {
+            return Ok(None);
+        }
+        let Some(fs) = &m.fs else {
+            return Err(Status::failed_precondition(
+                "the source is a container but the target holder was not resolved through the container runtime",
+            ));
+        };
+        let holder_pid = m.process.pid;
+        let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
+            .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
+        let holder = mounts::Holder {
+            spec: fs.spec.clone(),
+            mountinfo: mounts::parse_mountinfo(&mi),
+            rootfs: fs.rootfs.clone(),
+        };
+        let args = mounts::restore_external_args(
+            &manifest.external_mounts,
+            &holder,
+            &self.cfg.containers.host(),
+        )
+        .map_err(Status::failed_precondition)?;
+        o.external.extend(args);
+        o.root = Some(holder.rootfs.to_string_lossy().into_owned());
+        let mut fds = Vec::new();
+        for (fd, key) in &manifest.stdio_pipes {
+            let path = format!("/proc/{holder_pid}/fd/{fd}");
+            let flags = if *fd == 0 {
+                nix::fcntl::OFlag::O_RDONLY
+            } else {
+                nix::fcntl::OFlag::O_WRONLY
+            };
+            // Not close-on-exec: criu swrk inherits it and finds it by number.
+            let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
+                .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
+            use std::os::fd::AsRawFd;
+            o.inherit_fd.push(criu::InheritFd {
+                key: key.clone(),
+                fd: f.as_raw_fd(),
+            });
+            fds.push(f);
+        }
+        Ok(Some(fds))
     }
 
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {

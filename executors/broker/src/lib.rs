@@ -66,6 +66,50 @@ pub struct Broker {
     next_conn: AtomicU64,
 }
 
+/// Whether cgroup path `cgroup` lies under one of `roots` (comma-separated: nodes that
+/// share one hierarchy, as the local cluster's do, have one pods root each).
+pub fn under_pods_root(cgroup: &str, roots: &str) -> bool {
+    roots
+        .split(',')
+        .map(|r| r.trim().trim_end_matches('/'))
+        .any(|root| {
+            !root.is_empty()
+                && cgroup
+                    .strip_prefix(root)
+                    .is_some_and(|r| r.starts_with('/'))
+        })
+}
+
+/// Writes every pid of `tree` into the cgroups of `holder`: each cgroup v1 hierarchy's
+/// (hybrid hosts) and the v2 one (`cgroup_v2`, its 0:: path). On a hybrid host the v2
+/// hierarchy may lack the pod's directory; then the v1 moves are what counts.
+fn move_into_cgroups_of(holder: i32, cgroup_v2: &str, tree: &[i32]) -> Result<(), BrokerError> {
+    let v1 = procfs::cgroup_v1_of(holder)?;
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
+    for (ctrls, path) in &v1 {
+        let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
+            err(
+                ErrorKind::Kernel,
+                format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
+            )
+        })?;
+        let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
+        for pid in tree {
+            std::fs::write(&procs, pid.to_string())
+                .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
+        }
+    }
+    let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
+    if !v1.is_empty() && !dir.is_dir() {
+        return Ok(());
+    }
+    let procs = dir.join("cgroup.procs");
+    for pid in tree {
+        std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
+    }
+    Ok(())
+}
+
 fn err(kind: ErrorKind, m: impl Into<String>) -> BrokerError {
     BrokerError::new(kind, m)
 }
@@ -288,10 +332,8 @@ impl Broker {
                     ));
                 }
                 let cgroup = procfs::cgroup_of(process.pid)?;
-                let root = self.cfg.pods_cgroup_root.trim_end_matches('/');
-                let inside = cgroup
-                    .strip_prefix(root)
-                    .is_some_and(|r| r.starts_with('/'));
+                let root = &self.cfg.pods_cgroup_root;
+                let inside = under_pods_root(&cgroup, root);
                 let mine = procfs::cgroup_of(std::process::id() as i32).ok();
                 if !inside || mine.as_deref() == Some(cgroup.as_str()) {
                     return Err(err(
@@ -414,12 +456,8 @@ impl Broker {
                         ),
                     ));
                 }
-                let dir = procfs::cgroup2_mount()?.join(e.cgroup.trim_start_matches('/'));
-                let procs = dir.join("cgroup.procs");
                 let tree = procfs::tree(process.pid);
-                for pid in &tree {
-                    std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
-                }
+                move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
                 Ok((
                     Reply::Moved {
                         pids: tree.len() as u32,

@@ -80,6 +80,50 @@ pub fn cgroup2_mount() -> Result<PathBuf, BrokerError> {
     ))
 }
 
+/// `pid`'s cgroup v1 memberships: `(controllers, path)` per hierarchy (`cpu,cpuacct`,
+/// `name=systemd`, …). Empty on a cgroup v2-only host.
+pub fn cgroup_v1_of(pid: i32) -> Result<Vec<(String, String)>, BrokerError> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|_| no_such(pid))?;
+    Ok(parse_cgroup_v1(&s))
+}
+
+pub fn parse_cgroup_v1(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (id, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+            (id != "0" && !ctrls.is_empty()).then(|| (ctrls.to_owned(), path.to_owned()))
+        })
+        .collect()
+}
+
+/// Where the cgroup v1 hierarchy of `controllers` (as in /proc/<pid>/cgroup) is mounted
+/// in `mountinfo`: the cgroup mount whose options name exactly those controllers.
+pub fn cgroup_v1_mount(mountinfo: &str, controllers: &str) -> Option<PathBuf> {
+    let want: BTreeSet<&str> = controllers.split(',').collect();
+    mountinfo.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        let mut post = post.split_whitespace();
+        if post.next()? != "cgroup" {
+            return None;
+        }
+        // The hierarchy's controllers: its super options minus the generic ones.
+        let opts: BTreeSet<&str> = post
+            .nth(1)?
+            .split(',')
+            .filter(|o| {
+                !matches!(
+                    *o,
+                    "rw" | "ro" | "xattr" | "noprefix" | "clone_children" | "cpuset_v2_mode"
+                ) && (!o.contains('=') || o.starts_with("name="))
+            })
+            .collect();
+        let mut pre = pre.split_whitespace().skip(3);
+        let (root, mp) = (pre.next()?, pre.next()?);
+        (opts == want && root == "/").then(|| PathBuf::from(mp))
+    })
+}
+
 pub fn netns_inode(pid: i32) -> Result<String, BrokerError> {
     std::fs::read_link(format!("/proc/{pid}/ns/net"))
         .map(|p| p.to_string_lossy().into_owned())
@@ -177,6 +221,45 @@ pub fn tcp_fds(pid: i32) -> Vec<(i32, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cgroup_v1_memberships_are_found_at_their_hierarchys_mount() {
+        let cg = "9:name=systemd:/pm-real-1/kubepods/p/c\n1:cpu,cpuacct:/pm-real-1/kubepods/p/c\n0::/pm-real-1/kubepods/p/c\n";
+        let v1 = parse_cgroup_v1(cg);
+        assert_eq!(
+            v1,
+            [
+                (
+                    "name=systemd".to_owned(),
+                    "/pm-real-1/kubepods/p/c".to_owned()
+                ),
+                (
+                    "cpu,cpuacct".to_owned(),
+                    "/pm-real-1/kubepods/p/c".to_owned()
+                ),
+            ]
+        );
+        let mi = "\
+30 25 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:9 - cgroup cgroup rw,cpu,cpuacct
+31 25 0:30 / /sys/fs/cgroup/cpuset rw,nosuid shared:10 - cgroup cgroup rw,cpuset
+32 25 0:37 / /sys/fs/cgroup/systemd rw,nosuid shared:14 - cgroup cgroup rw,xattr,name=systemd
+40 25 0:29 /pm-real-0/kubepods /mnt/elsewhere rw - cgroup cgroup rw,cpu,cpuacct
+";
+        assert_eq!(
+            cgroup_v1_mount(mi, "cpu,cpuacct"),
+            Some(PathBuf::from("/sys/fs/cgroup/cpu,cpuacct"))
+        );
+        assert_eq!(
+            cgroup_v1_mount(mi, "name=systemd"),
+            Some(PathBuf::from("/sys/fs/cgroup/systemd"))
+        );
+        assert_eq!(
+            cgroup_v1_mount(mi, "cpu"),
+            None,
+            "cpu alone is not cpu,cpuacct"
+        );
+        assert_eq!(cgroup_v1_mount(mi, "memory"), None);
+    }
 
     #[test]
     fn start_time_survives_hostile_comm() {

@@ -327,6 +327,12 @@ impl CriClient {
 
     /// Host PID of a running container.
     pub async fn container_pid(&self, id: &str) -> Result<u32, CriError> {
+        Ok(self.running_container(id).await?.pid)
+    }
+
+    /// Host PID and OCI runtime spec (`runtimeSpec` of the verbose info, when the
+    /// runtime reports it: containerd and CRI-O do) of a running container.
+    pub async fn running_container(&self, id: &str) -> Result<RunningContainer, CriError> {
         let id = strip_runtime_prefix(id);
         let resp: v1::ContainerStatusResponse = self
             .unary(
@@ -344,8 +350,32 @@ impl CriClient {
                 state,
             });
         }
-        pid_from_info(&resp.info).ok_or_else(|| CriError::NoPid { id: id.to_owned() })
+        let pid = pid_from_info(&resp.info).ok_or_else(|| CriError::NoPid { id: id.to_owned() })?;
+        Ok(RunningContainer {
+            id: id.to_owned(),
+            pid,
+            runtime_spec: runtime_spec_from_info(&resp.info),
+        })
     }
+}
+
+/// A running container as the runtime reports it.
+#[derive(Clone, Debug)]
+pub struct RunningContainer {
+    /// The ID without the runtime prefix.
+    pub id: String,
+    pub pid: u32,
+    /// The OCI runtime spec the container was created with (mounts, root, cgroups).
+    pub runtime_spec: Option<serde_json::Value>,
+}
+
+/// The `runtimeSpec` object of the verbose info (containerd and CRI-O put it in the
+/// JSON document under `info`).
+pub fn runtime_spec_from_info(
+    info: &std::collections::HashMap<String, String>,
+) -> Option<serde_json::Value> {
+    let doc: serde_json::Value = serde_json::from_str(info.get("info")?).ok()?;
+    doc.get("runtimeSpec").filter(|s| s.is_object()).cloned()
 }
 
 fn grpc_status(method: &str, headers: &http::HeaderMap) -> Option<CriError> {

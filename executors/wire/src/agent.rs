@@ -265,6 +265,16 @@ pub struct Manifest {
     pub final_dir: String,
     pub sockets: Vec<ManifestSocket>,
     pub tcp: i32,
+    /// A container's dump: the mount points dumped as external (bound to the target
+    /// holder's mounts at the same points on restore). Empty for a process that shares
+    /// the node's mount namespace.
+    #[serde(default)]
+    pub external_mounts: Vec<String>,
+    /// The dumped tree's standard streams that were pipes to the runtime: `(fd, CRIU
+    /// key "pipe:[inode]")`; on restore they become the holder's own streams, so the
+    /// container's log continues on the target.
+    #[serde(default)]
+    pub stdio_pipes: Vec<(i32, String)>,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

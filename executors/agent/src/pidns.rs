@@ -1,0 +1,87 @@
+//! CRIU restore inside the target holder's PID namespace.
+//!
+//! A container's process tree is the init of its own PID namespace; CRIU restores it as
+//! a new PID namespace nested in the namespace CRIU itself runs in. If that were the
+//! agent's (the host's), the restored workload would be reparented to the host's init
+//! when CRIU exits, outside its pod. So CRIU runs inside the target pod's holder
+//! container's PID namespace: the restored tree is nested under it and its orphans are
+//! reaped by the holder, the container's init, as the runtime expects.
+//!
+//! Entering a PID namespace only moves the caller's *children*, and CRIU needs a /proc
+//! of the namespace it runs in, so the agent launches CRIU in two stages of its own
+//! binary: stage 1 joins the holder's PID namespace and starts stage 2 (the first
+//! process inside it), which takes a private mount namespace with a fresh /proc and
+//! executes `criu swrk`. Descriptors CRIU inherits by number pass through both stages.
+
+use nix::mount::{MsFlags, mount};
+use nix::sched::{CloneFlags, setns, unshare};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+const STAGE1: &str = "__criu-in-pidns";
+const STAGE2: &str = "__criu-in-pidns-stage2";
+
+/// The command that runs `criu <args>` inside the PID namespace of `holder_pid`.
+pub fn criu_command(criu: &std::path::Path, holder_pid: i32) -> std::io::Result<Command> {
+    let mut c = Command::new(std::env::current_exe()?);
+    c.arg(STAGE1).arg(holder_pid.to_string()).arg(criu);
+    Ok(c)
+}
+
+/// Runs a stage if `args` (the process's argv) names one; the agent's `main` calls it
+/// before anything else. `None`: not a stage.
+pub fn run_stage(args: &[String]) -> Option<i32> {
+    let stage = args.get(1)?.as_str();
+    if stage != STAGE1 && stage != STAGE2 {
+        return None;
+    }
+    let res = match stage {
+        STAGE1 => stage1(&args[2..]),
+        _ => stage2(&args[2..]),
+    };
+    Some(res.unwrap_or_else(|e| {
+        eprintln!("podmotion-agent {stage}: {e}");
+        127
+    }))
+}
+
+fn stage1(args: &[String]) -> Result<i32, String> {
+    let [pid, rest @ ..] = args else {
+        return Err("usage: <holder pid> <criu> <args...>".into());
+    };
+    let pid: i32 = pid.parse().map_err(|e| format!("holder pid {pid}: {e}"))?;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/pid"))
+        .map_err(|e| format!("pid namespace of {pid}: {e}"))?;
+    setns(&ns, CloneFlags::CLONE_NEWPID).map_err(|e| format!("setns pid of {pid}: {e}"))?;
+    let status = Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
+        .arg(STAGE2)
+        .args(rest)
+        .status()
+        .map_err(|e| format!("stage 2: {e}"))?;
+    Ok(status.code().unwrap_or(128))
+}
+
+fn stage2(args: &[String]) -> Result<i32, String> {
+    let [criu, rest @ ..] = args else {
+        return Err("usage: <criu> <args...>".into());
+    };
+    unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare mount namespace: {e}"))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .map_err(|e| format!("make / a slave: {e}"))?;
+    mount(
+        Some("proc"),
+        "/proc",
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(|e| format!("mount /proc of the holder's pid namespace: {e}"))?;
+    let e = Command::new(criu).args(rest).exec();
+    Err(format!("exec {criu}: {e}"))
+}
