@@ -546,9 +546,6 @@ if ((${#names[@]} == ${#ALL_IMAGES[@]})); then
 image:
   repository: $REGISTRY/podmotion/operator
   digest: ${DIGEST[operator]}
-migration:
-  # The holder containers of a target pod: our pause image instead of registry.k8s.io.
-  holderImage: $REGISTRY/podmotion/pause@${DIGEST[pause]}
 migrationAgent:
   agent:
     image:

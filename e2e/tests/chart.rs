@@ -306,7 +306,8 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .expect("agent container");
     let sc = &agent["securityContext"];
     assert_eq!(sc["privileged"], false);
-    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    // no_new_privs would be inherited by every restored workload and cannot be cleared.
+    assert_eq!(sc["allowPrivilegeEscalation"], true);
     assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
     let added: BTreeSet<&str> = sc["capabilities"]["add"]
         .as_array()
@@ -314,10 +315,32 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .iter()
         .map(|c| c.as_str().unwrap())
         .collect();
-    assert!(
-        !added.contains("SYS_ADMIN"),
-        "the agent must not hold SYS_ADMIN"
+    // Exactly the set measured for a container's dump and restore (docs/security.md).
+    assert_eq!(
+        added,
+        BTreeSet::from([
+            "AUDIT_WRITE",
+            "CHOWN",
+            "DAC_OVERRIDE",
+            "FOWNER",
+            "FSETID",
+            "KILL",
+            "MKNOD",
+            "NET_ADMIN",
+            "NET_BIND_SERVICE",
+            "NET_RAW",
+            "SETFCAP",
+            "SETGID",
+            "SETPCAP",
+            "SETUID",
+            "SYS_ADMIN",
+            "SYS_CHROOT",
+            "SYS_TIME",
+        ])
     );
+    for unneeded in ["SYS_PTRACE", "CHECKPOINT_RESTORE", "SYS_RESOURCE", "SYS_MODULE"] {
+        assert!(!added.contains(unneeded), "measured unneeded: {unneeded}");
+    }
     // Checkpoint images (whole process memory) only on the pod's own tmpfs.
     let checkpoints = spec["volumes"]
         .as_array()
@@ -326,7 +349,7 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .find(|v| v["name"] == "checkpoints")
         .unwrap();
     assert_eq!(checkpoints["emptyDir"]["medium"], "Memory");
-    // The agent mounts the runtime socket read-only and no host path read-write.
+    // The agent mounts no host path read-write.
     let host_volumes: BTreeSet<&str> = spec["volumes"]
         .as_array()
         .unwrap()
@@ -339,7 +362,7 @@ fn the_netns_broker_is_the_only_privileged_container() {
             assert_eq!(m["readOnly"], true, "agent mount {m}");
         }
     }
-    // The one host path it has: the runtime socket's directory (container ID → PID).
+    // The host paths it has: the node's root and the broker's netns directory.
     let agent_host_mounts: Vec<&str> = agent["volumeMounts"]
         .as_array()
         .unwrap()
@@ -347,7 +370,7 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .filter_map(|m| m["name"].as_str())
         .filter(|n| host_volumes.contains(n))
         .collect();
-    assert_eq!(agent_host_mounts, vec!["cri"]);
+    assert_eq!(agent_host_mounts, vec!["netns", "host"]);
 }
 
 /// The volume named `name` of a pod spec.
@@ -370,36 +393,45 @@ fn mount<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
 }
 
 #[test]
-fn the_agent_reads_the_runtime_socket_directory_read_only() {
-    for (set, host) in [
-        (vec![], "/run"),
+fn the_agent_sees_the_node_read_only_and_finds_the_runtime_socket_under_it() {
+    for (set, cri) in [
+        (vec![], "/host/run"),
         (
             vec![
                 "--set",
                 "migrationAgent.agent.criRunDir=/run/k3s/containerd",
             ],
-            "/run/k3s/containerd",
+            "/host/run/k3s/containerd",
         ),
     ] {
         let docs = render(&set);
         let spec = &of_kind(&docs, "DaemonSet")[0]["spec"]["template"]["spec"];
-        let cri = volume(spec, "cri");
-        assert_eq!(cri["hostPath"]["path"], host, "{set:?}");
-        assert_eq!(cri["hostPath"]["type"], "Directory", "{set:?}");
+        let host = volume(spec, "host");
+        assert_eq!(host["hostPath"]["path"], "/", "{set:?}");
         let agent = containers(spec)
             .into_iter()
             .find(|c| c["name"] == "agent")
             .unwrap();
-        let m = mount(agent, "cri").expect("agent mounts the CRI run directory");
-        assert_eq!(m["mountPath"], "/host/run");
+        let m = mount(agent, "host").expect("agent mounts the node's root");
+        assert_eq!(m["mountPath"], "/host");
         assert_eq!(m["readOnly"], true);
-        assert!(strs(&agent["args"]).contains(&"--cri-run-dir=/host/run"));
-        // Only the agent talks to the runtime; the broker never sees the socket.
+        // Mounts made after the agent started (pods' volumes, container root
+        // filesystems) must appear in it.
+        assert_eq!(m["mountPropagation"], "HostToContainer");
+        let args = strs(&agent["args"]);
+        assert!(args.contains(&format!("--cri-run-dir={cri}").as_str()), "{args:?}");
+        assert!(args.contains(&"--host-root=/host"));
+        // The broker's netns bind mounts reach the agent, read-only.
+        let n = mount(agent, "netns").expect("agent sees the broker's netns directory");
+        assert_eq!(n["mountPath"], "/run/podmotion/netns");
+        assert_eq!(n["mountPropagation"], "HostToContainer");
+        assert_eq!(n["readOnly"], true);
+        // Only the agent sees the node's root; the broker never sees the socket.
         let broker = containers(spec)
             .into_iter()
             .find(|c| c["name"] == "netns-broker")
             .unwrap();
-        assert!(mount(broker, "cri").is_none());
+        assert!(mount(broker, "host").is_none());
     }
 }
 

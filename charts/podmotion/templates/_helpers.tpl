@@ -125,9 +125,7 @@ app.kubernetes.io/component: migration-agent
 - name: PODMOTION_MIGRATION_MAX_PER_NODE
   value: {{ .Values.migration.maxPerNode | quote }}
 - name: PODMOTION_HOLDER_IMAGE
-  value: {{ .Values.migration.holderImage | quote }}
-- name: PODMOTION_HOLDER_COMMAND
-  value: {{ join " " .Values.migration.holderCommand | quote }}
+  value: {{ .Values.migration.holderImage | default (include "podmotion.image" (dict "image" .Values.migrationAgent.agent.image "root" $)) | quote }}
 {{- /* RunnerPool (environment only) */}}
 {{- with .Values.runnerPool.preflightImage }}
 - name: PODMOTION_PREFLIGHT_IMAGE

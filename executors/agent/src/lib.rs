@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod containers;
+pub mod holder;
 pub mod criu;
 pub mod images;
 pub mod mounts;

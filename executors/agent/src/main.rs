@@ -63,6 +63,10 @@ fn main() -> anyhow::Result<()> {
     if let Some(code) = podmotion_agent::pidns::run_stage(&argv) {
         std::process::exit(code);
     }
+    // The target pod's holder (crate::holder) is this binary too.
+    if let Some(code) = podmotion_agent::holder::run_mode(&argv) {
+        std::process::exit(code);
+    }
     tokio::runtime::Runtime::new()?.block_on(serve())
 }
 

@@ -394,6 +394,10 @@ impl Agent {
             tcp: m.tcp as i32,
             external_mounts,
             stdio_pipes,
+            workload: m
+                .fs
+                .as_ref()
+                .and_then(|fs| crate::holder::workload_from_spec(&fs.spec)),
         };
         std::fs::write(
             m.dir.join("manifest.json"),
@@ -749,6 +753,13 @@ impl Agent {
             process: restored,
         })
         .await?;
+        if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
+            // What the holder executes if the adopted container is started again.
+            let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
+            if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
+                tracing::warn!(uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
+            }
+        }
         m.sockets = manifest
             .sockets
             .iter()

@@ -275,6 +275,29 @@ pub struct Manifest {
     /// container's log continues on the target.
     #[serde(default)]
     pub stdio_pipes: Vec<(i32, String)>,
+    /// A container's dump: the process its runtime started (from the runtime's spec),
+    /// which the target's holder executes when the adopted container is restarted.
+    #[serde(default)]
+    pub workload: Option<Workload>,
+}
+
+/// Where a migration target pod's containers mount the holder's directory (an
+/// `emptyDir`): the holder binary and, after restore, its restart file.
+pub const HOLDER_DIR: &str = "/.podmotion";
+/// The holder binary in [`HOLDER_DIR`].
+pub const HOLDER_BIN: &str = "/.podmotion/hold";
+/// The restart file in [`HOLDER_DIR`]: the [`Workload`] the holder executes when an
+/// adopted container is started again.
+pub const HOLDER_RESTART: &str = "/.podmotion/restart.json";
+
+/// A container's original process, as its runtime started it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Workload {
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub cwd: String,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

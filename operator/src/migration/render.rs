@@ -14,7 +14,11 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Secret};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EmptyDirVolumeSource, Pod, PodSpec, ResourceRequirements,
+    SeccompProfile, Secret, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
@@ -23,6 +27,7 @@ use podmotion_api::migration::{
     ApplicationProbe, ExecProbe, GrpcProbe, HttpProbe, HttpScheme, PodMigrationStatus, TcpProbe,
 };
 use podmotion_api::names::{annotations, labels};
+use podmotion_wire::agent::{HOLDER_BIN, HOLDER_DIR};
 use serde_json::json;
 
 use super::agent::{Side, Step, StepRequest};
@@ -39,21 +44,26 @@ pub const TRANSFER_KEY: &str = "transfer-key";
 /// The deletion cost that makes the source the ReplicaSet's first choice to remove.
 pub const LOWEST_DELETION_COST: &str = "-2147483648";
 
-/// The container that stands in for each of the pod's containers until restore.
+/// What stands in for each of the pod's containers until restore: the container keeps
+/// the source's image (CRIU restores the tree on top of the holder container's root
+/// filesystem, which must hold the same files) and runs the holder program, which an
+/// init container of `installer_image` (the migration agent's image, whose entrypoint is
+/// `podmotion-agent`) copies into a shared `emptyDir` at [`HOLDER_DIR`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Holder {
-    pub image: String,
-    pub command: Vec<String>,
+    pub installer_image: String,
 }
 
 impl Default for Holder {
     fn default() -> Self {
         Holder {
-            image: "registry.k8s.io/pause:3.10".into(),
-            command: vec!["/pause".into()],
+            installer_image: format!("ghcr.io/podmotion/agent:{}", env!("CARGO_PKG_VERSION")),
         }
     }
 }
+
+/// Name of the target pod's init container and volume that install the holder.
+pub const HOLDER_INSTALLER: &str = "podmotion-io-holder";
 
 /// `<source pod>-pm-<hash of migration UID>`, at most 63 characters (pod names become
 /// hostnames), deterministic so a restarted operator finds the pod it created.
@@ -110,14 +120,21 @@ pub fn target_pod(
     meta.annotations = Some(ann);
 
     let src = source.spec.clone().unwrap_or_default();
+    let mut volumes = src.volumes.clone().unwrap_or_default();
+    volumes.push(Volume {
+        name: HOLDER_INSTALLER.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            size_limit: Some(Quantity("64Mi".into())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
     let spec = PodSpec {
         node_name: Some(target_node.to_string()),
-        containers: src
-            .containers
-            .iter()
-            .map(|c| holder_container(c, holder))
-            .collect(),
-        init_containers: None,
+        containers: src.containers.iter().map(holder_container).collect(),
+        // The source's init containers never run again; the only one copies the holder.
+        init_containers: Some(vec![holder_installer(holder)]),
+        volumes: Some(volumes),
         ephemeral_containers: None,
         // The restored process keeps the source's hostname through its UTS namespace
         // image; the pod's own hostname is its new name.
@@ -132,19 +149,70 @@ pub fn target_pod(
     }
 }
 
-/// A holder in place of `c`: same name, ports, resources, mounts and security context
-/// (so it reserves the same and PodSecurity admits it alike); no probes, hooks or
-/// environment of the application.
-fn holder_container(c: &Container, holder: &Holder) -> Container {
+fn holder_mount() -> VolumeMount {
+    VolumeMount {
+        name: HOLDER_INSTALLER.into(),
+        mount_path: HOLDER_DIR.into(),
+        ..Default::default()
+    }
+}
+
+/// A holder in place of `c`: same name, image, ports, resources, mounts and security
+/// context (so it reserves the same and PodSecurity admits it alike), running the holder
+/// program; no probes, hooks or environment of the application.
+fn holder_container(c: &Container) -> Container {
+    let mut mounts = c.volume_mounts.clone().unwrap_or_default();
+    mounts.push(holder_mount());
     Container {
         name: c.name.clone(),
-        image: Some(holder.image.clone()),
-        command: Some(holder.command.clone()),
+        image: c.image.clone(),
+        image_pull_policy: c.image_pull_policy.clone(),
+        command: Some(vec![HOLDER_BIN.into(), "hold".into()]),
         ports: c.ports.clone(),
         resources: c.resources.clone(),
-        volume_mounts: c.volume_mounts.clone(),
+        volume_mounts: Some(mounts),
         security_context: c.security_context.clone(),
+        ..Default::default()
+    }
+}
+
+/// The init container that copies the holder program into the shared directory:
+/// unprivileged, restricted-profile, small.
+fn holder_installer(holder: &Holder) -> Container {
+    let q = |s: &str| Quantity(s.into());
+    Container {
+        name: HOLDER_INSTALLER.into(),
+        image: Some(holder.installer_image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
+        args: Some(vec!["install-holder".into(), HOLDER_BIN.into()]),
+        volume_mounts: Some(vec![holder_mount()]),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".into(), q("10m")),
+                ("memory".into(), q("16Mi")),
+            ])),
+            limits: Some(BTreeMap::from([
+                ("cpu".into(), q("100m")),
+                ("memory".into(), q("64Mi")),
+            ])),
+            ..Default::default()
+        }),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Default::default()
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -416,18 +484,39 @@ mod tests {
         assert_eq!(spec.containers.len(), src.containers.len());
         for (h, c) in spec.containers.iter().zip(&src.containers) {
             assert_eq!(h.name, c.name);
-            assert_eq!(h.image, Some(Holder::default().image));
+            assert_eq!(h.image, c.image, "CRIU restores onto the source's image");
+            assert_eq!(
+                h.command.as_deref(),
+                Some(&[HOLDER_BIN.to_string(), "hold".to_string()][..])
+            );
+            assert!(h.args.is_none());
             assert_eq!(
                 h.resources, c.resources,
                 "holders reserve the same resources"
             );
             assert!(h.readiness_probe.is_none() && h.liveness_probe.is_none() && h.env.is_none());
+            assert!(
+                h.volume_mounts
+                    .iter()
+                    .flatten()
+                    .any(|v| v.name == HOLDER_INSTALLER && v.mount_path == HOLDER_DIR)
+            );
         }
-        assert!(
-            spec.init_containers.is_none(),
-            "init containers never run again on the target"
+        let init = spec.init_containers.as_deref().unwrap_or_default();
+        assert_eq!(
+            init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            [HOLDER_INSTALLER],
+            "the source's init containers never run again on the target; only the holder's installer does"
         );
-        assert_eq!(spec.volumes, src.volumes);
+        assert_eq!(init[0].image, Some(Holder::default().installer_image));
+        let sc = init[0].security_context.as_ref().unwrap();
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let vols = spec.volumes.as_deref().unwrap_or_default();
+        let src_vols = src.volumes.as_deref().unwrap_or_default();
+        assert_eq!(&vols[..src_vols.len()], src_vols, "the source's volumes, unchanged");
+        assert_eq!(vols.len(), src_vols.len() + 1);
+        assert!(vols.last().unwrap().empty_dir.is_some());
     }
 
     #[test]

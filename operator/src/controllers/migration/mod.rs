@@ -113,22 +113,11 @@ pub struct MigrationConfig {
     #[arg(long = "migration-key-file", env = "PODMOTION_MIGRATION_KEY_FILE")]
     pub key_file: Option<std::path::PathBuf>,
 
-    /// Image of the holder containers that keep a target pod's namespaces until restore.
-    #[arg(
-        long = "migration-holder-image",
-        env = "PODMOTION_HOLDER_IMAGE",
-        default_value = "registry.k8s.io/pause:3.10"
-    )]
-    pub holder_image: String,
-
-    /// Command of the holder containers.
-    #[arg(
-        long = "migration-holder-command",
-        env = "PODMOTION_HOLDER_COMMAND",
-        value_delimiter = ' ',
-        default_value = "/pause"
-    )]
-    pub holder_command: Vec<String>,
+    /// Image whose entrypoint is `podmotion-agent` (the migration agent's image): a
+    /// target pod's init container copies the holder program out of it. Default: the
+    /// agent image of this version.
+    #[arg(long = "migration-holder-image", env = "PODMOTION_HOLDER_IMAGE")]
+    pub holder_image: Option<String>,
 }
 
 fn parse_endpoint(s: &str) -> Result<(String, String), String> {
@@ -149,9 +138,11 @@ impl MigrationConfig {
         Ok(Only::try_parse_from(["podmotion-operator"])?.m)
     }
     fn holder(&self) -> Holder {
-        Holder {
-            image: self.holder_image.clone(),
-            command: self.holder_command.clone(),
+        match &self.holder_image {
+            Some(i) if !i.is_empty() => Holder {
+                installer_image: i.clone(),
+            },
+            _ => Holder::default(),
         }
     }
 }
