@@ -38,16 +38,30 @@ cat "$run/images.txt"
 step "chart: helm upgrade --install from charts/podmotion with those images (hack/install.sh)"
 bash hack/install.sh
 
-step "workload: demo/web, two replicas of the testload counter server, one on each real node"
+step "workload: demo/web, two replicas of the testload counter server, one on each real node; demo/mover, one replica"
 testload=$(grep '/podmotion/testload@sha256:' "$run/images.txt")
 sed "s|TESTLOAD_IMAGE|$testload|" hack/demo/workload.yaml | kubectl apply -f -
 kubectl -n demo rollout status deployment/web --timeout=180s
+kubectl -n demo rollout status deployment/mover --timeout=180s
 
-step "samples: a NodeAgentAttachment, a PodMigration dry run and a RunnerPool"
+# The counter of a testload pod, read over TCP (`get`).
+counter() { # pod-ip
+  local v=""
+  exec 3<>"/dev/tcp/$1/8080" && echo get >&3 && read -r -t 10 v <&3
+  exec 3<&- 3>&-
+  echo "$v"
+}
+
+step "samples: a NodeAgentAttachment, a real PodMigration, a PodMigration dry run and a RunnerPool"
 pod=$(kubectl -n demo get pods -l app=web -o jsonpath='{.items[0].metadata.name}')
+mover=$(kubectl -n demo get pods -l app=mover -o jsonpath='{.items[0].metadata.name}')
+mover_node=$(kubectl -n demo get pod "$mover" -o jsonpath='{.spec.nodeName}')
+mover_ip=$(kubectl -n demo get pod "$mover" -o jsonpath='{.status.podIP}')
+before=$(counter "$mover_ip" || true)
 for f in hack/demo/resources/*.yaml; do
-  sed "s/PODNAME/$pod/" "$f" | kubectl apply -f -
+  sed -e "s/PODNAME/$pod/" -e "s/MOVERPOD/$mover/" "$f" | kubectl apply -f -
 done
+kubectl -n demo wait podmigration/move-mover --for=jsonpath='{.status.phase}'=Succeeded --timeout=300s || true
 kubectl -n demo wait nodeagentattachment/web-intercept --for=condition=Ready --timeout=120s || true
 kubectl -n runners wait runnerpool/runners --for=jsonpath='{.status.observedGeneration}'=1 --timeout=60s || true
 kubectl -n demo wait podmigration/can-web-move --for=jsonpath='{.status.phase}'=Failed --timeout=60s >/dev/null 2>&1 || true
@@ -62,6 +76,17 @@ echo
 kubectl -n podmotion-system-agents get jobs -o wide
 echo
 kubectl -n demo get podmigration can-web-move -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}'
+echo
+kubectl -n demo get podmigration move-mover -o wide
+target=$(kubectl -n demo get podmigration move-mover -o jsonpath='{.status.targetPod}')
+after=""
+if [[ -n $target ]]; then
+  target_ip=$(kubectl -n demo get pod "$target" -o jsonpath='{.status.podIP}' 2>/dev/null || true)
+  target_node=$(kubectl -n demo get pod "$target" -o jsonpath='{.spec.nodeName}' 2>/dev/null || true)
+  [[ -n $target_ip ]] && after=$(counter "$target_ip" || true)
+fi
+echo "mover: pod $mover on $mover_node, counter $before before the migration"
+echo "       pod ${target:-?} on ${target_node:-?}, counter ${after:-?} after it (same process, moved)"
 
 cat <<TXT
 
@@ -72,8 +97,10 @@ cat <<TXT
   installed by the chart; podmotion-system-agents: a migration agent + netns broker per real
   node, and one attach Job per ready demo/web replica (the NodeAgentAttachment), Running
   our attach image next to the replica it serves.
-- The PodMigration is a dry run (every check, nothing frozen); the RunnerPool targets the
-  kwok runner node pm-node-2.
+- move-mover live-migrated the demo/mover pod (a real container, 16 MiB of state) to the
+  other real node: checkpointed by CRIU in the agent, restored into the target pod, probed
+  and handed to the ReplicaSet; its counter kept counting. can-web-move is a dry run
+  (every check, nothing frozen). The RunnerPool targets the kwok runner node pm-node-2.
 
 The cluster and the operator keep running: export KUBECONFIG=$KUBECONFIG
 Stop everything with: bash hack/demo.sh down

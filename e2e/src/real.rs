@@ -325,3 +325,59 @@ pub fn agent_stream(
     );
     Ok(r)
 }
+
+/// stdout and stderr of a finished command, for assertion messages.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `kubectl` (ours) against the local cluster.
+pub fn kubectl(args: &[&str]) -> std::process::Output {
+    Command::new(crate::kubectl_path().expect("kubectl"))
+        .arg("--kubeconfig")
+        .arg(crate::kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running kubectl")
+}
+
+/// `helm` (the one `hack/build-helm.sh` built) against the local cluster.
+pub fn helm(args: &[&str]) -> std::process::Output {
+    let out = Command::new("bash")
+        .arg(crate::repo_root().join("hack/build-helm.sh"))
+        .arg("--print")
+        .output()
+        .expect("hack/build-helm.sh");
+    let bin = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    Command::new(bin)
+        .env("KUBECONFIG", crate::kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running helm")
+}
+
+/// Uninstalls a release a failed test left (without hooks), unless `PODMOTION_KEEP=1`.
+pub struct Uninstall {
+    pub release: String,
+    pub namespace: String,
+}
+
+impl Drop for Uninstall {
+    fn drop(&mut self) {
+        if std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
+            return;
+        }
+        let _ = helm(&[
+            "uninstall",
+            &self.release,
+            "-n",
+            &self.namespace,
+            "--no-hooks",
+            "--wait=false",
+        ]);
+    }
+}

@@ -8,7 +8,7 @@
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -18,7 +18,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::names::labels;
 use podmotion_e2e::real::{
-    Images, PortForward, agent_call, agent_stream, entrypoint, pin, real_nodes,
+    Images, PortForward, Uninstall, agent_call, agent_stream, entrypoint, helm, kubectl,
+    output_text, pin, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
@@ -28,23 +29,6 @@ use serde_json::json;
 
 /// Pulling an image the first time on a loaded machine takes a while.
 const POD_TIMEOUT: Duration = Duration::from_secs(180);
-
-fn kubectl(args: &[&str]) -> Output {
-    Command::new(kubectl_path().expect("kubectl"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running kubectl")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 fn pod(name: &str, image: &str, args: &[&str], node: &str, restart: &str) -> Pod {
     let mut spec = json!({
@@ -96,7 +80,7 @@ async fn wait_ready(api: &Api<Pod>, name: &str) -> Pod {
 
 fn logs(ns: &str, pod: &str) -> String {
     let out = kubectl(&["-n", ns, "logs", pod]);
-    assert!(out.status.success(), "kubectl logs {pod}: {}", text(&out));
+    assert!(out.status.success(), "kubectl logs {pod}: {}", output_text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -280,11 +264,11 @@ async fn pods_on_two_real_nodes_reach_each_other_the_service_and_the_api_server(
         "get",
         "127.0.0.1:8080",
     ]);
-    assert!(out.status.success(), "kubectl exec: {}", text(&out));
+    assert!(out.status.success(), "kubectl exec: {}", output_text(&out));
     let n: u64 = String::from_utf8_lossy(&out.stdout)
         .trim()
         .parse()
-        .unwrap_or_else(|_| panic!("exec output {}", text(&out)));
+        .unwrap_or_else(|_| panic!("exec output {}", output_text(&out)));
     assert!(n > 0);
     assert!(
         logs(&ns.name, "server").contains("ready"),
@@ -311,28 +295,11 @@ async fn pods_on_two_real_nodes_reach_each_other_the_service_and_the_api_server(
     // connection error.
     let (_, _) = wait_terminated(&pods, "api").await;
     let out = kubectl(&["-n", &ns.name, "logs", "api"]);
-    let out = text(&out);
+    let out = output_text(&out);
     assert!(
         !out.contains("Connection refused") && !out.contains("timed out"),
         "the kubernetes Service did not reach the API server: {out}"
     );
-}
-
-fn helm() -> String {
-    let out = Command::new("bash")
-        .arg(repo_root().join("hack/build-helm.sh"))
-        .arg("--print")
-        .output()
-        .expect("hack/build-helm.sh");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-fn helm_cmd(args: &[&str]) -> Output {
-    Command::new(helm())
-        .env("KUBECONFIG", kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running helm")
 }
 
 /// `helm install` of the chart with our images on the real nodes: the operator (with its
@@ -382,12 +349,12 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
     ];
     let mut args = vec!["install", release.as_str()];
     args.extend_from_slice(&common);
-    let out = helm_cmd(&args);
+    let out = helm(&args);
     let uninstalled = Uninstall {
         release: release.clone(),
         namespace: op.name.clone(),
     };
-    assert!(out.status.success(), "helm install: {}", text(&out));
+    assert!(out.status.success(), "helm install: {}", output_text(&out));
 
     // The operator runs on a real node and is Ready: it reached the API server in-cluster
     // (CRDs established, Lease taken).
@@ -496,7 +463,7 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         "--wait=true",
         "--timeout=120s",
     ]);
-    assert!(out.status.success(), "delete attachment: {}", text(&out));
+    assert!(out.status.success(), "delete attachment: {}", output_text(&out));
     wait_list(
         &agent_pods,
         "batch.kubernetes.io/job-name",
@@ -531,12 +498,12 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         .into_iter()
         .filter(|a| *a != "--take-ownership")
         .collect();
-    let out = helm_cmd(&args);
-    assert!(out.status.success(), "helm upgrade: {}", text(&out));
+    let out = helm(&args);
+    assert!(out.status.success(), "helm upgrade: {}", output_text(&out));
 
     // Uninstall: the pre-delete hook (our operator image, `reap-all`) deletes every
     // attachment Job before the operator goes; uninstall fails if the hook fails.
-    let out = helm_cmd(&[
+    let out = helm(&[
         "uninstall",
         &release,
         "-n",
@@ -545,7 +512,7 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         "--timeout",
         "5m",
     ]);
-    assert!(out.status.success(), "helm uninstall: {}", text(&out));
+    assert!(out.status.success(), "helm uninstall: {}", output_text(&out));
     std::mem::forget(uninstalled);
     let jobs: Api<Job> = Api::namespaced(op.client.clone(), &agents);
     let left = jobs
@@ -578,7 +545,7 @@ fn kubectl_apply(obj: &serde_json::Value) {
         .write_all(obj.to_string().as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "kubectl apply: {}", text(&out));
+    assert!(out.status.success(), "kubectl apply: {}", output_text(&out));
 }
 
 /// Waits for `n` attach Job pods Running and Ready (their /healthz) with our image.
@@ -639,7 +606,7 @@ fn nft_tables(pid: u32) -> String {
     assert!(
         out.status.success(),
         "nft list tables in {pid}: {}",
-        text(&out)
+        output_text(&out)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -800,24 +767,3 @@ async fn exercise_agent(
     pid
 }
 
-/// Uninstalls a release a failed test left (without hooks).
-struct Uninstall {
-    release: String,
-    namespace: String,
-}
-
-impl Drop for Uninstall {
-    fn drop(&mut self) {
-        if std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
-            return;
-        }
-        let _ = helm_cmd(&[
-            "uninstall",
-            &self.release,
-            "-n",
-            &self.namespace,
-            "--no-hooks",
-            "--wait=false",
-        ]);
-    }
-}

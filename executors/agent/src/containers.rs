@@ -51,11 +51,13 @@ pub struct Resolved {
     pub fs: Option<ContainerFs>,
 }
 
-/// A real container's runtime bind mounts and root filesystem (agent paths).
+/// A real container's runtime bind mounts and root filesystem (agent paths), and the
+/// process its runtime started.
 #[derive(Clone, Debug)]
 pub struct ContainerFs {
     pub spec: Vec<SpecMount>,
     pub rootfs: PathBuf,
+    pub workload: Option<podmotion_wire::agent::Workload>,
 }
 
 impl Containers {
@@ -83,6 +85,7 @@ impl Containers {
                             let fs = r.runtime_spec.as_ref().map(|spec| ContainerFs {
                                 spec: spec_mounts(spec),
                                 rootfs: rootfs(spec, &r.id, c.socket(), host),
+                                workload: crate::holder::workload_from_spec(spec),
                             });
                             (r.pid, fs)
                         })

@@ -394,10 +394,7 @@ impl Agent {
             tcp: m.tcp as i32,
             external_mounts,
             stdio_pipes,
-            workload: m
-                .fs
-                .as_ref()
-                .and_then(|fs| crate::holder::workload_from_spec(&fs.spec)),
+            workload: m.fs.as_ref().and_then(|fs| fs.workload.clone()),
         };
         std::fs::write(
             m.dir.join("manifest.json"),
