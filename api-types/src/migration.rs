@@ -111,6 +111,17 @@ pub struct PodMigrationSpec {
     #[serde(default)]
     pub dry_run: bool,
 
+    /// Migrate even though the pod keeps data on its node: in `emptyDir`, `hostPath`,
+    /// `gitRepo` or generic ephemeral volumes, or writable inline CSI volumes. The
+    /// target gets fresh, empty local volumes (a `hostPath` is the target node's own
+    /// directory); data in the source's emptyDir/hostPath is lost, and a process that
+    /// holds one of its files open may fail to restore (the migration then rolls
+    /// back). Default `false`: such a pod is refused with reason `LocalData`.
+    /// PersistentVolumeClaims that cannot be mounted on another node are refused
+    /// whatever this says.
+    #[serde(default)]
+    pub leave_local_data_behind: bool,
+
     /// Abort (and resume the source) if the migration has not committed this many
     /// seconds after it was created.
     #[serde(default = "default_deadline_seconds")]

@@ -64,6 +64,8 @@ pub mod annotations {
     pub const AGENT_PORTS: &str = "podmotion.io/agent-ports";
     /// On attachment Jobs: the target's container IDs the Job was made for (JSON map).
     pub const CONTAINER_IDS: &str = "podmotion.io/container-ids";
+    /// Put by the kubelet on the mirror of a static pod (PodMigration refuses those).
+    pub const CONFIG_MIRROR: &str = "kubernetes.io/config.mirror";
     /// Default annotation that marks a pod as carrying an injected traffic-agent sidecar.
     pub const INJECTED_AGENT: &str = "telepresence.io/agent-injected";
 }
@@ -138,6 +140,21 @@ pub mod reasons {
     pub const QUEUED: &str = "Queued";
     /// The pod's controller cannot adopt a pod of another name (StatefulSet, DaemonSet, Job…).
     pub const UNSUPPORTED_OWNER: &str = "UnsupportedOwner";
+    /// The pod is in `kube-system` or in the operator's own namespace.
+    pub const PROTECTED_NAMESPACE: &str = "ProtectedNamespace";
+    /// A static pod (its mirror on the API server): the kubelet owns it.
+    pub const STATIC_POD: &str = "StaticPod";
+    /// A pod PodMotion already migrated: its container's PID 1 is the holder.
+    pub const ADOPTED_POD: &str = "AdoptedPod";
+    /// The pod shares the node's network, PID or IPC namespace.
+    pub const HOST_NAMESPACES: &str = "HostNamespaces";
+    /// More than one container (native sidecars count): only one tree is migrated.
+    pub const MULTIPLE_CONTAINERS: &str = "MultipleContainers";
+    /// A container requests a device or other extended resource (`nvidia.com/gpu`…).
+    pub const EXTENDED_RESOURCES: &str = "ExtendedResources";
+    /// Data on the source node (emptyDir, hostPath, ephemeral volumes) or a claim
+    /// that cannot be mounted on another node.
+    pub const LOCAL_DATA: &str = "LocalData";
 
     // NodeAgentAttachment.
     pub const NO_ADMISSIBLE_TARGET: &str = "NoAdmissibleTarget";

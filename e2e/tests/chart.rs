@@ -338,7 +338,12 @@ fn the_netns_broker_is_the_only_privileged_container() {
             "SYS_TIME",
         ])
     );
-    for unneeded in ["SYS_PTRACE", "CHECKPOINT_RESTORE", "SYS_RESOURCE", "SYS_MODULE"] {
+    for unneeded in [
+        "SYS_PTRACE",
+        "CHECKPOINT_RESTORE",
+        "SYS_RESOURCE",
+        "SYS_MODULE",
+    ] {
         assert!(!added.contains(unneeded), "measured unneeded: {unneeded}");
     }
     // Checkpoint images (whole process memory) only on the pod's own tmpfs.
@@ -419,7 +424,10 @@ fn the_agent_sees_the_node_read_only_and_finds_the_runtime_socket_under_it() {
         // filesystems) must appear in it.
         assert_eq!(m["mountPropagation"], "HostToContainer");
         let args = strs(&agent["args"]);
-        assert!(args.contains(&format!("--cri-run-dir={cri}").as_str()), "{args:?}");
+        assert!(
+            args.contains(&format!("--cri-run-dir={cri}").as_str()),
+            "{args:?}"
+        );
         assert!(args.contains(&"--host-root=/host"));
         // The broker's netns bind mounts reach the agent, read-only.
         let n = mount(agent, "netns").expect("agent sees the broker's netns directory");
@@ -618,6 +626,10 @@ fn disabled_controllers_lose_their_permissions() {
     );
     assert!(!grants("podmigrations", "get"));
     assert!(!grants("deployments", "get"));
+    assert!(
+        !grants("persistentvolumeclaims", "get"),
+        "claims are read by the migration pre-flight only"
+    );
     assert!(
         grants("secrets", "patch"),
         "RunnerPool applies its credential"
@@ -1108,6 +1120,9 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["delete", "pods", "-n", "default"],
         vec!["list", "nodes"],
         vec!["watch", "nodes"],
+        // Migration pre-flight: can the source's claims follow it.
+        vec!["get", "persistentvolumeclaims", "-n", "default"],
+        vec!["get", "persistentvolumes"],
         vec!["list", "deployments.apps", "-A"],
         vec!["list", "statefulsets.apps", "-A"],
         vec!["list", "replicasets.apps", "-A"],
@@ -1189,6 +1204,10 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
             "-n",
             "default",
         ],
+        // Storage is read one claim at a time, never listed or written.
+        vec!["list", "persistentvolumeclaims", "-A"],
+        vec!["patch", "persistentvolumeclaims", "-n", "default"],
+        vec!["delete", "persistentvolumes"],
         // Nodes, namespaces, CRDs.
         vec!["patch", "nodes"],
         vec!["delete", "nodes"],

@@ -48,6 +48,15 @@ pub fn pod(name: &str) -> PodB {
         node_selector: BTreeMap::new(),
         tolerations: vec![],
         required_node_affinity: None,
+        namespace: "apps".into(),
+        static_pod: false,
+        host_namespaces: vec![],
+        containers: vec!["app".into()],
+        adopted: false,
+        extended_resources: vec![],
+        local_volumes: vec![],
+        node_attached_disks: vec![],
+        claims: vec![],
     })
 }
 impl PodB {
@@ -175,6 +184,10 @@ impl SpecB {
     }
     pub fn cold(mut self) -> Self {
         self.0.mode = MigrationMode::Cold;
+        self
+    }
+    pub fn leave_local_data_behind(mut self) -> Self {
+        self.0.leave_local_data_behind = true;
         self
     }
     pub fn dry_run(mut self) -> Self {

@@ -1,11 +1,12 @@
 //! The facts of a `Pending` migration, gathered from the cluster's objects: the load
-//! on every node, the other PodMigrations (one migration per pod, first come first
-//! served), and the concurrency slot. Pure: the controller hands in what it read, and
-//! [`evaluate`] returns the pre-flight verdict and whether a slot is free.
+//! on every node, the source pod's claims, the other PodMigrations (one migration per
+//! pod, first come first served), and the concurrency slot. Pure: the controller hands
+//! in what it read, and [`evaluate`] returns the pre-flight verdict and whether a slot
+//! is free.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
@@ -14,7 +15,7 @@ use podmotion_api::names::condition_types;
 
 use super::machine::Preflight;
 use super::preflight::{
-    self, Limits, Me, NodeFacts, OtherMigration, PodFacts, Resources, SlotHolder,
+    self, ClaimFacts, Limits, Me, NodeFacts, OtherMigration, PodFacts, Resources, SlotHolder,
 };
 
 /// Requested resources of the non-terminal `pods`, summed per node.
@@ -48,6 +49,17 @@ pub fn node_facts(
         .collect()
 }
 
+/// The facts of the claims the controller read, by claim name: each claim with the
+/// PersistentVolume it is bound to (`None` when unbound or not found). Claims that do
+/// not exist are simply absent.
+pub fn claim_facts(
+    read: &[(PersistentVolumeClaim, Option<PersistentVolume>)],
+) -> BTreeMap<String, ClaimFacts> {
+    read.iter()
+        .map(|(pvc, pv)| (pvc.name_any(), ClaimFacts::from_objects(pvc, pv.as_ref())))
+        .collect()
+}
+
 fn created(m: &PodMigration) -> Timestamp {
     m.meta()
         .creation_timestamp
@@ -56,13 +68,16 @@ fn created(m: &PodMigration) -> Timestamp {
 }
 
 /// The verdict for `pm` and whether a concurrency slot is free for it, given its
-/// source pod, the nodes and every PodMigration the controller knows.
+/// source pod and its claims, the nodes, every PodMigration the controller knows and
+/// the operator's own namespace.
 pub fn evaluate(
     pm: &PodMigration,
     source: Option<&Pod>,
+    claims: &BTreeMap<String, ClaimFacts>,
     nodes: &[NodeFacts],
     all: &[PodMigration],
     limits: Limits,
+    operator_namespace: &str,
 ) -> (Preflight, bool) {
     let ns = pm.namespace();
     let others: Vec<OtherMigration> = all
@@ -79,8 +94,9 @@ pub fn evaluate(
         name: pm.name_any(),
         uid: pm.uid().unwrap_or_default(),
         created: created(pm),
+        operator_namespace: operator_namespace.to_string(),
     };
-    let facts = source.map(PodFacts::from_pod);
+    let facts = source.map(|p| PodFacts::from_pod(p).with_claims(claims));
     let verdict = preflight::preflight(&pm.spec, &me, facts.as_ref(), nodes, &others);
     let slot = match &verdict {
         Preflight::Migratable(plan) => {
@@ -133,6 +149,55 @@ mod tests {
         let r = requested_by_node(&[pod_on("n1", "1"), pod_on("n1", "500m"), unscheduled]);
         assert_eq!(r.len(), 1);
         assert_eq!(r["n1"], pod_on_requests("1").plus(pod_on_requests("500m")));
+    }
+
+    #[test]
+    fn the_verdict_uses_the_claims_read_and_the_operators_namespace() {
+        use crate::migration::fixtures::{migration, node};
+        use podmotion_api::names::reasons;
+        let pm = migration("move-web", "web-0");
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "apps", "uid": "u-1"},
+            "spec": {"nodeName": "n0", "containers": [{"name": "app"}],
+                "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "data"}}]},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap();
+        let claim = |mode: &str| -> PersistentVolumeClaim {
+            serde_json::from_value(json!({"metadata": {"name": "data", "namespace": "apps"},
+                "spec": {"accessModes": [mode]}}))
+            .unwrap()
+        };
+        let nodes = vec![node("n0").build(), node("n1").build()];
+        let limits = Limits {
+            per_cluster: 5,
+            per_source_node: 2,
+        };
+        let reason = |claims: &[(PersistentVolumeClaim, Option<PersistentVolume>)],
+                      operator_ns: &str| {
+            match evaluate(
+                &pm,
+                Some(&pod),
+                &claim_facts(claims),
+                &nodes,
+                &[],
+                limits,
+                operator_ns,
+            )
+            .0
+            {
+                Preflight::Migratable(_) => reasons::MIGRATABLE,
+                Preflight::NotMigratable { reason, .. } => reason,
+            }
+        };
+        let rwx = [(claim("ReadWriteMany"), None)];
+        assert_eq!(reason(&rwx, "podmotion-system"), reasons::MIGRATABLE);
+        assert_eq!(
+            reason(&[(claim("ReadWriteOnce"), None)], "podmotion-system"),
+            reasons::LOCAL_DATA
+        );
+        assert_eq!(reason(&[], "podmotion-system"), reasons::LOCAL_DATA);
+        assert_eq!(reason(&rwx, "apps"), reasons::PROTECTED_NAMESPACE);
     }
 
     fn pod_on_requests(cpu: &str) -> Resources {

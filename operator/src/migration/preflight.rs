@@ -2,20 +2,24 @@
 //!
 //! Runs before anything is frozen. The verdict becomes the `Migratable` condition; a
 //! pod that fails a check keeps running untouched. Inputs are plain facts extracted
-//! from the pod, the nodes and the other PodMigrations (`PodFacts::from_pod`,
-//! `NodeFacts::from_node`), so every rule is tested without a cluster.
+//! from the pod, its claims, the nodes and the other PodMigrations
+//! (`PodFacts::from_pod`, `ClaimFacts::from_objects`, `NodeFacts::from_node`), so every
+//! rule is tested without a cluster. What cannot move at all (host namespaces, data on
+//! the node, devices, static pods, protected namespaces, several containers, a pod
+//! PodMotion already restored) is refused here, each with its own reason.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelector, NodeSelectorRequirement, Pod, Taint, Toleration,
+    Container, Node, NodeSelector, NodeSelectorRequirement, PersistentVolume,
+    PersistentVolumeClaim, Pod, Taint, Toleration, Volume,
 };
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::PodMigrationSpec;
-use podmotion_api::names::reasons;
+use podmotion_api::names::{annotations, reasons};
 
 use super::machine::{Plan, Preflight};
-use super::render::target_pod_name;
+use super::render::{HOLDER_INSTALLER, target_pod_name};
 
 /// CPU in millicores and memory in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -59,12 +63,151 @@ pub struct PodFacts {
     /// `affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution`: the
     /// kubelet re-checks it when admitting the target pod.
     pub required_node_affinity: Option<NodeSelector>,
+    pub namespace: String,
+    /// A static pod's mirror: annotation `kubernetes.io/config.mirror` or owned by its
+    /// Node.
+    pub static_pod: bool,
+    /// Which of `hostNetwork`, `hostPID` and `hostIPC` the pod sets.
+    pub host_namespaces: Vec<&'static str>,
+    /// The containers that run for the pod's life: `containers`, then native sidecars
+    /// (init containers with `restartPolicy: Always`).
+    pub containers: Vec<String>,
+    /// Has PodMotion's holder-installer init container: a pod PodMotion restored.
+    pub adopted: bool,
+    /// `(container, resource)` for every requested or limited resource other than
+    /// cpu, memory, ephemeral-storage and hugepages-*.
+    pub extended_resources: Vec<(String, String)>,
+    /// Volumes whose data stays on the node and which the target gets fresh:
+    /// `(volume, kind)`.
+    pub local_volumes: Vec<(String, &'static str)>,
+    /// In-tree disks attached to one node at a time: `(volume, kind)`.
+    pub node_attached_disks: Vec<(String, &'static str)>,
+    /// The PersistentVolumeClaims the pod mounts, with what the controller read of them.
+    pub claims: Vec<PodClaim>,
+}
+
+/// A claim mounted by the pod.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodClaim {
+    pub volume: String,
+    pub claim: String,
+    /// `None`: the claim does not exist (or was not read), which never counts as
+    /// movable.
+    pub facts: Option<ClaimFacts>,
+}
+
+/// What the checks need of a PersistentVolumeClaim and the volume bound to it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ClaimFacts {
+    /// The modes the bound volume offers (`status.accessModes`, else the requested).
+    pub access_modes: Vec<String>,
+    /// The bound PersistentVolume.
+    pub volume_name: Option<String>,
+    /// `local` or `hostPath` when the bound volume is one: its data is on one node.
+    pub node_local_kind: Option<&'static str>,
+    /// The bound volume's `spec.nodeAffinity.required` (zonal disks, local volumes):
+    /// the target node must satisfy it, as the scheduler would have checked.
+    pub node_affinity: Option<NodeSelector>,
+}
+
+impl ClaimFacts {
+    /// From the claim and, when bound and readable, its PersistentVolume.
+    pub fn from_objects(pvc: &PersistentVolumeClaim, pv: Option<&PersistentVolume>) -> ClaimFacts {
+        let spec = pvc.spec.clone().unwrap_or_default();
+        let bound_modes = pvc
+            .status
+            .as_ref()
+            .and_then(|s| s.access_modes.clone())
+            .filter(|m| !m.is_empty());
+        let pv_spec = pv.and_then(|v| v.spec.as_ref());
+        ClaimFacts {
+            access_modes: bound_modes
+                .or(spec.access_modes.clone())
+                .unwrap_or_default(),
+            volume_name: spec.volume_name.clone().filter(|n| !n.is_empty()),
+            node_local_kind: pv_spec.and_then(|s| {
+                if s.local.is_some() {
+                    Some("local")
+                } else if s.host_path.is_some() {
+                    Some("hostPath")
+                } else {
+                    None
+                }
+            }),
+            node_affinity: pv_spec
+                .and_then(|s| s.node_affinity.as_ref())
+                .and_then(|a| a.required.clone()),
+        }
+    }
+}
+
+/// Resources a pod may request and still move: the node provides them alike everywhere.
+fn movable_resource(name: &str) -> bool {
+    matches!(name, "cpu" | "memory" | "ephemeral-storage") || name.starts_with("hugepages-")
+}
+
+/// Where a volume's data lives, as far as moving the pod goes.
+enum VolumeKind {
+    /// Pod-scoped data on the node; the target pod gets a fresh one.
+    Local(&'static str),
+    /// A disk attached to one node at a time.
+    NodeAttached(&'static str),
+    Claim(String),
+    /// Content that follows the pod (configMap, secret, projected, downwardAPI, image,
+    /// network file systems).
+    Follows,
+}
+
+fn volume_kind(v: &Volume) -> VolumeKind {
+    use VolumeKind::*;
+    if let Some(c) = &v.persistent_volume_claim {
+        return Claim(c.claim_name.clone());
+    }
+    if let Some(e) = &v.empty_dir {
+        return Local(match e.medium.as_deref() {
+            Some("Memory") => "emptyDir (Memory)",
+            _ => "emptyDir",
+        });
+    }
+    let local = [
+        (v.host_path.is_some(), "hostPath"),
+        (v.ephemeral.is_some(), "ephemeral"),
+        (v.git_repo.is_some(), "gitRepo"),
+        (
+            v.csi.as_ref().is_some_and(|c| c.read_only != Some(true)),
+            "csi",
+        ),
+    ];
+    if let Some((_, kind)) = local.iter().find(|(set, _)| *set) {
+        return Local(kind);
+    }
+    let attached = [
+        (v.aws_elastic_block_store.is_some(), "awsElasticBlockStore"),
+        (v.azure_disk.is_some(), "azureDisk"),
+        (v.cinder.is_some(), "cinder"),
+        (v.gce_persistent_disk.is_some(), "gcePersistentDisk"),
+        (v.fc.is_some(), "fc"),
+        (v.iscsi.is_some(), "iscsi"),
+        (v.rbd.is_some(), "rbd"),
+        (v.photon_persistent_disk.is_some(), "photonPersistentDisk"),
+        (v.portworx_volume.is_some(), "portworxVolume"),
+        (v.scale_io.is_some(), "scaleIO"),
+        (v.storageos.is_some(), "storageos"),
+        (v.vsphere_volume.is_some(), "vsphereVolume"),
+    ];
+    if let Some((_, kind)) = attached.iter().find(|(set, _)| *set) {
+        return NodeAttached(kind);
+    }
+    Follows
 }
 
 impl PodFacts {
+    /// The pod's facts; its claims' facts are added by [`PodFacts::with_claims`].
     pub fn from_pod(pod: &Pod) -> PodFacts {
         let meta = &pod.metadata;
         let spec = pod.spec.clone().unwrap_or_default();
+        let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
+        let volumes: &[Volume] = spec.volumes.as_deref().unwrap_or_default();
         let owner = meta
             .owner_references
             .iter()
@@ -93,8 +236,106 @@ impl PodFacts {
                     n.required_during_scheduling_ignored_during_execution
                         .clone()
                 }),
+            namespace: meta.namespace.clone().unwrap_or_default(),
+            static_pod: meta
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(annotations::CONFIG_MIRROR))
+                || meta
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.kind == "Node"),
+            host_namespaces: [
+                (spec.host_network, "hostNetwork"),
+                (spec.host_pid, "hostPID"),
+                (spec.host_ipc, "hostIPC"),
+            ]
+            .into_iter()
+            .filter(|(on, _)| *on == Some(true))
+            .map(|(_, name)| name)
+            .collect(),
+            containers: running_containers(&spec.containers, init)
+                .map(|c| c.name.clone())
+                .collect(),
+            adopted: init.iter().any(|c| c.name == HOLDER_INSTALLER),
+            extended_resources: spec
+                .containers
+                .iter()
+                .chain(init)
+                .flat_map(|c| {
+                    let r = c.resources.clone().unwrap_or_default();
+                    let mut names: Vec<String> = r
+                        .requests
+                        .into_iter()
+                        .chain(r.limits)
+                        .flat_map(|m| m.into_keys())
+                        .filter(|n| !movable_resource(n))
+                        .collect();
+                    names.sort();
+                    names.dedup();
+                    names.into_iter().map(|n| (c.name.clone(), n))
+                })
+                .collect(),
+            local_volumes: volumes
+                .iter()
+                .filter(|v| v.name != HOLDER_INSTALLER)
+                .filter_map(|v| match volume_kind(v) {
+                    VolumeKind::Local(kind) => Some((v.name.clone(), kind)),
+                    _ => None,
+                })
+                .collect(),
+            node_attached_disks: volumes
+                .iter()
+                .filter_map(|v| match volume_kind(v) {
+                    VolumeKind::NodeAttached(kind) => Some((v.name.clone(), kind)),
+                    _ => None,
+                })
+                .collect(),
+            claims: claim_names(pod)
+                .into_iter()
+                .map(|(volume, claim)| PodClaim {
+                    volume,
+                    claim,
+                    facts: None,
+                })
+                .collect(),
         }
     }
+
+    /// With the facts of the claims the pod mounts (by claim name), as the controller
+    /// read them; a claim missing from `claims` does not exist.
+    pub fn with_claims(mut self, claims: &BTreeMap<String, ClaimFacts>) -> PodFacts {
+        for c in &mut self.claims {
+            c.facts = claims.get(&c.claim).cloned();
+        }
+        self
+    }
+}
+
+/// The pod's containers that run for its whole life: its containers and its native
+/// sidecars.
+fn running_containers<'a>(
+    containers: &'a [Container],
+    init: &'a [Container],
+) -> impl Iterator<Item = &'a Container> {
+    containers.iter().chain(
+        init.iter()
+            .filter(|c| c.restart_policy.as_deref() == Some("Always")),
+    )
+}
+
+/// `(volume, claim)` for every PersistentVolumeClaim the pod mounts: what the
+/// controller reads before the checks.
+pub fn claim_names(pod: &Pod) -> Vec<(String, String)> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| match volume_kind(v) {
+            VolumeKind::Claim(c) => Some((v.name.clone(), c)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// What the checks need of a node.
@@ -148,12 +389,14 @@ pub struct OtherMigration {
     pub terminal: bool,
 }
 
-/// This PodMigration's identity (for tie-breaks and names).
+/// This PodMigration's identity (for tie-breaks and names), and the namespace of the
+/// operator deciding it (whose pods are never moved).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Me {
     pub name: String,
     pub uid: String,
     pub created: Timestamp,
+    pub operator_namespace: String,
 }
 
 /// How many migrations may be past `Pending` at once.
@@ -233,6 +476,9 @@ pub fn preflight(
             format!("pod {} is not bound to a node", pod.name),
         );
     };
+    if let Some((reason, message)) = protected_or_static(me, pod) {
+        return no(reason, message);
+    }
     if let Some(owner) = &pod.owner
         && !adoptable_owner(&owner.kind)
     {
@@ -243,6 +489,9 @@ pub fn preflight(
                 pod.name, owner.kind, owner.name
             ),
         );
+    }
+    if let Some((reason, message)) = cannot_move(spec, pod) {
+        return no(reason, message);
     }
     // One migration per pod: the oldest non-terminal PodMigration of a pod wins
     // (name breaks ties), so two created together never both proceed.
@@ -280,6 +529,177 @@ pub fn preflight(
     })
 }
 
+/// Pods that are never PodMotion's to move: those in the cluster's system namespace or
+/// the operator's own, and static pods.
+fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<(&'static str, String)> {
+    let name = &pod.name;
+    if pod.namespace == "kube-system" || pod.namespace == me.operator_namespace {
+        let whose = if pod.namespace == "kube-system" {
+            "the cluster's system namespace"
+        } else {
+            "PodMotion's own namespace"
+        };
+        return Some((
+            reasons::PROTECTED_NAMESPACE,
+            format!(
+                "pod {name} is in {} ({whose}), whose pods PodMotion never migrates; \
+                 reschedule it (delete the pod and let its controller recreate it) instead",
+                pod.namespace
+            ),
+        ));
+    }
+    // Before the owner check: a mirror pod's controller is its Node.
+    if pod.static_pod {
+        return Some((
+            reasons::STATIC_POD,
+            format!(
+                "pod {name} is a static pod: the kubelet runs it from a manifest on its node \
+                 and the API server only shows a mirror; move the manifest to another node's \
+                 static pod directory instead"
+            ),
+        ));
+    }
+    None
+}
+
+/// What the pod's spec makes impossible to move, cheapest and least negotiable first;
+/// `None` if nothing. Local data comes last: it is the one a user may waive.
+fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<(&'static str, String)> {
+    let name = &pod.name;
+    if pod.adopted {
+        return Some((
+            reasons::ADOPTED_POD,
+            format!(
+                "pod {name} was already migrated by PodMotion (it has the init container \
+                 {HOLDER_INSTALLER}): its container's PID 1 is PodMotion's holder and CRIU \
+                 cannot dump the nested PID namespace; restart or roll out the workload \
+                 first (e.g. kubectl rollout restart deployment/<name>), then migrate the new pod"
+            ),
+        ));
+    }
+    if !pod.host_namespaces.is_empty() {
+        return Some((
+            reasons::HOST_NAMESPACES,
+            format!(
+                "pod {name} shares the node's namespaces ({}): its processes and sockets are \
+                 the node's, which cannot be checkpointed and recreated on another node; \
+                 reschedule it instead, or run it without {}",
+                pod.host_namespaces.join(", "),
+                pod.host_namespaces.join(" and ")
+            ),
+        ));
+    }
+    if pod.containers.len() > 1 {
+        return Some((
+            reasons::MULTIPLE_CONTAINERS,
+            format!(
+                "pod {name} has {} containers ({}; native sidecars count): PodMotion migrates \
+                 the process tree of one container only and would replace the others by \
+                 holders, losing their state; migrate single-container pods, or reschedule \
+                 this one",
+                pod.containers.len(),
+                pod.containers.join(", ")
+            ),
+        ));
+    }
+    if !pod.extended_resources.is_empty() {
+        let list: Vec<String> = pod
+            .extended_resources
+            .iter()
+            .map(|(c, r)| format!("{r} (container {c})"))
+            .collect();
+        return Some((
+            reasons::EXTENDED_RESOURCES,
+            format!(
+                "pod {name} uses {}: a device's state cannot be checkpointed and the target \
+                 node's device would be another one; PodMotion moves pods that use only cpu, \
+                 memory, ephemeral-storage and hugepages; reschedule it instead",
+                list.join(", ")
+            ),
+        ));
+    }
+    local_data(spec, pod).map(|m| (reasons::LOCAL_DATA, m))
+}
+
+/// Why the pod's data cannot follow it to another node, if it cannot. Pod-scoped
+/// volumes may be waived with `leaveLocalDataBehind` (the target gets fresh ones);
+/// disks and claims that cannot be mounted on the target node never are: the target
+/// pod mounts the very same volume, so its holders would never start.
+fn local_data(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<String> {
+    let name = &pod.name;
+    let mut fixed: Vec<String> = pod
+        .node_attached_disks
+        .iter()
+        .map(|(v, kind)| format!("volume {v} ({kind}) is a disk attached to one node at a time"))
+        .collect();
+    for c in &pod.claims {
+        let (v, claim) = (&c.volume, &c.claim);
+        match &c.facts {
+            None => fixed.push(format!("volume {v}: claim {claim} does not exist")),
+            Some(f) => {
+                if let Some(kind) = f.node_local_kind {
+                    fixed.push(format!(
+                        "volume {v}: claim {claim} is bound to the {kind} PersistentVolume {}, \
+                         whose data is on one node's disk",
+                        f.volume_name.as_deref().unwrap_or("?")
+                    ));
+                } else if !f
+                    .access_modes
+                    .iter()
+                    .any(|m| m == "ReadWriteMany" || m == "ReadOnlyMany")
+                {
+                    let modes = if f.access_modes.is_empty() {
+                        "without access modes".to_string()
+                    } else {
+                        f.access_modes.join("/")
+                    };
+                    fixed.push(format!(
+                        "volume {v}: claim {claim} is {modes}, so the target pod cannot mount \
+                         it on another node while the source pod holds it"
+                    ));
+                }
+            }
+        }
+    }
+    if !fixed.is_empty() {
+        return Some(format!(
+            "pod {name} cannot take its storage along: {}; only ReadWriteMany or ReadOnlyMany \
+             claims on volumes reachable from the target node follow a pod \
+             (leaveLocalDataBehind does not change this); reschedule the pod instead",
+            fixed.join("; ")
+        ));
+    }
+    if spec.leave_local_data_behind || pod.local_volumes.is_empty() {
+        return None;
+    }
+    let list: Vec<String> = pod
+        .local_volumes
+        .iter()
+        .map(|(v, kind)| format!("{v} ({kind})"))
+        .collect();
+    Some(format!(
+        "pod {name} keeps data on its node in {}; set spec.leaveLocalDataBehind: true to \
+         migrate it with fresh, empty volumes on the target (that data is lost), or keep the \
+         data on a ReadWriteMany claim",
+        list.join(", ")
+    ))
+}
+
+/// Whether `node` satisfies a required node selector (any term; every requirement of
+/// the term, on labels and on `metadata.name`).
+fn selector_matches(sel: &NodeSelector, node: &NodeFacts) -> bool {
+    sel.node_selector_terms.iter().any(|term| {
+        term.match_expressions
+            .iter()
+            .flatten()
+            .all(|r| requirement_holds(r, &node.labels))
+            && term.match_fields.iter().flatten().all(|r| {
+                let fields = BTreeMap::from([("metadata.name".to_string(), node.name.clone())]);
+                requirement_holds(r, &fields)
+            })
+    })
+}
+
 /// Why one node cannot take the pod; `None` if it can.
 pub fn unfit_reason(
     pod: &PodFacts,
@@ -313,20 +733,27 @@ pub fn unfit_reason(
         ));
     }
     if let Some(sel) = &pod.required_node_affinity
-        && !sel.node_selector_terms.iter().any(|term| {
-            term.match_expressions
-                .iter()
-                .flatten()
-                .all(|r| requirement_holds(r, &node.labels))
-                && term.match_fields.iter().flatten().all(|r| {
-                    let fields = BTreeMap::from([("metadata.name".to_string(), node.name.clone())]);
-                    requirement_holds(r, &fields)
-                })
-        })
+        && !selector_matches(sel, node)
     {
         return Some((
             reasons::TARGET_DOES_NOT_FIT,
             format!("{n} does not match the pod's required node affinity"),
+        ));
+    }
+    // The target pod is bound by name, past the scheduler's volume checks: a claim's
+    // volume (a zonal disk) must be reachable from the node.
+    if let Some(c) = pod.claims.iter().find(|c| {
+        c.facts
+            .as_ref()
+            .and_then(|f| f.node_affinity.as_ref())
+            .is_some_and(|sel| !selector_matches(sel, node))
+    }) {
+        return Some((
+            reasons::TARGET_DOES_NOT_FIT,
+            format!(
+                "{n} does not match the node affinity of the volume bound to claim {}",
+                c.claim
+            ),
         ));
     }
     if let Some(t) = node
@@ -544,12 +971,14 @@ fn bytes(s: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::migration::fixtures::{node, pod, spec};
+    use serde_json::{Value, json};
 
     fn me() -> Me {
         Me {
             name: "move-web".into(),
             uid: "0c5b5e52-0000-4000-8000-000000000001".into(),
             created: ts(100),
+            operator_namespace: "podmotion-system".into(),
         }
     }
     fn ts(s: i64) -> Timestamp {
@@ -698,10 +1127,421 @@ mod tests {
                 reasons::NO_TARGET_NODE,
             ),
         ];
+        // What cannot move: pods read from their manifests, each refused for its cause.
+        let opt_in = spec("web-0").leave_local_data_behind().build();
+        let rwo = claims(&[("data", &["ReadWriteOnce"])]);
+        let cannot_move: Vec<(&str, PodFacts, PodMigrationSpec, &str)> = vec![
+            (
+                "kube-system pod",
+                k8s(json!({"metadata": {"namespace": "kube-system"}})),
+                s.clone(),
+                reasons::PROTECTED_NAMESPACE,
+            ),
+            (
+                "pod in the operator's namespace",
+                k8s(json!({"metadata": {"namespace": "podmotion-system"}})),
+                s.clone(),
+                reasons::PROTECTED_NAMESPACE,
+            ),
+            (
+                "mirror pod",
+                k8s(json!({"metadata": {"annotations": {(annotations::CONFIG_MIRROR): "abc"}}})),
+                s.clone(),
+                reasons::STATIC_POD,
+            ),
+            (
+                "static pod owned by its node",
+                k8s(json!({"metadata": {"ownerReferences": [{"apiVersion": "v1",
+                    "kind": "Node", "name": "n0", "uid": "node-uid", "controller": true}]}})),
+                s.clone(),
+                reasons::STATIC_POD,
+            ),
+            (
+                "pod PodMotion already restored",
+                k8s(json!({"spec": {
+                    "initContainers": [{"name": HOLDER_INSTALLER, "image": "agent:1"}],
+                    "volumes": [{"name": HOLDER_INSTALLER, "emptyDir": {}}]}})),
+                s.clone(),
+                reasons::ADOPTED_POD,
+            ),
+            (
+                "hostNetwork",
+                k8s(json!({"spec": {"hostNetwork": true}})),
+                s.clone(),
+                reasons::HOST_NAMESPACES,
+            ),
+            (
+                "hostPID",
+                k8s(json!({"spec": {"hostPID": true}})),
+                s.clone(),
+                reasons::HOST_NAMESPACES,
+            ),
+            (
+                "hostIPC",
+                k8s(json!({"spec": {"hostIPC": true}})),
+                s.clone(),
+                reasons::HOST_NAMESPACES,
+            ),
+            (
+                "two containers",
+                k8s(json!({"spec": {"containers": [
+                    {"name": "app", "image": "app:1"}, {"name": "proxy", "image": "proxy:1"}]}})),
+                s.clone(),
+                reasons::MULTIPLE_CONTAINERS,
+            ),
+            (
+                "native sidecar",
+                k8s(json!({"spec": {"initContainers": [
+                    {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}]}})),
+                s.clone(),
+                reasons::MULTIPLE_CONTAINERS,
+            ),
+            (
+                "gpu limit",
+                k8s(
+                    json!({"spec": {"containers": [{"name": "app", "image": "app:1",
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
+                ),
+                s.clone(),
+                reasons::EXTENDED_RESOURCES,
+            ),
+            (
+                "emptyDir",
+                k8s(json!({"spec": {"volumes": [{"name": "scratch", "emptyDir": {}}]}})),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "memory emptyDir",
+                k8s(
+                    json!({"spec": {"volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}]}}),
+                ),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "hostPath",
+                k8s(
+                    json!({"spec": {"volumes": [{"name": "logs", "hostPath": {"path": "/var/log"}}]}}),
+                ),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "generic ephemeral volume",
+                k8s(json!({"spec": {"volumes": [{"name": "cache", "ephemeral": {
+                    "volumeClaimTemplate": {"spec": {"accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "1Gi"}}}}}}]}})),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "writable inline csi volume",
+                k8s(
+                    json!({"spec": {"volumes": [{"name": "scratch", "csi": {"driver": "x.example"}}]}}),
+                ),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "ReadWriteOnce claim",
+                with_claim(k8s(claim_volume("data")), &rwo),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "ReadWriteOncePod claim",
+                with_claim(
+                    k8s(claim_volume("data")),
+                    &claims(&[("data", &["ReadWriteOncePod"])]),
+                ),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "ReadWriteOnce claim, even with the opt-in",
+                with_claim(k8s(claim_volume("data")), &rwo),
+                opt_in.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "claim that does not exist",
+                k8s(claim_volume("data")),
+                s.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "ReadWriteMany claim on a local volume",
+                with_claim(k8s(claim_volume("data")), &{
+                    let mut c = claims(&[("data", &["ReadWriteMany"])]);
+                    c.get_mut("data").unwrap().node_local_kind = Some("local");
+                    c
+                }),
+                opt_in.clone(),
+                reasons::LOCAL_DATA,
+            ),
+            (
+                "in-tree disk",
+                k8s(json!({"spec": {"volumes": [{"name": "disk",
+                    "gcePersistentDisk": {"pdName": "d1"}}]}})),
+                opt_in.clone(),
+                reasons::LOCAL_DATA,
+            ),
+        ];
+        let base = preflight(&s, &me(), Some(&k8s(json!({}))), &nodes, &[]);
+        assert_eq!(verdict_reason(&base), reasons::MIGRATABLE, "{base:?}");
+        let cases = cases.into_iter().chain(
+            cannot_move
+                .into_iter()
+                .map(|(what, p, s, want)| (what, Some(p), s, nodes.clone(), vec![], want)),
+        );
         for (what, p, s, n, others, want) in cases {
             let v = preflight(&s, &me(), p.as_ref(), &n, &others);
             assert_eq!(verdict_reason(&v), want, "{what}: {v:?}");
         }
+    }
+
+    /// A running ReplicaSet pod `web-0` on n0 in `apps` with one container (100m/64Mi,
+    /// no volumes), with `patch` merged into its manifest (objects merged, everything
+    /// else replaced), read as the controller reads it.
+    fn k8s(patch: Value) -> PodFacts {
+        let mut pod = json!({
+            "metadata": {"name": "web-0", "namespace": "apps",
+                "uid": crate::migration::fixtures::SOURCE_UID,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                    "name": "web-abc", "uid": "rs-uid", "controller": true}]},
+            "spec": {"nodeName": "n0", "containers": [{"name": "app", "image": "app:1",
+                "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]},
+            "status": {"phase": "Running"}
+        });
+        merge(&mut pod, patch);
+        PodFacts::from_pod(&serde_json::from_value(pod).unwrap())
+    }
+    fn merge(into: &mut Value, patch: Value) {
+        match (into, patch) {
+            (Value::Object(a), Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(Value::Null), v);
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+    /// A pod patch mounting claim `claim` as volume `data`.
+    fn claim_volume(claim: &str) -> Value {
+        json!({"spec": {"volumes": [{"name": "data",
+            "persistentVolumeClaim": {"claimName": claim}}]}})
+    }
+    /// Bound claims with these access modes, on network volumes.
+    fn claims(list: &[(&str, &[&str])]) -> BTreeMap<String, ClaimFacts> {
+        list.iter()
+            .map(|(name, modes)| {
+                (
+                    name.to_string(),
+                    ClaimFacts {
+                        access_modes: modes.iter().map(|m| m.to_string()).collect(),
+                        volume_name: Some(format!("pv-{name}")),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect()
+    }
+    fn with_claim(p: PodFacts, c: &BTreeMap<String, ClaimFacts>) -> PodFacts {
+        p.with_claims(c)
+    }
+    fn refusal(p: &PodFacts, s: &PodMigrationSpec) -> (&'static str, String) {
+        match preflight(s, &me(), Some(p), &three_nodes(), &[]) {
+            Preflight::NotMigratable { reason, message } => (reason, message),
+            v => panic!("migratable: {v:?}"),
+        }
+    }
+    fn assert_migratable(what: &str, p: &PodFacts, s: &PodMigrationSpec) {
+        let v = preflight(s, &me(), Some(p), &three_nodes(), &[]);
+        assert_eq!(verdict_reason(&v), reasons::MIGRATABLE, "{what}: {v:?}");
+    }
+
+    #[test]
+    fn refusals_name_the_cause_and_what_to_do() {
+        let s = spec("web-0").build();
+        let (_, m) = refusal(&k8s(json!({"spec": {"hostPID": true}})), &s);
+        assert!(m.contains("hostPID") && !m.contains("hostNetwork"), "{m}");
+        let (_, m) = refusal(
+            &k8s(json!({"spec": {"hostNetwork": true, "hostIPC": true}})),
+            &s,
+        );
+        assert!(m.contains("hostNetwork, hostIPC"), "{m}");
+        let (_, m) = refusal(
+            &k8s(
+                json!({"spec": {"containers": [{"name": "train", "image": "t:1",
+                "resources": {"requests": {"cpu": "1", "example.com/fpga": "2"}}}]}}),
+            ),
+            &s,
+        );
+        assert!(m.contains("example.com/fpga (container train)"), "{m}");
+        assert!(!m.contains("cpu ("), "{m}");
+        let (_, m) = refusal(
+            &k8s(
+                json!({"spec": {"volumes": [{"name": "scratch", "emptyDir": {}},
+                {"name": "logs", "hostPath": {"path": "/var/log"}}]}}),
+            ),
+            &s,
+        );
+        assert!(
+            m.contains("scratch (emptyDir), logs (hostPath)")
+                && m.contains("spec.leaveLocalDataBehind: true"),
+            "{m}"
+        );
+        let (_, m) = refusal(
+            &with_claim(
+                k8s(claim_volume("data")),
+                &claims(&[("data", &["ReadWriteOnce"])]),
+            ),
+            &s,
+        );
+        assert!(
+            m.contains("claim data is ReadWriteOnce") && m.contains("does not change this"),
+            "{m}"
+        );
+        let (_, m) = refusal(
+            &k8s(json!({"spec": {"initContainers": [{"name": HOLDER_INSTALLER}]}})),
+            &s,
+        );
+        assert!(m.contains("restart or roll out the workload"), "{m}");
+        let (_, m) = refusal(
+            &k8s(json!({"spec": {"containers": [{"name": "app"}, {"name": "envoy"}]}})),
+            &s,
+        );
+        assert!(m.contains("2 containers (app, envoy"), "{m}");
+        let (_, m) = refusal(&k8s(json!({"metadata": {"namespace": "kube-system"}})), &s);
+        assert!(m.contains("kube-system"), "{m}");
+    }
+
+    #[test]
+    fn leave_local_data_behind_lets_pod_scoped_volumes_through() {
+        let p = k8s(json!({"spec": {"volumes": [
+            {"name": "scratch", "emptyDir": {"medium": "Memory"}},
+            {"name": "logs", "hostPath": {"path": "/var/log/app"}},
+            {"name": "cache", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}}]}}));
+        assert_eq!(refusal(&p, &spec("web-0").build()).0, reasons::LOCAL_DATA);
+        assert_migratable(
+            "opted in",
+            &p,
+            &spec("web-0").leave_local_data_behind().build(),
+        );
+    }
+
+    #[test]
+    fn the_holder_volume_alone_is_not_local_data() {
+        // The volume PodMotion adds to a target pod, without its init container.
+        let p = k8s(json!({"spec": {"volumes": [{"name": HOLDER_INSTALLER,
+            "emptyDir": {"sizeLimit": "64Mi"}}]}}));
+        assert!(p.local_volumes.is_empty(), "{:?}", p.local_volumes);
+        assert_migratable("holder volume", &p, &spec("web-0").build());
+    }
+
+    #[test]
+    fn volumes_that_follow_the_pod_keep_it_migratable() {
+        let p = k8s(json!({"spec": {"volumes": [
+            {"name": "config", "configMap": {"name": "web"}},
+            {"name": "creds", "secret": {"secretName": "web"}},
+            {"name": "token", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}},
+            {"name": "info", "downwardAPI": {"items": []}},
+            {"name": "certs", "csi": {"driver": "secrets-store.csi.k8s.io", "readOnly": true}},
+            {"name": "shared", "nfs": {"server": "nfs.example", "path": "/export"}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "shared-data"}}]}}))
+        .with_claims(&claims(&[("shared-data", &["ReadWriteMany"])]));
+        assert_migratable("volumes that follow", &p, &spec("web-0").build());
+    }
+
+    #[test]
+    fn hugepages_ephemeral_storage_and_native_init_containers_are_not_refused() {
+        let p = k8s(json!({"spec": {
+            "containers": [{"name": "app", "image": "app:1", "resources": {
+                "requests": {"cpu": "100m", "memory": "64Mi", "hugepages-2Mi": "128Mi",
+                    "ephemeral-storage": "1Gi"},
+                "limits": {"hugepages-1Gi": "1Gi", "memory": "128Mi"}}}],
+            // An ordinary init container has finished: it is not a second container.
+            "initContainers": [{"name": "migrate-db", "image": "app:1"}]}}));
+        assert!(
+            p.extended_resources.is_empty(),
+            "{:?}",
+            p.extended_resources
+        );
+        assert_eq!(p.containers, vec!["app"]);
+        assert_migratable("hugepages", &p, &spec("web-0").build());
+    }
+
+    #[test]
+    fn a_claims_zonal_volume_limits_the_target_to_its_zone() {
+        let zone_b = NodeSelector {
+            node_selector_terms: vec![k8s_openapi::api::core::v1::NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: "zone".into(),
+                    operator: "In".into(),
+                    values: Some(vec!["b".into()]),
+                }]),
+                match_fields: None,
+            }],
+        };
+        let mut c = claims(&[("data", &["ReadWriteMany"])]);
+        c.get_mut("data").unwrap().node_affinity = Some(zone_b);
+        let p = k8s(claim_volume("data")).with_claims(&c);
+        let nodes = vec![
+            node("n0").label("zone", "b").build(),
+            node("n1").label("zone", "a").build(),
+            node("n2").label("zone", "b").build(),
+        ];
+        assert_eq!(
+            select_target(&spec("web-0").build(), &p, "n0", &nodes).unwrap(),
+            "n2"
+        );
+        let err = select_target(&spec("web-0").target("n1").build(), &p, "n0", &nodes).unwrap_err();
+        assert_eq!(err.0, reasons::TARGET_DOES_NOT_FIT, "{}", err.1);
+        assert!(err.1.contains("claim data"), "{}", err.1);
+    }
+
+    #[test]
+    fn claim_facts_read_the_bound_modes_and_the_volumes_node_binding() {
+        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": "data"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "volumeName": "pv-1"},
+            "status": {"phase": "Bound", "accessModes": ["ReadWriteOnce", "ReadWriteMany"]}
+        }))
+        .unwrap();
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": "pv-1"},
+            "spec": {"local": {"path": "/mnt/disk"}, "nodeAffinity": {"required": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "kubernetes.io/hostname",
+                    "operator": "In", "values": ["n0"]}]}]}}}
+        }))
+        .unwrap();
+        let f = ClaimFacts::from_objects(&pvc, Some(&pv));
+        assert_eq!(f.access_modes, vec!["ReadWriteOnce", "ReadWriteMany"]);
+        assert_eq!(f.volume_name.as_deref(), Some("pv-1"));
+        assert_eq!(f.node_local_kind, Some("local"));
+        assert!(f.node_affinity.is_some());
+        let unbound = ClaimFacts::from_objects(&pvc, None);
+        assert_eq!(unbound.node_local_kind, None);
+        assert!(unbound.node_affinity.is_none());
+    }
+
+    #[test]
+    fn pod_facts_list_claims_and_only_the_containers_that_keep_running() {
+        let raw: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "apps"},
+            "spec": {"containers": [{"name": "app"}],
+                "initContainers": [{"name": "setup"}, {"name": "mesh", "restartPolicy": "Always"}],
+                "volumes": [{"name": "a", "persistentVolumeClaim": {"claimName": "c1"}},
+                    {"name": "b", "emptyDir": {}}]}
+        }))
+        .unwrap();
+        assert_eq!(claim_names(&raw), vec![("a".to_string(), "c1".to_string())]);
+        let f = PodFacts::from_pod(&raw);
+        assert_eq!(f.containers, vec!["app", "mesh"]);
+        assert_eq!(f.namespace, "apps");
+        assert_eq!(f.local_volumes, vec![("b".to_string(), "emptyDir")]);
+        assert_eq!(f.claims[0].facts, None);
     }
 
     #[test]

@@ -514,7 +514,11 @@ mod tests {
         assert_eq!(sc.allow_privilege_escalation, Some(false));
         let vols = spec.volumes.as_deref().unwrap_or_default();
         let src_vols = src.volumes.as_deref().unwrap_or_default();
-        assert_eq!(&vols[..src_vols.len()], src_vols, "the source's volumes, unchanged");
+        assert_eq!(
+            &vols[..src_vols.len()],
+            src_vols,
+            "the source's volumes, unchanged"
+        );
         assert_eq!(vols.len(), src_vols.len() + 1);
         assert!(vols.last().unwrap().empty_dir.is_some());
     }

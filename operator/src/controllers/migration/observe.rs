@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use kube::{Resource, ResourceExt};
@@ -17,7 +17,7 @@ use crate::controllers::shell::{ReconcileError, api_err};
 use crate::migration::agent::{AgentClient, AgentEndpoint, AgentView};
 use crate::migration::machine::{Knobs, Observed, Preflight};
 use crate::migration::pending;
-use crate::migration::preflight::Limits;
+use crate::migration::preflight::{self, Limits};
 use crate::migration::render;
 
 /// The machine's input and the pods its actions act on.
@@ -83,8 +83,8 @@ pub(super) async fn observe<A: AgentClient>(
     })
 }
 
-/// Pre-flight inputs (nodes, their load, agents, other migrations) and the verdict,
-/// plus whether a concurrency slot is free for it.
+/// Pre-flight inputs (the source's claims, nodes, their load, agents, other
+/// migrations) and the verdict, plus whether a concurrency slot is free for it.
 async fn evaluate_pending<A: AgentClient>(
     s: &Shared<A>,
     pm: &PodMigration,
@@ -99,6 +99,10 @@ async fn evaluate_pending<A: AgentClient>(
         .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
         .await
         .map_err(api_err("list", "pods"))?;
+    let claims = match source {
+        Some(pod) => read_claims(s, pm, pod).await?,
+        None => vec![],
+    };
     let endpoints = agent_endpoints(s).await?;
     let nodes = pending::node_facts(
         &nodes.items,
@@ -115,7 +119,54 @@ async fn evaluate_pending<A: AgentClient>(
         per_cluster: s.cfg.max_parallel,
         per_source_node: s.cfg.max_per_node,
     };
-    Ok(pending::evaluate(pm, source, &nodes, &all, limits))
+    Ok(pending::evaluate(
+        pm,
+        source,
+        &pending::claim_facts(&claims),
+        &nodes,
+        &all,
+        limits,
+        &s.ctx.config.namespace,
+    ))
+}
+
+/// The PersistentVolumeClaims `pod` mounts, each with its bound PersistentVolume: to
+/// tell whether its storage can follow it. Missing ones are left out (the pre-flight
+/// refuses a claim it has no facts for).
+async fn read_claims<A>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    pod: &Pod,
+) -> Result<Vec<(PersistentVolumeClaim, Option<PersistentVolume>)>, ReconcileError> {
+    let client = s.ctx.client.clone();
+    let ns = pm.namespace().unwrap_or_default();
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+    let pvs: Api<PersistentVolume> = Api::all(client);
+    let mut names: Vec<String> = preflight::claim_names(pod)
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    names.sort();
+    names.dedup();
+    let mut out = vec![];
+    for name in names {
+        let Some(pvc) = pvcs
+            .get_opt(&name)
+            .await
+            .map_err(api_err("get", "persistentvolumeclaim"))?
+        else {
+            continue;
+        };
+        let pv = match pvc.spec.as_ref().and_then(|s| s.volume_name.clone()) {
+            Some(v) if !v.is_empty() => pvs
+                .get_opt(&v)
+                .await
+                .map_err(api_err("get", "persistentvolume"))?,
+            _ => None,
+        };
+        out.push((pvc, pv));
+    }
+    Ok(out)
 }
 
 /// Node → agent endpoint: the Ready agent pods (from the watch), then the overrides.
