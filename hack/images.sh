@@ -33,7 +33,7 @@
 #     x86_64-unknown-linux-musl (static: no base image and no libc to match), with the
 #     workspace, the cargo home and the target dir remapped to fixed paths, so that the
 #     clone's location does not leak into the binaries;
-#   * Debian packages (CRIU from forky for the agent, iproute2 from bookworm for the
+#   * Debian packages (CRIU, tar, gzip and dash from forky for the agent, iproute2 from bookworm for the
 #     broker) are resolved once and cached as .debs under $PODMOTION_CACHE/images/debs:
 #     back-to-back builds use the same files. forky is Debian testing, a moving suite:
 #     the same commit built on a fresh machine (empty cache) or after
@@ -283,8 +283,10 @@ stage() { # name bindir ctx
   esac
   case $name in
     agent)
-      # gconv modules: criu does no charset conversion.
-      debs=$(fetch_debs agent-forky forky 'libc-gconv-modules-extra' criu)
+      # gconv modules: criu does no charset conversion. tar: CRIU archives the content
+      # of a container's tmpfs mounts (its /dev) with it, compressed by gzip, which tar
+      # starts through /bin/sh (dash). debconf only matters to maintainer scripts.
+      debs=$(fetch_debs agent-forky forky 'libc-gconv-modules-extra|debconf' criu tar gzip dash)
       debian_root "$debs" "$ctx/rootfs"
       ;;
     broker)

@@ -21,8 +21,8 @@ use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm, kubectl, output_text, real_nodes,
 };
 use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, repo_root,
-    wait_for, wait_list,
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, repo_root, wait_for,
+    wait_list,
 };
 use serde_json::json;
 
@@ -214,7 +214,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": "move-mover"},
         "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
-            "probe": {"tcpSocket": {"port": 8080}}}
+            "freezeBudgetMillis": 20000, "probe": {"tcpSocket": {"port": 8080}}}
     }));
     let pms: Api<PodMigration> = app.api();
     pms.create(&PostParams::default(), &pm).await.unwrap();
@@ -224,8 +224,9 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         MIGRATION_TIMEOUT,
         "the PodMigration to end",
         |m| {
-            m.and_then(|m| m.status.as_ref())
-                .is_some_and(|s| matches!(s.phase, MigrationPhase::Succeeded | MigrationPhase::Failed))
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(s.phase, MigrationPhase::Succeeded | MigrationPhase::Failed)
+            })
         },
     )
     .await;
@@ -256,13 +257,23 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let rs: Api<ReplicaSet> = app.api();
     let rs = rs.get(&owner.name).await.unwrap();
     assert_eq!(rs.spec.as_ref().unwrap().replicas, Some(1));
-    wait_list(&pods, "app=mover", POD_TIMEOUT, "only the target pod left", |ps| {
-        ps.len() == 1 && ps[0].name_any() == target_name
-    })
+    wait_list(
+        &pods,
+        "app=mover",
+        POD_TIMEOUT,
+        "only the target pod left",
+        |ps| ps.len() == 1 && ps[0].name_any() == target_name,
+    )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     // Still the same container: never restarted, running the source's image.
-    let cs = &target.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0];
+    let cs = &target
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
     assert_eq!(cs.restart_count, 0);
     assert_eq!(
         target.spec.as_ref().unwrap().containers[0].image.as_deref(),
@@ -275,7 +286,10 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let after = counter(&target_addr);
     assert!(after > before, "counter went from {before} to {after}");
     let via_service = counter(&svc_addr);
-    assert!(via_service >= after, "through the Service: {via_service} < {after}");
+    assert!(
+        via_service >= after,
+        "through the Service: {via_service} < {after}"
+    );
 
     // The held connection: the address did not move, so it ended cleanly (FIN: EOF,
     // not a reset).
@@ -304,7 +318,10 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     assert!(agents_pids.len() >= 2, "agents found: {agents_pids:?}");
     for pid in agents_pids {
         let left = checkpoint_files(pid);
-        assert!(left.is_empty(), "agent {pid} keeps checkpoint files: {left:?}");
+        assert!(
+            left.is_empty(),
+            "agent {pid} keeps checkpoint files: {left:?}"
+        );
     }
 
     // `kubectl logs` of the adopted pod works (the container's own log).

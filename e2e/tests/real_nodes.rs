@@ -80,7 +80,11 @@ async fn wait_ready(api: &Api<Pod>, name: &str) -> Pod {
 
 fn logs(ns: &str, pod: &str) -> String {
     let out = kubectl(&["-n", ns, "logs", pod]);
-    assert!(out.status.success(), "kubectl logs {pod}: {}", output_text(&out));
+    assert!(
+        out.status.success(),
+        "kubectl logs {pod}: {}",
+        output_text(&out)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -463,7 +467,11 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         "--wait=true",
         "--timeout=120s",
     ]);
-    assert!(out.status.success(), "delete attachment: {}", output_text(&out));
+    assert!(
+        out.status.success(),
+        "delete attachment: {}",
+        output_text(&out)
+    );
     wait_list(
         &agent_pods,
         "batch.kubernetes.io/job-name",
@@ -512,7 +520,11 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         "--timeout",
         "5m",
     ]);
-    assert!(out.status.success(), "helm uninstall: {}", output_text(&out));
+    assert!(
+        out.status.success(),
+        "helm uninstall: {}",
+        output_text(&out)
+    );
     std::mem::forget(uninstalled);
     let jobs: Api<Job> = Api::namespaced(op.client.clone(), &agents);
     let left = jobs
@@ -766,4 +778,3 @@ async fn exercise_agent(
     assert!((200..300).contains(&code), "{code} {body}");
     pid
 }
-

@@ -33,30 +33,30 @@ pub const HOLD: &str = "hold";
 
 /// `process.{args,env,cwd}` of an OCI runtime spec: the container's original process.
 pub fn workload_from_spec(spec: &serde_json::Value) -> Option<Workload> {
-        let p = spec.get("process")?;
-        let strings = |k: &str| -> Vec<String> {
-            p.get(k)
-                .and_then(|v| v.as_array())
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|s| s.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        let args = strings("args");
-        if args.is_empty() {
-            return None;
-        }
-        Some(Workload {
-            args,
-            env: strings("env"),
-            cwd: p
-                .get("cwd")
-                .and_then(|v| v.as_str())
-                .unwrap_or("/")
-                .to_owned(),
-        })
+    let p = spec.get("process")?;
+    let strings = |k: &str| -> Vec<String> {
+        p.get(k)
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let args = strings("args");
+    if args.is_empty() {
+        return None;
+    }
+    Some(Workload {
+        args,
+        env: strings("env"),
+        cwd: p
+            .get("cwd")
+            .and_then(|v| v.as_str())
+            .unwrap_or("/")
+            .to_owned(),
+    })
 }
 
 /// Runs a holder mode if argv names one; `None`: not a holder mode.
@@ -117,14 +117,12 @@ fn hold(args: &[String]) -> Result<i32, String> {
     let restart = Path::new(HOLDER_RESTART);
     if let Ok(raw) = std::fs::read(&restart) {
         // A restart of a container whose restored workload exited: start it afresh.
-        let w: Workload = serde_json::from_slice(&raw)
-            .map_err(|e| format!("{}: {e}", restart.display()))?;
+        let w: Workload =
+            serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", restart.display()))?;
         let mut c = std::process::Command::new(&w.args[0]);
-        c.args(&w.args[1..]).env_clear().current_dir(if w.cwd.is_empty() {
-            "/"
-        } else {
-            &w.cwd
-        });
+        c.args(&w.args[1..])
+            .env_clear()
+            .current_dir(if w.cwd.is_empty() { "/" } else { &w.cwd });
         for kv in &w.env {
             if let Some((k, v)) = kv.split_once('=') {
                 c.env(k, v);

@@ -6,8 +6,8 @@
 
 pub mod admission;
 pub mod containers;
-pub mod holder;
 pub mod criu;
+pub mod holder;
 pub mod images;
 pub mod mounts;
 pub mod pidns;

@@ -739,7 +739,17 @@ impl Agent {
         .await?;
         m.timings.resumed_us = now_us();
         m.timings.restore_us = t.elapsed().as_micros() as u64;
-        let pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+        let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+        // CRIU run inside the holder's PID namespace reports the restored root's PID
+        // there; it is now the holder's child (CRIU has exited).
+        let pid = match holder_pid {
+            Some(h) => procfs::child_by_ns_pid(h, criu_pid).ok_or_else(|| {
+                Status::internal(format!(
+                    "the restored root (pid {criu_pid} in the holder's PID namespace) is not a child of the holder {h}"
+                ))
+            })?,
+            None => criu_pid,
+        };
         let restored = ProcRef {
             pid,
             start_time: procfs::start_time(pid).map_err(|e| Status::internal(e.to_string()))?,

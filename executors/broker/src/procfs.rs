@@ -170,6 +170,29 @@ pub fn tree(root: i32) -> Vec<i32> {
     out
 }
 
+/// The PIDs of `pid` in each PID namespace from the reader's down (`NSpid`).
+pub fn ns_pids(pid: i32) -> Option<Vec<i32>> {
+    parse_ns_pids(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+pub fn parse_ns_pids(status: &str) -> Option<Vec<i32>> {
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_whitespace().map(|p| p.parse().ok()).collect()
+}
+
+/// The reader's PID of the child of `parent` whose PID in `parent`'s own PID namespace
+/// is `ns_pid` (CRIU run inside a container's PID namespace reports PIDs as seen there).
+pub fn child_by_ns_pid(parent: i32, ns_pid: i32) -> Option<i32> {
+    let depth = ns_pids(parent)?.len();
+    let dir = std::fs::read_dir("/proc").ok()?;
+    dir.flatten().find_map(|e| {
+        let pid = e.file_name().to_string_lossy().parse::<i32>().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        (parse_ppid(&stat)? == parent && ns_pids(pid)?.get(depth - 1) == Some(&ns_pid))
+            .then_some(pid)
+    })
+}
+
 pub fn parse_ppid(stat: &str) -> Option<i32> {
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()
@@ -221,6 +244,31 @@ pub fn tcp_fds(pid: i32) -> Vec<(i32, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ns_pids_are_read_from_status() {
+        let st = "Name:\tapp\nTgid:\t4242\nNSpid:\t4242\t21\t1\nPPid:\t7\n";
+        assert_eq!(parse_ns_pids(st), Some(vec![4242, 21, 1]));
+        assert_eq!(parse_ns_pids("Name:\tx\n"), None);
+        // The reader's own process: one level, itself.
+        let me = std::process::id() as i32;
+        assert_eq!(ns_pids(me), Some(vec![me]));
+    }
+
+    #[test]
+    fn a_child_is_found_by_its_pid_in_the_parents_namespace() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let me = std::process::id() as i32;
+        let c = child.id() as i32;
+        // Same namespace here: the child's PID there is its PID.
+        assert_eq!(child_by_ns_pid(me, c), Some(c));
+        assert_eq!(child_by_ns_pid(me, c + 1_000_000), None);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
 
     #[test]
     fn cgroup_v1_memberships_are_found_at_their_hierarchys_mount() {
