@@ -14,7 +14,7 @@
 //!   when it exits the holder exits with its status, so the kubelet sees the workload's
 //!   exit and applies the pod's restart policy;
 //! * after restore the agent writes `/.podmotion/restart.json` (the source container's
-//!   original process: argv, environment, working directory, from the runtime's spec);
+//!   original process: argv and working directory, from the runtime's spec);
 //!   when the container is started again, the holder finds it and executes that process
 //!   in its place: a restart of an adopted pod starts the workload afresh, as a restart
 //!   of the source would have.
@@ -31,7 +31,7 @@ pub const INSTALL: &str = "install-holder";
 /// Mode that holds a target container (its PID 1).
 pub const HOLD: &str = "hold";
 
-/// `process.{args,env,cwd}` of an OCI runtime spec: the container's original process.
+/// `process.{args,cwd}` of an OCI runtime spec: the container's original process.
 pub fn workload_from_spec(spec: &serde_json::Value) -> Option<Workload> {
     let p = spec.get("process")?;
     let strings = |k: &str| -> Vec<String> {
@@ -50,7 +50,6 @@ pub fn workload_from_spec(spec: &serde_json::Value) -> Option<Workload> {
     }
     Some(Workload {
         args,
-        env: strings("env"),
         cwd: p
             .get("cwd")
             .and_then(|v| v.as_str())
@@ -119,16 +118,12 @@ fn hold(args: &[String]) -> Result<i32, String> {
         // A restart of a container whose restored workload exited: start it afresh.
         let w: Workload =
             serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", restart.display()))?;
-        let mut c = std::process::Command::new(&w.args[0]);
-        c.args(&w.args[1..])
-            .env_clear()
-            .current_dir(if w.cwd.is_empty() { "/" } else { &w.cwd });
-        for kv in &w.env {
-            if let Some((k, v)) = kv.split_once('=') {
-                c.env(k, v);
-            }
-        }
-        let e = c.exec();
+        // The environment is the holder's own: the runtime gave this container the
+        // application's environment as resolved for this pod (its name, its IP).
+        let e = std::process::Command::new(&w.args[0])
+            .args(&w.args[1..])
+            .current_dir(if w.cwd.is_empty() { "/" } else { &w.cwd })
+            .exec();
         return Err(format!("exec {}: {e}", w.args[0]));
     }
     let mut set = SigSet::empty();
@@ -173,7 +168,6 @@ mod tests {
             workload_from_spec(&spec),
             Some(Workload {
                 args: vec!["/bin/app".into(), "-v".into()],
-                env: vec!["A=1".into()],
                 cwd: "/srv".into()
             })
         );

@@ -295,8 +295,6 @@ pub const HOLDER_RESTART: &str = "/.podmotion/restart.json";
 pub struct Workload {
     pub args: Vec<String>,
     #[serde(default)]
-    pub env: Vec<String>,
-    #[serde(default)]
     pub cwd: String,
 }
 

@@ -157,9 +157,10 @@ fn holder_mount() -> VolumeMount {
     }
 }
 
-/// A holder in place of `c`: same name, image, ports, resources, mounts and security
-/// context (so it reserves the same and PodSecurity admits it alike), running the holder
-/// program; no probes, hooks or environment of the application.
+/// A holder in place of `c`: same name, image, environment, working directory, ports,
+/// resources, mounts and security context (so it reserves the same, PodSecurity admits
+/// it alike, and a restart of the adopted container starts the application with the
+/// environment resolved for this pod), running the holder program; no probes or hooks.
 fn holder_container(c: &Container) -> Container {
     let mut mounts = c.volume_mounts.clone().unwrap_or_default();
     mounts.push(holder_mount());
@@ -168,6 +169,9 @@ fn holder_container(c: &Container) -> Container {
         image: c.image.clone(),
         image_pull_policy: c.image_pull_policy.clone(),
         command: Some(vec![HOLDER_BIN.into(), "hold".into()]),
+        env: c.env.clone(),
+        env_from: c.env_from.clone(),
+        working_dir: c.working_dir.clone(),
         ports: c.ports.clone(),
         resources: c.resources.clone(),
         volume_mounts: Some(mounts),
@@ -494,7 +498,9 @@ mod tests {
                 h.resources, c.resources,
                 "holders reserve the same resources"
             );
-            assert!(h.readiness_probe.is_none() && h.liveness_probe.is_none() && h.env.is_none());
+            assert!(h.readiness_probe.is_none() && h.liveness_probe.is_none());
+            assert!(h.lifecycle.is_none(), "no hooks of the application");
+            assert_eq!(h.env, c.env, "a restart gets the application's environment");
             assert!(
                 h.volume_mounts
                     .iter()
