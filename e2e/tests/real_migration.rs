@@ -256,7 +256,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     assert_eq!(owner.kind, "ReplicaSet");
     let rs: Api<ReplicaSet> = app.api();
     let rs = rs.get(&owner.name).await.unwrap();
-    assert_eq!(rs.spec.as_ref().unwrap().replicas, Some(1));
+    assert_eq!(rs.spec.replicas, Some(1));
     wait_list(
         &pods,
         "app=mover",
