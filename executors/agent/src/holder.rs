@@ -114,7 +114,7 @@ fn hold(args: &[String]) -> Result<i32, String> {
         return Err("usage: hold".into());
     }
     let restart = Path::new(HOLDER_RESTART);
-    if let Ok(raw) = std::fs::read(&restart) {
+    if let Ok(raw) = std::fs::read(restart) {
         // A restart of a container whose restored workload exited: start it afresh.
         let w: Workload =
             serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", restart.display()))?;
