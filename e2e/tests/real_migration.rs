@@ -97,7 +97,9 @@ fn node_of(p: &Pod) -> String {
 }
 
 /// A testload Deployment (1 replica, a readiness probe, behind a Service) runs on a real
-/// node; a PodMigration moves it to the other real node (Cold). The ReplicaSet owns the
+/// node. A PodMigration whose probe cannot pass rolls back: the source serves on, its
+/// held connection too, and the target pod is gone. Then a PodMigration moves it to the
+/// other real node (Cold). The ReplicaSet owns the
 /// target pod and still has one replica, the source pod is gone, the counter continues
 /// (read through a new connection and through the Service), the client's established
 /// connection ended with a FIN (the pod address cannot move between these nodes), the
@@ -210,13 +212,78 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let before: u64 = line.trim().parse().unwrap();
     assert!(before > 0, "the counter runs");
 
+    let pms: Api<PodMigration> = app.api();
+
+    // A probe that cannot pass (nothing listens on 9): the restored copy is killed, the
+    // migration rolls back, and the source, thawed, serves the same counter, larger.
+    let failing: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "bad-probe"},
+        "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
+            "freezeBudgetMillis": 20000,
+            "probe": {"tcpSocket": {"port": 9}, "failureThreshold": 1, "timeoutSeconds": 1}}
+    }));
+    pms.create(&PostParams::default(), &failing).await.unwrap();
+    let ended = wait_for(
+        &pms,
+        "bad-probe",
+        MIGRATION_TIMEOUT,
+        "the failing-probe PodMigration to end",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+                )
+            })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap();
+    let st = ended.status.unwrap();
+    assert_ne!(st.phase, MigrationPhase::Succeeded, "{st:?}");
+    assert_eq!(st.failure_reason.as_deref(), Some("ProbeFailed"), "{st:?}");
+    let after_rollback = counter(&source_addr);
+    assert!(
+        after_rollback > before,
+        "the source serves its own counter again: {before} then {after_rollback}"
+    );
+    wait_list(
+        &pods,
+        "app=mover",
+        POD_TIMEOUT,
+        "only the source pod, never restarted",
+        |ps| ps.len() == 1 && ps[0].uid() == source.uid(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // The rolled-back target pod goes (it is being deleted when the phase is final).
+    wait_list(&pods, "", POD_TIMEOUT, "the rolled-back target pod gone", |ps| {
+        ps.iter().all(|p| p.name_any() == source.name_any())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let src_now = pods.get(&source.name_any()).await.unwrap();
+    let cs = &src_now.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0];
+    assert_eq!(cs.restart_count, 0, "the source was not restarted");
+    // The held connection lost nothing: it still answers, with a larger counter.
+    writeln!(held, "get").unwrap();
+    line.clear();
+    held_reader.read_line(&mut line).unwrap();
+    let held_after: u64 = line.trim().parse().unwrap();
+    assert!(held_after >= after_rollback, "{held_after} < {after_rollback}");
+    for pid in agent_pids() {
+        let left = checkpoint_files(pid);
+        assert!(left.is_empty(), "agent {pid} keeps checkpoint files after the rollback: {left:?}");
+    }
+
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": "move-mover"},
         "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
             "freezeBudgetMillis": 20000, "probe": {"tcpSocket": {"port": 8080}}}
     }));
-    let pms: Api<PodMigration> = app.api();
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let done = wait_for(
         &pms,
