@@ -158,28 +158,32 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let st = list.items[0].status.clone().unwrap();
     assert_eq!(st.number_ready, nodes.len() as i32, "agents: {st:?}");
 
-    // The workload: on the real nodes, any of them.
+    // The workloads: on the real nodes, any of them.
     let testload = images.testload().unwrap();
-    let web: Deployment = from_json(json!({
+    let workload = |name: &str, mib: &str| -> Deployment {
+        from_json(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "mover"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "mover"}},
-            "template": {"metadata": {"labels": {"app": "mover"}}, "spec": {
+        "metadata": {"name": name},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": {
                 "nodeSelector": {"type": "real"},
                 "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
                 "enableServiceLinks": false,
                 "automountServiceAccountToken": false,
                 "terminationGracePeriodSeconds": 2,
                 "containers": [{"name": "app", "image": testload,
-                    "args": ["serve", "8080", "16"],
+                    "args": ["serve", "8080", mib],
                     "securityContext": {"runAsUser": 0, "runAsGroup": 0},
                     "ports": [{"containerPort": 8080}],
                     "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
-    }));
-    app.api::<Deployment>()
-        .create(&PostParams::default(), &web)
-        .await
-        .unwrap();
+        }))
+    };
+    for (name, mib) in [("mover", "16"), ("pre", "64")] {
+        app.api::<Deployment>()
+            .create(&PostParams::default(), &workload(name, mib))
+            .await
+            .unwrap();
+    }
     let svc: Service = from_json(json!({
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "mover"},
         "spec": {"selector": {"app": "mover"}, "ports": [{"port": 8080}]}
@@ -259,23 +263,44 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     // The rolled-back target pod goes (it is being deleted when the phase is final).
-    wait_list(&pods, "", POD_TIMEOUT, "the rolled-back target pod gone", |ps| {
-        ps.iter().all(|p| p.name_any() == source.name_any())
-    })
+    wait_list(
+        &pods,
+        "",
+        POD_TIMEOUT,
+        "the rolled-back target pod gone",
+        |ps| {
+            !ps.iter().any(|p| {
+                p.name_any()
+                    .starts_with(&format!("{}-pm-", source.name_any()))
+            })
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     let src_now = pods.get(&source.name_any()).await.unwrap();
-    let cs = &src_now.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0];
+    let cs = &src_now
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
     assert_eq!(cs.restart_count, 0, "the source was not restarted");
     // The held connection lost nothing: it still answers, with a larger counter.
     writeln!(held, "get").unwrap();
     line.clear();
     held_reader.read_line(&mut line).unwrap();
     let held_after: u64 = line.trim().parse().unwrap();
-    assert!(held_after >= after_rollback, "{held_after} < {after_rollback}");
+    assert!(
+        held_after >= after_rollback,
+        "{held_after} < {after_rollback}"
+    );
     for pid in agent_pids() {
         let left = checkpoint_files(pid);
-        assert!(left.is_empty(), "agent {pid} keeps checkpoint files after the rollback: {left:?}");
+        assert!(
+            left.is_empty(),
+            "agent {pid} keeps checkpoint files after the rollback: {left:?}"
+        );
     }
 
     let pm: PodMigration = from_json(json!({
@@ -394,4 +419,56 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     // `kubectl logs` of the adopted pod works (the container's own log).
     let out = kubectl(&["-n", &app.name, "logs", &target_name]);
     assert!(out.status.success(), "kubectl logs: {}", output_text(&out));
+
+    // PreCopy, 64 MiB of state: rounds while it runs, then the final freeze.
+    let pre = wait_list(
+        &pods,
+        "app=pre",
+        POD_TIMEOUT,
+        "the pre replica Ready",
+        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))[0]
+        .clone();
+    let pre_target = nodes.iter().find(|n| **n != node_of(&pre)).unwrap().clone();
+    let pre_before = counter(&format!("{}:8080", pod_ip(&pre)));
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "move-pre"},
+        "spec": {"podName": pre.name_any(), "targetNode": pre_target, "mode": "PreCopy",
+            "freezeBudgetMillis": 20000, "preCopy": {"maxRounds": 3},
+            "probe": {"tcpSocket": {"port": 8080}}}
+    }));
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+    let done = wait_for(
+        &pms,
+        "move-pre",
+        MIGRATION_TIMEOUT,
+        "the PreCopy migration to end",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+                )
+            })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap();
+    let st = done.status.unwrap();
+    if st.phase != MigrationPhase::Succeeded {
+        app.dump();
+        panic!("PreCopy migration did not succeed: {st:?}");
+    }
+    let moved = pods.get(st.target_pod.as_deref().unwrap()).await.unwrap();
+    assert_eq!(node_of(&moved), pre_target);
+    let pre_after = counter(&format!("{}:8080", pod_ip(&moved)));
+    assert!(pre_after > pre_before, "{pre_before} then {pre_after}");
+    assert!(
+        st.progress.as_ref().map(|p| p.bytes_sent).unwrap_or(0) > 64 << 20,
+        "the 64 MiB ballast moved: {st:?}"
+    );
 }
