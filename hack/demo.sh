@@ -64,7 +64,7 @@ done
 kubectl -n demo wait podmigration/move-mover --for=jsonpath='{.status.phase}'=Succeeded --timeout=300s || true
 kubectl -n demo wait nodeagentattachment/web-intercept --for=condition=Ready --timeout=120s || true
 kubectl -n runners wait runnerpool/runners --for=jsonpath='{.status.observedGeneration}'=1 --timeout=60s || true
-kubectl -n demo wait podmigration/can-web-move --for=jsonpath='{.status.phase}'=Failed --timeout=60s >/dev/null 2>&1 || true
+kubectl -n demo wait podmigration/can-web-move --for=jsonpath='{.status.phase}'=Succeeded --timeout=60s >/dev/null 2>&1 || true
 
 step "result"
 kubectl get nodes -o wide

@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::MigrationPhase;
+use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm, kubectl, output_text, real_nodes,
 };
@@ -80,6 +80,27 @@ fn checkpoint_files(agent_pid: u32) -> Vec<String> {
         }
     }
     out
+}
+
+/// The status of PodMigration `name` once its phase is final.
+async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
+    let m = wait_for(
+        pms,
+        name,
+        MIGRATION_TIMEOUT,
+        "the PodMigration to end",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+                )
+            })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    m.and_then(|m| m.status).expect("status")
 }
 
 fn pod_ip(p: &Pod) -> String {
@@ -228,24 +249,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
             "probe": {"tcpSocket": {"port": 9}, "failureThreshold": 1, "timeoutSeconds": 1}}
     }));
     pms.create(&PostParams::default(), &failing).await.unwrap();
-    let ended = wait_for(
-        &pms,
-        "bad-probe",
-        MIGRATION_TIMEOUT,
-        "the failing-probe PodMigration to end",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-                )
-            })
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .unwrap();
-    let st = ended.status.unwrap();
+    let st = ended(&pms, "bad-probe").await;
     assert_ne!(st.phase, MigrationPhase::Succeeded, "{st:?}");
     assert_eq!(st.failure_reason.as_deref(), Some("ProbeFailed"), "{st:?}");
     let after_rollback = counter(&source_addr);
@@ -310,26 +314,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
             "freezeBudgetMillis": 20000, "probe": {"tcpSocket": {"port": 8080}}}
     }));
     pms.create(&PostParams::default(), &pm).await.unwrap();
-    let done = wait_for(
-        &pms,
-        "move-mover",
-        MIGRATION_TIMEOUT,
-        "the PodMigration to end",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(s.phase, MigrationPhase::Succeeded | MigrationPhase::Failed)
-            })
-        },
-    )
-    .await;
-    let done = match done {
-        Ok(Some(m)) => m,
-        other => {
-            app.dump();
-            panic!("migration did not end: {other:?}");
-        }
-    };
-    let st = done.status.clone().unwrap();
+    let st = ended(&pms, "move-mover").await;
     if st.phase != MigrationPhase::Succeeded {
         app.dump();
         panic!("migration failed: {st:?}");
@@ -441,24 +426,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
             "probe": {"tcpSocket": {"port": 8080}}}
     }));
     pms.create(&PostParams::default(), &pm).await.unwrap();
-    let done = wait_for(
-        &pms,
-        "move-pre",
-        MIGRATION_TIMEOUT,
-        "the PreCopy migration to end",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-                )
-            })
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .unwrap();
-    let st = done.status.unwrap();
+    let st = ended(&pms, "move-pre").await;
     if st.phase != MigrationPhase::Succeeded {
         app.dump();
         panic!("PreCopy migration did not succeed: {st:?}");

@@ -58,38 +58,16 @@ pub struct MountInfo {
     pub fstype: String,
 }
 
-/// Parses `/proc/<pid>/mountinfo` (octal escapes in paths are decoded).
+/// Parses `/proc/<pid>/mountinfo` ([`podmotion_cri::mountinfo`]).
 pub fn parse_mountinfo(text: &str) -> Vec<MountInfo> {
-    text.lines()
-        .filter_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            let f: Vec<&str> = pre.split_whitespace().collect();
-            Some(MountInfo {
-                root: unescape(f.get(3)?),
-                mount_point: unescape(f.get(4)?),
-                fstype: post.split_whitespace().next()?.to_owned(),
-            })
+    podmotion_cri::mountinfo::parse(text)
+        .into_iter()
+        .map(|m| MountInfo {
+            root: m.root,
+            mount_point: m.mount_point,
+            fstype: m.fs_type,
         })
         .collect()
-}
-
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn is_cgroup(fstype: &str) -> bool {

@@ -162,49 +162,18 @@ const PSEUDO_FS: &[&str] = &[
     "binfmt_misc",
 ];
 
-/// Parses mountinfo (man 5 proc): mount point is field 5, then optional fields up to
-/// `-`, then fs type and source. Octal escapes (`\040`) are decoded.
+/// The mounts in mountinfo text ([`podmotion_cri::mountinfo`]), pseudo filesystems
+/// left out.
 pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else {
-            continue;
-        };
-        if fields.len() < 5 || fields.len() < sep + 3 {
-            continue;
-        }
-        let fs_type = fields[sep + 1];
-        if PSEUDO_FS.contains(&fs_type) {
-            continue;
-        }
-        out.push(Mount {
-            mount_point: unescape(fields[4]),
-            fs_type: fs_type.to_owned(),
-            source: unescape(fields[sep + 2]),
-        });
-    }
-    out
-}
-
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    podmotion_cri::mountinfo::parse(text)
+        .into_iter()
+        .filter(|m| !PSEUDO_FS.contains(&m.fs_type.as_str()))
+        .map(|m| Mount {
+            mount_point: m.mount_point,
+            fs_type: m.fs_type,
+            source: m.source,
+        })
+        .collect()
 }
 
 pub fn read_mounts(proc_root: &Path, pid: u32) -> std::io::Result<Vec<Mount>> {

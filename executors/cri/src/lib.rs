@@ -18,6 +18,8 @@ use tokio::net::UnixStream;
 
 /// Messages of `runtime.v1` that the attach executor (and its tests) use. Field
 /// numbers follow the CRI API; only the listed fields exist here.
+pub mod mountinfo;
+
 pub mod v1 {
     use std::collections::HashMap;
 
