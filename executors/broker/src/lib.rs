@@ -341,6 +341,17 @@ impl Broker {
                         format!("pid {} is not in a pod cgroup under {root}", process.pid),
                     ));
                 }
+                // A hostNetwork pod shares the node's network namespace: locking it would
+                // take the node's own links down, binding it would hand out the node's.
+                if procfs::netns_inode(process.pid)? == procfs::node_netns() {
+                    return Err(err(
+                        ErrorKind::ForeignProcess,
+                        format!(
+                            "pid {} shares the node's network namespace (a hostNetwork pod): never locked, bound or migrated",
+                            process.pid
+                        ),
+                    ));
+                }
                 m.insert(
                     uid,
                     Entry {

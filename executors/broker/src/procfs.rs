@@ -130,6 +130,13 @@ pub fn netns_inode(pid: i32) -> Result<String, BrokerError> {
         .map_err(|_| no_such(pid))
 }
 
+/// The node's own network namespace (`net:[inode]`): init's, or where init cannot be
+/// inspected (a non-dumpable PID 1 without `CAP_SYS_PTRACE`), the initial network
+/// namespace's fixed inode (`PROC_NET_INIT_INO`, Linux 6.x).
+pub fn node_netns() -> String {
+    netns_inode(1).unwrap_or_else(|_| format!("net:[{}]", 0xEFFF_FFF9u32))
+}
+
 pub fn tracer_pid(pid: i32) -> Option<i32> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()

@@ -203,6 +203,50 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
     );
 }
 
+/// A process in a pod cgroup that shares the node's network namespace (a hostNetwork
+/// pod) is never pinned: a compromised agent cannot have the broker lock the node's
+/// links.
+#[test]
+fn broker_refuses_a_process_in_the_nodes_network_namespace() {
+    if !require_root() {
+        return;
+    }
+    let f = fixture("hostnet", 0);
+    let script = format!(
+        "echo $$ > {}; sleep 60",
+        f.cgroup.join("pod/cgroup.procs").display()
+    );
+    let mut child = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    for _ in 0..200 {
+        if procfs::cgroup_of(pid).unwrap_or_default().ends_with("/pod") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    let p = ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    };
+    let mut c = BrokerClient::connect(&f.socket).unwrap();
+    let e = c
+        .call(&Request::Register {
+            uid: uid("m-hostnet"),
+            role: BrokerRole::Source,
+            process: p,
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::ForeignProcess, "{e}");
+    assert!(e.message.contains("network namespace"), "{e}");
+    assert_eq!(f.broker.registrations(), 0);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[test]
 fn broker_refuses_a_peer_with_the_wrong_uid() {
     if !require_root() {
