@@ -381,3 +381,27 @@ impl Drop for Uninstall {
         ]);
     }
 }
+
+/// Helm arguments (after `install|upgrade <release>`) for the chart with our images and
+/// hack/install.sh's values, in `operator_ns`, its controllers scoped to `app_ns` (other
+/// tests run their own controllers meanwhile) and its own leader-election `lease`.
+pub fn chart_args(images: &Images, operator_ns: &str, app_ns: &str, lease: &str) -> Vec<String> {
+    let root = crate::repo_root();
+    vec![
+        root.join("charts/podmotion").to_string_lossy().into_owned(),
+        "-n".into(),
+        operator_ns.into(),
+        "--values".into(),
+        root.join("hack/install-values.yaml")
+            .to_string_lossy()
+            .into_owned(),
+        "--values".into(),
+        images.path.to_string_lossy().into_owned(),
+        "--set".into(),
+        format!(
+            "migration.watchNamespace={app_ns},attachment.watchNamespace={app_ns},runnerPool.watchNamespace={app_ns}"
+        ),
+        "--set".into(),
+        format!("operator.leaderElection.leaseName={lease}"),
+    ]
+}

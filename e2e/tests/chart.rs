@@ -18,6 +18,7 @@ use std::process::{Command, Output, Stdio};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};
+use podmotion_e2e::real::{Uninstall, helm as helm_cmd};
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, kubeconfig_path, kubectl_path, pod_phase, random_suffix,
     repo_root, wait_for, wait_list,
@@ -1902,37 +1903,6 @@ fn materialize_secret_mounts(workload: &Value, ns: &str, tag: &str) -> Vec<(Stri
 
 // ---------------------------------------------------------------- helm install, upgrade, uninstall
 
-fn helm_cmd(args: &[&str]) -> Output {
-    Command::new(helm())
-        .env("KUBECONFIG", kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running helm")
-}
-
-/// Uninstalls a test release if the test did not get that far.
-struct UninstallOnDrop {
-    release: String,
-    namespace: String,
-    done: bool,
-}
-
-impl Drop for UninstallOnDrop {
-    fn drop(&mut self) {
-        if self.done || std::env::var("PODMOTION_KEEP").as_deref() == Ok("1") {
-            return;
-        }
-        let _ = helm_cmd(&[
-            "uninstall",
-            &self.release,
-            "-n",
-            &self.namespace,
-            "--no-hooks",
-            "--wait=false",
-        ]);
-    }
-}
-
 fn secret_data(ns: &str, name: &str) -> Value {
     let out = kubectl(&["-n", ns, "get", "secret", name, "-o", "json"], None);
     assert!(out.status.success(), "{}", output_text(&out));
@@ -1947,10 +1917,9 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
     let release = format!("pm{}", random_suffix());
     let agents = format!("{}-agents", op.name);
     let _cleanup = ReleaseCleanup(release.clone());
-    let mut uninstall = UninstallOnDrop {
+    let uninstall = Uninstall {
         release: release.clone(),
         namespace: op.name.clone(),
-        done: false,
     };
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
@@ -2053,7 +2022,7 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
         "helm uninstall:\n{}",
         output_text(&out)
     );
-    uninstall.done = true;
+    std::mem::forget(uninstall);
     for crd in [
         "podmigrations.podmotion.io",
         "nodeagentattachments.podmotion.io",

@@ -18,11 +18,10 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::{
-    Images, REAL_NODE_TAINT, Uninstall, helm, kubectl, output_text, real_nodes,
+    Images, REAL_NODE_TAINT, Uninstall, chart_args, helm, kubectl, output_text, real_nodes,
 };
 use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, repo_root, wait_for,
-    wait_list,
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
 };
 use serde_json::json;
 
@@ -103,6 +102,16 @@ async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
     m.and_then(|m| m.status).expect("status")
 }
 
+/// Restarts of the pod's first container.
+fn restart_count(p: &Pod) -> i32 {
+    p.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map(|c| c.restart_count)
+        .expect("container status")
+}
+
 fn pod_ip(p: &Pod) -> String {
     p.status
         .as_ref()
@@ -142,33 +151,24 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let release = format!("pm{}", random_suffix());
     let agents = format!("{}-agents", op.name);
-    let chart = repo_root().join("charts/podmotion");
-    let install_values = repo_root().join("hack/install-values.yaml");
-    let images_values = images.path.to_str().unwrap().to_owned();
-    let scope = format!(
-        "migration.watchNamespace={0},attachment.watchNamespace={0},runnerPool.watchNamespace={0}",
-        app.name
-    );
-    let out = helm(&[
-        "install",
-        &release,
-        chart.to_str().unwrap(),
-        "-n",
+    let mut args = vec!["install".to_string(), release.clone()];
+    args.extend(chart_args(
+        &images,
         &op.name,
-        "--values",
-        install_values.to_str().unwrap(),
-        "--values",
-        &images_values,
-        "--set",
-        &scope,
-        "--set",
-        "operator.leaderElection.leaseName=podmotion-e2e-migration",
-        "--take-ownership",
-        "--force-conflicts",
-        "--wait",
-        "--timeout",
-        "5m",
-    ]);
+        &app.name,
+        "podmotion-e2e-migration",
+    ));
+    args.extend(
+        [
+            "--take-ownership",
+            "--force-conflicts",
+            "--wait",
+            "--timeout",
+            "5m",
+        ]
+        .map(String::from),
+    );
+    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let _uninstall = Uninstall {
         release: release.clone(),
         namespace: op.name.clone(),
@@ -282,14 +282,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     let src_now = pods.get(&source.name_any()).await.unwrap();
-    let cs = &src_now
-        .status
-        .as_ref()
-        .unwrap()
-        .container_statuses
-        .as_ref()
-        .unwrap()[0];
-    assert_eq!(cs.restart_count, 0, "the source was not restarted");
+    assert_eq!(restart_count(&src_now), 0, "the source was not restarted");
     // The held connection lost nothing: it still answers, with a larger counter.
     writeln!(held, "get").unwrap();
     line.clear();
@@ -344,14 +337,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     // Still the same container: never restarted, running the source's image.
-    let cs = &target
-        .status
-        .as_ref()
-        .unwrap()
-        .container_statuses
-        .as_ref()
-        .unwrap()[0];
-    assert_eq!(cs.restart_count, 0);
+    assert_eq!(restart_count(&target), 0);
     assert_eq!(
         target.spec.as_ref().unwrap().containers[0].image.as_deref(),
         Some(testload.as_str())

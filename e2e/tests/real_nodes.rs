@@ -18,12 +18,12 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::names::labels;
 use podmotion_e2e::real::{
-    Images, PortForward, Uninstall, agent_call, agent_stream, entrypoint, helm, kubectl,
-    output_text, pin, real_nodes,
+    Images, PortForward, Uninstall, agent_call, agent_stream, chart_args, entrypoint, helm,
+    kubectl, output_text, pin, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
-    random_suffix, repo_root, wait_for, wait_list,
+    random_suffix, wait_for, wait_list,
 };
 use serde_json::json;
 
@@ -325,32 +325,15 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let release = format!("pm{}", random_suffix());
     let agents = format!("{}-agents", op.name);
-    let chart = repo_root().join("charts/podmotion");
-    let install_values = repo_root().join("hack/install-values.yaml");
-    let images_values = images.path.to_str().unwrap().to_owned();
-    // Only this test's namespace: other tests run their own controllers meanwhile.
-    let scope = format!(
-        "migration.watchNamespace={0},attachment.watchNamespace={0},runnerPool.watchNamespace={0}",
-        app.name
-    );
-    let common = [
-        chart.to_str().unwrap(),
-        "-n",
-        &op.name,
-        "--values",
-        install_values.to_str().unwrap(),
-        "--values",
-        &images_values,
-        "--set",
-        &scope,
-        "--set",
-        "operator.leaderElection.leaseName=podmotion-e2e",
+    let base = chart_args(&images, &op.name, &app.name, "podmotion-e2e");
+    let mut common: Vec<&str> = base.iter().map(String::as_str).collect();
+    common.extend_from_slice(&[
         "--take-ownership",
         "--force-conflicts",
         "--wait",
         "--timeout",
         "5m",
-    ];
+    ]);
     let mut args = vec!["install", release.as_str()];
     args.extend_from_slice(&common);
     let out = helm(&args);
