@@ -61,13 +61,8 @@ pub struct ContainerFs {
 }
 
 impl Containers {
-    /// Host PID of the first of `ids` (the pod's first container: the tree CRIU dumps
-    /// on the source, the holder on the target).
-    pub async fn pid(&self, ids: &[String]) -> Result<i32, Status> {
-        Ok(self.resolve(ids).await?.pid)
-    }
-
-    /// The first of `ids`, resolved (see [`Containers::pid`]).
+    /// The first of `ids` (the pod's first container: the tree CRIU dumps on the
+    /// source, the holder on the target): its host PID and, through CRI, its mounts.
     pub async fn resolve(&self, ids: &[String]) -> Result<Resolved, Status> {
         let Some(id) = ids.first() else {
             return Err(Status::invalid_argument(
@@ -151,7 +146,7 @@ mod tests {
         let c = Containers::Table {
             path: "/nonexistent".into(),
         };
-        let e = c.pid(&[]).await.unwrap_err();
+        let e = c.resolve(&[]).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
     }
 }

@@ -246,12 +246,18 @@ impl Agent {
         Ok(st)
     }
 
-    fn dump_opts(&self, m: &Migration, dir: &Path, log: &str) -> Result<Opts, Status> {
+    fn dump_opts(
+        &self,
+        m: &Migration,
+        dir: &Path,
+        log: &str,
+        external_mounts: &[String],
+    ) -> Result<Opts, Status> {
         let mut o = Opts::new(dir, log);
         o.pid = Some(m.process.pid);
         o.external = vec![format!("net[{}]:{NETNS_KEY}", netns_ino(m.process.pid)?)];
         o.external
-            .extend(mounts::dump_external_args(&self.external_mounts(m)?));
+            .extend(mounts::dump_external_args(external_mounts));
         if self.cfg.track_mem {
             o.track_mem = Some(true);
             if m.iteration > 0 {
@@ -283,7 +289,7 @@ impl Agent {
         let n = m.iteration + 1;
         let dir = m.dir.join(format!("pre-{n}"));
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
-        let mut opts = self.dump_opts(&m, &dir, "pre-dump.log")?;
+        let mut opts = self.dump_opts(&m, &dir, "pre-dump.log", &self.external_mounts(&m)?)?;
         let kind = if self.cfg.track_mem {
             criu::REQ_PRE_DUMP
         } else {
@@ -336,7 +342,7 @@ impl Agent {
             vec![]
         };
         let opts = {
-            let mut o = self.dump_opts(&m, &dir, "dump.log")?;
+            let mut o = self.dump_opts(&m, &dir, "dump.log", &external_mounts)?;
             o.tcp_established = Some(true);
             o.tcp_skip_in_flight = Some(true);
             o.leave_stopped = Some(true);
