@@ -4,6 +4,8 @@
 #   - rustfmt and clippy for the toolchain
 #   - the executors' kernel-side dependencies (CRIU from a private prefix, nftables,
 #     containerd, ...), the image builder (buildah, ...), through their own scripts
+#   - what the real nodes' NetworkPolicy controller (kube-router, hack/lib/netpol.sh)
+#     needs besides the kernel: the ipset tool and iptables (nf_tables backend)
 # The control-plane binaries are built by hack/cluster.sh (hack/build-k8s.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,3 +21,16 @@ for script in install-criu.sh install-attach-deps.sh install-tools.sh install-im
     bash "$here/$script"
   fi
 done
+
+# kube-router's policy controller programs ipsets with the `ipset` tool and its rules with
+# iptables-save/iptables-restore (Debian's default nf_tables backend).
+missing=()
+command -v ipset >/dev/null || missing+=(ipset)
+command -v iptables-restore >/dev/null || missing+=(iptables)
+if ((${#missing[@]})); then
+  echo "== apt-get install ${missing[*]} (NetworkPolicy enforcement on the real nodes)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}" ||
+    { apt-get -o DPkg::Lock::Timeout=300 update -qq &&
+      apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}"; }
+fi
