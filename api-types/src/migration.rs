@@ -236,7 +236,10 @@ fn default_probe_failure_threshold() -> i32 {
 pub struct HttpProbe {
     /// Path to request.
     #[serde(default = "default_http_path")]
-    #[x_kube(validation = Rule::new("self.startsWith('/')").message("probe.httpGet.path must start with '/'"))]
+    #[x_kube(
+        validation = Rule::new("self.startsWith('/')").message("probe.httpGet.path must start with '/'"),
+        validation = Rule::new("self.size() <= 2048 && self.matches('^[!-~]*$')").message("probe.httpGet.path must be at most 2048 printable ASCII characters, without spaces or control characters such as CR and LF: it is sent as the HTTP request line (percent-encode anything else)")
+    )]
     pub path: String,
     /// Container port number.
     #[x_kube(validation = Rule::new("self >= 1 && self <= 65535").message("probe port must be between 1 and 65535"))]
@@ -279,6 +282,7 @@ pub struct GrpcProbe {
     pub port: i32,
     /// Service name sent in the health check request; empty checks the server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.size() <= 253 && self.matches('^[!-~]*$')").message("probe.grpc.service must be at most 253 printable ASCII characters without spaces"))]
     pub service: Option<String>,
 }
 
@@ -291,6 +295,7 @@ pub struct ExecProbe {
     pub command: Vec<String>,
     /// Container to run it in; default: the pod's first container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.size() <= 63 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("probe.exec.container must be a container name (lowercase letters, digits and '-', at most 63 characters)"))]
     pub container: Option<String>,
 }
 

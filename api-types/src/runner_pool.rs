@@ -478,7 +478,7 @@ pub struct Metrics {
     pub port: i32,
     /// HTTP path of the metrics.
     #[serde(default = "default_metrics_path")]
-    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("metrics.path must start with '/'"))]
+    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("metrics.path must start with '/'"), validation = Rule::new("self.matches('^[!-~]*$')").message("metrics.path must be printable ASCII without spaces or control characters such as CR and LF: it is sent as the HTTP request line"))]
     #[schemars(length(max = 255))]
     pub path: String,
     /// The only namespace allowed to connect to the Runner pods (on this port).
@@ -527,7 +527,7 @@ pub struct Probes {
 pub struct ReadinessProbe {
     /// HTTP path.
     #[serde(default = "default_readyz")]
-    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("probes.readiness.path must start with '/'"))]
+    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("probes.readiness.path must start with '/'"), validation = Rule::new("self.matches('^[!-~]*$')").message("probes.readiness.path must be printable ASCII without spaces or control characters such as CR and LF: it is sent as the HTTP request line"))]
     #[schemars(length(max = 255))]
     pub path: String,
     /// Seconds between probes.
@@ -566,7 +566,7 @@ fn default_three() -> i32 {
 pub struct LivenessProbe {
     /// HTTP path.
     #[serde(default = "default_livez")]
-    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("probes.liveness.path must start with '/'"))]
+    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 255").message("probes.liveness.path must start with '/'"), validation = Rule::new("self.matches('^[!-~]*$')").message("probes.liveness.path must be printable ASCII without spaces or control characters such as CR and LF: it is sent as the HTTP request line"))]
     #[schemars(length(max = 255))]
     pub path: String,
     /// Seconds between probes.

@@ -186,18 +186,21 @@ fn every_invalid_example_is_rejected_with_its_message() {
         "only {} invalid examples",
         samples.len()
     );
+    let mut failures = Vec::new();
     for s in &samples {
         let expect = s
             .expect
             .as_deref()
             .unwrap_or_else(|| panic!("{} has no `# expect:` line", s.name()));
         let errs = rejections(s);
-        assert!(
-            errs.iter().any(|e| e.contains(expect)),
-            "{}: want a rejection containing {expect:?}, got {errs:#?}",
-            s.name()
-        );
+        if !errs.iter().any(|e| e.contains(expect)) {
+            failures.push(format!(
+                "{}: want a rejection containing {expect:?}, got {errs:#?}",
+                s.name()
+            ));
+        }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
