@@ -9,10 +9,16 @@
 # kubelet and kube-proxy are built with the control plane (hack/build-k8s.sh); the pause
 # (sandbox) image is built by hack/images.sh and served by the local registry.
 #
+# The KVM device plugin of the runner node (hack/device-plugin, its own go.mod pins the
+# kubelet device-plugin API module) is built separately, into
+# ${PODMOTION_CACHE:-$HOME/.cache/podmotion}/device-plugin-<hash of its sources>/kvm-device-plugin.
+#
 # Does nothing when the directory is complete (a stamp records a hash of the pins).
 #
-#   hack/build-node.sh           build if needed, print the bin directory on stdout
-#   hack/build-node.sh --print   only print the bin directory
+#   hack/build-node.sh                         build if needed, print the bin directory on stdout
+#   hack/build-node.sh --print                 only print the bin directory
+#   hack/build-node.sh --device-plugin         build the device plugin if needed, print its path
+#   hack/build-node.sh --print-device-plugin   only print the device plugin's path
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
@@ -31,10 +37,26 @@ complete() {
   for b in "${binaries[@]}"; do [[ -x $bin/$b ]] || return 1; done
 }
 
+dp_src=$here/device-plugin
+dp_key=$(cat "$dp_src/go.mod" "$dp_src/go.sum" "$dp_src"/*.go | sha256sum | cut -c1-12)
+dp_bin=$cache/device-plugin-$dp_key/kvm-device-plugin
+
+build_device_plugin() {
+  [[ -x $dp_bin ]] && { echo "$dp_bin"; return 0; }
+  mkdir -p "${dp_bin%/*}"
+  log "building the KVM device plugin (hack/device-plugin)"
+  (cd "$dp_src" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
+    go build -trimpath -ldflags "-s -w" -o "$dp_bin.tmp" .) >&2
+  mv "$dp_bin.tmp" "$dp_bin"
+  echo "$dp_bin"
+}
+
 case ${1:-} in
   --print) echo "$bin"; exit 0 ;;
+  --print-device-plugin) echo "$dp_bin"; exit 0 ;;
+  --device-plugin) build_device_plugin; exit 0 ;;
   "") ;;
-  *) echo "usage: $0 [--print]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--print|--device-plugin|--print-device-plugin]" >&2; exit 2 ;;
 esac
 
 if complete; then echo "$bin"; exit 0; fi

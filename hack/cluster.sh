@@ -14,6 +14,9 @@
 #                               with our kubectl first); use: eval "$(hack/cluster.sh env)"
 #   hack/cluster.sh leftovers   list what a cluster left on this machine (processes, mounts,
 #                               bridge, veths, cgroups, netns, nft tables); exit 1 if any
+#   hack/cluster.sh add-runner-nodes
+#                               start the runner nodes (REAL_RUNNER_NODES) on a cluster that
+#                               is already up without them, as `up` starts them
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
@@ -24,6 +27,11 @@
 #                    type=real (kwok nodes: type=kwok). REAL_NODES=0: the fast kwok-only
 #                    cluster, everything on loopback. Real nodes need PODMOTION_PORT_OFFSET=0.
 #   REAL_NODE_<i>_LABELS  extra labels of pm-real-<i>, comma-separated key=value
+#   REAL_RUNNER_NODES  real nodes for RunnerPool pods after those (default 1: pm-real-2),
+#                    labelled type=runner and podmotion.io/runner-node=real, tainted
+#                    podmotion.io/runner-node=real:NoSchedule, with our KVM device plugin
+#                    (devices.kubevirt.io/kvm), the Runner's seccomp profile and a /dev/kvm
+#                    of mode 0666 of their own (hack/lib/real-nodes.sh); need /dev/kvm
 #   NODE_CPU, NODE_MEMORY, NODE_PODS
 #                    capacity = allocatable of every node (default 16, 64Gi, 110); every node
 #                    also has devices.kubevirt.io/kvm: "110"
@@ -102,7 +110,7 @@ if ((REAL_NODES > 0)); then
 fi
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 REAL_COMPONENTS=()
-for ((_i = 0; _i < REAL_NODES; _i++)); do
+for ((_i = 0; _i < $(real_node_total); _i++)); do
   # shellcheck disable=SC2207
   REAL_COMPONENTS+=($(real_node_components "$_i"))
 done
@@ -558,5 +566,11 @@ case ${1:-} in
   status) cmd_status ;;
   env) cmd_env ;;
   leftovers) cmd_leftovers ;;
-  *) echo "usage: $0 up|down|status|env|leftovers" >&2; exit 2 ;;
+  add-runner-nodes)
+    lock
+    BIN=$(bin_dir)
+    healthy kube-apiserver || die "the cluster is not up (hack/cluster.sh up)"
+    T0=$SECONDS
+    real_runner_nodes_add ;;
+  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes" >&2; exit 2 ;;
 esac

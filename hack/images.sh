@@ -19,6 +19,8 @@
 # Images (images/<name>/Containerfile), pushed to $PODMOTION_REGISTRY/podmotion/<name>:
 #   operator agent broker attach preflight   shipped by the chart
 #   testload                                 test workload only, never in the chart
+#   runner-standin                           test stand-in for the Compass Runner (RunnerPool
+#                                            real-node test, demo), never in the chart
 #   pause                                    the nodes' sandbox image, also tagged :3.10
 #
 # stdout: exactly one line per image, `$PODMOTION_REGISTRY/podmotion/<name>@sha256:<digest>`.
@@ -54,7 +56,7 @@ repo=$(cd "$here/.." && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-ALL_IMAGES=(operator agent broker attach preflight testload pause)
+ALL_IMAGES=(operator agent broker attach preflight testload runner-standin pause)
 PAUSE_TAG=3.10
 RUST_TARGET=x86_64-unknown-linux-musl
 
@@ -114,11 +116,13 @@ TAG=${REVISION:0:12}${REVISION#"${REVISION%-dirty}"}
 declare -A BIN_OF=(
   [operator]=podmotion-operator [agent]=podmotion-agent [broker]=podmotion-broker
   [attach]=podmotion-attach [preflight]=podmotion-preflight [testload]=podmotion-testload
+  [runner-standin]=podmotion-runner-standin
 )
 declare -A PKG_OF=(
   [podmotion-operator]=podmotion-operator [podmotion-agent]=podmotion-agent
   [podmotion-testload]=podmotion-agent [podmotion-broker]=podmotion-broker
   [podmotion-attach]=podmotion-attach [podmotion-preflight]=podmotion-preflight
+  [podmotion-runner-standin]=podmotion-preflight
 )
 
 # Builds every binary of every image in one cargo invocation (always the full set, so
@@ -348,12 +352,14 @@ ctx_hash() { # name ctx
 declare -A BASE_OF=(
   [operator]="scratch, static musl binary" [attach]="scratch, static musl binary"
   [preflight]="scratch, static musl binary" [testload]="scratch, static musl binary"
+  [runner-standin]="scratch, static musl binary"
   [pause]="scratch, static glibc binary (gcc -Os -static)"
   [agent]="Debian forky criu + library closure (.debs), static musl binary"
   [broker]="Debian bookworm iproute2 + library closure (.debs), static musl binary"
 )
 declare -A USER_OF=(
   [operator]=65532:65532 [preflight]=65532:65532 [testload]=65532:65532 [pause]=65535:65535
+  [runner-standin]=65532:65532
   [agent]=0:0 [broker]=0:0 [attach]=0:0
 )
 
@@ -426,6 +432,10 @@ verify_image() { # name digest -> 0 if every check passed
       ;;
     pause)
       out=$(in_root "$tmp/root" "$user" "${ep[@]}" -v 2>&1) || { log "$n: /pause -v failed: $out"; fail=1; }
+      ;;
+    runner-standin)
+      out=$(in_root "$tmp/root" "$user" "${ep[@]}" report 2>&1) || true
+      [[ $out == *'"runner":"standin-v1"'* ]] || { log "$n: report printed no report: $out"; fail=1; }
       ;;
   esac
   case $n in

@@ -32,6 +32,22 @@
 # cgroups: each node's kubelet gets the cgroup root /pm-real-<i> (cgroupfs driver), made
 # beforehand in every mounted hierarchy (v1 hybrid here: kubelet needs failCgroupV1=false;
 # on a v2-only machine the same code makes it in the one hierarchy).
+#
+# Runner nodes: REAL_RUNNER_NODES more real nodes (default 1: pm-real-<REAL_NODES>, i.e.
+# pm-real-2) are dedicated to RunnerPool pods. They are labelled type=runner and
+# podmotion.io/runner-node=real and tainted podmotion.io/runner-node=real:NoSchedule only
+# (not type=real, not the real-node taint: the real-node tests, the chart's node agents and
+# the demo's workloads select type=real and never count or reach them). Each one is
+# provisioned as the Runner contract requires (docs/runner-pool.md, "On a real node"):
+#   * its /dev/kvm is a device node of its own (same device, 10:232) with mode 0666, kept
+#     in the node's directory (mode 0700) and bind-mounted over /dev/kvm in its namespace
+#     only: the machine's /dev/kvm keeps its mode;
+#   * our KVM device plugin (hack/device-plugin) advertises devices.kubevirt.io/kvm to its
+#     kubelet and hands /dev/kvm to the containers that request it;
+#   * the Runner's Localhost seccomp profile (hack/runner-node/compass-runner.json) is in
+#     the kubelet's seccomp root, at podmotion/compass-runner.json;
+#   * the two Runner host trees, /var/lib/compass/sessions and /run/compass, are
+#     directories of the node (bind mounts of its own), owned by the Runner's uid 10001.
 
 BRIDGE=pmbr0
 GATEWAY_IP=198.18.255.1
@@ -41,15 +57,28 @@ NFT_TABLE=podmotion-cluster
 REAL_NODE_PREFIX=pm-real-
 
 NODE_BIN=$("$here/build-node.sh" --print)
+# Runner nodes after the REAL_NODES workload nodes (only with real nodes at all).
+if [[ -z ${REAL_RUNNER_NODES:-} && -f $RUN/real-runner-nodes ]]; then REAL_RUNNER_NODES=$(cat "$RUN/real-runner-nodes"); fi
+REAL_RUNNER_NODES=${REAL_RUNNER_NODES:-1}
+[[ $REAL_RUNNER_NODES =~ ^[0-9]+$ ]] || { echo "[cluster] REAL_RUNNER_NODES must be a number" >&2; exit 2; }
+((REAL_NODES > 0)) || REAL_RUNNER_NODES=0
+RUNNER_LABEL=podmotion.io/runner-node=real
+RUNNER_TAINT=podmotion.io/runner-node=real:NoSchedule
+RUNNER_UID=10001
+KVM_RESOURCE=devices.kubevirt.io/kvm
+RUNNER_SECCOMP=podmotion/compass-runner.json
 
 real_node_name() { echo "$REAL_NODE_PREFIX$1"; }
 real_node_ip() { echo "198.18.255.$((10 + $1))"; }
 real_node_dir() { echo "$RUN/nodes/$(real_node_name "$1")"; }
 real_node_ns() { echo "$RUN/ns/$(real_node_name "$1")"; }
+real_node_total() { echo $((REAL_NODES + REAL_RUNNER_NODES)); }
+real_node_is_runner() { (($1 >= REAL_NODES)); }
 real_node_components() { # index -> component names of that node, in start order
   local n
   n=$(real_node_name "$1")
-  echo "$n.containerd $n.kubelet"
+  if real_node_is_runner "$1"; then echo "$n.containerd $n.kubelet $n.kvm-device-plugin"
+  else echo "$n.containerd $n.kubelet"; fi
 }
 
 cgroup_hierarchies() { # every mounted cgroup hierarchy (v1 controllers, name=systemd, v2)
@@ -70,7 +99,7 @@ net_up() {
   fi
   ip addr replace "$GATEWAY_IP/16" dev "$BRIDGE"
   local i
-  for ((i = 0; i < REAL_NODES; i++)); do
+  for ((i = 0; i < $(real_node_total); i++)); do
     ip addr replace "$(real_node_ip "$i")/32" dev "$BRIDGE"
   done
   ip link set "$BRIDGE" up
@@ -185,6 +214,40 @@ NODE_BINDS=(
   run/podmotion:/run/podmotion
 )
 
+# Runner nodes also see these as their own (the Runner contract's two host trees).
+RUNNER_BINDS=(
+  var/lib/compass:/var/lib/compass
+  run/compass:/run/compass
+)
+
+# What a Runner node needs before its kubelet starts (see the header): the node's
+# /dev/kvm with mode 0666, the seccomp profile, the Runner's host trees.
+runner_node_provision() { # index
+  local dir
+  dir=$(real_node_dir "$1")
+  [[ -c /dev/kvm ]] || die "$(real_node_name "$1"): /dev/kvm missing on this machine: a runner node needs KVM (REAL_RUNNER_NODES=0 runs without)"
+  mkdir -p "$dir/dev"
+  chmod 0700 "$dir/dev"
+  if [[ ! -c $dir/dev/kvm ]]; then
+    rm -f "$dir/dev/kvm"
+    mknod -m 0666 "$dir/dev/kvm" c "$((0x$(stat -c %t /dev/kvm)))" "$((0x$(stat -c %T /dev/kvm)))"
+  fi
+  chmod 0666 "$dir/dev/kvm"
+  install -D -m 0644 "$here/runner-node/compass-runner.json" "$dir/var/lib/kubelet/seccomp/$RUNNER_SECCOMP"
+  mkdir -p "$dir/var/lib/compass/sessions" "$dir/run/compass"
+  chown "$RUNNER_UID:$RUNNER_UID" "$dir/var/lib/compass/sessions" "$dir/run/compass"
+}
+
+# Starts the node's KVM device plugin (after its kubelet: it registers on kubelet.sock,
+# and registers again whenever the kubelet restarts).
+runner_device_plugin_up() { # index
+  local n dp
+  n=$(real_node_name "$1")
+  dp=$("$here/build-node.sh" --device-plugin)
+  NS=$(real_node_ns "$1") start_in_ns "$n.kvm-device-plugin" "$dp" \
+    --resource-name="$KVM_RESOURCE" --device=/dev/kvm --count=110 \
+    --plugin-dir=/var/lib/kubelet/device-plugins
+}
 node_ns_up() { # index
   local dir ns b src dst nodebin
   dir=$(real_node_dir "$1")
@@ -205,6 +268,15 @@ node_ns_up() { # index
     script+="mount --bind '$src' '$dst' && "
   done
   script+="mount --bind '$nodebin/cni' /opt/cni/bin && mount -o remount,bind,ro /opt/cni/bin && "
+  if real_node_is_runner "$1"; then
+    local rb
+    for rb in "${RUNNER_BINDS[@]}"; do
+      mkdir -p "$dir/${rb%%:*}" "${rb#*:}"
+      script+="mount --bind '$dir/${rb%%:*}' '${rb#*:}' && "
+    done
+    # The node's own /dev/kvm (runner_node_provision made it).
+    script+="mount --bind '$dir/dev/kvm' /dev/kvm && "
+  fi
   # Hide every node's directory (including this one's, already bound above).
   script+="mount -t tmpfs -o size=1m,mode=0755 podmotion-hidden '$RUN/nodes' && "
   script+="mount -t tmpfs -o size=1m,mode=0700 podmotion-hidden '$RUN/ns' && "
@@ -416,6 +488,10 @@ real_healthy() { # component
       n=${c%.kubelet}
       i=${n#"$REAL_NODE_PREFIX"}
       [[ $(curl -fsS --max-time 3 "http://$(real_node_ip "$i"):10248/healthz" 2>/dev/null) == ok ]] ;;
+    *.kvm-device-plugin)
+      n=${c%.kvm-device-plugin}
+      i=${n#"$REAL_NODE_PREFIX"}
+      pid_of "$c" >/dev/null && [[ -S $(real_node_dir "$i")/var/lib/kubelet/device-plugins/podmotion-kvm.sock ]] ;;
     *) return 1 ;;
   esac
 }
@@ -429,45 +505,93 @@ real_nodes_up() {
   net_up
   ns_dir_up
   kube_proxy_config
-  for ((i = 0; i < REAL_NODES; i++)); do
-    n=$(real_node_name "$i")
-    dir=$(real_node_dir "$i")
-    node_pki "$i"
-    node_config "$i" "$NODE_BIN"
-    cgroup_root_up "$i"
-    node_ns_up "$i" "$NODE_BIN"
-    # containerd finds containerd-shim-runc-v2 on its PATH.
-    PATH="$NODE_BIN:$PATH" NS=$(real_node_ns "$i") start_in_ns "$n.containerd" "$NODE_BIN/containerd" \
-      --config /etc/containerd/config.toml
+  echo "$REAL_RUNNER_NODES" >"$RUN/real-runner-nodes"
+  for ((i = 0; i < $(real_node_total); i++)); do
+    real_node_containerd_up "$i"
   done
   start kube-proxy --config="$RUN/kube-proxy.yaml"
-  for ((i = 0; i < REAL_NODES; i++)); do
+  for ((i = 0; i < $(real_node_total); i++)); do
     wait_healthy "$(real_node_name "$i").containerd"
   done
-  for ((i = 0; i < REAL_NODES; i++)); do
-    n=$(real_node_name "$i")
-    local labels="type=real"
-    local lvar=REAL_NODE_${i}_LABELS
-    [[ -n ${!lvar:-} ]] && labels+=",${!lvar}"
-    NS=$(real_node_ns "$i") start_in_ns "$n.kubelet" "$BIN/kubelet" \
-      --config=/etc/kubernetes/kubelet.yaml \
-      --kubeconfig=/etc/kubernetes/kubelet.kubeconfig \
-      --hostname-override="$n" \
-      --node-ip="$(real_node_ip "$i")" \
-      --node-labels="$labels" \
-      --register-with-taints="podmotion.io/real-node=true:NoSchedule" \
-      --v=1
+  for ((i = 0; i < $(real_node_total); i++)); do
+    real_node_kubelet_up "$i"
   done
-  for ((i = 0; i < REAL_NODES; i++)); do
+  for ((i = 0; i < $(real_node_total); i++)); do
     wait_healthy "$(real_node_name "$i").kubelet"
+    if real_node_is_runner "$i"; then
+      runner_device_plugin_up "$i"
+      wait_healthy "$(real_node_name "$i").kvm-device-plugin"
+    fi
   done
   wait_healthy kube-proxy
+}
+
+real_node_containerd_up() { # index: configuration, cgroups, namespace, containerd
+  local i=$1 n
+  n=$(real_node_name "$i")
+  node_pki "$i"
+  node_config "$i" "$NODE_BIN"
+  real_node_is_runner "$i" && runner_node_provision "$i"
+  cgroup_root_up "$i"
+  node_ns_up "$i" "$NODE_BIN"
+  # containerd finds containerd-shim-runc-v2 on its PATH.
+  PATH="$NODE_BIN:$PATH" NS=$(real_node_ns "$i") start_in_ns "$n.containerd" "$NODE_BIN/containerd" \
+    --config /etc/containerd/config.toml
+}
+
+real_node_kubelet_up() { # index
+  local i=$1 n labels taints lvar
+  n=$(real_node_name "$i")
+  if real_node_is_runner "$i"; then
+    labels="type=runner,$RUNNER_LABEL"
+    taints=$RUNNER_TAINT
+  else
+    labels="type=real"
+    taints="podmotion.io/real-node=true:NoSchedule"
+  fi
+  lvar=REAL_NODE_${i}_LABELS
+  [[ -n ${!lvar:-} ]] && labels+=",${!lvar}"
+  NS=$(real_node_ns "$i") start_in_ns "$n.kubelet" "$BIN/kubelet" \
+    --config=/etc/kubernetes/kubelet.yaml \
+    --kubeconfig=/etc/kubernetes/kubelet.kubeconfig \
+    --hostname-override="$n" \
+    --node-ip="$(real_node_ip "$i")" \
+    --node-labels="$labels" \
+    --register-with-taints="$taints" \
+    --v=1
+}
+
+# Adds the runner nodes to a cluster that is already up (with the same functions `up`
+# uses): hack/cluster.sh add-runner-nodes. Does nothing for a node already running.
+real_runner_nodes_add() {
+  ((REAL_RUNNER_NODES > 0)) || { log "REAL_RUNNER_NODES=0: no runner node"; return 0; }
+  local i n
+  NODE_BIN=$(node_bin)
+  net_up
+  ns_dir_up
+  echo "$REAL_RUNNER_NODES" >"$RUN/real-runner-nodes"
+  for ((i = REAL_NODES; i < $(real_node_total); i++)); do
+    n=$(real_node_name "$i")
+    if ! pid_of "$n.containerd" >/dev/null; then
+      real_node_containerd_up "$i"
+      wait_healthy "$n.containerd"
+    fi
+    if ! pid_of "$n.kubelet" >/dev/null; then
+      real_node_kubelet_up "$i"
+      wait_healthy "$n.kubelet"
+    fi
+    if ! pid_of "$n.kvm-device-plugin" >/dev/null; then
+      runner_device_plugin_up "$i"
+      wait_healthy "$n.kvm-device-plugin"
+    fi
+  done
+  real_nodes_wait_ready
 }
 
 real_nodes_wait_ready() {
   ((REAL_NODES > 0)) || return 0
   local i n deadline=$((SECONDS + TIMEOUT))
-  for ((i = 0; i < REAL_NODES; i++)); do
+  for ((i = 0; i < $(real_node_total); i++)); do
     n=$(real_node_name "$i")
     until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" wait --for=condition=Ready "node/$n" --timeout=5s >/dev/null 2>&1; do
       ((SECONDS < deadline)) || fail_with_log "$n.kubelet" "node $n not Ready after ${TIMEOUT}s"
@@ -514,8 +638,9 @@ real_nodes_down() {
     done
   fi
   stop kube-proxy
-  # 2. kubelets, then whatever still runs in the nodes' cgroups (containers), then the
-  #    shims, then containerd.
+  # 2. device plugins and kubelets, then whatever still runs in the nodes' cgroups
+  #    (containers), then the shims, then containerd.
+  for ((i = 0; i < count; i++)); do stop "$(real_node_name "$i").kvm-device-plugin"; done
   for ((i = 0; i < count; i++)); do stop "$(real_node_name "$i").kubelet"; done
   for ((i = 0; i < count; i++)); do
     cgroup_pids "$i" | while read -r p; do kill -KILL "$p" 2>/dev/null || true; done
@@ -540,7 +665,7 @@ real_node_count() { # how many real nodes this run directory has state for
   if [[ -d $RUN/nodes ]]; then
     n=$(find "$RUN/nodes" -mindepth 1 -maxdepth 1 -type d -name "$REAL_NODE_PREFIX*" | wc -l)
   fi
-  ((n > REAL_NODES)) && echo "$n" || echo "$REAL_NODES"
+  ((n > $(real_node_total))) && echo "$n" || real_node_total
 }
 
 # Lists what a real-node cluster could leave on the machine; prints one line per leftover.
@@ -549,7 +674,7 @@ real_leftovers() {
   for p in /proc/[0-9]*; do
     exe=$(readlink "$p/exe" 2>/dev/null) || continue
     case ${exe% (deleted)} in
-      */kubelet | */kube-proxy | */containerd | */containerd-shim-runc-v2 | */registry | */etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kwok)
+      */kubelet | */kube-proxy | */containerd | */containerd-shim-runc-v2 | */registry | */etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kwok | */kvm-device-plugin)
         [[ $exe == "$PODMOTION_CACHE_DIR"/* ]] && echo "process ${p#/proc/} $exe" ;;
     esac
   done

@@ -2,16 +2,31 @@
 //! confinement, that the node provides what the Runner needs and operator
 //! provisioning must supply (runner-daemonset-design-record.txt, §Privilege shape):
 //!
-//! * `kvm` — the KVM device exists, is a character device, and opens read-write as
-//!   this uid (device plugin's cgroup allowance + node mode 0666);
+//! * `kvm` — the KVM device exists, is a character device, opens read-write as this
+//!   uid (device plugin's cgroup allowance + node mode 0666) and answers
+//!   `KVM_GET_API_VERSION`;
 //! * `userns` — an unprivileged user namespace can be created and mounted in (what
 //!   passt does; RuntimeDefault seccomp fails it with "Couldn't create user namespace");
-//! * `apparmor` — `kernel.apparmor_restrict_unprivileged_userns` is 0 or absent;
-//! * `quota` — the session-volume filesystem is mounted with project quotas.
+//! * `apparmor` — `kernel.apparmor_restrict_unprivileged_userns` is 0 or absent, and the
+//!   container is not confined by an AppArmor profile (`appArmorProfile: Unconfined`);
+//! * `quota` — the session-volume filesystem is mounted with project quotas;
+//!
+//! and that the node honoured the pod's shape instead of silently running it with less
+//! (each check is named after the field it proves):
+//!
+//! * `hostUsers` — the container runs in a user namespace of its own (`hostUsers: false`);
+//! * `procMount` — a fresh /proc mounts in a new user + PID namespace (what
+//!   `virtiofsd --sandbox=namespace` does; fails when /proc is masked);
+//! * `seccompProfile` — a seccomp filter is in force (the Localhost profile);
+//! * `capabilities` — no effective, permitted or bounding capability (`drop: [ALL]`) and
+//!   no_new_privs (`allowPrivilegeEscalation: false`).
 //!
 //! The verdict is one JSON line (format `v1`, read by the operator's
 //! `runner_pool::preflight`): `{"preflight":"v1","ok":…,"checks":[{"name","ok","detail"}]}`.
-#![forbid(unsafe_code)]
+// Only `kvm` (one ioctl) may use unsafe code.
+#![deny(unsafe_code)]
+
+pub mod kvm;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileTypeExt;
@@ -26,6 +41,10 @@ pub const VERDICT_VERSION: &str = "v1";
 /// single-threaded child process (unshare(CLONE_NEWUSER) fails in threaded ones, and
 /// the parent must keep its own namespaces for the other checks).
 pub const USERNS_PROBE_ARG: &str = "--internal-userns-probe";
+/// Hidden arguments of the /proc probe: the outer process makes the namespaces, the
+/// inner one (the new PID namespace's PID 1) mounts /proc.
+pub const PROC_PROBE_ARG: &str = "--internal-proc-probe";
+pub const PROC_PROBE_INNER_ARG: &str = "--internal-proc-probe-inner";
 
 /// One check's outcome.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -100,6 +119,12 @@ pub struct Settings {
     pub require_project_quota: bool,
     pub apparmor_sysctl: String,
     pub mountinfo: String,
+    /// `/proc/self/status` (seccomp mode, capabilities, no_new_privs).
+    pub status: String,
+    /// `/proc/self/uid_map`.
+    pub uid_map: String,
+    /// The AppArmor label of this process (absent without AppArmor).
+    pub apparmor_current: String,
 }
 
 impl Default for Settings {
@@ -110,6 +135,9 @@ impl Default for Settings {
             require_project_quota: true,
             apparmor_sysctl: "/proc/sys/kernel/apparmor_restrict_unprivileged_userns".into(),
             mountinfo: "/proc/self/mountinfo".into(),
+            status: "/proc/self/status".into(),
+            uid_map: "/proc/self/uid_map".into(),
+            apparmor_current: "/proc/self/attr/apparmor/current".into(),
         }
     }
 }
@@ -129,7 +157,23 @@ pub fn check_kvm(device: &str) -> Check {
         return Check::fail("kvm", format!("{device} is not a character device"));
     }
     match OpenOptions::new().read(true).write(true).open(device) {
-        Ok(_) => Check::pass("kvm", format!("{device} opens read-write")),
+        Ok(f) => match kvm::api_version(&f) {
+            Ok(v) if v == kvm::KVM_API_VERSION => Check::pass(
+                "kvm",
+                format!("{device} opens read-write, KVM_GET_API_VERSION {v}"),
+            ),
+            Ok(v) => Check::fail(
+                "kvm",
+                format!(
+                    "{device}: KVM_GET_API_VERSION {v}, want {}",
+                    kvm::KVM_API_VERSION
+                ),
+            ),
+            Err(e) => Check::fail(
+                "kvm",
+                format!("{device} opens but KVM_GET_API_VERSION fails: {e}"),
+            ),
+        },
         Err(e) => {
             use std::os::unix::fs::PermissionsExt;
             let mode = meta.permissions().mode() & 0o777;
@@ -161,6 +205,99 @@ pub fn check_apparmor(sysctl: &str) -> Check {
                 v.trim()
             ),
         ),
+    }
+}
+
+/// `apparmor` (the process half): the container is not confined by a profile. `label`
+/// is `/proc/self/attr/apparmor/current` (`None`: no AppArmor on this kernel).
+pub fn check_apparmor_label(label: Option<&str>) -> Option<Check> {
+    let label = label?.trim().trim_end_matches('\0');
+    if label.is_empty() || label == "unconfined" {
+        return None;
+    }
+    Some(Check::fail(
+        "apparmor",
+        format!(
+            "the container is confined by AppArmor profile {label:?}: appArmorProfile: Unconfined was not honoured"
+        ),
+    ))
+}
+
+/// A field of `/proc/self/status` (`Seccomp`, `CapEff`, …).
+pub fn status_field<'a>(status: &'a str, key: &str) -> Option<&'a str> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+/// `hostUsers`: this process runs in a user namespace of its own, i.e. its uid_map is
+/// not the initial namespace's identity map `0 0 4294967295`.
+pub fn check_host_users(uid_map: &str) -> Check {
+    let lines: Vec<Vec<&str>> = uid_map
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .filter(|f: &Vec<&str>| f.len() == 3)
+        .collect();
+    let shown = lines
+        .iter()
+        .map(|f| f.join(" "))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match lines.as_slice() {
+        [] => Check::fail("hostUsers", "no uid_map: cannot tell the user namespace"),
+        [f] if f[0] == "0" && f[1] == "0" && f[2] == "4294967295" => Check::fail(
+            "hostUsers",
+            "the container runs in the host's user namespace (uid_map 0 0 4294967295): hostUsers: false was not honoured",
+        ),
+        _ => Check::pass("hostUsers", format!("own user namespace, uid_map {shown}")),
+    }
+}
+
+/// `seccompProfile`: a seccomp filter is in force (`Seccomp: 2`).
+pub fn check_seccomp(status: &str) -> Check {
+    match status_field(status, "Seccomp") {
+        Some("2") => {
+            let filters = status_field(status, "Seccomp_filters").unwrap_or("?");
+            Check::pass(
+                "seccompProfile",
+                format!("seccomp filter mode, {filters} filter(s)"),
+            )
+        }
+        Some(m) => Check::fail(
+            "seccompProfile",
+            format!("seccomp mode {m}, no filter: the Localhost profile was not applied"),
+        ),
+        None => Check::fail("seccompProfile", "no Seccomp field in /proc/self/status"),
+    }
+}
+
+/// `capabilities`: no effective, permitted, inheritable, ambient or bounding capability,
+/// and no_new_privs set.
+pub fn check_capabilities(status: &str) -> Check {
+    let mut held = vec![];
+    for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        match status_field(status, key) {
+            Some(v) if u64::from_str_radix(v, 16) == Ok(0) => {}
+            Some(v) => held.push(format!("{key}={v}")),
+            None if key == "CapAmb" => {}
+            None => held.push(format!("{key} missing")),
+        }
+    }
+    let nnp = status_field(status, "NoNewPrivs");
+    if nnp != Some("1") {
+        held.push(format!("NoNewPrivs={}", nnp.unwrap_or("missing")));
+    }
+    if held.is_empty() {
+        Check::pass("capabilities", "no capability in any set, no_new_privs")
+    } else {
+        Check::fail(
+            "capabilities",
+            format!(
+                "{}: drop: [ALL] / allowPrivilegeEscalation: false were not honoured",
+                held.join(", ")
+            ),
+        )
     }
 }
 
@@ -291,6 +428,82 @@ pub fn userns_probe() -> Result<(), String> {
     Ok(())
 }
 
+/// Runs in the outer probe child: a new user, mount and PID namespace (our uid mapped to
+/// root), then `exe` with [`PROC_PROBE_INNER_ARG`] as the PID namespace's PID 1.
+pub fn proc_probe_outer(exe: &Path) -> Result<(), String> {
+    use nix::mount::{MsFlags, mount};
+    use nix::sched::{CloneFlags, unshare};
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+    unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWPID): {e}"))?;
+    std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("write setgroups: {e}"))?;
+    std::fs::write("/proc/self/uid_map", format!("0 {uid} 1"))
+        .map_err(|e| format!("write uid_map: {e}"))?;
+    std::fs::write("/proc/self/gid_map", format!("0 {gid} 1"))
+        .map_err(|e| format!("write gid_map: {e}"))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| format!("make / private: {e}"))?;
+    let out = Command::new(exe)
+        .arg(PROC_PROBE_INNER_ARG)
+        .output()
+        .map_err(|e| format!("starting PID 1 of the new PID namespace: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Runs as PID 1 of the probe's PID namespace: mounts a fresh proc over /proc and checks
+/// it shows this namespace (`/proc/self` is 1).
+pub fn proc_probe_inner() -> Result<(), String> {
+    use nix::mount::{MsFlags, mount};
+    mount(
+        Some("proc"),
+        "/proc",
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(|e| format!("mount -t proc proc /proc in a new user+PID namespace: {e}"))?;
+    let me = std::fs::read_link("/proc/self").map_err(|e| format!("readlink /proc/self: {e}"))?;
+    if me.as_os_str() == "1" {
+        Ok(())
+    } else {
+        Err(format!(
+            "the fresh /proc shows pid {} for PID 1 of its namespace",
+            me.display()
+        ))
+    }
+}
+
+/// `procMount`: runs [`proc_probe_outer`] in a child process of `exe`.
+pub fn check_proc_mount(exe: &Path) -> Check {
+    match Command::new(exe).arg(PROC_PROBE_ARG).output() {
+        Err(e) => Check::fail(
+            "procMount",
+            format!("starting the probe {}: {e}", exe.display()),
+        ),
+        Ok(out) if out.status.success() => Check::pass(
+            "procMount",
+            "mounted a fresh /proc in a new user and PID namespace",
+        ),
+        Ok(out) => Check::fail(
+            "procMount",
+            format!(
+                "{} (a masked /proc blocks it: is procMount: Unmasked honoured, with hostUsers: false?)",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ),
+    }
+}
+
 /// `userns`: runs [`userns_probe`] in a child process of `exe`.
 pub fn check_userns(exe: &Path) -> Check {
     match Command::new(exe).arg(USERNS_PROBE_ARG).output() {
@@ -314,11 +527,22 @@ pub fn check_userns(exe: &Path) -> Check {
 /// Every check, in a fixed order.
 pub fn run_all(s: &Settings, exe: &Path) -> Verdict {
     let mountinfo = std::fs::read_to_string(&s.mountinfo).unwrap_or_default();
+    let status = std::fs::read_to_string(&s.status).unwrap_or_default();
+    let uid_map = std::fs::read_to_string(&s.uid_map).unwrap_or_default();
+    let label = std::fs::read_to_string(&s.apparmor_current).ok();
+    let apparmor = match check_apparmor_label(label.as_deref()) {
+        Some(confined) => confined,
+        None => check_apparmor(&s.apparmor_sysctl),
+    };
     Verdict::new(vec![
         check_kvm(&s.kvm_device),
         check_userns(exe),
-        check_apparmor(&s.apparmor_sysctl),
+        apparmor,
         check_quota(&mountinfo, &s.session_volume, s.require_project_quota),
+        check_host_users(&uid_map),
+        check_proc_mount(exe),
+        check_seccomp(&status),
+        check_capabilities(&status),
     ])
 }
 
@@ -387,6 +611,49 @@ mod tests {
         assert!(check_apparmor(f.to_str().unwrap()).ok);
         assert!(check_apparmor(dir.join("absent").to_str().unwrap()).ok);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    const STATUS_CONFINED: &str = "Name:\tx\nNoNewPrivs:\t1\nSeccomp:\t2\nSeccomp_filters:\t1\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nCapAmb:\t0000000000000000\n";
+
+    #[test]
+    fn a_confined_container_passes_seccomp_and_capabilities() {
+        assert!(check_seccomp(STATUS_CONFINED).ok);
+        assert!(check_capabilities(STATUS_CONFINED).ok);
+    }
+
+    #[test]
+    fn no_filter_or_a_held_capability_names_the_field_not_honoured() {
+        let unfiltered = STATUS_CONFINED.replace("Seccomp:\t2", "Seccomp:\t0");
+        let c = check_seccomp(&unfiltered);
+        assert!(!c.ok && c.detail.contains("Localhost"), "{c:?}");
+        let bnd = STATUS_CONFINED.replace("CapBnd:\t0000000000000000", "CapBnd:\t000001ffffffffff");
+        let c = check_capabilities(&bnd);
+        assert!(
+            !c.ok && c.detail.contains("CapBnd=000001ffffffffff"),
+            "{c:?}"
+        );
+        let nnp = STATUS_CONFINED.replace("NoNewPrivs:\t1", "NoNewPrivs:\t0");
+        assert!(!check_capabilities(&nnp).ok);
+    }
+
+    #[test]
+    fn the_host_user_namespace_fails_host_users_and_a_pod_range_passes() {
+        let host = check_host_users("         0          0 4294967295\n");
+        assert!(
+            !host.ok && host.detail.contains("hostUsers: false"),
+            "{host:?}"
+        );
+        let pod = check_host_users("         0    1638400      65536\n");
+        assert!(pod.ok && pod.detail.contains("0 1638400 65536"), "{pod:?}");
+        assert!(!check_host_users("").ok);
+    }
+
+    #[test]
+    fn an_apparmor_profile_fails_and_unconfined_or_absent_is_no_finding() {
+        assert_eq!(check_apparmor_label(None), None);
+        assert_eq!(check_apparmor_label(Some("unconfined\n")), None);
+        let c = check_apparmor_label(Some("cri-containerd.apparmor.d (enforce)\n")).unwrap();
+        assert!(!c.ok && c.detail.contains("Unconfined"), "{c:?}");
     }
 
     #[test]

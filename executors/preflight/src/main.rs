@@ -7,15 +7,25 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use podmotion_preflight::{Settings, USERNS_PROBE_ARG, run_all, userns_probe};
+use podmotion_preflight::{
+    PROC_PROBE_ARG, PROC_PROBE_INNER_ARG, Settings, USERNS_PROBE_ARG, proc_probe_inner,
+    proc_probe_outer, run_all, userns_probe,
+};
 
 const USAGE: &str = "usage: podmotion-preflight [--kvm-device=PATH] [--session-volume=PATH] \
 [--require-project-quota=true|false] [--apparmor-sysctl=PATH] [--mountinfo=PATH] [--termination-log=PATH]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some(USERNS_PROBE_ARG) {
-        return match userns_probe() {
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    let probe = match args.first().map(String::as_str) {
+        Some(USERNS_PROBE_ARG) => Some(userns_probe()),
+        Some(PROC_PROBE_ARG) => Some(proc_probe_outer(&exe)),
+        Some(PROC_PROBE_INNER_ARG) => Some(proc_probe_inner()),
+        _ => None,
+    };
+    if let Some(result) = probe {
+        return match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("{e}");
@@ -49,7 +59,6 @@ fn main() -> ExitCode {
             }
         }
     }
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
     let verdict = run_all(&s, &exe);
     let line = verdict.to_line();
     println!("{line}");

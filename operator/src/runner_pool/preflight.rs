@@ -6,6 +6,14 @@
 //! The kubelet copies it to `status.initContainerStatuses[].state.terminated.message`
 //! (or `lastState` once the init container is being retried). This module turns that
 //! into a per-node verdict; it never trusts the message to be well-formed.
+//!
+//! The preflight's checks are named after the pod field they prove was honoured
+//! (`hostUsers`, `procMount`, `seccompProfile`, `capabilities`, besides `kvm`, `userns`,
+//! `apparmor`, `quota`). When the node refuses the shape before the preflight can run
+//! (the runtime cannot create the container: a missing seccomp profile, no user
+//! namespace support, a device it cannot create), the runtime's message is reported
+//! under the field it names, so that a node never runs the pod with less than asked
+//! without the pool saying which field and why.
 
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 use podmotion_api::runner_pool::PreflightFailure;
@@ -58,8 +66,65 @@ pub enum NodePreflight {
     Failed(PreflightFailure),
 }
 
+/// The pod field a runtime's refusal to create or start a container names, with what
+/// the node must provide; `None` when the message names none of the Runner's fields
+/// (an image pull, a name conflict: not a node problem this module can name).
+pub fn refused_field(message: &str) -> Option<(&'static str, &'static str)> {
+    let m = message.to_ascii_lowercase();
+    let has = |words: &[&str]| words.iter().any(|w| m.contains(w));
+    if has(&["seccomp"]) {
+        Some((
+            "seccompProfile",
+            "the Localhost profile is not usable on the node (staged under the kubelet's seccomp root?)",
+        ))
+    } else if has(&["apparmor"]) {
+        Some((
+            "appArmorProfile",
+            "the runtime cannot apply the AppArmor setting",
+        ))
+    } else if has(&[
+        "user namespace",
+        "userns",
+        "idmap",
+        "id map",
+        "uid_map",
+        "hostusers",
+    ]) {
+        Some((
+            "hostUsers",
+            "the node cannot run the pod in a user namespace (hostUsers: false)",
+        ))
+    } else if has(&["procmount", "proc mount", "masked"]) {
+        Some(("procMount", "the node cannot honour procMount: Unmasked"))
+    } else if has(&["/dev/kvm", "device"]) {
+        Some((
+            "kvm",
+            "the runtime cannot give the container the KVM device",
+        ))
+    } else {
+        None
+    }
+}
+
+fn refused_by_node(node: &str, message: &str) -> Option<PreflightFailure> {
+    let (field, why) = refused_field(message)?;
+    Some(PreflightFailure {
+        node: node.into(),
+        checks: vec![field.into()],
+        message: format!("{field}: {why}: {message}"),
+    })
+}
+
 fn failure(node: &str, t: &ContainerStateTerminated) -> NodePreflight {
     let message = t.message.clone().unwrap_or_default();
+    // runc failed to start the container (the kubelet records StartError with runc's
+    // message): no verdict, but the message may name the field the node refused.
+    if t.exit_code != 0
+        && parse_verdict(&message).is_err()
+        && let Some(f) = refused_by_node(node, &message)
+    {
+        return NodePreflight::Failed(f);
+    }
     match parse_verdict(&message) {
         Ok(v) if v.ok && t.exit_code == 0 => NodePreflight::Passed,
         Ok(v) => {
@@ -109,22 +174,17 @@ pub fn from_pod(pod: &Pod) -> NodePreflight {
     if let Some(t) = status.state.as_ref().and_then(|s| s.terminated.as_ref()) {
         return failure(node, t);
     }
-    // The kubelet cannot even create the container when the Localhost seccomp profile
-    // is not staged on the node: the preflight never runs, so say it here.
+    // The runtime could not create or start the container (a Localhost seccomp profile
+    // not staged on the node, no user namespace support, a device it cannot create): the
+    // preflight never ran, so say it here, under the field the runtime's message names.
     if let Some(w) = status.state.as_ref().and_then(|s| s.waiting.as_ref()) {
         let message = w.message.clone().unwrap_or_default();
-        let create_error = matches!(
+        let refused = matches!(
             w.reason.as_deref(),
-            Some("CreateContainerError" | "CreateContainerConfigError")
+            Some("CreateContainerError" | "CreateContainerConfigError" | "RunContainerError")
         );
-        if create_error && message.to_ascii_lowercase().contains("seccomp") {
-            return NodePreflight::Failed(PreflightFailure {
-                node: node.into(),
-                checks: vec!["seccomp".into()],
-                message: format!(
-                    "seccomp: the Localhost profile is not usable on the node: {message}"
-                ),
-            });
+        if refused && let Some(f) = refused_by_node(node, &message) {
+            return NodePreflight::Failed(f);
         }
     }
     // Retried after a failure: the last run's verdict is the news.
@@ -222,12 +282,60 @@ mod tests {
         let NodePreflight::Failed(f) = from_pod(&p) else {
             panic!("want failure")
         };
-        assert_eq!(f.checks, vec!["seccomp"]);
+        assert_eq!(f.checks, vec!["seccompProfile"]);
+        assert!(
+            f.message.contains("missing.json") || f.message.contains("compass-runner.json"),
+            "{}",
+            f.message
+        );
         let other = pod_with(
             json!({"waiting": {"reason": "CreateContainerError", "message": "image pull"}}),
             json!({}),
         );
         assert_eq!(from_pod(&other), NodePreflight::Pending);
+    }
+
+    #[test]
+    fn a_runtime_without_user_namespaces_is_reported_under_host_users() {
+        // containerd/runc refusing the container (measured wording varies by runtime:
+        // matched on the field it names).
+        let p = pod_with(
+            json!({"waiting": {"reason": "RunContainerError", "message": "failed to create containerd task: OCI runtime create failed: runc create failed: user namespaces are not enabled in this kernel"}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["hostUsers"]);
+        assert!(f.message.starts_with("hostUsers: "), "{}", f.message);
+        let started = pod_with(
+            json!({"terminated": {"exitCode": 128, "reason": "StartError", "message": "error mounting \"/dev/kvm\": device not allowed"}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&started) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["kvm"]);
+    }
+
+    #[test]
+    fn a_check_named_after_a_field_lands_in_status_with_its_detail() {
+        // What the preflight writes when the runtime ran the pod with a masked /proc
+        // (measured on pm-real-2 with procMount: Default).
+        let line = r#"{"preflight":"v1","ok":false,"checks":[{"name":"kvm","ok":true,"detail":"ok"},{"name":"procMount","ok":false,"detail":"mount -t proc proc /proc in a new user+PID namespace: EPERM: Operation not permitted (a masked /proc blocks it: is procMount: Unmasked honoured, with hostUsers: false?)"}]}"#;
+        let p = pod_with(
+            json!({"terminated": {"exitCode": 1, "message": line}}),
+            json!({}),
+        );
+        let NodePreflight::Failed(f) = from_pod(&p) else {
+            panic!("want failure")
+        };
+        assert_eq!(f.checks, vec!["procMount"]);
+        assert!(
+            f.message.starts_with("procMount: mount -t proc"),
+            "{}",
+            f.message
+        );
     }
 
     #[test]
