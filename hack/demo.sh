@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo (README's first command): installs what is needed, brings up the local cluster
-# (control plane, a local registry, kwok nodes and two real nodes), builds our images and
+# (control plane, a local registry, kwok nodes, two real nodes and a real runner node),
+# builds our images and
 # pushes them to the local registry, installs the chart from them (hack/install.sh), runs
 # a workload on the real nodes, applies the sample resources and shows the result.
 #
@@ -28,6 +29,8 @@ echo "ok (log: $run.deps.log)"
 step "cluster: control plane, registry, kwok nodes, real nodes (first run builds Kubernetes, containerd, runc and CNI from source: ~15-25 min on 2 cores)"
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)"
+# A cluster brought up before runner nodes existed gets them now (no-op otherwise).
+hack/cluster.sh add-runner-nodes
 mkdir -p "$run"
 touch "$run/demo"
 
@@ -53,17 +56,18 @@ counter() { # pod-ip
 }
 
 step "samples: a NodeAgentAttachment, a real PodMigration, a PodMigration dry run and a RunnerPool"
+runner=$(grep '/podmotion/runner-standin@sha256:' "$run/images.txt")
 pod=$(kubectl -n demo get pods -l app=web -o jsonpath='{.items[0].metadata.name}')
 mover=$(kubectl -n demo get pods -l app=mover -o jsonpath='{.items[0].metadata.name}')
 mover_node=$(kubectl -n demo get pod "$mover" -o jsonpath='{.spec.nodeName}')
 mover_ip=$(kubectl -n demo get pod "$mover" -o jsonpath='{.status.podIP}')
 before=$(counter "$mover_ip" || true)
 for f in hack/demo/resources/*.yaml; do
-  sed -e "s/PODNAME/$pod/" -e "s/MOVERPOD/$mover/" "$f" | kubectl apply -f -
+  sed -e "s/PODNAME/$pod/" -e "s/MOVERPOD/$mover/" -e "s|RUNNER_IMAGE|$runner|" "$f" | kubectl apply -f -
 done
 kubectl -n demo wait podmigration/move-mover --for=jsonpath='{.status.phase}'=Succeeded --timeout=300s || true
 kubectl -n demo wait nodeagentattachment/web-intercept --for=condition=Ready --timeout=120s || true
-kubectl -n runners wait runnerpool/runners --for=jsonpath='{.status.observedGeneration}'=1 --timeout=60s || true
+kubectl -n runners wait runnerpool/runners --for=condition=Ready --timeout=240s || true
 kubectl -n demo wait podmigration/can-web-move --for=jsonpath='{.status.phase}'=Succeeded --timeout=60s >/dev/null 2>&1 || true
 
 step "result"
@@ -78,6 +82,13 @@ echo
 kubectl -n demo get podmigration can-web-move -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}'
 echo
 kubectl -n demo get podmigration move-mover -o wide
+echo
+kubectl -n runners get runnerpool runners -o wide
+runner_pod=$(kubectl -n runners get pods -l app.kubernetes.io/name=runner,app.kubernetes.io/instance=runners -o jsonpath='{.items[0].metadata.name}' 2>/dev/null || true)
+if [[ -n $runner_pod ]]; then
+  echo "runner $runner_pod, as probed from inside the pod (stand-in's report):"
+  kubectl -n runners logs "$runner_pod" -c runner 2>/dev/null | head -n1 | jq -c '{ok, checks: [.checks[] | {(.name): .ok}] | add, facts: .facts | {ids, kvm_owner, kvm_mode, kvm_api_version, uid_map}}' 2>/dev/null || true
+fi
 target=$(kubectl -n demo get podmigration move-mover -o jsonpath='{.status.targetPod}')
 after=""
 if [[ -n $target ]]; then
@@ -100,7 +111,12 @@ cat <<TXT
 - move-mover live-migrated the demo/mover pod (a real container, 16 MiB of state) to the
   other real node: checkpointed by CRIU in the agent, restored into the target pod, probed
   and handed to the ReplicaSet; its counter kept counting. can-web-move is a dry run
-  (every check, nothing frozen). The RunnerPool targets the kwok runner node pm-node-2.
+  (every check, nothing frozen).
+- The RunnerPool runs a Runner on the real runner node pm-real-2 (type=runner, tainted
+  podmotion.io/runner-node=real, our KVM device plugin, the Runner's seccomp profile):
+  hostUsers: false, procMount: Unmasked, Localhost seccomp, no capability. Its Runner is
+  our stand-in (the Compass Runner does not exist here), which opened /dev/kvm, created a
+  user namespace and mounted a fresh /proc from inside the pod (report above).
 
 The cluster and the operator keep running: export KUBECONFIG=$KUBECONFIG
 Stop everything with: bash hack/demo.sh down

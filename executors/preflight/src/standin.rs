@@ -10,6 +10,11 @@
 //! (default `:9090`): `/readyz` answers 200 only when every probe passed, `/metrics` is
 //! Prometheus text, `/report` the JSON. `podmotion-runner-standin report` runs the probes
 //! again and prints the report (for `kubectl exec`). It exits on SIGTERM.
+//!
+//! Like the Runner's VMM children, it starts one long-lived child per session
+//! (`COMPASS_SESSIONS`), each in a user namespace of its own (passt's pattern): the
+//! seed's question whether a container restart strands such processes is answered by
+//! restarting the container and looking for them on the node.
 #![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -28,6 +33,24 @@ use serde::Serialize;
 
 /// Version tag of the report.
 const REPORT_VERSION: &str = "standin-v1";
+/// Hidden argument: run as one session's stand-in child until killed.
+const SESSION_ARG: &str = "--internal-session";
+
+/// A session child: a user namespace of its own (our uid mapped to root in it), then
+/// nothing until killed; it never exits by itself.
+fn session_child() -> Result<(), String> {
+    use nix::sched::{CloneFlags, unshare};
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+    unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| format!("unshare(CLONE_NEWUSER): {e}"))?;
+    std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("setgroups: {e}"))?;
+    std::fs::write("/proc/self/uid_map", format!("0 {uid} 1"))
+        .map_err(|e| format!("uid_map: {e}"))?;
+    std::fs::write("/proc/self/gid_map", format!("0 {gid} 1"))
+        .map_err(|e| format!("gid_map: {e}"))?;
+    loop {
+        std::thread::park();
+    }
+}
 
 #[derive(Serialize)]
 struct Facts {
@@ -43,6 +66,8 @@ struct Facts {
     /// Whether the credential file (`COMPASS_TOKEN_FILE`) is readable, and its size.
     token_file: String,
     node: String,
+    /// PIDs (in the container's PID namespace) of the session children started.
+    session_pids: Vec<u32>,
 }
 
 #[derive(Serialize)]
@@ -104,6 +129,7 @@ fn report(exe: &Path) -> Report {
             kvm_api_version: api,
             token_file,
             node: std::env::var("NODE_NAME").unwrap_or_default(),
+            session_pids: vec![],
         },
     }
 }
@@ -168,6 +194,7 @@ fn main() -> ExitCode {
         Some(USERNS_PROBE_ARG) => Some(userns_probe()),
         Some(PROC_PROBE_ARG) => Some(proc_probe_outer(&exe)),
         Some(PROC_PROBE_INNER_ARG) => Some(proc_probe_inner()),
+        Some(SESSION_ARG) => Some(session_child()),
         _ => None,
     };
     if let Some(result) = probe {
@@ -179,16 +206,31 @@ fn main() -> ExitCode {
             }
         };
     }
-    let r = report(&exe);
-    let json = serde_json::to_string(&r).expect("the report serializes");
-    println!("{json}");
-    match args.first().map(String::as_str) {
-        Some("report") => return ExitCode::SUCCESS,
-        None => {}
+    let serve = match args.first().map(String::as_str) {
+        Some("report") => false,
+        None => true,
         Some(other) => {
             eprintln!("usage: podmotion-runner-standin [report] (unknown {other:?})");
             return ExitCode::from(2);
         }
+    };
+    let mut r = report(&exe);
+    if serve {
+        let sessions: usize = std::env::var("COMPASS_SESSIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        for _ in 0..sessions.min(64) {
+            match std::process::Command::new(&exe).arg(SESSION_ARG).spawn() {
+                Ok(c) => r.facts.session_pids.push(c.id()),
+                Err(e) => eprintln!("starting a session child: {e}"),
+            }
+        }
+    }
+    let json = serde_json::to_string(&r).expect("the report serializes");
+    println!("{json}");
+    if !serve {
+        return ExitCode::SUCCESS;
     }
     // SIGTERM (the kubelet stopping the pod) is taken by sigwait below: blocked here,
     // before any thread starts, so that every thread inherits the mask.
