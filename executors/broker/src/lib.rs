@@ -370,12 +370,14 @@ impl Broker {
                 let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
                 let path = self.netns_path(&uid);
                 if !e.netns_bound {
-                    std::fs::create_dir_all(path.parent().expect("has parent")).map_err(kerr)?;
-                    std::fs::File::create(&path).map_err(kerr)?;
+                    let point = mount_point(&path)?;
                     let src = format!("/proc/{}/ns/net", e.process.pid);
+                    // Mount onto the file we opened (its /proc/self/fd link), not onto a
+                    // path that could be swapped for a symlink in between.
+                    let target = format!("/proc/self/fd/{}", point.as_raw_fd());
                     nix::mount::mount(
                         Some(src.as_str()),
-                        &path,
+                        target.as_str(),
                         None::<&str>,
                         nix::mount::MsFlags::MS_BIND,
                         None::<&str>,
@@ -514,13 +516,59 @@ impl Broker {
 
     fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
         let path = self.netns_path(uid);
-        match nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH) {
+        let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
+        match nix::mount::umount2(&path, flags) {
             Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
             Err(e) => return Err(kerr(e)),
         }
         let _ = std::fs::remove_file(&path);
         Ok(())
     }
+}
+
+/// Opens (creating it) the regular file at `path` that a netns is bind-mounted onto,
+/// refusing to follow a symlink at the file or at its directory: the directory is made
+/// by the broker (0700) or must already be a real directory, and the file is opened
+/// with O_NOFOLLOW. A planted link is reported, never followed, never removed.
+fn mount_point(path: &std::path::Path) -> Result<std::fs::File, BrokerError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let unsafe_path = |what: &std::path::Path, why: &str| {
+        err(
+            ErrorKind::UnsafePath,
+            format!("{} {why}: refused, nothing followed", what.display()),
+        )
+    };
+    let dir = path.parent().expect("netns paths have a parent");
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.file_type().is_symlink() => return Err(unsafe_path(dir, "is a symlink")),
+        Ok(m) if !m.is_dir() => return Err(unsafe_path(dir, "is not a directory")),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(kerr)?;
+        }
+        Err(e) => return Err(kerr(e)),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(nix::libc::ELOOP) => unsafe_path(path, "is a symlink"),
+            _ => kerr(e),
+        })
+        .and_then(|f| {
+            if f.metadata().map_err(kerr)?.is_file() {
+                Ok(f)
+            } else {
+                Err(unsafe_path(path, "is not a regular file"))
+            }
+        })
 }
 
 fn tracer_attached(pid: i32) -> bool {

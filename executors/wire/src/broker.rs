@@ -151,6 +151,9 @@ pub enum ErrorKind {
     PidReused,
     ForeignProcess,
     Busy,
+    /// A path the broker computes (the netns mount point or its directory) is a
+    /// symlink or not what the broker made: refused, nothing followed.
+    UnsafePath,
     Kernel,
 }
 

@@ -1,0 +1,638 @@
+//! The shipped broker BINARY (not the library in-process) against more than a thousand
+//! generated hostile inputs over its real socket, as root. Every input must come back
+//! as a typed error of the expected kind, the broker must keep serving, and nothing on
+//! the host may change: no mount, nothing in the run directory, no process stopped, no
+//! link of the node's network namespace taken down.
+//!
+//! Classes (counted per class in the test's output, figures in docs/reliability.md):
+//! garbage bodies, frame-level abuse (oversize, truncated), unknown ops, unknown
+//! fields, malformed UIDs on every op, pinning every other live process on the machine
+//! (the kubelets', containerd's, other pods' — all outside the broker's pods cgroup
+//! root) in both roles, the same pids with a reused start time, every op on an
+//! unregistered migration, a connection flood and a slow client, and a symlink planted
+//! at the netns bind-mount path.
+
+use podmotion_broker::procfs;
+use podmotion_wire::broker::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const OPS_WITH_UID_ONLY: &[&str] = &[
+    "bind_netns",
+    "unbind_netns",
+    "netns_addrs",
+    "lock_network",
+    "unlock_network",
+    "hand_off_sockets",
+    "release_tcp_repair",
+    "resume",
+    "kill",
+    "forget",
+];
+
+fn require_root() -> bool {
+    if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
+        eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
+        return false;
+    }
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "broker tests need root (set PODMOTION_ROOT_TESTS=0 to skip)"
+    );
+    true
+}
+
+/// The broker binary on a private socket and run directory; its pods cgroup root is a
+/// fresh cgroup (v2 mount) that holds only what a test puts there.
+struct BrokerProcess {
+    child: Child,
+    dir: PathBuf,
+    socket: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl BrokerProcess {
+    fn start(name: &str) -> Self {
+        let tag = format!("pmhb-{name}-{}", std::process::id());
+        let dir = std::env::temp_dir().join(&tag);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cgroup = procfs::cgroup2_mount().unwrap().join(&tag);
+        std::fs::create_dir_all(cgroup.join("pod")).unwrap();
+        let socket = dir.join("broker.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .arg("--pods-cgroup-root")
+            .arg(format!("/{tag}"))
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start podmotion-broker");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&socket).is_err() {
+            assert!(Instant::now() < deadline, "broker never served {socket:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            dir,
+            socket,
+            cgroup,
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for d in ["pod", ""] {
+            let _ = std::fs::remove_dir(self.cgroup.join(d));
+        }
+    }
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+/// One connection, one input, the one response: the typed error, or why there was
+/// none (a hostile input accepted, no answer, an undecodable answer).
+fn send(sock: &Path, bytes: &[u8], close_write: bool) -> Result<BrokerError, String> {
+    let mut s = UnixStream::connect(sock).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).map_err(|e| format!("write: {e}"))?;
+    if close_write {
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix)
+        .map_err(|e| format!("no response: {e}"))?;
+    let mut body = vec![0; u32::from_be_bytes(prefix) as usize];
+    s.read_exact(&mut body)
+        .map_err(|e| format!("short response: {e}"))?;
+    match decode_response(&body).map_err(|e| format!("undecodable response: {e}"))? {
+        Response::Err(e) => Ok(e),
+        Response::Ok(r) => Err(format!("ACCEPTED: {r:?}")),
+    }
+}
+
+/// What the host looks like, in the parts a broker could change.
+#[derive(PartialEq, Debug)]
+struct HostState {
+    mounts: BTreeSet<String>,
+    run_dir: BTreeSet<PathBuf>,
+    links_up: BTreeMap<String, bool>,
+}
+
+fn host_state(run_dir: &Path) -> HostState {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .map(|l| l.split_whitespace().nth(4).unwrap_or("").to_owned())
+        .collect();
+    let mut entries = BTreeSet::new();
+    let mut stack = vec![run_dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+            entries.insert(e.path());
+        }
+    }
+    let links_up = std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let flags = std::fs::read_to_string(e.path().join("flags")).ok()?;
+            let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).ok()?;
+            Some((name, flags & 1 == 1))
+        })
+        .collect();
+    HostState {
+        mounts,
+        run_dir: entries,
+        links_up,
+    }
+}
+
+/// Pids of stopped processes (state T or t).
+fn stopped() -> BTreeSet<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    let rest = &s[s.rfind(')')? + 1..];
+                    rest.split_whitespace()
+                        .next()
+                        .map(|st| st == "T" || st == "t")
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn live_processes() -> Vec<(i32, u64)> {
+    let me = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid > 1 && *pid != me)
+        .filter_map(|pid| Some((pid, procfs::start_time(pid).ok()?)))
+        .collect()
+}
+
+/// A deterministic byte generator (xorshift), so a failure names an input that the
+/// next run produces again.
+struct Gen(u64);
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+const BAD_UIDS: &[&str] = &[
+    "",
+    "../../etc",
+    "..",
+    ".",
+    "/",
+    "/etc/passwd",
+    "a/b",
+    "A",
+    "UPPER-case",
+    "x;rm -rf /",
+    "x y",
+    "x\ny",
+    "x\r\n",
+    "x\u{0}y",
+    "\u{0}",
+    "x\ty",
+    "ü",
+    "mig_1",
+    "mig.1",
+    "mig:1",
+    "mig@1",
+    "$(id)",
+    "`id`",
+    "*",
+    "?",
+    "%2e%2e",
+    "\\..\\..",
+    "x\u{202e}y",
+    "\u{feff}mig",
+    "mig\u{7f}",
+    "nul\u{0}../../etc",
+    "0123456789012345678901234567890123456789012345678901234567890123456789",
+    "-----------------------------------------------------------------------------------",
+];
+
+/// The UID values that are not strings at all.
+const NON_STRING_UIDS: &[&str] = &["1", "null", "true", "[]", "{}", "[\"a\"]", "1e9", "-1"];
+
+#[test]
+fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
+    if !require_root() {
+        return;
+    }
+    let mut b = BrokerProcess::start("corpus");
+    let run = b.dir.join("run");
+    let before = host_state(&run);
+    let stopped_before = stopped();
+    let mut cases: Vec<(&'static str, Vec<u8>, bool, Vec<ErrorKind>)> = Vec::new();
+    use ErrorKind::*;
+
+    // Garbage bodies, framed correctly.
+    let mut g = Gen(0x9e37_79b9_7f4a_7c15);
+    for i in 0..300 {
+        let body = g.bytes(1 + i % 200);
+        cases.push(("garbage", frame(&body), false, vec![Malformed, Truncated]));
+    }
+    // JSON that is not a request.
+    for body in [
+        "{}",
+        "[]",
+        "null",
+        "1",
+        "\"op\"",
+        "{\"op\":1}",
+        "{\"op\":null}",
+        "{\"op\":[]}",
+        "{\"uid\":\"m\"}",
+        "{\"op\":\"kill\"}",
+        "{\"op\":\"register\",\"uid\":\"m\"}",
+        "{\"op\":\"register\",\"uid\":\"m\",\"role\":\"both\",\"process\":{\"pid\":5,\"start_time\":1}}",
+        "{\"op\":\"register\",\"uid\":\"m\",\"role\":\"source\",\"process\":{\"pid\":-5,\"start_time\":1}}",
+        "{\"op\":\"register\",\"uid\":\"m\",\"role\":\"source\",\"process\":{\"pid\":4294967296,\"start_time\":1}}",
+        "{\"op\":\"register\",\"uid\":\"m\",\"role\":\"source\",\"process\":{\"pid\":\"5\",\"start_time\":1}}",
+        "{\"op\":\"register\",\"uid\":\"m\",\"role\":\"source\",\"process\":{\"pid\":5}}",
+        "{\"op\":\"move_cgroup\",\"uid\":\"m\"}",
+    ] {
+        cases.push((
+            "not a request",
+            frame(body.as_bytes()),
+            false,
+            vec![Malformed, NoSuchProcess],
+        ));
+    }
+    // Frame-level abuse: oversize prefixes answer and close; truncated frames.
+    for len in [MAX_FRAME as u32 + 1, 1 << 20, 1 << 31, u32::MAX] {
+        cases.push((
+            "oversize",
+            len.to_be_bytes().to_vec(),
+            false,
+            vec![FrameTooLarge],
+        ));
+    }
+    for (claimed, sent) in [(100u32, 10usize), (16, 0), (MAX_FRAME as u32, 100), (5, 4)] {
+        let mut v = claimed.to_be_bytes().to_vec();
+        v.extend(std::iter::repeat_n(b'{', sent));
+        cases.push(("truncated", v, true, vec![Truncated]));
+    }
+    // Unknown ops.
+    for op in [
+        "mount",
+        "umount",
+        "exec",
+        "shell",
+        "chroot",
+        "setns",
+        "ptrace",
+        "kill_all",
+        "Kill",
+        "KILL",
+        "kill ",
+        " kill",
+        "register\u{0}",
+        "bind-netns",
+        "bindNetns",
+        "move-cgroup",
+        "signal",
+        "open",
+        "read_file",
+        "write_file",
+        "unlink",
+        "symlink",
+        "chmod",
+        "chown",
+        "reboot",
+        "",
+        "op",
+        "forget_all",
+        "lock_network2",
+        "hand_off_sockets_all",
+    ] {
+        let body = serde_json::json!({"op": op, "uid": "m-1"}).to_string();
+        cases.push(("unknown op", frame(body.as_bytes()), false, vec![UnknownOp]));
+    }
+    // Unknown fields on every op.
+    for op in OPS_WITH_UID_ONLY {
+        for field in ["path", "target", "netns", "pid", "cgroup", "signal", "Uid"] {
+            let body = serde_json::json!({"op": op, "uid": "m-1", field: "/etc"}).to_string();
+            cases.push((
+                "unknown field",
+                frame(body.as_bytes()),
+                false,
+                vec![Malformed],
+            ));
+        }
+    }
+    // Malformed UIDs on every op (and non-string UIDs).
+    for op in OPS_WITH_UID_ONLY.iter().chain(&["register", "move_cgroup"]) {
+        for bad in BAD_UIDS {
+            let body = serde_json::json!({"op": op, "uid": bad, "role": "source",
+                "process": {"pid": 4242, "start_time": 1}})
+            .to_string();
+            cases.push(("bad uid", frame(body.as_bytes()), false, vec![InvalidUid]));
+        }
+        for bad in NON_STRING_UIDS {
+            let body = format!("{{\"op\":\"{op}\",\"uid\":{bad}}}");
+            cases.push(("bad uid", frame(body.as_bytes()), false, vec![InvalidUid]));
+        }
+    }
+    // Every other live process on the machine, in both roles: none is under the
+    // broker's pods cgroup root, so each is foreign (or gone/reused by now).
+    let procs = live_processes();
+    for (pid, start) in &procs {
+        for role in ["source", "target"] {
+            let body = serde_json::json!({"op": "register", "uid": format!("m-{pid}-{role}"),
+                "role": role, "process": {"pid": pid, "start_time": start}})
+            .to_string();
+            cases.push((
+                "foreign process",
+                frame(body.as_bytes()),
+                false,
+                vec![ForeignProcess, NoSuchProcess, PidReused],
+            ));
+        }
+        // The same pid with another start time: a recycled pid.
+        let body = serde_json::json!({"op": "register", "uid": format!("m-{pid}-reuse"),
+            "role": "source", "process": {"pid": pid, "start_time": start + 1}})
+        .to_string();
+        cases.push((
+            "pid reuse",
+            frame(body.as_bytes()),
+            false,
+            vec![PidReused, NoSuchProcess],
+        ));
+        let body = serde_json::json!({"op": "move_cgroup", "uid": format!("m-{pid}-move"),
+            "process": {"pid": pid, "start_time": start}})
+        .to_string();
+        cases.push((
+            "move_cgroup unregistered",
+            frame(body.as_bytes()),
+            false,
+            vec![NotRegistered, NoSuchProcess, PidReused],
+        ));
+    }
+    // Every op on migrations nobody registered (`forget` excepted: forgetting what is
+    // not registered is idempotent, answered Done, and changes nothing).
+    for i in 0..12 {
+        for op in OPS_WITH_UID_ONLY.iter().filter(|op| **op != "forget") {
+            let body = serde_json::json!({"op": op, "uid": format!("never-{i}")}).to_string();
+            cases.push((
+                "unregistered",
+                frame(body.as_bytes()),
+                false,
+                vec![NotRegistered],
+            ));
+        }
+    }
+
+    let distinct: BTreeSet<&Vec<u8>> = cases.iter().map(|(_, b, _, _)| b).collect();
+    let mut by_class: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for (class, bytes, close, kinds) in &cases {
+        *by_class.entry(class).or_default() += 1;
+        match send(&b.socket, bytes, *close) {
+            Ok(e) if kinds.contains(&e.kind) => {}
+            Ok(e) => failures.push(format!(
+                "{class}: {:?} → {e}, want one of {kinds:?}",
+                String::from_utf8_lossy(bytes)
+            )),
+            Err(e) => failures.push(format!(
+                "{class}: {:?} → {e}",
+                String::from_utf8_lossy(bytes)
+            )),
+        }
+    }
+    eprintln!(
+        "hostile inputs: {} ({} distinct), by class: {by_class:?}, failures: {}",
+        cases.len(),
+        distinct.len(),
+        failures.len()
+    );
+    assert!(b.alive(), "the broker died");
+    assert!(
+        failures.is_empty(),
+        "{} of {} hostile inputs not rejected as expected:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    assert!(
+        distinct.len() >= 1000,
+        "only {} distinct hostile inputs",
+        distinct.len()
+    );
+    let after = host_state(&run);
+    assert_eq!(before.run_dir, after.run_dir, "the run directory changed");
+    let new_mounts: Vec<_> = after.mounts.difference(&before.mounts).collect();
+    assert!(
+        new_mounts
+            .iter()
+            .all(|m| !m.starts_with(b.dir.to_str().unwrap())),
+        "mounts appeared under the broker's directory: {new_mounts:?}"
+    );
+    for (link, up) in &before.links_up {
+        if let Some(now) = after.links_up.get(link) {
+            assert_eq!(up, now, "link {link} changed state");
+        }
+    }
+    let newly_stopped: Vec<_> = stopped().difference(&stopped_before).copied().collect();
+    assert!(
+        newly_stopped.is_empty(),
+        "processes stopped: {newly_stopped:?}"
+    );
+}
+
+#[test]
+fn broker_binary_keeps_serving_through_a_connection_flood_and_a_slow_client() {
+    if !require_root() {
+        return;
+    }
+    let mut b = BrokerProcess::start("flood");
+    // A slow client: a length prefix and half a body, then nothing.
+    const HEAD: &[u8] = b"{\"op\":\"kill\",\"uid\":";
+    const TAIL: &[u8] = b"\"late-client\"}";
+    const LEN: usize = 64;
+    let mut slow = UnixStream::connect(&b.socket).unwrap();
+    slow.write_all(&(LEN as u32).to_be_bytes()).unwrap();
+    slow.write_all(HEAD).unwrap();
+    // A flood of idle connections.
+    let flood: Vec<UnixStream> = (0..400)
+        .map(|_| UnixStream::connect(&b.socket).unwrap())
+        .collect();
+    // A real request still gets its answer.
+    let e = send(
+        &b.socket,
+        &frame(br#"{"op":"kill","uid":"after-flood"}"#),
+        false,
+    )
+    .expect("served after the flood");
+    assert_eq!(e.kind, ErrorKind::NotRegistered);
+    drop(flood);
+    // The slow client finishing late is answered too, not with a stale buffer.
+    slow.write_all(TAIL).unwrap();
+    slow.write_all(&[b' '; LEN - HEAD.len() - TAIL.len()])
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut prefix = [0u8; 4];
+    slow.read_exact(&mut prefix).unwrap();
+    let mut body = vec![0; u32::from_be_bytes(prefix) as usize];
+    slow.read_exact(&mut body).unwrap();
+    match decode_response(&body).unwrap() {
+        Response::Err(e) => assert_eq!(e.kind, ErrorKind::NotRegistered, "{e}"),
+        Response::Ok(r) => panic!("accepted: {r:?}"),
+    }
+    assert!(b.alive(), "the broker died");
+}
+
+/// A process tree in its own network namespace, in the broker's pods cgroup.
+fn holder(b: &BrokerProcess) -> (Child, podmotion_wire::ids::ProcRef) {
+    let procs = b.cgroup.join("pod/cgroup.procs");
+    let child = Command::new("unshare")
+        .args(["-n", "sh", "-c"])
+        .arg(format!("echo $$ > {}; exec sleep 60", procs.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let inside = std::fs::read_to_string(&procs)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.trim() == pid.to_string());
+        let slept =
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep");
+        if inside && slept {
+            break;
+        }
+        assert!(Instant::now() < deadline, "holder never settled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start_time = procfs::start_time(pid).unwrap();
+    (child, podmotion_wire::ids::ProcRef { pid, start_time })
+}
+
+/// Someone planted a symlink where the broker bind-mounts a holder's network namespace
+/// (the file, or the netns directory itself): the broker must refuse, and neither
+/// truncate nor mount over what the link points at.
+#[test]
+fn broker_binary_refuses_a_symlink_at_the_netns_path() {
+    if !require_root() {
+        return;
+    }
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let b = BrokerProcess::start("symlink");
+    let (mut child, process) = holder(&b);
+    let victim_dir = b.dir.join("victim");
+    std::fs::create_dir_all(&victim_dir).unwrap();
+    let victim = victim_dir.join("file");
+    std::fs::write(&victim, b"precious").unwrap();
+    let netns_dir = b.dir.join("run/netns");
+    std::fs::create_dir_all(&netns_dir).unwrap();
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    let uid = MigrationUid::parse("m-link").unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Target,
+        process,
+    })
+    .expect("a holder in the pods cgroup registers");
+    let mounted_on_victim = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .any(|l| l.split_whitespace().nth(4) == Some(victim.to_str().unwrap()))
+    };
+
+    // 1. The mount point itself is a symlink to the victim file.
+    std::os::unix::fs::symlink(&victim, netns_dir.join("m-link")).unwrap();
+    let e = c
+        .call(&Request::BindNetns { uid: uid.clone() })
+        .expect_err("bind through a planted symlink");
+    assert_eq!(e.kind, ErrorKind::UnsafePath, "{e}");
+    assert!(
+        !mounted_on_victim(),
+        "the netns was mounted over the victim"
+    );
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        b"precious",
+        "victim truncated"
+    );
+    std::fs::remove_file(netns_dir.join("m-link")).unwrap();
+
+    // 2. The netns directory is a symlink to the victim's directory.
+    std::fs::remove_dir(&netns_dir).unwrap();
+    std::os::unix::fs::symlink(&victim_dir, &netns_dir).unwrap();
+    let e = c
+        .call(&Request::BindNetns { uid: uid.clone() })
+        .expect_err("bind through a planted directory symlink");
+    assert_eq!(e.kind, ErrorKind::UnsafePath, "{e}");
+    assert!(
+        !victim_dir.join("m-link").exists(),
+        "a mount point was created through the directory symlink"
+    );
+    std::fs::remove_file(&netns_dir).unwrap();
+
+    // 3. With the links gone, the same request works and unbinds cleanly.
+    let path = match c.call(&Request::BindNetns { uid: uid.clone() }).unwrap() {
+        Reply::NetnsPath { path } => PathBuf::from(path),
+        r => panic!("unexpected reply {r:?}"),
+    };
+    assert_eq!(path, netns_dir.join("m-link"));
+    c.call(&Request::UnbindNetns { uid: uid.clone() }).unwrap();
+    assert!(!path.exists(), "mount point left behind");
+    c.call(&Request::Forget { uid }).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+}
