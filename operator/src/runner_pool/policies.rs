@@ -201,7 +201,11 @@ mod tests {
     fn every_denied_range_is_a_canonical_cidr() {
         for c in DENIED_IPV4 {
             let (net, _) = v4(c);
-            assert_eq!(c.split('/').next().unwrap(), Ipv4Addr::from(net).to_string(), "{c}");
+            assert_eq!(
+                c.split('/').next().unwrap(),
+                Ipv4Addr::from(net).to_string(),
+                "{c}"
+            );
         }
         for c in denied_ipv6() {
             let (a, l) = c.split_once('/').unwrap();
@@ -222,11 +226,11 @@ mod tests {
             "192.168.1.1",
             "100.64.0.10",
             "127.0.0.1",
-            "198.18.0.5",    // a pod of the local cluster
-            "198.18.255.1",  // its API server (the bridge's gateway)
-            "198.19.0.1",    // its kubernetes Service
-            "192.0.2.1",     // this machine's uplink gateway
-            "224.0.0.251",   // mDNS
+            "198.18.0.5",   // a pod of the local cluster
+            "198.18.255.1", // its API server (the bridge's gateway)
+            "198.19.0.1",   // its kubernetes Service
+            "192.0.2.1",    // this machine's uplink gateway
+            "224.0.0.251",  // mDNS
             "255.255.255.255",
             "0.0.0.0",
         ] {
@@ -247,10 +251,20 @@ mod tests {
 
     #[test]
     fn the_internet_stays_reachable() {
-        for ip in ["1.1.1.1", "8.8.8.8", "151.101.1.69", "198.20.0.1", "223.255.255.254"] {
+        for ip in [
+            "1.1.1.1",
+            "8.8.8.8",
+            "151.101.1.69",
+            "198.20.0.1",
+            "223.255.255.254",
+        ] {
             assert!(!v4_denied(ip), "{ip} is on the internet");
         }
-        for ip in ["2606:4700::1111", "2a00:1450:4001::200e", "64:ff9b::808:808"] {
+        for ip in [
+            "2606:4700::1111",
+            "2a00:1450:4001::200e",
+            "64:ff9b::808:808",
+        ] {
             assert!(!v6_denied(ip), "{ip} is on the internet");
         }
     }
