@@ -102,3 +102,54 @@ fn default_identity() -> String {
         .unwrap_or_else(|_| "podmotion".into());
     format!("{host}-{}", std::process::id())
 }
+
+/// Run-time key material (`crate::pki`): on when `--pki-ca-secret` is set.
+#[derive(Args, Clone, Debug)]
+pub struct PkiConfig {
+    /// Secret in the operator's namespace holding the agents' CA (created and rotated
+    /// by the leader). Unset: no run-time PKI (the agent TLS files of the migration
+    /// controller are used as given).
+    #[arg(long = "pki-ca-secret", env = "PODMOTION_PKI_CA_SECRET")]
+    pub ca_secret: Option<String>,
+    /// ConfigMap in the agents' namespace the CA bundle is published in (`ca.crt`).
+    #[arg(
+        long = "pki-bundle-configmap",
+        env = "PODMOTION_PKI_BUNDLE_CONFIGMAP",
+        default_value = "podmotion-agent-ca"
+    )]
+    pub bundle_configmap: String,
+    /// ServiceAccount of the node agents: the only requester whose certificate
+    /// requests are signed.
+    #[arg(
+        long = "pki-agent-service-account",
+        env = "PODMOTION_PKI_AGENT_SERVICE_ACCOUNT",
+        default_value = "podmotion-migration-agent"
+    )]
+    pub agent_service_account: String,
+    /// Seconds a CA certificate is valid.
+    #[arg(long = "pki-ca-seconds", env = "PODMOTION_PKI_CA_SECONDS", default_value_t = 365 * 86400)]
+    pub ca_seconds: i64,
+    /// Seconds an agent or operator certificate is valid (renewed at two thirds).
+    #[arg(long = "pki-leaf-seconds", env = "PODMOTION_PKI_LEAF_SECONDS", default_value_t = 7 * 86400)]
+    pub leaf_seconds: i64,
+    /// Seconds a new CA is trusted before it signs (bundle propagation).
+    #[arg(
+        long = "pki-propagation-seconds",
+        env = "PODMOTION_PKI_PROPAGATION_SECONDS",
+        default_value_t = 300
+    )]
+    pub propagation_seconds: i64,
+    /// Secret in the operator's namespace holding the migration master key (`key`),
+    /// created by the leader when absent, and handed to the migration controller as a
+    /// file under `--key-material-dir`. Ignored when `--migration-key-file` is given.
+    #[arg(long = "migration-key-secret", env = "PODMOTION_MIGRATION_KEY_SECRET")]
+    pub migration_key_secret: Option<String>,
+    /// Private directory (a memory-backed volume) where key material read through the
+    /// API is written for the controllers that read files.
+    #[arg(
+        long = "key-material-dir",
+        env = "PODMOTION_KEY_MATERIAL_DIR",
+        default_value = "/run/podmotion/keys"
+    )]
+    pub key_material_dir: std::path::PathBuf,
+}

@@ -22,5 +22,6 @@ pub mod meta;
 pub mod metrics;
 pub mod migration;
 pub mod note;
+pub mod pki;
 pub mod runner_pool;
 pub mod server;

@@ -11,13 +11,16 @@ use kube::api::Api;
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, CustomResourceExt};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
-use podmotion_operator::config::{ControllerKind, OperatorConfig};
+use podmotion_operator::agents::WireAgents;
+use podmotion_operator::config::{ControllerKind, OperatorConfig, PkiConfig};
 use podmotion_operator::context::Context;
 use podmotion_operator::controllers::attachment::{self, AttachmentConfig};
 use podmotion_operator::controllers::migration::{self, MigrationConfig};
 use podmotion_operator::controllers::runner_pool;
 use podmotion_operator::leader::Leadership;
 use podmotion_operator::metrics::Metrics;
+use podmotion_operator::pki::plan::{AgentPolicy, Lifetimes};
+use podmotion_operator::pki::{Pki, PkiSettings};
 use podmotion_operator::server;
 use tokio::sync::watch;
 
@@ -32,6 +35,8 @@ struct Cli {
     attachment: AttachmentConfig,
     #[command(flatten)]
     migration: MigrationConfig,
+    #[command(flatten)]
+    pki: PkiConfig,
     /// Log format.
     #[arg(
         long,
@@ -81,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
                 Controllers {
                     attachment: cli.attachment,
                     migration: cli.migration,
+                    pki: cli.pki,
                 },
             )
             .await
@@ -101,6 +107,7 @@ const REAP_ALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120
 struct Controllers {
     attachment: AttachmentConfig,
     migration: MigrationConfig,
+    pki: PkiConfig,
 }
 
 /// Waits until the three CRDs are Established.
@@ -139,12 +146,30 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
 
     wait_for_crds(&client).await?;
 
+    let pki = match &settings.pki.ca_secret {
+        Some(secret) => Some(Pki::new(
+            client.clone(),
+            pki_settings(&config, &settings, secret),
+            leader.clone(),
+        )?),
+        None => None,
+    };
+    let pki_task = {
+        let pki = pki.clone();
+        async move {
+            match pki {
+                Some(p) => p.run().await,
+                None => std::future::pending().await,
+            }
+        }
+    };
     let mut tasks = tokio::task::JoinSet::new();
     let settings = Arc::new(settings);
     for kind in config.controllers.clone() {
         let ctx = ctx.clone();
         let settings = settings.clone();
-        tasks.spawn(async move { (kind, run_controller(kind, ctx, &settings).await) });
+        let pki = pki.clone();
+        tasks.spawn(async move { (kind, run_controller(kind, ctx, &settings, pki).await) });
     }
     let identity = config.identity.clone();
     let leader_cfg = config.leader.clone();
@@ -154,6 +179,10 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
     tokio::select! {
         res = election => {
             res.context("leader election")?;
+        }
+        res = pki_task => {
+            res.context("run-time key material")?;
+            anyhow::bail!("run-time key material stopped");
         }
         Some(joined) = tasks.join_next() => {
             let (kind, res) = joined?;
@@ -180,14 +209,89 @@ async fn run_controller(
     kind: ControllerKind,
     ctx: Arc<Context>,
     settings: &Controllers,
+    pki: Option<Pki>,
 ) -> anyhow::Result<()> {
     match kind {
         ControllerKind::Attachment => attachment::run_with(ctx, settings.attachment.clone()).await,
         ControllerKind::Migration => {
-            migration::run_configured(ctx, settings.migration.clone()).await
+            let mut cfg = settings.migration.clone();
+            if let (None, Some(secret)) = (&cfg.key_file, &settings.pki.migration_key_secret) {
+                cfg.key_file = Some(master_key_file(&ctx, &settings.pki, secret).await?);
+            }
+            match pki {
+                // The operator's client certificate comes from the run-time CA and is
+                // renewed in place; every connection to an agent uses the current one.
+                Some(pki) => {
+                    let agents = WireAgents::new(ctx.client.clone(), Some(pki.operator_tls()));
+                    migration::run_with(ctx, cfg, Arc::new(agents)).await
+                }
+                None => migration::run_configured(ctx, cfg).await,
+            }
         }
         ControllerKind::RunnerPool => runner_pool::run(ctx).await,
     }
+}
+
+/// The PKI settings from the flags: the agents are the migration controller's.
+fn pki_settings(config: &OperatorConfig, settings: &Controllers, secret: &str) -> PkiSettings {
+    let m = &settings.migration;
+    let p = &settings.pki;
+    PkiSettings {
+        namespace: config.namespace.clone(),
+        ca_secret: secret.to_string(),
+        bundle_namespace: m.agent_namespace.clone(),
+        bundle_configmap: p.bundle_configmap.clone(),
+        agents: AgentPolicy {
+            namespace: m.agent_namespace.clone(),
+            service_account: p.agent_service_account.clone(),
+            pod_labels: m
+                .agent_selector
+                .split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .collect(),
+        },
+        life: Lifetimes {
+            ca: p.ca_seconds,
+            leaf: p.leaf_seconds,
+            propagation: p.propagation_seconds,
+        },
+    }
+}
+
+/// Reads (or, as the leader, creates) the master key Secret and writes the key where
+/// the migration controller reads it: a 0400 file in the private key-material
+/// directory (memory-backed in the chart).
+async fn master_key_file(
+    ctx: &Context,
+    pki: &PkiConfig,
+    secret: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let key = podmotion_operator::pki::shell::master_key(
+        &ctx.client,
+        &ctx.config.namespace,
+        secret,
+        &ctx.leader,
+    )
+    .await
+    .with_context(|| format!("migration master key Secret {secret}"))?;
+    std::fs::create_dir_all(&pki.key_material_dir)
+        .with_context(|| format!("creating {}", pki.key_material_dir.display()))?;
+    let path = pki.key_material_dir.join("migration-key");
+    let tmp = pki.key_material_dir.join(".migration-key.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o400)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(&key)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
 }
 
 async fn shutdown_signal() {

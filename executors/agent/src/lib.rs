@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod containers;
 pub mod criu;
+pub mod csr;
 pub mod holder;
 pub mod images;
 pub mod mounts;

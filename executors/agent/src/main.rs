@@ -5,10 +5,10 @@ use clap::Parser;
 use podmotion_agent::{
     containers::Containers,
     criu::Criu,
-    images,
+    csr, images,
     service::{Agent, Config},
 };
-use podmotion_wire::client::TlsFiles;
+use podmotion_wire::client::{TlsFiles, tls_incoming};
 use podmotion_wire::proto::migration_agent_server::MigrationAgentServer;
 use std::path::PathBuf;
 
@@ -18,12 +18,44 @@ struct Args {
     /// Address to serve gRPC on.
     #[arg(long, env = "PODMOTION_AGENT_LISTEN", default_value = "0.0.0.0:7443")]
     listen: std::net::SocketAddr,
-    #[arg(long, env = "PODMOTION_TLS_CA")]
-    tls_ca: PathBuf,
-    #[arg(long, env = "PODMOTION_TLS_CERT")]
-    tls_cert: PathBuf,
-    #[arg(long, env = "PODMOTION_TLS_KEY")]
-    tls_key: PathBuf,
+    /// CA bundle file (PEM), with `--tls-cert` and `--tls-key`: the identity comes from
+    /// files, re-read every `--tls-reload-seconds` (tests, or certificates managed
+    /// elsewhere). Without them, `--identity-from-csr` is required.
+    #[arg(long, env = "PODMOTION_TLS_CA", requires_all = ["tls_cert", "tls_key"], conflicts_with = "identity_from_csr")]
+    tls_ca: Option<PathBuf>,
+    #[arg(long, env = "PODMOTION_TLS_CERT", requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "PODMOTION_TLS_KEY", requires = "tls_ca")]
+    tls_key: Option<PathBuf>,
+    /// Seconds between re-reads of the TLS files.
+    #[arg(long, env = "PODMOTION_TLS_RELOAD_SECONDS", default_value_t = 30)]
+    tls_reload_seconds: u64,
+    /// Get this node's certificate from the operator with a CertificateSigningRequest
+    /// (signer podmotion.io/agent-serving) and trust the CA bundle of
+    /// `--ca-bundle-configmap`; both are renewed while the agent runs.
+    #[arg(
+        long,
+        env = "PODMOTION_IDENTITY_FROM_CSR",
+        required_unless_present = "tls_ca"
+    )]
+    identity_from_csr: bool,
+    /// This node's name (downward API): the identity asked for.
+    #[arg(long, env = "NODE_NAME", required_if_eq("identity_from_csr", "true"))]
+    node_name: Option<String>,
+    /// The agent's namespace (downward API), where the CA bundle ConfigMap is.
+    #[arg(
+        long,
+        env = "POD_NAMESPACE",
+        required_if_eq("identity_from_csr", "true")
+    )]
+    namespace: Option<String>,
+    /// ConfigMap (key `ca.crt`) holding the CA bundle the operator publishes.
+    #[arg(
+        long,
+        env = "PODMOTION_CA_BUNDLE_CONFIGMAP",
+        default_value = "podmotion-agent-ca"
+    )]
+    ca_bundle_configmap: String,
     /// criu binary (or the wrapper installed by hack/install-criu.sh).
     #[arg(long, env = "PODMOTION_CRIU", default_value = "criu")]
     criu: PathBuf,
@@ -91,11 +123,30 @@ async fn serve() -> anyhow::Result<()> {
     let criu = Criu { binary: a.criu };
     let (maj, min) = criu.version()?;
     tracing::info!(criu = %format!("{maj}.{min}"), track_mem, "criu reachable over RPC");
-    let tls = TlsFiles::load(
-        &a.tls_ca.to_string_lossy(),
-        &a.tls_cert.to_string_lossy(),
-        &a.tls_key.to_string_lossy(),
-    )?;
+    let tls = match (&a.tls_ca, &a.tls_cert, &a.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => {
+            let tls = TlsFiles::load(
+                &ca.to_string_lossy(),
+                &cert.to_string_lossy(),
+                &key.to_string_lossy(),
+            )?;
+            tls.watch_files(std::time::Duration::from_secs(a.tls_reload_seconds.max(1)));
+            tls
+        }
+        _ => {
+            let client = kube::Client::try_default().await?;
+            csr::start(
+                client,
+                csr::CsrSettings {
+                    node: a.node_name.clone().unwrap_or_default(),
+                    namespace: a.namespace.clone().unwrap_or_default(),
+                    bundle_configmap: a.ca_bundle_configmap.clone(),
+                    timeout: std::time::Duration::from_secs(120),
+                },
+            )
+            .await?
+        }
+    };
     let containers = match a.container_table {
         Some(path) => Containers::Table { path },
         None => Containers::Cri {
@@ -115,15 +166,17 @@ async fn serve() -> anyhow::Result<()> {
         tls: tls.clone(),
     });
     tracing::info!(listen = %a.listen, "agent serving");
+    // TLS is ours, not tonic's: every handshake uses the certificate and CA bundle
+    // current at that moment (renewals are served without a restart); tonic still
+    // sees the peer's certificates (`Request::peer_certs`).
+    let listener = tokio::net::TcpListener::bind(a.listen).await?;
     // Large HTTP/2 windows and no Nagle: with the 64 KiB defaults each window
     // round trip of the image stream waits on a delayed ACK (~1.5 MB/s measured).
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
-        .tls_config(tls.server_config())?
         .add_service(MigrationAgentServer::new(agent).max_decoding_message_size(4 << 20))
-        .serve(a.listen)
+        .serve_with_incoming(tls_incoming(listener, tls))
         .await?;
     Ok(())
 }

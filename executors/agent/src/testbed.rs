@@ -90,14 +90,10 @@ fn make_tls(dir: &Path, extra_sans: &[Vec<String>; 2]) -> Tls {
             .expect("params")
             .signed_by(&k, &ca)
             .expect("sign");
-        let files = TlsFiles {
-            ca_pem: ca_pem.clone(),
-            cert_pem: c.pem().into_bytes(),
-            key_pem: k.serialize_pem().into_bytes(),
-        };
-        std::fs::write(dir.join(format!("{name}.crt")), &files.cert_pem).expect("write");
-        std::fs::write(dir.join(format!("{name}.key")), &files.key_pem).expect("write");
-        files
+        let (cert_pem, key_pem) = (c.pem().into_bytes(), k.serialize_pem().into_bytes());
+        std::fs::write(dir.join(format!("{name}.crt")), &cert_pem).expect("write");
+        std::fs::write(dir.join(format!("{name}.key")), &key_pem).expect("write");
+        TlsFiles::from_pem(ca_pem.clone(), cert_pem, key_pem)
     };
     std::fs::write(dir.join("ca.crt"), &ca_pem).expect("write");
     Tls {

@@ -30,40 +30,285 @@
 
 use crate::agent::*;
 use crate::proto::migration_agent_client::MigrationAgentClient;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tonic::transport::{
     Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
 };
 
-/// PEM material for mutual TLS: the cluster's agent CA and this party's identity.
-#[derive(Clone)]
-pub struct TlsFiles {
+/// PEM material for mutual TLS: the CA bundle this party trusts (one or more CA
+/// certificates: during a CA rotation the old and the new one) and its own identity.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsMaterial {
     pub ca_pem: Vec<u8>,
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
 }
 
+impl std::fmt::Debug for TlsMaterial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("TlsMaterial")
+            .field("ca_pem_len", &self.ca_pem.len())
+            .field("cert_pem_len", &self.cert_pem.len())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("reading TLS material: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("no certificate in the PEM")]
+    NoCertificate,
+    #[error("no CA certificate in the bundle")]
+    NoCa,
+    #[error("private key: {0}")]
+    Key(String),
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
+/// The TLS state of one party, shared by everything that connects or accepts: a handle
+/// whose material can be replaced while the process runs (a renewed certificate, a CA
+/// bundle with a new CA). Clones share the state. Every new connection uses the
+/// material current when it starts; established connections keep theirs.
+///
+/// Sources: PEM bytes ([`TlsFiles::from_pem`], then [`TlsFiles::set`] on renewal) or
+/// three files ([`TlsFiles::load`], re-read by [`TlsFiles::reload`] or periodically by
+/// [`TlsFiles::watch_files`]).
+#[derive(Clone)]
+pub struct TlsFiles {
+    state: Arc<RwLock<Arc<Loaded>>>,
+    files: Option<Arc<[PathBuf; 3]>>,
+    changed: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+struct Loaded {
+    pem: TlsMaterial,
+    /// Built from `pem` when it was set (None when it is not a usable server identity).
+    server: Option<Arc<rustls::ServerConfig>>,
+}
+
+fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate);
+    }
+    Ok(certs)
+}
+
+/// A rustls server configuration that requires a client certificate chaining to a CA
+/// of the bundle, and serves `cert_pem` (ALPN h2, as tonic's own TLS does).
+fn build_server_config(m: &TlsMaterial) -> Result<rustls::ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in parse_certs(&m.ca_pem).map_err(|_| TlsError::NoCa)? {
+        roots
+            .add(ca)
+            .map_err(|e| TlsError::Config(format!("CA: {e}")))?;
+    }
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| TlsError::Config(e.to_string()))?;
+    let chain = parse_certs(&m.cert_pem)?;
+    let key =
+        PrivateKeyDer::from_pem_slice(&m.key_pem).map_err(|e| TlsError::Key(e.to_string()))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(cfg)
+}
+
 impl TlsFiles {
+    /// A handle on this material. Whether it serves is checked when a server uses it
+    /// ([`TlsFiles::acceptor_config`]); [`TlsFiles::set`] validates.
+    pub fn from_pem(ca_pem: Vec<u8>, cert_pem: Vec<u8>, key_pem: Vec<u8>) -> Self {
+        let pem = TlsMaterial {
+            ca_pem,
+            cert_pem,
+            key_pem,
+        };
+        let server = build_server_config(&pem).ok().map(Arc::new);
+        let (tx, _) = tokio::sync::watch::channel(0);
+        TlsFiles {
+            state: Arc::new(RwLock::new(Arc::new(Loaded { pem, server }))),
+            files: None,
+            changed: Arc::new(tx),
+        }
+    }
+
+    /// Reads the three PEM files; [`TlsFiles::reload`] reads them again.
     pub fn load(ca: &str, cert: &str, key: &str) -> std::io::Result<Self> {
-        Ok(Self {
-            ca_pem: std::fs::read(ca)?,
-            cert_pem: std::fs::read(cert)?,
-            key_pem: std::fs::read(key)?,
+        let mut t = Self::from_pem(
+            std::fs::read(ca)?,
+            std::fs::read(cert)?,
+            std::fs::read(key)?,
+        );
+        t.files = Some(Arc::new([ca.into(), cert.into(), key.into()]));
+        Ok(t)
+    }
+
+    /// The material new connections use now.
+    pub fn material(&self) -> TlsMaterial {
+        self.state.read().expect("tls state").pem.clone()
+    }
+
+    /// How many times the material was replaced; changes wake the receiver.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Replaces the material after checking that it is a usable identity with a CA
+    /// bundle (on error the previous material stays). Returns whether it changed.
+    pub fn set(&self, m: TlsMaterial) -> Result<bool, TlsError> {
+        if self.state.read().expect("tls state").pem == m {
+            return Ok(false);
+        }
+        let server = Arc::new(build_server_config(&m)?);
+        *self.state.write().expect("tls state") = Arc::new(Loaded {
+            pem: m,
+            server: Some(server),
+        });
+        self.changed.send_modify(|g| *g += 1);
+        Ok(true)
+    }
+
+    /// Re-reads the files this handle was loaded from (no-op for PEM handles).
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let Some(f) = &self.files else {
+            return Ok(false);
+        };
+        self.set(TlsMaterial {
+            ca_pem: std::fs::read(&f[0])?,
+            cert_pem: std::fs::read(&f[1])?,
+            key_pem: std::fs::read(&f[2])?,
+        })
+    }
+
+    /// Re-reads the files every `every` (a Secret or ConfigMap mounted by the kubelet
+    /// is replaced atomically; a half-written set fails validation and is retried).
+    pub fn watch_files(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match this.reload() {
+                    Ok(true) => tracing::info!("TLS material reloaded"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "TLS material not reloaded"),
+                }
+            }
         })
     }
 
     pub fn client_config(&self, server_name: &str) -> ClientTlsConfig {
+        let m = self.material();
         ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.ca_pem))
-            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .ca_certificate(Certificate::from_pem(&m.ca_pem))
+            .identity(Identity::from_pem(&m.cert_pem, &m.key_pem))
             .domain_name(server_name)
     }
 
-    /// Server side: require a client certificate signed by the same CA.
+    /// Server side, fixed at the time of the call: require a client certificate signed
+    /// by a CA of the bundle. Servers that must pick up renewals use
+    /// [`tls_incoming`] instead.
     pub fn server_config(&self) -> ServerTlsConfig {
+        let m = self.material();
         ServerTlsConfig::new()
-            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
-            .client_ca_root(Certificate::from_pem(&self.ca_pem))
+            .identity(Identity::from_pem(&m.cert_pem, &m.key_pem))
+            .client_ca_root(Certificate::from_pem(&m.ca_pem))
     }
+
+    /// The rustls server configuration of the current material.
+    pub fn acceptor_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let loaded = self.state.read().expect("tls state").clone();
+        match &loaded.server {
+            Some(s) => Ok(s.clone()),
+            None => build_server_config(&loaded.pem).map(Arc::new),
+        }
+    }
+}
+
+/// Accepted mutual-TLS connections for `tonic::transport::Server::serve_with_incoming`:
+/// each handshake uses the material current when the connection arrives, so a renewed
+/// certificate or CA bundle is served without a restart. The streams are
+/// `tokio_rustls::server::TlsStream<TcpStream>`, whose peer certificates tonic exposes
+/// as `Request::peer_certs()` exactly as with its own TLS. Failed handshakes are logged
+/// and dropped; they never end the stream.
+pub fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    tls: TlsFiles,
+) -> impl futures::Stream<
+    Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let cfg = match tls.acceptor_config() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "no usable TLS identity; connection dropped");
+                    continue;
+                }
+            };
+            if tx.is_closed() {
+                return;
+            }
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp);
+                match tokio::time::timeout(Duration::from_secs(10), accept).await {
+                    Ok(Ok(s)) => {
+                        let _ = tx.send(Ok(s)).await;
+                    }
+                    Ok(Err(e)) => tracing::info!(error = %e, %peer, "TLS handshake refused"),
+                    Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
+}
+
+/// `(subject, issuer)` of the first certificate of a PEM bundle, as RFC 4514 strings.
+pub fn cert_names(pem: &[u8]) -> Option<(String, String)> {
+    let (_, p) = x509_parser::pem::parse_x509_pem(pem).ok()?;
+    let c = p.parse_x509().ok()?;
+    Some((c.subject().to_string(), c.issuer().to_string()))
+}
+
+/// `(not_before, not_after)` in Unix seconds of the first certificate of a PEM bundle.
+pub fn cert_validity(pem: &[u8]) -> Option<(i64, i64)> {
+    let (_, p) = x509_parser::pem::parse_x509_pem(pem).ok()?;
+    let c = p.parse_x509().ok()?;
+    Some((
+        c.validity().not_before.timestamp(),
+        c.validity().not_after.timestamp(),
+    ))
 }
 
 #[derive(Debug, thiserror::Error)]

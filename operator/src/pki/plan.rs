@@ -1,0 +1,385 @@
+//! The pure part of the operator's PKI: when the CA rotates, what the agents trust
+//! (the bundle), when a leaf certificate is renewed, and whether a node agent's
+//! certificate signing request may be signed. No I/O, no clock: `now` is an argument
+//! (Unix seconds) everywhere.
+
+use std::collections::BTreeMap;
+
+use podmotion_wire::identity;
+
+/// Lifetimes of the key material, in seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetimes {
+    /// Validity of a CA certificate.
+    pub ca: i64,
+    /// Validity of a leaf (agent or operator) certificate.
+    pub leaf: i64,
+    /// How long a new CA is published in the bundle before anything is signed with it:
+    /// every party must trust it before it meets a certificate it signed.
+    pub propagation: i64,
+}
+
+impl Lifetimes {
+    /// Rejects lifetimes under which a rotation cannot overlap.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.leaf <= 0 || self.propagation < 0 {
+            return Err("leaf validity must be positive and propagation not negative".into());
+        }
+        if self.ca < 3 * (self.leaf + self.propagation) {
+            return Err(format!(
+                "CA validity ({} s) must be at least three times leaf validity + propagation ({} s): the old CA must outlive every leaf it signed",
+                self.ca,
+                self.leaf + self.propagation
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One CA certificate as the plan sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaCert {
+    pub cert_pem: String,
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+/// A CA no longer signing, still trusted until every leaf it signed is gone.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Retired {
+    pub cert_pem: String,
+    /// Unix seconds.
+    pub trusted_until: i64,
+}
+
+/// The CA's state as stored (the keys are not the plan's business).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CaState {
+    /// The CA that signs.
+    pub current: Option<CaCert>,
+    /// A new CA already in the bundle, not signing yet, and when it was introduced.
+    pub next: Option<(CaCert, i64)>,
+    pub retired: Vec<Retired>,
+}
+
+/// What to do to the CA now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CaStep {
+    /// There is no CA: make one (it signs at once; nothing trusts anything yet).
+    Create,
+    /// Make the next CA and publish it next to the current one.
+    Introduce,
+    /// The next CA has been published long enough: it signs from now on; the current
+    /// one is retired, trusted until the leaves it signed have expired.
+    Promote,
+    /// Retired CAs past their trust: drop them from the bundle.
+    DropRetired,
+    Nothing,
+}
+
+/// When the current CA is replaced: at two thirds of its life, and early enough that
+/// a leaf signed just before the switch still expires before the CA does.
+pub fn ca_rotation_due(ca: &CaCert, life: &Lifetimes) -> i64 {
+    let two_thirds = ca.not_before + (ca.not_after - ca.not_before) * 2 / 3;
+    two_thirds.min(ca.not_after - life.leaf - 2 * life.propagation)
+}
+
+/// The next step for the CA, and the time it is due when that is later than now.
+pub fn ca_step(s: &CaState, life: &Lifetimes, now: i64) -> CaStep {
+    let Some(current) = &s.current else {
+        return CaStep::Create;
+    };
+    if s.retired.iter().any(|r| r.trusted_until <= now) {
+        return CaStep::DropRetired;
+    }
+    match &s.next {
+        Some((_, introduced)) if now >= introduced + life.propagation => CaStep::Promote,
+        Some(_) => CaStep::Nothing,
+        None if now >= ca_rotation_due(current, life) => CaStep::Introduce,
+        None => CaStep::Nothing,
+    }
+}
+
+/// When [`ca_step`] will next return something other than `Nothing` (Unix seconds).
+pub fn ca_next_event(s: &CaState, life: &Lifetimes) -> Option<i64> {
+    let current = s.current.as_ref()?;
+    let mut t = match &s.next {
+        Some((_, introduced)) => introduced + life.propagation,
+        None => ca_rotation_due(current, life),
+    };
+    for r in &s.retired {
+        t = t.min(r.trusted_until);
+    }
+    Some(t)
+}
+
+/// The state after `Promote`: `next` signs, `current` is retired for one leaf
+/// lifetime (every leaf it signed expires by then; parties re-issue sooner).
+pub fn promote(s: &CaState, life: &Lifetimes, now: i64) -> CaState {
+    let mut out = s.clone();
+    if let Some((next, _)) = out.next.take()
+        && let Some(old) = out.current.replace(next)
+    {
+        out.retired.push(Retired {
+            trusted_until: (now + life.leaf + life.propagation).min(old.not_after),
+            cert_pem: old.cert_pem,
+        });
+    }
+    out
+}
+
+/// The state without retired CAs past their trust.
+pub fn drop_retired(s: &CaState, now: i64) -> CaState {
+    let mut out = s.clone();
+    out.retired.retain(|r| r.trusted_until > now);
+    out
+}
+
+/// The CA bundle every party trusts: the signing CA first, then the next one, then the
+/// retired ones still trusted. Parties compare their certificate's issuer with the
+/// first entry to know that they should renew.
+pub fn bundle(s: &CaState) -> String {
+    let mut out = String::new();
+    let mut push = |pem: &str| {
+        out.push_str(pem.trim_end());
+        out.push('\n');
+    };
+    if let Some(c) = &s.current {
+        push(&c.cert_pem);
+    }
+    if let Some((n, _)) = &s.next {
+        push(&n.cert_pem);
+    }
+    for r in &s.retired {
+        push(&r.cert_pem);
+    }
+    out
+}
+
+/// When a leaf certificate valid from `not_before` to `not_after` is renewed: at two
+/// thirds of its life.
+pub fn leaf_renewal_due(not_before: i64, not_after: i64) -> i64 {
+    not_before + (not_after - not_before) * 2 / 3
+}
+
+/// The validity of a leaf issued at `now` by a CA that expires at `ca_not_after`:
+/// backdated a little for clock skew, never past the CA.
+pub fn leaf_validity(now: i64, life: &Lifetimes, ca_not_after: i64) -> (i64, i64) {
+    (now - 60, (now + life.leaf).min(ca_not_after))
+}
+
+// ---------------------------------------------------------------------------------
+// Node agents' certificate signing requests.
+
+/// The signer name of node agent certificates (CertificateSigningRequest.spec.signerName).
+pub const AGENT_SIGNER: &str = "podmotion.io/agent-serving";
+
+/// Extra keys the API server records for a token bound to a pod.
+pub const EXTRA_POD_NAME: &str = "authentication.kubernetes.io/pod-name";
+pub const EXTRA_POD_UID: &str = "authentication.kubernetes.io/pod-uid";
+pub const EXTRA_NODE_NAME: &str = "authentication.kubernetes.io/node-name";
+
+/// Usages an agent certificate has (spec.usages of its request, exactly; key
+/// encipherment is tolerated for RSA keys).
+pub const AGENT_USAGES: [&str; 3] = ["digital signature", "server auth", "client auth"];
+
+/// Who may ask for node agent certificates.
+#[derive(Clone, Debug)]
+pub struct AgentPolicy {
+    /// The agents' namespace.
+    pub namespace: String,
+    /// The agents' ServiceAccount.
+    pub service_account: String,
+    /// Labels every agent pod carries (the DaemonSet's selector).
+    pub pod_labels: BTreeMap<String, String>,
+}
+
+/// What the API server recorded about a request (all set by the API server, none by
+/// the requester) and the request itself.
+#[derive(Clone, Debug, Default)]
+pub struct CsrFacts {
+    pub signer_name: String,
+    pub username: String,
+    pub extra: BTreeMap<String, Vec<String>>,
+    pub usages: Vec<String>,
+    /// PEM `CERTIFICATE REQUEST`.
+    pub request: Vec<u8>,
+}
+
+/// The pod a request's token is bound to, as it is now.
+#[derive(Clone, Debug, Default)]
+pub struct PodFacts {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub node_name: Option<String>,
+    pub service_account: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub terminating: bool,
+}
+
+/// The identity a request asks for, read from its PEM.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Requested {
+    pub common_name: Option<String>,
+    pub uris: Vec<String>,
+    pub dns: Vec<String>,
+    /// IP, e-mail or other names (never granted).
+    pub other_names: usize,
+    pub is_ca: bool,
+}
+
+/// The verdict on one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Sign the identity of the agent on this node.
+    Approve { node: String },
+    /// Refuse; `reason` is a CamelCase condition reason.
+    Deny {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+fn deny(reason: &'static str, message: impl Into<String>) -> Verdict {
+    Verdict::Deny {
+        reason,
+        message: message.into(),
+    }
+}
+
+fn single<'a>(extra: &'a BTreeMap<String, Vec<String>>, key: &str) -> Option<&'a str> {
+    match extra.get(key).map(Vec::as_slice) {
+        Some([one]) if !one.is_empty() => Some(one.as_str()),
+        _ => None,
+    }
+}
+
+/// Whether a node agent's request is signed: the requester must be the agents'
+/// ServiceAccount authenticated with a token bound to a live agent pod, and the
+/// request must ask for exactly the identity of the node that pod runs on. The node
+/// comes from what the API server recorded (the token's pod binding) and the pod as it
+/// is now, never from the request. `requested` is `Err` when the PEM does not parse or
+/// its signature is wrong.
+pub fn review(
+    csr: &CsrFacts,
+    policy: &AgentPolicy,
+    requested: Result<&Requested, &str>,
+    pod: Option<&PodFacts>,
+) -> Verdict {
+    if csr.signer_name != AGENT_SIGNER {
+        return deny("WrongSigner", format!("signer {:?}", csr.signer_name));
+    }
+    let expected_user = format!(
+        "system:serviceaccount:{}:{}",
+        policy.namespace, policy.service_account
+    );
+    if csr.username != expected_user {
+        return deny(
+            "NotTheAgentServiceAccount",
+            format!("requested by {:?}, only {expected_user} may", csr.username),
+        );
+    }
+    let (Some(pod_name), Some(pod_uid), Some(node)) = (
+        single(&csr.extra, EXTRA_POD_NAME),
+        single(&csr.extra, EXTRA_POD_UID),
+        single(&csr.extra, EXTRA_NODE_NAME),
+    ) else {
+        return deny(
+            "NotBoundToAPod",
+            "the requester's token is not bound to a pod on a node",
+        );
+    };
+    let Some(pod) = pod else {
+        return deny(
+            "PodGone",
+            format!("pod {}/{pod_name} does not exist", policy.namespace),
+        );
+    };
+    if pod.namespace != policy.namespace || pod.name != pod_name || pod.uid != pod_uid {
+        return deny(
+            "PodMismatch",
+            format!("the token's pod {pod_name} ({pod_uid}) is not the live pod"),
+        );
+    }
+    if pod.terminating {
+        return deny("PodTerminating", format!("pod {pod_name} is terminating"));
+    }
+    if pod.node_name.as_deref() != Some(node) {
+        return deny(
+            "NodeMismatch",
+            format!(
+                "the token says node {node}, the pod runs on {:?}",
+                pod.node_name
+            ),
+        );
+    }
+    if pod.service_account.as_deref() != Some(policy.service_account.as_str())
+        || policy
+            .pod_labels
+            .iter()
+            .any(|(k, v)| pod.labels.get(k) != Some(v))
+    {
+        return deny(
+            "NotAnAgentPod",
+            format!("pod {pod_name} is not a node agent pod"),
+        );
+    }
+    if !identity::valid_node_name(node) {
+        return deny("BadNodeName", format!("{node:?}"));
+    }
+    let mut usages: Vec<&str> = csr
+        .usages
+        .iter()
+        .map(String::as_str)
+        .filter(|u| *u != "key encipherment")
+        .collect();
+    usages.sort_unstable();
+    let mut want = AGENT_USAGES.to_vec();
+    want.sort_unstable();
+    if usages != want {
+        return deny(
+            "WrongUsages",
+            format!("usages {:?}, expected {:?}", csr.usages, AGENT_USAGES),
+        );
+    }
+    let r = match requested {
+        Ok(r) => r,
+        Err(e) => return deny("BadRequest", format!("the request does not parse: {e}")),
+    };
+    let want = agent_request(node);
+    if *r != want {
+        return deny(
+            "IdentityMismatch",
+            format!(
+                "the agent on {node} may ask for CN {:?}, URI {:?}, DNS {:?} only; asked for {r:?}",
+                want.common_name, want.uris, want.dns
+            ),
+        );
+    }
+    Verdict::Approve {
+        node: node.to_string(),
+    }
+}
+
+/// Exactly what the agent on `node` asks for (and gets).
+pub fn agent_request(node: &str) -> Requested {
+    Requested {
+        common_name: Some(identity::agent_cn(node)),
+        uris: vec![identity::agent_uri(node)],
+        dns: vec![agent_server_name(node)],
+        other_names: 0,
+        is_ca: false,
+    }
+}
+
+/// The TLS server name the operator and peer agents dial the agent on `node` by (its
+/// DNS SAN): the operator's one rule (`crate::agents`), which also names the target
+/// of every Send.
+pub fn agent_server_name(node: &str) -> String {
+    crate::agents::agent_server_name(node)
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -1,0 +1,648 @@
+//! The I/O around [`super::plan`]: the CA Secret (read by every replica, written by the
+//! leader only), the CA bundle ConfigMap the agents read, the migration master key
+//! Secret, the operator's own client certificate (in memory, per replica), and the
+//! signer of node agents' CertificateSigningRequests.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use podmotion_wire::client::{TlsFiles, TlsMaterial, cert_validity};
+use serde_json::json;
+use tokio::sync::watch;
+
+use super::issue::{self, CaPem};
+use super::plan::{
+    self, AgentPolicy, CaCert, CaState, CaStep, CsrFacts, Lifetimes, PodFacts, Verdict,
+};
+use crate::leader::Leadership;
+
+/// Field manager of everything this module writes.
+pub const MANAGER: &str = "podmotion.io/pki";
+
+/// Where the key material lives and who may ask for it.
+#[derive(Clone, Debug)]
+pub struct PkiSettings {
+    /// The operator's namespace: the CA Secret (and the master key Secret) live here.
+    pub namespace: String,
+    pub ca_secret: String,
+    /// The agents' namespace and the ConfigMap there holding the CA bundle (`ca.crt`).
+    pub bundle_namespace: String,
+    pub bundle_configmap: String,
+    pub agents: AgentPolicy,
+    pub life: Lifetimes,
+}
+
+/// The CA as loaded from its Secret.
+#[derive(Clone, Debug)]
+pub struct LoadedCa {
+    pub state: CaState,
+    pub signing: CaPem,
+    pub next: Option<CaPem>,
+}
+
+impl LoadedCa {
+    pub fn bundle(&self) -> String {
+        plan::bundle(&self.state)
+    }
+    fn signing_not_after(&self) -> i64 {
+        self.state.current.as_ref().map_or(0, |c| c.not_after)
+    }
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Rotation {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    next_introduced_at: Option<i64>,
+    #[serde(default)]
+    retired: Vec<plan::Retired>,
+}
+
+fn data_str(s: &Secret, key: &str) -> Option<String> {
+    s.data
+        .as_ref()?
+        .get(key)
+        .and_then(|b| String::from_utf8(b.0.clone()).ok())
+}
+
+fn ca_cert(pem: &str) -> Option<CaCert> {
+    let (not_before, not_after) = cert_validity(pem.as_bytes())?;
+    Some(CaCert {
+        cert_pem: pem.to_string(),
+        not_before,
+        not_after,
+    })
+}
+
+/// Reads the CA Secret; `Err` when it exists but cannot be used (never overwritten:
+/// an operator must look at it).
+pub fn parse_ca_secret(s: &Secret) -> Result<LoadedCa, String> {
+    let cert = data_str(s, "ca.crt").ok_or("no ca.crt")?;
+    let key = data_str(s, "ca.key").ok_or("no ca.key")?;
+    let current = ca_cert(&cert).ok_or("ca.crt does not parse")?;
+    let rot: Rotation = match data_str(s, "rotation.json") {
+        Some(j) => serde_json::from_str(&j).map_err(|e| format!("rotation.json: {e}"))?,
+        None => Rotation::default(),
+    };
+    let next = match (data_str(s, "next.crt"), data_str(s, "next.key")) {
+        (Some(c), Some(k)) => Some(CaPem { cert: c, key: k }),
+        _ => None,
+    };
+    let next_state = match (&next, rot.next_introduced_at) {
+        (Some(n), Some(at)) => Some((ca_cert(&n.cert).ok_or("next.crt does not parse")?, at)),
+        _ => None,
+    };
+    Ok(LoadedCa {
+        state: CaState {
+            current: Some(current),
+            next: next_state,
+            retired: rot.retired,
+        },
+        signing: CaPem { cert, key },
+        next: next.filter(|_| rot.next_introduced_at.is_some()),
+    })
+}
+
+/// The Secret data for a CA state.
+fn ca_secret_data(ca: &LoadedCa) -> BTreeMap<String, ByteString> {
+    let mut d = BTreeMap::new();
+    let mut put = |k: &str, v: &str| {
+        d.insert(k.to_string(), ByteString(v.as_bytes().to_vec()));
+    };
+    put("ca.crt", &ca.signing.cert);
+    put("ca.key", &ca.signing.key);
+    let rot = Rotation {
+        next_introduced_at: ca.state.next.as_ref().map(|(_, at)| *at),
+        retired: ca.state.retired.clone(),
+    };
+    if let Some(n) = &ca.next {
+        put("next.crt", &n.cert);
+        put("next.key", &n.key);
+    }
+    put(
+        "rotation.json",
+        &serde_json::to_string(&rot).expect("rotation serializes"),
+    );
+    put("ca-bundle.crt", &ca.bundle());
+    d
+}
+
+/// The CA after `step` (None: nothing to do).
+fn apply_step(
+    cur: Option<&LoadedCa>,
+    step: &CaStep,
+    life: &Lifetimes,
+    t: i64,
+) -> anyhow::Result<Option<LoadedCa>> {
+    Ok(match (step, cur) {
+        (CaStep::Nothing, _) => None,
+        (CaStep::Create, _) | (_, None) => {
+            let pem = issue::new_ca(t, life)?;
+            Some(LoadedCa {
+                state: CaState {
+                    current: Some(ca_cert(&pem.cert).expect("fresh CA parses")),
+                    next: None,
+                    retired: vec![],
+                },
+                signing: pem,
+                next: None,
+            })
+        }
+        (CaStep::Introduce, Some(c)) => {
+            let pem = issue::new_ca(t, life)?;
+            let mut n = c.clone();
+            n.state.next = Some((ca_cert(&pem.cert).expect("fresh CA parses"), t));
+            n.next = Some(pem);
+            Some(n)
+        }
+        (CaStep::Promote, Some(c)) => {
+            let mut n = c.clone();
+            n.state = plan::promote(&c.state, life, t);
+            if let Some(next) = n.next.take() {
+                n.signing = next;
+            }
+            Some(n)
+        }
+        (CaStep::DropRetired, Some(c)) => {
+            let mut n = c.clone();
+            n.state = plan::drop_retired(&c.state, t);
+            Some(n)
+        }
+    })
+}
+
+/// The operator's PKI: run [`Pki::run`]; read the CA through [`Pki::ca`] and use
+/// [`Pki::operator_tls`] for every connection to an agent.
+#[derive(Clone)]
+pub struct Pki {
+    client: Client,
+    settings: Arc<PkiSettings>,
+    leader: Leadership,
+    ca: watch::Sender<Option<Arc<LoadedCa>>>,
+    tls: TlsFiles,
+}
+
+impl Pki {
+    pub fn new(client: Client, settings: PkiSettings, leader: Leadership) -> anyhow::Result<Self> {
+        settings.life.validate().map_err(anyhow::Error::msg)?;
+        let (ca, _) = watch::channel(None);
+        Ok(Pki {
+            client,
+            settings: Arc::new(settings),
+            leader,
+            ca,
+            tls: TlsFiles::from_pem(vec![], vec![], vec![]),
+        })
+    }
+
+    /// The operator's client identity for the agents (renewed in place).
+    pub fn operator_tls(&self) -> TlsFiles {
+        self.tls.clone()
+    }
+
+    /// The CA as last read.
+    pub fn ca(&self) -> watch::Receiver<Option<Arc<LoadedCa>>> {
+        self.ca.subscribe()
+    }
+
+    /// Runs the CA keeper, the operator certificate and the agents' signer until one
+    /// fails.
+    pub async fn run(self) -> anyhow::Result<()> {
+        tokio::select! {
+            r = self.clone().keep_ca() => r,
+            r = self.clone().keep_operator_cert() => r,
+            r = self.clone().sign_agents() => r,
+        }
+    }
+
+    /// Watches the CA Secret; the leader creates it, rotates it and publishes the bundle.
+    async fn keep_ca(self) -> anyhow::Result<()> {
+        let s = &self.settings;
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &s.namespace);
+        let mut events = watcher::watcher(
+            secrets.clone(),
+            watcher::Config::default().fields(&format!("metadata.name={}", s.ca_secret)),
+        )
+        .boxed();
+        let mut acquired = Box::pin(self.leader.on_acquire());
+        let mut seen: Option<Secret> = None;
+        let mut synced = false;
+        let mut published: Option<String> = None;
+        let mut wait = Duration::from_secs(0);
+        loop {
+            tokio::select! {
+                ev = events.next() => match ev {
+                    Some(Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o))) => seen = Some(o),
+                    Some(Ok(watcher::Event::Delete(_))) => seen = None,
+                    Some(Ok(watcher::Event::Init)) => seen = None,
+                    Some(Ok(watcher::Event::InitDone)) => synced = true,
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "CA Secret watch");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                    None => anyhow::bail!("CA Secret watch ended"),
+                },
+                Some(()) = acquired.next() => { published = None; }
+                _ = tokio::time::sleep(wait) => {}
+            }
+            if !synced {
+                continue;
+            }
+            let loaded = match seen.as_ref().map(parse_ca_secret) {
+                Some(Ok(l)) => Some(l),
+                Some(Err(e)) => {
+                    tracing::error!(secret = %s.ca_secret, error = %e, "the CA Secret cannot be used; fix or delete it");
+                    wait = Duration::from_secs(60);
+                    continue;
+                }
+                None => None,
+            };
+            let t = now();
+            let step = match &loaded {
+                Some(l) => plan::ca_step(&l.state, &s.life, t),
+                None => CaStep::Create,
+            };
+            if step != CaStep::Nothing && self.leader.is_leader() {
+                let next = apply_step(loaded.as_ref(), &step, &s.life, t)?
+                    .expect("a step other than Nothing changes the CA");
+                match self.write_ca(&secrets, seen.as_ref(), &next).await {
+                    Ok(()) => tracing::info!(?step, "CA updated"),
+                    Err(e) => tracing::warn!(?step, error = %e, "CA not updated; retrying"),
+                }
+                // The watch brings the new version (or the winner's).
+                wait = Duration::from_secs(2);
+                continue;
+            }
+            if let Some(l) = loaded {
+                let bundle = l.bundle();
+                if self.leader.is_leader() && published.as_deref() != Some(bundle.as_str()) {
+                    match self.publish_bundle(&bundle).await {
+                        Ok(()) => published = Some(bundle),
+                        Err(e) => tracing::warn!(error = %e, "CA bundle not published; retrying"),
+                    }
+                }
+                let due = plan::ca_next_event(&l.state, &s.life).unwrap_or(t + 3600);
+                wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
+                if published.is_none() && self.leader.is_leader() {
+                    wait = wait.min(Duration::from_secs(5));
+                }
+                let changed = self
+                    .ca
+                    .borrow()
+                    .as_ref()
+                    .is_none_or(|c| c.signing != l.signing || c.state != l.state);
+                if changed {
+                    self.ca.send_replace(Some(Arc::new(l)));
+                }
+            } else {
+                // No CA and not the leader: the leader makes it; its write wakes us.
+                wait = Duration::from_secs(3600);
+            }
+        }
+    }
+
+    async fn write_ca(
+        &self,
+        api: &Api<Secret>,
+        old: Option<&Secret>,
+        ca: &LoadedCa,
+    ) -> anyhow::Result<()> {
+        self.leader.ensure()?;
+        let s = &self.settings;
+        let meta = ObjectMeta {
+            name: Some(s.ca_secret.clone()),
+            namespace: Some(s.namespace.clone()),
+            resource_version: old.and_then(|o| o.metadata.resource_version.clone()),
+            labels: Some(BTreeMap::from([
+                (
+                    "app.kubernetes.io/managed-by".to_string(),
+                    "podmotion".to_string(),
+                ),
+                ("app.kubernetes.io/component".to_string(), "pki".to_string()),
+            ])),
+            ..Default::default()
+        };
+        let secret = Secret {
+            metadata: meta,
+            type_: Some("Opaque".into()),
+            data: Some(ca_secret_data(ca)),
+            ..Default::default()
+        };
+        // Optimistic concurrency: a replace carries the resourceVersion we read, so two
+        // replicas that both believe they lead cannot both rotate.
+        match old {
+            None => api
+                .create(&PostParams::default(), &secret)
+                .await
+                .map(|_| ())?,
+            Some(_) => api
+                .replace(&s.ca_secret, &PostParams::default(), &secret)
+                .await
+                .map(|_| ())?,
+        }
+        Ok(())
+    }
+
+    async fn publish_bundle(&self, bundle: &str) -> anyhow::Result<()> {
+        self.leader.ensure()?;
+        let s = &self.settings;
+        let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &s.bundle_namespace);
+        let cm = json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": s.bundle_configmap,
+                "labels": {
+                    "app.kubernetes.io/managed-by": "podmotion",
+                    "app.kubernetes.io/component": "pki",
+                },
+            },
+            "data": { "ca.crt": bundle },
+        });
+        api.patch(
+            &s.bundle_configmap,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&cm),
+        )
+        .await?;
+        tracing::info!(configmap = %s.bundle_configmap, "CA bundle published");
+        Ok(())
+    }
+
+    /// Issues this replica's client certificate from the signing CA, again at two
+    /// thirds of its life and whenever the signing CA changes; the bundle follows the
+    /// CA's.
+    async fn keep_operator_cert(self) -> anyhow::Result<()> {
+        let mut rx = self.ca.subscribe();
+        let mut issued: Option<(String, i64)> = None; // (signing CA cert, renew at)
+        loop {
+            let ca = rx.borrow_and_update().clone();
+            let mut wait = Duration::from_secs(3600);
+            if let Some(ca) = ca {
+                let t = now();
+                let stale = issued
+                    .as_ref()
+                    .is_none_or(|(by, due)| *by != ca.signing.cert || t >= *due);
+                let mut m = self.tls.material();
+                m.ca_pem = ca.bundle().into_bytes();
+                if stale {
+                    let (cert, key) = issue::operator_cert(
+                        &ca.signing,
+                        ca.signing_not_after(),
+                        t,
+                        &self.settings.life,
+                    )?;
+                    let (nb, na) = cert_validity(cert.as_bytes()).unwrap_or((t, t + 60));
+                    issued = Some((ca.signing.cert.clone(), plan::leaf_renewal_due(nb, na)));
+                    m.cert_pem = cert.into_bytes();
+                    m.key_pem = key.into_bytes();
+                }
+                match self.tls.set(m) {
+                    Ok(true) => tracing::info!(
+                        renewed = stale,
+                        "operator client certificate and CA bundle in use"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::error!(error = %e, "operator TLS material rejected"),
+                }
+                if let Some((_, due)) = &issued {
+                    wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => r?,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// The signer of `podmotion.io/agent-serving` requests: leader only.
+    async fn sign_agents(self) -> anyhow::Result<()> {
+        let csrs: Api<CertificateSigningRequest> = Api::all(self.client.clone());
+        let cfg =
+            watcher::Config::default().fields(&format!("spec.signerName={}", plan::AGENT_SIGNER));
+        let ctx = Arc::new(self.clone());
+        Controller::new(csrs, cfg)
+            .reconcile_all_on(self.leader.on_acquire())
+            .with_config(kube::runtime::controller::Config::default().concurrency(4))
+            .run(
+                |csr, ctx: Arc<Pki>| async move { ctx.reconcile_csr(&csr).await },
+                |_, e: &SignError, _| {
+                    tracing::warn!(error = %e, "signing an agent certificate");
+                    Action::requeue(Duration::from_secs(5))
+                },
+                ctx,
+            )
+            .for_each(|_| async {})
+            .await;
+        anyhow::bail!("the agent certificate signer stopped")
+    }
+
+    async fn reconcile_csr(&self, csr: &CertificateSigningRequest) -> Result<Action, SignError> {
+        let name = csr.name_any();
+        let status = csr.status.clone().unwrap_or_default();
+        let conds = status.conditions.unwrap_or_default();
+        let has = |t: &str| conds.iter().any(|c| c.type_ == t && c.status == "True");
+        if status.certificate.is_some() || has("Denied") || has("Failed") {
+            return Ok(Action::await_change());
+        }
+        if !self.leader.is_leader() {
+            return Ok(Action::await_change());
+        }
+        let ca = self.ca.borrow().clone();
+        let Some(ca) = ca else {
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        };
+        let s = &self.settings;
+        let facts = CsrFacts {
+            signer_name: csr.spec.signer_name.clone(),
+            username: csr.spec.username.clone().unwrap_or_default(),
+            extra: csr.spec.extra.clone().unwrap_or_default(),
+            usages: csr.spec.usages.clone().unwrap_or_default(),
+            request: csr.spec.request.0.clone(),
+        };
+        let pod = match facts
+            .extra
+            .get(plan::EXTRA_POD_NAME)
+            .and_then(|v| v.first())
+        {
+            Some(p)
+                if facts.username
+                    == format!(
+                        "system:serviceaccount:{}:{}",
+                        s.agents.namespace, s.agents.service_account
+                    ) =>
+            {
+                let pods: Api<Pod> = Api::namespaced(self.client.clone(), &s.agents.namespace);
+                pods.get_opt(p).await?.map(|p| PodFacts {
+                    namespace: p.namespace().unwrap_or_default(),
+                    name: p.name_any(),
+                    uid: p.uid().unwrap_or_default(),
+                    node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                    service_account: p.spec.as_ref().and_then(|s| s.service_account_name.clone()),
+                    labels: p.labels().clone(),
+                    terminating: p.metadata.deletion_timestamp.is_some(),
+                })
+            }
+            _ => None,
+        };
+        let request_pem = String::from_utf8_lossy(&facts.request).into_owned();
+        let requested = issue::requested(&request_pem);
+        let verdict = plan::review(
+            &facts,
+            &s.agents,
+            requested.as_ref().map_err(String::as_str),
+            pod.as_ref(),
+        );
+        let api: Api<CertificateSigningRequest> = Api::all(self.client.clone());
+        self.leader
+            .ensure()
+            .map_err(|e| SignError::Other(e.to_string()))?;
+        match verdict {
+            Verdict::Deny { reason, message } => {
+                tracing::warn!(csr = %name, reason, %message, "agent certificate request denied");
+                // Approved by someone else but not acceptable to the signer: Failed.
+                let type_ = if has("Approved") { "Failed" } else { "Denied" };
+                let patch = json!({"status": {"conditions": [condition(type_, reason, &message)]}});
+                if type_ == "Failed" {
+                    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await?;
+                } else {
+                    api.patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await?;
+                }
+            }
+            Verdict::Approve { node } => {
+                if !has("Approved") {
+                    let patch = json!({"status": {"conditions": [condition(
+                        "Approved",
+                        "AgentOfNode",
+                        &format!("the agent pod on node {node}, requesting its own identity"),
+                    )]}});
+                    api.patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await?;
+                }
+                let cert = issue::sign_agent(
+                    &ca.signing,
+                    ca.signing_not_after(),
+                    &node,
+                    &request_pem,
+                    now(),
+                    &s.life,
+                )
+                .map_err(|e| SignError::Other(e.to_string()))?;
+                let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
+                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
+                tracing::info!(csr = %name, %node, "agent certificate issued");
+            }
+        }
+        Ok(Action::await_change())
+    }
+}
+
+fn condition(type_: &str, reason: &str, message: &str) -> serde_json::Value {
+    json!({
+        "type": type_,
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastUpdateTime": k8s_openapi::jiff::Timestamp::now().to_string(),
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SignError {
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The migration master key from `name` in `namespace`, created (64 random characters)
+/// by the leader when absent. Followers wait for the leader's.
+pub async fn master_key(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    leader: &Leadership,
+) -> anyhow::Result<Vec<u8>> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    loop {
+        if let Some(s) = api.get_opt(name).await? {
+            let key = s
+                .data
+                .as_ref()
+                .and_then(|d| d.get("key"))
+                .map(|b| b.0.clone())
+                .ok_or_else(|| anyhow::anyhow!("Secret {namespace}/{name} has no `key` entry"))?;
+            return Ok(key);
+        }
+        if leader.is_leader() {
+            let secret = Secret {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    namespace: Some(namespace.into()),
+                    labels: Some(BTreeMap::from([
+                        (
+                            "app.kubernetes.io/managed-by".to_string(),
+                            "podmotion".to_string(),
+                        ),
+                        ("app.kubernetes.io/component".to_string(), "pki".to_string()),
+                    ])),
+                    ..Default::default()
+                },
+                type_: Some("Opaque".into()),
+                data: Some(BTreeMap::from([(
+                    "key".to_string(),
+                    ByteString(random_key()),
+                )])),
+                ..Default::default()
+            };
+            match api.create(&PostParams::default(), &secret).await {
+                Ok(_) => tracing::info!(secret = %name, "migration master key created"),
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+            continue;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// 64 characters from [A-Za-z0-9] (what the chart used to generate), from the OS RNG.
+fn random_key() -> Vec<u8> {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..64)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())])
+        .collect()
+}
+
+/// Builds the operator's TLS material from a CA for tests and tools: a fresh client
+/// certificate and the bundle.
+pub fn operator_material(ca: &LoadedCa, life: &Lifetimes) -> anyhow::Result<TlsMaterial> {
+    let (cert, key) = issue::operator_cert(&ca.signing, ca.signing_not_after(), now(), life)?;
+    Ok(TlsMaterial {
+        ca_pem: ca.bundle().into_bytes(),
+        cert_pem: cert.into_bytes(),
+        key_pem: key.into_bytes(),
+    })
+}
