@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod authz;
 pub mod containers;
 pub mod criu;
 pub mod csr;

@@ -79,6 +79,12 @@ struct Args {
     /// of `<container-id> <pid>` lines instead of the container runtime.
     #[arg(long, env = "PODMOTION_CONTAINER_TABLE")]
     container_table: Option<PathBuf>,
+    /// Also accept the chart's legacy certificates without a URI SAN (one agent
+    /// certificate shared by every node, CN `podmotion-agent`; the operator's, CN
+    /// `podmotion-operator`). Off by default: with it, any agent may stream images to
+    /// a migration this agent receives (see the agent's authz module).
+    #[arg(long, env = "PODMOTION_AGENT_LEGACY_SHARED_IDENTITY")]
+    legacy_shared_identity: bool,
     /// tmpfs directory for checkpoint images.
     #[arg(
         long,
@@ -164,7 +170,8 @@ async fn serve() -> anyhow::Result<()> {
         broker_socket: a.broker_socket,
         checkpoints_root: a.checkpoints_root,
         tls: tls.clone(),
-    });
+        legacy_shared_identity: a.legacy_shared_identity,
+    })?;
     tracing::info!(listen = %a.listen, "agent serving");
     // TLS is ours, not tonic's: every handshake uses the certificate and CA bundle
     // current at that moment (renewals are served without a restart); tonic still

@@ -1,8 +1,11 @@
 //! The `MigrationAgent` service. Each migration is a small state machine keyed by its
 //! UID; a step that already happened returns the current status instead of running
-//! again, a step out of order is `FailedPrecondition`.
+//! again, a step out of order is `FailedPrecondition`. Every call is first authorized
+//! from the caller's certificate ([`crate::authz`]): control calls are the operator's,
+//! the image stream is the peer agent's the operator named at `Prepare`.
 
 use crate::admission::{Admission, Step, admit};
+use crate::authz::{self, Prepared, Rpc};
 use crate::containers::{ContainerFs, Containers, Resolved};
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
@@ -13,6 +16,7 @@ use podmotion_broker::procfs;
 use podmotion_wire::agent::*;
 use podmotion_wire::broker::{BrokerError, BrokerRole, Reply, Request};
 use podmotion_wire::client::TlsFiles;
+use podmotion_wire::identity::{self, IdentityError, Peer, PeerVerifier};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
 use podmotion_wire::proto::migration_agent_server::MigrationAgent;
@@ -36,13 +40,21 @@ pub struct Config {
     pub track_mem: bool,
     pub broker_socket: PathBuf,
     pub checkpoints_root: PathBuf,
-    /// Identity used when this agent sends images to a target agent.
+    /// Identity used when this agent sends images to a target agent. Its URI SAN is
+    /// this agent's identity (`spiffe://podmotion.io/agent/<node>`).
     pub tls: TlsFiles,
+    /// Also accept the chart's legacy certificates without a URI SAN: the shared agent
+    /// certificate (CN `podmotion-agent`, any node) and the operator's (CN
+    /// `podmotion-operator`). Off unless asked for: with it, any agent may stream
+    /// images to any migration this agent receives.
+    pub legacy_shared_identity: bool,
 }
 
 struct Migration {
     uid: MigrationUid,
     role: Role,
+    /// The other agent's node, as the operator named it at `Prepare`.
+    peer: String,
     phase: Phase,
     process: ProcRef,
     key: Vec<u8>,
@@ -106,6 +118,21 @@ fn now_us() -> u64 {
         .unwrap_or(0)
 }
 
+/// An error and its sources, `: `-separated (a refused TLS handshake says why only
+/// in a source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let m = s.to_string();
+        if !out.contains(&m) {
+            out = format!("{out}: {m}");
+        }
+        src = s.source();
+    }
+    out
+}
+
 fn broker_status(e: BrokerError) -> Status {
     Status::failed_precondition(format!("broker: {e}"))
 }
@@ -137,15 +164,58 @@ const NETNS_KEY: &str = "podnet";
 
 pub struct Agent {
     cfg: Arc<Config>,
+    /// This agent's own identity, from its certificate.
+    own: Peer,
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
 }
 
 impl Agent {
-    pub fn new(cfg: Config) -> Self {
-        Self {
-            cfg: Arc::new(cfg),
-            migrations: StdMutex::new(HashMap::new()),
+    /// Fails if the agent's certificate does not identify a node agent
+    /// (`spiffe://podmotion.io/agent/<node>`; with `legacy_shared_identity`, the shared
+    /// agent certificate also serves).
+    pub fn new(cfg: Config) -> Result<Self, IdentityError> {
+        let own = identity::from_pem(&cfg.tls.material().cert_pem, cfg.legacy_shared_identity)?;
+        if !matches!(own, Peer::Agent(_) | Peer::SharedAgent) {
+            return Err(IdentityError::Unknown(format!(
+                "{own} (an agent's certificate must identify the agent)"
+            )));
         }
+        tracing::info!(identity = %own, legacy = cfg.legacy_shared_identity, "agent identity");
+        Ok(Self {
+            cfg: Arc::new(cfg),
+            own,
+            migrations: StdMutex::new(HashMap::new()),
+        })
+    }
+
+    /// This agent's node, if its identity names one.
+    fn own_node(&self) -> Option<&str> {
+        match &self.own {
+            Peer::Agent(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The caller's identity, from its TLS client certificate.
+    fn caller<T>(&self, r: &GrpcRequest<T>) -> Result<Peer, IdentityError> {
+        let certs = r.peer_certs();
+        identity::from_chain(
+            certs.as_deref().map(Vec::as_slice),
+            self.cfg.legacy_shared_identity,
+        )
+    }
+
+    /// Authorizes a control call (its decision does not depend on the migration).
+    fn authorize_control<T>(&self, r: &GrpcRequest<T>, rpc: Rpc) -> Result<(), Status> {
+        let caller = self.caller(r);
+        let state = authz::State {
+            this_node: self.own_node(),
+            migration: None,
+        };
+        authz::authorize(&caller, rpc, state).map_err(|d| {
+            tracing::warn!(%rpc, denied = %d, "call refused");
+            Status::from(d)
+        })
     }
 
     fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {
@@ -170,15 +240,22 @@ impl Agent {
         if r.transfer_key.len() != transfer::KEY_LEN {
             return Err(Status::invalid_argument("transfer key must be 32 bytes"));
         }
-        let Resolved { pid, fs } = match r.pid {
-            0 => self.cfg.containers.resolve(&r.container_ids).await?,
-            pid => Resolved { pid, fs: None },
-        };
-        let start_time = if r.pid_start_time == 0 {
-            procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?
-        } else {
-            r.pid_start_time
-        };
+        if !identity::valid_node_name(&r.peer_node) {
+            return Err(Status::invalid_argument(format!(
+                "peer_node {:?} is not a node name: name the other agent's node",
+                r.peer_node
+            )));
+        }
+        if self.own_node() == Some(r.peer_node.as_str()) {
+            return Err(Status::invalid_argument(format!(
+                "peer_node {:?} is this agent's own node",
+                r.peer_node
+            )));
+        }
+        // No PID on the wire: the containers the operator names are resolved here,
+        // through the node's container runtime.
+        let Resolved { pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
+        let start_time = procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?;
         let process = ProcRef { pid, start_time };
         let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
             .map_err(|e| Status::internal(e.to_string()))?;
@@ -190,6 +267,7 @@ impl Agent {
         let mut m = Migration {
             uid: uid.clone(),
             role,
+            peer: r.peer_node,
             phase: Phase::Prepared,
             process,
             key: r.transfer_key,
@@ -238,11 +316,11 @@ impl Agent {
             }
         }
         let st = m.status();
+        tracing::info!(%uid, ?role, pid = process.pid, peer = %m.peer, "prepared");
         self.migrations
             .lock()
             .expect("migrations")
             .insert(uid.to_string(), Arc::new(Mutex::new(m)));
-        tracing::info!(%uid, ?role, pid = process.pid, "prepared");
         Ok(st)
     }
 
@@ -466,16 +544,38 @@ impl Agent {
             return Ok(m.status());
         }
         let t = Instant::now();
+        // The endpoint says where to dial; what is trusted is the identity the
+        // operator named at Prepare: the server must prove it is the peer's agent.
+        let tls = self.cfg.tls.material();
+        let verifier = PeerVerifier::new(
+            &tls.ca_pem,
+            Peer::Agent(m.peer.clone()),
+            self.cfg.legacy_shared_identity,
+        )
+        .map_err(|e| Status::internal(format!("agents' CA: {e}")))?;
+        let sni = if r.target_server_name.is_empty() {
+            m.peer.clone()
+        } else {
+            r.target_server_name.clone()
+        };
         let channel = tonic::transport::Endpoint::from_shared(r.target_endpoint.clone())
             .map_err(|e| Status::invalid_argument(e.to_string()))?
-            .tls_config(self.cfg.tls.client_config(&r.target_server_name))
+            .tls_config_with_verifier(
+                tonic::transport::ClientTlsConfig::new()
+                    .identity(tonic::transport::Identity::from_pem(
+                        &tls.cert_pem,
+                        &tls.key_pem,
+                    ))
+                    .domain_name(sni),
+                Arc::new(verifier),
+            )
             .map_err(|e| Status::invalid_argument(e.to_string()))?
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(16 << 20))
             .connect()
             .await
-            .map_err(|e| Status::unavailable(format!("target agent: {e}")))?;
+            .map_err(|e| Status::unavailable(format!("target agent: {}", error_chain(&e))))?;
         let mut client = MigrationAgentClient::new(channel).max_encoding_message_size(4 << 20);
         let (tx, rx) = tokio::sync::mpsc::channel::<ImageChunk>(8);
         let dir = m.dir.clone();
@@ -518,12 +618,33 @@ impl Agent {
         Ok(m.status())
     }
 
-    async fn receive_impl(&self, mut s: Streaming<ImageChunk>) -> Result<ReceiveSummary, Status> {
+    async fn receive_impl(
+        &self,
+        caller: Result<Peer, IdentityError>,
+        mut s: Streaming<ImageChunk>,
+    ) -> Result<ReceiveSummary, Status> {
         let Some(first) = s.message().await? else {
             return Err(Status::invalid_argument("empty image stream"));
         };
-        let m = self.get(&first.migration_uid)?;
-        let mut m = m.lock().await;
+        let found = self.get(&first.migration_uid).ok();
+        let m = match &found {
+            Some(m) => Some(m.lock().await),
+            None => None,
+        };
+        // Before anything is written: only the peer named at Prepare streams here (an
+        // unknown migration is refused the same way, telling the caller nothing).
+        let state = authz::State {
+            this_node: self.own_node(),
+            migration: m.as_ref().map(|m| Prepared {
+                role: m.role,
+                peer: &m.peer,
+            }),
+        };
+        if let Err(d) = authz::authorize(&caller, Rpc::ReceiveImages, state) {
+            tracing::warn!(uid = %first.migration_uid, denied = %d, "image stream refused");
+            return Err(d.into());
+        }
+        let mut m = m.expect("authorized streams name a known migration");
         admit(m.role, m.phase, Step::Receive)?;
         m.phase = Phase::Receiving;
         let sealer =
@@ -1193,43 +1314,55 @@ type Res<T> = Result<Response<T>, Status>;
 #[tonic::async_trait]
 impl MigrationAgent for Agent {
     async fn prepare(&self, r: GrpcRequest<PrepareRequest>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Prepare)?;
         self.prepare_impl(r.into_inner()).await.map(Response::new)
     }
     async fn pre_dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::PreDump)?;
         self.pre_dump_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }
     async fn dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Dump)?;
         self.dump_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }
     async fn send(&self, r: GrpcRequest<SendRequest>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Send)?;
         self.send_impl(r.into_inner()).await.map(Response::new)
     }
     async fn receive_images(&self, r: GrpcRequest<Streaming<ImageChunk>>) -> Res<ReceiveSummary> {
-        self.receive_impl(r.into_inner()).await.map(Response::new)
+        let caller = self.caller(&r);
+        self.receive_impl(caller, r.into_inner())
+            .await
+            .map(Response::new)
     }
     async fn restore(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Restore)?;
         self.restore_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }
     async fn commit(&self, r: GrpcRequest<CommitRequest>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Commit)?;
         self.commit_impl(r.into_inner()).await.map(Response::new)
     }
     async fn abort(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Abort)?;
         self.abort_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }
     async fn cleanup(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Cleanup)?;
         self.cleanup_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }
     async fn status(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Status)?;
         let uid = r.into_inner().migration_uid;
         let m = self.get(&uid)?;
         Ok(Response::new(m.lock().await.status()))

@@ -74,36 +74,73 @@ pub struct Tls {
     pub ca_pem: Vec<u8>,
     pub agents: [TlsFiles; 2],
     pub operator: TlsFiles,
+    /// The node each agent's certificate identifies (`spiffe://podmotion.io/agent/<node>`).
+    pub nodes: [String; 2],
+    ca: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
 }
 
-/// A CA and leaf certificates: agent `i` carries `AGENT_NAMES[i]` plus `extra_sans[i]`.
-fn make_tls(dir: &Path, extra_sans: &[Vec<String>; 2]) -> Tls {
+impl Tls {
+    /// A leaf certificate of the testbed's CA with these DNS SANs, identity URI SAN
+    /// and CN, also written to `<dir>/<file>.crt|.key`.
+    pub fn issue(&self, dir: &Path, file: &str, dns: &[String], uri: &str, cn: &str) -> TlsFiles {
+        use rcgen::{CertificateParams, DnType, KeyPair, SanType};
+        let k = KeyPair::generate().expect("key");
+        let mut p = CertificateParams::new(dns.to_vec()).expect("params");
+        p.distinguished_name.push(DnType::CommonName, cn);
+        if !uri.is_empty() {
+            p.subject_alt_names
+                .push(SanType::URI(uri.try_into().expect("uri")));
+        }
+        let c = p.signed_by(&k, &self.ca).expect("sign");
+        let (cert_pem, key_pem) = (c.pem().into_bytes(), k.serialize_pem().into_bytes());
+        std::fs::write(dir.join(format!("{file}.crt")), &cert_pem).expect("write");
+        std::fs::write(dir.join(format!("{file}.key")), &key_pem).expect("write");
+        TlsFiles::from_pem(self.ca_pem.clone(), cert_pem, key_pem)
+    }
+}
+
+/// A CA and leaf certificates in the identity format of `podmotion_wire::identity`:
+/// agent `i` is `agent/<nodes[i]>` with DNS SANs `AGENT_NAMES[i]` plus `extra_sans[i]`;
+/// the operator is `operator`.
+fn make_tls(dir: &Path, nodes: [String; 2], extra_sans: &[Vec<String>; 2]) -> Tls {
+    use podmotion_wire::identity::{OPERATOR_CN, OPERATOR_URI, agent_cn, agent_uri};
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().expect("key")).expect("ca");
     let ca_pem = ca.pem().into_bytes();
-    let leaf = |name: &str, extra: &[String]| {
-        let k = KeyPair::generate().expect("key");
-        let sans = std::iter::once(name.to_owned()).chain(extra.iter().cloned());
-        let c = CertificateParams::new(sans.collect::<Vec<_>>())
-            .expect("params")
-            .signed_by(&k, &ca)
-            .expect("sign");
-        let (cert_pem, key_pem) = (c.pem().into_bytes(), k.serialize_pem().into_bytes());
-        std::fs::write(dir.join(format!("{name}.crt")), &cert_pem).expect("write");
-        std::fs::write(dir.join(format!("{name}.key")), &key_pem).expect("write");
-        TlsFiles::from_pem(ca_pem.clone(), cert_pem, key_pem)
-    };
     std::fs::write(dir.join("ca.crt"), &ca_pem).expect("write");
-    Tls {
+    let mut tls = Tls {
         agents: [
-            leaf(AGENT_NAMES[0], &extra_sans[0]),
-            leaf(AGENT_NAMES[1], &extra_sans[1]),
+            TlsFiles::from_pem(vec![], vec![], vec![]),
+            TlsFiles::from_pem(vec![], vec![], vec![]),
         ],
-        operator: leaf("operator", &[]),
+        operator: TlsFiles::from_pem(vec![], vec![], vec![]),
+        nodes,
+        ca,
         ca_pem,
+    };
+    for i in 0..2 {
+        let dns: Vec<String> = std::iter::once(AGENT_NAMES[i].to_owned())
+            .chain(extra_sans[i].iter().cloned())
+            .collect();
+        let node = tls.nodes[i].clone();
+        tls.agents[i] = tls.issue(
+            dir,
+            AGENT_NAMES[i],
+            &dns,
+            &agent_uri(&node),
+            &agent_cn(&node),
+        );
     }
+    tls.operator = tls.issue(
+        dir,
+        "operator",
+        &["operator".into()],
+        OPERATOR_URI,
+        OPERATOR_CN,
+    );
+    tls
 }
 
 pub struct Testbed {
@@ -123,12 +160,41 @@ impl Testbed {
         Self::with_agent_names(name, agent_bin, testload_bin, [vec![], vec![]])
     }
 
+    /// A testbed whose agents stand for the Kubernetes nodes `nodes`: their
+    /// certificates identify `agent/<node>` and carry the DNS SAN
+    /// `podmotion-agent.<node>` the operator dials.
+    pub fn with_nodes(name: &str, agent_bin: &Path, testload_bin: &Path, nodes: [&str; 2]) -> Self {
+        Self::build(
+            name,
+            agent_bin,
+            testload_bin,
+            nodes.map(str::to_owned),
+            nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
+        )
+    }
+
     /// A testbed whose agent certificates also carry `extra_sans` (e.g. the names an
     /// operator expects for the nodes the agents stand for).
     pub fn with_agent_names(
         name: &str,
         agent_bin: &Path,
         testload_bin: &Path,
+        extra_sans: [Vec<String>; 2],
+    ) -> Self {
+        Self::build(
+            name,
+            agent_bin,
+            testload_bin,
+            AGENT_NAMES.map(str::to_owned),
+            extra_sans,
+        )
+    }
+
+    fn build(
+        name: &str,
+        agent_bin: &Path,
+        testload_bin: &Path,
+        nodes: [String; 2],
         extra_sans: [Vec<String>; 2],
     ) -> Self {
         let p = format!("pm{}{}", name, std::process::id() % 100_000);
@@ -206,7 +272,7 @@ impl Testbed {
             std::thread::spawn(move || b2.serve_listener(l));
             b
         });
-        let tls = make_tls(&dir, &extra_sans);
+        let tls = make_tls(&dir, nodes, &extra_sans);
         Self {
             p,
             dir,
@@ -302,6 +368,34 @@ impl Testbed {
             .open(self.container_table())
             .expect("container table");
         writeln!(f, "{id} {pid}").expect("container table");
+    }
+
+    /// "The container runtime" runs `pid` as container `name` of this testbed;
+    /// returns the container ID the operator names (no PID crosses the wire).
+    pub fn container(&self, name: &str, pid: i32) -> String {
+        let id = format!("testbed://{}/{name}", self.p);
+        self.register_container(&id, pid);
+        id
+    }
+
+    /// The `Prepare` the operator sends the agent of `node` (0: the source, 1: the
+    /// target) for container `container_id`, naming the other agent's node as the peer.
+    pub fn prepare_request(
+        &self,
+        uid: &str,
+        node: usize,
+        container_id: &str,
+        tcp: podmotion_wire::agent::TcpPreservation,
+    ) -> podmotion_wire::agent::PrepareRequest {
+        use podmotion_wire::agent::{PrepareRequest, Role};
+        PrepareRequest {
+            migration_uid: uid.into(),
+            role: [Role::Source, Role::Target][node] as i32,
+            transfer_key: vec![42; 32],
+            tcp: tcp as i32,
+            container_ids: vec![container_id.into()],
+            peer_node: self.tls.nodes[1 - node].clone(),
+        }
     }
 
     /// The agent log of `node` (for failure output).

@@ -27,16 +27,12 @@ fn counter(s: &mut std::net::TcpStream) -> u64 {
     ask(s, "get").expect("get").parse().expect("number")
 }
 
-fn prepare(uid: &str, role: Role, pid: i32, tcp: TcpPreservation) -> PrepareRequest {
-    PrepareRequest {
-        migration_uid: uid.into(),
-        role: role as i32,
-        pid,
-        pid_start_time: 0,
-        transfer_key: vec![42; 32],
-        tcp: tcp as i32,
-        container_ids: vec![],
-    }
+/// The operator's `Prepare` for the agent of `node` (0: source, 1: target): the
+/// process `pid` stands for a container the runtime (the testbed's container table)
+/// knows; only its container ID crosses the wire.
+fn prepare(tb: &Testbed, uid: &str, node: usize, pid: i32, tcp: TcpPreservation) -> PrepareRequest {
+    let id = tb.container(&format!("{uid}-{node}"), pid);
+    tb.prepare_request(uid, node, &id, tcp)
 }
 
 fn running(pid: i32) -> bool {
@@ -62,13 +58,15 @@ fn migration_moves_state_listener_and_established_connection() {
     assert_eq!(ask(&mut conn, "total").unwrap(), "2");
 
     let uid = "6f1c1e1a-3b7e-4d0e-9a3c-0d1f2e3a4b5c";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::Strict);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::Strict);
     let s_st = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
-        a.prepare(prepare(uid, Role::Source, src.pid, TcpPreservation::Strict)).await.unwrap();
+        a.prepare(prep_src.clone()).await.unwrap();
         // Idempotent: a second Prepare answers with the same migration.
-        assert_eq!(a.prepare(prepare(uid, Role::Source, src.pid, TcpPreservation::Strict)).await.unwrap().phase(), Phase::Prepared);
-        b.prepare(prepare(uid, Role::Target, holder.pid, TcpPreservation::Strict)).await.unwrap();
+        assert_eq!(a.prepare(prep_src.clone()).await.unwrap().phase(), Phase::Prepared);
+        b.prepare(prep_tgt.clone()).await.unwrap();
         // Pre-copy: a round while the workload runs, streamed to the target ahead of
         // the freeze.
         let p1 = a.pre_dump(uid).await.unwrap();
@@ -196,25 +194,13 @@ fn abort_after_dump_resumes_the_source_with_its_connections() {
     let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
     let before = counter(&mut conn);
     let uid = "abort-after-dump";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
-        a.prepare(prepare(
-            uid,
-            Role::Source,
-            src.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
-        b.prepare(prepare(
-            uid,
-            Role::Target,
-            holder.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
         a.dump(uid).await.unwrap();
         a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
         // Cleanup refuses while the source is frozen: it must be committed or aborted.
@@ -252,25 +238,13 @@ fn failed_restore_resumes_the_source() {
     let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
     let before = counter(&mut conn);
     let uid = "restore-fails";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
     let err = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
-        a.prepare(prepare(
-            uid,
-            Role::Source,
-            src.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
-        b.prepare(prepare(
-            uid,
-            Role::Target,
-            holder.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
         a.dump(uid).await.unwrap();
         a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
         let err = b.restore(uid).await.unwrap_err();
@@ -299,16 +273,10 @@ fn killed_source_agent_mid_dump_leaves_the_workload_running() {
     let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
     let before = counter(&mut conn);
     let uid = "agent-killed";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
-        a.prepare(prepare(
-            uid,
-            Role::Source,
-            src.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
+        a.prepare(prep_src.clone()).await.unwrap();
         // Fire the dump and do not wait for it.
         let mut a2 = a.clone();
         tokio::spawn(async move {
@@ -371,26 +339,14 @@ fn connections_close_cleanly_when_the_address_does_not_move() {
     let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
     let before = counter(&mut conn);
     let uid = "no-address-move";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
     let restored = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
         // Strict refuses: the pod address is not in the target.
-        a.prepare(prepare(
-            uid,
-            Role::Source,
-            src.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
-        b.prepare(prepare(
-            uid,
-            Role::Target,
-            holder.pid,
-            TcpPreservation::BestEffort,
-        ))
-        .await
-        .unwrap();
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
         a.dump(uid).await.unwrap();
         a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
         let r = b.restore(uid).await.unwrap();

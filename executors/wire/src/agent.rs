@@ -1,9 +1,13 @@
 //! Messages of `podmotion.agent.v1.MigrationAgent`. Field numbers are the wire
-//! contract: never renumber, only add.
+//! contract: never renumber, never reuse a retired tag, only add.
 //!
 //! The operator drives each agent step by step; every call names the migration by its
 //! UID and is idempotent: repeating a step that already happened returns the current
 //! [`MigrationStatus`] instead of doing it twice.
+//!
+//! Who may call what is decided per call from the caller's certificate
+//! ([`crate::identity`]): every call but `ReceiveImages` is the operator's;
+//! `ReceiveImages` is the source agent's, named by the operator at `Prepare`.
 
 /// Which side of a migration an agent plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
@@ -72,21 +76,15 @@ impl MigrationRef {
     }
 }
 
+/// Only the operator calls `Prepare`. There is no PID on the wire (tags 3 and 4, the
+/// caller's `pid` and its start time, are retired): the agent resolves the
+/// containers the operator names through the node's container runtime.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct PrepareRequest {
     #[prost(string, tag = "1")]
     pub migration_uid: String,
     #[prost(enumeration = "Role", tag = "2")]
     pub role: i32,
-    /// Source: the root of the workload's process tree. Target: the pid of the target
-    /// pod's holder (its namespaces and cgroup receive the restored tree). 0: resolve
-    /// `container_ids` instead (the operator never sees host PIDs).
-    #[prost(int32, tag = "3")]
-    pub pid: i32,
-    /// Start time of `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22);
-    /// 0 lets the agent read it now.
-    #[prost(uint64, tag = "4")]
-    pub pid_start_time: u64,
     /// The per-migration transfer key (32 bytes), from the migration's Secret.
     #[prost(bytes = "vec", tag = "5")]
     pub transfer_key: Vec<u8>,
@@ -97,16 +95,24 @@ pub struct PrepareRequest {
     /// (target). The agent resolves them to host PIDs through the node's runtime.
     #[prost(string, repeated, tag = "7")]
     pub container_ids: Vec<String>,
+    /// The node of the other agent of this migration (a Kubernetes node name): the
+    /// target accepts the image stream only from `spiffe://podmotion.io/agent/<peer>`,
+    /// and the source streams only to a server with that identity. Never this node.
+    #[prost(string, tag = "8")]
+    pub peer_node: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SendRequest {
     #[prost(string, tag = "1")]
     pub migration_uid: String,
-    /// `https://host:port` of the target agent.
+    /// `https://host:port` of the target agent. Where to dial only: the source
+    /// streams only to a server whose certificate identifies the peer named at
+    /// `Prepare` (`spiffe://podmotion.io/agent/<peer_node>`).
     #[prost(string, tag = "2")]
     pub target_endpoint: String,
-    /// TLS server name the target agent's certificate must carry.
+    /// TLS server name (SNI) sent when dialling; not what is trusted (see
+    /// `target_endpoint`).
     #[prost(string, tag = "3")]
     pub target_server_name: String,
     /// Bytes per second, 0 = unlimited.
@@ -124,7 +130,9 @@ pub struct CommitRequest {
     pub close_connections: bool,
 }
 
-/// One sealed piece of a checkpoint image file, agent to agent.
+/// One sealed piece of a checkpoint image file, agent to agent (`ReceiveImages`, the
+/// only call an agent makes to another agent; accepted only from the peer named at
+/// `Prepare`).
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ImageChunk {
     #[prost(string, tag = "1")]

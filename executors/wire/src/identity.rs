@@ -106,7 +106,10 @@ pub fn from_uri(uri: &str) -> Result<Peer, IdentityError> {
     if uri == OPERATOR_URI {
         return Ok(Peer::Operator);
     }
-    match uri.strip_prefix(TRUST_DOMAIN).and_then(|r| r.strip_prefix("agent/")) {
+    match uri
+        .strip_prefix(TRUST_DOMAIN)
+        .and_then(|r| r.strip_prefix("agent/"))
+    {
         Some(node) if valid_node_name(node) => Ok(Peer::Agent(node.to_owned())),
         Some(node) => Err(IdentityError::BadNode(node.to_owned())),
         None => Err(IdentityError::Unknown(uri.to_owned())),
@@ -160,7 +163,10 @@ pub fn from_pem(pem: &[u8], legacy: bool) -> Result<Peer, IdentityError> {
 }
 
 /// The party of a TLS peer's certificate chain (its first certificate).
-pub fn from_chain(chain: Option<&[CertificateDer<'_>]>, legacy: bool) -> Result<Peer, IdentityError> {
+pub fn from_chain(
+    chain: Option<&[CertificateDer<'_>]>,
+    legacy: bool,
+) -> Result<Peer, IdentityError> {
     let leaf = chain
         .and_then(|c| c.first())
         .ok_or(IdentityError::NoCertificate)?;
@@ -290,7 +296,10 @@ mod tests {
             "spiffe://podmotion.io/agent/-a",
             "spiffe://podmotion.io/agent/a..b",
         ] {
-            assert!(matches!(from_uri(bad), Err(IdentityError::BadNode(_))), "{bad}");
+            assert!(
+                matches!(from_uri(bad), Err(IdentityError::BadNode(_))),
+                "{bad}"
+            );
         }
         for bad in [
             "spiffe://podmotion.io/operator/x",
@@ -298,7 +307,10 @@ mod tests {
             "spiffe://other.io/operator",
             "",
         ] {
-            assert!(matches!(from_uri(bad), Err(IdentityError::Unknown(_))), "{bad}");
+            assert!(
+                matches!(from_uri(bad), Err(IdentityError::Unknown(_))),
+                "{bad}"
+            );
         }
     }
 
@@ -319,7 +331,10 @@ mod tests {
     fn certificates_are_read_by_their_podmotion_uri_san() {
         let op = cert(&[OPERATOR_URI], OPERATOR_CN);
         assert_eq!(from_der(&op, false), Ok(Peer::Operator));
-        let a = cert(&["https://example.com/x", &agent_uri("n1")], &agent_cn("n1"));
+        let a = cert(
+            &["https://example.com/x", &agent_uri("n1")],
+            &agent_cn("n1"),
+        );
         assert_eq!(from_der(&a, false), Ok(Peer::Agent("n1".into())));
         // The CN is not trusted: an agent cert with the operator's CN is still the agent.
         let a = cert(&[&agent_uri("n1")], OPERATOR_CN);
@@ -327,8 +342,14 @@ mod tests {
         let two = cert(&[OPERATOR_URI, &agent_uri("n1")], OPERATOR_CN);
         assert_eq!(from_der(&two, true), Err(IdentityError::Ambiguous));
         let foreign = cert(&["spiffe://podmotion.io/agent/Bad"], "x");
-        assert!(matches!(from_der(&foreign, true), Err(IdentityError::BadNode(_))));
-        assert!(matches!(from_der(b"junk", true), Err(IdentityError::Unparsable(_))));
+        assert!(matches!(
+            from_der(&foreign, true),
+            Err(IdentityError::BadNode(_))
+        ));
+        assert!(matches!(
+            from_der(b"junk", true),
+            Err(IdentityError::Unparsable(_))
+        ));
     }
 
     #[test]
@@ -346,6 +367,9 @@ mod tests {
     #[test]
     fn no_chain_is_no_identity() {
         assert_eq!(from_chain(None, true), Err(IdentityError::NoCertificate));
-        assert_eq!(from_chain(Some(&[]), true), Err(IdentityError::NoCertificate));
+        assert_eq!(
+            from_chain(Some(&[]), true),
+            Err(IdentityError::NoCertificate)
+        );
     }
 }

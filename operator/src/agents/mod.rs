@@ -86,26 +86,7 @@ impl WireAgents {
             TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
         };
         let res = match r.step {
-            Step::Prepare | Step::Receive => {
-                let role = if r.step == Step::Prepare {
-                    Role::Source
-                } else {
-                    Role::Target
-                };
-                // pid 0: the agent resolves the container IDs to the pod's process
-                // tree (source) or its holder (target); the operator never sees host
-                // pids.
-                c.prepare(PrepareRequest {
-                    migration_uid: uid.into(),
-                    role: role as i32,
-                    pid: 0,
-                    pid_start_time: 0,
-                    transfer_key: r.transfer_key.0.to_vec(),
-                    tcp: tcp as i32,
-                    container_ids: r.container_ids.clone(),
-                })
-                .await
-            }
+            Step::Prepare | Step::Receive => c.prepare(prepare_request(r, tcp)).await,
             // A pre-copy round is the dump while the workload runs and the stream of
             // what changed to the target: pages move before the freeze, and the
             // stream measures the dirty set and the link for the freeze budget.
@@ -130,6 +111,27 @@ impl WireAgents {
             Step::Cleanup => c.cleanup(uid).await,
         };
         res.map(|_| ()).map_err(|e| fail(&e))
+    }
+}
+
+/// The `Prepare` of the source (`Step::Prepare`) or the target (`Step::Receive`): the
+/// agent resolves the named container IDs to the pod's process tree (source) or its
+/// holder (target) itself (no PID crosses the wire), and the other agent's node is
+/// named as the peer: the target takes images only from the source's agent, the source
+/// streams only to the target's.
+fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation) -> PrepareRequest {
+    let (role, peer) = if r.step == Step::Receive {
+        (Role::Target, &r.source_node)
+    } else {
+        (Role::Source, &r.target_node)
+    };
+    PrepareRequest {
+        migration_uid: r.migration_uid.clone(),
+        role: role as i32,
+        transfer_key: r.transfer_key.0.to_vec(),
+        tcp: tcp as i32,
+        container_ids: r.container_ids.clone(),
+        peer_node: peer.clone(),
     }
 }
 
@@ -239,5 +241,52 @@ impl AgentClient for WireAgents {
             };
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration::key::TransferKey;
+    use podmotion_api::migration::MigrationMode;
+
+    fn request(step: Step) -> StepRequest {
+        StepRequest {
+            migration_uid: "u1".into(),
+            namespace: "ns".into(),
+            source_pod: "web-0".into(),
+            source_pod_uid: "pod-uid".into(),
+            target_pod: "web-0-moved".into(),
+            source_node: "node-a".into(),
+            target_node: "node-b".into(),
+            transfer_key: TransferKey([7; 32]),
+            mode: MigrationMode::Cold,
+            tcp_preservation: TcpPreservation::BestEffort,
+            bandwidth_limit_bytes_per_second: None,
+            probe: None,
+            target_agent_url: Some("https://10.0.0.2:7443".into()),
+            container_ids: vec!["containerd://abc".into()],
+            close_connections: false,
+            step,
+        }
+    }
+
+    #[test]
+    fn each_agent_is_told_the_other_agent_s_node_and_only_container_ids() {
+        let tcp = podmotion_wire::agent::TcpPreservation::BestEffort;
+        let src = prepare_request(&request(Step::Prepare), tcp);
+        assert_eq!(src.role, Role::Source as i32);
+        assert_eq!(
+            src.peer_node, "node-b",
+            "the source streams to the target's agent"
+        );
+        let tgt = prepare_request(&request(Step::Receive), tcp);
+        assert_eq!(tgt.role, Role::Target as i32);
+        assert_eq!(
+            tgt.peer_node, "node-a",
+            "the target takes images from the source's"
+        );
+        assert_eq!(tgt.container_ids, vec!["containerd://abc".to_string()]);
+        assert_eq!(tgt.transfer_key, vec![7; 32]);
     }
 }

@@ -135,24 +135,23 @@ fn agents(mib: usize, precopy: bool) -> Row {
     let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
     tb.add_address_to_target();
     let uid = "bench";
-    let prep = |role: Role, pid: i32| PrepareRequest {
-        migration_uid: uid.into(),
-        role: role as i32,
-        pid,
-        pid_start_time: 0,
-        transfer_key: vec![7; 32],
-        tcp: TcpPreservation::Strict as i32,
-        container_ids: vec![],
-    };
+    let prep_src = tb.prepare_request(
+        uid,
+        0,
+        &tb.container("workload", src.pid),
+        TcpPreservation::Strict,
+    );
+    let prep_tgt = tb.prepare_request(
+        uid,
+        1,
+        &tb.container("holder", holder.pid),
+        TcpPreservation::Strict,
+    );
     let (s, sent_in_freeze, r) = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
-        a.prepare(prep(Role::Source, src.pid))
-            .await
-            .expect("prepare");
-        b.prepare(prep(Role::Target, holder.pid))
-            .await
-            .expect("prepare");
+        a.prepare(prep_src).await.expect("prepare");
+        b.prepare(prep_tgt).await.expect("prepare");
         let mut warm = 0;
         if precopy {
             a.pre_dump(uid).await.expect("pre-dump");
