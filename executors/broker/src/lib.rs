@@ -180,7 +180,7 @@ impl Broker {
     fn connection(self: Arc<Self>, mut s: UnixStream) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let peer_ok = match getsockopt(&s, PeerCredentials) {
-            Ok(c) if c.uid() == self.cfg.allowed_uid => Ok(()),
+            Ok(c) if c.uid() == self.cfg.allowed_uid => same_pod(c.pid()),
             Ok(c) => Err(err(
                 ErrorKind::PeerNotAllowed,
                 format!("peer uid {} is not the agent's uid", c.uid()),
@@ -523,6 +523,25 @@ impl Broker {
         }
         let _ = std::fs::remove_file(&path);
         Ok(())
+    }
+}
+
+/// The peer must share the broker's network namespace: in the chart that is the pod's
+/// (the agent and the broker are its two containers), so a process elsewhere on the node
+/// running as the same uid — another pod's, or a host process — is refused even though
+/// its uid matches.
+fn same_pod(peer: i32) -> Result<(), BrokerError> {
+    let mine = procfs::netns_inode(std::process::id() as i32)?;
+    match procfs::netns_inode(peer) {
+        Ok(theirs) if theirs == mine => Ok(()),
+        Ok(theirs) => Err(err(
+            ErrorKind::PeerNotAllowed,
+            format!("peer pid {peer} is in {theirs}, not the broker's pod ({mine})"),
+        )),
+        Err(_) => Err(err(
+            ErrorKind::PeerNotAllowed,
+            format!("peer pid {peer} cannot be inspected"),
+        )),
     }
 }
 

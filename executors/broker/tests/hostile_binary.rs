@@ -117,7 +117,9 @@ fn frame(body: &[u8]) -> Vec<u8> {
 fn send(sock: &Path, bytes: &[u8], close_write: bool) -> Result<BrokerError, String> {
     let mut s = UnixStream::connect(sock).map_err(|e| format!("connect: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(bytes).map_err(|e| format!("write: {e}"))?;
+    // An oversize prefix is answered and the connection closed at once: a write may
+    // then meet a closed socket while the answer is already waiting to be read.
+    let _ = s.write_all(bytes);
     if close_write {
         s.shutdown(std::net::Shutdown::Write).unwrap();
     }
@@ -635,4 +637,52 @@ fn broker_binary_refuses_a_symlink_at_the_netns_path() {
     c.call(&Request::Forget { uid }).unwrap();
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A client with the agent's uid (root here) but outside the broker's pod — another
+/// network namespace, as another pod's process would be — is refused before any
+/// request is read.
+#[test]
+fn broker_binary_refuses_a_peer_with_the_right_uid_in_another_pod() {
+    if !require_root() {
+        return;
+    }
+    let b = BrokerProcess::start("peer");
+    let client = r#"
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+body = b'{"op":"kill","uid":"m-peer"}'
+try:
+    s.sendall(struct.pack(">I", len(body)) + body)
+except OSError:
+    pass
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+sys.stdout.write(s.recv(n, socket.MSG_WAITALL).decode())
+"#;
+    let answer = |netns: bool| {
+        let mut cmd = if netns {
+            let mut c = Command::new("unshare");
+            c.args(["-n", "python3"]);
+            c
+        } else {
+            Command::new("python3")
+        };
+        let out = cmd
+            .args(["-c", client])
+            .arg(&b.socket)
+            .output()
+            .expect("run python3");
+        assert!(out.status.success(), "client failed: {out:?}");
+        match decode_response(&out.stdout).unwrap() {
+            Response::Err(e) => e,
+            Response::Ok(r) => panic!("accepted: {r:?}"),
+        }
+    };
+    // Same uid, same network namespace: served (the request itself is refused).
+    assert_eq!(answer(false).kind, ErrorKind::NotRegistered);
+    // Same uid, another network namespace: refused as a peer.
+    let e = answer(true);
+    assert_eq!(e.kind, ErrorKind::PeerNotAllowed, "{e}");
+    assert!(e.message.contains("not the broker's pod"), "{e}");
 }
