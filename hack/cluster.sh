@@ -17,6 +17,9 @@
 #   hack/cluster.sh add-runner-nodes
 #                               start the runner nodes (REAL_RUNNER_NODES) on a cluster that
 #                               is already up without them, as `up` starts them
+#   hack/cluster.sh restart-component <component>
+#                               stop one control-plane component (e.g. kube-apiserver) and
+#                               start it again with the arguments it ran with (chaos runs)
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
@@ -546,6 +549,21 @@ cmd_status() {
   return $ok
 }
 
+cmd_restart_component() { # component: stop it, start it with the arguments it ran with
+  local name=$1 pid args=()
+  [[ -n $name ]] || die "usage: $0 restart-component <component>"
+  pid=$(pid_of "$name") || die "$name is not running"
+  mapfile -d '' -t args <"/proc/$pid/cmdline"
+  BIN=$(bin_dir)
+  # Only what `start` started (not a real node's components, which run in a namespace).
+  [[ ${args[0]} == "$BIN/$name" ]] || die "$name runs ${args[0]}, not $BIN/$name: not restartable here"
+  stop "$name"
+  cp "$LOGS/$name.log" "$LOGS/$name.log.before-restart" 2>/dev/null || true
+  T0=$SECONDS
+  start "$name" "${args[@]:1}"
+  wait_healthy "$name"
+}
+
 cmd_env() {
   echo "export KUBECONFIG=$KUBECONFIG_ADMIN"
   echo "export PODMOTION_REGISTRY=$REGISTRY_ADDR"
@@ -572,5 +590,8 @@ case ${1:-} in
     healthy kube-apiserver || die "the cluster is not up (hack/cluster.sh up)"
     T0=$SECONDS
     real_runner_nodes_add ;;
-  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes" >&2; exit 2 ;;
+  restart-component)
+    lock
+    cmd_restart_component "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>" >&2; exit 2 ;;
 esac

@@ -27,6 +27,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+pub mod chaos;
 pub mod operator;
 pub mod real;
 
