@@ -5,8 +5,10 @@
 //!
 //! What stands in for what (the agents' testbed, `podmotion_agent::testbed`):
 //! - the two kwok nodes `pm-node-0` / `pm-node-1` are two agents on loopback, reached
-//!   through the controller's endpoint override, with certificates for the names the
-//!   controller expects (`podmotion-agent.<node>`);
+//!   through the controller's endpoint override, with certificates identifying each
+//!   node's agent (`spiffe://podmotion.io/agent/<node>`, DNS SAN
+//!   `podmotion-agent.<node>`): each agent takes images only from, and streams only
+//!   to, the other node's agent the controller names;
 //! - the source pod's container is the testbed's workload (its own pid and network
 //!   namespace, a TCP server keeping a counter); the target pod's holder container is
 //!   the testbed's holder process;
@@ -211,11 +213,13 @@ impl FullStack {
         } else {
             [NODES[1], NODES[0]]
         };
-        let mut tb = Testbed::with_agent_names(
+        // Agent i's certificate identifies agent/<nodes[i]>: the node the controller
+        // names as the peer of the other agent.
+        let mut tb = Testbed::with_nodes(
             prefix.trim_start_matches("mig-"),
             &workspace_bin("podmotion-agent"),
             &workspace_bin("podmotion-testload"),
-            nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
+            nodes,
         );
         let ports: [u16; 2] = free_ports();
         for (i, port) in ports.iter().enumerate() {
