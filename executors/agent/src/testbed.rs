@@ -157,7 +157,13 @@ pub struct Testbed {
 
 impl Testbed {
     pub fn new(name: &str, agent_bin: &Path, testload_bin: &Path) -> Self {
-        Self::with_agent_names(name, agent_bin, testload_bin, [vec![], vec![]])
+        Self::build(
+            name,
+            agent_bin,
+            testload_bin,
+            AGENT_NAMES.map(str::to_owned),
+            [vec![], vec![]],
+        )
     }
 
     /// A testbed whose agents stand for the Kubernetes nodes `nodes`: their
@@ -170,23 +176,6 @@ impl Testbed {
             testload_bin,
             nodes.map(str::to_owned),
             nodes.map(|n| vec![format!("podmotion-agent.{n}")]),
-        )
-    }
-
-    /// A testbed whose agent certificates also carry `extra_sans` (e.g. the names an
-    /// operator expects for the nodes the agents stand for).
-    pub fn with_agent_names(
-        name: &str,
-        agent_bin: &Path,
-        testload_bin: &Path,
-        extra_sans: [Vec<String>; 2],
-    ) -> Self {
-        Self::build(
-            name,
-            agent_bin,
-            testload_bin,
-            AGENT_NAMES.map(str::to_owned),
-            extra_sans,
         )
     }
 
