@@ -445,83 +445,156 @@ fn the_agent_sees_the_node_read_only_and_finds_the_runtime_socket_under_it() {
 }
 
 #[test]
-fn the_operator_gets_the_migration_master_key_as_a_read_only_file() {
-    let flag = "--migration-key-file=/etc/podmotion/migration-key/key";
+fn key_material_is_made_by_the_operator_at_run_time_never_by_the_chart() {
     let docs = render(&[]);
+    // No Secret at all in the rendering: no CA, no certificate, no master key.
+    assert!(
+        of_kind(&docs, "Secret").is_empty(),
+        "the chart renders key material"
+    );
     let deploy = of_kind(&docs, "Deployment")[0];
     let spec = &deploy["spec"]["template"]["spec"];
     let c = &spec["containers"][0];
+    let args = strs(&c["args"]);
+    for flag in [
+        "--migration-key-secret=pm-podmotion-migration-key",
+        "--key-material-dir=/run/podmotion/keys",
+        "--pki-ca-secret=pm-podmotion-agent-ca",
+        "--pki-bundle-configmap=pm-podmotion-agent-ca",
+        "--pki-agent-service-account=pm-podmotion-migration-agent",
+        "--pki-ca-seconds=31536000",
+        "--pki-leaf-seconds=604800",
+        "--pki-propagation-seconds=300",
+    ] {
+        assert!(args.contains(&flag), "{flag} missing: {args:?}");
+    }
+    // The master key the operator reads through the API lands in memory only.
+    let m = mount(c, "keys").expect("key material directory mounted");
+    assert_eq!(m["mountPath"], "/run/podmotion/keys");
+    assert_eq!(volume(spec, "keys")["emptyDir"]["medium"], "Memory");
+    assert!(mount(c, "migration-key").is_none());
+    assert!(mount(c, "agent-tls").is_none());
+    // A file, never an environment variable; no TLS files either.
+    for e in c["env"].as_array().unwrap() {
+        let n = e["name"].as_str().unwrap();
+        assert!(
+            n != "PODMOTION_MIGRATION_KEY_FILE" && !n.starts_with("PODMOTION_AGENT_TLS_"),
+            "{n}"
+        );
+    }
+    // The agent asks for its own certificate; it gets a token in its container only.
+    let ds = of_kind(&docs, "DaemonSet")[0];
+    let aspec = &ds["spec"]["template"]["spec"];
+    let agent = containers(aspec)
+        .into_iter()
+        .find(|c| c["name"] == "agent")
+        .unwrap();
+    let aargs = strs(&agent["args"]);
+    assert!(aargs.contains(&"--identity-from-csr"), "{aargs:?}");
+    assert!(aargs.contains(&"--ca-bundle-configmap=pm-podmotion-agent-ca"));
+    assert!(!aargs.iter().any(|a| a.starts_with("--tls-")), "{aargs:?}");
+    assert_eq!(aspec["automountServiceAccountToken"], false);
+    let token = volume(aspec, "kube-api-access");
+    let sources = token["projected"]["sources"].as_array().unwrap();
+    assert_eq!(sources[0]["serviceAccountToken"]["expirationSeconds"], 3600);
+    assert!(mount(agent, "kube-api-access").is_some());
+    let broker = containers(aspec)
+        .into_iter()
+        .find(|c| c["name"] == "netns-broker")
+        .unwrap();
+    assert!(
+        mount(broker, "kube-api-access").is_none(),
+        "the broker gets no token"
+    );
+
+    // A Secret of the user's: mounted as a file, nothing managed.
+    let docs = render(&["--set", "migration.masterKey.existingSecret=my-key"]);
+    let spec = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    let c = &spec["containers"][0];
+    let flag = "--migration-key-file=/etc/podmotion/migration-key/key";
     assert!(strs(&c["args"]).contains(&flag), "{}", c["args"]);
+    assert!(
+        !strs(&c["args"])
+            .iter()
+            .any(|a| a.starts_with("--migration-key-secret"))
+    );
     let m = mount(c, "migration-key").expect("master key mounted");
     assert_eq!(m["mountPath"], "/etc/podmotion/migration-key");
     assert_eq!(m["readOnly"], true);
     let v = volume(spec, "migration-key");
-    assert_eq!(v["secret"]["secretName"], "pm-podmotion-migration-key");
-    // Same mode as the client certificate: 0440, group = the pod's fsGroup.
-    assert_eq!(
-        v["secret"]["defaultMode"],
-        volume(spec, "agent-tls")["secret"]["defaultMode"]
-    );
+    assert_eq!(v["secret"]["secretName"], "my-key");
+    // 0440 (rendered `0440`, octal to Kubernetes; read as 440 here), group = the pod's
+    // fsGroup: readable by the operator's non-root uid/gid only.
+    assert_eq!(v["secret"]["defaultMode"].as_f64(), Some(440.0));
     assert!(spec["securityContext"]["fsGroup"].is_number());
-    // Generated in the release namespace, long enough for the operator.
-    let secret = of_kind(&docs, "Secret")
-        .into_iter()
-        .find(|s| name(s) == "pm-podmotion-migration-key")
-        .expect("master key Secret generated");
-    assert_eq!(secret["metadata"]["namespace"], "podmotion-system");
-    let b64 = secret["data"]["key"].as_str().unwrap();
-    let decoded = Command::new("base64")
-        .arg("-d")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut ch| {
-            ch.stdin.take().unwrap().write_all(b64.as_bytes())?;
-            ch.wait_with_output()
-        })
-        .unwrap();
-    assert!(decoded.status.success());
-    assert!(
-        decoded.stdout.trim_ascii().len() >= 32,
-        "master key too short"
-    );
-    // A file, never an environment variable.
-    assert!(
-        !c["env"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|e| e["name"] == "PODMOTION_MIGRATION_KEY_FILE")
-    );
+    assert!(of_kind(&docs, "Secret").is_empty());
 
-    // A Secret of the user's: mounted, none generated.
-    let docs = render(&["--set", "migration.masterKey.existingSecret=my-key"]);
-    let spec = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
-    assert_eq!(
-        volume(spec, "migration-key")["secret"]["secretName"],
-        "my-key"
-    );
-    assert!(
-        of_kind(&docs, "Secret")
-            .iter()
-            .all(|s| !name(s).contains("migration-key"))
-    );
-
-    // Without the migration controller: no key, no flag, no mount.
+    // Without the migration controller: no key, no flag, no PKI.
     let docs = render(&["--set", "operator.controllers={attachment,runner-pool}"]);
     let spec = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
     let c = &spec["containers"][0];
     assert!(
         !strs(&c["args"])
             .iter()
-            .any(|a| a.starts_with("--migration-key-file"))
+            .any(|a| a.starts_with("--migration-key") || a.starts_with("--pki-"))
     );
     assert!(mount(c, "migration-key").is_none());
-    assert!(
-        of_kind(&docs, "Secret")
-            .iter()
-            .all(|s| !name(s).contains("migration-key"))
-    );
+
+    // Lifetimes without room for an overlapping rotation are refused at render time.
+    let err = try_render(
+        "pm",
+        "podmotion-system",
+        &[
+            "--set",
+            "migrationAgent.pki.caValidityDays=2,migrationAgent.pki.leafValidityHours=24",
+        ],
+    )
+    .unwrap_err();
+    assert!(err.contains("at least three times"), "{err}");
+}
+
+/// Argo CD and every GitOps tool render with `helm template`: the output must be a
+/// function of the values alone (no `genCA`, `randAlphaNum`, `lookup`, clock).
+#[test]
+fn helm_template_twice_is_byte_identical() {
+    for variant in [
+        vec![],
+        vec!["--set", "migration.masterKey.existingSecret=my-key"],
+        vec![
+            "--set",
+            "operator.controllers={migration},migrationAgent.pki.leafValidityHours=24",
+        ],
+    ] {
+        let a = try_render("pm", "podmotion-system", &variant).unwrap();
+        let b = try_render("pm", "podmotion-system", &variant).unwrap();
+        assert!(a == b, "two renderings differ ({variant:?})");
+        assert!(a.len() > 10_000, "rendered almost nothing");
+    }
+    // And the templates cannot start differing again: no function whose result is not
+    // a function of the values.
+    for entry in std::fs::read_dir(chart_dir().join("templates")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for f in [
+            "genCA",
+            "genSignedCert",
+            "genSelfSignedCert",
+            "genPrivateKey",
+            "randAlphaNum",
+            "randAlpha",
+            "randNumeric",
+            "randAscii",
+            "randBytes",
+            "uuidv4",
+            "lookup",
+            "now",
+        ] {
+            let used = text
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .any(|w| w == f);
+            assert!(!used, "{} uses {f}", path.display());
+        }
+    }
 }
 
 /// Every rule of every Role and ClusterRole of a rendering: (kind/name, namespace, rule).
@@ -578,7 +651,16 @@ fn rbac_has_no_wildcards_and_reads_no_secrets_outside_the_agents_namespace() {
         }
         if resources.contains(&"secrets") {
             let reads = verbs.iter().any(|v| matches!(*v, "get" | "list" | "watch"));
-            assert!(!reads, "{who} ({ns}) reads Secrets: {rule}");
+            // The only Secrets read are the operator's own key material, by name, in
+            // its own namespace.
+            let own_key_material = who == "Role/pm-podmotion-key-material"
+                && ns == "podmotion-system"
+                && strs(&rule["resourceNames"])
+                    == vec!["pm-podmotion-agent-ca", "pm-podmotion-migration-key"];
+            assert!(
+                !reads || own_key_material,
+                "{who} ({ns}) reads Secrets: {rule}"
+            );
         }
         if resources.contains(&"jobs") {
             assert_eq!(
@@ -636,16 +718,51 @@ fn disabled_controllers_lose_their_permissions() {
         "RunnerPool applies its credential"
     );
 
-    // The migration controller alone writes Secrets with create and delete only: the
-    // transfer key is derived from the master key file, never read back or patched.
+    // The migration controller writes Secrets with create and delete only (the
+    // transfer key is derived from the master key, never read back or patched); the
+    // key material (CA, master key) is read and replaced by name in the operator's
+    // namespace only.
     let docs = render(&["--set", "operator.controllers={migration}"]);
     let all = rules(&docs);
-    let secret_verbs: Vec<Vec<&str>> = all
+    let secret_rules: Vec<(String, String, Vec<&str>, Vec<&str>)> = all
         .iter()
         .filter(|(_, _, r)| strs(&r["resources"]).contains(&"secrets"))
-        .map(|(_, _, r)| strs(&r["verbs"]))
+        .map(|(who, ns, r)| {
+            (
+                who.clone(),
+                ns.clone(),
+                strs(&r["verbs"]),
+                strs(&r["resourceNames"]),
+            )
+        })
         .collect();
-    assert_eq!(secret_verbs, vec![vec!["create", "delete"]]);
+    let key_material = "Role/pm-podmotion-key-material".to_string();
+    let own = "podmotion-system".to_string();
+    assert_eq!(
+        secret_rules,
+        vec![
+            (
+                "ClusterRole/pm-podmotion-operator".to_string(),
+                String::new(),
+                vec!["create", "delete"],
+                vec![]
+            ),
+            (key_material.clone(), own.clone(), vec!["create"], vec![]),
+            (
+                key_material,
+                own,
+                vec!["get", "list", "watch", "update"],
+                vec!["pm-podmotion-agent-ca", "pm-podmotion-migration-key"]
+            ),
+        ]
+    );
+    // Without the migration controller there is no key material at all.
+    let docs = render(&["--set", "operator.controllers={runner-pool}"]);
+    assert!(
+        docs.iter()
+            .all(|d| !name(d).contains("key-material") && !name(d).contains("agent-signer")),
+        "key material RBAC without the migration controller"
+    );
     assert!(
         !docs.iter().any(is_hook),
         "no attachment controller, nothing to reap"
@@ -757,6 +874,8 @@ fn every_operator_flag_has_a_value_in_the_chart() {
             "--set",
             "imagePullSecrets[0].name=regcred,imagePullSecrets[1].name=mirror",
         ],
+        // The user's own master key: mounted as a file (--migration-key-file).
+        vec!["--set", "migration.masterKey.existingSecret=my-key"],
     ] {
         let docs = render(&variant);
         let deploy = of_kind(&docs, "Deployment")[0];
@@ -785,8 +904,16 @@ fn every_operator_flag_has_a_value_in_the_chart() {
             env.insert(e["name"].as_str().unwrap().to_string());
         }
     }
+    // The operator's agent identity from files (runs without the run-time PKI): the
+    // chart always uses the run-time PKI (--pki-*) instead.
+    let files_only = [
+        "migration-agent-tls-ca",
+        "migration-agent-tls-cert",
+        "migration-agent-tls-key",
+    ];
     let missing: Vec<String> = flags
         .iter()
+        .filter(|(long, _)| !files_only.contains(&long.as_str()))
         .filter(|(long, var)| {
             let by_flag = !long.is_empty() && args.contains(long);
             let by_env = var.as_ref().is_some_and(|v| env.contains(v));
@@ -1573,8 +1700,16 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
         ("agent", "executors/agent/src"),
         ("netns-broker", "executors/broker/src"),
     ] {
-        // Local runs only (kwok nodes): the chart leaves them at their (unset) default.
-        let local_only = ["container-table"];
+        // Local runs only (kwok nodes), and the identity from files (tests, or
+        // certificates managed elsewhere; the chart uses --identity-from-csr): the
+        // chart leaves them at their (unset) default.
+        let local_only = [
+            "container-table",
+            "tls-ca",
+            "tls-cert",
+            "tls-key",
+            "tls-reload-seconds",
+        ];
         let declared: Vec<_> = clap_flags(src, false)
             .into_iter()
             .filter(|(long, _)| !local_only.contains(&long.as_str()))
@@ -1635,8 +1770,12 @@ fn operator_binary() -> PathBuf {
 }
 
 /// A kubeconfig that authenticates as `sa` in `ns` with a short-lived token.
-fn service_account_kubeconfig(ns: &str, sa: &str, path: &Path) {
-    let token = kubectl(&["-n", ns, "create", "token", sa, "--duration=15m"], None);
+/// A kubeconfig authenticating as `sa` with a token from `kubectl create token` (plus
+/// `token_args`, e.g. a bound object).
+fn service_account_kubeconfig(ns: &str, sa: &str, path: &Path, token_args: &[&str]) {
+    let mut args = vec!["-n", ns, "create", "token", sa, "--duration=15m"];
+    args.extend_from_slice(token_args);
+    let token = kubectl(&args, None);
     assert!(token.status.success(), "{}", output_text(&token));
     let view = |jsonpath: &str| {
         let out = kubectl(
@@ -1691,89 +1830,177 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
     buf.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The chart's operator Deployment run as a local process: its args and environment as
+/// the kubelet would expand them, its Secret volumes and its key-material directory
+/// as local directories, as the chart's ServiceAccount (a token kubeconfig).
+struct LocalOperator {
+    child: KillOnDrop,
+    log: PathBuf,
+    port: u16,
+    identity: String,
+    sa: String,
+    kubeconfig: PathBuf,
+    dirs: Vec<PathBuf>,
+}
+
+impl LocalOperator {
+    /// `overrides`: `(flag prefix, replacement)` for args of the Deployment.
+    fn start(inst: &Installed, overrides: &[(&str, String)]) -> LocalOperator {
+        let op = inst.operator_ns.name.clone();
+        let sa = format!("{}-podmotion", inst.release);
+        let kubeconfig =
+            std::env::temp_dir().join(format!("podmotion-{}-sa.kubeconfig", inst.release));
+        service_account_kubeconfig(&op, &sa, &kubeconfig, &[]);
+        let deploy = of_kind(&inst.docs, "Deployment")[0];
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let identity = format!("{sa}-e2e");
+        // Secret volumes (a user's migration master key) as the kubelet would mount
+        // them; the memory-backed key-material directory as a private directory.
+        let mounts = materialize_secret_mounts(deploy, &op, &inst.release);
+        let keys = std::env::temp_dir().join(format!("podmotion-{}-keys", inst.release));
+        std::fs::create_dir_all(&keys).unwrap();
+        let local = |v: &str| {
+            mounts.iter().fold(v.to_string(), |v, (mount, dir)| {
+                v.replace(mount.as_str(), &dir.to_string_lossy())
+            })
+        };
+        let args: Vec<String> = strs(&c["args"])
+            .into_iter()
+            .map(|a| {
+                if let Some((_, r)) = overrides.iter().find(|(p, _)| a.starts_with(p)) {
+                    r.clone()
+                } else if a.starts_with("--http-addr=") {
+                    format!("--http-addr=127.0.0.1:{port}")
+                } else if a.starts_with("--key-material-dir=") {
+                    format!("--key-material-dir={}", keys.display())
+                } else if a.starts_with("--log-format=") {
+                    // Text: the client's HTTP spans (with status codes) are on each line.
+                    "--log-format=text".to_string()
+                } else {
+                    local(a)
+                        .replace("$(POD_NAMESPACE)", &op)
+                        .replace("$(POD_NAME)", &identity)
+                }
+            })
+            .collect();
+        let log = std::env::temp_dir().join(format!("podmotion-{}-operator.log", inst.release));
+        let mut cmd = Command::new(operator_binary());
+        cmd.args(&args)
+            .env_clear()
+            .env("KUBECONFIG", &kubeconfig)
+            .env("POD_NAMESPACE", &op)
+            .env("POD_NAME", &identity)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::options().append(true).open(&log).unwrap());
+        // Never let a test's operator loose on the whole cluster (other tests' objects).
+        for var in [
+            "PODMOTION_ATTACHMENT_WATCH_NAMESPACE",
+            "PODMOTION_MIGRATION_NAMESPACE",
+            "PODMOTION_RUNNER_POOL_NAMESPACE",
+        ] {
+            let value = c["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == var)
+                .and_then(|e| e["value"].as_str());
+            assert_eq!(
+                value,
+                Some(op.as_str()),
+                "{var} must scope the test's operator"
+            );
+        }
+        for e in c["env"].as_array().unwrap() {
+            if let Some(v) = e["value"].as_str() {
+                cmd.env(e["name"].as_str().unwrap(), local(v));
+            }
+        }
+        // Every API response with its status code, to find any refusal.
+        cmd.env("RUST_LOG", "info,kube_client=debug");
+        let child = KillOnDrop(cmd.spawn().expect("starting podmotion-operator"));
+        let mut dirs: Vec<PathBuf> = mounts.into_iter().map(|(_, d)| d).collect();
+        dirs.push(keys);
+        LocalOperator {
+            child,
+            log,
+            port,
+            identity,
+            sa,
+            kubeconfig,
+            dirs,
+        }
+    }
+
+    fn text(&self) -> String {
+        strip_ansi(&std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+
+    /// Lines of requests the API server refused for lack of permission.
+    fn refused(&self) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|l| l.contains("status_code=403"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Waits until /readyz answers 200; panics with the log otherwise.
+    async fn wait_ready(&mut self) {
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        while http_status(self.port, "/readyz") != Some(200) && std::time::Instant::now() < deadline
+        {
+            if let Ok(Some(status)) = self.child.0.try_wait() {
+                panic!(
+                    "podmotion-operator exited ({status}) as {}:\n{}",
+                    self.sa,
+                    self.text()
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+        assert_eq!(
+            http_status(self.port, "/readyz"),
+            Some(200),
+            "not ready as {}:\n{}",
+            self.sa,
+            self.text()
+        );
+    }
+}
+
+impl Drop for LocalOperator {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.kubeconfig);
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_operator_runs_with_only_the_charts_permissions() {
     let Some(inst) = install("run", true).await else {
         return;
     };
     let op = inst.operator_ns.name.clone();
-    let sa = format!("{}-podmotion", inst.release);
-    let kubeconfig = std::env::temp_dir().join(format!("podmotion-{}-sa.kubeconfig", inst.release));
-    service_account_kubeconfig(&op, &sa, &kubeconfig);
-
-    // The Deployment's own args and environment, as the kubelet would expand them.
     let deploy = of_kind(&inst.docs, "Deployment")[0];
     let c = &deploy["spec"]["template"]["spec"]["containers"][0];
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let identity = format!("{sa}-e2e");
-    // Secret volumes (the agents' client certificate, the migration master key) as the
-    // kubelet would mount them.
-    let mounts = materialize_secret_mounts(deploy, &op, &inst.release);
-    let local = |v: &str| {
-        mounts.iter().fold(v.to_string(), |v, (mount, dir)| {
-            v.replace(mount.as_str(), &dir.to_string_lossy())
-        })
-    };
     assert!(
         strs(&c["args"])
             .iter()
-            .any(|a| a.starts_with("--migration-key-file=")),
+            .any(|a| a.starts_with("--migration-key-secret=")),
         "the operator is given its master key"
     );
-    let args: Vec<String> = strs(&c["args"])
-        .into_iter()
-        .map(|a| {
-            if a.starts_with("--http-addr=") {
-                format!("--http-addr=127.0.0.1:{port}")
-            } else if a.starts_with("--log-format=") {
-                // Text: the client's HTTP spans (with status codes) are on each line.
-                "--log-format=text".to_string()
-            } else {
-                local(a)
-                    .replace("$(POD_NAMESPACE)", &op)
-                    .replace("$(POD_NAME)", &identity)
-            }
-        })
-        .collect();
-    let log = std::env::temp_dir().join(format!("podmotion-{}-operator.log", inst.release));
-    let mut cmd = Command::new(operator_binary());
-    cmd.args(&args)
-        .env_clear()
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAMESPACE", &op)
-        .env("POD_NAME", &identity)
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::options().append(true).open(&log).unwrap());
-    // Never let a test's operator loose on the whole cluster (other tests' objects).
-    for var in [
-        "PODMOTION_ATTACHMENT_WATCH_NAMESPACE",
-        "PODMOTION_MIGRATION_NAMESPACE",
-        "PODMOTION_RUNNER_POOL_NAMESPACE",
-    ] {
-        let value = c["env"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["name"] == var)
-            .and_then(|e| e["value"].as_str());
-        assert_eq!(
-            value,
-            Some(op.as_str()),
-            "{var} must scope the test's operator"
-        );
-    }
-    for e in c["env"].as_array().unwrap() {
-        if let Some(v) = e["value"].as_str() {
-            cmd.env(e["name"].as_str().unwrap(), local(v));
-        }
-    }
-    // Every API response with its status code, to find any refusal.
-    cmd.env("RUST_LOG", "info,kube_client=debug");
-    let mut child = KillOnDrop(cmd.spawn().expect("starting podmotion-operator"));
+    let mut child = LocalOperator::start(&inst, &[]);
+    let sa = child.sa.clone();
 
     // Every controller starts: it lists and watches its kind (and what it owns) with
     // the chart's permissions and is never refused (the client's debug log records
@@ -1786,11 +2013,13 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     let deadline = std::time::Instant::now() + TIMEOUT;
     let mut text = String::new();
     while std::time::Instant::now() < deadline {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            let err = std::fs::read_to_string(&log).unwrap_or_default();
-            panic!("podmotion-operator exited ({status}) as {sa}:\n{err}");
+        if let Ok(Some(status)) = child.child.0.try_wait() {
+            panic!(
+                "podmotion-operator exited ({status}) as {sa}:\n{}",
+                child.text()
+            );
         }
-        text = std::fs::read_to_string(&log).unwrap_or_default();
+        text = child.text();
         if started(&text) {
             break;
         }
@@ -1800,40 +2029,28 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     // Let the watches, the sweep and the first reconciles run.
     tokio::time::sleep(std::time::Duration::from_secs(10)).await;
     assert!(
-        matches!(child.0.try_wait(), Ok(None)),
+        matches!(child.child.0.try_wait(), Ok(None)),
         "podmotion-operator exited as {sa}"
     );
-    let text = strip_ansi(&std::fs::read_to_string(&log).unwrap_or_default());
+    let text = child.text();
     // The pattern below matches this log format: accepted requests are recorded.
     assert!(
         text.contains("status_code=200"),
         "no response codes in the operator's log:\n{text}"
     );
-    // The master key came from the mounted Secret, not the random fallback.
+    // The master key came from its Secret, not the random fallback.
     assert!(
         !text.contains("no --migration-key-file"),
-        "the operator did not read its master key file:\n{text}"
+        "the operator did not get its master key:\n{text}"
     );
-    let refused: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains("status_code=403"))
-        .collect();
+    let refused = child.refused();
     assert!(
         refused.is_empty(),
         "requests refused by RBAC as {sa}:\n{}",
         refused.join("\n")
     );
     // And it becomes ready: every controller's caches synced with these permissions.
-    let deadline = std::time::Instant::now() + TIMEOUT;
-    while http_status(port, "/readyz") != Some(200) && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    }
-    assert_eq!(
-        http_status(port, "/readyz"),
-        Some(200),
-        "not ready as {sa}:\n{}",
-        strip_ansi(&std::fs::read_to_string(&log).unwrap_or_default())
-    );
+    child.wait_ready().await;
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(inst.operator_ns.client.clone(), &op);
     wait_for(
@@ -1844,17 +2061,330 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
         |l| {
             l.and_then(|l| l.spec.as_ref())
                 .and_then(|s| s.holder_identity.as_deref())
-                == Some(identity.as_str())
+                == Some(child.identity.as_str())
         },
     )
     .await
     .unwrap();
-    assert_eq!(http_status(port, "/healthz"), Some(200));
-    let _ = std::fs::remove_file(&kubeconfig);
-    let _ = std::fs::remove_file(&log);
-    for (_, dir) in mounts {
-        let _ = std::fs::remove_dir_all(dir);
+    assert_eq!(http_status(child.port, "/healthz"), Some(200));
+    // The key material was made at run time, with these permissions: the master key
+    // and the CA in the operator's namespace, the CA bundle in the agents'.
+    let key = secret_data(&op, &format!("{}-podmotion-migration-key", inst.release));
+    assert_eq!(
+        key["data"]["key"].as_str().map(str::len),
+        Some(88),
+        "64 bytes, base64"
+    );
+    let ca = secret_data(&op, &format!("{}-podmotion-agent-ca", inst.release));
+    for k in ["ca.crt", "ca.key", "ca-bundle.crt", "rotation.json"] {
+        assert!(
+            ca["data"][k].is_string(),
+            "CA Secret without {k}: {}",
+            ca["data"]
+        );
     }
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(inst.agents_ns.client.clone(), &inst.agents_ns.name);
+    wait_for(
+        &cms,
+        &format!("{}-podmotion-agent-ca", inst.release),
+        TIMEOUT,
+        "the CA bundle",
+        |c| {
+            c.and_then(|c| c.data.as_ref())
+                .and_then(|d| d.get("ca.crt"))
+                .is_some_and(|b| b.contains("BEGIN CERTIFICATE"))
+        },
+    )
+    .await
+    .unwrap();
+    let refused = child.refused();
+    assert!(
+        refused.is_empty(),
+        "requests refused by RBAC as {sa}:\n{}",
+        refused.join("\n")
+    );
+}
+
+/// A client for the API as `sa` of `ns` with a token bound to `pod` (what the kubelet
+/// gives the agent container).
+async fn pod_bound_client(ns: &str, sa: &str, pod: &Pod, tag: &str) -> kube::Client {
+    let path = std::env::temp_dir().join(format!("podmotion-{tag}.kubeconfig"));
+    let name = pod.metadata.name.clone().unwrap();
+    let uid = pod.metadata.uid.clone().unwrap();
+    service_account_kubeconfig(
+        ns,
+        sa,
+        &path,
+        &[
+            "--bound-object-kind=Pod",
+            &format!("--bound-object-name={name}"),
+            &format!("--bound-object-uid={uid}"),
+        ],
+    );
+    client_from_kubeconfig(&path).await
+}
+
+async fn client_from_kubeconfig(path: &Path) -> kube::Client {
+    let kc = kube::config::Kubeconfig::read_from(path).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(path);
+    kube::Client::try_from(cfg).unwrap()
+}
+
+/// Dials a server using `tls` as the client identity (trusting its bundle) and returns
+/// the server's certificate (DER).
+async fn served_certificate(
+    addr: std::net::SocketAddr,
+    client: &podmotion_wire::client::TlsMaterial,
+    expect: &str,
+) -> Vec<u8> {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{
+        CertificateDer, PrivateKeyDer, ServerName, pem::PemObject,
+    };
+    let verifier = podmotion_wire::identity::PeerVerifier::new(
+        &client.ca_pem,
+        podmotion_wire::identity::Peer::Agent(expect.into()),
+        false,
+    )
+    .unwrap();
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&client.cert_pem)
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_slice(&client.key_pem).unwrap();
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .dangerous()
+    .with_custom_certificate_verifier(Arc::new(verifier))
+    .with_client_auth_cert(chain, key)
+    .unwrap();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let s = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(
+            ServerName::try_from(format!("podmotion-agent.{expect}")).unwrap(),
+            tcp,
+        )
+        .await
+        .expect("TLS handshake with the agent");
+    s.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+fn der_of(pem: &[u8]) -> Vec<u8> {
+    use tokio_rustls::rustls::pki_types::{CertificateDer, pem::PemObject};
+    CertificateDer::from_pem_slice(pem).unwrap().to_vec()
+}
+
+/// Issue 16, findings 2 and 3: each node agent gets its own identity from the
+/// operator at run time (CertificateSigningRequest, signer podmotion.io/agent-serving),
+/// an agent cannot obtain another node's, and a running agent serves the certificate
+/// the operator re-issues after a CA rotation without restarting. The operator is the
+/// chart's Deployment run as the chart's ServiceAccount (every 403 fails the test);
+/// the agents are the chart's DaemonSet pods (on kwok nodes) and their requests carry
+/// real tokens bound to those pods.
+#[tokio::test]
+async fn agents_get_their_own_node_certificate_and_never_another_s() {
+    use podmotion_agent::csr::{self, CsrError};
+    use podmotion_wire::identity::{self, Peer};
+    let Some(inst) = install("pki", true).await else {
+        return;
+    };
+    let agents_ns = inst.agents_ns.name.clone();
+    let agent_sa = format!("{}-podmotion-migration-agent", inst.release);
+    let bundle_cm = format!("{}-podmotion-agent-ca", inst.release);
+    // Short lifetimes so that the CA rotates during the test: CA 120 s (rotated with
+    // 40 s left), leaves 30 s (renewed at 20 s), 3 s for a new CA to propagate.
+    let mut op = LocalOperator::start(
+        &inst,
+        &[
+            ("--pki-ca-seconds=", "--pki-ca-seconds=120".to_string()),
+            ("--pki-leaf-seconds=", "--pki-leaf-seconds=30".to_string()),
+            (
+                "--pki-propagation-seconds=",
+                "--pki-propagation-seconds=3".to_string(),
+            ),
+        ],
+    );
+    op.wait_ready().await;
+
+    // Two agent pods of the DaemonSet, on two nodes.
+    let pods: Api<Pod> = Api::namespaced(inst.agents_ns.client.clone(), &agents_ns);
+    let selector = format!(
+        "app.kubernetes.io/component=migration-agent,app.kubernetes.io/instance={}",
+        inst.release
+    );
+    let listed = wait_list(&pods, &selector, TIMEOUT, "two agent pods on nodes", |ps| {
+        let nodes: BTreeSet<_> = ps
+            .iter()
+            .filter_map(|p| p.spec.as_ref().and_then(|s| s.node_name.clone()))
+            .collect();
+        nodes.len() >= 2
+    })
+    .await
+    .unwrap();
+    let mut by_node: Vec<(String, Pod)> = Vec::new();
+    for p in listed {
+        let node = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        if !node.is_empty() && !by_node.iter().any(|(n, _)| *n == node) {
+            by_node.push((node, p));
+        }
+    }
+    let (node_a, pod_a) = by_node[0].clone();
+    let (node_b, pod_b) = by_node[1].clone();
+    let tag = &inst.release;
+    let client_a = pod_bound_client(&agents_ns, &agent_sa, &pod_a, &format!("{tag}-a")).await;
+    let client_b = pod_bound_client(&agents_ns, &agent_sa, &pod_b, &format!("{tag}-b")).await;
+    let timeout = std::time::Duration::from_secs(60);
+
+    // Agent A asks for node B's identity: denied, whatever it puts in the request.
+    let key = rcgen::KeyPair::generate().unwrap();
+    match csr::request_certificate(&client_a, &node_b, &key, timeout).await {
+        Err(CsrError::Denied {
+            reason, message, ..
+        }) => {
+            assert_eq!(reason, "IdentityMismatch", "{message}")
+        }
+        other => panic!("agent on {node_a} asking for {node_b}: {other:?}"),
+    }
+    // The agents' ServiceAccount without a pod-bound token: denied.
+    let unbound_path = std::env::temp_dir().join(format!("podmotion-{tag}-unbound.kubeconfig"));
+    service_account_kubeconfig(&agents_ns, &agent_sa, &unbound_path, &[]);
+    let unbound = client_from_kubeconfig(&unbound_path).await;
+    match csr::request_certificate(&unbound, &node_a, &key, timeout).await {
+        Err(CsrError::Denied { reason, .. }) => assert_eq!(reason, "NotBoundToAPod"),
+        other => panic!("unbound token: {other:?}"),
+    }
+
+    // Each asks for its own: issued, distinct, exactly that node's identity, signed by
+    // the CA the bundle names first.
+    let cert_a = csr::request_certificate(&client_a, &node_a, &key, timeout)
+        .await
+        .expect("agent A's own certificate");
+    let key_b = rcgen::KeyPair::generate().unwrap();
+    let cert_b = csr::request_certificate(&client_b, &node_b, &key_b, timeout)
+        .await
+        .expect("agent B's own certificate");
+    assert_ne!(cert_a, cert_b);
+    assert_eq!(
+        identity::from_pem(cert_a.as_bytes(), false),
+        Ok(Peer::Agent(node_a.clone()))
+    );
+    assert_eq!(
+        identity::from_pem(cert_b.as_bytes(), false),
+        Ok(Peer::Agent(node_b.clone()))
+    );
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(inst.agents_ns.client.clone(), &agents_ns);
+    let bundle = |c: &k8s_openapi::api::core::v1::ConfigMap| {
+        c.data
+            .as_ref()
+            .and_then(|d| d.get("ca.crt"))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let first_bundle = bundle(&cms.get(&bundle_cm).await.unwrap());
+    let signing = |b: &str| podmotion_wire::client::cert_names(b.as_bytes()).unwrap().0;
+    let issuer = |c: &str| podmotion_wire::client::cert_names(c.as_bytes()).unwrap().1;
+    assert_eq!(issuer(&cert_a), signing(&first_bundle));
+
+    // A running agent (the agent binary's own identity code and TLS acceptor) and a
+    // peer dialling it with its own certificate.
+    let tls = csr::start(
+        client_a.clone(),
+        csr::CsrSettings {
+            node: node_a.clone(),
+            namespace: agents_ns.clone(),
+            bundle_configmap: bundle_cm.clone(),
+            timeout,
+        },
+    )
+    .await
+    .expect("the agent's identity");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut incoming = Box::pin(podmotion_wire::client::tls_incoming(listener, tls.clone()));
+    let server = tokio::spawn(async move {
+        use futures::StreamExt;
+        let mut held = vec![];
+        while let Some(Ok(s)) = incoming.next().await {
+            held.push(s);
+        }
+    });
+    let peer = podmotion_wire::client::TlsMaterial {
+        ca_pem: first_bundle.clone().into_bytes(),
+        cert_pem: cert_b.clone().into_bytes(),
+        key_pem: key_b.serialize_pem().into_bytes(),
+    };
+    let served_first = served_certificate(addr, &peer, &node_a).await;
+    assert_eq!(served_first, der_of(&tls.material().cert_pem));
+
+    // The CA rotates (a third of its life left): a new signing CA first in the bundle,
+    // the old one still trusted; the running agent re-issues at once and serves it.
+    let rotated = wait_for(
+        &cms,
+        &bundle_cm,
+        std::time::Duration::from_secs(180),
+        "a new signing CA",
+        |c| {
+            c.is_some_and(|c| {
+                let b = bundle(c);
+                b.matches("BEGIN CERTIFICATE").count() >= 2 && signing(&b) != signing(&first_bundle)
+            })
+        },
+    )
+    .await
+    .unwrap();
+    let new_bundle = bundle(rotated.as_ref().expect("the bundle"));
+    assert!(
+        new_bundle.contains(first_bundle.trim()),
+        "the old CA left the bundle too early"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let m = tls.material();
+        if issuer(std::str::from_utf8(&m.cert_pem).unwrap()) == signing(&new_bundle) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not re-issue from the new CA"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    // Same process, same listener: the new certificate is what a new connection gets,
+    // and the peer's certificate of the old CA is still accepted (overlap).
+    let m = tls.material();
+    let peer_new_trust = podmotion_wire::client::TlsMaterial {
+        ca_pem: new_bundle.clone().into_bytes(),
+        ..peer.clone()
+    };
+    let served_after = served_certificate(addr, &peer_new_trust, &node_a).await;
+    assert_eq!(served_after, der_of(&m.cert_pem));
+    assert_ne!(served_after, served_first);
+    assert_eq!(
+        identity::from_der(&served_after, false),
+        Ok(Peer::Agent(node_a.clone()))
+    );
+    server.abort();
+    let refused = op.refused();
+    assert!(
+        refused.is_empty(),
+        "requests refused by RBAC as the operator:\n{}",
+        refused.join("\n")
+    );
+    let text = op.text();
+    assert!(text.contains("agent certificate request denied"), "{text}");
 }
 
 /// Writes the Secrets mounted into the first container of `workload` to local
@@ -1923,12 +2453,32 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
     };
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
+    // Installed first with the last chart that generated key material at render time
+    // (genCA, randAlphaNum, lookup), then upgraded to this one: what a user upgrading
+    // from it goes through.
+    let old_dir = std::env::temp_dir().join(format!("podmotion-{release}-old-chart"));
+    std::fs::create_dir_all(&old_dir).unwrap();
+    let archive = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "git -C {} archive {OLD_KEY_MATERIAL_CHART} charts/podmotion | tar -x -C {}",
+            repo_root().display(),
+            old_dir.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        archive.status.success(),
+        "the old chart from git ({OLD_KEY_MATERIAL_CHART}; needs the history): {}",
+        output_text(&archive)
+    );
+    let old_chart = old_dir.join("charts/podmotion");
     // The CRDs already exist on this shared control plane (other tests apply them):
     // the release takes them over, as an upgrade from a manual install would.
     let install = helm_cmd(&[
         "install",
         &release,
-        chart,
+        old_chart.to_str().unwrap(),
         "-n",
         &op.name,
         "--take-ownership",
@@ -1939,44 +2489,18 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
     ]);
     assert!(
         install.status.success(),
-        "helm install:\n{}",
+        "helm install (old chart):\n{}",
         output_text(&install)
     );
-    assert!(
-        String::from_utf8_lossy(&install.stdout).contains("rollout status deployment/"),
-        "NOTES tell what to do next:\n{}",
-        output_text(&install)
-    );
-
-    // The chart created the agents' namespace at the level they need.
-    let out = kubectl(&["get", "namespace", &agents, "-o", "json"], None);
-    assert!(out.status.success(), "{}", output_text(&out));
-    let ns: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        ns.pointer("/metadata/labels/pod-security.kubernetes.io~1enforce"),
-        Some(&json!("privileged"))
-    );
-
-    // The agents' certificate names every node (looked up at install).
+    // The old chart rendered key material into the release.
     let agent_tls = format!("{release}-podmotion-migration-agent-tls");
-    let before = secret_data(&agents, &agent_tls);
     let master_key = format!("{release}-podmotion-migration-key");
-    let key_before = secret_data(&op.name, &master_key);
-    let sans = before
-        .pointer("/metadata/annotations/podmotion.io~1sans")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
-    let nodes = kubectl(&["get", "nodes", "-o", "name"], None);
-    for node in String::from_utf8_lossy(&nodes.stdout).lines() {
-        let node = node.trim_start_matches("node/");
-        assert!(
-            sans.contains(&format!("podmotion-agent.{node}")),
-            "{node} missing from {sans}"
-        );
-    }
+    let _ = secret_data(&agents, &agent_tls);
+    let _ = secret_data(&op.name, &master_key);
 
-    // An upgrade keeps the certificates (no churn on every sync).
+    // Upgrade to this chart: it succeeds; Helm deletes the Secrets it had rendered (they
+    // left the chart), and the operator makes the key material at run time instead
+    // (docs/security.md: migrations in flight during this one upgrade roll back).
     let upgrade = helm_cmd(&[
         "upgrade",
         &release,
@@ -1987,23 +2511,86 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
         "--wait",
         "--timeout",
         "3m",
-        "--set",
-        "operator.concurrency=4",
+    ]);
+    assert!(
+        upgrade.status.success(),
+        "helm upgrade from the old chart:\n{}",
+        output_text(&upgrade)
+    );
+    assert!(
+        String::from_utf8_lossy(&upgrade.stdout).contains("rollout status deployment/"),
+        "NOTES tell what to do next:\n{}",
+        output_text(&upgrade)
+    );
+    let _ = std::fs::remove_dir_all(&old_dir);
+    for (ns, name) in [(&agents, &agent_tls), (&op.name, &master_key)] {
+        let out = kubectl(
+            &[
+                "-n",
+                ns,
+                "get",
+                "secret",
+                name,
+                "--ignore-not-found",
+                "-o",
+                "name",
+            ],
+            None,
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+            "{ns}/{name} left behind by the upgrade"
+        );
+    }
+
+    // The chart created the agents' namespace at the level they need.
+    let out = kubectl(&["get", "namespace", &agents, "-o", "json"], None);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let ns: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        ns.pointer("/metadata/labels/pod-security.kubernetes.io~1enforce"),
+        Some(&json!("privileged"))
+    );
+
+    // An upgrade with the same chart changes nothing but what the values change: the
+    // release's manifest holds no Secret, nothing that could churn on a sync.
+    let manifest = |rev: &str| {
+        let out = helm_cmd(&[
+            "get",
+            "manifest",
+            &release,
+            "-n",
+            &op.name,
+            "--revision",
+            rev,
+        ]);
+        assert!(out.status.success(), "{}", output_text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let upgrade = helm_cmd(&[
+        "upgrade",
+        &release,
+        chart,
+        "-n",
+        &op.name,
+        "--force-conflicts",
+        "--wait",
+        "--timeout",
+        "3m",
     ]);
     assert!(
         upgrade.status.success(),
         "helm upgrade:\n{}",
         output_text(&upgrade)
     );
-    let after = secret_data(&agents, &agent_tls);
     assert_eq!(
-        before["data"], after["data"],
-        "upgrade regenerated the agent certificate"
+        manifest("2"),
+        manifest("3"),
+        "the same upgrade rendered something new"
     );
-    let key_after = secret_data(&op.name, &master_key);
-    assert_eq!(
-        key_before["data"], key_after["data"],
-        "upgrade regenerated the migration master key (in-flight migrations would fail)"
+    assert!(
+        !manifest("3").contains("kind: Secret"),
+        "the release renders a Secret"
     );
 
     // Uninstall runs the pre-delete reap-all hook (it must complete, or uninstall
@@ -2056,6 +2643,9 @@ async fn helm_install_upgrade_and_uninstall_keep_the_crds_and_run_the_reap_hook(
         output_text(&out)
     );
 }
+
+/// The last commit whose chart rendered key material (genCA, randAlphaNum, lookup).
+const OLD_KEY_MATERIAL_CHART: &str = "4b97ae3";
 
 /// `s` without ANSI colour sequences (tracing colours its output even into a file).
 fn strip_ansi(s: &str) -> String {

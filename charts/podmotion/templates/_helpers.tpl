@@ -79,7 +79,23 @@ app.kubernetes.io/component: migration-agent
 {{- end }}
 {{- if has "migration" .Values.operator.controllers }}
 {{- /* A file, not an environment variable: the key never shows in the pod spec. */}}
+{{- if .Values.migration.masterKey.existingSecret }}
 - --migration-key-file={{ include "podmotion.migrationKeyDir" . }}/key
+{{- else }}
+{{- /* Made by the operator at run time (never by Helm), read through the API. */}}
+- --migration-key-secret={{ include "podmotion.migrationKeySecret" . }}
+{{- end }}
+{{- end }}
+- --key-material-dir=/run/podmotion/keys
+{{- if and (has "migration" .Values.operator.controllers) .Values.migrationAgent.enabled }}
+{{- $pki := .Values.migrationAgent.pki }}
+{{- /* Run-time key material of the agents' mutual TLS (operator/src/pki). */}}
+- --pki-ca-secret={{ include "podmotion.caSecret" . }}
+- --pki-bundle-configmap={{ include "podmotion.caBundleConfigMap" . }}
+- --pki-agent-service-account={{ include "podmotion.agentName" . }}
+- --pki-ca-seconds={{ mul (int $pki.caValidityDays) 86400 }}
+- --pki-leaf-seconds={{ mul (int $pki.leafValidityHours) 3600 }}
+- --pki-propagation-seconds={{ $pki.propagationSeconds }}
 {{- end }}
 {{- end -}}
 
@@ -111,14 +127,6 @@ app.kubernetes.io/component: migration-agent
 {{- with .Values.migration.watchNamespace }}
 - name: PODMOTION_MIGRATION_NAMESPACE
   value: {{ . | quote }}
-{{- end }}
-{{- if .Values.migrationAgent.enabled }}
-- name: PODMOTION_AGENT_TLS_CA
-  value: /etc/podmotion/agent-tls/ca.crt
-- name: PODMOTION_AGENT_TLS_CERT
-  value: /etc/podmotion/agent-tls/tls.crt
-- name: PODMOTION_AGENT_TLS_KEY
-  value: /etc/podmotion/agent-tls/tls.key
 {{- end }}
 - name: PODMOTION_MIGRATION_MAX_PARALLEL
   value: {{ .Values.migration.maxParallel | quote }}
@@ -167,15 +175,20 @@ app.kubernetes.io/component: migration-agent
 {{- end }}
 {{- end -}}
 
-{{- define "podmotion.agentTLSSecret" -}}
-{{- default (printf "%s-tls" (include "podmotion.agentName" .)) .Values.migrationAgent.tls.agentSecretName -}}
+{{/* Secret in the release namespace holding the agents' CA (made and rotated by the
+     operator at run time; never rendered by the chart). */}}
+{{- define "podmotion.caSecret" -}}
+{{- printf "%s-agent-ca" (include "podmotion.fullname" .) -}}
 {{- end -}}
 
-{{- define "podmotion.operatorTLSSecret" -}}
-{{- default (printf "%s-agent-client-tls" (include "podmotion.fullname" .)) .Values.migrationAgent.tls.operatorSecretName -}}
+{{/* ConfigMap in the agents' namespace holding the CA bundle the agents trust
+     (published by the operator). */}}
+{{- define "podmotion.caBundleConfigMap" -}}
+{{- printf "%s-agent-ca" (include "podmotion.fullname" .) -}}
 {{- end -}}
 
-{{/* Secret in the release namespace holding the migration master key (entry `key`). */}}
+{{/* Secret in the release namespace holding the migration master key (entry `key`):
+     the user's, mounted as a file, or the operator's, created at run time. */}}
 {{- define "podmotion.migrationKeySecret" -}}
 {{- default (printf "%s-migration-key" (include "podmotion.fullname" .)) .Values.migration.masterKey.existingSecret -}}
 {{- end -}}

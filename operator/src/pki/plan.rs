@@ -77,11 +77,11 @@ pub enum CaStep {
     Nothing,
 }
 
-/// When the current CA is replaced: at two thirds of its life, and early enough that
-/// a leaf signed just before the switch still expires before the CA does.
+/// When the current CA is replaced: when a third of its configured life is left
+/// (counted back from its expiry: its start is backdated for clock skew), and early
+/// enough that a leaf signed just before the switch still expires before the CA does.
 pub fn ca_rotation_due(ca: &CaCert, life: &Lifetimes) -> i64 {
-    let two_thirds = ca.not_before + (ca.not_after - ca.not_before) * 2 / 3;
-    two_thirds.min(ca.not_after - life.leaf - 2 * life.propagation)
+    (ca.not_after - life.ca / 3).min(ca.not_after - life.leaf - 2 * life.propagation)
 }
 
 /// The next step for the CA, and the time it is due when that is later than now.
@@ -163,9 +163,13 @@ pub fn leaf_renewal_due(not_before: i64, not_after: i64) -> i64 {
 }
 
 /// The validity of a leaf issued at `now` by a CA that expires at `ca_not_after`:
-/// backdated a little for clock skew, never past the CA.
+/// backdated a little for clock skew (a minute, or a tenth of a short lifetime, so
+/// that renewal at two thirds stays after the issue), never past the CA.
 pub fn leaf_validity(now: i64, life: &Lifetimes, ca_not_after: i64) -> (i64, i64) {
-    (now - 60, (now + life.leaf).min(ca_not_after))
+    (
+        now - (life.leaf / 10).min(60),
+        (now + life.leaf).min(ca_not_after),
+    )
 }
 
 // ---------------------------------------------------------------------------------
@@ -234,6 +238,10 @@ pub struct Requested {
 pub enum Verdict {
     /// Sign the identity of the agent on this node.
     Approve { node: String },
+    /// Not from this installation's agents: another PodMotion installation in the same
+    /// cluster (same signer name) answers it, or nobody does and it expires unsigned.
+    /// Never denied, so two installations cannot deny each other's agents.
+    NotOurs { requester: String },
     /// Refuse; `reason` is a CamelCase condition reason.
     Deny {
         reason: &'static str,
@@ -275,10 +283,9 @@ pub fn review(
         policy.namespace, policy.service_account
     );
     if csr.username != expected_user {
-        return deny(
-            "NotTheAgentServiceAccount",
-            format!("requested by {:?}, only {expected_user} may", csr.username),
-        );
+        return Verdict::NotOurs {
+            requester: csr.username.clone(),
+        };
     }
     let (Some(pod_name), Some(pod_uid), Some(node)) = (
         single(&csr.extra, EXTRA_POD_NAME),

@@ -31,27 +31,41 @@ fn no_ca_is_created_first() {
 }
 
 #[test]
-fn a_young_ca_is_left_alone_until_two_thirds_of_its_life() {
-    let s = state(ca("a", 0, 300 * DAY));
+fn a_young_ca_is_left_alone_until_a_third_of_its_life_is_left() {
+    // Backdated an hour (clock skew): the hour does not count.
+    let s = state(ca("a", -3600, 365 * DAY));
     assert_eq!(ca_step(&s, &life(), 10 * DAY), CaStep::Nothing);
-    assert_eq!(ca_next_event(&s, &life()), Some(200 * DAY));
-    assert_eq!(ca_step(&s, &life(), 200 * DAY - 1), CaStep::Nothing);
-    assert_eq!(ca_step(&s, &life(), 200 * DAY), CaStep::Introduce);
+    let due = 365 * DAY - 365 * DAY / 3;
+    assert_eq!(ca_next_event(&s, &life()), Some(due));
+    assert_eq!(ca_step(&s, &life(), due - 1), CaStep::Nothing);
+    assert_eq!(ca_step(&s, &life(), due), CaStep::Introduce);
+    // A short CA (tests) backdated far more than its life is not rotated at once.
+    let short = Lifetimes {
+        ca: 120,
+        leaf: 30,
+        propagation: 5,
+    };
+    let s = state(ca("a", 1000 - 3600, 1120));
+    assert_eq!(ca_step(&s, &short, 1001), CaStep::Nothing);
+    assert_eq!(ca_next_event(&s, &short), Some(1080));
 }
 
 #[test]
 fn a_short_ca_rotates_early_enough_for_the_last_leaf_it_signs() {
     // 7-day leaves: a 30-day CA rotates at two thirds (day 20); a 9-day CA must rotate
     // by day 9 - 7 - 2 propagations, before its two thirds (day 6).
-    let l = life();
-    assert_eq!(ca_rotation_due(&ca("a", 0, 30 * DAY), &l), 20 * DAY);
-    assert_eq!(ca_rotation_due(&ca("a", 0, 9 * DAY), &l), 2 * DAY - 600);
+    let l = |ca_days: i64| Lifetimes {
+        ca: ca_days * DAY,
+        ..life()
+    };
+    assert_eq!(ca_rotation_due(&ca("a", 0, 30 * DAY), &l(30)), 20 * DAY);
+    assert_eq!(ca_rotation_due(&ca("a", 0, 9 * DAY), &l(9)), 2 * DAY - 600);
 }
 
 #[test]
 fn rotation_overlaps_old_and_new_until_every_old_leaf_is_gone() {
     let l = life();
-    let old = ca("old", 0, 300 * DAY);
+    let old = ca("old", 0, 365 * DAY);
     let new = ca("new", 200 * DAY, 565 * DAY);
     // Introduced: both trusted, the old one still signs (first in the bundle).
     let introduced = CaState {
@@ -114,6 +128,11 @@ fn leaves_renew_at_two_thirds_and_never_outlive_their_ca() {
     let l = life();
     assert_eq!(leaf_validity(1000, &l, 10 * DAY), (940, 1000 + 7 * DAY));
     assert_eq!(leaf_validity(1000, &l, 2000), (940, 2000));
+    // A short leaf is backdated a tenth of its life: renewal comes after the issue.
+    let short = Lifetimes { leaf: 30, ..l };
+    let (nb, na) = leaf_validity(1000, &short, 10 * DAY);
+    assert_eq!((nb, na), (997, 1030));
+    assert!(leaf_renewal_due(nb, na) > 1000);
 }
 
 // --- certificate signing requests ---------------------------------------------------
@@ -166,6 +185,7 @@ fn agent_pod(pod: &str, node: &str) -> PodFacts {
 fn reason(v: Verdict) -> &'static str {
     match v {
         Verdict::Deny { reason, .. } => reason,
+        Verdict::NotOurs { .. } => "NotOurs",
         Verdict::Approve { node } => panic!("approved for {node}"),
     }
 }
@@ -271,15 +291,18 @@ fn only_the_agents_service_account_with_a_pod_bound_token_may_ask() {
     let pod = agent_pod("a-1", "n1");
     let mut other_sa = from_agent("a-1", "n1");
     other_sa.username = "system:serviceaccount:pm-agents:default".into();
+    // Never signed, never denied either: another installation's agents (or nobody's).
     assert_eq!(
-        reason(review(&other_sa, &policy(), Ok(&want), Some(&pod))),
-        "NotTheAgentServiceAccount"
+        review(&other_sa, &policy(), Ok(&want), Some(&pod)),
+        Verdict::NotOurs {
+            requester: "system:serviceaccount:pm-agents:default".into()
+        }
     );
     let mut admin = from_agent("a-1", "n1");
     admin.username = "kubernetes-admin".into();
     assert_eq!(
         reason(review(&admin, &policy(), Ok(&want), Some(&pod))),
-        "NotTheAgentServiceAccount"
+        "NotOurs"
     );
     // A token not bound to a pod (e.g. `kubectl create token` without a bound object).
     let mut unbound = from_agent("a-1", "n1");

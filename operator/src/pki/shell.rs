@@ -515,6 +515,9 @@ impl Pki {
             .ensure()
             .map_err(|e| SignError::Other(e.to_string()))?;
         match verdict {
+            Verdict::NotOurs { requester } => {
+                tracing::debug!(csr = %name, %requester, "not a request of this installation's agents");
+            }
             Verdict::Deny { reason, message } => {
                 tracing::warn!(csr = %name, reason, %message, "agent certificate request denied");
                 // Approved by someone else but not acceptable to the signer: Failed.
