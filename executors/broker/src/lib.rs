@@ -150,6 +150,7 @@ impl Broker {
 
     /// Binds the socket (0600) and serves forever, one thread per connection.
     pub fn serve(self: &Arc<Self>, socket: &std::path::Path) -> std::io::Result<()> {
+        self.recover();
         let listener = self.bind(socket)?;
         self.serve_listener(listener)
     }
@@ -260,22 +261,85 @@ impl Broker {
             if e.netns_bound {
                 let _ = self.unbind(&uid);
             }
-            if e.role == BrokerRole::Source && e.locked.is_some() && !e.killed {
+            if let (BrokerRole::Source, Some(l), false) = (e.role, &e.locked, e.killed) {
                 tracing::warn!(%uid, "agent gone while the source was frozen: rolling back");
-                // CRIU may still be dumping: wait until it has detached from the tree.
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while tracer_attached(e.process.pid) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                if procfs::check_live(e.process).is_ok() {
-                    let _ = release_repair(e.process.pid);
-                    if let Some(l) = &e.locked {
-                        let _ = unlock(e.process.pid, l);
-                    }
-                    let _ = signal_tree(e.process.pid, Signal::SIGCONT);
-                }
+                roll_back(e.process, l);
+            }
+            self.journal_remove(&uid);
+        }
+    }
+
+    fn journal_path(&self, uid: &str) -> PathBuf {
+        self.cfg.run_dir.join("locked").join(uid)
+    }
+
+    /// Records a locked source on disk (run directory, 0600) before the lock is
+    /// reported done, so that a broker that dies while a source is frozen rolls it back
+    /// when it starts again ([`Broker::recover`]).
+    fn journal_write(&self, uid: &MigrationUid, p: ProcRef, l: &Lock) -> Result<(), BrokerError> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let path = self.journal_path(uid.as_str());
+        let dir = path.parent().expect("has parent");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(kerr)?;
+        let body = serde_json::json!({
+            "pid": p.pid, "start_time": p.start_time, "links": l.links, "routes": l.routes,
+        });
+        let tmp = dir.join(format!(".{}.tmp", uid.as_str()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(kerr)?;
+        f.write_all(body.to_string().as_bytes()).map_err(kerr)?;
+        f.sync_all().map_err(kerr)?;
+        std::fs::rename(&tmp, &path).map_err(kerr)
+    }
+
+    fn journal_remove(&self, uid: &MigrationUid) {
+        let _ = std::fs::remove_file(self.journal_path(uid.as_str()));
+    }
+
+    /// Undoes what a previous broker process left behind on this node: every source it
+    /// had locked (recorded in the journal) whose process is still the same live process
+    /// is rolled back — sockets out of repair, links and routes restored, SIGCONT — and
+    /// every netns bind mount it had made is removed. Its agents' connections (the
+    /// leases) ended with it, so this is what `lease_lost` would have done. Returns
+    /// the migration UIDs rolled back.
+    pub fn recover(&self) -> Vec<String> {
+        let mut rolled = Vec::new();
+        let dir = self.cfg.run_dir.join("locked");
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            let record = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            let _ = std::fs::remove_file(&path);
+            let Some((p, l)) = record.as_ref().and_then(parse_journal) else {
+                tracing::warn!(file = %path.display(), "unreadable journal record removed");
+                continue;
+            };
+            if MigrationUid::parse(&name).is_err() {
+                continue;
+            }
+            tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
+            roll_back(p, &l);
+            rolled.push(name);
+        }
+        let netns = self.cfg.run_dir.join("netns");
+        for entry in std::fs::read_dir(&netns).into_iter().flatten().flatten() {
+            if let Ok(uid) = MigrationUid::parse(&entry.file_name().to_string_lossy()) {
+                let _ = self.unbind(&uid);
             }
         }
+        rolled
     }
 
     fn entry<'a>(
@@ -424,7 +488,13 @@ impl Broker {
             Request::LockNetwork { uid } => {
                 let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
                 if e.locked.is_none() {
-                    e.locked = Some(lock(e.process.pid)?);
+                    let l = lock(e.process.pid)?;
+                    if let Err(j) = self.journal_write(&uid, e.process, &l) {
+                        // Never report a lock that a broker restart could not undo.
+                        let _ = unlock(e.process.pid, &l);
+                        return Err(j);
+                    }
+                    e.locked = Some(l);
                 }
                 Ok((Reply::Done, vec![]))
             }
@@ -433,6 +503,7 @@ impl Broker {
                 if let Some(l) = e.locked.take() {
                     unlock(e.process.pid, &l)?;
                 }
+                self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
             }
             Request::HandOffSockets { uid } => {
@@ -487,6 +558,7 @@ impl Broker {
                 let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
                 signal_tree(e.process.pid, Signal::SIGKILL)?;
                 e.killed = true;
+                self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
             }
             Request::Forget { uid } => {
@@ -509,6 +581,7 @@ impl Broker {
                 {
                     unlock(e.process.pid, l)?;
                 }
+                self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
             }
         }
@@ -588,6 +661,43 @@ fn mount_point(path: &std::path::Path) -> Result<std::fs::File, BrokerError> {
                 Err(unsafe_path(path, "is not a regular file"))
             }
         })
+}
+
+/// Gives a frozen, locked source back its life: waits for CRIU to detach (it may still
+/// be dumping), then — only if it is still the same live process — takes its sockets
+/// out of repair, restores links and routes, and SIGCONTs the tree.
+fn roll_back(p: ProcRef, l: &Lock) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tracer_attached(p.pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if procfs::check_live(p).is_ok() {
+        let _ = release_repair(p.pid);
+        let _ = unlock(p.pid, l);
+        let _ = signal_tree(p.pid, Signal::SIGCONT);
+    }
+}
+
+fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock)> {
+    let strings = |k: &str| -> Option<Vec<String>> {
+        v.get(k)?
+            .as_array()?
+            .iter()
+            .map(|s| s.as_str().map(str::to_owned))
+            .collect()
+    };
+    let p = ProcRef {
+        pid: i32::try_from(v.get("pid")?.as_i64()?).ok()?,
+        start_time: v.get("start_time")?.as_u64()?,
+    };
+    (p.pid > 1).then_some(())?;
+    Some((
+        p,
+        Lock {
+            links: strings("links")?,
+            routes: strings("routes")?,
+        },
+    ))
 }
 
 fn tracer_attached(pid: i32) -> bool {

@@ -34,6 +34,14 @@ const OPS_WITH_UID_ONLY: &[&str] = &[
     "forget",
 ];
 
+/// The tests of this binary run one at a time: one of them stops a process and takes
+/// a link down on purpose, which another's "nothing on the host changed" would see.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn require_root() -> bool {
     if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
         eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
@@ -269,6 +277,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
     if !require_root() {
         return;
     }
+    let _serial = serial();
     let mut b = BrokerProcess::start("corpus");
     let run = b.dir.join("run");
     let before = host_state(&run);
@@ -495,6 +504,7 @@ fn broker_binary_keeps_serving_through_a_connection_flood_and_a_slow_client() {
     if !require_root() {
         return;
     }
+    let _serial = serial();
     let mut b = BrokerProcess::start("flood");
     // A slow client: a length prefix and half a body, then nothing.
     const HEAD: &[u8] = b"{\"op\":\"kill\",\"uid\":";
@@ -571,6 +581,7 @@ fn broker_binary_refuses_a_symlink_at_the_netns_path() {
     if !require_root() {
         return;
     }
+    let _serial = serial();
     use podmotion_broker::client::BrokerClient;
     use podmotion_wire::ids::MigrationUid;
     let b = BrokerProcess::start("symlink");
@@ -647,6 +658,7 @@ fn broker_binary_refuses_a_peer_with_the_right_uid_in_another_pod() {
     if !require_root() {
         return;
     }
+    let _serial = serial();
     let b = BrokerProcess::start("peer");
     let client = r#"
 import socket, struct, sys
@@ -685,4 +697,141 @@ sys.stdout.write(s.recv(n, socket.MSG_WAITALL).decode())
     let e = answer(true);
     assert_eq!(e.kind, ErrorKind::PeerNotAllowed, "{e}");
     assert!(e.message.contains("not the broker's pod"), "{e}");
+}
+
+/// The state of a process (`R`, `S`, `T`, …).
+fn proc_state(pid: i32) -> String {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    s.rfind(')')
+        .and_then(|i| s[i + 1..].split_whitespace().next().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// The broker dies (SIGKILL) while a source it locked is frozen: its links are down
+/// and its tree stopped. A broker started again on the same run directory must roll the
+/// source back — links up, routes back, tree running — and leave nothing behind.
+#[test]
+fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let mut b = BrokerProcess::start("restart");
+    // A source with a link of its own (up, with an address and a route) in its netns.
+    let procs = b.cgroup.join("pod/cgroup.procs");
+    let child = KillOnDrop(
+        Command::new("unshare")
+            .args(["-n", "sh", "-c"])
+            .arg(format!(
+                "echo $$ > {}; ip link add pm0 type veth peer name pm1 && ip addr add 198.18.254.1/24 dev pm0 && ip link set pm1 up && ip link set pm0 up && exec sleep 120",
+                procs.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id() as i32;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(format!("/proc/{pid}/comm")).map_or(true, |c| c.trim() != "sleep")
+    {
+        assert!(Instant::now() < deadline, "source never settled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let process = podmotion_wire::ids::ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    };
+    let link_up = || {
+        let out = Command::new("nsenter")
+            .args([
+                "-t",
+                &pid.to_string(),
+                "-n",
+                "ip",
+                "-o",
+                "link",
+                "show",
+                "pm0",
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains(",UP")
+    };
+    let has_route = || {
+        let out = Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-n", "ip", "-4", "route", "show"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("198.18.254.0/24")
+    };
+    assert!(link_up() && has_route(), "the source's link is not set up");
+
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    let uid = MigrationUid::parse("m-restart").unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Source,
+        process,
+    })
+    .unwrap();
+    c.call(&Request::LockNetwork { uid }).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
+    assert!(!link_up(), "lock_network left the link up");
+
+    // The broker dies with the source frozen and locked.
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+    drop(c);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !link_up(),
+        "nothing should have undone the lock without a broker"
+    );
+    assert_eq!(proc_state(pid), "T", "the source should still be stopped");
+
+    // A new broker on the same run directory.
+    let socket = b.socket.clone();
+    b.child = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--run-dir")
+        .arg(b.dir.join("run"))
+        .arg("--pods-cgroup-root")
+        .arg(format!(
+            "/{}",
+            b.cgroup.file_name().unwrap().to_string_lossy()
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(link_up() && proc_state(pid) != "T" && UnixStream::connect(&socket).is_ok()) {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted broker did not roll the source back: link up {}, state {}",
+            link_up(),
+            proc_state(pid)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(has_route(), "the source's route was not restored");
+    let journal: Vec<_> = std::fs::read_dir(b.dir.join("run/locked"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(journal.is_empty(), "journal left behind: {journal:?}");
+}
+
+/// Kills (SIGKILL also ends a stopped process) and reaps a child however the test ends.
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
