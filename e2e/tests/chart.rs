@@ -1709,6 +1709,9 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
             "tls-cert",
             "tls-key",
             "tls-reload-seconds",
+            // Accepts the pre-PKI chart's shared certificates, which this chart no
+            // longer issues (docs/migration-controller.md).
+            "legacy-shared-identity",
         ];
         let declared: Vec<_> = clap_flags(src, false)
             .into_iter()
