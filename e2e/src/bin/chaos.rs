@@ -164,6 +164,8 @@ struct Tally {
     driver_errors: u64,
     deleted: Vec<Deleted>,
     deletion_secs: Vec<f64>,
+    /// Migration children seen by the sampler (target pods, transfer keys).
+    seen_migration_children: BTreeSet<String>,
 }
 
 /// A PodMotion object whose deletion the run requested.
@@ -241,11 +243,13 @@ fn pool(app: &str, name: &str, sessions: i32) -> RunnerPool {
     }))
 }
 
-fn migration(name: &str, pod: &str) -> PodMigration {
+/// A PodMigration of `pod`: a dry run, or a real one whose agents are unreachable
+/// (it prepares a target pod and a transfer key, fails at the agent and rolls back).
+fn migration(name: &str, pod: &str, dry_run: bool) -> PodMigration {
     from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": name},
-        "spec": {"podName": pod, "dryRun": true, "progressTimeoutSeconds": 30}
+        "spec": {"podName": pod, "dryRun": dry_run, "progressTimeoutSeconds": 10}
     }))
 }
 
@@ -533,13 +537,18 @@ async fn churn(
                 }
                 50..=69 if live_migrations.len() < 4 => {
                     counter += 1;
-                    let name = format!("dry-{counter}");
+                    let dry = rng.range(0, 1) == 0;
+                    let name = format!("{}-{counter}", if dry { "dry" } else { "real" });
                     let pod = &mig_pods[rng.range(0, mig_pods.len() as u64 - 1) as usize];
                     let m = migs
-                        .create(&PostParams::default(), &migration(&name, pod))
+                        .create(&PostParams::default(), &migration(&name, pod, dry))
                         .await?;
                     live_migrations.push((name, m.uid().unwrap_or_default()));
-                    "PodMigration (dry run) created"
+                    if dry {
+                        "PodMigration (dry run) created"
+                    } else {
+                        "PodMigration (agents unreachable) created"
+                    }
                 }
                 50..=89 if !live_migrations.is_empty() => {
                     let i = rng.range(0, live_migrations.len() as u64 - 1) as usize;
@@ -548,7 +557,7 @@ async fn churn(
                         .get_opt(&name)
                         .await?
                         .and_then(|m| m.status)
-                        .is_some_and(|s| s.phase == MigrationPhase::Succeeded);
+                        .is_some_and(|s| terminal(&s.phase));
                     migs.delete(&name, &DeleteParams::default()).await?;
                     record_deletion(&tally, "PodMigration", name, uid);
                     if finished {
@@ -628,6 +637,13 @@ fn label<'a, K: kube::Resource>(o: &'a K, key: &str) -> &'a str {
         .and_then(|l| l.get(key))
         .map(String::as_str)
         .unwrap_or("")
+}
+
+fn terminal(p: &MigrationPhase) -> bool {
+    matches!(
+        p,
+        MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+    )
 }
 
 /// Whether the object `kind`/`name` still exists with `uid`.
@@ -740,8 +756,9 @@ async fn sample(
             ));
         }
     }
-    // The migrated workload runs exactly as it started: same pods, all Running, and no
-    // migration target pod (dry runs only).
+    // The migrated workload runs exactly as it started: same pods, all Running (no
+    // migration reaches an agent, so none may touch a source pod); at most one target
+    // pod and one transfer key per migration.
     let pods = Api::<Pod>::namespaced(client.clone(), &n.app);
     let mig: Vec<Pod> = pods
         .list(&ListParams::default().labels("app=mig"))
@@ -756,16 +773,42 @@ async fn sample(
             mig.iter().map(pod_running_ready).collect::<Vec<_>>()
         ));
     }
-    let targets = pods
-        .list(&ListParams::default().labels(labels::MIGRATION))
-        .await?
-        .items;
-    checks += 1;
-    if !targets.is_empty() {
-        v.push(format!(
-            "a dry run made migration target pods: {:?}",
-            targets.iter().map(|p| p.name_any()).collect::<Vec<_>>()
-        ));
+    let mut per_migration: BTreeMap<(String, &str), Vec<String>> = BTreeMap::new();
+    for p in live(
+        pods.list(&ListParams::default().labels(labels::MIGRATION))
+            .await?
+            .items,
+    ) {
+        per_migration
+            .entry((label(&p, labels::MIGRATION).into(), "target pod"))
+            .or_default()
+            .push(p.name_any());
+    }
+    let psel = ListParams::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND));
+    for s in live(
+        Api::<Secret>::namespaced(client.clone(), &n.app)
+            .list(&psel)
+            .await?
+            .items,
+    ) {
+        per_migration
+            .entry((label(&s, labels::OWNER_UID).into(), "transfer-key Secret"))
+            .or_default()
+            .push(s.name_any());
+    }
+    for ((owner, what), names) in &per_migration {
+        checks += 1;
+        tally
+            .lock()
+            .unwrap()
+            .seen_migration_children
+            .extend(names.iter().map(|n| format!("{what} {n}")));
+        if names.len() > 1 {
+            v.push(format!(
+                "PodMigration {owner} has {} {what}s: {names:?}",
+                names.len()
+            ));
+        }
     }
     // No wedged finalizer: every deletion completes within CONVERGENCE.
     let pending: Vec<(usize, &'static str, String, String, Instant)> = tally
@@ -1038,12 +1081,7 @@ async fn converged(
         if m.metadata.deletion_timestamp.is_some() {
             bail!("PodMigration {} still deleting", m.name_any());
         }
-        let done = st.is_some_and(|s| {
-            matches!(
-                s.phase,
-                MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-            )
-        });
+        let done = st.is_some_and(|s| terminal(&s.phase));
         if !done || st.and_then(|s| s.observed_generation) != m.metadata.generation {
             bail!(
                 "PodMigration {} not finished/current: {:?}",
@@ -1051,6 +1089,24 @@ async fn converged(
                 st.map(|s| (&s.phase, s.observed_generation))
             );
         }
+    }
+    // Every migration has finished: no target pod or transfer key is left (a failed one
+    // rolled back).
+    let targets = Api::<Pod>::namespaced(app(client), &n.app)
+        .list(&ListParams::default().labels(labels::MIGRATION))
+        .await?
+        .items;
+    let keys = Api::<Secret>::namespaced(app(client), &n.app)
+        .list(&ListParams::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND)))
+        .await?
+        .items;
+    *checks += 1;
+    if !targets.is_empty() || !keys.is_empty() {
+        bail!(
+            "finished migrations left target pods {:?} and transfer keys {:?}",
+            targets.iter().map(|p| p.name_any()).collect::<Vec<_>>(),
+            keys.iter().map(|s| s.name_any()).collect::<Vec<_>>()
+        );
     }
     Ok(())
 }
@@ -1487,6 +1543,22 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
     for (what, c) in &t.churn {
         println!("{:<44} {:>8}", format!("churn: {what}"), c);
     }
+    println!(
+        "{:<44} {:>8}",
+        "migration target pods seen",
+        t.seen_migration_children
+            .iter()
+            .filter(|c| c.starts_with("target pod"))
+            .count()
+    );
+    println!(
+        "{:<44} {:>8}",
+        "migration transfer keys seen",
+        t.seen_migration_children
+            .iter()
+            .filter(|c| c.starts_with("transfer-key"))
+            .count()
+    );
     println!(
         "{:<44} {:>8}",
         "churn writes failed (API server away)", t.driver_errors

@@ -112,6 +112,13 @@ pub fn is_status(e: &kube::Error, code: u16) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
+/// Whether a create failed because the object exists: 409 with reason `AlreadyExists`.
+/// Any other 409 (a `Conflict`) says nothing about the object, so a create that gets
+/// one must be retried, never taken as done.
+pub fn is_already_exists(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409 && s.reason == "AlreadyExists")
+}
+
 /// What one round of a controller produced, for the shell to finish.
 pub struct Outcome<S, T = ()> {
     /// The status the core computed; written when it differs from the object's.
@@ -379,6 +386,18 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
     use podmotion_api::RunnerPoolStatus;
+
+    #[test]
+    fn only_already_exists_counts_as_an_existing_object() {
+        let err = |code: u16, reason: &str| {
+            let mut st = kube::core::Status::failure("x", reason);
+            st.code = code;
+            kube::Error::Api(Box::new(st))
+        };
+        assert!(is_already_exists(&err(409, "AlreadyExists")));
+        assert!(!is_already_exists(&err(409, "Conflict")));
+        assert!(!is_already_exists(&err(429, "TooManyRequests")));
+    }
 
     #[test]
     fn a_status_field_that_went_away_is_left_out_of_the_applied_status() {

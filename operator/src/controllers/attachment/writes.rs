@@ -21,7 +21,7 @@ use serde_json::json;
 use super::{Mode, Shared};
 use crate::attachment::plan::{Deletion, Plan, Resume};
 use crate::attachment::{AttachmentView, JobFate, JobView, ObservedGroup, notes, plan, render};
-use crate::controllers::shell::{ReconcileError, api_err, is_status};
+use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
 use crate::note::{Note, some_names};
 
 /// Plans an observed workload and carries out the plan's Job deletions and (in
@@ -85,7 +85,7 @@ pub(super) async fn ingest_lease(
     let lease = render::ingest_lease(a, &name, Timestamp::now());
     match api.create(&PostParams::default(), &lease).await {
         Ok(l) => Ok(Some(l)),
-        Err(e) if is_status(&e, 409) => api
+        Err(e) if is_already_exists(&e) => api
             .get_opt(&name)
             .await
             .map_err(api_err("get Lease", &name)),
@@ -127,7 +127,7 @@ async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, ReconcileError>
             }
             Ok(Some(j))
         }
-        Err(e) if is_status(&e, 409) => Ok(None),
+        Err(e) if is_already_exists(&e) => Ok(None),
         Err(e) => Err(api_err("create Job", &name)(e)),
     }
 }
@@ -172,7 +172,10 @@ async fn create_secret(s: &Shared, r: &Resume) -> Result<(), ReconcileError> {
     };
     match secrets.create(&pp, &secret).await {
         Ok(_) => Ok(()),
-        Err(e) if is_status(&e, 409) => Ok(()),
+        // Only an existing Secret counts: on any other 409 the Job would be resumed
+        // without its Secret, and nothing reads Secrets to notice (found by the chaos
+        // run, whose proxy answers creates 409 Conflict).
+        Err(e) if is_already_exists(&e) => Ok(()),
         Err(e) => Err(api_err("create Secret", &r.job)(e)),
     }
 }
