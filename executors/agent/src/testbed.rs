@@ -255,6 +255,9 @@ impl Testbed {
                 run_dir: run.clone(),
                 pods_cgroup_root: format!("/{p}"),
                 allowed_uid: 0,
+                // The testbed's agents run in their node's network namespace, this
+                // broker in the test's: not the chart's one-pod shape.
+                same_netns_peers: false,
             });
             let l = b.bind(&run.join("broker.sock")).expect("broker socket");
             let b2 = Arc::clone(&b);

@@ -40,6 +40,11 @@ pub struct Config {
     pub pods_cgroup_root: String,
     /// The uid the agent runs as.
     pub allowed_uid: u32,
+    /// Peers must also share the broker's network namespace — the chart's shape, where
+    /// the agent and the broker are the two containers of one pod. Always on in the
+    /// shipped binary; off only where a test harness runs agents in other namespaces
+    /// than an in-process broker (the agent crate's testbed).
+    pub same_netns_peers: bool,
 }
 
 #[derive(Debug)]
@@ -181,7 +186,10 @@ impl Broker {
     fn connection(self: Arc<Self>, mut s: UnixStream) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let peer_ok = match getsockopt(&s, PeerCredentials) {
-            Ok(c) if c.uid() == self.cfg.allowed_uid => same_pod(c.pid()),
+            Ok(c) if c.uid() == self.cfg.allowed_uid && self.cfg.same_netns_peers => {
+                same_pod(c.pid())
+            }
+            Ok(c) if c.uid() == self.cfg.allowed_uid => Ok(()),
             Ok(c) => Err(err(
                 ErrorKind::PeerNotAllowed,
                 format!("peer uid {} is not the agent's uid", c.uid()),

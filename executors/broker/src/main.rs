@@ -37,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         run_dir: a.run_dir,
         pods_cgroup_root: a.pods_cgroup_root,
         allowed_uid: a.allowed_uid,
+        same_netns_peers: true,
     });
     tracing::info!(socket = %a.socket.display(), "broker serving");
     broker.serve(&a.socket)?;

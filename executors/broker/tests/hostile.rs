@@ -44,6 +44,7 @@ fn fixture(name: &str, allowed_uid: u32) -> Fixture {
         run_dir: run_dir.clone(),
         pods_cgroup_root: cgroup_rel.clone(),
         allowed_uid,
+        same_netns_peers: true,
     });
     let socket = run_dir.join("broker.sock");
     let listener = broker.bind(&socket).unwrap();
