@@ -105,6 +105,8 @@ PIDS=$RUN/pids
 KUBECONFIG_ADMIN=$RUN/admin.kubeconfig
 # shellcheck source=lib/real-nodes.sh
 source "$here/lib/real-nodes.sh"
+# shellcheck source=lib/netpol.sh
+source "$here/lib/netpol.sh"
 # With real nodes the API server listens where pods reach it (the bridge's gateway).
 API_HOST=127.0.0.1
 if ((REAL_NODES > 0)); then
@@ -392,6 +394,8 @@ cmd_up() {
   fi
   BIN=$("$here/build-k8s.sh")
   ((REAL_NODES > 0)) && NODE_BIN=$(node_bin)
+  # NetworkPolicy enforcement on the real nodes (kube-router; hack/lib/netpol.sh).
+  if ((REAL_NODES > 0)); then netpol_build >/dev/null; fi
   mkdir -p "$RUN" "$LOGS" "$PIDS" "$RUN/kwok"
   local p
   for p in $ETCD_PORT $ETCD_PEER_PORT $APISERVER_PORT $KCM_PORT $SCHED_PORT $KWOK_PORT; do
@@ -490,6 +494,7 @@ cmd_up() {
     log "nodes Ready ($((SECONDS - T0))s)"
   fi
   real_nodes_wait_ready
+  netpol_up
   # The ServiceAccount controller must be working before pods can be created.
   local deadline=$((SECONDS + TIMEOUT))
   until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" -n default get serviceaccount default >/dev/null 2>&1; do
@@ -506,6 +511,7 @@ cmd_down() {
   # The controllers first, so nothing recreates the pods the real nodes are told to stop.
   stop kube-controller-manager
   stop kube-scheduler
+  netpol_down # the API server must still be up to delete its RBAC
   real_nodes_down
   for f in "$PIDS"/*.pid; do # components of a run with more real nodes than now
     [[ -f $f ]] || continue
@@ -519,7 +525,10 @@ cmd_down() {
 
 cmd_leftovers() {
   local out
-  out=$(real_leftovers)
+  out=$(
+    real_leftovers
+    netpol_leftovers
+  )
   if [[ -n $out ]]; then
     echo "$out"
     return 1

@@ -5,7 +5,8 @@
 //! use podmotion_wire::{agent::*, client::AgentClient};
 //! let mut src = AgentClient::connect("https://10.0.0.1:7443", "agent-node-a", &tls).await?;
 //! src.prepare(PrepareRequest { migration_uid: "uid".into(), role: Role::Source as i32,
-//!     pid: 1234, transfer_key: vec![0; 32], ..Default::default() }).await?;
+//!     container_ids: vec!["containerd://0123abcd".into()], peer_node: "node-b".into(),
+//!     transfer_key: vec![0; 32], ..Default::default() }).await?;
 //! let st = src.pre_dump("uid").await?;      // repeat while st.last_round_bytes shrinks
 //! let st = src.dump("uid").await?;          // freeze + final dump, source left stopped
 //! src.send("uid", "https://10.0.0.2:7443", "agent-node-b").await?;

@@ -43,18 +43,9 @@ pub const SESSIONS_VOLUME: &str = "sessions";
 pub const RUNTIME_VOLUME: &str = "runtime";
 pub const CREDENTIALS_VOLUME: &str = "credentials";
 
-/// Ranges the Runner may never reach, besides the Server and DNS: every private,
-/// shared, loopback and link-local range (169.254.0.0/16 holds the cloud metadata
-/// address 169.254.169.254; IPv6 ULA holds fd00:ec2::254).
-pub const DENIED_IPV4: [&str; 6] = [
-    "10.0.0.0/8",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "100.64.0.0/10",
-    "169.254.0.0/16",
-    "127.0.0.0/8",
-];
-pub const DENIED_IPV6: [&str; 3] = ["fc00::/7", "fe80::/10", "::1/128"];
+/// Ranges the Runner may never reach, besides the Server and DNS: every range that is
+/// not the internet (`policies` says which and why).
+pub use super::policies::{DENIED_IPV4, denied_ipv6};
 
 /// Resources of the preflight init container (requests = limits, so the pod stays in
 /// the Guaranteed QoS class).
@@ -408,7 +399,7 @@ fn network_policy(pool: &RunnerPool, inputs: &Inputs) -> NetworkPolicy {
     egress.push(json!({
         "to": [
             {"ipBlock": {"cidr": "0.0.0.0/0", "except": DENIED_IPV4}},
-            {"ipBlock": {"cidr": "::/0", "except": DENIED_IPV6}},
+            {"ipBlock": {"cidr": "::/0", "except": denied_ipv6()}},
         ],
     }));
     typed(
