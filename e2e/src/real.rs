@@ -35,13 +35,25 @@ pub fn real_nodes_enabled() -> bool {
 /// (the cluster must have been started with real nodes), unless real-node tests are
 /// disabled, in which case it returns `None`.
 pub async fn real_nodes(client: &Client) -> Option<Vec<String>> {
+    ready_nodes(
+        client,
+        "type=real",
+        "start the cluster with real nodes (hack/cluster.sh up, REAL_NODES defaults to 2) \
+         or set PODMOTION_REAL_NODES=0",
+    )
+    .await
+}
+
+/// Names of the Ready nodes matching `selector`, sorted; `None` when real-node tests
+/// are disabled. Panics with `hint` when none is Ready.
+pub async fn ready_nodes(client: &Client, selector: &str, hint: &str) -> Option<Vec<String>> {
     if !real_nodes_enabled() {
         eprintln!("PODMOTION_REAL_NODES=0: skipping a real-node test");
         return None;
     }
     let nodes: Api<Node> = Api::all(client.clone());
     let list = nodes
-        .list(&ListParams::default().labels("type=real"))
+        .list(&ListParams::default().labels(selector))
         .await
         .expect("listing nodes");
     let mut names: Vec<String> = list
@@ -58,10 +70,41 @@ pub async fn real_nodes(client: &Client) -> Option<Vec<String>> {
     names.sort();
     assert!(
         !names.is_empty(),
-        "no Ready node labelled type=real: start the cluster with real nodes \
-         (hack/cluster.sh up, REAL_NODES defaults to 2) or set PODMOTION_REAL_NODES=0"
+        "no Ready node labelled {selector}: {hint}"
     );
     Some(names)
+}
+
+/// `helm install <release>` of the chart from our images (`chart_args`) plus `extra`,
+/// waiting for it (5 min); asserts success and returns the guard that uninstalls it.
+pub fn helm_install(
+    release: &str,
+    images: &Images,
+    operator_ns: &str,
+    app_ns: &str,
+    lease: &str,
+    extra: &[&str],
+) -> Uninstall {
+    let mut args = vec!["install".to_string(), release.to_string()];
+    args.extend(chart_args(images, operator_ns, app_ns, lease));
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(
+        [
+            "--take-ownership",
+            "--force-conflicts",
+            "--wait",
+            "--timeout",
+            "5m",
+        ]
+        .map(String::from),
+    );
+    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let guard = Uninstall {
+        release: release.to_string(),
+        namespace: operator_ns.to_string(),
+    };
+    assert!(out.status.success(), "helm install: {}", output_text(&out));
+    guard
 }
 
 /// Places a pod spec on `node`: `nodeName` and the toleration of the real nodes' taint.

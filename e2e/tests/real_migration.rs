@@ -18,7 +18,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::{
-    Images, REAL_NODE_TAINT, Uninstall, chart_args, helm, kubectl, output_text, real_nodes,
+    Images, REAL_NODE_TAINT, helm_install, kubectl, output_text, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
@@ -151,29 +151,14 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let release = format!("pm{}", random_suffix());
     let agents = format!("{}-agents", op.name);
-    let mut args = vec!["install".to_string(), release.clone()];
-    args.extend(chart_args(
+    let _uninstall = helm_install(
+        &release,
         &images,
         &op.name,
         &app.name,
         "podmotion-e2e-migration",
-    ));
-    args.extend(
-        [
-            "--take-ownership",
-            "--force-conflicts",
-            "--wait",
-            "--timeout",
-            "5m",
-        ]
-        .map(String::from),
+        &[],
     );
-    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let _uninstall = Uninstall {
-        release: release.clone(),
-        namespace: op.name.clone(),
-    };
-    assert!(out.status.success(), "helm install: {}", output_text(&out));
     let ds: Api<DaemonSet> = Api::namespaced(op.client.clone(), &agents);
     let list = ds.list(&ListParams::default()).await.unwrap();
     let st = list.items[0].status.clone().unwrap();

@@ -37,7 +37,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::RunnerPool;
 use podmotion_e2e::real::{
-    Images, Uninstall, chart_args, entrypoint, helm, kubectl, output_text, pin, real_nodes,
+    Images, entrypoint, helm, helm_install, kubectl, output_text, pin, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
@@ -455,28 +455,19 @@ async fn the_rendered_runner_policy_is_enforced_on_the_real_nodes() {
 
     // The operator, from the chart, watching only the app namespace.
     let release = format!("np{suffix}");
-    let mut args = vec!["install".to_string(), release.clone()];
-    args.extend(chart_args(&images, &op.name, &app.name, "podmotion-e2e-np"));
-    args.extend(
-        [
+    let _uninstall = helm_install(
+        &release,
+        &images,
+        &op.name,
+        &app.name,
+        "podmotion-e2e-np",
+        &[
             "--set",
             "migrationAgent.enabled=false",
             "--set",
             "operator.controllers={runner-pool}",
-            "--take-ownership",
-            "--force-conflicts",
-            "--wait",
-            "--timeout",
-            "5m",
-        ]
-        .map(String::from),
+        ],
     );
-    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let _uninstall = Uninstall {
-        release: release.clone(),
-        namespace: op.name.clone(),
-    };
-    assert!(out.status.success(), "helm install: {}", output_text(&out));
 
     // The Server: a Deployment and its Service, in the namespace the pool names.
     let server_node = nodes.last().unwrap().clone();

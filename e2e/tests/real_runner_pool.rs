@@ -14,15 +14,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use podmotion_api::RunnerPool;
 use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types as ct, labels, reasons};
-use podmotion_e2e::real::{
-    Images, Uninstall, chart_args, helm, kubectl, output_text, real_nodes_enabled,
-};
+use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, ready_nodes};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, delete_and_wait, from_json, kubectl_wait, pod_running_ready,
     random_suffix, run_dir, wait_for, wait_list,
@@ -40,33 +38,13 @@ const RUNTIME: &str = "/run/compass";
 
 /// The Ready runner nodes, sorted; `None` when real-node tests are disabled.
 async fn runner_nodes(client: &kube::Client) -> Option<Vec<String>> {
-    if !real_nodes_enabled() {
-        eprintln!("PODMOTION_REAL_NODES=0: skipping a real-node test");
-        return None;
-    }
-    let nodes: Api<Node> = Api::all(client.clone());
-    let list = nodes
-        .list(&ListParams::default().labels(&format!("{RUNNER_KEY}={RUNNER_VALUE}")))
-        .await
-        .expect("listing nodes");
-    let mut names: Vec<String> = list
-        .items
-        .iter()
-        .filter(|n| {
-            n.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-        })
-        .map(|n| n.name_any())
-        .collect();
-    names.sort();
-    assert!(
-        !names.is_empty(),
-        "no Ready node labelled {RUNNER_KEY}={RUNNER_VALUE}: start the cluster with a runner \
-         node (REAL_RUNNER_NODES, default 1) or run hack/cluster.sh add-runner-nodes"
-    );
-    Some(names)
+    ready_nodes(
+        client,
+        &format!("{RUNNER_KEY}={RUNNER_VALUE}"),
+        "start the cluster with a runner node (REAL_RUNNER_NODES, default 1) or run \
+         hack/cluster.sh add-runner-nodes",
+    )
+    .await
 }
 
 /// The Runner stand-in image from the list of every image hack/images.sh printed.
@@ -315,29 +293,14 @@ async fn a_runner_pool_runs_the_seed_shape_on_the_real_runner_node() {
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let standin = standin_image();
     let release = format!("pm{}", random_suffix());
-    let mut args = vec!["install".to_string(), release.clone()];
-    args.extend(chart_args(
+    let _uninstall = helm_install(
+        &release,
         &images,
         &op.name,
         &app.name,
         "podmotion-e2e-runner-pool",
-    ));
-    args.extend(
-        [
-            "--take-ownership",
-            "--force-conflicts",
-            "--wait",
-            "--timeout",
-            "5m",
-        ]
-        .map(String::from),
+        &[],
     );
-    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let _uninstall = Uninstall {
-        release: release.clone(),
-        namespace: op.name.clone(),
-    };
-    assert!(out.status.success(), "helm install: {}", output_text(&out));
 
     // The Server's Service the pool's NetworkPolicy egress resolves (no Server runs:
     // the stand-in dials nothing).
