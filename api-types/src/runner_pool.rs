@@ -637,6 +637,10 @@ pub struct RunnerPoolStatus {
     /// pool references its own Secret).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential_secret: Option<String>,
+    /// Nodes whose preflight passed (every check ok), sorted: with `preflightFailures`,
+    /// the verdict of every node whose preflight has finished.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preflight_passed: Vec<String>,
     /// Nodes whose preflight check failed, with the failing checks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub preflight_failures: Vec<PreflightFailure>,

@@ -365,6 +365,8 @@ async fn a_runner_pool_runs_the_seed_shape_on_the_real_runner_node() {
     let pool = pools.get(name).await.unwrap();
     let status = pool.status.clone().unwrap();
     assert!(status.preflight_failures.is_empty(), "{status:?}");
+    // Every runner node's passing verdict is in the status, by node.
+    assert_eq!(status.preflight_passed, nodes, "{status:?}");
     assert_eq!(
         (status.desired_nodes, status.ready_nodes),
         (nodes.len() as i32, nodes.len() as i32),

@@ -62,7 +62,8 @@ pub fn parse_verdict(message: &str) -> Result<Verdict, String> {
 pub enum NodePreflight {
     /// Not finished yet (or the pod has not started).
     Pending,
-    Passed,
+    /// Every check passed on this node.
+    Passed(String),
     Failed(PreflightFailure),
 }
 
@@ -126,7 +127,7 @@ fn failure(node: &str, t: &ContainerStateTerminated) -> NodePreflight {
         return NodePreflight::Failed(f);
     }
     match parse_verdict(&message) {
-        Ok(v) if v.ok && t.exit_code == 0 => NodePreflight::Passed,
+        Ok(v) if v.ok && t.exit_code == 0 => NodePreflight::Passed(node.into()),
         Ok(v) => {
             let failed: Vec<&Check> = v.checks.iter().filter(|c| !c.ok).collect();
             NodePreflight::Failed(PreflightFailure {
@@ -142,7 +143,7 @@ fn failure(node: &str, t: &ContainerStateTerminated) -> NodePreflight {
         Err(e) if t.exit_code == 0 => {
             // Exited cleanly without a verdict: not a node problem we can name.
             tracing::debug!(node, error = %e, "preflight passed without a verdict");
-            NodePreflight::Passed
+            NodePreflight::Passed(node.into())
         }
         Err(e) => NodePreflight::Failed(PreflightFailure {
             node: node.into(),
@@ -265,7 +266,7 @@ mod tests {
                 json!({"terminated": {"exitCode": 0, "message": ok}}),
                 json!({})
             )),
-            NodePreflight::Passed
+            NodePreflight::Passed("pm-node-2".into())
         );
         assert_eq!(
             from_pod(&pod_with(json!({"running": {}}), json!({}))),

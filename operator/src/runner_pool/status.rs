@@ -149,6 +149,16 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
             _ => None,
         })
         .collect();
+    let mut passed: Vec<String> = observed
+        .preflight
+        .iter()
+        .filter_map(|p| match p {
+            NodePreflight::Passed(node) => Some(node.clone()),
+            _ => None,
+        })
+        .collect();
+    passed.sort();
+    passed.dedup();
     let facts = Summary {
         preflight: failures
             .iter()
@@ -187,6 +197,7 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
         pod_memory: Some(size.memory_quantity()),
         pod_cpu: Some(size.cpu_quantity()),
         credential_secret: observed.credential_secret.clone(),
+        preflight_passed: passed,
         preflight_failures: failures,
         foreign_network_policies: observed.foreign_policies.clone(),
         conditions,
@@ -434,7 +445,7 @@ mod tests {
                 enforced: Level::Privileged,
                 baseline_violations: vec!["hostPath volumes sessions, runtime".into()],
             },
-            preflight: vec![NodePreflight::Passed],
+            preflight: vec![NodePreflight::Passed("pm-node-1".into())],
             server: Ok(()),
             foreign_policies: vec![],
             conflicts: vec![],
@@ -508,7 +519,7 @@ mod tests {
     fn failed_preflight_lists_the_node_degrades_and_stalls() {
         let mut o = observed(Some(ds(1, 1, 3, 2, 3)));
         o.preflight = vec![
-            NodePreflight::Passed,
+            NodePreflight::Passed("pm-node-1".into()),
             NodePreflight::Failed(PreflightFailure {
                 node: "pm-node-2".into(),
                 checks: vec!["kvm".into()],
@@ -518,6 +529,7 @@ mod tests {
         let s = compute(&pool("rp").build(), &o, t());
         assert_eq!(s.preflight_failures.len(), 1);
         assert_eq!(s.preflight_failures[0].node, "pm-node-2");
+        assert_eq!(s.preflight_passed, vec!["pm-node-1".to_string()]);
         assert!(is_true(&s.conditions, ct::DEGRADED));
         assert!(is_true(&s.conditions, ct::STALLED));
         assert!(
