@@ -49,6 +49,10 @@ step "cargo test --workspace"
 rc=0
 cargo test --workspace --locked "$@" || rc=$?
 
+step "chaos run, short (e2e/src/bin/chaos.rs, docs/reliability.md): two operator replicas, leader SIGKILLed every 4-8 s, 20 % of writes answered 409/429, the API server restarted once, churn of the three kinds; fails on any invariant violation"
+cargo build --locked -q -p podmotion-operator -p podmotion-e2e --bin podmotion-operator --bin chaos || rc=1
+"${CARGO_TARGET_DIR:-$root/target}/debug/chaos" --api-restart || rc=1
+
 if [[ $started == 1 && ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
   step "cluster down, and nothing left behind"
   hack/cluster.sh down || rc=1
