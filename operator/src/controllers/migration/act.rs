@@ -10,7 +10,7 @@ use podmotion_api::names::managers;
 
 use super::observe::endpoint_of;
 use super::{Deferred, Shared};
-use crate::controllers::shell::{ReconcileError, api_err, is_status};
+use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
 use crate::migration::agent::{AgentClient, Side, Step};
 use crate::migration::machine::Action;
 use crate::migration::render;
@@ -187,7 +187,7 @@ where
     };
     match api.create(&pp, obj).await {
         Ok(_) => Ok(()),
-        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) if is_already_exists(&e) => Ok(()),
         Err(e) => Err(api_err("create", what.to_string())(e)),
     }
 }

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use super::Shared;
 use crate::children;
 use crate::context::Context;
-use crate::controllers::shell::{ReconcileError, api_err, is_status};
+use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
 use crate::meta::{owner_selector, short_hash};
 use crate::runner_pool::{Desired, drift};
 
@@ -65,7 +65,8 @@ pub(super) async fn ensure_credential_secret(
         let (secret, _) = stamp(secret.clone());
         match api.create(&PostParams::default(), &secret).await {
             Ok(_) => {}
-            Err(e) if is_status(&e, 409) => {}
+            // A 409 Conflict (contention, a proxy) is not "it exists": only AlreadyExists is.
+            Err(e) if is_already_exists(&e) => {}
             Err(e) => {
                 return Err(api_err("create", format!("Secret {}", secret.name_any()))(
                     e,
