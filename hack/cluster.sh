@@ -494,7 +494,6 @@ cmd_up() {
     log "nodes Ready ($((SECONDS - T0))s)"
   fi
   real_nodes_wait_ready
-  netpol_up
   # The ServiceAccount controller must be working before pods can be created.
   local deadline=$((SECONDS + TIMEOUT))
   until "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" -n default get serviceaccount default >/dev/null 2>&1; do
@@ -602,5 +601,14 @@ case ${1:-} in
   restart-component)
     lock
     cmd_restart_component "${2:-}" ;;
-  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>" >&2; exit 2 ;;
+  netpol-up) # NetworkPolicy enforcement on the real nodes (kube-router; hack/lib/netpol.sh)
+    lock
+    BIN=$(bin_dir)
+    healthy kube-apiserver || die "the cluster is not up (hack/cluster.sh up)"
+    netpol_up ;;
+  netpol-down)
+    lock
+    BIN=$(bin_dir)
+    netpol_down ;;
+  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>|netpol-up|netpol-down" >&2; exit 2 ;;
 esac

@@ -49,6 +49,14 @@ step "cargo test --workspace"
 rc=0
 cargo test --workspace --locked "$@" || rc=$?
 
+step "NetworkPolicy enforcement on the real nodes (kube-router; e2e/tests/real_network_policy.rs)"
+# Enforcement is on only for this test: the rest of the suite runs as before.
+if hack/cluster.sh netpol-up; then
+  PODMOTION_NETPOL_TESTS=1 cargo test --locked -p podmotion-e2e --test real_network_policy || rc=1
+else
+  rc=1
+fi
+hack/cluster.sh netpol-down || rc=1
 step "chaos run, short (e2e/src/bin/chaos.rs, docs/reliability.md): two operator replicas, leader SIGKILLed every 4-8 s, 20 % of writes answered 409/429, the API server restarted once, churn of the three kinds; fails on any invariant violation"
 cargo build --locked -q -p podmotion-operator -p podmotion-e2e --bin podmotion-operator --bin chaos || rc=1
 "${CARGO_TARGET_DIR:-$root/target}/debug/chaos" --api-restart || rc=1

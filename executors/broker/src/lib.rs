@@ -277,8 +277,15 @@ impl Broker {
         }
     }
 
+    /// The journal lives beside the netns mount points: the one directory the broker
+    /// always has writable and that outlives the broker's container (a host path in the
+    /// chart). `.journal` is never a migration UID, so the netns sweep skips it.
+    fn journal_dir(&self) -> PathBuf {
+        self.cfg.run_dir.join("netns").join(".journal")
+    }
+
     fn journal_path(&self, uid: &str) -> PathBuf {
-        self.cfg.run_dir.join("locked").join(uid)
+        self.journal_dir().join(uid)
     }
 
     /// Records a locked source on disk (run directory, 0600) before the lock is
@@ -293,6 +300,16 @@ impl Broker {
             .mode(0o700)
             .create(dir)
             .map_err(kerr)?;
+        if std::fs::symlink_metadata(dir)
+            .map_err(kerr)?
+            .file_type()
+            .is_symlink()
+        {
+            return Err(err(
+                ErrorKind::UnsafePath,
+                format!("{} is a symlink: refused, nothing followed", dir.display()),
+            ));
+        }
         let body = serde_json::json!({
             "pid": p.pid, "start_time": p.start_time, "links": l.links, "routes": l.routes,
         });
@@ -322,7 +339,7 @@ impl Broker {
     /// the migration UIDs rolled back.
     pub fn recover(&self) -> Vec<String> {
         let mut rolled = Vec::new();
-        let dir = self.cfg.run_dir.join("locked");
+        let dir = self.journal_dir();
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
@@ -335,6 +352,13 @@ impl Broker {
                 continue;
             };
             if MigrationUid::parse(&name).is_err() {
+                continue;
+            }
+            // Only ever a pod's process, as at registration.
+            let in_pod = procfs::cgroup_of(p.pid)
+                .is_ok_and(|cg| under_pods_root(&cg, &self.cfg.pods_cgroup_root));
+            if !in_pod {
+                tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
                 continue;
             }
             tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");

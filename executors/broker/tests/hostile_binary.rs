@@ -821,7 +821,7 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(has_route(), "the source's route was not restored");
-    let journal: Vec<_> = std::fs::read_dir(b.dir.join("run/locked"))
+    let journal: Vec<_> = std::fs::read_dir(b.dir.join("run/netns/.journal"))
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(journal.is_empty(), "journal left behind: {journal:?}");
