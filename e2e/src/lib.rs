@@ -611,5 +611,56 @@ pub async fn grant_user(
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
     }));
     ns.api::<RoleBinding>().create(&pp, &binding).await?;
-    Ok(())
+    // The authorizer learns of a new Role and RoleBinding from its own watch, a moment
+    // later: until then the user is refused with "role not found". Wait for the grant to
+    // be in force, checked on the first rule's first group, resource and verb.
+    let first = &rules[0];
+    wait_until_allowed(
+        &ns.client,
+        user,
+        Some(&ns.name),
+        first["apiGroups"][0].as_str().unwrap_or(""),
+        first["resources"][0].as_str().unwrap_or(""),
+        first["verbs"][0].as_str().unwrap_or("get"),
+    )
+    .await
+}
+
+/// Waits (up to 30 s) until the API server's authorizer allows `user` to `verb`
+/// `group`/`resource` (in `namespace`, or cluster-wide): RBAC objects just created take
+/// effect only once the authorizer's cache has them.
+pub async fn wait_until_allowed(
+    client: &Client,
+    user: &str,
+    namespace: Option<&str>,
+    group: &str,
+    resource: &str,
+    verb: &str,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+    let review: SubjectAccessReview = from_json(serde_json::json!({
+        "spec": {
+            "user": user,
+            "resourceAttributes": {
+                "namespace": namespace.unwrap_or(""),
+                "group": group,
+                "resource": resource,
+                "verb": verb
+            }
+        }
+    }));
+    let reviews = kube::Api::<SubjectAccessReview>::all(client.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let answer = reviews
+            .create(&kube::api::PostParams::default(), &review)
+            .await?;
+        if answer.status.is_some_and(|s| s.allowed) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{user} is still not allowed to {verb} {resource}.{group} after 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

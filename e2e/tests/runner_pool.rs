@@ -783,6 +783,16 @@ async fn without_secret_reads_the_credential_is_created_once_and_removed_by_name
         )
         .await
         .unwrap();
+    podmotion_e2e::wait_until_allowed(
+        &ns.client,
+        &format!("system:serviceaccount:{}:rp-operator", ns.name),
+        None,
+        "podmotion.io",
+        "runnerpools",
+        "list",
+    )
+    .await
+    .unwrap();
     let client = impersonating(&ns.name, "rp-operator").await;
     // The premise: this identity cannot read a Secret.
     match Api::<Secret>::namespaced(client.clone(), &ns.name)
