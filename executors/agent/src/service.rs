@@ -579,8 +579,7 @@ impl Agent {
         let mut client = MigrationAgentClient::new(channel).max_encoding_message_size(4 << 20);
         let (tx, rx) = tokio::sync::mpsc::channel::<ImageChunk>(8);
         let dir = m.dir.clone();
-        let sealer =
-            Sealer::new(&m.key, m.uid.as_str()).map_err(|e| Status::internal(e.to_string()))?;
+        let sealer = stream_sealer(&m.key, m.uid.as_str())?;
         let uid = m.uid.to_string();
         let already = m.sent.clone();
         let delta = !self.cfg.track_mem;
@@ -646,14 +645,14 @@ impl Agent {
         }
         let mut m = m.expect("authorized streams name a known migration");
         admit(m.role, m.phase, Step::Receive)?;
+        // The stream's header (its first chunk) carries the stream id.
+        let sealer = Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         m.phase = Phase::Receiving;
-        let sealer =
-            Sealer::new(&m.key, m.uid.as_str()).map_err(|e| Status::internal(e.to_string()))?;
         let dir = m.dir.clone();
         let mut next = Some(first);
         let mut seq = 0u64;
-        let mut patched = std::collections::BTreeSet::new();
-        let (mut files, mut bytes) = (0u64, 0u64);
+        let mut store = Store::new(&dir);
         let res: Result<(), Status> = async {
             loop {
                 let c = match next.take() {
@@ -683,86 +682,7 @@ impl Agent {
                 let plain = sealer
                     .open(c.seq, &c.path, c.offset, false, &c.sealed)
                     .map_err(|e| Status::permission_denied(e.to_string()))?;
-                let path = dir.join(&c.path);
-                if let Some(p) = path.parent() {
-                    std::fs::create_dir_all(p).map_err(|e| Status::internal(e.to_string()))?;
-                }
-                if !c.base.is_empty() {
-                    transfer::check_image_path(&c.base)
-                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                    let len: [u8; 8] = plain
-                        .as_slice()
-                        .try_into()
-                        .map_err(|_| Status::invalid_argument("bad delta length"))?;
-                    std::fs::copy(dir.join(&c.base), &path).map_err(|e| {
-                        Status::failed_precondition(format!("delta base {}: {e}", c.base))
-                    })?;
-                    let f = std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(&path)
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                    f.set_len(u64::from_be_bytes(len))
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                    files += 1;
-                    patched.insert(c.path.clone());
-                    continue;
-                }
-                if patched.contains(&c.path) {
-                    use std::os::unix::fs::FileExt;
-                    let f = std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(&path)
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                    let len = f
-                        .metadata()
-                        .map_err(|e| Status::internal(e.to_string()))?
-                        .len();
-                    if c.offset + plain.len() as u64 > len {
-                        return Err(Status::invalid_argument(
-                            "delta block past the end of the file",
-                        ));
-                    }
-                    f.write_all_at(&plain, c.offset)
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                    bytes += plain.len() as u64;
-                    continue;
-                }
-                if c.symlink {
-                    let target = String::from_utf8(plain)
-                        .map_err(|_| Status::invalid_argument("bad link"))?;
-                    let ok = target
-                        .strip_prefix("../")
-                        .is_some_and(|t| transfer::check_image_path(t).is_ok() && !t.contains('/'));
-                    if !ok {
-                        return Err(Status::invalid_argument(format!(
-                            "link target {target:?} leaves the checkpoint"
-                        )));
-                    }
-                    std::os::unix::fs::symlink(&target, &path)
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                    continue;
-                }
-                let mut f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&path)
-                    .map_err(|e| Status::internal(e.to_string()))?;
-                let len = f
-                    .metadata()
-                    .map_err(|e| Status::internal(e.to_string()))?
-                    .len();
-                if len != c.offset {
-                    return Err(Status::invalid_argument(format!(
-                        "{}: offset {} but have {len}",
-                        c.path, c.offset
-                    )));
-                }
-                if c.offset == 0 {
-                    files += 1;
-                }
-                f.write_all(&plain)
-                    .map_err(|e| Status::internal(e.to_string()))?;
-                bytes += plain.len() as u64;
+                store.put(&c, plain)?;
             }
         }
         .await;
@@ -773,7 +693,7 @@ impl Agent {
             m.phase = Phase::Prepared;
             return Err(e);
         }
-        m.bytes_received += bytes;
+        m.bytes_received += store.bytes;
         m.image_bytes = images::size(&dir);
         // Pre-copy rounds arrive first; the round carrying the manifest is the last.
         m.phase = if dir.join("manifest.json").exists() {
@@ -781,7 +701,10 @@ impl Agent {
         } else {
             Phase::Receiving
         };
-        Ok(ReceiveSummary { files, bytes })
+        Ok(ReceiveSummary {
+            files: store.files,
+            bytes: store.bytes,
+        })
     }
 
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
@@ -814,7 +737,7 @@ impl Agent {
                 "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
             ));
         }
-        let dir = m.dir.join(&manifest.final_dir);
+        let dir = final_dir(&m.dir, &manifest)?;
         let netns = m
             .netns_path
             .clone()
@@ -1087,6 +1010,158 @@ impl Agent {
     }
 }
 
+/// The sealer of one outgoing image stream (every Send, every retry): a fresh random
+/// stream id, so no two streams under the migration key share a nonce.
+fn stream_sealer(key: &[u8], uid: &str) -> Result<Sealer, Status> {
+    let id: [u8; transfer::STREAM_ID_LEN] = rand::random();
+    Sealer::new(key, uid, &id).map_err(|e| Status::internal(e.to_string()))
+}
+
+/// Writes the opened chunks of one stream into a migration's checkpoint dir. Nothing
+/// it writes leaves that dir: paths are `<dir>/<file>` or `<file>`, the only links are
+/// CRIU's `parent` links one level down pointing at a sibling round (`../pre-<n>`),
+/// and no write or copy follows a link.
+struct Store<'a> {
+    dir: &'a Path,
+    /// Files created from a delta base in this stream; their chunks patch in place.
+    patched: std::collections::BTreeSet<String>,
+    files: u64,
+    bytes: u64,
+}
+
+fn open_nofollow(p: &Path, o: &mut std::fs::OpenOptions) -> Result<std::fs::File, Status> {
+    use std::os::unix::fs::OpenOptionsExt;
+    o.custom_flags(nix::libc::O_NOFOLLOW)
+        .open(p)
+        .map_err(|e| Status::invalid_argument(format!("{}: {e}", p.display())))
+}
+
+/// `../pre-<n>`: a sibling round's directory, the only link target CRIU writes.
+fn parent_link_ok(path: &str, target: &str) -> bool {
+    let Some((_, name)) = path.split_once('/') else {
+        // A top-level link would resolve `../x` next to this migration's dir: into
+        // another migration's.
+        return false;
+    };
+    name == "parent"
+        && target
+            .strip_prefix("../pre-")
+            .is_some_and(|n| !n.is_empty() && n.len() <= 9 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+impl<'a> Store<'a> {
+    fn new(dir: &'a Path) -> Self {
+        Store {
+            dir,
+            patched: Default::default(),
+            files: 0,
+            bytes: 0,
+        }
+    }
+
+    /// Stores one chunk whose path was checked and whose payload opened.
+    fn put(&mut self, c: &ImageChunk, plain: Vec<u8>) -> Result<(), Status> {
+        transfer::check_image_path(&c.path).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let ierr = |e: std::io::Error| Status::internal(e.to_string());
+        let path = self.dir.join(&c.path);
+        if let Some((top, _)) = c.path.split_once('/') {
+            let d = self.dir.join(top);
+            match std::fs::symlink_metadata(&d) {
+                Ok(md) if md.is_dir() => {}
+                Ok(_) => {
+                    return Err(Status::invalid_argument(format!(
+                        "{top} is not a directory"
+                    )));
+                }
+                Err(_) => std::fs::create_dir(&d).map_err(ierr)?,
+            }
+        }
+        if c.symlink {
+            let target =
+                String::from_utf8(plain).map_err(|_| Status::invalid_argument("bad link"))?;
+            if !parent_link_ok(&c.path, &target) {
+                return Err(Status::invalid_argument(format!(
+                    "link {:?} -> {target:?} is not a round's parent link",
+                    c.path
+                )));
+            }
+            return std::os::unix::fs::symlink(&target, &path).map_err(ierr);
+        }
+        if !c.base.is_empty() {
+            transfer::check_image_path(&c.base)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let len: [u8; 8] = plain
+                .as_slice()
+                .try_into()
+                .map_err(|_| Status::invalid_argument("bad delta length"))?;
+            let mut from = open_nofollow(
+                &self.dir.join(&c.base),
+                std::fs::OpenOptions::new().read(true),
+            )
+            .map_err(|e| Status::failed_precondition(format!("delta base: {}", e.message())))?;
+            let mut to = open_nofollow(
+                &path,
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true),
+            )?;
+            std::io::copy(&mut from, &mut to).map_err(ierr)?;
+            to.set_len(u64::from_be_bytes(len)).map_err(ierr)?;
+            self.files += 1;
+            self.patched.insert(c.path.clone());
+            return Ok(());
+        }
+        if self.patched.contains(&c.path) {
+            use std::os::unix::fs::FileExt;
+            let f = open_nofollow(&path, std::fs::OpenOptions::new().write(true))?;
+            let len = f.metadata().map_err(ierr)?.len();
+            if c.offset + plain.len() as u64 > len {
+                return Err(Status::invalid_argument(
+                    "delta block past the end of the file",
+                ));
+            }
+            f.write_all_at(&plain, c.offset).map_err(ierr)?;
+            self.bytes += plain.len() as u64;
+            return Ok(());
+        }
+        let mut f = open_nofollow(&path, std::fs::OpenOptions::new().create(true).append(true))?;
+        let md = f.metadata().map_err(ierr)?;
+        if !md.is_file() || md.len() != c.offset {
+            return Err(Status::invalid_argument(format!(
+                "{}: offset {} but have {}",
+                c.path,
+                c.offset,
+                md.len()
+            )));
+        }
+        if c.offset == 0 {
+            self.files += 1;
+        }
+        f.write_all(&plain).map_err(ierr)?;
+        self.bytes += plain.len() as u64;
+        Ok(())
+    }
+}
+
+/// The final image dir a manifest names: one plain directory inside the checkpoint
+/// dir (never a link, never a path out of it).
+fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
+    let name = &manifest.final_dir;
+    if transfer::check_image_path(name).is_err() || name.contains('/') {
+        return Err(Status::data_loss(format!(
+            "manifest names final dir {name:?}: not a directory of the checkpoint"
+        )));
+    }
+    let p = dir.join(name);
+    match std::fs::symlink_metadata(&p) {
+        Ok(md) if md.is_dir() => Ok(p),
+        _ => Err(Status::data_loss(format!(
+            "manifest names final dir {name:?}: not a directory of the checkpoint"
+        ))),
+    }
+}
+
 /// Delta block size when comparing a final image with its warm copy.
 const BLOCK: usize = 64 * 1024;
 
@@ -1128,6 +1203,14 @@ fn produce(
     let mut seq = 0u64;
     let mut bytes = 0u64;
     let mut paths = Vec::new();
+    // The stream id travels in the first chunk, the stream's header.
+    let header = |seq: u64| {
+        if seq == 0 {
+            sealer.stream_id().to_vec()
+        } else {
+            vec![]
+        }
+    };
     let chunk =
         |seq: u64, path: &str, offset: u64, data: &[u8], symlink: bool, base: &str| ImageChunk {
             migration_uid: uid.into(),
@@ -1138,6 +1221,7 @@ fn produce(
             end: false,
             symlink,
             base: base.into(),
+            stream_id: header(seq),
         };
     let send = |c: ImageChunk| {
         pace.wait(c.sealed.len() as u64);
@@ -1230,6 +1314,7 @@ fn produce(
         end: true,
         symlink: false,
         base: String::new(),
+        stream_id: header(seq),
     })?;
     Ok((bytes, paths))
 }
@@ -1371,3 +1456,6 @@ impl MigrationAgent for Agent {
 
 #[allow(dead_code)]
 fn _assert_stream<S: Stream>(_: S) {}
+
+#[cfg(test)]
+mod transfer_tests;

@@ -230,7 +230,7 @@ fn images_are_taken_only_from_the_agent_the_operator_named() {
     // A stream sealed with the migration's own key (as if it had leaked): only the
     // caller's identity can stop it.
     let stream = move |uid: &'static str| {
-        let sealer = Sealer::new(&key, uid).unwrap();
+        let sealer = Sealer::new(&key, uid, &[5; 16]).unwrap();
         let data = b"not a checkpoint";
         let chunks = vec![
             ImageChunk {
@@ -239,6 +239,7 @@ fn images_are_taken_only_from_the_agent_the_operator_named() {
                 path: "final/pages-1.img".into(),
                 offset: 0,
                 sealed: sealer.seal(0, "final/pages-1.img", 0, false, data),
+                stream_id: sealer.stream_id().to_vec(),
                 ..Default::default()
             },
             ImageChunk {

@@ -137,7 +137,8 @@ pub struct CommitRequest {
 pub struct ImageChunk {
     #[prost(string, tag = "1")]
     pub migration_uid: String,
-    /// Strictly increasing from 0 over the whole stream (it is the AEAD nonce).
+    /// Strictly increasing from 0 over the whole stream (the AEAD nonce is the
+    /// stream id followed by it).
     #[prost(uint64, tag = "2")]
     pub seq: u64,
     /// Relative path inside the checkpoint dir (`<dir>/<file>`, `[A-Za-z0-9._-]`).
@@ -159,6 +160,11 @@ pub struct ImageChunk {
     /// big-endian); the following chunks of `path` patch it at their offsets.
     #[prost(string, tag = "8")]
     pub base: String,
+    /// The stream's random id (`transfer::STREAM_ID_LEN` bytes), on the first chunk
+    /// (seq 0) only: the first part of every nonce of this stream, so no two streams
+    /// under one migration key share a nonce.
+    #[prost(bytes = "vec", tag = "9")]
+    pub stream_id: Vec<u8>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

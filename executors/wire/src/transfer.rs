@@ -1,15 +1,24 @@
 //! Sealing of checkpoint images in transit. The agents already talk mutual TLS, but a
 //! cluster-wide agent certificate would let any agent read or inject any migration's
 //! images; the per-migration key (from the migration's Secret, known only to the two
-//! agents of this migration) closes that. Each chunk is ChaCha20-Poly1305 sealed with
-//! nonce = stream sequence number and associated data = uid, path, offset, so chunks
-//! cannot be reordered, replayed across migrations, moved to another file or dropped
-//! at the end (the final chunk authenticates the count).
+//! agents of this migration) closes that. Each chunk is XChaCha20-Poly1305 sealed with
+//! associated data = uid, path, offset, so chunks cannot be moved to another migration
+//! or file or dropped at the end (the final chunk authenticates the count).
+//!
+//! One migration key seals many streams (every pre-copy round is a Send, and an
+//! interrupted Send is retried from the start), so the nonce is never a bare stream
+//! counter: it is a fresh random 128-bit stream id (carried in the stream's first
+//! chunk) followed by the 64-bit sequence number. XChaCha20 derives the cipher key
+//! from the migration key and those first 16 bytes (HChaCha20), so every stream runs
+//! under its own subkey with a counter nonce: no (key, nonce) pair repeats within a
+//! stream, and across streams only if two random 128-bit ids collide.
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
-use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 
 pub const KEY_LEN: usize = 32;
+/// Bytes of the random stream id, the first part of every nonce of the stream.
+pub const STREAM_ID_LEN: usize = 16;
 /// Plaintext bytes per chunk.
 pub const CHUNK: usize = 1 << 20;
 
@@ -21,19 +30,29 @@ pub enum TransferError {
     Tampered,
     #[error("chunk out of order: expected seq {expected}, got {got}")]
     OutOfOrder { expected: u64, got: u64 },
+    #[error("stream id must be {STREAM_ID_LEN} bytes")]
+    StreamId,
     #[error("bad image path {0:?}")]
     BadPath(String),
 }
 
+/// Every (key, nonce) a [`Sealer`] sealed under, for tests that prove none repeats.
+pub type NonceLog = std::sync::Arc<std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
+
+/// Seals or opens the chunks of one stream.
 pub struct Sealer {
-    aead: ChaCha20Poly1305,
+    aead: XChaCha20Poly1305,
     uid: String,
+    stream: [u8; STREAM_ID_LEN],
+    key: Vec<u8>,
+    log: Option<NonceLog>,
 }
 
-fn nonce(seq: u64) -> Nonce {
-    let mut n = [0u8; 12];
-    n[4..].copy_from_slice(&seq.to_be_bytes());
-    Nonce::from(n)
+fn nonce(stream: &[u8; STREAM_ID_LEN], seq: u64) -> XNonce {
+    let mut n = [0u8; 24];
+    n[..STREAM_ID_LEN].copy_from_slice(stream);
+    n[STREAM_ID_LEN..].copy_from_slice(&seq.to_be_bytes());
+    XNonce::from(n)
 }
 
 fn aad(uid: &str, path: &str, offset: u64, end: bool) -> Vec<u8> {
@@ -48,21 +67,43 @@ fn aad(uid: &str, path: &str, offset: u64, end: bool) -> Vec<u8> {
 }
 
 impl Sealer {
-    pub fn new(key: &[u8], uid: &str) -> Result<Self, TransferError> {
+    /// The sealer of the stream `stream_id`: the sender draws a fresh random id for
+    /// every stream (never reuse one), the receiver takes it from the first chunk.
+    pub fn new(key: &[u8], uid: &str, stream_id: &[u8]) -> Result<Self, TransferError> {
         if key.len() != KEY_LEN {
             return Err(TransferError::KeyLength);
         }
+        let stream: [u8; STREAM_ID_LEN] =
+            stream_id.try_into().map_err(|_| TransferError::StreamId)?;
         Ok(Self {
-            aead: ChaCha20Poly1305::new(Key::from_slice(key)),
+            aead: XChaCha20Poly1305::new(Key::from_slice(key)),
             uid: uid.to_owned(),
+            stream,
+            key: key.to_vec(),
+            log: None,
         })
+    }
+
+    pub fn stream_id(&self) -> &[u8] {
+        &self.stream
+    }
+
+    /// Records every (key, nonce) this sealer seals under into `log`.
+    pub fn recording(mut self, log: NonceLog) -> Self {
+        self.log = Some(log);
+        self
     }
 
     pub fn seal(&self, seq: u64, path: &str, offset: u64, end: bool, plain: &[u8]) -> Vec<u8> {
         let aad = aad(&self.uid, path, offset, end);
+        if let Some(l) = &self.log {
+            l.lock()
+                .expect("nonce log")
+                .push((self.key.clone(), nonce(&self.stream, seq).to_vec()));
+        }
         self.aead
             .encrypt(
-                &nonce(seq),
+                &nonce(&self.stream, seq),
                 Payload {
                     msg: plain,
                     aad: &aad,
@@ -82,7 +123,7 @@ impl Sealer {
         let aad = aad(&self.uid, path, offset, end);
         self.aead
             .decrypt(
-                &nonce(seq),
+                &nonce(&self.stream, seq),
                 Payload {
                     msg: sealed,
                     aad: &aad,
@@ -118,7 +159,7 @@ mod tests {
 
     #[test]
     fn sealed_chunk_opens_only_in_place() {
-        let s = Sealer::new(&[7u8; 32], "m1").unwrap();
+        let s = Sealer::new(&[7u8; 32], "m1", &[1; 16]).unwrap();
         let c = s.seal(3, "final/pages-1.img", 4096, false, b"secret pages");
         assert_eq!(
             s.open(3, "final/pages-1.img", 4096, false, &c).unwrap(),
@@ -136,12 +177,22 @@ mod tests {
             s.open(3, "final/pages-1.img", 0, false, &c),
             Err(TransferError::Tampered)
         );
-        let other = Sealer::new(&[7u8; 32], "m2").unwrap();
+        let other = Sealer::new(&[7u8; 32], "m2", &[1; 16]).unwrap();
         assert_eq!(
             other.open(3, "final/pages-1.img", 4096, false, &c),
             Err(TransferError::Tampered)
         );
-        let wrong_key = Sealer::new(&[8u8; 32], "m1").unwrap();
+        let other_stream = Sealer::new(&[7u8; 32], "m1", &[2; 16]).unwrap();
+        assert_eq!(
+            other_stream.open(3, "final/pages-1.img", 4096, false, &c),
+            Err(TransferError::Tampered),
+            "a chunk does not open in another stream (a replay from an earlier Send)"
+        );
+        assert_eq!(
+            Sealer::new(&[7u8; 32], "m1", &[1; 12]).err(),
+            Some(TransferError::StreamId)
+        );
+        let wrong_key = Sealer::new(&[8u8; 32], "m1", &[1; 16]).unwrap();
         assert!(
             wrong_key
                 .open(3, "final/pages-1.img", 4096, false, &c)

@@ -1,0 +1,308 @@
+//! The image stream through the real sealing and storing code: no (key, nonce) pair
+//! is ever used twice, and a hostile stream cannot write outside its migration.
+
+use super::*;
+use podmotion_wire::transfer::NonceLog;
+use std::collections::BTreeSet;
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!(
+            "pm-transfer-{tag}-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn write(dir: &Path, rel: &str, len: usize, fill: u8) {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, vec![fill; len]).unwrap();
+}
+
+/// One Send as `send_impl` runs it: a fresh stream sealer, `produce` over the
+/// checkpoint dir, a target that takes `accept` chunks (all if `None`) and then
+/// hangs up. Returns the paths now on the target, or the error.
+fn send_once(
+    dir: &Path,
+    key: &[u8],
+    uid: &str,
+    already: &BTreeSet<String>,
+    delta: bool,
+    log: &NonceLog,
+    accept: Option<usize>,
+) -> Result<Vec<String>, Status> {
+    let sealer = stream_sealer(key, uid)?.recording(log.clone());
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(1);
+    let target = std::thread::spawn(move || {
+        let mut got = 0;
+        while accept.is_none_or(|n| got < n) {
+            if rx.blocking_recv().is_none() {
+                break;
+            }
+            got += 1;
+        }
+    });
+    let r = produce(dir, uid, &sealer, &tx, already, delta, &Pace::new(0));
+    drop(tx);
+    target.join().unwrap();
+    r.map(|(_, paths)| paths)
+}
+
+fn pre_copy_with_a_retried_send(delta: bool) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let d = Scratch::new("nonce");
+    let key = [9u8; 32];
+    let uid = "0b6a5d2e-4c1f-4f4e-9d7e-2a1b3c4d5e6f";
+    let log: NonceLog = Default::default();
+    let mut already = BTreeSet::new();
+    for round in 1..=3u8 {
+        let pre = format!("pre-{round}");
+        write(&d.0, &format!("{pre}/pages-1.img"), 3 << 20, round);
+        write(&d.0, &format!("{pre}/core-1.img"), 4096, round);
+        if round > 1 {
+            std::os::unix::fs::symlink(
+                format!("../pre-{}", round - 1),
+                d.0.join(&pre).join("parent"),
+            )
+            .unwrap();
+        }
+        let paths = send_once(&d.0, &key, uid, &already, delta, &log, None).unwrap();
+        already.extend(paths);
+    }
+    write(&d.0, "final/pages-1.img", 3 << 20, 7);
+    write(&d.0, "final/core-1.img", 4096, 7);
+    write(&d.0, "manifest.json", 100, b'{');
+    // The final Send fails after two chunks (the target hung up) and is retried.
+    assert!(send_once(&d.0, &key, uid, &already, delta, &log, Some(2)).is_err());
+    let paths = send_once(&d.0, &key, uid, &already, delta, &log, None).unwrap();
+    assert!(paths.contains(&"manifest.json".to_string()));
+    log.lock().unwrap().clone()
+}
+
+fn assert_no_pair_repeats(used: &[(Vec<u8>, Vec<u8>)]) {
+    assert!(used.len() > 20, "the streams sealed {} chunks", used.len());
+    let mut seen = BTreeSet::new();
+    for (k, n) in used {
+        assert!(
+            seen.insert((k.clone(), n.clone())),
+            "(key, nonce) reused: nonce {n:02x?} of {} sealed chunks",
+            used.len()
+        );
+    }
+}
+
+#[test]
+fn pre_copy_rounds_and_a_retried_send_never_reuse_a_key_nonce_pair() {
+    assert_no_pair_repeats(&pre_copy_with_a_retried_send(false));
+}
+
+#[test]
+fn warm_copy_deltas_and_a_retried_send_never_reuse_a_key_nonce_pair() {
+    assert_no_pair_repeats(&pre_copy_with_a_retried_send(true));
+}
+
+fn chunk(path: &str, offset: u64) -> ImageChunk {
+    ImageChunk {
+        path: path.into(),
+        offset,
+        ..Default::default()
+    }
+}
+
+fn link(path: &str) -> ImageChunk {
+    ImageChunk {
+        symlink: true,
+        ..chunk(path, 0)
+    }
+}
+
+fn delta(path: &str, base: &str) -> ImageChunk {
+    ImageChunk {
+        base: base.into(),
+        ..chunk(path, 0)
+    }
+}
+
+/// Every file under `dir` with its content (links as their targets).
+fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut e = Vec::new();
+    collect(dir, dir, &mut e).unwrap();
+    let mut out: Vec<_> = e
+        .into_iter()
+        .map(|(rel, is_link)| {
+            let p = dir.join(&rel);
+            let v = if is_link {
+                std::fs::read_link(p)
+                    .unwrap()
+                    .into_os_string()
+                    .into_encoded_bytes()
+            } else {
+                std::fs::read(p).unwrap()
+            };
+            (rel, v)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_hostile_stream_cannot_link_or_write_outside_its_migration() {
+    let root = Scratch::new("corpus");
+    let ours = root.0.join("mig-a");
+    let other = root.0.join("mig-b");
+    write(&other, "final/pages-1.img", 10, b'v');
+    write(&other, "manifest.json", 10, b'{');
+    write(&ours, "pre-1/pages-1.img", 10, 1);
+    let before = tree(&other);
+    let mut store = Store::new(&ours);
+    // A planted top-level link (as an older receiver accepted it) is never followed.
+    std::os::unix::fs::symlink("../mig-b", ours.join("pre-9")).unwrap();
+
+    let refused: Vec<(&str, ImageChunk, Vec<u8>)> = vec![
+        (
+            "top-level link into another migration",
+            link("pre-8"),
+            b"../mig-b".to_vec(),
+        ),
+        (
+            "top-level link named like a round",
+            link("final"),
+            b"../mig-b/final".to_vec(),
+        ),
+        (
+            "parent link two levels up",
+            link("pre-2/parent"),
+            b"../../mig-b".to_vec(),
+        ),
+        (
+            "parent link to an absolute path",
+            link("pre-2/parent"),
+            b"/etc".to_vec(),
+        ),
+        ("parent link to ..", link("pre-2/parent"), b"..".to_vec()),
+        (
+            "parent link into a file",
+            link("pre-2/parent"),
+            b"../manifest.json".to_vec(),
+        ),
+        (
+            "link not named parent",
+            link("pre-2/other"),
+            b"../pre-1".to_vec(),
+        ),
+        (
+            "write through a planted top-level link",
+            chunk("pre-9/pages-1.img", 0),
+            b"x".to_vec(),
+        ),
+        (
+            "delta through a planted top-level link",
+            delta("pre-9/pages-2.img", "pre-1/pages-1.img"),
+            4u64.to_be_bytes().to_vec(),
+        ),
+        (
+            "delta from a planted top-level link",
+            delta("pre-2/pages-2.img", "pre-9/pages-1.img"),
+            4u64.to_be_bytes().to_vec(),
+        ),
+        (
+            "traversal",
+            chunk("../mig-b/manifest.json", 0),
+            b"x".to_vec(),
+        ),
+        ("absolute", chunk("/tmp/x", 0), b"x".to_vec()),
+        (
+            "too deep",
+            chunk("pre-2/parent/pages-1.img", 0),
+            b"x".to_vec(),
+        ),
+        (
+            "delta base traversal",
+            delta("pre-2/pages-3.img", "../mig-b/manifest.json"),
+            4u64.to_be_bytes().to_vec(),
+        ),
+    ];
+    for (what, c, plain) in refused {
+        assert!(store.put(&c, plain).is_err(), "accepted: {what}");
+    }
+    // CRIU's own parent link is stored; nothing is then written or copied through it.
+    store
+        .put(&link("pre-2/parent"), b"../pre-1".to_vec())
+        .unwrap();
+    assert_eq!(
+        std::fs::read_link(ours.join("pre-2/parent")).unwrap(),
+        Path::new("../pre-1")
+    );
+    assert!(
+        store.put(&chunk("pre-2/parent", 0), b"x".to_vec()).is_err(),
+        "write through the parent link"
+    );
+    assert!(
+        store
+            .put(
+                &delta("pre-2/parent", "pre-1/pages-1.img"),
+                4u64.to_be_bytes().to_vec()
+            )
+            .is_err(),
+        "delta onto the parent link"
+    );
+    // Ordinary chunks still land.
+    store
+        .put(&chunk("pre-2/pages-1.img", 0), b"abc".to_vec())
+        .unwrap();
+    store
+        .put(&chunk("pre-2/pages-1.img", 3), b"def".to_vec())
+        .unwrap();
+    assert_eq!(
+        std::fs::read(ours.join("pre-2/pages-1.img")).unwrap(),
+        b"abcdef"
+    );
+    assert_eq!(tree(&other), before, "the other migration's images changed");
+    assert!(
+        !root.0.join("pre-8").exists() && !root.0.join("pages-1.img").exists(),
+        "something was written next to the migrations"
+    );
+}
+
+#[test]
+fn the_manifest_names_only_a_plain_directory_of_its_checkpoint() {
+    let root = Scratch::new("final");
+    let ours = root.0.join("mig-a");
+    write(&ours, "final/core-1.img", 10, 1);
+    write(&ours, "manifest.json", 10, b'{');
+    write(&root.0, "mig-b/final/core-1.img", 10, 2);
+    std::os::unix::fs::symlink("../mig-b/final", ours.join("elsewhere")).unwrap();
+    let named = |d: &str| Manifest {
+        final_dir: d.into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        final_dir(&ours, &named("final")).unwrap(),
+        ours.join("final")
+    );
+    for bad in [
+        "../mig-b/final",
+        "/etc",
+        "final/..",
+        "..",
+        "",
+        "elsewhere",
+        "manifest.json",
+        "missing",
+    ] {
+        assert!(final_dir(&ours, &named(bad)).is_err(), "accepted {bad:?}");
+    }
+}
