@@ -27,10 +27,7 @@ use crate::migration::agent::{
 use crate::migration::report::{remembered_outcome, report_from_status};
 use probe::{ProbeError, probe_once};
 
-/// TLS server name of the agent on `node` (the SAN its certificate carries).
-pub fn agent_server_name(node: &str) -> String {
-    format!("podmotion-agent.{node}")
-}
+pub use crate::pki::plan::agent_server_name;
 
 type Key = (String, String);
 

@@ -381,10 +381,10 @@ pub fn agent_request(node: &str) -> Requested {
 }
 
 /// The TLS server name the operator and peer agents dial the agent on `node` by (its
-/// DNS SAN): the operator's one rule (`crate::agents`), which also names the target
-/// of every Send.
+/// DNS SAN, the SAN its certificate carries): the operator's one rule, which
+/// `crate::agents` dials by and which also names the target of every Send.
 pub fn agent_server_name(node: &str) -> String {
-    crate::agents::agent_server_name(node)
+    format!("podmotion-agent.{node}")
 }
 
 #[cfg(test)]
