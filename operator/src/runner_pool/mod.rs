@@ -2,18 +2,15 @@
 //! the Runner's object contract (`render`), sizes the pod for its session capacity
 //! (`sizing`), judges drift of the live DaemonSet (`drift`), whether the namespace's
 //! PodSecurity level admits the pods (`pod_security`), reads the node preflight
-//! verdicts (`preflight`) and computes the status (`status`). No I/O: the controller
+//! verdicts (`preflight`), resolves the Server's Service (`server`) and computes the
+//! status (`status`). No I/O: the controller
 //! (`crate::controllers::runner_pool`) fetches the inputs and applies the outputs.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Pod, Service};
-use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::scheduling::v1::PriorityClass;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use podmotion_api::RunnerPool;
 
@@ -23,6 +20,7 @@ pub mod policies;
 pub mod preflight;
 pub mod priority;
 pub mod render;
+pub mod server;
 pub mod sizing;
 pub mod status;
 
@@ -31,73 +29,8 @@ mod fixtures;
 #[cfg(test)]
 mod tests;
 
-pub use render::render;
-
-/// The Server's Service, resolved to what a NetworkPolicy can select.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServerEndpoint {
-    /// Namespace of the Service (and its pods).
-    pub namespace: String,
-    /// The Service's pod selector.
-    pub selector: BTreeMap<String, String>,
-    /// The port the Service forwards the Runner's port to (number or name).
-    pub target_port: IntOrString,
-}
-
-impl ServerEndpoint {
-    /// The Server's Service `svc` (in `namespace`) resolved for `pool`: its pod selector
-    /// and the target of the pool's server port. `None` when the Service is missing,
-    /// selects no pods or has no such port.
-    pub fn resolve(pool: &RunnerPool, namespace: &str, svc: Option<Service>) -> Option<Self> {
-        let spec = svc?.spec?;
-        let selector = spec.selector.filter(|s| !s.is_empty())?;
-        let port = spec
-            .ports?
-            .into_iter()
-            .find(|p| p.port == pool.spec.server.port)?;
-        Some(ServerEndpoint {
-            namespace: namespace.into(),
-            selector,
-            target_port: port.target_port.unwrap_or(IntOrString::Int(port.port)),
-        })
-    }
-}
-
-/// Namespace of the pool's Server Service (the pool's own unless it names one).
-pub fn server_namespace(pool: &RunnerPool) -> String {
-    pool.spec
-        .server
-        .namespace
-        .clone()
-        .unwrap_or_else(|| pool.namespace().unwrap_or_default())
-}
-
-/// Why the Runner pods get no egress to the Server, when `server` did not resolve.
-pub fn server_problem(pool: &RunnerPool, server: Option<&ServerEndpoint>) -> Result<(), String> {
-    match server {
-        Some(_) => Ok(()),
-        None => Err(format!(
-            "Service {}/{} is missing, has no pod selector or no port {}: the Runner pods get no egress to the Server",
-            server_namespace(pool),
-            pool.spec.server.service_name,
-            pool.spec.server.port
-        )),
-    }
-}
-
-/// Observed facts the rendering needs besides the RunnerPool.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Inputs {
-    /// Preflight image when the RunnerPool names none (operator setting).
-    pub preflight_image: String,
-    /// Nodes carrying the pool's node label; caps `maxUnavailable` below all of them.
-    pub eligible_nodes: usize,
-    /// The Server's Service; `None` when it is missing or has no selector.
-    pub server: Option<ServerEndpoint>,
-    /// Token of the generated credential Secret: the existing one, or a fresh random
-    /// one when the Secret does not exist yet. `None` when a Secret is referenced.
-    pub credential_token: Option<String>,
-}
+pub use render::{Desired, Inputs, render};
+pub use server::{ServerEndpoint, server_namespace, server_problem};
 
 /// What the status is computed from besides the pool: the facts read before this
 /// round's applies and what the applies left behind.
@@ -157,17 +90,4 @@ pub fn status_inputs(
             .collect(),
         credential_secret: applied.credential_secret,
     }
-}
-
-/// Every object of the contract for one pool.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Desired {
-    pub daemonset: DaemonSet,
-    pub service_account: ServiceAccount,
-    /// The generated credential Secret (`None` when the pool references one).
-    pub secret: Option<Secret>,
-    pub network_policy: NetworkPolicy,
-    pub pdb: PodDisruptionBudget,
-    /// Cluster-scoped, cleaned up by the pool's finalizer (`None` when referenced).
-    pub priority_class: Option<PriorityClass>,
 }

@@ -15,8 +15,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
@@ -25,8 +26,8 @@ use podmotion_api::runner_pool::RunnerPool;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+use super::server::ServerEndpoint;
 use super::sizing::{pod_size, termination_grace_seconds};
-use super::{Desired, Inputs};
 use crate::meta::child_meta;
 
 /// Name of the Runner container.
@@ -110,6 +111,33 @@ pub fn pdb_min_available(pool: &RunnerPool, eligible_nodes: usize) -> i32 {
         nodes,
     );
     (nodes - down).max(0)
+}
+
+/// Observed facts the rendering needs besides the RunnerPool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inputs {
+    /// Preflight image when the RunnerPool names none (operator setting).
+    pub preflight_image: String,
+    /// Nodes carrying the pool's node label; caps `maxUnavailable` below all of them.
+    pub eligible_nodes: usize,
+    /// The Server's Service; `None` when it is missing or has no selector.
+    pub server: Option<ServerEndpoint>,
+    /// Token of the generated credential Secret: the existing one, or a fresh random
+    /// one when the Secret does not exist yet. `None` when a Secret is referenced.
+    pub credential_token: Option<String>,
+}
+
+/// Every object of the contract for one pool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Desired {
+    pub daemonset: DaemonSet,
+    pub service_account: ServiceAccount,
+    /// The generated credential Secret (`None` when the pool references one).
+    pub secret: Option<Secret>,
+    pub network_policy: NetworkPolicy,
+    pub pdb: PodDisruptionBudget,
+    /// Cluster-scoped, cleaned up by the pool's finalizer (`None` when referenced).
+    pub priority_class: Option<PriorityClass>,
 }
 
 fn typed<T: DeserializeOwned>(what: &str, v: Value) -> T {

@@ -26,182 +26,40 @@
 //! server except the orphan sweep, by design.
 
 mod observe;
+mod settings;
+mod state;
 mod sweep;
 mod writes;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use clap::{Args, Parser};
 use futures::stream;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
-use kube::{Client, ResourceExt};
 use podmotion_api::names::{finalizers, managers};
 use podmotion_api::{NodeAgentAttachment, NodeAgentAttachmentStatus};
 
-use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
+use super::{controller_config, scoped};
 use crate::attachment::observed::workload_key;
-use crate::attachment::render::{self, Settings};
+use crate::attachment::render;
 use crate::attachment::{JobView, ObservedGroup, PodView};
-use crate::cache::{self, Key, Projection};
+use crate::cache::{self, Projection};
 use crate::context::Context;
 
+pub use settings::AttachmentConfig;
 pub use sweep::reap_all;
 
-const NAME: &str = "attachment";
-
-/// Settings of the attachment controller (flags with environment fallbacks).
-#[derive(Args, Clone, Debug)]
-pub struct AttachmentConfig {
-    /// Prefix of every agent Job's name (`<prefix>-<hash of namespace/pod>`).
-    #[arg(
-        long = "attachment-job-prefix",
-        env = "PODMOTION_ATTACHMENT_JOB_PREFIX",
-        default_value = "podmotion-agent"
-    )]
-    pub job_prefix: String,
-    /// The agent image of every attachment Job (an attachment never chooses it).
-    #[arg(
-        long = "attachment-agent-image",
-        env = "PODMOTION_ATTACHMENT_AGENT_IMAGE",
-        default_value = "ghcr.io/podmotion/attach:0.1.0"
-    )]
-    pub agent_image: String,
-    /// Host path mounted read-only into every agent as the container-runtime socket, or
-    /// the directory holding it.
-    #[arg(
-        long = "attachment-cri-socket-path",
-        env = "PODMOTION_ATTACHMENT_CRI_SOCKET_PATH",
-        default_value = "/run"
-    )]
-    pub cri_socket_path: String,
-    /// Annotations on every agent pod, as a JSON object of strings (policy-engine
-    /// exemptions, an AppArmor profile). The chart passes `attachment.podAnnotations`.
-    #[arg(
-        long = "attachment-pod-annotations",
-        env = "PODMOTION_ATTACHMENT_POD_ANNOTATIONS",
-        default_value = "{}",
-        value_parser = parse_annotations
-    )]
-    pub pod_annotations: BTreeMap<String, String>,
-    /// Seconds between orphan sweeps (one also runs at start).
-    #[arg(
-        long = "attachment-sweep-seconds",
-        env = "PODMOTION_ATTACHMENT_SWEEP_SECONDS",
-        default_value_t = 60
-    )]
-    pub sweep_seconds: u64,
-    /// Most Job creations or deletions in flight for one reconcile.
-    #[arg(
-        long = "attachment-write-parallelism",
-        env = "PODMOTION_ATTACHMENT_WRITE_PARALLELISM",
-        default_value_t = 16
-    )]
-    pub write_parallelism: usize,
-    /// Retries of a failing agent pod before its Job fails (and is replaced).
-    #[arg(
-        long = "attachment-backoff-limit",
-        env = "PODMOTION_ATTACHMENT_BACKOFF_LIMIT",
-        default_value_t = 3
-    )]
-    pub backoff_limit: i32,
-    /// Image pull Secrets (names, comma-separated) of every agent Job's pod; they must
-    /// exist in the Jobs' namespace. The chart passes its `imagePullSecrets`.
-    #[arg(
-        long = "attachment-image-pull-secrets",
-        env = "PODMOTION_ATTACHMENT_IMAGE_PULL_SECRETS",
-        value_delimiter = ','
-    )]
-    pub image_pull_secrets: Vec<String>,
-    /// Namespace of the agent Jobs (and their Secrets and NetworkPolicy). Their pods
-    /// use hostPID and capabilities, so it must enforce the `privileged` PodSecurity
-    /// level. Unset: the operator's own namespace.
-    #[arg(long = "attachment-namespace", env = "PODMOTION_ATTACHMENT_NAMESPACE")]
-    pub jobs_namespace: Option<String>,
-    /// Only handle attachments (and watch pods) in this namespace. Unset: every namespace.
-    #[arg(
-        long = "attachment-watch-namespace",
-        env = "PODMOTION_ATTACHMENT_WATCH_NAMESPACE"
-    )]
-    pub watch_namespace: Option<String>,
-}
-
-/// `--attachment-pod-annotations`: a JSON object of strings.
-fn parse_annotations(s: &str) -> Result<BTreeMap<String, String>, String> {
-    serde_json::from_str(s).map_err(|e| {
-        format!("expected a JSON object of strings, such as {{\"example.com/key\":\"value\"}}: {e}")
-    })
-}
-
-impl AttachmentConfig {
-    /// The settings from the environment alone (until the binary flattens the flags).
-    pub fn from_env() -> anyhow::Result<AttachmentConfig> {
-        #[derive(Parser)]
-        struct Only {
-            #[command(flatten)]
-            a: AttachmentConfig,
-        }
-        Ok(Only::try_parse_from(["podmotion-operator"])?.a)
-    }
-
-    /// Namespace of the agent Jobs, given the operator's own.
-    pub fn jobs_namespace_or(&self, operator_namespace: &str) -> String {
-        self.jobs_namespace
-            .clone()
-            .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| operator_namespace.into())
-    }
-
-    pub fn settings(&self, operator_namespace: &str) -> Settings {
-        Settings {
-            namespace: self.jobs_namespace_or(operator_namespace),
-            job_prefix: self.job_prefix.clone(),
-            image: self.agent_image.clone(),
-            cri_socket_path: self.cri_socket_path.clone(),
-            pod_annotations: self.pod_annotations.clone(),
-            backoff_limit: self.backoff_limit,
-            image_pull_secrets: self
-                .image_pull_secrets
-                .iter()
-                .filter(|n| !n.is_empty())
-                .cloned()
-                .collect(),
-        }
-    }
-}
-
-/// The controller: settings, caches and the attachments' store.
-struct Shared {
-    ctx: Arc<Context>,
-    cfg: AttachmentConfig,
-    settings: Settings,
-    store: Store<DeserializeGuard<NodeAgentAttachment>>,
-    pods: Arc<Projection<PodView>>,
-    jobs: Arc<Projection<JobView>>,
-    policy_applied: AtomicBool,
-}
-
-impl Shared {
-    /// Whether every cache has its first complete list (the attachments' store is
-    /// waited for by the controller runtime itself).
-    fn caches_ready(&self) -> bool {
-        self.pods.is_ready() && self.jobs.is_ready()
-    }
-
-    fn job_key(&self, name: &str) -> Key {
-        (self.settings.namespace.clone(), name.into())
-    }
-}
+use state::{Mode, NAME, Shared};
 
 /// Runs the controller with the settings from the environment.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
@@ -266,16 +124,6 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     Ok(())
 }
 
-fn scoped<K>(client: &Client, ns: Option<&str>) -> Api<K>
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
-{
-    match ns {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    }
-}
-
 /// The list-then-watch of a cache: small pages, not `any_semantic` (the API server's
 /// watch cache serves such a list whole, ignoring the page size). Each page is decoded
 /// as full objects before it is projected, and the allocator keeps the largest such
@@ -317,13 +165,6 @@ fn attachments_in_namespace(
         .filter(|g| g.namespace().as_deref() == Some(ns))
         .map(|g| ObjectRef::from_obj(g.as_ref()))
         .collect()
-}
-
-/// Whether a workload reconcile may create Jobs and Leases, or only delete (the sweep).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    Full,
-    DeletesOnly,
 }
 
 impl Reconciler for Shared {

@@ -10,7 +10,8 @@ use kube::{Client, Resource, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, WorkloadKind, WorkloadRef};
 
-use super::{Mode, Shared, writes};
+use super::state::{Mode, Shared};
+use super::writes;
 use crate::attachment::observed::workload_key;
 use crate::attachment::{AttachmentView, JobView, ObservedGroup, PodView};
 use crate::controllers::shell::{ReconcileError, api_err};

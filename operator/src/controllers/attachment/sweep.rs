@@ -15,7 +15,8 @@ use podmotion_api::NodeAgentAttachment;
 use podmotion_api::names::finalizers;
 use serde_json::json;
 
-use super::{Mode, NAME, Shared, observe, writes};
+use super::state::{Mode, NAME, Shared};
+use super::{observe, writes};
 use crate::attachment::observed::parse_workload_key;
 use crate::attachment::render;
 use crate::controllers::shell::{ReconcileError, is_status};

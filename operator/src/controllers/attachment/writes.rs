@@ -18,7 +18,7 @@ use podmotion_api::names::managers;
 use rand::RngCore;
 use serde_json::json;
 
-use super::{Mode, Shared};
+use super::state::{Mode, Shared};
 use crate::attachment::plan::{Deletion, Plan, Resume};
 use crate::attachment::{AttachmentView, JobFate, JobView, ObservedGroup, notes, plan, render};
 use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};

@@ -5,15 +5,24 @@
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use podmotion_api::PodMigration;
 use podmotion_api::names::managers;
+use podmotion_api::{PodMigration, PodMigrationStatus};
 
 use super::observe::endpoint_of;
-use super::{Deferred, Shared};
+use super::state::Shared;
 use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
 use crate::migration::agent::{AgentClient, Side, Step};
 use crate::migration::machine::Action;
 use crate::migration::render;
+
+/// What the machine decided that must follow the status write.
+#[derive(Default)]
+pub(super) struct Deferred {
+    pub(super) actions: Vec<Action>,
+    pub(super) source: Option<Pod>,
+    pub(super) target: Option<Pod>,
+    pub(super) status: PodMigrationStatus,
+}
 
 pub(super) async fn execute<A: AgentClient>(
     s: &Shared<A>,

@@ -12,7 +12,7 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::finalizers;
 
-use super::Shared;
+use super::state::Shared;
 use crate::controllers::shell::{ReconcileError, api_err};
 use crate::migration::agent::{AgentClient, AgentEndpoint, AgentView};
 use crate::migration::machine::{Knobs, Observed, Preflight};

@@ -16,12 +16,52 @@ use rand::RngCore;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::Shared;
 use crate::children;
 use crate::context::Context;
 use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
 use crate::meta::{owner_selector, short_hash};
-use crate::runner_pool::{Desired, drift};
+use crate::runner_pool::{Applied, Desired, Inputs, drift, render};
+
+/// Renders the pool and applies every child that changed; returns what was
+/// rendered and what the applies left behind.
+pub(super) async fn apply_all(
+    ctx: &Context,
+    reads_secrets: bool,
+    pool: &RunnerPool,
+    inputs: &Inputs,
+) -> Result<(Desired, Applied), ReconcileError> {
+    let ns = pool.namespace().unwrap_or_default();
+    let desired = render::render(pool, inputs);
+    let client = &ctx.client;
+    let sa = desired.service_account.clone();
+    apply_if_changed(ctx, &Api::namespaced(client.clone(), &ns), sa).await?;
+    let credential_secret = ensure_credential_secret(ctx, reads_secrets, pool, &desired).await?;
+    let np = desired.network_policy.clone();
+    apply_if_changed(ctx, &Api::namespaced(client.clone(), &ns), np).await?;
+    let pdb = desired.pdb.clone();
+    apply_if_changed(ctx, &Api::namespaced(client.clone(), &ns), pdb).await?;
+    let mut conflicts = vec![];
+    if let Some(pc) = desired.priority_class.clone()
+        && let Some(conflict) = apply_priority_class(ctx, pool, pc).await?
+    {
+        conflicts.push(conflict);
+    }
+    let keep_pc: BTreeSet<String> = desired
+        .priority_class
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    delete_priority_classes(ctx, pool, &keep_pc).await?;
+    // The DaemonSet: drift is judged on the live object before the apply.
+    let (daemonset, drift) = apply_daemonset(ctx, pool, &desired).await?;
+    let applied = Applied {
+        daemonset,
+        drift,
+        conflicts,
+        credential_secret,
+    };
+    Ok((desired, applied))
+}
 
 /// Keeps the generated credential Secret: returns the name of the one the operator owns.
 ///
@@ -30,15 +70,15 @@ use crate::runner_pool::{Desired, drift};
 /// once (an existing one is kept: 409), records its name in the status, and deletes a
 /// previously recorded one by name when the pool switches to its own Secret.
 pub(super) async fn ensure_credential_secret(
-    s: &Shared,
+    ctx: &Context,
+    reads_secrets: bool,
     pool: &RunnerPool,
     desired: &Desired,
 ) -> Result<Option<String>, ReconcileError> {
-    let ctx = &s.ctx;
     let api: Api<Secret> =
         Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
     let want = desired.secret.as_ref().map(|x| x.name_any());
-    if s.reads_secrets() {
+    if reads_secrets {
         if let Some(secret) = desired.secret.clone() {
             apply_if_changed(ctx, &api, secret).await?;
         }

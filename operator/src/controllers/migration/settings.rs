@@ -1,0 +1,141 @@
+//! The migration controller's settings: flags with environment fallbacks.
+
+use clap::{Args, Parser};
+
+use crate::migration::render::Holder;
+
+/// Settings of the migration controller (flags with environment fallbacks).
+#[derive(Args, Clone, Debug)]
+pub struct MigrationConfig {
+    /// Reach the agent of NODE at URL instead of through its agent pod (local runs
+    /// where nodes are simulated): NODE=URL, repeatable or comma-separated.
+    #[arg(long = "migration-agent-endpoint", env = "PODMOTION_AGENT_ENDPOINTS", value_delimiter = ',', value_parser = parse_endpoint)]
+    pub agent_endpoints: Vec<(String, String)>,
+
+    /// Namespace of the node-agent DaemonSet's pods.
+    #[arg(
+        long = "migration-agent-namespace",
+        env = "PODMOTION_AGENT_NAMESPACE",
+        default_value = "podmotion-system"
+    )]
+    pub agent_namespace: String,
+
+    /// Label selector of the node-agent DaemonSet's pods.
+    #[arg(
+        long = "migration-agent-selector",
+        env = "PODMOTION_AGENT_SELECTOR",
+        default_value = "app.kubernetes.io/name=podmotion-agent"
+    )]
+    pub agent_selector: String,
+
+    /// gRPC port of the node agents.
+    #[arg(
+        long = "migration-agent-port",
+        env = "PODMOTION_AGENT_PORT",
+        default_value_t = 7443
+    )]
+    pub agent_port: u16,
+
+    /// Most migrations past `Pending` at once in the cluster.
+    #[arg(
+        long = "migration-max-parallel",
+        env = "PODMOTION_MIGRATION_MAX_PARALLEL",
+        default_value_t = 5
+    )]
+    pub max_parallel: usize,
+
+    /// Most migrations past `Pending` at once out of one source node.
+    #[arg(
+        long = "migration-max-per-node",
+        env = "PODMOTION_MIGRATION_MAX_PER_NODE",
+        default_value_t = 2
+    )]
+    pub max_per_node: usize,
+
+    /// CA (PEM) that signs the node agents' certificates (mutual TLS).
+    #[arg(long = "migration-agent-tls-ca", env = "PODMOTION_AGENT_TLS_CA")]
+    pub agent_tls_ca: Option<String>,
+    /// The operator's client certificate (PEM) for the node agents.
+    #[arg(long = "migration-agent-tls-cert", env = "PODMOTION_AGENT_TLS_CERT")]
+    pub agent_tls_cert: Option<String>,
+    /// The operator's client key (PEM) for the node agents.
+    #[arg(long = "migration-agent-tls-key", env = "PODMOTION_AGENT_TLS_KEY")]
+    pub agent_tls_key: Option<String>,
+
+    /// Reconcile PodMigrations of this namespace only (default: all namespaces).
+    #[arg(
+        id = "migration_namespace",
+        long = "migration-namespace",
+        env = "PODMOTION_MIGRATION_NAMESPACE"
+    )]
+    pub watch_namespace: Option<String>,
+
+    /// File holding the master key per-migration transfer keys are derived from (at
+    /// least 32 bytes). Without it a random key is used, and a migration in flight
+    /// when the operator restarts fails its transfer and rolls back.
+    #[arg(long = "migration-key-file", env = "PODMOTION_MIGRATION_KEY_FILE")]
+    pub key_file: Option<std::path::PathBuf>,
+
+    /// Image whose entrypoint is `podmotion-agent` (the migration agent's image): a
+    /// target pod's init container copies the holder program out of it. Default: the
+    /// agent image of this version.
+    #[arg(long = "migration-holder-image", env = "PODMOTION_HOLDER_IMAGE")]
+    pub holder_image: Option<String>,
+}
+
+fn parse_endpoint(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((node, url)) if !node.is_empty() && !url.is_empty() => Ok((node.into(), url.into())),
+        _ => Err(format!("expected NODE=URL, got {s:?}")),
+    }
+}
+
+impl MigrationConfig {
+    /// The settings from the environment alone (until the binary flattens the flags).
+    pub fn from_env() -> anyhow::Result<MigrationConfig> {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            m: MigrationConfig,
+        }
+        Ok(Only::try_parse_from(["podmotion-operator"])?.m)
+    }
+    pub(super) fn holder(&self) -> Holder {
+        match &self.holder_image {
+            Some(i) if !i.is_empty() => Holder {
+                installer_image: i.clone(),
+            },
+            _ => Holder::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_overrides_parse_as_node_equals_url() {
+        assert_eq!(
+            parse_endpoint("pm-node-0=http://127.0.0.1:7001").unwrap().0,
+            "pm-node-0"
+        );
+        assert!(parse_endpoint("pm-node-0").is_err());
+        assert!(parse_endpoint("=http://x").is_err());
+    }
+
+    #[test]
+    fn settings_default_to_five_per_cluster_and_two_per_node() {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            m: MigrationConfig,
+        }
+        let c = Only::try_parse_from(["x"]).unwrap().m;
+        assert_eq!((c.max_parallel, c.max_per_node), (5, 2));
+        let c = Only::try_parse_from(["x", "--migration-agent-endpoint", "a=http://1,b=http://2"])
+            .unwrap()
+            .m;
+        assert_eq!(c.agent_endpoints.len(), 2);
+    }
+}
