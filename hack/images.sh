@@ -25,7 +25,10 @@
 #
 # stdout: exactly one line per image, `$PODMOTION_REGISTRY/podmotion/<name>@sha256:<digest>`.
 # Everything else goes to stderr. Also writes $PODMOTION_RUN/images-values.yaml (the
-# chart's image keys pinned by digest; hack/install.sh passes it to helm).
+# chart's image keys pinned by digest; hack/install.sh passes it to helm) and, with every
+# image built, pushes the chart itself as an OCI artifact
+# (oci://$PODMOTION_REGISTRY/podmotion/charts/podmotion, hack/lib/chart.sh), its pinned
+# reference in $PODMOTION_RUN/chart.txt.
 #
 # Reproducibility (same commit -> same digests):
 #   * every timestamp is SOURCE_DATE_EPOCH, the commit time of HEAD (buildah --timestamp
@@ -574,5 +577,9 @@ runnerPool:
 EOF
   mv "$values.tmp" "$values"
   log "wrote $values"
+  # shellcheck source=lib/chart.sh
+  source "$here/lib/chart.sh"
+  chart=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$RUN/chart.txt") || die "pushing the chart failed"
+  log "pushed the chart: $chart"
 fi
 log "done in $((SECONDS - T0))s"

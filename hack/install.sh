@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs (or upgrades) the PodMotion chart into the local cluster the way a user does:
-# `helm upgrade --install` of charts/podmotion, with our own images pinned by digest (the
-# values file hack/images.sh writes) and placed on the real nodes.
+# `helm upgrade --install` of the chart pulled from the registry as an OCI artifact,
+# pinned by digest (charts/podmotion of this tree, packaged and pushed first by
+# hack/lib/chart.sh — an unchanged chart keeps its digest), with our own images pinned by
+# digest (the values file hack/images.sh writes) and placed on the real nodes.
 #
 #   bash hack/install.sh [extra helm args...]
 #
@@ -12,6 +14,8 @@
 #   PODMOTION_IMAGES_VALUES  values file pinning the images (default
 #                         $PODMOTION_RUN/images-values.yaml; built by hack/images.sh when
 #                         missing)
+#   PODMOTION_CHART       chart to install instead of the pushed one (a directory or an
+#                         oci:// reference)
 #
 # --take-ownership: CRDs kept from an earlier release (crds.keep) are adopted, as an
 # upgrade from a manual or another release's install would.
@@ -38,8 +42,16 @@ if [[ ! -s $values ]]; then
 fi
 [[ -s $values ]] || { log "hack/images.sh wrote no $values"; exit 1; }
 
-log "helm upgrade --install $release charts/podmotion -n $namespace (images: $values)"
-"$helm" upgrade --install "$release" "$root/charts/podmotion" \
+chart=${PODMOTION_CHART:-}
+oci=()
+if [[ -z $chart ]]; then
+  # shellcheck source=lib/chart.sh
+  source "$here/lib/chart.sh"
+  chart=$(chart_push "$helm" "$("$here/registry.sh" addr)" "$run/chart.txt")
+fi
+[[ $chart == oci://* ]] && oci=(--plain-http)
+log "helm upgrade --install $release $chart -n $namespace (images: $values)"
+"$helm" upgrade --install "$release" "$chart" "${oci[@]}" \
   --namespace "$namespace" --create-namespace \
   --values "$root/hack/install-values.yaml" \
   --values "$values" \
