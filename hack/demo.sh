@@ -38,7 +38,7 @@ step "images: release build of our binaries, daemonless image build, push to $PO
 bash hack/images.sh >"$run/images.txt"
 cat "$run/images.txt"
 
-step "chart: helm upgrade --install from charts/podmotion with those images (hack/install.sh)"
+step "chart: pushed to the registry as an OCI artifact, helm upgrade --install from there with those images (hack/install.sh)"
 bash hack/install.sh
 
 step "workload: demo/web, two replicas of the testload counter server, one on each real node; demo/mover, one replica"
