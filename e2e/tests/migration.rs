@@ -161,6 +161,10 @@ impl ProcAgents {
             .containers
             .insert(format!("{ns}/{pod}"), p);
     }
+    /// How many (node, migration) pairs an agent was asked to act on.
+    fn steps_started(&self) -> usize {
+        self.0.lock().unwrap().migs.len()
+    }
     fn fail(&self, step: &'static str) {
         self.0.lock().unwrap().failing.push(step);
     }
@@ -1158,4 +1162,242 @@ async fn a_migration_past_its_deadline_is_aborted_with_the_source_running() {
     )
     .await
     .unwrap();
+}
+
+/// Pods PodMotion must never move, each sent to the real API server as a user would
+/// create it: the migration is refused before anything is frozen (Pending, `Stalled` and
+/// `Migratable=False` with the class's reason), no target pod is made, and deleting the
+/// migration leaves nothing. One case per class of the hostile corpus (issue 21): a
+/// hostNetwork pod, a DaemonSet's pod, a native sidecar, two containers, an emptyDir, a
+/// GPU (extended resource), and a target that only the pod's own scheduling rules
+/// exclude. (kube-system: the next test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_that_must_never_move_are_refused_with_their_reason_before_anything_freezes() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    let Some(ns) = TestNamespace::new("mig-never", PodSecurity::Privileged).await else {
+        return;
+    };
+    install_crds(&ns.client).await;
+    let agents = ProcAgents::default();
+    let controller = start_controller(&ns.client, &ns.name, &agents);
+    let container = |name: &str| json!({"name": name, "image": "registry.example/web:1"});
+    let on_node0 = |name: &str, extra: serde_json::Value| -> Pod {
+        let mut pod = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"case": name}},
+            "spec": {"nodeName": NODES[0], "containers": [container("app")]}
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            pod["spec"][k] = v.clone();
+        }
+        from_json(pod)
+    };
+    // (case, pod, what the migration asks for, the refusal's reason)
+    let cases: Vec<(&str, Option<Pod>, serde_json::Value, &str)> = vec![
+        (
+            "host-net",
+            Some(on_node0("host-net", json!({"hostNetwork": true}))),
+            json!({}),
+            reasons::HOST_NAMESPACES,
+        ),
+        ("daemon", None, json!({}), reasons::UNSUPPORTED_OWNER),
+        (
+            "sidecar",
+            Some(on_node0(
+                "sidecar",
+                json!({"initContainers": [{"name": "mesh", "image": "registry.example/mesh:1", "restartPolicy": "Always"}]}),
+            )),
+            json!({}),
+            reasons::MULTIPLE_CONTAINERS,
+        ),
+        (
+            "two",
+            Some(on_node0(
+                "two",
+                json!({"containers": [container("app"), container("log-shipper")]}),
+            )),
+            json!({}),
+            reasons::MULTIPLE_CONTAINERS,
+        ),
+        (
+            "scratch",
+            Some(on_node0(
+                "scratch",
+                json!({"volumes": [{"name": "scratch", "emptyDir": {}}],
+                       "containers": [{"name": "app", "image": "registry.example/web:1",
+                                       "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}]}),
+            )),
+            json!({}),
+            reasons::LOCAL_DATA,
+        ),
+        (
+            "gpu",
+            Some(on_node0(
+                "gpu",
+                json!({"containers": [{"name": "app", "image": "registry.example/web:1",
+                                       "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}),
+            )),
+            json!({}),
+            reasons::EXTENDED_RESOURCES,
+        ),
+        (
+            "pinned",
+            Some(on_node0(
+                "pinned",
+                json!({"nodeSelector": {"kubernetes.io/hostname": NODES[0]}}),
+            )),
+            json!({"targetNode": NODES[1]}),
+            reasons::TARGET_DOES_NOT_FIT,
+        ),
+    ];
+    // A DaemonSet's pod on node 0 (the DaemonSet controller makes it).
+    let ds: DaemonSet = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "daemon"},
+        "spec": {
+            "selector": {"matchLabels": {"case": "daemon"}},
+            "template": {
+                "metadata": {"labels": {"case": "daemon"}},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": NODES[0]},
+                         "containers": [container("app")]}
+            }
+        }
+    }));
+    ns.api::<DaemonSet>()
+        .create(&PostParams::default(), &ds)
+        .await
+        .unwrap();
+    let pods = ns.api::<Pod>();
+    for (_, pod, _, _) in &cases {
+        if let Some(pod) = pod {
+            pods.create(&PostParams::default(), pod).await.unwrap();
+        }
+    }
+    let mut names = BTreeMap::new();
+    for (case, _, _, _) in &cases {
+        let ready = wait_list(&pods, &format!("case={case}"), TIMEOUT, case, |ps| {
+            ps.len() == 1 && ps.iter().all(pod_running_ready)
+        })
+        .await
+        .unwrap();
+        names.insert(*case, ready[0].name_any());
+    }
+    let api = ns.api::<PodMigration>();
+    for (case, _, extra, _) in &cases {
+        let mut spec = json!({"podName": names[case]});
+        for (k, v) in extra.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        let pm: PodMigration = from_json(json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": case}, "spec": spec
+        }));
+        api.create(&PostParams::default(), &pm).await.unwrap();
+    }
+    for (case, _, _, reason) in &cases {
+        let refused = |m: Option<&PodMigration>| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
+                st.phase == MigrationPhase::Pending
+                    && st
+                        .conditions
+                        .iter()
+                        .any(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == *reason)
+                    && st.conditions.iter().any(|c| {
+                        c.type_ == "Migratable" && c.status == "False" && c.reason == *reason
+                    })
+            })
+        };
+        if wait_for(&api, case, TIMEOUT, reason, refused)
+            .await
+            .is_err()
+        {
+            let now = api.get_opt(case).await.ok().flatten();
+            panic!(
+                "{case}: not refused with {reason}; status now: {}",
+                serde_json::to_string_pretty(&now.and_then(|m| m.status)).unwrap()
+            );
+        }
+    }
+    // Nothing was frozen or made: no target pod, and every source pod still Running.
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    assert_eq!(
+        all.len(),
+        cases.len(),
+        "{:?}",
+        all.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+    );
+    assert!(all.iter().all(pod_running_ready));
+    for (case, _, _, _) in &cases {
+        api.delete(case, &DeleteParams::default()).await.unwrap();
+        wait_for(&api, case, TIMEOUT, "deleted", |m| m.is_none())
+            .await
+            .unwrap();
+    }
+    assert_eq!(agents.steps_started(), 0, "an agent was asked to act");
+    controller.abort();
+}
+
+/// A pod in kube-system is never moved, even by a migration created there by an admin:
+/// refused as ProtectedNamespace, nothing frozen. (The objects live in kube-system, not a
+/// test namespace, so they are removed before any assertion can fail.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_in_kube_system_is_never_moved() {
+    let Some(ns) = TestNamespace::new("mig-system", PodSecurity::Baseline).await else {
+        return;
+    };
+    install_crds(&ns.client).await;
+    let agents = ProcAgents::default();
+    let controller = start_controller(&ns.client, "kube-system", &agents);
+    let name = format!("pm-e2e-{}", ns.name);
+    let pods = Api::<Pod>::namespaced(ns.client.clone(), "kube-system");
+    let api = Api::<PodMigration>::namespaced(ns.client.clone(), "kube-system");
+    let pod: Pod = from_json(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"nodeName": NODES[0], "containers": [{"name": "app", "image": "registry.example/web:1"}]}
+    }));
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name}, "spec": {"podName": name}
+    }));
+    let outcome = async {
+        wait_for(&pods, &name, TIMEOUT, "Running", |p| {
+            p.is_some_and(pod_running_ready)
+        })
+        .await?;
+        api.create(&PostParams::default(), &pm).await?;
+        wait_for(&api, &name, TIMEOUT, "refused", |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
+                st.phase == MigrationPhase::Pending
+                    && st.conditions.iter().any(|c| {
+                        c.type_ == "Migratable"
+                            && c.status == "False"
+                            && c.reason == reasons::PROTECTED_NAMESPACE
+                    })
+            })
+        })
+        .await
+    }
+    .await;
+    let status = api
+        .get_opt(&name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|m| m.status);
+    // Clean up first (the controller still runs to release the finalizer).
+    let _ = api.delete(&name, &DeleteParams::default()).await;
+    let gone = wait_for(&api, &name, TIMEOUT, "deleted", |m| m.is_none()).await;
+    let _ = pods
+        .delete(&name, &DeleteParams::default().grace_period(0))
+        .await;
+    controller.abort();
+    assert!(
+        outcome.is_ok(),
+        "not refused as ProtectedNamespace: {outcome:?}; status: {}",
+        serde_json::to_string_pretty(&status).unwrap()
+    );
+    gone.unwrap();
+    assert_eq!(agents.steps_started(), 0, "an agent was asked to act");
 }
