@@ -3,7 +3,8 @@
 //!
 //! What every controller does the same way has one home:
 //! - [`shell`]: the reconcile itself (deserialize guard, finalizer, status by
-//!   server-side apply, Events from the core's notes, one error type and policy);
+//!   server-side apply, Events from the core's notes, one error policy), and
+//!   [`error`], the one error type;
 //! - [`controller_config`]: explicit concurrency (kube-rs's default is unlimited);
 //! - [`reconcile_guard`]: followers keep their caches warm but never reconcile;
 //! - [`mark_ready_when_synced`]: `/readyz` once the controller's store has listed;
@@ -72,6 +73,7 @@ where
 }
 
 pub mod attachment;
+pub mod error;
 pub mod migration;
 pub mod runner_pool;
 pub mod shell;

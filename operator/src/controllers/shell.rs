@@ -14,8 +14,8 @@
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
 //!    removed (a merge patch would keep it). The Events are the core's notes;
-//! 5. one error type ([`ReconcileError`], with a bounded `category()` for metrics and
-//!    logs) and one error policy.
+//! 5. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
+//!    for metrics and logs) and one error policy.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -34,90 +34,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+pub use super::error::{ReconcileError, api_err, is_already_exists, is_status};
 use super::reconcile_guard;
-use crate::children::ChildError;
 use crate::context::Context;
 use crate::events::publish;
-use crate::leader::NotLeader;
-use crate::migration::agent::AgentCallError;
 use crate::note::{EventKind, Note};
-
-/// The error of one reconcile, whatever stage failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
-    #[error(transparent)]
-    NotLeader(#[from] NotLeader),
-    #[error("{verb} {what}: {source}")]
-    Api {
-        verb: &'static str,
-        what: String,
-        source: kube::Error,
-    },
-    #[error(transparent)]
-    Agent(#[from] AgentCallError),
-    #[error("{0}")]
-    Inconsistent(String),
-    /// Not a failure: the object cannot be decided on yet (caches not synced, cleanup
-    /// under way). Looked at again after `retry`; a finalizer stays meanwhile.
-    #[error("waiting: {why}")]
-    Wait { why: &'static str, retry: Duration },
-}
-
-impl ReconcileError {
-    /// Bounded CamelCase category: metric label and log field, never free text.
-    pub fn category(&self) -> &'static str {
-        match self {
-            ReconcileError::NotLeader(_) => "NotLeader",
-            ReconcileError::Api { .. } => "ApiError",
-            ReconcileError::Agent(_) => "AgentError",
-            ReconcileError::Inconsistent(_) => "Inconsistent",
-            ReconcileError::Wait { .. } => "Waiting",
-        }
-    }
-
-    pub fn wait(why: &'static str, retry: Duration) -> ReconcileError {
-        ReconcileError::Wait { why, retry }
-    }
-}
-
-impl From<ChildError> for ReconcileError {
-    fn from(e: ChildError) -> Self {
-        match e {
-            ChildError::NotLeader(e) => ReconcileError::NotLeader(e),
-            ChildError::Api {
-                verb,
-                kind,
-                name,
-                source,
-            } => ReconcileError::Api {
-                verb,
-                what: format!("{kind} {name}"),
-                source,
-            },
-        }
-    }
-}
-
-/// Maps a client error of `verb` on `what` into a [`ReconcileError`].
-pub fn api_err(
-    verb: &'static str,
-    what: impl Into<String>,
-) -> impl FnOnce(kube::Error) -> ReconcileError {
-    let what = what.into();
-    move |source| ReconcileError::Api { verb, what, source }
-}
-
-/// Whether `e` is the API server's answer with HTTP status `code`.
-pub fn is_status(e: &kube::Error, code: u16) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == code)
-}
-
-/// Whether a create failed because the object exists: 409 with reason `AlreadyExists`.
-/// Any other 409 (a `Conflict`) says nothing about the object, so a create that gets
-/// one must be retried, never taken as done.
-pub fn is_already_exists(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409 && s.reason == "AlreadyExists")
-}
 
 /// What one round of a controller produced, for the shell to finish.
 pub struct Outcome<S, T = ()> {
@@ -386,18 +307,6 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
     use podmotion_api::RunnerPoolStatus;
-
-    #[test]
-    fn only_already_exists_counts_as_an_existing_object() {
-        let err = |code: u16, reason: &str| {
-            let mut st = kube::core::Status::failure("x", reason);
-            st.code = code;
-            kube::Error::Api(Box::new(st))
-        };
-        assert!(is_already_exists(&err(409, "AlreadyExists")));
-        assert!(!is_already_exists(&err(409, "Conflict")));
-        assert!(!is_already_exists(&err(429, "TooManyRequests")));
-    }
 
     #[test]
     fn a_status_field_that_went_away_is_left_out_of_the_applied_status() {
