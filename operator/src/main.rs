@@ -131,12 +131,11 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         Leadership::always()
     };
     let (stop_tx, stop_rx) = watch::channel(false);
-    let metrics = Arc::new(Metrics::new());
     let ctx = Arc::new(Context::new(
         client.clone(),
         config.clone(),
         leader.clone(),
-        metrics,
+        Arc::new(Metrics::new()),
         stop_rx,
     ));
     for kind in &config.controllers {
@@ -154,23 +153,8 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         )?),
         None => None,
     };
-    let pki_task = {
-        let pki = pki.clone();
-        async move {
-            match pki {
-                Some(p) => p.run().await,
-                None => std::future::pending().await,
-            }
-        }
-    };
-    let mut tasks = tokio::task::JoinSet::new();
-    let settings = Arc::new(settings);
-    for kind in config.controllers.clone() {
-        let ctx = ctx.clone();
-        let settings = settings.clone();
-        let pki = pki.clone();
-        tasks.spawn(async move { (kind, run_controller(kind, ctx, &settings, pki).await) });
-    }
+    let pki_task = run_pki(pki.clone());
+    let mut tasks = spawn_controllers(&config, &ctx, settings, pki);
     let identity = config.identity.clone();
     let leader_cfg = config.leader.clone();
     let namespace = config.namespace.clone();
@@ -195,14 +179,47 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         _ = shutdown_signal() => {
             tracing::info!("shutting down");
             let _ = stop_tx.send(true);
-            while let Some(joined) = tasks.join_next().await {
-                if let Ok((kind, Err(e))) = joined {
-                    tracing::warn!(controller = kind.name(), error = %e, "controller ended with an error");
-                }
-            }
+            drain(&mut tasks).await;
         }
     }
     Ok(())
+}
+
+/// The run-time key material's task; never ends when there is none to keep.
+async fn run_pki(pki: Option<Pki>) -> anyhow::Result<()> {
+    match pki {
+        Some(p) => p.run().await,
+        None => std::future::pending().await,
+    }
+}
+
+type ControllerTasks = tokio::task::JoinSet<(ControllerKind, anyhow::Result<()>)>;
+
+/// Starts every enabled controller on its own task.
+fn spawn_controllers(
+    config: &OperatorConfig,
+    ctx: &Arc<Context>,
+    settings: Controllers,
+    pki: Option<Pki>,
+) -> ControllerTasks {
+    let mut tasks = tokio::task::JoinSet::new();
+    let settings = Arc::new(settings);
+    for kind in config.controllers.clone() {
+        let ctx = ctx.clone();
+        let settings = settings.clone();
+        let pki = pki.clone();
+        tasks.spawn(async move { (kind, run_controller(kind, ctx, &settings, pki).await) });
+    }
+    tasks
+}
+
+/// Waits for every controller to stop after the shutdown signal, logging failures.
+async fn drain(tasks: &mut ControllerTasks) {
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((kind, Err(e))) = joined {
+            tracing::warn!(controller = kind.name(), error = %e, "controller ended with an error");
+        }
+    }
 }
 
 async fn run_controller(

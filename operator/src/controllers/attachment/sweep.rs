@@ -86,6 +86,14 @@ async fn sweep(s: &Shared) -> Result<usize, ReconcileError> {
 /// pre-delete hook), or live attachments get their Jobs back.
 pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> anyhow::Result<usize> {
     let api: Api<Job> = Api::namespaced(client.clone(), namespace);
+    let deleted = delete_agent_jobs(&api).await?;
+    await_deleted(&api, &deleted, timeout).await?;
+    release_attachments(&client).await?;
+    Ok(deleted.len())
+}
+
+/// Deletes every agent Job (foreground); returns the name and UID of each one deleted.
+async fn delete_agent_jobs(api: &Api<Job>) -> anyhow::Result<Vec<(String, String)>> {
     let lp = ListParams::default().labels(&render::agent_selector());
     let jobs = api.list_metadata(&lp).await?;
     let dp = DeleteParams {
@@ -100,7 +108,16 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
             Err(e) => return Err(e.into()),
         }
     }
-    // Foreground deletion: each Job disappears once its pods (and Secret) are gone.
+    Ok(deleted)
+}
+
+/// Waits until every deleted Job is gone, at most `timeout`. Foreground deletion: each
+/// Job disappears once its pods (and Secret) are gone.
+async fn await_deleted(
+    api: &Api<Job>,
+    deleted: &[(String, String)],
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let gone = stream::iter(deleted.iter())
         .map(|(name, uid)| await_condition(api.clone(), name, conditions::is_deleted(uid)))
         .buffer_unordered(16)
@@ -108,7 +125,11 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
     tokio::time::timeout(timeout, gone)
         .await
         .map_err(|_| anyhow::anyhow!("agent Jobs still present after {timeout:?}"))??;
-    let n = deleted.len();
+    Ok(())
+}
+
+/// Removes the attachment finalizer from every NodeAgentAttachment that has it.
+async fn release_attachments(client: &Client) -> anyhow::Result<()> {
     let attachments: Api<NodeAgentAttachment> = Api::all(client.clone());
     for a in attachments
         .list_metadata(&ListParams::default())
@@ -144,5 +165,5 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(n)
+    Ok(())
 }

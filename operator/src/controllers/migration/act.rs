@@ -75,72 +75,97 @@ async fn pod_action<A: AgentClient>(
     d: &Deferred,
 ) -> Result<(), ReconcileError> {
     let pods: Api<Pod> = Api::namespaced(s.ctx.client.clone(), &pm.namespace().unwrap_or_default());
-    let merge = PatchParams::default();
-    let status = &d.status;
-    let (name, res, what) = match (action, &d.source, &d.target) {
-        (Action::EnsureTargetPod, Some(src), _) => {
-            let Some(node) = status.target_node.as_deref() else {
-                return Err(ReconcileError::Inconsistent(
-                    "target pod wanted without a target node".into(),
-                ));
-            };
-            let pod = render::target_pod(pm, src, node, &s.cfg.holder());
-            return create_if_absent(&pods, &pod, "target pod").await;
-        }
-        (Action::EnsureTargetPod, None, _) => {
-            return Err(ReconcileError::Inconsistent(
-                "target pod wanted without source pod".into(),
-            ));
+    match (action, &d.source, &d.target) {
+        (Action::EnsureTargetPod, source, _) => {
+            ensure_target_pod(s, pm, &pods, source.as_ref(), &d.status).await
         }
         (Action::LowerSourceDeletionCost, Some(src), _) => {
-            let patch = render::deletion_cost_patch();
-            let res = pods
-                .patch(&src.name_any(), &merge, &Patch::Merge(&patch))
-                .await;
-            (
-                src.name_any(),
-                res.map(|_| ()).or_else(|e| ignore(e, &[404])),
-                "patch deletion cost of",
-            )
+            let name = src.name_any();
+            merge_patch(&pods, &name, &render::deletion_cost_patch())
+                .await
+                .or_else(|e| ignore(e, &[404]))
+                .map_err(api_err("patch deletion cost of", format!("pod {name}")))
         }
         (Action::HandOverTargetPod, _, Some(t)) => {
-            let patch = render::hand_over_patch(t);
-            let res = pods
-                .patch(&t.name_any(), &merge, &Patch::Merge(&patch))
-                .await;
-            (t.name_any(), res.map(|_| ()), "hand over")
+            let name = t.name_any();
+            merge_patch(&pods, &name, &render::hand_over_patch(t))
+                .await
+                .map_err(api_err("hand over", format!("pod {name}")))
         }
-        (Action::DeleteSourcePod, _, _) => {
-            // Only the pod this migration pinned, never a namesake.
-            let dp = DeleteParams {
-                preconditions: Some(Preconditions {
-                    uid: status.source_pod_uid.clone(),
-                    resource_version: None,
-                }),
-                ..Default::default()
-            };
-            let res = pods.delete(&pm.spec.pod_name, &dp).await;
-            (
-                pm.spec.pod_name.clone(),
-                res.map(|_| ()).or_else(|e| ignore(e, &[404, 409])),
-                "delete",
-            )
-        }
-        (Action::DeleteTargetPod, _, _) => {
-            let Some(t) = &status.target_pod else {
-                return Ok(());
-            };
-            let res = pods.delete(t, &DeleteParams::default()).await;
-            (
-                t.clone(),
-                res.map(|_| ()).or_else(|e| ignore(e, &[404])),
-                "delete",
-            )
-        }
+        (Action::DeleteSourcePod, _, _) => delete_source_pod(&pods, pm, &d.status).await,
+        (Action::DeleteTargetPod, _, _) => delete_target_pod(&pods, &d.status).await,
         // Nothing to act on (the pod is gone), or not a pod action.
-        _ => return Ok(()),
+        _ => Ok(()),
+    }
+}
+
+/// Creates the target pod from the source pod, pinned to the recorded target node.
+async fn ensure_target_pod<A: AgentClient>(
+    s: &Shared<A>,
+    pm: &PodMigration,
+    pods: &Api<Pod>,
+    source: Option<&Pod>,
+    status: &PodMigrationStatus,
+) -> Result<(), ReconcileError> {
+    let Some(src) = source else {
+        return Err(ReconcileError::Inconsistent(
+            "target pod wanted without source pod".into(),
+        ));
     };
-    res.map_err(api_err(what, format!("pod {name}")))
+    let Some(node) = status.target_node.as_deref() else {
+        return Err(ReconcileError::Inconsistent(
+            "target pod wanted without a target node".into(),
+        ));
+    };
+    let pod = render::target_pod(pm, src, node, &s.cfg.holder());
+    create_if_absent(pods, &pod, "target pod").await
+}
+
+/// A merge patch of the pod `name`.
+async fn merge_patch(
+    pods: &Api<Pod>,
+    name: &str,
+    patch: &serde_json::Value,
+) -> Result<(), kube::Error> {
+    pods.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .map(|_| ())
+}
+
+/// Deletes the source pod: only the pod this migration pinned, never a namesake.
+async fn delete_source_pod(
+    pods: &Api<Pod>,
+    pm: &PodMigration,
+    status: &PodMigrationStatus,
+) -> Result<(), ReconcileError> {
+    let dp = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: status.source_pod_uid.clone(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    let name = &pm.spec.pod_name;
+    pods.delete(name, &dp)
+        .await
+        .map(|_| ())
+        .or_else(|e| ignore(e, &[404, 409]))
+        .map_err(api_err("delete", format!("pod {name}")))
+}
+
+/// Deletes the target pod recorded in the status, if any.
+async fn delete_target_pod(
+    pods: &Api<Pod>,
+    status: &PodMigrationStatus,
+) -> Result<(), ReconcileError> {
+    let Some(t) = &status.target_pod else {
+        return Ok(());
+    };
+    pods.delete(t, &DeleteParams::default())
+        .await
+        .map(|_| ())
+        .or_else(|e| ignore(e, &[404]))
+        .map_err(api_err("delete", format!("pod {t}")))
 }
 
 /// Starts `step` on the agent of `side`'s node.
