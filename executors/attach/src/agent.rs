@@ -174,20 +174,64 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
     let (targets, cri_socket) = resolve(cfg).await?;
     let proc = cfg.proc_root.as_path();
     let pid = targets[0].1;
-    let ns_path = |pid: u32, kind: &str| proc.join(pid.to_string()).join("ns").join(kind);
+    let containers = read_containers(cfg, &targets)?;
+    let exports = exports::populate(&cfg.exports_dir, proc, pid, &cfg.export_paths)?;
+    let mounts =
+        exports::read_mounts(proc, pid).map_err(proc_err(format!("pid {pid} mountinfo")))?;
 
+    let netns = Arc::new(NetnsExecutor::open(&ns_path(proc, pid, "net"))?);
+
+    // Forwarders first, then the ruleset: a redirect never points at a port nobody
+    // listens on. A predecessor may still hold the ports for a moment.
+    let (ports, listeners) = bind_forwarders(cfg, &netns).await?;
+    let (nft, ruleset) = program_ruleset(cfg, &netns).await?;
+    tracing::info!(pid, table = %ruleset.table, "ruleset applied in the target network namespace");
+
+    let attached = Arc::new(Attached {
+        containers,
+        exports_dir: cfg.exports_dir.clone(),
+        exports,
+        mounts,
+        ports,
+        ruleset,
+        cri_socket,
+        token: cfg.token.clone(),
+    });
+    let (tasks, control_addr) = serve(cfg, &attached, listeners, &netns).await?;
+    Ok(Running {
+        attached,
+        control_addr,
+        nft,
+        netns,
+        tasks,
+        pid,
+        pid_start: start_time(proc, pid),
+        proc_root: cfg.proc_root.clone(),
+    })
+}
+
+/// `/proc/<pid>/ns/<kind>`.
+fn ns_path(proc: &Path, pid: u32, kind: &str) -> PathBuf {
+    proc.join(pid.to_string()).join("ns").join(kind)
+}
+
+/// The target containers with their (filtered) environments, after checking that each
+/// shares our user namespace and the first container's network namespace.
+fn read_containers(cfg: &Config, targets: &[(String, u32)]) -> Result<Vec<Container>, AttachError> {
+    let proc = cfg.proc_root.as_path();
+    let pid = targets[0].1;
     let own_user = netns::ns_inode(&proc.join("self/ns/user"))
         .map_err(proc_err("own user namespace".into()))?;
-    let primary_net = netns::ns_inode(&ns_path(pid, "net"))
+    let primary_net = netns::ns_inode(&ns_path(proc, pid, "net"))
         .map_err(proc_err(format!("pid {pid} net namespace")))?;
     let mut containers = Vec::new();
-    for (id, cpid) in &targets {
-        let user = netns::ns_inode(&ns_path(*cpid, "user"))
+    for (id, cpid) in targets {
+        let user = netns::ns_inode(&ns_path(proc, *cpid, "user"))
             .map_err(proc_err(format!("pid {cpid} user namespace")))?;
         if user != own_user {
             return Err(AttachError::UserNamespaced { pid: *cpid });
         }
-        let net = netns::ns_inode(&ns_path(*cpid, "net"))
+        let net = netns::ns_inode(&ns_path(proc, *cpid, "net"))
             .map_err(proc_err(format!("pid {cpid} net namespace")))?;
         if net != primary_net {
             return Err(AttachError::SplitPod(targets[0].0.clone(), id.clone()));
@@ -200,14 +244,17 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
             env: cfg.env_filter.apply(env),
         });
     }
-    let exports = exports::populate(&cfg.exports_dir, proc, pid, &cfg.export_paths)?;
-    let mounts =
-        exports::read_mounts(proc, pid).map_err(proc_err(format!("pid {pid} mountinfo")))?;
+    Ok(containers)
+}
 
-    let netns = Arc::new(NetnsExecutor::open(&ns_path(pid, "net"))?);
+type Listeners = Vec<(Arc<Port>, tokio::net::TcpListener)>;
 
-    // Forwarders first, then the ruleset: a redirect never points at a port nobody
-    // listens on. A predecessor may still hold the ports for a moment.
+/// Binds the forwarder of every redirect in the target network namespace, waiting out
+/// a predecessor that still holds a port.
+async fn bind_forwarders(
+    cfg: &Config,
+    netns: &NetnsExecutor,
+) -> Result<(Vec<Arc<Port>>, Listeners), AttachError> {
     let mut ports = Vec::new();
     let mut listeners = Vec::new();
     for r in &cfg.redirects {
@@ -215,7 +262,7 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
             cfg.claim_timeout,
             "binding forwarder",
             |e: &std::io::Error| e.kind() == std::io::ErrorKind::AddrInUse,
-            || forward::bind(&netns, r.to),
+            || forward::bind(netns, r.to),
         )
         .await
         .map_err(|source| AttachError::Bind { port: r.to, source })?;
@@ -225,7 +272,15 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         }
         ports.push(port);
     }
+    Ok((ports, listeners))
+}
 
+/// Applies the redirect ruleset in the target network namespace, waiting out a
+/// predecessor that still holds the table.
+async fn program_ruleset(
+    cfg: &Config,
+    netns: &NetnsExecutor,
+) -> Result<(Arc<NftSession>, Ruleset), AttachError> {
     let nft = Arc::new(
         netns
             .run(|| NftSession::open_here().map_err(|e| std::io::Error::other(e.to_string())))
@@ -255,18 +310,17 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         )
         .await?;
     }
-    tracing::info!(pid, table = %ruleset.table, "ruleset applied in the target network namespace");
+    Ok((nft, ruleset))
+}
 
-    let attached = Arc::new(Attached {
-        containers,
-        exports_dir: cfg.exports_dir.clone(),
-        exports,
-        mounts,
-        ports,
-        ruleset,
-        cri_socket,
-        token: cfg.token.clone(),
-    });
+/// Starts the forwarders and the control API; returns their tasks and the control
+/// API's address.
+async fn serve(
+    cfg: &Config,
+    attached: &Arc<Attached>,
+    listeners: Listeners,
+    netns: &Arc<NetnsExecutor>,
+) -> Result<(Vec<tokio::task::JoinHandle<()>>, SocketAddr), AttachError> {
     let mut tasks = Vec::new();
     for (port, l) in listeners {
         tasks.push(tokio::spawn(forward::serve(
@@ -287,16 +341,7 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         source,
     })?;
     tasks.push(tokio::spawn(crate::api::serve(control, attached.clone())));
-    Ok(Running {
-        attached,
-        control_addr,
-        nft,
-        netns,
-        tasks,
-        pid,
-        pid_start: start_time(proc, pid),
-        proc_root: cfg.proc_root.clone(),
-    })
+    Ok((tasks, control_addr))
 }
 
 impl Running {

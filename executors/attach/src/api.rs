@@ -15,7 +15,7 @@
 //! | `GET /v1/wiretaps/<port>/<id>/stream` (upgrade) | the tap's frames, `[kind u8][conn u32 BE][len u32 BE][payload]`, kinds open(0, JSON meta) / to-app(1) / from-app(2) / close(3) |
 
 use crate::attached::Attached;
-use crate::forward::ModeError;
+use crate::forward::{ModeError, Port};
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -102,7 +102,7 @@ fn authorized(state: &Attached, req: &Request<Incoming>) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(state: Arc<Attached>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
     if path != "/healthz" && !authorized(&state, &req) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
@@ -111,85 +111,12 @@ async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Ful
     let method = req.method().clone();
     match (&method, segs.as_slice()) {
         (&Method::GET, ["healthz"]) => json(StatusCode::OK, state.health()),
-        (&Method::GET, ["v1", "env"]) => {
-            let container = req
-                .uri()
-                .query()
-                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("container=")))
-                .map(str::to_owned);
-            match state.env(container.as_deref()) {
-                Some(env) => json(
-                    StatusCode::OK,
-                    serde_json::to_value(env).unwrap_or_default(),
-                ),
-                None => error(StatusCode::NOT_FOUND, "no such container"),
-            }
-        }
+        (&Method::GET, ["v1", "env"]) => env(&state, &req),
         (&Method::GET, ["v1", "exports"]) => json(StatusCode::OK, state.exports()),
         (m, ["v1", "intercepts", port]) if m == Method::POST || m == Method::DELETE => {
-            let port = match state.port(port) {
-                Ok(p) => p,
-                Err(e) => return mode_error(e),
-            };
-            if m == Method::POST {
-                match port.start_intercept() {
-                    Ok(id) => json(
-                        StatusCode::CREATED,
-                        serde_json::json!({ "id": id, "port": port.app_port }),
-                    ),
-                    Err(e) => mode_error(e),
-                }
-            } else {
-                match port.stop_intercept() {
-                    Ok(()) => json(
-                        StatusCode::OK,
-                        serde_json::json!({ "stopped": port.app_port }),
-                    ),
-                    Err(e) => mode_error(e),
-                }
-            }
+            start_or_stop_intercept(&state, m, port)
         }
-        (&Method::GET, ["v1", "intercepts", port, "accept"]) => {
-            if !wants_upgrade(&req) {
-                return error(
-                    StatusCode::UPGRADE_REQUIRED,
-                    format!("Upgrade: {UPGRADE_PROTO} required"),
-                );
-            }
-            let port = match state.port(port) {
-                Ok(p) => p,
-                Err(e) => return mode_error(e),
-            };
-            let rx = match port.add_waiter() {
-                Ok(rx) => rx,
-                Err(e) => return mode_error(e),
-            };
-            let on_upgrade = hyper::upgrade::on(&mut req);
-            tokio::spawn(async move {
-                let Ok(upgraded) = on_upgrade.await else {
-                    return;
-                };
-                let mut client = TokioIo::new(upgraded);
-                let mut probe = [0u8; 1];
-                let conn = tokio::select! {
-                    c = rx => c,
-                    // The client closed its stream before a connection came: drop
-                    // the waiter so no connection is handed to a dead stream.
-                    _ = client.read(&mut probe) => return,
-                };
-                let Ok(conn) = conn else { return }; // intercept stopped
-                let head = format!(
-                    "{}\n",
-                    serde_json::json!({ "peer": conn.peer.to_string(), "original_dst": conn.original_dst.to_string() })
-                );
-                if client.write_all(head.as_bytes()).await.is_err() {
-                    return;
-                }
-                let mut s = conn.stream;
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut s).await;
-            });
-            switching()
-        }
+        (&Method::GET, ["v1", "intercepts", port, "accept"]) => accept(&state, port, req),
         (&Method::POST, ["v1", "wiretaps", port]) => match state.port(port) {
             Ok(p) => json(
                 StatusCode::CREATED,
@@ -198,10 +125,9 @@ async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Ful
             Err(e) => mode_error(e),
         },
         (&Method::DELETE, ["v1", "wiretaps", port, id]) => {
-            let (port, id) = match (state.port(port), id.parse::<u64>()) {
-                (Ok(p), Ok(id)) => (p, id),
-                (Err(e), _) => return mode_error(e),
-                (_, Err(_)) => return error(StatusCode::BAD_REQUEST, "bad wiretap id"),
+            let (port, id) = match wiretap_of(&state, port, id) {
+                Ok(w) => w,
+                Err(r) => return *r,
             };
             match port.stop_wiretap(id) {
                 Ok(()) => json(StatusCode::OK, serde_json::json!({ "stopped": id })),
@@ -209,42 +135,153 @@ async fn route(state: Arc<Attached>, mut req: Request<Incoming>) -> Response<Ful
             }
         }
         (&Method::GET, ["v1", "wiretaps", port, id, "stream"]) => {
-            if !wants_upgrade(&req) {
-                return error(
-                    StatusCode::UPGRADE_REQUIRED,
-                    format!("Upgrade: {UPGRADE_PROTO} required"),
-                );
-            }
-            let (port, id) = match (state.port(port), id.parse::<u64>()) {
-                (Ok(p), Ok(id)) => (p, id),
-                (Err(e), _) => return mode_error(e),
-                (_, Err(_)) => return error(StatusCode::BAD_REQUEST, "bad wiretap id"),
-            };
-            let mut rx = match port.take_wiretap_stream(id) {
-                Ok(rx) => rx,
-                Err(e) => return mode_error(e),
-            };
-            let on_upgrade = hyper::upgrade::on(&mut req);
-            tokio::spawn(async move {
-                let Ok(upgraded) = on_upgrade.await else {
-                    return;
-                };
-                let mut client = TokioIo::new(upgraded);
-                while let Some(frame) = rx.recv().await {
-                    if client.write_all(&frame).await.is_err() {
-                        break;
-                    }
-                }
-                let _ = client.shutdown().await;
-                let _ = port.stop_wiretap(id);
-            });
-            switching()
+            stream_wiretap(&state, port, id, req)
         }
         _ => error(
             StatusCode::NOT_FOUND,
             format!("no route for {method} {path}"),
         ),
     }
+}
+
+/// `GET /v1/env[?container=NAME]`: the target container's environment.
+fn env(state: &Attached, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let container = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("container=")))
+        .map(str::to_owned);
+    match state.env(container.as_deref()) {
+        Some(env) => json(
+            StatusCode::OK,
+            serde_json::to_value(env).unwrap_or_default(),
+        ),
+        None => error(StatusCode::NOT_FOUND, "no such container"),
+    }
+}
+
+/// `POST|DELETE /v1/intercepts/PORT`: starts or stops intercepting the port.
+fn start_or_stop_intercept(state: &Attached, m: &Method, port: &str) -> Response<Full<Bytes>> {
+    let port = match state.port(port) {
+        Ok(p) => p,
+        Err(e) => return mode_error(e),
+    };
+    if m == Method::POST {
+        match port.start_intercept() {
+            Ok(id) => json(
+                StatusCode::CREATED,
+                serde_json::json!({ "id": id, "port": port.app_port }),
+            ),
+            Err(e) => mode_error(e),
+        }
+    } else {
+        match port.stop_intercept() {
+            Ok(()) => json(
+                StatusCode::OK,
+                serde_json::json!({ "stopped": port.app_port }),
+            ),
+            Err(e) => mode_error(e),
+        }
+    }
+}
+
+/// The answer to a request that must upgrade to our protocol and does not.
+fn upgrade_required(req: &Request<Incoming>) -> Option<Response<Full<Bytes>>> {
+    (!wants_upgrade(req)).then(|| {
+        error(
+            StatusCode::UPGRADE_REQUIRED,
+            format!("Upgrade: {UPGRADE_PROTO} required"),
+        )
+    })
+}
+
+/// `GET /v1/intercepts/PORT/accept` (upgrade): waits for one intercepted connection
+/// and splices it to the client's stream, after a JSON line naming its peer.
+fn accept(state: &Attached, port: &str, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    if let Some(r) = upgrade_required(&req) {
+        return r;
+    }
+    let port = match state.port(port) {
+        Ok(p) => p,
+        Err(e) => return mode_error(e),
+    };
+    let rx = match port.add_waiter() {
+        Ok(rx) => rx,
+        Err(e) => return mode_error(e),
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        let mut client = TokioIo::new(upgraded);
+        let mut probe = [0u8; 1];
+        let conn = tokio::select! {
+            c = rx => c,
+            // The client closed its stream before a connection came: drop
+            // the waiter so no connection is handed to a dead stream.
+            _ = client.read(&mut probe) => return,
+        };
+        let Ok(conn) = conn else { return }; // intercept stopped
+        let head = format!(
+            "{}\n",
+            serde_json::json!({ "peer": conn.peer.to_string(), "original_dst": conn.original_dst.to_string() })
+        );
+        if client.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        let mut s = conn.stream;
+        let _ = tokio::io::copy_bidirectional(&mut client, &mut s).await;
+    });
+    switching()
+}
+
+/// An answer of the control API.
+type Reply = Response<Full<Bytes>>;
+
+/// The port and wiretap id of a wiretap path, or the answer to a bad one.
+fn wiretap_of(state: &Attached, port: &str, id: &str) -> Result<(Arc<Port>, u64), Box<Reply>> {
+    match (state.port(port), id.parse::<u64>()) {
+        (Ok(p), Ok(id)) => Ok((p, id)),
+        (Err(e), _) => Err(Box::new(mode_error(e))),
+        (_, Err(_)) => Err(Box::new(error(StatusCode::BAD_REQUEST, "bad wiretap id"))),
+    }
+}
+
+/// `GET /v1/wiretaps/PORT/ID/stream` (upgrade): the wiretap's frames, until either
+/// side ends; the wiretap is stopped when the stream ends.
+fn stream_wiretap(
+    state: &Attached,
+    port: &str,
+    id: &str,
+    mut req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    if let Some(r) = upgrade_required(&req) {
+        return r;
+    }
+    let (port, id) = match wiretap_of(state, port, id) {
+        Ok(w) => w,
+        Err(r) => return *r,
+    };
+    let mut rx = match port.take_wiretap_stream(id) {
+        Ok(rx) => rx,
+        Err(e) => return mode_error(e),
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        let mut client = TokioIo::new(upgraded);
+        while let Some(frame) = rx.recv().await {
+            if client.write_all(&frame).await.is_err() {
+                break;
+            }
+        }
+        let _ = client.shutdown().await;
+        let _ = port.stop_wiretap(id);
+    });
+    switching()
 }
 
 #[cfg(test)]
