@@ -540,15 +540,31 @@ impl Broker {
             }
             Request::HandOffSockets { uid } => {
                 let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                // Inventory first (one descriptor per socket, whichever process of the
+                // tree holds it), then refuse a set larger than one hand-off rather than
+                // hand over part of it: a socket left behind would be lost silently.
                 let mut seen = std::collections::BTreeSet::new();
-                let mut fds = Vec::new();
+                let mut found = Vec::new();
                 for pid in procfs::tree(e.process.pid) {
                     for (fd, ino) in procfs::tcp_fds(pid) {
-                        if seen.insert(ino) && fds.len() < MAX_FDS {
-                            fds.push(kernel::steal_fd(pid, fd).map_err(kerr)?);
+                        if seen.insert(ino) {
+                            found.push((pid, fd));
                         }
                     }
                 }
+                if found.len() > MAX_FDS {
+                    return Err(err(
+                        ErrorKind::TooManySockets,
+                        format!(
+                            "the source holds {} TCP sockets; at most {MAX_FDS} can be handed off",
+                            found.len()
+                        ),
+                    ));
+                }
+                let fds = found
+                    .into_iter()
+                    .map(|(pid, fd)| kernel::steal_fd(pid, fd).map_err(kerr))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let total = fds.len() as u32;
                 let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
                 Ok((Reply::Sockets { total, chunks }, fds))

@@ -835,3 +835,91 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// The child half of the next test, run by it as `<this test binary> --exact
+/// holds_tcp_sockets_when_asked` inside a fresh network namespace: with
+/// `PM_HOLD_TCP_SOCKETS=N` it opens N TCP listeners on loopback and sleeps; otherwise
+/// (an ordinary test run) it returns at once.
+#[test]
+fn holds_tcp_sockets_when_asked() {
+    let Some(n) = std::env::var("PM_HOLD_TCP_SOCKETS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        return;
+    };
+    let held: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_secs(120));
+    drop(held);
+}
+
+/// A source in the broker's pods cgroup, in its own network namespace, holding `n` TCP
+/// listeners (the child half above); returns once all of them exist.
+fn socket_holder(b: &BrokerProcess, n: usize) -> (KillOnDrop, podmotion_wire::ids::ProcRef) {
+    let procs = b.cgroup.join("pod/cgroup.procs");
+    let me = std::env::current_exe().unwrap();
+    let child = KillOnDrop(
+        Command::new("unshare")
+            .args(["-n", "sh", "-c"])
+            .arg(format!(
+                "ulimit -n 4096 && ip link set lo up && echo $$ > {} && exec {} --exact holds_tcp_sockets_when_asked --test-threads=1",
+                procs.display(),
+                me.display()
+            ))
+            .env("PM_HOLD_TCP_SOCKETS", n.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id() as i32;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while procfs::tcp_fds(pid).len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "the holder never opened its {n} sockets ({} so far)",
+            procfs::tcp_fds(pid).len()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let process = podmotion_wire::ids::ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    };
+    (child, process)
+}
+
+/// More TCP sockets than one hand-off carries: the broker used to hand over the first
+/// 1,024 and drop the rest without a word (their connections would have been lost on
+/// the target); now it refuses with `TooManySockets` and hands over nothing. A source
+/// under the limit gets every one of its sockets.
+#[test]
+fn broker_binary_refuses_to_hand_off_more_sockets_than_it_can_carry() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let b = BrokerProcess::start("sockets");
+    for (n, uid) in [(MAX_FDS + 76, "m-many-sockets"), (200, "m-some-sockets")] {
+        let (_child, process) = socket_holder(&b, n);
+        let uid = MigrationUid::parse(uid).unwrap();
+        let mut c = BrokerClient::connect(&b.socket).unwrap();
+        c.call(&Request::Register {
+            uid: uid.clone(),
+            role: BrokerRole::Source,
+            process,
+        })
+        .unwrap();
+        match c.sockets(&uid) {
+            Err(e) if n > MAX_FDS => assert_eq!(e.kind, ErrorKind::TooManySockets, "{e}"),
+            Ok(fds) if n <= MAX_FDS => assert_eq!(fds.len(), n),
+            other => panic!("{n} sockets: {:?}", other.map(|f| f.len())),
+        }
+        c.call(&Request::Forget { uid }).unwrap();
+    }
+}

@@ -18,7 +18,8 @@ use serde::{Deserialize, Serialize};
 pub const MAX_FRAME: usize = 16 * 1024;
 /// Descriptors per SCM_RIGHTS message (the kernel allows 253; we stay well below).
 pub const MAX_FDS_PER_CHUNK: usize = 16;
-/// Descriptors per hand-off.
+/// Descriptors per hand-off: a source with more TCP sockets is refused with
+/// [`ErrorKind::TooManySockets`], never handed a silently truncated set.
 pub const MAX_FDS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,6 +155,8 @@ pub enum ErrorKind {
     /// A path the broker computes (the netns mount point or its directory) is a
     /// symlink or not what the broker made: refused, nothing followed.
     UnsafePath,
+    /// The source holds more TCP sockets than one hand-off carries ([`MAX_FDS`]).
+    TooManySockets,
     Kernel,
 }
 
