@@ -120,6 +120,24 @@ fn containers(spec: &Value) -> Vec<&Value> {
 
 // ---------------------------------------------------------------- without a cluster
 
+/// Every optional object of the chart rendered: the Prometheus Operator objects forced
+/// on, the dashboard, the Argo CD customizations, a PodDisruptionBudget (two replicas),
+/// topology spread, the agents' affinity and annotations.
+fn every_toggle_on() -> Vec<&'static str> {
+    vec![
+        "--set",
+        "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,\
+         metrics.dashboard.enabled=true,argocd.resourceCustomizations.enabled=true,\
+         operator.replicas=2,\
+         operator.topologySpreadConstraints[0].maxSkew=1,\
+         operator.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone,\
+         operator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway,\
+         migrationAgent.podAnnotations.example\\.com/scanned=yes,\
+         migrationAgent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=podmotion.io/migrations,\
+         migrationAgent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+    ]
+}
+
 #[test]
 fn helm_lint_is_clean_for_the_defaults_and_the_variants() {
     for variant in [
@@ -135,6 +153,7 @@ fn helm_lint_is_clean_for_the_defaults_and_the_variants() {
             "operator.leaderElection.enabled=false,operator.networkPolicy.enabled=false",
         ],
         vec!["--set", "migration.masterKey.existingSecret=my-key"],
+        every_toggle_on(),
     ] {
         let out = Command::new(helm())
             .args(["lint", "--strict"])
@@ -198,6 +217,14 @@ fn rendered_crds_are_the_generated_ones_and_kept_on_uninstall() {
             "{}",
             name(want)
         );
+        // To Argo CD `keep` is only Delete=false: without this a sync with pruning
+        // deletes the CRDs (and every object) once they leave the desired state.
+        assert_eq!(
+            got.pointer("/metadata/annotations/argocd.argoproj.io~1sync-options"),
+            Some(&json!("Prune=false")),
+            "{}",
+            name(want)
+        );
         assert!(
             !is_hook(got),
             "CRDs must not be hooks (hooks are not upgraded)"
@@ -207,6 +234,10 @@ fn rendered_crds_are_the_generated_ones_and_kept_on_uninstall() {
     for c in of_kind(&not_kept, "CustomResourceDefinition") {
         assert!(
             c.pointer("/metadata/annotations/helm.sh~1resource-policy")
+                .is_none()
+        );
+        assert!(
+            c.pointer("/metadata/annotations/argocd.argoproj.io~1sync-options")
                 .is_none()
         );
     }
@@ -564,6 +595,9 @@ fn helm_template_twice_is_byte_identical() {
             "--set",
             "operator.controllers={migration},migrationAgent.pki.leafValidityHours=24",
         ],
+        every_toggle_on(),
+        // "auto" with the Prometheus Operator's API present (as Argo CD passes it).
+        vec!["--api-versions", "monitoring.coreos.com/v1"],
     ] {
         let a = try_render("pm", "podmotion-system", &variant).unwrap();
         let b = try_render("pm", "podmotion-system", &variant).unwrap();
@@ -941,12 +975,512 @@ fn values_schema_rejects_bad_values() {
         "migrationAgent.grpcPort=70000",
         "attachment.jobPrefix=Not_A_Name",
         "operator.unknownKey=1",
+        "metrics.serviceMonitor.enabled=yes",
+        "metrics.prometheusRule.enabled=always",
+        "metrics.dashboard.enabled=auto",
+        "operator.podDisruptionBudget.maxUnavailable=0",
+        "argocd.resourceCustomizations.enabled=auto",
     ] {
         let res = try_render("pm", "ns", &["--set", bad]);
         assert!(res.is_err(), "{bad} was accepted");
         assert!(
             res.unwrap_err().contains("schema"),
             "{bad}: rejected, but not by values.schema.json"
+        );
+    }
+}
+
+/// The sample names the operator exports, from the `# TYPE` lines of its own registry
+/// (operator/src/metrics.rs) with the suffixes a scrape shows: `_total` for a counter,
+/// `_bucket`/`_sum`/`_count` for a histogram. A labelled family shows its `# TYPE` only
+/// once it has a child, so each one gets one here (a new family needs a line too).
+fn exported_metric_names() -> BTreeSet<String> {
+    use podmotion_operator::metrics::{Metrics, OutcomeLabels};
+    let m = Metrics::new();
+    m.reconcile("migration").done(Err("ApiError"));
+    m.migrations
+        .get_or_create(&OutcomeLabels { outcome: "Failed" })
+        .inc();
+    m.attachment_job_changes
+        .get_or_create(&OutcomeLabels {
+            outcome: "Replaced",
+        })
+        .inc();
+    let text = m.encode();
+    let mut names = BTreeSet::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let (name, kind) = rest.split_once(' ').expect("# TYPE <name> <kind>");
+        match kind {
+            "counter" => {
+                names.insert(format!("{}_total", name.trim_end_matches("_total")));
+            }
+            "histogram" => {
+                for suffix in ["_bucket", "_sum", "_count"] {
+                    names.insert(format!("{name}{suffix}"));
+                }
+            }
+            _ => {
+                names.insert(name.to_string());
+            }
+        }
+    }
+    names
+}
+
+/// Every `podmotion_…` metric name in a PromQL expression.
+fn podmotion_metric_names(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = expr.as_bytes();
+    let word = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("podmotion_") {
+        let start = i + at;
+        let mut end = start;
+        while end < bytes.len() && word(bytes[end]) {
+            end += 1;
+        }
+        if start == 0 || !word(bytes[start - 1]) {
+            out.insert(expr[start..end].to_string());
+        }
+        i = end.max(start + 1);
+    }
+    out
+}
+
+/// Every PromQL string of a Grafana dashboard: panel targets (`expr`) and template
+/// variable queries (`query`, `definition`), however deeply nested (rows).
+fn dashboard_queries(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("expr" | "query" | "definition", Value::String(q)) => out.push(q.clone()),
+                    _ => dashboard_queries(v, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|v| dashboard_queries(v, out)),
+        _ => {}
+    }
+}
+
+fn alert_rules(docs: &[Value]) -> Vec<Value> {
+    of_kind(docs, "PrometheusRule")
+        .iter()
+        .flat_map(|r| r["spec"]["groups"].as_array().cloned().unwrap_or_default())
+        .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+fn dashboard(docs: &[Value]) -> Value {
+    let cm = of_kind(docs, "ConfigMap")
+        .into_iter()
+        .find(|c| name(c).ends_with("-dashboard"))
+        .expect("dashboard ConfigMap rendered");
+    serde_json::from_str(
+        cm["data"]["podmotion.json"]
+            .as_str()
+            .expect("podmotion.json"),
+    )
+    .expect("the dashboard is JSON")
+}
+
+#[test]
+fn podmotion_metric_names_are_found_in_promql_and_nothing_else_is() {
+    assert_eq!(
+        podmotion_metric_names(
+            r#"sum by (le) (rate(podmotion_a_bucket{x="podmotion_not_a_label_value"}[5m])) / podmotion_b:rate5m + xpodmotion_c"#
+        ),
+        [
+            "podmotion_a_bucket",
+            "podmotion_b:rate5m",
+            "podmotion_not_a_label_value"
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect()
+    );
+    // The operator's registry is read, with the suffixes a scrape shows.
+    let exported = exported_metric_names();
+    for name in [
+        "podmotion_reconciles_total",
+        "podmotion_reconcile_duration_seconds_bucket",
+        "podmotion_reconciles_in_flight",
+    ] {
+        assert!(exported.contains(name), "{name} not in {exported:?}");
+    }
+    assert!(!exported.contains("podmotion_reconciles"));
+}
+
+/// The alerts and the dashboard use only metrics the operator exports: renaming or
+/// removing a metric in operator/src/metrics.rs fails here, not silently in Prometheus.
+#[test]
+fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator() {
+    let exported = exported_metric_names();
+    let docs = render(&every_toggle_on());
+    let rules = alert_rules(&docs);
+    let alerts: BTreeSet<&str> = rules.iter().filter_map(|r| r["alert"].as_str()).collect();
+    for want in [
+        "PodMotionOperatorDown",
+        "PodMotionReconcileErrors",
+        "PodMotionReconcileQueueSaturated",
+        "PodMotionMigrationsFailing",
+        "PodMotionAttachmentJobsReplaced",
+    ] {
+        assert!(alerts.contains(want), "alert {want} missing: {alerts:?}");
+    }
+    let mut missing = Vec::new();
+    let mut used = BTreeSet::new();
+    for r in &rules {
+        let expr = r["expr"].as_str().expect("every rule has an expr");
+        for m in podmotion_metric_names(expr) {
+            if !exported.contains(&m) {
+                missing.push(format!("alert {}: {m}", r["alert"]));
+            }
+            used.insert(m);
+        }
+    }
+    let mut queries = Vec::new();
+    dashboard_queries(&dashboard(&docs), &mut queries);
+    assert!(
+        queries.len() >= 10,
+        "dashboard has {} queries",
+        queries.len()
+    );
+    for q in &queries {
+        for m in podmotion_metric_names(q) {
+            if !exported.contains(&m) {
+                missing.push(format!("dashboard: {m} (in {q})"));
+            }
+            used.insert(m);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "metrics the operator does not export (operator/src/metrics.rs): {missing:#?}"
+    );
+    assert!(used.len() >= 8, "only {used:?} used");
+}
+
+#[test]
+fn prometheus_operator_objects_render_when_asked_for_or_when_auto_finds_the_api() {
+    let kinds = |docs: &[Value]| -> (usize, usize) {
+        (
+            of_kind(docs, "ServiceMonitor").len(),
+            of_kind(docs, "PrometheusRule").len(),
+        )
+    };
+    let api = ["--api-versions", "monitoring.coreos.com/v1"];
+    // Default "auto": nothing without the API, both with it.
+    assert_eq!(kinds(&render(&[])), (0, 0));
+    assert_eq!(kinds(&render(&api)), (1, 1));
+    let off = [
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--set",
+        "metrics.serviceMonitor.enabled=false,metrics.prometheusRule.enabled=false",
+    ];
+    assert_eq!(kinds(&render(&off)), (0, 0));
+    let on = [
+        "--set",
+        "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true",
+    ];
+    let docs = render(&on);
+    assert_eq!(kinds(&docs), (1, 1));
+
+    // The ServiceMonitor selects the metrics Service and its port, in its namespace.
+    let sm = of_kind(&docs, "ServiceMonitor")[0];
+    let svc = of_kind(&docs, "Service")
+        .into_iter()
+        .find(|s| name(s).ends_with("-metrics"))
+        .expect("metrics Service");
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "Service label {k}");
+    }
+    assert_eq!(
+        sm["spec"]["namespaceSelector"]["matchNames"],
+        json!([svc["metadata"]["namespace"]])
+    );
+    let port = &sm["spec"]["endpoints"][0]["port"];
+    assert!(
+        svc["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| &p["name"] == port),
+        "ServiceMonitor port {port} is not a port of the Service"
+    );
+    // The OperatorDown alert watches the job the ServiceMonitor creates.
+    let down = alert_rules(&docs)
+        .into_iter()
+        .find(|r| r["alert"] == "PodMotionOperatorDown")
+        .expect("PodMotionOperatorDown");
+    assert!(
+        down["expr"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("job=\"{}\"", name(svc))),
+        "{down}"
+    );
+
+    // No Service: "true" refuses to render, "auto" leaves the ServiceMonitor (and the
+    // alert on its job) out.
+    let err = try_render(
+        "pm",
+        "podmotion-system",
+        &[
+            "--set",
+            "metrics.serviceMonitor.enabled=true,operator.metricsService.enabled=false",
+        ],
+    )
+    .unwrap_err();
+    assert!(err.contains("operator.metricsService.enabled"), "{err}");
+    let docs = render(&[
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--set",
+        "operator.metricsService.enabled=false",
+    ]);
+    assert_eq!(kinds(&docs), (0, 1));
+    assert!(
+        alert_rules(&docs)
+            .iter()
+            .all(|r| r["alert"] != "PodMotionOperatorDown")
+    );
+    // Alerts of a controller that does not run are left out.
+    let docs = render(&[
+        "--set",
+        "metrics.prometheusRule.enabled=true,operator.controllers={runner-pool}",
+    ]);
+    let alerts: Vec<Value> = alert_rules(&docs)
+        .into_iter()
+        .map(|r| r["alert"].clone())
+        .collect();
+    assert!(
+        !alerts.contains(&json!("PodMotionMigrationsFailing")),
+        "{alerts:?}"
+    );
+    assert!(
+        !alerts.contains(&json!("PodMotionAttachmentJobsReplaced")),
+        "{alerts:?}"
+    );
+}
+
+#[test]
+fn the_dashboard_configmap_carries_the_sidecar_label_and_the_file_unchanged() {
+    assert!(
+        of_kind(&render(&[]), "ConfigMap")
+            .iter()
+            .all(|c| !name(c).ends_with("-dashboard")),
+        "dashboard rendered by default"
+    );
+    let docs = render(&[
+        "--set",
+        "metrics.dashboard.enabled=true,metrics.dashboard.namespace=monitoring",
+    ]);
+    let cm = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| name(c).ends_with("-dashboard"))
+        .unwrap();
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    assert_eq!(cm["metadata"]["namespace"], "monitoring");
+    let file =
+        std::fs::read_to_string(chart_dir().join("files/dashboards/podmotion.json")).unwrap();
+    assert_eq!(
+        cm["data"]["podmotion.json"].as_str().unwrap(),
+        file.trim_end_matches('\n')
+    );
+    let d = dashboard(&docs);
+    assert_eq!(d["uid"], "podmotion-operator");
+}
+
+/// The Argo CD switch emits the repository's health scripts (the files
+/// e2e/tests/argocd_health.rs runs), byte for byte, under argocd-cm's keys.
+#[test]
+fn argocd_customizations_are_the_tested_health_scripts_under_argocd_cm_keys() {
+    assert!(
+        of_kind(&render(&[]), "ConfigMap")
+            .iter()
+            .all(|c| !name(c).ends_with("-argocd-cm"))
+    );
+    let docs = render(&[
+        "--set",
+        "argocd.resourceCustomizations.enabled=true,argocd.resourceCustomizations.namespace=argocd",
+    ]);
+    let cm = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| name(c).ends_with("-argocd-cm"))
+        .expect("argocd-cm snippet rendered");
+    assert_eq!(cm["metadata"]["namespace"], "argocd");
+    let data = cm["data"].as_object().unwrap();
+    let mut want = BTreeSet::new();
+    for kind in ["PodMigration", "NodeAgentAttachment", "RunnerPool"] {
+        let key = format!("resource.customizations.health.podmotion.io_{kind}");
+        let script = std::fs::read_to_string(
+            repo_root()
+                .join("argocd/resource_customizations/podmotion.io")
+                .join(kind)
+                .join("health.lua"),
+        )
+        .unwrap();
+        assert_eq!(
+            data.get(&key).and_then(Value::as_str),
+            Some(script.as_str()),
+            "{key} is not argocd/resource_customizations/podmotion.io/{kind}/health.lua"
+        );
+        want.insert(key);
+    }
+    assert_eq!(data.keys().cloned().collect::<BTreeSet<_>>(), want);
+}
+
+#[test]
+fn more_than_one_replica_needs_leader_election_and_gets_a_disruption_budget() {
+    let err = try_render(
+        "pm",
+        "podmotion-system",
+        &[
+            "--set",
+            "operator.replicas=2,operator.leaderElection.enabled=false",
+        ],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("operator.replicas=2 needs operator.leaderElection.enabled=true"),
+        "{err}"
+    );
+    // One replica without leader election is fine; it gets no budget (it would block
+    // every drain).
+    let one = render(&["--set", "operator.leaderElection.enabled=false"]);
+    assert!(of_kind(&one, "PodDisruptionBudget").is_empty());
+    assert!(of_kind(&render(&[]), "PodDisruptionBudget").is_empty());
+
+    let docs = render(&["--set", "operator.replicas=3"]);
+    let pdbs = of_kind(&docs, "PodDisruptionBudget");
+    assert_eq!(pdbs.len(), 1);
+    let deploy = of_kind(&docs, "Deployment")[0];
+    assert_eq!(pdbs[0]["spec"]["selector"], deploy["spec"]["selector"]);
+    assert_eq!(pdbs[0]["spec"]["maxUnavailable"], 1);
+    assert_eq!(
+        pdbs[0]["metadata"]["namespace"],
+        deploy["metadata"]["namespace"]
+    );
+    let off = render(&[
+        "--set",
+        "operator.replicas=3,operator.podDisruptionBudget.enabled=false",
+    ]);
+    assert!(of_kind(&off, "PodDisruptionBudget").is_empty());
+}
+
+#[test]
+fn operator_spread_and_agent_placement_values_reach_the_pod_templates() {
+    let docs = render(&every_toggle_on());
+    let deploy = of_kind(&docs, "Deployment")[0];
+    let spread = &deploy["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    assert_eq!(spread[0]["topologyKey"], "topology.kubernetes.io/zone");
+    // No labelSelector given: the operator pods' own.
+    assert_eq!(
+        spread[0]["labelSelector"]["matchLabels"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    let given = render(&[
+        "--set",
+        "operator.topologySpreadConstraints[0].maxSkew=1,\
+         operator.topologySpreadConstraints[0].topologyKey=kubernetes.io/hostname,\
+         operator.topologySpreadConstraints[0].whenUnsatisfiable=DoNotSchedule,\
+         operator.topologySpreadConstraints[0].labelSelector.matchLabels.mine=yes",
+    ]);
+    assert_eq!(
+        of_kind(&given, "Deployment")[0]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+            [0]["labelSelector"],
+        json!({"matchLabels": {"mine": "yes"}})
+    );
+    let ds = of_kind(&docs, "DaemonSet")[0];
+    let tpl = &ds["spec"]["template"];
+    assert_eq!(tpl["metadata"]["annotations"]["example.com/scanned"], "yes");
+    assert_eq!(
+        tpl["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["key"],
+        "podmotion.io/migrations"
+    );
+    // Defaults: none of them.
+    let defaults = render(&[]);
+    assert!(
+        of_kind(&defaults, "Deployment")[0]
+            .pointer("/spec/template/spec/topologySpreadConstraints")
+            .is_none()
+    );
+    let ds = of_kind(&defaults, "DaemonSet")[0];
+    assert!(ds.pointer("/spec/template/spec/affinity").is_none());
+    assert!(ds.pointer("/spec/template/metadata/annotations").is_none());
+}
+
+/// NOTES.txt names only objects the chart renders (it used to point at files that are
+/// not in the chart).
+#[test]
+fn notes_name_only_objects_the_chart_renders() {
+    for variant in [vec![], every_toggle_on()] {
+        let out = Command::new(helm())
+            .args(["install", "pm"])
+            .arg(chart_dir())
+            .args(["--namespace", "podmotion-system", "--dry-run=client"])
+            .args(&variant)
+            .output()
+            .unwrap();
+        let text = output_text(&out);
+        assert!(out.status.success(), "{text}");
+        let (manifest, notes) = text.split_once("\nNOTES:\n").expect("NOTES in the output");
+        let docs = parse_docs(
+            manifest
+                .split_once("\nMANIFEST:\n")
+                .map_or(manifest, |m| m.1),
+        );
+        let rendered = |kind: &str, ns: &str, n: &str| {
+            docs.iter().any(|d| {
+                d["kind"]
+                    .as_str()
+                    .is_some_and(|k| k.eq_ignore_ascii_case(kind))
+                    && name(d) == n
+                    && d["metadata"]["namespace"].as_str().unwrap_or(ns) == ns
+            })
+        };
+        let mut refs = 0;
+        for line in notes.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            for (i, w) in words.iter().enumerate() {
+                if *w != "kubectl" {
+                    continue;
+                }
+                let ns = match words.get(i + 1..i + 3) {
+                    Some(["-n", ns]) => *ns,
+                    _ => continue,
+                };
+                match words.get(i + 3..) {
+                    Some(["get", kind, n, ..]) if !n.starts_with('-') && !n.starts_with('<') => {
+                        refs += 1;
+                        assert!(
+                            rendered(kind, ns, n),
+                            "NOTES: {line:?} names no rendered object"
+                        );
+                    }
+                    Some(["rollout", "status", target, ..]) => {
+                        let (kind, n) = target.split_once('/').unwrap();
+                        refs += 1;
+                        assert!(
+                            rendered(kind, ns, n),
+                            "NOTES: {line:?} names no rendered object"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert!(refs >= 1, "no object references checked in:\n{notes}");
+        assert!(
+            !notes.contains("examples/"),
+            "NOTES point at repository files:\n{notes}"
         );
     }
 }
@@ -1833,6 +2367,18 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
     buf.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// `GET path` over HTTP/1.0 (no chunked body): the whole response, head and body.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    Some(buf)
+}
+
 /// The chart's operator Deployment run as a local process: its args and environment as
 /// the kubelet would expand them, its Secret volumes and its key-material directory
 /// as local directories, as the chart's ServiceAccount (a token kubeconfig).
@@ -2070,6 +2616,32 @@ async fn the_operator_runs_with_only_the_charts_permissions() {
     .await
     .unwrap();
     assert_eq!(http_status(child.port, "/healthz"), Some(200));
+    // /metrics (what the chart's ServiceMonitor scrapes) serves the operator's registry:
+    // the metrics without labels from the start (a labelled family appears with its
+    // first sample), and only names the alerts' and dashboard's check knows.
+    let scrape = http_get(child.port, "/metrics").expect("GET /metrics");
+    assert!(
+        scrape.starts_with("HTTP/1.0 200") || scrape.starts_with("HTTP/1.1 200"),
+        "{scrape}"
+    );
+    for want in [
+        "# TYPE podmotion_attachment_jobs gauge",
+        "\npodmotion_migration_bytes_total ",
+        "\npodmotion_migration_downtime_seconds_count ",
+    ] {
+        assert!(
+            scrape.contains(want),
+            "/metrics without {want:?}:\n{scrape}"
+        );
+    }
+    let exported = exported_metric_names();
+    for line in scrape.lines().filter(|l| l.starts_with("podmotion_")) {
+        let name = line.split(['{', ' ']).next().unwrap();
+        assert!(
+            exported.contains(name),
+            "/metrics serves {name}, unknown to the registry check"
+        );
+    }
     // The key material was made at run time, with these permissions: the master key
     // and the CA in the operator's namespace, the CA bundle in the agents'.
     let key = secret_data(&op, &format!("{}-podmotion-migration-key", inst.release));

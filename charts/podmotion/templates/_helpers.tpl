@@ -197,3 +197,18 @@ app.kubernetes.io/component: migration-agent
 {{- define "podmotion.migrationKeyDir" -}}
 /etc/podmotion/migration-key
 {{- end -}}
+
+{{/* Whether a Prometheus Operator object is rendered: its `enabled` is true, or "auto"
+     and the API server serves monitoring.coreos.com/v1 (helm install/upgrade ask the
+     cluster; `helm template` needs --api-versions). Argument: dict "enabled" <value>
+     "root" $. Returns "true" or "". */}}
+{{- define "podmotion.prometheusOperatorObject" -}}
+{{- $v := .enabled -}}
+{{- if kindIs "bool" $v -}}
+{{- if $v }}true{{ end -}}
+{{- else if eq (toString $v) "auto" -}}
+{{- if .root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
+{{- else -}}
+{{- fail (printf "metrics: enabled must be true, false or \"auto\", not %v" $v) -}}
+{{- end -}}
+{{- end -}}
