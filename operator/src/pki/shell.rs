@@ -279,42 +279,64 @@ impl Pki {
                 None => CaStep::Create,
             };
             if step != CaStep::Nothing && self.leader.is_leader() {
-                let next = apply_step(loaded.as_ref(), &step, &s.life, t)?
-                    .expect("a step other than Nothing changes the CA");
-                match self.write_ca(&secrets, seen.as_ref(), &next).await {
-                    Ok(()) => tracing::info!(?step, "CA updated"),
-                    Err(e) => tracing::warn!(?step, error = %e, "CA not updated; retrying"),
-                }
+                self.take_ca_step(&secrets, seen.as_ref(), loaded.as_ref(), &step, t)
+                    .await?;
                 // The watch brings the new version (or the winner's).
                 wait = Duration::from_secs(2);
                 continue;
             }
-            if let Some(l) = loaded {
-                let bundle = l.bundle();
-                if self.leader.is_leader() && published.as_deref() != Some(bundle.as_str()) {
-                    match self.publish_bundle(&bundle).await {
-                        Ok(()) => published = Some(bundle),
-                        Err(e) => tracing::warn!(error = %e, "CA bundle not published; retrying"),
-                    }
-                }
-                let due = plan::ca_next_event(&l.state, &s.life).unwrap_or(t + 3600);
-                wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
-                if published.is_none() && self.leader.is_leader() {
-                    wait = wait.min(Duration::from_secs(5));
-                }
-                let changed = self
-                    .ca
-                    .borrow()
-                    .as_ref()
-                    .is_none_or(|c| c.signing != l.signing || c.state != l.state);
-                if changed {
-                    self.ca.send_replace(Some(Arc::new(l)));
-                }
-            } else {
+            wait = match loaded {
+                Some(l) => self.serve_ca(l, t, &mut published).await,
                 // No CA and not the leader: the leader makes it; its write wakes us.
-                wait = Duration::from_secs(3600);
+                None => Duration::from_secs(3600),
+            };
+        }
+    }
+
+    /// Creates or rotates the CA (the leader); a failed write is only logged, and tried
+    /// again on the watch's next event.
+    async fn take_ca_step(
+        &self,
+        secrets: &Api<Secret>,
+        seen: Option<&Secret>,
+        loaded: Option<&LoadedCa>,
+        step: &CaStep,
+        t: i64,
+    ) -> anyhow::Result<()> {
+        let next = apply_step(loaded, step, &self.settings.life, t)?
+            .expect("a step other than Nothing changes the CA");
+        match self.write_ca(secrets, seen, &next).await {
+            Ok(()) => tracing::info!(?step, "CA updated"),
+            Err(e) => tracing::warn!(?step, error = %e, "CA not updated; retrying"),
+        }
+        Ok(())
+    }
+
+    /// Puts the current CA in use: the leader publishes its bundle (once per leadership
+    /// and change), and this replica signs with it. Returns how long to wait before
+    /// looking again (the CA's next event, sooner while the bundle is unpublished).
+    async fn serve_ca(&self, l: LoadedCa, t: i64, published: &mut Option<String>) -> Duration {
+        let bundle = l.bundle();
+        if self.leader.is_leader() && published.as_deref() != Some(bundle.as_str()) {
+            match self.publish_bundle(&bundle).await {
+                Ok(()) => *published = Some(bundle),
+                Err(e) => tracing::warn!(error = %e, "CA bundle not published; retrying"),
             }
         }
+        let due = plan::ca_next_event(&l.state, &self.settings.life).unwrap_or(t + 3600);
+        let mut wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
+        if published.is_none() && self.leader.is_leader() {
+            wait = wait.min(Duration::from_secs(5));
+        }
+        let changed = self
+            .ca
+            .borrow()
+            .as_ref()
+            .is_none_or(|c| c.signing != l.signing || c.state != l.state);
+        if changed {
+            self.ca.send_replace(Some(Arc::new(l)));
+        }
+        wait
     }
 
     async fn write_ca(
@@ -469,44 +491,13 @@ impl Pki {
         let Some(ca) = ca else {
             return Ok(Action::requeue(Duration::from_secs(2)));
         };
-        let s = &self.settings;
-        let facts = CsrFacts {
-            signer_name: csr.spec.signer_name.clone(),
-            username: csr.spec.username.clone().unwrap_or_default(),
-            extra: csr.spec.extra.clone().unwrap_or_default(),
-            usages: csr.spec.usages.clone().unwrap_or_default(),
-            request: csr.spec.request.0.clone(),
-        };
-        let pod = match facts
-            .extra
-            .get(plan::EXTRA_POD_NAME)
-            .and_then(|v| v.first())
-        {
-            Some(p)
-                if facts.username
-                    == format!(
-                        "system:serviceaccount:{}:{}",
-                        s.agents.namespace, s.agents.service_account
-                    ) =>
-            {
-                let pods: Api<Pod> = Api::namespaced(self.client.clone(), &s.agents.namespace);
-                pods.get_opt(p).await?.map(|p| PodFacts {
-                    namespace: p.namespace().unwrap_or_default(),
-                    name: p.name_any(),
-                    uid: p.uid().unwrap_or_default(),
-                    node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()),
-                    service_account: p.spec.as_ref().and_then(|s| s.service_account_name.clone()),
-                    labels: p.labels().clone(),
-                    terminating: p.metadata.deletion_timestamp.is_some(),
-                })
-            }
-            _ => None,
-        };
+        let facts = csr_facts(csr);
+        let pod = self.requesting_pod(&facts).await?;
         let request_pem = String::from_utf8_lossy(&facts.request).into_owned();
         let requested = issue::requested(&request_pem);
         let verdict = plan::review(
             &facts,
-            &s.agents,
+            &self.settings.agents,
             requested.as_ref().map_err(String::as_str),
             pod.as_ref(),
         );
@@ -520,26 +511,11 @@ impl Pki {
             }
             Verdict::Deny { reason, message } => {
                 tracing::warn!(csr = %name, reason, %message, "agent certificate request denied");
-                // Approved by someone else but not acceptable to the signer: Failed.
-                let type_ = if has("Approved") { "Failed" } else { "Denied" };
-                let patch = json!({"status": {"conditions": [condition(type_, reason, &message)]}});
-                if type_ == "Failed" {
-                    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                        .await?;
-                } else {
-                    api.patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                        .await?;
-                }
+                refuse(&api, &name, has("Approved"), reason, &message).await?;
             }
             Verdict::Approve { node } => {
                 if !has("Approved") {
-                    let patch = json!({"status": {"conditions": [condition(
-                        "Approved",
-                        "AgentOfNode",
-                        &format!("the agent pod on node {node}, requesting its own identity"),
-                    )]}});
-                    api.patch_approval(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                        .await?;
+                    approve(&api, &name, &node).await?;
                 }
                 let cert = issue::sign_agent(
                     &ca.signing,
@@ -547,7 +523,7 @@ impl Pki {
                     &node,
                     &request_pem,
                     now(),
-                    &s.life,
+                    &self.settings.life,
                 )
                 .map_err(|e| SignError::Other(e.to_string()))?;
                 let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
@@ -558,6 +534,82 @@ impl Pki {
         }
         Ok(Action::await_change())
     }
+
+    /// The agent pod a request names, read only when the requester is the agents'
+    /// ServiceAccount (the only requester whose pod the review looks at).
+    async fn requesting_pod(&self, facts: &CsrFacts) -> Result<Option<PodFacts>, SignError> {
+        let agents = &self.settings.agents;
+        let agents_sa = format!(
+            "system:serviceaccount:{}:{}",
+            agents.namespace, agents.service_account
+        );
+        let Some(p) = facts
+            .extra
+            .get(plan::EXTRA_POD_NAME)
+            .and_then(|v| v.first())
+            .filter(|_| facts.username == agents_sa)
+        else {
+            return Ok(None);
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &agents.namespace);
+        Ok(pods.get_opt(p).await?.map(|p| PodFacts {
+            namespace: p.namespace().unwrap_or_default(),
+            name: p.name_any(),
+            uid: p.uid().unwrap_or_default(),
+            node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            service_account: p.spec.as_ref().and_then(|s| s.service_account_name.clone()),
+            labels: p.labels().clone(),
+            terminating: p.metadata.deletion_timestamp.is_some(),
+        }))
+    }
+}
+
+/// What the review reads of a request.
+fn csr_facts(csr: &CertificateSigningRequest) -> CsrFacts {
+    CsrFacts {
+        signer_name: csr.spec.signer_name.clone(),
+        username: csr.spec.username.clone().unwrap_or_default(),
+        extra: csr.spec.extra.clone().unwrap_or_default(),
+        usages: csr.spec.usages.clone().unwrap_or_default(),
+        request: csr.spec.request.0.clone(),
+    }
+}
+
+/// Refuses a request: Denied, or Failed when someone else approved it already (not
+/// acceptable to the signer all the same).
+async fn refuse(
+    api: &Api<CertificateSigningRequest>,
+    name: &str,
+    approved: bool,
+    reason: &str,
+    message: &str,
+) -> Result<(), SignError> {
+    let type_ = if approved { "Failed" } else { "Denied" };
+    let patch = json!({"status": {"conditions": [condition(type_, reason, message)]}});
+    if approved {
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    } else {
+        api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
+    Ok(())
+}
+
+/// Approves the request of the agent pod on `node`.
+async fn approve(
+    api: &Api<CertificateSigningRequest>,
+    name: &str,
+    node: &str,
+) -> Result<(), SignError> {
+    let patch = json!({"status": {"conditions": [condition(
+        "Approved",
+        "AgentOfNode",
+        &format!("the agent pod on node {node}, requesting its own identity"),
+    )]}});
+    api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
 }
 
 fn condition(type_: &str, reason: &str, message: &str) -> serde_json::Value {
