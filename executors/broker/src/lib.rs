@@ -62,7 +62,14 @@ struct Entry {
 #[derive(Debug, Clone)]
 struct Lock {
     links: Vec<String>,
+    /// IPv4 routes (`ip -4 route show` lines).
     routes: Vec<String>,
+    /// IPv6 routes (`ip -6 route show` lines).
+    routes6: Vec<String>,
+    /// Global IPv6 addresses of the links set down (`<addr>/<len> dev <link>`): the
+    /// kernel drops them when a link goes down (`keep_addr_on_down` is off by default),
+    /// IPv4 addresses it keeps.
+    addrs6: Vec<String>,
 }
 
 pub struct Broker {
@@ -312,6 +319,7 @@ impl Broker {
         }
         let body = serde_json::json!({
             "pid": p.pid, "start_time": p.start_time, "links": l.links, "routes": l.routes,
+            "routes6": l.routes6, "addrs6": l.addrs6,
         });
         let tmp = dir.join(format!(".{}.tmp", uid.as_str()));
         let mut f = std::fs::OpenOptions::new()
@@ -744,6 +752,9 @@ fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock)> {
         Lock {
             links: strings("links")?,
             routes: strings("routes")?,
+            // Absent in a journal written before IPv6 was saved.
+            routes6: strings("routes6").unwrap_or_default(),
+            addrs6: strings("addrs6").unwrap_or_default(),
         },
     ))
 }
@@ -783,11 +794,15 @@ fn release_repair(root: i32) -> Result<(), BrokerError> {
 /// reset, and the frozen source cannot emit anything), routes saved for `unlock`.
 fn lock(pid: i32) -> Result<Lock, BrokerError> {
     kernel::in_netns(pid, || {
-        let routes: Vec<String> = ip(&["-4", "route", "show"])?
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(str::to_owned)
-            .collect();
+        let lines = |out: String| -> Vec<String> {
+            out.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        let routes = lines(ip(&["-4", "route", "show"])?);
+        // A namespace without IPv6 (disabled in the kernel) has nothing to save.
+        let routes6 = lines(ip(&["-6", "route", "show"]).unwrap_or_default());
         let links: Vec<String> = ip(&["-o", "link", "show", "up"])?
             .lines()
             .filter_map(|l| {
@@ -796,10 +811,19 @@ fn lock(pid: i32) -> Result<Lock, BrokerError> {
                 (name != "lo").then(|| name.to_owned())
             })
             .collect();
+        let addrs6 = global_ipv6_addrs(
+            &ip(&["-6", "-o", "addr", "show", "scope", "global"]).unwrap_or_default(),
+            &links,
+        );
         for l in &links {
             ip(&["link", "set", "dev", l, "down"])?;
         }
-        Ok(Lock { links, routes })
+        Ok(Lock {
+            links,
+            routes,
+            routes6,
+            addrs6,
+        })
     })
     .map_err(kerr)
 }
@@ -810,14 +834,23 @@ fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
         for link in &l.links {
             ip(&["link", "set", "dev", link, "up"])?;
         }
+        for a in &l.addrs6 {
+            // nodad: the address was in use a moment ago; no duplicate detection delay.
+            let mut args = vec!["-6", "addr", "replace"];
+            args.extend(a.split_whitespace());
+            args.push("nodad");
+            ip(&args)?;
+        }
         // Routes come back in dependency order: a gateway route needs the route to
         // its gateway first, so retry the failures while each pass makes progress.
-        let mut left: Vec<&String> = l.routes.iter().collect();
+        let mut left: Vec<(&str, &String)> = (l.routes.iter().map(|r| ("-4", r)))
+            .chain(l.routes6.iter().map(|r| ("-6", r)))
+            .collect();
         let mut last_err = None;
         while !left.is_empty() {
             let before = left.len();
-            left.retain(|r| {
-                let mut args = vec!["route", "replace"];
+            left.retain(|(family, r)| {
+                let mut args = vec![*family, "route", "replace"];
                 args.extend(r.split_whitespace().filter(|w| *w != "linkdown"));
                 match ip(&args) {
                     Ok(_) => false,
@@ -836,6 +869,23 @@ fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
         Ok(())
     })
     .map_err(kerr)
+}
+
+/// The global IPv6 addresses of `links` in `ip -6 -o addr show scope global` output
+/// (`2: eth0    inet6 2001:db8::5/64 scope global \ ...`), as `<addr>/<len> dev <link>`.
+fn global_ipv6_addrs(out: &str, links: &[String]) -> Vec<String> {
+    out.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let link = w.nth(1)?.split('@').next()?;
+            (w.next()? == "inet6").then_some(())?;
+            let addr = w.next()?;
+            links
+                .iter()
+                .any(|k| k == link)
+                .then(|| format!("{addr} dev {link}"))
+        })
+        .collect()
 }
 
 /// Reads exactly `buf.len()` bytes; Ok(false) on a clean EOF before the first byte.
@@ -966,5 +1016,22 @@ pub mod client {
             // SCM_RIGHTS and is owned by nothing else.
             .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn global_ipv6_addresses_of_the_locked_links_are_saved_with_their_link() {
+        let out = "3: pm0    inet6 2001:db8:254::1/64 scope global nodad \\       valid_lft forever preferred_lft forever\n\
+                   4: eth0@if9    inet6 2001:db8:1::5/64 scope global \\       valid_lft forever preferred_lft forever\n\
+                   5: other    inet6 2001:db8:2::5/64 scope global \\       valid_lft forever\n";
+        assert_eq!(
+            global_ipv6_addrs(out, &["pm0".into(), "eth0".into()]),
+            ["2001:db8:254::1/64 dev pm0", "2001:db8:1::5/64 dev eth0"]
+        );
+        assert!(global_ipv6_addrs("", &["pm0".into()]).is_empty());
     }
 }

@@ -719,13 +719,14 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
     use podmotion_broker::client::BrokerClient;
     use podmotion_wire::ids::MigrationUid;
     let mut b = BrokerProcess::start("restart");
-    // A source with a link of its own (up, with an address and a route) in its netns.
+    // A source with a link of its own (up, with IPv4 and IPv6 addresses and a route of
+    // each family through a gateway) in its netns.
     let procs = b.cgroup.join("pod/cgroup.procs");
     let child = KillOnDrop(
         Command::new("unshare")
             .args(["-n", "sh", "-c"])
             .arg(format!(
-                "echo $$ > {}; ip link add pm0 type veth peer name pm1 && ip addr add 198.18.254.1/24 dev pm0 && ip link set pm1 up && ip link set pm0 up && exec sleep 120",
+                "echo $$ > {}; ip link add pm0 type veth peer name pm1 && ip addr add 198.18.254.1/24 dev pm0 && ip link set pm1 up && ip link set pm0 up && ip -6 addr add 2001:db8:254::1/64 dev pm0 nodad && ip -6 route add 2001:db8:99::/64 via 2001:db8:254::2 dev pm0 && exec sleep 120",
                 procs.display()
             ))
             .stdin(Stdio::null())
@@ -768,7 +769,18 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
             .unwrap();
         String::from_utf8_lossy(&out.stdout).contains("198.18.254.0/24")
     };
-    assert!(link_up() && has_route(), "the source's link is not set up");
+    let has_route6 = || {
+        let out = Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-n", "ip", "-6", "route", "show"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("2001:db8:99::/64 via 2001:db8:254::2")
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(link_up() && has_route() && has_route6()) {
+        assert!(Instant::now() < deadline, "the source's link is not set up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     let mut c = BrokerClient::connect(&b.socket).unwrap();
     let uid = MigrationUid::parse("m-restart").unwrap();
@@ -821,6 +833,10 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(has_route(), "the source's route was not restored");
+    assert!(
+        has_route6(),
+        "the source's IPv6 address and route were not restored"
+    );
     let journal: Vec<_> = std::fs::read_dir(b.dir.join("run/netns/.journal"))
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
