@@ -554,6 +554,8 @@ fn sidecar_notice(
     })
 }
 
+/// The attachment's health: stalled when something blocks it, otherwise how its
+/// targets stand.
 fn health(
     a: &AttachmentView,
     obs: &ObservedGroup,
@@ -564,74 +566,11 @@ fn health(
     total: usize,
 ) -> Health {
     let workload = workload_key(&obs.workload);
-    if !obs.workload_exists {
-        return Health::stalled(
-            reasons::WORKLOAD_NOT_FOUND,
-            format!("{workload} does not exist in {}", obs.namespace),
-        );
+    if let Some(h) = blocked(a, obs, &workload, rejected, expired) {
+        return h;
     }
-    match rejected.get(a.name.as_str()) {
-        Some(Rejection::AgentConflict { with }) => {
-            return Health::stalled(
-                reasons::AGENT_CONFLICT,
-                format!(
-                    "{with} already attaches agents to {workload} with other agent settings (agent, containers or \
-                     sidecar); attachments of one workload share its Jobs and must agree"
-                ),
-            );
-        }
-        Some(Rejection::PortConflict { with }) => {
-            return Health::stalled(
-                reasons::PORT_CONFLICT,
-                format!(
-                    "{with} already intercepts the same port(s) of {workload}; concurrent intercepts of one port conflict"
-                ),
-            );
-        }
-        None => {}
-    }
-    if expired {
-        return Health::stalled(
-            reasons::LEASE_EXPIRED,
-            format!(
-                "the ingest session lease {} expired at {}; its Job was released. Renew the Lease to ingest again",
-                a.lease_name(),
-                a.lease_expiry(obs.now)
-            ),
-        );
-    }
-    let count = |r: SkipReason| st.skipped.iter().filter(|s| s.reason == r).count();
     if total == 0 {
-        if count(SkipReason::NotReady) > 0 {
-            return Health::reconciling(
-                reasons::WAITING_FOR_READY_PODS,
-                format!("no pod of {workload} is Running and Ready yet"),
-            );
-        }
-        if st.skipped.is_empty() {
-            return Health::stalled(
-                reasons::NO_ADMISSIBLE_TARGET,
-                format!("{workload} has no pods"),
-            );
-        }
-        if count(SkipReason::InjectedSidecar) == st.skipped.len() {
-            return Health::stalled(
-                reasons::SIDECAR_CONFLICT,
-                format!(
-                    "every pod of {workload} carries an injected traffic-agent sidecar; use the sidecar instead"
-                ),
-            );
-        }
-        return Health::stalled(
-            reasons::NO_ADMISSIBLE_TARGET,
-            format!(
-                "no pod of {workload} can host a node agent ({} on the host network, {} with an injected sidecar, \
-                 {} in a user namespace); see status.skipped",
-                count(SkipReason::HostNetwork),
-                count(SkipReason::InjectedSidecar),
-                count(SkipReason::UserNamespace)
-            ),
-        );
+        return without_targets(&workload, st);
     }
     let skipped = if st.skipped.is_empty() {
         String::new()
@@ -649,6 +588,89 @@ fn health(
             format!("{ready}/{total} agents running{skipped}"),
         )
     }
+}
+
+/// What stalls the attachment whatever its pods: a missing workload, a conflict with
+/// another attachment of the workload, an expired ingest lease.
+fn blocked(
+    a: &AttachmentView,
+    obs: &ObservedGroup,
+    workload: &str,
+    rejected: &BTreeMap<&str, Rejection>,
+    expired: bool,
+) -> Option<Health> {
+    if !obs.workload_exists {
+        return Some(Health::stalled(
+            reasons::WORKLOAD_NOT_FOUND,
+            format!("{workload} does not exist in {}", obs.namespace),
+        ));
+    }
+    match rejected.get(a.name.as_str()) {
+        Some(Rejection::AgentConflict { with }) => {
+            return Some(Health::stalled(
+                reasons::AGENT_CONFLICT,
+                format!(
+                    "{with} already attaches agents to {workload} with other agent settings (agent, containers or \
+                     sidecar); attachments of one workload share its Jobs and must agree"
+                ),
+            ));
+        }
+        Some(Rejection::PortConflict { with }) => {
+            return Some(Health::stalled(
+                reasons::PORT_CONFLICT,
+                format!(
+                    "{with} already intercepts the same port(s) of {workload}; concurrent intercepts of one port conflict"
+                ),
+            ));
+        }
+        None => {}
+    }
+    expired.then(|| {
+        Health::stalled(
+            reasons::LEASE_EXPIRED,
+            format!(
+                "the ingest session lease {} expired at {}; its Job was released. Renew the Lease to ingest again",
+                a.lease_name(),
+                a.lease_expiry(obs.now)
+            ),
+        )
+    })
+}
+
+/// Health with no target at all: waiting for Ready pods, or stalled and why no pod
+/// can host an agent.
+fn without_targets(workload: &str, st: &NodeAgentAttachmentStatus) -> Health {
+    let count = |r: SkipReason| st.skipped.iter().filter(|s| s.reason == r).count();
+    if count(SkipReason::NotReady) > 0 {
+        return Health::reconciling(
+            reasons::WAITING_FOR_READY_PODS,
+            format!("no pod of {workload} is Running and Ready yet"),
+        );
+    }
+    if st.skipped.is_empty() {
+        return Health::stalled(
+            reasons::NO_ADMISSIBLE_TARGET,
+            format!("{workload} has no pods"),
+        );
+    }
+    if count(SkipReason::InjectedSidecar) == st.skipped.len() {
+        return Health::stalled(
+            reasons::SIDECAR_CONFLICT,
+            format!(
+                "every pod of {workload} carries an injected traffic-agent sidecar; use the sidecar instead"
+            ),
+        );
+    }
+    Health::stalled(
+        reasons::NO_ADMISSIBLE_TARGET,
+        format!(
+            "no pod of {workload} can host a node agent ({} on the host network, {} with an injected sidecar, \
+             {} in a user namespace); see status.skipped",
+            count(SkipReason::HostNetwork),
+            count(SkipReason::InjectedSidecar),
+            count(SkipReason::UserNamespace)
+        ),
+    )
 }
 
 #[cfg(test)]
