@@ -287,39 +287,80 @@ pub fn review(
             requester: csr.username.clone(),
         };
     }
-    let (Some(pod_name), Some(pod_uid), Some(node)) = (
+    match agents_own_identity(csr, policy, requested, pod) {
+        Ok(node) => Verdict::Approve {
+            node: node.to_string(),
+        },
+        Err(denied) => denied,
+    }
+}
+
+/// The checks of a request of this installation's agents, in order: the node it may
+/// have, or the first refusal.
+fn agents_own_identity<'a>(
+    csr: &'a CsrFacts,
+    policy: &AgentPolicy,
+    requested: Result<&Requested, &str>,
+    pod: Option<&PodFacts>,
+) -> Result<&'a str, Verdict> {
+    let (pod_name, pod_uid, node) = token_binding(csr)?;
+    live_agent_pod_on(policy, pod, (pod_name, pod_uid), node)?;
+    if !identity::valid_node_name(node) {
+        return Err(deny("BadNodeName", format!("{node:?}")));
+    }
+    agent_usages(csr)?;
+    identity_of(node, requested)?;
+    Ok(node)
+}
+
+/// The pod name, pod UID and node the API server bound the requester's token to.
+fn token_binding(csr: &CsrFacts) -> Result<(&str, &str, &str), Verdict> {
+    match (
         single(&csr.extra, EXTRA_POD_NAME),
         single(&csr.extra, EXTRA_POD_UID),
         single(&csr.extra, EXTRA_NODE_NAME),
-    ) else {
-        return deny(
+    ) {
+        (Some(name), Some(uid), Some(node)) => Ok((name, uid, node)),
+        _ => Err(deny(
             "NotBoundToAPod",
             "the requester's token is not bound to a pod on a node",
-        );
-    };
+        )),
+    }
+}
+
+/// The token's pod is the live, running agent pod on `node`.
+fn live_agent_pod_on(
+    policy: &AgentPolicy,
+    pod: Option<&PodFacts>,
+    (pod_name, pod_uid): (&str, &str),
+    node: &str,
+) -> Result<(), Verdict> {
     let Some(pod) = pod else {
-        return deny(
+        return Err(deny(
             "PodGone",
             format!("pod {}/{pod_name} does not exist", policy.namespace),
-        );
+        ));
     };
     if pod.namespace != policy.namespace || pod.name != pod_name || pod.uid != pod_uid {
-        return deny(
+        return Err(deny(
             "PodMismatch",
             format!("the token's pod {pod_name} ({pod_uid}) is not the live pod"),
-        );
+        ));
     }
     if pod.terminating {
-        return deny("PodTerminating", format!("pod {pod_name} is terminating"));
+        return Err(deny(
+            "PodTerminating",
+            format!("pod {pod_name} is terminating"),
+        ));
     }
     if pod.node_name.as_deref() != Some(node) {
-        return deny(
+        return Err(deny(
             "NodeMismatch",
             format!(
                 "the token says node {node}, the pod runs on {:?}",
                 pod.node_name
             ),
-        );
+        ));
     }
     if pod.service_account.as_deref() != Some(policy.service_account.as_str())
         || policy
@@ -327,14 +368,16 @@ pub fn review(
             .iter()
             .any(|(k, v)| pod.labels.get(k) != Some(v))
     {
-        return deny(
+        return Err(deny(
             "NotAnAgentPod",
             format!("pod {pod_name} is not a node agent pod"),
-        );
+        ));
     }
-    if !identity::valid_node_name(node) {
-        return deny("BadNodeName", format!("{node:?}"));
-    }
+    Ok(())
+}
+
+/// The request's usages are the agent's (key encipherment aside).
+fn agent_usages(csr: &CsrFacts) -> Result<(), Verdict> {
     let mut usages: Vec<&str> = csr
         .usages
         .iter()
@@ -345,28 +388,36 @@ pub fn review(
     let mut want = AGENT_USAGES.to_vec();
     want.sort_unstable();
     if usages != want {
-        return deny(
+        return Err(deny(
             "WrongUsages",
             format!("usages {:?}, expected {:?}", csr.usages, AGENT_USAGES),
-        );
+        ));
     }
+    Ok(())
+}
+
+/// The request parses and asks for exactly the identity of the agent on `node`.
+fn identity_of(node: &str, requested: Result<&Requested, &str>) -> Result<(), Verdict> {
     let r = match requested {
         Ok(r) => r,
-        Err(e) => return deny("BadRequest", format!("the request does not parse: {e}")),
+        Err(e) => {
+            return Err(deny(
+                "BadRequest",
+                format!("the request does not parse: {e}"),
+            ));
+        }
     };
     let want = agent_request(node);
     if *r != want {
-        return deny(
+        return Err(deny(
             "IdentityMismatch",
             format!(
                 "the agent on {node} may ask for CN {:?}, URI {:?}, DNS {:?} only; asked for {r:?}",
                 want.common_name, want.uris, want.dns
             ),
-        );
+        ));
     }
-    Verdict::Approve {
-        node: node.to_string(),
-    }
+    Ok(())
 }
 
 /// Exactly what the agent on `node` asks for (and gets).
