@@ -6,7 +6,7 @@ use podmotion_agent::{
     containers::Containers,
     criu::Criu,
     csr, images,
-    service::{Agent, Config},
+    service::{Agent, Config, FreezeWatchdog},
 };
 use podmotion_wire::client::{TlsFiles, tls_incoming};
 use podmotion_wire::proto::migration_agent_server::MigrationAgentServer;
@@ -92,6 +92,21 @@ struct Args {
         default_value = "/run/podmotion/checkpoints"
     )]
     checkpoints_root: PathBuf,
+    /// The freeze watchdog's margin: a source still frozen its migration's freeze
+    /// budget plus this long after the final dump is resumed by the agent itself.
+    #[arg(
+        long,
+        env = "PODMOTION_FREEZE_WATCHDOG_MARGIN_MS",
+        default_value_t = 60_000
+    )]
+    freeze_watchdog_margin_ms: u64,
+    /// The freeze budget assumed when the operator's Prepare names none.
+    #[arg(
+        long,
+        env = "PODMOTION_FREEZE_WATCHDOG_DEFAULT_BUDGET_MS",
+        default_value_t = 60_000
+    )]
+    freeze_watchdog_default_budget_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -171,7 +186,12 @@ async fn serve() -> anyhow::Result<()> {
         checkpoints_root: a.checkpoints_root,
         tls: tls.clone(),
         legacy_shared_identity: a.legacy_shared_identity,
+        freeze_watchdog: FreezeWatchdog {
+            margin: std::time::Duration::from_millis(a.freeze_watchdog_margin_ms),
+            default_budget: std::time::Duration::from_millis(a.freeze_watchdog_default_budget_ms),
+        },
     })?;
+    let agent = std::sync::Arc::new(agent);
     tracing::info!(listen = %a.listen, "agent serving");
     // TLS is ours, not tonic's: every handshake uses the certificate and CA bundle
     // current at that moment (renewals are served without a restart); tonic still
@@ -179,13 +199,40 @@ async fn serve() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(a.listen).await?;
     // Large HTTP/2 windows and no Nagle: with the 64 KiB defaults each window
     // round trip of the image stream waits on a delayed ACK (~1.5 MB/s measured).
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
-        .add_service(MigrationAgentServer::new(agent).max_decoding_message_size(4 << 20))
-        .serve_with_incoming(tls_incoming(listener, tls))
-        .await?;
+        .add_service(
+            MigrationAgentServer::from_arc(std::sync::Arc::clone(&agent))
+                .max_decoding_message_size(4 << 20),
+        )
+        .serve_with_incoming(tls_incoming(listener, tls));
+    // SIGTERM (pod deletion, rollout, node drain) stops taking calls at once; the
+    // calls in flight are not waited for (a Send to a dead target could hold the
+    // exit past the grace period). Then every source this agent froze is resumed
+    // before it exits: no freeze outlives its agent.
+    let signal = tokio::select! {
+        r = served => { r?; "server stopped" }
+        s = terminated() => s,
+    };
+    let n = agent.thaw_frozen_sources(signal).await;
+    tracing::info!(signal, thawed = n, "agent exiting");
     Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT, with the signal's name.
+async fn terminated() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
 }
 
 #[cfg(test)]

@@ -48,6 +48,70 @@ pub struct Config {
     /// `podmotion-operator`). Off unless asked for: with it, any agent may stream
     /// images to any migration this agent receives.
     pub legacy_shared_identity: bool,
+    /// How long a source may stay frozen after its final dump before this agent
+    /// resumes it on its own (see [`FreezeWatchdog`]).
+    pub freeze_watchdog: FreezeWatchdog,
+}
+
+/// The agent-side bound on a freeze: a source still frozen `budget + margin` after its
+/// final dump (`budget`: the PodMigration's freeze budget from `Prepare`, else
+/// `default_budget`) is resumed by the agent itself, on its own monotonic clock,
+/// without the operator or the API server. A migration the operator has not committed
+/// by then has overrun its budget, which the operator rolls back anyway.
+#[derive(Clone, Copy, Debug)]
+pub struct FreezeWatchdog {
+    pub margin: std::time::Duration,
+    pub default_budget: std::time::Duration,
+}
+
+impl FreezeWatchdog {
+    fn limit(&self, budget_ms: u64) -> std::time::Duration {
+        let budget = if budget_ms == 0 {
+            self.default_budget
+        } else {
+            std::time::Duration::from_millis(budget_ms)
+        };
+        budget + self.margin
+    }
+}
+
+/// Who owns a source's freeze once the final dump left it stopped: the first of
+/// Commit (kills it), Abort, the freeze watchdog or SIGTERM (resume it) to claim it.
+/// An atomic, not the migration's lock: a Send stuck on a dead target holds that lock,
+/// and the watchdog must not wait for it.
+#[derive(Debug)]
+struct Freeze(std::sync::atomic::AtomicU8);
+
+impl Default for Freeze {
+    fn default() -> Self {
+        Freeze(std::sync::atomic::AtomicU8::new(NOT_FROZEN))
+    }
+}
+
+const NOT_FROZEN: u8 = 0;
+const FROZEN: u8 = 1;
+const COMMITTING: u8 = 2;
+const THAWING: u8 = 3;
+const THAWED: u8 = 4;
+
+impl Freeze {
+    fn get(&self) -> u8 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn set(&self, v: u8) {
+        self.0.store(v, std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Moves FROZEN to `to`; false if the freeze was already claimed (or never made).
+    fn claim(&self, to: u8) -> bool {
+        self.0
+            .compare_exchange(
+                FROZEN,
+                to,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            )
+            .is_ok()
+    }
 }
 
 struct Migration {
@@ -77,14 +141,24 @@ struct Migration {
     netns_path: Option<String>,
     /// A real container (source: the dumped one; target: the holder): its mounts.
     fs: Option<ContainerFs>,
+    freeze: Arc<Freeze>,
+    /// The watchdog's bound on this source's freeze.
+    freeze_limit: std::time::Duration,
 }
 
 impl Migration {
     fn status(&self) -> MigrationStatus {
+        // A source resumed by the watchdog or at shutdown is aborted, even while a call
+        // that still holds the migration (a Send) has not seen it yet.
+        let phase = if self.freeze.get() == THAWED {
+            Phase::Aborted
+        } else {
+            self.phase
+        };
         MigrationStatus {
             migration_uid: self.uid.to_string(),
             role: self.role as i32,
-            phase: self.phase as i32,
+            phase: phase as i32,
             iteration: self.iteration,
             last_round_bytes: self.last_round_bytes,
             image_bytes: self.image_bytes,
@@ -100,15 +174,58 @@ impl Migration {
     }
 
     async fn broker(&self, req: Request) -> Result<Reply, Status> {
-        let b = Arc::clone(&self.broker);
-        blocking(move || {
-            b.lock()
-                .expect("broker client")
-                .call(&req)
-                .map_err(broker_status)
-        })
-        .await
+        broker_call(&self.broker, req).await
     }
+
+    /// Takes over a phase change that a watchdog or shutdown thaw made while a call
+    /// held the migration.
+    fn sync_freeze(&mut self) {
+        if self.freeze.get() == THAWED && self.phase != Phase::Aborted {
+            self.phase = Phase::Aborted;
+        }
+    }
+}
+
+async fn broker_call(b: &Arc<StdMutex<BrokerClient>>, req: Request) -> Result<Reply, Status> {
+    let b = Arc::clone(b);
+    blocking(move || {
+        b.lock()
+            .expect("broker client")
+            .call(&req)
+            .map_err(broker_status)
+    })
+    .await
+}
+
+/// Resumes a source the final dump left frozen, if nothing else claimed it: `Ok(true)`
+/// when this call resumed it. On failure the freeze is left to the next claimant.
+async fn thaw_frozen(
+    freeze: &Freeze,
+    b: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+) -> Result<bool, Status> {
+    if !freeze.claim(THAWING) {
+        return Ok(false);
+    }
+    match thaw_source(b, uid).await {
+        Ok(()) => {
+            freeze.set(THAWED);
+            Ok(true)
+        }
+        Err(e) => {
+            freeze.set(FROZEN);
+            Err(e)
+        }
+    }
+}
+
+/// Resumes a source: out of TCP repair, network back, then run, in that order so the
+/// resumed workload's sockets work from its first instruction.
+async fn thaw_source(b: &Arc<StdMutex<BrokerClient>>, uid: &MigrationUid) -> Result<(), Status> {
+    broker_call(b, Request::ReleaseTcpRepair { uid: uid.clone() }).await?;
+    broker_call(b, Request::UnlockNetwork { uid: uid.clone() }).await?;
+    broker_call(b, Request::Resume { uid: uid.clone() }).await?;
+    Ok(())
 }
 
 fn now_us() -> u64 {
@@ -167,6 +284,15 @@ pub struct Agent {
     /// This agent's own identity, from its certificate.
     own: Peer,
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
+    /// Every source this agent left frozen after a final dump (claimed or not).
+    frozen: StdMutex<Vec<FrozenSource>>,
+}
+
+#[derive(Clone)]
+struct FrozenSource {
+    freeze: Arc<Freeze>,
+    broker: Arc<StdMutex<BrokerClient>>,
+    uid: MigrationUid,
 }
 
 impl Agent {
@@ -185,6 +311,7 @@ impl Agent {
             cfg: Arc::new(cfg),
             own,
             migrations: StdMutex::new(HashMap::new()),
+            frozen: StdMutex::new(Vec::new()),
         })
     }
 
@@ -216,6 +343,60 @@ impl Agent {
             tracing::warn!(%rpc, denied = %d, "call refused");
             Status::from(d)
         })
+    }
+
+    /// Resumes the source `m` froze if it is still frozen `m.freeze_limit` from now
+    /// (tokio's clock is monotonic): neither Commit nor Abort claimed the freeze.
+    fn start_freeze_watchdog(&self, m: &Migration) {
+        let (freeze, broker, uid, limit) = (
+            Arc::clone(&m.freeze),
+            Arc::clone(&m.broker),
+            m.uid.clone(),
+            m.freeze_limit,
+        );
+        self.frozen.lock().expect("frozen").push(FrozenSource {
+            freeze: Arc::clone(&freeze),
+            broker: Arc::clone(&broker),
+            uid: uid.clone(),
+        });
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            // A failed resume (the broker busy or restarting) is tried again.
+            for _ in 0..30 {
+                if freeze.get() != FROZEN {
+                    return;
+                }
+                tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
+                match thaw_frozen(&freeze, &broker, &uid).await {
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
+    }
+
+    /// Resumes every source this agent froze and nobody has committed or aborted:
+    /// run before the agent exits (SIGTERM), so no freeze outlives its agent. Reads
+    /// only the freezes' own parts, never a migration's lock (a stuck Send may hold it).
+    pub async fn thaw_frozen_sources(&self, why: &str) -> usize {
+        let all: Vec<_> = self.frozen.lock().expect("frozen").clone();
+        let mut thawed = 0;
+        for f in all {
+            match thaw_frozen(&f.freeze, &f.broker, &f.uid).await {
+                Ok(true) => {
+                    thawed += 1;
+                    tracing::warn!(uid = %f.uid, why, "resumed the frozen source before exiting");
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(uid = %f.uid, why, error = %e, "could not resume the source")
+                }
+            }
+        }
+        thawed
     }
 
     fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {
@@ -288,6 +469,8 @@ impl Agent {
             broker: Arc::new(StdMutex::new(client)),
             netns_path: None,
             fs,
+            freeze: Arc::default(),
+            freeze_limit: self.cfg.freeze_watchdog.limit(r.freeze_budget_ms),
         };
         let broker_role = if role == Role::Source {
             BrokerRole::Source
@@ -404,6 +587,7 @@ impl Agent {
     async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let m = self.get(uid)?;
         let mut m = m.lock().await;
+        m.sync_freeze();
         if admit(m.role, m.phase, Step::Dump)? == Admission::Done {
             return Ok(m.status());
         }
@@ -489,10 +673,13 @@ impl Agent {
         m.final_dump_bytes = images::size(&dir);
         m.image_bytes = images::size(&m.dir);
         m.phase = Phase::Dumped;
+        m.freeze.set(FROZEN);
+        self.start_freeze_watchdog(&m);
         tracing::info!(
             uid,
             dump_ms = m.timings.dump_us / 1000,
             bytes = m.final_dump_bytes,
+            watchdog_ms = m.freeze_limit.as_millis() as u64,
             "dumped; source left stopped"
         );
         Ok(m.status())
@@ -540,6 +727,7 @@ impl Agent {
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
         let m = self.get(&r.migration_uid)?;
         let mut m = m.lock().await;
+        m.sync_freeze();
         if admit(m.role, m.phase, Step::Send)? == Admission::Done {
             return Ok(m.status());
         }
@@ -903,8 +1091,19 @@ impl Agent {
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
         let m = self.get(&r.migration_uid)?;
         let mut m = m.lock().await;
+        m.sync_freeze();
+        if m.phase == Phase::Aborted && m.freeze.get() == THAWED {
+            return Err(Status::failed_precondition(
+                "the source was resumed (freeze watchdog or agent shutdown): the migration is aborted",
+            ));
+        }
         if admit(m.role, m.phase, Step::Commit)? == Admission::Done {
             return Ok(m.status());
+        }
+        // From here the freeze is the commit's: neither the watchdog nor a shutdown
+        // resumes a source that is being killed (a retried Commit finds it claimed).
+        if !m.freeze.claim(COMMITTING) && m.freeze.get() != COMMITTING {
+            return Err(Status::failed_precondition("the source is not frozen"));
         }
         if r.close_connections || m.tcp == TcpPreservation::None {
             // Out of repair mode and network back: killing the tree now sends FIN.
@@ -933,18 +1132,17 @@ impl Agent {
 
     async fn abort_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let Ok(m) = self.get(uid) else {
-            // Unknown here (never prepared, or lost in an agent restart): nothing of it
-            // runs or is frozen by this agent — a lost agent's broker lease already
-            // rolled its source back. Aborting nothing succeeds, so the operator's
-            // rollback can finish.
+            // Unknown here (never prepared, or lost in an agent restart). This agent
+            // cannot tell whether a source is still frozen (the node's broker resumes
+            // what a lost agent left, but that is not this agent's knowledge): the
+            // answer is "unknown", never "aborted", so nobody reports it as resumed.
             MigrationUid::parse(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
-            return Ok(MigrationStatus {
-                migration_uid: uid.into(),
-                phase: Phase::Aborted as i32,
-                ..Default::default()
-            });
+            return Err(Status::not_found(format!(
+                "no migration {uid:?} on this agent (never prepared, or forgotten in a restart): its source's state is unknown here"
+            )));
         };
         let mut m = m.lock().await;
+        m.sync_freeze();
         match (m.role, m.phase) {
             (_, Phase::Aborted) => return Ok(m.status()),
             (Role::Source, Phase::Committed) => {
@@ -953,13 +1151,27 @@ impl Agent {
                 ));
             }
             (Role::Source, _) => {
-                // Out of repair, network back, then run: in that order, so the
-                // resumed workload's sockets work from its first instruction.
-                m.broker(Request::ReleaseTcpRepair { uid: m.uid.clone() })
-                    .await?;
-                m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
-                    .await?;
-                m.broker(Request::Resume { uid: m.uid.clone() }).await?;
+                if m.freeze.get() == COMMITTING {
+                    return Err(Status::failed_precondition(
+                        "a commit is killing the source: it cannot be resumed",
+                    ));
+                }
+                match m.freeze.get() {
+                    // The freeze the final dump left, if nothing claimed it since.
+                    FROZEN => {
+                        thaw_frozen(&m.freeze, &m.broker, &m.uid).await?;
+                    }
+                    THAWING => {
+                        return Err(Status::unavailable(
+                            "the freeze watchdog is resuming the source: ask again",
+                        ));
+                    }
+                    THAWED => {}
+                    // No final dump (Prepared, a pre-copy round, a failed dump): the
+                    // calls are no-ops unless something was left locked.
+                    _ => thaw_source(&m.broker, &m.uid).await?,
+                }
+                m.sync_freeze();
                 m.timings.resumed_us = now_us();
             }
             (_, _) => {
@@ -1006,6 +1218,10 @@ impl Agent {
         let st = m.status();
         drop(m);
         self.migrations.lock().expect("migrations").remove(uid);
+        self.frozen
+            .lock()
+            .expect("frozen")
+            .retain(|f| f.uid.as_str() != uid);
         Ok(st)
     }
 }

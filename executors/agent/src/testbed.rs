@@ -153,6 +153,8 @@ pub struct Testbed {
     pub testload_bin: PathBuf,
     agents: [Option<Child>; 2],
     children: Vec<Child>,
+    /// Extra arguments for the agents started from now on.
+    pub agent_args: Vec<String>,
 }
 
 impl Testbed {
@@ -274,6 +276,7 @@ impl Testbed {
             agent_bin: agent_bin.into(),
             testload_bin: testload_bin.into(),
             agents: [None, None],
+            agent_args: vec![],
             children: vec![],
         }
     }
@@ -338,6 +341,7 @@ impl Testbed {
             .arg(self.dir.join(format!("node{node}/broker.sock")))
             .arg("--checkpoints-root")
             .arg(self.checkpoints(node))
+            .args(&self.agent_args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -387,6 +391,7 @@ impl Testbed {
             tcp: tcp as i32,
             container_ids: vec![container_id.into()],
             peer_node: self.tls.nodes[1 - node].clone(),
+            freeze_budget_ms: 0,
         }
     }
 
@@ -401,6 +406,24 @@ impl Testbed {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Stops the agent of `node` as the kubelet does (SIGTERM) and waits for it; its
+    /// exit status.
+    pub fn terminate_agent(&mut self, node: usize) -> Option<std::process::ExitStatus> {
+        let mut c = self.agents[node].take()?;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        for _ in 0..200 {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = c.kill();
+        c.wait().ok()
     }
 
     pub fn endpoint(node: usize) -> String {

@@ -318,6 +318,12 @@ fn killed_source_agent_mid_dump_leaves_the_workload_running() {
             a.status("agent-killed").await.unwrap_err().category(),
             "MigrationUnknown"
         );
+        // The new agent cannot know what became of the source: its Abort answers
+        // "unknown", never "aborted" (which the operator would report as resumed).
+        assert_eq!(
+            a.abort("agent-killed").await.unwrap_err().category(),
+            "MigrationUnknown"
+        );
     });
     assert!(
         tb.checkpoint_files(0).is_empty(),
@@ -373,4 +379,113 @@ fn connections_close_cleanly_when_the_address_does_not_move() {
         .unwrap();
     assert!(counter(&mut fresh) > before);
     assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
+/// Waits (bounded) until the workload runs and counts again.
+fn resumes(src: i32, conn: &mut std::net::TcpStream, before: u64, tries: u32) -> bool {
+    conn.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    for _ in 0..tries {
+        if running(src)
+            && ask(conn, "get")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|v| v > before)
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+#[test]
+fn a_source_frozen_past_its_budget_is_resumed_by_the_agent_watchdog() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "wdg",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    tb.agent_args = vec!["--freeze-watchdog-margin-ms".into(), "500".into()];
+    tb.start_agent(0);
+    let src = tb.start_workload(4, 0);
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "freeze-watchdog";
+    let mut prep = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    prep.freeze_budget_ms = 1000;
+    let dumped = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.prepare(prep).await.unwrap();
+        a.dump(uid).await.unwrap()
+    });
+    assert_eq!(dumped.phase(), Phase::Dumped);
+    assert!(
+        !running(src.pid),
+        "the final dump leaves the source stopped"
+    );
+    // Nobody commits or aborts (operator gone, API server gone): the agent itself
+    // resumes the source after budget + margin.
+    assert!(
+        resumes(src.pid, &mut conn, before, 150),
+        "the source stayed frozen past its budget and margin\n{}",
+        tb.agent_log(0)
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        assert_eq!(a.status(uid).await.unwrap().phase(), Phase::Aborted);
+        let c = a.commit(uid).await.unwrap_err();
+        assert_eq!(c.category(), "WrongPhase", "{c}");
+        // Abort after the watchdog: aborted, the source still runs.
+        assert_eq!(a.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.cleanup(uid).await.unwrap();
+    });
+    assert!(running(src.pid));
+    assert!(tb.connect_timeout(Duration::from_secs(3)).is_ok());
+}
+
+#[test]
+fn a_terminated_agent_resumes_the_source_it_froze_before_exiting() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "trm",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    tb.start_agent(0);
+    let src = tb.start_workload(4, 0);
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "agent-terminated";
+    let prep = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.prepare(prep).await.unwrap();
+        a.dump(uid).await.unwrap();
+    });
+    assert!(
+        !running(src.pid),
+        "the final dump leaves the source stopped"
+    );
+    let st = tb.terminate_agent(0).expect("agent was running");
+    let log = tb.agent_log(0);
+    assert!(
+        st.success(),
+        "the agent did not exit cleanly on SIGTERM: {st}\n{log}"
+    );
+    assert!(
+        log.contains("resumed the frozen source before exiting"),
+        "the agent did not resume the source itself\n{log}"
+    );
+    assert!(
+        resumes(src.pid, &mut conn, before, 50),
+        "the source stayed frozen\n{log}"
+    );
 }

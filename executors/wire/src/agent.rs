@@ -100,6 +100,12 @@ pub struct PrepareRequest {
     /// and the source streams only to a server with that identity. Never this node.
     #[prost(string, tag = "8")]
     pub peer_node: String,
+    /// The PodMigration's freeze budget in milliseconds (source). The source agent's
+    /// freeze watchdog resumes a source still frozen this long plus the agent's margin
+    /// after its final dump, whatever the operator and the API server do. 0: the
+    /// agent's default budget.
+    #[prost(uint64, tag = "9")]
+    pub freeze_budget_ms: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

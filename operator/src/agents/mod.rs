@@ -129,6 +129,7 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         tcp: tcp as i32,
         container_ids: r.container_ids.clone(),
         peer_node: peer.clone(),
+        freeze_budget_ms: r.freeze_budget_millis,
     }
 }
 
@@ -264,6 +265,7 @@ mod tests {
             target_agent_url: Some("https://10.0.0.2:7443".into()),
             container_ids: vec!["containerd://abc".into()],
             close_connections: false,
+            freeze_budget_millis: 5000,
             step,
         }
     }
@@ -272,6 +274,10 @@ mod tests {
     fn each_agent_is_told_the_other_agent_s_node_and_only_container_ids() {
         let tcp = podmotion_wire::agent::TcpPreservation::BestEffort;
         let src = prepare_request(&request(Step::Prepare), tcp);
+        assert_eq!(
+            src.freeze_budget_ms, 5000,
+            "the source agent's freeze watchdog gets the budget"
+        );
         assert_eq!(src.role, Role::Source as i32);
         assert_eq!(
             src.peer_node, "node-b",

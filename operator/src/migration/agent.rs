@@ -179,6 +179,9 @@ pub struct StepRequest {
     /// The target closed (did not preserve) established connections: at commit the
     /// source sends FIN on them before it dies.
     pub close_connections: bool,
+    /// The PodMigration's freeze budget (ms): the source agent's freeze watchdog
+    /// resumes a source still frozen this long plus its margin after the final dump.
+    pub freeze_budget_millis: u64,
     pub step: Step,
 }
 

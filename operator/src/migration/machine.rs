@@ -394,10 +394,15 @@ impl<'a> Machine<'a> {
                     .as_deref()
                     .map_or(Reason::RolledBack, Reason::from_status)
                     .as_str(),
-                format!(
-                    "{}; the source pod was resumed",
-                    self.status.failure_message.as_deref().unwrap_or("stopped")
-                ),
+                {
+                    let m = self.status.failure_message.as_deref().unwrap_or("stopped");
+                    // Never "resumed" unless an agent that knew the migration said so.
+                    if m.contains(SOURCE_STATE_UNKNOWN) {
+                        format!("{m}; whether the source pod runs again could not be confirmed")
+                    } else {
+                        format!("{m}; the source pod was resumed")
+                    }
+                },
             ),
         };
         Note {
@@ -955,8 +960,9 @@ impl<'a> Machine<'a> {
         }
         if !matches!(o.source_agent, AgentView::Reported(_)) {
             let m = self.status.failure_message.get_or_insert_with(String::new);
-            if !m.contains("source state unknown") {
-                m.push_str("; source agent unreachable during rollback, source state unknown");
+            if !m.contains(SOURCE_STATE_UNKNOWN) {
+                m.push_str("; source agent unreachable during rollback, ");
+                m.push_str(SOURCE_STATE_UNKNOWN);
             }
         }
         self.enter(reason.end_phase());
@@ -1007,6 +1013,27 @@ impl<'a> Machine<'a> {
 
     /// Whether the source runs again (asking for its thaw if not).
     fn source_resumed(&mut self) -> bool {
+        // The source agent does not know the migration (it restarted and lost it), so
+        // it cannot confirm a thaw: the rollback ends, saying the state is unknown
+        // (the node's broker and the agent's freeze watchdog resume a lost freeze).
+        let may_be_frozen = rank(self.status.phase) >= rank(MigrationPhase::Checkpointing);
+        let unknown = match &self.o.source_agent {
+            AgentView::Reported(r) => {
+                (r.last.is_none() && may_be_frozen)
+                    || r.failure().is_some_and(|(s, category, _)| {
+                        s == Step::Abort && category == "MigrationUnknown"
+                    })
+            }
+            _ => false,
+        };
+        if unknown {
+            let m = self.status.failure_message.get_or_insert_with(String::new);
+            if !m.contains(SOURCE_STATE_UNKNOWN) {
+                m.push_str("; the source agent no longer knows the migration, ");
+                m.push_str(SOURCE_STATE_UNKNOWN);
+            }
+            return true;
+        }
         match &self.o.source_agent {
             AgentView::Reported(r) => match r.last_step() {
                 None => true,
@@ -1105,6 +1132,10 @@ fn default_health(status: &PodMigrationStatus) -> Health {
 }
 
 /// Order of the phases along the happy path (terminal phases last).
+/// In a failure message: the rollback ended without an agent confirming the source's
+/// thaw, so nothing may report the source as resumed.
+const SOURCE_STATE_UNKNOWN: &str = "source state unknown";
+
 pub fn rank(p: MigrationPhase) -> u8 {
     match p {
         MigrationPhase::Pending => 0,

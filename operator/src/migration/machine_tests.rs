@@ -366,6 +366,32 @@ fn a_source_agent_that_never_answers_again_ends_the_rollback_at_the_progress_tim
 }
 
 #[test]
+fn a_source_agent_that_lost_the_migration_is_never_reported_as_resumed() {
+    // The source agent restarted during the freeze: its report is blank, or its Abort
+    // answers "unknown". Either way the rollback ends without saying "resumed".
+    for source in [blank(), failed(Step::Abort, "MigrationUnknown")] {
+        let mut o = at(P::Transferring)
+            .source(source.clone())
+            .target(done(Step::Abort))
+            .failing(reasons::AGENT_ERROR);
+        o.target_pod = None;
+        let t = next(&o);
+        assert_eq!(t.status.phase, P::Failed, "{source:?}");
+        assert!(
+            !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+            "an agent that does not know the migration cannot thaw it: {source:?}"
+        );
+        let msg = t.status.failure_message.as_deref().unwrap();
+        assert!(msg.contains("source state unknown"), "{msg}");
+        assert!(
+            t.notes.iter().all(|n| !n.message.contains("resumed")),
+            "{:?}",
+            t.notes
+        );
+    }
+}
+
+#[test]
 fn an_agent_that_forgot_the_migration_fails_it() {
     let t = next(&at(P::Transferring).source(blank()));
     assert_eq!(

@@ -400,6 +400,7 @@ pub fn step_request(
             .network
             .as_ref()
             .is_some_and(|n| n.connections_closed > 0),
+        freeze_budget_millis: pm.spec.freeze_budget_millis.max(0) as u64,
         step,
     }
 }
