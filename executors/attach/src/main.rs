@@ -172,15 +172,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
         Some(json) => jobenv::AgentConfig::parse(json)?,
         None => jobenv::AgentConfig::default(),
     };
-    let mut container_ids = cli.target.container_ids.clone();
-    if container_ids.is_empty()
-        && let Some(json) = &c.container_ids_json
-    {
-        container_ids = jobenv::container_ids(json, &agent_config.containers)?;
-    }
-    if container_ids.is_empty() && cli.target.pid.is_none() {
-        return Err("no target: give --container-id (or AGENT_CONTAINER_IDS) or --pid".into());
-    }
+    let container_ids = container_ids(cli, &agent_config)?;
     let agent_gid = cli
         .net
         .agent_gid
@@ -191,34 +183,9 @@ fn config(cli: &Cli) -> Result<Config, String> {
     } else {
         cli.net.ports.clone()
     };
-    let env_prefix = cli
-        .files
-        .env_prefix
-        .clone()
-        .or_else(|| agent_config.config.get(config_keys::ENV_PREFIX).cloned())
-        .unwrap_or_default();
-    let mut env_exclude = cli.files.env_exclude.clone();
-    if env_exclude.is_empty()
-        && let Some(list) = agent_config.config.get(config_keys::ENV_EXCLUDE)
-    {
-        env_exclude = list
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect();
-    }
+    let env_filter = env_filter(cli, &agent_config);
     let token = match &c.credentials_dir {
-        Some(dir) => {
-            let path = dir.join("token");
-            let t = std::fs::read_to_string(&path)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            let t = t.trim().to_owned();
-            if t.is_empty() {
-                return Err(format!("{} is empty", path.display()));
-            }
-            Some(t)
-        }
+        Some(dir) => Some(read_token(dir)?),
         None => None,
     };
     Ok(Config {
@@ -237,15 +204,62 @@ fn config(cli: &Cli) -> Result<Config, String> {
         table: cli.net.table.clone(),
         exports_dir: cli.files.exports_dir.clone(),
         export_paths: cli.files.exports.clone(),
-        env_filter: EnvFilter {
-            prefix: env_prefix,
-            exclude: env_exclude,
-        },
+        env_filter,
         listen: cli.listen,
         claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
         intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
         token,
     })
+}
+
+/// The target containers: the flags', else the controller's `AGENT_CONTAINER_IDS`;
+/// none at all is an error unless a PID is given.
+fn container_ids(cli: &Cli, agent_config: &jobenv::AgentConfig) -> Result<Vec<String>, String> {
+    let mut container_ids = cli.target.container_ids.clone();
+    if container_ids.is_empty()
+        && let Some(json) = &cli.controller.container_ids_json
+    {
+        container_ids = jobenv::container_ids(json, &agent_config.containers)?;
+    }
+    if container_ids.is_empty() && cli.target.pid.is_none() {
+        return Err("no target: give --container-id (or AGENT_CONTAINER_IDS) or --pid".into());
+    }
+    Ok(container_ids)
+}
+
+/// Which environment variables of the target are served: the flags', else the
+/// controller's config.
+fn env_filter(cli: &Cli, agent_config: &jobenv::AgentConfig) -> EnvFilter {
+    let prefix = cli
+        .files
+        .env_prefix
+        .clone()
+        .or_else(|| agent_config.config.get(config_keys::ENV_PREFIX).cloned())
+        .unwrap_or_default();
+    let mut exclude = cli.files.env_exclude.clone();
+    if exclude.is_empty()
+        && let Some(list) = agent_config.config.get(config_keys::ENV_EXCLUDE)
+    {
+        exclude = list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+    }
+    EnvFilter { prefix, exclude }
+}
+
+/// The control API's bearer token from the credential Secret mounted at `dir`.
+fn read_token(dir: &std::path::Path) -> Result<String, String> {
+    let path = dir.join("token");
+    let t =
+        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let t = t.trim().to_owned();
+    if t.is_empty() {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(t)
 }
 
 async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
