@@ -20,6 +20,7 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -209,12 +210,7 @@ fn accept(state: &Attached, port: &str, mut req: Request<Incoming>) -> Response<
         Ok(rx) => rx,
         Err(e) => return mode_error(e),
     };
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        let Ok(upgraded) = on_upgrade.await else {
-            return;
-        };
-        let mut client = TokioIo::new(upgraded);
+    upgrade_then(&mut req, move |mut client| async move {
         let mut probe = [0u8; 1];
         let conn = tokio::select! {
             c = rx => c,
@@ -232,6 +228,21 @@ fn accept(state: &Attached, port: &str, mut req: Request<Incoming>) -> Response<
         }
         let mut s = conn.stream;
         let _ = tokio::io::copy_bidirectional(&mut client, &mut s).await;
+    })
+}
+
+/// Answers `101 Switching Protocols` and runs `then` on the upgraded stream once the
+/// client has it (nothing runs when the upgrade fails).
+fn upgrade_then<F, Fut>(req: &mut Request<Incoming>, then: F) -> Response<Full<Bytes>>
+where
+    F: FnOnce(TokioIo<Upgraded>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let on_upgrade = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        if let Ok(upgraded) = on_upgrade.await {
+            then(TokioIo::new(upgraded)).await;
+        }
     });
     switching()
 }
@@ -267,12 +278,7 @@ fn stream_wiretap(
         Ok(rx) => rx,
         Err(e) => return mode_error(e),
     };
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        let Ok(upgraded) = on_upgrade.await else {
-            return;
-        };
-        let mut client = TokioIo::new(upgraded);
+    upgrade_then(&mut req, move |mut client| async move {
         while let Some(frame) = rx.recv().await {
             if client.write_all(&frame).await.is_err() {
                 break;
@@ -280,8 +286,7 @@ fn stream_wiretap(
         }
         let _ = client.shutdown().await;
         let _ = port.stop_wiretap(id);
-    });
-    switching()
+    })
 }
 
 #[cfg(test)]
