@@ -1485,6 +1485,114 @@ fn notes_name_only_objects_the_chart_renders() {
     }
 }
 
+/// The values table of the chart README, generated from values.yaml the way helm-docs
+/// does: a `# --` comment (and the `#` lines after it) describes the key below it; a
+/// map without one is walked into; the default is the key's value as JSON.
+fn values_table() -> String {
+    let text = std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap();
+    let values: Value = serde_saphyr::from_str(&text).unwrap();
+    let cell = |s: &str| s.replace('|', "\\|");
+    let mut rows = vec![
+        "| Key | Default | Description |".to_string(),
+        "|---|---|---|".to_string(),
+    ];
+    let mut stack: Vec<(usize, String)> = Vec::new();
+    let mut description: Option<String> = None;
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        if let Some(rest) = trimmed.strip_prefix("# --") {
+            description = Some(rest.trim().to_string());
+            continue;
+        }
+        if let Some(rest) = trimmed.strip_prefix('#') {
+            if let Some(d) = description.as_mut() {
+                d.push(' ');
+                d.push_str(rest.trim());
+            }
+            continue;
+        }
+        if trimmed.is_empty() || trimmed.starts_with('-') {
+            continue;
+        }
+        let Some((key, _)) = trimmed.split_once(':') else {
+            continue;
+        };
+        let key = key.trim_matches('"').to_string();
+        while stack.last().is_some_and(|(i, _)| *i >= indent) {
+            stack.pop();
+        }
+        // Keys inside a value documented as a whole are not rows of their own.
+        if stack.iter().any(|(_, k)| k.is_empty()) {
+            continue;
+        }
+        let path: Vec<String> = stack
+            .iter()
+            .map(|(_, k)| k.clone())
+            .chain([key.clone()])
+            .collect();
+        let value = path.iter().fold(&values, |v, k| &v[k.as_str()]);
+        let walk_into = value.as_object().is_some_and(|m| !m.is_empty()) && description.is_none();
+        if !walk_into {
+            rows.push(format!(
+                "| `{}` | `{}` | {} |",
+                path.join("."),
+                cell(&value.to_string()),
+                cell(description.as_deref().unwrap_or(""))
+            ));
+        }
+        // A row's value is documented as a whole: keys under it (a documented map, the
+        // items of a list) are not rows of their own (marked by an empty name).
+        stack.push((indent, if walk_into { key } else { String::new() }));
+        description = None;
+    }
+    rows.join("\n") + "\n"
+}
+
+/// The chart README's values table is the one values.yaml gives (regenerate it with
+/// `PODMOTION_WRITE_README=1 cargo test -p podmotion-e2e --test chart chart_readme`).
+#[test]
+fn chart_readme_lists_every_value_with_its_comment() {
+    let path = chart_dir().join("README.md");
+    let readme = std::fs::read_to_string(&path).unwrap();
+    let (begin, end) = ("<!-- values:begin -->\n", "<!-- values:end -->");
+    let start = readme.find(begin).expect("values:begin marker") + begin.len();
+    let stop = readme.find(end).expect("values:end marker");
+    let table = values_table();
+    if readme[start..stop] != table {
+        if std::env::var_os("PODMOTION_WRITE_README").is_some() {
+            std::fs::write(
+                &path,
+                format!("{}{table}{}", &readme[..start], &readme[stop..]),
+            )
+            .unwrap();
+        } else {
+            panic!(
+                "{} is not what values.yaml gives; run with PODMOTION_WRITE_README=1",
+                path.display()
+            );
+        }
+    }
+    // Spot checks of the generator itself.
+    assert!(
+        table.contains("| `operator.replicas` | `1` | Replicas;"),
+        "{table}"
+    );
+    assert!(
+        table.contains("| `metrics.dashboard.labels` | `{\"grafana_dashboard\":\"1\"}` |"),
+        "{table}"
+    );
+    assert!(
+        table.contains("| `operator.leaderElection.enabled` | `true` |"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("grafana_dashboard` |"),
+        "a documented map is one row"
+    );
+    assert!(!table.contains("metricsFrom."), "list items are not rows");
+}
+
 // ---------------------------------------------------------------- on the local control plane
 
 fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
