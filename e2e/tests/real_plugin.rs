@@ -1,0 +1,487 @@
+//! `kubectl podmotion` (the `kubectl-podmotion` crate, issue 22) driven as a user drives
+//! it: `kubectl podmotion …` with the plugin on `$PATH` and the user's `$KUBECONFIG`,
+//! against the real nodes and the chart installed from our images.
+//!
+//! The plugin binary: `CARGO_BIN_EXE_*` only exists for binaries of this crate, so build
+//! it first with `cargo build -p kubectl-podmotion` (same `CARGO_TARGET_DIR`); the test
+//! takes `kubectl-podmotion` from the target directory it runs from and refuses it when
+//! it is older than the plugin's sources. `PODMOTION_PLUGIN_BIN` overrides the path.
+//!
+//! The operator: when a PodMotion release that watches every namespace is already
+//! installed (the lead's `hack/install.sh`/demo release), the test uses it — a second
+//! release scoped to the test's namespace would make two operators reconcile the same
+//! PodMigration. Otherwise it helm-installs its own release from our images, scoped to
+//! the test's namespace, as `tests/real_migration.rs` does, and uninstalls it after.
+//!
+//! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
+//! (`hack/images.sh`).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::{
+    Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
+};
+use podmotion_e2e::{
+    PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
+    random_suffix, wait_for, wait_list,
+};
+use serde_json::json;
+
+const POD_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// The plugin binary of this tree (see the module header): `PODMOTION_PLUGIN_BIN`, or
+/// `kubectl-podmotion` in the target directory this test runs from, refused when it is
+/// older than the plugin's sources.
+fn plugin_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("PODMOTION_PLUGIN_BIN") {
+        return PathBuf::from(p);
+    }
+    // <target>/debug/deps/real_plugin-<hash> -> <target>/debug/kubectl-podmotion
+    let exe = std::env::current_exe().expect("the test's path");
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the target directory")
+        .join("kubectl-podmotion");
+    let hint = "build it first: cargo build -p kubectl-podmotion (same CARGO_TARGET_DIR), or set PODMOTION_PLUGIN_BIN";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
+    let src = podmotion_e2e::repo_root().join("kubectl-podmotion");
+    let mut stack = vec![src];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+                assert!(
+                    t <= built,
+                    "{} is older than {}: {hint}",
+                    bin.display(),
+                    p.display()
+                );
+            }
+        }
+    }
+    bin
+}
+
+/// `kubectl` with the plugin's directory first on `$PATH`, as a user who installed it.
+fn kubectl_podmotion(bin: &std::path::Path, args: &[&str]) -> Command {
+    let dir = bin.parent().expect("plugin directory");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![dir.to_path_buf()];
+    paths.extend(std::env::split_paths(&path));
+    let mut cmd = Command::new(kubectl_path().expect("kubectl"));
+    // kubectl takes no flags before a plugin's name: the kubeconfig comes from the env.
+    cmd.env("PATH", std::env::join_paths(paths).unwrap())
+        .env("KUBECONFIG", kubeconfig_path())
+        .arg("podmotion")
+        .args(args);
+    cmd
+}
+
+fn run(bin: &std::path::Path, args: &[&str]) -> Output {
+    kubectl_podmotion(bin, args)
+        .output()
+        .expect("running kubectl podmotion")
+}
+
+/// A PodMotion operator Deployment that is ready and watches every namespace (its
+/// migration controller has no `PODMOTION_MIGRATION_NAMESPACE`).
+async fn cluster_wide_operator(client: &Client) -> Option<String> {
+    let deps: Api<Deployment> = Api::all(client.clone());
+    let list = deps
+        .list(
+            &ListParams::default()
+                .labels("app.kubernetes.io/name=podmotion,app.kubernetes.io/component=operator"),
+        )
+        .await
+        .ok()?;
+    list.items.iter().find_map(|d| {
+        let ready = d
+            .status
+            .as_ref()
+            .and_then(|s| s.ready_replicas)
+            .unwrap_or(0)
+            > 0;
+        let scoped = d.spec.template.spec.as_ref().is_some_and(|p| {
+            p.containers.iter().any(|c| {
+                c.env
+                    .iter()
+                    .flatten()
+                    .any(|e| e.name == "PODMOTION_MIGRATION_NAMESPACE")
+            })
+        });
+        (ready && !scoped)
+            .then(|| format!("{}/{}", d.namespace().unwrap_or_default(), d.name_any()))
+    })
+}
+
+/// The test's world: the app namespace with one Ready testload pod on a real node, the
+/// real nodes, and the guards that clean up. Fields drop in declaration order: the
+/// release goes first, so its operator cannot re-add finalizers the app namespace's
+/// cleanup strips.
+struct World {
+    _uninstall: Option<Uninstall>,
+    _op: Option<TestNamespace>,
+    app: TestNamespace,
+    nodes: Vec<String>,
+    pod: Pod,
+}
+
+impl World {
+    async fn new(prefix: &str) -> Option<World> {
+        let mut app = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
+        let nodes = real_nodes(&app.client).await?;
+        assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+        let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+        let (op, uninstall) = match cluster_wide_operator(&app.client).await {
+            Some(existing) => {
+                eprintln!("using the installed cluster-wide operator {existing}");
+                // That operator outlives the namespace and runs its own cleanup.
+                app.keep_finalizers_on_cleanup();
+                (None, None)
+            }
+            None => {
+                let op = TestNamespace::new("plugin-op", PodSecurity::Restricted).await?;
+                let release = format!("pm{}", random_suffix());
+                let guard = helm_install(
+                    &release,
+                    &images,
+                    &op.name,
+                    &app.name,
+                    "podmotion-e2e-plugin",
+                    &[],
+                );
+                (Some(op), Some(guard))
+            }
+        };
+        // A testload server on the first real node (preferred, not required, so the
+        // target pod may be placed elsewhere), as uid 0: see docs/migration-controller.md.
+        let testload = images.testload().unwrap();
+        let d: Deployment = from_json(json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "mover"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "mover"}},
+                "template": {"metadata": {"labels": {"app": "mover"}}, "spec": {
+                    "nodeSelector": {"type": "real"},
+                    "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 100, "preference": {"matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": [nodes[0]]}]}}]}},
+                    "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                    "enableServiceLinks": false,
+                    "automountServiceAccountToken": false,
+                    "terminationGracePeriodSeconds": 2,
+                    "containers": [{"name": "app", "image": testload,
+                        "args": ["serve", "8080", "16"],
+                        "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+                        "ports": [{"containerPort": 8080}],
+                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
+        }));
+        app.api::<Deployment>()
+            .create(&PostParams::default(), &d)
+            .await
+            .unwrap();
+        let pods: Api<Pod> = app.api();
+        let ready = wait_list(&pods, "app=mover", POD_TIMEOUT, "the replica Ready", |ps| {
+            ps.len() == 1 && pod_running_ready(&ps[0])
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        Some(World {
+            app,
+            nodes,
+            pod: ready[0].clone(),
+            _op: op,
+            _uninstall: uninstall,
+        })
+    }
+
+    fn pod_node(&self) -> String {
+        self.pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default()
+    }
+
+    fn other_real_node(&self) -> String {
+        let here = self.pod_node();
+        self.nodes.iter().find(|n| **n != here).unwrap().clone()
+    }
+}
+
+/// `kubectl podmotion migrate <pod> --mode Cold` moves the pod to another real node:
+/// exit code 0, a downtime line, the PodMigration it created is `Succeeded` with the
+/// same downtime, and `kubectl podmotion status` lists it with that downtime and
+/// nothing needing attention.
+#[tokio::test]
+async fn migrate_through_the_plugin_succeeds_and_prints_the_downtime() {
+    let Some(w) = World::new("plugin-mig").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let pod = w.pod.name_any();
+    let target = w.other_real_node();
+    let name = format!("plugin-{}", random_suffix());
+    let out = run(
+        &bin,
+        &[
+            "migrate",
+            &pod,
+            "-n",
+            &w.app.name,
+            "--mode",
+            "Cold",
+            "--to",
+            &target,
+            "--name",
+            &name,
+            "--timeout",
+            "5m",
+            // A Cold freeze spans the whole dump and copy: as in real_migration.rs.
+            "--freeze-budget-millis",
+            "20000",
+        ],
+    );
+    let text = output_text(&out);
+    eprintln!("kubectl podmotion migrate:\n{text}");
+    assert!(out.status.success(), "exit {:?}: {text}", out.status.code());
+    let pm = w
+        .app
+        .api::<PodMigration>()
+        .get(&name)
+        .await
+        .unwrap_or_else(|e| panic!("the plugin's PodMigration {name}: {e}"));
+    let st = pm.status.expect("status");
+    assert_eq!(st.phase, MigrationPhase::Succeeded, "{st:?}");
+    assert_eq!(pm.spec.pod_name, pod);
+    assert_eq!(
+        pm.spec.pod_uid, w.pod.metadata.uid,
+        "the plugin pins the pod's UID"
+    );
+    let downtime = st.downtime.clone().expect("status.downtime");
+    assert!(
+        text.lines()
+            .any(|l| l.ends_with(&format!("downtime: {downtime}"))),
+        "no `downtime: {downtime}` line: {text}"
+    );
+    assert!(
+        text.lines().filter(|l| l.contains("] phase ")).count() >= 2,
+        "phase changes are shown: {text}"
+    );
+    assert!(
+        text.contains("network: "),
+        "the network outcome is shown: {text}"
+    );
+    assert!(
+        text.contains(&format!("-> {target}")),
+        "the target node is shown: {text}"
+    );
+
+    let out = run(&bin, &["status", "-n", &w.app.name]);
+    let table = output_text(&out);
+    eprintln!("kubectl podmotion status:\n{table}");
+    assert!(out.status.success(), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.contains(&format!("pmig/{name}")))
+        .unwrap_or_else(|| panic!("status does not list pmig/{name}:\n{table}"));
+    assert!(row.contains("Succeeded"), "{row}");
+    assert!(row.contains(&format!("downtime {downtime}")), "{row}");
+    assert!(
+        row.trim_end().ends_with(" -"),
+        "nothing needs attention: {row}"
+    );
+}
+
+/// A migration that cannot start — the target node has no migration agent — is shown
+/// as waiting with the operator's Stalled message; Ctrl-C deletes the PodMigration
+/// (its finalizer rolls back) and the plugin exits 130 once it is gone. Meanwhile
+/// `status` flags it in the ATTENTION column with the same message.
+#[tokio::test]
+async fn ctrl_c_on_a_stalled_migration_deletes_it_and_status_showed_why() {
+    let Some(w) = World::new("plugin-int").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    // A kwok node: it never runs a migration agent.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(w.app.client.clone());
+    let no_agent = nodes
+        .list(&ListParams::default().labels("type=kwok"))
+        .await
+        .unwrap()
+        .items
+        .first()
+        .map(|n| n.name_any())
+        .expect("a kwok node (hack/cluster.sh starts pm-node-*)");
+    let name = format!("plugin-{}", random_suffix());
+    let pod = w.pod.name_any();
+    let mut child = kubectl_podmotion(
+        &bin,
+        &[
+            "migrate",
+            &pod,
+            "-n",
+            &w.app.name,
+            "--mode",
+            "Cold",
+            "--to",
+            &no_agent,
+            "--name",
+            &name,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawning kubectl podmotion");
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = vec![];
+    let stalled = loop {
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(l) => {
+                let hit = l.contains("stalled: ");
+                seen.push(l.clone());
+                if hit {
+                    break l;
+                }
+            }
+            Err(e) => {
+                let _ = child.kill();
+                panic!("no `stalled:` line ({e}); so far: {seen:#?}");
+            }
+        }
+    };
+    let message = stalled.split("stalled: ").nth(1).unwrap().to_owned();
+
+    let out = run(&bin, &["status", "-n", &w.app.name]);
+    let table = output_text(&out);
+    let row = table
+        .lines()
+        .find(|l| l.contains(&format!("pmig/{name}")))
+        .unwrap_or_else(|| panic!("status does not list pmig/{name}:\n{table}"));
+    assert!(
+        row.contains(&format!("Stalled: {message}")),
+        "ATTENTION shows the Stalled condition `{message}`: {row}"
+    );
+
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    seen.extend(rx.try_iter());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(130), "{seen:#?}\n{err}");
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("interrupted: deleting PodMigration")),
+        "{seen:#?}"
+    );
+    assert!(seen.iter().any(|l| l.contains("is gone")), "{seen:#?}");
+    let pms: Api<PodMigration> = w.app.api();
+    wait_for(
+        &pms,
+        &name,
+        Duration::from_secs(5),
+        "the PodMigration gone",
+        |m| m.is_none(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the plugin said it was gone: {e:#}"));
+}
+
+/// Errors a person can act on, from the real API server: a user who may read pods but
+/// not create PodMigrations is told the verb, the resource, the namespace and what to
+/// ask for; a pod that does not exist is named; `status` without list rights says which
+/// kinds it could not list. No operator or real node needed: the plugin stops before.
+#[tokio::test]
+async fn missing_rights_and_a_missing_pod_are_said_plainly() {
+    let Some(ns) = TestNamespace::new("plugin-rbac", PodSecurity::Baseline).await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let user = format!("plugin-user-{}", random_suffix());
+    podmotion_e2e::grant_user(
+        &ns,
+        &user,
+        json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // A pod to name; a kwok node runs it (the plugin only reads it here).
+    let pod: Pod = from_json(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0"},
+        "spec": {"nodeName": "pm-node-0", "containers": [{"name": "app", "image": "example.invalid/app:1"}]}
+    }));
+    ns.api::<Pod>()
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+
+    let out = run(&bin, &["migrate", "web-0", "-n", &ns.name, "--as", &user]);
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "you may not create podmigrations.podmotion.io in namespace {}: ask",
+            ns.name
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "kubectl auth can-i create podmigrations.podmotion.io -n {}",
+            ns.name
+        )),
+        "{text}"
+    );
+
+    let out = run(&bin, &["migrate", "no-such-pod", "-n", &ns.name]);
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "pod no-such-pod not found in namespace {}",
+            ns.name
+        )),
+        "{text}"
+    );
+
+    let out = run(&bin, &["status", "-n", &ns.name, "--as", &user]);
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for kind in [
+        "podmigrations.podmotion.io",
+        "nodeagentattachments.podmotion.io",
+        "runnerpools.podmotion.io",
+    ] {
+        assert!(
+            text.contains(&format!("you may not list {kind} in namespace {}", ns.name)),
+            "{kind}: {text}"
+        );
+    }
+}

@@ -1,0 +1,43 @@
+//! `kubectl-podmotion`: parse the command line, connect with the user's kubeconfig, run
+//! the command; the exit code says how it ended (0 success, 1 failed or error, 2
+//! aborted, 130 interrupted).
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use kubectl_podmotion::cli::{Cli, Command};
+use kubectl_podmotion::{client, migrate, status};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let client = client(&cli.global).await?;
+    let namespace = cli
+        .global
+        .namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_string());
+    match &cli.command {
+        Command::Migrate(args) => migrate::run(client, &namespace, args).await,
+        Command::Status(args) => {
+            let ns = (!args.all_namespaces).then_some(namespace.as_str());
+            let (table, problems) = status::run(client, ns).await;
+            print!("{table}");
+            for p in &problems {
+                eprintln!("warning: {p}");
+            }
+            Ok(if problems.is_empty() { 0 } else { 1 })
+        }
+    }
+}
