@@ -45,6 +45,9 @@ bash hack/images.sh >"$run/images.txt"
 cat "$run/images.txt"
 export PODMOTION_IMAGES_VALUES=$run/images-values.yaml PODMOTION_IMAGES_LIST=$run/images.txt
 
+step "kubectl-podmotion (the plugin binary e2e/tests/real_plugin.rs drives)"
+cargo build --locked -p kubectl-podmotion
+
 step "cargo test --workspace"
 rc=0
 cargo test --workspace --locked "$@" || rc=$?
