@@ -630,6 +630,26 @@ fn live<K: kube::Resource>(items: Vec<K>) -> Vec<K> {
         .collect()
 }
 
+/// (owner UID label, kind, name) of every object of `api` that `sel` selects.
+async fn owned<K>(api: Api<K>, sel: &ListParams) -> anyhow::Result<Vec<(String, String, String)>>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api
+        .list(sel)
+        .await?
+        .items
+        .iter()
+        .map(|o| {
+            (
+                label(o, labels::OWNER_UID).into(),
+                K::kind(&()).into(),
+                o.name_any(),
+            )
+        })
+        .collect())
+}
+
 fn label<'a, K: kube::Resource>(o: &'a K, key: &str) -> &'a str {
     o.meta()
         .labels
@@ -1033,39 +1053,9 @@ async fn converged(
     }
     let sel = ListParams::default().labels(&format!("{}=RunnerPool", labels::OWNER_KIND));
     let mut children: BTreeSet<(String, String, String)> = BTreeSet::new();
-    for o in Api::<DaemonSet>::namespaced(app(client), &n.app)
-        .list(&sel)
-        .await?
-        .items
-    {
-        children.insert((
-            label(&o, labels::OWNER_UID).into(),
-            "DaemonSet".into(),
-            o.name_any(),
-        ));
-    }
-    for o in Api::<NetworkPolicy>::namespaced(app(client), &n.app)
-        .list(&sel)
-        .await?
-        .items
-    {
-        children.insert((
-            label(&o, labels::OWNER_UID).into(),
-            "NetworkPolicy".into(),
-            o.name_any(),
-        ));
-    }
-    for o in Api::<Secret>::namespaced(app(client), &n.app)
-        .list(&sel)
-        .await?
-        .items
-    {
-        children.insert((
-            label(&o, labels::OWNER_UID).into(),
-            "Secret".into(),
-            o.name_any(),
-        ));
-    }
+    children.extend(owned(Api::<DaemonSet>::namespaced(app(client), &n.app), &sel).await?);
+    children.extend(owned(Api::<NetworkPolicy>::namespaced(app(client), &n.app), &sel).await?);
+    children.extend(owned(Api::<Secret>::namespaced(app(client), &n.app), &sel).await?);
     *checks += 1;
     if children != expected {
         bail!("RunnerPool children {children:?}, expected {expected:?}");
