@@ -376,13 +376,23 @@ impl<'a> Machine<'a> {
                         "dry run: every check passed; nothing was frozen".to_string(),
                     )
                 } else {
+                    let unconfirmed = self
+                        .status
+                        .failure_message
+                        .as_deref()
+                        .filter(|m| m.contains(KILL_UNCONFIRMED));
                     (
-                        EventKind::Normal,
+                        if unconfirmed.is_some() {
+                            EventKind::Warning
+                        } else {
+                            EventKind::Normal
+                        },
                         reasons::SUCCEEDED,
                         format!(
-                            "pod runs on {} (downtime {})",
+                            "pod runs on {} (downtime {}){}",
                             self.status.target_node.as_deref().unwrap_or("?"),
-                            self.status.downtime.as_deref().unwrap_or("unknown")
+                            self.status.downtime.as_deref().unwrap_or("unknown"),
+                            unconfirmed.map(|m| format!("; {m}")).unwrap_or_default()
                         ),
                     )
                 }
@@ -399,6 +409,8 @@ impl<'a> Machine<'a> {
                     // Never "resumed" unless an agent that knew the migration said so.
                     if m.contains(SOURCE_STATE_UNKNOWN) {
                         format!("{m}; whether the source pod runs again could not be confirmed")
+                    } else if self.committed() {
+                        format!("{m}; the source was given up at commit, not resumed")
                     } else {
                         format!("{m}; the source pod was resumed")
                     }
@@ -411,6 +423,14 @@ impl<'a> Machine<'a> {
             action: ACTION,
             message,
         }
+    }
+
+    /// Whether the migration reached `Committing` (the source was given up).
+    fn committed(&self) -> bool {
+        self.status
+            .phase_transition_timestamps
+            .iter()
+            .any(|t| t.phase == MigrationPhase::Committing)
     }
 
     fn bump_progress_time(&mut self) {
@@ -625,14 +645,78 @@ impl<'a> Machine<'a> {
 
     /// Failures that stop a migration before commit, in order of precedence: the
     /// first is recorded and its reason returned.
+    ///
+    /// Past the restore fence (the target reports its restore) only the restored
+    /// copy's own failures count: the migration rolls forward to the probe and the
+    /// commit, and the source is never thawed behind a live copy.
     fn detect_failure(&mut self) -> Option<Reason> {
-        let (reason, message) = self
-            .stop_requested()
-            .or_else(|| self.pod_failure())
-            .or_else(|| self.agent_failure())
-            .or_else(|| self.time_failure())?;
+        let (reason, message) = if self.target_restored() {
+            self.restored_copy_failure()?
+        } else {
+            self.stop_requested()
+                .or_else(|| self.pod_failure())
+                .or_else(|| self.agent_failure())
+                .or_else(|| self.time_failure())?
+        };
         self.fail(reason, message);
         Some(reason)
+    }
+
+    /// The restore fence: the target agent reports that it restored the copy (its
+    /// restore is done, its resume instant is known, or the probe, which only runs on
+    /// a restored copy, was asked for). From here the restored copy is the workload
+    /// (it runs, and its connections went on from the checkpoint): a stop, a
+    /// deadline, a progress timeout, the source pod or the source agent going away,
+    /// or a lost operator lease in between, roll forward to the commit (the kill of
+    /// the source), never back to a thaw. Only the restored copy failing itself
+    /// rolls back, and then only after it is confirmed dead (see `rollback`).
+    fn target_restored(&self) -> bool {
+        rank(self.status.phase) >= rank(MigrationPhase::Restoring)
+            && self.o.target_agent.report().is_some_and(|r| {
+                r.progress.resumed_at.is_some()
+                    || r.done(Step::Restore)
+                    || r.last_step() == Some(Step::Probe)
+            })
+    }
+
+    /// Past the restore fence: the target pod cannot run, the target agent failed or
+    /// forgot, or no probe verdict came within the progress timeout.
+    fn restored_copy_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
+        if let Some(why) = o.target_pod.as_ref().and_then(|tp| tp.unusable.as_ref()) {
+            return Some((
+                Reason::TargetPodUnschedulable,
+                format!("target pod cannot run: {why}"),
+            ));
+        }
+        if o.target_pod.is_none() {
+            return Some((
+                Reason::TargetPodUnschedulable,
+                "the target pod disappeared".to_string(),
+            ));
+        }
+        let r = o.target_agent.report()?;
+        if let Some((step, category, message)) = r.failure() {
+            let reason = if step == Step::Probe {
+                Reason::ProbeFailed
+            } else {
+                Reason::AgentError
+            };
+            let message = format!("target agent: {step} failed ({category}): {message}");
+            return Some((reason, message));
+        }
+        // The one wait past the fence is the probe's verdict (asking for the probe
+        // counts as progress, so a replica that takes over after a long absence
+        // probes before it judges).
+        (r.running(Step::Probe) && self.progress_stalled()).then(|| {
+            (
+                Reason::ProgressTimeout,
+                format!(
+                    "the restored copy was not proven healthy within {}s",
+                    o.knobs.progress_timeout.as_secs()
+                ),
+            )
+        })
     }
 
     /// The user's stop: deletion, or the deadline.
@@ -861,6 +945,7 @@ impl<'a> Machine<'a> {
             Some(Step::Restore) if tgt.done(Step::Restore) => {
                 self.record_restore(tgt);
                 self.act(Action::Agent(Side::Target, Step::Probe));
+                self.bump_progress_time();
             }
             Some(Step::Probe) => {
                 self.record_restore(tgt);
@@ -874,6 +959,16 @@ impl<'a> Machine<'a> {
     }
 
     /// Past the probe, a migration only rolls forward: deletion waits for it.
+    ///
+    /// The source is given up in this order: its agent kills the frozen tree
+    /// (`Commit`), the target pod is handed over to the workload's controller, and only
+    /// then is the source pod deleted (grace period 0: a frozen or killed source has
+    /// nothing to shut down, and a grace period would leave a thawed one serving beside
+    /// the target). A kill the source agent does not confirm (unreachable, restarted,
+    /// the kill failed, no answer within the progress timeout) is never counted as
+    /// done: the pod deletion is then the kill, and the outcome says the kill was not
+    /// confirmed. Bounded: the owner's adoption is awaited for `progressTimeoutSeconds`
+    /// from entering `Committing`, then the migration ends `Failed` with the reason.
     fn committing(&mut self) {
         let o = self.o;
         self.poll();
@@ -887,33 +982,22 @@ impl<'a> Machine<'a> {
         {
             self.act(Action::LowerSourceDeletionCost);
         }
-        // The kill of the frozen source.
-        let source_killed = match &o.source_agent {
-            AgentView::Reported(r)
-                if r.done(Step::Commit) || r.last_step() == Some(Step::Cleanup) =>
-            {
-                true
-            }
-            AgentView::Reported(r) if r.running(Step::Commit) => false,
-            // The agent cannot kill it (it forgot the migration, or the kill failed):
-            // deleting the source pod kills its containers through the kubelet.
-            AgentView::Reported(r) if r.last.is_none() || r.failure().is_some() => true,
-            AgentView::Reported(_) => {
-                self.act(Action::Agent(Side::Source, Step::Commit));
-                false
-            }
-            // Same fallback when the agent is gone.
-            AgentView::Missing | AgentView::Unreachable(_) => true,
-        };
-        if !source_killed {
-            return;
+        match self.source_kill() {
+            SourceKill::Confirmed => {}
+            SourceKill::Waiting => return,
+            SourceKill::ByPodDeletion(why) => self.note_kill_unconfirmed(&why),
         }
         match &o.target_pod {
             Some(tp) if !tp.handed_over => {
                 self.act(Action::HandOverTargetPod);
                 return;
             }
-            Some(tp) if tp.awaiting_adoption => return,
+            Some(tp) if tp.awaiting_adoption => {
+                if self.progress_stalled() {
+                    self.owner_never_adopted(source_present);
+                }
+                return;
+            }
             Some(_) => {}
             None => {
                 // The restored pod vanished after the source was given up: nothing to
@@ -934,7 +1018,89 @@ impl<'a> Machine<'a> {
         self.resume();
     }
 
+    /// Whether the source agent killed the frozen source (asking it to if not).
+    fn source_kill(&mut self) -> SourceKill {
+        let bound = self.o.knobs.progress_timeout.as_secs();
+        let r = match &self.o.source_agent {
+            AgentView::Reported(r) => r,
+            AgentView::Missing => return SourceKill::ByPodDeletion("no source agent".into()),
+            AgentView::Unreachable(e) => {
+                return SourceKill::ByPodDeletion(format!("the source agent is unreachable: {e}"));
+            }
+        };
+        if r.done(Step::Commit) || r.last_step() == Some(Step::Cleanup) {
+            return SourceKill::Confirmed;
+        }
+        if r.last.is_none() {
+            return SourceKill::ByPodDeletion(
+                "the source agent no longer knows the migration (restarted?)".into(),
+            );
+        }
+        if let Some((step, category, m)) = r.failure() {
+            return SourceKill::ByPodDeletion(format!(
+                "the source agent's {step} failed ({category}): {m}"
+            ));
+        }
+        if self.progress_stalled() {
+            return SourceKill::ByPodDeletion(format!(
+                "the source agent did not confirm the kill within {bound}s"
+            ));
+        }
+        if !r.running(Step::Commit) {
+            self.act(Action::Agent(Side::Source, Step::Commit));
+        }
+        SourceKill::Waiting
+    }
+
+    /// The kill goes through the source pod's deletion; say so once (status and
+    /// Event), never counting it as the agent's kill.
+    fn note_kill_unconfirmed(&mut self, why: &str) {
+        if self
+            .status
+            .failure_message
+            .as_deref()
+            .is_some_and(|m| m.contains(KILL_UNCONFIRMED))
+        {
+            return;
+        }
+        let message = format!(
+            "{KILL_UNCONFIRMED} ({why}): the source pod is deleted with grace period 0 after the hand-over; if its node is unreachable, {SOURCE_STATE_UNKNOWN} until the node's kubelet removes it"
+        );
+        self.notes
+            .push(Note::warning(reasons::COMMITTING, ACTION, message.clone()));
+        self.status.failure_message = Some(message);
+    }
+
+    /// The target pod was handed over, but no controller adopted it within the bound
+    /// (the ReplicaSet was deleted or no longer selects it): end with the reason. The
+    /// source was already given up, so the source pod goes too; the handed-over target
+    /// pod keeps running the workload, unowned.
+    fn owner_never_adopted(&mut self, source_present: bool) {
+        if source_present {
+            self.act(Action::DeleteSourcePod);
+        }
+        let killed = self
+            .status
+            .failure_message
+            .clone()
+            .map(|m| format!("; {m}"))
+            .unwrap_or_default();
+        self.status.failure_reason = Some(Reason::ProgressTimeout.as_str().into());
+        self.status.failure_message = Some(format!(
+            "the target pod {} was handed over but the pod's owner did not adopt it within {}s (was it deleted?): it runs the workload unowned, the source pod was deleted{killed}",
+            self.o.status_pod_name(),
+            self.o.knobs.progress_timeout.as_secs()
+        ));
+        self.enter(MigrationPhase::Failed);
+        self.resume();
+    }
+
     /// Undo everything before commit, in the order that keeps one running copy.
+    ///
+    /// Bounded: a rollback that cannot confirm a step within `progressTimeoutSeconds`
+    /// of the failure ends anyway, saying what it could not confirm (see
+    /// `unconfirmed_target_copy` and `source_resumed`), so a deletion never waits on
+    /// an agent forever.
     fn rollback(&mut self, reason: Reason) {
         let o = self.o;
         self.poll();
@@ -948,6 +1114,9 @@ impl<'a> Machine<'a> {
             if !matches!(o.target_agent, AgentView::Reported(_)) {
                 self.act(Action::DeleteTargetPod);
             }
+            if self.progress_stalled() {
+                self.unconfirmed_target_copy(reason);
+            }
             return;
         }
         // 2. Thaw the source (a no-op for an agent that never froze it).
@@ -959,14 +1128,63 @@ impl<'a> Machine<'a> {
             return;
         }
         if !matches!(o.source_agent, AgentView::Reported(_)) {
-            let m = self.status.failure_message.get_or_insert_with(String::new);
-            if !m.contains(SOURCE_STATE_UNKNOWN) {
-                m.push_str("; source agent unreachable during rollback, ");
-                m.push_str(SOURCE_STATE_UNKNOWN);
-            }
+            self.note_source_state_unknown("source agent unreachable during rollback");
         }
         self.enter(reason.end_phase());
         self.resume();
+    }
+
+    /// The rollback's bound passed and a restored copy may still run on the target (its
+    /// agent did not confirm the kill and its pod is still there): the source is never
+    /// thawed behind it. Its agent is asked to kill it instead (the container then
+    /// restarts from its image under the kubelet, not from the stale checkpoint), and
+    /// the migration ends saying the source's state is unknown.
+    fn unconfirmed_target_copy(&mut self, reason: Reason) {
+        let o = self.o;
+        let detail = match &o.target_agent {
+            AgentView::Missing => "no target agent".to_string(),
+            AgentView::Unreachable(e) => format!("target agent unreachable: {e}"),
+            AgentView::Reported(r) => match r.failure() {
+                Some((step, category, m)) => {
+                    format!("target agent: {step} failed ({category}): {m}")
+                }
+                None => "the target agent did not confirm the kill".to_string(),
+            },
+        };
+        if matches!(o.source_agent, AgentView::Reported(_)) {
+            self.act(Action::Agent(Side::Source, Step::Commit));
+        }
+        self.act(Action::DeleteTargetPod);
+        let m = self.status.failure_message.get_or_insert_with(String::new);
+        m.push_str(&format!(
+            "; the restored copy on the target could not be confirmed stopped within {}s ({detail}), so the source was not thawed (restore fence): its agent was asked to kill it",
+            o.knobs.progress_timeout.as_secs()
+        ));
+        self.note_source_state_unknown("");
+        self.enter(reason.end_phase());
+        self.resume();
+    }
+
+    /// Records once, in the failure message, that nothing confirmed the source's state,
+    /// and what may be left: the Event then never says "resumed".
+    fn note_source_state_unknown(&mut self, why: &str) {
+        let pod = self.o.status_source_pod();
+        let node = self
+            .status
+            .source_node
+            .clone()
+            .unwrap_or_else(|| "?".into());
+        let m = self.status.failure_message.get_or_insert_with(String::new);
+        if m.contains(SOURCE_STATE_UNKNOWN) {
+            return;
+        }
+        if !why.is_empty() {
+            m.push_str("; ");
+            m.push_str(why);
+        }
+        m.push_str(&format!(
+            ", {SOURCE_STATE_UNKNOWN}: the source pod {pod} on {node} may still be frozen; delete it if it does not serve (its controller recreates it)"
+        ));
     }
 
     /// Whether no restored copy can run on the target (asking for its kill if one may).
@@ -991,7 +1209,7 @@ impl<'a> Machine<'a> {
                 // containers, the restored tree with them).
                 self.act(Action::Agent(Side::Target, Step::Abort));
                 self.act(Action::DeleteTargetPod);
-                o.target_pod.is_none()
+                !restored || o.target_pod.is_none()
             }
             Some(Step::Abort) => r.done(Step::Abort),
             None if restored => {
@@ -1001,17 +1219,24 @@ impl<'a> Machine<'a> {
                 self.act(Action::DeleteTargetPod);
                 o.target_pod.is_none()
             }
-            // Receive (or nothing): no process was restored. Stop the receiver.
+            // Receive (or nothing): no process was restored yet. Stop the receiver.
+            // Once `Restore` may have been issued (Restoring), a report of `Receive`
+            // proves nothing either: the agent reports it until a restore in flight
+            // (asked by this process before a restart, or by the replica that held the
+            // lease before) completes. Only the agent's answer to the kill does.
             last => {
                 if last.is_some() {
                     self.act(Action::Agent(Side::Target, Step::Abort));
                 }
-                true
+                !restored || last.is_none()
             }
         }
     }
 
-    /// Whether the source runs again (asking for its thaw if not).
+    /// Whether the source runs again, or the rollback must end without knowing (asking
+    /// for its thaw if not). Bounded by the progress timeout: an agent that stays
+    /// unreachable, or whose thaw keeps failing or never finishes, ends the rollback
+    /// with "source state unknown".
     fn source_resumed(&mut self) -> bool {
         // The source agent does not know the migration (it restarted and lost it), so
         // it cannot confirm a thaw: the rollback ends, saying the state is unknown
@@ -1027,17 +1252,26 @@ impl<'a> Machine<'a> {
             _ => false,
         };
         if unknown {
-            let m = self.status.failure_message.get_or_insert_with(String::new);
-            if !m.contains(SOURCE_STATE_UNKNOWN) {
-                m.push_str("; the source agent no longer knows the migration, ");
-                m.push_str(SOURCE_STATE_UNKNOWN);
-            }
+            self.note_source_state_unknown("the source agent no longer knows the migration");
             return true;
         }
+        let bound = self.o.knobs.progress_timeout.as_secs();
         match &self.o.source_agent {
             AgentView::Reported(r) => match r.last_step() {
                 None => true,
                 Some(Step::Abort) if r.done(Step::Abort) => true,
+                _ if self.progress_stalled() => {
+                    let why = match r.failure() {
+                        Some((step, category, m)) => format!(
+                            "the source agent's {step} kept failing for {bound}s ({category}: {m})"
+                        ),
+                        None => {
+                            format!("the source agent did not confirm the thaw within {bound}s")
+                        }
+                    };
+                    self.note_source_state_unknown(&why);
+                    true
+                }
                 Some(Step::Abort) if r.running(Step::Abort) => false,
                 Some(_) => {
                     self.act(Action::Agent(Side::Source, Step::Abort));
@@ -1064,8 +1298,11 @@ impl<'a> Machine<'a> {
                 && r.last.is_some()
                 && !r.done(Step::Cleanup)
             {
-                // Never clean up a running Abort: its thaw must finish first.
-                if !r.running(Step::Abort) && !r.running(Step::Commit) {
+                // Never clean up a running Abort or Commit (nor one asked for this
+                // round): its thaw or kill must finish first.
+                let asked = self.actions.contains(&Action::Agent(side, Step::Abort))
+                    || self.actions.contains(&Action::Agent(side, Step::Commit));
+                if !asked && !r.running(Step::Abort) && !r.running(Step::Commit) {
                     self.act(Action::Agent(side, Step::Cleanup));
                 }
                 pending_cleanup = true;
@@ -1096,6 +1333,13 @@ impl Observed {
     fn status_pod_name(&self) -> &str {
         self.status.target_pod.as_deref().unwrap_or("?")
     }
+    /// The source pod as `<name>` with its pinned UID, for messages.
+    fn status_source_pod(&self) -> String {
+        match &self.status.source_pod_uid {
+            Some(uid) => format!("(uid {uid})"),
+            None => "(uid ?)".into(),
+        }
+    }
 }
 
 /// The health (Ready/Reconciling/Stalled) a status implies when a phase handler did not
@@ -1112,8 +1356,13 @@ fn default_health(status: &PodMigrationStatus) -> Health {
                 Health::ready(
                     reasons::SUCCEEDED,
                     format!(
-                        "migrated (downtime {})",
-                        status.downtime.as_deref().unwrap_or("")
+                        "migrated (downtime {}){}",
+                        status.downtime.as_deref().unwrap_or(""),
+                        status
+                            .failure_message
+                            .as_deref()
+                            .map(|m| format!("; {m}"))
+                            .unwrap_or_default()
                     ),
                 )
             } else {
@@ -1131,11 +1380,24 @@ fn default_health(status: &PodMigrationStatus) -> Health {
     }
 }
 
-/// Order of the phases along the happy path (terminal phases last).
 /// In a failure message: the rollback ended without an agent confirming the source's
 /// thaw, so nothing may report the source as resumed.
 const SOURCE_STATE_UNKNOWN: &str = "source state unknown";
 
+/// In the status message of a commit whose kill of the source its agent did not confirm.
+const KILL_UNCONFIRMED: &str = "the source agent did not confirm the kill of the source";
+
+/// How the frozen source is given up at commit.
+enum SourceKill {
+    /// Its agent killed it.
+    Confirmed,
+    /// Its agent is killing it (or was just asked to).
+    Waiting,
+    /// Its agent cannot confirm a kill (why): the pod deletion kills it.
+    ByPodDeletion(String),
+}
+
+/// Order of the phases along the happy path (terminal phases last).
 pub fn rank(p: MigrationPhase) -> u8 {
     match p {
         MigrationPhase::Pending => 0,

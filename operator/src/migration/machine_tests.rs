@@ -1124,3 +1124,257 @@ fn a_target_agent_that_forgot_after_a_restore_holds_the_thaw_until_the_target_po
         &Action::Agent(Side::Source, Step::Abort)
     ));
 }
+
+// ------------------------------------------------------------ restore fence
+
+/// Stops that are not the restored copy's own failure, each as an edit.
+/// An edit of a healthy Observed, named.
+type Edit = (&'static str, fn(Observed) -> Observed);
+
+fn stops_that_are_not_the_target_s() -> Vec<Edit> {
+    vec![
+        ("abort requested", |o| o.deleting()),
+        ("deadline", |o| o.at_second(CREATED + 901)),
+        ("source pod gone", |mut o| {
+            o.source_pod = None;
+            o
+        }),
+        ("source agent error", |o| {
+            o.source(failed(Step::Transfer, "Injected").frozen_at(ts(NOW)))
+        }),
+        ("source agent unreachable", |o| {
+            o.source_view(AgentView::Unreachable("lease lost".into()))
+        }),
+        // A replica that takes over long after the restore (the old one lost its
+        // lease): no progress was seen for longer than the timeout.
+        ("long absence", |o| o.at_second(NOW + 151)),
+        ("freeze budget overrun", |mut o| {
+            o.knobs.freeze_budget_millis = 100;
+            o.at_second(NOW + 5)
+        }),
+    ]
+}
+
+#[test]
+fn past_the_restore_fence_nothing_but_the_restored_copy_s_own_failure_thaws_the_source() {
+    for (what, edit) in stops_that_are_not_the_target_s() {
+        // Restored, probe not yet asked (as a replica that just took over sees it).
+        let o = edit(at(P::Restoring).target(done(Step::Restore).resumed_at(ts(NOW))));
+        let t = next(&o);
+        assert_eq!(t.status.failure_reason, None, "{what}: {:?}", t.status);
+        assert!(
+            !has(&t, &Action::Agent(Side::Source, Step::Abort))
+                && !has(&t, &Action::Agent(Side::Target, Step::Abort)),
+            "{what}: rolled back behind a restored copy: {:?}",
+            t.actions
+        );
+        assert!(
+            has(&t, &Action::Agent(Side::Target, Step::Probe)),
+            "{what}: {:?}",
+            t.actions
+        );
+        // Probe passed: on to the commit, which kills the source.
+        let o = edit(at(P::Restoring).target(done(Step::Probe).resumed_at(ts(NOW))));
+        let t = next(&o);
+        assert_eq!(t.status.phase, P::Committing, "{what}");
+        assert!(
+            !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+            "{what}"
+        );
+    }
+    // The restored copy's own failure still rolls back, killing it first.
+    let t = next(&at(P::Restoring).target(failed(Step::Probe, "ProbeFailed").resumed_at(ts(NOW))));
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROBE_FAILED)
+    );
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Abort)));
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    // A probe without a verdict is bounded by the progress timeout.
+    let t = next(
+        &at(P::Restoring)
+            .target(running(Step::Probe).resumed_at(ts(NOW)))
+            .at_second(NOW + 151),
+    );
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+}
+
+#[test]
+fn a_restore_in_flight_is_not_taken_for_no_copy_before_the_source_thaws() {
+    // Rolling back in Restoring: the target still reports `Receive` while a restore
+    // asked before an operator restart (or by the replica that lost the lease) runs.
+    let o = at(P::Restoring)
+        .target(done(Step::Receive))
+        .failing(reasons::ABORTED);
+    let t = next(&o);
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Abort)));
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "thawed while a restore may complete: {:?}",
+        t.actions
+    );
+    // The kill's answer is the proof.
+    let t = next(&o.target(done(Step::Abort)));
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Abort)));
+}
+
+#[test]
+fn deleting_a_migration_whose_target_restored_commits_it_with_one_copy() {
+    let mut w = World::new(
+        at(P::Restoring)
+            .target(done(Step::Restore).resumed_at(ts(NOW)))
+            .deleting(),
+    );
+    w.target_running = true;
+    w.step_until_settled(40);
+    assert_eq!(w.o.status.phase, P::Succeeded, "{:?}", w.o.status);
+    assert!(w.finalizer_released);
+    assert!(w.source_killed && w.target_running && !w.two_copies_seen);
+}
+
+#[test]
+fn a_source_kill_its_agent_does_not_confirm_is_never_reported_as_done() {
+    let unconfirmed = [
+        AgentView::Unreachable("connection refused".into()),
+        AgentView::Missing,
+        AgentView::Reported(blank()),
+        AgentView::Reported(failed(Step::Commit, "MigrationUnknown")),
+    ];
+    for view in unconfirmed {
+        let o = at(P::Committing).source_view(view.clone());
+        let t = next(&o);
+        // The kill goes through the pod deletion, after the hand-over.
+        assert!(has(&t, &Action::HandOverTargetPod), "{view:?}");
+        assert!(
+            !has(&t, &Action::DeleteSourcePod),
+            "{view:?}: before the hand-over"
+        );
+        let msg = t.status.failure_message.clone().unwrap_or_default();
+        assert!(msg.contains("did not confirm the kill"), "{view:?}: {msg}");
+        assert!(
+            t.notes.iter().any(|n| n.kind == EventKind::Warning),
+            "{view:?}: {:?}",
+            t.notes
+        );
+        // Handed over and adopted: the pod deletion, then Succeeded saying so.
+        let mut adopted = o.clone();
+        adopted.status = t.status.clone();
+        let tp = adopted.target_pod.as_mut().unwrap();
+        tp.handed_over = true;
+        assert!(has(&next(&adopted), &Action::DeleteSourcePod), "{view:?}");
+        adopted.source_pod = None;
+        let t = next(&adopted);
+        assert_eq!(t.status.phase, P::Succeeded);
+        let note = t
+            .notes
+            .iter()
+            .find(|n| n.reason == reasons::SUCCEEDED)
+            .expect("success event");
+        assert_eq!(note.kind, EventKind::Warning, "{view:?}");
+        assert!(note.message.contains("did not confirm"), "{}", note.message);
+    }
+    // The agent's kill is confirmed: no warning.
+    let t = next(&at(P::Committing).source(done(Step::Commit)));
+    assert!(has(&t, &Action::HandOverTargetPod));
+    assert_eq!(t.status.failure_message, None);
+}
+
+// ------------------------------------------------------------------ bounds
+
+#[test]
+fn a_source_thaw_that_never_succeeds_ends_the_rollback_at_its_bound_and_releases_the_deletion() {
+    for source in [
+        failed(Step::Abort, "KillFailed"),
+        running(Step::Abort),
+        done(Step::Transfer),
+    ] {
+        let mut o = at(P::Transferring)
+            .source(source.clone())
+            .target(done(Step::Abort))
+            .failing(reasons::ABORTED)
+            .deleting();
+        o.target_pod = None;
+        let t = next(&o);
+        assert_eq!(t.status.phase, P::Transferring, "{source:?}: keeps trying");
+        assert!(!has(&t, &Action::RemoveFinalizer));
+        let t = next(&o.at_second(NOW + 151));
+        assert_eq!(t.status.phase, P::Aborted, "{source:?}");
+        assert!(has(&t, &Action::RemoveFinalizer), "{source:?}");
+        let msg = t.status.failure_message.as_deref().unwrap();
+        assert!(msg.contains("source state unknown"), "{msg}");
+        assert!(msg.contains("may still be frozen"), "{msg}");
+        assert!(
+            t.notes.iter().all(|n| !n.message.contains("was resumed")),
+            "{:?}",
+            t.notes
+        );
+    }
+}
+
+#[test]
+fn a_restored_copy_never_confirmed_dead_ends_the_rollback_killing_not_thawing_the_source() {
+    let mut o = at(P::Restoring)
+        .source(done(Step::Transfer).frozen_at(ts(NOW)))
+        .target_view(AgentView::Unreachable("node partitioned".into()))
+        .failing(reasons::PROBE_FAILED);
+    o.target_pod.as_mut().unwrap().terminating = true;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Restoring);
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    let t = next(&o.at_second(NOW + 151));
+    assert_eq!(t.status.phase, P::Failed, "{:?}", t.status);
+    assert!(
+        !t.actions
+            .iter()
+            .any(|a| matches!(a, Action::Agent(Side::Source, Step::Abort | Step::Cleanup))),
+        "{:?}",
+        t.actions
+    );
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Commit)));
+    let msg = t.status.failure_message.as_deref().unwrap();
+    assert!(
+        msg.contains("restore fence") && msg.contains("source state unknown"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn committing_is_bounded_a_kill_without_answer_and_an_owner_that_never_adopts_end_it() {
+    // The kill never finishes: at the bound the pod deletion takes over.
+    let t = next(
+        &at(P::Committing)
+            .source(running(Step::Commit))
+            .at_second(NOW + 151),
+    );
+    assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    // Handed over, never adopted (the ReplicaSet was deleted).
+    let mut o = at(P::Committing).source(done(Step::Commit)).deleting();
+    let tp = o.target_pod.as_mut().unwrap();
+    tp.handed_over = true;
+    tp.awaiting_adoption = true;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Committing, "waits for the adoption");
+    let t = next(&o.at_second(NOW + 151));
+    assert_eq!(t.status.phase, P::Failed);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    assert!(has(&t, &Action::DeleteSourcePod));
+    assert!(has(&t, &Action::RemoveFinalizer));
+    assert!(
+        !has(&t, &Action::DeleteTargetPod),
+        "the handed-over pod runs the workload"
+    );
+    let note = t
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::PROGRESS_TIMEOUT)
+        .expect("terminal event");
+    assert!(note.message.contains("did not adopt"), "{}", note.message);
+    assert!(!note.message.contains("was resumed"), "{}", note.message);
+}

@@ -243,6 +243,22 @@ pub fn transfer_key_secret(migration: &PodMigration, key: &[u8]) -> Secret {
 }
 
 /// Merge patch marking the source as the pod its ReplicaSet removes first.
+/// How the source pod is deleted at commit: only the pod the migration pinned (its
+/// UID), never a namesake, and with grace period 0. The source is frozen or already
+/// killed by its agent by then; a grace period would only give anything that thaws it
+/// (its agent's freeze watchdog or shutdown, its broker) time to serve beside the
+/// target, which the hand-over has just put behind the workload's Services.
+pub fn source_pod_deletion(source_pod_uid: Option<String>) -> kube::api::DeleteParams {
+    kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        preconditions: Some(kube::api::Preconditions {
+            uid: source_pod_uid,
+            resource_version: None,
+        }),
+        ..Default::default()
+    }
+}
+
 pub fn deletion_cost_patch() -> serde_json::Value {
     json!({"metadata": {"annotations": {annotations::POD_DELETION_COST: LOWEST_DELETION_COST}}})
 }
@@ -468,6 +484,16 @@ mod tests {
         ContainerState, ContainerStateRunning, ContainerStatus, PodStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    #[test]
+    fn the_source_pod_is_deleted_with_grace_period_zero_and_only_by_its_uid() {
+        let dp = source_pod_deletion(Some("uid-1".into()));
+        assert_eq!(dp.grace_period_seconds, Some(0));
+        assert_eq!(
+            dp.preconditions.and_then(|p| p.uid).as_deref(),
+            Some("uid-1")
+        );
+    }
 
     fn rendered() -> (PodMigration, Pod, Pod) {
         let m = migration("move-web", "web-abc-1");

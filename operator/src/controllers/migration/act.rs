@@ -4,7 +4,7 @@
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use podmotion_api::names::managers;
 use podmotion_api::{PodMigration, PodMigrationStatus};
 
@@ -132,19 +132,13 @@ async fn merge_patch(
         .map(|_| ())
 }
 
-/// Deletes the source pod: only the pod this migration pinned, never a namesake.
+/// Deletes the source pod (see `render::source_pod_deletion`: its UID, grace 0).
 async fn delete_source_pod(
     pods: &Api<Pod>,
     pm: &PodMigration,
     status: &PodMigrationStatus,
 ) -> Result<(), ReconcileError> {
-    let dp = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: status.source_pod_uid.clone(),
-            resource_version: None,
-        }),
-        ..Default::default()
-    };
+    let dp = render::source_pod_deletion(status.source_pod_uid.clone());
     let name = &pm.spec.pod_name;
     pods.delete(name, &dp)
         .await
