@@ -23,11 +23,11 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
-use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
+use podmotion_api::{NodeAgentAttachment, PodMigration};
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
 };
@@ -484,4 +484,179 @@ async fn missing_rights_and_a_missing_pod_are_said_plainly() {
             "{kind}: {text}"
         );
     }
+}
+
+/// One line to a testload-protocol server at `addr` and its answer.
+fn ask(addr: &str, line: &str) -> std::io::Result<String> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    writeln!(s, "{line}")?;
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer)?;
+    Ok(answer.trim_end().to_owned())
+}
+
+/// A local server standing in for the developer's process: answers `echo X` with
+/// `local X` on every connection and reports each line it received.
+fn local_line_server() -> (u16, mpsc::Receiver<String>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for s in l.incoming().map_while(Result::ok) {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut w = s.try_clone().unwrap();
+                for line in BufReader::new(s).lines().map_while(Result::ok) {
+                    let reply = match line.split_once(' ') {
+                        Some(("echo", x)) => format!("local {x}"),
+                        _ => "?".into(),
+                    };
+                    let _ = tx.send(line);
+                    if writeln!(w, "{reply}").is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (port, rx)
+}
+
+/// Reads the plugin's stdout lines on a thread.
+fn lines_of(child: &mut std::process::Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            eprintln!("plugin: {l}");
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a line containing `what`; kills the child and fails otherwise.
+fn wait_line(
+    child: &mut std::process::Child,
+    rx: &mpsc::Receiver<String>,
+    what: &str,
+    seen: &mut Vec<String>,
+) -> String {
+    loop {
+        match rx.recv_timeout(POD_TIMEOUT) {
+            Ok(l) => {
+                seen.push(l.clone());
+                if l.contains(what) {
+                    return l;
+                }
+            }
+            Err(e) => {
+                let _ = child.kill();
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                panic!("no line with {what:?} ({e}); so far: {seen:#?}\nstderr: {err}");
+            }
+        }
+    }
+}
+
+/// `kubectl podmotion intercept deploy/mover --port 8080:LOCAL`: the plugin creates the
+/// attachment, shows the agents coming up, and a request sent to the workload's Service
+/// reaches the local server, whose answer goes back to the caller. Ctrl-C stops the
+/// intercept (the application answers again), deletes the attachment it created and
+/// exits 0; no NodeAgentAttachment is left.
+#[tokio::test]
+async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_nothing() {
+    let Some(w) = World::new("plugin-icp").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let svc: Service = from_json(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "mover"},
+        "spec": {"selector": {"app": "mover"}, "ports": [{"port": 8080}]}
+    }));
+    let svc = w
+        .app
+        .api::<Service>()
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
+    assert_eq!(ask(&svc_addr, "echo before").unwrap(), "before");
+    let (local, received) = local_line_server();
+
+    let mut child = kubectl_podmotion(
+        &bin,
+        &[
+            "intercept",
+            "deploy/mover",
+            "--port",
+            &format!("8080:{local}"),
+            "-n",
+            &w.app.name,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawning kubectl podmotion intercept");
+    let rx = lines_of(&mut child);
+    let mut seen = vec![];
+    let created = wait_line(&mut child, &rx, "created in namespace", &mut seen);
+    let name = created
+        .split("nodeagentattachment.podmotion.io/")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{created}"))
+        .to_owned();
+    wait_line(&mut child, &rx, "intercepting every connection", &mut seen);
+    assert!(
+        seen.iter().any(|l| l.contains("agents 1/1 ready")),
+        "the agents' progress is shown: {seen:#?}"
+    );
+
+    // Through the Service: the local server answers, and saw the request.
+    let answer = ask(&svc_addr, "echo hello").unwrap();
+    assert_eq!(answer, "local hello", "{seen:#?}");
+    let got: Vec<String> = received.try_iter().collect();
+    assert!(got.contains(&"echo hello".to_string()), "{got:?}");
+
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    seen.extend(rx.iter());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{seen:#?}\n{err}");
+    assert!(
+        seen.iter()
+            .any(|l| l.contains(&format!("nodeagentattachment.podmotion.io/{name} is gone"))),
+        "{seen:#?}"
+    );
+    let left = w
+        .app
+        .api::<NodeAgentAttachment>()
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        left.items.is_empty(),
+        "attachments left after Ctrl-C: {:?}",
+        left.items.iter().map(|a| a.name_any()).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ask(&svc_addr, "echo after").unwrap(),
+        "after",
+        "the application answers again"
+    );
 }

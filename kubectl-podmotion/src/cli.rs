@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     name = "kubectl-podmotion",
     bin_name = "kubectl podmotion",
     version,
-    about = "PodMotion from kubectl: migrate a pod with live progress; status of every PodMotion resource"
+    about = "PodMotion from kubectl: migrate a pod with live progress; intercept a workload's traffic; status of every PodMotion resource"
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -42,6 +42,8 @@ pub enum Command {
     Migrate(Migrate),
     /// One table of every PodMigration, NodeAgentAttachment and RunnerPool you can see.
     Status(Status),
+    /// Send a workload's incoming traffic on one port to a local port, until Ctrl-C.
+    Intercept(Intercept),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -75,6 +77,117 @@ pub struct Migrate {
     /// Longest freeze you accept, in milliseconds (spec.freezeBudgetMillis).
     #[arg(long)]
     pub freeze_budget_millis: Option<i64>,
+}
+
+#[derive(Args, Debug)]
+pub struct Intercept {
+    /// The workload: `NAME` (a Deployment), `deploy/NAME`, `sts/NAME`, `rs/NAME`,
+    /// `ds/NAME` (long kind names accepted too).
+    #[arg(value_parser = parse_workload)]
+    pub workload: Workload,
+    /// `APP[:LOCAL]`: the container port to intercept and the local port that gets
+    /// its connections (default: the same number).
+    #[arg(long, value_parser = parse_port_pair)]
+    pub port: PortPair,
+    /// `NAME=VALUE`: a filtered HTTP intercept — only HTTP/1.1 requests carrying this
+    /// header come here; every other request is answered by the application.
+    /// Repeat to require several headers.
+    #[arg(long = "header", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
+    /// Namespace of the agent Jobs (the chart's `agents.namespace`, by default
+    /// `<release namespace>-agents`). Default: found from the Jobs' pods, which needs
+    /// `list pods` in all namespaces.
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    pub agents_namespace: Option<String>,
+    /// Name of the NodeAgentAttachment to create (default: `intercept-<workload>-<random>`).
+    /// An existing Intercept attachment of the workload that covers the port is reused.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Give up when the agents are not ready after this long: `90s`, `5m`.
+    #[arg(long, default_value = "3m", value_parser = parse_duration)]
+    pub timeout: Duration,
+}
+
+/// A workload reference: kind and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    pub kind: podmotion_api::attachment::WorkloadKind,
+    pub name: String,
+}
+
+/// `--port APP[:LOCAL]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortPair {
+    pub app: u16,
+    pub local: u16,
+}
+
+/// `web`, `deploy/web`, `deployment.apps/web`, `sts/db`, `rs/x`, `ds/y`.
+pub fn parse_workload(s: &str) -> Result<Workload, String> {
+    use podmotion_api::attachment::WorkloadKind as K;
+    let (kind, name) = match s.split_once('/') {
+        None => (K::Deployment, s),
+        Some((k, n)) => {
+            let k = k.to_ascii_lowercase();
+            let k = k.strip_suffix(".apps").unwrap_or(&k);
+            let kind = match k {
+                "deploy" | "deployment" | "deployments" => K::Deployment,
+                "sts" | "statefulset" | "statefulsets" => K::StatefulSet,
+                "rs" | "replicaset" | "replicasets" => K::ReplicaSet,
+                "ds" | "daemonset" | "daemonsets" => K::DaemonSet,
+                other => {
+                    return Err(format!(
+                        "{other:?} is not a workload kind: use deploy/, sts/, rs/ or ds/"
+                    ));
+                }
+            };
+            (kind, n)
+        }
+    };
+    let valid = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+    if !valid {
+        return Err(format!("{name:?} is not a workload name"));
+    }
+    Ok(Workload {
+        kind,
+        name: name.to_string(),
+    })
+}
+
+/// `8080` or `8080:9090`.
+pub fn parse_port_pair(s: &str) -> Result<PortPair, String> {
+    let port = |p: &str| -> Result<u16, String> {
+        match p.parse::<u16>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("{p:?} is not a port number (1-65535)")),
+        }
+    };
+    match s.split_once(':') {
+        None => port(s).map(|p| PortPair { app: p, local: p }),
+        Some((a, l)) => Ok(PortPair {
+            app: port(a)?,
+            local: port(l)?,
+        }),
+    }
+}
+
+/// `NAME=VALUE`: an HTTP header name (a token) and its value.
+pub fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (n, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))?;
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if n.is_empty() || !n.chars().all(token) {
+        return Err(format!("{n:?} is not an HTTP header name"));
+    }
+    if v.chars().any(|c| c.is_control()) {
+        return Err(format!("the value of {n} holds a control character"));
+    }
+    Ok((n.to_string(), v.trim().to_string()))
 }
 
 #[derive(Args, Debug)]
@@ -116,6 +229,62 @@ mod tests {
         assert_eq!(parse_duration("15m"), Ok(Duration::from_secs(900)));
         assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn workloads_ports_and_headers_parse_as_kubectl_users_write_them() {
+        use podmotion_api::attachment::WorkloadKind as K;
+        assert_eq!(parse_workload("web").unwrap().kind, K::Deployment);
+        assert_eq!(parse_workload("sts/db").unwrap().kind, K::StatefulSet);
+        assert_eq!(
+            parse_workload("deployment.apps/web").unwrap(),
+            Workload {
+                kind: K::Deployment,
+                name: "web".into()
+            }
+        );
+        assert_eq!(parse_workload("DaemonSet/x").unwrap().kind, K::DaemonSet);
+        assert!(parse_workload("pod/web-0").is_err());
+        assert!(parse_workload("deploy/Web").is_err());
+        assert_eq!(
+            parse_port_pair("8080").unwrap(),
+            PortPair {
+                app: 8080,
+                local: 8080
+            }
+        );
+        assert_eq!(
+            parse_port_pair("8080:9090").unwrap(),
+            PortPair {
+                app: 8080,
+                local: 9090
+            }
+        );
+        assert!(parse_port_pair("0").is_err());
+        assert!(parse_port_pair("http").is_err());
+        assert_eq!(
+            parse_header("X-User=alice").unwrap(),
+            ("X-User".into(), "alice".into())
+        );
+        assert!(parse_header("X User=alice").is_err());
+        assert!(parse_header("alice").is_err());
+        let c = Cli::try_parse_from([
+            "kubectl-podmotion",
+            "intercept",
+            "deploy/web",
+            "--port",
+            "8080:18080",
+            "--header",
+            "x-dev=me",
+            "-n",
+            "shop",
+        ])
+        .unwrap();
+        let Command::Intercept(i) = c.command else {
+            panic!()
+        };
+        assert_eq!(i.port.local, 18080);
+        assert_eq!(i.headers, vec![("x-dev".to_string(), "me".to_string())]);
     }
 
     #[test]

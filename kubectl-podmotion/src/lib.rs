@@ -4,14 +4,20 @@
 //! (a rewritten line on a terminal, plain lines otherwise), then the measured downtime
 //! and the network outcome; Ctrl-C deletes it, which rolls it back. `status` prints one
 //! table of every PodMigration, NodeAgentAttachment and RunnerPool the user may list,
-//! with what needs attention. The plugin uses the user's kubeconfig and RBAC only.
+//! with what needs attention. `intercept` sends a workload's connections on one port
+//! (or, with `--header`, only the matching HTTP requests) to a local port through the
+//! attach agents of a NodeAgentAttachment. The plugin uses the user's kubeconfig and
+//! RBAC only.
 //!
 //! The pure parts (what to print, the table, the wording of API errors) live in
-//! [`progress`], [`table`] and [`explain`]; [`migrate`] and [`status`] do the I/O.
+//! [`progress`], [`table`], [`explain`] and the top of [`intercept`]; [`migrate`],
+//! [`status`], [`intercept::run`] and [`agent`] do the I/O.
 #![forbid(unsafe_code)]
 
+pub mod agent;
 pub mod cli;
 pub mod explain;
+pub mod intercept;
 pub mod migrate;
 pub mod progress;
 pub mod status;

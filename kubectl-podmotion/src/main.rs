@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kubectl_podmotion::cli::{Cli, Command};
-use kubectl_podmotion::{client, migrate, status};
+use kubectl_podmotion::{client, intercept, migrate, status};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -30,6 +30,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         .unwrap_or_else(|| client.default_namespace().to_string());
     match &cli.command {
         Command::Migrate(args) => migrate::run(client, &namespace, args).await,
+        Command::Intercept(args) => intercept::run(client, &namespace, args).await,
         Command::Status(args) => {
             let ns = (!args.all_namespaces).then_some(namespace.as_str());
             let (table, problems) = status::run(client, ns).await;

@@ -38,7 +38,7 @@ pub fn migration_name(pod: &str, suffix: &str) -> String {
     format!("{base}-{suffix}")
 }
 
-fn random_suffix() -> String {
+pub fn random_suffix() -> String {
     use std::hash::{BuildHasher, RandomState};
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

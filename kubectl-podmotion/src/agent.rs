@@ -1,0 +1,234 @@
+//! A client of one attach agent's control API (`docs/attach-executor.md`), reached as a
+//! user reaches it: a port-forward to the agent Job's pod through the API server (kube's
+//! websocket Portforwarder, the user's kubeconfig and RBAC) and the Job's bearer token
+//! from its Secret. Every call opens its own port-forward: a plain call is one HTTP/1.1
+//! request with `Connection: close`; an accept stream is an HTTP upgrade that, once a
+//! connection is intercepted, carries a JSON line and then that connection's bytes.
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, DuplexStream};
+
+/// The agent's control port when its pod declares none (`render.rs` CONTROL_PORT).
+pub const DEFAULT_CONTROL_PORT: u16 = 8400;
+/// The upgrade protocol of the agent's client streams.
+pub const UPGRADE_PROTO: &str = "podmotion-stream";
+/// Longest response head or JSON line the plugin reads from an agent.
+const MAX_HEAD: usize = 64 * 1024;
+
+/// One agent: the Job's pod in the agents' namespace and what it serves.
+#[derive(Clone)]
+pub struct Agent {
+    pub pods: Api<Pod>,
+    /// The agents' namespace.
+    pub namespace: String,
+    /// The agent Job's pod.
+    pub pod: String,
+    pub control_port: u16,
+    pub token: String,
+    /// The target pod (the workload's replica) and its node, for messages.
+    pub target: String,
+    pub node: String,
+}
+
+/// The status code and `Content-Length` of an HTTP/1.1 response head (the bytes up to
+/// and including the empty line), or why it is not one.
+pub fn parse_response_head(head: &[u8]) -> Result<(u16, Option<usize>), String> {
+    let text = std::str::from_utf8(head).map_err(|_| "a response head that is not UTF-8")?;
+    let mut lines = text.split("\r\n");
+    let status = lines.next().unwrap_or_default();
+    let code = status
+        .strip_prefix("HTTP/1.1 ")
+        .or_else(|| status.strip_prefix("HTTP/1.0 "))
+        .and_then(|rest| rest.get(..3))
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| format!("not an HTTP response: {status:?}"))?;
+    let mut length = None;
+    for l in lines {
+        if let Some((k, v)) = l.split_once(':')
+            && k.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = Some(
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("bad Content-Length {v:?}"))?,
+            );
+        }
+    }
+    Ok((code, length))
+}
+
+/// The request line and headers of a call to the agent.
+pub fn request(method: &str, path: &str, token: &str, body: &str, upgrade: bool) -> String {
+    let conn = if upgrade {
+        format!("Connection: upgrade\r\nUpgrade: {UPGRADE_PROTO}\r\n")
+    } else {
+        "Connection: close\r\n".to_string()
+    };
+    let ctype = if body.is_empty() {
+        ""
+    } else {
+        "Content-Type: application/json\r\n"
+    };
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: podmotion-agent\r\nAuthorization: Bearer {token}\r\n{conn}{ctype}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Reads through the empty line that ends an HTTP head.
+async fn read_head<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> anyhow::Result<Vec<u8>> {
+    let mut head = Vec::new();
+    loop {
+        let n = r.read_until(b'\n', &mut head).await?;
+        if n == 0 {
+            bail!("the agent closed the connection before answering");
+        }
+        if head.ends_with(b"\r\n\r\n") || head == b"\r\n" {
+            return Ok(head);
+        }
+        if head.len() > MAX_HEAD {
+            bail!("the agent's answer has an oversized head");
+        }
+    }
+}
+
+/// The JSON line an accept stream starts with, once a connection is intercepted.
+#[derive(Debug, serde::Deserialize)]
+pub struct Intercepted {
+    pub peer: String,
+    pub original_dst: String,
+}
+
+impl Agent {
+    /// A fresh port-forwarded stream to the agent's control port.
+    async fn connect(&self) -> anyhow::Result<DuplexStream> {
+        let mut pf = self
+            .pods
+            .portforward(&self.pod, &[self.control_port])
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(crate::explain::kube_error(
+                    crate::explain::Attempt {
+                        verb: "create",
+                        resource: "pods/portforward",
+                        namespace: Some(&self.namespace),
+                        name: Some(&self.pod),
+                    },
+                    &e
+                ))
+            })?;
+        let stream = pf
+            .take_stream(self.control_port)
+            .context("the port-forward has no stream for the control port")?;
+        // The forwarder's task ends when the stream is closed.
+        tokio::spawn(async move {
+            let _ = pf.join().await;
+        });
+        Ok(stream)
+    }
+
+    /// One request; the status code and the body.
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> anyhow::Result<(u16, String)> {
+        let mut s = BufReader::new(self.connect().await?);
+        s.write_all(request(method, path, &self.token, body, false).as_bytes())
+            .await?;
+        s.flush().await?;
+        let head = read_head(&mut s).await?;
+        let (code, length) = parse_response_head(&head).map_err(anyhow::Error::msg)?;
+        let mut body = Vec::new();
+        match length {
+            Some(n) => {
+                body.resize(n.min(MAX_HEAD * 16), 0);
+                s.read_exact(&mut body).await?;
+            }
+            None => {
+                s.take((MAX_HEAD * 16) as u64)
+                    .read_to_end(&mut body)
+                    .await?;
+            }
+        }
+        Ok((code, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// Opens an accept stream for `port` and waits until a connection is intercepted:
+    /// its peer and original destination, and the stream carrying its bytes. `Ok(None)`
+    /// when the agent closes the stream without a connection (intercept stopped).
+    pub async fn accept(
+        &self,
+        port: u16,
+    ) -> anyhow::Result<Option<(Intercepted, BufReader<DuplexStream>)>> {
+        let mut s = BufReader::new(self.connect().await?);
+        let path = format!("/v1/intercepts/{port}/accept");
+        s.write_all(request("GET", &path, &self.token, "", true).as_bytes())
+            .await?;
+        s.flush().await?;
+        let head = read_head(&mut s).await?;
+        let (code, length) = parse_response_head(&head).map_err(anyhow::Error::msg)?;
+        if code != 101 {
+            let mut body = vec![0; length.unwrap_or(0).min(MAX_HEAD)];
+            let _ = s.read_exact(&mut body).await;
+            bail!(
+                "the agent refused the accept stream ({code}): {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        let mut line = Vec::new();
+        let n = (&mut s)
+            .take(MAX_HEAD as u64)
+            .read_until(b'\n', &mut line)
+            .await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let meta: Intercepted = serde_json::from_slice(&line).with_context(|| {
+            format!(
+                "the agent's connection line {:?}",
+                String::from_utf8_lossy(&line)
+            )
+        })?;
+        Ok(Some((meta, s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn response_heads_give_the_code_and_the_length() {
+        assert_eq!(
+            parse_response_head(b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 17\r\n\r\n"),
+            Ok((201, Some(17)))
+        );
+        assert_eq!(
+            parse_response_head(
+                b"HTTP/1.1 101 Switching Protocols\r\nupgrade: podmotion-stream\r\n\r\n"
+            ),
+            Ok((101, None))
+        );
+        assert!(parse_response_head(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+        assert!(parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn requests_carry_the_token_and_their_framing() {
+        let r = request("POST", "/v1/intercepts/8080", "t0k", "{}", false);
+        assert!(
+            r.starts_with("POST /v1/intercepts/8080 HTTP/1.1\r\n"),
+            "{r}"
+        );
+        assert!(r.contains("\r\nAuthorization: Bearer t0k\r\n"), "{r}");
+        assert!(r.contains("\r\nConnection: close\r\n"), "{r}");
+        assert!(r.ends_with("Content-Length: 2\r\n\r\n{}"), "{r}");
+        let u = request("GET", "/v1/intercepts/8080/accept", "t0k", "", true);
+        assert!(u.contains("\r\nUpgrade: podmotion-stream\r\n"), "{u}");
+        assert!(u.ends_with("Content-Length: 0\r\n\r\n"), "{u}");
+    }
+}

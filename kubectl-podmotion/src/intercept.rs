@@ -1,0 +1,817 @@
+//! `kubectl podmotion intercept`: send a workload's incoming connections on one port to
+//! a local port. Creates (or reuses) an `Intercept` NodeAgentAttachment for the port,
+//! follows it with a watch until every target's agent is ready (a line per change; a
+//! `Stalled=True` condition ends it with its message), then for each agent (one per
+//! replica, a Job pod in the agents' namespace) starts the intercept through its control
+//! API and keeps a few accept streams open; every intercepted connection is bridged to
+//! `localhost:LOCAL`. With `--header`, the agent intercepts only the HTTP/1.1 requests
+//! carrying the headers; the application answers the others. Ctrl-C stops the intercept
+//! on every agent and deletes the attachment if this command created it, waiting until
+//! it is gone.
+//!
+//! The pure parts (the attachment to reuse or create, when it is ready, what to print)
+//! come first; the I/O is in [`run`].
+
+use std::io::Write;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::attachment::{
+    AgentPort, AttachMode, NodeAgentAttachmentSpec, TargetState, WorkloadRef,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::agent::{Agent, DEFAULT_CONTROL_PORT};
+use crate::cli::{Intercept, Workload};
+use crate::explain::{Attempt, code, kube_error};
+
+const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
+/// Accept streams each agent keeps open: connections arriving together are handed
+/// over without waiting for a new port-forward.
+const ACCEPTORS_PER_AGENT: usize = 4;
+/// How long Ctrl-C waits for a created attachment to be gone.
+const DELETE_WAIT: Duration = Duration::from_secs(120);
+
+/// `intercept-<workload>-<5 hex>`, at most 63 characters.
+pub fn attachment_name(workload: &str, suffix: &str) -> String {
+    crate::migrate::migration_name(&format!("intercept-{workload}"), suffix)
+}
+
+/// The attachment to reuse: an `Intercept` attachment of the same workload, not being
+/// deleted, whose ports name `app` (or are empty: every declared port).
+pub fn reusable<'a>(
+    attachments: &'a [NodeAgentAttachment],
+    workload: &Workload,
+    app: u16,
+) -> Option<&'a NodeAgentAttachment> {
+    attachments.iter().find(|a| {
+        a.metadata.deletion_timestamp.is_none()
+            && a.spec.mode == AttachMode::Intercept
+            && a.spec.workload_ref.kind == workload.kind
+            && a.spec.workload_ref.name == workload.name
+            && (a.spec.ports.is_empty()
+                || a.spec.ports.iter().any(|p| p.port == Some(i32::from(app))))
+    })
+}
+
+/// The attachment `intercept` creates: the workload, mode Intercept, the one port.
+pub fn build(name: &str, workload: &Workload, app: u16) -> NodeAgentAttachment {
+    let mut spec: NodeAgentAttachmentSpec = serde_json::from_value(serde_json::json!({
+        "workloadRef": {"kind": workload.kind.as_str(), "name": workload.name},
+        "mode": "Intercept",
+    }))
+    .expect("a spec with only workloadRef and mode deserializes with its defaults");
+    spec.workload_ref = WorkloadRef {
+        kind: workload.kind,
+        name: workload.name.clone(),
+    };
+    spec.ports = vec![AgentPort {
+        port: Some(i32::from(app)),
+        name: None,
+        protocol: Default::default(),
+    }];
+    NodeAgentAttachment::new(name, spec)
+}
+
+/// Where an attachment stands, for someone waiting to use its agents.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// Not yet; the line says what it waits for.
+    Waiting(String),
+    /// Every target's agent is ready.
+    Ready,
+    /// `Stalled=True`: the reason and message; waiting will not help.
+    Stalled(String),
+}
+
+fn condition<'a>(
+    a: &'a NodeAgentAttachment,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    a.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+/// Ready when the status describes this generation, `Ready=True` and every target runs.
+pub fn readiness(a: &NodeAgentAttachment) -> Readiness {
+    if let Some(c) = condition(a, "Stalled").filter(|c| c.status == "True") {
+        return Readiness::Stalled(format!("{}: {}", c.reason, c.message));
+    }
+    let Some(st) = &a.status else {
+        return Readiness::Waiting("waiting for the operator to take the attachment".into());
+    };
+    let current =
+        st.observed_generation.is_some() && st.observed_generation == a.metadata.generation;
+    let ready = condition(a, "Ready").is_some_and(|c| c.status == "True");
+    let all_running =
+        !st.targets.is_empty() && st.targets.iter().all(|t| t.state == TargetState::Running);
+    if current && ready && all_running {
+        return Readiness::Ready;
+    }
+    Readiness::Waiting(progress_line(a))
+}
+
+/// `agents 1/2 ready: web-abc on pm-real-0 Running, web-def on pm-real-1 Starting;
+/// skipped: web-x (NotReady)`.
+pub fn progress_line(a: &NodeAgentAttachment) -> String {
+    let Some(st) = &a.status else {
+        return "waiting for the operator to take the attachment".into();
+    };
+    let targets: Vec<String> = st
+        .targets
+        .iter()
+        .map(|t| format!("{} on {} {:?}", t.pod, t.node, t.state))
+        .collect();
+    let mut line = format!("agents {}/{} ready", st.ready_targets, st.total_targets);
+    if !targets.is_empty() {
+        line.push_str(": ");
+        line.push_str(&targets.join(", "));
+    }
+    if !st.skipped.is_empty() {
+        let skipped: Vec<String> = st
+            .skipped
+            .iter()
+            .map(|s| format!("{} ({:?})", s.pod, s.reason))
+            .collect();
+        line.push_str("; skipped: ");
+        line.push_str(&skipped.join(", "));
+    }
+    if let Some(c) = condition(a, "Ready").filter(|c| c.status != "True" && !c.reason.is_empty()) {
+        line.push_str(&format!(" [{}]", c.reason));
+    }
+    line
+}
+
+/// The body of `POST /v1/intercepts/PORT`: empty for a whole-port intercept, the
+/// headers for a filtered HTTP intercept.
+pub fn intercept_body(headers: &[(String, String)]) -> String {
+    if headers.is_empty() {
+        return String::new();
+    }
+    let hs: Vec<serde_json::Value> = headers
+        .iter()
+        .map(|(n, v)| serde_json::json!({"name": n, "value": v}))
+        .collect();
+    serde_json::json!({ "headers": hs }).to_string()
+}
+
+/// Whether the agent's answer to a filtered intercept says it filters: an agent that
+/// predates filtered intercepts ignores the body and would take every request.
+pub fn filter_acknowledged(answer: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(answer)
+        .ok()
+        .and_then(|v| v.get("headers").cloned())
+        .is_some_and(|h| h.as_array().is_some_and(|a| !a.is_empty()))
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+pub async fn run(client: Client, namespace: &str, args: &Intercept) -> anyhow::Result<u8> {
+    let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
+    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "list",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: None,
+            },
+            &e
+        ))
+    })?;
+    let w = &args.workload;
+    let kind = w.kind.as_str();
+    let (name, created) = match reusable(&listed.items, w, args.port.app) {
+        Some(a) => {
+            let name = a.name_any();
+            say(&format!(
+                "using nodeagentattachment.podmotion.io/{name} (Intercept of {kind}/{}, port {})",
+                w.name, args.port.app
+            ));
+            (name, false)
+        }
+        None => {
+            let name = args
+                .name
+                .clone()
+                .unwrap_or_else(|| attachment_name(&w.name, &crate::migrate::random_suffix()));
+            naas.create(&PostParams::default(), &build(&name, w, args.port.app))
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!(kube_error(
+                        Attempt {
+                            verb: "create",
+                            resource: ATTACHMENTS,
+                            namespace: Some(namespace),
+                            name: (code(&e) == Some(409)).then_some(name.as_str()),
+                        },
+                        &e
+                    ))
+                })?;
+            say(&format!(
+                "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Intercept of {kind}/{}, port {}",
+                w.name, args.port.app
+            ));
+            (name, true)
+        }
+    };
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
+    let outcome = intercept(&client, &naas, namespace, &name, args, &mut sigint).await;
+    if created {
+        say(&format!(
+            "deleting nodeagentattachment.podmotion.io/{name} (created by this intercept)"
+        ));
+        delete_and_wait(&naas, namespace, &name).await?;
+        say(&format!("nodeagentattachment.podmotion.io/{name} is gone"));
+    } else {
+        say(&format!(
+            "nodeagentattachment.podmotion.io/{name} was there before this intercept: kept"
+        ));
+    }
+    outcome
+}
+
+/// Waits for the agents, runs the intercept until Ctrl-C, stops it on every agent.
+async fn intercept(
+    client: &Client,
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    name: &str,
+    args: &Intercept,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<u8> {
+    let attachment = tokio::select! {
+        a = wait_ready(naas, namespace, name, args.timeout) => a?,
+        _ = sigint.recv() => {
+            say("interrupted while waiting for the agents");
+            return Ok(crate::migrate::INTERRUPTED);
+        }
+    };
+    let agents = agents_of(client, &attachment, args.agents_namespace.as_deref()).await?;
+    let app = args.port.app;
+    let body = intercept_body(&args.headers);
+    let mut started: Vec<Agent> = vec![];
+    let mut failure = None;
+    for a in &agents {
+        match a
+            .call("POST", &format!("/v1/intercepts/{app}"), &body)
+            .await
+        {
+            Ok((201, answer)) if args.headers.is_empty() || filter_acknowledged(&answer) => {
+                started.push(a.clone())
+            }
+            Ok((201, _)) => {
+                started.push(a.clone());
+                failure = Some(format!(
+                    "the agent for {} does not filter by header (its image predates filtered HTTP intercepts): not intercepting",
+                    a.target
+                ));
+                break;
+            }
+            Ok((409, answer)) => {
+                failure = Some(format!(
+                    "port {app} of {} is already intercepted by another client ({answer}); stop that intercept first",
+                    a.target
+                ));
+                break;
+            }
+            Ok((c, answer)) => {
+                failure = Some(format!(
+                    "the agent for {} refused the intercept ({c}): {answer}",
+                    a.target
+                ));
+                break;
+            }
+            Err(e) => {
+                failure = Some(format!("reaching the agent for {}: {e:#}", a.target));
+                break;
+            }
+        }
+    }
+    if let Some(f) = failure {
+        stop_all(&started, app).await;
+        bail!(f);
+    }
+    let what = if args.headers.is_empty() {
+        "every connection".to_string()
+    } else {
+        let hs: Vec<String> = args
+            .headers
+            .iter()
+            .map(|(n, v)| format!("{n}: {v}"))
+            .collect();
+        format!("HTTP requests with {}", hs.join(", "))
+    };
+    say(&format!(
+        "intercepting {what} to port {app} of {} replica(s) -> localhost:{} (Ctrl-C to stop)",
+        started.len(),
+        args.port.local
+    ));
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut tasks = tokio::task::JoinSet::new();
+    for a in &started {
+        for _ in 0..ACCEPTORS_PER_AGENT {
+            tasks.spawn(acceptor(a.clone(), app, args.port.local, stopping.clone()));
+        }
+    }
+    sigint.recv().await;
+    stopping.store(true, Ordering::SeqCst);
+    say("interrupted: stopping the intercept");
+    stop_all(&started, app).await;
+    tasks.abort_all();
+    Ok(0)
+}
+
+/// Stops the intercept on each agent (the application gets its traffic back).
+async fn stop_all(agents: &[Agent], app: u16) {
+    for a in agents {
+        match a.call("DELETE", &format!("/v1/intercepts/{app}"), "").await {
+            Ok((c, _)) if (200..300).contains(&c) || c == 409 => {}
+            Ok((c, answer)) => eprintln!(
+                "warning: stopping the intercept on the agent for {} answered {c}: {answer}",
+                a.target
+            ),
+            Err(e) => eprintln!(
+                "warning: stopping the intercept on the agent for {}: {e:#}",
+                a.target
+            ),
+        }
+    }
+}
+
+/// Takes intercepted connections from one agent, one at a time, and bridges each to
+/// `localhost:local` on its own task.
+async fn acceptor(agent: Agent, app: u16, local: u16, stopping: Arc<AtomicBool>) {
+    let mut backoff = Duration::from_millis(200);
+    while !stopping.load(Ordering::SeqCst) {
+        match agent.accept(app).await {
+            Ok(Some((conn, mut stream))) => {
+                backoff = Duration::from_millis(200);
+                let target = agent.target.clone();
+                tokio::spawn(async move {
+                    match tokio::net::TcpStream::connect(("127.0.0.1", local)).await {
+                        Ok(mut l) => {
+                            if let Ok((up, down)) =
+                                tokio::io::copy_bidirectional(&mut stream, &mut l).await
+                                && up + down > 0
+                            {
+                                say(&format!(
+                                    "{} -> {} ({target}): {up} bytes in, {down} bytes out",
+                                    conn.peer, conn.original_dst
+                                ));
+                            }
+                        }
+                        Err(e) => {
+                            eprintln!(
+                                "warning: connection from {} not delivered: localhost:{local}: {e}",
+                                conn.peer
+                            );
+                            let _ = stream.shutdown().await;
+                        }
+                    }
+                });
+            }
+            Ok(None) => {}
+            Err(e) => {
+                if stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                eprintln!(
+                    "warning: accept stream of the agent for {}: {e:#}",
+                    agent.target
+                );
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Follows the attachment until it is ready; prints each change; fails on Stalled.
+async fn wait_ready(
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<NodeAgentAttachment> {
+    let stream = watcher::watcher(
+        naas.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    )
+    .default_backoff();
+    let mut stream = pin!(stream);
+    let start = Instant::now();
+    let deadline = tokio::time::sleep(timeout);
+    let mut deadline = pin!(deadline);
+    let mut last = String::new();
+    loop {
+        tokio::select! {
+            ev = stream.next() => {
+                let a = match ev {
+                    None => bail!("the watch of NodeAgentAttachment {namespace}/{name} ended"),
+                    Some(Err(e)) => {
+                        let inner = match &e {
+                            watcher::Error::InitialListFailed(k)
+                            | watcher::Error::WatchStartFailed(k)
+                            | watcher::Error::WatchFailed(k) => Some(k),
+                            _ => None,
+                        };
+                        if let Some(k) = inner.filter(|k| code(k) == Some(403)) {
+                            bail!(kube_error(
+                                Attempt { verb: "watch", resource: ATTACHMENTS, namespace: Some(namespace), name: None },
+                                k
+                            ));
+                        }
+                        continue;
+                    }
+                    Some(Ok(Event::Apply(a) | Event::InitApply(a))) => a,
+                    Some(Ok(Event::Delete(_))) => {
+                        bail!("NodeAgentAttachment {namespace}/{name} was deleted while waiting for its agents")
+                    }
+                    Some(Ok(_)) => continue,
+                };
+                match readiness(&a) {
+                    Readiness::Ready => {
+                        say(&format!(
+                            "[{:>5.1}s] {}",
+                            start.elapsed().as_secs_f64(),
+                            progress_line(&a)
+                        ));
+                        return Ok(a);
+                    }
+                    Readiness::Stalled(why) => bail!(
+                        "NodeAgentAttachment {namespace}/{name} is Stalled: {why}"
+                    ),
+                    Readiness::Waiting(line) => {
+                        if line != last {
+                            say(&format!("[{:>5.1}s] {line}", start.elapsed().as_secs_f64()));
+                            last = line;
+                        }
+                    }
+                }
+            }
+            _ = &mut deadline => bail!(
+                "the agents of NodeAgentAttachment {namespace}/{name} were not ready after {}s: {last}",
+                timeout.as_secs()
+            ),
+        }
+    }
+}
+
+/// The agent of each target: its Job's ready pod, control port and token.
+async fn agents_of(
+    client: &Client,
+    a: &NodeAgentAttachment,
+    agents_namespace: Option<&str>,
+) -> anyhow::Result<Vec<Agent>> {
+    let targets = a
+        .status
+        .as_ref()
+        .map(|s| s.targets.clone())
+        .unwrap_or_default();
+    let mut out = vec![];
+    for t in &targets {
+        let selector = format!("batch.kubernetes.io/job-name={}", t.job);
+        let (ns, pods) = match agents_namespace {
+            Some(ns) => {
+                let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+                let l = api
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .map_err(|e| {
+                        anyhow::anyhow!(kube_error(
+                            Attempt {
+                                verb: "list",
+                                resource: "pods",
+                                namespace: Some(ns),
+                                name: None
+                            },
+                            &e
+                        ))
+                    })?;
+                (ns.to_string(), l.items)
+            }
+            None => {
+                let api: Api<Pod> = Api::all(client.clone());
+                let l = api
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "{} — or pass --agents-namespace (the chart's agents.namespace, by default <release namespace>-agents)",
+                            kube_error(
+                                Attempt { verb: "list", resource: "pods", namespace: None, name: None },
+                                &e
+                            )
+                        )
+                    })?;
+                let ns = l
+                    .items
+                    .first()
+                    .and_then(|p| p.namespace())
+                    .with_context(|| {
+                        format!(
+                            "no pod of agent Job {} (target {} on {}) found in any namespace",
+                            t.job, t.pod, t.node
+                        )
+                    })?;
+                (ns, l.items)
+            }
+        };
+        let pod = pods
+            .iter()
+            .find(|p| crate::intercept::pod_ready(p))
+            .with_context(|| {
+                format!(
+                    "no ready pod of agent Job {ns}/{} (target {} on {}): no agent on the node yet",
+                    t.job, t.pod, t.node
+                )
+            })?;
+        let control_port = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.ports.as_ref())
+            .and_then(|ps| ps.first())
+            .and_then(|p| u16::try_from(p.container_port).ok())
+            .unwrap_or(DEFAULT_CONTROL_PORT);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        let secret = secrets.get(&t.job).await.map_err(|e| {
+            anyhow::anyhow!(kube_error(
+                Attempt {
+                    verb: "get",
+                    resource: "secrets",
+                    namespace: Some(&ns),
+                    name: Some(&t.job)
+                },
+                &e
+            ))
+        })?;
+        let token = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get("token"))
+            .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
+            .with_context(|| format!("Secret {ns}/{} has no token", t.job))?;
+        out.push(Agent {
+            pods: Api::namespaced(client.clone(), &ns),
+            namespace: ns.clone(),
+            pod: pod.name_any(),
+            control_port,
+            token,
+            target: t.pod.clone(),
+            node: t.node.clone(),
+        });
+    }
+    if out.is_empty() {
+        bail!("the attachment has no targets");
+    }
+    Ok(out)
+}
+
+/// Running, not terminating, and `Ready=True`.
+pub fn pod_ready(p: &Pod) -> bool {
+    p.metadata.deletion_timestamp.is_none()
+        && p.status.as_ref().is_some_and(|s| {
+            s.phase.as_deref() == Some("Running")
+                && s.conditions
+                    .iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+        })
+}
+
+/// Deletes the attachment (foreground) and waits until it is gone.
+async fn delete_and_wait(
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<()> {
+    match naas.delete(name, &DeleteParams::foreground()).await {
+        Ok(_) => {}
+        Err(e) if code(&e) == Some(404) => return Ok(()),
+        Err(e) => bail!(kube_error(
+            Attempt {
+                verb: "delete",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: Some(name),
+            },
+            &e
+        )),
+    }
+    let deadline = Instant::now() + DELETE_WAIT;
+    loop {
+        match naas.get_opt(name).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Ok(Some(_)) => bail!(
+                "NodeAgentAttachment {namespace}/{name} is still there {}s after its deletion",
+                DELETE_WAIT.as_secs()
+            ),
+            Err(e) => bail!(kube_error(
+                Attempt {
+                    verb: "get",
+                    resource: ATTACHMENTS,
+                    namespace: Some(namespace),
+                    name: Some(name),
+                },
+                &e
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::parse_workload;
+
+    fn naa(v: serde_json::Value) -> NodeAgentAttachment {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn attachment(
+        name: &str,
+        kind: &str,
+        workload: &str,
+        mode: &str,
+        ports: serde_json::Value,
+    ) -> NodeAgentAttachment {
+        naa(serde_json::json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+            "metadata": {"name": name, "namespace": "shop", "generation": 1},
+            "spec": {"workloadRef": {"kind": kind, "name": workload}, "mode": mode, "ports": ports}
+        }))
+    }
+
+    #[test]
+    fn an_intercept_of_the_workload_covering_the_port_is_reused() {
+        let w = parse_workload("deploy/web").unwrap();
+        let list = vec![
+            attachment("tap", "Deployment", "web", "Wiretap", serde_json::json!([])),
+            attachment(
+                "other",
+                "Deployment",
+                "api",
+                "Intercept",
+                serde_json::json!([]),
+            ),
+            attachment(
+                "sts",
+                "StatefulSet",
+                "web",
+                "Intercept",
+                serde_json::json!([]),
+            ),
+            attachment(
+                "p9090",
+                "Deployment",
+                "web",
+                "Intercept",
+                serde_json::json!([{"port": 9090}]),
+            ),
+            attachment(
+                "p8080",
+                "Deployment",
+                "web",
+                "Intercept",
+                serde_json::json!([{"port": 8080}]),
+            ),
+        ];
+        assert_eq!(
+            reusable(&list, &w, 8080).map(|a| a.name_any()),
+            Some("p8080".into())
+        );
+        assert_eq!(
+            reusable(&list, &w, 9090).map(|a| a.name_any()),
+            Some("p9090".into())
+        );
+        assert!(reusable(&list, &w, 7070).is_none());
+        let all = vec![attachment(
+            "all",
+            "Deployment",
+            "web",
+            "Intercept",
+            serde_json::json!([]),
+        )];
+        assert_eq!(
+            reusable(&all, &w, 7070).map(|a| a.name_any()),
+            Some("all".into())
+        );
+        let mut going = all.clone();
+        going[0].metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
+        );
+        assert!(
+            reusable(&going, &w, 7070).is_none(),
+            "an attachment being deleted is not reused"
+        );
+    }
+
+    #[test]
+    fn the_created_attachment_intercepts_the_one_port_of_the_workload() {
+        let w = parse_workload("sts/db").unwrap();
+        let a = build("intercept-db-ab12c", &w, 5432);
+        let v = serde_json::to_value(&a).unwrap();
+        assert_eq!(
+            v["spec"]["workloadRef"],
+            serde_json::json!({"kind": "StatefulSet", "name": "db"})
+        );
+        assert_eq!(v["spec"]["mode"], "Intercept");
+        assert_eq!(
+            v["spec"]["ports"],
+            serde_json::json!([{"port": 5432, "protocol": "TCP"}])
+        );
+        assert_eq!(attachment_name("db", "ab12c"), "intercept-db-ab12c");
+        assert!(attachment_name(&"x".repeat(80), "ab12c").len() <= 63);
+    }
+
+    fn with_status(status: serde_json::Value, generation: i64) -> NodeAgentAttachment {
+        let mut a = attachment("a", "Deployment", "web", "Intercept", serde_json::json!([]));
+        a.metadata.generation = Some(generation);
+        a.status = Some(serde_json::from_value(status).unwrap());
+        a
+    }
+
+    fn cond(t: &str, s: &str, reason: &str, msg: &str) -> serde_json::Value {
+        serde_json::json!({"type": t, "status": s, "reason": reason, "message": msg,
+            "lastTransitionTime": "2026-01-01T00:00:00Z"})
+    }
+
+    #[test]
+    fn ready_means_this_generation_ready_and_every_target_running() {
+        let running = serde_json::json!([
+            {"pod": "web-a", "node": "n0", "job": "j0", "state": "Running"},
+            {"pod": "web-b", "node": "n1", "job": "j1", "state": "Running"}]);
+        let ready = with_status(
+            serde_json::json!({"observedGeneration": 2, "targets": running, "readyTargets": 2, "totalTargets": 2,
+                "conditions": [cond("Ready", "True", "AgentsReady", "")]}),
+            2,
+        );
+        assert_eq!(readiness(&ready), Readiness::Ready);
+        let stale = with_status(serde_json::to_value(ready.status.clone()).unwrap(), 3);
+        assert!(
+            matches!(readiness(&stale), Readiness::Waiting(_)),
+            "an older generation's status"
+        );
+        let starting = with_status(
+            serde_json::json!({"observedGeneration": 1, "readyTargets": 1, "totalTargets": 2,
+                "targets": [
+                    {"pod": "web-a", "node": "n0", "job": "j0", "state": "Running"},
+                    {"pod": "web-b", "node": "n1", "job": "j1", "state": "Starting"}],
+                "skipped": [{"pod": "web-c", "reason": "NotReady"}],
+                "conditions": [cond("Ready", "False", "AgentsStarting", "")]}),
+            1,
+        );
+        assert_eq!(
+            readiness(&starting),
+            Readiness::Waiting(
+                "agents 1/2 ready: web-a on n0 Running, web-b on n1 Starting; skipped: web-c (NotReady) [AgentsStarting]".into()
+            )
+        );
+        let stalled = with_status(
+            serde_json::json!({"observedGeneration": 1,
+                "conditions": [cond("Stalled", "True", "PortConflict", "port 8080 is intercepted by web-x")]}),
+            1,
+        );
+        assert_eq!(
+            readiness(&stalled),
+            Readiness::Stalled("PortConflict: port 8080 is intercepted by web-x".into())
+        );
+    }
+
+    #[test]
+    fn a_filtered_intercept_sends_its_headers_and_needs_them_acknowledged() {
+        assert_eq!(intercept_body(&[]), "");
+        let body = intercept_body(&[("x-dev".into(), "me".into())]);
+        assert_eq!(body, r#"{"headers":[{"name":"x-dev","value":"me"}]}"#);
+        assert!(filter_acknowledged(
+            r#"{"id":3,"port":8080,"headers":[{"name":"x-dev","value":"me"}]}"#
+        ));
+        assert!(
+            !filter_acknowledged(r#"{"id":3,"port":8080}"#),
+            "an old agent ignores the filter"
+        );
+    }
+}
