@@ -303,7 +303,12 @@ fn operator_and_hook_pods_meet_the_restricted_level() {
     let args = hook["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .unwrap();
-    assert_eq!(args.last(), Some(&json!("reap-all")), "{args:?}");
+    // `reap-all <operator Deployment>`: the Deployment it scales to zero is the chart's.
+    assert_eq!(
+        args[args.len() - 2..],
+        [json!("reap-all"), json!(name(deploy))],
+        "{args:?}"
+    );
 }
 
 #[test]
@@ -797,10 +802,87 @@ fn disabled_controllers_lose_their_permissions() {
             .all(|d| !name(d).contains("key-material") && !name(d).contains("agent-signer")),
         "key material RBAC without the migration controller"
     );
+    // The uninstall hook still runs (RunnerPools have finalizers too), for the enabled
+    // controllers only, and gets no PodMigration or Job permission.
+    let hooks: Vec<&Value> = docs.iter().filter(|d| is_hook(d)).collect();
+    let job = hooks
+        .iter()
+        .find(|d| d["kind"] == "Job")
+        .expect("the reap-all hook");
     assert!(
-        !docs.iter().any(is_hook),
-        "no attachment controller, nothing to reap"
+        strs(&job["spec"]["template"]["spec"]["containers"][0]["args"])
+            .contains(&"--controllers=runner-pool")
     );
+    let hook_rules = rules(&hooks.into_iter().cloned().collect::<Vec<_>>());
+    assert!(
+        hook_rules.iter().all(|(_, _, r)| {
+            let res = strs(&r["resources"]);
+            !res.contains(&"podmigrations") && !res.contains(&"jobs")
+        }),
+        "{hook_rules:?}"
+    );
+}
+
+/// The uninstall hook's own permissions exist only while it runs (hook objects) and
+/// are the two the operator never needs: scale that one Deployment, delete
+/// PodMigrations (in the watched namespace only, when there is one).
+#[test]
+fn the_uninstall_hook_may_scale_only_the_operator_and_delete_only_migrations() {
+    for (set, scope) in [
+        ("reapOnUninstall.enabled=true", None),
+        ("migration.watchNamespace=team-a", Some("team-a")),
+    ] {
+        let docs = render(&["--set", set]);
+        let hooks: Vec<Value> = docs.iter().filter(|d| is_hook(d)).cloned().collect();
+        let mut got = rules(&hooks);
+        got.sort_by_key(|(who, _, _)| who.clone());
+        let deploy = name(of_kind(&docs, "Deployment")[0]).to_string();
+        let migrations = match scope {
+            Some(_) => "Role/pm-podmotion-reap-all-migrations",
+            None => "ClusterRole/pm-podmotion-reap-all-migrations",
+        };
+        let mut want = vec![
+            (
+                migrations.to_string(),
+                scope.unwrap_or("").to_string(),
+                json!({"apiGroups": ["podmotion.io"], "resources": ["podmigrations"], "verbs": ["delete"]}),
+            ),
+            (
+                "Role/pm-podmotion-reap-all".to_string(),
+                "podmotion-system".to_string(),
+                json!({"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                    "resourceNames": [deploy], "verbs": ["patch"]}),
+            ),
+        ];
+        want.sort_by_key(|(who, _, _)| who.clone());
+        assert_eq!(got, want, "{set}");
+        // Bound to the operator's ServiceAccount (the hook Job's), and created before it.
+        for d in &hooks {
+            let weight = d
+                .pointer("/metadata/annotations/helm.sh~1hook-weight")
+                .and_then(Value::as_str)
+                .unwrap();
+            if d["kind"] == "Job" {
+                assert_eq!(weight, "0");
+                continue;
+            }
+            assert_eq!(weight, "-10", "{}", name(d));
+            assert_eq!(
+                d.pointer("/metadata/annotations/helm.sh~1hook-delete-policy"),
+                Some(&json!("before-hook-creation,hook-succeeded")),
+                "{}",
+                name(d)
+            );
+            if d["kind"].as_str().unwrap().ends_with("Binding") {
+                assert_eq!(
+                    d["subjects"],
+                    json!([{"kind": "ServiceAccount", "name": "pm-podmotion", "namespace": "podmotion-system"}])
+                );
+            }
+        }
+    }
+    let off = render(&["--set", "reapOnUninstall.enabled=false"]);
+    assert!(!off.iter().any(is_hook), "no hook, no hook RBAC");
 }
 
 /// `(long flag, env var)` of every clap argument declared under `src` (a directory of
@@ -1801,7 +1883,11 @@ async fn chart_is_admitted_with_a_restricted_operator_namespace_and_privileged_a
     .unwrap();
 
     // The pre-delete hook Job's pod is admitted in the restricted namespace too.
-    let hook: Vec<&Value> = inst.docs.iter().filter(|d| is_hook(d)).collect();
+    let hook: Vec<&Value> = inst
+        .docs
+        .iter()
+        .filter(|d| is_hook(d) && d["kind"] == "Job")
+        .collect();
     assert_eq!(hook.len(), 1);
     let out = kubectl(
         &["apply", "--server-side", "--field-manager=helm", "-f", "-"],

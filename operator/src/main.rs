@@ -1,6 +1,8 @@
-//! `podmotion-operator`: runs the controllers (`run`, the default) or removes every
-//! attachment Job (`reap-all`, the Helm pre-delete hook).
+//! `podmotion-operator`: runs the controllers (`run`, the default) or releases every
+//! PodMotion object before an uninstall (`reap-all`, the Helm pre-delete hook).
 #![forbid(unsafe_code)]
+
+mod uninstall;
 
 use std::sync::Arc;
 
@@ -51,8 +53,14 @@ struct Cli {
 enum Command {
     /// Run the enabled controllers (the default).
     Run,
-    /// Delete every attachment Job (foreground propagation) and exit: the Helm pre-delete hook.
-    ReapAll,
+    /// The Helm pre-delete hook: delete the in-flight PodMigrations and wait for their
+    /// rollback, scale the operator Deployment to zero, remove the PodMotion finalizers
+    /// in the watched namespaces and delete every attachment Job, then exit.
+    ReapAll {
+        /// The operator Deployment (in `--namespace`) to scale to zero before the
+        /// finalizers are removed; without it nothing is scaled.
+        operator_deployment: Option<String>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -91,17 +99,24 @@ async fn main() -> anyhow::Result<()> {
             )
             .await
         }
-        Command::ReapAll => {
-            let namespace = cli.attachment.jobs_namespace_or(&cli.operator.namespace);
-            let n = attachment::reap_all(client, &namespace, REAP_ALL_TIMEOUT).await?;
-            tracing::info!(jobs = n, %namespace, "reaped every attachment Job");
+        Command::ReapAll {
+            operator_deployment,
+        } => {
+            let hook = uninstall::Uninstall {
+                jobs_namespace: cli.attachment.jobs_namespace_or(&cli.operator.namespace),
+                namespace: cli.operator.namespace,
+                operator_deployment,
+                controllers: cli.operator.controllers,
+                migration_scope: cli.migration.watch_namespace,
+                attachment_scope: cli.attachment.watch_namespace,
+                runner_pool_scope: runner_pool::RunnerPoolConfig::from_env()?.watch_namespace,
+            };
+            hook.run(&client).await?;
+            tracing::info!("every PodMotion object released");
             Ok(())
         }
     }
 }
-
-/// How long `reap-all` waits for the foreground deletion of every Job.
-const REAP_ALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Settings of the controllers that take flags.
 struct Controllers {
@@ -345,6 +360,16 @@ mod tests {
         .unwrap();
         assert!(!cli.operator.leader.enabled);
         assert_eq!(cli.operator.controllers, vec![ControllerKind::RunnerPool]);
-        assert!(matches!(cli.command, Some(Command::ReapAll)));
+        assert!(matches!(
+            cli.command,
+            Some(Command::ReapAll {
+                operator_deployment: None
+            })
+        ));
+        let cli = Cli::try_parse_from(["podmotion-operator", "reap-all", "pm-podmotion"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Some(Command::ReapAll { operator_deployment: Some(d) }) if d == "pm-podmotion"
+        ));
     }
 }

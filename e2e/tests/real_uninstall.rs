@@ -1,0 +1,216 @@
+//! `helm uninstall` with PodMotion objects present releases every one of them: the
+//! pre-delete hook (`reap-all`, our operator image) deletes the in-flight PodMigrations
+//! and lets the operator roll them back, scales the operator to zero, then removes the
+//! finalizers of the three kinds in the release's namespaces and reaps the attachment
+//! Jobs. Afterwards no PodMotion finalizer is left and the namespaces that held the
+//! objects delete instead of hanging in `Terminating`.
+//!
+//! The hook must really run (it is a Job of the chart's operator image), so this runs
+//! on the real nodes with the images of `hack/images.sh`, under the real-node lock.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
+use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
+use podmotion_e2e::real::{Images, Uninstall, chart_args, helm, output_text, real_nodes};
+use podmotion_e2e::{PodSecurity, TestNamespace, from_json, random_suffix, wait_for};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+/// Bound on each wait for the operator to act on a new object (it runs on a real node).
+const ACT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Bound on a namespace's deletion: far above what it takes, far below "hangs forever".
+const NAMESPACE_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn ours(finalizers: &[String]) -> Vec<String> {
+    finalizers
+        .iter()
+        .filter(|f| f.starts_with("podmotion.io/"))
+        .cloned()
+        .collect()
+}
+
+/// Waits until `name` carries a `podmotion.io/` finalizer and `extra` holds.
+async fn await_finalized<K>(api: &Api<K>, name: &str, what: &str, extra: impl Fn(&K) -> bool)
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    wait_for(api, name, ACT_TIMEOUT, what, |o| {
+        o.is_some_and(|o| !ours(o.finalizers()).is_empty() && extra(o))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+fn phase(pm: &PodMigration) -> String {
+    pm.status
+        .as_ref()
+        .map(|s| format!("{:?}", s.phase))
+        .unwrap_or_default()
+}
+
+/// Finalizers of ours still on `name`, or `None` when it is gone.
+async fn left_on<K>(api: &Api<K>, name: &str) -> Option<Vec<String>>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    api.get_opt(name)
+        .await
+        .unwrap_or_else(|e| panic!("get {name}: {e}"))
+        .map(|o| ours(o.finalizers()))
+}
+
+#[tokio::test]
+async fn helm_uninstall_releases_every_podmotion_object_and_no_namespace_hangs() {
+    let Some(op) = TestNamespace::new("unin", PodSecurity::Restricted).await else {
+        return;
+    };
+    let Some(_nodes) = real_nodes(&op.client).await else {
+        return;
+    };
+    let Some(app) = TestNamespace::new("unin-app", PodSecurity::Baseline).await else {
+        return;
+    };
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let release = format!("pm{}", random_suffix());
+    let lease = format!("podmotion-e2e-{}", random_suffix());
+    let base = chart_args(&images, &op.name, &app.name, &lease);
+    let mut args = vec!["install", release.as_str()];
+    args.extend(base.iter().map(String::as_str));
+    args.extend_from_slice(&[
+        "--take-ownership",
+        "--force-conflicts",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    let out = helm(&args);
+    let uninstalled = Uninstall {
+        release: release.clone(),
+        namespace: op.name.clone(),
+    };
+    assert!(out.status.success(), "helm install: {}", output_text(&out));
+
+    // One of each kind, each holding its finalizer before the uninstall:
+    // - a finished PodMigration (a dry run of a pod that does not exist ends Failed),
+    // - an in-flight one (a real run of that pod waits in Pending, Stalled),
+    // - a RunnerPool and a NodeAgentAttachment (whose workloads do not exist: the
+    //   finalizer is put on before anything else).
+    let pms: Api<PodMigration> = app.api();
+    for (name, dry_run) in [("finished", true), ("in-flight", false)] {
+        let pm: PodMigration = from_json(json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": name},
+            "spec": {"podName": "no-such-pod", "dryRun": dry_run}
+        }));
+        pms.create(&PostParams::default(), &pm).await.unwrap();
+    }
+    await_finalized(&pms, "finished", "a finished PodMigration", |pm| {
+        phase(pm) == "Failed"
+    })
+    .await;
+    await_finalized(&pms, "in-flight", "an in-flight PodMigration", |pm| {
+        phase(pm) == "Pending"
+    })
+    .await;
+    let pools: Api<RunnerPool> = app.api();
+    let pool: RunnerPool = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool",
+        "metadata": {"name": "runners"},
+        "spec": {
+            "image": format!("registry.invalid/runner@sha256:{}", "0".repeat(64)),
+            "sessionsPerNode": 1,
+            "server": {"serviceName": "compass-server", "port": 8443},
+        }
+    }));
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    await_finalized(&pools, "runners", "a RunnerPool", |_| true).await;
+    let naas: Api<NodeAgentAttachment> = app.api();
+    let naa: NodeAgentAttachment = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+        "metadata": {"name": "web"},
+        "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+    }));
+    naas.create(&PostParams::default(), &naa).await.unwrap();
+    await_finalized(&naas, "web", "a NodeAgentAttachment", |_| true).await;
+
+    // Uninstall, with the hook.
+    let out = helm(&[
+        "uninstall",
+        &release,
+        "-n",
+        &op.name,
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    let hook_logs = op.kubectl(&[
+        "-n",
+        &op.name,
+        "logs",
+        "-l",
+        "app.kubernetes.io/component=reap-all",
+    ]);
+    if !out.status.success() {
+        op.dump();
+    }
+    assert!(
+        out.status.success(),
+        "helm uninstall: {}\nhook logs:\n{hook_logs}",
+        output_text(&out)
+    );
+    std::mem::forget(uninstalled);
+
+    // No finalizer of ours is left; the in-flight migration was deleted and rolled back.
+    let left = [
+        ("PodMigration finished", left_on(&pms, "finished").await),
+        ("PodMigration in-flight", left_on(&pms, "in-flight").await),
+        ("RunnerPool runners", left_on(&pools, "runners").await),
+        ("NodeAgentAttachment web", left_on(&naas, "web").await),
+    ];
+    let stuck: Vec<String> = left
+        .iter()
+        .filter(|(_, f)| f.as_ref().is_some_and(|f| !f.is_empty()))
+        .map(|(what, f)| format!("{what}: {f:?}"))
+        .collect();
+    assert!(
+        stuck.is_empty(),
+        "finalizers left after helm uninstall: {stuck:?}\nhook logs:\n{hook_logs}"
+    );
+    assert_eq!(
+        left[1].1, None,
+        "the in-flight PodMigration was deleted by the hook and released by the operator"
+    );
+    assert!(
+        left[0].1.is_some() && left[2].1.is_some() && left[3].1.is_some(),
+        "the hook deletes only in-flight migrations; the rest stay (CRDs and objects are kept)"
+    );
+
+    // The namespace holding them deletes, and nothing keeps it Terminating.
+    let namespaces: Api<Namespace> = Api::all(app.client.clone());
+    namespaces
+        .delete(&app.name, &DeleteParams::default())
+        .await
+        .unwrap();
+    if let Err(e) = wait_for(
+        &namespaces,
+        &app.name,
+        NAMESPACE_TIMEOUT,
+        "the application namespace to be deleted",
+        |n| n.is_none(),
+    )
+    .await
+    {
+        let objs = app.kubectl(&[
+            "-n",
+            &app.name,
+            "get",
+            "podmigrations,nodeagentattachments,runnerpools",
+            "-o",
+            "yaml",
+        ]);
+        panic!("namespace hangs: {e:#}\n{objs}");
+    }
+}

@@ -1,0 +1,362 @@
+//! `reap-all`, the Helm pre-delete hook: leaves no PodMotion object that only a running
+//! operator could release. Helm runs it while the operator still runs, so the order is
+//! what makes it work: (1) delete the in-flight PodMigrations and give the operator a
+//! bounded time to roll them back (the source keeps running; never two copies), (2)
+//! scale the operator Deployment to zero and wait until its pods are gone (a live
+//! operator puts back every finalizer it sees removed), (3) remove the PodMotion
+//! finalizer of every PodMigration, RunnerPool and NodeAgentAttachment in the
+//! namespaces the controllers watch, and (4) reap the attachment Jobs as before. The
+//! objects themselves and the CRDs are kept. The decisions are the pure functions at
+//! the top (`in_flight`, `released`); the rest is I/O.
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, Resource, ResourceExt};
+use podmotion_api::names::finalizers;
+use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
+use podmotion_operator::config::ControllerKind;
+use podmotion_operator::controllers::attachment;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+/// How long the operator gets to roll back the in-flight PodMigrations the hook deleted.
+/// A migration still there afterwards is released anyway: its source is resumed by its
+/// agent's watchdog, or on the agent's SIGTERM when the release removes the agents.
+const MIGRATION_ROLLBACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the operator's pods get to exit after the scale to zero (their grace
+/// period is 30 s).
+const OPERATOR_STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `reap-all` waits for the foreground deletion of every attachment Job.
+/// The three bounds together stay under the hook's `activeDeadlineSeconds` (300).
+const JOBS_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What the hook works on, from the operator's own settings (the hook gets the same
+/// environment as the operator).
+#[derive(Clone, Debug)]
+pub struct Uninstall {
+    /// The operator's namespace (the release's).
+    pub namespace: String,
+    /// The operator Deployment to scale to zero; `None` when the operator does not run
+    /// from one (then nothing is scaled).
+    pub operator_deployment: Option<String>,
+    /// The enabled controllers: the kinds of the others are left alone (the hook has no
+    /// permission on them).
+    pub controllers: Vec<ControllerKind>,
+    /// Each controller's watch namespace (`None`: all namespaces).
+    pub migration_scope: Option<String>,
+    pub attachment_scope: Option<String>,
+    pub runner_pool_scope: Option<String>,
+    /// Where the attachment Jobs are.
+    pub jobs_namespace: String,
+}
+
+/// Whether a PodMigration is still moving a pod (or waiting to): not terminal. Those are
+/// deleted first so that the operator rolls them back before it stops.
+pub fn in_flight(pm: &PodMigration) -> bool {
+    !pm.status.as_ref().is_some_and(|s| s.phase.is_terminal())
+}
+
+/// The finalizer list without `ours`, or `None` when `ours` is not on it (nothing to do).
+pub fn released(finalizers: &[String], ours: &str) -> Option<Vec<String>> {
+    finalizers
+        .iter()
+        .any(|f| f == ours)
+        .then(|| finalizers.iter().filter(|f| *f != ours).cloned().collect())
+}
+
+fn api_in<K>(client: &Client, scope: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>,
+{
+    match scope {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+impl Uninstall {
+    fn runs(&self, c: ControllerKind) -> bool {
+        self.controllers.contains(&c)
+    }
+
+    /// The whole hook, in order. Fails (and Helm's uninstall with it) only when the
+    /// operator cannot be stopped or an API call fails; the hook Job retries.
+    pub async fn run(&self, client: &Client) -> anyhow::Result<()> {
+        if self.runs(ControllerKind::Migration) {
+            self.roll_back_in_flight_migrations(client).await?;
+        }
+        if let Some(deployment) = &self.operator_deployment {
+            self.stop_operator(client, deployment).await?;
+        }
+        if self.runs(ControllerKind::Migration) {
+            let n = release_all::<PodMigration>(
+                client,
+                self.migration_scope.as_deref(),
+                finalizers::MIGRATION_CLEANUP,
+            )
+            .await?;
+            tracing::info!(released = n, "PodMigration finalizers removed");
+        }
+        if self.runs(ControllerKind::RunnerPool) {
+            let n = release_all::<RunnerPool>(
+                client,
+                self.runner_pool_scope.as_deref(),
+                finalizers::RUNNER_POOL_CLEANUP,
+            )
+            .await?;
+            tracing::info!(released = n, "RunnerPool finalizers removed");
+        }
+        if self.runs(ControllerKind::Attachment) {
+            let n = release_all::<NodeAgentAttachment>(
+                client,
+                self.attachment_scope.as_deref(),
+                finalizers::ATTACHMENT_CLEANUP,
+            )
+            .await?;
+            tracing::info!(released = n, "NodeAgentAttachment finalizers removed");
+            let jobs =
+                attachment::reap_all(client.clone(), &self.jobs_namespace, JOBS_TIMEOUT).await?;
+            tracing::info!(jobs, namespace = %self.jobs_namespace, "reaped every attachment Job");
+        }
+        Ok(())
+    }
+
+    /// Deletes every in-flight PodMigration and waits (bounded) until the operator has
+    /// rolled each back and released it. A migration past its probe rolls forward to
+    /// its commit instead (deletion waits for it), which is just as final.
+    async fn roll_back_in_flight_migrations(&self, client: &Client) -> anyhow::Result<()> {
+        let api: Api<PodMigration> = api_in(client, self.migration_scope.as_deref());
+        let list = api
+            .list(&ListParams::default())
+            .await
+            .context("list PodMigrations")?;
+        let mut deleted = vec![];
+        for pm in list.items.iter().filter(|pm| in_flight(pm)) {
+            let (ns, name) = (pm.namespace().unwrap_or_default(), pm.name_any());
+            let ns_api: Api<PodMigration> = Api::namespaced(client.clone(), &ns);
+            match ns_api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => deleted.push((ns, name, pm.uid().unwrap_or_default())),
+                Err(e) if is_status(&e, 404) => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("delete PodMigration {ns}/{name}"));
+                }
+            }
+        }
+        if deleted.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(
+            migrations = deleted.len(),
+            "deleted in-flight PodMigrations; waiting for their rollback"
+        );
+        let gone = stream::iter(deleted.iter())
+            .map(|(ns, name, uid)| {
+                let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
+                await_condition(api, name, conditions::is_deleted(uid))
+            })
+            .buffer_unordered(16)
+            .try_collect::<Vec<_>>();
+        match tokio::time::timeout(MIGRATION_ROLLBACK_TIMEOUT, gone).await {
+            Ok(r) => {
+                r.context("watch PodMigrations")?;
+            }
+            Err(_) => {
+                let left = stream::iter(deleted.iter())
+                    .filter_map(|(ns, name, _)| {
+                        let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
+                        async move {
+                            api.get_opt(name)
+                                .await
+                                .ok()
+                                .flatten()
+                                .map(|_| format!("{ns}/{name}"))
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .await;
+                tracing::warn!(
+                    ?left,
+                    "PodMigrations not rolled back in {MIGRATION_ROLLBACK_TIMEOUT:?}: released anyway (their sources are resumed by the agents' watchdog or on the agents' SIGTERM)"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Scales the operator Deployment to zero and waits until none of its pods is left.
+    async fn stop_operator(&self, client: &Client, deployment: &str) -> anyhow::Result<()> {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), &self.namespace);
+        let scale = match deployments
+            .patch_scale(
+                deployment,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": 0}})),
+            )
+            .await
+        {
+            Ok(s) => s,
+            // Already gone: nothing runs it.
+            Err(e) if is_status(&e, 404) => return Ok(()),
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("scale Deployment {}/{deployment} to 0", self.namespace)
+                });
+            }
+        };
+        let selector = scale
+            .status
+            .map(|s| s.selector.unwrap_or_default())
+            .filter(|s| !s.is_empty())
+            .with_context(|| format!("Deployment {deployment} reports no pod selector"))?;
+        tracing::info!(%deployment, %selector, "operator scaled to 0; waiting for its pods to exit");
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
+        let wait = async {
+            loop {
+                let list = pods
+                    .list_metadata(&ListParams::default().labels(&selector))
+                    .await
+                    .context("list operator pods")?;
+                if list.items.is_empty() {
+                    return anyhow::Ok(());
+                }
+                stream::iter(list.items.iter())
+                    .map(|p| {
+                        let uid = p.uid().unwrap_or_default();
+                        let name = p.name_any();
+                        let pods = pods.clone();
+                        async move { await_condition(pods, &name, conditions::is_deleted(&uid)).await }
+                    })
+                    .buffer_unordered(8)
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .context("watch operator pods")?;
+            }
+        };
+        tokio::time::timeout(OPERATOR_STOP_TIMEOUT, wait)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "operator pods ({selector}) still running {OPERATOR_STOP_TIMEOUT:?} after the scale to 0"
+                )
+            })??;
+        tracing::info!(%deployment, "operator stopped");
+        Ok(())
+    }
+}
+
+/// Removes `ours` from every object of kind `K` in `scope` that carries it; returns how
+/// many were released. Each patch carries the resourceVersion it was computed from, so a
+/// concurrent change of the list (someone else's finalizer) is never overwritten: on a
+/// conflict the object is read again.
+async fn release_all<K>(client: &Client, scope: Option<&str>, ours: &str) -> anyhow::Result<usize>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let kind = K::kind(&());
+    let api: Api<K> = api_in(client, scope);
+    let list = api
+        .list_metadata(&ListParams::default())
+        .await
+        .with_context(|| format!("list {kind}"))?;
+    let mut n = 0;
+    for obj in list.items {
+        let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+        let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
+        let mut current = obj;
+        for attempt in 0.. {
+            let Some(keep) = released(current.finalizers(), ours) else {
+                break;
+            };
+            let patch = json!({"metadata": {
+                "finalizers": keep,
+                "resourceVersion": current.resource_version(),
+            }});
+            match ns_api
+                .patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    n += 1;
+                    break;
+                }
+                Err(e) if is_status(&e, 404) => break,
+                Err(e) if is_status(&e, 409) && attempt < 5 => {
+                    match ns_api.get_metadata_opt(&name).await? {
+                        Some(fresh) => current = fresh,
+                        None => break,
+                    }
+                }
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("remove {ours} from {kind} {ns}/{name}"));
+                }
+            }
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podmotion_api::migration::MigrationPhase;
+
+    fn pm(phase: Option<MigrationPhase>) -> PodMigration {
+        let mut v = json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": "m", "namespace": "ns"},
+            "spec": {"podName": "p"}
+        });
+        if let Some(phase) = phase {
+            v["status"] = json!({"phase": phase});
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn only_unfinished_migrations_are_in_flight() {
+        use MigrationPhase::*;
+        assert!(in_flight(&pm(None)), "not yet reconciled");
+        for p in [
+            Pending,
+            Preparing,
+            Checkpointing,
+            Transferring,
+            Restoring,
+            Committing,
+        ] {
+            assert!(in_flight(&pm(Some(p))), "{p:?}");
+        }
+        for p in [Succeeded, Failed, Aborted] {
+            assert!(!in_flight(&pm(Some(p))), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn releasing_removes_only_our_finalizer() {
+        let ours = finalizers::MIGRATION_CLEANUP;
+        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(released(&list(&[ours]), ours), Some(vec![]));
+        assert_eq!(
+            released(&list(&["example.com/keep", ours]), ours),
+            Some(list(&["example.com/keep"]))
+        );
+        assert_eq!(released(&list(&["example.com/keep"]), ours), None);
+        assert_eq!(released(&[], ours), None);
+    }
+}
