@@ -9,13 +9,14 @@
 //! | `GET /healthz` | liveness + what is attached (no token needed) |
 //! | `GET /v1/env[?container=<id>]` | ordered environment (duplicates kept) |
 //! | `GET /v1/exports` | exports dir, symlinks, target mounts |
-//! | `POST /v1/intercepts/<port>` · `DELETE …` | start / stop an intercept |
+//! | `POST /v1/intercepts/<port>` · `DELETE …` | start / stop an intercept; a JSON body `{"headers":[{"name","value"}]}` makes it a filtered HTTP intercept |
 //! | `GET /v1/intercepts/<port>/accept` (upgrade) | take one intercepted connection: a JSON line `{"peer","original_dst"}` then the raw bytes both ways; the client must not write before that line |
 //! | `POST /v1/wiretaps/<port>` → `{"id"}` · `DELETE /v1/wiretaps/<port>/<id>` | start / stop a wiretap |
 //! | `GET /v1/wiretaps/<port>/<id>/stream` (upgrade) | the tap's frames, `[kind u8][conn u32 BE][len u32 BE][payload]`, kinds open(0, JSON meta) / to-app(1) / from-app(2) / close(3) |
 
 use crate::attached::Attached;
 use crate::forward::{ModeError, Port};
+use crate::http::Filter;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -115,7 +116,8 @@ async fn route(state: Arc<Attached>, req: Request<Incoming>) -> Response<Full<By
         (&Method::GET, ["v1", "env"]) => env(&state, &req),
         (&Method::GET, ["v1", "exports"]) => json(StatusCode::OK, state.exports()),
         (m, ["v1", "intercepts", port]) if m == Method::POST || m == Method::DELETE => {
-            start_or_stop_intercept(&state, m, port)
+            let port = port.to_string();
+            start_or_stop_intercept(&state, &method, &port, req).await
         }
         (&Method::GET, ["v1", "intercepts", port, "accept"]) => accept(&state, port, req),
         (&Method::POST, ["v1", "wiretaps", port]) => match state.port(port) {
@@ -161,18 +163,63 @@ fn env(state: &Attached, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     }
 }
 
-/// `POST|DELETE /v1/intercepts/PORT`: starts or stops intercepting the port.
-fn start_or_stop_intercept(state: &Attached, m: &Method, port: &str) -> Response<Full<Bytes>> {
+/// Longest body of a control request.
+const MAX_BODY: usize = 64 * 1024;
+
+/// The optional filter of `POST /v1/intercepts/PORT`: none for an empty body.
+async fn read_filter(req: Request<Incoming>) -> Result<Option<Filter>, Box<Reply>> {
+    use http_body_util::BodyExt;
+    let body = http_body_util::Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            Box::new(error(
+                StatusCode::BAD_REQUEST,
+                format!("reading the body: {e}"),
+            ))
+        })?
+        .to_bytes();
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let filter: Filter = serde_json::from_slice(&body).map_err(|e| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not {{\"headers\":[{{\"name\",\"value\"}}]}}: {e}"),
+        ))
+    })?;
+    filter
+        .validate()
+        .map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, e)))?;
+    Ok(Some(filter))
+}
+
+/// `POST|DELETE /v1/intercepts/PORT`: starts or stops intercepting the port; a POST
+/// with a header filter starts a filtered HTTP intercept (the answer echoes it).
+async fn start_or_stop_intercept(
+    state: &Attached,
+    m: &Method,
+    port: &str,
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let port = match state.port(port) {
         Ok(p) => p,
         Err(e) => return mode_error(e),
     };
     if m == Method::POST {
-        match port.start_intercept() {
-            Ok(id) => json(
-                StatusCode::CREATED,
-                serde_json::json!({ "id": id, "port": port.app_port }),
-            ),
+        let filter = match read_filter(req).await {
+            Ok(f) => f,
+            Err(r) => return *r,
+        };
+        let headers = filter.as_ref().map(|f| f.headers.clone());
+        match port.start_intercept(filter) {
+            Ok(id) => {
+                let mut v = serde_json::json!({ "id": id, "port": port.app_port });
+                if let Some(h) = headers {
+                    v["headers"] = serde_json::to_value(h).unwrap_or_default();
+                }
+                json(StatusCode::CREATED, v)
+            }
             Err(e) => mode_error(e),
         }
     } else {
@@ -460,6 +507,57 @@ mod tests {
         .unwrap()
         .unwrap();
         out
+    }
+
+    #[tokio::test]
+    async fn a_filtered_intercept_starts_with_its_headers_and_a_bad_filter_is_refused() {
+        let state = attached();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, state.clone()));
+        let post = |body: &str| {
+            format!(
+                "POST /v1/intercepts/8080 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+        };
+        for bad in [
+            r#"{"headers":[]}"#,
+            r#"{"headers":[{"name":"a b","value":"x"}]}"#,
+            "nope",
+        ] {
+            let r = raw(addr, &post(bad)).await;
+            assert!(r.starts_with("HTTP/1.1 400"), "{bad}: {r}");
+            assert!(!state.ports[0].intercepted(), "{bad} started an intercept");
+        }
+        let r = raw(
+            addr,
+            &post(r#"{"headers":[{"name":"X-Dev","value":"me"}]}"#),
+        )
+        .await;
+        assert!(r.starts_with("HTTP/1.1 201"), "{r}");
+        assert!(
+            r.contains(r#""headers":[{"name":"X-Dev","value":"me"}]"#),
+            "{r}"
+        );
+        let f = state.ports[0].filter().expect("a filtered intercept");
+        assert_eq!(
+            (f.headers[0].name.as_str(), f.headers[0].value.as_str()),
+            ("X-Dev", "me")
+        );
+        assert!(
+            call(addr, "DELETE", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(state.ports[0].filter().is_none());
+        // Without a body: a whole-port intercept, no filter.
+        assert!(
+            call(addr, "POST", "/v1/intercepts/8080", false)
+                .await
+                .starts_with("HTTP/1.1 201")
+        );
+        assert!(state.ports[0].intercepted() && state.ports[0].filter().is_none());
     }
 
     #[tokio::test]

@@ -43,6 +43,7 @@ impl Attached {
                 "port": p.app_port,
                 "agent_port": p.agent_port,
                 "intercepted": p.intercepted(),
+                "filter": p.filter().map(|f| f.headers.clone()),
                 "wiretaps": p.wiretaps(),
                 "tap_drops": p.tap_drops.load(std::sync::atomic::Ordering::Relaxed),
             })).collect::<Vec<_>>(),

@@ -5,10 +5,14 @@
 //! inside the target namespace (IPv4 and, where the namespace has it, IPv6). A
 //! redirected connection is, depending on the port's current mode:
 //! - intercepted: handed to a client stream waiting on the control API;
+//! - intercepted with a header filter: read as HTTP/1.1 request by request
+//!   ([`crate::filtered`]) — matching requests go to a client stream, the others to the
+//!   application, dialed like a pass-through;
 //! - otherwise passed through: dialed to its original destination from inside the
 //!   target namespace (the agent GID lets that dial bypass the redirect), optionally
 //!   copying both directions to every wiretap on the port.
 
+use crate::http::Filter;
 use crate::netns::NetnsExecutor;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
@@ -21,9 +25,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 
+/// A byte stream a client stream can be spliced to: the intercepted TCP connection
+/// itself, or (filtered intercept) the forwarder's end of an in-memory pipe.
+pub trait Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Conn for T {}
+
 /// An intercepted connection on its way to a client stream.
 pub struct Delivered {
-    pub stream: TcpStream,
+    pub stream: Box<dyn Conn>,
     pub peer: SocketAddr,
     pub original_dst: SocketAddr,
 }
@@ -46,6 +55,8 @@ pub fn tap_frame(kind: u8, conn: u32, payload: &[u8]) -> Bytes {
 #[derive(Default)]
 struct PortMode {
     intercept: Option<u64>,
+    /// The intercept's header filter (a filtered HTTP intercept), if any.
+    filter: Option<Arc<Filter>>,
     waiters: VecDeque<oneshot::Sender<Delivered>>,
     taps: HashMap<u64, mpsc::Sender<Bytes>>,
     pending_tap_rx: HashMap<u64, mpsc::Receiver<Bytes>>,
@@ -74,6 +85,16 @@ pub enum ModeError {
 
 static IDS: AtomicU64 = AtomicU64::new(1);
 
+/// What became of a connection offered to the intercept's client streams.
+pub(crate) enum Delivery {
+    /// A client stream has it.
+    Taken,
+    /// The intercept stopped meanwhile: the connection is back, for the application.
+    Stopped(Delivered),
+    /// No client stream came in time; the connection was dropped.
+    TimedOut,
+}
+
 impl Port {
     pub fn new(app_port: u16, agent_port: u16) -> Self {
         Port {
@@ -90,14 +111,23 @@ impl Port {
         self.mode.lock().expect("port mode lock")
     }
 
-    pub fn start_intercept(&self) -> Result<u64, ModeError> {
+    /// Starts intercepting the port: every connection, or with `filter` only the
+    /// HTTP requests carrying its headers.
+    pub fn start_intercept(&self, filter: Option<Filter>) -> Result<u64, ModeError> {
         let mut m = self.mode();
         if m.intercept.is_some() {
             return Err(ModeError::AlreadyIntercepted(self.app_port));
         }
         let id = IDS.fetch_add(1, Ordering::Relaxed);
         m.intercept = Some(id);
+        m.filter = filter.map(Arc::new);
         Ok(id)
+    }
+
+    /// The header filter of the running intercept, if it is a filtered one.
+    pub fn filter(&self) -> Option<Arc<Filter>> {
+        let m = self.mode();
+        m.intercept.and(m.filter.clone())
     }
 
     /// Stops the intercept; waiting client streams are dropped (closed). Connections
@@ -107,6 +137,7 @@ impl Port {
         if m.intercept.take().is_none() {
             return Err(ModeError::NotIntercepted(self.app_port));
         }
+        m.filter = None;
         m.waiters.clear();
         Ok(())
     }
@@ -171,7 +202,7 @@ impl Port {
     }
 
     /// Hands `conn` to a waiting client stream; waits up to `wait` for one.
-    async fn deliver(&self, mut conn: Delivered, wait: Duration) -> Option<Delivered> {
+    pub(crate) async fn deliver(&self, mut conn: Delivered, wait: Duration) -> Delivery {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.waiter_added.notified();
@@ -179,13 +210,13 @@ impl Port {
                 let next = {
                     let mut m = self.mode();
                     if m.intercept.is_none() {
-                        return Some(conn);
+                        return Delivery::Stopped(conn);
                     }
                     m.waiters.pop_front()
                 };
                 let Some(w) = next else { break };
                 match w.send(conn) {
-                    Ok(()) => return None,
+                    Ok(()) => return Delivery::Taken,
                     Err(back) => conn = back,
                 }
             }
@@ -194,7 +225,7 @@ impl Port {
                     port = self.app_port,
                     "no client stream took the intercepted connection in time; closing it"
                 );
-                return None;
+                return Delivery::TimedOut;
             }
         }
     }
@@ -314,15 +345,32 @@ pub async fn serve(
                 let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
                 SocketAddr::new(ip, port.app_port)
             });
+            if let Some(filter) = port.filter() {
+                let r = crate::filtered::proxy(
+                    &port,
+                    stream,
+                    peer,
+                    original_dst,
+                    &*netns,
+                    intercept_wait,
+                    filter,
+                )
+                .await;
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "filtered connection ended with an error");
+                }
+                return;
+            }
             let conn = Delivered {
-                stream,
+                stream: Box::new(stream),
                 peer,
                 original_dst,
             };
             let conn = if port.intercepted() {
                 match port.deliver(conn, intercept_wait).await {
-                    None => return,
-                    Some(c) => c, // intercept stopped meanwhile: pass through
+                    Delivery::Taken | Delivery::TimedOut => return,
+                    // The intercept stopped meanwhile: pass through.
+                    Delivery::Stopped(c) => c,
                 }
             } else {
                 conn
@@ -348,7 +396,7 @@ async fn pass_through(port: &Port, conn: Delivered, netns: &NetnsExecutor) -> st
         conn.peer, conn.original_dst
     );
     port.tap(&taps, tap_frame(TAP_OPEN, id, meta.as_bytes()));
-    let (cr, cw) = conn.stream.into_split();
+    let (cr, cw) = tokio::io::split(conn.stream);
     let (ur, uw) = upstream.into_split();
     let up = copy_tapped(port, &taps, id, TAP_TO_APP, cr, uw);
     let down = copy_tapped(port, &taps, id, TAP_FROM_APP, ur, cw);
@@ -362,8 +410,8 @@ async fn copy_tapped(
     taps: &[mpsc::Sender<Bytes>],
     id: u32,
     kind: u8,
-    mut r: tokio::net::tcp::OwnedReadHalf,
-    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut r: impl tokio::io::AsyncRead + Unpin,
+    mut w: impl tokio::io::AsyncWrite + Unpin,
 ) -> std::io::Result<()> {
     let mut buf = vec![0u8; 16 * 1024];
     loop {

@@ -176,6 +176,128 @@ fn intercept_delivers_connections_to_the_client_stream_and_stopping_it_restores_
     assert_eq!(agent.json("/healthz")["ports"][0]["intercepted"], false);
 }
 
+/// Reads one HTTP response framed by Content-Length: (head, body).
+fn read_response(r: &mut std::io::BufReader<std::net::TcpStream>) -> (String, String) {
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(
+            r.read_line(&mut line).unwrap() > 0,
+            "closed; so far {head:?}"
+        );
+        head.push_str(&line);
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no Content-Length: {head}"));
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).unwrap();
+    (head, String::from_utf8(body).unwrap())
+}
+
+#[test]
+fn filtered_intercept_routes_each_request_of_a_keep_alive_connection_by_its_header() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let agent = Agent::start(&target(&pod), &[]);
+    let filter = r#"{"headers":[{"name":"X-Dev","value":"me"}]}"#;
+    let mut c = std::net::TcpStream::connect(agent.control).unwrap();
+    write!(
+        c,
+        "POST /v1/intercepts/{APP_PORT} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{filter}",
+        filter.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert!(
+        answer.contains(r#""headers":[{"name":"X-Dev","value":"me"}]"#),
+        "{answer}"
+    );
+    assert_eq!(
+        agent.json("/healthz")["ports"][0]["filter"][0]["name"],
+        "X-Dev"
+    );
+    let mut stream = agent.stream(&format!("/v1/intercepts/{APP_PORT}/accept"));
+
+    // One keep-alive connection from outside the pod, three requests.
+    let caller = pod.client_connect(pod.app_addr()).unwrap();
+    caller
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut w = caller.try_clone().unwrap();
+    let mut r = std::io::BufReader::new(caller);
+    // Matching, with a body: the client stream gets exactly this request.
+    w.write_all(b"POST /mine HTTP/1.1\r\nHost: x\r\nx-dev: me\r\nContent-Length: 4\r\n\r\nping")
+        .unwrap();
+    let mut meta = String::new();
+    stream.read_line(&mut meta).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    assert_eq!(meta["original_dst"], pod.app_addr().to_string(), "{meta}");
+    let read_request = |stream: &mut std::io::BufReader<std::net::TcpStream>| {
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            stream.read_line(&mut line).unwrap();
+            head.push_str(&line);
+            if line == "\r\n" {
+                break head;
+            }
+        }
+    };
+    let head = read_request(&mut stream);
+    assert!(head.starts_with("POST /mine HTTP/1.1\r\n"), "{head}");
+    let mut body = [0u8; 4];
+    stream.read_exact(&mut body).unwrap();
+    assert_eq!(&body, b"ping");
+    stream
+        .get_mut()
+        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nfrom-client")
+        .unwrap();
+    assert_eq!(read_response(&mut r).1, "from-client");
+    // Matching again on the same connection: the same client stream, next request.
+    w.write_all(b"GET /mine/2 HTTP/1.1\r\nHost: x\r\nX-Dev: me\r\n\r\n")
+        .unwrap();
+    let head = read_request(&mut stream);
+    assert!(head.starts_with("GET /mine/2 HTTP/1.1\r\n"), "{head}");
+    stream
+        .get_mut()
+        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nclient-2")
+        .unwrap();
+    assert_eq!(read_response(&mut r).1, "client-2");
+    // Not matching, on the same connection: the application answers (busybox httpd
+    // says `Connection: close`, so the connection ends after its response).
+    w.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Dev: someone-else\r\n\r\n")
+        .unwrap();
+    assert_eq!(read_response(&mut r).1, "hello-app\n");
+    let mut rest = String::new();
+    r.read_to_string(&mut rest).unwrap();
+    assert_eq!(
+        rest, "",
+        "the connection ended after the app's Connection: close"
+    );
+    // HTTP/1.0 without the header on a fresh connection: the app, then the end.
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+
+    let (status, _) = agent.call("DELETE", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 200);
+    assert_eq!(
+        agent.json("/healthz")["ports"][0]["filter"],
+        serde_json::Value::Null
+    );
+}
+
 #[test]
 fn wiretap_copies_both_directions_while_the_app_still_answers() {
     if !root_tests_enabled() {
