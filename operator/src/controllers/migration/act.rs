@@ -11,7 +11,7 @@ use podmotion_api::{PodMigration, PodMigrationStatus};
 use super::observe::endpoint_of;
 use super::state::Shared;
 use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
-use crate::migration::agent::{AgentClient, Side, Step};
+use crate::migration::agent::{AgentCallError, AgentClient, Side, Step};
 use crate::migration::machine::Action;
 use crate::migration::render;
 
@@ -192,7 +192,18 @@ async fn start_step<A: AgentClient>(
         s.master_key.transfer_key(&pm.uid().unwrap_or_default()),
         target_agent_url,
     );
-    s.agents.start(&endpoint, &request).await?;
+    // `start` only hands the step over (its work is bounded by the machine's progress
+    // timeout); the hand-over itself gets the call deadline.
+    let limit = s.cfg.agent_call_timeout();
+    tokio::time::timeout(limit, s.agents.start(&endpoint, &request))
+        .await
+        .map_err(|_| AgentCallError {
+            node: node.to_string(),
+            message: format!(
+                "{step} not accepted within {}s (--migration-agent-call-timeout-seconds)",
+                limit.as_secs()
+            ),
+        })??;
     Ok(())
 }
 

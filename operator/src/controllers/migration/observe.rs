@@ -225,8 +225,61 @@ async fn agent_view<A: AgentClient>(
     let Some(endpoint) = endpoint_of(s, node).await? else {
         return Ok(AgentView::Missing);
     };
-    Ok(match s.agents.report(&endpoint, uid).await {
-        Ok(r) => AgentView::Reported(r),
-        Err(e) => AgentView::Unreachable(e.message),
-    })
+    Ok(report_within(
+        s.agents.as_ref(),
+        &endpoint,
+        uid,
+        s.cfg.agent_call_timeout(),
+    )
+    .await)
+}
+
+/// The agent's report, or `Unreachable` when it fails or does not answer within
+/// `limit`: a hung agent must not hold the reconcile (and every other migration's
+/// turn) forever.
+pub(super) async fn report_within<A: AgentClient>(
+    agents: &A,
+    endpoint: &AgentEndpoint,
+    uid: &str,
+    limit: Duration,
+) -> AgentView {
+    match tokio::time::timeout(limit, agents.report(endpoint, uid)).await {
+        Ok(Ok(r)) => AgentView::Reported(r),
+        Ok(Err(e)) => AgentView::Unreachable(e.message),
+        Err(_) => AgentView::Unreachable(format!(
+            "no answer within {}s (--migration-agent-call-timeout-seconds)",
+            limit.as_secs()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration::agent::{AgentCallError, AgentReport, StepRequest};
+
+    /// An agent that accepts the connection and never answers.
+    struct Silent;
+
+    impl AgentClient for Silent {
+        async fn report(&self, _: &AgentEndpoint, _: &str) -> Result<AgentReport, AgentCallError> {
+            std::future::pending().await
+        }
+        async fn start(&self, _: &AgentEndpoint, _: &StepRequest) -> Result<(), AgentCallError> {
+            std::future::pending().await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_never_answers_is_unreachable_after_the_call_deadline() {
+        let e = AgentEndpoint {
+            node: "n0".into(),
+            url: "https://10.0.0.1:7443".into(),
+        };
+        let view = report_within(&Silent, &e, "u1", Duration::from_secs(10)).await;
+        match view {
+            AgentView::Unreachable(m) => assert!(m.contains("no answer within 10s"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -76,6 +76,18 @@ pub struct MigrationConfig {
     #[arg(long = "migration-key-file", env = "PODMOTION_MIGRATION_KEY_FILE")]
     pub key_file: Option<std::path::PathBuf>,
 
+    /// Deadline, in seconds, of every call the controller makes to a node agent (its
+    /// report, and the start of a step; a step's own work is bounded by the
+    /// PodMigration's `progressTimeoutSeconds`). An agent that does not answer in time
+    /// counts as unreachable for that round.
+    #[arg(
+        long = "migration-agent-call-timeout-seconds",
+        env = "PODMOTION_MIGRATION_AGENT_CALL_TIMEOUT_SECONDS",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=300)
+    )]
+    pub agent_call_timeout_seconds: u64,
+
     /// Image whose entrypoint is `podmotion-agent` (the migration agent's image): a
     /// target pod's init container copies the holder program out of it. Default: the
     /// agent image of this version.
@@ -100,6 +112,11 @@ impl MigrationConfig {
         }
         Ok(Only::try_parse_from(["podmotion-operator"])?.m)
     }
+    /// The deadline of one call to a node agent.
+    pub(super) fn agent_call_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.agent_call_timeout_seconds)
+    }
+
     pub(super) fn holder(&self) -> Holder {
         match &self.holder_image {
             Some(i) if !i.is_empty() => Holder {
@@ -133,6 +150,11 @@ mod tests {
         }
         let c = Only::try_parse_from(["x"]).unwrap().m;
         assert_eq!((c.max_parallel, c.max_per_node), (5, 2));
+        assert_eq!(c.agent_call_timeout(), std::time::Duration::from_secs(10));
+        assert!(
+            Only::try_parse_from(["x", "--migration-agent-call-timeout-seconds", "0"]).is_err(),
+            "a call without a deadline is refused"
+        );
         let c = Only::try_parse_from(["x", "--migration-agent-endpoint", "a=http://1,b=http://2"])
             .unwrap()
             .m;
