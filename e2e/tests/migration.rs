@@ -135,6 +135,8 @@ struct World {
     delays: BTreeMap<&'static str, Duration>,
     /// Steps that fail (by name).
     failing: Vec<&'static str>,
+    /// Steps that fail on one node only (node, step name).
+    failing_on: Vec<(String, &'static str)>,
 }
 
 /// The node agents of [`NODES`], over local processes. See the module documentation.
@@ -148,6 +150,8 @@ fn step_name(s: Step) -> &'static str {
         Step::Transfer => "Transfer",
         Step::Restore => "Restore",
         Step::Probe => "Probe",
+        Step::Abort => "Abort",
+        Step::Commit => "Commit",
         _ => "other",
     }
 }
@@ -167,6 +171,9 @@ impl ProcAgents {
     }
     fn fail(&self, step: &'static str) {
         self.0.lock().unwrap().failing.push(step);
+    }
+    fn fail_on(&self, node: &str, step: &'static str) {
+        self.0.lock().unwrap().failing_on.push((node.into(), step));
     }
     fn delay(&self, step: &'static str, d: Duration) {
         self.0.lock().unwrap().delays.insert(step, d);
@@ -223,7 +230,10 @@ impl ProcAgents {
             category: "StandInError".into(),
             message: m.into(),
         };
-        if w.failing.contains(&step_name(r.step)) {
+        if w.failing.contains(&step_name(r.step))
+            || w.failing_on
+                .contains(&(node.to_string(), step_name(r.step)))
+        {
             return fail("injected failure");
         }
         match r.step {
@@ -1162,6 +1172,114 @@ async fn a_migration_past_its_deadline_is_aborted_with_the_source_running() {
     )
     .await
     .unwrap();
+}
+
+/// The restore fence: once the target restored, deleting the PodMigration does not roll
+/// back (which would thaw the source behind a copy that already ran on): the migration
+/// commits, the source is killed, one copy runs, and only then is the finalizer released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_migration_after_the_target_restored_commits_and_never_thaws_the_source() {
+    let Some(s) = Setup::new("mig-fence").await else {
+        return;
+    };
+    s.agents.delay("Probe", Duration::from_secs(4));
+    let api = s.migrate(json!({"freezeBudgetMillis": 60000})).await;
+    let pm = s.wait_phase(&api, MigrationPhase::Restoring).await;
+    let uid = pm.uid().unwrap();
+    let target_node = pm.status.as_ref().unwrap().target_node.clone().unwrap();
+    // The restore is done and the probe runs: the restored copy is the workload now.
+    tokio::time::timeout(TIMEOUT, async {
+        while s.agents.last_step(&target_node, &uid) != Some((Step::Probe, StepState::Running)) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("probe started");
+    api.delete("move-web", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(
+        &api,
+        "move-web",
+        TIMEOUT,
+        "PodMigration gone (finalizer released)",
+        |m| m.is_none(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        !s.agents.source_running(&s.key()),
+        "the source was thawed after the target restored"
+    );
+    {
+        let mut w = s.agents.0.lock().unwrap();
+        assert!(
+            w.restored.get_mut(&uid).is_some_and(|p| p.running()),
+            "the restored copy was killed"
+        );
+        assert_eq!(w.max_copies, 1, "two running copies were seen");
+    }
+    wait_for(
+        &s.ns.api::<Pod>(),
+        &s.pod.name_any(),
+        TIMEOUT,
+        "source pod gone",
+        |p| p.is_none(),
+    )
+    .await
+    .unwrap();
+    s.replicaset_settled().await;
+}
+
+/// A source agent whose thaw fails every time cannot hold a deletion forever: the
+/// rollback ends at its bound (the progress timeout), the finalizer is released, and
+/// the Event says the source's state is unknown and what may be left, never "resumed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_thaw_that_always_fails_still_releases_the_deletion_saying_the_state_is_unknown() {
+    let Some(s) = Setup::new("mig-thaw-fails").await else {
+        return;
+    };
+    s.agents.delay("Transfer", Duration::from_secs(30));
+    let api = s
+        .migrate(json!({"freezeBudgetMillis": 600000, "progressTimeoutSeconds": 5}))
+        .await;
+    let pm = s.wait_phase(&api, MigrationPhase::Transferring).await;
+    let source_node = pm.status.as_ref().unwrap().source_node.clone().unwrap();
+    s.agents.fail_on(&source_node, "Abort");
+    api.delete("move-web", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(
+        &api,
+        "move-web",
+        TIMEOUT,
+        "PodMigration gone (finalizer released)",
+        |m| m.is_none(),
+    )
+    .await
+    .unwrap();
+    let events =
+        s.ns.api::<k8s_openapi::api::events::v1::Event>()
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+    let notes: Vec<String> = events
+        .items
+        .iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("move-web"))
+        .filter(|e| e.reason.as_deref() == Some(reasons::ABORTED))
+        .filter_map(|e| e.note.clone())
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("source state unknown") && n.contains("may still be frozen")),
+        "no Event saying what may be left; saw {notes:?}"
+    );
+    assert!(
+        notes.iter().all(|n| !n.contains("was resumed")),
+        "{notes:?}"
+    );
 }
 
 /// Pods PodMotion must never move, each sent to the real API server as a user would

@@ -162,6 +162,8 @@ pub struct Transition {
 
 /// The Events' action: every note of the machine is about migrating.
 const ACTION: &str = "Migrate";
+/// The action of the Event that ends a failed or aborted migration.
+const END_ACTION: &str = "EndMigration";
 
 /// Poll interval while agents are working.
 pub const POLL: Duration = Duration::from_millis(500);
@@ -417,10 +419,18 @@ impl<'a> Machine<'a> {
                 },
             ),
         };
+        // The end of a rollback is its own Event: with the failure's action it would
+        // carry the same reason, type and action as the failure's Event ("rolling
+        // back"), and the recorder folds such a repeat into that Event's series,
+        // dropping this message (what was resumed, or what may be left).
+        let action = match phase {
+            MigrationPhase::Failed | MigrationPhase::Aborted => END_ACTION,
+            _ => ACTION,
+        };
         Note {
             kind,
             reason: reason.into(),
-            action: ACTION,
+            action,
             message,
         }
     }

@@ -1378,3 +1378,35 @@ fn committing_is_bounded_a_kill_without_answer_and_an_owner_that_never_adopts_en
     assert!(note.message.contains("did not adopt"), "{}", note.message);
     assert!(!note.message.contains("was resumed"), "{}", note.message);
 }
+
+#[test]
+fn the_end_of_a_rollback_is_an_event_of_its_own() {
+    // The recorder folds an Event with the same type, reason and action into the
+    // earlier one's series and drops its message: the end of a rollback (what was
+    // resumed, or what may be left) must differ from its start in one of them.
+    let mut o = at(P::Transferring).deleting();
+    let start = next(&o);
+    let began = start
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::ABORTED)
+        .expect("rollback event")
+        .clone();
+    o.status = start.status;
+    o.source_agent = AgentView::Reported(done(Step::Abort));
+    o.target_agent = AgentView::Reported(done(Step::Abort));
+    o.target_pod = None;
+    let end = next(&o);
+    assert_eq!(end.status.phase, P::Aborted);
+    let ended = end
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::ABORTED)
+        .expect("end event");
+    assert_ne!(
+        (began.kind, began.action),
+        (ended.kind, ended.action),
+        "the end's message would be folded into the start's Event"
+    );
+    assert!(ended.message.contains("resumed"), "{}", ended.message);
+}
