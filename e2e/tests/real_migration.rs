@@ -411,3 +411,414 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         "the 64 MiB ballast moved: {st:?}"
     );
 }
+
+/// Reads the counter continuously over one long-lived connection through the Service
+/// (ClusterIP) on a thread, and reconnects through the Service when that connection
+/// ends (a commit ends it: the pod address cannot move between these nodes). Every value
+/// is recorded, so a second copy serving an older counter shows as a jump back.
+struct ServiceReader {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+    /// How each connection ended, with how many values had been read by then.
+    ends: std::sync::Arc<std::sync::Mutex<Vec<(usize, String)>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServiceReader {
+    fn start(addr: String) -> ServiceReader {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let ends = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let (s, v, e) = (stop.clone(), seen.clone(), ends.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let conn = TcpStream::connect_timeout(
+                    &addr.parse().expect("ClusterIP:port"),
+                    Duration::from_secs(5),
+                );
+                let Ok(conn) = conn else {
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                };
+                // A frozen source answers late, not never: generous, not a time assertion.
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(300)));
+                let mut w = conn.try_clone().expect("clone");
+                let mut r = BufReader::new(conn);
+                let mut line = String::new();
+                let end = loop {
+                    if s.load(Ordering::SeqCst) {
+                        break "stopped".to_string();
+                    }
+                    line.clear();
+                    if let Err(e) = writeln!(w, "get") {
+                        break format!("write: {e}");
+                    }
+                    match r.read_line(&mut line) {
+                        Ok(0) => break "EOF".to_string(),
+                        Ok(_) => match line.trim().parse::<u64>() {
+                            Ok(n) => v.lock().unwrap().push(n),
+                            Err(_) => break format!("not a counter: {line:?}"),
+                        },
+                        Err(e) => break format!("read: {e}"),
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                };
+                let n = v.lock().unwrap().len();
+                e.lock().unwrap().push((n, end));
+            }
+        });
+        ServiceReader {
+            stop,
+            seen,
+            ends,
+            thread: Some(thread),
+        }
+    }
+
+    /// How many values were read so far, and how many connections ended.
+    fn counts(&self) -> (usize, usize) {
+        (
+            self.seen.lock().unwrap().len(),
+            self.ends.lock().unwrap().len(),
+        )
+    }
+
+    /// Values read on a connection opened after the first `ended` connections ended.
+    fn read_since(&self, ended: usize) -> usize {
+        let ends = self.ends.lock().unwrap();
+        match ends.get(ended) {
+            None => 0,
+            Some((at, _)) => self.seen.lock().unwrap().len().saturating_sub(*at),
+        }
+    }
+
+    /// Stops the reader; returns every value, in order, and how each connection ended.
+    fn finish(mut self) -> (Vec<u64>, Vec<(usize, String)>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.take().unwrap().join().expect("reader thread");
+        let seen = self.seen.lock().unwrap().clone();
+        let ends = self.ends.lock().unwrap().clone();
+        (seen, ends)
+    }
+}
+
+/// The first place where `values` goes backwards, if any.
+fn jump_back(values: &[u64]) -> Option<(usize, u64, u64)> {
+    values
+        .windows(2)
+        .enumerate()
+        .find(|(_, w)| w[1] < w[0])
+        .map(|(i, w)| (i, w[0], w[1]))
+}
+
+/// The pods whose name marks them as a migration's target pod of `source`.
+fn target_pods_of<'a>(ps: &'a [Pod], source: &str) -> Vec<&'a Pod> {
+    let prefix = format!("{source}-pm-");
+    ps.iter()
+        .filter(|p| p.name_any().starts_with(&prefix))
+        .collect()
+}
+
+/// After an interrupted migration: only the source pod is left (the same one, never
+/// restarted, Ready), no target pod of it exists, and it serves the same counter, larger
+/// than `before`. Returns that counter.
+async fn source_serves_alone(pods: &Api<Pod>, source: &Pod, before: u64, what: &str) -> u64 {
+    let name = source.name_any();
+    wait_list(
+        pods,
+        "",
+        POD_TIMEOUT,
+        &format!("{what}: only the source pod, Ready, and no target pod"),
+        |ps| {
+            target_pods_of(ps, &name).is_empty()
+                && ps
+                    .iter()
+                    .filter(|p| p.labels().get("app").map(String::as_str) == Some("slow"))
+                    .map(|p| (p.uid(), pod_running_ready(p)))
+                    .collect::<Vec<_>>()
+                    == vec![(source.uid(), true)]
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let now = pods.get(&name).await.unwrap();
+    assert_eq!(restart_count(&now), 0, "{what}: the source was restarted");
+    let after = counter(&format!("{}:8080", pod_ip(&now)));
+    assert!(
+        after > before,
+        "{what}: the source serves its own counter on: {before} then {after}"
+    );
+    after
+}
+
+/// A migration interrupted on the way never leaves two copies and never none: deleting
+/// the PodMigration while the checkpoint streams to the target (a bandwidth limit makes
+/// the transfer last), and deleting the target node's agent pod while the target
+/// restores and probes, each leave the source pod running and serving the same counter.
+/// Then a Cold migration moves it. All along, one connection through the Service reads
+/// the counter (and a new one after the commit ended it): it never goes backwards, and
+/// it ends larger than it began.
+#[tokio::test]
+async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() {
+    let Some(op) = TestNamespace::new("mig-int", PodSecurity::Restricted).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        return;
+    };
+    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+    let Some(app) = TestNamespace::new("mig-int-app", PodSecurity::Baseline).await else {
+        return;
+    };
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let release = format!("pm{}", random_suffix());
+    let agents = format!("{}-agents", op.name);
+    let _uninstall = helm_install(
+        &release,
+        &images,
+        &op.name,
+        &app.name,
+        "podmotion-e2e-interrupted",
+        &[],
+    );
+    let testload = images.testload().unwrap();
+    // 96 MiB of ballast: at the 1 MiB/s limit below the transfer lasts long enough to be
+    // interrupted.
+    let deploy: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "slow"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "slow"}},
+            "template": {"metadata": {"labels": {"app": "slow"}}, "spec": {
+                "nodeSelector": {"type": "real"},
+                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                "enableServiceLinks": false,
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "app", "image": testload,
+                    "args": ["serve", "8080", "96"],
+                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+                    "ports": [{"containerPort": 8080}],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
+    }));
+    app.api::<Deployment>()
+        .create(&PostParams::default(), &deploy)
+        .await
+        .unwrap();
+    let svc: Service = from_json(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "slow"},
+        "spec": {"selector": {"app": "slow"}, "ports": [{"port": 8080}]}
+    }));
+    let svc = app
+        .api::<Service>()
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
+    let pods: Api<Pod> = app.api();
+    let source = wait_list(&pods, "app=slow", POD_TIMEOUT, "the replica Ready", |ps| {
+        ps.len() == 1 && pod_running_ready(&ps[0])
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))[0]
+        .clone();
+    let source_addr = format!("{}:8080", pod_ip(&source));
+    let source_node = node_of(&source);
+    let target_node = nodes.iter().find(|n| **n != source_node).unwrap().clone();
+    // The whole ballast is written before anything is dumped (a watch cannot see it).
+    let mut filled = false;
+    for _ in 0..600 {
+        if ask(&source_addr, "ballast").is_ok_and(|a| a == "filled") {
+            filled = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(filled, "the ballast was never filled");
+
+    let reader = ServiceReader::start(svc_addr.clone());
+    let pms: Api<PodMigration> = app.api();
+    let before = counter(&source_addr);
+
+    // 1. Deleted mid-transfer.
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "deleted-mid-transfer"},
+        "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
+            "freezeBudgetMillis": 600000, "bandwidthLimitBytesPerSecond": 1048576,
+            "probe": {"tcpSocket": {"port": 8080}}}
+    }));
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+    let seen = wait_for(
+        &pms,
+        "deleted-mid-transfer",
+        MIGRATION_TIMEOUT,
+        "the transfer under way (or the end)",
+        |m| {
+            m.and_then(|m| m.status.as_ref())
+                .is_some_and(|s| s.phase == MigrationPhase::Transferring || s.phase.is_terminal())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .and_then(|m| m.status)
+    .unwrap();
+    if seen.phase != MigrationPhase::Transferring {
+        app.dump();
+        panic!("the migration ended before it could be interrupted: {seen:?}");
+    }
+    let dp = kube::api::DeleteParams::default();
+    pms.delete("deleted-mid-transfer", &dp).await.unwrap();
+    wait_for(
+        &pms,
+        "deleted-mid-transfer",
+        MIGRATION_TIMEOUT,
+        "the deleted migration rolled back and released",
+        |m| m.is_none(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let after_delete = source_serves_alone(&pods, &source, before, "deleted mid-transfer").await;
+
+    // 2. The target node's agent pod deleted while the target restores and probes. The
+    // probe cannot pass (nothing listens on 9; 30 attempts a second apart), so the
+    // restore phase lasts and the migration ends in a rollback either way; what is
+    // checked is that the agent's death does not leave the restored copy running.
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "agent-killed-mid-restore"},
+        "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
+            "freezeBudgetMillis": 600000,
+            "probe": {"tcpSocket": {"port": 9}, "timeoutSeconds": 1, "failureThreshold": 30}}
+    }));
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+    let seen = wait_for(
+        &pms,
+        "agent-killed-mid-restore",
+        MIGRATION_TIMEOUT,
+        "the restore under way (or the end)",
+        |m| {
+            m.and_then(|m| m.status.as_ref())
+                .is_some_and(|s| s.phase == MigrationPhase::Restoring || s.phase.is_terminal())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .and_then(|m| m.status)
+    .unwrap();
+    if seen.phase != MigrationPhase::Restoring {
+        app.dump();
+        panic!("the migration ended before its restore: {seen:?}");
+    }
+    let agent_pods: Api<Pod> = Api::namespaced(op.client.clone(), &agents);
+    let on_target = ListParams::default()
+        .labels("app.kubernetes.io/component=migration-agent")
+        .fields(&format!("spec.nodeName={target_node}"));
+    let killed = agent_pods.list(&on_target).await.unwrap().items;
+    assert_eq!(killed.len(), 1, "one agent pod on {target_node}");
+    agent_pods.delete(&killed[0].name_any(), &dp).await.unwrap();
+    let st = ended(&pms, "agent-killed-mid-restore").await;
+    let logs = op.kubectl(&[
+        "-n",
+        &op.name,
+        "logs",
+        "-l",
+        "app.kubernetes.io/component=operator",
+        "--tail=200",
+    ]);
+    assert_ne!(
+        st.phase,
+        MigrationPhase::Succeeded,
+        "{st:?}\noperator log:\n{logs}"
+    );
+    eprintln!(
+        "agent-killed-mid-restore ended {:?}: {:?} {:?}",
+        st.phase, st.failure_reason, st.failure_message
+    );
+    source_serves_alone(
+        &pods,
+        &source,
+        after_delete,
+        "target agent killed mid-restore",
+    )
+    .await;
+    // The DaemonSet replaced the agent (for what follows).
+    wait_list(
+        &agent_pods,
+        "app.kubernetes.io/component=migration-agent",
+        POD_TIMEOUT,
+        "the agents Ready again",
+        |ps| {
+            ps.len() == nodes.len()
+                && ps.iter().all(pod_running_ready)
+                && !ps.iter().any(|p| p.uid() == killed[0].uid())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // The interruptions never cut the reader's connection: the source kept it.
+    let (reads_before_move, ended_before_move) = reader.counts();
+    assert!(reads_before_move > 0, "the reader read nothing");
+    assert_eq!(ended_before_move, 0, "{:?}", reader.ends.lock().unwrap());
+
+    // 3. A Cold migration moves it; the reader's connection ends at the commit and the
+    // next one, through the Service again, reaches the moved copy.
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "moves"},
+        "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
+            "freezeBudgetMillis": 60000, "probe": {"tcpSocket": {"port": 8080}}}
+    }));
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+    let st = ended(&pms, "moves").await;
+    if st.phase != MigrationPhase::Succeeded {
+        app.dump();
+        panic!("the migration after the interruptions failed: {st:?}");
+    }
+    let target = st.target_pod.clone().expect("status.targetPod");
+    let moved = wait_list(&pods, "app=slow", POD_TIMEOUT, "only the moved pod", |ps| {
+        ps.len() == 1 && ps[0].name_any() == target && pod_running_ready(&ps[0])
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(node_of(&moved[0]), target_node);
+    // The commit ended the reader's connection (the address did not move); wait until
+    // it has read a few values on a new one, through the Service, from the moved copy.
+    let mut reads_after = false;
+    for _ in 0..1200 {
+        if reader.read_since(0) >= 3 {
+            reads_after = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let moved_counter = counter(&svc_addr);
+    let (values, ends) = reader.finish();
+    assert!(
+        reads_after,
+        "the reader read nothing after the move: {ends:?}"
+    );
+    assert!(values.len() > 10, "too few reads: {values:?} {ends:?}");
+    if let Some((i, a, b)) = jump_back(&values) {
+        panic!(
+            "two copies served: read {i} saw {a}, read {} saw {b} (connections ended: {ends:?})",
+            i + 1
+        );
+    }
+    assert!(
+        values.last() > values.first(),
+        "the counter did not advance: {values:?}"
+    );
+    assert!(
+        moved_counter >= *values.last().unwrap(),
+        "a new connection through the Service went back: {moved_counter} < {:?}",
+        values.last()
+    );
+}
+
+#[test]
+fn jump_back_finds_the_first_decrease_only() {
+    assert_eq!(jump_back(&[1, 2, 2, 5]), None);
+    assert_eq!(jump_back(&[1, 3, 2, 5, 1]), Some((1, 3, 2)));
+    assert_eq!(jump_back(&[]), None);
+}
