@@ -660,3 +660,219 @@ async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_no
         "the application answers again"
     );
 }
+
+/// The test-only HTTP server image (`podmotion-runner-standin`: `/healthz`, `/report`,
+/// `404 not found` otherwise, each answer with `Connection: close`), from the list of
+/// images hack/images.sh printed.
+fn http_app_image() -> String {
+    let list = std::env::var_os("PODMOTION_IMAGES_LIST")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| podmotion_e2e::run_dir().join("images.txt"));
+    let text = std::fs::read_to_string(&list)
+        .unwrap_or_else(|e| panic!("{}: {e} (bash hack/images.sh > it)", list.display()));
+    text.lines()
+        .map(str::trim)
+        .find(|l| l.contains("/podmotion/runner-standin@sha256:"))
+        .unwrap_or_else(|| panic!("no podmotion/runner-standin image in {}", list.display()))
+        .to_owned()
+}
+
+/// A local keep-alive HTTP server standing in for the developer's process: answers
+/// every request with `200` and `local <path>`, and reports each request line.
+fn local_http_server() -> (u16, mpsc::Receiver<String>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for s in l.incoming().map_while(Result::ok) {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut w = s.try_clone().unwrap();
+                let mut r = BufReader::new(s);
+                loop {
+                    let mut request_line = String::new();
+                    if r.read_line(&mut request_line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                            break;
+                        }
+                    }
+                    let path = request_line
+                        .split_whitespace()
+                        .nth(1)
+                        .unwrap_or("?")
+                        .to_owned();
+                    let _ = tx.send(request_line.trim_end().to_owned());
+                    let body = format!("local {path}");
+                    if write!(
+                        w,
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, rx)
+}
+
+/// Reads one HTTP response framed by Content-Length: (status line, body).
+fn read_http_response(r: &mut BufReader<std::net::TcpStream>) -> (String, String) {
+    let mut status = String::new();
+    r.read_line(&mut status).expect("a response");
+    let mut len = 0;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        if h == "\r\n" || h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0; len];
+    std::io::Read::read_exact(r, &mut body).unwrap();
+    (
+        status.trim_end().to_owned(),
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// `kubectl podmotion intercept deploy/web --port 8080:LOCAL --header X-Dev=me`: on one
+/// keep-alive connection to the Service, the request carrying the header is answered
+/// by the local server and the next one, without it, by the application; the local
+/// server never sees the second. Ctrl-C leaves no attachment. Needs an attach image
+/// with filtered intercepts (the plugin refuses an older agent).
+#[tokio::test]
+async fn filtered_intercept_sends_only_matching_requests_to_the_local_server() {
+    let Some(w) = World::new("plugin-hdr").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let d: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}}, "spec": {
+                "nodeSelector": {"type": "real"},
+                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                "enableServiceLinks": false,
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "app", "image": http_app_image(),
+                    "env": [{"name": "COMPASS_METRICS_ADDR", "value": ":8080"}],
+                    "ports": [{"containerPort": 8080}],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
+    }));
+    w.app
+        .api::<Deployment>()
+        .create(&PostParams::default(), &d)
+        .await
+        .unwrap();
+    let svc: Service = from_json(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 8080}]}
+    }));
+    let svc = w
+        .app
+        .api::<Service>()
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
+    let pods: Api<Pod> = w.app.api();
+    wait_list(
+        &pods,
+        "app=web",
+        POD_TIMEOUT,
+        "the web replica Ready",
+        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let (local, received) = local_http_server();
+
+    let mut child = kubectl_podmotion(
+        &bin,
+        &[
+            "intercept",
+            "deploy/web",
+            "--port",
+            &format!("8080:{local}"),
+            "--header",
+            "X-Dev=me",
+            "-n",
+            &w.app.name,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawning kubectl podmotion intercept --header");
+    let rx = lines_of(&mut child);
+    let mut seen = vec![];
+    wait_line(
+        &mut child,
+        &rx,
+        "intercepting HTTP requests with X-Dev: me",
+        &mut seen,
+    );
+
+    // One keep-alive connection through the Service, two requests.
+    let conn = std::net::TcpStream::connect(&svc_addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut wr = conn.try_clone().unwrap();
+    let mut r = BufReader::new(conn);
+    use std::io::Write;
+    write!(wr, "GET /mine HTTP/1.1\r\nHost: web\r\nX-Dev: me\r\n\r\n").unwrap();
+    assert_eq!(
+        read_http_response(&mut r),
+        ("HTTP/1.1 200 OK".to_string(), "local /mine".to_string()),
+        "{seen:#?}"
+    );
+    write!(wr, "GET /theirs HTTP/1.1\r\nHost: web\r\n\r\n").unwrap();
+    assert_eq!(
+        read_http_response(&mut r),
+        (
+            "HTTP/1.1 404 Not Found".to_string(),
+            "not found\n".to_string()
+        ),
+        "the application answers the request without the header"
+    );
+    let got: Vec<String> = received.try_iter().collect();
+    assert_eq!(
+        got,
+        ["GET /mine HTTP/1.1"],
+        "only the matching request reached the local server"
+    );
+
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    seen.extend(rx.iter());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{seen:#?}\n{err}");
+    let left = w
+        .app
+        .api::<NodeAgentAttachment>()
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(left.items.is_empty(), "attachments left after Ctrl-C");
+}
