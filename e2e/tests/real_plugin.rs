@@ -186,6 +186,8 @@ impl World {
                     "terminationGracePeriodSeconds": 2,
                     "containers": [{"name": "app", "image": testload,
                         "args": ["serve", "8080", "16"],
+                        // Read back by `kubectl podmotion env` (quoted: a space and a `$`).
+                        "env": [{"name": "PLUGIN_MARK", "value": "mark with $pace"}],
                         "securityContext": {"runAsUser": 0, "runAsGroup": 0},
                         "ports": [{"containerPort": 8080}],
                         "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
@@ -875,4 +877,55 @@ async fn filtered_intercept_sends_only_matching_requests_to_the_local_server() {
         .await
         .unwrap();
     assert!(left.items.is_empty(), "attachments left after Ctrl-C");
+}
+
+/// `kubectl podmotion env deploy/mover --container app`: with no attachment of the
+/// workload, the plugin creates an Ingest attachment, prints the container's real
+/// environment as dotenv on stdout (progress on stderr), and deletes the attachment.
+#[tokio::test]
+async fn env_prints_the_replicas_environment_as_dotenv_and_leaves_nothing() {
+    let Some(w) = World::new("plugin-env").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let out = run(
+        &bin,
+        &[
+            "env",
+            "deploy/mover",
+            "--container",
+            "app",
+            "-n",
+            &w.app.name,
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!("kubectl podmotion env:\n{stdout}\n--- stderr:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "exit {:?}: {stderr}",
+        out.status.code()
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l == r#"PLUGIN_MARK="mark with \$pace""#),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().all(|l| l.contains('=')),
+        "only dotenv lines on stdout: {stdout}"
+    );
+    assert!(stderr.contains("Ingest of Deployment/mover"), "{stderr}");
+    let left = w
+        .app
+        .api::<NodeAgentAttachment>()
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        left.items.is_empty(),
+        "the Ingest attachment is left behind"
+    );
 }

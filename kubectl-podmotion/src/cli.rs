@@ -44,6 +44,24 @@ pub enum Command {
     Status(Status),
     /// Send a workload's incoming traffic on one port to a local port, until Ctrl-C.
     Intercept(Intercept),
+    /// Print the environment a replica's container runs with, as a dotenv file.
+    Env(Env),
+}
+
+#[derive(Args, Debug)]
+pub struct Env {
+    /// The workload: `NAME` (a Deployment), `deploy/NAME`, `sts/NAME`, `rs/NAME`, `ds/NAME`.
+    #[arg(value_parser = parse_workload)]
+    pub workload: Workload,
+    /// The container (default: the pod's first).
+    #[arg(long, short = 'c')]
+    pub container: Option<String>,
+    /// Namespace of the agent Jobs (see `intercept --help`).
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    pub agents_namespace: Option<String>,
+    /// Give up when the agent is not ready after this long.
+    #[arg(long, default_value = "3m", value_parser = parse_duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -178,7 +178,7 @@ pub fn filter_acknowledged(answer: &str) -> bool {
         .is_some_and(|h| h.as_array().is_some_and(|a| !a.is_empty()))
 }
 
-fn say(line: &str) {
+pub(crate) fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
@@ -259,7 +259,7 @@ async fn intercept(
     sigint: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<u8> {
     let attachment = tokio::select! {
-        a = wait_ready(naas, namespace, name, args.timeout) => a?,
+        a = wait_ready(naas, namespace, name, args.timeout, say) => a?,
         _ = sigint.recv() => {
             say("interrupted while waiting for the agents");
             return Ok(crate::migrate::INTERRUPTED);
@@ -406,11 +406,12 @@ async fn acceptor(agent: Agent, app: u16, local: u16, stopping: Arc<AtomicBool>)
 }
 
 /// Follows the attachment until it is ready; prints each change; fails on Stalled.
-async fn wait_ready(
+pub(crate) async fn wait_ready(
     naas: &Api<NodeAgentAttachment>,
     namespace: &str,
     name: &str,
     timeout: Duration,
+    say: fn(&str),
 ) -> anyhow::Result<NodeAgentAttachment> {
     let stream = watcher::watcher(
         naas.clone(),
@@ -477,7 +478,7 @@ async fn wait_ready(
 }
 
 /// The agent of each target: its Job's ready pod, control port and token.
-async fn agents_of(
+pub(crate) async fn agents_of(
     client: &Client,
     a: &NodeAgentAttachment,
     agents_namespace: Option<&str>,
@@ -600,7 +601,7 @@ pub fn pod_ready(p: &Pod) -> bool {
 }
 
 /// Deletes the attachment (foreground) and waits until it is gone.
-async fn delete_and_wait(
+pub(crate) async fn delete_and_wait(
     naas: &Api<NodeAgentAttachment>,
     namespace: &str,
     name: &str,

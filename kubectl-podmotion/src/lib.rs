@@ -16,6 +16,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod env;
 pub mod explain;
 pub mod intercept;
 pub mod migrate;

@@ -1,0 +1,292 @@
+//! `kubectl podmotion env <workload> [--container C]`: the environment a replica's
+//! container really runs with (its `/proc/<pid>/environ`, read by the attach agent),
+//! printed as a dotenv file on stdout; progress goes to stderr.
+//!
+//! It uses a Ready attachment of the workload when there is one (any mode: every agent
+//! serves the environment), and otherwise creates an `Ingest` attachment (one Job, kept
+//! while its session Lease is renewed — this command renews it while it waits), reads
+//! the environment and deletes the attachment again.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::attachment::{AttachMode, IngestSession, NodeAgentAttachmentSpec, WorkloadRef};
+
+use crate::cli::{Env, Workload};
+use crate::explain::{Attempt, code, kube_error};
+use crate::intercept::{Readiness, agents_of, delete_and_wait, readiness, wait_ready};
+
+const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
+/// How often the ingest's session Lease is renewed while waiting (its default
+/// duration is 60 s).
+const RENEW_EVERY: Duration = Duration::from_secs(15);
+
+/// One environment entry as the agent reports it.
+#[derive(Debug, serde::Deserialize, PartialEq, Eq)]
+pub struct EnvEntry {
+    pub name: String,
+    pub value: String,
+}
+
+/// A dotenv line: `NAME=value`, or `NAME="…"` with `\\`, `\"`, `\$`, `\n`, `\r`, `\t`
+/// escaped when the value holds anything but plain characters.
+pub fn dotenv_line(name: &str, value: &str) -> String {
+    let plain = value
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "_-./:@%+,".contains(c));
+    if plain {
+        return format!("{name}={value}");
+    }
+    let mut q = String::with_capacity(value.len() + 2);
+    for c in value.chars() {
+        match c {
+            '\\' => q.push_str("\\\\"),
+            '"' => q.push_str("\\\""),
+            '$' => q.push_str("\\$"),
+            '\n' => q.push_str("\\n"),
+            '\r' => q.push_str("\\r"),
+            '\t' => q.push_str("\\t"),
+            c => q.push(c),
+        }
+    }
+    format!("{name}=\"{q}\"")
+}
+
+/// The dotenv file: entries in the process's order; a name that repeats keeps its
+/// first value (the one `getenv` returns in the process).
+pub fn dotenv(entries: &[EnvEntry]) -> String {
+    let mut seen = HashSet::new();
+    let mut out = String::new();
+    for e in entries {
+        if seen.insert(e.name.as_str()) {
+            out.push_str(&dotenv_line(&e.name, &e.value));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// A Ready attachment of the workload, any mode, not being deleted.
+pub fn ready_attachment<'a>(
+    attachments: &'a [NodeAgentAttachment],
+    w: &Workload,
+) -> Option<&'a NodeAgentAttachment> {
+    attachments.iter().find(|a| {
+        a.metadata.deletion_timestamp.is_none()
+            && a.spec.workload_ref.kind == w.kind
+            && a.spec.workload_ref.name == w.name
+            && readiness(a) == Readiness::Ready
+    })
+}
+
+/// The Ingest attachment `env` creates.
+pub fn build_ingest(name: &str, w: &Workload) -> NodeAgentAttachment {
+    let mut spec: NodeAgentAttachmentSpec = serde_json::from_value(serde_json::json!({
+        "workloadRef": {"kind": w.kind.as_str(), "name": w.name},
+        "mode": "Ingest",
+        "ingest": {},
+    }))
+    .expect("an ingest spec deserializes with its defaults");
+    spec.workload_ref = WorkloadRef {
+        kind: w.kind,
+        name: w.name.clone(),
+    };
+    spec.mode = AttachMode::Ingest;
+    spec.ingest = Some(IngestSession {
+        lease_name: None,
+        lease_duration_seconds: 60,
+    });
+    NodeAgentAttachment::new(name, spec)
+}
+
+fn progress(line: &str) {
+    eprintln!("{line}");
+}
+
+/// Renews the ingest's Lease (named after the attachment) until dropped.
+fn renew_lease(client: Client, namespace: String, name: String) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let leases: Api<Lease> = Api::namespaced(client, &namespace);
+        loop {
+            let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::now(),
+            );
+            let patch = serde_json::json!({"spec": {"renewTime": now}});
+            if let Err(e) = leases
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                && code(&e) != Some(404)
+            {
+                eprintln!("warning: renewing Lease {namespace}/{name}: {e}");
+            }
+            tokio::time::sleep(RENEW_EVERY).await;
+        }
+    })
+}
+
+pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<u8> {
+    let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
+    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "list",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: None,
+            },
+            &e
+        ))
+    })?;
+    let w = &args.workload;
+    let (attachment, created, renewer) = match ready_attachment(&listed.items, w) {
+        Some(a) => {
+            progress(&format!(
+                "using nodeagentattachment.podmotion.io/{} ({:?})",
+                a.name_any(),
+                a.spec.mode
+            ));
+            (a.clone(), None, None)
+        }
+        None => {
+            let name = crate::migrate::migration_name(
+                &format!("env-{}", w.name),
+                &crate::migrate::random_suffix(),
+            );
+            naas.create(&PostParams::default(), &build_ingest(&name, w))
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!(kube_error(
+                        Attempt {
+                            verb: "create",
+                            resource: ATTACHMENTS,
+                            namespace: Some(namespace),
+                            name: None,
+                        },
+                        &e
+                    ))
+                })?;
+            progress(&format!(
+                "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Ingest of {}/{}",
+                w.kind.as_str(),
+                w.name
+            ));
+            let renewer = renew_lease(client.clone(), namespace.to_string(), name.clone());
+            let ready = wait_ready(&naas, namespace, &name, args.timeout, progress).await;
+            match ready {
+                Ok(a) => (a, Some(name), Some(renewer)),
+                Err(e) => {
+                    renewer.abort();
+                    delete_and_wait(&naas, namespace, &name).await?;
+                    return Err(e);
+                }
+            }
+        }
+    };
+    let result = read_env(&client, namespace, &attachment, args).await;
+    if let Some(r) = renewer {
+        r.abort();
+    }
+    if let Some(name) = created {
+        delete_and_wait(&naas, namespace, &name).await?;
+        progress(&format!("nodeagentattachment.podmotion.io/{name} deleted"));
+    }
+    print!("{}", dotenv(&result?));
+    Ok(0)
+}
+
+async fn read_env(
+    client: &Client,
+    namespace: &str,
+    a: &NodeAgentAttachment,
+    args: &Env,
+) -> anyhow::Result<Vec<EnvEntry>> {
+    let agents = agents_of(client, a, args.agents_namespace.as_deref()).await?;
+    let agent = agents.first().context("no agent")?;
+    let query = match &args.container {
+        None => String::new(),
+        Some(c) => {
+            let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+            let pod = pods.get(&agent.target).await.map_err(|e| {
+                anyhow::anyhow!(kube_error(
+                    Attempt {
+                        verb: "get",
+                        resource: "pods",
+                        namespace: Some(namespace),
+                        name: Some(&agent.target),
+                    },
+                    &e
+                ))
+            })?;
+            let id = pod
+                .status
+                .and_then(|s| s.container_statuses)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|s| &s.name == c)
+                .and_then(|s| s.container_id)
+                .with_context(|| format!("pod {} has no running container {c}", agent.target))?;
+            format!("?container={id}")
+        }
+    };
+    progress(&format!(
+        "environment of pod {}{} (node {})",
+        agent.target,
+        args.container
+            .as_deref()
+            .map(|c| format!(", container {c}"))
+            .unwrap_or_default(),
+        agent.node
+    ));
+    let (code, body) = agent.call("GET", &format!("/v1/env{query}"), "").await?;
+    if code != 200 {
+        bail!("the agent for {} answered {code}: {body}", agent.target);
+    }
+    serde_json::from_str(&body).with_context(|| format!("the agent's environment: {body}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dotenv_quotes_what_a_shell_or_dotenv_reader_would_misread() {
+        assert_eq!(dotenv_line("A", "1"), "A=1");
+        assert_eq!(dotenv_line("URL", "http://x:8080/p"), "URL=http://x:8080/p");
+        assert_eq!(dotenv_line("E", ""), "E=");
+        assert_eq!(dotenv_line("S", "a b"), "S=\"a b\"");
+        assert_eq!(
+            dotenv_line("Q", "say \"hi\" $HOME\\n\nx"),
+            "Q=\"say \\\"hi\\\" \\$HOME\\\\n\\nx\""
+        );
+        assert_eq!(dotenv_line("H", "a#b"), "H=\"a#b\"");
+    }
+
+    #[test]
+    fn repeated_names_keep_the_value_getenv_sees() {
+        let e = |n: &str, v: &str| EnvEntry {
+            name: n.into(),
+            value: v.into(),
+        };
+        assert_eq!(
+            dotenv(&[e("B", "1"), e("A", "2"), e("B", "3")]),
+            "B=1\nA=2\n"
+        );
+    }
+
+    #[test]
+    fn an_ingest_is_created_when_no_ready_attachment_serves_the_workload() {
+        let w = crate::cli::parse_workload("deploy/web").unwrap();
+        let a = build_ingest("env-web-ab12c", &w);
+        let v = serde_json::to_value(&a).unwrap();
+        assert_eq!(v["spec"]["mode"], "Ingest");
+        assert_eq!(v["spec"]["ingest"]["leaseDurationSeconds"], 60);
+        assert!(v["spec"].get("ports").is_none(), "an ingest has no ports");
+        assert!(ready_attachment(&[a], &w).is_none(), "no status: not ready");
+    }
+}
