@@ -13,8 +13,13 @@
 //! stage hands over to that stage's handler in the same round (`Machine::resume`).
 //! The rollback order is what keeps the invariants: the restored copy on the target is killed (and confirmed killed)
 //! before the source is thawed, so there are never two running copies; the source is
-//! thawed on every failure before commit, so there is never zero; and `Commit` (kill
+//! thawed on every failure before commit (past the restore fence, only after the
+//! restored copy's own failure), so there is never zero; and `Commit` (kill
 //! the frozen source) is only issued after the target passed the application probe.
+//! Once the target reports its restore (the restore fence) only the restored copy's
+//! own failure rolls back; everything else rolls forward to the commit. Every wait is
+//! bounded by the progress timeout and ends in a terminal phase that says what it
+//! could not confirm.
 
 use std::time::Duration;
 
@@ -1343,7 +1348,7 @@ impl Observed {
     fn status_pod_name(&self) -> &str {
         self.status.target_pod.as_deref().unwrap_or("?")
     }
-    /// The source pod as `<name>` with its pinned UID, for messages.
+    /// The source pod by its pinned UID, for messages.
     fn status_source_pod(&self) -> String {
         match &self.status.source_pod_uid {
             Some(uid) => format!("(uid {uid})"),
