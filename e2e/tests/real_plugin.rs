@@ -929,3 +929,121 @@ async fn env_prints_the_replicas_environment_as_dotenv_and_leaves_nothing() {
         "the Ingest attachment is left behind"
     );
 }
+
+/// `kubectl podmotion wiretap deploy/mover --port 8080 -w FILE.pcapng`: while the plugin
+/// taps, the application still answers a request; after Ctrl-C the file is read by
+/// `tshark` (Debian's, a client nobody here wrote) without malformed packets, and its
+/// TCP payloads hold the request and the application's answer. No attachment is left.
+#[tokio::test]
+async fn wiretap_writes_a_pcapng_that_tshark_reads_with_the_request_and_the_answer() {
+    let Some(w) = World::new("plugin-tap").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let tshark = which("tshark").expect("tshark (apt-get install tshark)");
+    let dir = std::env::temp_dir().join(format!("pm-tap-{}", random_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mover.pcapng");
+    let app_addr = format!(
+        "{}:8080",
+        w.pod.status.as_ref().unwrap().pod_ip.clone().unwrap()
+    );
+    let mut child = kubectl_podmotion(
+        &bin,
+        &[
+            "wiretap",
+            "deploy/mover",
+            "--port",
+            "8080",
+            "-w",
+            file.to_str().unwrap(),
+            "-n",
+            &w.app.name,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawning kubectl podmotion wiretap");
+    let rx = lines_of(&mut child);
+    let mut seen = vec![];
+    wait_line(&mut child, &rx, "tapping port 8080", &mut seen);
+    assert_eq!(
+        ask(&app_addr, "echo tapped-by-the-plugin").unwrap(),
+        "tapped-by-the-plugin",
+        "the application answers while tapped"
+    );
+    // The frames travel agent -> port-forward -> file; give them a moment, then stop.
+    std::thread::sleep(Duration::from_secs(2));
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    seen.extend(rx.iter());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{seen:#?}\n{err}");
+    assert!(seen.iter().any(|l| l.starts_with("wrote ")), "{seen:#?}");
+
+    let payloads = Command::new(&tshark)
+        .args([
+            "-r",
+            file.to_str().unwrap(),
+            "-Y",
+            "tcp.len > 0",
+            "-T",
+            "fields",
+            "-e",
+            "tcp.payload",
+        ])
+        .output()
+        .unwrap();
+    let text = output_text(&payloads);
+    assert!(payloads.status.success(), "tshark: {text}");
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    let all: String = String::from_utf8_lossy(&payloads.stdout).replace(['\n', ':'], "");
+    assert!(
+        all.contains(&hex("echo tapped-by-the-plugin\n")),
+        "the request is in the capture: {text}"
+    );
+    assert!(
+        all.contains(&hex("tapped-by-the-plugin\n")),
+        "the answer is in the capture: {text}"
+    );
+    let malformed = Command::new(&tshark)
+        .args([
+            "-r",
+            file.to_str().unwrap(),
+            "-Y",
+            "_ws.malformed || _ws.expert.severity >= error",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        malformed.stdout.is_empty(),
+        "tshark finds malformed packets: {}",
+        output_text(&malformed)
+    );
+    let summary = Command::new(&tshark)
+        .args(["-r", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    eprintln!("tshark -r {}:\n{}", file.display(), output_text(&summary));
+    let left = w
+        .app
+        .api::<NodeAgentAttachment>()
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(left.items.is_empty(), "attachments left after Ctrl-C");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tool` on `$PATH`.
+fn which(tool: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}

@@ -157,16 +157,11 @@ impl Agent {
         Ok((code, String::from_utf8_lossy(&body).into_owned()))
     }
 
-    /// Opens an accept stream for `port` and waits until a connection is intercepted:
-    /// its peer and original destination, and the stream carrying its bytes. `Ok(None)`
-    /// when the agent closes the stream without a connection (intercept stopped).
-    pub async fn accept(
-        &self,
-        port: u16,
-    ) -> anyhow::Result<Option<(Intercepted, BufReader<DuplexStream>)>> {
+    /// Opens an upgraded stream on `path` (the agent answers 101, then the stream is
+    /// the endpoint's).
+    pub async fn upgrade(&self, path: &str) -> anyhow::Result<BufReader<DuplexStream>> {
         let mut s = BufReader::new(self.connect().await?);
-        let path = format!("/v1/intercepts/{port}/accept");
-        s.write_all(request("GET", &path, &self.token, "", true).as_bytes())
+        s.write_all(request("GET", path, &self.token, "", true).as_bytes())
             .await?;
         s.flush().await?;
         let head = read_head(&mut s).await?;
@@ -175,10 +170,23 @@ impl Agent {
             let mut body = vec![0; length.unwrap_or(0).min(MAX_HEAD)];
             let _ = s.read_exact(&mut body).await;
             bail!(
-                "the agent refused the accept stream ({code}): {}",
+                "the agent refused the stream {path} ({code}): {}",
                 String::from_utf8_lossy(&body)
             );
         }
+        Ok(s)
+    }
+
+    /// Opens an accept stream for `port` and waits until a connection is intercepted:
+    /// its peer and original destination, and the stream carrying its bytes. `Ok(None)`
+    /// when the agent closes the stream without a connection (intercept stopped).
+    pub async fn accept(
+        &self,
+        port: u16,
+    ) -> anyhow::Result<Option<(Intercepted, BufReader<DuplexStream>)>> {
+        let mut s = self
+            .upgrade(&format!("/v1/intercepts/{port}/accept"))
+            .await?;
         let mut line = Vec::new();
         let n = (&mut s)
             .take(MAX_HEAD as u64)

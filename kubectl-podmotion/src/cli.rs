@@ -46,6 +46,30 @@ pub enum Command {
     Intercept(Intercept),
     /// Print the environment a replica's container runs with, as a dotenv file.
     Env(Env),
+    /// Copy a workload's traffic on one port into a pcapng file, until Ctrl-C.
+    Wiretap(Wiretap),
+}
+
+#[derive(Args, Debug)]
+pub struct Wiretap {
+    /// The workload: `NAME` (a Deployment), `deploy/NAME`, `sts/NAME`, `rs/NAME`, `ds/NAME`.
+    #[arg(value_parser = parse_workload)]
+    pub workload: Workload,
+    /// The container port to tap.
+    #[arg(long)]
+    pub port: u16,
+    /// The pcapng file to write (Wireshark, tshark).
+    #[arg(short = 'w', long = "write")]
+    pub write: PathBuf,
+    /// Namespace of the agent Jobs (see `intercept --help`).
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    pub agents_namespace: Option<String>,
+    /// Name of the NodeAgentAttachment to create (default: `wiretap-<workload>-<random>`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Give up when the agents are not ready after this long.
+    #[arg(long, default_value = "3m", value_parser = parse_duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Args, Debug)]

@@ -48,16 +48,17 @@ pub fn attachment_name(workload: &str, suffix: &str) -> String {
     crate::migrate::migration_name(&format!("intercept-{workload}"), suffix)
 }
 
-/// The attachment to reuse: an `Intercept` attachment of the same workload, not being
+/// The attachment to reuse: an attachment of the same workload and `mode`, not being
 /// deleted, whose ports name `app` (or are empty: every declared port).
 pub fn reusable<'a>(
     attachments: &'a [NodeAgentAttachment],
     workload: &Workload,
     app: u16,
+    mode: AttachMode,
 ) -> Option<&'a NodeAgentAttachment> {
     attachments.iter().find(|a| {
         a.metadata.deletion_timestamp.is_none()
-            && a.spec.mode == AttachMode::Intercept
+            && a.spec.mode == mode
             && a.spec.workload_ref.kind == workload.kind
             && a.spec.workload_ref.name == workload.name
             && (a.spec.ports.is_empty()
@@ -65,11 +66,12 @@ pub fn reusable<'a>(
     })
 }
 
-/// The attachment `intercept` creates: the workload, mode Intercept, the one port.
-pub fn build(name: &str, workload: &Workload, app: u16) -> NodeAgentAttachment {
+/// The attachment `intercept` (mode Intercept) or `wiretap` (mode Wiretap) creates:
+/// the workload, the mode, the one port.
+pub fn build(name: &str, workload: &Workload, app: u16, mode: AttachMode) -> NodeAgentAttachment {
     let mut spec: NodeAgentAttachmentSpec = serde_json::from_value(serde_json::json!({
         "workloadRef": {"kind": workload.kind.as_str(), "name": workload.name},
-        "mode": "Intercept",
+        "mode": mode.as_str(),
     }))
     .expect("a spec with only workloadRef and mode deserializes with its defaults");
     spec.workload_ref = WorkloadRef {
@@ -199,7 +201,7 @@ pub async fn run(client: Client, namespace: &str, args: &Intercept) -> anyhow::R
     })?;
     let w = &args.workload;
     let kind = w.kind.as_str();
-    let (name, created) = match reusable(&listed.items, w, args.port.app) {
+    let (name, created) = match reusable(&listed.items, w, args.port.app, AttachMode::Intercept) {
         Some(a) => {
             let name = a.name_any();
             say(&format!(
@@ -213,19 +215,22 @@ pub async fn run(client: Client, namespace: &str, args: &Intercept) -> anyhow::R
                 .name
                 .clone()
                 .unwrap_or_else(|| attachment_name(&w.name, &crate::migrate::random_suffix()));
-            naas.create(&PostParams::default(), &build(&name, w, args.port.app))
-                .await
-                .map_err(|e| {
-                    anyhow::anyhow!(kube_error(
-                        Attempt {
-                            verb: "create",
-                            resource: ATTACHMENTS,
-                            namespace: Some(namespace),
-                            name: (code(&e) == Some(409)).then_some(name.as_str()),
-                        },
-                        &e
-                    ))
-                })?;
+            naas.create(
+                &PostParams::default(),
+                &build(&name, w, args.port.app, AttachMode::Intercept),
+            )
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(kube_error(
+                    Attempt {
+                        verb: "create",
+                        resource: ATTACHMENTS,
+                        namespace: Some(namespace),
+                        name: (code(&e) == Some(409)).then_some(name.as_str()),
+                    },
+                    &e
+                ))
+            })?;
             say(&format!(
                 "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Intercept of {kind}/{}, port {}",
                 w.name, args.port.app
@@ -701,14 +706,14 @@ mod tests {
             ),
         ];
         assert_eq!(
-            reusable(&list, &w, 8080).map(|a| a.name_any()),
+            reusable(&list, &w, 8080, AttachMode::Intercept).map(|a| a.name_any()),
             Some("p8080".into())
         );
         assert_eq!(
-            reusable(&list, &w, 9090).map(|a| a.name_any()),
+            reusable(&list, &w, 9090, AttachMode::Intercept).map(|a| a.name_any()),
             Some("p9090".into())
         );
-        assert!(reusable(&list, &w, 7070).is_none());
+        assert!(reusable(&list, &w, 7070, AttachMode::Intercept).is_none());
         let all = vec![attachment(
             "all",
             "Deployment",
@@ -717,7 +722,7 @@ mod tests {
             serde_json::json!([]),
         )];
         assert_eq!(
-            reusable(&all, &w, 7070).map(|a| a.name_any()),
+            reusable(&all, &w, 7070, AttachMode::Intercept).map(|a| a.name_any()),
             Some("all".into())
         );
         let mut going = all.clone();
@@ -725,7 +730,7 @@ mod tests {
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
         );
         assert!(
-            reusable(&going, &w, 7070).is_none(),
+            reusable(&going, &w, 7070, AttachMode::Intercept).is_none(),
             "an attachment being deleted is not reused"
         );
     }
@@ -733,7 +738,7 @@ mod tests {
     #[test]
     fn the_created_attachment_intercepts_the_one_port_of_the_workload() {
         let w = parse_workload("sts/db").unwrap();
-        let a = build("intercept-db-ab12c", &w, 5432);
+        let a = build("intercept-db-ab12c", &w, 5432, AttachMode::Intercept);
         let v = serde_json::to_value(&a).unwrap();
         assert_eq!(
             v["spec"]["workloadRef"],

@@ -20,9 +20,11 @@ pub mod env;
 pub mod explain;
 pub mod intercept;
 pub mod migrate;
+pub mod pcapng;
 pub mod progress;
 pub mod status;
 pub mod table;
+pub mod wiretap;
 
 use anyhow::Context;
 use kube::config::{KubeConfigOptions, Kubeconfig};

@@ -1,0 +1,227 @@
+//! `kubectl podmotion wiretap <workload> --port APP -w FILE.pcapng`: copies of every
+//! connection to the port on every replica, while the application still answers them,
+//! written as pcapng ([`crate::pcapng`]) until Ctrl-C. Creates (or reuses) a `Wiretap`
+//! NodeAgentAttachment for the port, starts a wiretap on each agent and reads its
+//! frame stream through a port-forward; Ctrl-C stops the wiretaps, closes the file and
+//! deletes the attachment if this command created it.
+
+use std::io::Write;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::attachment::AttachMode;
+use tokio::io::AsyncReadExt;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+
+use crate::agent::Agent;
+use crate::cli::Wiretap;
+use crate::explain::{Attempt, code, kube_error};
+use crate::intercept::{
+    agents_of, attachment_name, build, delete_and_wait, reusable, say, wait_ready,
+};
+use crate::pcapng::{Writer, header, parse_frame};
+
+const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
+
+pub async fn run(client: Client, namespace: &str, args: &Wiretap) -> anyhow::Result<u8> {
+    let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
+    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "list",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: None,
+            },
+            &e
+        ))
+    })?;
+    let w = &args.workload;
+    let kind = w.kind.as_str();
+    let (name, created) = match reusable(&listed.items, w, args.port, AttachMode::Wiretap) {
+        Some(a) => {
+            let name = a.name_any();
+            say(&format!(
+                "using nodeagentattachment.podmotion.io/{name} (Wiretap of {kind}/{}, port {})",
+                w.name, args.port
+            ));
+            (name, false)
+        }
+        None => {
+            let name = args.name.clone().unwrap_or_else(|| {
+                attachment_name(&w.name, &crate::migrate::random_suffix()).replacen(
+                    "intercept-",
+                    "wiretap-",
+                    1,
+                )
+            });
+            naas.create(
+                &PostParams::default(),
+                &build(&name, w, args.port, AttachMode::Wiretap),
+            )
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(kube_error(
+                    Attempt {
+                        verb: "create",
+                        resource: ATTACHMENTS,
+                        namespace: Some(namespace),
+                        name: (code(&e) == Some(409)).then_some(name.as_str()),
+                    },
+                    &e
+                ))
+            })?;
+            say(&format!(
+                "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Wiretap of {kind}/{}, port {}",
+                w.name, args.port
+            ));
+            (name, true)
+        }
+    };
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
+    let outcome = tap(&client, &naas, namespace, &name, args, &mut sigint).await;
+    if created {
+        delete_and_wait(&naas, namespace, &name).await?;
+        say(&format!("nodeagentattachment.podmotion.io/{name} is gone"));
+    }
+    outcome
+}
+
+fn micros_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or_default()
+}
+
+/// Reads one agent's wiretap stream and forwards its frames, tagged with `src`.
+async fn read_frames(
+    agent: Agent,
+    path: String,
+    src: usize,
+    tx: mpsc::Sender<(usize, u8, u32, Vec<u8>)>,
+) {
+    let mut s = match agent.upgrade(&path).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "warning: wiretap stream of the agent for {}: {e:#}",
+                agent.target
+            );
+            return;
+        }
+    };
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let mut used = 0;
+        while let Some((kind, conn, payload, len)) = parse_frame(&buf[used..]) {
+            if tx.send((src, kind, conn, payload.to_vec())).await.is_err() {
+                return;
+            }
+            used += len;
+        }
+        buf.drain(..used);
+    }
+}
+
+async fn tap(
+    client: &Client,
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    name: &str,
+    args: &Wiretap,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<u8> {
+    let attachment = tokio::select! {
+        a = wait_ready(naas, namespace, name, args.timeout, say) => a?,
+        _ = sigint.recv() => {
+            say("interrupted while waiting for the agents");
+            return Ok(crate::migrate::INTERRUPTED);
+        }
+    };
+    let agents = agents_of(client, &attachment, args.agents_namespace.as_deref()).await?;
+    let mut file = std::fs::File::create(&args.write)
+        .with_context(|| format!("creating {}", args.write.display()))?;
+    file.write_all(&header())?;
+    let app = args.port;
+    let mut started: Vec<(Agent, u64)> = vec![];
+    let mut failure = None;
+    for a in &agents {
+        match a.call("POST", &format!("/v1/wiretaps/{app}"), "").await {
+            Ok((201, body)) => match serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["id"].as_u64())
+            {
+                Some(id) => started.push((a.clone(), id)),
+                None => failure = Some(format!("the agent for {} answered {body}", a.target)),
+            },
+            Ok((c, body)) => {
+                failure = Some(format!(
+                    "the agent for {} refused the wiretap ({c}): {body}",
+                    a.target
+                ))
+            }
+            Err(e) => failure = Some(format!("reaching the agent for {}: {e:#}", a.target)),
+        }
+        if failure.is_some() {
+            break;
+        }
+    }
+    let (tx, mut rx) = mpsc::channel(1024);
+    let mut tasks = tokio::task::JoinSet::new();
+    if failure.is_none() {
+        for (i, (a, id)) in started.iter().enumerate() {
+            tasks.spawn(read_frames(
+                a.clone(),
+                format!("/v1/wiretaps/{app}/{id}/stream"),
+                i,
+                tx.clone(),
+            ));
+        }
+        say(&format!(
+            "tapping port {app} of {} replica(s) into {} (Ctrl-C to stop)",
+            started.len(),
+            args.write.display()
+        ));
+    }
+    drop(tx);
+    let mut w = Writer::default();
+    if failure.is_none() {
+        loop {
+            tokio::select! {
+                f = rx.recv() => {
+                    let Some((src, kind, conn, payload)) = f else { break };
+                    file.write_all(&w.frame(src, kind, conn, &payload, micros_now()))?;
+                }
+                _ = sigint.recv() => break,
+            }
+        }
+    }
+    for (a, id) in &started {
+        let _ = a
+            .call("DELETE", &format!("/v1/wiretaps/{app}/{id}"), "")
+            .await;
+    }
+    tasks.abort_all();
+    file.flush()?;
+    if let Some(f) = failure {
+        bail!(f);
+    }
+    say(&format!(
+        "wrote {} packets of {} connections to {}",
+        w.packets,
+        w.connections,
+        args.write.display()
+    ));
+    Ok(0)
+}
