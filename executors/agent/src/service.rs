@@ -834,14 +834,36 @@ impl Agent {
         let mut m = m.expect("authorized streams name a known migration");
         admit(m.role, m.phase, Step::Receive)?;
         // The stream's header (its first chunk) carries the stream id.
-        let sealer = Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let sealer = Arc::new(
+            Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?,
+        );
         m.phase = Phase::Receiving;
         let dir = m.dir.clone();
+        // This task takes chunks off the connection; a blocking thread opens and
+        // writes them, so the network side never waits for the decryption or tmpfs.
+        let (wtx, mut wrx) = tokio::sync::mpsc::channel::<ImageChunk>(RECEIVE_QUEUE);
+        let writer = {
+            let dir = dir.clone();
+            let sealer = sealer.clone();
+            tokio::task::spawn_blocking(move || -> Result<(u64, u64), Status> {
+                let mut store = Store::new(&dir);
+                while let Some(mut c) = wrx.blocking_recv() {
+                    transfer::check_image_path(&c.path)
+                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    let mut plain = std::mem::take(&mut c.sealed);
+                    sealer
+                        .open_in_place(c.seq, &c.path, c.offset, false, &mut plain)
+                        .map_err(|e| Status::permission_denied(e.to_string()))?;
+                    store.put(&c, plain)?;
+                }
+                Ok((store.files, store.bytes))
+            })
+        };
         let mut next = Some(first);
         let mut seq = 0u64;
-        let mut store = Store::new(&dir);
-        let res: Result<(), Status> = async {
+        let uid = m.uid.to_string();
+        let read: Result<Vec<u8>, Status> = async {
             loop {
                 let c = match next.take() {
                     Some(c) => c,
@@ -850,38 +872,50 @@ impl Agent {
                         .await?
                         .ok_or_else(|| Status::data_loss("stream ended without its final chunk"))?,
                 };
-                if c.seq != seq || c.migration_uid != m.uid.as_str() {
+                if c.seq != seq || c.migration_uid != uid {
                     return Err(Status::invalid_argument(
                         "chunk out of order or for another migration",
                     ));
                 }
                 seq += 1;
                 if c.end {
-                    let count = sealer
-                        .open(c.seq, "", c.offset, true, &c.sealed)
-                        .map_err(|e| Status::permission_denied(e.to_string()))?;
-                    if count != c.seq.to_be_bytes() {
-                        return Err(Status::data_loss("chunk count mismatch"));
-                    }
-                    return Ok(());
+                    return Ok(c.sealed);
                 }
-                transfer::check_image_path(&c.path)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                let plain = sealer
-                    .open(c.seq, &c.path, c.offset, false, &c.sealed)
-                    .map_err(|e| Status::permission_denied(e.to_string()))?;
-                store.put(&c, plain)?;
+                if wtx.send(c).await.is_err() {
+                    // The writer stopped on an error; it says which below.
+                    return Ok(vec![]);
+                }
             }
         }
         .await;
-        if let Err(e) = res {
-            // Never keep half an image: zeroize and start over on the next attempt.
-            let _ = images::zeroize(&dir);
-            let _ = images::create(&self.cfg.checkpoints_root, m.uid.as_str());
-            m.phase = Phase::Prepared;
-            return Err(e);
-        }
-        m.bytes_received += store.bytes;
+        drop(wtx);
+        let written = writer
+            .await
+            .map_err(|e| Status::internal(format!("image writer: {e}")));
+        // The stream ends well only if every chunk opened and was stored, and its final
+        // chunk authenticates the count.
+        let res: Result<(u64, u64), Status> = (|| {
+            let (files, bytes) = written??;
+            let end = read?;
+            let count = sealer
+                .open(seq - 1, "", 0, true, &end)
+                .map_err(|e| Status::permission_denied(e.to_string()))?;
+            if count != (seq - 1).to_be_bytes() {
+                return Err(Status::data_loss("chunk count mismatch"));
+            }
+            Ok((files, bytes))
+        })();
+        let (files, bytes) = match res {
+            Ok(r) => r,
+            Err(e) => {
+                // Never keep half an image: zeroize and start over on the next attempt.
+                let _ = images::zeroize(&dir);
+                let _ = images::create(&self.cfg.checkpoints_root, m.uid.as_str());
+                m.phase = Phase::Prepared;
+                return Err(e);
+            }
+        };
+        m.bytes_received += bytes;
         m.image_bytes = images::size(&dir);
         // Pre-copy rounds arrive first; the round carrying the manifest is the last.
         m.phase = if dir.join("manifest.json").exists() {
@@ -889,10 +923,7 @@ impl Agent {
         } else {
             Phase::Receiving
         };
-        Ok(ReceiveSummary {
-            files: store.files,
-            bytes: store.bytes,
-        })
+        Ok(ReceiveSummary { files, bytes })
     }
 
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
@@ -1378,6 +1409,9 @@ fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
     }
 }
 
+/// Chunks queued between the connection and the receiver's writer thread.
+const RECEIVE_QUEUE: usize = 4;
+
 /// Delta block size when comparing a final image with its warm copy.
 const BLOCK: usize = 64 * 1024;
 
@@ -1427,18 +1461,27 @@ fn produce(
             vec![]
         }
     };
-    let chunk =
-        |seq: u64, path: &str, offset: u64, data: &[u8], symlink: bool, base: &str| ImageChunk {
-            migration_uid: uid.into(),
-            seq,
-            path: path.into(),
-            offset,
-            sealed: sealer.seal(seq, path, offset, false, data),
-            end: false,
-            symlink,
-            base: base.into(),
-            stream_id: header(seq),
+    // Seals `data` (the plaintext, with room for the tag) in place.
+    let sealed_chunk =
+        |seq: u64, path: &str, offset: u64, mut data: Vec<u8>, symlink: bool, base: &str| {
+            sealer.seal_in_place(seq, path, offset, false, &mut data);
+            ImageChunk {
+                migration_uid: uid.into(),
+                seq,
+                path: path.into(),
+                offset,
+                sealed: data,
+                end: false,
+                symlink,
+                base: base.into(),
+                stream_id: header(seq),
+            }
         };
+    let chunk = |seq: u64, path: &str, offset: u64, data: &[u8], symlink: bool, base: &str| {
+        let mut buf = Vec::with_capacity(data.len() + transfer::TAG_LEN);
+        buf.extend_from_slice(data);
+        sealed_chunk(seq, path, offset, buf, symlink, base)
+    };
     let send = |c: ImageChunk| {
         pace.wait(c.sealed.len() as u64);
         tx.blocking_send(c)
@@ -1505,13 +1548,17 @@ fn produce(
         }
         let mut f = std::fs::File::open(&full).map_err(ierr)?;
         let mut offset = 0u64;
-        let mut buf = vec![0u8; transfer::CHUNK];
         loop {
-            let n = read_up_to(&mut f, &mut buf).map_err(ierr)?;
+            // Read straight into the buffer that is sealed in place and sent: no copy.
+            let mut buf = Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN);
+            let n = (&mut f)
+                .take(transfer::CHUNK as u64)
+                .read_to_end(&mut buf)
+                .map_err(ierr)?;
             if n == 0 && offset > 0 {
                 break;
             }
-            send(chunk(seq, &rel, offset, &buf[..n], false, ""))?;
+            send(sealed_chunk(seq, &rel, offset, buf, false, ""))?;
             seq += 1;
             offset += n as u64;
             bytes += n as u64;
@@ -1572,18 +1619,6 @@ fn pre_round(rel: &str) -> u32 {
         .and_then(|r| r.split('/').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
-}
-
-fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        let n = f.read(&mut buf[got..])?;
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    Ok(got)
 }
 
 fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, bool)>) -> std::io::Result<()> {

@@ -401,6 +401,29 @@ impl Testbed {
             .unwrap_or_default()
     }
 
+    /// The peak resident set (VmHWM, KiB) of the running agent of `node` so far.
+    pub fn agent_peak_rss_kib(&self, node: usize) -> Option<u64> {
+        let pid = self.agents[node].as_ref()?.id();
+        let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        st.lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// The CPU time (user + system, ms) the running agent of `node` used so far, its
+    /// own threads only (not the CRIU processes it runs).
+    pub fn agent_cpu_ms(&self, node: usize) -> Option<u64> {
+        let pid = self.agents[node].as_ref()?.id();
+        let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command name (which may hold spaces): utime, stime are
+        // fields 14 and 15, i.e. 12 and 13 after the closing parenthesis.
+        let rest = st.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        // USER_HZ: 100 on every Linux architecture this runs on.
+        Some(ticks * 10)
+    }
+
     pub fn kill_agent(&mut self, node: usize) {
         if let Some(mut c) = self.agents[node].take() {
             let _ = c.kill();

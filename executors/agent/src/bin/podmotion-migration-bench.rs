@@ -18,6 +18,10 @@ struct Row {
     restore_ms: f64,
     downtime_ms: f64,
     freeze_bytes: u64,
+    /// The larger agent's peak RSS (VmHWM) over the whole migration, KiB.
+    agent_rss_kib: Option<u64>,
+    /// CPU time of both agents' own threads over the migration, ms.
+    agent_cpu_ms: Option<u64>,
     ok: bool,
 }
 
@@ -120,6 +124,8 @@ fn raw(mib: usize) -> Row {
         restore_ms: ms(restore),
         downtime_ms: ms(dump + copy + restore),
         freeze_bytes: podmotion_agent::images::size(&dst),
+        agent_rss_kib: None,
+        agent_cpu_ms: None,
         ok,
     }
 }
@@ -147,6 +153,8 @@ fn agents(mib: usize, precopy: bool) -> Row {
         &tb.container("holder", holder.pid),
         TcpPreservation::Strict,
     );
+    let cpu = |tb: &Testbed| Some(tb.agent_cpu_ms(0)? + tb.agent_cpu_ms(1)?);
+    let cpu_before = cpu(&tb);
     let (s, sent_in_freeze, r) = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
@@ -181,13 +189,17 @@ fn agents(mib: usize, precopy: bool) -> Row {
         a.cleanup(uid).await.expect("cleanup");
         b.cleanup(uid).await.expect("cleanup");
     });
+    let agent_cpu_ms = cpu(&tb).zip(cpu_before).map(|(a, b)| a - b);
     let (st, rt) = (s.timings(), r.timings());
+    let agent_rss_kib = tb.agent_peak_rss_kib(0).max(tb.agent_peak_rss_kib(1));
     Row {
         dump_ms: st.dump_us as f64 / 1000.0,
         transfer_ms: st.send_us as f64 / 1000.0,
         restore_ms: rt.restore_us as f64 / 1000.0,
         downtime_ms: rt.resumed_us.saturating_sub(st.freeze_started_us) as f64 / 1000.0,
         freeze_bytes: sent_in_freeze,
+        agent_rss_kib,
+        agent_cpu_ms,
         ok,
     }
 }
@@ -203,23 +215,30 @@ fn main() {
         sizes
     };
     println!(
-        "| workload | method | dump ms | transfer ms | restore ms | downtime ms | bytes moved in freeze | state kept |"
+        "| workload | method | dump ms | transfer ms | restore ms | downtime ms | ÷ raw | bytes moved in freeze | agent peak RSS | agents' CPU ms | state kept |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for mib in sizes {
+        let raw_row = raw(mib);
         let rows = [
-            ("raw criu dump/cp/restore", raw(mib)),
+            ("raw criu dump/cp/restore", raw_row),
             ("agents Cold", agents(mib, false)),
             ("agents PreCopy", agents(mib, true)),
         ];
         for (name, r) in rows {
             println!(
-                "| {mib} MiB | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} MiB | {} |",
+                "| {mib} MiB | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.1} MiB | {} | {} | {} |",
                 r.dump_ms,
                 r.transfer_ms,
                 r.restore_ms,
                 r.downtime_ms,
+                r.downtime_ms / raw_row.downtime_ms,
                 r.freeze_bytes as f64 / (1 << 20) as f64,
+                r.agent_rss_kib.map_or("–".to_string(), |k| format!(
+                    "{:.0} MiB",
+                    k as f64 / 1024.0
+                )),
+                r.agent_cpu_ms.map_or("–".to_string(), |c| c.to_string()),
                 if r.ok { "yes" } else { "NO" }
             );
         }
