@@ -591,6 +591,7 @@ async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_no
         .await
         .unwrap();
     let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
+    service_reachable(&svc_addr);
     assert_eq!(ask(&svc_addr, "echo before").unwrap(), "before");
     let (local, received) = local_line_server();
 
@@ -803,6 +804,7 @@ async fn filtered_intercept_sends_only_matching_requests_to_the_local_server() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
+    service_reachable(&svc_addr);
     let (local, received) = local_http_server();
 
     let mut child = kubectl_podmotion(
@@ -1046,4 +1048,17 @@ fn which(tool: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|d| d.join(tool))
         .find(|p| p.is_file())
+}
+
+/// Waits until a new Service's address accepts connections (its endpoints are
+/// programmed a moment after the pod is Ready; until then connections are refused).
+fn service_reachable(addr: &str) {
+    let addr: std::net::SocketAddr = addr.parse().unwrap();
+    for _ in 0..120 {
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    panic!("Service {addr} never accepted a connection");
 }
