@@ -25,6 +25,15 @@ pub fn steal_fd(pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
 }
 
+/// Takes ownership of descriptors just received with SCM_RIGHTS (the client side).
+pub fn own_fds(raw: Vec<i32>) -> Vec<OwnedFd> {
+    raw.into_iter()
+        // SAFETY: each descriptor was just installed in this process by SCM_RIGHTS and
+        // is owned by nothing else.
+        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect()
+}
+
 const TCP_REPAIR: libc::c_int = 19;
 
 /// Whether a TCP socket is in repair mode.

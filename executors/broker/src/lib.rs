@@ -12,13 +12,15 @@
 //! killed agent never leaves a workload frozen.
 #![deny(unsafe_code)]
 
+pub mod fake;
 #[allow(unsafe_code)]
 pub mod kernel;
+pub mod os;
 pub mod procfs;
 
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::Signal;
 use nix::sys::socket::{ControlMessage, MsgFlags, getsockopt, sendmsg, sockopt::PeerCredentials};
-use nix::unistd::Pid;
+pub use os::{Ip, Kernel, RealKernel};
 use podmotion_wire::broker::*;
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::HashMap;
@@ -26,10 +28,9 @@ use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -72,8 +73,11 @@ struct Lock {
     addrs6: Vec<String>,
 }
 
-pub struct Broker {
+/// The dispatcher over a kernel layer: [`RealKernel`] in the binary (the default),
+/// [`fake::FakeKernel`] in tests and the fuzzer.
+pub struct Broker<K: Kernel = RealKernel> {
     cfg: Config,
+    kernel: K,
     entries: Mutex<HashMap<MigrationUid, Entry>>,
     next_conn: AtomicU64,
 }
@@ -92,36 +96,6 @@ pub fn under_pods_root(cgroup: &str, roots: &str) -> bool {
         })
 }
 
-/// Writes every pid of `tree` into the cgroups of `holder`: each cgroup v1 hierarchy's
-/// (hybrid hosts) and the v2 one (`cgroup_v2`, its 0:: path). On a hybrid host the v2
-/// hierarchy may lack the pod's directory; then the v1 moves are what counts.
-fn move_into_cgroups_of(holder: i32, cgroup_v2: &str, tree: &[i32]) -> Result<(), BrokerError> {
-    let v1 = procfs::cgroup_v1_of(holder)?;
-    let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
-    for (ctrls, path) in &v1 {
-        let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
-            err(
-                ErrorKind::Kernel,
-                format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
-            )
-        })?;
-        let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
-        for pid in tree {
-            std::fs::write(&procs, pid.to_string())
-                .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
-        }
-    }
-    let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
-    if !v1.is_empty() && !dir.is_dir() {
-        return Ok(());
-    }
-    let procs = dir.join("cgroup.procs");
-    for pid in tree {
-        std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
-    }
-    Ok(())
-}
-
 fn err(kind: ErrorKind, m: impl Into<String>) -> BrokerError {
     BrokerError::new(kind, m)
 }
@@ -130,25 +104,26 @@ fn kerr(e: impl std::fmt::Display) -> BrokerError {
     err(ErrorKind::Kernel, e.to_string())
 }
 
-fn ip(args: &[&str]) -> std::io::Result<String> {
-    let out = Command::new("ip").args(args).output()?;
-    if !out.status.success() {
-        return Err(std::io::Error::other(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+impl Broker<RealKernel> {
+    /// The broker over the node's real kernel (the binary's).
+    pub fn new(cfg: Config) -> Arc<Self> {
+        Self::with_kernel(cfg, RealKernel)
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-impl Broker {
-    pub fn new(cfg: Config) -> Arc<Self> {
+impl<K: Kernel> Broker<K> {
+    /// The broker over any kernel layer (tests and the fuzzer: [`fake::FakeKernel`]).
+    pub fn with_kernel(cfg: Config, kernel: K) -> Arc<Self> {
         Arc::new(Self {
             cfg,
+            kernel,
             entries: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
         })
+    }
+
+    pub fn kernel(&self) -> &K {
+        &self.kernel
     }
 
     pub fn netns_path(&self, uid: &MigrationUid) -> PathBuf {
@@ -194,7 +169,7 @@ impl Broker {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let peer_ok = match getsockopt(&s, PeerCredentials) {
             Ok(c) if c.uid() == self.cfg.allowed_uid && self.cfg.same_netns_peers => {
-                same_pod(c.pid())
+                same_pod(&self.kernel, c.pid())
             }
             Ok(c) if c.uid() == self.cfg.allowed_uid => Ok(()),
             Ok(c) => Err(err(
@@ -260,7 +235,9 @@ impl Broker {
     }
 
     /// The agent behind connection `conn` is gone: roll back what it left half-done.
-    fn lease_lost(&self, conn: u64) {
+    /// Called when a connection ends; public for harnesses that drive [`Broker::handle`]
+    /// directly.
+    pub fn lease_lost(&self, conn: u64) {
         let mine: Vec<(MigrationUid, Entry)> = {
             let mut m = self.entries.lock().expect("broker state");
             let uids: Vec<_> = m
@@ -278,7 +255,7 @@ impl Broker {
             }
             if let (BrokerRole::Source, Some(l), false) = (e.role, &e.locked, e.killed) {
                 tracing::warn!(%uid, "agent gone while the source was frozen: rolling back");
-                roll_back(e.process, l);
+                roll_back(&self.kernel, e.process, l);
             }
             self.journal_remove(&uid);
         }
@@ -299,44 +276,19 @@ impl Broker {
     /// reported done, so that a broker that dies while a source is frozen rolls it back
     /// when it starts again ([`Broker::recover`]).
     fn journal_write(&self, uid: &MigrationUid, p: ProcRef, l: &Lock) -> Result<(), BrokerError> {
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-        let path = self.journal_path(uid.as_str());
-        let dir = path.parent().expect("has parent");
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(kerr)?;
-        if std::fs::symlink_metadata(dir)
-            .map_err(kerr)?
-            .file_type()
-            .is_symlink()
-        {
-            return Err(err(
-                ErrorKind::UnsafePath,
-                format!("{} is a symlink: refused, nothing followed", dir.display()),
-            ));
-        }
         let body = serde_json::json!({
             "pid": p.pid, "start_time": p.start_time, "links": l.links, "routes": l.routes,
             "routes6": l.routes6, "addrs6": l.addrs6,
         });
-        let tmp = dir.join(format!(".{}.tmp", uid.as_str()));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(kerr)?;
-        f.write_all(body.to_string().as_bytes()).map_err(kerr)?;
-        f.sync_all().map_err(kerr)?;
-        std::fs::rename(&tmp, &path).map_err(kerr)
+        self.kernel.journal_write(
+            &self.journal_dir(),
+            uid.as_str(),
+            body.to_string().as_bytes(),
+        )
     }
 
     fn journal_remove(&self, uid: &MigrationUid) {
-        let _ = std::fs::remove_file(self.journal_path(uid.as_str()));
+        self.kernel.remove_file(&self.journal_path(uid.as_str()));
     }
 
     /// Undoes what a previous broker process left behind on this node: every source it
@@ -348,13 +300,12 @@ impl Broker {
     pub fn recover(&self) -> Vec<String> {
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = entry.path();
-            let record = std::fs::read(&path)
-                .ok()
+        for (name, path) in self.kernel.read_dir(&dir) {
+            let record = self
+                .kernel
+                .read_file(&path)
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            let _ = std::fs::remove_file(&path);
+            self.kernel.remove_file(&path);
             let Some((p, l)) = record.as_ref().and_then(parse_journal) else {
                 tracing::warn!(file = %path.display(), "unreadable journal record removed");
                 continue;
@@ -363,19 +314,21 @@ impl Broker {
                 continue;
             }
             // Only ever a pod's process, as at registration.
-            let in_pod = procfs::cgroup_of(p.pid)
+            let in_pod = self
+                .kernel
+                .cgroup_of(p.pid)
                 .is_ok_and(|cg| under_pods_root(&cg, &self.cfg.pods_cgroup_root));
             if !in_pod {
                 tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
                 continue;
             }
             tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
-            roll_back(p, &l);
+            roll_back(&self.kernel, p, &l);
             rolled.push(name);
         }
         let netns = self.cfg.run_dir.join("netns");
-        for entry in std::fs::read_dir(&netns).into_iter().flatten().flatten() {
-            if let Ok(uid) = MigrationUid::parse(&entry.file_name().to_string_lossy()) {
+        for (name, _) in self.kernel.read_dir(&netns) {
+            if let Ok(uid) = MigrationUid::parse(&name) {
                 let _ = self.unbind(&uid);
             }
         }
@@ -383,6 +336,7 @@ impl Broker {
     }
 
     fn entry<'a>(
+        &self,
         m: &'a mut HashMap<MigrationUid, Entry>,
         uid: &MigrationUid,
         conn: u64,
@@ -405,7 +359,7 @@ impl Broker {
                 format!("{uid} is registered as {:?}", e.role),
             ));
         }
-        procfs::check_live(e.process)?;
+        self.kernel.check_live(e.process)?;
         Ok(e)
     }
 
@@ -414,7 +368,7 @@ impl Broker {
         let mut m = self.entries.lock().expect("broker state");
         match req {
             Request::Register { uid, role, process } => {
-                procfs::check_live(process)?;
+                self.kernel.check_live(process)?;
                 if let Some(e) = m.get(&uid) {
                     if e.process == process && e.role == role && e.conn == conn {
                         return Ok((
@@ -435,10 +389,10 @@ impl Broker {
                         "process belongs to another migration",
                     ));
                 }
-                let cgroup = procfs::cgroup_of(process.pid)?;
+                let cgroup = self.kernel.cgroup_of(process.pid)?;
                 let root = &self.cfg.pods_cgroup_root;
                 let inside = under_pods_root(&cgroup, root);
-                let mine = procfs::cgroup_of(std::process::id() as i32).ok();
+                let mine = self.kernel.cgroup_of(self.kernel.self_pid()).ok();
                 if !inside || mine.as_deref() == Some(cgroup.as_str()) {
                     return Err(err(
                         ErrorKind::ForeignProcess,
@@ -447,7 +401,7 @@ impl Broker {
                 }
                 // A hostNetwork pod shares the node's network namespace: locking it would
                 // take the node's own links down, binding it would hand out the node's.
-                if procfs::netns_inode(process.pid)? == procfs::node_netns() {
+                if self.kernel.netns_inode(process.pid)? == self.kernel.node_netns() {
                     return Err(err(
                         ErrorKind::ForeignProcess,
                         format!(
@@ -471,25 +425,10 @@ impl Broker {
                 Ok((Reply::Registered { cgroup }, vec![]))
             }
             Request::BindNetns { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
                 let path = self.netns_path(&uid);
                 if !e.netns_bound {
-                    let point = mount_point(&path)?;
-                    let src = format!("/proc/{}/ns/net", e.process.pid);
-                    // Mount onto the file we opened (its /proc/self/fd link), not onto a
-                    // path that could be swapped for a symlink in between.
-                    let target = format!("/proc/self/fd/{}", point.as_raw_fd());
-                    nix::mount::mount(
-                        Some(src.as_str()),
-                        target.as_str(),
-                        None::<&str>,
-                        nix::mount::MsFlags::MS_BIND,
-                        None::<&str>,
-                    )
-                    .map_err(|e| {
-                        let _ = std::fs::remove_file(&path);
-                        kerr(e)
-                    })?;
+                    self.kernel.bind_netns(e.process.pid, &path)?;
                     e.netns_bound = true;
                 }
                 Ok((
@@ -500,7 +439,7 @@ impl Broker {
                 ))
             }
             Request::UnbindNetns { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
                 if e.netns_bound {
                     self.unbind(&uid)?;
                     e.netns_bound = false;
@@ -508,53 +447,66 @@ impl Broker {
                 Ok((Reply::Done, vec![]))
             }
             Request::NetnsAddrs { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, None)?;
-                let addrs = kernel::in_netns(e.process.pid, || {
-                    let out = ip(&["-o", "addr", "show"])?;
-                    Ok(out
-                        .lines()
-                        .filter_map(|l| {
-                            let mut it = l
-                                .split_whitespace()
-                                .skip_while(|w| *w != "inet" && *w != "inet6");
-                            it.next()?;
-                            Some(it.next()?.split('/').next()?.to_owned())
-                        })
-                        .collect::<Vec<_>>())
-                })
-                .map_err(kerr)?;
+                let e = self.entry(&mut m, &uid, conn, None)?;
+                let addrs = self
+                    .kernel
+                    .in_netns(e.process.pid, |ip| {
+                        let out = ip.ip(&["-o", "addr", "show"])?;
+                        Ok(out
+                            .lines()
+                            .filter_map(|l| {
+                                let mut it = l
+                                    .split_whitespace()
+                                    .skip_while(|w| *w != "inet" && *w != "inet6");
+                                it.next()?;
+                                Some(it.next()?.split('/').next()?.to_owned())
+                            })
+                            .collect::<Vec<_>>())
+                    })
+                    .map_err(kerr)?;
                 Ok((Reply::Addrs { addrs }, vec![]))
             }
             Request::LockNetwork { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
                 if e.locked.is_none() {
-                    let l = lock(e.process.pid)?;
+                    let l = lock(&self.kernel, e.process.pid)?;
                     if let Err(j) = self.journal_write(&uid, e.process, &l) {
-                        // Never report a lock that a broker restart could not undo.
-                        let _ = unlock(e.process.pid, &l);
+                        // Never report a lock that a broker restart could not undo. If
+                        // the undo fails too, the lock stays known in memory, so that
+                        // unlock, forget or the lease rollback retry it.
+                        if unlock(&self.kernel, e.process.pid, &l).is_err() {
+                            e.locked = Some(l);
+                        }
                         return Err(j);
                     }
                     e.locked = Some(l);
+                } else if let Some(l) = &e.locked {
+                    // Already locked (perhaps by a lock whose journal write and undo both
+                    // failed): done only once the journal holds it.
+                    self.journal_write(&uid, e.process, l)?;
                 }
                 Ok((Reply::Done, vec![]))
             }
             Request::UnlockNetwork { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                if let Some(l) = e.locked.take() {
-                    unlock(e.process.pid, &l)?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                // The saved lock is dropped only once it is restored: after a failed
+                // unlock, a retry, `forget` or the lease rollback still knows what to undo.
+                if let Some(l) = &e.locked {
+                    unlock(&self.kernel, e.process.pid, l)?;
+                    e.locked = None;
                 }
                 self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
             }
             Request::HandOffSockets { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
                 // Inventory first (one descriptor per socket, whichever process of the
                 // tree holds it), then refuse a set larger than one hand-off rather than
                 // hand over part of it: a socket left behind would be lost silently.
                 let mut seen = std::collections::BTreeSet::new();
                 let mut found = Vec::new();
-                for pid in procfs::tree(e.process.pid) {
-                    for (fd, ino) in procfs::tcp_fds(pid) {
+                for pid in self.kernel.tree(e.process.pid) {
+                    for (fd, ino) in self.kernel.tcp_fds(pid) {
                         if seen.insert(ino) {
                             found.push((pid, fd));
                         }
@@ -571,22 +523,23 @@ impl Broker {
                 }
                 let fds = found
                     .into_iter()
-                    .map(|(pid, fd)| kernel::steal_fd(pid, fd).map_err(kerr))
+                    .map(|(pid, fd)| self.kernel.steal_fd(pid, fd).map_err(kerr))
                     .collect::<Result<Vec<_>, _>>()?;
                 let total = fds.len() as u32;
                 let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
                 Ok((Reply::Sockets { total, chunks }, fds))
             }
             Request::ReleaseTcpRepair { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                release_repair(e.process.pid)?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                release_repair(&self.kernel, e.process.pid)?;
                 Ok((Reply::Done, vec![]))
             }
             Request::MoveCgroup { uid, process } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
-                procfs::check_live(process)?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
+                self.kernel.check_live(process)?;
                 if process.pid == e.process.pid
-                    || procfs::netns_inode(process.pid)? != procfs::netns_inode(e.process.pid)?
+                    || self.kernel.netns_inode(process.pid)?
+                        != self.kernel.netns_inode(e.process.pid)?
                 {
                     return Err(err(
                         ErrorKind::ForeignProcess,
@@ -596,8 +549,9 @@ impl Broker {
                         ),
                     ));
                 }
-                let tree = procfs::tree(process.pid);
-                move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
+                let tree = self.kernel.tree(process.pid);
+                self.kernel
+                    .move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
                 Ok((
                     Reply::Moved {
                         pids: tree.len() as u32,
@@ -606,13 +560,13 @@ impl Broker {
                 ))
             }
             Request::Resume { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                signal_tree(e.process.pid, Signal::SIGCONT)?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                signal_tree(&self.kernel, e.process.pid, Signal::SIGCONT)?;
                 Ok((Reply::Done, vec![]))
             }
             Request::Kill { uid } => {
-                let e = Self::entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                signal_tree(e.process.pid, Signal::SIGKILL)?;
+                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
+                signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
                 e.killed = true;
                 self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
@@ -628,15 +582,19 @@ impl Broker {
                     }
                     Some(_) => {}
                 }
-                let e = m.remove(&uid).expect("checked");
+                // The registration goes only once its mount and lock are undone: a
+                // failed forget keeps the lease, so a retry or the rollback still can.
+                let e = m.get_mut(&uid).expect("checked");
                 if e.netns_bound {
                     self.unbind(&uid)?;
+                    e.netns_bound = false;
                 }
                 if let (Some(l), false) = (&e.locked, e.killed)
-                    && procfs::check_live(e.process).is_ok()
+                    && self.kernel.check_live(e.process).is_ok()
                 {
-                    unlock(e.process.pid, l)?;
+                    unlock(&self.kernel, e.process.pid, l)?;
                 }
+                m.remove(&uid);
                 self.journal_remove(&uid);
                 Ok((Reply::Done, vec![]))
             }
@@ -644,14 +602,7 @@ impl Broker {
     }
 
     fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
-        let path = self.netns_path(uid);
-        let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
-        match nix::mount::umount2(&path, flags) {
-            Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
-            Err(e) => return Err(kerr(e)),
-        }
-        let _ = std::fs::remove_file(&path);
-        Ok(())
+        self.kernel.unbind(&self.netns_path(uid))
     }
 }
 
@@ -659,9 +610,9 @@ impl Broker {
 /// (the agent and the broker are its two containers), so a process elsewhere on the node
 /// running as the same uid — another pod's, or a host process — is refused even though
 /// its uid matches.
-fn same_pod(peer: i32) -> Result<(), BrokerError> {
-    let mine = procfs::netns_inode(std::process::id() as i32)?;
-    match procfs::netns_inode(peer) {
+fn same_pod<K: Kernel>(k: &K, peer: i32) -> Result<(), BrokerError> {
+    let mine = k.netns_inode(k.self_pid())?;
+    match k.netns_inode(peer) {
         Ok(theirs) if theirs == mine => Ok(()),
         Ok(theirs) => Err(err(
             ErrorKind::PeerNotAllowed,
@@ -674,63 +625,18 @@ fn same_pod(peer: i32) -> Result<(), BrokerError> {
     }
 }
 
-/// Opens (creating it) the regular file at `path` that a netns is bind-mounted onto,
-/// refusing to follow a symlink at the file or at its directory: the directory is made
-/// by the broker (0700) or must already be a real directory, and the file is opened
-/// with O_NOFOLLOW. A planted link is reported, never followed, never removed.
-fn mount_point(path: &std::path::Path) -> Result<std::fs::File, BrokerError> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let unsafe_path = |what: &std::path::Path, why: &str| {
-        err(
-            ErrorKind::UnsafePath,
-            format!("{} {why}: refused, nothing followed", what.display()),
-        )
-    };
-    let dir = path.parent().expect("netns paths have a parent");
-    match std::fs::symlink_metadata(dir) {
-        Ok(m) if m.file_type().is_symlink() => return Err(unsafe_path(dir, "is a symlink")),
-        Ok(m) if !m.is_dir() => return Err(unsafe_path(dir, "is not a directory")),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(kerr)?;
-        }
-        Err(e) => return Err(kerr(e)),
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(nix::libc::ELOOP) => unsafe_path(path, "is a symlink"),
-            _ => kerr(e),
-        })
-        .and_then(|f| {
-            if f.metadata().map_err(kerr)?.is_file() {
-                Ok(f)
-            } else {
-                Err(unsafe_path(path, "is not a regular file"))
-            }
-        })
-}
-
 /// Gives a frozen, locked source back its life: waits for CRIU to detach (it may still
 /// be dumping), then — only if it is still the same live process — takes its sockets
 /// out of repair, restores links and routes, and SIGCONTs the tree.
-fn roll_back(p: ProcRef, l: &Lock) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while tracer_attached(p.pid) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+fn roll_back<K: Kernel>(k: &K, p: ProcRef, l: &Lock) {
+    let deadline = k.now() + Duration::from_secs(60);
+    while tracer_attached(k, p.pid) && k.now() < deadline {
+        k.sleep(Duration::from_millis(20));
     }
-    if procfs::check_live(p).is_ok() {
-        let _ = release_repair(p.pid);
-        let _ = unlock(p.pid, l);
-        let _ = signal_tree(p.pid, Signal::SIGCONT);
+    if k.check_live(p).is_ok() {
+        let _ = release_repair(k, p.pid);
+        let _ = unlock(k, p.pid, l);
+        let _ = signal_tree(k, p.pid, Signal::SIGCONT);
     }
 }
 
@@ -759,15 +665,15 @@ fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock)> {
     ))
 }
 
-fn tracer_attached(pid: i32) -> bool {
-    procfs::tree(pid)
+fn tracer_attached<K: Kernel>(k: &K, pid: i32) -> bool {
+    k.tree(pid)
         .iter()
-        .any(|p| procfs::tracer_pid(*p).unwrap_or(0) != 0)
+        .any(|p| k.tracer_pid(*p).unwrap_or(0) != 0)
 }
 
-fn signal_tree(root: i32, sig: Signal) -> Result<(), BrokerError> {
-    for pid in procfs::tree(root) {
-        match kill(Pid::from_raw(pid), sig) {
+fn signal_tree<K: Kernel>(k: &K, root: i32, sig: Signal) -> Result<(), BrokerError> {
+    for pid in k.tree(root) {
+        match k.signal(pid, sig) {
             Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
             Err(e) => return Err(kerr(e)),
         }
@@ -775,35 +681,41 @@ fn signal_tree(root: i32, sig: Signal) -> Result<(), BrokerError> {
     Ok(())
 }
 
-fn release_repair(root: i32) -> Result<(), BrokerError> {
-    for pid in procfs::tree(root) {
-        for (fd, _) in procfs::tcp_fds(pid) {
-            let Ok(sock) = kernel::steal_fd(pid, fd) else {
-                continue;
-            };
-            if kernel::tcp_repair(&sock).unwrap_or(false) {
-                kernel::tcp_repair_off(&sock).map_err(kerr)?;
-            }
+fn release_repair<K: Kernel>(k: &K, root: i32) -> Result<(), BrokerError> {
+    for pid in k.tree(root) {
+        for (fd, _) in k.tcp_fds(pid) {
+            k.repair_off(pid, fd)?;
         }
     }
     Ok(())
 }
 
+/// An IPv6 read: empty when the kernel has no IPv6 ("not supported"), otherwise as is.
+fn ipv6_optional(r: std::io::Result<String>) -> std::io::Result<String> {
+    match r {
+        Err(e) if e.to_string().contains("not supported") => Ok(String::new()),
+        r => r,
+    }
+}
+
 /// Isolates the pod's network namespace: every non-loopback link down (incoming
 /// segments and SYNs are dropped silently and retransmitted by the peers, nothing is
 /// reset, and the frozen source cannot emit anything), routes saved for `unlock`.
-fn lock(pid: i32) -> Result<Lock, BrokerError> {
-    kernel::in_netns(pid, || {
+fn lock<K: Kernel>(k: &K, pid: i32) -> Result<Lock, BrokerError> {
+    k.in_netns(pid, |ip| {
         let lines = |out: String| -> Vec<String> {
             out.lines()
                 .filter(|l| !l.trim().is_empty())
                 .map(str::to_owned)
                 .collect()
         };
-        let routes = lines(ip(&["-4", "route", "show"])?);
-        // A namespace without IPv6 (disabled in the kernel) has nothing to save.
-        let routes6 = lines(ip(&["-6", "route", "show"]).unwrap_or_default());
-        let links: Vec<String> = ip(&["-o", "link", "show", "up"])?
+        let routes = lines(ip.ip(&["-4", "route", "show"])?);
+        // A namespace without IPv6 (disabled in the kernel) has nothing to save; any
+        // other failure fails the lock before anything is taken down (an IPv6 route
+        // that was not saved could not be restored).
+        let routes6 = lines(ipv6_optional(ip.ip(&["-6", "route", "show"]))?);
+        let links: Vec<String> = ip
+            .ip(&["-o", "link", "show", "up"])?
             .lines()
             .filter_map(|l| {
                 let name = l.split(':').nth(1)?.trim();
@@ -812,34 +724,47 @@ fn lock(pid: i32) -> Result<Lock, BrokerError> {
             })
             .collect();
         let addrs6 = global_ipv6_addrs(
-            &ip(&["-6", "-o", "addr", "show", "scope", "global"]).unwrap_or_default(),
+            &ipv6_optional(ip.ip(&["-6", "-o", "addr", "show", "scope", "global"]))?,
             &links,
         );
-        for l in &links {
-            ip(&["link", "set", "dev", l, "down"])?;
-        }
-        Ok(Lock {
-            links,
+        let mut lock = Lock {
+            links: Vec::new(),
             routes,
             routes6,
             addrs6,
-        })
+        };
+        for l in links {
+            if let Err(e) = ip.ip(&["link", "set", "dev", &l, "down"]) {
+                // Half locked: give back what was taken down before reporting the
+                // failure — nobody else would (no lock is recorded).
+                let _ = restore(ip, &lock);
+                return Err(e);
+            }
+            lock.links.push(l);
+        }
+        Ok(lock)
     })
     .map_err(kerr)
 }
 
-fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
+fn unlock<K: Kernel>(k: &K, pid: i32, l: &Lock) -> Result<(), BrokerError> {
     let l = l.clone();
-    kernel::in_netns(pid, move || {
+    k.in_netns(pid, move |ip| restore(ip, &l)).map_err(kerr)
+}
+
+/// Links up, IPv6 addresses back, routes restored: the inverse of [`lock`], inside the
+/// pod's network namespace.
+fn restore(ip: &mut dyn Ip, l: &Lock) -> std::io::Result<()> {
+    {
         for link in &l.links {
-            ip(&["link", "set", "dev", link, "up"])?;
+            ip.ip(&["link", "set", "dev", link, "up"])?;
         }
         for a in &l.addrs6 {
             // nodad: the address was in use a moment ago; no duplicate detection delay.
             let mut args = vec!["-6", "addr", "replace"];
             args.extend(a.split_whitespace());
             args.push("nodad");
-            ip(&args)?;
+            ip.ip(&args)?;
         }
         // Routes come back in dependency order: a gateway route needs the route to
         // its gateway first, so retry the failures while each pass makes progress.
@@ -852,7 +777,7 @@ fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
             left.retain(|(family, r)| {
                 let mut args = vec![*family, "route", "replace"];
                 args.extend(r.split_whitespace().filter(|w| *w != "linkdown"));
-                match ip(&args) {
+                match ip.ip(&args) {
                     Ok(_) => false,
                     Err(e) => {
                         last_err = Some(e);
@@ -867,8 +792,7 @@ fn unlock(pid: i32, l: &Lock) -> Result<(), BrokerError> {
             }
         }
         Ok(())
-    })
-    .map_err(kerr)
+    }
 }
 
 /// The global IPv6 addresses of `links` in `ip -6 -o addr show scope global` output
@@ -931,7 +855,6 @@ pub mod client {
     use super::*;
     use nix::sys::socket::{ControlMessageOwned, recvmsg};
     use std::io::IoSliceMut;
-    use std::os::fd::FromRawFd;
 
     pub struct BrokerClient {
         s: UnixStream,
@@ -981,7 +904,7 @@ pub mod client {
                 let mut got = Vec::new();
                 for c in msg.cmsgs().map_err(kerr)? {
                     if let ControlMessageOwned::ScmRights(fds) = c {
-                        // SAFETY-free: from_raw_fd is unsafe, so ownership is taken in one place below.
+                        // Raw until owned in one place below (kernel::own_fds).
                         got.extend(fds);
                     }
                 }
@@ -1009,13 +932,8 @@ pub mod client {
         }
     }
 
-    #[allow(unsafe_code)]
     fn own_fds(raw: Vec<i32>) -> Vec<OwnedFd> {
-        raw.into_iter()
-            // SAFETY: each descriptor was just installed in this process by
-            // SCM_RIGHTS and is owned by nothing else.
-            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
-            .collect()
+        kernel::own_fds(raw)
     }
 }
 

@@ -1,0 +1,355 @@
+//! The broker's kernel layer: everything [`crate::Broker`] reaches the node through —
+//! /proc lookups, signals, `pidfd_getfd` and TCP repair, `ip` in a pod's network
+//! namespace, bind mounts, cgroup writes, the journal files and the clock — behind one
+//! trait, [`Kernel`]. The binary uses [`RealKernel`] (the calls it always made, moved
+//! here unchanged); tests and the fuzzer use [`crate::fake::FakeKernel`], a small
+//! simulated node, so that the dispatcher can be driven hard without touching a real
+//! process. No `unsafe` here: the raw calls are in [`crate::kernel`].
+
+use crate::{err, kernel, kerr, procfs};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use podmotion_wire::broker::{BrokerError, ErrorKind};
+use podmotion_wire::ids::ProcRef;
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Runs `ip` (iproute2) inside the network namespace [`Kernel::in_netns`] entered.
+pub trait Ip {
+    fn ip(&mut self, args: &[&str]) -> std::io::Result<String>;
+}
+
+/// What the broker needs from the node. Errors are the broker's typed errors where the
+/// broker forwards them, `io::Error` where it maps them itself (as before the trait).
+pub trait Kernel: Send + Sync + 'static {
+    /// The broker's own pid.
+    fn self_pid(&self) -> i32;
+    /// Start time of `pid` (clock ticks since boot); `NoSuchProcess` if it is gone.
+    fn start_time(&self, pid: i32) -> Result<u64, BrokerError>;
+    /// Whether `pid` is a zombie; `NoSuchProcess` if it is gone.
+    fn is_zombie(&self, pid: i32) -> Result<bool, BrokerError>;
+    /// cgroup v2 path of `pid`.
+    fn cgroup_of(&self, pid: i32) -> Result<String, BrokerError>;
+    /// `net:[inode]` of `pid`'s network namespace.
+    fn netns_inode(&self, pid: i32) -> Result<String, BrokerError>;
+    /// The node's own network namespace.
+    fn node_netns(&self) -> String;
+    fn tracer_pid(&self, pid: i32) -> Option<i32>;
+    /// The process tree rooted at `root`, root first.
+    fn tree(&self, root: i32) -> Vec<i32>;
+    /// (fd, socket inode) of each TCP socket `pid` holds.
+    fn tcp_fds(&self, pid: i32) -> Vec<(i32, u64)>;
+    /// Duplicates descriptor `fd` of `pid` into the broker.
+    fn steal_fd(&self, pid: i32, fd: i32) -> std::io::Result<OwnedFd>;
+    /// Takes socket `fd` of `pid` out of TCP repair if it is in repair; a descriptor
+    /// that cannot be taken or queried is skipped.
+    fn repair_off(&self, pid: i32, fd: i32) -> Result<(), BrokerError>;
+    fn signal(&self, pid: i32, sig: Signal) -> nix::Result<()>;
+    /// Runs `f` inside the network namespace of `pid`.
+    fn in_netns<T: Send + 'static>(
+        &self,
+        pid: i32,
+        f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
+    ) -> std::io::Result<T>;
+    /// Writes every pid of `tree` into the cgroups of `holder` (v1 hierarchies and the
+    /// v2 path `cgroup_v2`).
+    fn move_into_cgroups_of(
+        &self,
+        holder: i32,
+        cgroup_v2: &str,
+        tree: &[i32],
+    ) -> Result<(), BrokerError>;
+    /// Bind-mounts the network namespace of `pid` at `path` (never through a symlink).
+    fn bind_netns(&self, pid: i32, path: &Path) -> Result<(), BrokerError>;
+    /// Detaches and removes the mount at `path` (absent is fine).
+    fn unbind(&self, path: &Path) -> Result<(), BrokerError>;
+    /// Writes `body` to `dir/name` atomically (0600, `dir` made 0700, never a symlink).
+    fn journal_write(&self, dir: &Path, name: &str, body: &[u8]) -> Result<(), BrokerError>;
+    fn remove_file(&self, path: &Path);
+    /// (file name, path) of each entry of `dir`; empty if it cannot be read.
+    fn read_dir(&self, dir: &Path) -> Vec<(String, PathBuf)>;
+    fn read_file(&self, path: &Path) -> Option<Vec<u8>>;
+    fn now(&self) -> Instant;
+    fn sleep(&self, d: Duration);
+
+    /// The process named by `p`, or a typed error if it died or its pid was reused.
+    fn check_live(&self, p: ProcRef) -> Result<(), BrokerError> {
+        let no_such = || {
+            BrokerError::new(
+                ErrorKind::NoSuchProcess,
+                format!("pid {} is not alive", p.pid),
+            )
+        };
+        if p.pid <= 1 {
+            return Err(no_such());
+        }
+        let st = self.start_time(p.pid)?;
+        if st != p.start_time {
+            return Err(BrokerError::new(
+                ErrorKind::PidReused,
+                format!("pid {} has start time {st}, not {}", p.pid, p.start_time),
+            ));
+        }
+        // A zombie has no namespaces or fds to act on.
+        if self.is_zombie(p.pid)? {
+            return Err(no_such());
+        }
+        Ok(())
+    }
+}
+
+/// The node itself: /proc, syscalls, iproute2, the real filesystem.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RealKernel;
+
+struct RealIp;
+
+impl Ip for RealIp {
+    fn ip(&mut self, args: &[&str]) -> std::io::Result<String> {
+        let out = Command::new("ip").args(args).output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+impl Kernel for RealKernel {
+    fn self_pid(&self) -> i32 {
+        std::process::id() as i32
+    }
+
+    fn start_time(&self, pid: i32) -> Result<u64, BrokerError> {
+        procfs::start_time(pid)
+    }
+
+    fn is_zombie(&self, pid: i32) -> Result<bool, BrokerError> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|_| {
+            BrokerError::new(ErrorKind::NoSuchProcess, format!("pid {pid} is not alive"))
+        })?;
+        Ok(status
+            .lines()
+            .any(|l| l.starts_with("State:") && l.contains('Z')))
+    }
+
+    fn cgroup_of(&self, pid: i32) -> Result<String, BrokerError> {
+        procfs::cgroup_of(pid)
+    }
+
+    fn netns_inode(&self, pid: i32) -> Result<String, BrokerError> {
+        procfs::netns_inode(pid)
+    }
+
+    fn node_netns(&self) -> String {
+        procfs::node_netns()
+    }
+
+    fn tracer_pid(&self, pid: i32) -> Option<i32> {
+        procfs::tracer_pid(pid)
+    }
+
+    fn tree(&self, root: i32) -> Vec<i32> {
+        procfs::tree(root)
+    }
+
+    fn tcp_fds(&self, pid: i32) -> Vec<(i32, u64)> {
+        procfs::tcp_fds(pid)
+    }
+
+    fn steal_fd(&self, pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
+        kernel::steal_fd(pid, fd)
+    }
+
+    fn repair_off(&self, pid: i32, fd: i32) -> Result<(), BrokerError> {
+        let Ok(sock) = kernel::steal_fd(pid, fd) else {
+            return Ok(());
+        };
+        if kernel::tcp_repair(&sock).unwrap_or(false) {
+            kernel::tcp_repair_off(&sock).map_err(kerr)?;
+        }
+        Ok(())
+    }
+
+    fn signal(&self, pid: i32, sig: Signal) -> nix::Result<()> {
+        kill(Pid::from_raw(pid), sig)
+    }
+
+    fn in_netns<T: Send + 'static>(
+        &self,
+        pid: i32,
+        f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
+    ) -> std::io::Result<T> {
+        kernel::in_netns(pid, move || f(&mut RealIp))
+    }
+
+    fn move_into_cgroups_of(
+        &self,
+        holder: i32,
+        cgroup_v2: &str,
+        tree: &[i32],
+    ) -> Result<(), BrokerError> {
+        // On a hybrid host the v2 hierarchy may lack the pod's directory; then the v1
+        // moves are what counts.
+        let v1 = procfs::cgroup_v1_of(holder)?;
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
+        for (ctrls, path) in &v1 {
+            let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
+                err(
+                    ErrorKind::Kernel,
+                    format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
+                )
+            })?;
+            let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
+            for pid in tree {
+                std::fs::write(&procs, pid.to_string())
+                    .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
+            }
+        }
+        let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
+        if !v1.is_empty() && !dir.is_dir() {
+            return Ok(());
+        }
+        let procs = dir.join("cgroup.procs");
+        for pid in tree {
+            std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
+        }
+        Ok(())
+    }
+
+    fn bind_netns(&self, pid: i32, path: &Path) -> Result<(), BrokerError> {
+        let point = mount_point(path)?;
+        let src = format!("/proc/{pid}/ns/net");
+        // Mount onto the file we opened (its /proc/self/fd link), not onto a path that
+        // could be swapped for a symlink in between.
+        let target = format!("/proc/self/fd/{}", point.as_raw_fd());
+        nix::mount::mount(
+            Some(src.as_str()),
+            target.as_str(),
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| {
+            let _ = std::fs::remove_file(path);
+            kerr(e)
+        })
+    }
+
+    fn unbind(&self, path: &Path) -> Result<(), BrokerError> {
+        let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
+        match nix::mount::umount2(path, flags) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => return Err(kerr(e)),
+        }
+        let _ = std::fs::remove_file(path);
+        Ok(())
+    }
+
+    fn journal_write(&self, dir: &Path, name: &str, body: &[u8]) -> Result<(), BrokerError> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(kerr)?;
+        if std::fs::symlink_metadata(dir)
+            .map_err(kerr)?
+            .file_type()
+            .is_symlink()
+        {
+            return Err(err(
+                ErrorKind::UnsafePath,
+                format!("{} is a symlink: refused, nothing followed", dir.display()),
+            ));
+        }
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(kerr)?;
+        f.write_all(body).map_err(kerr)?;
+        f.sync_all().map_err(kerr)?;
+        std::fs::rename(&tmp, dir.join(name)).map_err(kerr)
+    }
+
+    fn remove_file(&self, path: &Path) {
+        let _ = std::fs::remove_file(path);
+    }
+
+    fn read_dir(&self, dir: &Path) -> Vec<(String, PathBuf)> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+            .collect()
+    }
+
+    fn read_file(&self, path: &Path) -> Option<Vec<u8>> {
+        std::fs::read(path).ok()
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn sleep(&self, d: Duration) {
+        std::thread::sleep(d)
+    }
+}
+
+/// Opens (creating it) the regular file at `path` that a netns is bind-mounted onto,
+/// refusing to follow a symlink at the file or at its directory: the directory is made
+/// by the broker (0700) or must already be a real directory, and the file is opened
+/// with O_NOFOLLOW. A planted link is reported, never followed, never removed.
+fn mount_point(path: &Path) -> Result<std::fs::File, BrokerError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let unsafe_path = |what: &Path, why: &str| {
+        err(
+            ErrorKind::UnsafePath,
+            format!("{} {why}: refused, nothing followed", what.display()),
+        )
+    };
+    let dir = path.parent().expect("netns paths have a parent");
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.file_type().is_symlink() => return Err(unsafe_path(dir, "is a symlink")),
+        Ok(m) if !m.is_dir() => return Err(unsafe_path(dir, "is not a directory")),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(kerr)?;
+        }
+        Err(e) => return Err(kerr(e)),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(nix::libc::ELOOP) => unsafe_path(path, "is a symlink"),
+            _ => kerr(e),
+        })
+        .and_then(|f| {
+            if f.metadata().map_err(kerr)?.is_file() {
+                Ok(f)
+            } else {
+                Err(unsafe_path(path, "is not a regular file"))
+            }
+        })
+}

@@ -1,0 +1,357 @@
+//! The op dispatcher over the simulated node (`podmotion_broker::fake`): whole
+//! migration sequences with their expected outcomes, the invariants the fuzz target
+//! checks, and a replay of the fuzz target's committed seed corpus. No root needed,
+//! nothing on the machine is touched.
+
+use podmotion_broker::fake::{Fault, Harness, Op};
+use podmotion_wire::broker::{BrokerRole, ErrorKind, Reply, Request};
+use podmotion_wire::ids::{MigrationUid, ProcRef};
+
+fn uid(s: &str) -> MigrationUid {
+    MigrationUid::parse(s).unwrap()
+}
+
+fn pin(h: &Harness, pid: i32) -> ProcRef {
+    let start_time = h.kernel().world().procs[&pid].start_time;
+    ProcRef { pid, start_time }
+}
+
+fn req(h: &mut Harness, conn: u64, r: Request) -> Result<Reply, ErrorKind> {
+    h.step(Op::Req { conn, req: r })
+        .unwrap_or_else(|v| panic!("invariant violated: {v}"))
+        .expect("a request has an outcome")
+}
+
+fn ev(h: &mut Harness, op: Op) {
+    h.step(op)
+        .unwrap_or_else(|v| panic!("invariant violated: {v}"));
+}
+
+fn register(
+    h: &mut Harness,
+    conn: u64,
+    u: &str,
+    role: BrokerRole,
+    pid: i32,
+) -> Result<Reply, ErrorKind> {
+    let process = pin(h, pid);
+    req(
+        h,
+        conn,
+        Request::Register {
+            uid: uid(u),
+            role,
+            process,
+        },
+    )
+}
+
+fn links_up(h: &Harness, netns: u32) -> Vec<String> {
+    let w = h.kernel().world();
+    w.nets[&netns]
+        .links
+        .iter()
+        .filter(|(_, up)| **up)
+        .map(|(l, _)| l.clone())
+        .collect()
+}
+
+#[test]
+fn a_committed_source_migration_locks_hands_off_releases_and_kills_only_its_tree() {
+    let mut h = Harness::new();
+    assert_eq!(
+        register(&mut h, 1, "mig-a", BrokerRole::Source, 101),
+        Ok(Reply::Registered {
+            cgroup: "/kubepods/podA/app".into()
+        })
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(links_up(&h, 10), ["lo"]);
+    assert!(
+        h.kernel()
+            .world()
+            .files
+            .keys()
+            .any(|p| p.ends_with(".journal/mig-a"))
+    );
+    ev(&mut h, Op::Dump { pid: 101 });
+    assert_eq!(
+        req(&mut h, 1, Request::HandOffSockets { uid: uid("mig-a") }),
+        Ok(Reply::Sockets {
+            total: 3,
+            chunks: 1
+        })
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::ReleaseTcpRepair { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    assert!(
+        h.kernel().world().procs[&102]
+            .sockets
+            .iter()
+            .all(|s| !s.repair)
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::Kill { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    {
+        let w = h.kernel().world();
+        assert!(w.procs[&101].zombie && w.procs[&102].zombie);
+        assert!(
+            !w.procs[&100].zombie,
+            "the pause process is not in the tree"
+        );
+        assert!(w.files.is_empty(), "kill ends the journal record");
+    }
+    assert_eq!(
+        req(&mut h, 1, Request::Forget { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(h.broker().registrations(), 0);
+}
+
+#[test]
+fn an_agent_lost_mid_dump_leaves_the_source_running_and_its_network_as_it_was() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(&mut h, Op::Dump { pid: 101 });
+    ev(&mut h, Op::DetachOnSleep(true));
+    ev(&mut h, Op::LeaseLost { conn: 1 });
+    let w = h.kernel().world();
+    for pid in [101, 102] {
+        assert!(!w.procs[&pid].stopped && w.procs[&pid].tracer == 0);
+        assert!(w.procs[&pid].sockets.iter().all(|s| !s.repair));
+    }
+    assert_eq!(w.nets[&10].canonical(), h_baseline(10));
+    assert!(w.files.is_empty());
+}
+
+fn h_baseline(n: u32) -> podmotion_broker::fake::Net {
+    podmotion_broker::fake::World::standard().nets[&n].canonical()
+}
+
+#[test]
+fn a_restarted_broker_rolls_back_the_source_its_predecessor_left_locked() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(&mut h, Op::Dump { pid: 101 });
+    ev(&mut h, Op::Detach { pid: 101 });
+    ev(&mut h, Op::Restart);
+    let w = h.kernel().world();
+    assert!(!w.procs[&101].stopped && !w.procs[&102].stopped);
+    assert_eq!(w.nets[&10].canonical(), h_baseline(10));
+    assert!(w.files.is_empty() && w.mounts.is_empty());
+}
+
+#[test]
+fn processes_outside_the_pods_or_in_the_node_netns_are_never_registered() {
+    let mut h = Harness::new();
+    for (pid, want) in [
+        (60, ErrorKind::ForeignProcess), // kubelet, /system.slice
+        (1, ErrorKind::NoSuchProcess),   // init: pid ≤ 1
+        (70, ErrorKind::ForeignProcess), // hostNetwork pod
+        (2, ErrorKind::ForeignProcess),  // the broker itself
+    ] {
+        assert_eq!(
+            register(&mut h, 1, "mig-a", BrokerRole::Source, pid),
+            Err(want),
+            "pid {pid}"
+        );
+    }
+    let stale = ProcRef {
+        pid: 101,
+        start_time: 1,
+    };
+    assert_eq!(
+        req(
+            &mut h,
+            1,
+            Request::Register {
+                uid: uid("mig-a"),
+                role: BrokerRole::Source,
+                process: stale
+            }
+        ),
+        Err(ErrorKind::PidReused)
+    );
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    assert_eq!(
+        register(&mut h, 1, "mig-b", BrokerRole::Source, 101),
+        Err(ErrorKind::AlreadyRegistered)
+    );
+    assert_eq!(
+        req(&mut h, 2, Request::Kill { uid: uid("mig-a") }),
+        Err(ErrorKind::Busy)
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::BindNetns { uid: uid("mig-a") }),
+        Err(ErrorKind::WrongRole)
+    );
+    // The pinned pid is reused by a host process: nothing is signalled.
+    ev(&mut h, Op::Reuse { pid: 101, like: 60 });
+    assert_eq!(
+        req(&mut h, 1, Request::Kill { uid: uid("mig-a") }),
+        Err(ErrorKind::PidReused)
+    );
+    assert!(!h.kernel().world().procs[&101].zombie);
+}
+
+#[test]
+fn the_target_binds_its_netns_and_moves_only_a_tree_of_that_netns() {
+    let mut h = Harness::new();
+    assert_eq!(
+        register(&mut h, 1, "mig-c", BrokerRole::Target, 200),
+        Ok(Reply::Registered {
+            cgroup: "/kubepods/podC/pause".into()
+        })
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::BindNetns { uid: uid("mig-c") }),
+        Ok(Reply::NetnsPath {
+            path: "/fake/run/netns/mig-c".into()
+        })
+    );
+    for pid in [80, 60, 200] {
+        let process = pin(&h, pid);
+        assert_eq!(
+            req(
+                &mut h,
+                1,
+                Request::MoveCgroup {
+                    uid: uid("mig-c"),
+                    process
+                }
+            ),
+            Err(ErrorKind::ForeignProcess),
+            "pid {pid}"
+        );
+    }
+    let process = pin(&h, 201);
+    assert_eq!(
+        req(
+            &mut h,
+            1,
+            Request::MoveCgroup {
+                uid: uid("mig-c"),
+                process
+            }
+        ),
+        Ok(Reply::Moved { pids: 2 })
+    );
+    assert_eq!(
+        h.kernel().world().procs[&202].cgroup,
+        "/kubepods/podC/pause"
+    );
+    assert_eq!(h.kernel().world().procs[&80].cgroup, "/kubepods/podX/app");
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+    assert!(h.kernel().world().mounts.is_empty());
+}
+
+#[test]
+fn a_planted_symlink_is_refused_and_nothing_is_mounted() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-c", BrokerRole::Target, 200).unwrap();
+    ev(
+        &mut h,
+        Op::Symlink {
+            uid: 2,
+            journal: false,
+        },
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::BindNetns { uid: uid("mig-c") }),
+        Err(ErrorKind::UnsafePath)
+    );
+    assert!(h.kernel().world().mounts.is_empty());
+}
+
+#[test]
+fn a_lock_that_fails_half_way_leaves_no_link_down() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    // The 6th ip call of the lock (the second link's `set down`) fails.
+    ev(&mut h, Op::Fault(Fault::Ip(5)));
+    assert_eq!(
+        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        Err(ErrorKind::Kernel)
+    );
+    assert_eq!(links_up(&h, 10), ["eth0", "lo", "pm0"]);
+    // And after forget the network is exactly as it was (the harness checks it).
+    req(&mut h, 1, Request::Forget { uid: uid("mig-a") }).unwrap();
+}
+
+#[test]
+fn a_failed_unlock_or_forget_keeps_what_is_needed_to_undo_the_lock() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(&mut h, Op::Fault(Fault::Ip(0)));
+    assert_eq!(
+        req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
+        Err(ErrorKind::Kernel)
+    );
+    ev(&mut h, Op::Fault(Fault::Ip(0)));
+    assert_eq!(
+        req(&mut h, 1, Request::Forget { uid: uid("mig-a") }),
+        Err(ErrorKind::Kernel)
+    );
+    assert_eq!(
+        h.broker().registrations(),
+        1,
+        "a failed forget keeps the lease"
+    );
+    // The lease still rolls the source back.
+    ev(&mut h, Op::LeaseLost { conn: 1 });
+    assert_eq!(h.kernel().world().nets[&10].canonical(), h_baseline(10));
+}
+
+#[test]
+fn the_fuzz_targets_seed_corpus_replays_without_a_violation() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/dispatch");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let data = std::fs::read(e.unwrap().path()).unwrap();
+        Harness::new().run_bytes(&data, 64).unwrap();
+        n += 1;
+    }
+    assert!(n >= 4, "{n} seeds");
+}
+
+#[test]
+fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    // The journal directory is a planted symlink and the undo of the lock fails too
+    // (the 6th ip call: the first of the undo).
+    ev(
+        &mut h,
+        Op::Symlink {
+            uid: 0,
+            journal: true,
+        },
+    );
+    ev(&mut h, Op::Fault(Fault::Ip(6)));
+    assert_eq!(
+        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        Err(ErrorKind::UnsafePath)
+    );
+    assert_eq!(links_up(&h, 10), ["lo"], "the undo failed: still down");
+    // Asking again does not turn the unrecorded lock into a reported one.
+    assert_eq!(
+        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        Err(ErrorKind::UnsafePath)
+    );
+    // The broker still knows the lock: forget restores the network.
+    assert_eq!(
+        req(&mut h, 1, Request::Forget { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(links_up(&h, 10), ["eth0", "lo", "pm0"]);
+}
