@@ -571,7 +571,8 @@ fn wait_line(
 
 /// `kubectl podmotion intercept deploy/mover --port 8080:LOCAL`: the plugin creates the
 /// attachment, shows the agents coming up, and a request sent to the workload's Service
-/// reaches the local server, whose answer goes back to the caller. Ctrl-C stops the
+/// reaches the local server, whose answer goes back to the caller; a replica added
+/// meanwhile is intercepted too once its agent runs. Ctrl-C stops the
 /// intercept (the application answers again), deletes the attachment it created and
 /// exits 0; no NodeAgentAttachment is left.
 #[tokio::test]
@@ -630,6 +631,33 @@ async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_no
     assert_eq!(answer, "local hello", "{seen:#?}");
     let got: Vec<String> = received.try_iter().collect();
     assert!(got.contains(&"echo hello".to_string()), "{got:?}");
+
+    // A second replica: the plugin follows the attachment and intercepts there too.
+    let deploys: Api<Deployment> = w.app.api();
+    deploys
+        .patch(
+            "mover",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .unwrap();
+    let joined = wait_line(&mut child, &rx, "joined: intercepting there too", &mut seen);
+    let pods: Api<Pod> = w.app.api();
+    let second = pods
+        .list(&ListParams::default().labels("app=mover"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.name_any() != w.pod.name_any())
+        .expect("the second replica");
+    assert!(joined.contains(&second.name_any()), "{joined}");
+    let second_addr = format!(
+        "{}:8080",
+        second.status.as_ref().unwrap().pod_ip.clone().unwrap()
+    );
+    assert_eq!(ask(&second_addr, "echo two").unwrap(), "local two");
 
     let kill = Command::new("kill")
         .args(["-INT", &child.id().to_string()])

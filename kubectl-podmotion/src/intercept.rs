@@ -12,6 +12,7 @@
 //! The pure parts (the attachment to reuse or create, when it is ready, what to print)
 //! come first; the I/O is in [`run`].
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::pin::pin;
 use std::sync::Arc;
@@ -331,18 +332,122 @@ async fn intercept(
         args.port.local
     ));
     let stopping = Arc::new(AtomicBool::new(false));
-    let mut tasks = tokio::task::JoinSet::new();
-    for a in &started {
-        for _ in 0..ACCEPTORS_PER_AGENT {
-            tasks.spawn(acceptor(a.clone(), app, args.port.local, stopping.clone()));
+    // Per agent pod: the agent and its accept tasks.
+    let mut running: BTreeMap<String, (Agent, tokio::task::JoinSet<()>)> = BTreeMap::new();
+    for a in started {
+        let tasks = spawn_acceptors(&a, app, args.port.local, &stopping);
+        running.insert(a.pod.clone(), (a, tasks));
+    }
+    // Replicas come and go: follow the attachment's targets until Ctrl-C.
+    let stream = watcher::watcher(
+        naas.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    )
+    .default_backoff();
+    let mut stream = pin!(stream);
+    let mut watching = true;
+    loop {
+        tokio::select! {
+            _ = sigint.recv() => break,
+            ev = stream.next(), if watching => match ev {
+                None => watching = false,
+                Some(Ok(Event::Apply(a) | Event::InitApply(a))) if readiness(&a) == Readiness::Ready => {
+                    follow_targets(client, &a, args, &body, &mut running, &stopping).await;
+                }
+                Some(_) => {}
+            },
         }
     }
-    sigint.recv().await;
     stopping.store(true, Ordering::SeqCst);
     say("interrupted: stopping the intercept");
-    stop_all(&started, app).await;
-    tasks.abort_all();
+    let agents: Vec<Agent> = running.values().map(|(a, _)| a.clone()).collect();
+    stop_all(&agents, app).await;
+    for (_, (_, mut tasks)) in running {
+        tasks.abort_all();
+    }
     Ok(0)
+}
+
+fn spawn_acceptors(
+    a: &Agent,
+    app: u16,
+    local: u16,
+    stopping: &Arc<AtomicBool>,
+) -> tokio::task::JoinSet<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..ACCEPTORS_PER_AGENT {
+        tasks.spawn(acceptor(a.clone(), app, local, stopping.clone()));
+    }
+    tasks
+}
+
+/// Brings the running agents in line with a Ready attachment's: a new replica's agent
+/// gets the intercept and accept streams; a gone one's accept streams end.
+async fn follow_targets(
+    client: &Client,
+    a: &NodeAgentAttachment,
+    args: &Intercept,
+    body: &str,
+    running: &mut BTreeMap<String, (Agent, tokio::task::JoinSet<()>)>,
+    stopping: &Arc<AtomicBool>,
+) {
+    let agents = match agents_of(client, a, args.agents_namespace.as_deref()).await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("warning: following the attachment's replicas: {e:#}");
+            return;
+        }
+    };
+    let app = args.port.app;
+    let gone: Vec<String> = running
+        .keys()
+        .filter(|p| !agents.iter().any(|a| &a.pod == *p))
+        .cloned()
+        .collect();
+    for p in gone {
+        if let Some((a, mut tasks)) = running.remove(&p) {
+            tasks.abort_all();
+            say(&format!(
+                "replica {} on {} left (its agent {} is gone)",
+                a.target, a.node, a.pod
+            ));
+        }
+    }
+    for ag in agents {
+        if running.contains_key(&ag.pod) {
+            continue;
+        }
+        match ag
+            .call("POST", &format!("/v1/intercepts/{app}"), body)
+            .await
+        {
+            Ok((201, answer)) if args.headers.is_empty() || filter_acknowledged(&answer) => {
+                say(&format!(
+                    "replica {} on {} joined: intercepting there too",
+                    ag.target, ag.node
+                ));
+                let tasks = spawn_acceptors(&ag, app, args.port.local, stopping);
+                running.insert(ag.pod.clone(), (ag, tasks));
+            }
+            Ok((201, _)) => {
+                let _ = ag
+                    .call("DELETE", &format!("/v1/intercepts/{app}"), "")
+                    .await;
+                eprintln!(
+                    "warning: the agent for new replica {} does not filter by header: not intercepting there",
+                    ag.target
+                );
+            }
+            Ok((c, answer)) => eprintln!(
+                "warning: the agent for new replica {} refused the intercept ({c}): {answer}",
+                ag.target
+            ),
+            Err(e) => eprintln!(
+                "warning: reaching the agent for new replica {}: {e:#}",
+                ag.target
+            ),
+        }
+    }
 }
 
 /// Stops the intercept on each agent (the application gets its traffic back).
