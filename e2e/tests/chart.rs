@@ -3434,3 +3434,65 @@ fn strip_ansi(s: &str) -> String {
     }
     out
 }
+
+#[test]
+fn pods_exec_is_granted_only_when_the_installer_enables_exec_probes() {
+    let exec_rules = |docs: &[Value]| -> Vec<(String, String)> {
+        rules(docs)
+            .into_iter()
+            .filter(|(_, _, r)| strs(&r["resources"]).contains(&"pods/exec"))
+            .map(|(who, ns, r)| {
+                assert_eq!(strs(&r["verbs"]), ["get", "create"], "{who}");
+                (who, ns)
+            })
+            .collect()
+    };
+    let env = |docs: &[Value]| -> Value {
+        let c = &of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0];
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "PODMOTION_MIGRATION_EXEC_PROBES")
+            .map(|e| e["value"].clone())
+            .unwrap_or(Value::Null)
+    };
+    // Off by default (and with every other toggle on): no pods/exec anywhere.
+    for args in [vec![], every_toggle_on()] {
+        let docs = render(&args);
+        assert_eq!(exec_rules(&docs), vec![], "{args:?}");
+        assert_eq!(env(&docs), json!("false"), "{args:?}");
+    }
+    // On: in the operator's ClusterRole, or a Role in the one watched namespace.
+    let docs = render(&["--set", "migration.execProbes.enabled=true"]);
+    assert_eq!(
+        exec_rules(&docs),
+        vec![(
+            "ClusterRole/pm-podmotion-operator".to_string(),
+            String::new()
+        )]
+    );
+    assert_eq!(env(&docs), json!("true"));
+    let docs = render(&[
+        "--set",
+        "migration.execProbes.enabled=true,migration.watchNamespace=team-a",
+    ]);
+    assert_eq!(
+        exec_rules(&docs),
+        vec![(
+            "Role/pm-podmotion-migration-exec-probes".to_string(),
+            "team-a".to_string()
+        )]
+    );
+    let binding = of_kind(&docs, "RoleBinding")
+        .into_iter()
+        .find(|b| name(b) == "pm-podmotion-migration-exec-probes")
+        .expect("the Role is bound");
+    assert_eq!(binding["subjects"][0]["kind"], "ServiceAccount");
+    // Without the migration controller there is nothing to probe.
+    let docs = render(&[
+        "--set",
+        "migration.execProbes.enabled=true,operator.controllers={attachment}",
+    ]);
+    assert_eq!(exec_rules(&docs), vec![]);
+}

@@ -254,7 +254,8 @@ async fn run_controller(
                 // The operator's client certificate comes from the run-time CA and is
                 // renewed in place; every connection to an agent uses the current one.
                 Some(pki) => {
-                    let agents = WireAgents::new(ctx.client.clone(), Some(pki.operator_tls()));
+                    let agents = WireAgents::new(ctx.client.clone(), Some(pki.operator_tls()))
+                        .with_settings(cfg.exec_probes, cfg.agent_call_timeout());
                     migration::run_with(ctx, cfg, Arc::new(agents)).await
                 }
                 None => migration::run_configured(ctx, cfg).await,

@@ -132,6 +132,9 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.migration.maxParallel | quote }}
 - name: PODMOTION_MIGRATION_MAX_PER_NODE
   value: {{ .Values.migration.maxPerNode | quote }}
+{{- /* --migration-exec-probes: the RBAC grants pods/exec only when it is true. */}}
+- name: PODMOTION_MIGRATION_EXEC_PROBES
+  value: {{ .Values.migration.execProbes.enabled | quote }}
 - name: PODMOTION_HOLDER_IMAGE
   value: {{ .Values.migration.holderImage | default (include "podmotion.image" (dict "image" .Values.migrationAgent.agent.image "root" $)) | quote }}
 {{- /* RunnerPool (environment only) */}}

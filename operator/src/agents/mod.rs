@@ -24,8 +24,9 @@ mod probe;
 use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentReport, Step, StepRequest, StepState,
 };
+use crate::migration::preflight::{EXEC_PROBE_DISABLED, exec_probes_disabled_message};
 use crate::migration::report::{remembered_outcome, report_from_status};
-use probe::{ProbeError, probe_once};
+use probe::{ProbeError, exec_once, probe_once};
 
 pub use crate::pki::plan::agent_server_name;
 
@@ -37,6 +38,11 @@ pub struct WireAgents {
     client: kube::Client,
     tls: Option<TlsFiles>,
     inflight: Arc<Mutex<BTreeMap<Key, (Step, StepState)>>>,
+    /// Exec probes may run (`--migration-exec-probes`: the installer granted
+    /// `pods/exec`); otherwise they fail closed (the pre-flight refuses them first).
+    exec_probes: bool,
+    /// Deadline of connecting to an agent (`--migration-agent-call-timeout-seconds`).
+    call_timeout: Duration,
 }
 
 impl WireAgents {
@@ -45,7 +51,17 @@ impl WireAgents {
             client,
             tls,
             inflight: Default::default(),
+            exec_probes: false,
+            call_timeout: Duration::from_secs(10),
         }
+    }
+
+    /// With the migration controller's settings: whether exec probes may run, and the
+    /// agent call deadline.
+    pub fn with_settings(mut self, exec_probes: bool, call_timeout: Duration) -> Self {
+        self.exec_probes = exec_probes;
+        self.call_timeout = call_timeout;
+        self
     }
 
     async fn connect(&self, e: &AgentEndpoint) -> Result<WireClient, AgentCallError> {
@@ -72,9 +88,20 @@ impl WireAgents {
 
     async fn call(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
         let fail = |c: &ClientError| (c.category().to_string(), c.to_string());
-        let mut c = self
-            .connect(e)
+        // Connecting gets the call deadline; the step's own work (a transfer may take
+        // minutes) is bounded by the machine's progress timeout instead.
+        let mut c = tokio::time::timeout(self.call_timeout, self.connect(e))
             .await
+            .map_err(|_| {
+                (
+                    "AgentUnreachable".to_string(),
+                    format!(
+                        "no connection to the agent on {} within {}s (--migration-agent-call-timeout-seconds)",
+                        e.node,
+                        self.call_timeout.as_secs()
+                    ),
+                )
+            })?
             .map_err(|x| ("AgentUnreachable".to_string(), x.message))?;
         let uid = r.migration_uid.as_str();
         let tcp = match r.tcp_preservation {
@@ -100,8 +127,9 @@ impl WireAgents {
             }
             Step::Restore => c.restore(uid).await,
             // The wire service has no probe call yet: the operator probes the restored
-            // pod over the pod network itself (TCP, HTTP, HTTPS, gRPC); exec probes fail
-            // closed, so nothing is committed without proof.
+            // pod over the pod network itself (TCP, HTTP, HTTPS, gRPC), and exec probes
+            // through the API server's pods/exec (only when enabled; else they fail
+            // closed), so nothing is committed without proof.
             Step::Probe => return self.probe(r).await,
             Step::Commit => c.commit_closing(uid, r.close_connections).await,
             Step::Abort => c.abort(uid).await,
@@ -158,22 +186,57 @@ impl WireAgents {
             // No probe anywhere: the restore resuming the process is the proof.
             return Ok(());
         };
+        if p.exec.is_some() && !self.exec_probes {
+            return Err((
+                EXEC_PROBE_DISABLED.into(),
+                exec_probes_disabled_message("the migration's probe"),
+            ));
+        }
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
-        let ip = pods
-            .get(&r.target_pod)
-            .await
-            .ok()
-            .and_then(|pod| pod.status.and_then(|s| s.pod_ip))
-            .ok_or_else(|| {
-                (
-                    "ProbeFailed".to_string(),
-                    "the target pod has no IP".to_string(),
-                )
-            })?;
+        let target = pods.get(&r.target_pod).await.ok();
         let timeout = Duration::from_secs(p.timeout_seconds.max(1) as u64);
+        let exec = match &p.exec {
+            Some(e) => {
+                let container = e
+                    .container
+                    .clone()
+                    .or_else(|| {
+                        target
+                            .as_ref()
+                            .and_then(|t| t.spec.as_ref())
+                            .and_then(|s| s.containers.first())
+                            .map(|c| c.name.clone())
+                    })
+                    .ok_or_else(|| {
+                        (
+                            "ProbeFailed".to_string(),
+                            format!("the target pod {} has no container", r.target_pod),
+                        )
+                    })?;
+                Some((e, container))
+            }
+            None => None,
+        };
+        let ip = match exec {
+            Some(_) => String::new(),
+            None => target
+                .and_then(|pod| pod.status.and_then(|s| s.pod_ip))
+                .ok_or_else(|| {
+                    (
+                        "ProbeFailed".to_string(),
+                        "the target pod has no IP".to_string(),
+                    )
+                })?,
+        };
         let mut last = String::new();
         for attempt in 1..=p.failure_threshold.max(1) {
-            match probe_once(&ip, p, timeout).await {
+            let res = match &exec {
+                Some((e, container)) => {
+                    exec_once(&pods, &r.target_pod, container, e, timeout).await
+                }
+                None => probe_once(&ip, p, timeout).await,
+            };
+            match res {
                 Ok(()) => return Ok(()),
                 Err(ProbeError::Unsupported(m)) => return Err(("ProbeUnsupported".into(), m)),
                 Err(ProbeError::Failed(m)) => last = format!("attempt {attempt}: {m}"),

@@ -1,6 +1,9 @@
 //! Application probes of a restored pod, run by the operator over the pod network
 //! (the wire protocol has no probe call yet): TCP, HTTP, HTTPS (no certificate
-//! verification, as the kubelet's) and gRPC health. Exec probes fail closed.
+//! verification, as the kubelet's) and gRPC health. Exec probes run through the API
+//! server's `pods/exec` subresource in the target pod's container (which enters the
+//! holder container's namespaces: the restored tree's files and network), only when
+//! the installer enabled them (`--migration-exec-probes`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +11,12 @@ use std::time::Duration;
 use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use podmotion_api::migration::{ApplicationProbe, HttpScheme};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
+use kube::Api;
+use kube::api::AttachParams;
+use podmotion_api::migration::{ApplicationProbe, ExecProbe, HttpScheme};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -39,6 +47,111 @@ async fn grpc_health(addr: &str, service: &str) -> Result<(), String> {
     }
 }
 
+/// Most bytes of an exec probe's stderr kept for its failure message (the tail).
+pub const STDERR_TAIL: usize = 512;
+
+/// One attempt of an exec probe: `command` in `container` of `pod`, through the API
+/// server (`pods/exec`). Passes on exit status 0 within `timeout`.
+pub async fn exec_once(
+    pods: &Api<Pod>,
+    pod: &str,
+    container: &str,
+    e: &ExecProbe,
+    timeout: Duration,
+) -> Result<(), ProbeError> {
+    let ap = AttachParams::default()
+        .container(container)
+        .stdin(false)
+        .stdout(false)
+        .stderr(true);
+    let attempt = async {
+        let mut proc = pods
+            .exec(pod, e.command.clone(), &ap)
+            .await
+            .map_err(|x| format!("exec in {pod}/{container}: {x}"))?;
+        let status = proc.take_status();
+        let stderr = proc.stderr();
+        let tail = async {
+            let Some(mut r) = stderr else {
+                return Vec::new();
+            };
+            let mut tail = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = r.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                tail.extend_from_slice(&buf[..n]);
+                let over = tail.len().saturating_sub(STDERR_TAIL);
+                tail.drain(..over);
+            }
+            tail
+        };
+        let status = async {
+            match status {
+                Some(s) => s.await,
+                None => None,
+            }
+        };
+        let (tail, status) = tokio::join!(tail, status);
+        exec_verdict(status.as_ref(), &tail)
+    };
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .map_err(|_| {
+            ProbeError::Failed(format!(
+                "exec {:?} in {pod}/{container}: no exit status within {timeout:?}",
+                e.command
+            ))
+        })?
+        .map_err(ProbeError::Failed)
+}
+
+/// What the exec subresource's status channel says of the command: `Success` is exit
+/// status 0; a `NonZeroExitCode` names the code (cause `ExitCode`); anything else (no
+/// status: the stream ended early; a command that could not start) fails with the
+/// API server's message. The stderr tail (at most `STDERR_TAIL` bytes) is appended.
+pub fn exec_verdict(status: Option<&Status>, stderr_tail: &[u8]) -> Result<(), String> {
+    let Some(st) = status else {
+        return Err(with_stderr(
+            "the exec stream ended without an exit status".into(),
+            stderr_tail,
+        ));
+    };
+    if st.status.as_deref() == Some("Success") {
+        return Ok(());
+    }
+    let code = st
+        .details
+        .as_ref()
+        .and_then(|d| d.causes.as_ref())
+        .and_then(|cs| {
+            cs.iter()
+                .find(|c| c.reason.as_deref() == Some("ExitCode"))
+                .and_then(|c| c.message.clone())
+        });
+    let what = match (code, st.message.as_deref()) {
+        (Some(code), _) => format!("exit status {code}"),
+        (None, Some(m)) if !m.is_empty() => m.to_string(),
+        (None, _) => format!(
+            "failed ({})",
+            st.reason.as_deref().unwrap_or("no reason given")
+        ),
+    };
+    Err(with_stderr(what, stderr_tail))
+}
+
+fn with_stderr(what: String, tail: &[u8]) -> String {
+    let tail = &tail[tail.len().saturating_sub(STDERR_TAIL)..];
+    let text = String::from_utf8_lossy(tail);
+    let text = text.trim();
+    if text.is_empty() {
+        what
+    } else {
+        format!("{what}; stderr: {text}")
+    }
+}
+
 /// One attempt of a TCP, plain-HTTP or gRPC probe against `ip`.
 pub async fn probe_once(
     ip: &str,
@@ -59,7 +172,7 @@ pub async fn probe_once(
         (None, Some(h)) => (h.port, Some((h.path.clone(), h.scheme))),
         _ => {
             return Err(ProbeError::Unsupported(
-                "exec probes need the agent, whose wire protocol has no probe call yet".into(),
+                "an exec probe runs through the API server, not against the pod's IP".into(),
             ));
         }
     };
@@ -393,5 +506,42 @@ mod tests {
             let r = l.accept().await.map(|(s, _)| s);
             Some((r, l))
         })
+    }
+
+    fn status(json: serde_json::Value) -> Status {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn exec_passes_only_on_exit_status_zero_and_says_why_it_failed() {
+        // What the API server sends on the exec status channel (v4/v5 protocols).
+        let ok = status(serde_json::json!({"metadata": {}, "status": "Success"}));
+        assert_eq!(exec_verdict(Some(&ok), b""), Ok(()));
+        let exit1 = status(serde_json::json!({"metadata": {}, "status": "Failure",
+            "message": "command terminated with non-zero exit code: error executing command [false], exit code 1",
+            "reason": "NonZeroExitCode",
+            "details": {"causes": [{"reason": "ExitCode", "message": "1"}]}}));
+        assert_eq!(
+            exec_verdict(Some(&exit1), b"not ready: cache cold\n"),
+            Err("exit status 1; stderr: not ready: cache cold".into())
+        );
+        assert_eq!(exec_verdict(Some(&exit1), b""), Err("exit status 1".into()));
+        let missing = status(serde_json::json!({"metadata": {}, "status": "Failure",
+            "message": "exec: \"nope\": executable file not found in $PATH",
+            "reason": "InternalError"}));
+        let m = exec_verdict(Some(&missing), b"").unwrap_err();
+        assert!(m.contains("executable file not found"), "{m}");
+        let m = exec_verdict(None, b"").unwrap_err();
+        assert!(m.contains("without an exit status"), "{m}");
+        // The stderr shown is bounded: only its tail.
+        let mut noisy = vec![b'x'; 10_000];
+        noisy.extend_from_slice(b" the end");
+        let m = exec_verdict(Some(&exit1), &noisy).unwrap_err();
+        assert!(m.ends_with("x the end"), "{m}");
+        assert!(
+            m.len() <= "exit status 1; stderr: ".len() + STDERR_TAIL,
+            "{}",
+            m.len()
+        );
     }
 }

@@ -57,6 +57,7 @@ pub fn pod(name: &str) -> PodB {
         local_volumes: vec![],
         node_attached_disks: vec![],
         claims: vec![],
+        readiness_exec_probe: false,
     })
 }
 impl PodB {

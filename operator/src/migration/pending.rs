@@ -67,9 +67,17 @@ fn created(m: &PodMigration) -> Timestamp {
         .map_or(Timestamp::now(), |t| t.0)
 }
 
+/// What of the installation the pre-flight checks: the operator's own
+/// namespace (whose pods never move) and whether exec probes may run.
+#[derive(Clone, Copy, Debug)]
+pub struct Installation<'a> {
+    pub namespace: &'a str,
+    pub exec_probes: bool,
+}
+
 /// The verdict for `pm` and whether a concurrency slot is free for it, given its
 /// source pod and its claims, the nodes, every PodMigration the controller knows and
-/// the operator's own namespace.
+/// the installation (the operator's namespace, whether exec probes may run).
 pub fn evaluate(
     pm: &PodMigration,
     source: Option<&Pod>,
@@ -77,7 +85,7 @@ pub fn evaluate(
     nodes: &[NodeFacts],
     all: &[PodMigration],
     limits: Limits,
-    operator_namespace: &str,
+    operator: Installation<'_>,
 ) -> (Preflight, bool) {
     let ns = pm.namespace();
     let others: Vec<OtherMigration> = all
@@ -94,7 +102,8 @@ pub fn evaluate(
         name: pm.name_any(),
         uid: pm.uid().unwrap_or_default(),
         created: created(pm),
-        operator_namespace: operator_namespace.to_string(),
+        operator_namespace: operator.namespace.to_string(),
+        exec_probes: operator.exec_probes,
     };
     let facts = source.map(|p| PodFacts::from_pod(p).with_claims(claims));
     let verdict = preflight::preflight(&pm.spec, &me, facts.as_ref(), nodes, &others);
@@ -182,7 +191,10 @@ mod tests {
                 &nodes,
                 &[],
                 limits,
-                operator_ns,
+                Installation {
+                    namespace: operator_ns,
+                    exec_probes: false,
+                },
             )
             .0
             {

@@ -84,6 +84,9 @@ pub struct PodFacts {
     pub node_attached_disks: Vec<(String, &'static str)>,
     /// The PersistentVolumeClaims the pod mounts, with what the controller read of them.
     pub claims: Vec<PodClaim>,
+    /// The check a migration without `spec.probe` uses (the pod's readiness probe,
+    /// `render::effective_probe`) is an exec probe.
+    pub readiness_exec_probe: bool,
 }
 
 /// A claim mounted by the pod.
@@ -300,6 +303,8 @@ impl PodFacts {
                     facts: None,
                 })
                 .collect(),
+            readiness_exec_probe: super::render::effective_probe(None, pod)
+                .is_some_and(|p| p.exec.is_some()),
         }
     }
 
@@ -397,6 +402,24 @@ pub struct Me {
     pub uid: String,
     pub created: Timestamp,
     pub operator_namespace: String,
+    /// The installer enabled exec probes (`migration.execProbes.enabled`, the
+    /// operator's `--migration-exec-probes`; it grants `pods/exec`).
+    pub exec_probes: bool,
+}
+
+/// A PodMigration whose probe is an exec probe while exec probes are off.
+pub const EXEC_PROBE_DISABLED: &str = "ExecProbeDisabled";
+
+/// Why an exec probe (`what` names it) is refused while exec probes are off, and what
+/// to do.
+pub fn exec_probes_disabled_message(what: &str) -> String {
+    format!(
+        "{what} is an exec probe, and this installation has exec probes off: running a \
+         command in the pods needs the operator to hold pods/exec create, so only the \
+         installer can enable them (Helm value migration.execProbes.enabled=true, the \
+         operator's --migration-exec-probes); or set spec.probe to an httpGet, tcpSocket \
+         or grpc probe"
+    )
 }
 
 /// How many migrations may be past `Pending` at once.
@@ -478,6 +501,19 @@ pub fn preflight(
     };
     if let Some((reason, message)) = protected_or_static(me, pod) {
         return no(reason, message);
+    }
+    // The probe is checked before anything is frozen: an exec probe that cannot run
+    // would roll every migration back after its freeze.
+    let exec_probe = match &spec.probe {
+        Some(p) => p.exec.is_some().then_some("spec.probe"),
+        None => pod
+            .readiness_exec_probe
+            .then_some("the pod's readiness probe (the check used when spec.probe is unset)"),
+    };
+    if let Some(what) = exec_probe
+        && !me.exec_probes
+    {
+        return no(EXEC_PROBE_DISABLED, exec_probes_disabled_message(what));
     }
     if let Some(owner) = &pod.owner
         && !adoptable_owner(&owner.kind)
@@ -979,6 +1015,7 @@ mod tests {
             uid: "0c5b5e52-0000-4000-8000-000000000001".into(),
             created: ts(100),
             operator_namespace: "podmotion-system".into(),
+            exec_probes: false,
         }
     }
     fn ts(s: i64) -> Timestamp {
@@ -1415,6 +1452,52 @@ mod tests {
         assert!(m.contains("2 containers (app, envoy"), "{m}");
         let (_, m) = refusal(&k8s(json!({"metadata": {"namespace": "kube-system"}})), &s);
         assert!(m.contains("kube-system"), "{m}");
+    }
+
+    #[test]
+    fn an_exec_probe_is_refused_before_the_freeze_unless_the_installer_enabled_it() {
+        use podmotion_api::migration::{ApplicationProbe, ExecProbe, TcpProbe};
+        let probe = |exec: bool| ApplicationProbe {
+            http_get: None,
+            tcp_socket: (!exec).then_some(TcpProbe { port: 8080 }),
+            grpc: None,
+            exec: exec.then(|| ExecProbe {
+                command: vec!["/bin/check".into()],
+                container: None,
+            }),
+            timeout_seconds: 2,
+            failure_threshold: 3,
+        };
+        let mut s = spec("web-0").build();
+        s.probe = Some(probe(true));
+        let p = k8s(json!({}));
+        let (reason, m) = refusal(&p, &s);
+        assert_eq!(reason, EXEC_PROBE_DISABLED);
+        assert!(
+            m.starts_with("spec.probe is an exec probe")
+                && m.contains("migration.execProbes.enabled"),
+            "{m}"
+        );
+        // Enabled by the installer: migratable.
+        let on = Me {
+            exec_probes: true,
+            ..me()
+        };
+        let v = preflight(&s, &on, Some(&p), &three_nodes(), &[]);
+        assert_eq!(verdict_reason(&v), reasons::MIGRATABLE, "{v:?}");
+        // Other probe kinds never need it.
+        s.probe = Some(probe(false));
+        assert_migratable("tcp probe", &p, &s);
+        // Without spec.probe the pod's readiness probe is the check: an exec one is
+        // refused the same way, a spec.probe of another kind overrides it.
+        let exec_ready = k8s(
+            json!({"spec": {"containers": [{"name": "app", "image": "app:1",
+            "readinessProbe": {"exec": {"command": ["/bin/ready"]}}}]}}),
+        );
+        let (reason, m) = refusal(&exec_ready, &spec("web-0").build());
+        assert_eq!(reason, EXEC_PROBE_DISABLED);
+        assert!(m.starts_with("the pod's readiness probe"), "{m}");
+        assert_migratable("tcp probe over exec readiness", &exec_ready, &s);
     }
 
     #[test]

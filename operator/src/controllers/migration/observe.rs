@@ -126,7 +126,10 @@ async fn evaluate_pending<A: AgentClient>(
         &nodes,
         &all,
         limits,
-        &s.ctx.config.namespace,
+        pending::Installation {
+            namespace: &s.ctx.config.namespace,
+            exec_probes: s.cfg.exec_probes,
+        },
     ))
 }
 

@@ -88,6 +88,17 @@ pub struct MigrationConfig {
     )]
     pub agent_call_timeout_seconds: u64,
 
+    /// Run exec application probes (`spec.probe.exec`) through the API server's
+    /// pods/exec subresource; the operator's ServiceAccount must hold pods/exec create
+    /// (Helm: `migration.execProbes.enabled`). Off: a PodMigration with an exec probe
+    /// is refused before anything freezes (`ExecProbeDisabled`).
+    #[arg(
+        long = "migration-exec-probes",
+        env = "PODMOTION_MIGRATION_EXEC_PROBES",
+        default_value_t = false
+    )]
+    pub exec_probes: bool,
+
     /// Image whose entrypoint is `podmotion-agent` (the migration agent's image): a
     /// target pod's init container copies the holder program out of it. Default: the
     /// agent image of this version.
@@ -113,7 +124,7 @@ impl MigrationConfig {
         Ok(Only::try_parse_from(["podmotion-operator"])?.m)
     }
     /// The deadline of one call to a node agent.
-    pub(super) fn agent_call_timeout(&self) -> std::time::Duration {
+    pub fn agent_call_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.agent_call_timeout_seconds)
     }
 
@@ -159,5 +170,12 @@ mod tests {
             .unwrap()
             .m;
         assert_eq!(c.agent_endpoints.len(), 2);
+        assert!(!c.exec_probes, "exec probes are off unless enabled");
+        assert!(
+            Only::try_parse_from(["x", "--migration-exec-probes"])
+                .unwrap()
+                .m
+                .exec_probes
+        );
     }
 }
