@@ -1,0 +1,239 @@
+//! Exec application probes on the real nodes (issue 15): with
+//! `migration.execProbes.enabled=true` the operator runs a PodMigration's exec probe in
+//! the restored target pod through the API server's `pods/exec` (which enters the holder
+//! container's namespaces, so the restored tree's network is there). A probe that exits
+//! 0 commits the migration; one that exits 1 rolls it back, and the source serves on.
+//!
+//! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
+//! (`hack/images.sh`); `hack/test.sh` does both.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
+use podmotion_e2e::real::{Images, REAL_NODE_TAINT, helm_install, real_nodes};
+use podmotion_e2e::{
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
+};
+use serde_json::json;
+
+const POD_TIMEOUT: Duration = Duration::from_secs(240);
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
+/// The testload binary in its image (a scratch image: nothing else is in it).
+const TESTLOAD: &str = "/usr/local/bin/podmotion-testload";
+
+/// The counter of the testload server at `addr`, on a new connection.
+fn counter(addr: &str) -> u64 {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    writeln!(s, "get").unwrap();
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).unwrap();
+    answer
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("counter from {addr}: {answer:?}: {e}"))
+}
+
+/// The status of PodMigration `name` once its phase is final.
+async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
+    let m = wait_for(
+        pms,
+        name,
+        MIGRATION_TIMEOUT,
+        "the PodMigration to end",
+        |m| {
+            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+                matches!(
+                    s.phase,
+                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
+                )
+            })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    m.and_then(|m| m.status).expect("status")
+}
+
+fn pod_ip(p: &Pod) -> String {
+    p.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default()
+}
+
+fn node_of(p: &Pod) -> String {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default()
+}
+
+fn restart_count(p: &Pod) -> i32 {
+    p.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map(|c| c.restart_count)
+        .expect("container status")
+}
+
+/// A Cold PodMigration of `pod` to `node` whose probe runs `testload get ADDR` in the
+/// restored container: it exits 0 only when a counter server answers at ADDR inside the
+/// pod's network namespace.
+fn migration(name: &str, pod: &str, node: &str, probe_addr: &str) -> PodMigration {
+    from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name},
+        "spec": {"podName": pod, "targetNode": node, "mode": "Cold",
+            "freezeBudgetMillis": 20000,
+            "probe": {"exec": {"command": [TESTLOAD, "get", probe_addr]},
+                "timeoutSeconds": 10, "failureThreshold": 1}}
+    }))
+}
+
+/// A testload Deployment on the real nodes (installed with exec probes enabled). An
+/// exec probe that exits 1 (`testload get 127.0.0.1:9`: nothing listens there) rolls the
+/// migration back with the exit status in its message: the same source pod serves a
+/// larger counter and no target pod is left. An exec probe that exits 0 (`testload get
+/// 127.0.0.1:8080`: the restored server answers in the target pod's network namespace)
+/// lets the migration succeed: the target pod on the other node serves the counter on.
+#[tokio::test]
+async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
+    let Some(op) = TestNamespace::new("exec-op", PodSecurity::Restricted).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        return;
+    };
+    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
+    let Some(app) = TestNamespace::new("exec-app", PodSecurity::Baseline).await else {
+        return;
+    };
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let release = format!("pm{}", random_suffix());
+    let _uninstall = helm_install(
+        &release,
+        &images,
+        &op.name,
+        &app.name,
+        "podmotion-e2e-exec-probe",
+        &["--set", "migration.execProbes.enabled=true"],
+    );
+
+    let testload = images.testload().unwrap();
+    let deploy: Deployment = from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "probed"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "probed"}},
+            "template": {"metadata": {"labels": {"app": "probed"}}, "spec": {
+                "nodeSelector": {"type": "real"},
+                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                "enableServiceLinks": false,
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "app", "image": testload,
+                    "args": ["serve", "8080", "16"],
+                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+                    "ports": [{"containerPort": 8080}],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
+    }));
+    app.api::<Deployment>()
+        .create(&PostParams::default(), &deploy)
+        .await
+        .unwrap();
+    let pods: Api<Pod> = app.api();
+    let source = wait_list(
+        &pods,
+        "app=probed",
+        POD_TIMEOUT,
+        "the replica Ready",
+        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))[0]
+        .clone();
+    let target_node = nodes
+        .iter()
+        .find(|n| **n != node_of(&source))
+        .unwrap()
+        .clone();
+    let source_addr = format!("{}:8080", pod_ip(&source));
+    let before = counter(&source_addr);
+    let pms: Api<PodMigration> = app.api();
+
+    // Exit status 1: rolled back, the source serves on.
+    let bad = migration(
+        "exec-fails",
+        &source.name_any(),
+        &target_node,
+        "127.0.0.1:9",
+    );
+    pms.create(&PostParams::default(), &bad).await.unwrap();
+    let st = ended(&pms, "exec-fails").await;
+    assert_ne!(st.phase, MigrationPhase::Succeeded, "{st:?}");
+    assert_eq!(st.failure_reason.as_deref(), Some("ProbeFailed"), "{st:?}");
+    let message = st.failure_message.clone().unwrap_or_default();
+    assert!(
+        message.contains("exit status 1") && message.contains("127.0.0.1:9"),
+        "the exit status and the command's stderr: {message:?}"
+    );
+    let after_rollback = counter(&source_addr);
+    assert!(
+        after_rollback > before,
+        "the source serves its own counter again: {before} then {after_rollback}"
+    );
+    wait_list(
+        &pods,
+        "",
+        POD_TIMEOUT,
+        "only the source pod, the rolled-back target gone",
+        |ps| ps.len() == 1 && ps[0].uid() == source.uid(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(
+        restart_count(&pods.get(&source.name_any()).await.unwrap()),
+        0,
+        "the source was not restarted"
+    );
+
+    // Exit status 0: committed, the target pod serves the counter on.
+    let good = migration(
+        "exec-passes",
+        &source.name_any(),
+        &target_node,
+        "127.0.0.1:8080",
+    );
+    pms.create(&PostParams::default(), &good).await.unwrap();
+    let st = ended(&pms, "exec-passes").await;
+    if st.phase != MigrationPhase::Succeeded {
+        app.dump();
+        panic!("migration with a passing exec probe did not succeed: {st:?}");
+    }
+    let target_name = st.target_pod.clone().expect("status.targetPod");
+    let target = pods.get(&target_name).await.unwrap();
+    assert_eq!(node_of(&target), target_node);
+    wait_list(
+        &pods,
+        "app=probed",
+        POD_TIMEOUT,
+        "only the target pod left",
+        |ps| ps.len() == 1 && ps[0].name_any() == target_name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let after = counter(&format!("{}:8080", pod_ip(&target)));
+    assert!(
+        after > after_rollback,
+        "counter went from {after_rollback} to {after}"
+    );
+}
