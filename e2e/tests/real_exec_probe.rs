@@ -17,7 +17,7 @@ use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::{Images, REAL_NODE_TAINT, helm_install, real_nodes};
+use podmotion_e2e::real::{Images, REAL_NODE_TAINT, Uninstall, helm_install, real_nodes};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
 };
@@ -99,36 +99,37 @@ fn migration(name: &str, pod: &str, node: &str, probe_addr: &str) -> PodMigratio
     }))
 }
 
-/// A testload Deployment on the real nodes (installed with exec probes enabled). An
-/// exec probe that exits 1 (`testload get 127.0.0.1:9`: nothing listens there) rolls the
-/// migration back with the exit status in its message: the same source pod serves a
-/// larger counter and no target pod is left. An exec probe that exits 0 (`testload get
-/// 127.0.0.1:8080`: the restored server answers in the target pod's network namespace)
-/// lets the migration succeed: the target pod on the other node serves the counter on.
-#[tokio::test]
-async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
-    let Some(op) = TestNamespace::new("exec-op", PodSecurity::Restricted).await else {
-        return;
-    };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        return;
-    };
+/// What a test runs against: the operator's and the application's namespaces (deleted
+/// on drop), the real nodes, the chart release (uninstalled on drop) and the testload
+/// pod, Ready on a real node.
+struct World {
+    // Dropped in this order: the release, then the namespaces (as the locals of
+    // real_migration.rs are).
+    _uninstall: Uninstall,
+    app: TestNamespace,
+    _op: TestNamespace,
+    nodes: Vec<String>,
+    source: Pod,
+}
+
+/// Installs the chart with `extra` values and runs a testload Deployment (1 replica)
+/// on the real nodes; `None` where there are no real nodes.
+async fn world(prefix: &str, extra: &[&str]) -> Option<World> {
+    let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
+    let nodes = real_nodes(&op.client).await?;
     assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
     // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let Some(app) = TestNamespace::new("exec-app", PodSecurity::Baseline).await else {
-        return;
-    };
+    let app = TestNamespace::new(&format!("{prefix}-app"), PodSecurity::Baseline).await?;
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let release = format!("pm{}", random_suffix());
-    let _uninstall = helm_install(
+    let uninstall = helm_install(
         &release,
         &images,
         &op.name,
         &app.name,
-        "podmotion-e2e-exec-probe",
-        &["--set", "migration.execProbes.enabled=true"],
+        &format!("podmotion-e2e-{prefix}"),
+        extra,
     );
-
     let testload = images.testload().unwrap();
     let deploy: Deployment = from_json(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -161,12 +162,35 @@ async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"))[0]
         .clone();
-    let target_node = nodes
+    Some(World {
+        app,
+        nodes,
+        _uninstall: uninstall,
+        _op: op,
+        source,
+    })
+}
+
+/// A testload Deployment on the real nodes (installed with exec probes enabled). An
+/// exec probe that exits 1 (`testload get 127.0.0.1:9`: nothing listens there) rolls the
+/// migration back with the exit status in its message: the same source pod serves a
+/// larger counter and no target pod is left. An exec probe that exits 0 (`testload get
+/// 127.0.0.1:8080`: the restored server answers in the target pod's network namespace)
+/// lets the migration succeed: the target pod on the other node serves the counter on.
+#[tokio::test]
+async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
+    let Some(w) = world("exec", &["--set", "migration.execProbes.enabled=true"]).await else {
+        return;
+    };
+    let (app, source) = (&w.app, &w.source);
+    let pods: Api<Pod> = app.api();
+    let target_node = w
+        .nodes
         .iter()
-        .find(|n| **n != node_of(&source))
+        .find(|n| **n != node_of(source))
         .unwrap()
         .clone();
-    let source_addr = format!("{}:8080", pod_ip(&source));
+    let source_addr = format!("{}:8080", pod_ip(source));
     let before = counter(&source_addr);
     let pms: Api<PodMigration> = app.api();
 
@@ -236,4 +260,67 @@ async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
         after > after_rollback,
         "counter went from {after_rollback} to {after}"
     );
+}
+
+/// With the chart's default (`migration.execProbes.enabled=false`: no pods/exec for the
+/// operator), a PodMigration whose probe is an exec probe is refused before anything
+/// freezes: `Migratable=False` with reason `ExecProbeDisabled` naming the value, the
+/// migration stays `Pending`, no target pod is created and the source serves on.
+#[tokio::test]
+async fn an_exec_probe_is_refused_before_anything_freezes_while_exec_probes_are_off() {
+    let Some(w) = world("noexec", &[]).await else {
+        return;
+    };
+    let (app, source) = (&w.app, &w.source);
+    let target_node = w
+        .nodes
+        .iter()
+        .find(|n| **n != node_of(source))
+        .unwrap()
+        .clone();
+    let source_addr = format!("{}:8080", pod_ip(source));
+    let before = counter(&source_addr);
+    let pms: Api<PodMigration> = app.api();
+    let pm = migration(
+        "exec-off",
+        &source.name_any(),
+        &target_node,
+        "127.0.0.1:8080",
+    );
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+    let refused = |m: Option<&PodMigration>| {
+        m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == "Migratable" && c.status == "False" && c.reason == "ExecProbeDisabled"
+            })
+        })
+    };
+    let m = wait_for(&pms, "exec-off", POD_TIMEOUT, "Migratable=False", refused)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"))
+        .expect("the PodMigration");
+    let st = m.status.unwrap();
+    assert_eq!(st.phase, MigrationPhase::Pending, "{st:?}");
+    let c = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Migratable")
+        .unwrap();
+    assert!(
+        c.message.contains("migration.execProbes.enabled"),
+        "{}",
+        c.message
+    );
+    // Nothing froze and nothing was created: one pod, the source, serving on.
+    let pods: Api<Pod> = app.api();
+    let all = pods.list(&Default::default()).await.unwrap().items;
+    assert_eq!(
+        all.len(),
+        1,
+        "{:?}",
+        all.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+    );
+    assert_eq!(all[0].uid(), source.uid());
+    assert_eq!(restart_count(&all[0]), 0);
+    assert!(counter(&source_addr) > before);
 }
