@@ -1512,38 +1512,59 @@ fn produce(
             _ => None,
         };
         if let Some(base) = base {
-            let new = std::fs::read(&full).map_err(ierr)?;
-            let old = std::fs::read(dir.join(&base)).map_err(ierr)?;
-            send(chunk(
-                seq,
-                &rel,
-                0,
-                &(new.len() as u64).to_be_bytes(),
-                false,
-                &base,
-            ))?;
+            let f = std::fs::File::open(&full).map_err(ierr)?;
+            let len = f.metadata().map_err(ierr)?.len();
+            let mut new = f.take(len);
+            let mut old = std::fs::File::open(dir.join(&base)).map_err(ierr)?;
+            send(chunk(seq, &rel, 0, &len.to_be_bytes(), false, &base))?;
             seq += 1;
-            // Runs of differing blocks, each at most one CHUNK.
-            let mut off = 0;
-            while off < new.len() {
-                let end = (off + BLOCK).min(new.len());
-                if old.get(off..end) == Some(&new[off..end]) {
-                    off = end;
-                    continue;
+            // Runs of differing blocks, each at most one CHUNK. Both files are compared
+            // a window at a time, so memory stays flat whatever the image size.
+            let mut flush = |run: &mut Vec<u8>, at: u64, seq: &mut u64| {
+                if run.is_empty() {
+                    return Ok(());
                 }
-                let mut run_end = end;
-                while run_end < new.len() && run_end - off < transfer::CHUNK {
-                    let e = (run_end + BLOCK).min(new.len());
-                    if old.get(run_end..e) == Some(&new[run_end..e]) {
-                        break;
+                let data =
+                    std::mem::replace(run, Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN));
+                bytes += data.len() as u64;
+                send(sealed_chunk(*seq, &rel, at, data, false, ""))?;
+                *seq += 1;
+                Ok::<(), Status>(())
+            };
+            let (mut nw, mut ow) = (Vec::new(), Vec::new());
+            let mut run = Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN);
+            let (mut run_at, mut pos) = (0u64, 0u64);
+            loop {
+                nw.clear();
+                ow.clear();
+                let n = (&mut new)
+                    .take(transfer::CHUNK as u64)
+                    .read_to_end(&mut nw)
+                    .map_err(ierr)?;
+                if n == 0 {
+                    break;
+                }
+                (&mut old)
+                    .take(n as u64)
+                    .read_to_end(&mut ow)
+                    .map_err(ierr)?;
+                for b in (0..n).step_by(BLOCK) {
+                    let e = (b + BLOCK).min(n);
+                    if ow.get(b..e) == Some(&nw[b..e]) {
+                        flush(&mut run, run_at, &mut seq)?;
+                        continue;
                     }
-                    run_end = e;
+                    if run.is_empty() {
+                        run_at = pos + b as u64;
+                    }
+                    run.extend_from_slice(&nw[b..e]);
+                    if run.len() >= transfer::CHUNK {
+                        flush(&mut run, run_at, &mut seq)?;
+                    }
                 }
-                send(chunk(seq, &rel, off as u64, &new[off..run_end], false, ""))?;
-                seq += 1;
-                bytes += (run_end - off) as u64;
-                off = run_end;
+                pos += n as u64;
             }
+            flush(&mut run, run_at, &mut seq)?;
             continue;
         }
         let mut f = std::fs::File::open(&full).map_err(ierr)?;
