@@ -188,6 +188,23 @@ async fn helm_uninstall_releases_every_podmotion_object_and_no_namespace_hangs()
         "the hook deletes only in-flight migrations; the rest stay (CRDs and objects are kept)"
     );
 
+    // The hook's own permissions existed only while it ran.
+    let selector =
+        format!("app.kubernetes.io/instance={release},app.kubernetes.io/component=reap-all");
+    let left_rbac = op.kubectl(&[
+        "get",
+        "clusterroles,clusterrolebindings,roles,rolebindings",
+        "-A",
+        "-l",
+        &selector,
+        "-o",
+        "name",
+    ]);
+    assert!(
+        !left_rbac.contains('/'),
+        "the hook's RBAC outlived the uninstall: {left_rbac}"
+    );
+
     // The namespace holding them deletes, and nothing keeps it Terminating.
     let namespaces: Api<Namespace> = Api::all(app.client.clone());
     namespaces
