@@ -132,6 +132,8 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.migration.maxParallel | quote }}
 - name: PODMOTION_MIGRATION_MAX_PER_NODE
   value: {{ .Values.migration.maxPerNode | quote }}
+- name: PODMOTION_MIGRATION_AGENT_CALL_TIMEOUT_SECONDS
+  value: {{ .Values.migration.agentCallTimeoutSeconds | quote }}
 {{- /* --migration-exec-probes: the RBAC grants pods/exec only when it is true. */}}
 - name: PODMOTION_MIGRATION_EXEC_PROBES
   value: {{ .Values.migration.execProbes.enabled | quote }}
