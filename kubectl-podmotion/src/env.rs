@@ -13,16 +13,18 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, IngestSession, NodeAgentAttachmentSpec, WorkloadRef};
 
 use crate::cli::{Env, Workload};
 use crate::explain::{Attempt, code, kube_error};
-use crate::intercept::{Readiness, agents_of, delete_and_wait, readiness, wait_ready};
+use crate::intercept::{
+    Readiness, agents_of, create_attachment, delete_and_wait, list_attachments, readiness,
+    wait_ready,
+};
 
-const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
 /// How often the ingest's session Lease is renewed while waiting (its default
 /// duration is 60 s).
 const RENEW_EVERY: Duration = Duration::from_secs(15);
@@ -132,19 +134,9 @@ fn renew_lease(client: Client, namespace: String, name: String) -> tokio::task::
 
 pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<u8> {
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
-    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
-        anyhow::anyhow!(kube_error(
-            Attempt {
-                verb: "list",
-                resource: ATTACHMENTS,
-                namespace: Some(namespace),
-                name: None,
-            },
-            &e
-        ))
-    })?;
+    let listed = list_attachments(&naas, namespace).await?;
     let w = &args.workload;
-    let (attachment, created, renewer) = match ready_attachment(&listed.items, w) {
+    let (attachment, created, renewer) = match ready_attachment(&listed, w) {
         Some(a) => {
             progress(&format!(
                 "using nodeagentattachment.podmotion.io/{} ({:?})",
@@ -158,19 +150,7 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
                 &format!("env-{}", w.name),
                 &crate::migrate::random_suffix(),
             );
-            naas.create(&PostParams::default(), &build_ingest(&name, w))
-                .await
-                .map_err(|e| {
-                    anyhow::anyhow!(kube_error(
-                        Attempt {
-                            verb: "create",
-                            resource: ATTACHMENTS,
-                            namespace: Some(namespace),
-                            name: None,
-                        },
-                        &e
-                    ))
-                })?;
+            create_attachment(&naas, namespace, &build_ingest(&name, w)).await?;
             progress(&format!(
                 "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Ingest of {}/{}",
                 w.kind.as_str(),

@@ -46,7 +46,86 @@ const DELETE_WAIT: Duration = Duration::from_secs(120);
 
 /// `intercept-<workload>-<5 hex>`, at most 63 characters.
 pub fn attachment_name(workload: &str, suffix: &str) -> String {
-    crate::migrate::migration_name(&format!("intercept-{workload}"), suffix)
+    named("intercept", workload, suffix)
+}
+
+/// `<command>-<workload>-<5 hex>`, at most 63 characters: the name of an attachment a
+/// command creates.
+pub(crate) fn named(command: &str, workload: &str, suffix: &str) -> String {
+    crate::migrate::migration_name(&format!("{command}-{workload}"), suffix)
+}
+
+/// The namespace's attachments; a refusal names the verb and resource.
+pub(crate) async fn list_attachments(
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+) -> anyhow::Result<Vec<NodeAgentAttachment>> {
+    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "list",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: None,
+            },
+            &e
+        ))
+    })?;
+    Ok(listed.items)
+}
+
+/// Creates `a`; a refusal names the verb, resource and namespace (and the name when it
+/// is taken).
+pub(crate) async fn create_attachment(
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    a: &NodeAgentAttachment,
+) -> anyhow::Result<()> {
+    let name = a.name_any();
+    naas.create(&PostParams::default(), a).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "create",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: (code(&e) == Some(409)).then_some(name.as_str()),
+            },
+            &e
+        ))
+    })?;
+    Ok(())
+}
+
+/// The attachment of `mode` on the workload's port that `intercept` and `wiretap` use:
+/// an existing one (see [`reusable`]) or a new one named `name` (default
+/// `<command>-<workload>-<5 hex>`). Returns its name and whether this command created
+/// it (then the command deletes it when it ends).
+pub(crate) async fn reuse_or_create(
+    naas: &Api<NodeAgentAttachment>,
+    namespace: &str,
+    w: &Workload,
+    app: u16,
+    mode: AttachMode,
+    name: Option<String>,
+) -> anyhow::Result<(String, bool)> {
+    let listed = list_attachments(naas, namespace).await?;
+    let kind = w.kind.as_str();
+    if let Some(a) = reusable(&listed, w, app, mode) {
+        let name = a.name_any();
+        say(&format!(
+            "using nodeagentattachment.podmotion.io/{name} ({mode:?} of {kind}/{}, port {app})",
+            w.name
+        ));
+        return Ok((name, false));
+    }
+    let command = format!("{mode:?}").to_lowercase();
+    let name = name.unwrap_or_else(|| named(&command, &w.name, &crate::migrate::random_suffix()));
+    create_attachment(naas, namespace, &build(&name, w, app, mode)).await?;
+    say(&format!(
+        "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: {mode:?} of {kind}/{}, port {app}",
+        w.name
+    ));
+    Ok((name, true))
 }
 
 /// The attachment to reuse: an attachment of the same workload and `mode`, not being
@@ -189,56 +268,15 @@ pub(crate) fn say(line: &str) {
 
 pub async fn run(client: Client, namespace: &str, args: &Intercept) -> anyhow::Result<u8> {
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
-    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
-        anyhow::anyhow!(kube_error(
-            Attempt {
-                verb: "list",
-                resource: ATTACHMENTS,
-                namespace: Some(namespace),
-                name: None,
-            },
-            &e
-        ))
-    })?;
-    let w = &args.workload;
-    let kind = w.kind.as_str();
-    let (name, created) = match reusable(&listed.items, w, args.port.app, AttachMode::Intercept) {
-        Some(a) => {
-            let name = a.name_any();
-            say(&format!(
-                "using nodeagentattachment.podmotion.io/{name} (Intercept of {kind}/{}, port {})",
-                w.name, args.port.app
-            ));
-            (name, false)
-        }
-        None => {
-            let name = args
-                .name
-                .clone()
-                .unwrap_or_else(|| attachment_name(&w.name, &crate::migrate::random_suffix()));
-            naas.create(
-                &PostParams::default(),
-                &build(&name, w, args.port.app, AttachMode::Intercept),
-            )
-            .await
-            .map_err(|e| {
-                anyhow::anyhow!(kube_error(
-                    Attempt {
-                        verb: "create",
-                        resource: ATTACHMENTS,
-                        namespace: Some(namespace),
-                        name: (code(&e) == Some(409)).then_some(name.as_str()),
-                    },
-                    &e
-                ))
-            })?;
-            say(&format!(
-                "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Intercept of {kind}/{}, port {}",
-                w.name, args.port.app
-            ));
-            (name, true)
-        }
-    };
+    let (name, created) = reuse_or_create(
+        &naas,
+        namespace,
+        &args.workload,
+        args.port.app,
+        AttachMode::Intercept,
+        args.name.clone(),
+    )
+    .await?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
     let outcome = intercept(&client, &naas, namespace, &name, args, &mut sigint).await;
     if created {

@@ -9,8 +9,8 @@ use std::io::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
-use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
+use kube::Client;
+use kube::api::Api;
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::AttachMode;
 use tokio::io::AsyncReadExt;
@@ -19,69 +19,20 @@ use tokio::sync::mpsc;
 
 use crate::agent::Agent;
 use crate::cli::Wiretap;
-use crate::explain::{Attempt, code, kube_error};
-use crate::intercept::{
-    agents_of, attachment_name, build, delete_and_wait, reusable, say, wait_ready,
-};
+use crate::intercept::{agents_of, delete_and_wait, reuse_or_create, say, wait_ready};
 use crate::pcapng::{Writer, header, parse_frame};
-
-const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
 
 pub async fn run(client: Client, namespace: &str, args: &Wiretap) -> anyhow::Result<u8> {
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
-    let listed = naas.list(&ListParams::default()).await.map_err(|e| {
-        anyhow::anyhow!(kube_error(
-            Attempt {
-                verb: "list",
-                resource: ATTACHMENTS,
-                namespace: Some(namespace),
-                name: None,
-            },
-            &e
-        ))
-    })?;
-    let w = &args.workload;
-    let kind = w.kind.as_str();
-    let (name, created) = match reusable(&listed.items, w, args.port, AttachMode::Wiretap) {
-        Some(a) => {
-            let name = a.name_any();
-            say(&format!(
-                "using nodeagentattachment.podmotion.io/{name} (Wiretap of {kind}/{}, port {})",
-                w.name, args.port
-            ));
-            (name, false)
-        }
-        None => {
-            let name = args.name.clone().unwrap_or_else(|| {
-                attachment_name(&w.name, &crate::migrate::random_suffix()).replacen(
-                    "intercept-",
-                    "wiretap-",
-                    1,
-                )
-            });
-            naas.create(
-                &PostParams::default(),
-                &build(&name, w, args.port, AttachMode::Wiretap),
-            )
-            .await
-            .map_err(|e| {
-                anyhow::anyhow!(kube_error(
-                    Attempt {
-                        verb: "create",
-                        resource: ATTACHMENTS,
-                        namespace: Some(namespace),
-                        name: (code(&e) == Some(409)).then_some(name.as_str()),
-                    },
-                    &e
-                ))
-            })?;
-            say(&format!(
-                "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Wiretap of {kind}/{}, port {}",
-                w.name, args.port
-            ));
-            (name, true)
-        }
-    };
+    let (name, created) = reuse_or_create(
+        &naas,
+        namespace,
+        &args.workload,
+        args.port,
+        AttachMode::Wiretap,
+        args.name.clone(),
+    )
+    .await?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
     let outcome = tap(&client, &naas, namespace, &name, args, &mut sigint).await;
     if created {
