@@ -6,6 +6,8 @@
 #     containerd, ...), the image builder (buildah, ...), through their own scripts
 #   - what the real nodes' NetworkPolicy controller (kube-router, hack/lib/netpol.sh)
 #     needs besides the kernel: the ipset tool and iptables (nf_tables backend)
+#   - tshark: the wiretap e2e test (e2e/tests/real_plugin.rs) reads the plugin's pcapng
+#     with it, a reader nobody here wrote
 # The control-plane binaries are built by hack/cluster.sh (hack/build-k8s.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,8 +29,9 @@ done
 missing=()
 command -v ipset >/dev/null || missing+=(ipset)
 command -v iptables-restore >/dev/null || missing+=(iptables)
+command -v tshark >/dev/null || missing+=(tshark)
 if ((${#missing[@]})); then
-  echo "== apt-get install ${missing[*]} (NetworkPolicy enforcement on the real nodes)"
+  echo "== apt-get install ${missing[*]} (NetworkPolicy enforcement on the real nodes; tshark for the wiretap test)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}" ||
     { apt-get -o DPkg::Lock::Timeout=300 update -qq &&
