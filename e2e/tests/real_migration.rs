@@ -64,6 +64,36 @@ fn agent_pids() -> Vec<u32> {
 }
 
 /// Files under an agent's checkpoint tmpfs.
+/// Every agent's checkpoint root is empty within `CLEANUP_TIMEOUT`, with at least
+/// `min_agents` agents found. The operator asks the agents to clean up once the phase
+/// is final (after a thaw or kill that is still running has finished), so the images
+/// go shortly after the phase is terminal, not with it.
+async fn no_checkpoint_files_left(when: &str, min_agents: usize) {
+    const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+    let start = std::time::Instant::now();
+    loop {
+        let pids = agent_pids();
+        assert!(pids.len() >= min_agents, "agents found: {pids:?}");
+        let left: Vec<(u32, Vec<String>)> = pids
+            .into_iter()
+            .map(|pid| (pid, checkpoint_files(pid)))
+            .filter(|(_, files)| !files.is_empty())
+            .collect();
+        if left.is_empty() {
+            eprintln!(
+                "checkpoint images gone {when} ({} ms after the check began)",
+                start.elapsed().as_millis()
+            );
+            return;
+        }
+        assert!(
+            start.elapsed() < CLEANUP_TIMEOUT,
+            "agents keep checkpoint files {when} for {CLEANUP_TIMEOUT:?}: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 fn checkpoint_files(agent_pid: u32) -> Vec<String> {
     let root = format!("/proc/{agent_pid}/root/run/podmotion/checkpoints");
     let mut out = vec![];
@@ -277,13 +307,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         held_after >= after_rollback,
         "{held_after} < {after_rollback}"
     );
-    for pid in agent_pids() {
-        let left = checkpoint_files(pid);
-        assert!(
-            left.is_empty(),
-            "agent {pid} keeps checkpoint files after the rollback: {left:?}"
-        );
-    }
+    no_checkpoint_files_left("after the rollback", 0).await;
 
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
@@ -362,15 +386,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     );
 
     // No checkpoint image is left on either node.
-    let agents_pids = agent_pids();
-    assert!(agents_pids.len() >= 2, "agents found: {agents_pids:?}");
-    for pid in agents_pids {
-        let left = checkpoint_files(pid);
-        assert!(
-            left.is_empty(),
-            "agent {pid} keeps checkpoint files: {left:?}"
-        );
-    }
+    no_checkpoint_files_left("after the commit", 2).await;
 
     // `kubectl logs` of the adopted pod works (the container's own log).
     let out = kubectl(&["-n", &app.name, "logs", &target_name]);
