@@ -44,8 +44,12 @@ fn counter(addr: &str) -> u64 {
         .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"))
 }
 
-/// Host PIDs of the node agents the chart started (the agent binary serving gRPC).
-fn agent_pids() -> Vec<u32> {
+/// Host PIDs of the node agents (the agent binary serving gRPC) that run in the pods
+/// `agent_pods` (by pod UID in the process's cgroup path; cgroupfs writes the UID with
+/// dashes, the systemd driver with underscores). Scoped to one release's agents: the
+/// tests of this file run in parallel, each with its own release, and another test's
+/// in-flight migration holds images on its own agents.
+fn agent_pids(agent_pods: &[String]) -> Vec<u32> {
     let mut out = vec![];
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -55,7 +59,17 @@ fn agent_pids() -> Vec<u32> {
             continue;
         };
         let cmd = String::from_utf8_lossy(&cmd);
-        if cmd.starts_with("/usr/local/bin/podmotion-agent\0") && cmd.contains("--checkpoints-root")
+        if !(cmd.starts_with("/usr/local/bin/podmotion-agent\0")
+            && cmd.contains("--checkpoints-root"))
+        {
+            continue;
+        }
+        let Ok(cgroup) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+            continue;
+        };
+        if agent_pods
+            .iter()
+            .any(|uid| cgroup.contains(uid.as_str()) || cgroup.contains(&uid.replace('-', "_")))
         {
             out.push(pid);
         }
@@ -63,26 +77,28 @@ fn agent_pids() -> Vec<u32> {
     out
 }
 
-/// Files under an agent's checkpoint tmpfs.
-/// Every agent's checkpoint root is empty within `CLEANUP_TIMEOUT`, with at least
-/// `min_agents` agents found. The operator asks the agents to clean up once the phase
-/// is final (after a thaw or kill that is still running has finished), so the images
-/// go shortly after the phase is terminal, not with it.
-async fn no_checkpoint_files_left(when: &str, min_agents: usize) {
-    if let Some(left) = checkpoint_files_after(when, min_agents).await {
-        panic!("agents keep checkpoint files {when} for {CLEANUP_TIMEOUT:?}: {left:?}");
-    }
+/// The UIDs of the agent pods in namespace `agents` (one release's DaemonSet).
+async fn agent_pod_uids(client: &kube::Client, agents: &str) -> Vec<String> {
+    Api::<Pod>::namespaced(client.clone(), agents)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|p| p.uid().unwrap())
+        .collect()
 }
 
-const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// What the agents still hold after `CLEANUP_TIMEOUT`, or `None` once every
-/// checkpoint root is empty.
-async fn checkpoint_files_after(when: &str, min_agents: usize) -> Option<Vec<(u32, Vec<String>)>> {
+/// Every checkpoint root of this release's agents is empty within `CLEANUP_TIMEOUT`,
+/// with one agent found per real node. The operator asks the agents to clean up once
+/// the phase is final (after a thaw or kill that is still running has finished), so
+/// the images go shortly after the phase is terminal, not with it.
+async fn no_checkpoint_files_left(when: &str, client: &kube::Client, agents: &str, nodes: usize) {
+    let pods = agent_pod_uids(client, agents).await;
     let start = std::time::Instant::now();
     loop {
-        let pids = agent_pids();
-        assert!(pids.len() >= min_agents, "agents found: {pids:?}");
+        let pids = agent_pids(&pods);
+        assert_eq!(pids.len(), nodes, "agents of {agents} found: {pids:?}");
         let left: Vec<(u32, Vec<String>)> = pids
             .into_iter()
             .map(|pid| (pid, checkpoint_files(pid)))
@@ -93,14 +109,17 @@ async fn checkpoint_files_after(when: &str, min_agents: usize) -> Option<Vec<(u3
                 "checkpoint images gone {when} ({} ms after the check began)",
                 start.elapsed().as_millis()
             );
-            return None;
+            return;
         }
-        if start.elapsed() >= CLEANUP_TIMEOUT {
-            return Some(left);
-        }
+        assert!(
+            start.elapsed() < CLEANUP_TIMEOUT,
+            "agents keep checkpoint files {when} for {CLEANUP_TIMEOUT:?}: {left:?}"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn checkpoint_files(agent_pid: u32) -> Vec<String> {
     let root = format!("/proc/{agent_pid}/root/run/podmotion/checkpoints");
@@ -315,14 +334,11 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         held_after >= after_rollback,
         "{held_after} < {after_rollback}"
     );
-    // KNOWN BUG, not yet fixed (issue 16): after this probe rollback one agent kept the
-    // migration's final images for over 60 s in 2 of 3 fresh-clone `.ci/run`s (never
-    // when the test ran alone). Until the cause (the rollback's Cleanup) is found, the
-    // leak is reported here rather than failing the suite; the commit path below
-    // still asserts that nothing is left.
-    if let Some(left) = checkpoint_files_after("after the rollback", 0).await {
-        eprintln!("KNOWN BUG: agents keep checkpoint files after the rollback: {left:?}");
-    }
+    // No image is left on either node after the rollback either. (Two fresh-clone CI
+    // runs saw one left here for over 60 s: the check then looked at every agent on
+    // the machine, and the interrupted-migration test, running in parallel in its own
+    // release, holds a slow transfer's images on its agents; it is scoped now.)
+    no_checkpoint_files_left("after the rollback", &op.client, &agents, nodes.len()).await;
 
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
@@ -401,7 +417,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     );
 
     // No checkpoint image is left on either node.
-    no_checkpoint_files_left("after the commit", 2).await;
+    no_checkpoint_files_left("after the commit", &op.client, &agents, nodes.len()).await;
 
     // `kubectl logs` of the adopted pod works (the container's own log).
     let out = kubectl(&["-n", &app.name, "logs", &target_name]);
@@ -787,6 +803,9 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
+    // Neither interruption stranded an image: the source's agent zeroized on the
+    // rollback, the replaced target agent swept at start.
+    no_checkpoint_files_left("after the interruptions", &op.client, &agents, nodes.len()).await;
     // The interruptions never cut the reader's connection: the source kept it.
     let (reads_before_move, ended_before_move) = reader.counts();
     assert!(reads_before_move > 0, "the reader read nothing");
