@@ -121,6 +121,29 @@ async fn no_checkpoint_files_left(when: &str, client: &kube::Client, agents: &st
 
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Host PIDs of the testload server processes (not the holder) in the pod `pod_uid`'s
+/// cgroups: after a restore, the restored workload tree moved into the holder's.
+fn restored_workload_pids(pod_uid: &str) -> Vec<u32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let (Ok(cmd), Ok(cgroup)) = (
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup")),
+        ) else {
+            continue;
+        };
+        let args: Vec<_> = cmd.split(|b| *b == 0).collect();
+        let in_pod = cgroup.contains(pod_uid) || cgroup.contains(&pod_uid.replace('-', "_"));
+        if in_pod && args.len() > 1 && args[1] == b"serve" {
+            out.push(pid);
+        }
+    }
+    out
+}
+
 fn checkpoint_files(agent_pid: u32) -> Vec<String> {
     let root = format!("/proc/{agent_pid}/root/run/podmotion/checkpoints");
     let mut out = vec![];
@@ -422,6 +445,50 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     // `kubectl logs` of the adopted pod works (the container's own log).
     let out = kubectl(&["-n", &app.name, "logs", &target_name]);
     assert!(out.status.success(), "kubectl logs: {}", output_text(&out));
+
+    // The adopted pod reflects the restored process's life: killed from the node, the
+    // restored workload takes its container with it (exit status 137 = SIGKILL, the
+    // holder passes it on), the kubelet restarts the container, and the restart runs
+    // the workload afresh (a new counter) — never a holder idling in a Ready pod.
+    let last_seen = counter(&target_addr);
+    let restored = restored_workload_pids(&target.uid().unwrap());
+    assert_eq!(
+        restored.len(),
+        1,
+        "one restored workload process: {restored:?}"
+    );
+    let kill = std::process::Command::new("kill")
+        .args(["-9", &restored[0].to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let restarted = wait_for(
+        &pods,
+        &target_name,
+        POD_TIMEOUT,
+        "the adopted container restarted after its workload died, and Ready",
+        |p| p.is_some_and(|p| restart_count(p) >= 1 && pod_running_ready(p)),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap();
+    let last_state = restarted
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0]
+        .last_state
+        .clone()
+        .and_then(|s| s.terminated)
+        .expect("the container's last state is terminated");
+    assert_eq!(last_state.exit_code, 137, "{last_state:?}");
+    let fresh = counter(&target_addr);
+    assert!(
+        fresh < last_seen,
+        "the restarted container runs the workload afresh: {fresh} >= {last_seen}"
+    );
 
     // PreCopy, 64 MiB of state: rounds while it runs, then the final freeze.
     let pre = wait_list(
