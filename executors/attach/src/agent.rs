@@ -196,6 +196,7 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         ruleset,
         cri_socket,
         token: cfg.token.clone(),
+        proc_root: cfg.proc_root.clone(),
     });
     let (tasks, control_addr) = serve(cfg, &attached, listeners, &netns).await?;
     Ok(Running {

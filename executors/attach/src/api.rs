@@ -9,6 +9,7 @@
 //! | `GET /healthz` | liveness + what is attached (no token needed) |
 //! | `GET /v1/env[?container=<id>]` | ordered environment (duplicates kept) |
 //! | `GET /v1/exports` | exports dir, symlinks, target mounts |
+//! | `GET /v1/files?path=<abs, %-encoded>[&container=<id>]` (upgrade) | one file or directory of the target's filesystem, resolved strictly inside its root (`files.rs`): a JSON line `{"kind":"file","size","mode"}` then exactly `size` bytes, or `{"kind":"dir","mode"}` then a tar stream; refusals (404 missing, 400 loop/magic link/special file, 403) come before the upgrade |
 //! | `POST /v1/intercepts/<port>` · `DELETE …` | start / stop an intercept; a JSON body `{"headers":[{"name","value"}]}` makes it a filtered HTTP intercept |
 //! | `GET /v1/intercepts/<port>/accept` (upgrade) | take one intercepted connection: a JSON line `{"peer","original_dst"}` then the raw bytes both ways; the client must not write before that line |
 //! | `POST /v1/wiretaps/<port>` → `{"id"}` · `DELETE /v1/wiretaps/<port>/<id>` | start / stop a wiretap |
@@ -115,6 +116,7 @@ async fn route(state: Arc<Attached>, req: Request<Incoming>) -> Response<Full<By
         (&Method::GET, ["healthz"]) => json(StatusCode::OK, state.health()),
         (&Method::GET, ["v1", "env"]) => env(&state, &req),
         (&Method::GET, ["v1", "exports"]) => json(StatusCode::OK, state.exports()),
+        (&Method::GET, ["v1", "files"]) => files(&state, req),
         (m, ["v1", "intercepts", port]) if m == Method::POST || m == Method::DELETE => {
             let port = port.to_string();
             start_or_stop_intercept(&state, &method, &port, req).await
@@ -161,6 +163,99 @@ fn env(state: &Attached, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         ),
         None => error(StatusCode::NOT_FOUND, "no such container"),
     }
+}
+
+/// Carries the blocking file reader's bytes to the async stream; a send fails once
+/// the client is gone, which stops the reader.
+struct ChannelWriter(tokio::sync::mpsc::Sender<Bytes>);
+
+impl std::io::Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .blocking_send(Bytes::copy_from_slice(buf))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client gone"))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `GET /v1/files?path=P[&container=ID]` (upgrade): the file or directory at `P` in the
+/// target container's filesystem (see [`crate::files`]). The path is resolved and
+/// opened before the answer, so a refusal is a plain error response.
+fn files(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    use crate::files::{Opened, open_in_root, query_param, write_tar};
+    if let Some(r) = upgrade_required(&req) {
+        return r;
+    }
+    let query = req.uri().query();
+    let Some(path) = query_param(query, "path") else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "?path=<absolute path, percent-encoded> is required",
+        );
+    };
+    let container = query_param(query, "container");
+    let Some(root) = state.root_of(container.as_deref()) else {
+        return error(StatusCode::NOT_FOUND, "no such container");
+    };
+    let opened = match open_in_root(&root, &path) {
+        Ok(o) => o,
+        Err(e) => {
+            let status =
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return error(status, e);
+        }
+    };
+    let meta = match &opened {
+        Opened::File { size, mode, .. } => {
+            serde_json::json!({ "kind": "file", "size": size, "mode": mode })
+        }
+        Opened::Dir { mode, .. } => serde_json::json!({ "kind": "dir", "mode": mode }),
+    };
+    // The tar's top entry: the directory's own name (`/` is `root`).
+    let name = std::path::Path::new(&path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| *n != "..")
+        .unwrap_or("root")
+        .to_owned();
+    upgrade_then(&mut req, move |mut client| async move {
+        if client
+            .write_all(format!("{meta}\n").as_bytes())
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+        let producer = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut w = std::io::BufWriter::with_capacity(64 * 1024, ChannelWriter(tx));
+            match opened {
+                Opened::File { file, size, .. } => {
+                    std::io::copy(&mut file.take(size), &mut w)?;
+                    w.flush()
+                }
+                Opened::Dir { dir, mode } => write_tar(dir, &name, mode, w).map(|s| {
+                    tracing::info!(?s, "directory sent as tar");
+                }),
+            }
+        });
+        while let Some(chunk) = rx.recv().await {
+            if client.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        drop(rx);
+        match producer.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(path, error = %e, "file copy ended early"),
+            Err(e) => tracing::warn!(path, error = %e, "file copy task failed"),
+        }
+        let _ = client.shutdown().await;
+    })
 }
 
 /// Longest body of a control request.
@@ -388,6 +483,7 @@ mod tests {
             },
             cri_socket: None,
             token: token.map(str::to_owned),
+            proc_root: "/proc".into(),
         })
     }
 
@@ -558,6 +654,89 @@ mod tests {
                 .starts_with("HTTP/1.1 201")
         );
         assert!(state.ports[0].intercepted() && state.ports[0].filter().is_none());
+    }
+
+    /// Sends a raw request and reads the answer's head (through the empty line) and
+    /// its body: after a 101, whatever follows until the server closes; otherwise
+    /// `Content-Length` bytes (an error answer keeps the connection alive).
+    async fn raw_bytes(addr: std::net::SocketAddr, head: &str) -> (String, Vec<u8>) {
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut s = tokio::io::BufReader::new(s);
+        s.write_all(head.as_bytes()).await.unwrap();
+        let read = async {
+            use tokio::io::AsyncBufReadExt;
+            let mut head = String::new();
+            while !head.ends_with("\r\n\r\n") {
+                assert!(s.read_line(&mut head).await.unwrap() > 0, "{head}");
+            }
+            let mut body = vec![];
+            if head.starts_with("HTTP/1.1 101") {
+                s.read_to_end(&mut body).await.unwrap();
+            } else {
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    })
+                    .unwrap_or(0);
+                body.resize(len, 0);
+                s.read_exact(&mut body).await.unwrap();
+            }
+            (head, body)
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(5), read)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn files_stream_a_file_or_a_tar_from_the_targets_root_and_refuse_escapes() {
+        let base = std::env::temp_dir().join(format!("pm-api-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let root = base.join("10/root");
+        std::fs::create_dir_all(root.join("srv")).unwrap();
+        std::fs::write(base.join("outside"), b"OUTSIDE").unwrap();
+        std::fs::write(root.join("srv/index.html"), b"<h1>hi</h1>").unwrap();
+        std::os::unix::fs::symlink("../../../outside", root.join("srv/up")).unwrap();
+        std::os::unix::fs::symlink("/proc/self/root", root.join("srv/proc")).unwrap();
+        let mut state = Arc::into_inner(with_token(Some("t"))).unwrap();
+        state.proc_root = base.clone();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, Arc::new(state)));
+        let get = |q: &str, token: &str| {
+            format!(
+                "GET /v1/files?{q} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: upgrade\r\nUpgrade: podmotion-stream\r\n\r\n"
+            )
+        };
+        let (head, body) = raw_bytes(addr, &get("path=%2Fsrv%2Findex.html", "t")).await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert_eq!(
+            String::from_utf8_lossy(&body),
+            "{\"kind\":\"file\",\"mode\":420,\"size\":11}\n<h1>hi</h1>"
+        );
+        let (head, _) = raw_bytes(addr, &get("path=/srv/index.html", "nope")).await;
+        assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+        // `srv/up` climbs out of the root on the host: inside the root it names /outside.
+        let (head, body) = raw_bytes(addr, &get("path=/srv/up", "t")).await;
+        assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+        assert!(!String::from_utf8_lossy(&body).contains("OUTSIDE"));
+        let (head, _) = raw_bytes(addr, &get("path=/srv/index.html&container=zzz", "t")).await;
+        assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+        let (head, _) = raw_bytes(addr, &get("container=containerd://aaa", "t")).await;
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        let (head, body) = raw_bytes(addr, &get("path=/srv&container=aaa", "t")).await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let nl = body.iter().position(|b| *b == b'\n').unwrap();
+        assert!(body[..nl].starts_with(br#"{"kind":"dir""#));
+        let mut names = vec![];
+        for e in tar::Archive::new(&body[nl + 1..]).entries().unwrap() {
+            names.push(e.unwrap().path().unwrap().display().to_string());
+        }
+        assert_eq!(names, ["srv/", "srv/index.html", "srv/proc", "srv/up"]);
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[tokio::test]

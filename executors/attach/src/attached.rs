@@ -28,6 +28,8 @@ pub struct Attached {
     pub ruleset: Ruleset,
     pub cri_socket: Option<PathBuf>,
     pub token: Option<String>,
+    /// The host's /proc as mounted in the Job (`/proc/<pid>/root` is a target's root).
+    pub proc_root: PathBuf,
 }
 
 impl Attached {
@@ -59,6 +61,19 @@ impl Attached {
                 .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id)
                 .map(|c| c.env.as_slice()),
         }
+    }
+
+    /// The root directory of a target container (`/proc/<pid>/root`): the first
+    /// container's, or the one with this id.
+    pub fn root_of(&self, container: Option<&str>) -> Option<PathBuf> {
+        let c = match container {
+            None => self.containers.first(),
+            Some(id) => self
+                .containers
+                .iter()
+                .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id),
+        }?;
+        Some(self.proc_root.join(c.pid.to_string()).join("root"))
     }
 
     pub fn exports(&self) -> serde_json::Value {

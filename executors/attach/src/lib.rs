@@ -12,6 +12,7 @@ pub mod attached;
 pub use podmotion_cri as cri;
 pub mod environ;
 pub mod exports;
+pub mod files;
 pub mod filtered;
 pub mod forward;
 pub mod http;
