@@ -21,6 +21,8 @@ use serde_json::{Value, json};
 
 use crate::run_dir;
 
+pub mod testload;
+
 /// Taint every real node carries, so that only pods asking for them land there.
 pub const REAL_NODE_TAINT: &str = "podmotion.io/real-node";
 

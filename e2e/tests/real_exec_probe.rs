@@ -7,83 +7,23 @@
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
-use std::time::Duration;
-
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::{Images, REAL_NODE_TAINT, Uninstall, helm_install, real_nodes};
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::testload::{
+    self, POD_TIMEOUT, counter, ended, node_of, pod_ip, restart_count,
+};
+use podmotion_e2e::real::{Images, Uninstall, helm_install, real_nodes};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
 };
 use serde_json::json;
 
-const POD_TIMEOUT: Duration = Duration::from_secs(240);
-const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
 /// The testload binary in its image (a scratch image: nothing else is in it).
 const TESTLOAD: &str = "/usr/local/bin/podmotion-testload";
-
-/// The counter of the testload server at `addr`, on a new connection.
-fn counter(addr: &str) -> u64 {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    writeln!(s, "get").unwrap();
-    let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer).unwrap();
-    answer
-        .trim()
-        .parse()
-        .unwrap_or_else(|e| panic!("counter from {addr}: {answer:?}: {e}"))
-}
-
-/// The status of PodMigration `name` once its phase is final.
-async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
-    let m = wait_for(
-        pms,
-        name,
-        MIGRATION_TIMEOUT,
-        "the PodMigration to end",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-                )
-            })
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
-    m.and_then(|m| m.status).expect("status")
-}
-
-fn pod_ip(p: &Pod) -> String {
-    p.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .unwrap_or_default()
-}
-
-fn node_of(p: &Pod) -> String {
-    p.spec
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .unwrap_or_default()
-}
-
-fn restart_count(p: &Pod) -> i32 {
-    p.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .map(|c| c.restart_count)
-        .expect("container status")
-}
 
 /// A Cold PodMigration of `pod` to `node` whose probe runs `testload get ADDR` in the
 /// restored container: it exits 0 only when a counter server answers at ADDR inside the
@@ -131,22 +71,7 @@ async fn world(prefix: &str, extra: &[&str]) -> Option<World> {
         extra,
     );
     let testload = images.testload().unwrap();
-    let deploy: Deployment = from_json(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "probed"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "probed"}},
-            "template": {"metadata": {"labels": {"app": "probed"}}, "spec": {
-                "nodeSelector": {"type": "real"},
-                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-                "enableServiceLinks": false,
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{"name": "app", "image": testload,
-                    "args": ["serve", "8080", "16"],
-                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
-                    "ports": [{"containerPort": 8080}],
-                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
-    }));
+    let deploy = testload::deployment("probed", &testload, 16);
     app.api::<Deployment>()
         .create(&PostParams::default(), &deploy)
         .await

@@ -16,33 +16,16 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::{
-    Images, REAL_NODE_TAINT, helm_install, kubectl, output_text, real_nodes,
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::testload::{
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, ended, node_of, pod_ip, restart_count,
+    source_serves_alone,
 };
+use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
 };
 use serde_json::json;
-
-const POD_TIMEOUT: Duration = Duration::from_secs(240);
-const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// One line to the testload server at `addr` on a new connection, and its answer.
-fn ask(addr: &str, line: &str) -> std::io::Result<String> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(20)))?;
-    writeln!(s, "{line}")?;
-    let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer)?;
-    Ok(answer.trim_end().to_owned())
-}
-
-fn counter(addr: &str) -> u64 {
-    let a = ask(addr, "get").unwrap_or_else(|e| panic!("get from {addr}: {e}"));
-    a.parse()
-        .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"))
-}
 
 /// Host PIDs of the node agents (the agent binary serving gRPC) that run in the pods
 /// `agent_pods` (by pod UID in the process's cgroup path; cgroupfs writes the UID with
@@ -161,51 +144,6 @@ fn checkpoint_files(agent_pid: u32) -> Vec<String> {
     out
 }
 
-/// The status of PodMigration `name` once its phase is final.
-async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
-    let m = wait_for(
-        pms,
-        name,
-        MIGRATION_TIMEOUT,
-        "the PodMigration to end",
-        |m| {
-            m.and_then(|m| m.status.as_ref()).is_some_and(|s| {
-                matches!(
-                    s.phase,
-                    MigrationPhase::Succeeded | MigrationPhase::Failed | MigrationPhase::Aborted
-                )
-            })
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
-    m.and_then(|m| m.status).expect("status")
-}
-
-/// Restarts of the pod's first container.
-fn restart_count(p: &Pod) -> i32 {
-    p.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .map(|c| c.restart_count)
-        .expect("container status")
-}
-
-fn pod_ip(p: &Pod) -> String {
-    p.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .unwrap_or_default()
-}
-
-fn node_of(p: &Pod) -> String {
-    p.spec
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .unwrap_or_default()
-}
-
 /// A testload Deployment (1 replica, a readiness probe, behind a Service) runs on a real
 /// node. A PodMigration whose probe cannot pass rolls back: the source serves on, its
 /// held connection too, and the target pod is gone. Then a PodMigration moves it to the
@@ -246,37 +184,18 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
 
     // The workloads: on the real nodes, any of them.
     let testload = images.testload().unwrap();
-    let workload = |name: &str, mib: &str| -> Deployment {
-        from_json(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name}}, "spec": {
-                "nodeSelector": {"type": "real"},
-                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-                "enableServiceLinks": false,
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{"name": "app", "image": testload,
-                    "args": ["serve", "8080", mib],
-                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
-                    "ports": [{"containerPort": 8080}],
-                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
-        }))
-    };
-    for (name, mib) in [("mover", "16"), ("pre", "64")] {
+    for (name, mib) in [("mover", 16), ("pre", 64)] {
         app.api::<Deployment>()
-            .create(&PostParams::default(), &workload(name, mib))
+            .create(
+                &PostParams::default(),
+                &testload::deployment(name, &testload, mib),
+            )
             .await
             .unwrap();
     }
-    let svc: Service = from_json(json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "mover"},
-        "spec": {"selector": {"app": "mover"}, "ports": [{"port": 8080}]}
-    }));
     let svc = app
         .api::<Service>()
-        .create(&PostParams::default(), &svc)
+        .create(&PostParams::default(), &testload::service("mover"))
         .await
         .unwrap();
     let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
@@ -626,46 +545,6 @@ fn jump_back(values: &[u64]) -> Option<(usize, u64, u64)> {
         .map(|(i, w)| (i, w[0], w[1]))
 }
 
-/// The pods whose name marks them as a migration's target pod of `source`.
-fn target_pods_of<'a>(ps: &'a [Pod], source: &str) -> Vec<&'a Pod> {
-    let prefix = format!("{source}-pm-");
-    ps.iter()
-        .filter(|p| p.name_any().starts_with(&prefix))
-        .collect()
-}
-
-/// After an interrupted migration: only the source pod is left (the same one, never
-/// restarted, Ready), no target pod of it exists, and it serves the same counter, larger
-/// than `before`. Returns that counter.
-async fn source_serves_alone(pods: &Api<Pod>, source: &Pod, before: u64, what: &str) -> u64 {
-    let name = source.name_any();
-    wait_list(
-        pods,
-        "",
-        POD_TIMEOUT,
-        &format!("{what}: only the source pod, Ready, and no target pod"),
-        |ps| {
-            target_pods_of(ps, &name).is_empty()
-                && ps
-                    .iter()
-                    .filter(|p| p.labels().get("app").map(String::as_str) == Some("slow"))
-                    .map(|p| (p.uid(), pod_running_ready(p)))
-                    .collect::<Vec<_>>()
-                    == vec![(source.uid(), true)]
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
-    let now = pods.get(&name).await.unwrap();
-    assert_eq!(restart_count(&now), 0, "{what}: the source was restarted");
-    let after = counter(&format!("{}:8080", pod_ip(&now)));
-    assert!(
-        after > before,
-        "{what}: the source serves its own counter on: {before} then {after}"
-    );
-    after
-}
-
 /// A migration interrupted on the way never leaves two copies and never none: deleting
 /// the PodMigration while the checkpoint streams to the target (a bandwidth limit makes
 /// the transfer last), and deleting the target node's agent pod while the target
@@ -699,33 +578,14 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
     let testload = images.testload().unwrap();
     // 96 MiB of ballast: at the 1 MiB/s limit below the transfer lasts long enough to be
     // interrupted.
-    let deploy: Deployment = from_json(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "slow"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "slow"}},
-            "template": {"metadata": {"labels": {"app": "slow"}}, "spec": {
-                "nodeSelector": {"type": "real"},
-                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-                "enableServiceLinks": false,
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{"name": "app", "image": testload,
-                    "args": ["serve", "8080", "96"],
-                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
-                    "ports": [{"containerPort": 8080}],
-                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 2}}]}}}
-    }));
+    let deploy = testload::deployment("slow", &testload, 96);
     app.api::<Deployment>()
         .create(&PostParams::default(), &deploy)
         .await
         .unwrap();
-    let svc: Service = from_json(json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "slow"},
-        "spec": {"selector": {"app": "slow"}, "ports": [{"port": 8080}]}
-    }));
     let svc = app
         .api::<Service>()
-        .create(&PostParams::default(), &svc)
+        .create(&PostParams::default(), &testload::service("slow"))
         .await
         .unwrap();
     let svc_addr = format!("{}:8080", svc.spec.unwrap().cluster_ip.unwrap());
@@ -792,7 +652,8 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
-    let after_delete = source_serves_alone(&pods, &source, before, "deleted mid-transfer").await;
+    let after_delete =
+        source_serves_alone(&pods, "slow", &source, before, "deleted mid-transfer").await;
 
     // 2. The target node's agent pod deleted while the target restores and probes. The
     // probe cannot pass (nothing listens on 9; 30 attempts a second apart), so the
@@ -851,6 +712,7 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
     );
     source_serves_alone(
         &pods,
+        "slow",
         &source,
         after_delete,
         "target agent killed mid-restore",

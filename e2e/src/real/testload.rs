@@ -1,0 +1,166 @@
+//! The `testload` workload on the real nodes, shared by the real-node migration tests:
+//! a one-replica Deployment of the counter server (`podmotion-testload serve`, a counter
+//! incremented every 10 ms, ballast of N MiB), its Service, and what the tests read from
+//! it — the counter on a new connection, the pod's address, node and restarts, a
+//! migration's end, and "only the source serves, unrestarted" after a rollback.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::ResourceExt;
+use kube::api::Api;
+use podmotion_api::PodMigration;
+use podmotion_api::migration::PodMigrationStatus;
+use serde_json::json;
+
+use super::REAL_NODE_TAINT;
+use crate::{from_json, pod_running_ready, wait_for, wait_list};
+
+/// How long a pod may take to be scheduled, pulled, started and Ready on a real node.
+pub const POD_TIMEOUT: Duration = Duration::from_secs(240);
+/// How long a PodMigration between the real nodes may take to end.
+pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
+/// The server's port in the pod.
+pub const PORT: u16 = 8080;
+
+/// A Deployment `name` (label `app=<name>`) of one testload replica with `ballast_mib`
+/// MiB of ballast, on any real node, Ready once it listens. It runs as uid 0: see
+/// docs/migration-controller.md, "Container user".
+pub fn deployment(name: &str, image: &str, ballast_mib: u32) -> Deployment {
+    from_json(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                "nodeSelector": {"type": "real"},
+                "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+                "enableServiceLinks": false,
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "app", "image": image,
+                    "args": ["serve", PORT.to_string(), ballast_mib.to_string()],
+                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+                    "ports": [{"containerPort": PORT}],
+                    "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 2}}]}}}
+    }))
+}
+
+/// A ClusterIP Service `name` in front of `app=<name>`.
+pub fn service(name: &str) -> Service {
+    from_json(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+        "spec": {"selector": {"app": name}, "ports": [{"port": PORT}]}
+    }))
+}
+
+/// One line to the testload server at `addr` on a new connection, and its answer.
+pub fn ask(addr: &str, line: &str) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    writeln!(s, "{line}")?;
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer)?;
+    Ok(answer.trim_end().to_owned())
+}
+
+/// The counter of the server at `addr`, on a new connection.
+pub fn counter(addr: &str) -> u64 {
+    let a = ask(addr, "get").unwrap_or_else(|e| panic!("get from {addr}: {e}"));
+    a.parse()
+        .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"))
+}
+
+/// `<pod IP>:8080`.
+pub fn addr(p: &Pod) -> String {
+    format!("{}:{PORT}", pod_ip(p))
+}
+
+pub fn pod_ip(p: &Pod) -> String {
+    p.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default()
+}
+
+pub fn node_of(p: &Pod) -> String {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default()
+}
+
+/// Restarts of the pod's first container.
+pub fn restart_count(p: &Pod) -> i32 {
+    p.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map(|c| c.restart_count)
+        .expect("container status")
+}
+
+/// The status of PodMigration `name` once its phase is final.
+pub async fn ended(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
+    let m = wait_for(
+        pms,
+        name,
+        MIGRATION_TIMEOUT,
+        "the PodMigration to end",
+        |m| {
+            m.and_then(|m| m.status.as_ref())
+                .is_some_and(|s| s.phase.is_terminal())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    m.and_then(|m| m.status).expect("status")
+}
+
+/// The pods whose name marks them as a migration's target pod of `source`.
+pub fn target_pods_of<'a>(ps: &'a [Pod], source: &str) -> Vec<&'a Pod> {
+    let prefix = format!("{source}-pm-");
+    ps.iter()
+        .filter(|p| p.name_any().starts_with(&prefix))
+        .collect()
+}
+
+/// After an interrupted migration: of the pods labelled `app=<app>` only the source is
+/// left (the same one, never restarted, Ready), no target pod of it exists, and it
+/// serves the same counter, larger than `before`. Returns that counter.
+pub async fn source_serves_alone(
+    pods: &Api<Pod>,
+    app: &str,
+    source: &Pod,
+    before: u64,
+    what: &str,
+) -> u64 {
+    let name = source.name_any();
+    wait_list(
+        pods,
+        "",
+        POD_TIMEOUT,
+        &format!("{what}: only the source pod, Ready, and no target pod"),
+        |ps| {
+            target_pods_of(ps, &name).is_empty()
+                && ps
+                    .iter()
+                    .filter(|p| p.labels().get("app").map(String::as_str) == Some(app))
+                    .map(|p| (p.uid(), pod_running_ready(p)))
+                    .collect::<Vec<_>>()
+                    == vec![(source.uid(), true)]
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let now = pods.get(&name).await.unwrap();
+    assert_eq!(restart_count(&now), 0, "{what}: the source was restarted");
+    let after = counter(&addr(&now));
+    assert!(
+        after > before,
+        "{what}: the source serves its own counter on: {before} then {after}"
+    );
+    after
+}
