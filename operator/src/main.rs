@@ -7,7 +7,7 @@ mod uninstall;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::Api;
 use kube::runtime::wait::{await_condition, conditions};
@@ -39,14 +39,9 @@ struct Cli {
     migration: MigrationConfig,
     #[command(flatten)]
     pki: PkiConfig,
-    /// Log format.
-    #[arg(
-        long,
-        env = "PODMOTION_LOG_FORMAT",
-        default_value = "text",
-        global = true
-    )]
-    log_format: LogFormat,
+    /// Log format: `json` (one object per line) or `text`.
+    #[arg(long, env = podmotion_log::ENV, default_value = "json", global = true)]
+    log_format: podmotion_log::LogFormat,
 }
 
 #[derive(Subcommand, Debug)]
@@ -63,26 +58,10 @@ enum Command {
     },
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    podmotion_log::init(cli.log_format, "info,kube=warn");
     let client = Client::try_default()
         .await
         .context("no kubeconfig or in-cluster configuration")?;

@@ -4,7 +4,12 @@
 //! results): never a free-text label. Kind-specific metrics live here too so the whole
 //! metric surface is visible (and documented in docs/metrics.md) in one place.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::Instant;
+
+use podmotion_api::RunnerPoolStatus;
+use podmotion_api::names::condition_types as ct;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -44,6 +49,48 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConditionLabels {
+    /// `Ready`, `Degraded` or `Stalled`.
+    pub condition: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeStateLabels {
+    /// `desired`, `ready` or `updated`.
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckLabels {
+    /// A preflight check name from [`PREFLIGHT_CHECKS`], or `other`.
+    pub check: &'static str,
+}
+
+/// The preflight check names a failure can carry (the preflight executor's checks,
+/// the pod fields a runtime refusal names, and `verdict` for an unreadable verdict).
+/// Anything else is counted as `other`: a label never carries free text.
+pub const PREFLIGHT_CHECKS: [&str; 8] = [
+    "kvm",
+    "userns",
+    "apparmor",
+    "quota",
+    "capabilities",
+    "hostUsers",
+    "procMount",
+    "verdict",
+];
+
+/// What the metrics keep of one RunnerPool's last status (never its name as a label).
+#[derive(Clone, Debug, Default)]
+struct PoolFacts {
+    desired: i64,
+    ready: i64,
+    updated: i64,
+    conditions: Vec<&'static str>,
+    failed_checks: Vec<&'static str>,
+}
+
 /// All metrics of the operator.
 pub struct Metrics {
     registry: Registry,
@@ -61,6 +108,15 @@ pub struct Metrics {
     pub attachment_jobs: Gauge,
     /// Attachment Jobs created, replaced and reaped.
     pub attachment_job_changes: Family<OutcomeLabels, Counter>,
+    /// RunnerPools whose condition is True, by condition (summed at scrape time).
+    pub runner_pools: Family<ConditionLabels, Gauge>,
+    /// Runner nodes over every pool, by state.
+    pub runner_pool_nodes: Family<NodeStateLabels, Gauge>,
+    /// Nodes whose preflight failed, by failing check, over every pool.
+    pub runner_pool_preflight_failures: Family<CheckLabels, Gauge>,
+    /// Reconciles that found a Runner DaemonSet drifted from its rendered shape.
+    pub runner_pool_shape_drift: Counter,
+    pools: Mutex<BTreeMap<String, PoolFacts>>,
 }
 
 impl Default for Metrics {
@@ -129,6 +185,30 @@ impl Metrics {
             "Attachment Jobs created, replaced and reaped",
             attachment_job_changes.clone(),
         );
+        let runner_pools = Family::<ConditionLabels, Gauge>::default();
+        registry.register(
+            "runner_pools",
+            "RunnerPools whose condition is True, by condition (Ready, Degraded, Stalled)",
+            runner_pools.clone(),
+        );
+        let runner_pool_nodes = Family::<NodeStateLabels, Gauge>::default();
+        registry.register(
+            "runner_pool_nodes",
+            "Runner nodes of every RunnerPool, by state (desired, ready, updated)",
+            runner_pool_nodes.clone(),
+        );
+        let runner_pool_preflight_failures = Family::<CheckLabels, Gauge>::default();
+        registry.register(
+            "runner_pool_preflight_failures",
+            "Nodes whose Runner preflight failed, by failing check, over every RunnerPool",
+            runner_pool_preflight_failures.clone(),
+        );
+        let runner_pool_shape_drift = Counter::default();
+        registry.register(
+            "runner_pool_shape_drift",
+            "RunnerPool reconciles that found the Runner DaemonSet drifted from its rendered shape (and repaired it)",
+            runner_pool_shape_drift.clone(),
+        );
         Metrics {
             registry,
             reconciles,
@@ -140,6 +220,86 @@ impl Metrics {
             migration_bytes,
             attachment_jobs,
             attachment_job_changes,
+            runner_pools,
+            runner_pool_nodes,
+            runner_pool_preflight_failures,
+            runner_pool_shape_drift,
+            pools: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Records a RunnerPool's status as last computed (`None`: the pool is gone). `key`
+    /// (namespace/name) only identifies the pool here; it is never a label.
+    pub fn runner_pool(&self, key: &str, status: Option<&RunnerPoolStatus>) {
+        let mut pools = self.pools.lock().expect("pools");
+        let Some(s) = status else {
+            pools.remove(key);
+            return;
+        };
+        let conditions = [ct::READY, ct::DEGRADED, ct::STALLED]
+            .into_iter()
+            .filter(|t| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == *t && c.status == "True")
+            })
+            .collect();
+        let failed_checks = s
+            .preflight_failures
+            .iter()
+            .flat_map(|f| &f.checks)
+            .map(|c| {
+                PREFLIGHT_CHECKS
+                    .into_iter()
+                    .find(|k| k == c)
+                    .unwrap_or("other")
+            })
+            .collect();
+        pools.insert(
+            key.to_owned(),
+            PoolFacts {
+                desired: s.desired_nodes.into(),
+                ready: s.ready_nodes.into(),
+                updated: s.updated_nodes.into(),
+                conditions,
+                failed_checks,
+            },
+        );
+    }
+
+    /// Brings the RunnerPool gauges up to date from the pools' last statuses. Every
+    /// series exists (at 0 when nothing counts), so a pool that recovers brings its
+    /// series down rather than leaving it at its last value.
+    fn refresh_runner_pools(&self) {
+        let pools = self.pools.lock().expect("pools");
+        for condition in [ct::READY, ct::DEGRADED, ct::STALLED] {
+            let n = pools
+                .values()
+                .filter(|p| p.conditions.contains(&condition))
+                .count();
+            self.runner_pools
+                .get_or_create(&ConditionLabels { condition })
+                .set(n as i64);
+        }
+        let sum = |f: fn(&PoolFacts) -> i64| pools.values().map(f).sum::<i64>();
+        for (state, n) in [
+            ("desired", sum(|p| p.desired)),
+            ("ready", sum(|p| p.ready)),
+            ("updated", sum(|p| p.updated)),
+        ] {
+            self.runner_pool_nodes
+                .get_or_create(&NodeStateLabels { state })
+                .set(n);
+        }
+        for check in PREFLIGHT_CHECKS.into_iter().chain(["other"]) {
+            let n = pools
+                .values()
+                .flat_map(|p| &p.failed_checks)
+                .filter(|c| **c == check)
+                .count();
+            self.runner_pool_preflight_failures
+                .get_or_create(&CheckLabels { check })
+                .set(n as i64);
         }
     }
 
@@ -158,6 +318,7 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn encode(&self) -> String {
+        self.refresh_runner_pools();
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
@@ -238,6 +399,69 @@ mod tests {
         );
         assert!(
             text.contains(r#"podmotion_reconciles_in_flight{controller="runner-pool"} 0"#),
+            "{text}"
+        );
+    }
+
+    fn pool_status(desired: i32, ready: i32, degraded: bool, checks: &[&str]) -> RunnerPoolStatus {
+        use podmotion_api::runner_pool::PreflightFailure;
+        let cond = |t: &str, on: bool| k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+            type_: t.into(),
+            status: if on { "True" } else { "False" }.into(),
+            reason: "R".into(),
+            message: String::new(),
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+            observed_generation: None,
+        };
+        RunnerPoolStatus {
+            desired_nodes: desired,
+            ready_nodes: ready,
+            conditions: vec![cond(ct::READY, !degraded), cond(ct::DEGRADED, degraded)],
+            preflight_failures: vec![PreflightFailure {
+                node: "n1".into(),
+                checks: checks.iter().map(|c| c.to_string()).collect(),
+                message: "free text that must never become a label".into(),
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn runner_pools_are_summed_by_condition_and_check_without_their_names() {
+        let m = Metrics::new();
+        m.runner_pool("ns/a", Some(&pool_status(2, 1, true, &["kvm", "made-up"])));
+        m.runner_pool("ns/b", Some(&pool_status(3, 3, false, &["kvm"])));
+        let text = m.encode();
+        for line in [
+            r#"podmotion_runner_pools{condition="Degraded"} 1"#,
+            r#"podmotion_runner_pools{condition="Ready"} 1"#,
+            r#"podmotion_runner_pool_nodes{state="desired"} 5"#,
+            r#"podmotion_runner_pool_nodes{state="ready"} 4"#,
+            r#"podmotion_runner_pool_preflight_failures{check="kvm"} 2"#,
+            r#"podmotion_runner_pool_preflight_failures{check="other"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+        assert!(
+            !text.contains("ns/a") && !text.contains("made-up"),
+            "{text}"
+        );
+        // A pool that recovers, and one that is deleted, bring the series down.
+        m.runner_pool("ns/a", Some(&pool_status(2, 2, false, &[])));
+        m.runner_pool("ns/b", None);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"podmotion_runner_pools{condition="Degraded"} 0"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"podmotion_runner_pool_nodes{state="desired"} 2"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"podmotion_runner_pool_preflight_failures{check="kvm"} 0"#),
             "{text}"
         );
     }

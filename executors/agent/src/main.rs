@@ -18,6 +18,16 @@ struct Args {
     /// Address to serve gRPC on.
     #[arg(long, env = "PODMOTION_AGENT_LISTEN", default_value = "0.0.0.0:7443")]
     listen: std::net::SocketAddr,
+    /// Address to serve Prometheus text on (`GET /metrics`, plain HTTP, counts only).
+    #[arg(
+        long,
+        env = "PODMOTION_AGENT_METRICS_LISTEN",
+        default_value = "0.0.0.0:9090"
+    )]
+    metrics_listen: std::net::SocketAddr,
+    /// Log format: `json` (one object per line) or `text`.
+    #[arg(long, env = podmotion_log::ENV, default_value = "json")]
+    log_format: podmotion_log::LogFormat,
     /// CA bundle file (PEM), with `--tls-cert` and `--tls-key`: the identity comes from
     /// files, re-read every `--tls-reload-seconds` (tests, or certificates managed
     /// elsewhere). Without them, `--identity-from-csr` is required.
@@ -124,12 +134,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let a = Args::parse();
+    podmotion_log::init(a.log_format, "info");
     images::check_root(&a.checkpoints_root)?;
     let swept = images::sweep(&a.checkpoints_root)?;
     if swept > 0 {
@@ -192,7 +198,12 @@ async fn serve() -> anyhow::Result<()> {
         },
     })?;
     let agent = std::sync::Arc::new(agent);
-    tracing::info!(listen = %a.listen, "agent serving");
+    let metrics = tokio::net::TcpListener::bind(a.metrics_listen).await?;
+    tokio::spawn(podmotion_agent::metrics::serve(
+        metrics,
+        std::sync::Arc::clone(&agent),
+    ));
+    tracing::info!(listen = %a.listen, metrics = %a.metrics_listen, "agent serving");
     // TLS is ours, not tonic's: every handshake uses the certificate and CA bundle
     // current at that moment (renewals are served without a restart); tonic still
     // sees the peer's certificates (`Request::peer_certs`).
@@ -203,8 +214,10 @@ async fn serve() -> anyhow::Result<()> {
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
         .add_service(
-            MigrationAgentServer::from_arc(std::sync::Arc::clone(&agent))
-                .max_decoding_message_size(4 << 20),
+            MigrationAgentServer::new(podmotion_agent::metrics::Observed {
+                agent: std::sync::Arc::clone(&agent),
+            })
+            .max_decoding_message_size(4 << 20),
         )
         .serve_with_incoming(tls_incoming(listener, tls));
     // SIGTERM (pod deletion, rollout, node drain) stops taking calls at once; the

@@ -189,10 +189,9 @@ impl Migration {
 async fn broker_call(b: &Arc<StdMutex<BrokerClient>>, req: Request) -> Result<Reply, Status> {
     let b = Arc::clone(b);
     blocking(move || {
-        b.lock()
-            .expect("broker client")
-            .call(&req)
-            .map_err(broker_status)
+        let r = b.lock().expect("broker client").call(&req);
+        crate::metrics::global().broker_op(req.name(), r.as_ref().map(|_| ()).map_err(|e| e.kind));
+        r.map_err(broker_status)
     })
     .await
 }
@@ -293,6 +292,9 @@ struct FrozenSource {
     freeze: Arc<Freeze>,
     broker: Arc<StdMutex<BrokerClient>>,
     uid: MigrationUid,
+    /// For the metrics: when the final dump froze it, and its freeze budget.
+    since: std::time::Instant,
+    budget: std::time::Duration,
 }
 
 impl Agent {
@@ -358,6 +360,8 @@ impl Agent {
             freeze: Arc::clone(&freeze),
             broker: Arc::clone(&broker),
             uid: uid.clone(),
+            since: std::time::Instant::now(),
+            budget: limit.saturating_sub(self.cfg.freeze_watchdog.margin),
         });
         tokio::spawn(async move {
             tokio::time::sleep(limit).await;
@@ -368,7 +372,12 @@ impl Agent {
                 }
                 tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
                 match thaw_frozen(&freeze, &broker, &uid).await {
-                    Ok(_) => return,
+                    Ok(resumed) => {
+                        if resumed {
+                            crate::metrics::global().watchdog_resumed();
+                        }
+                        return;
+                    }
                     Err(e) => {
                         tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
                     }
@@ -397,6 +406,18 @@ impl Agent {
             }
         }
         thawed
+    }
+
+    /// The sources this agent froze that are still frozen, for the metrics.
+    pub fn frozen_sources(&self) -> Vec<crate::metrics::FrozenAge> {
+        let all = self.frozen.lock().expect("frozen");
+        all.iter()
+            .filter(|f| f.freeze.get() == FROZEN)
+            .map(|f| crate::metrics::FrozenAge {
+                frozen_for: f.since.elapsed(),
+                budget: f.budget,
+            })
+            .collect()
     }
 
     fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {

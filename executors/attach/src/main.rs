@@ -38,6 +38,9 @@ struct Cli {
         default_value = "/dev/termination-log"
     )]
     termination_log: PathBuf,
+    /// Log format: `json` (one object per line) or `text`.
+    #[arg(long, env = podmotion_log::ENV, default_value = "json")]
+    log_format: podmotion_log::LogFormat,
 }
 
 #[derive(Debug, clap::Args)]
@@ -142,14 +145,8 @@ fn parse_redirect(s: &str) -> Result<Redirect, String> {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    podmotion_log::init(cli.log_format, "info");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -24,15 +24,14 @@ struct Args {
     /// The agent's uid (SO_PEERCRED).
     #[arg(long, env = "PODMOTION_AGENT_UID", default_value_t = 0)]
     allowed_uid: u32,
+    /// Log format: `json` (one object per line) or `text`.
+    #[arg(long, env = podmotion_log::ENV, default_value = "json")]
+    log_format: podmotion_log::LogFormat,
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let a = Args::parse();
+    podmotion_log::init(a.log_format, "info");
     let broker = podmotion_broker::Broker::new(podmotion_broker::Config {
         run_dir: a.run_dir,
         pods_cgroup_root: a.pods_cgroup_root,

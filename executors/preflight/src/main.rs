@@ -13,7 +13,8 @@ use podmotion_preflight::{
 };
 
 const USAGE: &str = "usage: podmotion-preflight [--kvm-device=PATH] [--session-volume=PATH] \
-[--require-project-quota=true|false] [--apparmor-sysctl=PATH] [--mountinfo=PATH] [--termination-log=PATH]";
+[--require-project-quota=true|false] [--apparmor-sysctl=PATH] [--mountinfo=PATH] [--termination-log=PATH] \
+[--log-format=json|text]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -35,6 +36,14 @@ fn main() -> ExitCode {
     }
     let mut s = Settings::default();
     let mut termination_log = PathBuf::from("/dev/termination-log");
+    // PODMOTION_LOG_FORMAT, then --log-format: the same pair as every other binary.
+    let mut log_format = match podmotion_log::LogFormat::from_env() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("{e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
     for a in &args {
         let Some((k, v)) = a.split_once('=') else {
             eprintln!("{USAGE}");
@@ -53,18 +62,33 @@ fn main() -> ExitCode {
             "--apparmor-sysctl" => s.apparmor_sysctl = v.into(),
             "--mountinfo" => s.mountinfo = v.into(),
             "--termination-log" => termination_log = v.into(),
+            "--log-format" => match v.parse() {
+                Ok(f) => log_format = f,
+                Err(e) => {
+                    eprintln!("{e}\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
             _ => {
                 eprintln!("unknown flag {k}\n{USAGE}");
                 return ExitCode::from(2);
             }
         }
     }
+    podmotion_log::init(log_format, "info");
     let verdict = run_all(&s, &exe);
     let line = verdict.to_line();
+    // The verdict (itself one JSON object) is the product: stdout and the termination
+    // message. The log line on stderr says the same in the shared log format.
     println!("{line}");
+    if verdict.ok {
+        tracing::info!("preflight passed");
+    } else {
+        tracing::error!(verdict = %line, "preflight failed");
+    }
     // Best effort: outside a pod there may be no termination log.
     if let Err(e) = std::fs::write(&termination_log, format!("{line}\n")) {
-        eprintln!("could not write {}: {e}", termination_log.display());
+        tracing::warn!(path = %termination_log.display(), error = %e, "could not write the termination log");
     }
     if verdict.ok {
         ExitCode::SUCCESS

@@ -145,9 +145,15 @@ impl Reconciler for Shared {
         observed: Option<observe::Observation>,
         _cleanup: bool,
     ) -> Result<Outcome<RunnerPoolStatus>, ReconcileError> {
+        let key = format!(
+            "{}/{}",
+            pool.namespace().unwrap_or_default(),
+            pool.name_any()
+        );
         let Some(o) = observed else {
             // Cleanup: the cluster-scoped PriorityClass has no owner reference.
             children::delete_priority_classes(&self.ctx, pool, &BTreeSet::new()).await?;
+            self.ctx.metrics.runner_pool(&key, None);
             return Ok(Outcome::new(None));
         };
         if let Err(why) = priority::check(pool, self.cfg.max_priority, o.priority) {
@@ -157,6 +163,7 @@ impl Reconciler for Shared {
                 &why,
                 Timestamp::now(),
             );
+            self.ctx.metrics.runner_pool(&key, Some(&new));
             let old = pool.status.clone().unwrap_or_default();
             let mut out = Outcome::new(Some(new));
             if let Some(new) = &out.status {
@@ -168,9 +175,13 @@ impl Reconciler for Shared {
         let (desired, applied) =
             children::apply_all(&self.ctx, self.cfg.reads_secrets(), pool, &o.inputs).await?;
         let drift = status::drift_note(&applied.drift);
+        if !applied.drift.is_empty() {
+            self.ctx.metrics.runner_pool_shape_drift.inc();
+        }
         let observed =
             crate::runner_pool::status_inputs(pool, &desired, &o.inputs, &o.facts, applied);
         let new = status::compute(pool, &observed, Timestamp::now());
+        self.ctx.metrics.runner_pool(&key, Some(&new));
         let old = pool.status.clone().unwrap_or_default();
         let mut out = Outcome::new(Some(new));
         out.notes.extend(drift);
