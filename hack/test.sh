@@ -48,6 +48,9 @@ export PODMOTION_IMAGES_VALUES=$run/images-values.yaml PODMOTION_IMAGES_LIST=$ru
 step "kubectl-podmotion (the plugin binary e2e/tests/real_plugin.rs drives)"
 cargo build --locked -p kubectl-podmotion
 
+step "Argo CD health evaluator (hack/build-argocd-health.sh; e2e/tests/argocd_health.rs runs it; a cold build takes a few minutes)"
+bash hack/build-argocd-health.sh >/dev/null
+
 step "cargo test --workspace"
 rc=0
 cargo test --workspace --locked "$@" || rc=$?

@@ -1,24 +1,36 @@
 //! The Argo CD health checks in `argocd/resource_customizations/podmotion.io/<Kind>/`
-//! (argo-cd's layout: `health.lua`, `health_test.yaml`, `testdata/*.yaml`), run with a
-//! Lua 5.1 interpreter — Argo CD runs them in gopher-lua, a Lua 5.1 — against every
-//! fixture, and against statuses written by `podmotion_api::conditions::set_health`,
-//! the one place the operator writes `Ready`/`Reconciling`/`Stalled`. The same statuses
-//! are mapped to kstatus (Current / InProgress / Failed) by the rules kstatus applies to
-//! custom resources.
+//! (argo-cd's layout: `health.lua`, `health_test.yaml`, `testdata/*.yaml`), evaluated by
+//! Argo CD's own code: `podmotion-argocd-health` (hack/argocd-health, built from the
+//! argo-cd module pinned in hack/versions.env by hack/build-argocd-health.sh) parses the
+//! `argocd-cm` keys the chart renders (`argocd.resourceCustomizations.enabled`) with Argo
+//! CD's settings manager and calls gitops-engine's `GetResourceHealth` — the application
+//! controller's call — which runs the scripts in Argo CD's gopher-lua VM.
 //!
-//! Needs `lua5.1` (installed by `hack/install-tools.sh`; override with `PODMOTION_LUA`).
-//! Without it these tests fail: CI installs it.
+//! Evaluated: every fixture as a file, every fixture created as a live object in the
+//! local cluster (spec, then status through the status subresource; the object the API
+//! server returns is what Argo CD is given), and statuses written by
+//! `podmotion_api::conditions::set_health`, the one place the operator writes
+//! `Ready`/`Reconciling`/`Stalled`. The same statuses are mapped to kstatus (Current /
+//! InProgress / Failed) by the rules kstatus applies to custom resources.
+//!
+//! Needs Go and the module proxy on a cold cache (the first build takes minutes; the
+//! tests build it through hack/build-argocd-health.sh, which hack/install-tools.sh also
+//! runs) and `helm` (hack/build-helm.sh). The live test needs the cluster
+//! (`PODMOTION_E2E=0` skips it).
 
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use podmotion_api::conditions::{Health, set_health};
 use podmotion_api::names::reasons;
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
-use podmotion_e2e::repo_root;
+use podmotion_e2e::operator::install_crds;
+use podmotion_e2e::{PodSecurity, TestNamespace, repo_root};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -31,98 +43,94 @@ fn kind_dir(kind: &str) -> PathBuf {
         .join(kind)
 }
 
-fn lua() -> PathBuf {
-    let candidate = std::env::var_os("PODMOTION_LUA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("lua5.1"));
-    match Command::new(&candidate).arg("-v").output() {
-        Ok(out) if out.status.success() || !out.stderr.is_empty() => candidate,
-        _ => panic!(
-            "no Lua 5.1 interpreter ({}); run hack/install-tools.sh (CI installs it through \
-             hack/install-deps.sh) or set PODMOTION_LUA",
-            candidate.display()
-        ),
-    }
+/// Runs a `hack/` script that prints a path on its last stdout line.
+fn script_path(script: &str) -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo_root().join("hack").join(script))
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running hack/{script}: {e}"));
+    assert!(out.status.success(), "hack/{script} failed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(stdout.lines().last().unwrap_or_default().trim())
 }
 
-/// A Lua string literal for `s` (decimal escapes for anything but printable ASCII).
-fn lua_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for b in s.bytes() {
-        match b {
-            b'"' => out.push_str("\\\""),
-            b'\\' => out.push_str("\\\\"),
-            0x20..=0x7e => out.push(b as char),
-            _ => out.push_str(&format!("\\{b:03}")),
-        }
-    }
-    out.push('"');
-    out
+/// The evaluator, built on first use (a no-op when the pinned build is in the cache).
+fn argocd_health_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| script_path("build-argocd-health.sh"))
 }
 
-/// A Lua table constructor for a JSON value, the way Argo CD hands `obj` to the script
-/// (objects become tables with string keys, arrays sequences, null is absent).
-fn lua_value(v: &Value) -> String {
-    match v {
-        Value::Null => "nil".into(),
-        Value::Bool(b) => b.to_string(),
-        Value::Number(n) => n.to_string(),
-        Value::String(s) => lua_string(s),
-        Value::Array(items) => {
-            let parts: Vec<String> = items
-                .iter()
-                .filter(|v| !v.is_null())
-                .map(lua_value)
-                .collect();
-            format!("{{{}}}", parts.join(", "))
-        }
-        Value::Object(map) => {
-            let parts: Vec<String> = map
-                .iter()
-                .filter(|(_, v)| !v.is_null())
-                .map(|(k, v)| format!("[{}] = {}", lua_string(k), lua_value(v)))
-                .collect();
-            format!("{{{}}}", parts.join(", "))
-        }
-    }
+/// The chart's `argocd-cm` customizations (`helm template` with the switch on), in a file.
+fn argocd_cm() -> &'static Path {
+    static CM: OnceLock<PathBuf> = OnceLock::new();
+    CM.get_or_init(|| argocd_cm_from(&repo_root().join("charts/podmotion"), "chart"))
 }
 
-/// Runs `script` with the global `obj` set to `object`; returns (status, message).
-fn run_health(script: &Path, object: &Value) -> Result<(String, String), String> {
-    let harness = format!(
-        "obj = {}\n\
-         local chunk, err = loadfile({})\n\
-         if chunk == nil then io.write('ERROR\\t' .. tostring(err)) os.exit(2) end\n\
-         local ok, hs = pcall(chunk)\n\
-         if not ok then io.write('ERROR\\t' .. tostring(hs)) os.exit(2) end\n\
-         if type(hs) ~= 'table' then io.write('ERROR\\thealth.lua returned ' .. type(hs)) os.exit(2) end\n\
-         io.write(tostring(hs.status), '\\t', tostring(hs.message))\n",
-        lua_value(object),
-        lua_string(&script.to_string_lossy()),
+fn argocd_cm_from(chart: &Path, label: &str) -> PathBuf {
+    let helm = script_path("build-helm.sh");
+    let out = Command::new(helm)
+        .args(["template", "pm"])
+        .arg(chart)
+        .args([
+            "--set",
+            "argocd.resourceCustomizations.enabled=true",
+            "--show-only",
+            "templates/argocd-resource-customizations.yaml",
+        ])
+        .output()
+        .expect("helm template");
+    assert!(
+        out.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    let mut child = Command::new(lua())
-        .arg("-")
+    let path = std::env::temp_dir().join(format!(
+        "podmotion-argocd-cm-{label}-{}.yaml",
+        std::process::id()
+    ));
+    std::fs::write(&path, &out.stdout).unwrap();
+    path
+}
+
+/// Argo CD's health of each object, in order: Ok((status, message)) or Err(error).
+fn argocd_health_with(cm: &Path, objects: &[Value]) -> Vec<Result<(String, String), String>> {
+    let mut child = Command::new(argocd_health_bin())
+        .arg("--argocd-cm")
+        .arg(cm)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("starting lua: {e}"))?;
+        .expect("starting podmotion-argocd-health");
     child
         .stdin
         .take()
         .expect("stdin is piped")
-        .write_all(harness.as_bytes())
-        .map_err(|e| format!("writing to lua: {e}"))?;
-    let out = child.wait_with_output().map_err(|e| format!("lua: {e}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() || stdout.starts_with("ERROR\t") {
-        return Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    let (status, message) = stdout
-        .split_once('\t')
-        .ok_or_else(|| format!("unexpected harness output {stdout:?}"))?;
-    Ok((status.to_string(), message.to_string()))
+        .write_all(&serde_json::to_vec(objects).unwrap())
+        .expect("writing to podmotion-argocd-health");
+    let out = child.wait_with_output().expect("podmotion-argocd-health");
+    assert!(
+        out.status.success(),
+        "podmotion-argocd-health: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: Vec<Value> = serde_json::from_slice(&out.stdout).expect("its JSON output");
+    assert_eq!(results.len(), objects.len(), "one result per object");
+    results
+        .into_iter()
+        .map(|r| match r["error"].as_str() {
+            Some(e) => Err(e.to_string()),
+            None => Ok((
+                r["status"].as_str().unwrap_or_default().to_string(),
+                r["message"].as_str().unwrap_or_default().to_string(),
+            )),
+        })
+        .collect()
+}
+
+fn argocd_health(objects: &[Value]) -> Vec<Result<(String, String), String>> {
+    argocd_health_with(argocd_cm(), objects)
 }
 
 #[derive(Deserialize)]
@@ -184,10 +192,63 @@ fn every_kind_has_a_health_check_with_fixtures_for_each_status_it_can_report() {
     }
 }
 
-#[test]
-fn health_checks_report_the_expected_status_for_every_fixture() {
+/// A fixture with what health_test.yaml expects of it.
+struct Fixture {
+    kind: &'static str,
+    path: String,
+    object: Value,
+    want: Expected,
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut out = Vec::new();
+    for kind in KINDS {
+        let dir = kind_dir(kind);
+        for t in health_tests(kind).tests {
+            out.push(Fixture {
+                kind,
+                object: read_yaml(&dir.join(&t.input_path)),
+                path: t.input_path,
+                want: t.health_status,
+            });
+        }
+    }
+    out
+}
+
+/// Compares Argo CD's verdicts with health_test.yaml; the message too when `messages`.
+fn check(
+    label: &str,
+    fixtures: &[Fixture],
+    got: Vec<Result<(String, String), String>>,
+    messages: impl Fn(&Fixture) -> bool,
+) -> Vec<String> {
     let mut failures = Vec::new();
-    let mut count = 0;
+    for (f, got) in fixtures.iter().zip(got) {
+        let at = format!("{label} {}/{}", f.kind, f.path);
+        match got {
+            Err(e) => failures.push(format!("{at}: {e}")),
+            Ok((status, message)) => {
+                if status != f.want.status {
+                    failures.push(format!(
+                        "{at}: status {status:?}, want {:?} (message {message:?})",
+                        f.want.status
+                    ));
+                }
+                if let Some(want) = f.want.message.as_ref().filter(|_| messages(f))
+                    && &message != want
+                {
+                    failures.push(format!("{at}: message {message:?}, want {want:?}"));
+                }
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+fn every_fixture_is_listed_in_health_test_yaml() {
+    let mut failures = Vec::new();
     for kind in KINDS {
         let dir = kind_dir(kind);
         let listed: BTreeSet<String> = health_tests(kind)
@@ -195,7 +256,7 @@ fn health_checks_report_the_expected_status_for_every_fixture() {
             .iter()
             .map(|t| t.input_path.clone())
             .collect();
-        // Every fixture on disk is listed (a forgotten one would never be checked).
+        // A forgotten fixture would never be checked.
         for entry in std::fs::read_dir(dir.join("testdata")).unwrap() {
             let name = entry.unwrap().file_name().to_string_lossy().into_owned();
             let rel = format!("testdata/{name}");
@@ -203,31 +264,174 @@ fn health_checks_report_the_expected_status_for_every_fixture() {
                 failures.push(format!("{kind}/{rel}: not listed in health_test.yaml"));
             }
         }
-        for t in health_tests(kind).tests {
-            count += 1;
-            let object = read_yaml(&dir.join(&t.input_path));
-            match run_health(&dir.join("health.lua"), &object) {
-                Err(e) => failures.push(format!("{kind}/{}: {e}", t.input_path)),
-                Ok((status, message)) => {
-                    if status != t.health_status.status {
-                        failures.push(format!(
-                            "{kind}/{}: status {status:?}, want {:?} (message {message:?})",
-                            t.input_path, t.health_status.status
-                        ));
-                    }
-                    if let Some(want) = &t.health_status.message
-                        && &message != want
-                    {
-                        failures.push(format!(
-                            "{kind}/{}: message {message:?}, want {want:?}",
-                            t.input_path
-                        ));
-                    }
-                }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn argo_cd_reports_the_expected_status_for_every_fixture() {
+    let fixtures = fixtures();
+    assert!(fixtures.len() >= 15, "only {} fixtures", fixtures.len());
+    let objects: Vec<Value> = fixtures.iter().map(|f| f.object.clone()).collect();
+    let failures = check("file", &fixtures, argocd_health(&objects), |_| true);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_broken_health_script_fails_the_fixtures() {
+    // The evaluation must be able to fail: the chart rendered with a copy of the scripts
+    // where one of them errors out. (The chart reads the scripts through its files/argocd
+    // link, so the copy is a chart whose link points at the broken tree.)
+    let tmp = std::env::temp_dir().join(format!("podmotion-broken-chart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let chart = tmp.join("podmotion");
+    copy_dir(&repo_root().join("charts/podmotion"), &chart);
+    let scripts = tmp.join("argocd");
+    copy_dir(
+        &repo_root().join("argocd/resource_customizations"),
+        &scripts,
+    );
+    let broken = scripts.join("podmotion.io/RunnerPool/health.lua");
+    let text = std::fs::read_to_string(&broken).unwrap();
+    std::fs::write(
+        &broken,
+        format!("local hs = nil\nhs.status = 'Healthy'\n{text}"),
+    )
+    .unwrap();
+    let link = chart.join("files/argocd");
+    let _ = std::fs::remove_file(&link);
+    let _ = std::fs::remove_dir_all(&link);
+    std::os::unix::fs::symlink(&scripts, &link).unwrap();
+    let cm = argocd_cm_from(&chart, "broken");
+
+    let fixtures = fixtures();
+    let objects: Vec<Value> = fixtures.iter().map(|f| f.object.clone()).collect();
+    let got = argocd_health_with(&cm, &objects);
+    for (f, got) in fixtures.iter().zip(&got) {
+        match (f.kind, got) {
+            ("RunnerPool", Err(e)) => assert!(e.contains("nil"), "{}: {e}", f.path),
+            ("RunnerPool", Ok(ok)) => panic!("{}: the broken script reported {ok:?}", f.path),
+            (kind, got) => assert!(got.is_ok(), "{kind}/{}: {got:?}", f.path),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&cm);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        let kind = entry.file_type().unwrap();
+        if kind.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(entry.path()).unwrap(), &target).unwrap();
+        } else if kind.is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// The API resource of a fixture's kind.
+fn api_resource(kind: &str) -> ApiResource {
+    match kind {
+        "PodMigration" => ApiResource::erase::<PodMigration>(&()),
+        "NodeAgentAttachment" => ApiResource::erase::<NodeAgentAttachment>(&()),
+        _ => ApiResource::erase::<RunnerPool>(&()),
+    }
+}
+
+/// Creates `fixture` as a live object named `name` in `api`'s namespace: the spec first,
+/// then its status through the status subresource, with the fixture's
+/// `metadata.generation - observedGeneration` gap kept against the live generation (the
+/// API server assigns generation 1). Returns the object the API server stored.
+async fn create_live(api: &Api<DynamicObject>, name: &str, fixture: &Value) -> Value {
+    let mut spec_only = json!({
+        "apiVersion": fixture["apiVersion"],
+        "kind": fixture["kind"],
+        "metadata": {"name": name},
+        "spec": fixture["spec"],
+    });
+    if let Some(labels) = fixture.pointer("/metadata/labels") {
+        spec_only["metadata"]["labels"] = labels.clone();
+    }
+    let obj: DynamicObject = serde_json::from_value(spec_only).unwrap();
+    let created = api
+        .create(&PostParams::default(), &obj)
+        .await
+        .unwrap_or_else(|e| panic!("creating {name}: {e}"));
+    let live_generation = created.metadata.generation.unwrap_or(1);
+    let Some(status) = fixture.get("status") else {
+        return serde_json::to_value(created).unwrap();
+    };
+    let fixture_generation = fixture
+        .pointer("/metadata/generation")
+        .and_then(Value::as_i64)
+        .unwrap_or(1);
+    let shift = |observed: &Value| -> Value {
+        observed
+            .as_i64()
+            .map(|o| json!(live_generation - (fixture_generation - o)))
+            .unwrap_or(Value::Null)
+    };
+    let mut status = status.clone();
+    if let Some(o) = status.get("observedGeneration").map(shift) {
+        status["observedGeneration"] = o;
+    }
+    if let Some(conditions) = status.get_mut("conditions").and_then(Value::as_array_mut) {
+        for c in conditions {
+            if let Some(o) = c.get("observedGeneration").map(shift) {
+                c["observedGeneration"] = o;
             }
         }
     }
-    assert!(count >= 15, "only {count} fixtures");
+    let patched = api
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": status})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("writing the status of {name}: {e}"));
+    serde_json::to_value(patched).unwrap()
+}
+
+#[tokio::test]
+async fn argo_cd_reports_the_expected_status_for_live_objects_of_every_fixture() {
+    let Some(ns) = TestNamespace::new("argocd-health", PodSecurity::Baseline).await else {
+        return;
+    };
+    install_crds(&ns.client).await;
+    let fixtures = fixtures();
+    let mut live = Vec::new();
+    for f in &fixtures {
+        let api = Api::<DynamicObject>::namespaced_with(
+            ns.client.clone(),
+            &ns.name,
+            &api_resource(f.kind),
+        );
+        // One object per fixture: the file's stem names it.
+        let name = Path::new(&f.path)
+            .file_stem()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        live.push(create_live(&api, &name, &f.object).await);
+    }
+    // The messages of the old-generation fixtures name the fixture's generation, not the
+    // live one: their status is what is compared.
+    let failures = check("live", &fixtures, argocd_health(&live), |f| {
+        !f.path.contains("old-generation")
+    });
+    // The live objects are what the API server holds (managedFields, uid, ...), not the
+    // files: at least one field the files do not have.
+    assert!(
+        live.iter()
+            .all(|o| o.pointer("/metadata/managedFields").is_some()),
+        "the objects given to Argo CD are not the live ones"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -535,38 +739,47 @@ fn the_conditions_the_operator_writes_map_to_kstatus_argo_cd_and_kubectl_wait() 
             false,
         ),
     ];
+    // Every case at the current generation (the status describes the spec) and at a
+    // spec change the operator has not seen yet (never Current, never Healthy, and
+    // `kubectl wait` keeps waiting: observedGeneration on the condition).
+    let objects: Vec<Value> = cases
+        .iter()
+        .flat_map(|(kind, health, phase, ..)| {
+            [
+                with_health(kind, health, *phase, 1),
+                with_health(kind, health, *phase, 2),
+            ]
+        })
+        .collect();
+    let mut argo = argocd_health(&objects).into_iter();
     let mut failures = Vec::new();
-    for (kind, health, phase, want_kstatus, want_argo, want_wait) in &cases {
-        // Current generation: the status describes the spec.
-        let obj = with_health(kind, health, *phase, 1);
+    for (i, (kind, health, _, want_kstatus, want_argo, want_wait)) in cases.iter().enumerate() {
+        let (obj, stale) = (&objects[2 * i], &objects[2 * i + 1]);
         let label = format!("{kind} {health:?}");
-        if kstatus(&obj) != *want_kstatus {
+        if kstatus(obj) != *want_kstatus {
             failures.push(format!(
                 "{label}: kstatus {}, want {want_kstatus}",
-                kstatus(&obj)
+                kstatus(obj)
             ));
         }
-        match run_health(&kind_dir(kind).join("health.lua"), &obj) {
+        match argo.next().unwrap() {
             Ok((status, _)) if status == *want_argo => {}
             Ok((status, message)) => failures.push(format!(
                 "{label}: Argo CD {status} ({message}), want {want_argo}"
             )),
             Err(e) => failures.push(format!("{label}: {e}")),
         }
-        if kubectl_wait_ready(&obj) != *want_wait {
+        if kubectl_wait_ready(obj) != *want_wait {
             failures.push(format!("{label}: kubectl wait Ready = {}", !want_wait));
         }
-        // A spec change the operator has not seen yet: never Current, never Healthy,
-        // and `kubectl wait` keeps waiting (observedGeneration on the condition).
-        let stale = with_health(kind, health, *phase, 2);
-        if kstatus(&stale) != "InProgress" {
-            failures.push(format!("{label} (stale): kstatus {}", kstatus(&stale)));
+        if kstatus(stale) != "InProgress" {
+            failures.push(format!("{label} (stale): kstatus {}", kstatus(stale)));
         }
-        match run_health(&kind_dir(kind).join("health.lua"), &stale) {
+        match argo.next().unwrap() {
             Ok((status, _)) if status == "Progressing" => {}
             other => failures.push(format!("{label} (stale): Argo CD {other:?}")),
         }
-        if kubectl_wait_ready(&stale) {
+        if kubectl_wait_ready(stale) {
             failures.push(format!("{label} (stale): kubectl wait would succeed"));
         }
     }
@@ -581,33 +794,10 @@ fn the_conditions_the_operator_writes_map_to_kstatus_argo_cd_and_kubectl_wait() 
     if kstatus(&deleting) != "Terminating" {
         failures.push("deleting RunnerPool is not Terminating".into());
     }
+    // Argo CD says Progressing (gitops-engine's "Pending deletion") before any script runs.
+    match &argocd_health(&[deleting])[0] {
+        Ok((status, _)) if status == "Progressing" => {}
+        other => failures.push(format!("deleting RunnerPool: Argo CD {other:?}")),
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-#[test]
-fn lua_harness_sees_nested_objects_and_escaped_strings() {
-    // The harness itself must be able to fail: a script that echoes what it got.
-    let dir = std::env::temp_dir().join(format!("podmotion-lua-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = dir.join("echo.lua");
-    std::fs::write(
-        &script,
-        "local hs = {}\nhs.status = obj.status.conditions[2].type\nhs.message = obj.metadata.name .. '|' .. tostring(obj.metadata.generation)\nreturn hs\n",
-    )
-    .unwrap();
-    let obj = json!({
-        "metadata": {"name": "a \"quoted\" \\ name ü", "generation": 7},
-        "status": {"conditions": [{"type": "Ready"}, {"type": "Stalled"}]}
-    });
-    let got = run_health(&script, &obj).unwrap();
-    assert_eq!(
-        got,
-        (
-            "Stalled".to_string(),
-            "a \"quoted\" \\ name ü|7".to_string()
-        )
-    );
-    std::fs::write(&script, "error('boom')\n").unwrap();
-    assert!(run_health(&script, &obj).unwrap_err().contains("boom"));
-    let _ = std::fs::remove_dir_all(&dir);
 }
