@@ -48,6 +48,28 @@ pub enum Command {
     Env(Env),
     /// Copy a workload's traffic on one port into a pcapng file, until Ctrl-C.
     Wiretap(Wiretap),
+    /// Copy a file or a directory out of a replica's container.
+    Cp(Cp),
+}
+
+#[derive(Args, Debug)]
+pub struct Cp {
+    /// `<workload>:<absolute path>`, e.g. `deploy/web:/etc/nginx/nginx.conf`: a regular
+    /// file, or a directory (copied with its files, subdirectories and symlinks).
+    #[arg(value_parser = crate::cp::parse_remote)]
+    pub source: (Workload, String),
+    /// Where to write: a file, a directory (created if missing; a directory's contents
+    /// go into it), or `-` for stdout (a file's bytes, or a directory as tar).
+    pub local: PathBuf,
+    /// The container (default: the pod's first).
+    #[arg(long, short = 'c')]
+    pub container: Option<String>,
+    /// Namespace of the agent Jobs (see `intercept --help`).
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    pub agents_namespace: Option<String>,
+    /// Give up when the agent is not ready after this long.
+    #[arg(long, default_value = "3m", value_parser = parse_duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Args, Debug)]

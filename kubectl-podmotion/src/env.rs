@@ -5,7 +5,8 @@
 //! It uses a Ready attachment of the workload when there is one (any mode: every agent
 //! serves the environment), and otherwise creates an `Ingest` attachment (one Job, kept
 //! while its session Lease is renewed — this command renews it while it waits), reads
-//! the environment and deletes the attachment again.
+//! the environment and deletes the attachment again ([`with_agent`], which `cp` uses
+//! too).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -18,6 +19,7 @@ use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, IngestSession, NodeAgentAttachmentSpec, WorkloadRef};
 
+use crate::agent::Agent;
 use crate::cli::{Env, Workload};
 use crate::explain::{Attempt, code, kube_error};
 use crate::intercept::{
@@ -107,7 +109,7 @@ pub fn build_ingest(name: &str, w: &Workload) -> NodeAgentAttachment {
     NodeAgentAttachment::new(name, spec)
 }
 
-fn progress(line: &str) {
+pub(crate) fn progress(line: &str) {
     eprintln!("{line}");
 }
 
@@ -132,10 +134,25 @@ fn renew_lease(client: Client, namespace: String, name: String) -> tokio::task::
     })
 }
 
-pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<u8> {
+/// Runs `f` with the agent of one replica of the workload: a Ready attachment's (any
+/// mode: every agent serves the environment and the files), else an Ingest's that
+/// this creates (named `<command>-<workload>-<5 hex>`), keeps alive while `f` runs
+/// and deletes after. `env` and `cp` use it.
+pub(crate) async fn with_agent<T, F, Fut>(
+    command: &str,
+    client: &Client,
+    namespace: &str,
+    w: &Workload,
+    agents_namespace: Option<&str>,
+    timeout: Duration,
+    f: F,
+) -> anyhow::Result<T>
+where
+    F: FnOnce(Agent) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
     let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), namespace);
     let listed = list_attachments(&naas, namespace).await?;
-    let w = &args.workload;
     let (attachment, created, renewer) = match ready_attachment(&listed, w) {
         Some(a) => {
             progress(&format!(
@@ -146,10 +163,7 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
             (a.clone(), None, None)
         }
         None => {
-            let name = crate::migrate::migration_name(
-                &format!("env-{}", w.name),
-                &crate::migrate::random_suffix(),
-            );
+            let name = crate::intercept::named(command, &w.name, &crate::migrate::random_suffix());
             create_attachment(&naas, namespace, &build_ingest(&name, w)).await?;
             progress(&format!(
                 "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Ingest of {}/{}",
@@ -157,7 +171,7 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
                 w.name
             ));
             let renewer = renew_lease(client.clone(), namespace.to_string(), name.clone());
-            let ready = wait_ready(&naas, namespace, &name, args.timeout, progress).await;
+            let ready = wait_ready(&naas, namespace, &name, timeout, progress).await;
             match ready {
                 Ok(a) => (a, Some(name), Some(renewer)),
                 Err(e) => {
@@ -168,7 +182,12 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
             }
         }
     };
-    let result = read_env(&client, namespace, &attachment, args).await;
+    let result = async {
+        let agents = agents_of(client, &attachment, agents_namespace).await?;
+        let agent = agents.into_iter().next().context("no agent")?;
+        f(agent).await
+    }
+    .await;
     if let Some(r) = renewer {
         r.abort();
     }
@@ -176,44 +195,68 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
         delete_and_wait(&naas, namespace, &name).await?;
         progress(&format!("nodeagentattachment.podmotion.io/{name} deleted"));
     }
-    print!("{}", dotenv(&result?));
+    result
+}
+
+pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<u8> {
+    let env = with_agent(
+        "env",
+        &client,
+        namespace,
+        &args.workload,
+        args.agents_namespace.as_deref(),
+        args.timeout,
+        |agent| read_env(&client, namespace, agent, args),
+    )
+    .await?;
+    print!("{}", dotenv(&env));
     Ok(0)
+}
+
+/// The runtime's id of the replica's container named `container` (what the agent
+/// knows containers by), or `None` for the pod's first.
+pub(crate) async fn container_id(
+    client: &Client,
+    namespace: &str,
+    agent: &Agent,
+    container: Option<&str>,
+) -> anyhow::Result<Option<String>> {
+    let Some(c) = container else {
+        return Ok(None);
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods.get(&agent.target).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "get",
+                resource: "pods",
+                namespace: Some(namespace),
+                name: Some(&agent.target),
+            },
+            &e
+        ))
+    })?;
+    let id = pod
+        .status
+        .and_then(|s| s.container_statuses)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|s| s.name == c)
+        .and_then(|s| s.container_id)
+        .with_context(|| format!("pod {} has no running container {c}", agent.target))?;
+    Ok(Some(id))
 }
 
 async fn read_env(
     client: &Client,
     namespace: &str,
-    a: &NodeAgentAttachment,
+    agent: Agent,
     args: &Env,
 ) -> anyhow::Result<Vec<EnvEntry>> {
-    let agents = agents_of(client, a, args.agents_namespace.as_deref()).await?;
-    let agent = agents.first().context("no agent")?;
-    let query = match &args.container {
-        None => String::new(),
-        Some(c) => {
-            let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-            let pod = pods.get(&agent.target).await.map_err(|e| {
-                anyhow::anyhow!(kube_error(
-                    Attempt {
-                        verb: "get",
-                        resource: "pods",
-                        namespace: Some(namespace),
-                        name: Some(&agent.target),
-                    },
-                    &e
-                ))
-            })?;
-            let id = pod
-                .status
-                .and_then(|s| s.container_statuses)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|s| &s.name == c)
-                .and_then(|s| s.container_id)
-                .with_context(|| format!("pod {} has no running container {c}", agent.target))?;
-            format!("?container={id}")
-        }
-    };
+    let query = container_id(client, namespace, &agent, args.container.as_deref())
+        .await?
+        .map(|id| format!("?container={id}"))
+        .unwrap_or_default();
     progress(&format!(
         "environment of pod {}{} (node {})",
         agent.target,

@@ -1,7 +1,11 @@
 //! API errors said so a person can act on them: a 403 names the verb, the resource and
 //! the namespace and what to ask for; a 404 of the pod says which pod is missing where;
 //! a 404 of a PodMotion resource type says the chart is not installed. Pure: takes the
-//! HTTP code and the server's message, not the client.
+//! HTTP code and the server's message, not the client. A refused port-forward (the
+//! API server answers the websocket upgrade with 403, which kube reports as a failed
+//! protocol switch, not as an API error) is said the same way.
+
+use kube::client::UpgradeConnectionError;
 
 /// What the plugin was doing when the API server answered with an error.
 #[derive(Clone, Copy, Debug)]
@@ -40,8 +44,13 @@ pub fn api_error(a: Attempt<'_>, code: u16, message: &str) -> String {
                 .namespace
                 .map(|ns| format!(" -n {ns}"))
                 .unwrap_or_else(|| " -A".to_string());
+            // `can-i VERB pods/x` asks about the pod named x: a subresource is a flag.
+            let can_i = match a.resource.split_once('/') {
+                Some((res, sub)) => format!("{res} --subresource={sub}"),
+                None => a.resource.to_string(),
+            };
             format!(
-                "you may not {verb} {res} {where_}: ask your cluster administrator for a Role{binding} that grants `{verb}` on `{res}` (check with `kubectl auth can-i {verb} {res}{ns_flag}`)",
+                "you may not {verb} {res} {where_}: ask your cluster administrator for a Role{binding} that grants `{verb}` on `{res}` (check with `kubectl auth can-i {verb} {can_i}{ns_flag}`)",
                 verb = a.verb,
                 res = a.resource,
                 where_ = a.where_(),
@@ -81,6 +90,13 @@ fn singular(resource: &str) -> &str {
 pub fn kube_error(a: Attempt<'_>, e: &kube::Error) -> String {
     match e {
         kube::Error::Api(s) => api_error(a, s.code, &s.message),
+        kube::Error::UpgradeConnection(UpgradeConnectionError::ProtocolSwitch(status)) => {
+            api_error(
+                a,
+                status.as_u16(),
+                &format!("the upgrade was answered {status}"),
+            )
+        }
         other => format!(
             "{} {} {}: {other}",
             a.verb,
@@ -90,10 +106,28 @@ pub fn kube_error(a: Attempt<'_>, e: &kube::Error) -> String {
     }
 }
 
-/// The HTTP code of an API error, if it is one.
+/// The HTTP code of an API error (or of a refused upgrade), if it is one.
 pub fn code(e: &kube::Error) -> Option<u16> {
     match e {
         kube::Error::Api(s) => Some(s.code),
+        kube::Error::UpgradeConnection(UpgradeConnectionError::ProtocolSwitch(s)) => {
+            Some(s.as_u16())
+        }
+        _ => None,
+    }
+}
+
+/// The sentence to end a watch with, when the watcher's error is a 403 (the user may
+/// not list or watch what `a` names; retrying cannot help); `None` for errors the
+/// watcher's backoff rides out.
+pub fn watch_refused(a: Attempt<'_>, e: &kube::runtime::watcher::Error) -> Option<String> {
+    use kube::runtime::watcher::Error as W;
+    match e {
+        W::InitialListFailed(k) | W::WatchStartFailed(k) | W::WatchFailed(k)
+            if code(k) == Some(403) =>
+        {
+            Some(kube_error(a, k))
+        }
         _ => None,
     }
 }
@@ -144,6 +178,73 @@ mod tests {
         );
         assert!(s.contains("ClusterRole"), "{s}");
         assert!(s.contains("can-i list runnerpools.podmotion.io -A"), "{s}");
+    }
+
+    const PORT_FORWARD: Attempt<'static> = Attempt {
+        verb: "create",
+        resource: "pods/portforward",
+        namespace: Some("pm-agents"),
+        name: Some("naa-web-0-x7"),
+    };
+
+    #[test]
+    fn a_refused_port_forward_names_the_subresource_and_the_can_i_line() {
+        // What kube returns when the API server answers the websocket upgrade 403.
+        let e = kube::Error::UpgradeConnection(UpgradeConnectionError::ProtocolSwitch(
+            http::StatusCode::FORBIDDEN,
+        ));
+        assert_eq!(code(&e), Some(403));
+        let s = kube_error(PORT_FORWARD, &e);
+        assert!(
+            s.starts_with("you may not create pods/portforward in namespace pm-agents: ask your cluster administrator for a Role (and RoleBinding) that grants `create` on `pods/portforward`"),
+            "{s}"
+        );
+        assert!(
+            s.contains("`kubectl auth can-i create pods --subresource=portforward -n pm-agents`"),
+            "{s}"
+        );
+        // Other upgrade failures are not read as an HTTP code.
+        let e =
+            kube::Error::UpgradeConnection(UpgradeConnectionError::MissingUpgradeWebSocketHeader);
+        assert_eq!(code(&e), None);
+        assert!(
+            kube_error(PORT_FORWARD, &e)
+                .starts_with("create naa-web-0-x7 in namespace pm-agents: ")
+        );
+    }
+
+    #[test]
+    fn only_a_forbidden_watch_ends_the_wait() {
+        use kube::runtime::watcher::Error as W;
+        let forbidden = || {
+            kube::Error::Api(
+                kube::core::Status::failure("podmigrations.podmotion.io is forbidden", "Forbidden")
+                    .with_code(403)
+                    .boxed(),
+            )
+        };
+        let a = Attempt {
+            verb: "watch",
+            ..CREATE_PMIG
+        };
+        for e in [
+            W::InitialListFailed(forbidden()),
+            W::WatchStartFailed(forbidden()),
+            W::WatchFailed(forbidden()),
+        ] {
+            let s = watch_refused(a, &e).expect("a 403 ends the watch");
+            assert!(
+                s.starts_with("you may not watch podmigrations.podmotion.io in namespace shop"),
+                "{s}"
+            );
+        }
+        let gone = kube::Error::Api(
+            kube::core::Status::failure("too old", "Expired")
+                .with_code(410)
+                .boxed(),
+        );
+        assert_eq!(watch_refused(a, &W::WatchFailed(gone)), None);
+        assert_eq!(watch_refused(a, &W::NoResourceVersion), None);
     }
 
     #[test]

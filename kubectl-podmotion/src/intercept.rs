@@ -35,7 +35,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::agent::{Agent, DEFAULT_CONTROL_PORT};
 use crate::cli::{Intercept, Workload};
-use crate::explain::{Attempt, code, kube_error};
+use crate::explain::{Attempt, code, kube_error, watch_refused};
 
 const ATTACHMENTS: &str = "nodeagentattachments.podmotion.io";
 /// Accept streams each agent keeps open: connections arriving together are handed
@@ -577,17 +577,9 @@ pub(crate) async fn wait_ready(
                 let a = match ev {
                     None => bail!("the watch of NodeAgentAttachment {namespace}/{name} ended"),
                     Some(Err(e)) => {
-                        let inner = match &e {
-                            watcher::Error::InitialListFailed(k)
-                            | watcher::Error::WatchStartFailed(k)
-                            | watcher::Error::WatchFailed(k) => Some(k),
-                            _ => None,
-                        };
-                        if let Some(k) = inner.filter(|k| code(k) == Some(403)) {
-                            bail!(kube_error(
-                                Attempt { verb: "watch", resource: ATTACHMENTS, namespace: Some(namespace), name: None },
-                                k
-                            ));
+                        let watch = Attempt { verb: "watch", resource: ATTACHMENTS, namespace: Some(namespace), name: None };
+                        if let Some(refused) = watch_refused(watch, &e) {
+                            bail!(refused);
                         }
                         continue;
                     }

@@ -6,8 +6,8 @@
 //! table of every PodMigration, NodeAgentAttachment and RunnerPool the user may list,
 //! with what needs attention. `intercept` sends a workload's connections on one port
 //! (or, with `--header`, only the matching HTTP requests) to a local port through the
-//! attach agents of a NodeAgentAttachment. The plugin uses the user's kubeconfig and
-//! RBAC only.
+//! attach agents of a NodeAgentAttachment; `env` and `cp` read a replica's environment
+//! and files through an agent. The plugin uses the user's kubeconfig and RBAC only.
 //!
 //! The pure parts (what to print, the table, the wording of API errors) live in
 //! [`progress`], [`table`], [`explain`] and the top of [`intercept`]; [`migrate`],
@@ -16,6 +16,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod cp;
 pub mod env;
 pub mod explain;
 pub mod intercept;

@@ -18,7 +18,7 @@ use podmotion_api::migration::{MigrationMode, PodMigrationSpec};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{Migrate, Mode};
-use crate::explain::{Attempt, code, kube_error};
+use crate::explain::{Attempt, code, kube_error, watch_refused};
 use crate::progress::{Snapshot, changes, final_report, live_line, transfer_summary};
 
 const PODMIGRATIONS: &str = "podmigrations.podmotion.io";
@@ -195,17 +195,9 @@ async fn follow(
                 let ev = match ev {
                     None => bail!("the watch of PodMigration {namespace}/{name} ended"),
                     Some(Err(e)) => {
-                        let inner = match &e {
-                            watcher::Error::InitialListFailed(k)
-                            | watcher::Error::WatchStartFailed(k)
-                            | watcher::Error::WatchFailed(k) => Some(k),
-                            _ => None,
-                        };
-                        if let Some(k) = inner.filter(|k| code(k) == Some(403)) {
-                            bail!(kube_error(
-                                Attempt { verb: "watch", resource: PODMIGRATIONS, namespace: Some(namespace), name: None },
-                                k
-                            ));
+                        let watch = Attempt { verb: "watch", resource: PODMIGRATIONS, namespace: Some(namespace), name: None };
+                        if let Some(refused) = watch_refused(watch, &e) {
+                            bail!(refused);
                         }
                         p.line(&format!("watch interrupted ({e}); resuming"));
                         continue;
