@@ -885,6 +885,136 @@ fn the_uninstall_hook_may_scale_only_the_operator_and_delete_only_migrations() {
     assert!(!off.iter().any(is_hook), "no hook, no hook RBAC");
 }
 
+/// The uninstall hook Job's settings come from `reapOnUninstall`; placement it does not
+/// set is the operator's (the hook runs the operator's image as its ServiceAccount), and
+/// extra labels and annotations never replace the chart's own.
+#[test]
+fn the_uninstall_hook_job_takes_its_values_and_falls_back_to_the_operators_placement() {
+    fn hook_job(docs: &[Value]) -> Value {
+        of_kind(docs, "Job")
+            .into_iter()
+            .find(|d| is_hook(d))
+            .expect("the reap-all hook Job")
+            .clone()
+    }
+    let operator_placement = [
+        "--set",
+        "operator.nodeSelector.pool=system",
+        "--set",
+        "operator.tolerations[0].key=dedicated",
+        "--set",
+        "operator.tolerations[0].operator=Exists",
+        "--set",
+        "operator.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight=1",
+        "--set",
+        "operator.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].preference.matchExpressions[0].key=zone",
+        "--set",
+        "operator.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].preference.matchExpressions[0].operator=Exists",
+        "--set",
+        "operator.priorityClassName=system-cluster-critical",
+    ];
+    // Defaults: the Job as before, placed like the operator.
+    let job = hook_job(&render(&operator_placement));
+    let spec = &job["spec"];
+    assert_eq!(spec["backoffLimit"], json!(2));
+    assert_eq!(spec["activeDeadlineSeconds"], json!(300));
+    assert_eq!(spec["ttlSecondsAfterFinished"], json!(600));
+    let pod = &spec["template"]["spec"];
+    assert_eq!(pod["nodeSelector"], json!({"pool": "system"}));
+    assert_eq!(
+        pod["tolerations"],
+        json!([{"key": "dedicated", "operator": "Exists"}])
+    );
+    assert_eq!(
+        pod.pointer(
+            "/affinity/nodeAffinity/preferredDuringSchedulingIgnoredDuringExecution/0/weight"
+        ),
+        Some(&json!(1))
+    );
+    assert_eq!(pod["priorityClassName"], json!("system-cluster-critical"));
+    assert_eq!(
+        pod["containers"][0]["resources"],
+        json!({"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}})
+    );
+    assert!(spec["template"]["metadata"].get("annotations").is_none());
+
+    // Its own values win.
+    let mut args: Vec<&str> = operator_placement.to_vec();
+    args.extend([
+        "--set",
+        "reapOnUninstall.activeDeadlineSeconds=900",
+        "--set",
+        "reapOnUninstall.backoffLimit=0",
+        "--set",
+        "reapOnUninstall.ttlSecondsAfterFinished=3600",
+        "--set",
+        "reapOnUninstall.nodeSelector.pool=cleanup",
+        "--set",
+        "reapOnUninstall.tolerations[0].operator=Exists",
+        "--set",
+        "reapOnUninstall.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight=7",
+        "--set",
+        "reapOnUninstall.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].podAffinityTerm.topologyKey=kubernetes.io/hostname",
+        "--set",
+        "reapOnUninstall.priorityClassName=cleanup",
+        "--set",
+        "reapOnUninstall.resources.limits.memory=256Mi",
+        "--set",
+        "reapOnUninstall.jobAnnotations.team=platform",
+        "--set",
+        "reapOnUninstall.jobAnnotations.helm\\.sh/hook=post-delete",
+        "--set-string",
+        "reapOnUninstall.podAnnotations.sidecar\\.istio\\.io/inject=false",
+        "--set",
+        "reapOnUninstall.podLabels.team=platform",
+        "--set",
+        "reapOnUninstall.podLabels.app\\.kubernetes\\.io/component=mine",
+    ]);
+    let job = hook_job(&render(&args));
+    let spec = &job["spec"];
+    assert_eq!(spec["backoffLimit"], json!(0));
+    assert_eq!(spec["activeDeadlineSeconds"], json!(900));
+    assert_eq!(spec["ttlSecondsAfterFinished"], json!(3600));
+    let pod = &spec["template"]["spec"];
+    assert_eq!(pod["nodeSelector"], json!({"pool": "cleanup"}));
+    assert_eq!(pod["tolerations"], json!([{"operator": "Exists"}]));
+    assert!(
+        pod["affinity"].get("nodeAffinity").is_none(),
+        "{}",
+        pod["affinity"]
+    );
+    assert_eq!(
+        pod.pointer(
+            "/affinity/podAntiAffinity/preferredDuringSchedulingIgnoredDuringExecution/0/weight"
+        ),
+        Some(&json!(7))
+    );
+    assert_eq!(pod["priorityClassName"], json!("cleanup"));
+    assert_eq!(
+        pod["containers"][0]["resources"]["limits"]["memory"],
+        json!("256Mi")
+    );
+    let annotations = &job["metadata"]["annotations"];
+    assert_eq!(annotations["team"], json!("platform"));
+    assert_eq!(
+        annotations["helm.sh/hook"],
+        json!("pre-delete"),
+        "{annotations}"
+    );
+    let meta = &spec["template"]["metadata"];
+    assert_eq!(
+        meta["annotations"],
+        json!({"sidecar.istio.io/inject": "false"})
+    );
+    assert_eq!(meta["labels"]["team"], json!("platform"));
+    assert_eq!(
+        meta["labels"]["app.kubernetes.io/component"],
+        json!("reap-all"),
+        "{}",
+        meta["labels"]
+    );
+}
+
 /// `(long flag, env var)` of every clap argument declared under `src` (a directory of
 /// the repository), plus, `with_env_reads`, `PODMOTION_*` variables read with
 /// `std::env::var`.
