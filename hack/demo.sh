@@ -8,6 +8,12 @@
 #   bash hack/demo.sh          run the demo (leaves the cluster and the operator running)
 #   bash hack/demo.sh down     stop everything the demo started
 #
+# Each step prints a line when it starts and when it ends (with its duration). The long
+# ones (dependencies, cluster, images, chart) also keep their output in
+# ${PODMOTION_RUN:-/tmp/podmotion-cluster}.<step>.log; the cluster, image and chart steps
+# show it as it comes, and every step prints a heartbeat after 30 s without output.
+# At the end: each sample's Ready condition, what you are looking at, where to look next.
+#
 # The tests (bash hack/test.sh) bring a demo's cluster down before they start.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,7 +21,49 @@ cd "$root"
 run=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 t0=$SECONDS
 
-step() { printf '\n== [%3ss] %s\n' "$((SECONDS - t0))" "$*"; }
+# Every step prints a line when it starts and one when it ends, with its duration.
+current="" current_t=0
+step_done() {
+  [[ -n $current ]] || return 0
+  printf -- '-- done in %ss: %s\n' "$((SECONDS - current_t))" "$current"
+  current=""
+}
+step() {
+  step_done
+  current=$1 current_t=$SECONDS
+  printf '\n== [%3ss] %s\n' "$((SECONDS - t0))" "$*"
+}
+
+# Runs "$@" with stdout and stderr appended to the log $1, and shows progress: the log's
+# lines as they come (or, with --quiet, none), and every 30 s without a new line a
+# heartbeat with the time so far and the log's last line — a cold build can be silent
+# for minutes (go build, a Kubernetes build). Returns the command's exit status.
+run_logged() { # [--quiet] log command...
+  local quiet=0
+  if [[ $1 == --quiet ]]; then quiet=1; shift; fi
+  local log=$1; shift
+  : >"$log"
+  "$@" >>"$log" 2>&1 &
+  local pid=$! start=$SECONDS tailer="" size=0 new last_change=$SECONDS rc=0 last
+  if [[ $quiet == 0 ]]; then
+    tail -n +1 -f --pid="$pid" "$log" &
+    tailer=$!
+  fi
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 2
+    new=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    if [[ $new != "$size" ]]; then
+      size=$new last_change=$SECONDS
+    elif ((SECONDS - last_change >= 30)); then
+      last=$(tail -n 1 "$log" 2>/dev/null | cut -c1-100)
+      printf '   ... still running (%ss)%s\n' "$((SECONDS - start))" "${last:+; last: $last}"
+      last_change=$SECONDS
+    fi
+  done
+  wait "$pid" || rc=$?
+  [[ -z $tailer ]] || wait "$tailer" 2>/dev/null || true
+  return "$rc"
+}
 
 if [[ ${1:-} == down ]]; then
   rm -f "$run/demo"
@@ -23,23 +71,26 @@ if [[ ${1:-} == down ]]; then
 fi
 
 step "dependencies: CRIU, nftables, helm, image builder (first run: a few minutes)"
-bash hack/install-deps.sh >"$run.deps.log" 2>&1 || { tail -n 30 "$run.deps.log"; exit 1; }
+run_logged --quiet "$run.deps.log" bash hack/install-deps.sh || { tail -n 30 "$run.deps.log"; exit 1; }
 echo "ok (log: $run.deps.log)"
 
 step "cluster: control plane, registry, kwok nodes, real nodes (first run builds Kubernetes, containerd, runc and CNI from source: ~15-25 min on 2 cores)"
-hack/cluster.sh up
+run_logged "$run.cluster.log" hack/cluster.sh up || { echo "hack/cluster.sh up failed (log: $run.cluster.log)"; exit 1; }
 eval "$(hack/cluster.sh env)"
 # A cluster brought up before runner nodes existed gets them now (no-op otherwise).
-hack/cluster.sh add-runner-nodes
+run_logged "$run.cluster.log" hack/cluster.sh add-runner-nodes || { echo "hack/cluster.sh add-runner-nodes failed (log: $run.cluster.log)"; exit 1; }
 mkdir -p "$run"
 touch "$run/demo"
 
 step "images: release build of our binaries, daemonless image build, push to $PODMOTION_REGISTRY (first run: ~10 min)"
-bash hack/images.sh >"$run/images.txt"
+# stdout (the image references) to images.txt; cargo's and buildah's progress shown.
+# shellcheck disable=SC2016 # $1 is sh's, not ours
+run_logged "$run.images.log" sh -c 'exec bash hack/images.sh >"$1"' images "$run/images.txt" ||
+  { echo "hack/images.sh failed (log: $run.images.log)"; exit 1; }
 cat "$run/images.txt"
 
 step "chart: pushed to the registry as an OCI artifact, helm upgrade --install from there with those images (hack/install.sh)"
-bash hack/install.sh
+run_logged "$run.install.log" bash hack/install.sh || { echo "hack/install.sh failed (log: $run.install.log)"; exit 1; }
 
 step "workload: demo/web, two replicas of the testload counter server, one on each real node; demo/mover, one replica"
 testload=$(grep '/podmotion/testload@sha256:' "$run/images.txt")
@@ -99,6 +150,18 @@ fi
 echo "mover: pod $mover on $mover_node, counter $before before the migration"
 echo "       pod ${target:-?} on ${target_node:-?}, counter ${after:-?} after it (same process, moved)"
 
+step_done
+
+# One line per sample: its Ready condition as the operator wrote it.
+ready_line() { # namespace kind/name
+  kubectl -n "$1" get "$2" -o jsonpath='{range .status.conditions[?(@.type=="Ready")]}Ready={.status} {.reason}: {.message}{end}' 2>/dev/null || echo "(not found)"
+}
+echo
+echo "== The samples now"
+for s in demo:podmigration/move-mover demo:podmigration/can-web-move demo:nodeagentattachment/web-intercept runners:runnerpool/runners; do
+  printf '%-38s %s\n' "${s#*:}" "$(ready_line "${s%%:*}" "${s#*:}")"
+done
+
 cat <<TXT
 
 == What you are looking at ($((SECONDS - t0))s)
@@ -117,6 +180,15 @@ cat <<TXT
   hostUsers: false, procMount: Unmasked, Localhost seccomp, no capability. Its Runner is
   our stand-in (the Compass Runner does not exist here), which opened /dev/kvm, created a
   user namespace and mounted a fresh /proc from inside the pod (report above).
+
+== Where to look next (export KUBECONFIG=$KUBECONFIG first)
+  kubectl get podmotion -A -o wide                       every PodMotion object, one line each
+  kubectl -n demo describe podmigration move-mover       phases, conditions, downtime, the operator's events
+  kubectl -n demo get nodeagentattachment web-intercept -o yaml   ready/skipped replicas and why
+  kubectl -n podmotion-system-agents get jobs,pods -o wide        the agents: per node and per replica
+  kubectl -n runners describe runnerpool runners         the pool's DaemonSet, capacity, preflight
+  kubectl -n podmotion-system logs deploy/podmotion --tail=50     the operator's log
+  docs/kubectl.md: printer columns, conditions, kubectl wait, kstatus and Argo CD health
 
 The cluster and the operator keep running: export KUBECONFIG=$KUBECONFIG
 Stop everything with: bash hack/demo.sh down
