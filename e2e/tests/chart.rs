@@ -127,6 +127,7 @@ fn every_toggle_on() -> Vec<&'static str> {
     vec![
         "--set",
         "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,\
+         metrics.podMonitor.enabled=true,\
          metrics.dashboard.enabled=true,argocd.resourceCustomizations.enabled=true,\
          operator.replicas=2,\
          operator.topologySpreadConstraints[0].maxSkew=1,\
@@ -1202,11 +1203,42 @@ fn values_schema_rejects_bad_values() {
     }
 }
 
-/// The sample names the operator exports, from the `# TYPE` lines of its own registry
-/// (operator/src/metrics.rs) with the suffixes a scrape shows: `_total` for a counter,
-/// `_bucket`/`_sum`/`_count` for a histogram. A labelled family shows its `# TYPE` only
-/// once it has a child, so each one gets one here (a new family needs a line too).
+/// The sample names the operator and the migration agent export, from the `# TYPE`
+/// lines of their own registries (operator/src/metrics.rs,
+/// executors/agent/src/metrics.rs) with the suffixes a scrape shows: `_total` for a
+/// counter, `_bucket`/`_sum`/`_count` for a histogram. A labelled family shows its
+/// `# TYPE` only once it has a child, so each one gets one here (a new family needs a
+/// line too).
 fn exported_metric_names() -> BTreeSet<String> {
+    let mut names = operator_metric_names();
+    names.extend(agent_metric_names());
+    names
+}
+
+fn agent_metric_names() -> BTreeSet<String> {
+    use podmotion_agent::metrics::AgentMetrics;
+    use podmotion_wire::agent::{MigrationStatus, Phase, Role, Timings};
+    let m = AgentMetrics::new();
+    let committed = MigrationStatus {
+        migration_uid: "u".into(),
+        role: Role::Source as i32,
+        phase: Phase::Committed as i32,
+        timings: Some(Timings {
+            freeze_started_us: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    m.call(
+        "Commit",
+        std::time::Duration::from_millis(1),
+        Ok(Some(&committed)),
+    );
+    m.broker_op("resume", Ok(()));
+    sample_names(&m.encode(&[]))
+}
+
+fn operator_metric_names() -> BTreeSet<String> {
     use podmotion_operator::metrics::{Metrics, OutcomeLabels};
     let m = Metrics::new();
     m.reconcile("migration").done(Err("ApiError"));
@@ -1218,7 +1250,11 @@ fn exported_metric_names() -> BTreeSet<String> {
             outcome: "Replaced",
         })
         .inc();
-    let text = m.encode();
+    sample_names(&m.encode())
+}
+
+/// The sample names of a text exposition, from its `# TYPE` lines.
+fn sample_names(text: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("# TYPE ") else {
@@ -1315,22 +1351,29 @@ fn podmotion_metric_names_are_found_in_promql_and_nothing_else_is() {
         .map(String::from)
         .collect()
     );
-    // The operator's registry is read, with the suffixes a scrape shows.
+    // The operator's and the agent's registries are read, with the suffixes a scrape
+    // shows.
     let exported = exported_metric_names();
     for name in [
         "podmotion_reconciles_total",
         "podmotion_reconcile_duration_seconds_bucket",
         "podmotion_reconciles_in_flight",
+        "podmotion_runner_pools",
+        "podmotion_agent_calls_total",
+        "podmotion_agent_source_freeze_seconds_bucket",
+        "podmotion_agent_frozen_sources_over_budget",
+        "podmotion_agent_broker_ops_total",
     ] {
         assert!(exported.contains(name), "{name} not in {exported:?}");
     }
     assert!(!exported.contains("podmotion_reconciles"));
 }
 
-/// The alerts and the dashboard use only metrics the operator exports: renaming or
-/// removing a metric in operator/src/metrics.rs fails here, not silently in Prometheus.
+/// The alerts and the dashboard use only metrics the operator or the migration agent
+/// exports: renaming or removing a metric in operator/src/metrics.rs or
+/// executors/agent/src/metrics.rs fails here, not silently in Prometheus.
 #[test]
-fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator() {
+fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an_agent() {
     let exported = exported_metric_names();
     let docs = render(&every_toggle_on());
     let rules = alert_rules(&docs);
@@ -1341,6 +1384,10 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator() {
         "PodMotionReconcileQueueSaturated",
         "PodMotionMigrationsFailing",
         "PodMotionAttachmentJobsReplaced",
+        "PodMotionRunnerPoolDegraded",
+        "PodMotionSourceFrozenOverBudget",
+        "PodMotionMigrationStuck",
+        "PodMotionFreezeWatchdogResumed",
     ] {
         assert!(alerts.contains(want), "alert {want} missing: {alerts:?}");
     }
@@ -1372,9 +1419,134 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator() {
     }
     assert!(
         missing.is_empty(),
-        "metrics the operator does not export (operator/src/metrics.rs): {missing:#?}"
+        "metrics neither the operator (operator/src/metrics.rs) nor the agent \
+         (executors/agent/src/metrics.rs) exports: {missing:#?}"
     );
     assert!(used.len() >= 8, "only {used:?} used");
+    // The agent's metrics are used too, not only the operator's.
+    assert!(
+        used.iter()
+            .filter(|m| agent_metric_names().contains(*m))
+            .count()
+            >= 8,
+        "{used:?}"
+    );
+}
+
+/// The migration agents' PodMonitor follows the same false/true/"auto" rule as the
+/// ServiceMonitor, selects the agent pods' `metrics` port in their namespace, and the
+/// agents' NetworkPolicy lets the operator's scrapers reach that port.
+#[test]
+fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_scrape() {
+    let api = ["--api-versions", "monitoring.coreos.com/v1"];
+    assert!(of_kind(&render(&[]), "PodMonitor").is_empty());
+    assert_eq!(of_kind(&render(&api), "PodMonitor").len(), 1);
+    let off = [
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--set",
+        "metrics.podMonitor.enabled=false",
+    ];
+    assert!(of_kind(&render(&off), "PodMonitor").is_empty());
+    let no_agents = [
+        "--set",
+        "metrics.podMonitor.enabled=true,migrationAgent.enabled=false",
+    ];
+    assert!(of_kind(&render(&no_agents), "PodMonitor").is_empty());
+
+    let docs = render(&[
+        "--set",
+        "metrics.podMonitor.enabled=true,migrationAgent.metricsPort=9191",
+    ]);
+    let pm = of_kind(&docs, "PodMonitor")[0];
+    let ds = of_kind(&docs, "DaemonSet")
+        .into_iter()
+        .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent")
+        .expect("agent DaemonSet");
+    assert_eq!(pm["metadata"]["namespace"], ds["metadata"]["namespace"]);
+    assert_eq!(
+        pm["spec"]["namespaceSelector"]["matchNames"],
+        json!([ds["metadata"]["namespace"]])
+    );
+    let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in pm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&pod_labels[k], v, "agent pod label {k}");
+    }
+    let endpoint = &pm["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["path"], "/metrics");
+    let agent = &ds["spec"]["template"]["spec"]["containers"][0];
+    let port = agent["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == endpoint["port"])
+        .unwrap_or_else(|| {
+            panic!(
+                "PodMonitor port {} is not a port of the agent",
+                endpoint["port"]
+            )
+        });
+    assert_eq!(port["containerPort"], 9191);
+    assert!(
+        strs(&agent["args"]).contains(&"--metrics-listen=0.0.0.0:9191"),
+        "{}",
+        agent["args"]
+    );
+    // The agents' policy admits the scrapers (operator.networkPolicy.metricsFrom) on
+    // the metrics port, and only there.
+    let np = of_kind(&docs, "NetworkPolicy")
+        .into_iter()
+        .find(|n| {
+            n["metadata"]["namespace"] == ds["metadata"]["namespace"]
+                && n["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent"
+        })
+        .expect("agents' NetworkPolicy");
+    let scrape = np["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["ports"][0]["port"] == 9191)
+        .expect("an ingress rule for the metrics port");
+    assert_eq!(
+        scrape["from"],
+        json!([{"namespaceSelector": {"matchLabels": {"podmotion.io/metrics-scraper": "true"}}}])
+    );
+}
+
+/// One value sets the log format of every component the chart runs; the deprecated
+/// `operator.logFormat` still overrides the operator's.
+#[test]
+fn log_format_is_one_value_for_every_component() {
+    let formats = |docs: &[Value]| -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for d in docs {
+            let spec = &d["spec"]["template"]["spec"];
+            for c in spec["containers"].as_array().into_iter().flatten() {
+                let f = strs(&c["args"])
+                    .into_iter()
+                    .find_map(|a| a.strip_prefix("--log-format="))
+                    .unwrap_or("<none>")
+                    .to_string();
+                out.push((format!("{}/{}", name(d), c["name"].as_str().unwrap()), f));
+            }
+        }
+        out
+    };
+    let all = formats(&render(&["--set", "reapOnUninstall.enabled=true"]));
+    // operator, reap hook, agent and broker.
+    assert!(all.len() >= 4, "{all:?}");
+    for (c, f) in &all {
+        assert_eq!(f, "json", "{c}");
+    }
+    let text = formats(&render(&["--set", "logFormat=text"]));
+    for (c, f) in &text {
+        assert_eq!(f, "text", "{c}");
+    }
+    let mixed = formats(&render(&["--set", "operator.logFormat=text"]));
+    for (c, f) in &mixed {
+        let operator_image = c.contains("reap") || !c.contains("agent");
+        assert_eq!(f, if operator_image { "text" } else { "json" }, "{c}");
+    }
 }
 
 #[test]
@@ -1626,7 +1798,15 @@ fn operator_spread_and_agent_placement_values_reach_the_pod_templates() {
     );
     let ds = of_kind(&defaults, "DaemonSet")[0];
     assert!(ds.pointer("/spec/template/spec/affinity").is_none());
-    assert!(ds.pointer("/spec/template/metadata/annotations").is_none());
+    // Only the chart's own scrape annotations (the metrics port), none of the user's.
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["annotations"],
+        json!({
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "9090",
+            "prometheus.io/path": "/metrics"
+        })
+    );
 }
 
 /// NOTES.txt names only objects the chart renders (it used to point at files that are

@@ -91,6 +91,9 @@ struct PoolFacts {
     failed_checks: Vec<&'static str>,
 }
 
+/// The controllers' names (their `controller` label).
+pub const CONTROLLERS: [&str; 3] = ["migration", "attachment", "runner-pool"];
+
 /// All metrics of the operator.
 pub struct Metrics {
     registry: Registry,
@@ -209,6 +212,28 @@ impl Metrics {
             "RunnerPool reconciles that found the Runner DaemonSet drifted from its rendered shape (and repaired it)",
             runner_pool_shape_drift.clone(),
         );
+        // Every known series starts at 0: a rate() or increase() over it works from the
+        // first scrape, and a fresh operator's /metrics already shows every family the
+        // alerts and the dashboard use (e2e/tests/real_metrics.rs checks that).
+        for controller in CONTROLLERS {
+            for result in [ReconcileResult::Success, ReconcileResult::Error] {
+                let _ = reconciles.get_or_create(&ResultLabels { controller, result });
+            }
+            for category in ["ApiError", "Cancelled"] {
+                let _ = reconcile_errors.get_or_create(&ErrorLabels {
+                    controller,
+                    category,
+                });
+            }
+            let _ = reconcile_duration.get_or_create(&ControllerLabels { controller });
+            let _ = reconciles_in_flight.get_or_create(&ControllerLabels { controller });
+        }
+        for outcome in ["Succeeded", "Failed", "Aborted"] {
+            let _ = migrations.get_or_create(&OutcomeLabels { outcome });
+        }
+        for outcome in ["Created", "Replaced", "Reaped"] {
+            let _ = attachment_job_changes.get_or_create(&OutcomeLabels { outcome });
+        }
         Metrics {
             registry,
             reconciles,

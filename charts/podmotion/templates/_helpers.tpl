@@ -70,7 +70,7 @@ app.kubernetes.io/component: migration-agent
 - --controllers={{ join "," .Values.operator.controllers }}
 - --http-addr=0.0.0.0:{{ .Values.operator.httpPort }}
 - --concurrency={{ .Values.operator.concurrency }}
-- --log-format={{ .Values.operator.logFormat }}
+- --log-format={{ include "podmotion.operatorLogFormat" . }}
 {{- if .Values.operator.leaderElection.enabled }}
 - --leader-lease-name={{ .Values.operator.leaderElection.leaseName }}
 - --leader-lease-seconds={{ .Values.operator.leaderElection.leaseSeconds }}
@@ -216,4 +216,10 @@ app.kubernetes.io/component: migration-agent
 {{- else -}}
 {{- fail (printf "metrics: enabled must be true, false or \"auto\", not %v" $v) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The operator's log format: `operator.logFormat` when set (deprecated), else the
+     chart-wide `logFormat` every component uses. */}}
+{{- define "podmotion.operatorLogFormat" -}}
+{{- default .Values.logFormat .Values.operator.logFormat -}}
 {{- end -}}

@@ -103,6 +103,36 @@ pub fn global() -> &'static AgentMetrics {
     &GLOBAL
 }
 
+/// The agent's RPCs, as the `rpc` label names them.
+const RPCS: [&str; 10] = [
+    "Prepare",
+    "PreDump",
+    "Dump",
+    "Send",
+    "ReceiveImages",
+    "Restore",
+    "Commit",
+    "Abort",
+    "Cleanup",
+    "Status",
+];
+
+/// The broker ops the agent asks for through `broker_call` (`Request::name`).
+const BROKER_OPS: [&str; 12] = [
+    "register",
+    "bind_netns",
+    "unbind_netns",
+    "netns_addrs",
+    "lock_network",
+    "unlock_network",
+    "hand_off_sockets",
+    "release_tcp_repair",
+    "move_cgroup",
+    "resume",
+    "kill",
+    "forget",
+];
+
 const PHASES: [Phase; 11] = [
     Phase::Unknown,
     Phase::Prepared,
@@ -259,6 +289,27 @@ impl AgentMetrics {
             "Netns broker ops this agent asked for, by op and result",
             broker_ops.clone(),
         );
+        // Every known series starts at 0: a rate() or increase() over it works from the
+        // first scrape, and a fresh agent's /metrics shows every family the alerts and
+        // the dashboard use (e2e/tests/real_metrics.rs checks that).
+        for rpc in RPCS {
+            let _ = calls.get_or_create(&CallLabels {
+                rpc,
+                code: "Ok".into(),
+            });
+            let _ = call_duration.get_or_create(&RpcLabels { rpc });
+        }
+        for role in ["Source", "Target"] {
+            for outcome in ["Committed", "Aborted"] {
+                let _ = finished.get_or_create(&OutcomeLabels { role, outcome });
+            }
+        }
+        for op in BROKER_OPS {
+            let _ = broker_ops.get_or_create(&BrokerLabels {
+                op,
+                result: "ok".into(),
+            });
+        }
         AgentMetrics {
             registry: r,
             calls,

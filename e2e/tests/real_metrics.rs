@@ -1,0 +1,205 @@
+//! Every component the chart runs on the real nodes serves its metrics, and together
+//! they export every metric name the chart's alerts and dashboard use: the chart is
+//! installed from our images (hack/install.sh's values), the operator's `/metrics` and
+//! each migration agent's (one per real node) are scraped through `kubectl
+//! port-forward`, and the `podmotion_…` names of the rendered PrometheusRule and
+//! dashboard are looked up in what was scraped. A renamed metric, an agent that serves
+//! nothing or a dashboard query on a metric nobody exports fails here. The same pods'
+//! logs are JSON lines (the chart's default `logFormat`).
+//!
+//! Needs the cluster with real nodes and the images (`hack/images.sh`).
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use podmotion_e2e::real::{
+    Images, PortForward, helm, helm_install, kubectl, output_text, real_nodes,
+};
+use podmotion_e2e::{PodSecurity, TestNamespace, random_suffix};
+use serde_json::Value;
+
+/// `GET /metrics` on `127.0.0.1:port`: the body of a 200 answer.
+fn scrape(port: u16) -> anyhow::Result<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: scrape\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let (head, body) = out
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("no HTTP head in {out:?}"))?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
+    Ok(body.to_string())
+}
+
+/// Scrapes `port` of `pod` through a port-forward, retrying while the forward or the
+/// server comes up.
+fn scrape_pod(namespace: &str, pod: &str, port: u16) -> String {
+    let mut last = String::new();
+    for _ in 0..20 {
+        match PortForward::start(namespace, pod, port).and_then(|pf| scrape(pf.local_port)) {
+            Ok(body) => return body,
+            Err(e) => last = format!("{e:#}"),
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    panic!("scraping {namespace}/{pod}:{port}: {last}");
+}
+
+/// The sample names of a text exposition (`name{labels} value` and `name value` lines).
+fn sample_names(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every `podmotion_…` name in `text`.
+fn podmotion_names(text: &str) -> BTreeSet<String> {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("podmotion_") {
+        let before = rest[..at].chars().next_back();
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !word(c)).unwrap_or(tail.len());
+        if !before.is_some_and(word) {
+            out.insert(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// The pods of `selector` in any namespace: (namespace, name, node).
+fn pods(selector: &str) -> Vec<(String, String, String)> {
+    let out = kubectl(&["get", "pods", "-A", "-l", selector, "-o", "json"]);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+            (
+                s(&p["metadata"]["namespace"]),
+                s(&p["metadata"]["name"]),
+                s(&p["spec"]["nodeName"]),
+            )
+        })
+        .collect()
+}
+
+/// The first log line of a container parses as a JSON object with a level and a
+/// message.
+fn logs_are_json(namespace: &str, pod: &str, container: &str) {
+    let out = kubectl(&["logs", "-n", namespace, pod, "-c", container]);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text
+        .lines()
+        .next()
+        .unwrap_or_else(|| panic!("{pod}/{container} logged nothing"));
+    let v: Value = serde_json::from_str(first)
+        .unwrap_or_else(|e| panic!("{pod}/{container}: not JSON ({e}): {first}"));
+    assert!(v["level"].is_string(), "{pod}/{container}: {v}");
+    assert!(v["fields"]["message"].is_string(), "{pod}/{container}: {v}");
+}
+
+#[tokio::test]
+async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
+    let Some(op) = TestNamespace::new("metrics-op", PodSecurity::Restricted).await else {
+        return;
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        return;
+    };
+    let app = TestNamespace::new("metrics-app", PodSecurity::Baseline)
+        .await
+        .unwrap();
+    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+    let release = format!("pm{}", random_suffix());
+    let _uninstall = helm_install(
+        &release,
+        &images,
+        &op.name,
+        &app.name,
+        "podmotion-e2e-metrics",
+        &[],
+    );
+    let instance = format!("app.kubernetes.io/instance={release}");
+
+    let mut scraped = BTreeSet::new();
+    let operators = pods(&format!("{instance},app.kubernetes.io/component=operator"));
+    assert!(!operators.is_empty(), "no operator pod");
+    for (ns, pod, _) in &operators {
+        let body = scrape_pod(ns, pod, 8080);
+        assert!(
+            body.contains("# TYPE podmotion_reconciles counter"),
+            "{body}"
+        );
+        scraped.extend(sample_names(&body));
+        logs_are_json(ns, pod, "operator");
+    }
+    let agents = pods(&format!(
+        "{instance},app.kubernetes.io/component=migration-agent"
+    ));
+    let on: BTreeSet<&str> = agents.iter().map(|(_, _, n)| n.as_str()).collect();
+    for n in &nodes {
+        assert!(on.contains(n.as_str()), "no agent on {n}: {agents:?}");
+    }
+    for (ns, pod, node) in &agents {
+        let body = scrape_pod(ns, pod, 9090);
+        let names = sample_names(&body);
+        for want in [
+            "podmotion_agent_frozen_sources",
+            "podmotion_agent_frozen_sources_over_budget",
+            "podmotion_agent_migration_idle_seconds_max",
+            "podmotion_agent_broker_ops_total",
+        ] {
+            assert!(
+                names.contains(want),
+                "{want} not served by {pod} on {node}:\n{body}"
+            );
+        }
+        scraped.extend(names);
+        logs_are_json(ns, pod, "agent");
+        logs_are_json(ns, pod, "netns-broker");
+    }
+
+    // The names the alerts and the dashboard use, as the chart renders them with
+    // every monitoring object on.
+    let mut args = vec!["template".to_string(), release.clone()];
+    args.extend(podmotion_e2e::real::chart_args(
+        &images, &op.name, &app.name, "x",
+    ));
+    args.extend(
+        [
+            "--set",
+            "metrics.prometheusRule.enabled=true,metrics.dashboard.enabled=true,\
+             metrics.serviceMonitor.enabled=true,metrics.podMonitor.enabled=true",
+        ]
+        .map(String::from),
+    );
+    let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", output_text(&out));
+    let rendered = String::from_utf8_lossy(&out.stdout);
+    let mut used = BTreeSet::new();
+    for doc in rendered.split("\n---") {
+        if doc.contains("\nkind: PrometheusRule") || doc.contains("podmotion.json:") {
+            used.extend(podmotion_names(doc));
+        }
+    }
+    assert!(used.len() >= 20, "only {used:?}");
+    let missing: Vec<_> = used.difference(&scraped).collect();
+    assert!(
+        missing.is_empty(),
+        "used by an alert or the dashboard, served by no component: {missing:?}\nscraped: {scraped:?}"
+    );
+}
