@@ -9,6 +9,8 @@
 #                                          between runs; IMAGES_REPRO_COLD=1: empty) and
 #                                          fresh builder storage, no blob reuse, and
 #                                          fail naming every image whose digest differs
+#                                          (and the kubectl plugin's tarball, compared
+#                                          byte for byte)
 #   hack/images.sh --verify [NAME...]      build and push, then pull each manifest back from
 #                                          the registry and check it: labels, user, size
 #                                          (printed as a table on stderr), and that its
@@ -28,7 +30,12 @@
 # chart's image keys pinned by digest; hack/install.sh passes it to helm) and, with every
 # image built, pushes the chart itself as an OCI artifact
 # (oci://$PODMOTION_REGISTRY/podmotion/charts/podmotion, hack/lib/chart.sh), its pinned
-# reference in $PODMOTION_RUN/chart.txt.
+# reference in $PODMOTION_RUN/chart.txt, and beside it the kubectl plugin: the static
+# `kubectl-podmotion` binary (built with the images' binaries) as a reproducible
+# tarball with its .sha256 in $PODMOTION_RUN/plugin/, pushed as an OCI artifact to
+# $PODMOTION_REGISTRY/podmotion/kubectl-podmotion:<version> (hack/lib/plugin.sh), its
+# pinned reference in $PODMOTION_RUN/plugin.txt (with --verify: fetched back, checked
+# against its digests and run with --version).
 #
 # Reproducibility (same commit -> same digests):
 #   * every timestamp is SOURCE_DATE_EPOCH, the commit time of HEAD (buildah --timestamp
@@ -126,6 +133,8 @@ declare -A PKG_OF=(
   [podmotion-testload]=podmotion-agent [podmotion-broker]=podmotion-broker
   [podmotion-attach]=podmotion-attach [podmotion-preflight]=podmotion-preflight
   [podmotion-runner-standin]=podmotion-preflight
+  # Not an image: the kubectl plugin's release artifact (hack/lib/plugin.sh).
+  [kubectl-podmotion]=kubectl-podmotion
 )
 
 # Builds every binary of every image in one cargo invocation (always the full set, so
@@ -528,6 +537,16 @@ if ((check)); then
       bad+=("$n")
     fi
   done
+  # shellcheck source=lib/plugin.sh
+  source "$here/lib/plugin.sh"
+  p1=$(plugin_tarball "$bindir/kubectl-podmotion" "$VERSION" "$SOURCE_DATE_EPOCH" "$scratch/plugin-1")
+  p2=$(plugin_tarball "$bindir2/kubectl-podmotion" "$VERSION" "$SOURCE_DATE_EPOCH" "$scratch/plugin-2")
+  if cmp -s "$p1" "$p2"; then
+    log "kubectl-podmotion: reproducible, $(cut -d' ' -f1 "$p1.sha256")"
+  else
+    log "kubectl-podmotion: NOT reproducible: $(cut -d' ' -f1 "$p1.sha256") vs $(cut -d' ' -f1 "$p2.sha256")"
+    bad+=(kubectl-podmotion)
+  fi
   if ((${#bad[@]})); then
     die "digests differ between two builds of $REVISION: ${bad[*]}"
   fi
@@ -581,5 +600,22 @@ EOF
   source "$here/lib/chart.sh"
   chart=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$RUN/chart.txt") || die "pushing the chart failed"
   log "pushed the chart: $chart"
+  # shellcheck source=lib/plugin.sh
+  source "$here/lib/plugin.sh"
+  rm -rf "$RUN/plugin"
+  plugin_tgz=$(plugin_tarball "$bindir/kubectl-podmotion" "$VERSION" "$SOURCE_DATE_EPOCH" "$RUN/plugin")
+  plugin=$(plugin_push "$plugin_tgz" "$REGISTRY" "$REVISION" "$SOURCE_DATE_EPOCH" "$RUN/plugin.txt") ||
+    die "pushing the kubectl plugin failed"
+  log "pushed the kubectl plugin: $plugin (tarball sha256 $(cut -d' ' -f1 "$plugin_tgz.sha256"))"
+  if ((verify)); then
+    ptmp=$(mktemp -d)
+    got=$(plugin_fetch "$plugin" "$ptmp") || die "fetching the kubectl plugin back failed"
+    tar -xzf "$got" -C "$ptmp" || die "the kubectl plugin's tarball does not unpack"
+    v=$("$ptmp/kubectl-podmotion" --version 2>&1) || die "kubectl-podmotion --version failed: $v"
+    ! command -v file >/dev/null || file -b "$ptmp/kubectl-podmotion" | grep -q static ||
+      log "note: kubectl-podmotion is not reported static by file(1): $(file -b "$ptmp/kubectl-podmotion" 2>&1)"
+    log "kubectl-podmotion: verified, $v"
+    rm -rf "$ptmp"
+  fi
 fi
 log "done in $((SECONDS - T0))s"
