@@ -11,7 +11,7 @@
 # Each step prints a line when it starts and when it ends (with its duration). The long
 # ones (dependencies, cluster, images, chart) also keep their output in
 # ${PODMOTION_RUN:-/tmp/podmotion-cluster}.<step>.log; the cluster, image and chart steps
-# show it as it comes, and every step prints a heartbeat after 30 s without output.
+# show it as it comes, and each of those four prints a heartbeat after 30 s without output.
 # At the end: each sample's Ready condition, what you are looking at, where to look next.
 #
 # The tests (bash hack/test.sh) bring a demo's cluster down before they start.
