@@ -70,7 +70,7 @@ pub struct CheckLabels {
 /// The preflight check names a failure can carry (the preflight executor's checks,
 /// the pod fields a runtime refusal names, and `verdict` for an unreadable verdict).
 /// Anything else is counted as `other`: a label never carries free text.
-pub const PREFLIGHT_CHECKS: [&str; 8] = [
+pub const PREFLIGHT_CHECKS: [&str; 9] = [
     "kvm",
     "userns",
     "apparmor",
@@ -78,6 +78,7 @@ pub const PREFLIGHT_CHECKS: [&str; 8] = [
     "capabilities",
     "hostUsers",
     "procMount",
+    "seccompProfile",
     "verdict",
 ];
 
