@@ -1090,3 +1090,342 @@ fn service_reachable(addr: &str) {
     }
     panic!("Service {addr} never accepted a connection");
 }
+
+/// The bytes of `path` in the image `reference` (`host/repo@sha256:…`, plain HTTP):
+/// its layers fetched from the registry and unpacked.
+fn file_of_image(reference: &str, path: &str) -> Vec<u8> {
+    let dir = std::env::temp_dir().join(format!("pm-image-{}", random_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = r#"set -euo pipefail
+ref=$1 dir=$2
+host=${ref%%/*}; rest=${ref#*/}; repo=${rest%@*}; digest=${ref##*@}
+m=$(curl -fsS -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$host/v2/$repo/manifests/$digest")
+for l in $(jq -r '.layers[].digest' <<<"$m"); do
+  curl -fsS "http://$host/v2/$repo/blobs/$l" | tar -xzf - -C "$dir"
+done"#;
+    let out = Command::new("bash")
+        .args(["-c", script, "fetch", reference, dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    let bytes = std::fs::read(dir.join(path.trim_start_matches('/'))).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    bytes
+}
+
+/// `kubectl podmotion cp`: the testload binary (the only file its `FROM scratch` image
+/// has) arrives byte for byte as the registry's image layer holds it; `/etc/hostname`
+/// (written by the kubelet) holds the pod's name; a ConfigMap volume, copied as a
+/// directory, arrives as the kubelet projects it (keys are symlinks into `..data`,
+/// archived as symlinks, readable locally); a missing path is named; the Ingest
+/// attachment the command created is gone afterwards.
+#[tokio::test]
+async fn cp_copies_files_and_a_directory_out_of_the_replica_and_leaves_nothing() {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let Some(w) = World::new("plugin-cp").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    let marker = format!("podmotion cp {}", random_suffix());
+    let cm: ConfigMap = from_json(json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cp-data"},
+        "data": {"mark": marker, "other.txt": "second file\n"}
+    }));
+    w.app
+        .api::<ConfigMap>()
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+    let deploys: Api<Deployment> = w.app.api();
+    let patch = json!({"spec": {"template": {"spec": {
+        "volumes": [{"name": "data", "configMap": {"name": "cp-data"}}],
+        "containers": [{"name": "app", "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": true}]}]
+    }}}});
+    deploys
+        .patch(
+            "mover",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Strategic(&patch),
+        )
+        .await
+        .unwrap();
+    let old = w.pod.name_any();
+    let pods: Api<Pod> = w.app.api();
+    let ready = wait_list(
+        &pods,
+        "app=mover",
+        POD_TIMEOUT,
+        "the new replica Ready",
+        |ps| ps.len() == 1 && ps[0].name_any() != old && pod_running_ready(&ps[0]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let pod = ready[0].name_any();
+
+    let dir = std::env::temp_dir().join(format!("pm-cp-e2e-{}", random_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cp = |remote: &str, local: &std::path::Path| {
+        let out = run(
+            &bin,
+            &[
+                "cp",
+                &format!("deploy/mover:{remote}"),
+                local.to_str().unwrap(),
+                "-n",
+                &w.app.name,
+            ],
+        );
+        let text = output_text(&out);
+        eprintln!("kubectl podmotion cp deploy/mover:{remote}:\n{text}");
+        (out.status.code(), text)
+    };
+
+    let testload = "/usr/local/bin/podmotion-testload";
+    let (code, text) = cp(testload, &dir);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("Ingest of Deployment/mover"), "{text}");
+    let image = Images::load().unwrap().testload().unwrap();
+    let got = std::fs::read(dir.join("podmotion-testload")).unwrap();
+    assert_eq!(
+        got.len(),
+        file_of_image(&image, testload).len(),
+        "size of the copied binary"
+    );
+    assert!(
+        got == file_of_image(&image, testload),
+        "bytes of the copied binary"
+    );
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.join("podmotion-testload"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert!(mode & 0o111 != 0, "the executable bit is kept: {mode:o}");
+    }
+
+    let (code, text) = cp("/etc/hostname", &dir.join("hostname"));
+    assert_eq!(code, Some(0), "{text}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("hostname"))
+            .unwrap()
+            .trim(),
+        pod
+    );
+
+    let (code, text) = cp("/data", &dir.join("tree"));
+    assert_eq!(code, Some(0), "{text}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("tree/mark")).unwrap(),
+        marker
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("tree/other.txt")).unwrap(),
+        "second file\n"
+    );
+    assert!(
+        std::fs::symlink_metadata(dir.join("tree/mark"))
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "a projected key is a symlink into ..data, archived as a symlink"
+    );
+
+    let (code, text) = cp("/no/such/file", &dir.join("x"));
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("/no/such/file does not exist in the container"),
+        "{text}"
+    );
+    let left = w
+        .app
+        .api::<NodeAgentAttachment>()
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        left.items.is_empty(),
+        "the Ingest attachment is left behind"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A user who may read the attachments, the agent pods and their Secrets but not
+/// port-forward to the agent pods is told the verb, the subresource, the agents'
+/// namespace and the `kubectl auth can-i` line (kube reports the refused websocket
+/// upgrade as a failed protocol switch, which the plugin printed as a bare error before).
+#[tokio::test]
+async fn a_refused_port_forward_names_the_subresource_and_the_can_i_line() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let Some(w) = World::new("plugin-pf").await else {
+        return;
+    };
+    let bin = plugin_bin();
+    // As the cluster admin: an intercept holds a Ready attachment the user's `env` reuses.
+    let (local, _received) = local_line_server();
+    let mut child = kubectl_podmotion(
+        &bin,
+        &[
+            "intercept",
+            "deploy/mover",
+            "--port",
+            &format!("8080:{local}"),
+            "-n",
+            &w.app.name,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawning kubectl podmotion intercept");
+    let rx = lines_of(&mut child);
+    let mut seen = vec![];
+    wait_line(&mut child, &rx, "intercepting every connection", &mut seen);
+    // The agents' namespace: where the attachment's Job pods run.
+    let pods: Api<Pod> = Api::all(w.app.client.clone());
+    let agents_ns = pods
+        .list(&ListParams::default().labels("batch.kubernetes.io/job-name"))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|p| p.namespace())
+        .find(|ns| *ns != w.app.name)
+        .expect("an agent Job pod");
+    let user = format!("plugin-pf-{}", random_suffix());
+    podmotion_e2e::grant_user(
+        &w.app,
+        &user,
+        json!([
+            {"apiGroups": ["podmotion.io"], "resources": ["nodeagentattachments"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}
+        ]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // In the agents' namespace: everything the plugin reads there, but no pods/portforward.
+    let pp = PostParams::default();
+    let role: Role = from_json(json!({"metadata": {"name": user}, "rules": [
+        {"apiGroups": [""], "resources": ["pods", "secrets"], "verbs": ["get", "list"]}]}));
+    let binding: RoleBinding = from_json(json!({"metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}));
+    let roles: Api<Role> = Api::namespaced(w.app.client.clone(), &agents_ns);
+    let bindings: Api<RoleBinding> = Api::namespaced(w.app.client.clone(), &agents_ns);
+    roles.create(&pp, &role).await.unwrap();
+    bindings.create(&pp, &binding).await.unwrap();
+    let mut text = String::new();
+    let mut code = None;
+    // The authorizer learns of the new Role from its watch a moment later.
+    for _ in 0..30 {
+        let out = run(
+            &bin,
+            &[
+                "env",
+                "deploy/mover",
+                "-n",
+                &w.app.name,
+                "--agents-namespace",
+                &agents_ns,
+                "--as",
+                &user,
+            ],
+        );
+        text = output_text(&out);
+        code = out.status.code();
+        if !text.contains("you may not get secrets") && !text.contains("you may not list pods") {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let _ = roles.delete(&user, &Default::default()).await;
+    let _ = bindings.delete(&user, &Default::default()).await;
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    eprintln!("as {user}:\n{text}");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "you may not create pods/portforward in namespace {agents_ns}: ask your cluster administrator"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "kubectl auth can-i create pods --subresource=portforward -n {agents_ns}"
+        )),
+        "{text}"
+    );
+}
+
+/// The plugin's release artifact, as a user installs it: `hack/images.sh` pushed it to the
+/// local registry as an OCI artifact beside the chart (`$PODMOTION_RUN/plugin.txt`, a
+/// reference pinned by digest). Fetched back with `hack/lib/plugin.sh` (manifest and
+/// tarball checked against their digests), the tarball matches the `.sha256` written
+/// beside it, holds one static binary, and that binary runs as `kubectl podmotion`.
+#[test]
+fn the_release_artifact_is_fetched_from_the_registry_and_runs_as_a_kubectl_plugin() {
+    let run_dir = podmotion_e2e::run_dir();
+    let reference = std::fs::read_to_string(run_dir.join("plugin.txt"))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}; build and push the images and the plugin first (hack/images.sh)",
+                run_dir.join("plugin.txt").display()
+            )
+        })
+        .trim()
+        .to_owned();
+    assert!(
+        reference.contains("/podmotion/kubectl-podmotion@sha256:"),
+        "{reference}"
+    );
+    let dir = std::env::temp_dir().join(format!("pm-plugin-artifact-{}", random_suffix()));
+    let lib = podmotion_e2e::repo_root().join("hack/lib/plugin.sh");
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(r#"set -e; source "$1"; plugin_fetch "$2" "$3""#)
+        .args([
+            "fetch",
+            lib.to_str().unwrap(),
+            &reference,
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    let tgz = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let name = tgz.file_name().unwrap().to_str().unwrap().to_owned();
+    // The tarball pushed is the one hack/images.sh left beside its .sha256.
+    let sums =
+        std::fs::read_to_string(run_dir.join("plugin").join(format!("{name}.sha256"))).unwrap();
+    let local = Command::new("sha256sum").arg(&tgz).output().unwrap();
+    assert_eq!(
+        sums.split_whitespace().next(),
+        String::from_utf8_lossy(&local.stdout)
+            .split_whitespace()
+            .next(),
+        "the fetched tarball is not the one whose sha256 was published"
+    );
+    let list = Command::new("tar").arg("-tzf").arg(&tgz).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&list.stdout), "kubectl-podmotion\n");
+    let x = Command::new("tar")
+        .arg("-xzf")
+        .arg(&tgz)
+        .arg("-C")
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(x.success());
+    let bin = dir.join("kubectl-podmotion");
+    let file = Command::new("file").arg("-b").arg(&bin).output().unwrap();
+    let file = String::from_utf8_lossy(&file.stdout).into_owned();
+    assert!(file.contains("static"), "not a static binary: {file}");
+    // kubectl finds it on $PATH as a plugin.
+    let out = run(&bin, &["--version"]);
+    let text = output_text(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.starts_with("kubectl-podmotion "), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
