@@ -28,6 +28,7 @@ use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 pub mod chaos;
+pub mod kwok_agents;
 pub mod operator;
 pub mod real;
 

@@ -3,20 +3,11 @@
 //! with their netns brokers and CRIU) over gRPC and mutual TLS, for a kwok pod whose
 //! container is a real process tree.
 //!
-//! What stands in for what (the agents' testbed, `podmotion_agent::testbed`):
-//! - the two kwok nodes `pm-node-0` / `pm-node-1` are two agents on loopback, reached
-//!   through the controller's endpoint override, with certificates identifying each
-//!   node's agent (`spiffe://podmotion.io/agent/<node>`, DNS SAN
-//!   `podmotion-agent.<node>`): each agent takes images only from, and streams only
-//!   to, the other node's agent the controller names;
-//! - the source pod's container is the testbed's workload (its own pid and network
-//!   namespace, a TCP server keeping a counter); the target pod's holder container is
-//!   the testbed's holder process;
-//! - the container runtime is the agents' container table: when kwok reports a
-//!   container ID, the test registers the process standing for it, and the agents
-//!   resolve the controller's container IDs through the table as they would over CRI;
-//! - the CNI is the testbed's "pod address moves" step (`add_address_to_target`,
-//!   `route_to_target`).
+//! What stands in for what: `podmotion_e2e::kwok_agents` (shared with the chaos run).
+//! The two kwok nodes `pm-node-0` / `pm-node-1` are two agents on loopback, reached
+//! through the controller's endpoint override; each agent takes images only from, and
+//! streams only to, the other node's agent the controller names. The agents resolve
+//! the controller's container IDs through the container table as they would over CRI.
 //!
 //! Needs root and CRIU (`hack/install-criu.sh`; PODMOTION_ROOT_TESTS=0 skips) and a
 //! cluster (PODMOTION_E2E=0 skips).
@@ -25,7 +16,6 @@
 //! --workspace` builds them; with `-p podmotion-e2e` alone, run `cargo build -p
 //! podmotion-agent` first or the test runs whatever agent was built last.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,9 +24,10 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
-use podmotion_agent::testbed::{AGENT_NAMES, Testbed, ask, root_tests_enabled};
+use podmotion_agent::testbed::{AGENT_NAMES, ask, root_tests_enabled};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
+use podmotion_e2e::kwok_agents::{KwokAgents, container_id};
 use podmotion_e2e::operator::install_crds;
 use podmotion_e2e::{
     PodSecurity, TIMEOUT, TestNamespace, deployment_on_nodes, from_json, wait_for, wait_list,
@@ -52,54 +43,8 @@ use tokio::task::JoinHandle;
 
 const NODES: [&str; 2] = ["pm-node-0", "pm-node-1"];
 
-/// A binary of the workspace, next to this test's own `deps/` directory (built by
-/// `cargo test --workspace`); `PODMOTION_<NAME>_BIN` overrides.
-fn workspace_bin(name: &str) -> PathBuf {
-    let var = format!(
-        "PODMOTION_{}_BIN",
-        name.trim_start_matches("podmotion-")
-            .to_uppercase()
-            .replace('-', "_")
-    );
-    if let Ok(p) = std::env::var(&var) {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target profile dir");
-    let bin = dir.join(name);
-    assert!(
-        bin.exists(),
-        "{} not built: run `cargo build -p podmotion-agent` (or the whole workspace's tests), or set {var}",
-        bin.display()
-    );
-    bin
-}
-
-/// `N` distinct free loopback ports: all are held until all are picked (picked one at
-/// a time, the kernel may hand out a just-released port twice).
-fn free_ports<const N: usize>() -> [u16; N] {
-    let held: Vec<std::net::TcpListener> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("free port"))
-        .collect();
-    std::array::from_fn(|i| held[i].local_addr().expect("bound").port())
-}
-
 /// The migration controller of this process, driving the agents over the wire.
-fn start_controller(
-    client: &Client,
-    ns: &str,
-    tb: &Testbed,
-    nodes: [&str; 2],
-    ports: [u16; 2],
-) -> JoinHandle<()> {
-    // The master key as the chart mounts it: the same across operator restarts.
-    let key_file = tb.dir.join("migration-master-key");
-    if !key_file.exists() {
-        std::fs::write(&key_file, "k".repeat(64)).unwrap();
-    }
+fn start_controller(client: &Client, ns: &str, agents: &KwokAgents) -> JoinHandle<()> {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -107,31 +52,17 @@ fn start_controller(
         #[command(flatten)]
         mig: MigrationConfig,
     }
-    let endpoints = (0..2)
-        .map(|i| format!("{}=https://127.0.0.1:{}", nodes[i], ports[i]))
-        .collect::<Vec<_>>()
-        .join(",");
-    let file = |f: &str| tb.dir.join(f).display().to_string();
-    let (ca, cert, key) = (file("ca.crt"), file("operator.crt"), file("operator.key"));
-    let master = file("migration-master-key");
-    let args = [
+    let mut args: Vec<String> = [
         "podmotion-operator",
         "--no-leader-election",
         "--migration-namespace",
         ns,
         "--migration-agent-namespace",
         ns,
-        "--migration-agent-endpoint",
-        &endpoints,
-        "--migration-agent-tls-ca",
-        &ca,
-        "--migration-agent-tls-cert",
-        &cert,
-        "--migration-agent-tls-key",
-        &key,
-        "--migration-key-file",
-        &master,
-    ];
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(agents.operator_args());
     let cli = Cli::try_parse_from(args).unwrap();
     let (tx, rx) = watch::channel(false);
     let ctx = Arc::new(Context::new(
@@ -145,17 +76,6 @@ fn start_controller(
         let _keep = tx;
         run_configured(ctx, cli.mig).await.unwrap();
     })
-}
-
-/// The first container ID kwok reports for `pod` once it runs.
-fn container_id(pod: &Pod) -> Option<String> {
-    pod.status
-        .as_ref()?
-        .container_statuses
-        .as_ref()?
-        .first()?
-        .container_id
-        .clone()
 }
 
 /// The phase a PodMigration is in now (for failure messages).
@@ -173,13 +93,12 @@ async fn status_of(api: &Api<PodMigration>, name: &str) -> String {
 /// nodes, the workload's process tree, and the controller of this process.
 struct FullStack {
     ns: TestNamespace,
-    tb: Testbed,
+    agents: KwokAgents,
     /// The source's node first.
     nodes: [&'static str; 2],
     source: Pod,
     /// Host pid of the root of the workload's process tree.
     workload: i32,
-    ports: [u16; 2],
     controller: JoinHandle<()>,
 }
 
@@ -215,26 +134,18 @@ impl FullStack {
         };
         // Agent i's certificate identifies agent/<nodes[i]>: the node the controller
         // names as the peer of the other agent.
-        let mut tb = Testbed::with_nodes(
-            prefix.trim_start_matches("mig-"),
-            &workspace_bin("podmotion-agent"),
-            &workspace_bin("podmotion-testload"),
-            nodes,
-        );
-        let ports: [u16; 2] = free_ports();
-        for (i, port) in ports.iter().enumerate() {
-            tb.start_agent_at(i, Some(&format!("127.0.0.1:{port}")));
-        }
-        let workload = tb.start_workload(16, 64).pid;
-        tb.register_container(&container_id(&source).unwrap(), workload);
-        let controller = start_controller(&ns.client, &ns.name, &tb, nodes, ports);
+        let mut agents = KwokAgents::start(prefix.trim_start_matches("mig-"), nodes).unwrap();
+        let workload = agents.tb.start_workload(16, 64).pid;
+        agents
+            .tb
+            .register_container(&container_id(&source).unwrap(), workload);
+        let controller = start_controller(&ns.client, &ns.name, &agents);
         Some(FullStack {
             ns,
-            tb,
+            agents,
             nodes,
             source,
             workload,
-            ports,
             controller,
         })
     }
@@ -244,19 +155,12 @@ impl FullStack {
     async fn restart_controller(&mut self) {
         self.controller.abort();
         let _ = (&mut self.controller).await;
-        self.controller = start_controller(
-            &self.ns.client,
-            &self.ns.name,
-            &self.tb,
-            self.nodes,
-            self.ports,
-        );
+        self.controller = start_controller(&self.ns.client, &self.ns.name, &self.agents);
     }
 
     /// The agent of `node` (0 = source) comes back on its port, empty.
     fn restart_agent(&mut self, node: usize) {
-        self.tb
-            .start_agent_at(node, Some(&format!("127.0.0.1:{}", self.ports[node])));
+        self.agents.restart_agent(node);
     }
 
     /// Migrates the pod to the other node with `spec` (merged over the defaults) and
@@ -311,10 +215,7 @@ impl FullStack {
         .await
         .unwrap()
         .unwrap();
-        let holder = self.tb.start_holder();
-        self.tb.add_address_to_target();
-        self.tb
-            .register_container(&container_id(&target_pod).unwrap(), holder.pid);
+        self.agents.play_target(&container_id(&target_pod).unwrap());
     }
 
     async fn wait_phase(&self, want: MigrationPhase) {
@@ -370,24 +271,20 @@ impl FullStack {
     }
 
     fn logs(&self) -> String {
-        format!(
-            "source agent log:\n{}\ntarget agent log:\n{}",
-            self.tb.agent_log(0),
-            self.tb.agent_log(1)
-        )
+        self.agents.logs()
     }
 
     /// Cleanup zeroized and removed every checkpoint image on both nodes.
     async fn assert_no_images_left(&self) {
         for (node, name) in AGENT_NAMES.iter().enumerate() {
             let left = wait_until(Duration::from_secs(20), || {
-                self.tb.checkpoint_files(node).is_empty()
+                self.agents.tb.checkpoint_files(node).is_empty()
             })
             .await;
             assert!(
                 left,
                 "checkpoint images left on {name}: {:?}",
-                self.tb.checkpoint_files(node)
+                self.agents.tb.checkpoint_files(node)
             );
         }
     }
@@ -405,7 +302,7 @@ impl FullStack {
             !self.source_alive(),
             "the source tree was not killed at commit"
         );
-        self.tb.route_to_target();
+        self.agents.tb.route_to_target();
         let after: u64 = ask(conn, "get").unwrap().parse().unwrap();
         assert!(
             after >= before,
@@ -475,7 +372,11 @@ async fn start(
 )> {
     let serial = SERIAL.lock().await;
     let fs = FullStack::new(prefix).await?;
-    let mut conn = fs.tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let mut conn = fs
+        .agents
+        .tb
+        .connect_timeout(Duration::from_secs(5))
+        .unwrap();
     let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
     Some((serial, fs, conn, before))
 }
@@ -655,7 +556,7 @@ async fn killing_the_source_agent_mid_transfer_fails_the_migration_and_the_sourc
     fs.start_migration(spec).await;
     fs.wait_phase(MigrationPhase::Transferring).await;
     // The agent dies with the source frozen; its broker's lease rolls the source back.
-    fs.tb.kill_agent(0);
+    fs.agents.tb.kill_agent(0);
     tokio::time::sleep(Duration::from_secs(1)).await;
     fs.restart_agent(0);
     let st = fs.wait_end().await;

@@ -1,7 +1,8 @@
 //! The chaos run (issue 21; not a test, a binary like the benchmarks).
 //!
 //!     hack/cluster.sh up
-//!     cargo build -p podmotion-operator -p podmotion-e2e --bin chaos
+//!     cargo build -p podmotion-operator -p podmotion-agent -p podmotion-e2e --bin chaos
+//!       (podmotion-agent: the agent and testload binaries of the live migrations)
 //!     $CARGO_TARGET_DIR/debug/chaos                  # short: ~90 s of faults (CI)
 //!     $CARGO_TARGET_DIR/debug/chaos --long --api-restart
 //!
@@ -19,18 +20,32 @@
 //! * the three kinds churn on the kwok nodes: Deployments with NodeAgentAttachments
 //!   scale between 0 and 3 replicas and one attachment is deleted and recreated,
 //!   RunnerPools change `sessionsPerNode`, dry-run PodMigrations are created and
-//!   deleted (some before they finish: abort by deletion).
+//!   deleted (some before they finish: abort by deletion);
+//! * live migrations (unless `--no-live-migrations`; they need root and CRIU): the one
+//!   pod of the Deployment `live` on `pm-node-0`/`pm-node-1` is a real process (the
+//!   testload server, a counter), and the two nodes' agents are real `podmotion-agent`
+//!   processes with their brokers (`podmotion_e2e::kwok_agents`, shared with
+//!   `tests/migration_full_stack.rs`), which the replicas reach through the endpoint
+//!   override. One PodMigration after another moves the process to the other node
+//!   (Cold, CRIU dump, transfer, restore), a third of them deleted at a random moment
+//!   in flight (abort and roll back, or finish when past the commit).
 //!
 //! Invariants, sampled every 2 s during the run: no two live agent Jobs for one target
 //! pod; at most one DaemonSet, NetworkPolicy and Secret of each kind per RunnerPool; the
 //! migrated workload's pods are exactly the ones it started with, all Running, and no
 //! migration target pod exists (dry runs touch nothing); every deleted PodMotion object
-//! is gone within 60 s of its deletion (no wedged finalizer). After the last fault:
+//! is gone within 60 s of its deletion (no wedged finalizer); the live workload's
+//! processes, sampled every 100 ms, are never two running copies and never none (a
+//! frozen source next to its restored copy is one running copy). After each live
+//! migration: exactly one copy runs, in the pod Kubernetes kept (the source after a
+//! rollback, the target after a commit); its counter, read over the client connection
+//! opened before the migration (or a new one), did not run backwards and advances;
+//! no checkpoint image is left on either node within 60 s. After the last fault:
 //! convergence within 60 s — every object's status observes its generation and is
 //! Ready/settled, exactly the expected children exist per owner (one agent Job with its
 //! Secret per ready pod of an attached workload, the deny-ingress NetworkPolicy; the
 //! DaemonSet, NetworkPolicy and credential Secret of each RunnerPool) and none else
-//! (orphans). Then every PodMotion object is deleted with the operators still running,
+//! (orphans), and the live migration in flight then has ended. Then every PodMotion object is deleted with the operators still running,
 //! and must be gone within 60 s. Prints a summary table; exits 1 on any violation, 2 if
 //! the run could not be set up.
 #![forbid(unsafe_code)]
@@ -38,7 +53,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,11 +66,13 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use podmotion_agent::testbed::ask;
 use podmotion_api::conditions::is_true;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::{condition_types as ct, labels};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use podmotion_e2e::chaos::{Rng, start_proxy};
+use podmotion_e2e::kwok_agents::{KwokAgents, PodSide, WorkloadMarker, container_id};
 use podmotion_e2e::{
     TIMEOUT, connect, from_json, pod_running_ready, random_suffix, restricted_container, wait_list,
 };
@@ -73,6 +90,14 @@ const ATTACHED: [&str; 2] = ["attach-a", "attach-b"];
 const POOLS: [&str; 2] = ["pool-a", "pool-b"];
 const MIG_NODES: [&str; 2] = ["pm-node-0", "pm-node-1"];
 const AGENT_POLICY: &str = "podmotion-node-agent-deny-ingress";
+/// The Deployment whose one pod's process the live migrations move.
+const LIVE: &str = "live";
+/// The live workload's memory, and the transfer rate its migrations are held to (a
+/// few seconds in flight: deletions land in every phase).
+const LIVE_BALLAST_MIB: usize = 8;
+const LIVE_BANDWIDTH: u64 = 4 << 20;
+/// How often the live workload's processes are sampled.
+const LIVE_SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 struct Opts {
     long: bool,
@@ -81,6 +106,8 @@ struct Opts {
     share_per_mille: u32,
     api_restart: bool,
     plant_violation: bool,
+    /// Migrate a live process between two kwok nodes through process-level agents.
+    live: bool,
     seed: u64,
 }
 
@@ -89,7 +116,9 @@ fn usage() -> &'static str {
      short (default): 90 s of faults, leader killed every 4-8 s; --long: 600 s, every 10-30 s.\n\
      --write-fault-share: per mille of the operators' writes answered 409/429 (default 200).\n\
      --api-restart: restart the API server once halfway (hack/cluster.sh restart-component).\n\
-     --plant-violation: negative control: plant a second DaemonSet of a RunnerPool; the run must fail."
+     --plant-violation: negative control: plant a second DaemonSet of a RunnerPool; the run must fail.\n\
+     --no-live-migrations: skip the PodMigrations that move a live process through process-level\n\
+     agents on two kwok nodes (they need root and CRIU; PODMOTION_ROOT_TESTS=0 skips them too)."
 }
 
 fn parse_opts() -> anyhow::Result<Opts> {
@@ -102,6 +131,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
         share_per_mille: 200,
         api_restart: false,
         plant_violation: false,
+        live: std::env::var("PODMOTION_ROOT_TESTS").as_deref() != Ok("0"),
         seed: u64::from_str_radix(&random_suffix(), 16).unwrap_or(1),
     };
     let mut it = args.iter();
@@ -115,6 +145,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
             "--long" => {}
             "--api-restart" => o.api_restart = true,
             "--plant-violation" => o.plant_violation = true,
+            "--no-live-migrations" => o.live = false,
             "--duration" => {
                 let v = value(a)?;
                 let s: u64 = v
@@ -166,6 +197,20 @@ struct Tally {
     deletion_secs: Vec<f64>,
     /// Migration children seen by the sampler (target pods, transfer keys).
     seen_migration_children: BTreeSet<String>,
+    /// Live migrations (a process moved by the process-level agents), by outcome.
+    live_outcomes: BTreeMap<String, u64>,
+    /// Live migrations deleted before they ended, by the phase they were deleted in.
+    live_deleted_in: BTreeMap<String, u64>,
+    /// Samples of the live workload's processes (exactly one copy, at most one running).
+    live_process_samples: u64,
+    /// Per-round checks of the live workload (one copy, where its pod is; counter
+    /// monotonic and advancing; no checkpoint image left).
+    live_round_checks: u64,
+    /// Client connections the live workload still served after a round / reconnects.
+    live_conn_kept: u64,
+    live_conn_reopened: u64,
+    /// From the last fault to the end of the live migration in flight then.
+    live_settle_secs: Option<f64>,
 }
 
 /// A PodMotion object whose deletion the run requested.
@@ -268,7 +313,7 @@ async fn create_namespace(client: &Client, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn setup(client: &Client, n: &Names) -> anyhow::Result<Vec<Pod>> {
+async fn setup(client: &Client, n: &Names, live: bool) -> anyhow::Result<Vec<Pod>> {
     podmotion_e2e::operator::install_crds(client).await;
     create_namespace(client, &n.sys).await?;
     create_namespace(client, &n.app).await?;
@@ -289,6 +334,10 @@ async fn setup(client: &Client, n: &Names) -> anyhow::Result<Vec<Pod>> {
     }
     deps.create(&pp, &deployment("mig", 2, Some(&MIG_NODES)))
         .await?;
+    if live {
+        deps.create(&pp, &deployment(LIVE, 1, Some(&MIG_NODES)))
+            .await?;
+    }
     for p in POOLS {
         Api::<RunnerPool>::namespaced(client.clone(), &n.app)
             .create(&pp, &pool(&n.app, p, 2))
@@ -315,6 +364,9 @@ struct Replicas {
     bin: PathBuf,
     names: Names,
     kubeconfig: PathBuf,
+    /// The migration agents' flags (endpoints, TLS, master key) of the live agents;
+    /// empty: MIG_NODES' agents are unreachable.
+    agent_args: Vec<String>,
     slots: Vec<Replica>,
     generation: u64,
 }
@@ -325,11 +377,16 @@ impl Replicas {
         let n = &self.names;
         let identity = format!("chaos-{slot}-{}", self.generation);
         let log = std::fs::File::create(n.dir.join(format!("{identity}.log")))?;
-        let endpoints = MIG_NODES
-            .iter()
-            .map(|node| format!("{node}=https://127.0.0.1:9"))
-            .collect::<Vec<_>>()
-            .join(",");
+        let agent_args = if self.agent_args.is_empty() {
+            let endpoints = MIG_NODES
+                .iter()
+                .map(|node| format!("{node}=https://127.0.0.1:9"))
+                .collect::<Vec<_>>()
+                .join(",");
+            vec!["--migration-agent-endpoint".to_string(), endpoints]
+        } else {
+            self.agent_args.clone()
+        };
         let child = tokio::process::Command::new(&self.bin)
             .args(["--namespace", &n.sys, "--identity", &identity])
             .args(["--controllers", "migration,attachment,runner-pool"])
@@ -340,7 +397,7 @@ impl Replicas {
             .args(["--attachment-sweep-seconds", "5"])
             .args(["--migration-namespace", &n.app])
             .args(["--migration-agent-namespace", &n.sys])
-            .args(["--migration-agent-endpoint", &endpoints])
+            .args(&agent_args)
             .env("KUBECONFIG", &self.kubeconfig)
             .env("PODMOTION_RUNNER_POOL_NAMESPACE", &n.app)
             .env(
@@ -496,6 +553,7 @@ async fn churn(
     client: Client,
     n: Names,
     mig_pods: Vec<String>,
+    dry_only: bool,
     tally: Shared,
     seed: u64,
     mut phase: watch::Receiver<Phase>,
@@ -537,7 +595,9 @@ async fn churn(
                 }
                 50..=69 if live_migrations.len() < 4 => {
                     counter += 1;
-                    let dry = rng.range(0, 1) == 0;
+                    // With live agents, real migrations are the live workload's (their
+                    // own driver): those of `mig` would reach the same agents.
+                    let dry = rng.range(0, 1) == 0 || dry_only;
                     let name = format!("{}-{counter}", if dry { "dry" } else { "real" });
                     let pod = &mig_pods[rng.range(0, mig_pods.len() as u64 - 1) as usize];
                     let m = migs
@@ -619,6 +679,426 @@ fn record_deletion(tally: &Shared, kind: &'static str, name: String, uid: String
         gone: false,
         reported: false,
     });
+}
+
+// ------------------------------------------------------------------ live migrations
+
+/// The live workload: its process, the agents of the two kwok nodes, and whether the
+/// process sampler is watching (not while a fresh workload replaces a moved one).
+struct Live {
+    agents: Arc<Mutex<KwokAgents>>,
+    watching: Arc<AtomicBool>,
+}
+
+/// Samples the live workload's processes every [`LIVE_SAMPLE_EVERY`] until `stop`:
+/// never two running copies, never none.
+fn live_sampler(
+    marker: WorkloadMarker,
+    watching: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    tally: Shared,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        if watching.load(Ordering::Relaxed) {
+            let procs = marker.processes();
+            // The flag may have dropped while /proc was read (a reset began).
+            if watching.load(Ordering::Relaxed) {
+                tally.lock().unwrap().live_process_samples += 1;
+                let running = procs.iter().filter(|p| p.running).count();
+                if running > 1 {
+                    violation(
+                        &tally,
+                        format!("two running copies of the live workload: {procs:?}"),
+                    );
+                } else if procs.is_empty() {
+                    violation(
+                        &tally,
+                        "the live workload's process is gone (no copy)".into(),
+                    );
+                }
+            }
+        }
+        std::thread::sleep(LIVE_SAMPLE_EVERY);
+    }
+}
+
+/// The live workload's one pod once it runs with a container ID and nothing else of
+/// it is left (a migration's target pod deleted, a source pod gone).
+async fn live_pod(client: &Client, n: &Names) -> anyhow::Result<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &n.app);
+    let t0 = Instant::now();
+    let mut last = String::new();
+    while t0.elapsed() < CONVERGENCE {
+        match pods
+            .list(&ListParams::default().labels(&format!("app={LIVE}")))
+            .await
+        {
+            Ok(l) => {
+                let ps = l.items;
+                if ps.len() == 1
+                    && ps[0].metadata.deletion_timestamp.is_none()
+                    && pod_running_ready(&ps[0])
+                    && container_id(&ps[0]).is_some()
+                {
+                    return Ok(ps[0].clone());
+                }
+                last = format!("{:?}", ps.iter().map(|p| p.name_any()).collect::<Vec<_>>());
+            }
+            Err(e) => last = format!("{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    bail!("the live workload has no single running pod within {CONVERGENCE:?}: {last}")
+}
+
+fn live_migration(name: &str, pod: &str, target: &str) -> PodMigration {
+    from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name},
+        "spec": {"podName": pod, "targetNode": target, "mode": "Cold",
+                 "tcpPreservation": "BestEffort", "freezeBudgetMillis": 60000,
+                 "bandwidthLimitBytesPerSecond": LIVE_BANDWIDTH,
+                 "progressTimeoutSeconds": 30, "deadlineSeconds": 120}
+    }))
+}
+
+/// One counter read over `conn`, or over a new connection if that one is gone; the
+/// counter and whether the old connection still served.
+fn read_counter(
+    agents: &KwokAgents,
+    conn: &mut std::net::TcpStream,
+) -> anyhow::Result<(u64, bool)> {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+    if let Ok(v) = ask(conn, "get")
+        && let Ok(v) = v.parse()
+    {
+        return Ok((v, true));
+    }
+    *conn = agents.tb.connect_timeout(Duration::from_secs(5))?;
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+    Ok((ask(conn, "get")?.parse()?, false))
+}
+
+/// Migrates the live workload's process back and forth between the two kwok nodes
+/// while the faults last, deleting a third of the migrations at a random moment, and
+/// checks after each: the workload runs exactly once, in the pod Kubernetes keeps, its
+/// counter continued; no checkpoint image is left.
+async fn live_migrations(
+    client: Client,
+    n: Names,
+    live: Live,
+    tally: Shared,
+    seed: u64,
+    phase: watch::Receiver<Phase>,
+) {
+    if let Err(e) = live_rounds(&client, &n, &live, &tally, seed, phase).await {
+        violation(&tally, format!("live migrations: {e:#}"));
+    }
+}
+
+async fn live_rounds(
+    client: &Client,
+    n: &Names,
+    live: &Live,
+    tally: &Shared,
+    seed: u64,
+    phase: watch::Receiver<Phase>,
+) -> anyhow::Result<()> {
+    let mut rng = Rng::new(seed ^ 0x6c69_7665);
+    let migs: Api<PodMigration> = Api::namespaced(client.clone(), &n.app);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &n.app);
+    let mut fresh = false;
+    let mut settle_at: Option<Instant> = None;
+    for round in 1.. {
+        if *phase.borrow() != Phase::Chaos {
+            break;
+        }
+        let pod = live_pod(client, n).await?;
+        let cid = container_id(&pod).unwrap_or_default();
+        if fresh {
+            live.watching.store(false, Ordering::Relaxed);
+            let agents = live.agents.clone();
+            let cid = cid.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut a = agents.lock().unwrap();
+                let pid = a.fresh_workload(LIVE_BALLAST_MIB);
+                a.tb.register_container(&cid, pid);
+            })
+            .await?;
+            live.watching.store(true, Ordering::Relaxed);
+            fresh = false;
+        }
+        let source_node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        let target_node = MIG_NODES
+            .iter()
+            .find(|n| **n != source_node)
+            .copied()
+            .unwrap_or(MIG_NODES[0]);
+        let agents = live.agents.clone();
+        let (mut conn, before) = tokio::task::spawn_blocking(move || {
+            let a = agents.lock().unwrap();
+            let mut c = a.tb.connect_timeout(Duration::from_secs(5))?;
+            let (v, _) = read_counter(&a, &mut c)?;
+            anyhow::Ok((c, v))
+        })
+        .await??;
+
+        let name = format!("live-{round}");
+        let t0 = Instant::now();
+        loop {
+            match migs
+                .create(
+                    &PostParams::default(),
+                    &live_migration(&name, &pod.name_any(), target_node),
+                )
+                .await
+            {
+                Ok(_) => break,
+                Err(e) if t0.elapsed() > CONVERGENCE => {
+                    bail!("creating PodMigration {name}: {e}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+        let delete_after =
+            (rng.range(0, 2) == 0).then(|| Duration::from_millis(rng.range(0, 5000)));
+        let (mut target_pod, mut played, mut deleted) = (None::<String>, false, false);
+        let mut final_phase = None;
+        let mut last_status = String::new();
+        let started = Instant::now();
+        loop {
+            if *phase.borrow() != Phase::Chaos && settle_at.is_none() {
+                settle_at = Some(Instant::now());
+            }
+            if started.elapsed() > Duration::from_secs(180) {
+                let logs = live.agents.lock().unwrap().logs();
+                bail!(
+                    "PodMigration {name} did not end within 180 s (deleted: {deleted}); status {last_status}\n{logs}"
+                );
+            }
+            let m = match migs.get_opt(&name).await {
+                Ok(m) => m,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            };
+            let st = m.as_ref().and_then(|m| m.status.clone());
+            if let Some(st) = &st {
+                last_status = format!("{:?} {:?}", st.phase, st.failure_message);
+            }
+            if target_pod.is_none() {
+                target_pod = st.as_ref().and_then(|s| s.target_pod.clone());
+            }
+            if let (Some(t), false) = (&target_pod, played)
+                && let Ok(Some(p)) = pods.get_opt(t).await
+                && let Some(tcid) = container_id(&p)
+            {
+                let agents = live.agents.clone();
+                tokio::task::spawn_blocking(move || agents.lock().unwrap().play_target(&tcid))
+                    .await?;
+                played = true;
+            }
+            if let Some(after) = delete_after
+                && !deleted
+                && started.elapsed() >= after
+                && m.is_some()
+            {
+                let at = st
+                    .as_ref()
+                    .map(|s| format!("{:?}", s.phase))
+                    .unwrap_or_else(|| "no status".into());
+                if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
+                    deleted = true;
+                    let uid = m.as_ref().and_then(|m| m.uid()).unwrap_or_default();
+                    record_deletion(tally, "PodMigration", name.clone(), uid);
+                    *tally.lock().unwrap().live_deleted_in.entry(at).or_default() += 1;
+                }
+            }
+            match (&m, &st) {
+                (None, _) if deleted => break,
+                (Some(_), Some(s)) if !deleted && terminal(&s.phase) => {
+                    final_phase = Some(format!(
+                        "{:?}{}",
+                        s.phase,
+                        s.failure_reason
+                            .as_deref()
+                            .map(|r| format!(": {r}"))
+                            .unwrap_or_default()
+                    ));
+                    break;
+                }
+                _ => {}
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Some(at) = settle_at {
+            tally.lock().unwrap().live_settle_secs = Some(at.elapsed().as_secs_f64());
+            if at.elapsed() > CONVERGENCE {
+                violation(
+                    tally,
+                    format!(
+                        "PodMigration {name} ended {:.0} s after the last fault",
+                        at.elapsed().as_secs_f64()
+                    ),
+                );
+            }
+        }
+
+        // Which pod Kubernetes keeps says where the one copy must run.
+        let kept = live_pod(client, n).await?;
+        let side = if kept.name_any() == pod.name_any() {
+            PodSide::Source
+        } else if Some(kept.name_any()) == target_pod {
+            PodSide::Target
+        } else {
+            bail!(
+                "after {name} the live workload's pod is {}, neither the source {} nor the target {target_pod:?}",
+                kept.name_any(),
+                pod.name_any()
+            );
+        };
+        let agents = live.agents.clone();
+        let tally2 = tally.clone();
+        let name2 = name.clone();
+        tokio::task::spawn_blocking(move || {
+            let a = agents.lock().unwrap();
+            check_live_round(&a, &tally2, &name2, side, &mut conn, before)
+        })
+        .await?;
+        // Cleanup zeroized and removed every checkpoint image on both nodes.
+        let t0 = Instant::now();
+        loop {
+            let left = live.agents.lock().unwrap().checkpoint_files();
+            if left.is_empty() {
+                tally.lock().unwrap().live_round_checks += 1;
+                break;
+            }
+            if t0.elapsed() > CONVERGENCE {
+                violation(
+                    tally,
+                    format!("checkpoint images left {CONVERGENCE:?} after {name} ended: {left:?}"),
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let outcome = match (side, deleted) {
+            (PodSide::Target, false) => "moved the process".to_string(),
+            (PodSide::Target, true) => "moved the process (deleted after the commit)".into(),
+            (PodSide::Source, true) => "rolled back (deleted in flight)".into(),
+            (PodSide::Source, false) => {
+                format!("rolled back ({})", final_phase.unwrap_or_default())
+            }
+        };
+        eprintln!("[chaos] live migration {name}: {outcome}; last status {last_status}");
+        *tally
+            .lock()
+            .unwrap()
+            .live_outcomes
+            .entry(outcome)
+            .or_default() += 1;
+        if !deleted {
+            let uid = migs
+                .get_opt(&name)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|m| m.uid())
+                .unwrap_or_default();
+            if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
+                record_deletion(tally, "PodMigration", name.clone(), uid);
+            }
+        }
+        match side {
+            // The next round starts a fresh workload in the pod that now holds it.
+            PodSide::Target => fresh = true,
+            // The source runs on: only the target's holder and address go.
+            PodSide::Source => {
+                let agents = live.agents.clone();
+                tokio::task::spawn_blocking(move || agents.lock().unwrap().reset_target()).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After a live migration ended: exactly one copy runs, in the pod on `side`; its
+/// counter continued from `before` (the process state moved, not a fresh start) and
+/// keeps advancing (it was thawed or restored, not left frozen).
+fn check_live_round(
+    agents: &KwokAgents,
+    tally: &Shared,
+    name: &str,
+    side: PodSide,
+    conn: &mut std::net::TcpStream,
+    before: u64,
+) {
+    let t0 = Instant::now();
+    let mut procs = agents.workload_processes();
+    while !(procs.len() == 1 && procs[0].running && procs[0].side == side)
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+        procs = agents.workload_processes();
+    }
+    tally.lock().unwrap().live_round_checks += 1;
+    if !(procs.len() == 1 && procs[0].running && procs[0].side == side) {
+        violation(
+            tally,
+            format!(
+                "after {name} the live workload runs as {procs:?}, expected one running copy in the {side:?} pod"
+            ),
+        );
+        return;
+    }
+    if side == PodSide::Target {
+        agents.tb.route_to_target();
+    }
+    let counted = read_counter(agents, conn).and_then(|(a, kept)| {
+        std::thread::sleep(Duration::from_millis(300));
+        let (b, _) = read_counter(agents, conn)?;
+        Ok((a, b, kept))
+    });
+    let mut t = tally.lock().unwrap();
+    t.live_round_checks += 2;
+    match counted {
+        Ok((after, again, kept)) => {
+            if kept {
+                t.live_conn_kept += 1;
+            } else {
+                t.live_conn_reopened += 1;
+            }
+            drop(t);
+            if after < before {
+                violation(
+                    tally,
+                    format!(
+                        "after {name} the live workload's counter ran backwards: {before} → {after} (a fresh process?)"
+                    ),
+                );
+            }
+            if again <= after {
+                violation(
+                    tally,
+                    format!(
+                        "after {name} the live workload does not run: counter {after} → {again}"
+                    ),
+                );
+            }
+        }
+        Err(e) => {
+            drop(t);
+            violation(
+                tally,
+                format!("after {name} the live workload does not answer: {e:#}"),
+            );
+        }
+    }
 }
 
 // ------------------------------------------------------------------ invariants
@@ -1363,9 +1843,43 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
     );
     let tally: Shared = Arc::new(Mutex::new(Tally::default()));
     let (phase_tx, phase_rx) = watch::channel(Phase::Settle);
+    if o.live {
+        podmotion_e2e::kwok_agents::check_requirements()
+            .context("live migrations (--no-live-migrations skips them)")?;
+    }
+    let stop_live_sampler = Arc::new(AtomicBool::new(false));
+    let mut live_sampler_thread = None;
 
     let res = async {
-        let mig_pods = setup(&client, &n).await?;
+        let mig_pods = setup(&client, &n, o.live).await?;
+        // The live workload: agents for MIG_NODES, its process in its pod.
+        let live = if o.live {
+            let pod = live_pod(&client, &n).await?;
+            let cid = container_id(&pod).unwrap_or_default();
+            let agents = tokio::task::spawn_blocking(move || {
+                let mut a = KwokAgents::start("chaos", MIG_NODES)?;
+                let pid = a.fresh_workload(LIVE_BALLAST_MIB);
+                a.tb.register_container(&cid, pid);
+                anyhow::Ok(a)
+            })
+            .await??;
+            let live = Live {
+                agents: Arc::new(Mutex::new(agents)),
+                watching: Arc::new(AtomicBool::new(true)),
+            };
+            let (marker, watching, stop, t) = (
+                live.agents.lock().unwrap().marker(),
+                live.watching.clone(),
+                stop_live_sampler.clone(),
+                tally.clone(),
+            );
+            live_sampler_thread = Some(std::thread::spawn(move || {
+                live_sampler(marker, watching, stop, t)
+            }));
+            Some(live)
+        } else {
+            None
+        };
         let mig_uids: BTreeSet<String> = mig_pods.iter().filter_map(|p| p.uid()).collect();
         let mig_names: Vec<String> = mig_pods.iter().map(|p| p.name_any()).collect();
 
@@ -1376,6 +1890,10 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
             bin,
             names: n.clone(),
             kubeconfig,
+            agent_args: live
+                .as_ref()
+                .map(|l| l.agents.lock().unwrap().operator_args())
+                .unwrap_or_default(),
             slots: Vec::new(),
             generation: 0,
         };
@@ -1431,10 +1949,24 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
             client.clone(),
             n.clone(),
             mig_names,
+            live.is_some(),
             tally.clone(),
             o.seed,
             phase_rx.clone(),
         ));
+        let live_task = live.as_ref().map(|l| {
+            tokio::spawn(live_migrations(
+                client.clone(),
+                n.clone(),
+                Live {
+                    agents: l.agents.clone(),
+                    watching: l.watching.clone(),
+                },
+                tally.clone(),
+                o.seed,
+                phase_rx.clone(),
+            ))
+        });
         let mut restarted = !o.api_restart;
         while chaos_t0.elapsed() < o.duration {
             if !restarted && chaos_t0.elapsed() >= o.duration / 2 {
@@ -1456,10 +1988,21 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
         let _ = phase_tx.send(Phase::Settle);
         proxy.share_per_mille.store(0, Ordering::Relaxed);
         let faults_secs = chaos_t0.elapsed();
-        let _ = churn_task.await;
         let last_fault = Instant::now();
-        let conv = await_convergence(&client, &n, &ids(), &tally, "after the last fault").await;
+        let _ = churn_task.await;
+        // The live migration in flight ends (it must, within CONVERGENCE) while the
+        // rest settles.
+        let replicas_now = ids();
+        let (conv, _) = tokio::join!(
+            await_convergence(&client, &n, &replicas_now, &tally, "after the last fault"),
+            async {
+                if let Some(t) = live_task {
+                    let _ = t.await;
+                }
+            }
+        );
         let conv = conv.map(|_| last_fault.elapsed());
+        stop_live_sampler.store(true, Ordering::Relaxed);
         // A last sampled round after convergence.
         tokio::time::sleep(SAMPLE_EVERY).await;
         teardown(&client, &n, &tally, true).await;
@@ -1470,6 +2013,10 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
     }
     .await;
     let _ = phase_tx.send(Phase::Stop);
+    stop_live_sampler.store(true, Ordering::Relaxed);
+    if let Some(t) = live_sampler_thread {
+        let _ = t.join();
+    }
     let (proxy, baseline, conv, faults_secs) = match res {
         Ok(v) => v,
         Err(e) => {
@@ -1549,6 +2096,40 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
             .filter(|c| c.starts_with("transfer-key"))
             .count()
     );
+    for (what, c) in &t.live_outcomes {
+        println!("{:<44} {:>8}", format!("live migration: {what}"), c);
+    }
+    for (at, c) in &t.live_deleted_in {
+        println!(
+            "{:<44} {:>8}",
+            format!("live migration deleted in phase {at}"),
+            c
+        );
+    }
+    if o.live {
+        println!(
+            "{:<44} {:>8}",
+            "live: client connection kept / reopened",
+            format!("{} / {}", t.live_conn_kept, t.live_conn_reopened)
+        );
+        println!(
+            "{:<44} {:>8}",
+            "live: process samples (one copy, ≤1 running)", t.live_process_samples
+        );
+        println!(
+            "{:<44} {:>8}",
+            "live: per-round checks (copy, counter, images)", t.live_round_checks
+        );
+        println!(
+            "{:<44} {:>8}",
+            "live: last migration ended after last fault (s)",
+            t.live_settle_secs
+                .map(|s| format!("{s:.1}"))
+                .unwrap_or_else(|| "-".into())
+        );
+    } else {
+        println!("live migrations: skipped (--no-live-migrations or PODMOTION_ROOT_TESTS=0)");
+    }
     println!(
         "{:<44} {:>8}",
         "churn writes failed (API server away)", t.driver_errors
@@ -1558,7 +2139,11 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
         "sampled rounds (skipped: API away)",
         format!("{} ({})", t.sample_rounds, t.sample_rounds_skipped)
     );
-    println!("{:<44} {:>8}", "invariant checks", t.checks);
+    println!(
+        "{:<44} {:>8}",
+        "invariant checks",
+        t.checks + t.live_process_samples + t.live_round_checks
+    );
     println!("{:<44} {:>8}", "violations (distinct)", t.violations.len());
     println!(
         "{:<44} {:>8}",
