@@ -325,6 +325,11 @@ impl Testbed {
             }
             Some(l) => (Command::new(&self.agent_bin), l.to_string()),
         };
+        // Two agents may share a network namespace (both on loopback): the metrics
+        // port is the kernel's choice unless the test names one.
+        if !self.agent_args.iter().any(|a| a.starts_with("--metrics-listen")) {
+            cmd.args(["--metrics-listen", "127.0.0.1:0"]);
+        }
         let child = cmd
             .args(["--listen", &listen])
             .arg("--container-table")
