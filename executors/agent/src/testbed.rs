@@ -327,7 +327,11 @@ impl Testbed {
         };
         // Two agents may share a network namespace (both on loopback): the metrics
         // port is the kernel's choice unless the test names one.
-        if !self.agent_args.iter().any(|a| a.starts_with("--metrics-listen")) {
+        if !self
+            .agent_args
+            .iter()
+            .any(|a| a.starts_with("--metrics-listen"))
+        {
             cmd.args(["--metrics-listen", "127.0.0.1:0"]);
         }
         let child = cmd
