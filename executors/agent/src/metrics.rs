@@ -117,22 +117,6 @@ const RPCS: [&str; 10] = [
     "Status",
 ];
 
-/// The broker ops the agent asks for through `broker_call` (`Request::name`).
-const BROKER_OPS: [&str; 12] = [
-    "register",
-    "bind_netns",
-    "unbind_netns",
-    "netns_addrs",
-    "lock_network",
-    "unlock_network",
-    "hand_off_sockets",
-    "release_tcp_repair",
-    "move_cgroup",
-    "resume",
-    "kill",
-    "forget",
-];
-
 const PHASES: [Phase; 11] = [
     Phase::Unknown,
     Phase::Prepared,
@@ -304,7 +288,7 @@ impl AgentMetrics {
                 let _ = finished.get_or_create(&OutcomeLabels { role, outcome });
             }
         }
-        for op in BROKER_OPS {
+        for &op in podmotion_wire::broker::OPS {
             let _ = broker_ops.get_or_create(&BrokerLabels {
                 op,
                 result: "ok".into(),

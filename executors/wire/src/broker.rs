@@ -238,6 +238,23 @@ pub fn check_len(prefix: [u8; 4]) -> Result<usize, BrokerError> {
     Ok(len)
 }
 
+/// Every op the broker answers, by its wire name (`"op"`): the decoder refuses any
+/// other, and the agent's metrics count each of them from zero.
+pub const OPS: &[&str] = &[
+    "register",
+    "bind_netns",
+    "unbind_netns",
+    "netns_addrs",
+    "lock_network",
+    "unlock_network",
+    "hand_off_sockets",
+    "release_tcp_repair",
+    "move_cgroup",
+    "resume",
+    "kill",
+    "forget",
+];
+
 /// Decodes and syntactically validates one request body (without the length prefix).
 /// Semantic checks that need the kernel (pid liveness, start time, ownership) are the
 /// broker's; everything decidable from the bytes alone is done here.
@@ -257,20 +274,6 @@ pub fn decode_request(body: &[u8]) -> Result<Request, BrokerError> {
         .get("op")
         .and_then(|o| o.as_str())
         .ok_or_else(|| BrokerError::new(ErrorKind::Malformed, "missing op"))?;
-    const OPS: &[&str] = &[
-        "register",
-        "bind_netns",
-        "unbind_netns",
-        "netns_addrs",
-        "lock_network",
-        "unlock_network",
-        "hand_off_sockets",
-        "release_tcp_repair",
-        "move_cgroup",
-        "resume",
-        "kill",
-        "forget",
-    ];
     if !OPS.contains(&op) {
         return Err(BrokerError::new(
             ErrorKind::UnknownOp,
