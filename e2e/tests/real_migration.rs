@@ -771,8 +771,10 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let moved_counter = counter(&svc_addr);
+    // Stop the reader first: a value it read after the new connection's would be later
+    // in time, not a second copy (CI once saw 1225 on the new connection, then 1226).
     let (values, ends) = reader.finish();
+    let moved_counter = counter(&svc_addr);
     assert!(
         reads_after,
         "the reader read nothing after the move: {ends:?}"
