@@ -48,6 +48,9 @@ pub struct Config {
     pub same_netns_peers: bool,
 }
 
+/// The registrations, by migration UID.
+type Entries = HashMap<MigrationUid, Entry>;
+
 #[derive(Debug)]
 struct Entry {
     role: BrokerRole,
@@ -78,7 +81,7 @@ struct Lock {
 pub struct Broker<K: Kernel = RealKernel> {
     cfg: Config,
     kernel: K,
-    entries: Mutex<HashMap<MigrationUid, Entry>>,
+    entries: Mutex<Entries>,
     next_conn: AtomicU64,
 }
 
@@ -337,7 +340,7 @@ impl<K: Kernel> Broker<K> {
 
     fn entry<'a>(
         &self,
-        m: &'a mut HashMap<MigrationUid, Entry>,
+        m: &'a mut Entries,
         uid: &MigrationUid,
         conn: u64,
         role: Option<BrokerRole>,
@@ -366,239 +369,318 @@ impl<K: Kernel> Broker<K> {
     /// Executes one validated request for connection `conn`.
     pub fn handle(&self, conn: u64, req: Request) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
         let mut m = self.entries.lock().expect("broker state");
-        match req {
-            Request::Register { uid, role, process } => {
-                self.kernel.check_live(process)?;
-                if let Some(e) = m.get(&uid) {
-                    if e.process == process && e.role == role && e.conn == conn {
-                        return Ok((
-                            Reply::Registered {
-                                cgroup: e.cgroup.clone(),
-                            },
-                            vec![],
-                        ));
-                    }
-                    return Err(err(
-                        ErrorKind::AlreadyRegistered,
-                        format!("{uid} is already registered"),
-                    ));
-                }
-                if m.values().any(|e| e.process.pid == process.pid) {
-                    return Err(err(
-                        ErrorKind::AlreadyRegistered,
-                        "process belongs to another migration",
-                    ));
-                }
-                let cgroup = self.kernel.cgroup_of(process.pid)?;
-                let root = &self.cfg.pods_cgroup_root;
-                let inside = under_pods_root(&cgroup, root);
-                let mine = self.kernel.cgroup_of(self.kernel.self_pid()).ok();
-                if !inside || mine.as_deref() == Some(cgroup.as_str()) {
-                    return Err(err(
-                        ErrorKind::ForeignProcess,
-                        format!("pid {} is not in a pod cgroup under {root}", process.pid),
-                    ));
-                }
-                // A hostNetwork pod shares the node's network namespace: locking it would
-                // take the node's own links down, binding it would hand out the node's.
-                if self.kernel.netns_inode(process.pid)? == self.kernel.node_netns() {
-                    return Err(err(
-                        ErrorKind::ForeignProcess,
-                        format!(
-                            "pid {} shares the node's network namespace (a hostNetwork pod): never locked, bound or migrated",
-                            process.pid
-                        ),
-                    ));
-                }
-                m.insert(
-                    uid,
-                    Entry {
-                        role,
-                        process,
-                        cgroup: cgroup.clone(),
-                        conn,
-                        netns_bound: false,
-                        locked: None,
-                        killed: false,
-                    },
-                );
-                Ok((Reply::Registered { cgroup }, vec![]))
+        let m = &mut *m;
+        // Every op but the socket hand-off answers without descriptors.
+        let reply = match req {
+            Request::Register { uid, role, process } => self.register(m, conn, uid, role, process),
+            Request::BindNetns { uid } => self.bind_netns(m, conn, &uid),
+            Request::UnbindNetns { uid } => self.unbind_netns(m, conn, &uid),
+            Request::NetnsAddrs { uid } => self.netns_addrs(m, conn, &uid),
+            Request::LockNetwork { uid } => self.lock_network(m, conn, &uid),
+            Request::UnlockNetwork { uid } => self.unlock_network(m, conn, &uid),
+            Request::HandOffSockets { uid } => return self.hand_off_sockets(m, conn, &uid),
+            Request::ReleaseTcpRepair { uid } => self.release_tcp_repair(m, conn, &uid),
+            Request::MoveCgroup { uid, process } => self.move_cgroup(m, conn, &uid, process),
+            Request::Resume { uid } => self.resume(m, conn, &uid),
+            Request::Kill { uid } => self.kill(m, conn, &uid),
+            Request::Forget { uid } => self.forget(m, conn, &uid),
+        }?;
+        Ok((reply, Vec::new()))
+    }
+
+    /// Pins `process` to `uid` for this connection. Registering the same thing again
+    /// on the same connection is a no-op; anything else already registered is refused.
+    fn register(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: MigrationUid,
+        role: BrokerRole,
+        process: ProcRef,
+    ) -> Result<Reply, BrokerError> {
+        self.kernel.check_live(process)?;
+        if let Some(e) = m.get(&uid) {
+            if e.process == process && e.role == role && e.conn == conn {
+                return Ok(Reply::Registered {
+                    cgroup: e.cgroup.clone(),
+                });
             }
-            Request::BindNetns { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
-                let path = self.netns_path(&uid);
-                if !e.netns_bound {
-                    self.kernel.bind_netns(e.process.pid, &path)?;
-                    e.netns_bound = true;
-                }
-                Ok((
-                    Reply::NetnsPath {
-                        path: path.to_string_lossy().into_owned(),
-                    },
-                    vec![],
-                ))
-            }
-            Request::UnbindNetns { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
-                if e.netns_bound {
-                    self.unbind(&uid)?;
-                    e.netns_bound = false;
-                }
-                Ok((Reply::Done, vec![]))
-            }
-            Request::NetnsAddrs { uid } => {
-                let e = self.entry(&mut m, &uid, conn, None)?;
-                let addrs = self
-                    .kernel
-                    .in_netns(e.process.pid, |ip| {
-                        let out = ip.ip(&["-o", "addr", "show"])?;
-                        Ok(out
-                            .lines()
-                            .filter_map(|l| {
-                                let mut it = l
-                                    .split_whitespace()
-                                    .skip_while(|w| *w != "inet" && *w != "inet6");
-                                it.next()?;
-                                Some(it.next()?.split('/').next()?.to_owned())
-                            })
-                            .collect::<Vec<_>>())
+            return Err(err(
+                ErrorKind::AlreadyRegistered,
+                format!("{uid} is already registered"),
+            ));
+        }
+        if m.values().any(|e| e.process.pid == process.pid) {
+            return Err(err(
+                ErrorKind::AlreadyRegistered,
+                "process belongs to another migration",
+            ));
+        }
+        let cgroup = self.pod_cgroup_of(process.pid)?;
+        m.insert(
+            uid,
+            Entry {
+                role,
+                process,
+                cgroup: cgroup.clone(),
+                conn,
+                netns_bound: false,
+                locked: None,
+                killed: false,
+            },
+        );
+        Ok(Reply::Registered { cgroup })
+    }
+
+    /// The cgroup of a process the broker may act on: in a pod's cgroup (never the
+    /// broker's own) and not in the node's network namespace.
+    fn pod_cgroup_of(&self, pid: i32) -> Result<String, BrokerError> {
+        let cgroup = self.kernel.cgroup_of(pid)?;
+        let root = &self.cfg.pods_cgroup_root;
+        let inside = under_pods_root(&cgroup, root);
+        let mine = self.kernel.cgroup_of(self.kernel.self_pid()).ok();
+        if !inside || mine.as_deref() == Some(cgroup.as_str()) {
+            return Err(err(
+                ErrorKind::ForeignProcess,
+                format!("pid {pid} is not in a pod cgroup under {root}"),
+            ));
+        }
+        // A hostNetwork pod shares the node's network namespace: locking it would
+        // take the node's own links down, binding it would hand out the node's.
+        if self.kernel.netns_inode(pid)? == self.kernel.node_netns() {
+            return Err(err(
+                ErrorKind::ForeignProcess,
+                format!(
+                    "pid {pid} shares the node's network namespace (a hostNetwork pod): never locked, bound or migrated"
+                ),
+            ));
+        }
+        Ok(cgroup)
+    }
+
+    fn bind_netns(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+        let path = self.netns_path(uid);
+        if !e.netns_bound {
+            self.kernel.bind_netns(e.process.pid, &path)?;
+            e.netns_bound = true;
+        }
+        Ok(Reply::NetnsPath {
+            path: path.to_string_lossy().into_owned(),
+        })
+    }
+
+    fn unbind_netns(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+        if e.netns_bound {
+            self.unbind(uid)?;
+            e.netns_bound = false;
+        }
+        Ok(Reply::Done)
+    }
+
+    /// The addresses (without prefix length) of the registered process's namespace.
+    fn netns_addrs(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, None)?;
+        let addrs = self
+            .kernel
+            .in_netns(e.process.pid, |ip| {
+                let out = ip.ip(&["-o", "addr", "show"])?;
+                Ok(out
+                    .lines()
+                    .filter_map(|l| {
+                        let mut it = l
+                            .split_whitespace()
+                            .skip_while(|w| *w != "inet" && *w != "inet6");
+                        it.next()?;
+                        Some(it.next()?.split('/').next()?.to_owned())
                     })
-                    .map_err(kerr)?;
-                Ok((Reply::Addrs { addrs }, vec![]))
-            }
-            Request::LockNetwork { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                if e.locked.is_none() {
-                    let l = lock(&self.kernel, e.process.pid)?;
-                    if let Err(j) = self.journal_write(&uid, e.process, &l) {
-                        // Never report a lock that a broker restart could not undo. If
-                        // the undo fails too, the lock stays known in memory, so that
-                        // unlock, forget or the lease rollback retry it.
-                        if unlock(&self.kernel, e.process.pid, &l).is_err() {
-                            e.locked = Some(l);
-                        }
-                        return Err(j);
-                    }
+                    .collect::<Vec<_>>())
+            })
+            .map_err(kerr)?;
+        Ok(Reply::Addrs { addrs })
+    }
+
+    fn lock_network(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        if e.locked.is_none() {
+            let l = lock(&self.kernel, e.process.pid)?;
+            if let Err(j) = self.journal_write(uid, e.process, &l) {
+                // Never report a lock that a broker restart could not undo. If
+                // the undo fails too, the lock stays known in memory, so that
+                // unlock, forget or the lease rollback retry it.
+                if unlock(&self.kernel, e.process.pid, &l).is_err() {
                     e.locked = Some(l);
-                } else if let Some(l) = &e.locked {
-                    // Already locked (perhaps by a lock whose journal write and undo both
-                    // failed): done only once the journal holds it.
-                    self.journal_write(&uid, e.process, l)?;
                 }
-                Ok((Reply::Done, vec![]))
+                return Err(j);
             }
-            Request::UnlockNetwork { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                // The saved lock is dropped only once it is restored: after a failed
-                // unlock, a retry, `forget` or the lease rollback still knows what to undo.
-                if let Some(l) = &e.locked {
-                    unlock(&self.kernel, e.process.pid, l)?;
-                    e.locked = None;
+            e.locked = Some(l);
+        } else if let Some(l) = &e.locked {
+            // Already locked (perhaps by a lock whose journal write and undo both
+            // failed): done only once the journal holds it.
+            self.journal_write(uid, e.process, l)?;
+        }
+        Ok(Reply::Done)
+    }
+
+    fn unlock_network(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        // The saved lock is dropped only once it is restored: after a failed
+        // unlock, a retry, `forget` or the lease rollback still knows what to undo.
+        if let Some(l) = &e.locked {
+            unlock(&self.kernel, e.process.pid, l)?;
+            e.locked = None;
+        }
+        self.journal_remove(uid);
+        Ok(Reply::Done)
+    }
+
+    /// The only op that answers with descriptors: one per TCP socket of the source's
+    /// process tree.
+    fn hand_off_sockets(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        // Inventory first (one descriptor per socket, whichever process of the
+        // tree holds it), then refuse a set larger than one hand-off rather than
+        // hand over part of it: a socket left behind would be lost silently.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut found = Vec::new();
+        for pid in self.kernel.tree(e.process.pid) {
+            for (fd, ino) in self.kernel.tcp_fds(pid) {
+                if seen.insert(ino) {
+                    found.push((pid, fd));
                 }
-                self.journal_remove(&uid);
-                Ok((Reply::Done, vec![]))
-            }
-            Request::HandOffSockets { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                // Inventory first (one descriptor per socket, whichever process of the
-                // tree holds it), then refuse a set larger than one hand-off rather than
-                // hand over part of it: a socket left behind would be lost silently.
-                let mut seen = std::collections::BTreeSet::new();
-                let mut found = Vec::new();
-                for pid in self.kernel.tree(e.process.pid) {
-                    for (fd, ino) in self.kernel.tcp_fds(pid) {
-                        if seen.insert(ino) {
-                            found.push((pid, fd));
-                        }
-                    }
-                }
-                if found.len() > MAX_FDS {
-                    return Err(err(
-                        ErrorKind::TooManySockets,
-                        format!(
-                            "the source holds {} TCP sockets; at most {MAX_FDS} can be handed off",
-                            found.len()
-                        ),
-                    ));
-                }
-                let fds = found
-                    .into_iter()
-                    .map(|(pid, fd)| self.kernel.steal_fd(pid, fd).map_err(kerr))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let total = fds.len() as u32;
-                let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
-                Ok((Reply::Sockets { total, chunks }, fds))
-            }
-            Request::ReleaseTcpRepair { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                release_repair(&self.kernel, e.process.pid)?;
-                Ok((Reply::Done, vec![]))
-            }
-            Request::MoveCgroup { uid, process } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Target))?;
-                self.kernel.check_live(process)?;
-                if process.pid == e.process.pid
-                    || self.kernel.netns_inode(process.pid)?
-                        != self.kernel.netns_inode(e.process.pid)?
-                {
-                    return Err(err(
-                        ErrorKind::ForeignProcess,
-                        format!(
-                            "pid {} is not a restored tree in the target pod's network namespace",
-                            process.pid
-                        ),
-                    ));
-                }
-                let tree = self.kernel.tree(process.pid);
-                self.kernel
-                    .move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
-                Ok((
-                    Reply::Moved {
-                        pids: tree.len() as u32,
-                    },
-                    vec![],
-                ))
-            }
-            Request::Resume { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                signal_tree(&self.kernel, e.process.pid, Signal::SIGCONT)?;
-                Ok((Reply::Done, vec![]))
-            }
-            Request::Kill { uid } => {
-                let e = self.entry(&mut m, &uid, conn, Some(BrokerRole::Source))?;
-                signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
-                e.killed = true;
-                self.journal_remove(&uid);
-                Ok((Reply::Done, vec![]))
-            }
-            Request::Forget { uid } => {
-                match m.get(&uid) {
-                    None => return Ok((Reply::Done, vec![])),
-                    Some(e) if e.conn != conn => {
-                        return Err(err(
-                            ErrorKind::Busy,
-                            format!("{uid} is held by another connection"),
-                        ));
-                    }
-                    Some(_) => {}
-                }
-                // The registration goes only once its mount and lock are undone: a
-                // failed forget keeps the lease, so a retry or the rollback still can.
-                let e = m.get_mut(&uid).expect("checked");
-                if e.netns_bound {
-                    self.unbind(&uid)?;
-                    e.netns_bound = false;
-                }
-                if let (Some(l), false) = (&e.locked, e.killed)
-                    && self.kernel.check_live(e.process).is_ok()
-                {
-                    unlock(&self.kernel, e.process.pid, l)?;
-                }
-                m.remove(&uid);
-                self.journal_remove(&uid);
-                Ok((Reply::Done, vec![]))
             }
         }
+        if found.len() > MAX_FDS {
+            return Err(err(
+                ErrorKind::TooManySockets,
+                format!(
+                    "the source holds {} TCP sockets; at most {MAX_FDS} can be handed off",
+                    found.len()
+                ),
+            ));
+        }
+        let fds = found
+            .into_iter()
+            .map(|(pid, fd)| self.kernel.steal_fd(pid, fd).map_err(kerr))
+            .collect::<Result<Vec<_>, _>>()?;
+        let total = fds.len() as u32;
+        let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
+        Ok((Reply::Sockets { total, chunks }, fds))
+    }
+
+    fn release_tcp_repair(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        release_repair(&self.kernel, e.process.pid)?;
+        Ok(Reply::Done)
+    }
+
+    /// Moves a restored tree into the cgroups of the target pod's registered process;
+    /// only a tree in that pod's network namespace, never the registered process itself.
+    fn move_cgroup(
+        &self,
+        m: &mut Entries,
+        conn: u64,
+        uid: &MigrationUid,
+        process: ProcRef,
+    ) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+        self.kernel.check_live(process)?;
+        if process.pid == e.process.pid
+            || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(e.process.pid)?
+        {
+            return Err(err(
+                ErrorKind::ForeignProcess,
+                format!(
+                    "pid {} is not a restored tree in the target pod's network namespace",
+                    process.pid
+                ),
+            ));
+        }
+        let tree = self.kernel.tree(process.pid);
+        self.kernel
+            .move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
+        Ok(Reply::Moved {
+            pids: tree.len() as u32,
+        })
+    }
+
+    fn resume(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        signal_tree(&self.kernel, e.process.pid, Signal::SIGCONT)?;
+        Ok(Reply::Done)
+    }
+
+    fn kill(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
+        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+        signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
+        e.killed = true;
+        self.journal_remove(uid);
+        Ok(Reply::Done)
+    }
+
+    /// Ends a registration (a no-op if there is none) once its mount and lock are undone.
+    fn forget(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
+        match m.get(uid) {
+            None => return Ok(Reply::Done),
+            Some(e) if e.conn != conn => {
+                return Err(err(
+                    ErrorKind::Busy,
+                    format!("{uid} is held by another connection"),
+                ));
+            }
+            Some(_) => {}
+        }
+        // The registration goes only once its mount and lock are undone: a
+        // failed forget keeps the lease, so a retry or the rollback still can.
+        let e = m.get_mut(uid).expect("checked");
+        if e.netns_bound {
+            self.unbind(uid)?;
+            e.netns_bound = false;
+        }
+        if let (Some(l), false) = (&e.locked, e.killed)
+            && self.kernel.check_live(e.process).is_ok()
+        {
+            unlock(&self.kernel, e.process.pid, l)?;
+        }
+        m.remove(uid);
+        self.journal_remove(uid);
+        Ok(Reply::Done)
     }
 
     fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
