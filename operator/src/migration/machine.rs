@@ -375,35 +375,7 @@ impl<'a> Machine<'a> {
                 reasons::COMMITTING,
                 "target passed the application probe; giving up the source".to_string(),
             ),
-            MigrationPhase::Succeeded => {
-                if self.o.knobs.dry_run {
-                    (
-                        EventKind::Normal,
-                        reasons::DRY_RUN_PASSED,
-                        "dry run: every check passed; nothing was frozen".to_string(),
-                    )
-                } else {
-                    let unconfirmed = self
-                        .status
-                        .failure_message
-                        .as_deref()
-                        .filter(|m| m.contains(KILL_UNCONFIRMED));
-                    (
-                        if unconfirmed.is_some() {
-                            EventKind::Warning
-                        } else {
-                            EventKind::Normal
-                        },
-                        reasons::SUCCEEDED,
-                        format!(
-                            "pod runs on {} (downtime {}){}",
-                            self.status.target_node.as_deref().unwrap_or("?"),
-                            self.status.downtime.as_deref().unwrap_or("unknown"),
-                            unconfirmed.map(|m| format!("; {m}")).unwrap_or_default()
-                        ),
-                    )
-                }
-            }
+            MigrationPhase::Succeeded => self.succeeded_entry(),
             MigrationPhase::Failed | MigrationPhase::Aborted => (
                 EventKind::Warning,
                 self.status
@@ -411,17 +383,7 @@ impl<'a> Machine<'a> {
                     .as_deref()
                     .map_or(Reason::RolledBack, Reason::from_status)
                     .as_str(),
-                {
-                    let m = self.status.failure_message.as_deref().unwrap_or("stopped");
-                    // Never "resumed" unless an agent that knew the migration said so.
-                    if m.contains(SOURCE_STATE_UNKNOWN) {
-                        format!("{m}; whether the source pod runs again could not be confirmed")
-                    } else if self.committed() {
-                        format!("{m}; the source was given up at commit, not resumed")
-                    } else {
-                        format!("{m}; the source pod was resumed")
-                    }
-                },
+                self.stopped_message(),
             ),
         };
         // The end of a rollback is its own Event: with the failure's action it would
@@ -437,6 +399,51 @@ impl<'a> Machine<'a> {
             reason: reason.into(),
             action,
             message,
+        }
+    }
+
+    /// Kind, reason and message of entering `Succeeded`: a dry run's pass, or where the
+    /// pod runs now — a Warning when the source's kill was not confirmed.
+    fn succeeded_entry(&self) -> (EventKind, &'static str, String) {
+        if self.o.knobs.dry_run {
+            return (
+                EventKind::Normal,
+                reasons::DRY_RUN_PASSED,
+                "dry run: every check passed; nothing was frozen".to_string(),
+            );
+        }
+        let unconfirmed = self
+            .status
+            .failure_message
+            .as_deref()
+            .filter(|m| m.contains(KILL_UNCONFIRMED));
+        (
+            if unconfirmed.is_some() {
+                EventKind::Warning
+            } else {
+                EventKind::Normal
+            },
+            reasons::SUCCEEDED,
+            format!(
+                "pod runs on {} (downtime {}){}",
+                self.status.target_node.as_deref().unwrap_or("?"),
+                self.status.downtime.as_deref().unwrap_or("unknown"),
+                unconfirmed.map(|m| format!("; {m}")).unwrap_or_default()
+            ),
+        )
+    }
+
+    /// The message of entering `Failed` or `Aborted`: the failure and what became of
+    /// the source.
+    fn stopped_message(&self) -> String {
+        let m = self.status.failure_message.as_deref().unwrap_or("stopped");
+        // Never "resumed" unless an agent that knew the migration said so.
+        if m.contains(SOURCE_STATE_UNKNOWN) {
+            format!("{m}; whether the source pod runs again could not be confirmed")
+        } else if self.committed() {
+            format!("{m}; the source was given up at commit, not resumed")
+        } else {
+            format!("{m}; the source pod was resumed")
         }
     }
 
