@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Container, Node, NodeSelector, NodeSelectorRequirement, PersistentVolume,
-    PersistentVolumeClaim, Pod, Taint, Toleration, Volume,
+    PersistentVolumeClaim, Pod, PodSpec, Taint, Toleration, Volume,
 };
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::PodMigrationSpec;
 use podmotion_api::names::{annotations, reasons};
@@ -204,6 +205,76 @@ fn volume_kind(v: &Volume) -> VolumeKind {
     Follows
 }
 
+/// The pod's controlling owner, if any.
+fn controller_owner(meta: &ObjectMeta) -> Option<OwnerFacts> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| OwnerFacts {
+            kind: o.kind.clone(),
+            name: o.name.clone(),
+            uid: o.uid.clone(),
+        })
+}
+
+/// A static pod: the kubelet's mirror annotation, or owned by a Node.
+fn is_static_pod(meta: &ObjectMeta) -> bool {
+    meta.annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(annotations::CONFIG_MIRROR))
+        || meta
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "Node")
+}
+
+fn required_node_affinity(spec: &PodSpec) -> Option<NodeSelector> {
+    spec.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .clone()
+        })
+}
+
+/// The host namespaces the pod shares, by field name.
+fn host_namespaces(spec: &PodSpec) -> Vec<&'static str> {
+    [
+        (spec.host_network, "hostNetwork"),
+        (spec.host_pid, "hostPID"),
+        (spec.host_ipc, "hostIPC"),
+    ]
+    .into_iter()
+    .filter(|(on, _)| *on == Some(true))
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// (container, resource) for each resource a container requests or limits that does
+/// not move with the pod (devices and the like), each once per container.
+fn extended_resources<'c>(
+    containers: impl Iterator<Item = &'c Container>,
+) -> Vec<(String, String)> {
+    containers
+        .flat_map(|c| {
+            let r = c.resources.clone().unwrap_or_default();
+            let mut names: Vec<String> = r
+                .requests
+                .into_iter()
+                .chain(r.limits)
+                .flat_map(|m| m.into_keys())
+                .filter(|n| !movable_resource(n))
+                .collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| (c.name.clone(), n))
+        })
+        .collect()
+}
+
 impl PodFacts {
     /// The pod's facts; its claims' facts are added by [`PodFacts::with_claims`].
     pub fn from_pod(pod: &Pod) -> PodFacts {
@@ -211,75 +282,25 @@ impl PodFacts {
         let spec = pod.spec.clone().unwrap_or_default();
         let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
         let volumes: &[Volume] = spec.volumes.as_deref().unwrap_or_default();
-        let owner = meta
-            .owner_references
-            .iter()
-            .flatten()
-            .find(|o| o.controller == Some(true))
-            .map(|o| OwnerFacts {
-                kind: o.kind.clone(),
-                name: o.name.clone(),
-                uid: o.uid.clone(),
-            });
         PodFacts {
             name: meta.name.clone().unwrap_or_default(),
             uid: meta.uid.clone().unwrap_or_default(),
             node: spec.node_name.clone(),
             running: pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"),
             terminating: meta.deletion_timestamp.is_some(),
-            owner,
+            owner: controller_owner(meta),
             requests: pod_requests(pod),
             node_selector: spec.node_selector.clone().unwrap_or_default(),
             tolerations: spec.tolerations.clone().unwrap_or_default(),
-            required_node_affinity: spec
-                .affinity
-                .as_ref()
-                .and_then(|a| a.node_affinity.as_ref())
-                .and_then(|n| {
-                    n.required_during_scheduling_ignored_during_execution
-                        .clone()
-                }),
+            required_node_affinity: required_node_affinity(&spec),
             namespace: meta.namespace.clone().unwrap_or_default(),
-            static_pod: meta
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(annotations::CONFIG_MIRROR))
-                || meta
-                    .owner_references
-                    .iter()
-                    .flatten()
-                    .any(|o| o.kind == "Node"),
-            host_namespaces: [
-                (spec.host_network, "hostNetwork"),
-                (spec.host_pid, "hostPID"),
-                (spec.host_ipc, "hostIPC"),
-            ]
-            .into_iter()
-            .filter(|(on, _)| *on == Some(true))
-            .map(|(_, name)| name)
-            .collect(),
+            static_pod: is_static_pod(meta),
+            host_namespaces: host_namespaces(&spec),
             containers: running_containers(&spec.containers, init)
                 .map(|c| c.name.clone())
                 .collect(),
             adopted: init.iter().any(|c| c.name == HOLDER_INSTALLER),
-            extended_resources: spec
-                .containers
-                .iter()
-                .chain(init)
-                .flat_map(|c| {
-                    let r = c.resources.clone().unwrap_or_default();
-                    let mut names: Vec<String> = r
-                        .requests
-                        .into_iter()
-                        .chain(r.limits)
-                        .flat_map(|m| m.into_keys())
-                        .filter(|n| !movable_resource(n))
-                        .collect();
-                    names.sort();
-                    names.dedup();
-                    names.into_iter().map(|n| (c.name.clone(), n))
-                })
-                .collect(),
+            extended_resources: extended_resources(spec.containers.iter().chain(init)),
             local_volumes: volumes
                 .iter()
                 .filter(|v| v.name != HOLDER_INSTALLER)
@@ -464,6 +485,14 @@ fn adoptable_owner(kind: &str) -> bool {
     kind == "ReplicaSet"
 }
 
+/// Why a pod cannot be migrated now: an Event/condition reason and a message.
+pub type Refusal = (&'static str, String);
+
+/// A check that found nothing to refuse passes.
+fn unless(refusal: Option<Refusal>) -> Result<(), Refusal> {
+    refusal.map_or(Ok(()), Err)
+}
+
 /// The pre-flight verdict: every check, then the target.
 pub fn preflight(
     spec: &PodMigrationSpec,
@@ -472,92 +501,35 @@ pub fn preflight(
     nodes: &[NodeFacts],
     others: &[OtherMigration],
 ) -> Preflight {
-    let no = |reason: &'static str, message: String| Preflight::NotMigratable { reason, message };
-    let Some(pod) = pod else {
-        return no(
+    match plan(spec, me, pod, nodes, others) {
+        Ok(plan) => Preflight::Migratable(plan),
+        Err((reason, message)) => Preflight::NotMigratable { reason, message },
+    }
+}
+
+/// The checks in the order their refusals take precedence, then the target.
+fn plan(
+    spec: &PodMigrationSpec,
+    me: &Me,
+    pod: Option<&PodFacts>,
+    nodes: &[NodeFacts],
+    others: &[OtherMigration],
+) -> Result<Plan, Refusal> {
+    let pod = pod.ok_or_else(|| {
+        (
             reasons::SOURCE_POD_NOT_FOUND,
             format!("pod {} does not exist", spec.pod_name),
-        );
-    };
-    if let Some(uid) = &spec.pod_uid
-        && *uid != pod.uid
-    {
-        return no(
-            reasons::POD_UID_MISMATCH,
-            format!("pod {} has UID {}, not the pinned {uid}", pod.name, pod.uid),
-        );
-    }
-    if !pod.running || pod.terminating {
-        return no(
-            reasons::SOURCE_POD_NOT_RUNNING,
-            format!("pod {} is not Running", pod.name),
-        );
-    }
-    let Some(source) = pod.node.clone() else {
-        return no(
-            reasons::SOURCE_POD_NOT_RUNNING,
-            format!("pod {} is not bound to a node", pod.name),
-        );
-    };
-    if let Some((reason, message)) = protected_or_static(me, pod) {
-        return no(reason, message);
-    }
-    // The probe is checked before anything is frozen: an exec probe that cannot run
-    // would roll every migration back after its freeze.
-    let exec_probe = match &spec.probe {
-        Some(p) => p.exec.is_some().then_some("spec.probe"),
-        None => pod
-            .readiness_exec_probe
-            .then_some("the pod's readiness probe (the check used when spec.probe is unset)"),
-    };
-    if let Some(what) = exec_probe
-        && !me.exec_probes
-    {
-        return no(EXEC_PROBE_DISABLED, exec_probes_disabled_message(what));
-    }
-    if let Some(owner) = &pod.owner
-        && !adoptable_owner(&owner.kind)
-    {
-        return no(
-            reasons::UNSUPPORTED_OWNER,
-            format!(
-                "pod {} is controlled by {} {}; only ReplicaSet (Deployment) pods and bare pods can move",
-                pod.name, owner.kind, owner.name
-            ),
-        );
-    }
-    if let Some((reason, message)) = cannot_move(spec, pod) {
-        return no(reason, message);
-    }
-    // One migration per pod: the oldest non-terminal PodMigration of a pod wins
-    // (name breaks ties), so two created together never both proceed.
-    if let Some(first) = others
-        .iter()
-        .filter(|m| m.pod_name == pod.name && !m.terminal && m.name != me.name)
-        .find(|m| (m.created, &m.name) < (me.created, &me.name))
-    {
-        return no(
-            reasons::ALREADY_MIGRATING,
-            format!(
-                "pod {} is already being migrated by {}",
-                pod.name, first.name
-            ),
-        );
-    }
-    match nodes.iter().find(|n| n.name == source) {
-        Some(n) if n.has_ready_agent => {}
-        _ => {
-            return no(
-                reasons::NO_AGENT_ON_NODE,
-                format!("no ready migration agent on the source node {source}"),
-            );
-        }
-    }
-    let target = match select_target(spec, pod, &source, nodes) {
-        Ok(t) => t,
-        Err((reason, message)) => return no(reason, message),
-    };
-    Preflight::Migratable(Plan {
+        )
+    })?;
+    let source = running_source(spec, pod)?;
+    unless(protected_or_static(me, pod))?;
+    unless(exec_probe_refused(spec, me, pod))?;
+    unless(unsupported_owner(pod))?;
+    unless(cannot_move(spec, pod))?;
+    unless(already_migrating(me, pod, others))?;
+    source_agent_ready(&source, nodes)?;
+    let target = select_target(spec, pod, &source, nodes)?;
+    Ok(Plan {
         source_node: source,
         target_node: target,
         source_pod_uid: pod.uid.clone(),
@@ -565,9 +537,83 @@ pub fn preflight(
     })
 }
 
+/// The source node of the pinned pod, if it is Running there.
+fn running_source(spec: &PodMigrationSpec, pod: &PodFacts) -> Result<String, Refusal> {
+    if let Some(uid) = &spec.pod_uid
+        && *uid != pod.uid
+    {
+        return Err((
+            reasons::POD_UID_MISMATCH,
+            format!("pod {} has UID {}, not the pinned {uid}", pod.name, pod.uid),
+        ));
+    }
+    if !pod.running || pod.terminating {
+        return Err((
+            reasons::SOURCE_POD_NOT_RUNNING,
+            format!("pod {} is not Running", pod.name),
+        ));
+    }
+    pod.node.clone().ok_or_else(|| {
+        (
+            reasons::SOURCE_POD_NOT_RUNNING,
+            format!("pod {} is not bound to a node", pod.name),
+        )
+    })
+}
+
+/// The probe is checked before anything is frozen: an exec probe that cannot run
+/// would roll every migration back after its freeze.
+fn exec_probe_refused(spec: &PodMigrationSpec, me: &Me, pod: &PodFacts) -> Option<Refusal> {
+    let exec_probe = match &spec.probe {
+        Some(p) => p.exec.is_some().then_some("spec.probe"),
+        None => pod
+            .readiness_exec_probe
+            .then_some("the pod's readiness probe (the check used when spec.probe is unset)"),
+    };
+    let what = exec_probe.filter(|_| !me.exec_probes)?;
+    Some((EXEC_PROBE_DISABLED, exec_probes_disabled_message(what)))
+}
+
+fn unsupported_owner(pod: &PodFacts) -> Option<Refusal> {
+    let owner = pod.owner.as_ref().filter(|o| !adoptable_owner(&o.kind))?;
+    Some((
+        reasons::UNSUPPORTED_OWNER,
+        format!(
+            "pod {} is controlled by {} {}; only ReplicaSet (Deployment) pods and bare pods can move",
+            pod.name, owner.kind, owner.name
+        ),
+    ))
+}
+
+/// One migration per pod: the oldest non-terminal PodMigration of a pod wins
+/// (name breaks ties), so two created together never both proceed.
+fn already_migrating(me: &Me, pod: &PodFacts, others: &[OtherMigration]) -> Option<Refusal> {
+    let first = others
+        .iter()
+        .filter(|m| m.pod_name == pod.name && !m.terminal && m.name != me.name)
+        .find(|m| (m.created, &m.name) < (me.created, &me.name))?;
+    Some((
+        reasons::ALREADY_MIGRATING,
+        format!(
+            "pod {} is already being migrated by {}",
+            pod.name, first.name
+        ),
+    ))
+}
+
+fn source_agent_ready(source: &str, nodes: &[NodeFacts]) -> Result<(), Refusal> {
+    match nodes.iter().find(|n| n.name == source) {
+        Some(n) if n.has_ready_agent => Ok(()),
+        _ => Err((
+            reasons::NO_AGENT_ON_NODE,
+            format!("no ready migration agent on the source node {source}"),
+        )),
+    }
+}
+
 /// Pods that are never PodMotion's to move: those in the cluster's system namespace or
 /// the operator's own, and static pods.
-fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<(&'static str, String)> {
+fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<Refusal> {
     let name = &pod.name;
     if pod.namespace == "kube-system" || pod.namespace == me.operator_namespace {
         let whose = if pod.namespace == "kube-system" {
@@ -600,7 +646,7 @@ fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<(&'static str, String)
 
 /// What the pod's spec makes impossible to move, cheapest and least negotiable first;
 /// `None` if nothing. Local data comes last: it is the one a user may waive.
-fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<(&'static str, String)> {
+fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
     let name = &pod.name;
     if pod.adopted {
         return Some((
@@ -737,11 +783,7 @@ fn selector_matches(sel: &NodeSelector, node: &NodeFacts) -> bool {
 }
 
 /// Why one node cannot take the pod; `None` if it can.
-pub fn unfit_reason(
-    pod: &PodFacts,
-    source: &str,
-    node: &NodeFacts,
-) -> Option<(&'static str, String)> {
+pub fn unfit_reason(pod: &PodFacts, source: &str, node: &NodeFacts) -> Option<Refusal> {
     let n = &node.name;
     if n == source {
         return Some((reasons::TARGET_IS_SOURCE, format!("{n} is the source node")));
@@ -752,28 +794,29 @@ pub fn unfit_reason(
             format!("no ready migration agent on {n}"),
         ));
     }
-    if !node.schedulable {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!("{n} is not Ready or is cordoned"),
-        ));
-    }
+    let misfit = (!node.schedulable)
+        .then(|| format!("{n} is not Ready or is cordoned"))
+        .or_else(|| placement_mismatch(pod, node))
+        .or_else(|| too_little_free(pod, node))?;
+    Some((reasons::TARGET_DOES_NOT_FIT, misfit))
+}
+
+/// What of the pod's placement rules the node breaks: node selector, required node
+/// affinity, its volumes' node affinity, untolerated taints.
+fn placement_mismatch(pod: &PodFacts, node: &NodeFacts) -> Option<String> {
+    let n = &node.name;
     if let Some((k, v)) = pod
         .node_selector
         .iter()
         .find(|(k, v)| node.labels.get(*k) != Some(*v))
     {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!("{n} lacks the pod's node selector {k}={v}"),
-        ));
+        return Some(format!("{n} lacks the pod's node selector {k}={v}"));
     }
     if let Some(sel) = &pod.required_node_affinity
         && !selector_matches(sel, node)
     {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!("{n} does not match the pod's required node affinity"),
+        return Some(format!(
+            "{n} does not match the pod's required node affinity"
         ));
     }
     // The target pod is bound by name, past the scheduler's volume checks: a claim's
@@ -784,28 +827,25 @@ pub fn unfit_reason(
             .and_then(|f| f.node_affinity.as_ref())
             .is_some_and(|sel| !selector_matches(sel, node))
     }) {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!(
-                "{n} does not match the node affinity of the volume bound to claim {}",
-                c.claim
-            ),
+        return Some(format!(
+            "{n} does not match the node affinity of the volume bound to claim {}",
+            c.claim
         ));
     }
-    if let Some(t) = node
+    let t = node
         .taints
         .iter()
         .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
-        .find(|t| !pod.tolerations.iter().any(|tol| tolerates(tol, t)))
-    {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!(
-                "{n} has taint {}:{} that the pod does not tolerate",
-                t.key, t.effect
-            ),
-        ));
-    }
+        .find(|t| !pod.tolerations.iter().any(|tol| tolerates(tol, t)))?;
+    Some(format!(
+        "{n} has taint {}:{} that the pod does not tolerate",
+        t.key, t.effect
+    ))
+}
+
+/// The node's free CPU and memory (allocatable minus requested), if the pod's
+/// requests do not fit in it.
+fn too_little_free(pod: &PodFacts, node: &NodeFacts) -> Option<String> {
     let free = Resources {
         cpu_millis: node
             .allocatable
@@ -816,19 +856,16 @@ pub fn unfit_reason(
             .memory_bytes
             .saturating_sub(node.requested.memory_bytes),
     };
-    if !pod.requests.fits_within(free) {
-        return Some((
-            reasons::TARGET_DOES_NOT_FIT,
-            format!(
-                "{n} has {}m CPU and {} bytes of memory free; the pod requests {}m and {}",
-                free.cpu_millis,
-                free.memory_bytes,
-                pod.requests.cpu_millis,
-                pod.requests.memory_bytes
-            ),
-        ));
-    }
-    None
+    (!pod.requests.fits_within(free)).then(|| {
+        format!(
+            "{} has {}m CPU and {} bytes of memory free; the pod requests {}m and {}",
+            node.name,
+            free.cpu_millis,
+            free.memory_bytes,
+            pod.requests.cpu_millis,
+            pod.requests.memory_bytes
+        )
+    })
 }
 
 /// The target node: the explicit `targetNode` if it qualifies, else the qualifying node
@@ -838,7 +875,7 @@ pub fn select_target(
     pod: &PodFacts,
     source: &str,
     nodes: &[NodeFacts],
-) -> Result<String, (&'static str, String)> {
+) -> Result<String, Refusal> {
     if let Some(want) = &spec.target_node {
         let Some(node) = nodes.iter().find(|n| &n.name == want) else {
             return Err((
