@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// Outcome of one reconcile.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -123,6 +123,13 @@ pub struct Metrics {
     pools: Mutex<BTreeMap<String, PoolFacts>>,
 }
 
+/// Registers `metric` under `name` with `help` and hands it back (a clone shares its
+/// values with the registered one).
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -130,127 +137,63 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// The registry, as a table: one line per metric (name, help, metric), then every
+    /// known series at 0.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("podmotion");
-        let reconciles = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "reconciles",
-            "Reconciles by controller and result",
-            reconciles.clone(),
-        );
-        let reconcile_errors = Family::<ErrorLabels, Counter>::default();
-        registry.register(
-            "reconcile_errors",
-            "Reconcile errors by controller and error category",
-            reconcile_errors.clone(),
-        );
-        let reconcile_duration =
-            Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
-                Histogram::new(exponential_buckets(0.001, 2.0, 15))
-            });
-        registry.register(
-            "reconcile_duration_seconds",
-            "Time spent in one reconcile",
-            reconcile_duration.clone(),
-        );
-        let reconciles_in_flight = Family::<ControllerLabels, Gauge>::default();
-        registry.register(
-            "reconciles_in_flight",
-            "Reconciles running now (the controller's work queue in service)",
-            reconciles_in_flight.clone(),
-        );
-        let migrations = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "migrations",
-            "PodMigrations finished, by terminal phase",
-            migrations.clone(),
-        );
-        let migration_downtime = Histogram::new(exponential_buckets(0.01, 2.0, 12));
-        registry.register(
-            "migration_downtime_seconds",
-            "Measured freeze of committed migrations",
-            migration_downtime.clone(),
-        );
-        let migration_bytes = Counter::default();
-        registry.register(
-            "migration_bytes",
-            "Checkpoint bytes moved between nodes",
-            migration_bytes.clone(),
-        );
-        let attachment_jobs = Gauge::default();
-        registry.register(
-            "attachment_jobs",
-            "Attachment Jobs that exist now",
-            attachment_jobs.clone(),
-        );
-        let attachment_job_changes = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "attachment_job_changes",
-            "Attachment Jobs created, replaced and reaped",
-            attachment_job_changes.clone(),
-        );
-        let runner_pools = Family::<ConditionLabels, Gauge>::default();
-        registry.register(
-            "runner_pools",
-            "RunnerPools whose condition is True, by condition (Ready, Degraded, Stalled)",
-            runner_pools.clone(),
-        );
-        let runner_pool_nodes = Family::<NodeStateLabels, Gauge>::default();
-        registry.register(
-            "runner_pool_nodes",
-            "Runner nodes of every RunnerPool, by state (desired, ready, updated)",
-            runner_pool_nodes.clone(),
-        );
-        let runner_pool_preflight_failures = Family::<CheckLabels, Gauge>::default();
-        registry.register(
-            "runner_pool_preflight_failures",
-            "Nodes whose Runner preflight failed, by failing check, over every RunnerPool",
-            runner_pool_preflight_failures.clone(),
-        );
-        let runner_pool_shape_drift = Counter::default();
-        registry.register(
-            "runner_pool_shape_drift",
-            "RunnerPool reconciles that found the Runner DaemonSet drifted from its rendered shape (and repaired it)",
-            runner_pool_shape_drift.clone(),
-        );
-        // Every known series starts at 0: a rate() or increase() over it works from the
-        // first scrape, and a fresh operator's /metrics already shows every family the
-        // alerts and the dashboard use (e2e/tests/real_metrics.rs checks that).
+        let mut r = Registry::with_prefix("podmotion");
+        let reg = &mut r;
+        #[rustfmt::skip]
+        let metrics = Metrics {
+            reconciles: registered(reg, "reconciles", "Reconciles by controller and result", Family::default()),
+            reconcile_errors: registered(reg, "reconcile_errors", "Reconcile errors by controller and error category", Family::default()),
+            reconcile_duration: registered(reg, "reconcile_duration_seconds", "Time spent in one reconcile", Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 15)))),
+            reconciles_in_flight: registered(reg, "reconciles_in_flight", "Reconciles running now (the controller's work queue in service)", Family::default()),
+            migrations: registered(reg, "migrations", "PodMigrations finished, by terminal phase", Family::default()),
+            migration_downtime: registered(reg, "migration_downtime_seconds", "Measured freeze of committed migrations", Histogram::new(exponential_buckets(0.01, 2.0, 12))),
+            migration_bytes: registered(reg, "migration_bytes", "Checkpoint bytes moved between nodes", Counter::default()),
+            attachment_jobs: registered(reg, "attachment_jobs", "Attachment Jobs that exist now", Gauge::default()),
+            attachment_job_changes: registered(reg, "attachment_job_changes", "Attachment Jobs created, replaced and reaped", Family::default()),
+            runner_pools: registered(reg, "runner_pools", "RunnerPools whose condition is True, by condition (Ready, Degraded, Stalled)", Family::default()),
+            runner_pool_nodes: registered(reg, "runner_pool_nodes", "Runner nodes of every RunnerPool, by state (desired, ready, updated)", Family::default()),
+            runner_pool_preflight_failures: registered(reg, "runner_pool_preflight_failures", "Nodes whose Runner preflight failed, by failing check, over every RunnerPool", Family::default()),
+            runner_pool_shape_drift: registered(reg, "runner_pool_shape_drift", "RunnerPool reconciles that found the Runner DaemonSet drifted from its rendered shape (and repaired it)", Counter::default()),
+            pools: Mutex::new(BTreeMap::new()),
+            registry: r,
+        };
+        metrics.start_known_series_at_zero();
+        metrics
+    }
+
+    /// Every known series starts at 0: a rate() or increase() over it works from the
+    /// first scrape, and a fresh operator's /metrics already shows every family the
+    /// alerts and the dashboard use (e2e/tests/real_metrics.rs checks that).
+    fn start_known_series_at_zero(&self) {
         for controller in CONTROLLERS {
             for result in [ReconcileResult::Success, ReconcileResult::Error] {
-                let _ = reconciles.get_or_create(&ResultLabels { controller, result });
+                let _ = self
+                    .reconciles
+                    .get_or_create(&ResultLabels { controller, result });
             }
             for category in ["ApiError", "Cancelled"] {
-                let _ = reconcile_errors.get_or_create(&ErrorLabels {
+                let _ = self.reconcile_errors.get_or_create(&ErrorLabels {
                     controller,
                     category,
                 });
             }
-            let _ = reconcile_duration.get_or_create(&ControllerLabels { controller });
-            let _ = reconciles_in_flight.get_or_create(&ControllerLabels { controller });
+            let _ = self
+                .reconcile_duration
+                .get_or_create(&ControllerLabels { controller });
+            let _ = self
+                .reconciles_in_flight
+                .get_or_create(&ControllerLabels { controller });
         }
         for outcome in ["Succeeded", "Failed", "Aborted"] {
-            let _ = migrations.get_or_create(&OutcomeLabels { outcome });
+            let _ = self.migrations.get_or_create(&OutcomeLabels { outcome });
         }
         for outcome in ["Created", "Replaced", "Reaped"] {
-            let _ = attachment_job_changes.get_or_create(&OutcomeLabels { outcome });
-        }
-        Metrics {
-            registry,
-            reconciles,
-            reconcile_errors,
-            reconcile_duration,
-            reconciles_in_flight,
-            migrations,
-            migration_downtime,
-            migration_bytes,
-            attachment_jobs,
-            attachment_job_changes,
-            runner_pools,
-            runner_pool_nodes,
-            runner_pool_preflight_failures,
-            runner_pool_shape_drift,
-            pools: Mutex::new(BTreeMap::new()),
+            let _ = self
+                .attachment_job_changes
+                .get_or_create(&OutcomeLabels { outcome });
         }
     }
 
