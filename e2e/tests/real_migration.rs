@@ -18,8 +18,8 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, ended, node_of, pod_ip, restart_count,
-    source_serves_alone,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_after_rollback, ended, node_of,
+    pod_ip, restart_count, source_serves_alone,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
@@ -236,7 +236,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let st = ended(&pms, "bad-probe").await;
     assert_ne!(st.phase, MigrationPhase::Succeeded, "{st:?}");
     assert_eq!(st.failure_reason.as_deref(), Some("ProbeFailed"), "{st:?}");
-    let after_rollback = counter(&source_addr);
+    let after_rollback = counter_after_rollback(&source_addr, "after the failing probe");
     assert!(
         after_rollback > before,
         "the source serves its own counter again: {before} then {after_rollback}"

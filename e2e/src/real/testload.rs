@@ -73,6 +73,46 @@ pub fn counter(addr: &str) -> u64 {
         .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"))
 }
 
+/// The counter of a source the migration's rollback has just thawed, on a new
+/// connection. The host may find the pod's address unreachable (EHOSTUNREACH: its ARP
+/// entry failed while the network was locked) for a moment after the rollback ended:
+/// that is retried for up to 30 s and printed with the neighbour entry, so a run shows
+/// how long it lasted. Anything else (a refused connection: the listener is gone) fails.
+pub fn counter_after_rollback(addr: &str, what: &str) -> u64 {
+    let start = std::time::Instant::now();
+    let mut first_failure = None;
+    loop {
+        match ask(addr, "get") {
+            Ok(a) => {
+                if let Some(neigh) = first_failure {
+                    eprintln!(
+                        "NOTE {what}: {addr} unreachable for {} ms after the rollback ended (the host's neighbour entry then: {neigh})",
+                        start.elapsed().as_millis()
+                    );
+                }
+                return a
+                    .parse()
+                    .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"));
+            }
+            Err(e)
+                if e.raw_os_error() == Some(113) && start.elapsed() < Duration::from_secs(30) =>
+            {
+                if first_failure.is_none() {
+                    let ip = addr.rsplit_once(':').map_or(addr, |(ip, _)| ip);
+                    let out = std::process::Command::new("ip")
+                        .args(["neigh", "show", ip])
+                        .output()
+                        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+                        .unwrap_or_else(|e| format!("ip neigh: {e}"));
+                    first_failure = Some(out);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("{what}: get from {addr}: {e}"),
+        }
+    }
+}
+
 /// `<pod IP>:8080`.
 pub fn addr(p: &Pod) -> String {
     format!("{}:{PORT}", pod_ip(p))
