@@ -65,6 +65,7 @@ pub fn test_config(namespace: &str, kind: ControllerKind) -> OperatorConfig {
             lease_seconds: 15,
         },
         concurrency: 4,
+        log_format: Default::default(),
     }
 }
 

@@ -48,6 +48,7 @@ impl Operator {
             backoff_limit: 3,
             image_pull_secrets: Vec::new(),
             pod_annotations: BTreeMap::new(),
+            metrics_port: 9090,
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };

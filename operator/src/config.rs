@@ -59,6 +59,11 @@ pub struct OperatorConfig {
     /// Most objects of one kind reconciled at once (per controller).
     #[arg(long, env = "PODMOTION_CONCURRENCY", default_value_t = 8)]
     pub concurrency: u16,
+
+    /// Log format: `json` (one object per line) or `text`. The pods the operator
+    /// renders (attachment Jobs, RunnerPool preflight init containers) log in it too.
+    #[arg(long, env = podmotion_log::ENV, default_value = "json", global = true)]
+    pub log_format: podmotion_log::LogFormat,
 }
 
 /// Leader election with a coordination.k8s.io Lease.

@@ -39,9 +39,6 @@ struct Cli {
     migration: MigrationConfig,
     #[command(flatten)]
     pki: PkiConfig,
-    /// Log format: `json` (one object per line) or `text`.
-    #[arg(long, env = podmotion_log::ENV, default_value = "json", global = true)]
-    log_format: podmotion_log::LogFormat,
 }
 
 #[derive(Subcommand, Debug)]
@@ -61,7 +58,7 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    podmotion_log::init(cli.log_format, "info,kube=warn");
+    podmotion_log::init(cli.operator.log_format, "info,kube=warn");
     let client = Client::try_default()
         .await
         .context("no kubeconfig or in-cluster configuration")?;
@@ -346,6 +343,16 @@ mod tests {
                 operator_deployment: None
             })
         ));
+        assert_eq!(cli.operator.log_format, podmotion_log::LogFormat::Json);
+        // After the subcommand too (the chart's hook passes it there).
+        let cli = Cli::try_parse_from([
+            "podmotion-operator",
+            "reap-all",
+            "pm-podmotion",
+            "--log-format=text",
+        ])
+        .unwrap();
+        assert_eq!(cli.operator.log_format, podmotion_log::LogFormat::Text);
         let cli = Cli::try_parse_from(["podmotion-operator", "reap-all", "pm-podmotion"]).unwrap();
         assert!(matches!(
             cli.command,

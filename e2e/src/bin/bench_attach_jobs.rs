@@ -188,6 +188,7 @@ async fn main() -> anyhow::Result<()> {
             lease_seconds: 15,
         },
         concurrency: 8,
+        log_format: Default::default(),
     };
     let (stop, rx) = tokio::sync::watch::channel(false);
     let metrics = Arc::new(Metrics::new());
@@ -222,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
         backoff_limit: 3,
         image_pull_secrets: Vec::new(),
         pod_annotations: Default::default(),
+        metrics_port: 9090,
         jobs_namespace: None,
         watch_namespace: Some(app_ns.clone()),
     };

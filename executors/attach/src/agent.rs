@@ -186,6 +186,7 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
     let (ports, listeners) = bind_forwarders(cfg, &netns).await?;
     let (nft, ruleset) = program_ruleset(cfg, &netns).await?;
     tracing::info!(pid, table = %ruleset.table, "ruleset applied in the target network namespace");
+    crate::metrics::global().ruleset(Some(ruleset.redirects.len()));
 
     let attached = Arc::new(Attached {
         containers,
@@ -353,7 +354,11 @@ impl Running {
 
     /// Re-applies the ruleset (idempotent).
     pub fn reapply(&self) -> Result<(), NftError> {
-        self.nft.apply(&self.attached.ruleset)
+        let r = self.nft.apply(&self.attached.ruleset);
+        if r.is_err() {
+            crate::metrics::global().error(crate::metrics::ErrorCategory::Ruleset);
+        }
+        r
     }
 
     /// Orderly exit: stop serving, delete the table atomically.
@@ -362,6 +367,10 @@ impl Running {
             t.abort();
         }
         let r = self.nft.delete(&self.attached.ruleset.table);
+        match &r {
+            Ok(()) => crate::metrics::global().ruleset(None),
+            Err(_) => crate::metrics::global().error(crate::metrics::ErrorCategory::Ruleset),
+        }
         drop(self.netns);
         r
     }

@@ -105,11 +105,39 @@ fn authorized(state: &Attached, req: &Request<Incoming>) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The `route` label of a request path (one of [`crate::metrics::API_ROUTES`]).
+fn route_name(method: &Method, segs: &[&str]) -> &'static str {
+    match segs {
+        ["healthz"] => "healthz",
+        ["v1", "env"] => "env",
+        ["v1", "exports"] => "exports",
+        ["v1", "files"] => "files",
+        ["v1", "intercepts", _] => "intercepts",
+        ["v1", "intercepts", _, "accept"] => "intercept_accept",
+        ["v1", "wiretaps", _] if method == Method::POST => "wiretaps",
+        ["v1", "wiretaps", _, _] if method == Method::DELETE => "wiretaps",
+        ["v1", "wiretaps", _, _, "stream"] => "wiretap_stream",
+        _ => "unknown",
+    }
+}
+
+/// Answers one request and counts it by route and status code.
 async fn route(state: Arc<Attached>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
+    let name = {
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        route_name(req.method(), &segs)
+    };
     if path != "/healthz" && !authorized(&state, &req) {
+        crate::metrics::global().api_request("unauthorized", 401);
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
+    let r = answer(state, req, &path).await;
+    crate::metrics::global().api_request(name, r.status().as_u16());
+    r
+}
+
+async fn answer(state: Arc<Attached>, req: Request<Incoming>, path: &str) -> Response<Full<Bytes>> {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = req.method().clone();
     match (&method, segs.as_slice()) {
@@ -184,8 +212,21 @@ impl std::io::Write for ChannelWriter {
 /// `GET /v1/files?path=P[&container=ID]` (upgrade): the file or directory at `P` in the
 /// target container's filesystem (see [`crate::files`]). The path is resolved and
 /// opened before the answer, so a refusal is a plain error response.
-fn files(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+fn files(state: &Attached, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    use crate::metrics::FileResult;
+    let r = open_file(state, req);
+    match r.status().as_u16() {
+        // Counted by `open_file` once the kind is known.
+        101 => {}
+        426 => crate::metrics::global().file_request(FileResult::Error),
+        code => crate::metrics::global().file_request(FileResult::of_status(code)),
+    }
+    r
+}
+
+fn open_file(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
     use crate::files::{Opened, open_in_root, query_param, write_tar};
+    use crate::metrics::{ErrorCategory, FileResult};
     if let Some(r) = upgrade_required(&req) {
         return r;
     }
@@ -208,12 +249,17 @@ fn files(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> 
             return error(status, e);
         }
     };
-    let meta = match &opened {
-        Opened::File { size, mode, .. } => {
-            serde_json::json!({ "kind": "file", "size": size, "mode": mode })
-        }
-        Opened::Dir { mode, .. } => serde_json::json!({ "kind": "dir", "mode": mode }),
+    let (meta, result) = match &opened {
+        Opened::File { size, mode, .. } => (
+            serde_json::json!({ "kind": "file", "size": size, "mode": mode }),
+            FileResult::File,
+        ),
+        Opened::Dir { mode, .. } => (
+            serde_json::json!({ "kind": "dir", "mode": mode }),
+            FileResult::Directory,
+        ),
     };
+    crate::metrics::global().file_request(result);
     // The tar's top entry: the directory's own name (`/` is `root`).
     let name = std::path::Path::new(&path)
         .file_name()
@@ -251,8 +297,14 @@ fn files(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> 
         drop(rx);
         match producer.await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(path, error = %e, "file copy ended early"),
-            Err(e) => tracing::warn!(path, error = %e, "file copy task failed"),
+            Ok(Err(e)) => {
+                crate::metrics::global().error(ErrorCategory::FileCopy);
+                tracing::warn!(path, error = %e, "file copy ended early")
+            }
+            Err(e) => {
+                crate::metrics::global().error(ErrorCategory::FileCopy);
+                tracing::warn!(path, error = %e, "file copy task failed")
+            }
         }
         let _ = client.shutdown().await;
     })
@@ -510,6 +562,12 @@ mod tests {
 
     #[tokio::test]
     async fn control_api_serves_env_and_drives_intercept_state() {
+        let env_ok = r#"podmotion_attach_api_requests_total{route="env",code="200"}"#;
+        let conflict = r#"podmotion_attach_api_requests_total{route="intercepts",code="409"}"#;
+        let before = (
+            crate::metrics::value(env_ok),
+            crate::metrics::value(conflict),
+        );
         let state = attached();
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -589,6 +647,9 @@ mod tests {
                 .await
                 .starts_with("HTTP/1.1 404")
         );
+        // Counted by route and status (other tests only ever add to these).
+        assert!(crate::metrics::value(env_ok) - before.0 >= 2.0);
+        assert!(crate::metrics::value(conflict) - before.1 >= 2.0);
     }
 
     async fn raw(addr: std::net::SocketAddr, head: &str) -> String {
@@ -711,6 +772,10 @@ mod tests {
                 "GET /v1/files?{q} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: upgrade\r\nUpgrade: podmotion-stream\r\n\r\n"
             )
         };
+        let file = r#"podmotion_attach_file_requests_total{result="file"}"#;
+        let not_found = r#"podmotion_attach_file_requests_total{result="not_found"}"#;
+        let refused = r#"podmotion_attach_file_requests_total{result="refused"}"#;
+        let before = [file, not_found, refused].map(crate::metrics::value);
         let (head, body) = raw_bytes(addr, &get("path=%2Fsrv%2Findex.html", "t")).await;
         assert!(head.starts_with("HTTP/1.1 101"), "{head}");
         assert_eq!(
@@ -736,6 +801,16 @@ mod tests {
             names.push(e.unwrap().path().unwrap().display().to_string());
         }
         assert_eq!(names, ["srv/", "srv/index.html", "srv/proc", "srv/up"]);
+        let after = [file, not_found, refused].map(crate::metrics::value);
+        assert_eq!(
+            [
+                after[0] - before[0],
+                after[1] - before[1],
+                after[2] - before[2]
+            ],
+            [1.0, 2.0, 1.0],
+            "one file, two not found (an escape, a container), one without a path"
+        );
         std::fs::remove_dir_all(&base).unwrap();
     }
 

@@ -18,6 +18,7 @@
 
 use crate::forward::{Conn, Delivered, Delivery, Port};
 use crate::http::{self, BodyCursor, Filter};
+use crate::metrics::{ErrorCategory, Outcome as Ended, Route};
 use crate::netns::NetnsExecutor;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -86,21 +87,69 @@ async fn read_more(r: &mut (impl AsyncRead + Unpin), buf: &mut Vec<u8>) -> std::
     n
 }
 
-/// Serves one redirected connection of a port under a filtered intercept.
-pub async fn proxy(
+/// How a redirected connection failed: the error, the outcome it counts as and its
+/// error category (counted once, by the forwarder).
+#[derive(Debug)]
+pub struct ProxyError {
+    pub outcome: Ended,
+    pub category: ErrorCategory,
+    pub error: std::io::Error,
+}
+
+impl std::fmt::Display for ProxyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.error, self.outcome.name())
+    }
+}
+
+impl From<std::io::Error> for ProxyError {
+    fn from(error: std::io::Error) -> Self {
+        ProxyError {
+            outcome: Ended::Error,
+            category: ErrorCategory::Io,
+            error,
+        }
+    }
+}
+
+/// The application could not be dialed.
+pub(crate) fn dial_failed(error: std::io::Error) -> ProxyError {
+    ProxyError {
+        outcome: Ended::DialFailed,
+        category: ErrorCategory::Dial,
+        error,
+    }
+}
+
+/// Serves one redirected connection of a port under a filtered intercept; the outcome
+/// is `Delivered` when a request of it went to a client stream, else `Forwarded` (or
+/// `TimedOut` when no client stream came). Every routing decision is counted
+/// (`podmotion_attach_filtered_requests_total`).
+pub async fn proxy<S>(
     port: &Port,
-    down: TcpStream,
+    down: S,
     peer: SocketAddr,
     original_dst: SocketAddr,
     netns: &dyn AppDial,
     wait: Duration,
     filter: Arc<Filter>,
-) -> std::io::Result<()> {
-    let (mut dr, mut dw) = down.into_split();
+) -> Result<Ended, ProxyError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let metrics = crate::metrics::global();
+    let (mut dr, mut dw) = tokio::io::split(down);
     let mut dbuf: Vec<u8> = vec![];
     let mut app: Option<Upstream> = None;
     let mut client: Option<Upstream> = None;
     let mut first = true;
+    let done = |client: &Option<Upstream>| {
+        if client.is_some() {
+            Ended::Delivered
+        } else {
+            Ended::Forwarded
+        }
+    };
     loop {
         // The next request head; the filter of the moment decides (a stopped
         // intercept sends the rest of the connection to the application).
@@ -113,15 +162,23 @@ pub async fn proxy(
                 }
                 Ok(None) => {
                     if read_more(&mut dr, &mut dbuf).await? == 0 {
-                        return Ok(()); // the caller is done
+                        return Ok(done(&client)); // the caller is done
                     }
                 }
                 Err(e) if first => {
                     tracing::debug!(error = %e, "not HTTP: passing the connection through");
-                    let down = dr.reunite(dw).map_err(io_err)?;
-                    return raw_to_app(down, dbuf, original_dst, netns).await;
+                    metrics.filtered(Route::NotHttp);
+                    let down = dr.unsplit(dw);
+                    raw_to_app(down, dbuf, original_dst, netns).await?;
+                    return Ok(Ended::Forwarded);
                 }
-                Err(e) => return Err(io_err(e)),
+                Err(e) => {
+                    return Err(ProxyError {
+                        outcome: Ended::Error,
+                        category: ErrorCategory::HttpFraming,
+                        error: io_err(e),
+                    });
+                }
             }
         };
         first = false;
@@ -137,6 +194,8 @@ pub async fn proxy(
                 Delivery::Taken => client = Some(Upstream::new(Box::new(ours))),
                 Delivery::Stopped(_) => to_client = false,
                 Delivery::TimedOut => {
+                    metrics.error(ErrorCategory::NoClient);
+                    metrics.filtered(Route::Matched);
                     let body = "no intercept client took the request in time\n";
                     let _ = dw
                         .write_all(
@@ -148,12 +207,18 @@ pub async fn proxy(
                         )
                         .await;
                     let _ = dw.shutdown().await;
-                    return Ok(());
+                    return Ok(Ended::TimedOut);
                 }
             }
         }
+        metrics.filtered(if to_client {
+            Route::Matched
+        } else {
+            Route::Passed
+        });
         if !to_client && app.is_none() {
-            app = Some(Upstream::new(Box::new(netns.dial(original_dst).await?)));
+            let up = netns.dial(original_dst).await.map_err(dial_failed)?;
+            app = Some(Upstream::new(Box::new(up)));
         }
         let up = if to_client {
             client.as_mut().expect("opened above")
@@ -188,24 +253,24 @@ pub async fn proxy(
                 );
                 a?;
                 b?;
-                return Ok(());
+                return Ok(done(&client));
             }
             (Outcome::Closed, _) => {
                 let _ = dw.shutdown().await;
-                return Ok(());
+                return Ok(done(&client));
             }
             // A response that came before its request's body was read whole: where
             // the next request starts is unknown.
             (Outcome::Next { .. }, false) => {
                 let _ = dw.shutdown().await;
-                return Ok(());
+                return Ok(done(&client));
             }
             // Either side said the connection ends after this response: end it, as
             // the caller, who saw that `Connection` header, expects (HTTP/1.0 callers
             // read to the end of the connection).
             (Outcome::Next { upstream_closes }, true) if upstream_closes || head.close => {
                 let _ = dw.shutdown().await;
-                return Ok(());
+                return Ok(done(&client));
             }
             (Outcome::Next { .. }, true) => {}
         }
@@ -287,13 +352,13 @@ async fn relay_response(
 }
 
 /// A connection that is not HTTP: to the application as it is.
-async fn raw_to_app(
-    mut down: TcpStream,
+async fn raw_to_app<S: AsyncRead + AsyncWrite + Unpin>(
+    mut down: S,
     already: Vec<u8>,
     original_dst: SocketAddr,
     netns: &dyn AppDial,
-) -> std::io::Result<()> {
-    let mut up = netns.dial(original_dst).await?;
+) -> Result<(), ProxyError> {
+    let mut up = netns.dial(original_dst).await.map_err(dial_failed)?;
     up.write_all(&already).await?;
     tokio::io::copy_bidirectional(&mut down, &mut up).await?;
     Ok(())
@@ -522,6 +587,12 @@ mod tests {
             .await
         });
 
+        let matched = r#"podmotion_attach_filtered_requests_total{route="matched"}"#;
+        let passed = r#"podmotion_attach_filtered_requests_total{route="passed"}"#;
+        let before = (
+            crate::metrics::value(matched),
+            crate::metrics::value(passed),
+        );
         // Pipelined: all written at once, in pieces that split heads and bodies.
         let reqs = b"GET /1 HTTP/1.1\r\nHost: x\r\nX-Dev: me\r\n\r\n\
 POST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello\
@@ -547,6 +618,9 @@ GET /5 HTTP/1.1\r\nHost: x\r\nX-Dev: other\r\n\r\n";
             1,
             "one client stream per connection"
         );
+        // Every routing decision is counted (other tests only ever add to these).
+        assert!(crate::metrics::value(matched) - before.0 >= 2.0);
+        assert!(crate::metrics::value(passed) - before.1 >= 3.0);
         assert_eq!(
             app_conns.load(std::sync::atomic::Ordering::SeqCst),
             1,
@@ -569,7 +643,8 @@ GET /5 HTTP/1.1\r\nHost: x\r\nX-Dev: other\r\n\r\n";
         let mut rest = vec![];
         caller.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty(), "{rest:?}");
-        proxied.await.unwrap().unwrap();
+        let outcome = proxied.await.unwrap().unwrap();
+        assert_eq!(outcome, Ended::Delivered, "a request went to the client");
     }
 
     /// A first request that is not HTTP passes the whole connection to the app.

@@ -13,6 +13,7 @@
 //!   copying both directions to every wiretap on the port.
 
 use crate::http::Filter;
+use crate::metrics::{Counted, ErrorCategory, Mode, Outcome};
 use crate::netns::NetnsExecutor;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
@@ -197,6 +198,7 @@ impl Port {
             // A slow tap loses frames rather than slowing the application down.
             if t.try_send(frame.clone()).is_err() {
                 self.tap_drops.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::global().error(ErrorCategory::WiretapOverflow);
             }
         }
     }
@@ -321,17 +323,32 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
     }
 }
 
-/// Accept loop of one forwarder listener.
+/// How `port` treats a connection accepted now.
+fn mode_now(port: &Port) -> Mode {
+    let m = port.mode();
+    match (m.intercept.is_some(), m.filter.is_some()) {
+        (true, true) => Mode::Filtered,
+        (true, false) => Mode::Intercept,
+        (false, _) if !m.taps.is_empty() => Mode::Wiretap,
+        (false, _) => Mode::Passthrough,
+    }
+}
+
+/// Accept loop of one forwarder listener. Every connection is counted by the port's
+/// mode when it was accepted, its bytes both ways and how it ended
+/// ([`crate::metrics`]).
 pub async fn serve(
     port: Arc<Port>,
     listener: TcpListener,
     netns: Arc<NetnsExecutor>,
     intercept_wait: Duration,
 ) {
+    let metrics = crate::metrics::global();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
+                metrics.error(ErrorCategory::Accept);
                 tracing::warn!(error = %e, "forwarder accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
@@ -345,7 +362,11 @@ pub async fn serve(
                 let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
                 SocketAddr::new(ip, port.app_port)
             });
-            if let Some(filter) = port.filter() {
+            let tracked = metrics.accepted(mode_now(&port));
+            let stream = Counted::new(stream, metrics.byte_counters(tracked.mode()));
+            if tracked.mode() == Mode::Filtered
+                && let Some(filter) = port.filter()
+            {
                 let r = crate::filtered::proxy(
                     &port,
                     stream,
@@ -356,8 +377,13 @@ pub async fn serve(
                     filter,
                 )
                 .await;
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "filtered connection ended with an error");
+                match r {
+                    Ok(outcome) => tracked.end(outcome),
+                    Err(e) => {
+                        metrics.error(e.category);
+                        tracing::debug!(error = %e, "filtered connection ended with an error");
+                        tracked.end(e.outcome);
+                    }
                 }
                 return;
             }
@@ -368,26 +394,44 @@ pub async fn serve(
             };
             let conn = if port.intercepted() {
                 match port.deliver(conn, intercept_wait).await {
-                    Delivery::Taken | Delivery::TimedOut => return,
+                    Delivery::Taken => return tracked.end(Outcome::Delivered),
+                    Delivery::TimedOut => {
+                        metrics.error(ErrorCategory::NoClient);
+                        return tracked.end(Outcome::TimedOut);
+                    }
                     // The intercept stopped meanwhile: pass through.
                     Delivery::Stopped(c) => c,
                 }
             } else {
                 conn
             };
-            if let Err(e) = pass_through(&port, conn, &netns).await {
-                tracing::debug!(error = %e, "pass-through connection ended with an error");
+            match pass_through(&port, conn, &netns).await {
+                Ok(()) => tracked.end(Outcome::Forwarded),
+                Err(e) => {
+                    metrics.error(e.category);
+                    tracing::debug!(error = %e, "pass-through connection ended with an error");
+                    tracked.end(e.outcome);
+                }
             }
         });
     }
 }
 
-async fn pass_through(port: &Port, conn: Delivered, netns: &NetnsExecutor) -> std::io::Result<()> {
-    let upstream = dial(netns, conn.original_dst).await?;
+async fn pass_through(
+    port: &Port,
+    conn: Delivered,
+    netns: &NetnsExecutor,
+) -> Result<(), crate::filtered::ProxyError> {
+    let upstream = dial(netns, conn.original_dst)
+        .await
+        .map_err(crate::filtered::dial_failed)?;
+    let io = crate::filtered::ProxyError::from;
     let taps = port.taps();
     if taps.is_empty() {
         let (mut a, mut b) = (conn.stream, upstream);
-        tokio::io::copy_bidirectional(&mut a, &mut b).await?;
+        tokio::io::copy_bidirectional(&mut a, &mut b)
+            .await
+            .map_err(io)?;
         return Ok(());
     }
     let id = port.conn_ids.fetch_add(1, Ordering::Relaxed);
@@ -402,7 +446,7 @@ async fn pass_through(port: &Port, conn: Delivered, netns: &NetnsExecutor) -> st
     let down = copy_tapped(port, &taps, id, TAP_FROM_APP, ur, cw);
     let r = tokio::try_join!(up, down);
     port.tap(&taps, tap_frame(TAP_CLOSE, id, &[]));
-    r.map(|_| ())
+    r.map(|_| ()).map_err(io)
 }
 
 async fn copy_tapped(

@@ -17,5 +17,6 @@ pub mod filtered;
 pub mod forward;
 pub mod http;
 pub mod jobenv;
+pub mod metrics;
 pub mod netns;
 pub mod nft;

@@ -31,6 +31,10 @@ struct Cli {
     /// Where the control API listens, in the Job pod's own network namespace.
     #[arg(long, env = "PODMOTION_ATTACH_LISTEN", default_value = "0.0.0.0:8400")]
     listen: SocketAddr,
+    /// Where `GET /metrics` (Prometheus text, plain HTTP, counts only) listens, in the
+    /// Job pod's own network namespace.
+    #[arg(long, env = "PODMOTION_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
+    metrics_listen: SocketAddr,
     /// Where to write the termination message on a fatal error.
     #[arg(
         long,
@@ -264,11 +268,24 @@ async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
     // Signals are hooked before attaching so a SIGTERM during attach still cleans up.
     let mut term = signal(SignalKind::terminate()).map_err(|e| ("Signal", e.to_string()))?;
     let mut int = signal(SignalKind::interrupt()).map_err(|e| ("Signal", e.to_string()))?;
+    // Metrics first: a scrape while the agent waits for a predecessor's table shows
+    // the ruleset not installed yet.
+    let metrics = tokio::net::TcpListener::bind(cli.metrics_listen)
+        .await
+        .map_err(|e| {
+            (
+                "MetricsListenFailed",
+                format!("{}: {e}", cli.metrics_listen),
+            )
+        })?;
+    let attached = std::sync::Arc::new(std::sync::OnceLock::new());
+    tokio::spawn(podmotion_attach::metrics::serve(metrics, attached.clone()));
     let running = tokio::select! {
         r = agent::attach(&cfg) => r.map_err(|e| (e.category(), e.to_string()))?,
         _ = term.recv() => return Ok(()),
         _ = int.recv() => return Ok(()),
     };
+    let _ = attached.set(running.attached.clone());
     tracing::info!(control = %running.control_addr, pid = running.attached.containers[0].pid, "attached");
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let target_gone = loop {

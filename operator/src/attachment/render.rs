@@ -44,6 +44,9 @@ pub const CRI_MOUNT: &str = "/host/cri";
 pub const EXPORTS_DIR: &str = "/var/run/podmotion/exports";
 /// The executor's control API port (reached by `kubectl port-forward`).
 pub const CONTROL_PORT: i32 = 8400;
+/// Default port of the executor's `GET /metrics` (container port `metrics`), the
+/// migration agent's default too (the Job pod has its own network namespace).
+pub const DEFAULT_METRICS_PORT: i32 = 9090;
 /// The agent's capabilities, exactly these.
 // DAC_READ_SEARCH: /proc/<pid>/environ is 0400 and owned by the application's uid, so
 // root without a read-only DAC bypass cannot open it (proven by the attach executor's
@@ -70,6 +73,11 @@ pub struct Settings {
     pub backoff_limit: i32,
     /// Image pull Secrets of every agent pod (in `namespace`), chosen by the installer.
     pub image_pull_secrets: Vec<String>,
+    /// Port of the agent's Prometheus metrics (plain HTTP, counts only), in the Job
+    /// pod's own network namespace.
+    pub metrics_port: i32,
+    /// The agent's log format: the operator's own (`--log-format`).
+    pub log_format: podmotion_log::LogFormat,
 }
 
 impl Default for Settings {
@@ -82,6 +90,8 @@ impl Default for Settings {
             pod_annotations: BTreeMap::new(),
             backoff_limit: 3,
             image_pull_secrets: Vec::new(),
+            metrics_port: DEFAULT_METRICS_PORT,
+            log_format: podmotion_log::LogFormat::Json,
         }
     }
 }
@@ -199,13 +209,26 @@ pub fn job(
             env(agent_env::AGENT_CREDENTIALS_DIR, CREDENTIALS_DIR.into()),
             env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
             env(agent_env::NODE_NAME, node.clone()),
+            env(
+                METRICS_LISTEN_ENV,
+                format!("0.0.0.0:{}", settings.metrics_port),
+            ),
+            env(podmotion_log::ENV, settings.log_format.to_string()),
         ]),
-        ports: Some(vec![ContainerPort {
-            name: Some("control".into()),
-            container_port: CONTROL_PORT,
-            protocol: Some("TCP".into()),
-            ..Default::default()
-        }]),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("control".into()),
+                container_port: CONTROL_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("metrics".into()),
+                container_port: settings.metrics_port,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+        ]),
         readiness_probe: Some(Probe {
             http_get: Some(HTTPGetAction {
                 path: Some("/healthz".into()),
@@ -252,8 +275,7 @@ pub fn job(
         template: PodTemplateSpec {
             metadata: Some(ObjectMeta {
                 labels: Some(pod_labels),
-                annotations: (!settings.pod_annotations.is_empty())
-                    .then(|| settings.pod_annotations.clone()),
+                annotations: Some(pod_annotations(settings)),
                 ..Default::default()
             }),
             spec: Some(PodSpec {
@@ -363,6 +385,24 @@ pub fn job(
         status: None,
     };
     (job, hash)
+}
+
+/// Where the agent's `GET /metrics` listens (executors/attach `--metrics-listen`).
+pub const METRICS_LISTEN_ENV: &str = "PODMOTION_METRICS_LISTEN";
+
+/// The agent pod's annotations: the Prometheus scrape annotations (as on the
+/// migration agents), then the installer's, which win on a clash.
+fn pod_annotations(settings: &Settings) -> BTreeMap<String, String> {
+    let mut a = BTreeMap::from([
+        ("prometheus.io/scrape".to_string(), "true".to_string()),
+        (
+            "prometheus.io/port".to_string(),
+            settings.metrics_port.to_string(),
+        ),
+        ("prometheus.io/path".to_string(), "/metrics".to_string()),
+    ]);
+    a.extend(settings.pod_annotations.clone());
+    a
 }
 
 /// Hash of a Job spec (its JSON is deterministic: maps are ordered).
@@ -633,6 +673,74 @@ mod tests {
     }
 
     #[test]
+    fn the_agent_serves_metrics_on_its_port_and_logs_in_the_operators_format() {
+        let p = pod("web-0").on_node("n1").ready().build();
+        let base = render_with(&Settings::default(), &AgentSettings::default(), &p);
+        let env_of = |j: &Job| -> BTreeMap<String, String> {
+            pod_spec(j).containers[0]
+                .env
+                .iter()
+                .flatten()
+                .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+                .collect()
+        };
+        let port_of = |j: &Job| {
+            pod_spec(j).containers[0]
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some("metrics"))
+                .map(|p| p.container_port)
+        };
+        assert_eq!(env_of(&base)["PODMOTION_METRICS_LISTEN"], "0.0.0.0:9090");
+        assert_eq!(env_of(&base)["PODMOTION_LOG_FORMAT"], "json");
+        assert_eq!(port_of(&base), Some(9090));
+        let meta = |j: &Job| {
+            j.spec
+                .as_ref()
+                .unwrap()
+                .template
+                .metadata
+                .as_ref()
+                .unwrap()
+                .annotations
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(meta(&base)["prometheus.io/port"], "9090");
+        assert_eq!(meta(&base)["prometheus.io/scrape"], "true");
+
+        let text = render_with(
+            &Settings {
+                log_format: podmotion_log::LogFormat::Text,
+                metrics_port: 9191,
+                pod_annotations: BTreeMap::from([(
+                    "prometheus.io/scrape".to_string(),
+                    "false".to_string(),
+                )]),
+                ..Settings::default()
+            },
+            &AgentSettings::default(),
+            &p,
+        );
+        assert_eq!(env_of(&text)["PODMOTION_LOG_FORMAT"], "text");
+        assert_eq!(env_of(&text)["PODMOTION_METRICS_LISTEN"], "0.0.0.0:9191");
+        assert_eq!(port_of(&text), Some(9191));
+        assert_eq!(
+            meta(&text)["prometheus.io/scrape"],
+            "false",
+            "the installer's annotations win"
+        );
+        let hash =
+            |j: &Job| j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
+        assert_ne!(
+            hash(&base),
+            hash(&text),
+            "a changed format replaces the Jobs"
+        );
+    }
+
+    #[test]
     fn an_attachment_cannot_choose_the_image_host_path_or_annotations_of_its_agent() {
         // What a tenant would write (admission rejects it; the core ignores it too).
         let exploit = AgentSettings {
@@ -667,7 +775,8 @@ mod tests {
                 .as_ref()
                 .unwrap()
                 .annotations,
-            None
+            Some(pod_annotations(&Settings::default())),
+            "only the chart's scrape annotations, none of the attachment's"
         );
     }
 

@@ -108,6 +108,7 @@ impl PoolBuilder {
 pub fn inputs() -> Inputs {
     Inputs {
         preflight_image: PREFLIGHT_IMAGE.into(),
+        log_format: podmotion_log::LogFormat::Json,
         eligible_nodes: 3,
         server: Some(ServerEndpoint {
             namespace: "compass".into(),

@@ -118,6 +118,8 @@ pub fn pdb_min_available(pool: &RunnerPool, eligible_nodes: usize) -> i32 {
 pub struct Inputs {
     /// Preflight image when the RunnerPool names none (operator setting).
     pub preflight_image: String,
+    /// The preflight's log format: the operator's own (`--log-format`).
+    pub log_format: podmotion_log::LogFormat,
     /// Nodes carrying the pool's node label; caps `maxUnavailable` below all of them.
     pub eligible_nodes: usize,
     /// The Server's Service; `None` when it is missing or has no selector.
@@ -340,7 +342,10 @@ fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
             format!("--session-volume={sessions_dir}"),
             format!("--require-project-quota={}", spec.preflight.require_project_quota),
         ],
-        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}},
+            {"name": podmotion_log::ENV, "value": inputs.log_format.to_string()},
+        ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": preflight_resources,
         "securityContext": container_security(pool),

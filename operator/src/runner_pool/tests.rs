@@ -535,6 +535,39 @@ fn image_is_the_pinned_digest_and_preflight_defaults_to_the_operators_image() {
 }
 
 #[test]
+fn preflight_logs_in_the_operators_format_and_the_runner_is_left_alone() {
+    let format_of = |p: &PodSpec, name: &str| -> Option<String> {
+        every_container(p)
+            .into_iter()
+            .find(|c| c.name == name)?
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "PODMOTION_LOG_FORMAT")?
+            .value
+            .clone()
+    };
+    let p = pod();
+    assert_eq!(format_of(&p, PREFLIGHT_CONTAINER).as_deref(), Some("json"));
+    let text = pod_of(
+        &render(
+            &pool("rp").build(),
+            &Inputs {
+                log_format: podmotion_log::LogFormat::Text,
+                ..inputs()
+            },
+        )
+        .daemonset,
+    );
+    assert_eq!(
+        format_of(&text, PREFLIGHT_CONTAINER).as_deref(),
+        Some("text")
+    );
+    // The Runner is the user's image: PodMotion's log setting is not its business.
+    assert_eq!(format_of(&text, runner(&text).name.as_str()), None);
+}
+
+#[test]
 fn pdb_bounds_evictions_like_the_rollout() {
     // 3 eligible nodes, maxUnavailable 1: at least 2 Runners must stay.
     let pdb = desired().pdb.spec.unwrap();

@@ -380,6 +380,8 @@ pub fn agent_cmd_bare(
     };
     cmd.args(target)
         .args(["--listen", &control.to_string()])
+        // Several agents share this machine's loopback: no fixed metrics port.
+        .args(["--metrics-listen", "127.0.0.1:0"])
         .arg("--exports-dir")
         .arg(&exports_dir)
         .arg("--termination-log")

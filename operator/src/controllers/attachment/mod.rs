@@ -70,7 +70,7 @@ pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
 /// Runs the controller (and its orphan sweep) with explicit settings.
 pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Result<()> {
     let client = ctx.client.clone();
-    let settings = cfg.settings(&ctx.config.namespace);
+    let settings = cfg.settings(&ctx.config.namespace, ctx.config.log_format);
     let attachments: Api<DeserializeGuard<NodeAgentAttachment>> =
         scoped(&client, cfg.watch_namespace.as_deref());
     let pods: Api<Pod> = scoped(&client, cfg.watch_namespace.as_deref());

@@ -69,6 +69,15 @@ pub struct AttachmentConfig {
         value_delimiter = ','
     )]
     pub image_pull_secrets: Vec<String>,
+    /// Port of every agent's `GET /metrics` (container port `metrics`, Prometheus
+    /// text, no token). The chart passes `attachment.metricsPort`.
+    #[arg(
+        long = "attachment-metrics-port",
+        env = "PODMOTION_ATTACHMENT_METRICS_PORT",
+        default_value_t = crate::attachment::render::DEFAULT_METRICS_PORT,
+        value_parser = clap::value_parser!(i32).range(1..=65535)
+    )]
+    pub metrics_port: i32,
     /// Namespace of the agent Jobs (and their Secrets and NetworkPolicy). Their pods
     /// use hostPID and capabilities, so it must enforce the `privileged` PodSecurity
     /// level. Unset: the operator's own namespace.
@@ -108,8 +117,15 @@ impl AttachmentConfig {
             .unwrap_or_else(|| operator_namespace.into())
     }
 
-    pub fn settings(&self, operator_namespace: &str) -> Settings {
+    /// The render settings; the agents log in `log_format` (the operator's own).
+    pub fn settings(
+        &self,
+        operator_namespace: &str,
+        log_format: podmotion_log::LogFormat,
+    ) -> Settings {
         Settings {
+            metrics_port: self.metrics_port,
+            log_format,
             namespace: self.jobs_namespace_or(operator_namespace),
             job_prefix: self.job_prefix.clone(),
             image: self.agent_image.clone(),

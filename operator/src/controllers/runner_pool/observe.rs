@@ -64,6 +64,7 @@ async fn inputs(
         .map_err(api_err("get", "the Server's Service"))?;
     Ok(Inputs {
         preflight_image: cfg.preflight_image.clone(),
+        log_format: ctx.config.log_format,
         eligible_nodes: eligible,
         server: ServerEndpoint::resolve(pool, &server_ns, service),
         credential_token: credential_token(ctx, cfg, pool).await?,
