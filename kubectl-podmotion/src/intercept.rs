@@ -28,7 +28,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{
-    AgentPort, AttachMode, NodeAgentAttachmentSpec, TargetState, WorkloadRef,
+    AgentPort, AttachMode, NodeAgentAttachmentSpec, TargetState, TargetStatus, WorkloadRef,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{SignalKind, signal};
@@ -293,6 +293,9 @@ pub async fn run(client: Client, namespace: &str, args: &Intercept) -> anyhow::R
     outcome
 }
 
+/// The intercept's accept tasks, by agent pod: the agent and its accept streams.
+type Running = BTreeMap<String, (Agent, tokio::task::JoinSet<()>)>;
+
 /// Waits for the agents, runs the intercept until Ctrl-C, stops it on every agent.
 async fn intercept(
     client: &Client,
@@ -312,90 +315,29 @@ async fn intercept(
     let agents = agents_of(client, &attachment, args.agents_namespace.as_deref()).await?;
     let app = args.port.app;
     let body = intercept_body(&args.headers);
-    let mut started: Vec<Agent> = vec![];
-    let mut failure = None;
-    for a in &agents {
-        match a
-            .call("POST", &format!("/v1/intercepts/{app}"), &body)
-            .await
-        {
-            Ok((201, answer)) if args.headers.is_empty() || filter_acknowledged(&answer) => {
-                started.push(a.clone())
-            }
-            Ok((201, _)) => {
-                started.push(a.clone());
-                failure = Some(format!(
-                    "the agent for {} does not filter by header (its image predates filtered HTTP intercepts): not intercepting",
-                    a.target
-                ));
-                break;
-            }
-            Ok((409, answer)) => {
-                failure = Some(format!(
-                    "port {app} of {} is already intercepted by another client ({answer}); stop that intercept first",
-                    a.target
-                ));
-                break;
-            }
-            Ok((c, answer)) => {
-                failure = Some(format!(
-                    "the agent for {} refused the intercept ({c}): {answer}",
-                    a.target
-                ));
-                break;
-            }
-            Err(e) => {
-                failure = Some(format!("reaching the agent for {}: {e:#}", a.target));
-                break;
-            }
-        }
-    }
-    if let Some(f) = failure {
-        stop_all(&started, app).await;
-        bail!(f);
-    }
-    let what = if args.headers.is_empty() {
-        "every connection".to_string()
-    } else {
-        let hs: Vec<String> = args
-            .headers
-            .iter()
-            .map(|(n, v)| format!("{n}: {v}"))
-            .collect();
-        format!("HTTP requests with {}", hs.join(", "))
-    };
+    let started = start_on_every_agent(&agents, args, &body).await?;
     say(&format!(
-        "intercepting {what} to port {app} of {} replica(s) -> localhost:{} (Ctrl-C to stop)",
+        "intercepting {} to port {app} of {} replica(s) -> localhost:{} (Ctrl-C to stop)",
+        what_is_intercepted(&args.headers),
         started.len(),
         args.port.local
     ));
     let stopping = Arc::new(AtomicBool::new(false));
-    // Per agent pod: the agent and its accept tasks.
-    let mut running: BTreeMap<String, (Agent, tokio::task::JoinSet<()>)> = BTreeMap::new();
+    let mut running = Running::new();
     for a in started {
         let tasks = spawn_acceptors(&a, app, args.port.local, &stopping);
         running.insert(a.pod.clone(), (a, tasks));
     }
-    // Replicas come and go: follow the attachment's targets until Ctrl-C.
-    let stream = watcher::watcher(
-        naas.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    follow_until_interrupted(
+        client,
+        watch_attachment(naas, name),
+        args,
+        &body,
+        &mut running,
+        &stopping,
+        sigint,
     )
-    .default_backoff();
-    let mut stream = pin!(stream);
-    let mut watching = true;
-    loop {
-        tokio::select! {
-            _ = sigint.recv() => break,
-            ev = stream.next(), if watching => match ev {
-                None => watching = false,
-                Some(Ok(Event::Apply(a) | Event::InitApply(a))) if readiness(&a) == Readiness::Ready => {
-                    follow_targets(client, &a, args, &body, &mut running, &stopping).await;
-                }
-                Some(_) => {}
-            },
-        }
-    }
+    .await;
     stopping.store(true, Ordering::SeqCst);
     say("interrupted: stopping the intercept");
     let agents: Vec<Agent> = running.values().map(|(a, _)| a.clone()).collect();
@@ -404,6 +346,123 @@ async fn intercept(
         tasks.abort_all();
     }
     Ok(0)
+}
+
+/// What an agent answered to `POST /v1/intercepts/PORT`.
+enum StartAnswer {
+    /// 201, and filtering if headers were asked for.
+    Started,
+    /// 201, but the agent ignored the headers (its image predates filtered intercepts):
+    /// it now takes every request.
+    Unfiltered,
+    /// Any other status, with the agent's answer.
+    Refused(u16, String),
+}
+
+async fn start_intercept(a: &Agent, args: &Intercept, body: &str) -> anyhow::Result<StartAnswer> {
+    let app = args.port.app;
+    Ok(
+        match a
+            .call("POST", &format!("/v1/intercepts/{app}"), body)
+            .await?
+        {
+            (201, answer) if args.headers.is_empty() || filter_acknowledged(&answer) => {
+                StartAnswer::Started
+            }
+            (201, _) => StartAnswer::Unfiltered,
+            (c, answer) => StartAnswer::Refused(c, answer),
+        },
+    )
+}
+
+/// Starts the intercept on each agent in turn; on the first that does not take it,
+/// stops it on those that did and fails with why.
+async fn start_on_every_agent(
+    agents: &[Agent],
+    args: &Intercept,
+    body: &str,
+) -> anyhow::Result<Vec<Agent>> {
+    let app = args.port.app;
+    let mut started: Vec<Agent> = vec![];
+    let mut failure = None;
+    for a in agents {
+        let t = &a.target;
+        match start_intercept(a, args, body).await {
+            Ok(StartAnswer::Started) => started.push(a.clone()),
+            Ok(StartAnswer::Unfiltered) => {
+                started.push(a.clone());
+                failure = Some(format!(
+                    "the agent for {t} does not filter by header (its image predates filtered HTTP intercepts): not intercepting"
+                ));
+            }
+            Ok(StartAnswer::Refused(409, answer)) => {
+                failure = Some(format!(
+                    "port {app} of {t} is already intercepted by another client ({answer}); stop that intercept first"
+                ));
+            }
+            Ok(StartAnswer::Refused(c, answer)) => {
+                failure = Some(format!(
+                    "the agent for {t} refused the intercept ({c}): {answer}"
+                ));
+            }
+            Err(e) => failure = Some(format!("reaching the agent for {t}: {e:#}")),
+        }
+        if failure.is_some() {
+            break;
+        }
+    }
+    if let Some(f) = failure {
+        stop_all(&started, app).await;
+        bail!(f);
+    }
+    Ok(started)
+}
+
+/// `every connection`, or `HTTP requests with x-dev: me, …` for a filtered intercept.
+fn what_is_intercepted(headers: &[(String, String)]) -> String {
+    if headers.is_empty() {
+        return "every connection".to_string();
+    }
+    let hs: Vec<String> = headers.iter().map(|(n, v)| format!("{n}: {v}")).collect();
+    format!("HTTP requests with {}", hs.join(", "))
+}
+
+/// The watch of one attachment, by name, retried with backoff.
+fn watch_attachment(
+    naas: &Api<NodeAgentAttachment>,
+    name: &str,
+) -> impl futures::Stream<Item = Result<Event<NodeAgentAttachment>, watcher::Error>> + use<> {
+    watcher::watcher(
+        naas.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    )
+    .default_backoff()
+}
+
+/// Replicas come and go: follows the attachment's targets until Ctrl-C.
+async fn follow_until_interrupted(
+    client: &Client,
+    updates: impl futures::Stream<Item = Result<Event<NodeAgentAttachment>, watcher::Error>>,
+    args: &Intercept,
+    body: &str,
+    running: &mut Running,
+    stopping: &Arc<AtomicBool>,
+    sigint: &mut tokio::signal::unix::Signal,
+) {
+    let mut stream = pin!(updates);
+    let mut watching = true;
+    loop {
+        tokio::select! {
+            _ = sigint.recv() => break,
+            ev = stream.next(), if watching => match ev {
+                None => watching = false,
+                Some(Ok(Event::Apply(a) | Event::InitApply(a))) if readiness(&a) == Readiness::Ready => {
+                    follow_targets(client, &a, args, body, running, stopping).await;
+                }
+                Some(_) => {}
+            },
+        }
+    }
 }
 
 fn spawn_acceptors(
@@ -426,7 +485,7 @@ async fn follow_targets(
     a: &NodeAgentAttachment,
     args: &Intercept,
     body: &str,
-    running: &mut BTreeMap<String, (Agent, tokio::task::JoinSet<()>)>,
+    running: &mut Running,
     stopping: &Arc<AtomicBool>,
 ) {
     let agents = match agents_of(client, a, args.agents_namespace.as_deref()).await {
@@ -455,35 +514,28 @@ async fn follow_targets(
         if running.contains_key(&ag.pod) {
             continue;
         }
-        match ag
-            .call("POST", &format!("/v1/intercepts/{app}"), body)
-            .await
-        {
-            Ok((201, answer)) if args.headers.is_empty() || filter_acknowledged(&answer) => {
+        let t = &ag.target;
+        match start_intercept(&ag, args, body).await {
+            Ok(StartAnswer::Started) => {
                 say(&format!(
-                    "replica {} on {} joined: intercepting there too",
-                    ag.target, ag.node
+                    "replica {t} on {} joined: intercepting there too",
+                    ag.node
                 ));
                 let tasks = spawn_acceptors(&ag, app, args.port.local, stopping);
                 running.insert(ag.pod.clone(), (ag, tasks));
             }
-            Ok((201, _)) => {
+            Ok(StartAnswer::Unfiltered) => {
                 let _ = ag
                     .call("DELETE", &format!("/v1/intercepts/{app}"), "")
                     .await;
                 eprintln!(
-                    "warning: the agent for new replica {} does not filter by header: not intercepting there",
-                    ag.target
+                    "warning: the agent for new replica {t} does not filter by header: not intercepting there"
                 );
             }
-            Ok((c, answer)) => eprintln!(
-                "warning: the agent for new replica {} refused the intercept ({c}): {answer}",
-                ag.target
+            Ok(StartAnswer::Refused(c, answer)) => eprintln!(
+                "warning: the agent for new replica {t} refused the intercept ({c}): {answer}"
             ),
-            Err(e) => eprintln!(
-                "warning: reaching the agent for new replica {}: {e:#}",
-                ag.target
-            ),
+            Err(e) => eprintln!("warning: reaching the agent for new replica {t}: {e:#}"),
         }
     }
 }
@@ -561,12 +613,7 @@ pub(crate) async fn wait_ready(
     timeout: Duration,
     say: fn(&str),
 ) -> anyhow::Result<NodeAgentAttachment> {
-    let stream = watcher::watcher(
-        naas.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={name}")),
-    )
-    .default_backoff();
-    let mut stream = pin!(stream);
+    let mut stream = pin!(watch_attachment(naas, name));
     let start = Instant::now();
     let deadline = tokio::time::sleep(timeout);
     let mut deadline = pin!(deadline);
@@ -574,20 +621,8 @@ pub(crate) async fn wait_ready(
     loop {
         tokio::select! {
             ev = stream.next() => {
-                let a = match ev {
-                    None => bail!("the watch of NodeAgentAttachment {namespace}/{name} ended"),
-                    Some(Err(e)) => {
-                        let watch = Attempt { verb: "watch", resource: ATTACHMENTS, namespace: Some(namespace), name: None };
-                        if let Some(refused) = watch_refused(watch, &e) {
-                            bail!(refused);
-                        }
-                        continue;
-                    }
-                    Some(Ok(Event::Apply(a) | Event::InitApply(a))) => a,
-                    Some(Ok(Event::Delete(_))) => {
-                        bail!("NodeAgentAttachment {namespace}/{name} was deleted while waiting for its agents")
-                    }
-                    Some(Ok(_)) => continue,
+                let Some(a) = attachment_in(ev, namespace, name)? else {
+                    continue;
                 };
                 match readiness(&a) {
                     Readiness::Ready => {
@@ -617,6 +652,36 @@ pub(crate) async fn wait_ready(
     }
 }
 
+/// The attachment an event of its watch carries; `None` for an event that carries none
+/// (the watch's markers, an error the watch retries). Fails when the watch ended, was
+/// refused, or saw the attachment deleted.
+fn attachment_in(
+    ev: Option<Result<Event<NodeAgentAttachment>, watcher::Error>>,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Option<NodeAgentAttachment>> {
+    match ev {
+        None => bail!("the watch of NodeAgentAttachment {namespace}/{name} ended"),
+        Some(Err(e)) => {
+            let watch = Attempt {
+                verb: "watch",
+                resource: ATTACHMENTS,
+                namespace: Some(namespace),
+                name: None,
+            };
+            if let Some(refused) = watch_refused(watch, &e) {
+                bail!(refused);
+            }
+            Ok(None)
+        }
+        Some(Ok(Event::Apply(a) | Event::InitApply(a))) => Ok(Some(a)),
+        Some(Ok(Event::Delete(_))) => {
+            bail!("NodeAgentAttachment {namespace}/{name} was deleted while waiting for its agents")
+        }
+        Some(Ok(_)) => Ok(None),
+    }
+}
+
 /// The agent of each target: its Job's ready pod, control port and token.
 pub(crate) async fn agents_of(
     client: &Client,
@@ -630,102 +695,126 @@ pub(crate) async fn agents_of(
         .unwrap_or_default();
     let mut out = vec![];
     for t in &targets {
-        let selector = format!("batch.kubernetes.io/job-name={}", t.job);
-        let (ns, pods) = match agents_namespace {
-            Some(ns) => {
-                let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-                let l = api
-                    .list(&ListParams::default().labels(&selector))
-                    .await
-                    .map_err(|e| {
-                        anyhow::anyhow!(kube_error(
-                            Attempt {
-                                verb: "list",
-                                resource: "pods",
-                                namespace: Some(ns),
-                                name: None
-                            },
-                            &e
-                        ))
-                    })?;
-                (ns.to_string(), l.items)
-            }
-            None => {
-                let api: Api<Pod> = Api::all(client.clone());
-                let l = api
-                    .list(&ListParams::default().labels(&selector))
-                    .await
-                    .map_err(|e| {
-                        anyhow::anyhow!(
-                            "{} — or pass --agents-namespace (the chart's agents.namespace, by default <release namespace>-agents)",
-                            kube_error(
-                                Attempt { verb: "list", resource: "pods", namespace: None, name: None },
-                                &e
-                            )
-                        )
-                    })?;
-                let ns = l
-                    .items
-                    .first()
-                    .and_then(|p| p.namespace())
-                    .with_context(|| {
-                        format!(
-                            "no pod of agent Job {} (target {} on {}) found in any namespace",
-                            t.job, t.pod, t.node
-                        )
-                    })?;
-                (ns, l.items)
-            }
-        };
-        let pod = pods
-            .iter()
-            .find(|p| crate::intercept::pod_ready(p))
-            .with_context(|| {
-                format!(
-                    "no ready pod of agent Job {ns}/{} (target {} on {}): no agent on the node yet",
-                    t.job, t.pod, t.node
-                )
-            })?;
-        let control_port = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.containers.first())
-            .and_then(|c| c.ports.as_ref())
-            .and_then(|ps| ps.first())
-            .and_then(|p| u16::try_from(p.container_port).ok())
-            .unwrap_or(DEFAULT_CONTROL_PORT);
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
-        let secret = secrets.get(&t.job).await.map_err(|e| {
-            anyhow::anyhow!(kube_error(
-                Attempt {
-                    verb: "get",
-                    resource: "secrets",
-                    namespace: Some(&ns),
-                    name: Some(&t.job)
-                },
-                &e
-            ))
-        })?;
-        let token = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get("token"))
-            .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
-            .with_context(|| format!("Secret {ns}/{} has no token", t.job))?;
-        out.push(Agent {
-            pods: Api::namespaced(client.clone(), &ns),
-            namespace: ns.clone(),
-            pod: pod.name_any(),
-            control_port,
-            token,
-            target: t.pod.clone(),
-            node: t.node.clone(),
-        });
+        out.push(agent_of(client, t, agents_namespace).await?);
     }
     if out.is_empty() {
         bail!("the attachment has no targets");
     }
     Ok(out)
+}
+
+/// The agent of one target: the ready pod of its Job, the pod's control port, the
+/// token in the Job's Secret.
+async fn agent_of(
+    client: &Client,
+    t: &TargetStatus,
+    agents_namespace: Option<&str>,
+) -> anyhow::Result<Agent> {
+    let (ns, pods) = agent_job_pods(client, t, agents_namespace).await?;
+    let pod = pods
+        .iter()
+        .find(|p| crate::intercept::pod_ready(p))
+        .with_context(|| {
+            format!(
+                "no ready pod of agent Job {ns}/{} (target {} on {}): no agent on the node yet",
+                t.job, t.pod, t.node
+            )
+        })?;
+    let token = agent_token(client, &ns, &t.job).await?;
+    Ok(Agent {
+        pods: Api::namespaced(client.clone(), &ns),
+        namespace: ns.clone(),
+        pod: pod.name_any(),
+        control_port: control_port(pod),
+        token,
+        target: t.pod.clone(),
+        node: t.node.clone(),
+    })
+}
+
+/// The agents' namespace and the pods of the target's agent Job: in `agents_namespace`
+/// when given, else found in every namespace (which needs `list pods` there).
+async fn agent_job_pods(
+    client: &Client,
+    t: &TargetStatus,
+    agents_namespace: Option<&str>,
+) -> anyhow::Result<(String, Vec<Pod>)> {
+    let selector = format!("batch.kubernetes.io/job-name={}", t.job);
+    let list = ListParams::default().labels(&selector);
+    if let Some(ns) = agents_namespace {
+        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+        let l = api.list(&list).await.map_err(|e| {
+            anyhow::anyhow!(kube_error(
+                Attempt {
+                    verb: "list",
+                    resource: "pods",
+                    namespace: Some(ns),
+                    name: None
+                },
+                &e
+            ))
+        })?;
+        return Ok((ns.to_string(), l.items));
+    }
+    let api: Api<Pod> = Api::all(client.clone());
+    let l = api.list(&list).await.map_err(|e| {
+        anyhow::anyhow!(
+            "{} — or pass --agents-namespace (the chart's agents.namespace, by default <release namespace>-agents)",
+            kube_error(
+                Attempt {
+                    verb: "list",
+                    resource: "pods",
+                    namespace: None,
+                    name: None
+                },
+                &e
+            )
+        )
+    })?;
+    let ns = l
+        .items
+        .first()
+        .and_then(|p| p.namespace())
+        .with_context(|| {
+            format!(
+                "no pod of agent Job {} (target {} on {}) found in any namespace",
+                t.job, t.pod, t.node
+            )
+        })?;
+    Ok((ns, l.items))
+}
+
+/// The agent's control port: its first container's first port, else the default.
+fn control_port(pod: &Pod) -> u16 {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.ports.as_ref())
+        .and_then(|ps| ps.first())
+        .and_then(|p| u16::try_from(p.container_port).ok())
+        .unwrap_or(DEFAULT_CONTROL_PORT)
+}
+
+/// The control API token of the agent Job `job`, from the Secret of the same name.
+async fn agent_token(client: &Client, ns: &str, job: &str) -> anyhow::Result<String> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let secret = secrets.get(job).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "get",
+                resource: "secrets",
+                namespace: Some(ns),
+                name: Some(job)
+            },
+            &e
+        ))
+    })?;
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get("token"))
+        .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
+        .with_context(|| format!("Secret {ns}/{job} has no token"))
 }
 
 /// Running, not terminating, and `Ready=True`.
