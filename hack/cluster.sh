@@ -145,9 +145,22 @@ start() { # component args...
   shift
   : >"$LOGS/$name.log"
   # setsid: own session, so the process outlives this script and its caller's job control.
-  # 8>&-: the daemons must not inherit (and so hold forever) the run directory's lock.
-  setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
+  # Only stdio is passed on: a daemon must not inherit (and so hold forever) the run
+  # directory's lock, nor a caller's (a chaos run under `flock` restarts the API server).
+  (
+    close_inherited_fds
+    exec setsid "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null
+  ) &
   echo $! >"$PIDS/$name.pid"
+}
+
+close_inherited_fds() { # in a subshell about to exec: close every descriptor above stderr
+  local fd
+  for fd in /proc/"$BASHPID"/fd/*; do
+    fd=${fd##*/}
+    ((fd > 2)) && eval "exec $fd>&-" 2>/dev/null
+  done
+  return 0
 }
 
 start_in_ns() { # component binary args... : like start, inside the mount namespace $NS
@@ -155,7 +168,10 @@ start_in_ns() { # component binary args... : like start, inside the mount namesp
   shift 2
   : >"$LOGS/$name.log"
   # nsenter execs the binary in place (no fork for a mount namespace): $! is its pid.
-  setsid nsenter --mount="$NS" -- "$binary" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
+  (
+    close_inherited_fds
+    exec setsid nsenter --mount="$NS" -- "$binary" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null
+  ) &
   echo $! >"$PIDS/$name.pid"
 }
 
