@@ -52,15 +52,9 @@ pub enum Command {
     Cp(Cp),
 }
 
+/// The flags of the commands that work through one replica's agent (`env`, `cp`).
 #[derive(Args, Debug)]
-pub struct Cp {
-    /// `<workload>:<absolute path>`, e.g. `deploy/web:/etc/nginx/nginx.conf`: a regular
-    /// file, or a directory (copied with its files, subdirectories and symlinks).
-    #[arg(value_parser = crate::cp::parse_remote)]
-    pub source: (Workload, String),
-    /// Where to write: a file, a directory (created if missing; a directory's contents
-    /// go into it), or `-` for stdout (a file's bytes, or a directory as tar).
-    pub local: PathBuf,
+pub struct OneAgent {
     /// The container (default: the pod's first).
     #[arg(long, short = 'c')]
     pub container: Option<String>,
@@ -70,6 +64,19 @@ pub struct Cp {
     /// Give up when the agent is not ready after this long.
     #[arg(long, default_value = "3m", value_parser = parse_duration)]
     pub timeout: Duration,
+}
+
+#[derive(Args, Debug)]
+pub struct Cp {
+    /// `<workload>:<absolute path>`, e.g. `deploy/web:/etc/nginx/nginx.conf`: a regular
+    /// file, or a directory (copied with its files, subdirectories and symlinks).
+    #[arg(value_parser = crate::cp::parse_remote)]
+    pub source: (Workload, String),
+    /// Where to write: a file, a directory (created if missing; a directory's contents
+    /// go into it), or `-` for stdout (a file's bytes, or a directory as tar).
+    pub local: PathBuf,
+    #[command(flatten)]
+    pub agent: OneAgent,
 }
 
 #[derive(Args, Debug)]
@@ -99,15 +106,8 @@ pub struct Env {
     /// The workload: `NAME` (a Deployment), `deploy/NAME`, `sts/NAME`, `rs/NAME`, `ds/NAME`.
     #[arg(value_parser = parse_workload)]
     pub workload: Workload,
-    /// The container (default: the pod's first).
-    #[arg(long, short = 'c')]
-    pub container: Option<String>,
-    /// Namespace of the agent Jobs (see `intercept --help`).
-    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
-    pub agents_namespace: Option<String>,
-    /// Give up when the agent is not ready after this long.
-    #[arg(long, default_value = "3m", value_parser = parse_duration)]
-    pub timeout: Duration,
+    #[command(flatten)]
+    pub agent: OneAgent,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -179,8 +179,8 @@ pub async fn run(client: Client, namespace: &str, args: &Cp) -> anyhow::Result<u
         &client,
         namespace,
         w,
-        args.agents_namespace.as_deref(),
-        args.timeout,
+        args.agent.agents_namespace.as_deref(),
+        args.agent.timeout,
         |agent| copy(&client, namespace, agent, path, args),
     )
     .await?;
@@ -195,7 +195,7 @@ async fn copy(
     args: &Cp,
 ) -> anyhow::Result<()> {
     let mut query = format!("/v1/files?path={}", percent_encode(path));
-    if let Some(id) = container_id(client, namespace, &agent, args.container.as_deref()).await? {
+    if let Some(id) = container_id(client, namespace, &agent, args.agent.container.as_deref()).await? {
         query.push_str(&format!("&container={}", percent_encode(&id)));
     }
     let mut s = agent

@@ -204,8 +204,8 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
         &client,
         namespace,
         &args.workload,
-        args.agents_namespace.as_deref(),
-        args.timeout,
+        args.agent.agents_namespace.as_deref(),
+        args.agent.timeout,
         |agent| read_env(&client, namespace, agent, args),
     )
     .await?;
@@ -253,14 +253,14 @@ async fn read_env(
     agent: Agent,
     args: &Env,
 ) -> anyhow::Result<Vec<EnvEntry>> {
-    let query = container_id(client, namespace, &agent, args.container.as_deref())
+    let query = container_id(client, namespace, &agent, args.agent.container.as_deref())
         .await?
         .map(|id| format!("?container={id}"))
         .unwrap_or_default();
     progress(&format!(
         "environment of pod {}{} (node {})",
         agent.target,
-        args.container
+        args.agent.container
             .as_deref()
             .map(|c| format!(", container {c}"))
             .unwrap_or_default(),
