@@ -195,7 +195,9 @@ async fn copy(
     args: &Cp,
 ) -> anyhow::Result<()> {
     let mut query = format!("/v1/files?path={}", percent_encode(path));
-    if let Some(id) = container_id(client, namespace, &agent, args.agent.container.as_deref()).await? {
+    if let Some(id) =
+        container_id(client, namespace, &agent, args.agent.container.as_deref()).await?
+    {
         query.push_str(&format!("&container={}", percent_encode(&id)));
     }
     let mut s = agent

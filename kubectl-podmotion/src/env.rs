@@ -260,7 +260,8 @@ async fn read_env(
     progress(&format!(
         "environment of pod {}{} (node {})",
         agent.target,
-        args.agent.container
+        args.agent
+            .container
             .as_deref()
             .map(|c| format!(", container {c}"))
             .unwrap_or_default(),
