@@ -947,197 +947,18 @@ impl Agent {
         Ok(ReceiveSummary { files, bytes })
     }
 
+    /// Restores the received tree on the target. The restore runs to its end in a task
+    /// of its own, holding the migration, even if the caller goes away: a gRPC call
+    /// whose client disconnects (the operator's call deadline, its leader killed) drops
+    /// the handler's future, and a restore dropped after CRIU forked the tree left a
+    /// running copy this agent did not know of: a retried `Restore` then restored a
+    /// second one (which failed: its connection's address was the first copy's), and
+    /// `Abort` had nothing to kill, so the source was thawed beside the first copy.
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?;
-        let mut m = m.lock().await;
-        if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
-            return Ok(m.status());
-        }
-        let manifest: Manifest = serde_json::from_slice(
-            &std::fs::read(m.dir.join("manifest.json"))
-                .map_err(|e| Status::data_loss(format!("manifest: {e}")))?,
-        )
-        .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
-        let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
-        else {
-            return Err(Status::internal("unexpected broker reply"));
-        };
-        let ip_of = |s: &str| {
-            s.parse::<std::net::SocketAddr>()
-                .map(|a| a.ip().to_string())
-                .unwrap_or_default()
-        };
-        let established: Vec<&ManifestSocket> =
-            manifest.sockets.iter().filter(|s| !s.listening).collect();
-        let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
-        let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(m.tcp);
-        let preserve = tcp != TcpPreservation::None && moved;
-        if tcp == TcpPreservation::Strict && !moved {
-            return Err(Status::failed_precondition(
-                "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
-            ));
-        }
-        let dir = final_dir(&m.dir, &manifest)?;
-        let netns = m
-            .netns_path
-            .clone()
-            .ok_or_else(|| Status::internal("target netns not bound"))?;
-        // Not close-on-exec: criu swrk inherits it and finds it by number.
-        let ns_fd = nix::fcntl::open(
-            netns.as_str(),
-            nix::fcntl::OFlag::O_RDONLY,
-            nix::sys::stat::Mode::empty(),
-        )
-        .map_err(|e| Status::internal(format!("open {netns}: {e}")))?;
-        let mut o = Opts::new(&dir, "restore.log");
-        {
-            use std::os::fd::AsRawFd;
-            o.inherit_fd = vec![criu::InheritFd {
-                key: NETNS_KEY.into(),
-                fd: ns_fd.as_raw_fd(),
-            }];
-        }
-        // A container: its mounts bound to the holder's, its root the holder's root
-        // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
-        // the holder's PID namespace (crate::pidns).
-        let container = self.container_restore(&m, &manifest, &mut o)?;
-        let holder_pid = container.is_some().then_some(m.process.pid);
-        if preserve {
-            o.tcp_established = Some(true);
-        } else {
-            o.tcp_close = Some(true);
-        }
-        m.timings.restore_started_us = now_us();
-        let t = Instant::now();
-        let criu = self.cfg.criu.clone();
-        let log = dir.join("restore.log");
-        let resp = blocking(move || {
-            let r = criu
-                .call_in(
-                    Req {
-                        r#type: criu::REQ_RESTORE,
-                        opts: Some(o),
-                    },
-                    Some(&log),
-                    holder_pid,
-                )
-                .map_err(criu_status);
-            drop(ns_fd);
-            drop(container);
-            r
-        })
-        .await?;
-        m.timings.resumed_us = now_us();
-        m.timings.restore_us = t.elapsed().as_micros() as u64;
-        let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
-        // CRIU run inside the holder's PID namespace reports the restored root's PID
-        // there; it is now the holder's child (CRIU has exited).
-        let pid = match holder_pid {
-            Some(h) => procfs::child_by_ns_pid(h, criu_pid).ok_or_else(|| {
-                Status::internal(format!(
-                    "the restored root (pid {criu_pid} in the holder's PID namespace) is not a child of the holder {h}"
-                ))
-            })?,
-            None => criu_pid,
-        };
-        let restored = ProcRef {
-            pid,
-            start_time: procfs::start_time(pid).map_err(|e| Status::internal(e.to_string()))?,
-        };
-        m.restored = Some(restored);
-        m.broker(Request::MoveCgroup {
-            uid: m.uid.clone(),
-            process: restored,
-        })
-        .await?;
-        if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
-            // What the holder executes if the adopted container is started again.
-            let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
-            if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
-                tracing::warn!(uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
-            }
-        }
-        m.sockets = manifest
-            .sockets
-            .iter()
-            .map(|s| SocketReport {
-                local: s.local.clone(),
-                remote: s.remote.clone(),
-                listening: s.listening,
-                outcome: if s.listening {
-                    SocketOutcome::ListenerRestored
-                } else if preserve {
-                    SocketOutcome::Preserved
-                } else {
-                    SocketOutcome::ClosedCleanly
-                } as i32,
-            })
-            .collect();
-        // The images are no longer needed: do not keep the workload's memory around.
-        let _ = images::zeroize(&m.dir);
-        m.image_bytes = 0;
-        m.phase = Phase::Restored;
-        tracing::info!(
-            uid,
-            pid,
-            restore_ms = m.timings.restore_us / 1000,
-            "restored"
-        );
-        Ok(m.status())
-    }
-
-    /// Restore options for a container's dump (`None`: a process of the node's mount
-    /// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
-    /// stay open until the restore has run.
-    fn container_restore(
-        &self,
-        m: &Migration,
-        manifest: &Manifest,
-        o: &mut Opts,
-    ) -> Result<Option<Vec<std::os::fd::OwnedFd>>, Status> {
-        if manifest.external_mounts.is_empty() && m.fs.is_none() {
-            return Ok(None);
-        }
-        let Some(fs) = &m.fs else {
-            return Err(Status::failed_precondition(
-                "the source is a container but the target holder was not resolved through the container runtime",
-            ));
-        };
-        let holder_pid = m.process.pid;
-        let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
-            .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
-        let holder = mounts::Holder {
-            spec: fs.spec.clone(),
-            mountinfo: mounts::parse_mountinfo(&mi),
-            rootfs: fs.rootfs.clone(),
-        };
-        let args = mounts::restore_external_args(
-            &manifest.external_mounts,
-            &holder,
-            &self.cfg.containers.host(),
-        )
-        .map_err(Status::failed_precondition)?;
-        o.external.extend(args);
-        o.root = Some(holder.rootfs.to_string_lossy().into_owned());
-        let mut fds = Vec::new();
-        for (fd, key) in &manifest.stdio_pipes {
-            let path = format!("/proc/{holder_pid}/fd/{fd}");
-            let flags = if *fd == 0 {
-                nix::fcntl::OFlag::O_RDONLY
-            } else {
-                nix::fcntl::OFlag::O_WRONLY
-            };
-            // Not close-on-exec: criu swrk inherits it and finds it by number.
-            let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
-                .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
-            use std::os::fd::AsRawFd;
-            o.inherit_fd.push(criu::InheritFd {
-                key: key.clone(),
-                fd: f.as_raw_fd(),
-            });
-            fds.push(f);
-        }
-        Ok(Some(fds))
+        let m = self.get(uid)?.lock_owned().await;
+        tokio::spawn(restore_locked(Arc::clone(&self.cfg), m))
+            .await
+            .map_err(|e| Status::internal(format!("restore task: {e}")))?
     }
 
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
@@ -1227,14 +1048,22 @@ impl Agent {
                 m.timings.resumed_us = now_us();
             }
             (_, _) => {
-                if let Some(p) = m.restored.take()
-                    && procfs::check_live(p).is_ok()
-                {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(p.pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
+                // The target: no restored process may outlive the answer "aborted"
+                // (the operator thaws the source on it). Killed and confirmed dead,
+                // or the Abort fails and the operator asks again.
+                let root = m.restored;
+                let holder = m.fs.is_some().then_some(m.process);
+                if root.is_some() || holder.is_some() {
+                    blocking(move || {
+                        kill_restored(root, holder).map_err(|e| {
+                            Status::unavailable(format!(
+                                "the restored copy could not be confirmed killed: {e}"
+                            ))
+                        })
+                    })
+                    .await?;
                 }
+                m.restored = None;
             }
         }
         let _ = images::zeroize(&m.dir);
@@ -1276,6 +1105,305 @@ impl Agent {
             .retain(|f| f.uid.as_str() != uid);
         Ok(st)
     }
+}
+
+/// The body of `Restore`, run by a task that owns the migration (see
+/// [`Agent::restore_impl`]).
+async fn restore_locked(
+    cfg: Arc<Config>,
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+) -> Result<MigrationStatus, Status> {
+    if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
+        return Ok(m.status());
+    }
+    let manifest: Manifest = serde_json::from_slice(
+        &std::fs::read(m.dir.join("manifest.json"))
+            .map_err(|e| Status::data_loss(format!("manifest: {e}")))?,
+    )
+    .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
+    let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await? else {
+        return Err(Status::internal("unexpected broker reply"));
+    };
+    let ip_of = |s: &str| {
+        s.parse::<std::net::SocketAddr>()
+            .map(|a| a.ip().to_string())
+            .unwrap_or_default()
+    };
+    let established: Vec<&ManifestSocket> =
+        manifest.sockets.iter().filter(|s| !s.listening).collect();
+    let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
+    let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(m.tcp);
+    let preserve = tcp != TcpPreservation::None && moved;
+    if tcp == TcpPreservation::Strict && !moved {
+        return Err(Status::failed_precondition(
+            "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
+        ));
+    }
+    let dir = final_dir(&m.dir, &manifest)?;
+    let netns = m
+        .netns_path
+        .clone()
+        .ok_or_else(|| Status::internal("target netns not bound"))?;
+    // Not close-on-exec: criu swrk inherits it and finds it by number.
+    let ns_fd = nix::fcntl::open(
+        netns.as_str(),
+        nix::fcntl::OFlag::O_RDONLY,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| Status::internal(format!("open {netns}: {e}")))?;
+    let mut o = Opts::new(&dir, "restore.log");
+    {
+        use std::os::fd::AsRawFd;
+        o.inherit_fd = vec![criu::InheritFd {
+            key: NETNS_KEY.into(),
+            fd: ns_fd.as_raw_fd(),
+        }];
+    }
+    // A container: its mounts bound to the holder's, its root the holder's root
+    // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
+    // the holder's PID namespace (crate::pidns).
+    let container = container_restore(&cfg, &m, &manifest, &mut o)?;
+    let holder_pid = container.is_some().then_some(m.process.pid);
+    if preserve {
+        o.tcp_established = Some(true);
+    } else {
+        o.tcp_close = Some(true);
+    }
+    m.timings.restore_started_us = now_us();
+    let t = Instant::now();
+    let criu = cfg.criu.clone();
+    let log = dir.join("restore.log");
+    let resp = blocking(move || {
+        let r = criu
+            .call_in(
+                Req {
+                    r#type: criu::REQ_RESTORE,
+                    opts: Some(o),
+                },
+                Some(&log),
+                holder_pid,
+            )
+            .map_err(criu_status);
+        drop(ns_fd);
+        drop(container);
+        r
+    })
+    .await;
+    let resp = match resp {
+        Ok(r) => r,
+        Err(e) => {
+            // CRIU kills what it forked when it fails (its own rollback). In a
+            // holder's PID namespace anything it left (CRIU itself killed
+            // mid-restore) is below the holder: end it all before answering.
+            if holder_pid.is_some() {
+                return Err(undo_restore(&mut m, true, e).await);
+            }
+            return Err(e);
+        }
+    };
+    m.timings.resumed_us = now_us();
+    m.timings.restore_us = t.elapsed().as_micros() as u64;
+    let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+    // CRIU run inside the holder's PID namespace reports the restored root's PID
+    // there; it is now the holder's child (CRIU has exited).
+    let pid = match holder_pid {
+        Some(h) => procfs::child_by_ns_pid(h, criu_pid),
+        None => Some(criu_pid),
+    };
+    let Some(restored) = pid.and_then(|pid| {
+        Some(ProcRef {
+            pid,
+            start_time: procfs::start_time(pid).ok()?,
+        })
+    }) else {
+        let e = Status::internal(format!(
+            "the restored root (pid {criu_pid} as CRIU reported it) is not to be found{}",
+            holder_pid
+                .map(|h| format!(" among the children of the holder {h}"))
+                .unwrap_or_default()
+        ));
+        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
+    };
+    // From here the copy runs: every failure below kills it before answering.
+    m.restored = Some(restored);
+    if let Err(e) = m
+        .broker(Request::MoveCgroup {
+            uid: m.uid.clone(),
+            process: restored,
+        })
+        .await
+    {
+        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
+    }
+    if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
+        // What the holder executes if the adopted container is started again.
+        let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
+        if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
+            tracing::warn!(uid = %m.uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
+        }
+    }
+    m.sockets = manifest
+        .sockets
+        .iter()
+        .map(|s| SocketReport {
+            local: s.local.clone(),
+            remote: s.remote.clone(),
+            listening: s.listening,
+            outcome: if s.listening {
+                SocketOutcome::ListenerRestored
+            } else if preserve {
+                SocketOutcome::Preserved
+            } else {
+                SocketOutcome::ClosedCleanly
+            } as i32,
+        })
+        .collect();
+    // The images are no longer needed: do not keep the workload's memory around.
+    let _ = images::zeroize(&m.dir);
+    m.image_bytes = 0;
+    m.phase = Phase::Restored;
+    tracing::info!(
+        uid = %m.uid,
+        pid = restored.pid,
+        restore_ms = m.timings.restore_us / 1000,
+        "restored"
+    );
+    Ok(m.status())
+}
+
+/// After a failed restore, no process of it may run: kills what it restored (see
+/// [`kill_restored`]) and returns `e`, saying whether the kill was confirmed. An
+/// unconfirmed kill keeps the copy recorded, so an `Abort` tries again (and fails
+/// while it cannot confirm it: the operator then never thaws the source).
+async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
+    let root = m.restored;
+    let holder = holder.then_some(m.process);
+    match blocking(move || kill_restored(root, holder).map_err(Status::internal)).await {
+        Ok(()) => {
+            m.restored = None;
+            tracing::warn!(uid = %m.uid, error = %e.message(), "restore failed; no restored process left");
+            Status::new(
+                e.code(),
+                format!("{}; no restored process left", e.message()),
+            )
+        }
+        Err(k) => {
+            tracing::error!(uid = %m.uid, error = %e.message(), kill = %k.message(), "restore failed and its copy could not be confirmed killed");
+            Status::new(
+                e.code(),
+                format!(
+                    "{}; a restored copy may still run: {}",
+                    e.message(),
+                    k.message()
+                ),
+            )
+        }
+    }
+}
+
+/// Kills a restored process tree and waits (bounded) until none of it runs: the tree
+/// of `root` (the restored root as pinned after the restore; all of its PID namespace
+/// with it if it is that namespace's init), and in a holder's PID namespace everything
+/// below the holder (CRIU ran there, so whatever it forked and left ends up there,
+/// pinned or not). The holder itself stays. Every process is pinned (pid and start
+/// time) before it is signalled, so a reused pid is never killed.
+fn kill_restored(root: Option<ProcRef>, holder: Option<ProcRef>) -> Result<(), String> {
+    let live = || {
+        let mut pids = Vec::new();
+        if let Some(r) = root
+            && procfs::check_live(r).is_ok()
+        {
+            pids.extend(procfs::tree(r.pid));
+        }
+        // The holder as pinned at `Prepare`: a holder that exited (its container
+        // restarted) has nothing of this restore below it, and its pid may be reused.
+        if let Some(h) = holder
+            && procfs::check_live(h).is_ok()
+        {
+            pids.extend(procfs::tree(h.pid).into_iter().filter(|p| *p != h.pid));
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        pids.into_iter()
+            .filter_map(|pid| {
+                let p = ProcRef {
+                    pid,
+                    start_time: procfs::start_time(pid).ok()?,
+                };
+                procfs::check_live(p).is_ok().then_some(p)
+            })
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..500 {
+        let procs = live();
+        if procs.is_empty() {
+            return Ok(());
+        }
+        for p in procs {
+            if procfs::check_live(p).is_ok() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p.pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let left: Vec<i32> = live().iter().map(|p| p.pid).collect();
+    Err(format!(
+        "restored processes {left:?} still run 5 s after SIGKILL"
+    ))
+}
+
+/// Restore options for a container's dump (`None`: a process of the node's mount
+/// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
+/// stay open until the restore has run.
+fn container_restore(
+    cfg: &Config,
+    m: &Migration,
+    manifest: &Manifest,
+    o: &mut Opts,
+) -> Result<Option<Vec<std::os::fd::OwnedFd>>, Status> {
+    if manifest.external_mounts.is_empty() && m.fs.is_none() {
+        return Ok(None);
+    }
+    let Some(fs) = &m.fs else {
+        return Err(Status::failed_precondition(
+            "the source is a container but the target holder was not resolved through the container runtime",
+        ));
+    };
+    let holder_pid = m.process.pid;
+    let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
+        .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
+    let holder = mounts::Holder {
+        spec: fs.spec.clone(),
+        mountinfo: mounts::parse_mountinfo(&mi),
+        rootfs: fs.rootfs.clone(),
+    };
+    let args =
+        mounts::restore_external_args(&manifest.external_mounts, &holder, &cfg.containers.host())
+            .map_err(Status::failed_precondition)?;
+    o.external.extend(args);
+    o.root = Some(holder.rootfs.to_string_lossy().into_owned());
+    let mut fds = Vec::new();
+    for (fd, key) in &manifest.stdio_pipes {
+        let path = format!("/proc/{holder_pid}/fd/{fd}");
+        let flags = if *fd == 0 {
+            nix::fcntl::OFlag::O_RDONLY
+        } else {
+            nix::fcntl::OFlag::O_WRONLY
+        };
+        // Not close-on-exec: criu swrk inherits it and finds it by number.
+        let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
+            .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
+        use std::os::fd::AsRawFd;
+        o.inherit_fd.push(criu::InheritFd {
+            key: key.clone(),
+            fd: f.as_raw_fd(),
+        });
+        fds.push(f);
+    }
+    Ok(Some(fds))
 }
 
 /// The sealer of one outgoing image stream (every Send, every retry): a fresh random

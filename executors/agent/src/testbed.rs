@@ -155,6 +155,9 @@ pub struct Testbed {
     children: Vec<Child>,
     /// Extra arguments for the agents started from now on.
     pub agent_args: Vec<String>,
+    /// The CRIU the agents started from now on run ([`criu_path`] unless a test puts
+    /// a wrapper in its place).
+    pub criu: PathBuf,
 }
 
 impl Testbed {
@@ -277,6 +280,7 @@ impl Testbed {
             testload_bin: testload_bin.into(),
             agents: [None, None],
             agent_args: vec![],
+            criu: criu_path(),
             children: vec![],
         }
     }
@@ -345,7 +349,7 @@ impl Testbed {
             .arg("--tls-key")
             .arg(self.dir.join(format!("{name}.key")))
             .arg("--criu")
-            .arg(criu_path())
+            .arg(&self.criu)
             .arg("--broker-socket")
             .arg(self.dir.join(format!("node{node}/broker.sock")))
             .arg("--checkpoints-root")

@@ -489,3 +489,171 @@ fn a_terminated_agent_resumes_the_source_it_froze_before_exiting() {
         "the source stayed frozen\n{log}"
     );
 }
+
+/// Live (not zombie) processes of the workload's executable in the target pod's
+/// network namespace: a restored copy, whatever its cgroup or pid namespace.
+fn copies_in_target(tb: &Testbed) -> Vec<i32> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.ino()).ok();
+    let tgt = ino(format!("/run/netns/{}", tb.ns("tgt")).as_ref()).expect("target netns");
+    let exe = std::fs::canonicalize(&tb.testload_bin).expect("testload");
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let zombie = std::fs::read_to_string(e.path().join("stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.starts_with('Z')))
+            .unwrap_or(true);
+        if std::fs::read_link(e.path().join("exe")).ok().as_deref() == Some(exe.as_path())
+            && ino(&e.path().join("ns/net")) == Some(tgt)
+            && !zombie
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The chaos run's two copies (docs/reliability.md): the operator's `Restore` call
+/// went away (its leader was killed) while CRIU restored the tree. The agent dropped
+/// the call's work with it and never learned of the copy CRIU had started; a retried
+/// `Restore` ran CRIU again, which failed ("Can't connect inet socket back: Cannot
+/// assign requested address": the first copy held the connection), `Abort` had
+/// nothing to kill and answered `Aborted`, and the source was thawed beside the copy.
+#[test]
+fn a_restore_whose_caller_went_away_is_finished_and_killed_by_abort() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "rcx",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    // The target's CRIU starts a second late, so the call is abandoned while the
+    // restore is certainly under way.
+    let slow = tb.dir.join("slow-criu");
+    std::fs::write(
+        &slow,
+        format!("#!/bin/sh\nsleep 1\nexec {} \"$@\"\n", tb.criu.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    tb.start_agent(0);
+    tb.criu = slow;
+    tb.start_agent(1);
+    let src = tb.start_workload(8, 0);
+    let holder = tb.start_holder();
+    tb.add_address_to_target();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "restore-caller-gone";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
+    let abandoned = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        tokio::time::timeout(Duration::from_millis(300), b.restore(uid))
+            .await
+            .is_err()
+    });
+    assert!(abandoned, "the first Restore answered within 300 ms");
+    // The operator asks again: the answer is the restore that ran, not a second one.
+    let second = tb.operator(move |tls| async move {
+        let mut b = tls.agent(1).await;
+        b.restore(uid).await
+    });
+    let copies = copies_in_target(&tb);
+    let second = second.unwrap_or_else(|e| {
+        panic!("the retried Restore failed: {e}; copies in the target: {copies:?}")
+    });
+    assert_eq!(second.phase(), Phase::Restored);
+    assert_eq!(
+        copies,
+        vec![second.restored_pid],
+        "exactly the copy the agent reports runs in the target"
+    );
+    // The rollback: the target's Abort kills the copy before it answers, then the
+    // source is thawed.
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert_eq!(
+        copies_in_target(&tb),
+        Vec::<i32>::new(),
+        "a copy outlived Abort"
+    );
+    // The copy that ran had the client's connection (its kill reset it): the source
+    // answers on a new one.
+    drop(conn);
+    let mut fresh = tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    assert!(
+        resumes(src.pid, &mut fresh, before, 50),
+        "the source resumed"
+    );
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
+/// A restore that fails after CRIU forked the tree (the pod address is in the target,
+/// the client is not reachable from there: the established connection's repair-mode
+/// connect fails with "Network is unreachable", as in the chaos run) leaves no process.
+#[test]
+fn a_restore_failing_late_leaves_no_restored_process() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("rlt");
+    let src = tb.start_workload(8, 0);
+    let holder = tb.start_holder();
+    tb.add_address_to_target();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let tgt = tb.ns("tgt");
+    assert!(
+        std::process::Command::new("ip")
+            .args(["-n", &tgt, "route", "flush", "table", "main"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let uid = "restore-fails-late";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
+    let err = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        b.restore(uid).await.unwrap_err().to_string()
+    });
+    assert!(err.contains("Can't connect inet socket back"), "{err}");
+    assert_eq!(copies_in_target(&tb), Vec::<i32>::new(), "{err}");
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(
+        resumes(src.pid, &mut conn, before, 50),
+        "the source resumed"
+    );
+    assert_eq!(copies_in_target(&tb), Vec::<i32>::new());
+}
