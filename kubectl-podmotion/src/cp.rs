@@ -16,7 +16,7 @@ use std::path::{Component, Path, PathBuf};
 
 use anyhow::{Context, bail};
 use kube::Client;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, DuplexStream};
 
 use crate::agent::Agent;
 use crate::cli::{Cp, Workload};
@@ -187,6 +187,9 @@ pub async fn run(client: Client, namespace: &str, args: &Cp) -> anyhow::Result<u
     Ok(0)
 }
 
+/// The agent's stream of one file or directory, after its metadata line.
+type FileStream = BufReader<DuplexStream>;
+
 async fn copy(
     client: &Client,
     namespace: &str,
@@ -194,9 +197,43 @@ async fn copy(
     path: &str,
     args: &Cp,
 ) -> anyhow::Result<()> {
+    let (mut s, meta) = open_remote(client, namespace, &agent, path, args).await?;
+    let stdout = args.local.as_os_str() == "-";
+    match meta {
+        Meta::File { size, mode } => {
+            let mut body = (&mut s).take(size);
+            let n = if stdout {
+                to_stdout(&mut body).await?
+            } else {
+                to_local_file(&mut body, mode, &agent, path, &args.local).await?
+            };
+            if n != size {
+                bail!("the copy of {path} ended after {n} of {size} bytes");
+            }
+        }
+        Meta::Dir { .. } if stdout => {
+            let n = to_stdout(&mut s).await?;
+            progress(&format!(
+                "{path}: {n} bytes of tar from pod {}",
+                agent.target
+            ));
+        }
+        Meta::Dir { .. } => to_local_dir(&mut s, &agent, path, &args.local).await?,
+    }
+    Ok(())
+}
+
+/// Asks the agent for `path` (in the chosen container, if any) and reads what it is.
+async fn open_remote(
+    client: &Client,
+    namespace: &str,
+    agent: &Agent,
+    path: &str,
+    args: &Cp,
+) -> anyhow::Result<(FileStream, Meta)> {
     let mut query = format!("/v1/files?path={}", percent_encode(path));
     if let Some(id) =
-        container_id(client, namespace, &agent, args.agent.container.as_deref()).await?
+        container_id(client, namespace, agent, args.agent.container.as_deref()).await?
     {
         query.push_str(&format!("&container={}", percent_encode(&id)));
     }
@@ -212,77 +249,75 @@ async fn copy(
             String::from_utf8_lossy(&line)
         )
     })?;
-    let stdout = args.local.as_os_str() == "-";
-    match meta {
-        Meta::File { size, mode } => {
-            let mut body = (&mut s).take(size);
-            let n = if stdout {
-                to_stdout(&mut body).await?
-            } else {
-                let target = file_target(&args.local, path);
-                let mut f = tokio::fs::File::create(&target)
-                    .await
-                    .with_context(|| format!("creating {}", target.display()))?;
-                let n = tokio::io::copy(&mut body, &mut f).await?;
-                f.flush().await?;
-                use std::os::unix::fs::PermissionsExt;
-                tokio::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode & 0o777))
-                    .await?;
-                progress(&format!(
-                    "{path} ({n} bytes) from pod {} (node {}) -> {}",
-                    agent.target,
-                    agent.node,
-                    target.display()
-                ));
-                n
-            };
-            if n != size {
-                bail!("the copy of {path} ended after {n} of {size} bytes");
-            }
+    Ok((s, meta))
+}
+
+/// Writes a file's bytes to its [`file_target`] with the remote mode's permission
+/// bits; the byte count.
+async fn to_local_file<R: tokio::io::AsyncRead + Unpin>(
+    body: &mut R,
+    mode: u32,
+    agent: &Agent,
+    path: &str,
+    local: &Path,
+) -> anyhow::Result<u64> {
+    let target = file_target(local, path);
+    let mut f = tokio::fs::File::create(&target)
+        .await
+        .with_context(|| format!("creating {}", target.display()))?;
+    let n = tokio::io::copy(body, &mut f).await?;
+    f.flush().await?;
+    use std::os::unix::fs::PermissionsExt;
+    tokio::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode & 0o777)).await?;
+    progress(&format!(
+        "{path} ({n} bytes) from pod {} (node {}) -> {}",
+        agent.target,
+        agent.node,
+        target.display()
+    ));
+    Ok(n)
+}
+
+/// Unpacks a directory's tar stream into `local`; fails on a stream cut short.
+async fn to_local_dir(
+    s: &mut FileStream,
+    agent: &Agent,
+    path: &str,
+    local: &Path,
+) -> anyhow::Result<()> {
+    // tar reads synchronously: the bytes go through a pipe of chunks.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
+    let dest = local.to_path_buf();
+    let unpacker = tokio::task::spawn_blocking(move || unpack(ChunkReader::new(rx), &dest));
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut tail = Tail::default();
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            break;
         }
-        Meta::Dir { .. } if stdout => {
-            let n = to_stdout(&mut s).await?;
-            progress(&format!(
-                "{path}: {n} bytes of tar from pod {}",
-                agent.target
-            ));
-        }
-        Meta::Dir { .. } => {
-            // tar reads synchronously: the bytes go through a pipe of chunks.
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
-            let dest = args.local.clone();
-            let unpacker = tokio::task::spawn_blocking(move || unpack(ChunkReader::new(rx), &dest));
-            let mut buf = vec![0u8; 64 * 1024];
-            let mut tail = Tail::default();
-            loop {
-                let n = s.read(&mut buf).await?;
-                if n == 0 {
-                    break;
-                }
-                tail.push(&buf[..n]);
-                if tx.send(buf[..n].to_vec()).is_err() {
-                    break;
-                }
-            }
-            drop(tx);
-            let got = unpacker.await??;
-            // tar readers stop quietly at EOF between entries: only the end-of-archive
-            // blocks the agent writes last say the stream is whole.
-            if !tail.is_end_of_archive() {
-                bail!("the copy of {path} was cut short (no end-of-archive in the tar stream)");
-            }
-            progress(&format!(
-                "{path}: {} files, {} directories, {} symlinks ({} bytes) from pod {} (node {}) -> {}",
-                got.files,
-                got.dirs,
-                got.symlinks,
-                got.bytes,
-                agent.target,
-                agent.node,
-                args.local.display()
-            ));
+        tail.push(&buf[..n]);
+        if tx.send(buf[..n].to_vec()).is_err() {
+            break;
         }
     }
+    drop(tx);
+    let got = unpacker.await??;
+    // tar readers stop quietly at EOF between entries: only the end-of-archive
+    // blocks the agent writes last say the stream is whole.
+    if !tail.is_end_of_archive() {
+        bail!("the copy of {path} was cut short (no end-of-archive in the tar stream)");
+    }
+    progress(&format!(
+        "{path}: {} files, {} directories, {} symlinks ({} bytes) from pod {} (node {}) -> {}",
+        got.files,
+        got.dirs,
+        got.symlinks,
+        got.bytes,
+        agent.target,
+        agent.node,
+        local.display()
+    ));
     Ok(())
 }
 
