@@ -169,6 +169,19 @@ pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Res
     .await
 }
 
+/// What [`follow`] knows of the migration between events.
+#[derive(Default)]
+struct Following {
+    /// The status last printed: only changes are printed.
+    prev: Option<Snapshot>,
+    /// This command deleted the migration (Ctrl-C or the deadline): it ends in a rollback.
+    aborting: bool,
+    /// The migration was in the watch's current list (reset at each re-list).
+    seen: bool,
+    /// The final report was printed.
+    reported: bool,
+}
+
 async fn follow(
     pms: &Api<PodMigration>,
     namespace: &str,
@@ -185,96 +198,130 @@ async fn follow(
     let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
     let give_up = tokio::time::sleep(give_up_after);
     let mut give_up = pin!(give_up);
-    let mut prev: Option<Snapshot> = None;
-    let mut aborting = false;
-    let mut seen = false;
-    let mut reported = false;
+    let mut f = Following::default();
     loop {
         tokio::select! {
             ev = stream.next() => {
-                let ev = match ev {
-                    None => bail!("the watch of PodMigration {namespace}/{name} ended"),
-                    Some(Err(e)) => {
-                        let watch = Attempt { verb: "watch", resource: PODMIGRATIONS, namespace: Some(namespace), name: None };
-                        if let Some(refused) = watch_refused(watch, &e) {
-                            bail!(refused);
-                        }
-                        p.line(&format!("watch interrupted ({e}); resuming"));
-                        continue;
-                    }
-                    Some(Ok(ev)) => ev,
-                };
-                match ev {
-                    Event::Init => seen = false,
-                    Event::InitDone => {
-                        if !seen {
-                            if aborting {
-                                p.line(&format!("PodMigration {name} is gone; the source pod runs where it was"));
-                                return Ok(INTERRUPTED);
-                            }
-                            bail!("PodMigration {namespace}/{name} was deleted by someone else before it ended");
-                        }
-                    }
-                    Event::Apply(m) | Event::InitApply(m) => {
-                        seen = true;
-                        let Some(status) = m.status.clone() else { continue };
-                        for l in changes(prev.as_ref(), &status) {
-                            // On a terminal the transfer summary lives in the live line.
-                            if p.tty && l.trim() == transfer_summary(&status) {
-                                continue;
-                            }
-                            p.line(&l);
-                        }
-                        prev = Some(Snapshot::of(&status));
-                        if let Some((outcome, lines)) = final_report(&m) {
-                            p.end_live();
-                            if !reported {
-                                for l in &lines {
-                                    p.line(l);
-                                }
-                                reported = true;
-                            }
-                            if !aborting {
-                                return Ok(outcome.exit_code());
-                            }
-                        } else {
-                            p.live(&live_line(&status));
-                        }
-                    }
-                    Event::Delete(_) => {
-                        p.end_live();
-                        if aborting {
-                            p.line(&format!("PodMigration {name} is gone; the source pod runs where it was"));
-                            return Ok(INTERRUPTED);
-                        }
-                        bail!("PodMigration {namespace}/{name} was deleted by someone else before it ended");
-                    }
+                let Some(ev) = watch_event(ev, p, namespace, name)? else { continue };
+                if let Some(exit) = f.on_event(ev, p, namespace, name)? {
+                    return Ok(exit);
                 }
             }
             _ = sigint.recv() => {
                 p.end_live();
-                if aborting {
+                if f.aborting {
                     p.line(&format!(
                         "not waiting any longer; PodMigration {namespace}/{name} is being deleted and rolls back on its own"
                     ));
                     return Ok(INTERRUPTED);
                 }
-                aborting = true;
+                f.aborting = true;
                 p.line(&format!(
                     "interrupted: deleting PodMigration {name}; its finalizer rolls the migration back and resumes the source pod (Ctrl-C again to stop waiting)"
                 ));
                 delete(pms, namespace, name).await?;
             }
-            _ = &mut give_up, if !aborting => {
+            _ = &mut give_up, if !f.aborting => {
                 p.end_live();
                 p.line(&format!(
                     "PodMigration {name} did not end within its deadline and {}s of grace: deleting it (rolls back)",
                     DEADLINE_GRACE.as_secs()
                 ));
-                aborting = true;
+                f.aborting = true;
                 delete(pms, namespace, name).await?;
             }
         }
+    }
+}
+
+/// The event a watch item carries; `None` after an error the watch retries (said on a
+/// line). Fails when the watch ended or was refused.
+fn watch_event(
+    ev: Option<Result<Event<PodMigration>, watcher::Error>>,
+    p: &mut Printer,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Option<Event<PodMigration>>> {
+    match ev {
+        None => bail!("the watch of PodMigration {namespace}/{name} ended"),
+        Some(Err(e)) => {
+            let watch = Attempt {
+                verb: "watch",
+                resource: PODMIGRATIONS,
+                namespace: Some(namespace),
+                name: None,
+            };
+            if let Some(refused) = watch_refused(watch, &e) {
+                bail!(refused);
+            }
+            p.line(&format!("watch interrupted ({e}); resuming"));
+            Ok(None)
+        }
+        Some(Ok(ev)) => Ok(Some(ev)),
+    }
+}
+
+impl Following {
+    /// Prints what the event changed; `Some(exit code)` when following is over.
+    fn on_event(
+        &mut self,
+        ev: Event<PodMigration>,
+        p: &mut Printer,
+        namespace: &str,
+        name: &str,
+    ) -> anyhow::Result<Option<u8>> {
+        match ev {
+            Event::Init => self.seen = false,
+            Event::InitDone if !self.seen => return self.gone(p, namespace, name).map(Some),
+            Event::InitDone => {}
+            Event::Apply(m) | Event::InitApply(m) => {
+                self.seen = true;
+                return Ok(self.on_update(&m, p));
+            }
+            Event::Delete(_) => {
+                p.end_live();
+                return self.gone(p, namespace, name).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// The changed lines, then the live line or, at a terminal phase, the final report
+    /// (once); `Some(exit code)` at a terminal phase unless this command is aborting
+    /// (then the deletion ends it).
+    fn on_update(&mut self, m: &PodMigration, p: &mut Printer) -> Option<u8> {
+        let status = m.status.clone()?;
+        for l in changes(self.prev.as_ref(), &status) {
+            // On a terminal the transfer summary lives in the live line.
+            if p.tty && l.trim() == transfer_summary(&status) {
+                continue;
+            }
+            p.line(&l);
+        }
+        self.prev = Some(Snapshot::of(&status));
+        let Some((outcome, lines)) = final_report(m) else {
+            p.live(&live_line(&status));
+            return None;
+        };
+        p.end_live();
+        if !self.reported {
+            for l in &lines {
+                p.line(l);
+            }
+            self.reported = true;
+        }
+        (!self.aborting).then(|| outcome.exit_code())
+    }
+
+    /// The migration is gone: the end of this command's abort, or someone else's delete.
+    fn gone(&self, p: &mut Printer, namespace: &str, name: &str) -> anyhow::Result<u8> {
+        if self.aborting {
+            p.line(&format!(
+                "PodMigration {name} is gone; the source pod runs where it was"
+            ));
+            return Ok(INTERRUPTED);
+        }
+        bail!("PodMigration {namespace}/{name} was deleted by someone else before it ended");
     }
 }
 
