@@ -1,0 +1,792 @@
+//! Benchmark (not a test): downtime of PodMigrations of a real container between the two
+//! real nodes, beside raw CRIU of the same container, side by side in one run (issue 15;
+//! the ratios issue 18 sets targets for).
+//!
+//!     eval "$(hack/cluster.sh env)"       # the cluster with real nodes, images pushed
+//!     cargo build -p podmotion-e2e --bin bench_real_migration
+//!     PODMOTION_IMAGES_VALUES=… PODMOTION_IMAGES_LIST=… \
+//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024]
+//!
+//! The chart is installed from our images by the real-node tests' fixture
+//! ([`podmotion_e2e::real::helm_install`]). For each size two Deployments of the
+//! `testload` fixture run on the real nodes (`serve 8080 <MiB> <dirty KiB/s>`, readiness
+//! probe): `mig-<MiB>` is moved by PodMigrations, back and forth between the nodes;
+//! `raw-<MiB>` gives a fresh pod of the same spec for every raw round. In every round,
+//! for Cold and for PreCopy, one PodMigration and one raw CRIU checkpoint/restore run,
+//! alternating which goes first; nothing is timed before the pod's ballast is written.
+//!
+//! * **PodMotion**: `status.downtimeMillis` as the operator reports it (the source agent's
+//!   freeze start — before it locks the pod's network — to the target agent's CRIU
+//!   restore returning), `status.progress.bytesSent`, and the agents' own log lines of
+//!   that migration (final dump ms and bytes, restore ms).
+//! * **raw CRIU**, on the raw pod's node, through the same `criu swrk` RPC and the same
+//!   dump options as the agent's final dump (its external netns and the container's
+//!   runtime bind and cgroup mounts as external mounts, `tcp-established`,
+//!   `leave-stopped`, cgroups ignored), CRIU run in that node's mount namespace; the
+//!   images go to a directory on `/dev/shm` (tmpfs), are copied with `cp -r` to a second
+//!   directory there (the same-host lower bound of a transfer), and are restored from
+//!   it with the container's own root filesystem as root, each external mount bound to
+//!   the same source mount, into a fresh network namespace (`tcp-close`, as the agents
+//!   restore when the pod address cannot move). Downtime = dump + copy + restore. The
+//!   restored copy must answer a counter at least as large as the one read before the
+//!   dump; then it, the stopped source and the pod are killed, and the network namespace
+//!   and the image directories removed.
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
+use podmotion_agent::containers::Containers;
+use podmotion_agent::criu::{self, Criu, InheritFd, Opts, Req};
+use podmotion_agent::mounts::{self, HostView};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, ask, ended, node_of};
+use podmotion_e2e::real::{Images, helm_install, kubectl, real_nodes};
+use podmotion_e2e::{
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, run_dir, wait_list,
+};
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Cold,
+    PreCopy,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Cold => "Cold",
+            Mode::PreCopy => "PreCopy",
+        }
+    }
+}
+
+/// One raw CRIU checkpoint/copy/restore of a fresh pod's container.
+#[derive(Debug)]
+struct Raw {
+    node: String,
+    dump_ms: f64,
+    copy_ms: f64,
+    restore_ms: f64,
+    bytes: u64,
+}
+
+impl Raw {
+    fn downtime_ms(&self) -> f64 {
+        self.dump_ms + self.copy_ms + self.restore_ms
+    }
+}
+
+/// One PodMigration, as its status and the agents' logs report it.
+#[derive(Debug)]
+struct Mig {
+    from: String,
+    to: String,
+    downtime_ms: i64,
+    bytes_sent: i64,
+    iterations: i32,
+    final_dump_ms: Option<u64>,
+    final_dump_bytes: Option<u64>,
+    restore_ms: Option<u64>,
+    /// Creation of the PodMigration to its final phase, as `phaseTransitionTimestamps`
+    /// say (second resolution).
+    total_s: i64,
+}
+
+struct Row {
+    size: u32,
+    mode: Mode,
+    round: usize,
+    raw: Result<Raw, String>,
+    mig: Result<Mig, String>,
+}
+
+struct Args {
+    rounds: usize,
+    sizes: Vec<u32>,
+    dirty_kib: u32,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        rounds: 3,
+        sizes: vec![64, 512],
+        dirty_kib: 1024,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--rounds" => a.rounds = value()?.parse()?,
+            "--sizes" => {
+                a.sizes = value()?
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?
+            }
+            "--dirty-kib" => a.dirty_kib = value()?.parse()?,
+            other => bail!(
+                "unknown argument {other}; usage: bench_real_migration [--rounds N] [--sizes 64,512] [--dirty-kib 1024]"
+            ),
+        }
+    }
+    Ok(a)
+}
+
+fn uptime() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let Some(op) = TestNamespace::new("bench-real-op", PodSecurity::Restricted).await else {
+        bail!("PODMOTION_E2E=0");
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        bail!("PODMOTION_REAL_NODES=0");
+    };
+    ensure!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
+    let Some(app) = TestNamespace::new("bench-real-app", PodSecurity::Baseline).await else {
+        bail!("PODMOTION_E2E=0");
+    };
+    let images = Images::load()?;
+    let testload_image = images.testload()?;
+    eprintln!(
+        "load {} — installing the chart from {} ({testload_image})",
+        uptime(),
+        images.path.display()
+    );
+    let release = format!("pm{}", random_suffix());
+    let agents_ns = format!("{}-agents", op.name);
+    let _uninstall = helm_install(
+        &release,
+        &images,
+        &op.name,
+        &app.name,
+        "podmotion-bench-real",
+        &[],
+    );
+    let work = Work::new()?;
+    let pods: Api<Pod> = app.api();
+    let pms: Api<PodMigration> = app.api();
+    let deploys: Api<Deployment> = app.api();
+    let mut rows = vec![];
+    let mut loads = vec![format!("start {}", uptime())];
+    for &size in &args.sizes {
+        let mut names = vec![];
+        for kind in ["mig", "raw"] {
+            let name = format!("{kind}-{size}");
+            // The ballast is rewritten at the dirty rate while the pod runs.
+            let mut d = serde_json::to_value(testload::deployment(&name, &testload_image, size))?;
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array_mut()
+                .context("testload args")?
+                .push(json!(args.dirty_kib.to_string()));
+            let d: Deployment = from_json(d);
+            deploys.create(&PostParams::default(), &d).await?;
+            names.push(name);
+        }
+        for round in 0..args.rounds {
+            for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
+                let raw_first = (round + i) % 2 == 0;
+                let mut raw = None;
+                let mut mig = None;
+                for side in 0..2 {
+                    if (side == 0) == raw_first {
+                        let r = raw_round(&pods, &format!("raw-{size}"), &work, &nodes)
+                            .await
+                            .map_err(|e| format!("{e:#}"));
+                        eprintln!("{size} MiB {} round {round} raw: {r:?}", mode.name());
+                        raw = Some(r);
+                    } else {
+                        let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
+                        let m = mig_round(
+                            &pods,
+                            &pms,
+                            &format!("mig-{size}"),
+                            &name,
+                            mode,
+                            &nodes,
+                            &agents_ns,
+                        )
+                        .await
+                        .map_err(|e| format!("{e:#}"));
+                        eprintln!(
+                            "{size} MiB {} round {round} PodMigration: {m:?}",
+                            mode.name()
+                        );
+                        mig = Some(m);
+                    }
+                }
+                rows.push(Row {
+                    size,
+                    mode,
+                    round,
+                    raw: raw.unwrap(),
+                    mig: mig.unwrap(),
+                });
+            }
+        }
+        loads.push(format!("after {size} MiB {}", uptime()));
+        // Free the memory before the next size.
+        for name in names {
+            deploys.delete(&name, &DeleteParams::default()).await?;
+            wait_list(
+                &pods,
+                &format!("app={name}"),
+                POD_TIMEOUT,
+                "the pods gone",
+                |ps| ps.is_empty(),
+            )
+            .await?;
+        }
+    }
+    print_table(&rows, &loads);
+    Ok(())
+}
+
+/// This run's scratch: the image directories (tmpfs) and the CRIU wrappers.
+struct Work {
+    /// `/dev/shm/pm-bench-real-<id>`: the images, on tmpfs.
+    shm: PathBuf,
+    /// `/tmp/pm-bench-real-<id>`: the wrapper scripts (executable).
+    bin: PathBuf,
+    id: String,
+}
+
+impl Work {
+    fn new() -> anyhow::Result<Work> {
+        let id = random_suffix();
+        let w = Work {
+            shm: PathBuf::from(format!("/dev/shm/pm-bench-real-{id}")),
+            bin: PathBuf::from(format!("/tmp/pm-bench-real-{id}")),
+            id,
+        };
+        for d in [&w.shm, &w.bin] {
+            std::fs::create_dir_all(d)?;
+            std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        }
+        Ok(w)
+    }
+
+    /// A `criu` that runs in `node`'s mount namespace (where the runtime spec's paths
+    /// and the container's root filesystem are), with `redirects` (shell) applied.
+    fn criu(&self, node: &str, name: &str, redirects: &str) -> anyhow::Result<Criu> {
+        let path = self.bin.join(name);
+        let ns = run_dir().join("ns").join(node);
+        let script = format!(
+            "#!/bin/bash\nexec nsenter --mount={} -- {} \"$@\" {redirects}\n",
+            ns.display(),
+            podmotion_agent::testbed::criu_path().display()
+        );
+        std::fs::write(&path, script)?;
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        Ok(Criu { binary: path })
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.shm);
+        let _ = std::fs::remove_dir_all(&self.bin);
+    }
+}
+
+/// What one raw round leaves, removed on every exit path: the restored copy and the
+/// stopped source (killed), the network namespace, the image directories.
+struct RawCleanup {
+    netns: String,
+    dir: PathBuf,
+    pids: Vec<i32>,
+}
+
+impl Drop for RawCleanup {
+    fn drop(&mut self) {
+        for pid in &self.pids {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The one Running, Ready pod of `app` whose ballast is written.
+async fn ready_pod(pods: &Api<Pod>, app: &str) -> anyhow::Result<Pod> {
+    let p = wait_list(
+        pods,
+        &format!("app={app}"),
+        POD_TIMEOUT,
+        "one Ready pod",
+        |ps| {
+            ps.len() == 1
+                && pod_running_ready(&ps[0])
+                && ps[0].metadata.deletion_timestamp.is_none()
+        },
+    )
+    .await?[0]
+        .clone();
+    let a = addr(&p);
+    for _ in 0..1500 {
+        if ask(&a, "ballast").is_ok_and(|x| x == "filled") {
+            return Ok(p);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("{}: the ballast was never filled", p.name_any())
+}
+
+fn netns_ino(pid: i32) -> anyhow::Result<String> {
+    Ok(std::fs::read_link(format!("/proc/{pid}/ns/net"))?
+        .to_string_lossy()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect())
+}
+
+fn criu_call(criu: Criu, req: Req, log: PathBuf) -> anyhow::Result<criu::Resp> {
+    Ok(criu.call(req, Some(&log))?)
+}
+
+/// A raw round on a fresh pod of `app`, which is deleted afterwards whatever happened
+/// (its container was dumped and killed, or may have been).
+async fn raw_round(
+    pods: &Api<Pod>,
+    app: &str,
+    work: &Work,
+    nodes: &[String],
+) -> anyhow::Result<Raw> {
+    let pod = ready_pod(pods, app).await?;
+    let res = raw_checkpoint_restore(&pod, work, nodes).await;
+    pods.delete(
+        &pod.name_any(),
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        },
+    )
+    .await?;
+    res
+}
+
+async fn raw_checkpoint_restore(pod: &Pod, work: &Work, nodes: &[String]) -> anyhow::Result<Raw> {
+    let node = node_of(pod);
+    ensure!(nodes.contains(&node), "{} on {node}", pod.name_any());
+    let cid = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.container_id.clone())
+        .context("container ID")?;
+    let id = cid.rsplit("://").next().unwrap_or(&cid).to_owned();
+    // The node's containerd, as the agent finds it (from the host: the node's run dir).
+    let node_run = run_dir().join("nodes").join(&node).join("run");
+    let resolved = Containers::Cri {
+        run_dir: node_run.clone(),
+        host: HostView {
+            host_root: "/".into(),
+        },
+    }
+    .resolve(std::slice::from_ref(&cid))
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pid = resolved.pid;
+    let fs = resolved.fs.context("no runtime spec")?;
+    // The root filesystem at its path in the node's mount namespace.
+    let rootfs = Path::new("/run").join(fs.rootfs.strip_prefix(&node_run).with_context(|| {
+        format!(
+            "rootfs {} outside {}",
+            fs.rootfs.display(),
+            node_run.display()
+        )
+    })?);
+    ensure!(
+        rootfs.ends_with(Path::new(&id).join("rootfs")),
+        "rootfs {}",
+        rootfs.display()
+    );
+    let mountinfo =
+        mounts::parse_mountinfo(&std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?);
+    let externals = mounts::dump_externals(&fs.spec, &mountinfo);
+    let stdio = mounts::stdio_pipes(pid);
+    let ino = netns_ino(pid)?;
+    let before: u64 = ask(&addr(pod), "get")?.parse()?;
+
+    let n = random_suffix();
+    let mut cleanup = RawCleanup {
+        netns: format!("pmbench-{}-{n}", work.id),
+        dir: work.shm.join(&n),
+        pids: vec![],
+    };
+    let (src, dst) = (cleanup.dir.join("src"), cleanup.dir.join("dst"));
+    std::fs::create_dir_all(&src)?;
+    let st = Command::new("ip")
+        .args(["netns", "add", &cleanup.netns])
+        .status()?;
+    ensure!(st.success(), "ip netns add {}", cleanup.netns);
+    // Restore: fd 90 the fresh netns, 91–93 stand for the shim's stdio pipes (numbers
+    // far above the RPC socket's, which the wrapper passes on).
+    let dump_criu = work.criu(&node, &format!("criu-dump-{n}"), "")?;
+    let restore_criu = work.criu(
+        &node,
+        &format!("criu-restore-{n}"),
+        &format!(
+            "90</run/netns/{} 91</dev/null 92>/dev/null 93>/dev/null",
+            cleanup.netns
+        ),
+    )?;
+    let mut dump = Opts::new(&src, "dump.log");
+    dump.pid = Some(pid);
+    dump.external = vec![format!("net[{ino}]:podnet")];
+    dump.external.extend(mounts::dump_external_args(&externals));
+    dump.tcp_established = Some(true);
+    dump.tcp_skip_in_flight = Some(true);
+    dump.leave_stopped = Some(true);
+    let mut restore = Opts::new(&dst, "restore.log");
+    restore.inherit_fd = vec![InheritFd {
+        key: "podnet".into(),
+        fd: 90,
+    }];
+    for p in &stdio {
+        if !restore.inherit_fd.iter().any(|f| f.key == p.key) {
+            restore.inherit_fd.push(InheritFd {
+                key: p.key.clone(),
+                fd: 91 + p.fd,
+            });
+        }
+    }
+    let holder = mounts::Holder {
+        spec: fs.spec.clone(),
+        mountinfo,
+        rootfs: rootfs.clone(),
+    };
+    restore.external = mounts::restore_external_args(
+        &externals,
+        &holder,
+        &HostView {
+            host_root: "/".into(),
+        },
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    restore.root = Some(rootfs.to_string_lossy().into_owned());
+    restore.tcp_close = Some(true);
+
+    // Frozen from here.
+    let t0 = Instant::now();
+    let log = src.join("dump.log");
+    let r = tokio::task::spawn_blocking(move || {
+        criu_call(
+            dump_criu,
+            Req {
+                r#type: criu::REQ_DUMP,
+                opts: Some(dump),
+            },
+            log,
+        )
+    })
+    .await?;
+    let dump_ms = ms(t0.elapsed());
+    // Stopped, not dead: killed when the round ends.
+    cleanup.pids.push(pid);
+    r.context("raw criu dump")?;
+    let t1 = Instant::now();
+    let st = Command::new("cp").arg("-r").arg(&src).arg(&dst).status()?;
+    let copy_ms = ms(t1.elapsed());
+    ensure!(st.success(), "cp -r");
+    let t2 = Instant::now();
+    let log = dst.join("restore.log");
+    let r = tokio::task::spawn_blocking(move || {
+        criu_call(
+            restore_criu,
+            Req {
+                r#type: criu::REQ_RESTORE,
+                opts: Some(restore),
+            },
+            log,
+        )
+    })
+    .await?;
+    let restore_ms = ms(t2.elapsed());
+    let resp = r.context("raw criu restore")?;
+    let restored = resp.restore.map(|r| r.pid).unwrap_or(0);
+    ensure!(restored > 0, "criu reported no restored pid");
+    cleanup.pids.insert(0, restored);
+    let bytes = podmotion_agent::images::size(&dst);
+
+    // The restored copy serves the counter on (inside its network namespace).
+    let answer = Command::new("ip")
+        .args(["netns", "exec", &cleanup.netns, "bash", "-c"])
+        .arg(
+            "ip link set lo up && exec 3<>/dev/tcp/127.0.0.1/8080 && echo get >&3 \
+             && read -t 10 l <&3 && echo $l",
+        )
+        .output()?;
+    let after: u64 = String::from_utf8_lossy(&answer.stdout)
+        .trim()
+        .parse()
+        .with_context(|| {
+            format!(
+                "the restored copy's counter: {}",
+                String::from_utf8_lossy(&answer.stderr)
+            )
+        })?;
+    ensure!(
+        after >= before,
+        "the restored copy's counter went back: {before} then {after}"
+    );
+    drop(cleanup);
+    Ok(Raw {
+        node,
+        dump_ms,
+        copy_ms,
+        restore_ms,
+        bytes,
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// `key=value` or `"key":value` in a log line.
+fn log_field(line: &str, key: &str) -> Option<u64> {
+    for pat in [format!("{key}="), format!("\"{key}\":")] {
+        if let Some(i) = line.find(&pat) {
+            let rest = &line[i + pat.len()..];
+            let digits: String = rest
+                .trim_start_matches('"')
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            return digits.parse().ok();
+        }
+    }
+    None
+}
+
+async fn mig_round(
+    pods: &Api<Pod>,
+    pms: &Api<PodMigration>,
+    app: &str,
+    name: &str,
+    mode: Mode,
+    nodes: &[String],
+    agents_ns: &str,
+) -> anyhow::Result<Mig> {
+    let pod = ready_pod(pods, app).await?;
+    let from = node_of(&pod);
+    let to = nodes
+        .iter()
+        .take(2)
+        .find(|n| **n != from)
+        .context("another real node")?
+        .clone();
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name},
+        "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode.name(),
+            "freezeBudgetMillis": 600000, "probe": {"tcpSocket": {"port": 8080}}}
+    }));
+    let created = pms.create(&PostParams::default(), &pm).await?;
+    let st = ended(pms, name).await;
+    ensure!(
+        st.phase == MigrationPhase::Succeeded,
+        "{name} ended {:?}: {:?} {:?}",
+        st.phase,
+        st.failure_reason,
+        st.failure_message
+    );
+    let target = st.target_pod.clone().context("status.targetPod")?;
+    wait_list(
+        pods,
+        &format!("app={app}"),
+        POD_TIMEOUT,
+        "only the target pod",
+        |ps| ps.len() == 1 && ps[0].name_any() == target,
+    )
+    .await?;
+    // An adopted pod cannot be migrated again (the operator refuses it: `AdoptedPod`):
+    // the next round migrates a fresh pod of the same Deployment.
+    pods.delete(
+        &target,
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let uid = created.uid().unwrap_or_default();
+    let logs = kubectl(&[
+        "-n",
+        agents_ns,
+        "logs",
+        "-l",
+        "app.kubernetes.io/component=migration-agent",
+        "-c",
+        "agent",
+        "--tail=2000",
+    ]);
+    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+    let line = |what: &str| {
+        logs.lines()
+            .find(|l| l.contains(&uid) && l.contains(what))
+            .map(str::to_owned)
+    };
+    let dumped = line("dumped; source left stopped");
+    let restored = line("restored");
+    let stamps = &st.phase_transition_timestamps;
+    let total_s = match (stamps.first(), stamps.last()) {
+        (Some(a), Some(b)) => (b.time.0 - a.time.0).get_seconds(),
+        _ => 0,
+    };
+    let progress = st.progress.clone().unwrap_or_default();
+    Ok(Mig {
+        from,
+        to,
+        downtime_ms: st.downtime_millis.context("status.downtimeMillis")?,
+        bytes_sent: progress.bytes_sent,
+        iterations: progress.iteration,
+        final_dump_ms: dumped.as_deref().and_then(|l| log_field(l, "dump_ms")),
+        final_dump_bytes: dumped.as_deref().and_then(|l| log_field(l, "bytes")),
+        restore_ms: restored.as_deref().and_then(|l| log_field(l, "restore_ms")),
+        total_s,
+    })
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "–".into())
+}
+
+fn print_table(rows: &[Row], loads: &[String]) {
+    println!("load (1/5/15 min): {}", loads.join("; "));
+    println!();
+    println!(
+        "| size | mode | round | raw node | raw dump / cp / restore ms | raw ms | raw bytes | PodMotion from → to | PodMotion downtime ms | ÷ raw | final dump ms / bytes | restore ms | bytes sent | rounds | whole migration s |"
+    );
+    println!("|---|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|");
+    for r in rows {
+        let (raw_node, raw_parts, raw_ms, raw_bytes) = match &r.raw {
+            Ok(x) => (
+                x.node.clone(),
+                format!("{:.0} / {:.0} / {:.0}", x.dump_ms, x.copy_ms, x.restore_ms),
+                format!("{:.0}", x.downtime_ms()),
+                mib(x.bytes),
+            ),
+            Err(e) => ("–".into(), format!("failed: {e}"), "–".into(), "–".into()),
+        };
+        let mig = match &r.mig {
+            Ok(m) => format!(
+                "{} → {} | {} | {} | {} / {} | {} | {} | {} | {}",
+                m.from,
+                m.to,
+                m.downtime_ms,
+                match &r.raw {
+                    Ok(x) => format!("{:.2}", m.downtime_ms as f64 / x.downtime_ms()),
+                    Err(_) => "–".into(),
+                },
+                opt(m.final_dump_ms),
+                opt(m.final_dump_bytes.map(mib)),
+                opt(m.restore_ms),
+                mib(m.bytes_sent.max(0) as u64),
+                m.iterations,
+                m.total_s
+            ),
+            Err(e) => format!("failed: {e} | – | – | – | – | – | – | –"),
+        };
+        println!(
+            "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} |",
+            r.size,
+            r.mode.name(),
+            r.round + 1
+        );
+    }
+    println!();
+    println!(
+        "| size | mode | rounds ok | median raw ms | median PodMotion downtime ms | median of per-round ÷ raw |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    let mut sizes: Vec<u32> = rows.iter().map(|r| r.size).collect();
+    sizes.dedup();
+    for &size in &sizes {
+        for mode in [Mode::Cold, Mode::PreCopy] {
+            let ok: Vec<(&Raw, &Mig)> = rows
+                .iter()
+                .filter(|r| r.size == size && r.mode == mode)
+                .filter_map(|r| Some((r.raw.as_ref().ok()?, r.mig.as_ref().ok()?)))
+                .collect();
+            let f = |v: Option<f64>, p: usize| {
+                v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "–".into())
+            };
+            println!(
+                "| {size} MiB | {} | {} | {} | {} | {} |",
+                mode.name(),
+                ok.len(),
+                f(median(ok.iter().map(|(r, _)| r.downtime_ms()).collect()), 0),
+                f(
+                    median(ok.iter().map(|(_, m)| m.downtime_ms as f64).collect()),
+                    0
+                ),
+                f(
+                    median(
+                        ok.iter()
+                            .map(|(r, m)| m.downtime_ms as f64 / r.downtime_ms())
+                            .collect()
+                    ),
+                    2
+                ),
+            );
+        }
+        // PreCopy ÷ Cold of the same round.
+        let ratios: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.size == size && r.mode == Mode::PreCopy)
+            .filter_map(|p| {
+                let c = rows
+                    .iter()
+                    .find(|c| c.size == size && c.mode == Mode::Cold && c.round == p.round)?;
+                Some(
+                    p.mig.as_ref().ok()?.downtime_ms as f64
+                        / c.mig.as_ref().ok()?.downtime_ms as f64,
+                )
+            })
+            .collect();
+        println!(
+            "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} |",
+            ratios.len(),
+            median(ratios.clone())
+                .map(|v| format!("{v:.2}"))
+                .unwrap_or_else(|| "–".into())
+        );
+    }
+}
