@@ -105,9 +105,38 @@ async fn tap(
         .with_context(|| format!("creating {}", args.write.display()))?;
     file.write_all(&header())?;
     let app = args.port;
+    let (started, failure) = start_wiretaps(&agents, app).await;
+    let mut w = Writer::default();
+    let mut readers = tokio::task::JoinSet::new();
+    if failure.is_none() {
+        readers =
+            record_until_interrupted(&started, app, &mut file, &mut w, &args.write, sigint).await?;
+    }
+    for (a, id) in &started {
+        let _ = a
+            .call("DELETE", &format!("/v1/wiretaps/{app}/{id}"), "")
+            .await;
+    }
+    readers.abort_all();
+    file.flush()?;
+    if let Some(f) = failure {
+        bail!(f);
+    }
+    say(&format!(
+        "wrote {} packets of {} connections to {}",
+        w.packets,
+        w.connections,
+        args.write.display()
+    ));
+    Ok(0)
+}
+
+/// Starts a wiretap of port `app` on each agent in turn, up to the first that does
+/// not: the agents and wiretap ids started, and why the first failure failed.
+async fn start_wiretaps(agents: &[Agent], app: u16) -> (Vec<(Agent, u64)>, Option<String>) {
     let mut started: Vec<(Agent, u64)> = vec![];
     let mut failure = None;
-    for a in &agents {
+    for a in agents {
         match a.call("POST", &format!("/v1/wiretaps/{app}"), "").await {
             Ok((201, body)) => match serde_json::from_str::<serde_json::Value>(&body)
                 .ok()
@@ -128,51 +157,44 @@ async fn tap(
             break;
         }
     }
+    (started, failure)
+}
+
+/// Reads every started wiretap's frames into `file` through `w` until Ctrl-C (or until
+/// every stream ended); the reader tasks, for the caller to end once the wiretaps are
+/// stopped.
+async fn record_until_interrupted(
+    started: &[(Agent, u64)],
+    app: u16,
+    file: &mut std::fs::File,
+    w: &mut Writer,
+    path: &std::path::Path,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<tokio::task::JoinSet<()>> {
     let (tx, mut rx) = mpsc::channel(1024);
-    let mut tasks = tokio::task::JoinSet::new();
-    if failure.is_none() {
-        for (i, (a, id)) in started.iter().enumerate() {
-            tasks.spawn(read_frames(
-                a.clone(),
-                format!("/v1/wiretaps/{app}/{id}/stream"),
-                i,
-                tx.clone(),
-            ));
-        }
-        say(&format!(
-            "tapping port {app} of {} replica(s) into {} (Ctrl-C to stop)",
-            started.len(),
-            args.write.display()
+    let mut readers = tokio::task::JoinSet::new();
+    for (i, (a, id)) in started.iter().enumerate() {
+        readers.spawn(read_frames(
+            a.clone(),
+            format!("/v1/wiretaps/{app}/{id}/stream"),
+            i,
+            tx.clone(),
         ));
     }
+    say(&format!(
+        "tapping port {app} of {} replica(s) into {} (Ctrl-C to stop)",
+        started.len(),
+        path.display()
+    ));
     drop(tx);
-    let mut w = Writer::default();
-    if failure.is_none() {
-        loop {
-            tokio::select! {
-                f = rx.recv() => {
-                    let Some((src, kind, conn, payload)) = f else { break };
-                    file.write_all(&w.frame(src, kind, conn, &payload, micros_now()))?;
-                }
-                _ = sigint.recv() => break,
+    loop {
+        tokio::select! {
+            f = rx.recv() => {
+                let Some((src, kind, conn, payload)) = f else { break };
+                file.write_all(&w.frame(src, kind, conn, &payload, micros_now()))?;
             }
+            _ = sigint.recv() => break,
         }
     }
-    for (a, id) in &started {
-        let _ = a
-            .call("DELETE", &format!("/v1/wiretaps/{app}/{id}"), "")
-            .await;
-    }
-    tasks.abort_all();
-    file.flush()?;
-    if let Some(f) = failure {
-        bail!(f);
-    }
-    say(&format!(
-        "wrote {} packets of {} connections to {}",
-        w.packets,
-        w.connections,
-        args.write.display()
-    ));
-    Ok(0)
+    Ok(readers)
 }
