@@ -172,6 +172,40 @@ struct OpenMeta {
     original_dst: String,
 }
 
+/// The packet blocks of one frame, all stamped with the frame's time.
+struct Blocks {
+    micros: u64,
+    out: Vec<u8>,
+    packets: u64,
+}
+
+impl Blocks {
+    /// One TCP segment from `from` to `to` (nothing if the addresses' families differ).
+    fn segment(
+        &mut self,
+        (from, to): (SocketAddr, SocketAddr),
+        seq: u32,
+        ack: u32,
+        flags: u8,
+        data: &[u8],
+    ) {
+        if let Some(p) = tcp_packet(from, to, seq, ack, flags, data) {
+            self.out.extend(packet(self.micros, &p));
+            self.packets += 1;
+        }
+    }
+}
+
+impl Conversation {
+    fn to_server(&self) -> (SocketAddr, SocketAddr) {
+        (self.client, self.server)
+    }
+
+    fn to_client(&self) -> (SocketAddr, SocketAddr) {
+        (self.server, self.client)
+    }
+}
+
 impl Writer {
     /// The packet blocks for one frame of source `src` (an agent: connection ids are
     /// per agent) taken at `micros`. Unknown connections and unparsable opens give
@@ -184,113 +218,88 @@ impl Writer {
         payload: &[u8],
         micros: u64,
     ) -> Vec<u8> {
-        let mut out = vec![];
-        let mut emit = |from: SocketAddr,
-                        to: SocketAddr,
-                        seq: u32,
-                        ack: u32,
-                        flags: u8,
-                        data: &[u8],
-                        n: &mut u64| {
-            if let Some(p) = tcp_packet(from, to, seq, ack, flags, data) {
-                out.extend(packet(micros, &p));
-                *n += 1;
-            }
+        let mut b = Blocks {
+            micros,
+            out: vec![],
+            packets: 0,
         };
-        let mut n = 0;
         match kind {
-            TAP_OPEN => {
-                let Ok(meta) = serde_json::from_slice::<OpenMeta>(payload) else {
-                    return out;
-                };
-                let (Ok(client), Ok(server)) = (meta.peer.parse(), meta.original_dst.parse())
-                else {
-                    return out;
-                };
-                // Initial sequence numbers from the connection id: stable, distinct.
-                let isn = conn.wrapping_mul(0x9E37_79B9);
-                let (c, s) = (isn, isn ^ 0x5555_5555);
-                emit(client, server, c, 0, SYN, &[], &mut n);
-                emit(server, client, s, c.wrapping_add(1), SYN | ACK, &[], &mut n);
-                emit(
-                    client,
-                    server,
-                    c.wrapping_add(1),
-                    s.wrapping_add(1),
-                    ACK,
-                    &[],
-                    &mut n,
-                );
-                self.conns.insert(
-                    (src, conn),
-                    Conversation {
-                        client,
-                        server,
-                        c_seq: c.wrapping_add(1),
-                        s_seq: s.wrapping_add(1),
-                    },
-                );
-                self.connections += 1;
-            }
+            TAP_OPEN => self.open((src, conn), payload, &mut b),
             TAP_TO_APP | TAP_FROM_APP => {
-                let Some(cv) = self.conns.get_mut(&(src, conn)) else {
-                    return out;
-                };
-                for seg in payload.chunks(MAX_SEGMENT) {
-                    if kind == TAP_TO_APP {
-                        emit(
-                            cv.client,
-                            cv.server,
-                            cv.c_seq,
-                            cv.s_seq,
-                            PSH | ACK,
-                            seg,
-                            &mut n,
-                        );
-                        cv.c_seq = cv.c_seq.wrapping_add(seg.len() as u32);
-                    } else {
-                        emit(
-                            cv.server,
-                            cv.client,
-                            cv.s_seq,
-                            cv.c_seq,
-                            PSH | ACK,
-                            seg,
-                            &mut n,
-                        );
-                        cv.s_seq = cv.s_seq.wrapping_add(seg.len() as u32);
-                    }
-                }
+                self.data((src, conn), kind == TAP_TO_APP, payload, &mut b)
             }
-            TAP_CLOSE => {
-                let Some(cv) = self.conns.remove(&(src, conn)) else {
-                    return out;
-                };
-                let (c, s) = (cv.c_seq, cv.s_seq);
-                emit(cv.client, cv.server, c, s, FIN | ACK, &[], &mut n);
-                emit(
-                    cv.server,
-                    cv.client,
-                    s,
-                    c.wrapping_add(1),
-                    FIN | ACK,
-                    &[],
-                    &mut n,
-                );
-                emit(
-                    cv.client,
-                    cv.server,
-                    c.wrapping_add(1),
-                    s.wrapping_add(1),
-                    ACK,
-                    &[],
-                    &mut n,
-                );
-            }
+            TAP_CLOSE => self.close((src, conn), &mut b),
             _ => {}
         }
-        self.packets += n;
-        out
+        self.packets += b.packets;
+        b.out
+    }
+
+    /// A new conversation between the peer and the original destination in the open
+    /// frame's JSON: the three-way handshake.
+    fn open(&mut self, key: (usize, u32), payload: &[u8], b: &mut Blocks) {
+        let Ok(meta) = serde_json::from_slice::<OpenMeta>(payload) else {
+            return;
+        };
+        let (Ok(client), Ok(server)) = (meta.peer.parse(), meta.original_dst.parse()) else {
+            return;
+        };
+        // Initial sequence numbers from the connection id: stable, distinct.
+        let isn = key.1.wrapping_mul(0x9E37_79B9);
+        let (c, s) = (isn, isn ^ 0x5555_5555);
+        b.segment((client, server), c, 0, SYN, &[]);
+        b.segment((server, client), s, c.wrapping_add(1), SYN | ACK, &[]);
+        b.segment(
+            (client, server),
+            c.wrapping_add(1),
+            s.wrapping_add(1),
+            ACK,
+            &[],
+        );
+        self.conns.insert(
+            key,
+            Conversation {
+                client,
+                server,
+                c_seq: c.wrapping_add(1),
+                s_seq: s.wrapping_add(1),
+            },
+        );
+        self.connections += 1;
+    }
+
+    /// Bytes copied to the application (`to_app`) or from it: segments of at most
+    /// [`MAX_SEGMENT`], advancing the sender's sequence number.
+    fn data(&mut self, key: (usize, u32), to_app: bool, payload: &[u8], b: &mut Blocks) {
+        let Some(cv) = self.conns.get_mut(&key) else {
+            return;
+        };
+        for seg in payload.chunks(MAX_SEGMENT) {
+            if to_app {
+                b.segment(cv.to_server(), cv.c_seq, cv.s_seq, PSH | ACK, seg);
+                cv.c_seq = cv.c_seq.wrapping_add(seg.len() as u32);
+            } else {
+                b.segment(cv.to_client(), cv.s_seq, cv.c_seq, PSH | ACK, seg);
+                cv.s_seq = cv.s_seq.wrapping_add(seg.len() as u32);
+            }
+        }
+    }
+
+    /// The end of a conversation: a FIN each way and the last ACK.
+    fn close(&mut self, key: (usize, u32), b: &mut Blocks) {
+        let Some(cv) = self.conns.remove(&key) else {
+            return;
+        };
+        let (c, s) = (cv.c_seq, cv.s_seq);
+        b.segment(cv.to_server(), c, s, FIN | ACK, &[]);
+        b.segment(cv.to_client(), s, c.wrapping_add(1), FIN | ACK, &[]);
+        b.segment(
+            cv.to_server(),
+            c.wrapping_add(1),
+            s.wrapping_add(1),
+            ACK,
+            &[],
+        );
     }
 }
 
