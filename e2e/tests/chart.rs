@@ -1187,6 +1187,8 @@ fn values_schema_rejects_bad_values() {
         "agents.podSecurityEnforce=lenient",
         "migrationAgent.grpcPort=70000",
         "attachment.jobPrefix=Not_A_Name",
+        // The attach agent's control API port.
+        "attachment.metricsPort=8400",
         "operator.unknownKey=1",
         "metrics.serviceMonitor.enabled=yes",
         "metrics.prometheusRule.enabled=always",
@@ -1212,7 +1214,16 @@ fn values_schema_rejects_bad_values() {
 fn exported_metric_names() -> BTreeSet<String> {
     let mut names = operator_metric_names();
     names.extend(agent_metric_names());
+    names.extend(attach_metric_names());
     names
+}
+
+/// The attach agent's registry (executors/attach/src/metrics.rs): every family is
+/// seeded at 0, so a fresh registry names them all.
+fn attach_metric_names() -> BTreeSet<String> {
+    let m = podmotion_attach::metrics::AttachMetrics::new();
+    m.api_request("healthz", 200);
+    sample_names(&m.encode(None))
 }
 
 fn agent_metric_names() -> BTreeSet<String> {
@@ -1388,6 +1399,8 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an
         "PodMotionSourceFrozenOverBudget",
         "PodMotionMigrationStuck",
         "PodMotionFreezeWatchdogResumed",
+        "PodMotionAttachForwardFailing",
+        "PodMotionAttachInterceptUnanswered",
     ] {
         assert!(alerts.contains(want), "alert {want} missing: {alerts:?}");
     }
@@ -1419,16 +1432,22 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an
     }
     assert!(
         missing.is_empty(),
-        "metrics neither the operator (operator/src/metrics.rs) nor the agent \
-         (executors/agent/src/metrics.rs) exports: {missing:#?}"
+        "metrics neither the operator (operator/src/metrics.rs), the migration agent \
+         (executors/agent/src/metrics.rs) nor the attach agent \
+         (executors/attach/src/metrics.rs) exports: {missing:#?}"
     );
     assert!(used.len() >= 8, "only {used:?} used");
-    // The agent's metrics are used too, not only the operator's.
+    // The agents' metrics are used too, not only the operator's.
     assert!(
         used.iter()
             .filter(|m| agent_metric_names().contains(*m))
             .count()
             >= 8,
+        "{used:?}"
+    );
+    let attach = attach_metric_names();
+    assert!(
+        used.iter().filter(|m| attach.contains(*m)).count() >= 8,
         "{used:?}"
     );
 }
@@ -1440,7 +1459,8 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an
 fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_scrape() {
     let api = ["--api-versions", "monitoring.coreos.com/v1"];
     assert!(of_kind(&render(&[]), "PodMonitor").is_empty());
-    assert_eq!(of_kind(&render(&api), "PodMonitor").len(), 1);
+    // The migration agents' and the attach agents'.
+    assert_eq!(of_kind(&render(&api), "PodMonitor").len(), 2);
     let off = [
         "--api-versions",
         "monitoring.coreos.com/v1",
@@ -1451,6 +1471,8 @@ fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_s
     let no_agents = [
         "--set",
         "metrics.podMonitor.enabled=true,migrationAgent.enabled=false",
+        "--set",
+        "operator.controllers={runner-pool}",
     ];
     assert!(of_kind(&render(&no_agents), "PodMonitor").is_empty());
 
@@ -1458,7 +1480,10 @@ fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_s
         "--set",
         "metrics.podMonitor.enabled=true,migrationAgent.metricsPort=9191",
     ]);
-    let pm = of_kind(&docs, "PodMonitor")[0];
+    let pm = of_kind(&docs, "PodMonitor")
+        .into_iter()
+        .find(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent")
+        .expect("the migration agents' PodMonitor");
     let ds = of_kind(&docs, "DaemonSet")
         .into_iter()
         .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent")
@@ -1513,6 +1538,145 @@ fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_s
     );
 }
 
+/// An attachment Job as the operator renders it with `settings`, as JSON.
+fn attach_job(settings: podmotion_operator::attachment::render::Settings) -> Value {
+    use podmotion_api::attachment::{AgentSettings, WorkloadKind, WorkloadRef};
+    use podmotion_operator::attachment::PodView;
+    use podmotion_operator::attachment::render::{AgentProfile, AgentTarget, job};
+    let w = WorkloadRef {
+        kind: WorkloadKind::Deployment,
+        name: "web".into(),
+    };
+    let agent = AgentSettings::default();
+    let p = PodView::from_pod(
+        &serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "shop", "uid": "u-1"},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "image": "app"}]},
+        }))
+        .unwrap(),
+    );
+    let ids = std::collections::BTreeMap::from([("app".to_string(), "containerd://a".to_string())]);
+    let names = ["app".to_string()];
+    let (job, _) = job(
+        &settings,
+        &AgentProfile {
+            namespace: "shop",
+            workload: &w,
+            agent: &agent,
+        },
+        &AgentTarget {
+            pod: &p,
+            containers: &names,
+            container_ids: &ids,
+            ports: &[8080],
+        },
+        "pm-agent-1",
+    );
+    serde_json::to_value(&job).unwrap()
+}
+
+/// The attach agents' PodMonitor selects the pods the operator renders (their labels
+/// and their `metrics` port, on the chart's `attachment.metricsPort` as the operator
+/// is told it), only when the attachment controller runs, and the chart's policy
+/// admits the operator's scrapers on that port alone.
+#[test]
+fn the_attach_agents_pod_monitor_selects_the_operators_jobs_and_the_policy_admits_the_scrape() {
+    use podmotion_operator::attachment::render as attach;
+    let only_migration = [
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--set",
+        "operator.controllers={migration}",
+    ];
+    let docs = render(&only_migration);
+    assert!(
+        of_kind(&docs, "PodMonitor")
+            .iter()
+            .all(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] != "node-agent"),
+        "an attach PodMonitor without the attachment controller"
+    );
+    assert!(
+        !of_kind(&docs, "NetworkPolicy")
+            .iter()
+            .any(|n| name(n).ends_with("-attach-agent-metrics"))
+    );
+
+    let docs = render(&[
+        "--set",
+        "metrics.podMonitor.enabled=true,attachment.metricsPort=9393",
+    ]);
+    let pm = of_kind(&docs, "PodMonitor")
+        .into_iter()
+        .find(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "node-agent")
+        .expect("the attach agents' PodMonitor");
+    // The port the operator is told, as the operator reads it.
+    let operator = of_kind(&docs, "Deployment")[0];
+    let env = &operator["spec"]["template"]["spec"]["containers"][0]["env"];
+    let env_of = |k: &str| {
+        env.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == k)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{k} not in the operator's env"))
+            .to_string()
+    };
+    let port: i32 = env_of("PODMOTION_ATTACHMENT_METRICS_PORT").parse().unwrap();
+    assert_eq!(port, 9393);
+    let agents_ns = env_of("PODMOTION_ATTACHMENT_NAMESPACE");
+    assert_eq!(pm["metadata"]["namespace"], agents_ns.as_str());
+    assert_eq!(
+        pm["spec"]["namespaceSelector"]["matchNames"],
+        json!([agents_ns])
+    );
+    // A Job as the operator renders it with those settings.
+    let job = attach_job(attach::Settings {
+        namespace: agents_ns.clone(),
+        metrics_port: port,
+        ..attach::Settings::default()
+    });
+    assert_eq!(job["metadata"]["namespace"], agents_ns.as_str());
+    let pod_labels = &job["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in pm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&pod_labels[k], v, "attach agent pod label {k}");
+    }
+    let endpoint = &pm["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["path"], "/metrics");
+    let container = &job["spec"]["template"]["spec"]["containers"][0];
+    let named = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == endpoint["port"])
+        .expect("the PodMonitor's port is a port of the attach agent");
+    assert_eq!(named["containerPort"], 9393);
+    // The operator's own policy denies all ingress to these pods; the chart's admits
+    // the scrapers on the metrics port, and nothing else.
+    let np = of_kind(&docs, "NetworkPolicy")
+        .into_iter()
+        .find(|n| name(n).ends_with("-attach-agent-metrics"))
+        .expect("the attach agents' metrics policy");
+    assert_eq!(np["metadata"]["namespace"], agents_ns.as_str());
+    for (k, v) in np["spec"]["podSelector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+    {
+        assert_eq!(
+            &pod_labels[k], v,
+            "policy selects the attach agent pods: {k}"
+        );
+    }
+    assert_eq!(np["spec"]["policyTypes"], json!(["Ingress"]));
+    assert_eq!(
+        np["spec"]["ingress"],
+        json!([{
+            "ports": [{"port": 9393, "protocol": "TCP"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"podmotion.io/metrics-scraper": "true"}}}],
+        }])
+    );
+    assert!(np["spec"]["egress"].is_null());
+}
+
 /// One value sets the log format of every component the chart runs; the deprecated
 /// `operator.logFormat` still overrides the operator's.
 #[test]
@@ -1547,6 +1711,23 @@ fn log_format_is_one_value_for_every_component() {
         let operator_image = c.contains("reap") || !c.contains("agent");
         assert_eq!(f, if operator_image { "text" } else { "json" }, "{c}");
     }
+    // The operator passes its own format on to the pods it renders (attachment Jobs
+    // here; the RunnerPool preflight in operator/src/runner_pool/tests.rs).
+    let (_, operator_format) = text
+        .iter()
+        .find(|(c, _)| c.ends_with("/operator"))
+        .expect("the operator's container");
+    let job = attach_job(podmotion_operator::attachment::render::Settings {
+        log_format: operator_format.parse().unwrap(),
+        ..Default::default()
+    });
+    let env = &job["spec"]["template"]["spec"]["containers"][0]["env"];
+    assert!(
+        env.as_array()
+            .unwrap()
+            .contains(&json!({"name": "PODMOTION_LOG_FORMAT", "value": "text"})),
+        "{env}"
+    );
 }
 
 #[test]

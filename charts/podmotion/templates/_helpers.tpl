@@ -52,6 +52,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: migration-agent
 {{- end -}}
 
+{{/* The attach agents' pods, as the operator labels them (operator/src/attachment/
+     render.rs agent_selector_labels): no release label, the agents' namespace tells
+     the releases apart. */}}
+{{- define "podmotion.attachAgentSelector" -}}
+app.kubernetes.io/managed-by: podmotion
+app.kubernetes.io/component: node-agent
+{{- end -}}
+
 {{/* repository:tag or repository@digest. Argument: dict "image" <image values> "root" $ */}}
 {{- define "podmotion.image" -}}
 {{- $img := .image -}}
@@ -168,6 +176,8 @@ app.kubernetes.io/component: migration-agent
   value: {{ .Values.attachment.writeParallelism | quote }}
 - name: PODMOTION_ATTACHMENT_BACKOFF_LIMIT
   value: {{ .Values.attachment.backoffLimit | quote }}
+- name: PODMOTION_ATTACHMENT_METRICS_PORT
+  value: {{ .Values.attachment.metricsPort | quote }}
 {{- with .Values.imagePullSecrets }}
 {{- $names := list }}
 {{- range . }}{{ $names = append $names .name }}{{ end }}
