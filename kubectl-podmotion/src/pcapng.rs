@@ -9,7 +9,7 @@
 //! Pure: frames in, bytes out (the caller writes them to the file).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// Wiretap frame kinds (`docs/attach-executor.md`).
 pub const TAP_OPEN: u8 = 0;
@@ -101,53 +101,60 @@ pub fn tcp_packet(
     tcp[13] = flags;
     tcp[14..16].copy_from_slice(&65_535u16.to_be_bytes());
     tcp.extend_from_slice(payload);
-    let tcp_len = tcp.len();
     match (src.ip(), dst.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let pseudo = [
-                &s.octets()[..],
-                &d.octets()[..],
-                &[0, 6],
-                &(tcp_len as u16).to_be_bytes()[..],
-            ]
-            .concat();
-            let c = checksum(&[&pseudo, &tcp]);
-            tcp[16..18].copy_from_slice(&c.to_be_bytes());
-            let mut ip = vec![0u8; 20];
-            ip[0] = 0x45;
-            ip[2..4].copy_from_slice(&((20 + tcp_len) as u16).to_be_bytes());
-            ip[6] = 0x40; // don't fragment
-            ip[8] = 64;
-            ip[9] = 6;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&d.octets());
-            let c = checksum(&[&ip]);
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            ip.extend_from_slice(&tcp);
-            Some(ip)
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            let pseudo = [
-                &s.octets()[..],
-                &d.octets()[..],
-                &(tcp_len as u32).to_be_bytes()[..],
-                &[0, 0, 0, 6],
-            ]
-            .concat();
-            let c = checksum(&[&pseudo, &tcp]);
-            tcp[16..18].copy_from_slice(&c.to_be_bytes());
-            let mut ip = vec![0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(tcp_len as u16).to_be_bytes());
-            ip[6] = 6;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&d.octets());
-            ip.extend_from_slice(&tcp);
-            Some(ip)
-        }
+        (IpAddr::V4(s), IpAddr::V4(d)) => Some(ipv4_packet(s, d, tcp)),
+        (IpAddr::V6(s), IpAddr::V6(d)) => Some(ipv6_packet(s, d, tcp)),
         _ => None,
     }
+}
+
+/// An IPv4 header (don't fragment, TTL 64) before `tcp`, both checksums filled in.
+fn ipv4_packet(s: Ipv4Addr, d: Ipv4Addr, mut tcp: Vec<u8>) -> Vec<u8> {
+    let tcp_len = tcp.len();
+    let pseudo = [
+        &s.octets()[..],
+        &d.octets()[..],
+        &[0, 6],
+        &(tcp_len as u16).to_be_bytes()[..],
+    ]
+    .concat();
+    let c = checksum(&[&pseudo, &tcp]);
+    tcp[16..18].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + tcp_len) as u16).to_be_bytes());
+    ip[6] = 0x40; // don't fragment
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&s.octets());
+    ip[16..20].copy_from_slice(&d.octets());
+    let c = checksum(&[&ip]);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    ip.extend_from_slice(&tcp);
+    ip
+}
+
+/// An IPv6 header (hop limit 64) before `tcp`, its checksum filled in.
+fn ipv6_packet(s: Ipv6Addr, d: Ipv6Addr, mut tcp: Vec<u8>) -> Vec<u8> {
+    let tcp_len = tcp.len();
+    let pseudo = [
+        &s.octets()[..],
+        &d.octets()[..],
+        &(tcp_len as u32).to_be_bytes()[..],
+        &[0, 0, 0, 6],
+    ]
+    .concat();
+    let c = checksum(&[&pseudo, &tcp]);
+    tcp[16..18].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0u8; 40];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&(tcp_len as u16).to_be_bytes());
+    ip[6] = 6;
+    ip[7] = 64;
+    ip[8..24].copy_from_slice(&s.octets());
+    ip[24..40].copy_from_slice(&d.octets());
+    ip.extend_from_slice(&tcp);
+    ip
 }
 
 struct Conversation {
