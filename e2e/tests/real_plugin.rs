@@ -542,6 +542,28 @@ fn lines_of(child: &mut std::process::Child) -> mpsc::Receiver<String> {
     rx
 }
 
+/// `kubectl podmotion intercept WORKLOAD --port 8080:LOCAL [EXTRA…] -n NAMESPACE` in the
+/// background, its stdout read line by line ([`lines_of`]).
+fn spawn_intercept(
+    bin: &std::path::Path,
+    workload: &str,
+    local: u16,
+    extra: &[&str],
+    namespace: &str,
+) -> (std::process::Child, mpsc::Receiver<String>) {
+    let port = format!("8080:{local}");
+    let mut args = vec!["intercept", workload, "--port", &port];
+    args.extend_from_slice(extra);
+    args.extend(["-n", namespace]);
+    let mut child = kubectl_podmotion(bin, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning kubectl podmotion intercept");
+    let rx = lines_of(&mut child);
+    (child, rx)
+}
+
 /// Waits for a line containing `what`; kills the child and fails otherwise.
 fn wait_line(
     child: &mut std::process::Child,
@@ -596,22 +618,7 @@ async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_no
     assert_eq!(ask(&svc_addr, "echo before").unwrap(), "before");
     let (local, received) = local_line_server();
 
-    let mut child = kubectl_podmotion(
-        &bin,
-        &[
-            "intercept",
-            "deploy/mover",
-            "--port",
-            &format!("8080:{local}"),
-            "-n",
-            &w.app.name,
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawning kubectl podmotion intercept");
-    let rx = lines_of(&mut child);
+    let (mut child, rx) = spawn_intercept(&bin, "deploy/mover", local, &[], &w.app.name);
     let mut seen = vec![];
     let created = wait_line(&mut child, &rx, "created in namespace", &mut seen);
     let name = created
@@ -835,24 +842,13 @@ async fn filtered_intercept_sends_only_matching_requests_to_the_local_server() {
     service_reachable(&svc_addr);
     let (local, received) = local_http_server();
 
-    let mut child = kubectl_podmotion(
+    let (mut child, rx) = spawn_intercept(
         &bin,
-        &[
-            "intercept",
-            "deploy/web",
-            "--port",
-            &format!("8080:{local}"),
-            "--header",
-            "X-Dev=me",
-            "-n",
-            &w.app.name,
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawning kubectl podmotion intercept --header");
-    let rx = lines_of(&mut child);
+        "deploy/web",
+        local,
+        &["--header", "X-Dev=me"],
+        &w.app.name,
+    );
     let mut seen = vec![];
     wait_line(
         &mut child,
@@ -1263,22 +1259,7 @@ async fn a_refused_port_forward_names_the_subresource_and_the_can_i_line() {
     let bin = plugin_bin();
     // As the cluster admin: an intercept holds a Ready attachment the user's `env` reuses.
     let (local, _received) = local_line_server();
-    let mut child = kubectl_podmotion(
-        &bin,
-        &[
-            "intercept",
-            "deploy/mover",
-            "--port",
-            &format!("8080:{local}"),
-            "-n",
-            &w.app.name,
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawning kubectl podmotion intercept");
-    let rx = lines_of(&mut child);
+    let (mut child, rx) = spawn_intercept(&bin, "deploy/mover", local, &[], &w.app.name);
     let mut seen = vec![];
     wait_line(&mut child, &rx, "intercepting every connection", &mut seen);
     // The agents' namespace: where the attachment's Job pods run.
