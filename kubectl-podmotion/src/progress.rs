@@ -179,6 +179,33 @@ pub fn network_line(n: &NetworkOutcome) -> String {
     )
 }
 
+/// Where the pod went, the downtime, the transfer and the network outcome of a
+/// migration that succeeded (not a dry run).
+fn succeeded_lines(pod: &str, s: &PodMigrationStatus) -> Vec<String> {
+    let mut out = vec![format!(
+        "Succeeded: pod {pod} moved from {} to {}{}",
+        s.source_node.as_deref().unwrap_or("?"),
+        s.target_node.as_deref().unwrap_or("?"),
+        s.target_pod
+            .as_deref()
+            .map(|p| format!(" (now pod {p})"))
+            .unwrap_or_default()
+    )];
+    out.push(match (&s.downtime, s.downtime_millis) {
+        (Some(d), _) => format!("downtime: {d}"),
+        (None, Some(ms)) => format!("downtime: {ms}ms"),
+        (None, None) => "downtime: not measured".to_string(),
+    });
+    let t = transfer_summary(s);
+    if !t.is_empty() {
+        out.push(format!("transfer: {t}"));
+    }
+    if let Some(n) = &s.network {
+        out.push(format!("network: {}", network_line(n)));
+    }
+    out
+}
+
 /// The report of a migration in a terminal phase, or `None` while it runs.
 pub fn final_report(m: &PodMigration) -> Option<(Outcome, Vec<String>)> {
     let s = m.status.as_ref()?;
@@ -203,28 +230,7 @@ pub fn final_report(m: &PodMigration) -> Option<(Outcome, Vec<String>)> {
             Outcome::Succeeded
         }
         MigrationPhase::Succeeded => {
-            out.push(format!(
-                "Succeeded: pod {} moved from {} to {}{}",
-                m.spec.pod_name,
-                s.source_node.as_deref().unwrap_or("?"),
-                s.target_node.as_deref().unwrap_or("?"),
-                s.target_pod
-                    .as_deref()
-                    .map(|p| format!(" (now pod {p})"))
-                    .unwrap_or_default()
-            ));
-            out.push(match (&s.downtime, s.downtime_millis) {
-                (Some(d), _) => format!("downtime: {d}"),
-                (None, Some(ms)) => format!("downtime: {ms}ms"),
-                (None, None) => "downtime: not measured".to_string(),
-            });
-            let t = transfer_summary(s);
-            if !t.is_empty() {
-                out.push(format!("transfer: {t}"));
-            }
-            if let Some(n) = &s.network {
-                out.push(format!("network: {}", network_line(n)));
-            }
+            out = succeeded_lines(&m.spec.pod_name, s);
             Outcome::Succeeded
         }
         MigrationPhase::Failed => {
