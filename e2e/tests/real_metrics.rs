@@ -1,11 +1,15 @@
 //! Every component the chart runs on the real nodes serves its metrics, and together
 //! they export every metric name the chart's alerts and dashboard use: the chart is
-//! installed from our images (hack/install.sh's values), the operator's `/metrics` and
-//! each migration agent's (one per real node) are scraped through `kubectl
-//! port-forward`, and the `podmotion_…` names of the rendered PrometheusRule and
-//! dashboard are looked up in what was scraped. A renamed metric, an agent that serves
-//! nothing or a dashboard query on a metric nobody exports fails here. The same pods'
-//! logs are JSON lines (the chart's default `logFormat`).
+//! installed from our images (hack/install.sh's values), the operator's `/metrics`,
+//! each migration agent's (one per real node) and the attach agent of a live
+//! NodeAgentAttachment on a real replica (after real connections through its redirect)
+//! are scraped through `kubectl port-forward`, and the `podmotion_…` names of the
+//! rendered PrometheusRule and dashboard are looked up in what was scraped. A renamed
+//! metric, an agent that serves nothing or a dashboard query on a metric nobody exports
+//! fails here. Logs: the chart is installed with `operator.logFormat=text` (the
+//! operator's own format, overriding the chart-wide `logFormat`, default json): the
+//! migration agents and brokers log JSON lines, the operator text, and the attach Job —
+//! which the operator renders — text too, which it can only have from the operator.
 //!
 //! Needs the cluster with real nodes and the images (`hack/images.sh`).
 
@@ -13,11 +17,19 @@ use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use podmotion_api::NodeAgentAttachment;
+use podmotion_e2e::real::testload::{self, POD_TIMEOUT};
 use podmotion_e2e::real::{
     Images, PortForward, helm, helm_install, kubectl, output_text, real_nodes,
 };
-use podmotion_e2e::{PodSecurity, TestNamespace, random_suffix};
-use serde_json::Value;
+use podmotion_e2e::{
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_list,
+};
+use serde_json::{Value, json};
 
 /// `GET /metrics` on `127.0.0.1:port`: the body of a 200 answer.
 fn scrape(port: u16) -> anyhow::Result<String> {
@@ -96,20 +108,48 @@ fn pods(selector: &str) -> Vec<(String, String, String)> {
         .collect()
 }
 
-/// The first log line of a container parses as a JSON object with a level and a
-/// message.
-fn logs_are_json(namespace: &str, pod: &str, container: &str) {
+/// The first log line of a container.
+fn first_log_line(namespace: &str, pod: &str, container: &str) -> String {
     let out = kubectl(&["logs", "-n", namespace, pod, "-c", container]);
     assert!(out.status.success(), "{}", output_text(&out));
     let text = String::from_utf8_lossy(&out.stdout);
-    let first = text
-        .lines()
+    text.lines()
         .next()
-        .unwrap_or_else(|| panic!("{pod}/{container} logged nothing"));
-    let v: Value = serde_json::from_str(first)
+        .unwrap_or_else(|| panic!("{pod}/{container} logged nothing"))
+        .to_string()
+}
+
+/// The first log line of a container parses as a JSON object with a level and a
+/// message.
+fn logs_are_json(namespace: &str, pod: &str, container: &str) {
+    let first = first_log_line(namespace, pod, container);
+    let v: Value = serde_json::from_str(&first)
         .unwrap_or_else(|e| panic!("{pod}/{container}: not JSON ({e}): {first}"));
     assert!(v["level"].is_string(), "{pod}/{container}: {v}");
     assert!(v["fields"]["message"].is_string(), "{pod}/{container}: {v}");
+}
+
+/// The first log line of a container is tracing's text format (`<time>  INFO
+/// <target>: <message>`), not JSON.
+fn logs_are_text(namespace: &str, pod: &str, container: &str) {
+    let first = first_log_line(namespace, pod, container);
+    assert!(
+        serde_json::from_str::<Value>(&first).is_err(),
+        "{pod}/{container}: JSON, not text: {first}"
+    );
+    assert!(
+        [" INFO ", " WARN ", " ERROR "]
+            .iter()
+            .any(|l| first.contains(l)),
+        "{pod}/{container}: no level in {first}"
+    );
+}
+
+/// The value of the sample `series` (`name{labels}` exactly as served) in `text`.
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{series} not served:\n{text}"))
 }
 
 #[tokio::test]
@@ -125,13 +165,15 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         .unwrap();
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
     let release = format!("pm{}", random_suffix());
+    // The operator's own format differs from the chart-wide one (json): the pods the
+    // operator renders must follow the operator's.
     let _uninstall = helm_install(
         &release,
         &images,
         &op.name,
         &app.name,
         "podmotion-e2e-metrics",
-        &[],
+        &["--set", "operator.logFormat=text"],
     );
     let instance = format!("app.kubernetes.io/instance={release}");
 
@@ -145,7 +187,7 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
             "{body}"
         );
         scraped.extend(sample_names(&body));
-        logs_are_json(ns, pod, "operator");
+        logs_are_text(ns, pod, "operator");
     }
     let agents = pods(&format!(
         "{instance},app.kubernetes.io/component=migration-agent"
@@ -172,6 +214,113 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         logs_are_json(ns, pod, "agent");
         logs_are_json(ns, pod, "netns-broker");
     }
+
+    // The attach agent of a live attachment on a real replica, after connections to the
+    // replica went through its redirect (passed through to the application).
+    let agents_ns = agents[0].0.clone();
+    app.api::<Deployment>()
+        .create(
+            &PostParams::default(),
+            &testload::deployment("web", &images.testload().unwrap(), 0),
+        )
+        .await
+        .unwrap();
+    let app_pods: Api<Pod> = app.api();
+    let target = wait_list(
+        &app_pods,
+        "app=web",
+        POD_TIMEOUT,
+        "a Ready web replica",
+        |ps| ps.iter().any(pod_running_ready),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .into_iter()
+    .find(pod_running_ready)
+    .unwrap();
+    let naa: NodeAgentAttachment = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+        "metadata": {"name": "web"},
+        "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+    }));
+    app.api::<NodeAgentAttachment>()
+        .create(&PostParams::default(), &naa)
+        .await
+        .unwrap();
+    let agent_pods: Api<Pod> = Api::namespaced(op.client.clone(), &agents_ns);
+    let attach = wait_list(
+        &agent_pods,
+        "app.kubernetes.io/component=node-agent",
+        POD_TIMEOUT,
+        "the attach Job's pod Running and Ready",
+        |ps| ps.iter().any(pod_running_ready),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .into_iter()
+    .find(pod_running_ready)
+    .unwrap();
+    let attach_name = attach.name_any();
+    for i in 0..3 {
+        let line = format!("echo m{i}");
+        assert_eq!(
+            testload::ask(&testload::addr(&target), &line).unwrap(),
+            format!("m{i}"),
+            "through the attach agent's redirect"
+        );
+    }
+    let body = scrape_pod(&agents_ns, &attach_name, 9090);
+    assert_eq!(
+        value(&body, "podmotion_attach_ruleset_installed"),
+        1.0,
+        "{body}"
+    );
+    assert_eq!(value(&body, "podmotion_attach_redirected_ports"), 1.0);
+    // Our three connections (the kubelet's TCP readiness probes add more).
+    let accepted = r#"podmotion_attach_connections_accepted_total{mode="passthrough"}"#;
+    assert!(value(&body, accepted) >= 3.0, "{body}");
+    // "echo mN\n" in, "mN\n" back, three times: counted on the connection itself.
+    let bytes = |d: &str| {
+        value(
+            &body,
+            &format!(
+                r#"podmotion_attach_connection_bytes_total{{mode="passthrough",direction="{d}"}}"#
+            ),
+        )
+    };
+    assert!(bytes("from_peer") >= 24.0, "{body}");
+    assert!(bytes("to_peer") >= 9.0, "{body}");
+    assert_eq!(
+        value(
+            &body,
+            r#"podmotion_attach_connections_ended_total{mode="passthrough",outcome="dial_failed"}"#
+        ),
+        0.0
+    );
+    scraped.extend(sample_names(&body));
+    // The operator's format, in the pod spec and in what the agent logs.
+    let env = &attach.spec.as_ref().unwrap().containers[0].env;
+    assert!(
+        env.iter()
+            .flatten()
+            .any(|e| e.name == "PODMOTION_LOG_FORMAT" && e.value.as_deref() == Some("text")),
+        "{env:?}"
+    );
+    logs_are_text(&agents_ns, &attach_name, "agent");
+    let out = kubectl(&[
+        "delete",
+        "naa",
+        "web",
+        "-n",
+        &app.name,
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    assert!(
+        out.status.success(),
+        "delete attachment: {}",
+        output_text(&out)
+    );
 
     // The names the alerts and the dashboard use, as the chart renders them with
     // every monitoring object on.
