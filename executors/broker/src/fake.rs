@@ -206,18 +206,7 @@ impl World {
 
     /// The tree rooted at `root` (root first), as the kernel layer reports it.
     pub fn tree(&self, root: i32) -> Vec<i32> {
-        let mut out = vec![root];
-        let mut i = 0;
-        while i < out.len() {
-            let p = out[i];
-            i += 1;
-            for (c, pr) in &self.procs {
-                if pr.ppid == p && !out.contains(c) {
-                    out.push(*c);
-                }
-            }
-        }
-        out
+        tree_in(&self.procs, root)
     }
 
     fn live(&self, pid: i32) -> Option<&Proc> {
@@ -839,103 +828,144 @@ impl Harness {
         };
         let pre_model = self.model.clone();
         let mut outcome = None;
-        // Roots whose trees may be signalled / have sockets touched in this step, and
-        // the signals allowed.
-        let mut roots: Vec<(ProcRef, u32)> = Vec::new();
-        let mut sigs: &[Signal] = &[];
-        let mut may_lock: Option<u32> = None;
-        let mut may_mount: Option<(PathBuf, u32)> = None;
-        let mut may_move: Option<(ProcRef, u32, String, i32)> = None;
-        let mut rolled_back: Vec<ProcRef> = Vec::new();
-        match op.clone() {
+        let allowed = match op.clone() {
             Op::Req { conn, req } => {
-                let uid = req.uid().as_str().to_owned();
-                let mine = self.model.get(&uid).filter(|r| r.conn == conn).cloned();
-                let src = mine.clone().filter(|r| r.role == BrokerRole::Source);
-                let tgt = mine.clone().filter(|r| r.role == BrokerRole::Target);
-                match &req {
-                    Request::Resume { .. } => {
-                        roots.extend(src.map(|r| (r.process, r.netns)));
-                        sigs = &[Signal::SIGCONT];
-                    }
-                    Request::Kill { .. } => {
-                        roots.extend(src.map(|r| (r.process, r.netns)));
-                        sigs = &[Signal::SIGKILL];
-                    }
-                    Request::HandOffSockets { .. } | Request::ReleaseTcpRepair { .. } => {
-                        roots.extend(src.map(|r| (r.process, r.netns)));
-                    }
-                    Request::LockNetwork { .. } => may_lock = src.map(|r| r.netns),
-                    Request::BindNetns { .. } => {
-                        may_mount = tgt.map(|r| (Self::netns_path(&uid), r.netns))
-                    }
-                    Request::MoveCgroup { process, .. } => {
-                        may_move = tgt.map(|r| (*process, r.netns, r.cgroup, r.process.pid))
-                    }
-                    _ => {}
-                }
-                let res = self.broker.handle(conn, req.clone());
-                let res = match res {
-                    Ok((reply, fds)) => {
-                        if !reply_fits(&req, &reply) {
-                            return Err(format!("{req:?} answered with {reply:?}"));
-                        }
-                        if let Reply::Sockets { total, .. } = &reply
-                            && *total as usize != fds.len()
-                        {
-                            return Err(format!("{total} sockets announced, {} sent", fds.len()));
-                        }
-                        Ok(reply)
-                    }
-                    Err(e) => {
-                        if e.kind == ErrorKind::Kernel && !fault_pending {
-                            return Err(format!("{req:?}: kernel error with no fault: {e}"));
-                        }
-                        Err(e.kind)
-                    }
-                };
-                self.update_model(conn, &req, &res, &pre)?;
-                outcome = Some(res);
+                let allowed = self.allowed_by(conn, &req);
+                outcome = Some(self.request(conn, req, fault_pending, &pre)?);
+                allowed
             }
-            Op::LeaseLost { conn } => {
-                self.k.world().fault = None;
-                for r in pre_model.values().filter(|r| r.conn == conn) {
-                    if r.role == BrokerRole::Source && (r.locked || r.maybe_locked) && !r.killed {
-                        roots.push((r.process, r.netns));
-                    }
-                    if r.role == BrokerRole::Source && r.locked && !r.killed {
-                        rolled_back.push(r.process);
-                    }
-                }
-                sigs = &[Signal::SIGCONT];
-                self.broker.lease_lost(conn);
-                self.model.retain(|_, r| r.conn != conn);
+            Op::LeaseLost { conn } => self.lose_lease(conn, &pre_model),
+            Op::Restart => self.restart(&pre_model),
+            other => {
+                self.world_event(other);
+                Allowed::default()
             }
-            Op::Restart => {
-                self.k.world().fault = None;
-                for r in pre_model.values() {
-                    if r.role == BrokerRole::Source && r.locked && !r.killed {
-                        roots.push((r.process, r.netns));
-                        rolled_back.push(r.process);
-                    }
-                    // Known gap: a lock whose journal write and undo both failed lives
-                    // only in the dead broker's memory.
-                    if r.maybe_locked && !r.locked {
-                        self.killed_netns.insert(r.netns);
-                    }
-                }
-                sigs = &[Signal::SIGCONT];
-                self.broker = Broker::with_kernel(cfg(), self.k.clone());
-                self.broker.recover();
-                self.model.clear();
+        };
+        self.exempt_networks_of_dead_locked_sources(&pre_model, &pre);
+        self.check(&pre, &allowed)
+            .map_err(|e| format!("after {op:?}: {e}"))?;
+        Ok(outcome)
+    }
+
+    /// What a request may do: signal or take sockets from the tree of this agent's
+    /// source, lock its network, mount or move into its target's.
+    fn allowed_by(&self, conn: u64, req: &Request) -> Allowed {
+        let uid = req.uid().as_str().to_owned();
+        let mine = self.model.get(&uid).filter(|r| r.conn == conn).cloned();
+        let src = mine.clone().filter(|r| r.role == BrokerRole::Source);
+        let tgt = mine.filter(|r| r.role == BrokerRole::Target);
+        let mut a = Allowed::default();
+        match req {
+            Request::Resume { .. } => {
+                a.roots.extend(src.map(|r| (r.process, r.netns)));
+                a.sigs = &[Signal::SIGCONT];
             }
-            other => self.world_event(other),
+            Request::Kill { .. } => {
+                a.roots.extend(src.map(|r| (r.process, r.netns)));
+                a.sigs = &[Signal::SIGKILL];
+            }
+            Request::HandOffSockets { .. } | Request::ReleaseTcpRepair { .. } => {
+                a.roots.extend(src.map(|r| (r.process, r.netns)));
+            }
+            Request::LockNetwork { .. } => a.may_lock = src.map(|r| r.netns),
+            Request::BindNetns { .. } => {
+                a.may_mount = tgt.map(|r| (Self::netns_path(&uid), r.netns))
+            }
+            Request::MoveCgroup { process, .. } => {
+                a.may_move = tgt.map(|r| (*process, r.netns, r.cgroup, r.process.pid))
+            }
+            _ => {}
         }
-        // A source whose pinned process died while locked cannot be entered any more
-        // (the broker reaches the netns through that pid): when its registration ends,
-        // its network stays locked. A known gap, exempted here and reported in
-        // docs/reliability.md, so that the fuzzer looks for everything else.
-        for (u, r) in &pre_model {
+        a
+    }
+
+    /// Sends `req` to the broker and checks the answer's shape (a reply that fits the
+    /// request, as many descriptors as announced, no kernel error without a fault);
+    /// the agents' model follows the answer.
+    fn request(
+        &mut self,
+        conn: u64,
+        req: Request,
+        fault_pending: bool,
+        pre: &BTreeMap<i32, Proc>,
+    ) -> Result<Result<Reply, ErrorKind>, String> {
+        let res = match self.broker.handle(conn, req.clone()) {
+            Ok((reply, fds)) => {
+                if !reply_fits(&req, &reply) {
+                    return Err(format!("{req:?} answered with {reply:?}"));
+                }
+                if let Reply::Sockets { total, .. } = &reply
+                    && *total as usize != fds.len()
+                {
+                    return Err(format!("{total} sockets announced, {} sent", fds.len()));
+                }
+                Ok(reply)
+            }
+            Err(e) => {
+                if e.kind == ErrorKind::Kernel && !fault_pending {
+                    return Err(format!("{req:?}: kernel error with no fault: {e}"));
+                }
+                Err(e.kind)
+            }
+        };
+        self.update_model(conn, &req, &res, pre)?;
+        Ok(res)
+    }
+
+    /// Connection `conn` ends: its locked (or maybe locked) sources are rolled back.
+    fn lose_lease(&mut self, conn: u64, pre_model: &BTreeMap<String, Reg>) -> Allowed {
+        self.k.world().fault = None;
+        let mut a = Allowed {
+            sigs: &[Signal::SIGCONT],
+            ..Allowed::default()
+        };
+        for r in pre_model.values().filter(|r| r.conn == conn) {
+            if r.role == BrokerRole::Source && (r.locked || r.maybe_locked) && !r.killed {
+                a.roots.push((r.process, r.netns));
+            }
+            if r.role == BrokerRole::Source && r.locked && !r.killed {
+                a.rolled_back.push(r.process);
+            }
+        }
+        self.broker.lease_lost(conn);
+        self.model.retain(|_, r| r.conn != conn);
+        a
+    }
+
+    /// A new broker over the same node recovers what the old one had locked.
+    fn restart(&mut self, pre_model: &BTreeMap<String, Reg>) -> Allowed {
+        self.k.world().fault = None;
+        let mut a = Allowed {
+            sigs: &[Signal::SIGCONT],
+            ..Allowed::default()
+        };
+        for r in pre_model.values() {
+            if r.role == BrokerRole::Source && r.locked && !r.killed {
+                a.roots.push((r.process, r.netns));
+                a.rolled_back.push(r.process);
+            }
+            // Known gap: a lock whose journal write and undo both failed lives
+            // only in the dead broker's memory.
+            if r.maybe_locked && !r.locked {
+                self.killed_netns.insert(r.netns);
+            }
+        }
+        self.broker = Broker::with_kernel(cfg(), self.k.clone());
+        self.broker.recover();
+        self.model.clear();
+        a
+    }
+
+    /// A source whose pinned process died while locked cannot be entered any more
+    /// (the broker reaches the netns through that pid): when its registration ends,
+    /// its network stays locked. A known gap, exempted here and reported in
+    /// docs/reliability.md, so that the fuzzer looks for everything else.
+    fn exempt_networks_of_dead_locked_sources(
+        &mut self,
+        pre_model: &BTreeMap<String, Reg>,
+        pre: &BTreeMap<i32, Proc>,
+    ) {
+        for (u, r) in pre_model {
             let alive = pre
                 .get(&r.process.pid)
                 .is_some_and(|x| !x.zombie && x.start_time == r.process.start_time);
@@ -943,17 +973,6 @@ impl Harness {
                 self.killed_netns.insert(r.netns);
             }
         }
-        self.check(
-            &pre,
-            &roots,
-            sigs,
-            may_lock,
-            may_mount,
-            may_move,
-            &rolled_back,
-        )
-        .map_err(|e| format!("after {op:?}: {e}"))?;
-        Ok(outcome)
     }
 
     fn world_event(&mut self, op: Op) {
@@ -1125,73 +1144,13 @@ impl Harness {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn check(
-        &self,
-        pre: &BTreeMap<i32, Proc>,
-        roots: &[(ProcRef, u32)],
-        sigs: &[Signal],
-        may_lock: Option<u32>,
-        may_mount: Option<(PathBuf, u32)>,
-        may_move: Option<(ProcRef, u32, String, i32)>,
-        rolled_back: &[ProcRef],
-    ) -> Result<(), String> {
+    /// The invariants after a step: every effect allowed, the registrations the agents
+    /// were told of, rolled-back trees thawed, mounts, journal and networks as the
+    /// registrations say.
+    fn check(&self, pre: &BTreeMap<i32, Proc>, allowed: &Allowed) -> Result<(), String> {
         let w = self.k.world();
-        let node = w.node_netns;
-        // A root the broker may act on: live with its pinned start time, in a pod
-        // cgroup, not in the node's network namespace.
-        let valid_root = |p: &ProcRef| {
-            pre.get(&p.pid).is_some_and(|x| {
-                !x.zombie
-                    && x.start_time == p.start_time
-                    && under_pods_root(&x.cgroup, PODS_ROOT)
-                    && x.netns != node
-            })
-        };
-        let pre_tree = |root: i32| {
-            let mut out = vec![root];
-            let mut i = 0;
-            while i < out.len() {
-                let p = out[i];
-                i += 1;
-                for (c, x) in pre {
-                    if x.ppid == p && !out.contains(c) {
-                        out.push(*c);
-                    }
-                }
-            }
-            out
-        };
-        let in_a_tree = |pid: i32| {
-            roots
-                .iter()
-                .any(|(r, _)| valid_root(r) && pre_tree(r.pid).contains(&pid))
-        };
         for e in &w.effects {
-            let ok = match e {
-                Effect::Signal { pid, sig } => sigs.contains(sig) && in_a_tree(*pid),
-                Effect::Stole { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
-                Effect::LinkDown { netns, .. } => may_lock == Some(*netns) && *netns != node,
-                Effect::Mounted { path, netns } => {
-                    may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
-                }
-                Effect::Moved { pid, to } => {
-                    may_move.as_ref().is_some_and(|(root, ns, cg, holder)| {
-                        let root_ok = pre.get(&root.pid).is_some_and(|x| {
-                            !x.zombie
-                                && x.start_time == root.start_time
-                                && x.netns == *ns
-                                && x.netns != node
-                        });
-                        root_ok
-                            && root.pid != *holder
-                            && pre_tree(root.pid).contains(pid)
-                            && to == cg
-                            && under_pods_root(to, PODS_ROOT)
-                    })
-                }
-            };
-            if !ok {
+            if !allowed.permits(e, pre, w.node_netns) {
                 return Err(format!("effect not allowed: {e:?}"));
             }
         }
@@ -1202,17 +1161,14 @@ impl Harness {
                 self.model.len()
             ));
         }
-        // After a rollback, nothing of the rolled-back trees stays stopped or in repair.
-        for p in rolled_back.iter().filter(|p| valid_root(p)) {
-            for pid in w.tree(p.pid) {
-                if let Some(x) = w.procs.get(&pid).filter(|x| !x.zombie)
-                    && (x.stopped || x.sockets.iter().any(|s| s.repair))
-                {
-                    return Err(format!("pid {pid} still frozen after the rollback: {x:?}"));
-                }
-            }
-        }
-        // Mounts: exactly those of the bound target registrations.
+        check_thawed(&w, pre, &allowed.rolled_back)?;
+        self.check_mounts_and_journal(&w)?;
+        self.check_networks(&w)
+    }
+
+    /// Mounts: exactly those of the bound target registrations. Journal: exactly the
+    /// locked, not killed sources.
+    fn check_mounts_and_journal(&self, w: &World) -> Result<(), String> {
         let want: BTreeSet<PathBuf> = self
             .model
             .iter()
@@ -1223,7 +1179,6 @@ impl Harness {
         if want != have {
             return Err(format!("mounts {have:?}, expected {want:?}"));
         }
-        // Journal: exactly the locked, not killed sources.
         let jdir = Path::new(RUN_DIR).join("netns").join(".journal");
         let want: BTreeSet<PathBuf> = self
             .model
@@ -1235,8 +1190,13 @@ impl Harness {
         if want != have {
             return Err(format!("journal {have:?}, expected {want:?}"));
         }
-        // Networks: the node's is never touched; a pod's is as it was once no
-        // registration holds it (unless its source was killed: commit).
+        Ok(())
+    }
+
+    /// Networks: the node's is never touched; a pod's is as it was once no
+    /// registration holds it (unless its source was killed: commit).
+    fn check_networks(&self, w: &World) -> Result<(), String> {
+        let node = w.node_netns;
         for (n, net) in &w.nets {
             let held = self.model.values().any(|r| r.netns == *n);
             let exempt = *n != node && (held || self.killed_netns.contains(n));
@@ -1250,4 +1210,105 @@ impl Harness {
         }
         Ok(())
     }
+}
+
+/// What one step may do to the world, checked against the effects it recorded.
+#[derive(Default)]
+struct Allowed {
+    /// Roots (with their netns) whose trees may be signalled or have sockets touched.
+    roots: Vec<(ProcRef, u32)>,
+    /// The signals allowed on those trees.
+    sigs: &'static [Signal],
+    /// The netns whose links may go down.
+    may_lock: Option<u32>,
+    /// The one netns bind mount allowed: path and netns.
+    may_mount: Option<(PathBuf, u32)>,
+    /// The restored root that may move, its netns, the cgroup it may move to, and the
+    /// registered holder (which must not move).
+    may_move: Option<(ProcRef, u32, String, i32)>,
+    /// Sources rolled back in this step: nothing of their trees may stay frozen.
+    rolled_back: Vec<ProcRef>,
+}
+
+impl Allowed {
+    fn permits(&self, e: &Effect, pre: &BTreeMap<i32, Proc>, node: u32) -> bool {
+        let in_a_tree = |pid: i32| {
+            self.roots
+                .iter()
+                .any(|(r, _)| valid_root(pre, node, r) && tree_in(pre, r.pid).contains(&pid))
+        };
+        match e {
+            Effect::Signal { pid, sig } => self.sigs.contains(sig) && in_a_tree(*pid),
+            Effect::Stole { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
+            Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
+            Effect::Mounted { path, netns } => {
+                self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
+            }
+            Effect::Moved { pid, to } => {
+                self.may_move
+                    .as_ref()
+                    .is_some_and(|(root, ns, cg, holder)| {
+                        let root_ok = pre.get(&root.pid).is_some_and(|x| {
+                            !x.zombie
+                                && x.start_time == root.start_time
+                                && x.netns == *ns
+                                && x.netns != node
+                        });
+                        root_ok
+                            && root.pid != *holder
+                            && tree_in(pre, root.pid).contains(pid)
+                            && to == cg
+                            && under_pods_root(to, PODS_ROOT)
+                    })
+            }
+        }
+    }
+}
+
+/// A root the broker may act on: live with its pinned start time, in a pod cgroup, not
+/// in the node's network namespace.
+fn valid_root(pre: &BTreeMap<i32, Proc>, node: u32, p: &ProcRef) -> bool {
+    pre.get(&p.pid).is_some_and(|x| {
+        !x.zombie
+            && x.start_time == p.start_time
+            && under_pods_root(&x.cgroup, PODS_ROOT)
+            && x.netns != node
+    })
+}
+
+/// The tree rooted at `root` in a process table (root first).
+fn tree_in(procs: &BTreeMap<i32, Proc>, root: i32) -> Vec<i32> {
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        i += 1;
+        for (c, x) in procs {
+            if x.ppid == p && !out.contains(c) {
+                out.push(*c);
+            }
+        }
+    }
+    out
+}
+
+/// After a rollback, nothing of the rolled-back trees stays stopped or in repair.
+fn check_thawed(
+    w: &World,
+    pre: &BTreeMap<i32, Proc>,
+    rolled_back: &[ProcRef],
+) -> Result<(), String> {
+    for p in rolled_back
+        .iter()
+        .filter(|p| valid_root(pre, w.node_netns, p))
+    {
+        for pid in w.tree(p.pid) {
+            if let Some(x) = w.procs.get(&pid).filter(|x| !x.zombie)
+                && (x.stopped || x.sockets.iter().any(|s| s.repair))
+            {
+                return Err(format!("pid {pid} still frozen after the rollback: {x:?}"));
+            }
+        }
+    }
+    Ok(())
 }
