@@ -209,6 +209,78 @@ impl World {
         tree_in(&self.procs, root)
     }
 
+    /// CRIU dumps the tree: every live process stopped and traced, its sockets in repair.
+    fn dump(&mut self, pid: i32) {
+        for p in self.tree(pid) {
+            if let Some(x) = self.procs.get_mut(&p).filter(|x| !x.zombie) {
+                x.stopped = true;
+                x.tracer = 9999;
+                for s in &mut x.sockets {
+                    s.repair = true;
+                }
+            }
+        }
+    }
+
+    /// CRIU lets go of the tree.
+    fn detach(&mut self, pid: i32) {
+        for p in self.tree(pid) {
+            if let Some(x) = self.procs.get_mut(&p) {
+                x.tracer = 0;
+            }
+        }
+    }
+
+    /// `pid` exits and is reaped; its children go to init.
+    fn exit(&mut self, pid: i32) {
+        self.procs.remove(&pid);
+        for x in self.procs.values_mut() {
+            if x.ppid == pid {
+                x.ppid = 1;
+            }
+        }
+    }
+
+    /// `pid` is reused by a new process shaped like `like` (same cgroup and netns, a new
+    /// start time, no sockets).
+    fn reuse(&mut self, pid: i32, like: i32) {
+        let Some(mut x) = self.procs.get(&like).cloned() else {
+            return;
+        };
+        // The old process's children were reparented when it exited.
+        self.exit(pid);
+        x.start_time = 100_000 + self.next_ino;
+        self.next_ino += 1;
+        x.ppid = 50;
+        x.zombie = false;
+        x.stopped = false;
+        x.tracer = 0;
+        x.sockets.clear();
+        self.procs.insert(pid, x);
+    }
+
+    /// A live `parent` forks a child with one TCP socket (up to 40 processes).
+    fn spawn(&mut self, parent: i32) {
+        let Some(mut x) = self.live(parent).cloned() else {
+            return;
+        };
+        if self.procs.len() > 40 {
+            return;
+        }
+        let pid = self.next_pid;
+        self.next_pid += 1;
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        x.ppid = parent;
+        x.start_time = 100_000 + ino;
+        x.sockets = vec![Sock {
+            fd: 3,
+            ino,
+            repair: false,
+        }];
+        self.procs.insert(pid, x);
+    }
+
     fn live(&self, pid: i32) -> Option<&Proc> {
         self.procs.get(&pid).filter(|p| !p.zombie)
     }
@@ -978,72 +1050,11 @@ impl Harness {
     fn world_event(&mut self, op: Op) {
         let mut w = self.k.world();
         match op {
-            Op::Dump { pid } => {
-                for p in w.tree(pid) {
-                    if let Some(x) = w.procs.get_mut(&p).filter(|x| !x.zombie) {
-                        x.stopped = true;
-                        x.tracer = 9999;
-                        for s in &mut x.sockets {
-                            s.repair = true;
-                        }
-                    }
-                }
-            }
-            Op::Detach { pid } => {
-                for p in w.tree(pid) {
-                    if let Some(x) = w.procs.get_mut(&p) {
-                        x.tracer = 0;
-                    }
-                }
-            }
-            Op::Exit { pid } if pid != w.broker_pid && pid != 1 => {
-                w.procs.remove(&pid);
-                for x in w.procs.values_mut() {
-                    if x.ppid == pid {
-                        x.ppid = 1;
-                    }
-                }
-            }
-            Op::Reuse { pid, like } if pid != w.broker_pid && pid != 1 => {
-                let Some(mut x) = w.procs.get(&like).cloned() else {
-                    return;
-                };
-                w.procs.remove(&pid);
-                // The old process's children were reparented when it exited.
-                for c in w.procs.values_mut() {
-                    if c.ppid == pid {
-                        c.ppid = 1;
-                    }
-                }
-                x.start_time = 100_000 + w.next_ino;
-                w.next_ino += 1;
-                x.ppid = 50;
-                x.zombie = false;
-                x.stopped = false;
-                x.tracer = 0;
-                x.sockets.clear();
-                w.procs.insert(pid, x);
-            }
-            Op::Spawn { parent } => {
-                let Some(mut x) = w.live(parent).cloned() else {
-                    return;
-                };
-                if w.procs.len() > 40 {
-                    return;
-                }
-                let pid = w.next_pid;
-                w.next_pid += 1;
-                let ino = w.next_ino;
-                w.next_ino += 1;
-                x.ppid = parent;
-                x.start_time = 100_000 + ino;
-                x.sockets = vec![Sock {
-                    fd: 3,
-                    ino,
-                    repair: false,
-                }];
-                w.procs.insert(pid, x);
-            }
+            Op::Dump { pid } => w.dump(pid),
+            Op::Detach { pid } => w.detach(pid),
+            Op::Exit { pid } if pid != w.broker_pid && pid != 1 => w.exit(pid),
+            Op::Reuse { pid, like } if pid != w.broker_pid && pid != 1 => w.reuse(pid, like),
+            Op::Spawn { parent } => w.spawn(parent),
             Op::Fault(f) => w.fault = Some(f),
             Op::Symlink { uid, journal } => {
                 let p = if journal {
