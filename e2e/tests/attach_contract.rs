@@ -129,6 +129,26 @@ fn what_the_operator_renders_is_what_the_executor_reads() {
     assert_eq!(vars[env::EXPORTS_DIR], mount_path(&job, "exports"));
     assert_eq!(vars[env::AGENT_TARGET_POD], "web-0");
     assert_eq!(vars[env::AGENT_TARGET_POD_IP], "198.18.0.7");
+    // The metrics listener is on the container port the PodMonitor scrapes (`metrics`),
+    // and the log format is one the executor's --log-format takes.
+    let listen: std::net::SocketAddr = vars[env::METRICS_LISTEN].parse().unwrap();
+    let metrics_port = job
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .expect("a metrics port")
+        .container_port;
+    assert_eq!(i32::from(listen.port()), metrics_port);
+    assert!(["json", "text"].contains(&vars[env::LOG_FORMAT].as_str()));
     // The GID the executor checks itself against is the Job's runAsGroup.
     let ps = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     let sc = ps.containers[0].security_context.as_ref().unwrap();

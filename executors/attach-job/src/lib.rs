@@ -29,9 +29,14 @@ pub mod env {
     pub const AGENT_TARGET_POD_IP: &str = "AGENT_TARGET_POD_IP";
     /// The node the Job is pinned to (informational).
     pub const NODE_NAME: &str = "NODE_NAME";
+    /// Where the agent's `GET /metrics` listens (`0.0.0.0:<port>`).
+    pub const METRICS_LISTEN: &str = "PODMOTION_METRICS_LISTEN";
+    /// `json` or `text`: every PodMotion binary's log format variable
+    /// (`podmotion_log::ENV`, the same name).
+    pub const LOG_FORMAT: &str = "PODMOTION_LOG_FORMAT";
 
     /// Every name the controller may set.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         AGENT_CONFIG,
         AGENT_CONTAINER_IDS,
         AGENT_CRI_SOCKET_DIR,
@@ -43,6 +48,8 @@ pub mod env {
         AGENT_TARGET_POD_UID,
         AGENT_TARGET_POD_IP,
         NODE_NAME,
+        METRICS_LISTEN,
+        LOG_FORMAT,
     ];
 }
 

@@ -33,7 +33,7 @@ struct Cli {
     listen: SocketAddr,
     /// Where `GET /metrics` (Prometheus text, plain HTTP, counts only) listens, in the
     /// Job pod's own network namespace.
-    #[arg(long, env = "PODMOTION_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
+    #[arg(long, env = env::METRICS_LISTEN, default_value = "0.0.0.0:9090")]
     metrics_listen: SocketAddr,
     /// Where to write the termination message on a fatal error.
     #[arg(
@@ -43,7 +43,7 @@ struct Cli {
     )]
     termination_log: PathBuf,
     /// Log format: `json` (one object per line) or `text`.
-    #[arg(long, env = podmotion_log::ENV, default_value = "json")]
+    #[arg(long, env = env::LOG_FORMAT, default_value = "json")]
     log_format: podmotion_log::LogFormat,
 }
 

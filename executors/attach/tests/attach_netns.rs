@@ -176,6 +176,118 @@ fn intercept_delivers_connections_to_the_client_stream_and_stopping_it_restores_
     assert_eq!(agent.json("/healthz")["ports"][0]["intercepted"], false);
 }
 
+/// `GET /metrics` of an agent's metrics port: the text.
+fn scrape(addr: std::net::SocketAddr) -> String {
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    let out = http_get(s, "/metrics").unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of `series` (`name{labels}` as served) in a scrape.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{series} not served:\n{text}"))
+}
+
+#[test]
+fn the_agents_metrics_count_real_redirected_connections_by_mode_and_outcome() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[]);
+    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let agent = Agent::start(&target(&pod), &["--metrics-listen", &metrics.to_string()]);
+    let text = scrape(metrics);
+    assert_eq!(sample(&text, "podmotion_attach_ruleset_installed"), 1.0);
+    assert_eq!(sample(&text, "podmotion_attach_redirected_ports"), 1.0);
+
+    // Passed through: the application answers.
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
+    // Intercepted: a client stream takes it.
+    let (status, body) = agent.call("POST", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 201, "{body}");
+    let mut stream = agent.stream(&format!("/v1/intercepts/{APP_PORT}/accept"));
+    let mut client = pod.client_connect(pod.app_addr()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    client.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut head = String::new();
+    stream.read_line(&mut head).unwrap();
+    let mut req = [0u8; 18];
+    stream.read_exact(&mut req).unwrap();
+    let text = scrape(metrics);
+    assert_eq!(
+        sample(&text, r#"podmotion_attach_intercepts{kind="whole"}"#),
+        1.0
+    );
+    drop(stream);
+    let mut rest = Vec::new();
+    let _ = client.read_to_end(&mut rest);
+    let (status, _) = agent.call("DELETE", &format!("/v1/intercepts/{APP_PORT}"));
+    assert_eq!(status, 200);
+
+    let ended = |text: &str, mode: &str, outcome: &str| {
+        sample(
+            text,
+            &format!(
+                r#"podmotion_attach_connections_ended_total{{mode="{mode}",outcome="{outcome}"}}"#
+            ),
+        )
+    };
+    let mut text = String::new();
+    // The pass-through's end is counted once both sides closed.
+    let counted = wait_for(Duration::from_secs(10), || {
+        text = scrape(metrics);
+        ended(&text, "passthrough", "forwarded") >= 1.0
+    });
+    assert!(counted.is_ok(), "{text}");
+    assert_eq!(ended(&text, "intercept", "delivered"), 1.0, "{text}");
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_connections_accepted_total{mode="passthrough"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_connections_accepted_total{mode="intercept"}"#
+        ),
+        1.0
+    );
+    // "GET / HTTP/1.0\r\nHost: x\r\n\r\n" (27 bytes) passed through, 18 intercepted.
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_connection_bytes_total{mode="passthrough",direction="from_peer"}"#
+        ),
+        27.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_connection_bytes_total{mode="intercept",direction="from_peer"}"#
+        ),
+        18.0
+    );
+    assert_eq!(
+        sample(&text, r#"podmotion_attach_intercepts{kind="whole"}"#),
+        0.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_api_requests_total{route="intercepts",code="201"}"#
+        ),
+        1.0
+    );
+    drop(agent);
+}
+
 /// Reads one HTTP response framed by Content-Length: (head, body).
 fn read_response(r: &mut std::io::BufReader<std::net::TcpStream>) -> (String, String) {
     let mut head = String::new();

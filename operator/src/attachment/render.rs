@@ -210,10 +210,10 @@ pub fn job(
             env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
             env(agent_env::NODE_NAME, node.clone()),
             env(
-                METRICS_LISTEN_ENV,
+                agent_env::METRICS_LISTEN,
                 format!("0.0.0.0:{}", settings.metrics_port),
             ),
-            env(podmotion_log::ENV, settings.log_format.to_string()),
+            env(agent_env::LOG_FORMAT, settings.log_format.to_string()),
         ]),
         ports: Some(vec![
             ContainerPort {
@@ -386,9 +386,6 @@ pub fn job(
     };
     (job, hash)
 }
-
-/// Where the agent's `GET /metrics` listens (executors/attach `--metrics-listen`).
-pub const METRICS_LISTEN_ENV: &str = "PODMOTION_METRICS_LISTEN";
 
 /// The agent pod's annotations: the Prometheus scrape annotations (as on the
 /// migration agents), then the installer's, which win on a clash.
@@ -692,6 +689,7 @@ mod tests {
                 .find(|p| p.name.as_deref() == Some("metrics"))
                 .map(|p| p.container_port)
         };
+        assert_eq!(agent_env::LOG_FORMAT, podmotion_log::ENV);
         assert_eq!(env_of(&base)["PODMOTION_METRICS_LISTEN"], "0.0.0.0:9090");
         assert_eq!(env_of(&base)["PODMOTION_LOG_FORMAT"], "json");
         assert_eq!(port_of(&base), Some(9090));

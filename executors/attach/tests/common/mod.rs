@@ -380,8 +380,9 @@ pub fn agent_cmd_bare(
     };
     cmd.args(target)
         .args(["--listen", &control.to_string()])
-        // Several agents share this machine's loopback: no fixed metrics port.
-        .args(["--metrics-listen", "127.0.0.1:0"])
+        // Several agents share this machine's loopback: no fixed metrics port (an
+        // environment value, so a test's `--metrics-listen` wins).
+        .env("PODMOTION_METRICS_LISTEN", "127.0.0.1:0")
         .arg("--exports-dir")
         .arg(&exports_dir)
         .arg("--termination-log")
