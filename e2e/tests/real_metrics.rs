@@ -145,6 +145,18 @@ fn logs_are_text(namespace: &str, pod: &str, container: &str) {
     );
 }
 
+/// The first pod of `selector` Running and Ready, waiting for one.
+async fn first_ready(api: &Api<Pod>, selector: &str, what: &str) -> Pod {
+    wait_list(api, selector, POD_TIMEOUT, what, |ps| {
+        ps.iter().any(pod_running_ready)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .into_iter()
+    .find(pod_running_ready)
+    .unwrap()
+}
+
 /// The value of the sample `series` (`name{labels}` exactly as served) in `text`.
 fn value(text: &str, series: &str) -> f64 {
     text.lines()
@@ -226,18 +238,7 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         .await
         .unwrap();
     let app_pods: Api<Pod> = app.api();
-    let target = wait_list(
-        &app_pods,
-        "app=web",
-        POD_TIMEOUT,
-        "a Ready web replica",
-        |ps| ps.iter().any(pod_running_ready),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .into_iter()
-    .find(pod_running_ready)
-    .unwrap();
+    let target = first_ready(&app_pods, "app=web", "a Ready web replica").await;
     let naa: NodeAgentAttachment = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
         "metadata": {"name": "web"},
@@ -248,18 +249,12 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         .await
         .unwrap();
     let agent_pods: Api<Pod> = Api::namespaced(op.client.clone(), &agents_ns);
-    let attach = wait_list(
+    let attach = first_ready(
         &agent_pods,
         "app.kubernetes.io/component=node-agent",
-        POD_TIMEOUT,
         "the attach Job's pod Running and Ready",
-        |ps| ps.iter().any(pod_running_ready),
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .into_iter()
-    .find(pod_running_ready)
-    .unwrap();
+    .await;
     let attach_name = attach.name_any();
     for i in 0..3 {
         let line = format!("echo m{i}");
