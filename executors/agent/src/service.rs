@@ -284,7 +284,7 @@ pub struct Agent {
     own: Peer,
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
     /// Every source this agent left frozen after a final dump (claimed or not).
-    frozen: StdMutex<Vec<FrozenSource>>,
+    frozen: Arc<StdMutex<Vec<FrozenSource>>>,
 }
 
 #[derive(Clone)]
@@ -313,7 +313,7 @@ impl Agent {
             cfg: Arc::new(cfg),
             own,
             migrations: StdMutex::new(HashMap::new()),
-            frozen: StdMutex::new(Vec::new()),
+            frozen: Arc::new(StdMutex::new(Vec::new())),
         })
     }
 
@@ -345,46 +345,6 @@ impl Agent {
             tracing::warn!(%rpc, denied = %d, "call refused");
             Status::from(d)
         })
-    }
-
-    /// Resumes the source `m` froze if it is still frozen `m.freeze_limit` from now
-    /// (tokio's clock is monotonic): neither Commit nor Abort claimed the freeze.
-    fn start_freeze_watchdog(&self, m: &Migration) {
-        let (freeze, broker, uid, limit) = (
-            Arc::clone(&m.freeze),
-            Arc::clone(&m.broker),
-            m.uid.clone(),
-            m.freeze_limit,
-        );
-        self.frozen.lock().expect("frozen").push(FrozenSource {
-            freeze: Arc::clone(&freeze),
-            broker: Arc::clone(&broker),
-            uid: uid.clone(),
-            since: std::time::Instant::now(),
-            budget: limit.saturating_sub(self.cfg.freeze_watchdog.margin),
-        });
-        tokio::spawn(async move {
-            tokio::time::sleep(limit).await;
-            // A failed resume (the broker busy or restarting) is tried again.
-            for _ in 0..30 {
-                if freeze.get() != FROZEN {
-                    return;
-                }
-                tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
-                match thaw_frozen(&freeze, &broker, &uid).await {
-                    Ok(resumed) => {
-                        if resumed {
-                            crate::metrics::global().watchdog_resumed();
-                        }
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
-                    }
-                }
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            }
-        });
     }
 
     /// Resumes every source this agent froze and nobody has committed or aborted:
@@ -606,8 +566,7 @@ impl Agent {
     }
 
     async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?;
-        let mut m = m.lock().await;
+        let mut m = self.get(uid)?.lock_owned().await;
         m.sync_freeze();
         if admit(m.role, m.phase, Step::Dump)? == Admission::Done {
             return Ok(m.status());
@@ -631,118 +590,23 @@ impl Agent {
             o.leave_stopped = Some(true);
             o
         };
-        m.timings.freeze_started_us = now_us();
-        let t = Instant::now();
-        // Network first: from here nothing reaches or leaves the pod, so no segment
-        // is acknowledged after the socket state is captured.
-        m.broker(Request::LockNetwork { uid: m.uid.clone() })
-            .await?;
-        let sockets = match self.inventory(&m).await {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = m
-                    .broker(Request::UnlockNetwork { uid: m.uid.clone() })
-                    .await;
-                return Err(e);
-            }
-        };
-        let criu = self.cfg.criu.clone();
-        let log = dir.join("dump.log");
-        let res = blocking(move || {
-            criu.call(
-                Req {
-                    r#type: criu::REQ_DUMP,
-                    opts: Some(opts),
-                },
-                Some(&log),
-            )
-            .map_err(criu_status)
-        })
-        .await;
-        if let Err(e) = res {
-            // CRIU resumed the tree and its sockets on failure; reopen the network.
-            let _ = m
-                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
-                .await;
-            let _ = images::zeroize(&dir);
-            m.timings.freeze_started_us = 0;
-            return Err(e);
-        }
-        m.timings.dump_us = t.elapsed().as_micros() as u64;
-        m.timings.dump_finished_us = now_us();
-        let manifest = Manifest {
-            final_dir: "final".into(),
-            sockets: sockets
-                .iter()
-                .map(|s| ManifestSocket {
-                    local: s.local.clone(),
-                    remote: s.remote.clone(),
-                    listening: s.listening,
-                })
-                .collect(),
-            tcp: m.tcp as i32,
+        // From the network lock on, the dump runs to its end in a task of its own
+        // that holds the migration, even if the caller goes away (a dropped gRPC call
+        // drops its handler's future): a dump cut off after CRIU stopped the tree
+        // would leave the source stopped and its network locked with no record of the
+        // freeze, so no watchdog would resume it.
+        let dumped = DumpOutcome {
+            dir,
+            opts,
             external_mounts,
             stdio_pipes,
-            workload: m.fs.as_ref().and_then(|fs| fs.workload.clone()),
+            criu: self.cfg.criu.clone(),
+            frozen: Arc::clone(&self.frozen),
+            margin: self.cfg.freeze_watchdog.margin,
         };
-        std::fs::write(
-            m.dir.join("manifest.json"),
-            serde_json::to_vec(&manifest).expect("manifest"),
-        )
-        .map_err(|e| Status::internal(e.to_string()))?;
-        m.sockets = sockets;
-        m.final_dump_bytes = images::size(&dir);
-        m.image_bytes = images::size(&m.dir);
-        m.phase = Phase::Dumped;
-        m.freeze.set(FROZEN);
-        self.start_freeze_watchdog(&m);
-        tracing::info!(
-            uid,
-            dump_ms = m.timings.dump_us / 1000,
-            bytes = m.final_dump_bytes,
-            watchdog_ms = m.freeze_limit.as_millis() as u64,
-            "dumped; source left stopped"
-        );
-        Ok(m.status())
-    }
-
-    /// The workload's TCP sockets, duplicated to us by the broker.
-    async fn inventory(&self, m: &Migration) -> Result<Vec<SocketReport>, Status> {
-        let b = Arc::clone(&m.broker);
-        let uid = m.uid.clone();
-        blocking(move || {
-            let fds = b
-                .lock()
-                .expect("broker client")
-                .sockets(&uid)
-                .map_err(broker_status)?;
-            use nix::sys::socket::{
-                SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
-            };
-            use std::os::fd::AsRawFd;
-            let mut out = Vec::new();
-            for fd in fds {
-                let listening = getsockopt(&fd, AcceptConn).unwrap_or(false);
-                let local = getsockname::<SockaddrStorage>(fd.as_raw_fd())
-                    .map(|a| a.to_string())
-                    .unwrap_or_default();
-                let remote = if listening {
-                    String::new()
-                } else {
-                    getpeername::<SockaddrStorage>(fd.as_raw_fd())
-                        .map(|a| a.to_string())
-                        .unwrap_or_default()
-                };
-                out.push(SocketReport {
-                    local,
-                    remote,
-                    listening,
-                    outcome: SocketOutcome::Pending as i32,
-                });
-            }
-            Ok(out)
-        })
-        .await
+        tokio::spawn(dump_locked(m, dumped))
+            .await
+            .map_err(|e| Status::internal(format!("dump task: {e}")))?
     }
 
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
@@ -1105,6 +969,183 @@ impl Agent {
             .retain(|f| f.uid.as_str() != uid);
         Ok(st)
     }
+}
+
+/// What the final dump needs once the network is locked (see [`Agent::dump_impl`]).
+struct DumpOutcome {
+    dir: PathBuf,
+    opts: Opts,
+    external_mounts: Vec<String>,
+    stdio_pipes: Vec<(i32, String)>,
+    criu: Criu,
+    frozen: Arc<StdMutex<Vec<FrozenSource>>>,
+    margin: std::time::Duration,
+}
+
+/// The final dump from the network lock on, run by a task that owns the migration.
+async fn dump_locked(
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+    d: DumpOutcome,
+) -> Result<MigrationStatus, Status> {
+    m.timings.freeze_started_us = now_us();
+    let t = Instant::now();
+    // Network first: from here nothing reaches or leaves the pod, so no segment
+    // is acknowledged after the socket state is captured.
+    m.broker(Request::LockNetwork { uid: m.uid.clone() })
+        .await?;
+    let sockets = match inventory(&m).await {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = m
+                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                .await;
+            return Err(e);
+        }
+    };
+    let criu = d.criu;
+    let dir = d.dir;
+    let log = dir.join("dump.log");
+    let res = blocking(move || {
+        criu.call(
+            Req {
+                r#type: criu::REQ_DUMP,
+                opts: Some(d.opts),
+            },
+            Some(&log),
+        )
+        .map_err(criu_status)
+    })
+    .await;
+    if let Err(e) = res {
+        // CRIU resumed the tree and its sockets on failure; reopen the network.
+        let _ = m
+            .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+            .await;
+        let _ = images::zeroize(&dir);
+        m.timings.freeze_started_us = 0;
+        return Err(e);
+    }
+    m.timings.dump_us = t.elapsed().as_micros() as u64;
+    m.timings.dump_finished_us = now_us();
+    // The tree is stopped: the freeze is recorded and watched from this instant, even
+    // if what follows fails.
+    m.freeze.set(FROZEN);
+    start_freeze_watchdog(&d.frozen, d.margin, &m);
+    let manifest = Manifest {
+        final_dir: "final".into(),
+        sockets: sockets
+            .iter()
+            .map(|s| ManifestSocket {
+                local: s.local.clone(),
+                remote: s.remote.clone(),
+                listening: s.listening,
+            })
+            .collect(),
+        tcp: m.tcp as i32,
+        external_mounts: d.external_mounts,
+        stdio_pipes: d.stdio_pipes,
+        workload: m.fs.as_ref().and_then(|fs| fs.workload.clone()),
+    };
+    std::fs::write(
+        m.dir.join("manifest.json"),
+        serde_json::to_vec(&manifest).expect("manifest"),
+    )
+    .map_err(|e| Status::internal(e.to_string()))?;
+    m.sockets = sockets;
+    m.final_dump_bytes = images::size(&dir);
+    m.image_bytes = images::size(&m.dir);
+    m.phase = Phase::Dumped;
+    tracing::info!(
+        uid = %m.uid,
+        dump_ms = m.timings.dump_us / 1000,
+        bytes = m.final_dump_bytes,
+        watchdog_ms = m.freeze_limit.as_millis() as u64,
+        "dumped; source left stopped"
+    );
+    Ok(m.status())
+}
+
+/// Resumes the source `m` froze if it is still frozen `m.freeze_limit` from now
+/// (tokio's clock is monotonic): neither Commit nor Abort claimed the freeze.
+fn start_freeze_watchdog(
+    frozen: &StdMutex<Vec<FrozenSource>>,
+    margin: std::time::Duration,
+    m: &Migration,
+) {
+    let (freeze, broker, uid, limit) = (
+        Arc::clone(&m.freeze),
+        Arc::clone(&m.broker),
+        m.uid.clone(),
+        m.freeze_limit,
+    );
+    frozen.lock().expect("frozen").push(FrozenSource {
+        freeze: Arc::clone(&freeze),
+        broker: Arc::clone(&broker),
+        uid: uid.clone(),
+        since: std::time::Instant::now(),
+        budget: limit.saturating_sub(margin),
+    });
+    tokio::spawn(async move {
+        tokio::time::sleep(limit).await;
+        // A failed resume (the broker busy or restarting) is tried again.
+        for _ in 0..30 {
+            if freeze.get() != FROZEN {
+                return;
+            }
+            tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
+            match thaw_frozen(&freeze, &broker, &uid).await {
+                Ok(resumed) => {
+                    if resumed {
+                        crate::metrics::global().watchdog_resumed();
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    });
+}
+
+/// The workload's TCP sockets, duplicated to us by the broker.
+async fn inventory(m: &Migration) -> Result<Vec<SocketReport>, Status> {
+    let b = Arc::clone(&m.broker);
+    let uid = m.uid.clone();
+    blocking(move || {
+        let fds = b
+            .lock()
+            .expect("broker client")
+            .sockets(&uid)
+            .map_err(broker_status)?;
+        use nix::sys::socket::{
+            SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
+        };
+        use std::os::fd::AsRawFd;
+        let mut out = Vec::new();
+        for fd in fds {
+            let listening = getsockopt(&fd, AcceptConn).unwrap_or(false);
+            let local = getsockname::<SockaddrStorage>(fd.as_raw_fd())
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            let remote = if listening {
+                String::new()
+            } else {
+                getpeername::<SockaddrStorage>(fd.as_raw_fd())
+                    .map(|a| a.to_string())
+                    .unwrap_or_default()
+            };
+            out.push(SocketReport {
+                local,
+                remote,
+                listening,
+                outcome: SocketOutcome::Pending as i32,
+            });
+        }
+        Ok(out)
+    })
+    .await
 }
 
 /// The body of `Restore`, run by a task that owns the migration (see

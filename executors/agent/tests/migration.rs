@@ -657,3 +657,57 @@ fn a_restore_failing_late_leaves_no_restored_process() {
     );
     assert_eq!(copies_in_target(&tb), Vec::<i32>::new());
 }
+
+/// The final dump's call goes away while CRIU stops the tree (the operator's call
+/// deadline, its leader killed): the dump still completes and records its freeze, so
+/// the agent's watchdog resumes the source that nobody commits or aborts. (Before, the
+/// agent dropped the dump's work with the call: the tree stayed stopped and its
+/// network locked with no freeze on record, so nothing on the node resumed it.)
+#[test]
+fn a_dump_whose_caller_went_away_is_still_resumed_by_the_watchdog() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "dcx",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    let slow = tb.dir.join("slow-criu");
+    std::fs::write(
+        &slow,
+        format!("#!/bin/sh\nsleep 1\nexec {} \"$@\"\n", tb.criu.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    tb.criu = slow;
+    tb.agent_args = vec!["--freeze-watchdog-margin-ms".into(), "500".into()];
+    tb.start_agent(0);
+    let src = tb.start_workload(4, 0);
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "dump-caller-gone";
+    let mut prep = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    prep.freeze_budget_ms = 1000;
+    let abandoned = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.prepare(prep).await.unwrap();
+        tokio::time::timeout(Duration::from_millis(300), a.dump(uid))
+            .await
+            .is_err()
+    });
+    assert!(abandoned, "the Dump answered within 300 ms");
+    assert!(
+        resumes(src.pid, &mut conn, before, 150),
+        "the source stayed frozen after an abandoned dump\n{}",
+        tb.agent_log(0)
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        assert_eq!(a.status(uid).await.unwrap().phase(), Phase::Aborted);
+        assert_eq!(a.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.cleanup(uid).await.unwrap();
+    });
+    assert!(running(src.pid));
+}
