@@ -1069,6 +1069,64 @@ impl Harness {
         }
     }
 
+    /// A registration the broker accepted: it must be one it may accept (a live pod
+    /// process with its pinned start time, not the broker's cgroup, not in the node's
+    /// netns), not a second pin of the same process, and a repeat only by the same agent.
+    fn registered(
+        &mut self,
+        conn: u64,
+        uid: String,
+        role: BrokerRole,
+        process: ProcRef,
+        cgroup: &str,
+        pre: &BTreeMap<i32, Proc>,
+    ) -> Result<(), String> {
+        let Some(p) = pre.get(&process.pid) else {
+            return Err(format!(
+                "registered pid {} that does not exist",
+                process.pid
+            ));
+        };
+        let broker_cg = pre
+            .get(&self.k.world().broker_pid)
+            .map(|b| b.cgroup.clone());
+        // A repeated register of the same pin by the same agent is idempotent:
+        // the pin was checked when it was made.
+        let new = !self.model.contains_key(&uid);
+        if p.zombie
+            || p.start_time != process.start_time
+            || (new && !under_pods_root(&p.cgroup, PODS_ROOT))
+            || (new && Some(&p.cgroup) == broker_cg.as_ref())
+            || (new && p.netns == self.k.world().node_netns)
+        {
+            return Err(format!("registered a process it must refuse: {p:?}"));
+        }
+        if let Some(r) = self.model.get(&uid) {
+            if r.conn != conn || r.process != process || r.role != role {
+                return Err(format!("{uid} registered twice"));
+            }
+            return Ok(());
+        }
+        if self.model.values().any(|r| r.process.pid == process.pid) {
+            return Err(format!("pid {} pinned by two migrations", process.pid));
+        }
+        self.model.insert(
+            uid,
+            Reg {
+                conn,
+                role,
+                process,
+                netns: p.netns,
+                cgroup: cgroup.to_owned(),
+                bound: false,
+                locked: false,
+                maybe_locked: false,
+                killed: false,
+            },
+        );
+        Ok(())
+    }
+
     fn update_model(
         &mut self,
         conn: u64,
@@ -1085,52 +1143,10 @@ impl Harness {
         };
         match req {
             Request::Register { role, process, .. } => {
-                let Some(p) = pre.get(&process.pid) else {
-                    return Err(format!(
-                        "registered pid {} that does not exist",
-                        process.pid
-                    ));
-                };
-                let broker_cg = pre
-                    .get(&self.k.world().broker_pid)
-                    .map(|b| b.cgroup.clone());
-                // A repeated register of the same pin by the same agent is idempotent:
-                // the pin was checked when it was made.
-                let new = !self.model.contains_key(&uid);
-                if p.zombie
-                    || p.start_time != process.start_time
-                    || (new && !under_pods_root(&p.cgroup, PODS_ROOT))
-                    || (new && Some(&p.cgroup) == broker_cg.as_ref())
-                    || (new && p.netns == self.k.world().node_netns)
-                {
-                    return Err(format!("registered a process it must refuse: {p:?}"));
-                }
                 let Reply::Registered { cgroup } = reply else {
                     unreachable!("checked by reply_fits")
                 };
-                if let Some(r) = self.model.get(&uid) {
-                    if r.conn != conn || r.process != *process || r.role != *role {
-                        return Err(format!("{uid} registered twice"));
-                    }
-                } else {
-                    if self.model.values().any(|r| r.process.pid == process.pid) {
-                        return Err(format!("pid {} pinned by two migrations", process.pid));
-                    }
-                    self.model.insert(
-                        uid,
-                        Reg {
-                            conn,
-                            role: *role,
-                            process: *process,
-                            netns: p.netns,
-                            cgroup: cgroup.clone(),
-                            bound: false,
-                            locked: false,
-                            maybe_locked: false,
-                            killed: false,
-                        },
-                    );
-                }
+                self.registered(conn, uid, *role, *process, cgroup, pre)?;
             }
             Request::Forget { .. } => {
                 self.model.remove(&uid);
