@@ -337,6 +337,8 @@ fn dev_of(words: &[&str]) -> Option<String> {
 }
 
 impl Ip for FakeIp<'_> {
+    /// The few `ip` commands the broker runs, over the process's [`Net`]; anything
+    /// else fails as unsupported.
     fn ip(&mut self, args: &[&str]) -> std::io::Result<String> {
         let fail = |m: &str| Err(std::io::Error::other(format!("ip {}: {m}", args.join(" "))));
         if let Some(Fault::Ip(n)) = self.w.fault {
@@ -348,98 +350,142 @@ impl Ip for FakeIp<'_> {
         }
         let ns = self.ns;
         let n = self.w.nets.get_mut(&ns).expect("netns of a process");
-        let index = |n: &Net, l: &str| n.links.keys().position(|k| k == l).unwrap_or(0) + 1;
+        let done = |r: Result<(), &str>| r.map(|()| String::new()).or_else(fail);
         match args {
-            ["-4", "route", "show"] => Ok(n.routes4.iter().map(|r| format!("{r}\n")).collect()),
-            ["-6", "route", "show"] => Ok(n.routes6.iter().map(|r| format!("{r}\n")).collect()),
-            ["-o", "link", "show", "up"] => Ok(n
-                .links
-                .iter()
-                .filter(|(_, up)| **up)
-                .map(|(l, _)| {
-                    let i = index(n, l);
-                    let name = if l == "lo" {
-                        "lo".to_owned()
-                    } else {
-                        format!("{l}@if{}", i + 40)
-                    };
-                    format!("{i}: {name}: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 state UP\n")
-                })
-                .collect()),
-            ["-6", "-o", "addr", "show", "scope", "global"] => Ok(n
-                .addrs6
-                .iter()
-                .filter(|(_, l)| n.links.get(l) == Some(&true))
-                .map(|(a, l)| {
-                    format!(
-                        "{}: {l}    inet6 {a} scope global \\       valid_lft forever\n",
-                        index(n, l)
-                    )
-                })
-                .collect()),
-            ["-o", "addr", "show"] => {
-                let mut out = String::new();
-                for (a, l) in &n.addrs4 {
-                    out += &format!("{}: {l}    inet {a} scope global {l}\n", index(n, l));
-                }
-                for (a, l) in &n.addrs6 {
-                    out += &format!("{}: {l}    inet6 {a} scope global\n", index(n, l));
-                }
-                Ok(out)
-            }
+            ["-4", "route", "show"] => Ok(lines(&n.routes4)),
+            ["-6", "route", "show"] => Ok(lines(&n.routes6)),
+            ["-o", "link", "show", "up"] => Ok(n.links_up()),
+            ["-6", "-o", "addr", "show", "scope", "global"] => Ok(n.global_addrs6()),
+            ["-o", "addr", "show"] => Ok(n.addrs()),
             ["link", "set", "dev", link, state @ ("up" | "down")] => {
-                let Some(up) = n.links.get_mut(*link) else {
-                    return fail("Cannot find device");
-                };
-                *up = *state == "up";
-                if *state == "down" && *link != "lo" {
-                    let via = |r: &String| {
-                        dev_of(&r.split_whitespace().collect::<Vec<_>>()).as_deref() != Some(link)
-                    };
-                    n.routes4.retain(via);
-                    n.routes6.retain(via);
-                    n.addrs6.retain(|(_, l)| l != link);
+                let r = n.set_link(link, *state == "up");
+                if r.is_ok() && *state == "down" && *link != "lo" {
                     self.w.effects.push(Effect::LinkDown {
                         netns: ns,
                         link: (*link).to_owned(),
                     });
                 }
-                Ok(String::new())
+                done(r)
             }
             ["-6", "addr", "replace", addr, "dev", link, "nodad"] => {
-                if !n.links.contains_key(*link) {
-                    return fail("Cannot find device");
-                }
-                n.addrs6.insert(((*addr).to_owned(), (*link).to_owned()));
-                Ok(String::new())
+                done(n.replace_addr6(addr, link))
             }
             [family @ ("-4" | "-6"), "route", "replace", route @ ..] => {
-                let Some(dev) = dev_of(route) else {
-                    return fail("no dev");
-                };
-                if n.links.get(&dev) != Some(&true) {
-                    return fail("Nexthop device is not up");
-                }
-                let table = if *family == "-4" {
-                    &mut n.routes4
-                } else {
-                    &mut n.routes6
-                };
-                // A gateway needs a route to it first (the link's connected route).
-                if route.contains(&"via")
-                    && !table
-                        .iter()
-                        .any(|r| !r.contains(" via ") && r.contains(&format!("dev {dev}")))
-                {
-                    return fail("Nexthop has invalid gateway");
-                }
-                let line = route.join(" ");
-                table.retain(|r| r.split_whitespace().next() != route.first().copied());
-                table.push(line);
-                Ok(String::new())
+                done(n.replace_route(*family == "-4", route))
             }
             _ => fail("unsupported by the fake"),
         }
+    }
+}
+
+/// One line per entry, as `ip route show` prints routes.
+fn lines(v: &[String]) -> String {
+    v.iter().map(|r| format!("{r}\n")).collect()
+}
+
+impl Net {
+    /// A link's 1-based index (`ip -o` prints it first).
+    fn index(&self, l: &str) -> usize {
+        self.links.keys().position(|k| k == l).unwrap_or(0) + 1
+    }
+
+    /// `ip -o link show up`: the links up, veths as `<name>@if<peer>`.
+    fn links_up(&self) -> String {
+        self.links
+            .iter()
+            .filter(|(_, up)| **up)
+            .map(|(l, _)| {
+                let i = self.index(l);
+                let name = if l == "lo" {
+                    "lo".to_owned()
+                } else {
+                    format!("{l}@if{}", i + 40)
+                };
+                format!("{i}: {name}: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 state UP\n")
+            })
+            .collect()
+    }
+
+    /// `ip -6 -o addr show scope global`: the global IPv6 addresses of links up.
+    fn global_addrs6(&self) -> String {
+        self.addrs6
+            .iter()
+            .filter(|(_, l)| self.links.get(l) == Some(&true))
+            .map(|(a, l)| {
+                format!(
+                    "{}: {l}    inet6 {a} scope global \\       valid_lft forever\n",
+                    self.index(l)
+                )
+            })
+            .collect()
+    }
+
+    /// `ip -o addr show`: every IPv4 and IPv6 address.
+    fn addrs(&self) -> String {
+        let mut out = String::new();
+        for (a, l) in &self.addrs4 {
+            out += &format!("{}: {l}    inet {a} scope global {l}\n", self.index(l));
+        }
+        for (a, l) in &self.addrs6 {
+            out += &format!("{}: {l}    inet6 {a} scope global\n", self.index(l));
+        }
+        out
+    }
+
+    /// `ip link set dev LINK up|down`: a link going down (not `lo`) takes its routes
+    /// and IPv6 addresses with it, as the kernel does.
+    fn set_link(&mut self, link: &str, up: bool) -> Result<(), &'static str> {
+        let Some(state) = self.links.get_mut(link) else {
+            return Err("Cannot find device");
+        };
+        *state = up;
+        if !up && link != "lo" {
+            let via = |r: &String| {
+                dev_of(&r.split_whitespace().collect::<Vec<_>>()).as_deref() != Some(link)
+            };
+            self.routes4.retain(via);
+            self.routes6.retain(via);
+            self.addrs6.retain(|(_, l)| l != link);
+        }
+        Ok(())
+    }
+
+    /// `ip -6 addr replace ADDR dev LINK nodad`.
+    fn replace_addr6(&mut self, addr: &str, link: &str) -> Result<(), &'static str> {
+        if !self.links.contains_key(link) {
+            return Err("Cannot find device");
+        }
+        self.addrs6.insert((addr.to_owned(), link.to_owned()));
+        Ok(())
+    }
+
+    /// `ip -4|-6 route replace ROUTE…`: over a link that is up, through a gateway only
+    /// once the link's connected route is there; replaces the route to the same
+    /// destination.
+    fn replace_route(&mut self, v4: bool, route: &[&str]) -> Result<(), &'static str> {
+        let Some(dev) = dev_of(route) else {
+            return Err("no dev");
+        };
+        if self.links.get(&dev) != Some(&true) {
+            return Err("Nexthop device is not up");
+        }
+        let table = if v4 {
+            &mut self.routes4
+        } else {
+            &mut self.routes6
+        };
+        // A gateway needs a route to it first (the link's connected route).
+        if route.contains(&"via")
+            && !table
+                .iter()
+                .any(|r| !r.contains(" via ") && r.contains(&format!("dev {dev}")))
+        {
+            return Err("Nexthop has invalid gateway");
+        }
+        let line = route.join(" ");
+        table.retain(|r| r.split_whitespace().next() != route.first().copied());
+        table.push(line);
+        Ok(())
     }
 }
 
