@@ -170,7 +170,36 @@ impl<K: Kernel> Broker<K> {
 
     fn connection(self: Arc<Self>, mut s: UnixStream) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let peer_ok = match getsockopt(&s, PeerCredentials) {
+        if let Err(e) = self.peer_allowed(&s) {
+            tracing::warn!(error = %e, "refused peer");
+            let _ = s.write_all(&encode_frame(&Response::Err(e)));
+            return;
+        }
+        let _ = s.set_read_timeout(None);
+        loop {
+            let body = match read_request_frame(&mut s) {
+                Ok(Some(body)) => body,
+                Ok(None) => break,
+                Err(e) => {
+                    // The rest of the stream cannot be framed any more: answer and close.
+                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
+                    break;
+                }
+            };
+            let (resp, fds) = self.answer(id, &body);
+            if s.write_all(&encode_frame(&resp)).is_err() {
+                break;
+            }
+            if !fds.is_empty() && send_fd_chunks(&s, &fds).is_err() {
+                break;
+            }
+        }
+        self.lease_lost(id);
+    }
+
+    /// The peer runs as the agent's uid and, where required, in the broker's pod.
+    fn peer_allowed(&self, s: &UnixStream) -> Result<(), BrokerError> {
+        match getsockopt(s, PeerCredentials) {
             Ok(c) if c.uid() == self.cfg.allowed_uid && self.cfg.same_netns_peers => {
                 same_pod(&self.kernel, c.pid())
             }
@@ -180,61 +209,26 @@ impl<K: Kernel> Broker<K> {
                 format!("peer uid {} is not the agent's uid", c.uid()),
             )),
             Err(e) => Err(kerr(e)),
+        }
+    }
+
+    /// The response to one frame's body (decoded, validated, handled) and the
+    /// descriptors that follow it.
+    fn answer(&self, conn: u64, body: &[u8]) -> (Response, Vec<OwnedFd>) {
+        let (resp, fds) = match decode_request(body) {
+            Ok(req) => {
+                tracing::info!(op = req.name(), uid = %req.uid(), conn, "request");
+                match self.handle(conn, req) {
+                    Ok((reply, fds)) => (Response::Ok(reply), fds),
+                    Err(e) => (Response::Err(e), Vec::new()),
+                }
+            }
+            Err(e) => (Response::Err(e), Vec::new()),
         };
-        if let Err(e) = peer_ok {
-            tracing::warn!(error = %e, "refused peer");
-            let _ = s.write_all(&encode_frame(&Response::Err(e)));
-            return;
+        if let Response::Err(e) = &resp {
+            tracing::warn!(kind = ?e.kind, message = %e.message, "rejected");
         }
-        let _ = s.set_read_timeout(None);
-        loop {
-            let mut prefix = [0u8; 4];
-            match read_full(&mut s, &mut prefix) {
-                Ok(true) => {}
-                Ok(false) => break,
-                Err(e) => {
-                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
-                    break;
-                }
-            }
-            let len = match check_len(prefix) {
-                Ok(l) => l,
-                Err(e) => {
-                    // The rest of the stream cannot be framed any more: answer and close.
-                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
-                    break;
-                }
-            };
-            let mut body = vec![0u8; len];
-            match read_full(&mut s, &mut body) {
-                Ok(true) => {}
-                _ => {
-                    let e = err(ErrorKind::Truncated, "connection closed inside a frame");
-                    let _ = s.write_all(&encode_frame(&Response::Err(e)));
-                    break;
-                }
-            }
-            let (resp, fds) = match decode_request(&body) {
-                Ok(req) => {
-                    tracing::info!(op = req.name(), uid = %req.uid(), conn = id, "request");
-                    match self.handle(id, req) {
-                        Ok((reply, fds)) => (Response::Ok(reply), fds),
-                        Err(e) => (Response::Err(e), Vec::new()),
-                    }
-                }
-                Err(e) => (Response::Err(e), Vec::new()),
-            };
-            if let Response::Err(e) = &resp {
-                tracing::warn!(kind = ?e.kind, message = %e.message, "rejected");
-            }
-            if s.write_all(&encode_frame(&resp)).is_err() {
-                break;
-            }
-            if !fds.is_empty() && send_fd_chunks(&s, &fds).is_err() {
-                break;
-            }
-        }
-        self.lease_lost(id);
+        (resp, fds)
     }
 
     /// The agent behind connection `conn` is gone: roll back what it left half-done.
@@ -368,22 +362,40 @@ impl<K: Kernel> Broker<K> {
 
     /// Executes one validated request for connection `conn`.
     pub fn handle(&self, conn: u64, req: Request) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+        const SOURCE: Option<BrokerRole> = Some(BrokerRole::Source);
+        const TARGET: Option<BrokerRole> = Some(BrokerRole::Target);
+        const ANY: Option<BrokerRole> = None;
         let mut m = self.entries.lock().expect("broker state");
         let m = &mut *m;
-        // Every op but the socket hand-off answers without descriptors.
-        let reply = match req {
-            Request::Register { uid, role, process } => self.register(m, conn, uid, role, process),
-            Request::BindNetns { uid } => self.bind_netns(m, conn, &uid),
-            Request::UnbindNetns { uid } => self.unbind_netns(m, conn, &uid),
-            Request::NetnsAddrs { uid } => self.netns_addrs(m, conn, &uid),
-            Request::LockNetwork { uid } => self.lock_network(m, conn, &uid),
-            Request::UnlockNetwork { uid } => self.unlock_network(m, conn, &uid),
-            Request::HandOffSockets { uid } => return self.hand_off_sockets(m, conn, &uid),
-            Request::ReleaseTcpRepair { uid } => self.release_tcp_repair(m, conn, &uid),
-            Request::MoveCgroup { uid, process } => self.move_cgroup(m, conn, &uid, process),
-            Request::Resume { uid } => self.resume(m, conn, &uid),
-            Request::Kill { uid } => self.kill(m, conn, &uid),
-            Request::Forget { uid } => self.forget(m, conn, &uid),
+        // Every op but the socket hand-off answers without descriptors. Each names the
+        // role it needs of the registration it acts on, held by this connection.
+        let reply = match &req {
+            Request::Register { uid, role, process } => {
+                self.register(m, conn, uid.clone(), *role, *process)
+            }
+            Request::Forget { uid } => self.forget(m, conn, uid),
+            Request::NetnsAddrs { uid } => self.netns_addrs(self.entry(m, uid, conn, ANY)?),
+            Request::BindNetns { uid } => self.bind_netns(uid, self.entry(m, uid, conn, TARGET)?),
+            Request::UnbindNetns { uid } => {
+                self.unbind_netns(uid, self.entry(m, uid, conn, TARGET)?)
+            }
+            Request::MoveCgroup { uid, process } => {
+                self.move_cgroup(self.entry(m, uid, conn, TARGET)?, *process)
+            }
+            Request::LockNetwork { uid } => {
+                self.lock_network(uid, self.entry(m, uid, conn, SOURCE)?)
+            }
+            Request::UnlockNetwork { uid } => {
+                self.unlock_network(uid, self.entry(m, uid, conn, SOURCE)?)
+            }
+            Request::HandOffSockets { uid } => {
+                return self.hand_off_sockets(self.entry(m, uid, conn, SOURCE)?);
+            }
+            Request::ReleaseTcpRepair { uid } => {
+                self.release_tcp_repair(self.entry(m, uid, conn, SOURCE)?)
+            }
+            Request::Resume { uid } => self.resume(self.entry(m, uid, conn, SOURCE)?),
+            Request::Kill { uid } => self.kill(uid, self.entry(m, uid, conn, SOURCE)?),
         }?;
         Ok((reply, Vec::new()))
     }
@@ -458,13 +470,7 @@ impl<K: Kernel> Broker<K> {
         Ok(cgroup)
     }
 
-    fn bind_netns(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+    fn bind_netns(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         let path = self.netns_path(uid);
         if !e.netns_bound {
             self.kernel.bind_netns(e.process.pid, &path)?;
@@ -475,13 +481,7 @@ impl<K: Kernel> Broker<K> {
         })
     }
 
-    fn unbind_netns(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+    fn unbind_netns(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         if e.netns_bound {
             self.unbind(uid)?;
             e.netns_bound = false;
@@ -490,13 +490,7 @@ impl<K: Kernel> Broker<K> {
     }
 
     /// The addresses (without prefix length) of the registered process's namespace.
-    fn netns_addrs(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, None)?;
+    fn netns_addrs(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
         let addrs = self
             .kernel
             .in_netns(e.process.pid, |ip| {
@@ -516,13 +510,7 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Addrs { addrs })
     }
 
-    fn lock_network(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn lock_network(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         if e.locked.is_none() {
             let l = lock(&self.kernel, e.process.pid)?;
             if let Err(j) = self.journal_write(uid, e.process, &l) {
@@ -543,13 +531,7 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Done)
     }
 
-    fn unlock_network(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn unlock_network(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         // The saved lock is dropped only once it is restored: after a failed
         // unlock, a retry, `forget` or the lease rollback still knows what to undo.
         if let Some(l) = &e.locked {
@@ -562,13 +544,7 @@ impl<K: Kernel> Broker<K> {
 
     /// The only op that answers with descriptors: one per TCP socket of the source's
     /// process tree.
-    fn hand_off_sockets(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn hand_off_sockets(&self, e: &mut Entry) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
         // Inventory first (one descriptor per socket, whichever process of the
         // tree holds it), then refuse a set larger than one hand-off rather than
         // hand over part of it: a socket left behind would be lost silently.
@@ -599,27 +575,14 @@ impl<K: Kernel> Broker<K> {
         Ok((Reply::Sockets { total, chunks }, fds))
     }
 
-    fn release_tcp_repair(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn release_tcp_repair(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
         release_repair(&self.kernel, e.process.pid)?;
         Ok(Reply::Done)
     }
 
     /// Moves a restored tree into the cgroups of the target pod's registered process;
     /// only a tree in that pod's network namespace, never the registered process itself.
-    fn move_cgroup(
-        &self,
-        m: &mut Entries,
-        conn: u64,
-        uid: &MigrationUid,
-        process: ProcRef,
-    ) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Target))?;
+    fn move_cgroup(&self, e: &mut Entry, process: ProcRef) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
         if process.pid == e.process.pid
             || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(e.process.pid)?
@@ -640,14 +603,12 @@ impl<K: Kernel> Broker<K> {
         })
     }
 
-    fn resume(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn resume(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
         signal_tree(&self.kernel, e.process.pid, Signal::SIGCONT)?;
         Ok(Reply::Done)
     }
 
-    fn kill(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
-        let e = self.entry(m, uid, conn, Some(BrokerRole::Source))?;
+    fn kill(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
         e.killed = true;
         self.journal_remove(uid);
@@ -685,6 +646,25 @@ impl<K: Kernel> Broker<K> {
 
     fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
         self.kernel.unbind(&self.netns_path(uid))
+    }
+}
+
+/// Reads one length-prefixed frame's body; `None` when the peer closed between frames.
+/// An error (a read failure, a length over the cap, a frame cut short) leaves the
+/// stream unframeable.
+fn read_request_frame(s: &mut UnixStream) -> Result<Option<Vec<u8>>, BrokerError> {
+    let mut prefix = [0u8; 4];
+    if !read_full(s, &mut prefix)? {
+        return Ok(None);
+    }
+    let len = check_len(prefix)?;
+    let mut body = vec![0u8; len];
+    match read_full(s, &mut body) {
+        Ok(true) => Ok(Some(body)),
+        _ => Err(err(
+            ErrorKind::Truncated,
+            "connection closed inside a frame",
+        )),
     }
 }
 
