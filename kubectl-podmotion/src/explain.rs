@@ -20,7 +20,17 @@ pub struct Attempt<'a> {
     pub name: Option<&'a str>,
 }
 
-impl Attempt<'_> {
+impl<'a> Attempt<'a> {
+    /// The watch of `resource` in `namespace` (refused only as a whole, so no name).
+    pub fn watch(resource: &'a str, namespace: &'a str) -> Self {
+        Attempt {
+            verb: "watch",
+            resource,
+            namespace: Some(namespace),
+            name: None,
+        }
+    }
+
     fn where_(&self) -> String {
         match self.namespace {
             Some(ns) => format!("in namespace {ns}"),

@@ -663,13 +663,7 @@ fn attachment_in(
     match ev {
         None => bail!("the watch of NodeAgentAttachment {namespace}/{name} ended"),
         Some(Err(e)) => {
-            let watch = Attempt {
-                verb: "watch",
-                resource: ATTACHMENTS,
-                namespace: Some(namespace),
-                name: None,
-            };
-            if let Some(refused) = watch_refused(watch, &e) {
+            if let Some(refused) = watch_refused(Attempt::watch(ATTACHMENTS, namespace), &e) {
                 bail!(refused);
             }
             Ok(None)

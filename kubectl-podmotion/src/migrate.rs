@@ -245,13 +245,7 @@ fn watch_event(
     match ev {
         None => bail!("the watch of PodMigration {namespace}/{name} ended"),
         Some(Err(e)) => {
-            let watch = Attempt {
-                verb: "watch",
-                resource: PODMIGRATIONS,
-                namespace: Some(namespace),
-                name: None,
-            };
-            if let Some(refused) = watch_refused(watch, &e) {
+            if let Some(refused) = watch_refused(Attempt::watch(PODMIGRATIONS, namespace), &e) {
                 bail!(refused);
             }
             p.line(&format!("watch interrupted ({e}); resuming"));
