@@ -182,77 +182,87 @@ async fn main() -> anyhow::Result<()> {
     let pods: Api<Pod> = app.api();
     let pms: Api<PodMigration> = app.api();
     let deploys: Api<Deployment> = app.api();
-    let mut rows = vec![];
-    let mut loads = vec![format!("start {}", uptime())];
-    for &size in &args.sizes {
-        let mut names = vec![];
-        for kind in ["mig", "raw"] {
-            let name = format!("{kind}-{size}");
-            // The ballast is rewritten at the dirty rate while the pod runs.
-            let mut d = serde_json::to_value(testload::deployment(&name, &testload_image, size))?;
-            d["spec"]["template"]["spec"]["containers"][0]["args"]
-                .as_array_mut()
-                .context("testload args")?
-                .push(json!(args.dirty_kib.to_string()));
-            let d: Deployment = from_json(d);
-            deploys.create(&PostParams::default(), &d).await?;
-            names.push(name);
-        }
-        for round in 0..args.rounds {
-            for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
-                let raw_first = (round + i) % 2 == 0;
-                let mut raw = None;
-                let mut mig = None;
-                for side in 0..2 {
-                    if (side == 0) == raw_first {
-                        let r = raw_round(&pods, &format!("raw-{size}"), &work, &nodes)
+    // SIGINT drops the run where it is: its guards kill what a raw round started, and
+    // the namespaces and the release go as for a finished run.
+    let run = async {
+        let mut rows = vec![];
+        let mut loads = vec![format!("start {}", uptime())];
+        for &size in &args.sizes {
+            let mut names = vec![];
+            for kind in ["mig", "raw"] {
+                let name = format!("{kind}-{size}");
+                // The ballast is rewritten at the dirty rate while the pod runs.
+                let mut d =
+                    serde_json::to_value(testload::deployment(&name, &testload_image, size))?;
+                d["spec"]["template"]["spec"]["containers"][0]["args"]
+                    .as_array_mut()
+                    .context("testload args")?
+                    .push(json!(args.dirty_kib.to_string()));
+                let d: Deployment = from_json(d);
+                deploys.create(&PostParams::default(), &d).await?;
+                names.push(name);
+            }
+            for round in 0..args.rounds {
+                for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
+                    let raw_first = (round + i) % 2 == 0;
+                    let mut raw = None;
+                    let mut mig = None;
+                    for side in 0..2 {
+                        if (side == 0) == raw_first {
+                            let r = raw_round(&pods, &format!("raw-{size}"), &work, &nodes)
+                                .await
+                                .map_err(|e| format!("{e:#}"));
+                            eprintln!("{size} MiB {} round {round} raw: {r:?}", mode.name());
+                            raw = Some(r);
+                        } else {
+                            let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
+                            let m = mig_round(
+                                &pods,
+                                &pms,
+                                &format!("mig-{size}"),
+                                &name,
+                                mode,
+                                &nodes,
+                                &agents_ns,
+                            )
                             .await
                             .map_err(|e| format!("{e:#}"));
-                        eprintln!("{size} MiB {} round {round} raw: {r:?}", mode.name());
-                        raw = Some(r);
-                    } else {
-                        let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
-                        let m = mig_round(
-                            &pods,
-                            &pms,
-                            &format!("mig-{size}"),
-                            &name,
-                            mode,
-                            &nodes,
-                            &agents_ns,
-                        )
-                        .await
-                        .map_err(|e| format!("{e:#}"));
-                        eprintln!(
-                            "{size} MiB {} round {round} PodMigration: {m:?}",
-                            mode.name()
-                        );
-                        mig = Some(m);
+                            eprintln!(
+                                "{size} MiB {} round {round} PodMigration: {m:?}",
+                                mode.name()
+                            );
+                            mig = Some(m);
+                        }
                     }
+                    rows.push(Row {
+                        size,
+                        mode,
+                        round,
+                        raw: raw.unwrap(),
+                        mig: mig.unwrap(),
+                    });
                 }
-                rows.push(Row {
-                    size,
-                    mode,
-                    round,
-                    raw: raw.unwrap(),
-                    mig: mig.unwrap(),
-                });
+            }
+            loads.push(format!("after {size} MiB {}", uptime()));
+            // Free the memory before the next size.
+            for name in names {
+                deploys.delete(&name, &DeleteParams::default()).await?;
+                wait_list(
+                    &pods,
+                    &format!("app={name}"),
+                    POD_TIMEOUT,
+                    "the pods gone",
+                    |ps| ps.is_empty(),
+                )
+                .await?;
             }
         }
-        loads.push(format!("after {size} MiB {}", uptime()));
-        // Free the memory before the next size.
-        for name in names {
-            deploys.delete(&name, &DeleteParams::default()).await?;
-            wait_list(
-                &pods,
-                &format!("app={name}"),
-                POD_TIMEOUT,
-                "the pods gone",
-                |ps| ps.is_empty(),
-            )
-            .await?;
-        }
-    }
+        Ok::<_, anyhow::Error>((rows, loads))
+    };
+    let (rows, loads) = tokio::select! {
+        r = run => r?,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted"),
+    };
     print_table(&rows, &loads);
     Ok(())
 }
