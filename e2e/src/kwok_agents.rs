@@ -268,7 +268,35 @@ impl KwokAgents {
         self.reset_target();
         kill_cgroup(&self.tb.cgroup.join("src"));
         wait_gone(|| self.workload_processes().is_empty());
+        self.fresh_source_network();
         self.tb.start_workload(ballast_mib, 0).pid
+    }
+
+    /// The source pod's network as a new pod's: links up, routes back. A committed
+    /// migration leaves the source's network as its final dump locked it (links down,
+    /// routes gone: the broker undoes a lock only for a live process, and a real
+    /// source pod's namespace goes with the pod), but these stand-ins reuse the
+    /// namespace for the next workload.
+    fn fresh_source_network(&self) {
+        let src = self.tb.ns("src");
+        for args in [
+            vec!["link", "set", "eth0", "up"],
+            vec!["route", "replace", "10.213.1.1", "dev", "eth0"],
+            vec![
+                "route",
+                "replace",
+                "default",
+                "via",
+                "10.213.1.1",
+                "dev",
+                "eth0",
+            ],
+        ] {
+            let _ = std::process::Command::new("ip")
+                .args(["-n", &src])
+                .args(&args)
+                .status();
+        }
     }
 
     /// After a rolled-back migration: the target pod's holder (and anything restored
