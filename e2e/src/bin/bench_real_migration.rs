@@ -5,7 +5,7 @@
 //!     eval "$(hack/cluster.sh env)"       # the cluster with real nodes, images pushed
 //!     cargo build -p podmotion-e2e --bin bench_real_migration
 //!     PODMOTION_IMAGES_VALUES=… PODMOTION_IMAGES_LIST=… \
-//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024]
+//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024] [--mig-first]
 //!
 //! The chart is installed from our images by the real-node tests' fixture
 //! ([`podmotion_e2e::real::helm_install`]). For each size two Deployments of the
@@ -113,6 +113,8 @@ struct Args {
     rounds: usize,
     sizes: Vec<u32>,
     dirty_kib: u32,
+    /// The first round's Cold starts with the PodMigration instead of raw CRIU.
+    mig_first: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -120,6 +122,7 @@ fn parse_args() -> anyhow::Result<Args> {
         rounds: 3,
         sizes: vec![64, 512],
         dirty_kib: 1024,
+        mig_first: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -133,8 +136,9 @@ fn parse_args() -> anyhow::Result<Args> {
                     .collect::<Result<_, _>>()?
             }
             "--dirty-kib" => a.dirty_kib = value()?.parse()?,
+            "--mig-first" => a.mig_first = true,
             other => bail!(
-                "unknown argument {other}; usage: bench_real_migration [--rounds N] [--sizes 64,512] [--dirty-kib 1024]"
+                "unknown argument {other}; usage: bench_real_migration [--rounds N] [--sizes 64,512] [--dirty-kib 1024] [--mig-first]"
             ),
         }
     }
@@ -204,7 +208,7 @@ async fn main() -> anyhow::Result<()> {
             }
             for round in 0..args.rounds {
                 for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
-                    let raw_first = (round + i) % 2 == 0;
+                    let raw_first = (round + i + usize::from(args.mig_first)) % 2 == 0;
                     let mut raw = None;
                     let mut mig = None;
                     for side in 0..2 {
