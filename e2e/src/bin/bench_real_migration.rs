@@ -10,8 +10,10 @@
 //! The chart is installed from our images by the real-node tests' fixture
 //! ([`podmotion_e2e::real::helm_install`]). For each size two Deployments of the
 //! `testload` fixture run on the real nodes (`serve 8080 <MiB> <dirty KiB/s>`, readiness
-//! probe): `mig-<MiB>` is moved by PodMigrations, back and forth between the nodes;
-//! `raw-<MiB>` gives a fresh pod of the same spec for every raw round. In every round,
+//! probe): `mig-<MiB>` is moved by a PodMigration to the other real node in every
+//! migration round (then the adopted pod is deleted: an adopted pod cannot be migrated
+//! again, so the next round moves the fresh pod its ReplicaSet makes); `raw-<MiB>` gives
+//! a fresh pod of the same spec for every raw round. In every round,
 //! for Cold and for PreCopy, one PodMigration and one raw CRIU checkpoint/restore run,
 //! alternating which goes first; nothing is timed before the pod's ballast is written.
 //!
