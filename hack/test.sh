@@ -64,12 +64,11 @@ else
 fi
 hack/cluster.sh netpol-down || rc=1
 step "chaos run, short (e2e/src/bin/chaos.rs, docs/reliability.md): two operator replicas, leader SIGKILLed every 4-8 s, 20 % of writes answered 409/429, the API server restarted once, churn of the three kinds; fails on any invariant violation"
-cargo build --locked -q -p podmotion-operator -p podmotion-e2e --bin podmotion-operator --bin chaos || rc=1
-# --no-live-migrations: the chaos run's live migrations (process-level agents on the kwok
-# nodes) found two running copies after a failed restore (docs/reliability.md, "Chaos
-# runs": an abandoned Restore call, fixed in a314f11); they stay off in CI until a run
-# with the fix is clean end to end (the first one hit a harness bug, fixed in 0101887).
-"${CARGO_TARGET_DIR:-$root/target}/debug/chaos" --api-restart --no-live-migrations || rc=1
+cargo build --locked -q -p podmotion-operator -p podmotion-agent -p podmotion-e2e --bin podmotion-operator --bin podmotion-agent --bin podmotion-testload --bin chaos || rc=1
+# With live migrations (process-level agents on the kwok nodes: root and CRIU, the agent
+# and testload binaries next to chaos). Run under `flock -o` if at all: a lock
+# descriptor the workload inherits makes CRIU refuse the dump (docs/reliability.md).
+"${CARGO_TARGET_DIR:-$root/target}/debug/chaos" --api-restart || rc=1
 
 if [[ $started == 1 && ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
   step "cluster down, and nothing left behind"
