@@ -24,7 +24,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
@@ -181,6 +181,13 @@ pub struct FrozenAge {
     pub budget: Duration,
 }
 
+/// Registers `metric` under `name` with `help` and hands it back (a clone shares its
+/// values with the registered one).
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for AgentMetrics {
     fn default() -> Self {
         Self::new()
@@ -190,126 +197,54 @@ impl Default for AgentMetrics {
 impl AgentMetrics {
     pub fn new() -> Self {
         let mut r = Registry::with_prefix("podmotion_agent");
-        let calls = Family::<CallLabels, Counter>::default();
-        r.register(
-            "calls",
-            "Agent RPCs answered, by RPC and gRPC code",
-            calls.clone(),
-        );
-        // 1 ms … 65 s: a pre-dump or restore of a small pod takes tens of ms, a
-        // large Send tens of seconds.
-        let call_duration = Family::<RpcLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.001, 2.0, 17))
-        });
-        r.register(
-            "call_duration_seconds",
-            "Time spent answering one agent RPC (dump, restore, send, …)",
-            call_duration.clone(),
-        );
-        let migrations = Family::<PhaseLabels, Gauge>::default();
-        r.register(
-            "migrations",
-            "Migrations on this agent that have not finished, by role and phase",
-            migrations.clone(),
-        );
-        let finished = Family::<OutcomeLabels, Counter>::default();
-        r.register(
-            "migrations_finished",
-            "Migrations this agent saw end, by role and outcome",
-            finished.clone(),
-        );
-        let idle_seconds = Gauge::<f64, AtomicU64>::default();
-        r.register(
-            "migration_idle_seconds_max",
-            "Longest time any unfinished migration on this agent went without progress (phase, round or bytes)",
-            idle_seconds.clone(),
-        );
-        // 10 ms … 41 s.
-        let freeze_duration = Histogram::new(exponential_buckets(0.01, 2.0, 13));
-        r.register(
-            "source_freeze_seconds",
-            "How long a source stayed frozen, from its final dump to the Commit or Abort that ended the freeze",
-            freeze_duration.clone(),
-        );
-        let bytes_sent = Counter::default();
-        r.register(
-            "sent_bytes",
-            "Checkpoint image bytes this agent sent",
-            bytes_sent.clone(),
-        );
-        let bytes_received = Counter::default();
-        r.register(
-            "received_bytes",
-            "Checkpoint image bytes this agent received",
-            bytes_received.clone(),
-        );
-        let frozen_sources = Gauge::default();
-        r.register(
-            "frozen_sources",
-            "Sources this agent froze that are still frozen (network locked by the broker)",
-            frozen_sources.clone(),
-        );
-        let frozen_over_budget = Gauge::default();
-        r.register(
-            "frozen_sources_over_budget",
-            "Frozen sources whose freeze has lasted longer than their migration's freeze budget",
-            frozen_over_budget.clone(),
-        );
-        let frozen_seconds_max = Gauge::<f64, AtomicU64>::default();
-        r.register(
-            "frozen_seconds_max",
-            "How long the longest-frozen source has been frozen (0 when none is)",
-            frozen_seconds_max.clone(),
-        );
-        let watchdog_resumes = Counter::default();
-        r.register(
-            "watchdog_resumes",
-            "Sources the freeze watchdog resumed because nobody committed or aborted in time",
-            watchdog_resumes.clone(),
-        );
-        let broker_ops = Family::<BrokerLabels, Counter>::default();
-        r.register(
-            "broker_ops",
-            "Netns broker ops this agent asked for, by op and result",
-            broker_ops.clone(),
-        );
-        // Every known series starts at 0: a rate() or increase() over it works from the
-        // first scrape, and a fresh agent's /metrics shows every family the alerts and
-        // the dashboard use (e2e/tests/real_metrics.rs checks that).
+        let reg = &mut r;
+        // call_duration: 1 ms … 65 s (a pre-dump or restore of a small pod takes tens of
+        // ms, a large Send tens of seconds); freeze_duration: 10 ms … 41 s.
+        #[rustfmt::skip]
+        let metrics = AgentMetrics {
+            calls: registered(reg, "calls", "Agent RPCs answered, by RPC and gRPC code", Family::default()),
+            call_duration: registered(reg, "call_duration_seconds", "Time spent answering one agent RPC (dump, restore, send, …)", Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)))),
+            migrations: registered(reg, "migrations", "Migrations on this agent that have not finished, by role and phase", Family::default()),
+            finished: registered(reg, "migrations_finished", "Migrations this agent saw end, by role and outcome", Family::default()),
+            idle_seconds: registered(reg, "migration_idle_seconds_max", "Longest time any unfinished migration on this agent went without progress (phase, round or bytes)", Gauge::default()),
+            freeze_duration: registered(reg, "source_freeze_seconds", "How long a source stayed frozen, from its final dump to the Commit or Abort that ended the freeze", Histogram::new(exponential_buckets(0.01, 2.0, 13))),
+            bytes_sent: registered(reg, "sent_bytes", "Checkpoint image bytes this agent sent", Counter::default()),
+            bytes_received: registered(reg, "received_bytes", "Checkpoint image bytes this agent received", Counter::default()),
+            frozen_sources: registered(reg, "frozen_sources", "Sources this agent froze that are still frozen (network locked by the broker)", Gauge::default()),
+            frozen_over_budget: registered(reg, "frozen_sources_over_budget", "Frozen sources whose freeze has lasted longer than their migration's freeze budget", Gauge::default()),
+            frozen_seconds_max: registered(reg, "frozen_seconds_max", "How long the longest-frozen source has been frozen (0 when none is)", Gauge::default()),
+            watchdog_resumes: registered(reg, "watchdog_resumes", "Sources the freeze watchdog resumed because nobody committed or aborted in time", Counter::default()),
+            broker_ops: registered(reg, "broker_ops", "Netns broker ops this agent asked for, by op and result", Family::default()),
+            tracked: Mutex::new(HashMap::new()),
+            registry: r,
+        };
+        metrics.start_known_series_at_zero();
+        metrics
+    }
+
+    /// Every known series starts at 0: a rate() or increase() over it works from the
+    /// first scrape, and a fresh agent's /metrics shows every family the alerts and
+    /// the dashboard use (e2e/tests/real_metrics.rs checks that).
+    fn start_known_series_at_zero(&self) {
         for rpc in RPCS {
-            let _ = calls.get_or_create(&CallLabels {
+            let _ = self.calls.get_or_create(&CallLabels {
                 rpc,
                 code: "Ok".into(),
             });
-            let _ = call_duration.get_or_create(&RpcLabels { rpc });
+            let _ = self.call_duration.get_or_create(&RpcLabels { rpc });
         }
         for role in ["Source", "Target"] {
             for outcome in ["Committed", "Aborted"] {
-                let _ = finished.get_or_create(&OutcomeLabels { role, outcome });
+                let _ = self
+                    .finished
+                    .get_or_create(&OutcomeLabels { role, outcome });
             }
         }
         for &op in podmotion_wire::broker::OPS {
-            let _ = broker_ops.get_or_create(&BrokerLabels {
+            let _ = self.broker_ops.get_or_create(&BrokerLabels {
                 op,
                 result: "ok".into(),
             });
-        }
-        AgentMetrics {
-            registry: r,
-            calls,
-            call_duration,
-            migrations,
-            finished,
-            idle_seconds,
-            freeze_duration,
-            bytes_sent,
-            bytes_received,
-            frozen_sources,
-            frozen_over_budget,
-            frozen_seconds_max,
-            watchdog_resumes,
-            broker_ops,
-            tracked: Mutex::new(HashMap::new()),
         }
     }
 
