@@ -202,30 +202,20 @@ fn now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
+/// The watch of the CA bundle ConfigMap.
+type BundleEvents =
+    futures::stream::BoxStream<'static, Result<watcher::Event<ConfigMap>, watcher::Error>>;
+
 /// Obtains the first certificate and bundle, then keeps them current in the returned
 /// handle from a background task (renewal errors are retried; the old certificate
 /// serves meanwhile).
 pub async fn start(client: Client, s: CsrSettings) -> Result<TlsFiles, CsrError> {
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
-    let mut events = watcher::watcher(
-        cms,
-        watcher::Config::default().fields(&format!("metadata.name={}", s.bundle_configmap)),
-    )
-    .boxed();
+    let mut events = watch_bundle(&client, &s);
     tracing::info!(configmap = %s.bundle_configmap, "waiting for the CA bundle");
-    let mut bundle = next_bundle(&mut events, &s.bundle_configmap)
+    let bundle = next_bundle(&mut events, &s.bundle_configmap)
         .await?
         .ok_or_else(|| CsrError::Bundle(s.bundle_configmap.clone(), "absent".into()))?;
-    let (cert, key) = loop {
-        let key = KeyPair::generate()?;
-        match request_certificate(&client, &s.node, &key, s.timeout).await {
-            Ok(c) => break (c, key),
-            Err(e) => {
-                tracing::warn!(error = %e, "no certificate yet; asking again");
-                tokio::time::sleep(Duration::from_secs(5)).await;
-            }
-        }
-    };
+    let (cert, key) = first_certificate(&client, &s).await?;
     let tls = TlsFiles::from_pem(
         bundle.clone().into_bytes(),
         cert.clone().into_bytes(),
@@ -233,66 +223,119 @@ pub async fn start(client: Client, s: CsrSettings) -> Result<TlsFiles, CsrError>
     );
     tls.set(tls.material())?;
     tracing::info!(node = %s.node, "serving with the certificate the operator issued");
-    let handle = tls.clone();
-    tokio::spawn(async move {
-        let mut cert = cert;
-        let mut retry = Duration::from_secs(5);
-        loop {
-            let t = now();
-            let wait = if renewal_due(&cert, &bundle, t) {
-                Duration::ZERO
-            } else {
-                let (nb, na) = cert_validity(cert.as_bytes()).unwrap_or((t, t));
-                Duration::from_secs((nb + (na - nb) * 2 / 3 - t).clamp(1, 3600) as u64)
-            };
-            tokio::select! {
-                b = next_bundle(&mut events, &s.bundle_configmap) => match b {
-                    Ok(Some(b)) if b != bundle => {
-                        bundle = b;
-                        let mut m = handle.material();
-                        m.ca_pem = bundle.clone().into_bytes();
-                        match handle.set(m) {
-                            Ok(_) => tracing::info!("CA bundle updated"),
-                            Err(e) => tracing::warn!(error = %e, "CA bundle rejected"),
-                        }
+    tokio::spawn(keep_current(client, s, tls.clone(), events, bundle, cert));
+    Ok(tls)
+}
+
+fn watch_bundle(client: &Client, s: &CsrSettings) -> BundleEvents {
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
+    watcher::watcher(
+        cms,
+        watcher::Config::default().fields(&format!("metadata.name={}", s.bundle_configmap)),
+    )
+    .boxed()
+}
+
+/// Asks for a certificate every 5 s until the operator issues one (the agent serves
+/// nothing without it).
+async fn first_certificate(
+    client: &Client,
+    s: &CsrSettings,
+) -> Result<(String, KeyPair), CsrError> {
+    loop {
+        let key = KeyPair::generate()?;
+        match request_certificate(client, &s.node, &key, s.timeout).await {
+            Ok(c) => return Ok((c, key)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no certificate yet; asking again");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
+}
+
+/// Keeps `handle` current until the bundle watch ends: takes every new CA bundle, and
+/// renews the certificate when [`renewal_due`] (failed renewals back off from 5 s to
+/// 5 min; the old certificate serves meanwhile).
+async fn keep_current(
+    client: Client,
+    s: CsrSettings,
+    handle: TlsFiles,
+    mut events: BundleEvents,
+    mut bundle: String,
+    mut cert: String,
+) {
+    let mut retry = Duration::from_secs(5);
+    loop {
+        let wait = until_renewal(&cert, &bundle, now());
+        tokio::select! {
+            b = next_bundle(&mut events, &s.bundle_configmap) => match b {
+                Ok(Some(b)) if b != bundle => {
+                    bundle = b;
+                    take_bundle(&handle, &bundle);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "CA bundle watch ended");
+                    return;
+                }
+            },
+            _ = tokio::time::sleep(wait) => {
+                if !renewal_due(&cert, &bundle, now()) {
+                    continue;
+                }
+                match renew(&client, &s, &handle, &bundle).await {
+                    Ok(c) => {
+                        cert = c;
+                        retry = Duration::from_secs(5);
+                        tracing::info!("certificate renewed");
                     }
-                    Ok(_) => {}
                     Err(e) => {
-                        tracing::error!(error = %e, "CA bundle watch ended");
-                        return;
-                    }
-                },
-                _ = tokio::time::sleep(wait) => {
-                    if !renewal_due(&cert, &bundle, now()) {
-                        continue;
-                    }
-                    let renewed = async {
-                        let key = KeyPair::generate()?;
-                        let c = request_certificate(&client, &s.node, &key, s.timeout).await?;
-                        handle.set(TlsMaterial {
-                            ca_pem: bundle.clone().into_bytes(),
-                            cert_pem: c.clone().into_bytes(),
-                            key_pem: key.serialize_pem().into_bytes(),
-                        })?;
-                        Ok::<_, CsrError>(c)
-                    };
-                    match renewed.await {
-                        Ok(c) => {
-                            cert = c;
-                            retry = Duration::from_secs(5);
-                            tracing::info!("certificate renewed");
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, ?retry, "certificate not renewed; retrying");
-                            tokio::time::sleep(retry).await;
-                            retry = (retry * 2).min(Duration::from_secs(300));
-                        }
+                        tracing::warn!(error = %e, ?retry, "certificate not renewed; retrying");
+                        tokio::time::sleep(retry).await;
+                        retry = (retry * 2).min(Duration::from_secs(300));
                     }
                 }
             }
         }
-    });
-    Ok(tls)
+    }
+}
+
+/// How long until `cert` is due for renewal at `now` (0 if it is; at least 1 s and at
+/// most an hour otherwise, so a bundle change is never missed for long).
+fn until_renewal(cert: &str, bundle: &str, now: i64) -> Duration {
+    if renewal_due(cert, bundle, now) {
+        return Duration::ZERO;
+    }
+    let (nb, na) = cert_validity(cert.as_bytes()).unwrap_or((now, now));
+    Duration::from_secs((nb + (na - nb) * 2 / 3 - now).clamp(1, 3600) as u64)
+}
+
+/// Serves a new CA bundle with the current certificate.
+fn take_bundle(handle: &TlsFiles, bundle: &str) {
+    let mut m = handle.material();
+    m.ca_pem = bundle.as_bytes().to_vec();
+    match handle.set(m) {
+        Ok(_) => tracing::info!("CA bundle updated"),
+        Err(e) => tracing::warn!(error = %e, "CA bundle rejected"),
+    }
+}
+
+/// A fresh key and certificate, served at once; returns the certificate.
+async fn renew(
+    client: &Client,
+    s: &CsrSettings,
+    handle: &TlsFiles,
+    bundle: &str,
+) -> Result<String, CsrError> {
+    let key = KeyPair::generate()?;
+    let c = request_certificate(client, &s.node, &key, s.timeout).await?;
+    handle.set(TlsMaterial {
+        ca_pem: bundle.as_bytes().to_vec(),
+        cert_pem: c.clone().into_bytes(),
+        key_pem: key.serialize_pem().into_bytes(),
+    })?;
+    Ok(c)
 }
 
 #[cfg(test)]
