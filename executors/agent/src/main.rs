@@ -136,53 +136,15 @@ fn main() -> anyhow::Result<()> {
 async fn serve() -> anyhow::Result<()> {
     let a = Args::parse();
     podmotion_log::init(a.log_format, "info");
-    images::check_root(&a.checkpoints_root)?;
-    let swept = images::sweep(&a.checkpoints_root)?;
-    if swept > 0 {
-        tracing::warn!(swept, "zeroized checkpoint images left by a previous run");
-    }
-    // Soft-dirty tracking decides how pre-copy works (see service::Config::track_mem).
-    let track_mem = std::process::Command::new(&a.criu)
-        .args(["check", "--feature", "mem_dirty_track"])
-        .output()
-        .map(|o| o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("OFF"))
-        .unwrap_or(false);
-    let criu = Criu { binary: a.criu };
+    zeroize_leftover_images(&a.checkpoints_root)?;
+    let track_mem = criu_tracks_dirty_memory(&a.criu);
+    let criu = Criu {
+        binary: a.criu.clone(),
+    };
     let (maj, min) = criu.version()?;
     tracing::info!(criu = %format!("{maj}.{min}"), track_mem, "criu reachable over RPC");
-    let tls = match (&a.tls_ca, &a.tls_cert, &a.tls_key) {
-        (Some(ca), Some(cert), Some(key)) => {
-            let tls = TlsFiles::load(
-                &ca.to_string_lossy(),
-                &cert.to_string_lossy(),
-                &key.to_string_lossy(),
-            )?;
-            tls.watch_files(std::time::Duration::from_secs(a.tls_reload_seconds.max(1)));
-            tls
-        }
-        _ => {
-            let client = kube::Client::try_default().await?;
-            csr::start(
-                client,
-                csr::CsrSettings {
-                    node: a.node_name.clone().unwrap_or_default(),
-                    namespace: a.namespace.clone().unwrap_or_default(),
-                    bundle_configmap: a.ca_bundle_configmap.clone(),
-                    timeout: std::time::Duration::from_secs(120),
-                },
-            )
-            .await?
-        }
-    };
-    let containers = match a.container_table {
-        Some(path) => Containers::Table { path },
-        None => Containers::Cri {
-            run_dir: a.cri_run_dir,
-            host: podmotion_agent::mounts::HostView {
-                host_root: a.host_root,
-            },
-        },
-    };
+    let tls = identity(&a).await?;
+    let containers = container_resolver(&a);
     tracing::info!(?containers, "container IDs resolve through");
     let agent = Agent::new(Config {
         criu,
@@ -204,10 +166,80 @@ async fn serve() -> anyhow::Result<()> {
         std::sync::Arc::clone(&agent),
     ));
     tracing::info!(listen = %a.listen, metrics = %a.metrics_listen, "agent serving");
+    let signal = serve_until_terminated(a.listen, tls, &agent).await?;
+    // Every source this agent froze is resumed before it exits: no freeze outlives
+    // its agent.
+    let n = agent.thaw_frozen_sources(signal).await;
+    tracing::info!(signal, thawed = n, "agent exiting");
+    Ok(())
+}
+
+/// Checks the checkpoint directory and zeroizes the images a previous run left there.
+fn zeroize_leftover_images(checkpoints_root: &std::path::Path) -> anyhow::Result<()> {
+    images::check_root(checkpoints_root)?;
+    let swept = images::sweep(checkpoints_root)?;
+    if swept > 0 {
+        tracing::warn!(swept, "zeroized checkpoint images left by a previous run");
+    }
+    Ok(())
+}
+
+/// Whether CRIU can track soft-dirty memory here, which decides how pre-copy works
+/// (see service::Config::track_mem).
+fn criu_tracks_dirty_memory(criu: &std::path::Path) -> bool {
+    std::process::Command::new(criu)
+        .args(["check", "--feature", "mem_dirty_track"])
+        .output()
+        .map(|o| o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("OFF"))
+        .unwrap_or(false)
+}
+
+/// The agent's TLS identity: from files re-read periodically, or a certificate the
+/// operator issues through a CertificateSigningRequest.
+async fn identity(a: &Args) -> anyhow::Result<TlsFiles> {
+    if let (Some(ca), Some(cert), Some(key)) = (&a.tls_ca, &a.tls_cert, &a.tls_key) {
+        let tls = TlsFiles::load(
+            &ca.to_string_lossy(),
+            &cert.to_string_lossy(),
+            &key.to_string_lossy(),
+        )?;
+        tls.watch_files(std::time::Duration::from_secs(a.tls_reload_seconds.max(1)));
+        return Ok(tls);
+    }
+    let client = kube::Client::try_default().await?;
+    let settings = csr::CsrSettings {
+        node: a.node_name.clone().unwrap_or_default(),
+        namespace: a.namespace.clone().unwrap_or_default(),
+        bundle_configmap: a.ca_bundle_configmap.clone(),
+        timeout: std::time::Duration::from_secs(120),
+    };
+    Ok(csr::start(client, settings).await?)
+}
+
+/// How container IDs resolve to host PIDs: the container runtime, or (kwok) a table.
+fn container_resolver(a: &Args) -> Containers {
+    match &a.container_table {
+        Some(path) => Containers::Table { path: path.clone() },
+        None => Containers::Cri {
+            run_dir: a.cri_run_dir.clone(),
+            host: podmotion_agent::mounts::HostView {
+                host_root: a.host_root.clone(),
+            },
+        },
+    }
+}
+
+/// Serves the MigrationAgent service on `listen` until SIGTERM or SIGINT (or until the
+/// server stops), returning what stopped it.
+async fn serve_until_terminated(
+    listen: std::net::SocketAddr,
+    tls: TlsFiles,
+    agent: &std::sync::Arc<Agent>,
+) -> anyhow::Result<&'static str> {
     // TLS is ours, not tonic's: every handshake uses the certificate and CA bundle
     // current at that moment (renewals are served without a restart); tonic still
     // sees the peer's certificates (`Request::peer_certs`).
-    let listener = tokio::net::TcpListener::bind(a.listen).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await?;
     // Large HTTP/2 windows and no Nagle: with the 64 KiB defaults each window
     // round trip of the image stream waits on a delayed ACK (~1.5 MB/s measured).
     let served = tonic::transport::Server::builder()
@@ -215,22 +247,18 @@ async fn serve() -> anyhow::Result<()> {
         .initial_connection_window_size(Some(16 << 20))
         .add_service(
             MigrationAgentServer::new(podmotion_agent::metrics::Observed {
-                agent: std::sync::Arc::clone(&agent),
+                agent: std::sync::Arc::clone(agent),
             })
             .max_decoding_message_size(4 << 20),
         )
         .serve_with_incoming(tls_incoming(listener, tls));
     // SIGTERM (pod deletion, rollout, node drain) stops taking calls at once; the
     // calls in flight are not waited for (a Send to a dead target could hold the
-    // exit past the grace period). Then every source this agent froze is resumed
-    // before it exits: no freeze outlives its agent.
-    let signal = tokio::select! {
+    // exit past the grace period).
+    Ok(tokio::select! {
         r = served => { r?; "server stopped" }
         s = terminated() => s,
-    };
-    let n = agent.thaw_frozen_sources(signal).await;
-    tracing::info!(signal, thawed = n, "agent exiting");
-    Ok(())
+    })
 }
 
 /// Resolves on SIGTERM or SIGINT, with the signal's name.
