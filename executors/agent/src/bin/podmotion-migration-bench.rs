@@ -8,7 +8,9 @@
 
 use podmotion_agent::testbed::{Testbed, ask, criu_path};
 use podmotion_wire::agent::*;
-use std::process::Command;
+use podmotion_wire::ids::ProcRef;
+use std::path::Path;
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 #[derive(Default, Clone, Copy)]
@@ -36,6 +38,8 @@ fn bins() -> (std::path::PathBuf, std::path::PathBuf) {
 
 const DIRTY_KIB_S: usize = 1024;
 
+/// One checkpoint/restore with the criu binary alone (no agent): dump on node 0, copy
+/// the images to node 1's tmpfs, restore there into the target's network namespace.
 fn raw(mib: usize) -> Row {
     let (agent, load) = bins();
     let mut tb = Testbed::new("bR", &agent, &load);
@@ -45,63 +49,20 @@ fn raw(mib: usize) -> Row {
     let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
     let img = tb.checkpoints(0).join("raw");
     std::fs::create_dir_all(&img).expect("dir");
-    let ino: String = std::fs::read_link(format!("/proc/{}/ns/net", src.pid))
-        .expect("ns")
-        .to_string_lossy()
-        .chars()
-        .filter(char::is_ascii_digit)
-        .collect();
     let criu = criu_path();
     let t0 = Instant::now();
-    let st = Command::new(&criu)
-        .args(["dump", "-t", &src.pid.to_string(), "-D"])
-        .arg(&img)
-        .args([
-            "--tcp-established",
-            "--skip-in-flight",
-            "--network-lock",
-            "skip",
-            "--manage-cgroups=ignore",
-            "-o",
-            "dump.log",
-        ])
-        .arg(format!("--external=net[{ino}]:podnet"))
-        .status()
-        .expect("criu");
+    let st = criu_dump(&criu, src, &img);
     let dump = t0.elapsed();
     assert!(st.success(), "raw criu dump failed");
     // The same-host lower bound of a transfer: copy the images to the other node's tmpfs.
     let t1 = Instant::now();
     let dst = tb.checkpoints(1).join("raw");
-    assert!(
-        Command::new("cp")
-            .arg("-r")
-            .arg(&img)
-            .arg(&dst)
-            .status()
-            .expect("cp")
-            .success()
-    );
+    copy_images(&img, &dst);
     let copy = t1.elapsed();
-    // Wait for the dumped tree to be reaped before its pids come back.
-    for _ in 0..200 {
-        if podmotion_broker::procfs::check_live(src).is_err() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_reaped(src);
     tb.add_address_to_target();
     let t2 = Instant::now();
-    let script = format!(
-        "exec {} restore -D {} -d --tcp-established --manage-cgroups=ignore -o restore.log --inherit-fd fd[5]:podnet 5</run/netns/{}",
-        criu.display(),
-        dst.display(),
-        tb.ns("tgt")
-    );
-    let st = Command::new("sh")
-        .args(["-c", &script])
-        .status()
-        .expect("criu");
+    let st = criu_restore(&criu, &dst, &tb.ns("tgt"));
     let restore = t2.elapsed();
     tb.route_to_target();
     let answer = ask(&mut conn, "get");
@@ -128,6 +89,68 @@ fn raw(mib: usize) -> Row {
         agent_cpu_ms: None,
         ok,
     }
+}
+
+/// `criu dump` of the workload's tree into `img`, its network namespace external (as
+/// the agent dumps it).
+fn criu_dump(criu: &Path, src: ProcRef, img: &Path) -> ExitStatus {
+    let ino: String = std::fs::read_link(format!("/proc/{}/ns/net", src.pid))
+        .expect("ns")
+        .to_string_lossy()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    Command::new(criu)
+        .args(["dump", "-t", &src.pid.to_string(), "-D"])
+        .arg(img)
+        .args([
+            "--tcp-established",
+            "--skip-in-flight",
+            "--network-lock",
+            "skip",
+            "--manage-cgroups=ignore",
+            "-o",
+            "dump.log",
+        ])
+        .arg(format!("--external=net[{ino}]:podnet"))
+        .status()
+        .expect("criu")
+}
+
+fn copy_images(img: &Path, dst: &Path) {
+    assert!(
+        Command::new("cp")
+            .arg("-r")
+            .arg(img)
+            .arg(dst)
+            .status()
+            .expect("cp")
+            .success()
+    );
+}
+
+/// Waits (up to ~1 s) for the dumped tree to be reaped before its pids come back.
+fn wait_reaped(src: ProcRef) {
+    for _ in 0..200 {
+        if podmotion_broker::procfs::check_live(src).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `criu restore` of `dst`, detached, into the network namespace `netns`.
+fn criu_restore(criu: &Path, dst: &Path, netns: &str) -> ExitStatus {
+    let script = format!(
+        "exec {} restore -D {} -d --tcp-established --manage-cgroups=ignore -o restore.log --inherit-fd fd[5]:podnet 5</run/netns/{}",
+        criu.display(),
+        dst.display(),
+        netns
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .status()
+        .expect("criu")
 }
 
 fn agents(mib: usize, precopy: bool) -> Row {
