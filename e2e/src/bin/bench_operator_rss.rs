@@ -143,23 +143,7 @@ async fn main() -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(10_000);
     let client = connect().await?;
-    let ns = format!("bench-rss-{}", random_suffix());
-    Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some(ns.clone()),
-                    labels: Some(BTreeMap::from([(
-                        "podmotion.io/e2e".to_string(),
-                        "bench".to_string(),
-                    )])),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await?;
+    let ns = create_bench_namespace(&client).await?;
     podmotion_e2e::operator::install_crds(&client).await;
     let addr = "127.0.0.1:18481";
     let before = Api::<Pod>::all(client.clone())
@@ -174,14 +158,7 @@ async fn main() -> anyhow::Result<()> {
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let t = Instant::now();
-    stream::iter(0..n)
-        .map(|i| {
-            let pods = pods.clone();
-            async move { pods.create(&PostParams::default(), &pod(i)).await }
-        })
-        .buffer_unordered(PARALLEL)
-        .try_collect::<Vec<_>>()
-        .await?;
+    create_pods(&pods, n).await?;
     eprintln!("created {n} pods in {:?}", t.elapsed());
 
     let (mut op, rss1, hwm1, took1) = run_operator(&ns, addr).await?;
@@ -206,14 +183,53 @@ async fn main() -> anyhow::Result<()> {
         "per pod:      {:.0} bytes resident",
         (rss1.saturating_sub(rss0) * 1024) as f64 / n as f64
     );
+    clean_up(&client, &pods, &ns).await
+}
 
+/// A fresh `bench-rss-<random>` namespace, labelled as an e2e benchmark's.
+async fn create_bench_namespace(client: &kube::Client) -> anyhow::Result<String> {
+    let ns = format!("bench-rss-{}", random_suffix());
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some(ns.clone()),
+                    labels: Some(BTreeMap::from([(
+                        "podmotion.io/e2e".to_string(),
+                        "bench".to_string(),
+                    )])),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await?;
+    Ok(ns)
+}
+
+/// Creates the benchmark's `n` pods, [`PARALLEL`] at a time.
+async fn create_pods(pods: &Api<Pod>, n: usize) -> anyhow::Result<()> {
+    stream::iter(0..n)
+        .map(|i| {
+            let pods = pods.clone();
+            async move { pods.create(&PostParams::default(), &pod(i)).await }
+        })
+        .buffer_unordered(PARALLEL)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes the benchmark's pods (no grace period) and its namespace.
+async fn clean_up(client: &kube::Client, pods: &Api<Pod>, ns: &str) -> anyhow::Result<()> {
     let dp = DeleteParams {
         grace_period_seconds: Some(0),
         ..Default::default()
     };
     pods.delete_collection(&dp, &ListParams::default()).await?;
     Api::<Namespace>::all(client.clone())
-        .delete(&ns, &DeleteParams::default())
+        .delete(ns, &DeleteParams::default())
         .await?;
     Ok(())
 }
