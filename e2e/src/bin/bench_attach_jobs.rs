@@ -145,6 +145,52 @@ async fn main() -> anyhow::Result<()> {
     namespace(&client, &app_ns, "restricted").await?;
     namespace(&client, &agents_ns, "privileged").await?;
     namespace(&client, &plain_ns, "privileged").await?;
+    apply_attachment_crd(&client).await?;
+    let pods = ready_workload(&client, &app_ns, replicas).await?;
+    eprintln!("{replicas} replicas ready");
+
+    // The controller, in this process, synced before anything is timed.
+    let metrics = Arc::new(Metrics::new());
+    let (stop, controller) = start_controller(&client, &agents_ns, &app_ns, metrics.clone())?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let plain_jobs = rendered_jobs(&app_ns, &plain_ns, &pods);
+    assert_eq!(plain_jobs.len(), replicas);
+    let bench = Bench {
+        replicas,
+        plain_api: Api::namespaced(client.clone(), &plain_ns),
+        agent_jobs: Api::namespaced(client.clone(), &agents_ns),
+        agent_secrets: Api::namespaced(client.clone(), &agents_ns),
+        naas: Api::namespaced(client.clone(), &app_ns),
+        sel: format!("{}={app_ns}", labels::TARGET_NAMESPACE),
+        metrics,
+    };
+    let mut samples = Samples::default();
+    for round in 0..rounds {
+        for which in if round % 2 == 0 {
+            ["plain", "operator"]
+        } else {
+            ["operator", "plain"]
+        } {
+            if which == "plain" {
+                bench.plain_round(round, &plain_jobs, &mut samples).await?;
+            } else {
+                bench.operator_round(round, &mut samples).await?;
+            }
+        }
+    }
+    samples.print(replicas, rounds);
+    let _ = stop.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
+    for ns in [app_ns, agents_ns, plain_ns] {
+        let _ = Api::<Namespace>::all(client.clone())
+            .delete(&ns, &DeleteParams::default())
+            .await;
+    }
+    Ok(())
+}
+
+async fn apply_attachment_crd(client: &Client) -> anyhow::Result<()> {
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(client.clone());
     let crd = NodeAgentAttachment::crd();
@@ -154,31 +200,48 @@ async fn main() -> anyhow::Result<()> {
         &Patch::Apply(&crd),
     )
     .await?;
+    Ok(())
+}
 
-    // The workload: N ready replicas over every kwok node.
+/// The workload: N ready replicas over every kwok node.
+async fn ready_workload(
+    client: &Client,
+    app_ns: &str,
+    replicas: usize,
+) -> anyhow::Result<Vec<Pod>> {
     let deploy: Deployment = from_json(json!({
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
         "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
           "template": {"metadata": {"labels": {"app": "web"}},
             "spec": {"containers": [restricted_container("app")], "nodeSelector": {"type": "kwok"}, "tolerations": [{"operator": "Exists"}]}}}
     }));
-    Api::<Deployment>::namespaced(client.clone(), &app_ns)
+    Api::<Deployment>::namespaced(client.clone(), app_ns)
         .create(&PostParams::default(), &deploy)
         .await?;
-    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &app_ns);
-    let pods = wait_list(
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), app_ns);
+    wait_list(
         &pods_api,
         "app=web",
         Duration::from_secs(300),
         "ready replicas",
         |ps| ps.len() == replicas && ps.iter().all(pod_running_ready),
     )
-    .await?;
-    eprintln!("{replicas} replicas ready");
+    .await
+}
 
-    // The controller, in this process, synced before anything is timed.
+/// Runs the attachment controller in this process (agents' Jobs in `agents_ns`,
+/// watching `app_ns`); it stops when `true` is sent on the returned channel.
+fn start_controller(
+    client: &Client,
+    agents_ns: &str,
+    app_ns: &str,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<(
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+)> {
     let config = OperatorConfig {
-        namespace: agents_ns.clone(),
+        namespace: agents_ns.to_string(),
         identity: "bench".into(),
         controllers: vec![ControllerKind::Attachment],
         http_addr: "127.0.0.1:0".parse()?,
@@ -191,29 +254,13 @@ async fn main() -> anyhow::Result<()> {
         log_format: Default::default(),
     };
     let (stop, rx) = tokio::sync::watch::channel(false);
-    let metrics = Arc::new(Metrics::new());
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
         Leadership::always(),
-        metrics.clone(),
+        metrics,
         rx,
     ));
-    // Reconciles of the attachment controller so far (every result).
-    let reconciles = || -> u64 {
-        [ReconcileResult::Success, ReconcileResult::Error]
-            .into_iter()
-            .map(|result| {
-                metrics
-                    .reconciles
-                    .get_or_create(&ResultLabels {
-                        controller: "attachment",
-                        result,
-                    })
-                    .get()
-            })
-            .sum()
-    };
     let cfg = AttachmentConfig {
         job_prefix: "pm-agent".into(),
         agent_image: "registry.example/podmotion/attach:bench".into(),
@@ -225,25 +272,26 @@ async fn main() -> anyhow::Result<()> {
         pod_annotations: Default::default(),
         metrics_port: 9090,
         jobs_namespace: None,
-        watch_namespace: Some(app_ns.clone()),
+        watch_namespace: Some(app_ns.to_string()),
     };
-    let controller = tokio::spawn(run_with(ctx, cfg));
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok((stop, tokio::spawn(run_with(ctx, cfg))))
+}
 
-    // The plain client's Jobs: exactly what the controller renders for these pods.
+/// The plain client's Jobs: exactly what the controller's own plan renders for these
+/// pods.
+fn rendered_jobs(app_ns: &str, plain_ns: &str, pods: &[Pod]) -> Vec<Job> {
     let settings = Settings {
-        namespace: plain_ns.clone(),
+        namespace: plain_ns.to_string(),
         job_prefix: "pm-agent".into(),
         ..Settings::default()
     };
-    // The plain client's Jobs are what the controller's own plan renders for these pods.
     let naa: NodeAgentAttachment = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
         "metadata": {"name": "bench", "namespace": app_ns},
         "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
     }));
     let group = ObservedGroup {
-        namespace: app_ns.clone(),
+        namespace: app_ns.to_string(),
         workload: naa.spec.workload_ref.clone(),
         workload_exists: true,
         attachments: vec![AttachmentView::from_object(&naa, None)],
@@ -251,137 +299,187 @@ async fn main() -> anyhow::Result<()> {
         jobs: vec![],
         now: k8s_openapi::jiff::Timestamp::now(),
     };
-    let plain_jobs: Vec<Job> = plan(&group, &settings)
+    plan(&group, &settings)
         .create
         .into_iter()
         .map(|c| c.job)
-        .collect();
-    assert_eq!(plain_jobs.len(), replicas);
+        .collect()
+}
 
-    let plain_api: Api<Job> = Api::namespaced(client.clone(), &plain_ns);
-    let agent_jobs: Api<Job> = Api::namespaced(client.clone(), &agents_ns);
-    let agent_secrets: Api<Secret> = Api::namespaced(client.clone(), &agents_ns);
-    let naas: Api<NodeAgentAttachment> = Api::namespaced(client.clone(), &app_ns);
-    let sel = format!("{}={app_ns}", labels::TARGET_NAMESPACE);
-    let (mut plain, mut op_jobs, mut op_all) = (vec![], vec![], vec![]);
-    let (mut plain_first, mut op_first, mut op_reconciles) = (vec![], vec![], vec![]);
-    for round in 0..rounds {
-        for which in if round % 2 == 0 {
-            ["plain", "operator"]
-        } else {
-            ["operator", "plain"]
-        } {
-            if which == "plain" {
-                let mut seen = synced_watch(&plain_api, &sel).await?;
-                let t0 = Instant::now();
-                let posts = async {
-                    stream::iter(plain_jobs.iter())
-                        .map(|j| {
-                            let api = plain_api.clone();
-                            async move { api.create(&PostParams::default(), j).await }
-                        })
-                        .buffer_unordered(PARALLEL)
-                        .try_collect::<Vec<_>>()
-                        .await?;
-                    Ok::<_, anyhow::Error>(t0.elapsed())
-                };
-                let (posted, (first, all)) =
-                    tokio::try_join!(posts, seen_all(&mut seen, replicas, t0))?;
-                plain.push(all);
-                plain_first.push(first);
-                eprintln!(
-                    "round {round}: plain client: first Job seen {first:?}, last POST returned {posted:?}, all {replicas} seen {all:?}"
-                );
-                delete_all(&plain_api, &sel).await?;
-                settle().await;
-            } else {
-                let mut seen = synced_watch(&agent_jobs, &sel).await?;
-                let naa: NodeAgentAttachment = from_json(json!({
-                    "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
-                    "metadata": {"name": "bench"},
-                    "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
-                }));
-                let r0 = reconciles();
-                let t0 = Instant::now();
-                naas.create(&PostParams::default(), &naa).await?;
-                let (first, d) = seen_all(&mut seen, replicas, t0).await?;
-                op_first.push(first);
-                // Resumed: each Job's credential Secret exists and its pod may start.
-                wait_list(
-                    &agent_jobs,
-                    &sel,
-                    Duration::from_secs(300),
-                    "Jobs resumed",
-                    |js| {
-                        js.len() == replicas
-                            && js
-                                .iter()
-                                .all(|j| j.spec.as_ref().and_then(|s| s.suspend) == Some(false))
-                    },
-                )
+/// Reconciles of the attachment controller so far (every result).
+fn attachment_reconciles(metrics: &Metrics) -> u64 {
+    [ReconcileResult::Success, ReconcileResult::Error]
+        .into_iter()
+        .map(|result| {
+            metrics
+                .reconciles
+                .get_or_create(&ResultLabels {
+                    controller: "attachment",
+                    result,
+                })
+                .get()
+        })
+        .sum()
+}
+
+/// The APIs one run's rounds use, and the controller's metrics.
+struct Bench {
+    replicas: usize,
+    plain_api: Api<Job>,
+    agent_jobs: Api<Job>,
+    agent_secrets: Api<Secret>,
+    naas: Api<NodeAgentAttachment>,
+    /// The Jobs of the workload's namespace (both sides label them alike).
+    sel: String,
+    metrics: Arc<Metrics>,
+}
+
+/// Every round's measurements, in round order.
+#[derive(Default)]
+struct Samples {
+    /// Plain client: all N Jobs seen.
+    plain: Vec<Duration>,
+    plain_first: Vec<Duration>,
+    /// Controller: all N Jobs seen.
+    op_jobs: Vec<Duration>,
+    /// Controller: all N Jobs resumed with their Secrets.
+    op_all: Vec<Duration>,
+    op_first: Vec<Duration>,
+    op_reconciles: Vec<u64>,
+}
+
+impl Bench {
+    /// The plain client POSTs the rendered Jobs, then they are deleted.
+    async fn plain_round(
+        &self,
+        round: usize,
+        plain_jobs: &[Job],
+        s: &mut Samples,
+    ) -> anyhow::Result<()> {
+        let replicas = self.replicas;
+        let mut seen = synced_watch(&self.plain_api, &self.sel).await?;
+        let t0 = Instant::now();
+        let posts = async {
+            stream::iter(plain_jobs.iter())
+                .map(|j| {
+                    let api = self.plain_api.clone();
+                    async move { api.create(&PostParams::default(), j).await }
+                })
+                .buffer_unordered(PARALLEL)
+                .try_collect::<Vec<_>>()
                 .await?;
-                let d_all = t0.elapsed();
-                op_jobs.push(d);
-                op_all.push(d_all);
-                eprintln!(
-                    "round {round}: operator: first Job seen {first:?}, all {replicas} seen {d:?} (all resumed with their Secrets {d_all:?})"
-                );
-                naas.delete("bench", &DeleteParams::default()).await?;
-                count(&agent_jobs, &sel, 0).await?;
-                wait_list(
-                    &naas,
-                    "",
-                    Duration::from_secs(120),
-                    "attachment gone",
-                    |l| l.is_empty(),
-                )
-                .await?;
-                count(&agent_secrets, "app.kubernetes.io/component=node-agent", 0).await?;
-                let r = reconciles() - r0;
-                op_reconciles.push(r);
-                eprintln!("round {round}: operator: {r} reconciles from create to deletion");
-                settle().await;
-            }
-        }
+            Ok::<_, anyhow::Error>(t0.elapsed())
+        };
+        let (posted, (first, all)) = tokio::try_join!(posts, seen_all(&mut seen, replicas, t0))?;
+        s.plain.push(all);
+        s.plain_first.push(first);
+        eprintln!(
+            "round {round}: plain client: first Job seen {first:?}, last POST returned {posted:?}, all {replicas} seen {all:?}"
+        );
+        delete_all(&self.plain_api, &self.sel).await?;
+        settle().await;
+        Ok(())
     }
-    // Rounds are paired (same load on the machine), so the headline is the median of
-    // the per-round ratios; the medians of each side are printed too.
-    let ratios = |op: &[Duration]| -> Vec<f64> {
-        op.iter()
-            .zip(&plain)
-            .map(|(o, p)| o.as_secs_f64() / p.as_secs_f64())
-            .collect()
-    };
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let (rj, ra) = (ratios(&op_jobs), ratios(&op_all));
-    println!("replicas: {replicas}, rounds: {rounds}, parallel writes: {PARALLEL}");
-    println!(
-        "per-round ratio operator/plain, Jobs:           {rj:.2?}  median {:.2}",
-        med(rj.clone())
-    );
-    println!(
-        "per-round ratio operator/plain, Jobs resumed with Secrets: {ra:.2?}  median {:.2}",
-        med(ra.clone())
-    );
-    let (p, o, a) = (median(&plain), median(&op_jobs), median(&op_all));
-    println!(
-        "median first Job seen: plain {:?}, operator {:?}",
-        median(&plain_first),
-        median(&op_first)
-    );
-    println!("attachment reconciles per round, create to deletion: {op_reconciles:?}");
-    println!("median plain client, {replicas} Jobs:       {p:?}");
-    println!("median operator, {replicas} Jobs:           {o:?}");
-    println!("median operator, {replicas} Jobs resumed with Secrets: {a:?}");
-    let _ = stop.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
-    for ns in [app_ns, agents_ns, plain_ns] {
-        let _ = Api::<Namespace>::all(client.clone())
-            .delete(&ns, &DeleteParams::default())
-            .await;
+
+    /// A NodeAgentAttachment is created; the controller makes and resumes the Jobs;
+    /// the attachment is deleted and its Jobs and Secrets are waited away.
+    async fn operator_round(&self, round: usize, s: &mut Samples) -> anyhow::Result<()> {
+        let (replicas, sel) = (self.replicas, &self.sel);
+        let mut seen = synced_watch(&self.agent_jobs, sel).await?;
+        let naa: NodeAgentAttachment = from_json(json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+            "metadata": {"name": "bench"},
+            "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+        }));
+        let r0 = attachment_reconciles(&self.metrics);
+        let t0 = Instant::now();
+        self.naas.create(&PostParams::default(), &naa).await?;
+        let (first, d) = seen_all(&mut seen, replicas, t0).await?;
+        s.op_first.push(first);
+        // Resumed: each Job's credential Secret exists and its pod may start.
+        wait_list(
+            &self.agent_jobs,
+            sel,
+            Duration::from_secs(300),
+            "Jobs resumed",
+            |js| {
+                js.len() == replicas
+                    && js
+                        .iter()
+                        .all(|j| j.spec.as_ref().and_then(|s| s.suspend) == Some(false))
+            },
+        )
+        .await?;
+        let d_all = t0.elapsed();
+        s.op_jobs.push(d);
+        s.op_all.push(d_all);
+        eprintln!(
+            "round {round}: operator: first Job seen {first:?}, all {replicas} seen {d:?} (all resumed with their Secrets {d_all:?})"
+        );
+        self.naas.delete("bench", &DeleteParams::default()).await?;
+        count(&self.agent_jobs, sel, 0).await?;
+        wait_list(
+            &self.naas,
+            "",
+            Duration::from_secs(120),
+            "attachment gone",
+            |l| l.is_empty(),
+        )
+        .await?;
+        count(
+            &self.agent_secrets,
+            "app.kubernetes.io/component=node-agent",
+            0,
+        )
+        .await?;
+        let r = attachment_reconciles(&self.metrics) - r0;
+        s.op_reconciles.push(r);
+        eprintln!("round {round}: operator: {r} reconciles from create to deletion");
+        settle().await;
+        Ok(())
     }
-    Ok(())
+}
+
+impl Samples {
+    fn print(&self, replicas: usize, rounds: usize) {
+        // Rounds are paired (same load on the machine), so the headline is the median of
+        // the per-round ratios; the medians of each side are printed too.
+        let ratios = |op: &[Duration]| -> Vec<f64> {
+            op.iter()
+                .zip(&self.plain)
+                .map(|(o, p)| o.as_secs_f64() / p.as_secs_f64())
+                .collect()
+        };
+        let med = |mut v: Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (rj, ra) = (ratios(&self.op_jobs), ratios(&self.op_all));
+        println!("replicas: {replicas}, rounds: {rounds}, parallel writes: {PARALLEL}");
+        println!(
+            "per-round ratio operator/plain, Jobs:           {rj:.2?}  median {:.2}",
+            med(rj.clone())
+        );
+        println!(
+            "per-round ratio operator/plain, Jobs resumed with Secrets: {ra:.2?}  median {:.2}",
+            med(ra.clone())
+        );
+        let (p, o, a) = (
+            median(&self.plain),
+            median(&self.op_jobs),
+            median(&self.op_all),
+        );
+        println!(
+            "median first Job seen: plain {:?}, operator {:?}",
+            median(&self.plain_first),
+            median(&self.op_first)
+        );
+        println!(
+            "attachment reconciles per round, create to deletion: {:?}",
+            self.op_reconciles
+        );
+        println!("median plain client, {replicas} Jobs:       {p:?}");
+        println!("median operator, {replicas} Jobs:           {o:?}");
+        println!("median operator, {replicas} Jobs resumed with Secrets: {a:?}");
+    }
 }
