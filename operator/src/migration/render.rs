@@ -540,10 +540,7 @@ mod tests {
         let target = target_pod(&m, &source, "n1", &Holder::default());
         let h = &target.spec.as_ref().unwrap().containers[0];
         assert_eq!(h.readiness_probe.as_ref(), Some(&tcp));
-        assert!(
-            h.liveness_probe.is_none(),
-            "a liveness restart kills the restore"
-        );
+        assert!(h.liveness_probe.is_none(), "a liveness restart kills the restore");
         assert!(h.startup_probe.is_none());
         source.spec.as_mut().unwrap().containers[0].readiness_probe = None;
         let target = target_pod(&m, &source, "n1", &Holder::default());
