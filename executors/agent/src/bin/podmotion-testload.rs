@@ -6,9 +6,7 @@
 //! * a counter incremented every 10 ms by a thread (proves execution continues);
 //! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
 //!   `total` → how many requests this connection served (per-connection state),
-//!   `ballast` → `filled` once the ballast is written, `hang` → `hanging`, after which
-//!   the process stays alive and counting but never answers a request again (a hung
-//!   server, for readiness tests);
+//!   `ballast` → `filled` once the ballast is written;
 //! * optional ballast memory, filled with non-zero data, and rewritten at a bounded
 //!   dirty rate (for pre-copy).
 #![forbid(unsafe_code)]
@@ -20,7 +18,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 static BALLAST_FILLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
     let mut w = s.try_clone().expect("clone");
@@ -28,17 +25,10 @@ fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
     for line in BufReader::new(s).lines() {
         let Ok(line) = line else { break };
         served += 1;
-        while HUNG.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_secs(1));
-        }
         let reply = match line.split_once(' ') {
             Some(("echo", x)) => x.to_owned(),
             _ if line == "get" => counter.load(Ordering::SeqCst).to_string(),
             _ if line == "total" => served.to_string(),
-            _ if line == "hang" => {
-                HUNG.store(true, Ordering::SeqCst);
-                "hanging".to_owned()
-            }
             _ if line == "ballast" => if BALLAST_FILLED.load(Ordering::SeqCst) {
                 "filled"
             } else {
