@@ -160,13 +160,7 @@ fn holder_mount() -> VolumeMount {
 /// A holder in place of `c`: same name, image, environment, working directory, ports,
 /// resources, mounts and security context (so it reserves the same, PodSecurity admits
 /// it alike, and a restart of the adopted container starts the application with the
-/// environment resolved for this pod), running the holder program. It carries the
-/// application's readiness probe, so the adopted pod is Ready only while the restored
-/// process answers it (a restored copy that hangs while alive takes the pod out of its
-/// Services, as the source's own probe would have); before the restore it fails, which
-/// nothing waits on (the pod is behind no Service until the hand-over). No liveness or
-/// startup probe (a liveness failure would restart the container, killing the restored
-/// copy during the restore) and no hooks.
+/// environment resolved for this pod), running the holder program; no probes or hooks.
 fn holder_container(c: &Container) -> Container {
     let mut mounts = c.volume_mounts.clone().unwrap_or_default();
     mounts.push(holder_mount());
@@ -182,7 +176,6 @@ fn holder_container(c: &Container) -> Container {
         resources: c.resources.clone(),
         volume_mounts: Some(mounts),
         security_context: c.security_context.clone(),
-        readiness_probe: c.readiness_probe.clone(),
         ..Default::default()
     }
 }
@@ -514,40 +507,6 @@ mod tests {
     }
 
     #[test]
-    fn holders_carry_the_applications_readiness_probe_and_no_other() {
-        use k8s_openapi::api::core::v1::{ExecAction, Probe, TCPSocketAction};
-        use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-        let m = migration("move-web", "web-abc-1");
-        let mut source = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
-        let tcp = Probe {
-            tcp_socket: Some(TCPSocketAction {
-                port: IntOrString::Int(8080),
-                ..Default::default()
-            }),
-            period_seconds: Some(2),
-            ..Default::default()
-        };
-        let exec = Probe {
-            exec: Some(ExecAction {
-                command: Some(vec!["false".into()]),
-            }),
-            ..Default::default()
-        };
-        let c = &mut source.spec.as_mut().unwrap().containers[0];
-        c.readiness_probe = Some(tcp.clone());
-        c.liveness_probe = Some(exec.clone());
-        c.startup_probe = Some(exec);
-        let target = target_pod(&m, &source, "n1", &Holder::default());
-        let h = &target.spec.as_ref().unwrap().containers[0];
-        assert_eq!(h.readiness_probe.as_ref(), Some(&tcp));
-        assert!(h.liveness_probe.is_none(), "a liveness restart kills the restore");
-        assert!(h.startup_probe.is_none());
-        source.spec.as_mut().unwrap().containers[0].readiness_probe = None;
-        let target = target_pod(&m, &source, "n1", &Holder::default());
-        assert!(target.spec.unwrap().containers[0].readiness_probe.is_none());
-    }
-
-    #[test]
     fn target_pod_is_pinned_to_the_target_node_and_runs_only_holders() {
         let (_, source, target) = rendered();
         let spec = target.spec.as_ref().unwrap();
@@ -566,7 +525,7 @@ mod tests {
                 h.resources, c.resources,
                 "holders reserve the same resources"
             );
-            assert!(h.liveness_probe.is_none() && h.startup_probe.is_none());
+            assert!(h.readiness_probe.is_none() && h.liveness_probe.is_none());
             assert!(h.lifecycle.is_none(), "no hooks of the application");
             assert_eq!(h.env, c.env, "a restart gets the application's environment");
             assert!(
