@@ -516,6 +516,32 @@ fn copies_in_target(tb: &Testbed) -> Vec<i32> {
     out
 }
 
+/// A CRIU that starts a second late (a wrapper around the testbed's), so a call can be
+/// abandoned while the checkpoint or restore is certainly under way.
+fn slow_criu(tb: &Testbed) -> std::path::PathBuf {
+    let slow = tb.dir.join("slow-criu");
+    std::fs::write(
+        &slow,
+        format!("#!/bin/sh\nsleep 1\nexec {} \"$@\"\n", tb.criu.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    slow
+}
+
+/// The operator's rollback of `uid`: the target's Abort (which must answer Aborted: no
+/// restored copy runs), then the source's, then both cleanups.
+fn roll_back(tb: &Testbed, uid: &'static str) {
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+}
+
 /// The chaos run's two copies (docs/reliability.md): the operator's `Restore` call
 /// went away (its leader was killed) while CRIU restored the tree. The agent dropped
 /// the call's work with it and never learned of the copy CRIU had started; a retried
@@ -535,13 +561,7 @@ fn a_restore_whose_caller_went_away_is_finished_and_killed_by_abort() {
     );
     // The target's CRIU starts a second late, so the call is abandoned while the
     // restore is certainly under way.
-    let slow = tb.dir.join("slow-criu");
-    std::fs::write(
-        &slow,
-        format!("#!/bin/sh\nsleep 1\nexec {} \"$@\"\n", tb.criu.display()),
-    )
-    .unwrap();
-    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let slow = slow_criu(&tb);
     tb.start_agent(0);
     tb.criu = slow;
     tb.start_agent(1);
@@ -582,14 +602,7 @@ fn a_restore_whose_caller_went_away_is_finished_and_killed_by_abort() {
     );
     // The rollback: the target's Abort kills the copy before it answers, then the
     // source is thawed.
-    tb.operator(move |tls| async move {
-        let mut a = tls.agent(0).await;
-        let mut b = tls.agent(1).await;
-        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
-        a.abort(uid).await.unwrap();
-        a.cleanup(uid).await.unwrap();
-        b.cleanup(uid).await.unwrap();
-    });
+    roll_back(&tb, uid);
     assert_eq!(
         copies_in_target(&tb),
         Vec::<i32>::new(),
@@ -643,14 +656,7 @@ fn a_restore_failing_late_leaves_no_restored_process() {
     });
     assert!(err.contains("Can't connect inet socket back"), "{err}");
     assert_eq!(copies_in_target(&tb), Vec::<i32>::new(), "{err}");
-    tb.operator(move |tls| async move {
-        let mut a = tls.agent(0).await;
-        let mut b = tls.agent(1).await;
-        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
-        a.abort(uid).await.unwrap();
-        a.cleanup(uid).await.unwrap();
-        b.cleanup(uid).await.unwrap();
-    });
+    roll_back(&tb, uid);
     assert!(
         resumes(src.pid, &mut conn, before, 50),
         "the source resumed"
@@ -674,13 +680,7 @@ fn a_dump_whose_caller_went_away_is_still_resumed_by_the_watchdog() {
         env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
         env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
     );
-    let slow = tb.dir.join("slow-criu");
-    std::fs::write(
-        &slow,
-        format!("#!/bin/sh\nsleep 1\nexec {} \"$@\"\n", tb.criu.display()),
-    )
-    .unwrap();
-    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let slow = slow_criu(&tb);
     tb.criu = slow;
     tb.agent_args = vec!["--freeze-watchdog-margin-ms".into(), "500".into()];
     tb.start_agent(0);

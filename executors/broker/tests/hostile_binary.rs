@@ -21,18 +21,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const OPS_WITH_UID_ONLY: &[&str] = &[
-    "bind_netns",
-    "unbind_netns",
-    "netns_addrs",
-    "lock_network",
-    "unlock_network",
-    "hand_off_sockets",
-    "release_tcp_repair",
-    "resume",
-    "kill",
-    "forget",
-];
+/// The ops whose request is the migration UID alone: every op of the one list
+/// (`podmotion_wire::broker::OPS`) but the two that carry a process.
+fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
+    OPS.iter()
+        .copied()
+        .filter(|op| !matches!(*op, "register" | "move_cgroup"))
+}
 
 /// The tests of this binary run one at a time: one of them stops a process and takes
 /// a link down on purpose, which another's "nothing on the host changed" would see.
@@ -369,7 +364,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         cases.push(("unknown op", frame(body.as_bytes()), false, vec![UnknownOp]));
     }
     // Unknown fields on every op.
-    for op in OPS_WITH_UID_ONLY {
+    for op in ops_with_uid_only() {
         for field in ["path", "target", "netns", "pid", "cgroup", "signal", "Uid"] {
             let body = serde_json::json!({"op": op, "uid": "m-1", field: "/etc"}).to_string();
             cases.push((
@@ -381,7 +376,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         }
     }
     // Malformed UIDs on every op (and non-string UIDs).
-    for op in OPS_WITH_UID_ONLY.iter().chain(&["register", "move_cgroup"]) {
+    for op in OPS {
         for bad in BAD_UIDS {
             let body = serde_json::json!({"op": op, "uid": bad, "role": "source",
                 "process": {"pid": 4242, "start_time": 1}})
@@ -431,7 +426,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
     // Every op on migrations nobody registered (`forget` excepted: forgetting what is
     // not registered is idempotent, answered Done, and changes nothing).
     for i in 0..12 {
-        for op in OPS_WITH_UID_ONLY.iter().filter(|op| **op != "forget") {
+        for op in ops_with_uid_only().filter(|op| *op != "forget") {
             let body = serde_json::json!({"op": op, "uid": format!("never-{i}")}).to_string();
             cases.push((
                 "unregistered",
