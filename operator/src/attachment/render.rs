@@ -152,21 +152,57 @@ pub fn job(
     target: &AgentTarget<'_>,
     name: &str,
 ) -> (Job, String) {
-    let (pod, container_ids) = (target.pod, target.container_ids);
-    let agent = profile.agent;
-    // The image, the host path and the pod's annotations are the installer's (the
-    // attachment's deprecated fields of the same names are rejected at admission and
-    // never read): an attachment must not choose what runs as root on the node.
-    let image = settings.image.clone();
-    let cri_path = settings.cri_socket_path.clone();
-    // A path naming the socket itself is handed over as the socket; anything else is a
-    // directory the agent probes for the well-known runtime sockets.
-    let cri_is_socket = cri_path.ends_with(".sock");
-    let node = pod.node.clone().unwrap_or_default();
-    let ids_json = agent_job::container_ids_json(container_ids);
+    let pod = target.pod;
+    let ids_json = agent_job::container_ids_json(target.container_ids);
     // The ports are left out of the hashed spec: a Job that already redirects every
     // wanted port is kept when fewer are wanted (see `reap::fate`).
-    let mut agent_config = AgentConfig {
+    let mut agent_config = agent_config(settings, profile, target);
+    let container = agent_container(settings, profile, target, &agent_config, &ids_json);
+    let mut spec = JobSpec {
+        backoff_limit: Some(settings.backoff_limit),
+        template: PodTemplateSpec {
+            metadata: Some(ObjectMeta {
+                labels: Some(agent_pod_labels(profile, pod)),
+                annotations: Some(pod_annotations(settings)),
+                ..Default::default()
+            }),
+            spec: Some(agent_pod_spec(settings, pod, container, name)),
+        },
+        ..Default::default()
+    };
+    let hash = spec_hash(&spec);
+    // Created suspended: the operator resumes it once its credential Secret exists, so
+    // its pod never waits on a missing Secret, and a Job still suspended is one whose
+    // Secret is not confirmed (an operator stopped between the two resumes it). Like
+    // the ports, not part of the hash: it is the handshake's state, not a setting.
+    spec.suspend = Some(true);
+    agent_config.ports = target
+        .ports
+        .iter()
+        .filter_map(|p| u16::try_from(*p).ok().map(PortEntry::Number))
+        .collect();
+    set_agent_config(&mut spec, &agent_config);
+    let job = Job {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(settings.namespace.clone()),
+            labels: Some(job_labels(profile, pod)),
+            annotations: Some(job_annotations(profile, target, ids_json, &hash)),
+            ..Default::default()
+        },
+        spec: Some(spec),
+        status: None,
+    };
+    (job, hash)
+}
+
+/// The agent's `AGENT_CONFIG`, without the ports to redirect.
+fn agent_config(
+    settings: &Settings,
+    profile: &AgentProfile<'_>,
+    target: &AgentTarget<'_>,
+) -> AgentConfig {
+    AgentConfig {
         namespace: profile.namespace.into(),
         workload: Some(agent_job::Workload {
             kind: profile.workload.kind.as_str().into(),
@@ -174,47 +210,94 @@ pub fn job(
         }),
         containers: target.containers.to_vec(),
         // Admission bounds the GID to 1..=2^31-1.
-        agent_gid: u32::try_from(agent.gid).ok(),
+        agent_gid: u32::try_from(profile.agent.gid).ok(),
         manager_namespace: settings.namespace.clone(),
-        config: agent.config.clone(),
+        config: profile.agent.config.clone(),
         ports: vec![],
-    };
-    let env = |name: &str, value: String| EnvVar {
-        name: name.into(),
-        value: Some(value),
-        ..Default::default()
-    };
+    }
+}
+
+/// Replaces the agent container's `AGENT_CONFIG` with `config`.
+fn set_agent_config(spec: &mut JobSpec, config: &AgentConfig) {
+    if let Some(env) = spec
+        .template
+        .spec
+        .as_mut()
+        .and_then(|ps| ps.containers[0].env.as_mut())
+        .and_then(|env| env.iter_mut().find(|e| e.name == agent_env::AGENT_CONFIG))
+    {
+        env.value = Some(config.to_json());
+    }
+}
+
+/// A path naming the socket itself is handed over as the socket; anything else is a
+/// directory the agent probes for the well-known runtime sockets.
+fn cri_is_socket(settings: &Settings) -> bool {
+    settings.cri_socket_path.ends_with(".sock")
+}
+
+/// The agent pod's labels: the agent selector, and its target.
+fn agent_pod_labels(profile: &AgentProfile<'_>, pod: &PodView) -> BTreeMap<String, String> {
     let mut pod_labels = agent_selector_labels();
     pod_labels.insert(labels::TARGET_NAMESPACE.into(), profile.namespace.into());
     pod_labels.insert(labels::TARGET_POD_UID.into(), pod.uid.clone());
-    let container = Container {
+    pod_labels
+}
+
+/// The Job's labels: the agent selector, its owner kind, its target and workload.
+fn job_labels(profile: &AgentProfile<'_>, pod: &PodView) -> BTreeMap<String, String> {
+    let mut job_labels = agent_selector_labels();
+    job_labels.insert(labels::NAME.into(), COMPONENT.into());
+    job_labels.insert(labels::OWNER_KIND.into(), "NodeAgentAttachment".into());
+    job_labels.insert(labels::TARGET_NAMESPACE.into(), profile.namespace.into());
+    job_labels.insert(labels::WORKLOAD.into(), workload_label(profile.workload));
+    job_labels.insert(labels::TARGET_POD_UID.into(), pod.uid.clone());
+    job_labels
+}
+
+/// The Job's annotations: its target, container IDs, ports and spec hash (read back by
+/// the observation).
+fn job_annotations(
+    profile: &AgentProfile<'_>,
+    target: &AgentTarget<'_>,
+    ids_json: String,
+    hash: &str,
+) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (annotations::TARGET_POD.into(), target.pod.name.clone()),
+        (annotations::WORKLOAD.into(), workload_key(profile.workload)),
+        (annotations::CONTAINER_IDS.into(), ids_json),
+        (annotations::SPEC_HASH.into(), hash.to_string()),
+        (
+            annotations::AGENT_PORTS.into(),
+            serde_json::to_string(target.ports).expect("numbers serialize"),
+        ),
+    ])
+}
+
+/// The agent container: root with the agent's GID and exactly [`CAPABILITIES`], a
+/// read-only root filesystem, ready when its control port answers `/healthz`.
+fn agent_container(
+    settings: &Settings,
+    profile: &AgentProfile<'_>,
+    target: &AgentTarget<'_>,
+    agent_config: &AgentConfig,
+    ids_json: &str,
+) -> Container {
+    Container {
         name: "agent".into(),
-        image: Some(image),
+        // The image, the host path and the pod's annotations are the installer's (the
+        // attachment's deprecated fields of the same names are rejected at admission
+        // and never read): an attachment must not choose what runs as root on the node.
+        image: Some(settings.image.clone()),
         args: Some(vec!["node-agent".into()]),
-        env: Some(vec![
-            env(agent_env::AGENT_CONFIG, agent_config.to_json()),
-            env(agent_env::AGENT_TARGET_NAMESPACE, profile.namespace.into()),
-            env(agent_env::AGENT_TARGET_POD, pod.name.clone()),
-            env(agent_env::AGENT_TARGET_POD_UID, pod.uid.clone()),
-            env(
-                agent_env::AGENT_TARGET_POD_IP,
-                pod.ip.clone().unwrap_or_default(),
-            ),
-            env(agent_env::AGENT_CONTAINER_IDS, ids_json.clone()),
-            if cri_is_socket {
-                env(agent_env::CRI_SOCKET, CRI_MOUNT.into())
-            } else {
-                env(agent_env::AGENT_CRI_SOCKET_DIR, CRI_MOUNT.into())
-            },
-            env(agent_env::AGENT_CREDENTIALS_DIR, CREDENTIALS_DIR.into()),
-            env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
-            env(agent_env::NODE_NAME, node.clone()),
-            env(
-                agent_env::METRICS_LISTEN,
-                format!("0.0.0.0:{}", settings.metrics_port),
-            ),
-            env(agent_env::LOG_FORMAT, settings.log_format.to_string()),
-        ]),
+        env: Some(agent_env_vars(
+            settings,
+            profile,
+            target,
+            agent_config,
+            ids_json,
+        )),
         ports: Some(vec![
             ContainerPort {
                 name: Some("control".into()),
@@ -238,153 +321,163 @@ pub fn job(
             period_seconds: Some(5),
             ..Default::default()
         }),
-        security_context: Some(SecurityContext {
-            run_as_user: Some(0),
-            run_as_group: Some(agent.gid),
-            privileged: Some(false),
-            read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities {
-                add: Some(CAPABILITIES.iter().map(|c| c.to_string()).collect()),
-                drop: Some(vec!["ALL".into()]),
+        security_context: Some(agent_security_context(profile.agent.gid)),
+        volume_mounts: Some(agent_volume_mounts()),
+        ..Default::default()
+    }
+}
+
+/// The agent's environment: its config and target, where its mounts are, its node,
+/// metrics address and log format.
+fn agent_env_vars(
+    settings: &Settings,
+    profile: &AgentProfile<'_>,
+    target: &AgentTarget<'_>,
+    agent_config: &AgentConfig,
+    ids_json: &str,
+) -> Vec<EnvVar> {
+    let env = |name: &str, value: String| EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..Default::default()
+    };
+    let pod = target.pod;
+    vec![
+        env(agent_env::AGENT_CONFIG, agent_config.to_json()),
+        env(agent_env::AGENT_TARGET_NAMESPACE, profile.namespace.into()),
+        env(agent_env::AGENT_TARGET_POD, pod.name.clone()),
+        env(agent_env::AGENT_TARGET_POD_UID, pod.uid.clone()),
+        env(
+            agent_env::AGENT_TARGET_POD_IP,
+            pod.ip.clone().unwrap_or_default(),
+        ),
+        env(agent_env::AGENT_CONTAINER_IDS, ids_json.into()),
+        if cri_is_socket(settings) {
+            env(agent_env::CRI_SOCKET, CRI_MOUNT.into())
+        } else {
+            env(agent_env::AGENT_CRI_SOCKET_DIR, CRI_MOUNT.into())
+        },
+        env(agent_env::AGENT_CREDENTIALS_DIR, CREDENTIALS_DIR.into()),
+        env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
+        env(agent_env::NODE_NAME, pod.node.clone().unwrap_or_default()),
+        env(
+            agent_env::METRICS_LISTEN,
+            format!("0.0.0.0:{}", settings.metrics_port),
+        ),
+        env(agent_env::LOG_FORMAT, settings.log_format.to_string()),
+    ]
+}
+
+/// Root with the agent's group (so the redirect rules exempt its sockets), not
+/// privileged, exactly [`CAPABILITIES`], a read-only root filesystem.
+fn agent_security_context(gid: i64) -> SecurityContext {
+    SecurityContext {
+        run_as_user: Some(0),
+        run_as_group: Some(gid),
+        privileged: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            add: Some(CAPABILITIES.iter().map(|c| c.to_string()).collect()),
+            drop: Some(vec!["ALL".into()]),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The runtime socket and the credentials read-only; the exports writable.
+fn agent_volume_mounts() -> Vec<VolumeMount> {
+    vec![
+        VolumeMount {
+            name: "cri".into(),
+            mount_path: CRI_MOUNT.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "credentials".into(),
+            mount_path: CREDENTIALS_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "exports".into(),
+            mount_path: EXPORTS_DIR.into(),
+            ..Default::default()
+        },
+    ]
+}
+
+/// The agent pod: on the target's node, in its PID namespace, never restarted in
+/// place, without a service-account token.
+fn agent_pod_spec(settings: &Settings, pod: &PodView, container: Container, name: &str) -> PodSpec {
+    PodSpec {
+        node_name: Some(pod.node.clone().unwrap_or_default()),
+        // Left out when empty, so Jobs made before this setting keep their hash.
+        image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
+            settings
+                .image_pull_secrets
+                .iter()
+                .map(|name| LocalObjectReference { name: name.clone() })
+                .collect()
+        }),
+        host_pid: Some(true),
+        restart_policy: Some("Never".into()),
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        termination_grace_period_seconds: Some(30),
+        // Pinned to the target's node with exactly the target's tolerations: the
+        // agent may go where its target may run, and nowhere else (a blanket
+        // toleration would let it onto tainted control-plane nodes).
+        tolerations: (!pod.tolerations.is_empty()).then(|| pod.tolerations.clone()),
+        // The runtime's default syscall filter: the agent needs setns, ptrace
+        // (of the target only, CAP_SYS_PTRACE) and netlink, all allowed by it.
+        security_context: Some(PodSecurityContext {
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
             }),
             ..Default::default()
         }),
-        volume_mounts: Some(vec![
-            VolumeMount {
-                name: "cri".into(),
-                mount_path: CRI_MOUNT.into(),
-                read_only: Some(true),
-                ..Default::default()
-            },
-            VolumeMount {
-                name: "credentials".into(),
-                mount_path: CREDENTIALS_DIR.into(),
-                read_only: Some(true),
-                ..Default::default()
-            },
-            VolumeMount {
-                name: "exports".into(),
-                mount_path: EXPORTS_DIR.into(),
-                ..Default::default()
-            },
-        ]),
+        containers: vec![container],
+        volumes: Some(agent_volumes(settings, name)),
         ..Default::default()
-    };
-    let spec = JobSpec {
-        backoff_limit: Some(settings.backoff_limit),
-        template: PodTemplateSpec {
-            metadata: Some(ObjectMeta {
-                labels: Some(pod_labels),
-                annotations: Some(pod_annotations(settings)),
-                ..Default::default()
-            }),
-            spec: Some(PodSpec {
-                node_name: Some(node),
-                // Left out when empty, so Jobs made before this setting keep their hash.
-                image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
-                    settings
-                        .image_pull_secrets
-                        .iter()
-                        .map(|name| LocalObjectReference { name: name.clone() })
-                        .collect()
-                }),
-                host_pid: Some(true),
-                restart_policy: Some("Never".into()),
-                automount_service_account_token: Some(false),
-                enable_service_links: Some(false),
-                termination_grace_period_seconds: Some(30),
-                // Pinned to the target's node with exactly the target's tolerations: the
-                // agent may go where its target may run, and nowhere else (a blanket
-                // toleration would let it onto tainted control-plane nodes).
-                tolerations: (!pod.tolerations.is_empty()).then(|| pod.tolerations.clone()),
-                // The runtime's default syscall filter: the agent needs setns, ptrace
-                // (of the target only, CAP_SYS_PTRACE) and netlink, all allowed by it.
-                security_context: Some(PodSecurityContext {
-                    seccomp_profile: Some(SeccompProfile {
-                        type_: "RuntimeDefault".into(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                containers: vec![container],
-                volumes: Some(vec![
-                    Volume {
-                        name: "cri".into(),
-                        host_path: Some(HostPathVolumeSource {
-                            type_: Some(if cri_is_socket { "Socket" } else { "Directory" }.into()),
-                            path: cri_path,
-                        }),
-                        ..Default::default()
-                    },
-                    Volume {
-                        name: "exports".into(),
-                        empty_dir: Some(Default::default()),
-                        ..Default::default()
-                    },
-                    Volume {
-                        name: "credentials".into(),
-                        secret: Some(SecretVolumeSource {
-                            secret_name: Some(name.into()),
-                            default_mode: Some(0o400),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                ]),
-                ..Default::default()
-            }),
-        },
-        ..Default::default()
-    };
-    let hash = spec_hash(&spec);
-    let mut spec = spec;
-    // Created suspended: the operator resumes it once its credential Secret exists, so
-    // its pod never waits on a missing Secret, and a Job still suspended is one whose
-    // Secret is not confirmed (an operator stopped between the two resumes it). Like
-    // the ports, not part of the hash: it is the handshake's state, not a setting.
-    spec.suspend = Some(true);
-    agent_config.ports = target
-        .ports
-        .iter()
-        .filter_map(|p| u16::try_from(*p).ok().map(PortEntry::Number))
-        .collect();
-    if let Some(env) = spec
-        .template
-        .spec
-        .as_mut()
-        .and_then(|ps| ps.containers[0].env.as_mut())
-        .and_then(|env| env.iter_mut().find(|e| e.name == agent_env::AGENT_CONFIG))
-    {
-        env.value = Some(agent_config.to_json());
     }
-    let mut job_labels = agent_selector_labels();
-    job_labels.insert(labels::NAME.into(), COMPONENT.into());
-    job_labels.insert(labels::OWNER_KIND.into(), "NodeAgentAttachment".into());
-    job_labels.insert(labels::TARGET_NAMESPACE.into(), profile.namespace.into());
-    job_labels.insert(labels::WORKLOAD.into(), workload_label(profile.workload));
-    job_labels.insert(labels::TARGET_POD_UID.into(), pod.uid.clone());
-    let job_annotations = BTreeMap::from([
-        (annotations::TARGET_POD.into(), pod.name.clone()),
-        (annotations::WORKLOAD.into(), workload_key(profile.workload)),
-        (annotations::CONTAINER_IDS.into(), ids_json),
-        (annotations::SPEC_HASH.into(), hash.clone()),
-        (
-            annotations::AGENT_PORTS.into(),
-            serde_json::to_string(target.ports).expect("numbers serialize"),
-        ),
-    ]);
-    let job = Job {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(settings.namespace.clone()),
-            labels: Some(job_labels),
-            annotations: Some(job_annotations),
+}
+
+/// The node's runtime socket (or its directory), the exports' emptyDir, and the
+/// credential Secret named like the Job (owner-read only).
+fn agent_volumes(settings: &Settings, secret_name: &str) -> Vec<Volume> {
+    vec![
+        Volume {
+            name: "cri".into(),
+            host_path: Some(HostPathVolumeSource {
+                type_: Some(
+                    if cri_is_socket(settings) {
+                        "Socket"
+                    } else {
+                        "Directory"
+                    }
+                    .into(),
+                ),
+                path: settings.cri_socket_path.clone(),
+            }),
             ..Default::default()
         },
-        spec: Some(spec),
-        status: None,
-    };
-    (job, hash)
+        Volume {
+            name: "exports".into(),
+            empty_dir: Some(Default::default()),
+            ..Default::default()
+        },
+        Volume {
+            name: "credentials".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(secret_name.into()),
+                default_mode: Some(0o400),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ]
 }
 
 /// The agent pod's annotations: the Prometheus scrape annotations (as on the
