@@ -252,19 +252,61 @@ fn container_security(pool: &RunnerPool) -> Value {
     })
 }
 
+/// The Runner DaemonSet: one Runner pod per labelled node, rolled one node at a time
+/// within the pool's disruption budget.
 fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
-    let spec = &pool.spec;
     let ns = pool.namespace().unwrap_or_default();
     let name = child_name(pool);
-    let size = pod_size(spec);
-    let selector = pod_selector(pool);
-    let mut pod_labels = match meta_json(pool, &name, Some(&ns)).get("labels") {
+    let metrics = &pool.spec.metrics;
+    typed(
+        "DaemonSet",
+        json!({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": meta_json(pool, &name, Some(&ns)),
+            "spec": {
+                "selector": {"matchLabels": pod_selector(pool)},
+                "updateStrategy": {
+                    "type": "RollingUpdate",
+                    // maxSurge stays 0: two Runners on one node would share the runtime dir.
+                    "rollingUpdate": {
+                        "maxUnavailable": effective_max_unavailable(pool, inputs.eligible_nodes),
+                        "maxSurge": 0,
+                    },
+                },
+                "revisionHistoryLimit": 5,
+                "template": {
+                    "metadata": {
+                        "labels": runner_pod_labels(pool, &name, &ns),
+                        "annotations": {
+                            annotations::PROMETHEUS_SCRAPE: "true",
+                            annotations::PROMETHEUS_PORT: metrics.port.to_string(),
+                            annotations::PROMETHEUS_PATH: metrics.path,
+                        },
+                    },
+                    "spec": runner_pod_spec(pool, inputs, &name),
+                },
+            },
+        }),
+    )
+}
+
+/// The Runner pod's labels: those of every child of the pool, and its selector.
+fn runner_pod_labels(pool: &RunnerPool, name: &str, ns: &str) -> serde_json::Map<String, Value> {
+    let mut pod_labels = match meta_json(pool, name, Some(ns)).get("labels") {
         Some(Value::Object(m)) => m.clone(),
         _ => serde_json::Map::new(),
     };
-    for (k, v) in &selector {
+    for (k, v) in &pod_selector(pool) {
         pod_labels.insert(k.clone(), Value::String(v.clone()));
     }
+    pod_labels
+}
+
+/// The Runner pod: on the pool's nodes (tolerating their taint), in a user namespace,
+/// none of the host's namespaces, the preflight before the Runner, the two hostPath
+/// volumes and the credential Secret.
+fn runner_pod_spec(pool: &RunnerPool, inputs: &Inputs, name: &str) -> Value {
+    let spec = &pool.spec;
     let nodes = &spec.nodes;
     let taint_key = nodes
         .taint_key
@@ -274,30 +316,91 @@ fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
         .taint_value
         .clone()
         .unwrap_or_else(|| nodes.label_value.clone());
+    let (secret_name, _) = credential_secret(pool);
+    json!({
+        "serviceAccountName": name,
+        "automountServiceAccountToken": false,
+        "enableServiceLinks": false,
+        "hostUsers": false,
+        "hostNetwork": false,
+        "hostPID": false,
+        "hostIPC": false,
+        "priorityClassName": spec.priority_class.name,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "nodeSelector": {nodes.label_key.as_str(): nodes.label_value},
+        "tolerations": [{
+            "key": taint_key, "operator": "Equal", "value": taint_value,
+            "effect": nodes.taint_effect.as_str(),
+        }],
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": spec.runner_user.uid,
+            "runAsGroup": spec.runner_user.gid,
+            // Lets the Runner's group read the mounted token (mode 0440).
+            "fsGroup": spec.runner_user.gid,
+        },
+        "initContainers": [preflight_container(pool, inputs)],
+        "containers": [runner_container(pool)],
+        "volumes": [
+            {"name": SESSIONS_VOLUME, "hostPath": {"path": spec.host_paths.session_volume, "type": "Directory"}},
+            {"name": RUNTIME_VOLUME, "hostPath": {"path": spec.host_paths.runtime_dir, "type": "DirectoryOrCreate"}},
+            {"name": CREDENTIALS_VOLUME, "secret": {"secretName": secret_name, "defaultMode": 0o440}},
+        ],
+    })
+}
+
+/// The Runner container: the pod's size plus one KVM device (Guaranteed QoS), the
+/// session and runtime directories and the token mounted, ready (and, when asked, live)
+/// by its metrics port.
+fn runner_container(pool: &RunnerPool) -> Value {
+    let spec = &pool.spec;
+    let size = pod_size(spec);
     let kvm = spec.kvm_resource_name.as_str();
-    let runner_resources = json!({
-        "requests": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
-        "limits": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
-    });
-    let preflight_resources = json!({
-        "requests": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
-        "limits": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
-    });
-    let sessions_dir = spec.host_paths.session_volume.as_str();
-    let runtime_dir = spec.host_paths.runtime_dir.as_str();
-    let (secret_name, token_key) = credential_secret(pool);
-    let server = &spec.server;
-    let server_ns = server.namespace.clone().unwrap_or_else(|| ns.clone());
     let metrics = &spec.metrics;
     let readiness = &spec.probes.readiness;
-    let liveness = spec.probes.liveness.as_ref().map(|l| {
-        json!({
+    let mut runner = json!({
+        "name": RUNNER_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": runner_env(pool),
+        "ports": [{"name": "metrics", "containerPort": metrics.port, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
+            "limits": {"cpu": size.cpu_quantity(), "memory": size.memory_quantity(), kvm: "1"},
+        },
+        "securityContext": container_security(pool),
+        "volumeMounts": [
+            {"name": SESSIONS_VOLUME, "mountPath": spec.host_paths.session_volume},
+            {"name": RUNTIME_VOLUME, "mountPath": spec.host_paths.runtime_dir},
+            {"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_DIR, "readOnly": true},
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": readiness.path, "port": "metrics"},
+            "periodSeconds": readiness.period_seconds,
+            "failureThreshold": readiness.failure_threshold,
+        },
+    });
+    if let Some(l) = &spec.probes.liveness {
+        runner["livenessProbe"] = json!({
             "httpGet": {"path": l.path, "port": "metrics"},
             "periodSeconds": l.period_seconds,
             "failureThreshold": l.failure_threshold,
-        })
-    });
-    let env = json!([
+        });
+    }
+    runner
+}
+
+/// The Runner's environment: its node, the Server and the token, the session shape,
+/// its directories, reap budget and metrics address.
+fn runner_env(pool: &RunnerPool) -> Value {
+    let spec = &pool.spec;
+    let ns = pool.namespace().unwrap_or_default();
+    let (_, token_key) = credential_secret(pool);
+    let server = &spec.server;
+    let server_ns = server.namespace.clone().unwrap_or(ns);
+    let sessions_dir = spec.host_paths.session_volume.as_str();
+    let runtime_dir = spec.host_paths.runtime_dir.as_str();
+    json!([
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}},
         {"name": "COMPASS_SERVER_ADDR", "value": format!("{}.{}.svc:{}", server.service_name, server_ns, server.port)},
         {"name": "COMPASS_TOKEN_FILE", "value": format!("{CREDENTIALS_DIR}/{token_key}")},
@@ -309,31 +412,18 @@ fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
         {"name": "COMPASS_RUNTIME_DIR", "value": runtime_dir},
         {"name": "COMPASS_MICROVM_RUNROOT", "value": format!("{runtime_dir}/microvm")},
         {"name": "COMPASS_REAP_BUDGET_SECONDS", "value": spec.reap_budget_seconds.to_string()},
-        {"name": "COMPASS_METRICS_ADDR", "value": format!(":{}", metrics.port)},
-    ]);
-    let mut runner = json!({
-        "name": RUNNER_CONTAINER,
-        "image": spec.image,
-        "imagePullPolicy": "IfNotPresent",
-        "env": env,
-        "ports": [{"name": "metrics", "containerPort": metrics.port, "protocol": "TCP"}],
-        "resources": runner_resources,
-        "securityContext": container_security(pool),
-        "volumeMounts": [
-            {"name": SESSIONS_VOLUME, "mountPath": sessions_dir},
-            {"name": RUNTIME_VOLUME, "mountPath": runtime_dir},
-            {"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_DIR, "readOnly": true},
-        ],
-        "readinessProbe": {
-            "httpGet": {"path": readiness.path, "port": "metrics"},
-            "periodSeconds": readiness.period_seconds,
-            "failureThreshold": readiness.failure_threshold,
-        },
-    });
-    if let Some(l) = liveness {
-        runner["livenessProbe"] = l;
-    }
-    let preflight = json!({
+        {"name": "COMPASS_METRICS_ADDR", "value": format!(":{}", spec.metrics.port)},
+    ])
+}
+
+/// The preflight init container: checks the node (KVM, the session volume's project
+/// quota) under the Runner's confinement, with a small Guaranteed share and one KVM
+/// device.
+fn preflight_container(pool: &RunnerPool, inputs: &Inputs) -> Value {
+    let spec = &pool.spec;
+    let kvm = spec.kvm_resource_name.as_str();
+    let sessions_dir = spec.host_paths.session_volume.as_str();
+    json!({
         "name": PREFLIGHT_CONTAINER,
         "image": spec.preflight.image.clone().unwrap_or_else(|| inputs.preflight_image.clone()),
         "imagePullPolicy": "IfNotPresent",
@@ -347,69 +437,13 @@ fn daemonset(pool: &RunnerPool, inputs: &Inputs) -> DaemonSet {
             {"name": podmotion_log::ENV, "value": inputs.log_format.to_string()},
         ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": preflight_resources,
+        "resources": {
+            "requests": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
+            "limits": {"cpu": PREFLIGHT_CPU, "memory": PREFLIGHT_MEMORY, kvm: "1"},
+        },
         "securityContext": container_security(pool),
         "volumeMounts": [{"name": SESSIONS_VOLUME, "mountPath": sessions_dir, "readOnly": true}],
-    });
-    typed(
-        "DaemonSet",
-        json!({
-            "apiVersion": "apps/v1", "kind": "DaemonSet",
-            "metadata": meta_json(pool, &name, Some(&ns)),
-            "spec": {
-                "selector": {"matchLabels": selector},
-                "updateStrategy": {
-                    "type": "RollingUpdate",
-                    // maxSurge stays 0: two Runners on one node would share the runtime dir.
-                    "rollingUpdate": {
-                        "maxUnavailable": effective_max_unavailable(pool, inputs.eligible_nodes),
-                        "maxSurge": 0,
-                    },
-                },
-                "revisionHistoryLimit": 5,
-                "template": {
-                    "metadata": {
-                        "labels": pod_labels,
-                        "annotations": {
-                            annotations::PROMETHEUS_SCRAPE: "true",
-                            annotations::PROMETHEUS_PORT: metrics.port.to_string(),
-                            annotations::PROMETHEUS_PATH: metrics.path,
-                        },
-                    },
-                    "spec": {
-                        "serviceAccountName": name,
-                        "automountServiceAccountToken": false,
-                        "enableServiceLinks": false,
-                        "hostUsers": false,
-                        "hostNetwork": false,
-                        "hostPID": false,
-                        "hostIPC": false,
-                        "priorityClassName": spec.priority_class.name,
-                        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-                        "nodeSelector": {nodes.label_key.as_str(): nodes.label_value},
-                        "tolerations": [{
-                            "key": taint_key, "operator": "Equal", "value": taint_value,
-                            "effect": nodes.taint_effect.as_str(),
-                        }],
-                        "securityContext": {
-                            "runAsNonRoot": true,
-                            "runAsUser": spec.runner_user.uid,
-                            "runAsGroup": spec.runner_user.gid,
-                            // Lets the Runner's group read the mounted token (mode 0440).
-                            "fsGroup": spec.runner_user.gid,
-                        },
-                        "initContainers": [preflight],
-                        "containers": [runner],
-                        "volumes": [
-                            {"name": SESSIONS_VOLUME, "hostPath": {"path": sessions_dir, "type": "Directory"}},
-                            {"name": RUNTIME_VOLUME, "hostPath": {"path": runtime_dir, "type": "DirectoryOrCreate"}},
-                            {"name": CREDENTIALS_VOLUME, "secret": {"secretName": secret_name, "defaultMode": 0o440}},
-                        ],
-                    },
-                },
-            },
-        }),
-    )
+    })
 }
 
 fn network_policy(pool: &RunnerPool, inputs: &Inputs) -> NetworkPolicy {
