@@ -36,6 +36,16 @@ fn is_under(path: &str, dir: &str) -> bool {
 /// Everything in `pod` that the contract's "explicitly absent" list (and its
 /// exactly-two-hostPath rule) forbids. Empty for a conformant pod.
 pub fn forbidden_items(pod: &PodSpec) -> Vec<String> {
+    let mut found = host_namespace_items(pod);
+    found.extend(host_path_items(pod));
+    for c in containers(pod) {
+        found.extend(container_items(c));
+    }
+    found
+}
+
+/// The host's namespaces shared with the pod, or its user namespace not separate.
+fn host_namespace_items(pod: &PodSpec) -> Vec<String> {
     let mut found = vec![];
     for (on, what) in [
         (pod.host_network, "hostNetwork"),
@@ -50,6 +60,13 @@ pub fn forbidden_items(pod: &PodSpec) -> Vec<String> {
     if pod.host_users != Some(false) {
         found.push("spec.template.spec.hostUsers is not false".into());
     }
+    found
+}
+
+/// Other than exactly two hostPath volumes, or one that reaches the host's devices or
+/// a container runtime or kubelet socket.
+fn host_path_items(pod: &PodSpec) -> Vec<String> {
+    let mut found = vec![];
     let volumes = pod.volumes.as_deref().unwrap_or_default();
     let host_paths: Vec<_> = volumes
         .iter()
@@ -72,46 +89,51 @@ pub fn forbidden_items(pod: &PodSpec) -> Vec<String> {
             ));
         }
     }
-    for c in containers(pod) {
-        let n = &c.name;
-        for m in c.volume_mounts.iter().flatten() {
-            if is_under(&m.mount_path, "/dev") {
-                found.push(format!("container {n} mounts {} over /dev", m.mount_path));
-            }
+    found
+}
+
+/// A mount over /dev, a hostPort, or a securityContext that is missing or lets the
+/// container be privileged, escalate, keep or add capabilities, or run as root.
+fn container_items(c: &Container) -> Vec<String> {
+    let mut found = vec![];
+    let n = &c.name;
+    for m in c.volume_mounts.iter().flatten() {
+        if is_under(&m.mount_path, "/dev") {
+            found.push(format!("container {n} mounts {} over /dev", m.mount_path));
         }
-        if c.ports
-            .iter()
-            .flatten()
-            .any(|p| p.host_port.is_some_and(|h| h != 0))
-        {
-            found.push(format!("container {n} has a hostPort"));
-        }
-        let Some(sc) = &c.security_context else {
-            found.push(format!("container {n} has no securityContext"));
-            continue;
-        };
-        if sc.privileged == Some(true) {
-            found.push(format!("container {n} is privileged"));
-        }
-        if sc.allow_privilege_escalation != Some(false) {
-            found.push(format!("container {n} allows privilege escalation"));
-        }
-        let caps = sc.capabilities.as_ref();
-        if let Some(add) = caps.and_then(|c| c.add.as_ref()).filter(|a| !a.is_empty()) {
-            found.push(format!(
-                "container {n} adds capabilities {}",
-                add.join(", ")
-            ));
-        }
-        if !caps
-            .and_then(|c| c.drop.as_ref())
-            .is_some_and(|d| d.iter().any(|x| x == "ALL"))
-        {
-            found.push(format!("container {n} does not drop ALL capabilities"));
-        }
-        if sc.run_as_user == Some(0) || sc.run_as_non_root != Some(true) {
-            found.push(format!("container {n} may run as root"));
-        }
+    }
+    if c.ports
+        .iter()
+        .flatten()
+        .any(|p| p.host_port.is_some_and(|h| h != 0))
+    {
+        found.push(format!("container {n} has a hostPort"));
+    }
+    let Some(sc) = &c.security_context else {
+        found.push(format!("container {n} has no securityContext"));
+        return found;
+    };
+    if sc.privileged == Some(true) {
+        found.push(format!("container {n} is privileged"));
+    }
+    if sc.allow_privilege_escalation != Some(false) {
+        found.push(format!("container {n} allows privilege escalation"));
+    }
+    let caps = sc.capabilities.as_ref();
+    if let Some(add) = caps.and_then(|c| c.add.as_ref()).filter(|a| !a.is_empty()) {
+        found.push(format!(
+            "container {n} adds capabilities {}",
+            add.join(", ")
+        ));
+    }
+    if !caps
+        .and_then(|c| c.drop.as_ref())
+        .is_some_and(|d| d.iter().any(|x| x == "ALL"))
+    {
+        found.push(format!("container {n} does not drop ALL capabilities"));
+    }
+    if sc.run_as_user == Some(0) || sc.run_as_non_root != Some(true) {
+        found.push(format!("container {n} may run as root"));
     }
     found
 }

@@ -84,6 +84,17 @@ fn all_containers(pod: &PodSpec) -> impl Iterator<Item = &Container> {
 
 /// The `baseline` rules our pod shape can break, in the API server's terms.
 pub fn baseline_violations(pod: &PodSpec) -> Vec<String> {
+    let mut v = pod_violations(pod);
+    let user_namespaced = pod.host_users == Some(false);
+    for c in all_containers(pod) {
+        v.extend(container_violations(c, user_namespaced));
+    }
+    v
+}
+
+/// The pod's own: hostPath volumes, the host's namespaces, an unconfined AppArmor
+/// profile.
+fn pod_violations(pod: &PodSpec) -> Vec<String> {
     let mut v = vec![];
     let host_paths: Vec<&str> = pod
         .volumes
@@ -104,7 +115,6 @@ pub fn baseline_violations(pod: &PodSpec) -> Vec<String> {
             v.push(format!("{what}=true"));
         }
     }
-    let user_namespaced = pod.host_users == Some(false);
     let pod_apparmor_unconfined = pod
         .security_context
         .as_ref()
@@ -113,42 +123,48 @@ pub fn baseline_violations(pod: &PodSpec) -> Vec<String> {
     if pod_apparmor_unconfined {
         v.push("pod AppArmor profile Unconfined".into());
     }
-    for c in all_containers(pod) {
-        let Some(sc) = &c.security_context else {
-            continue;
-        };
-        if sc.privileged == Some(true) {
-            v.push(format!("container {} privileged", c.name));
-        }
-        if sc
-            .app_armor_profile
-            .as_ref()
-            .is_some_and(|p| p.type_ == "Unconfined")
-        {
-            v.push(format!("container {} AppArmor profile Unconfined", c.name));
-        }
-        if sc.proc_mount.as_deref().is_some_and(|m| m != "Default") && !user_namespaced {
-            v.push(format!(
-                "container {} procMount without hostUsers: false",
-                c.name
-            ));
-        }
-        let added = sc
-            .capabilities
-            .as_ref()
-            .and_then(|c| c.add.as_ref())
-            .map(Vec::len)
-            .unwrap_or(0);
-        if added > 0 {
-            v.push(format!("container {} adds capabilities", c.name));
-        }
-        if c.ports
-            .iter()
-            .flatten()
-            .any(|p| p.host_port.is_some_and(|h| h != 0))
-        {
-            v.push(format!("container {} hostPort", c.name));
-        }
+    v
+}
+
+/// One container's: privileged, unconfined AppArmor, a procMount outside a user
+/// namespace, added capabilities, a hostPort (a container without a securityContext is
+/// passed over).
+fn container_violations(c: &Container, user_namespaced: bool) -> Vec<String> {
+    let mut v = vec![];
+    let Some(sc) = &c.security_context else {
+        return v;
+    };
+    if sc.privileged == Some(true) {
+        v.push(format!("container {} privileged", c.name));
+    }
+    if sc
+        .app_armor_profile
+        .as_ref()
+        .is_some_and(|p| p.type_ == "Unconfined")
+    {
+        v.push(format!("container {} AppArmor profile Unconfined", c.name));
+    }
+    if sc.proc_mount.as_deref().is_some_and(|m| m != "Default") && !user_namespaced {
+        v.push(format!(
+            "container {} procMount without hostUsers: false",
+            c.name
+        ));
+    }
+    let added = sc
+        .capabilities
+        .as_ref()
+        .and_then(|c| c.add.as_ref())
+        .map(Vec::len)
+        .unwrap_or(0);
+    if added > 0 {
+        v.push(format!("container {} adds capabilities", c.name));
+    }
+    if c.ports
+        .iter()
+        .flatten()
+        .any(|p| p.host_port.is_some_and(|h| h != 0))
+    {
+        v.push(format!("container {} hostPort", c.name));
     }
     v
 }

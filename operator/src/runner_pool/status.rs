@@ -141,24 +141,7 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
     let previous = pool.status.clone().unwrap_or_default();
     let c = counts(observed.daemonset.as_ref());
     let size = pod_size(spec);
-    let failures: Vec<PreflightFailure> = observed
-        .preflight
-        .iter()
-        .filter_map(|p| match p {
-            NodePreflight::Failed(f) => Some(f.clone()),
-            _ => None,
-        })
-        .collect();
-    let mut passed: Vec<String> = observed
-        .preflight
-        .iter()
-        .filter_map(|p| match p {
-            NodePreflight::Passed(node) => Some(node.clone()),
-            _ => None,
-        })
-        .collect();
-    passed.sort();
-    passed.dedup();
+    let (failures, passed) = preflight_results(observed);
     let facts = Summary {
         preflight: failures
             .iter()
@@ -204,6 +187,30 @@ pub fn compute(pool: &RunnerPool, observed: &Observed, now: Timestamp) -> Runner
     }
 }
 
+/// The nodes' preflight results: the failures as observed, and the nodes that passed
+/// (sorted, each once).
+fn preflight_results(observed: &Observed) -> (Vec<PreflightFailure>, Vec<String>) {
+    let failures: Vec<PreflightFailure> = observed
+        .preflight
+        .iter()
+        .filter_map(|p| match p {
+            NodePreflight::Failed(f) => Some(f.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut passed: Vec<String> = observed
+        .preflight
+        .iter()
+        .filter_map(|p| match p {
+            NodePreflight::Passed(node) => Some(node.clone()),
+            _ => None,
+        })
+        .collect();
+    passed.sort();
+    passed.dedup();
+    (failures, passed)
+}
+
 /// The status of a pool refused before anything was applied (its PriorityClass, see
 /// [`super::priority`]): Stalled with `reason`, the rest of the previous status kept
 /// (objects applied before stay as they were).
@@ -231,14 +238,40 @@ struct Summary {
     nodes: String,
 }
 
-/// The kind-specific conditions, in the order they are set: (type, status, reason,
-/// message).
-fn condition_table(
-    pool: &RunnerPool,
-    observed: &Observed,
-    f: &Summary,
-) -> Vec<(&'static str, bool, &'static str, String)> {
-    let shape = if observed.drift.is_empty() {
+/// One kind-specific condition: (type, status, reason, message).
+type ConditionRow = (&'static str, bool, &'static str, String);
+
+/// The kind-specific conditions, in the order they are set.
+fn condition_table(pool: &RunnerPool, observed: &Observed, f: &Summary) -> Vec<ConditionRow> {
+    let ps = &observed.pod_security;
+    let ps_reason = if ps.admitted() {
+        reasons::POD_SECURITY_ALLOWS
+    } else {
+        reasons::POD_SECURITY_REJECTS
+    };
+    let c = &f.c;
+    let progressing = if c.rolling {
+        reasons::ROLLING_OUT
+    } else {
+        reasons::RECONCILED
+    };
+    vec![
+        shape_condition(observed),
+        (
+            ct::POD_SECURITY_ADMITTED,
+            ps.admitted(),
+            ps_reason,
+            ps.message(),
+        ),
+        degraded_condition(observed, f),
+        available_condition(pool, f),
+        (ct::PROGRESSING, c.rolling, progressing, f.nodes.clone()),
+    ]
+}
+
+/// `ShapeConformant`: false (with what differed) when the live DaemonSet had drifted.
+fn shape_condition(observed: &Observed) -> ConditionRow {
+    if observed.drift.is_empty() {
         (
             ct::SHAPE_CONFORMANT,
             true,
@@ -255,15 +288,13 @@ fn condition_table(
                 observed.drift.join("; ")
             ),
         )
-    };
-    let ps = &observed.pod_security;
-    let ps_reason = if ps.admitted() {
-        reasons::POD_SECURITY_ALLOWS
-    } else {
-        reasons::POD_SECURITY_REJECTS
-    };
+    }
+}
+
+/// `Degraded`: the most important reason, and every reason's message.
+fn degraded_condition(observed: &Observed, f: &Summary) -> ConditionRow {
     let degraded = degraded(observed, f);
-    let degraded = match degraded.first() {
+    match degraded.first() {
         Some((reason, _)) => {
             let msg = degraded
                 .iter()
@@ -278,33 +309,21 @@ fn condition_table(
             reasons::RECONCILED,
             "no node failed preflight".to_string(),
         ),
-    };
+    }
+}
+
+/// `Available`: some node, and no more than the rollout may take down, short of ready.
+fn available_condition(pool: &RunnerPool, f: &Summary) -> ConditionRow {
     let c = &f.c;
     let allowed_down = max_unavailable_count(&pool.spec.rollout.max_unavailable, c.desired);
-    let available = if c.desired == 0 {
+    let (status, reason, message) = if c.desired == 0 {
         (false, reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool))
     } else if c.ready > 0 && c.ready >= c.desired - allowed_down {
         (true, reasons::MINIMUM_NODES_AVAILABLE, f.nodes.clone())
     } else {
         (false, reasons::ROLLING_OUT, f.nodes.clone())
     };
-    let progressing = if c.rolling {
-        reasons::ROLLING_OUT
-    } else {
-        reasons::RECONCILED
-    };
-    vec![
-        shape,
-        (
-            ct::POD_SECURITY_ADMITTED,
-            ps.admitted(),
-            ps_reason,
-            ps.message(),
-        ),
-        degraded,
-        (ct::AVAILABLE, available.0, available.1, available.2),
-        (ct::PROGRESSING, c.rolling, progressing, f.nodes.clone()),
-    ]
+    (ct::AVAILABLE, status, reason, message)
 }
 
 /// Why the pool is degraded, most important first (empty: it is not).
