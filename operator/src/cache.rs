@@ -75,6 +75,50 @@ impl<V> State<V> {
     }
 }
 
+impl<V: PartialEq> State<V> {
+    /// The relist is complete: it replaces what was live (the cache is ready from now
+    /// on); the changes, objects that appeared or changed first, then those gone.
+    fn finish_relist(&mut self) -> Vec<Change<V>> {
+        let new = self.relist.take().unwrap_or_default();
+        let mut changes: Vec<Change<V>> = new
+            .iter()
+            .filter(|(k, v)| self.live.get(*k) != Some(*v))
+            .map(|(k, v)| Change {
+                key: k.clone(),
+                old: self.live.get(k).cloned(),
+                new: Some(v.clone()),
+            })
+            .collect();
+        changes.extend(
+            self.live
+                .iter()
+                .filter(|(k, _)| !new.contains_key(*k))
+                .map(|(k, v)| Change {
+                    key: k.clone(),
+                    old: Some(v.clone()),
+                    new: None,
+                }),
+        );
+        self.live = new;
+        self.ready = true;
+        changes
+    }
+
+    /// Puts `v` under `key`; the change, unless it equals what was there.
+    fn upsert(&mut self, key: Key, v: V) -> Vec<Change<V>> {
+        if self.live.get(&key).is_some_and(|old| **old == v) {
+            return vec![];
+        }
+        let new = Arc::new(v);
+        let old = self.live.insert(key.clone(), new.clone());
+        vec![Change {
+            key,
+            old,
+            new: Some(new),
+        }]
+    }
+}
+
 /// A cache of projections `V` of the objects of one watch.
 #[derive(Debug)]
 pub struct Projection<V> {
@@ -158,47 +202,12 @@ impl<V: PartialEq> Projection<V> {
                 }
                 vec![]
             }
-            Event::InitDone => {
-                let new = st.relist.take().unwrap_or_default();
-                let mut changes: Vec<Change<V>> = new
-                    .iter()
-                    .filter(|(k, v)| st.live.get(*k) != Some(*v))
-                    .map(|(k, v)| Change {
-                        key: k.clone(),
-                        old: st.live.get(k).cloned(),
-                        new: Some(v.clone()),
-                    })
-                    .collect();
-                changes.extend(st.live.iter().filter(|(k, _)| !new.contains_key(*k)).map(
-                    |(k, v)| Change {
-                        key: k.clone(),
-                        old: Some(v.clone()),
-                        new: None,
-                    },
-                ));
-                st.live = new;
-                st.ready = true;
-                changes
-            }
-            Event::Apply(o) => {
-                let key = key_of(o);
-                match project(o) {
-                    Some(v) => {
-                        if st.live.get(&key).is_some_and(|old| **old == v) {
-                            return vec![];
-                        }
-                        let new = Arc::new(v);
-                        let old = st.live.insert(key.clone(), new.clone());
-                        vec![Change {
-                            key,
-                            old,
-                            new: Some(new),
-                        }]
-                    }
-                    // No longer an object the cache keeps: as good as deleted.
-                    None => st.remove(key),
-                }
-            }
+            Event::InitDone => st.finish_relist(),
+            Event::Apply(o) => match project(o) {
+                Some(v) => st.upsert(key_of(o), v),
+                // No longer an object the cache keeps: as good as deleted.
+                None => st.remove(key_of(o)),
+            },
             Event::Delete(o) => st.remove(key_of(o)),
         }
     }

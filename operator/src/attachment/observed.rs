@@ -172,38 +172,6 @@ impl PodView {
     pub fn from_pod(p: &Pod) -> Self {
         let spec = p.spec.as_ref();
         let status = p.status.as_ref();
-        let ids: BTreeMap<&str, &str> = status
-            .and_then(|s| s.container_statuses.as_ref())
-            .into_iter()
-            .flatten()
-            .filter_map(|c| {
-                c.container_id
-                    .as_deref()
-                    .filter(|id| !id.is_empty())
-                    .map(|id| (c.name.as_str(), id))
-            })
-            .collect();
-        let containers = spec
-            .map(|s| &s.containers[..])
-            .unwrap_or_default()
-            .iter()
-            .map(|c| ContainerView {
-                name: c.name.clone(),
-                id: ids.get(c.name.as_str()).map(|s| s.to_string()),
-                ports: c
-                    .ports
-                    .iter()
-                    .flatten()
-                    .map(|p| {
-                        (
-                            p.container_port,
-                            p.name.clone(),
-                            p.protocol.clone().unwrap_or_else(|| "TCP".into()),
-                        )
-                    })
-                    .collect(),
-            })
-            .collect();
         let phase = match status.and_then(|s| s.phase.as_deref()) {
             Some("Pending") => PodPhase::Pending,
             Some("Running") => PodPhase::Running,
@@ -237,9 +205,49 @@ impl PodView {
                 .filter(|(_, v)| v.eq_ignore_ascii_case("true"))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
-            containers,
+            containers: container_views(p),
         }
     }
+}
+
+/// The pod's (non-init) containers with their IDs (once the runtime gave them) and
+/// declared ports.
+fn container_views(p: &Pod) -> Vec<ContainerView> {
+    let ids: BTreeMap<&str, &str> = p
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            c.container_id
+                .as_deref()
+                .filter(|id| !id.is_empty())
+                .map(|id| (c.name.as_str(), id))
+        })
+        .collect();
+    p.spec
+        .as_ref()
+        .map(|s| &s.containers[..])
+        .unwrap_or_default()
+        .iter()
+        .map(|c| ContainerView {
+            name: c.name.clone(),
+            id: ids.get(c.name.as_str()).map(|s| s.to_string()),
+            ports: c
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| {
+                    (
+                        p.container_port,
+                        p.name.clone(),
+                        p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+                    )
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 /// How far an agent Job has run.

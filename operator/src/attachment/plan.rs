@@ -313,16 +313,10 @@ impl<'a> Claimed<'a> {
             }
             per_attachment.insert(&a.name, pick.into_iter().collect());
         }
-        let mut claims = Claims::default();
-        if !obs.workload_exists {
-            claims.unclaimed = Some(ReapReason::WorkloadGone);
-        } else if co.claimants.is_empty() {
-            claims.unclaimed = Some(if co.accepted.is_empty() {
-                ReapReason::NoLiveAttachment
-            } else {
-                ReapReason::LeaseExpired
-            });
-        }
+        let mut claims = Claims {
+            unclaimed: unclaimed_reason(obs, co),
+            ..Claims::default()
+        };
         let mut desired: BTreeMap<&str, Job> = BTreeMap::new();
         if claims.unclaimed.is_none() {
             let primary = sel.primary.expect("claimants imply an accepted attachment");
@@ -350,6 +344,22 @@ impl<'a> Claimed<'a> {
             per_attachment,
             desired,
         }
+    }
+}
+
+/// Why no attachment claims the group's Jobs (the workload is gone, or no attachment
+/// of it is live), if none does.
+fn unclaimed_reason(obs: &ObservedGroup, co: &Coexistence<'_>) -> Option<ReapReason> {
+    if !obs.workload_exists {
+        Some(ReapReason::WorkloadGone)
+    } else if co.claimants.is_empty() {
+        Some(if co.accepted.is_empty() {
+            ReapReason::NoLiveAttachment
+        } else {
+            ReapReason::LeaseExpired
+        })
+    } else {
+        None
     }
 }
 

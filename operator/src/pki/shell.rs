@@ -89,6 +89,19 @@ fn ca_cert(pem: &str) -> Option<CaCert> {
     })
 }
 
+/// The CA the Secret `name` holds (`None`: there is none); `Err` when it cannot be
+/// used, which is logged.
+fn usable_ca(seen: Option<&Secret>, name: &str) -> Result<Option<LoadedCa>, ()> {
+    match seen.map(parse_ca_secret) {
+        Some(Ok(l)) => Ok(Some(l)),
+        Some(Err(e)) => {
+            tracing::error!(secret = %name, error = %e, "the CA Secret cannot be used; fix or delete it");
+            Err(())
+        }
+        None => Ok(None),
+    }
+}
+
 /// Reads the CA Secret; `Err` when it exists but cannot be used (never overwritten:
 /// an operator must look at it).
 pub fn parse_ca_secret(s: &Secret) -> Result<LoadedCa, String> {
@@ -264,14 +277,9 @@ impl Pki {
             if !synced {
                 continue;
             }
-            let loaded = match seen.as_ref().map(parse_ca_secret) {
-                Some(Ok(l)) => Some(l),
-                Some(Err(e)) => {
-                    tracing::error!(secret = %s.ca_secret, error = %e, "the CA Secret cannot be used; fix or delete it");
-                    wait = Duration::from_secs(60);
-                    continue;
-                }
-                None => None,
+            let Ok(loaded) = usable_ca(seen.as_ref(), &s.ca_secret) else {
+                wait = Duration::from_secs(60);
+                continue;
             };
             let t = now();
             let step = match &loaded {
