@@ -773,6 +773,9 @@ struct Reg {
     /// A lock_network failed: the broker may still hold the lock (its undo failed).
     maybe_locked: bool,
     killed: bool,
+    /// `fence` succeeded (and no `unfence` since): never resumed, killed on a lost
+    /// lease or (while locked: the journal holds it) a restart.
+    fenced: bool,
 }
 
 /// One broker over a [`FakeKernel`] on [`World::standard`], a model of what the
@@ -817,6 +820,8 @@ fn reply_fits(req: &Request, r: &Reply) -> bool {
                     | Request::ReleaseTcpRepair { .. }
                     | Request::Resume { .. }
                     | Request::Kill { .. }
+                    | Request::Fence { .. }
+                    | Request::Unfence { .. }
                     | Request::Forget { .. },
                 Reply::Done
             )
@@ -870,7 +875,7 @@ impl Harness {
         let uid = MigrationUid::parse(UIDS[(a % 3) as usize]).expect("valid uid");
         let conn = 1 + u64::from(a >> 7);
         let req = |req| Op::Req { conn, req };
-        match kind % 22 {
+        match kind % 24 {
             0 => req(Request::Register {
                 uid,
                 role: if a & 4 != 0 {
@@ -918,7 +923,9 @@ impl Harness {
                 journal: b & 1 != 0,
             },
             20 => Op::Restart,
-            _ => Op::DetachOnSleep(a & 1 != 0),
+            21 => Op::DetachOnSleep(a & 1 != 0),
+            22 => req(Request::Fence { uid }),
+            _ => req(Request::Unfence { uid }),
         }
     }
 
@@ -975,7 +982,9 @@ impl Harness {
         let mut a = Allowed::default();
         match req {
             Request::Resume { .. } => {
-                a.roots.extend(src.map(|r| (r.process, r.netns)));
+                // Never a fenced source.
+                a.roots
+                    .extend(src.filter(|r| !r.fenced).map(|r| (r.process, r.netns)));
                 a.sigs = &[Signal::SIGCONT];
             }
             Request::Kill { .. } => {
@@ -1030,7 +1039,8 @@ impl Harness {
         Ok(res)
     }
 
-    /// Connection `conn` ends: its locked (or maybe locked) sources are rolled back.
+    /// Connection `conn` ends: its locked (or maybe locked) sources are rolled back,
+    /// its fenced ones killed.
     fn lose_lease(&mut self, conn: u64, pre_model: &BTreeMap<String, Reg>) -> Allowed {
         self.k.world().fault = None;
         let mut a = Allowed {
@@ -1038,10 +1048,19 @@ impl Harness {
             ..Allowed::default()
         };
         for r in pre_model.values().filter(|r| r.conn == conn) {
-            if r.role == BrokerRole::Source && (r.locked || r.maybe_locked) && !r.killed {
+            if r.role != BrokerRole::Source || r.killed {
+                continue;
+            }
+            if r.fenced {
+                a.kill_roots.push((r.process, r.netns));
+                a.killed.push(r.process);
+                self.killed_netns.insert(r.netns);
+                continue;
+            }
+            if r.locked || r.maybe_locked {
                 a.roots.push((r.process, r.netns));
             }
-            if r.role == BrokerRole::Source && r.locked && !r.killed {
+            if r.locked {
                 a.rolled_back.push(r.process);
             }
         }
@@ -1058,7 +1077,13 @@ impl Harness {
             ..Allowed::default()
         };
         for r in pre_model.values() {
-            if r.role == BrokerRole::Source && r.locked && !r.killed {
+            // The journal holds a fenced lock: killed, never thawed. (A fenced source
+            // unlocked since is in no journal: it stays as it is, stopped.)
+            if r.role == BrokerRole::Source && r.locked && !r.killed && r.fenced {
+                a.kill_roots.push((r.process, r.netns));
+                a.killed.push(r.process);
+                self.killed_netns.insert(r.netns);
+            } else if r.role == BrokerRole::Source && r.locked && !r.killed {
                 a.roots.push((r.process, r.netns));
                 a.rolled_back.push(r.process);
             }
@@ -1168,6 +1193,7 @@ impl Harness {
                 locked: false,
                 maybe_locked: false,
                 killed: false,
+                fenced: false,
             },
         );
         Ok(())
@@ -1210,6 +1236,15 @@ impl Harness {
                         r.killed = true;
                         self.killed_netns.insert(r.netns);
                     }
+                    Request::Fence { .. } => {
+                        if !r.locked && !r.maybe_locked {
+                            return Err(format!("{req:?} done on a source never locked"));
+                        }
+                        // Done proves the broker holds the lock (and journals it).
+                        r.locked = true;
+                        r.fenced = true;
+                    }
+                    Request::Unfence { .. } => r.fenced = false,
                     _ => {}
                 }
             }
@@ -1235,6 +1270,7 @@ impl Harness {
             ));
         }
         check_thawed(&w, pre, &allowed.rolled_back)?;
+        check_killed(&w, pre, &allowed.killed)?;
         self.check_mounts_and_journal(&w)?;
         self.check_networks(&w)
     }
@@ -1301,6 +1337,10 @@ struct Allowed {
     may_move: Option<(ProcRef, u32, String, i32)>,
     /// Sources rolled back in this step: nothing of their trees may stay frozen.
     rolled_back: Vec<ProcRef>,
+    /// Fenced roots (with their netns) whose trees may only be SIGKILLed.
+    kill_roots: Vec<(ProcRef, u32)>,
+    /// Fenced sources whose lease ended in this step: nothing of their trees may live.
+    killed: Vec<ProcRef>,
 }
 
 impl Allowed {
@@ -1310,7 +1350,16 @@ impl Allowed {
                 .iter()
                 .any(|(r, _)| valid_root(pre, node, r) && tree_in(pre, r.pid).contains(&pid))
         };
+        let in_a_fenced_tree = |pid: i32| {
+            self.kill_roots
+                .iter()
+                .any(|(r, _)| valid_root(pre, node, r) && tree_in(pre, r.pid).contains(&pid))
+        };
         match e {
+            Effect::Signal {
+                pid,
+                sig: Signal::SIGKILL,
+            } if in_a_fenced_tree(*pid) => true,
             Effect::Signal { pid, sig } => self.sigs.contains(sig) && in_a_tree(*pid),
             Effect::Stole { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
             Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
@@ -1363,6 +1412,21 @@ fn tree_in(procs: &BTreeMap<i32, Proc>, root: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+/// After a fenced source's lease ended, nothing of its tree runs or stays stopped: it
+/// was killed, never thawed.
+fn check_killed(w: &World, pre: &BTreeMap<i32, Proc>, killed: &[ProcRef]) -> Result<(), String> {
+    for p in killed.iter().filter(|p| valid_root(pre, w.node_netns, p)) {
+        for pid in tree_in(pre, p.pid) {
+            if let Some(x) = w.procs.get(&pid).filter(|x| !x.zombie) {
+                return Err(format!(
+                    "pid {pid} of a fenced source still alive after its lease ended: {x:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// After a rollback, nothing of the rolled-back trees stays stopped or in repair.

@@ -9,7 +9,10 @@
 //! Each connection is a lease: if the agent that locked a source's network disappears
 //! before `kill`, `unlock_network` or `forget`, the broker rolls the source back
 //! (waits for CRIU to detach, takes sockets out of repair, unlocks, SIGCONT), so a
-//! killed agent never leaves a workload frozen.
+//! killed agent never leaves a workload frozen — unless the source is **fenced**
+//! (`fence`: the operator is about to restore it on the target): a fenced source is
+//! never resumed by the broker (`resume` is refused until `unfence`), and a lost lease
+//! or a restart kills its tree instead, so it never runs beside its restored copy.
 #![deny(unsafe_code)]
 
 pub mod fake;
@@ -61,6 +64,9 @@ struct Entry {
     /// Links set down and routes saved by `lock_network`.
     locked: Option<Lock>,
     killed: bool,
+    /// The restore fence (`fence`): never resumed; killed, not rolled back, when the
+    /// lease is lost (and, through the journal, when the broker restarts).
+    fenced: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -250,9 +256,16 @@ impl<K: Kernel> Broker<K> {
             if e.netns_bound {
                 let _ = self.unbind(&uid);
             }
-            if let (BrokerRole::Source, Some(l), false) = (e.role, &e.locked, e.killed) {
-                tracing::warn!(%uid, "agent gone while the source was frozen: rolling back");
-                roll_back(&self.kernel, e.process, l);
+            match (e.role, &e.locked, e.killed, e.fenced) {
+                (BrokerRole::Source, _, false, true) => {
+                    tracing::warn!(%uid, "agent gone while the source was fenced: killing it (its restored copy may run)");
+                    kill_fenced(&self.kernel, e.process);
+                }
+                (BrokerRole::Source, Some(l), false, false) => {
+                    tracing::warn!(%uid, "agent gone while the source was frozen: rolling back");
+                    roll_back(&self.kernel, e.process, l);
+                }
+                _ => {}
             }
             self.journal_remove(&uid);
         }
@@ -272,10 +285,18 @@ impl<K: Kernel> Broker<K> {
     /// Records a locked source on disk (run directory, 0600) before the lock is
     /// reported done, so that a broker that dies while a source is frozen rolls it back
     /// when it starts again ([`Broker::recover`]).
-    fn journal_write(&self, uid: &MigrationUid, p: ProcRef, l: &Lock) -> Result<(), BrokerError> {
+    /// `fenced`: the restore fence, so that a restarted broker kills the source
+    /// instead of rolling it back.
+    fn journal_write(
+        &self,
+        uid: &MigrationUid,
+        p: ProcRef,
+        l: &Lock,
+        fenced: bool,
+    ) -> Result<(), BrokerError> {
         let body = serde_json::json!({
             "pid": p.pid, "start_time": p.start_time, "links": l.links, "routes": l.routes,
-            "routes6": l.routes6, "addrs6": l.addrs6,
+            "routes6": l.routes6, "addrs6": l.addrs6, "fenced": fenced,
         });
         self.kernel.journal_write(
             &self.journal_dir(),
@@ -290,10 +311,10 @@ impl<K: Kernel> Broker<K> {
 
     /// Undoes what a previous broker process left behind on this node: every source it
     /// had locked (recorded in the journal) whose process is still the same live process
-    /// is rolled back — sockets out of repair, links and routes restored, SIGCONT — and
-    /// every netns bind mount it had made is removed. Its agents' connections (the
-    /// leases) ended with it, so this is what `lease_lost` would have done. Returns
-    /// the migration UIDs rolled back.
+    /// is rolled back — sockets out of repair, links and routes restored, SIGCONT — or,
+    /// if it was fenced, killed; and every netns bind mount it had made is removed. Its
+    /// agents' connections (the leases) ended with it, so this is what `lease_lost`
+    /// would have done. Returns the migration UIDs rolled back or killed.
     pub fn recover(&self) -> Vec<String> {
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
@@ -303,7 +324,7 @@ impl<K: Kernel> Broker<K> {
                 .read_file(&path)
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
             self.kernel.remove_file(&path);
-            let Some((p, l)) = record.as_ref().and_then(parse_journal) else {
+            let Some((p, l, fenced)) = record.as_ref().and_then(parse_journal) else {
                 tracing::warn!(file = %path.display(), "unreadable journal record removed");
                 continue;
             };
@@ -319,8 +340,13 @@ impl<K: Kernel> Broker<K> {
                 tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
                 continue;
             }
-            tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
-            roll_back(&self.kernel, p, &l);
+            if fenced {
+                tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source fenced: killing it (its restored copy may run)");
+                kill_fenced(&self.kernel, p);
+            } else {
+                tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
+                roll_back(&self.kernel, p, &l);
+            }
             rolled.push(name);
         }
         let netns = self.cfg.run_dir.join("netns");
@@ -396,6 +422,8 @@ impl<K: Kernel> Broker<K> {
             }
             Request::Resume { uid } => self.resume(self.entry(m, uid, conn, SOURCE)?),
             Request::Kill { uid } => self.kill(uid, self.entry(m, uid, conn, SOURCE)?),
+            Request::Fence { uid } => self.fence(uid, self.entry(m, uid, conn, SOURCE)?),
+            Request::Unfence { uid } => self.unfence(uid, self.entry(m, uid, conn, SOURCE)?),
         }?;
         Ok((reply, Vec::new()))
     }
@@ -439,6 +467,7 @@ impl<K: Kernel> Broker<K> {
                 netns_bound: false,
                 locked: None,
                 killed: false,
+                fenced: false,
             },
         );
         Ok(Reply::Registered { cgroup })
@@ -513,7 +542,7 @@ impl<K: Kernel> Broker<K> {
     fn lock_network(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
         if e.locked.is_none() {
             let l = lock(&self.kernel, e.process.pid)?;
-            if let Err(j) = self.journal_write(uid, e.process, &l) {
+            if let Err(j) = self.journal_write(uid, e.process, &l, e.fenced) {
                 // Never report a lock that a broker restart could not undo. If
                 // the undo fails too, the lock stays known in memory, so that
                 // unlock, forget or the lease rollback retry it.
@@ -526,7 +555,7 @@ impl<K: Kernel> Broker<K> {
         } else if let Some(l) = &e.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
             // failed): done only once the journal holds it.
-            self.journal_write(uid, e.process, l)?;
+            self.journal_write(uid, e.process, l, e.fenced)?;
         }
         Ok(Reply::Done)
     }
@@ -604,7 +633,40 @@ impl<K: Kernel> Broker<K> {
     }
 
     fn resume(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
+        if e.fenced {
+            return Err(err(
+                ErrorKind::Fenced,
+                "the source is fenced (its copy may be restored on the target): only unfence, the operator's abort, lets it resume",
+            ));
+        }
         signal_tree(&self.kernel, e.process.pid, Signal::SIGCONT)?;
+        Ok(Reply::Done)
+    }
+
+    /// The restore fence: done only once the journal holds it, so that neither a lost
+    /// lease nor a broker restart can resume this source any more.
+    fn fence(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
+        let (Some(l), false) = (&e.locked, e.killed) else {
+            return Err(err(
+                ErrorKind::NotLocked,
+                format!("{uid}: no frozen, locked source to fence"),
+            ));
+        };
+        self.journal_write(uid, e.process, l, true)?;
+        e.fenced = true;
+        Ok(Reply::Done)
+    }
+
+    /// Lifts the fence (the operator's abort): in the journal first, then in memory,
+    /// so that a failure leaves it fenced (the safe side).
+    fn unfence(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
+        if !e.fenced {
+            return Ok(Reply::Done);
+        }
+        if let (Some(l), false) = (&e.locked, e.killed) {
+            self.journal_write(uid, e.process, l, false)?;
+        }
+        e.fenced = false;
         Ok(Reply::Done)
     }
 
@@ -702,7 +764,17 @@ fn roll_back<K: Kernel>(k: &K, p: ProcRef, l: &Lock) {
     }
 }
 
-fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock)> {
+/// Kills a fenced source's tree (a lost lease or a restart): it is never resumed, its
+/// restored copy may already run on the target. The network stays locked, as after a
+/// commit: nothing of the dead tree's connections may answer for the restored copy.
+fn kill_fenced<K: Kernel>(k: &K, p: ProcRef) {
+    if k.check_live(p).is_ok() {
+        let _ = signal_tree(k, p.pid, Signal::SIGKILL);
+    }
+}
+
+/// A journal record: the locked process, its lock, and whether it is fenced.
+fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock, bool)> {
     let strings = |k: &str| -> Option<Vec<String>> {
         v.get(k)?
             .as_array()?
@@ -724,6 +796,8 @@ fn parse_journal(v: &serde_json::Value) -> Option<(ProcRef, Lock)> {
             routes6: strings("routes6").unwrap_or_default(),
             addrs6: strings("addrs6").unwrap_or_default(),
         },
+        // Absent in a journal written before the restore fence.
+        v.get("fenced").and_then(|f| f.as_bool()).unwrap_or(false),
     ))
 }
 

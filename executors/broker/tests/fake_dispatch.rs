@@ -355,3 +355,120 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
     );
     assert_eq!(links_up(&h, 10), ["eth0", "lo", "pm0"]);
 }
+
+/// A source the final dump left stopped and locked, fenced (CRIU detached).
+fn fenced_source(h: &mut Harness) {
+    register(h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(h, Op::Dump { pid: 101 });
+    ev(h, Op::Detach { pid: 101 });
+    assert_eq!(
+        req(h, 1, Request::Fence { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    let w = h.kernel().world();
+    let record = w
+        .files
+        .iter()
+        .find(|(p, _)| p.ends_with(".journal/mig-a"))
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+        .expect("journal record");
+    assert!(record.contains("\"fenced\":true"), "{record}");
+}
+
+/// The tree of 101 is dead (killed, never thawed).
+fn killed(h: &Harness) -> bool {
+    let w = h.kernel().world();
+    w.procs[&101].zombie && w.procs[&102].zombie
+}
+
+#[test]
+fn a_fenced_source_is_never_resumed_and_its_lost_lease_kills_it() {
+    let mut h = Harness::new();
+    fenced_source(&mut h);
+    assert_eq!(
+        req(&mut h, 1, Request::Resume { uid: uid("mig-a") }),
+        Err(ErrorKind::Fenced)
+    );
+    assert!(h.kernel().world().procs[&101].stopped, "still frozen");
+    // Fencing again is answered the same.
+    assert_eq!(
+        req(&mut h, 1, Request::Fence { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    ev(&mut h, Op::LeaseLost { conn: 1 });
+    assert!(killed(&h), "the lost lease kills a fenced source");
+    assert_eq!(
+        links_up(&h, 10),
+        ["lo"],
+        "its network stays locked, as after a commit"
+    );
+    let w = h.kernel().world();
+    assert!(!w.procs[&100].zombie, "only its tree");
+    assert!(w.files.is_empty(), "no journal record is left");
+}
+
+#[test]
+fn a_restarted_broker_kills_the_fenced_source_its_predecessor_left() {
+    let mut h = Harness::new();
+    fenced_source(&mut h);
+    ev(&mut h, Op::Restart);
+    assert!(killed(&h), "recovery kills a fenced source, never thaws it");
+    assert!(h.kernel().world().files.is_empty());
+}
+
+#[test]
+fn an_unfenced_source_is_rolled_back_again_by_a_lost_lease_or_a_restart() {
+    for restart in [false, true] {
+        let mut h = Harness::new();
+        fenced_source(&mut h);
+        assert_eq!(
+            req(&mut h, 1, Request::Unfence { uid: uid("mig-a") }),
+            Ok(Reply::Done)
+        );
+        ev(
+            &mut h,
+            if restart {
+                Op::Restart
+            } else {
+                Op::LeaseLost { conn: 1 }
+            },
+        );
+        let w = h.kernel().world();
+        for pid in [101, 102] {
+            assert!(!w.procs[&pid].zombie && !w.procs[&pid].stopped, "{pid}");
+        }
+        assert_eq!(w.nets[&10].canonical(), h_baseline(10));
+    }
+}
+
+#[test]
+fn only_a_frozen_locked_source_can_be_fenced() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    assert_eq!(
+        req(&mut h, 1, Request::Fence { uid: uid("mig-a") }),
+        Err(ErrorKind::NotLocked)
+    );
+    register(&mut h, 1, "mig-b", BrokerRole::Target, 200).unwrap();
+    assert_eq!(
+        req(&mut h, 1, Request::Fence { uid: uid("mig-b") }),
+        Err(ErrorKind::WrongRole)
+    );
+    // Not this connection's migration.
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(
+        req(&mut h, 2, Request::Fence { uid: uid("mig-a") }),
+        Err(ErrorKind::Busy)
+    );
+    // A fence whose journal write fails is not done, and the source stays resumable.
+    ev(&mut h, Op::Fault(Fault::Journal));
+    assert_eq!(
+        req(&mut h, 1, Request::Fence { uid: uid("mig-a") }),
+        Err(ErrorKind::Kernel)
+    );
+    assert_eq!(
+        req(&mut h, 1, Request::Resume { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+}

@@ -82,6 +82,19 @@ pub enum Request {
     Kill {
         uid: MigrationUid,
     },
+    /// Source: the restore fence (the operator is about to ask the target to restore).
+    /// From here the broker never resumes this source: `resume` is refused, and a lost
+    /// lease or a broker restart kills the tree instead of rolling it back. Needs the
+    /// network locked (the final dump's freeze); recorded in the journal before it is
+    /// reported done, so a restarted broker keeps it.
+    Fence {
+        uid: MigrationUid,
+    },
+    /// Source: lifts the fence (the operator's abort, sent once the target's copy is
+    /// confirmed killed); the source may be resumed again.
+    Unfence {
+        uid: MigrationUid,
+    },
     /// Drop the registration (unbinds, unlocks).
     Forget {
         uid: MigrationUid,
@@ -102,6 +115,8 @@ impl Request {
             | Request::MoveCgroup { uid, .. }
             | Request::Resume { uid }
             | Request::Kill { uid }
+            | Request::Fence { uid }
+            | Request::Unfence { uid }
             | Request::Forget { uid } => uid,
         }
     }
@@ -119,6 +134,8 @@ impl Request {
             Request::MoveCgroup { .. } => "move_cgroup",
             Request::Resume { .. } => "resume",
             Request::Kill { .. } => "kill",
+            Request::Fence { .. } => "fence",
+            Request::Unfence { .. } => "unfence",
             Request::Forget { .. } => "forget",
         }
     }
@@ -157,6 +174,10 @@ pub enum ErrorKind {
     UnsafePath,
     /// The source holds more TCP sockets than one hand-off carries ([`MAX_FDS`]).
     TooManySockets,
+    /// `fence` of a source whose network is not locked (nothing frozen to fence).
+    NotLocked,
+    /// `resume` of a fenced source: only `unfence` (the operator's abort) lifts it.
+    Fenced,
     Kernel,
 }
 
@@ -252,6 +273,8 @@ pub const OPS: &[&str] = &[
     "move_cgroup",
     "resume",
     "kill",
+    "fence",
+    "unfence",
     "forget",
 ];
 
@@ -334,6 +357,8 @@ mod tests {
             },
             Request::HandOffSockets { uid: uid() },
             Request::Kill { uid: uid() },
+            Request::Fence { uid: uid() },
+            Request::Unfence { uid: uid() },
         ] {
             let f = encode_frame(&r);
             let len = check_len(f[..4].try_into().unwrap()).unwrap();
