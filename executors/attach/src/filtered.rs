@@ -151,62 +151,23 @@ where
         }
     };
     loop {
-        // The next request head; the filter of the moment decides (a stopped
-        // intercept sends the rest of the connection to the application).
-        let (head, to_client) = loop {
-            let current = port.filter();
-            match http::parse_request(&dbuf, current.as_deref().unwrap_or(&filter)) {
-                Ok(Some(h)) => {
-                    let m = h.matches && current.is_some();
-                    break (h, m);
-                }
-                Ok(None) => {
-                    if read_more(&mut dr, &mut dbuf).await? == 0 {
-                        return Ok(done(&client)); // the caller is done
-                    }
-                }
-                Err(e) if first => {
-                    tracing::debug!(error = %e, "not HTTP: passing the connection through");
-                    metrics.filtered(Route::NotHttp);
+        let (head, mut to_client) =
+            match next_request(port, &filter, &mut dr, &mut dbuf, first).await? {
+                NextRequest::Head(head, to_client) => (head, to_client),
+                NextRequest::CallerDone => return Ok(done(&client)),
+                NextRequest::NotHttp => {
                     let down = dr.unsplit(dw);
                     raw_to_app(down, dbuf, original_dst, netns).await?;
                     return Ok(Ended::Forwarded);
                 }
-                Err(e) => {
-                    return Err(ProxyError {
-                        outcome: Ended::Error,
-                        category: ErrorCategory::HttpFraming,
-                        error: io_err(e),
-                    });
-                }
-            }
-        };
-        first = false;
-        let mut to_client = to_client;
-        if to_client && client.is_none() {
-            let (ours, theirs) = tokio::io::duplex(PIPE);
-            let offered = Delivered {
-                stream: Box::new(theirs),
-                peer,
-                original_dst,
             };
-            match port.deliver(offered, wait).await {
-                Delivery::Taken => client = Some(Upstream::new(Box::new(ours))),
-                Delivery::Stopped(_) => to_client = false,
-                Delivery::TimedOut => {
-                    metrics.error(ErrorCategory::NoClient);
-                    metrics.filtered(Route::Matched);
-                    let body = "no intercept client took the request in time\n";
-                    let _ = dw
-                        .write_all(
-                            format!(
-                                "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                                body.len()
-                            )
-                            .as_bytes(),
-                        )
-                        .await;
-                    let _ = dw.shutdown().await;
+        first = false;
+        if to_client && client.is_none() {
+            match offer_to_client(port, peer, original_dst, wait).await {
+                Offer::Taken(stream) => client = Some(stream),
+                Offer::Stopped => to_client = false,
+                Offer::TimedOut => {
+                    answer_no_client(&mut dw).await;
                     return Ok(Ended::TimedOut);
                 }
             }
@@ -216,64 +177,197 @@ where
         } else {
             Route::Passed
         });
-        if !to_client && app.is_none() {
-            let up = netns.dial(original_dst).await.map_err(dial_failed)?;
-            app = Some(Upstream::new(Box::new(up)));
+        let up = upstream(to_client, &mut client, &mut app, netns, original_dst).await?;
+        let (outcome, sent) = exchange(up, &head, &mut dr, &mut dbuf, &mut dw).await?;
+        if !after_response(outcome, sent, head.close, up, &mut dr, &dbuf, &mut dw).await? {
+            return Ok(done(&client));
         }
-        let up = if to_client {
-            client.as_mut().expect("opened above")
-        } else {
-            app.as_mut().expect("dialed above")
-        };
+    }
+}
 
-        up.w.write_all(&dbuf[..head.len]).await?;
-        dbuf.drain(..head.len);
-        let mut body = BodyCursor::new(head.body);
-        let outcome = {
-            let send = send_body(&mut dr, &mut dbuf, &mut body, &mut up.w);
-            let relay = relay_response(&mut up.r, &mut up.buf, &mut dw, &head.method);
-            tokio::pin!(send, relay);
-            let mut sent = false;
-            loop {
-                tokio::select! {
-                    r = &mut send, if !sent => { r?; sent = true; }
-                    o = &mut relay => break (o?, sent),
+/// What the caller sent next on a filtered connection.
+enum NextRequest {
+    /// A whole request head, and whether it goes to a client stream.
+    Head(http::RequestHead, bool),
+    /// The caller closed its side.
+    CallerDone,
+    /// The connection's first bytes are not HTTP/1.x: it is passed through as it is.
+    NotHttp,
+}
+
+/// Reads until the next request head is whole. The filter of the moment decides (a
+/// stopped intercept sends the rest of the connection to the application).
+async fn next_request(
+    port: &Port,
+    filter: &Filter,
+    dr: &mut (impl AsyncRead + Unpin),
+    dbuf: &mut Vec<u8>,
+    first: bool,
+) -> Result<NextRequest, ProxyError> {
+    loop {
+        let current = port.filter();
+        match http::parse_request(dbuf, current.as_deref().unwrap_or(filter)) {
+            Ok(Some(h)) => {
+                let m = h.matches && current.is_some();
+                return Ok(NextRequest::Head(h, m));
+            }
+            Ok(None) => {
+                if read_more(dr, dbuf).await? == 0 {
+                    return Ok(NextRequest::CallerDone);
                 }
             }
-        };
-        match outcome {
-            (Outcome::Upgraded, _) => {
-                // The request's remaining bytes (if any) and everything after are the
-                // new protocol's.
-                up.w.write_all(&dbuf).await?;
-                dw.write_all(&up.buf).await?;
-                let (a, b) = tokio::join!(
-                    tokio::io::copy(&mut dr, &mut up.w),
-                    tokio::io::copy(&mut up.r, &mut dw)
-                );
-                a?;
-                b?;
-                return Ok(done(&client));
+            Err(e) if first => {
+                tracing::debug!(error = %e, "not HTTP: passing the connection through");
+                crate::metrics::global().filtered(Route::NotHttp);
+                return Ok(NextRequest::NotHttp);
             }
-            (Outcome::Closed, _) => {
-                let _ = dw.shutdown().await;
-                return Ok(done(&client));
+            Err(e) => {
+                return Err(ProxyError {
+                    outcome: Ended::Error,
+                    category: ErrorCategory::HttpFraming,
+                    error: io_err(e),
+                });
             }
-            // A response that came before its request's body was read whole: where
-            // the next request starts is unknown.
-            (Outcome::Next { .. }, false) => {
-                let _ = dw.shutdown().await;
-                return Ok(done(&client));
-            }
-            // Either side said the connection ends after this response: end it, as
-            // the caller, who saw that `Connection` header, expects (HTTP/1.0 callers
-            // read to the end of the connection).
-            (Outcome::Next { upstream_closes }, true) if upstream_closes || head.close => {
-                let _ = dw.shutdown().await;
-                return Ok(done(&client));
-            }
-            (Outcome::Next { .. }, true) => {}
         }
+    }
+}
+
+/// What became of the connection offered to the intercept's client streams.
+enum Offer {
+    /// A client stream took it: matching requests go down this pipe.
+    Taken(Upstream),
+    /// The intercept stopped meanwhile: the request goes to the application.
+    Stopped,
+    /// No client stream came in time.
+    TimedOut,
+}
+
+/// Offers the connection (as a pipe of its own) to a waiting client stream, for up to
+/// `wait`.
+async fn offer_to_client(
+    port: &Port,
+    peer: SocketAddr,
+    original_dst: SocketAddr,
+    wait: Duration,
+) -> Offer {
+    let (ours, theirs) = tokio::io::duplex(PIPE);
+    let offered = Delivered {
+        stream: Box::new(theirs),
+        peer,
+        original_dst,
+    };
+    match port.deliver(offered, wait).await {
+        Delivery::Taken => Offer::Taken(Upstream::new(Box::new(ours))),
+        Delivery::Stopped(_) => Offer::Stopped,
+        Delivery::TimedOut => Offer::TimedOut,
+    }
+}
+
+/// Counts a matched request no client stream took, and answers the caller 502 and
+/// closes.
+async fn answer_no_client(dw: &mut (impl AsyncWrite + Unpin)) {
+    let metrics = crate::metrics::global();
+    metrics.error(ErrorCategory::NoClient);
+    metrics.filtered(Route::Matched);
+    let body = "no intercept client took the request in time\n";
+    let _ = dw
+        .write_all(
+            format!(
+                "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await;
+    let _ = dw.shutdown().await;
+}
+
+/// The side a request goes to: the client stream, or the application (dialed on its
+/// first request and kept for the connection's life).
+async fn upstream<'a>(
+    to_client: bool,
+    client: &'a mut Option<Upstream>,
+    app: &'a mut Option<Upstream>,
+    netns: &dyn AppDial,
+    original_dst: SocketAddr,
+) -> Result<&'a mut Upstream, ProxyError> {
+    if to_client {
+        return Ok(client.as_mut().expect("opened above"));
+    }
+    if app.is_none() {
+        let up = netns.dial(original_dst).await.map_err(dial_failed)?;
+        *app = Some(Upstream::new(Box::new(up)));
+    }
+    Ok(app.as_mut().expect("dialed above"))
+}
+
+/// Sends one request to `up` (its head, then its body) while relaying the response
+/// back; the exchange's outcome, and whether the request's body went out whole.
+async fn exchange(
+    up: &mut Upstream,
+    head: &http::RequestHead,
+    dr: &mut (impl AsyncRead + Unpin),
+    dbuf: &mut Vec<u8>,
+    dw: &mut (impl AsyncWrite + Unpin),
+) -> Result<(Outcome, bool), ProxyError> {
+    up.w.write_all(&dbuf[..head.len]).await?;
+    dbuf.drain(..head.len);
+    let mut body = BodyCursor::new(head.body);
+    let send = send_body(dr, dbuf, &mut body, &mut up.w);
+    let relay = relay_response(&mut up.r, &mut up.buf, dw, &head.method);
+    tokio::pin!(send, relay);
+    let mut sent = false;
+    loop {
+        tokio::select! {
+            r = &mut send, if !sent => { r?; sent = true; }
+            o = &mut relay => return Ok((o?, sent)),
+        }
+    }
+}
+
+/// After a relayed response: `true` when the connection takes another request; else
+/// it has ended (an upgraded one after its bytes were relayed to the end).
+async fn after_response(
+    outcome: Outcome,
+    sent: bool,
+    request_closes: bool,
+    up: &mut Upstream,
+    dr: &mut (impl AsyncRead + Unpin),
+    dbuf: &[u8],
+    dw: &mut (impl AsyncWrite + Unpin),
+) -> Result<bool, ProxyError> {
+    match (outcome, sent) {
+        (Outcome::Upgraded, _) => {
+            // The request's remaining bytes (if any) and everything after are the
+            // new protocol's.
+            up.w.write_all(dbuf).await?;
+            dw.write_all(&up.buf).await?;
+            let (a, b) = tokio::join!(
+                tokio::io::copy(dr, &mut up.w),
+                tokio::io::copy(&mut up.r, dw)
+            );
+            a?;
+            b?;
+            Ok(false)
+        }
+        (Outcome::Closed, _) => {
+            let _ = dw.shutdown().await;
+            Ok(false)
+        }
+        // A response that came before its request's body was read whole: where
+        // the next request starts is unknown.
+        (Outcome::Next { .. }, false) => {
+            let _ = dw.shutdown().await;
+            Ok(false)
+        }
+        // Either side said the connection ends after this response: end it, as
+        // the caller, who saw that `Connection` header, expects (HTTP/1.0 callers
+        // read to the end of the connection).
+        (Outcome::Next { upstream_closes }, true) if upstream_closes || request_closes => {
+            let _ = dw.shutdown().await;
+            Ok(false)
+        }
+        (Outcome::Next { .. }, true) => Ok(true),
     }
 }
 
