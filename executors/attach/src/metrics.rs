@@ -20,7 +20,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::attached::Attached;
@@ -283,6 +283,13 @@ pub fn global() -> &'static AttachMetrics {
     &GLOBAL
 }
 
+/// Registers `metric` under `name` with `help` and hands it back (a clone shares its
+/// values with the registered one).
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for AttachMetrics {
     fn default() -> Self {
         Self::new()
@@ -292,118 +299,63 @@ impl Default for AttachMetrics {
 impl AttachMetrics {
     pub fn new() -> Self {
         let mut r = Registry::with_prefix("podmotion_attach");
-        let accepted = Family::<ModeLabels, Counter>::default();
-        r.register(
-            "connections_accepted",
-            "Redirected connections the forwarders accepted, by the port's mode at that moment",
-            accepted.clone(),
-        );
-        let active = Family::<ModeLabels, Gauge>::default();
-        r.register(
-            "connections_active",
-            "Redirected connections open now, by mode",
-            active.clone(),
-        );
-        let ended = Family::<EndLabels, Counter>::default();
-        r.register(
-            "connections_ended",
-            "Redirected connections that ended, by mode and outcome",
-            ended.clone(),
-        );
-        let bytes = Family::<BytesLabels, Counter>::default();
-        r.register(
-            "connection_bytes",
-            "Bytes of redirected connections, by mode and direction (from_peer, to_peer)",
-            bytes.clone(),
-        );
-        let filtered_requests = Family::<RouteLabels, Counter>::default();
-        r.register(
-            "filtered_requests",
-            "Routing decisions of filtered HTTP intercepts: requests matched (to a client stream) or passed (to the application), connections not HTTP",
-            filtered_requests.clone(),
-        );
-        let errors = Family::<CategoryLabels, Counter>::default();
-        r.register(
-            "errors",
-            "Errors of the forwarders, the ruleset and the file copies, by category",
-            errors.clone(),
-        );
-        let file_requests = Family::<ResultLabels, Counter>::default();
-        r.register(
-            "file_requests",
-            "GET /v1/files requests, by result",
-            file_requests.clone(),
-        );
-        let api_requests = Family::<ApiLabels, Counter>::default();
-        r.register(
-            "api_requests",
-            "Control API requests answered, by route and HTTP status code",
-            api_requests.clone(),
-        );
-        let ruleset_installed = Gauge::default();
-        r.register(
-            "ruleset_installed",
-            "1 while the agent's redirect ruleset is installed in the target's network namespace",
-            ruleset_installed.clone(),
-        );
-        let redirected_ports = Gauge::default();
-        r.register(
-            "redirected_ports",
-            "Application ports the installed ruleset redirects to the agent",
-            redirected_ports.clone(),
-        );
-        let intercepts = Family::<InterceptLabels, Gauge>::default();
-        r.register(
-            "intercepts",
-            "Ports intercepted now, by kind (whole, filtered)",
-            intercepts.clone(),
-        );
-        let wiretaps = Gauge::default();
-        r.register("wiretaps", "Wiretaps running now", wiretaps.clone());
-        // Every known series starts at 0, so rate() works from the first scrape and a
-        // fresh agent's /metrics shows every family the alerts and dashboard use.
+        let reg = &mut r;
+        #[rustfmt::skip]
+        let metrics = AttachMetrics {
+            accepted: registered(reg, "connections_accepted", "Redirected connections the forwarders accepted, by the port's mode at that moment", Family::default()),
+            active: registered(reg, "connections_active", "Redirected connections open now, by mode", Family::default()),
+            ended: registered(reg, "connections_ended", "Redirected connections that ended, by mode and outcome", Family::default()),
+            bytes: registered(reg, "connection_bytes", "Bytes of redirected connections, by mode and direction (from_peer, to_peer)", Family::default()),
+            filtered_requests: registered(reg, "filtered_requests", "Routing decisions of filtered HTTP intercepts: requests matched (to a client stream) or passed (to the application), connections not HTTP", Family::default()),
+            errors: registered(reg, "errors", "Errors of the forwarders, the ruleset and the file copies, by category", Family::default()),
+            file_requests: registered(reg, "file_requests", "GET /v1/files requests, by result", Family::default()),
+            api_requests: registered(reg, "api_requests", "Control API requests answered, by route and HTTP status code", Family::default()),
+            ruleset_installed: registered(reg, "ruleset_installed", "1 while the agent's redirect ruleset is installed in the target's network namespace", Gauge::default()),
+            redirected_ports: registered(reg, "redirected_ports", "Application ports the installed ruleset redirects to the agent", Gauge::default()),
+            intercepts: registered(reg, "intercepts", "Ports intercepted now, by kind (whole, filtered)", Family::default()),
+            wiretaps: registered(reg, "wiretaps", "Wiretaps running now", Gauge::default()),
+            registry: r,
+        };
+        metrics.start_known_series_at_zero();
+        metrics
+    }
+
+    /// Every known series starts at 0, so rate() works from the first scrape and a
+    /// fresh agent's /metrics shows every family the alerts and dashboard use.
+    fn start_known_series_at_zero(&self) {
         for mode in Mode::ALL {
             let m = mode.name();
-            let _ = accepted.get_or_create(&ModeLabels { mode: m });
-            let _ = active.get_or_create(&ModeLabels { mode: m });
+            let _ = self.accepted.get_or_create(&ModeLabels { mode: m });
+            let _ = self.active.get_or_create(&ModeLabels { mode: m });
             for o in Outcome::ALL {
-                let _ = ended.get_or_create(&EndLabels {
+                let _ = self.ended.get_or_create(&EndLabels {
                     mode: m,
                     outcome: o.name(),
                 });
             }
             for direction in ["from_peer", "to_peer"] {
-                let _ = bytes.get_or_create(&BytesLabels { mode: m, direction });
+                let _ = self
+                    .bytes
+                    .get_or_create(&BytesLabels { mode: m, direction });
             }
         }
         for route in Route::ALL {
-            let _ = filtered_requests.get_or_create(&RouteLabels {
+            let _ = self.filtered_requests.get_or_create(&RouteLabels {
                 route: route.name(),
             });
         }
         for c in ErrorCategory::ALL {
-            let _ = errors.get_or_create(&CategoryLabels { category: c.name() });
+            let _ = self
+                .errors
+                .get_or_create(&CategoryLabels { category: c.name() });
         }
         for f in FileResult::ALL {
-            let _ = file_requests.get_or_create(&ResultLabels { result: f.name() });
+            let _ = self
+                .file_requests
+                .get_or_create(&ResultLabels { result: f.name() });
         }
         for kind in ["whole", "filtered"] {
-            let _ = intercepts.get_or_create(&InterceptLabels { kind });
-        }
-        AttachMetrics {
-            registry: r,
-            accepted,
-            active,
-            ended,
-            bytes,
-            filtered_requests,
-            errors,
-            file_requests,
-            api_requests,
-            ruleset_installed,
-            redirected_ports,
-            intercepts,
-            wiretaps,
+            let _ = self.intercepts.get_or_create(&InterceptLabels { kind });
         }
     }
 
