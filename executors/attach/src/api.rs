@@ -225,29 +225,14 @@ fn files(state: &Attached, req: Request<Incoming>) -> Response<Full<Bytes>> {
 }
 
 fn open_file(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
-    use crate::files::{Opened, open_in_root, query_param, write_tar};
-    use crate::metrics::{ErrorCategory, FileResult};
+    use crate::files::Opened;
+    use crate::metrics::FileResult;
     if let Some(r) = upgrade_required(&req) {
         return r;
     }
-    let query = req.uri().query();
-    let Some(path) = query_param(query, "path") else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "?path=<absolute path, percent-encoded> is required",
-        );
-    };
-    let container = query_param(query, "container");
-    let Some(root) = state.root_of(container.as_deref()) else {
-        return error(StatusCode::NOT_FOUND, "no such container");
-    };
-    let opened = match open_in_root(&root, &path) {
-        Ok(o) => o,
-        Err(e) => {
-            let status =
-                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return error(status, e);
-        }
+    let (path, opened) = match requested_file(state, &req) {
+        Ok(found) => found,
+        Err(answer) => return *answer,
     };
     let (meta, result) = match &opened {
         Opened::File { size, mode, .. } => (
@@ -260,13 +245,6 @@ fn open_file(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Byte
         ),
     };
     crate::metrics::global().file_request(result);
-    // The tar's top entry: the directory's own name (`/` is `root`).
-    let name = std::path::Path::new(&path)
-        .file_name()
-        .and_then(|n| n.to_str())
-        .filter(|n| *n != "..")
-        .unwrap_or("root")
-        .to_owned();
     upgrade_then(&mut req, move |mut client| async move {
         if client
             .write_all(format!("{meta}\n").as_bytes())
@@ -275,39 +253,87 @@ fn open_file(state: &Attached, mut req: Request<Incoming>) -> Response<Full<Byte
         {
             return;
         }
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
-        let producer = tokio::task::spawn_blocking(move || {
-            use std::io::{Read, Write};
-            let mut w = std::io::BufWriter::with_capacity(64 * 1024, ChannelWriter(tx));
-            match opened {
-                Opened::File { file, size, .. } => {
-                    std::io::copy(&mut file.take(size), &mut w)?;
-                    w.flush()
-                }
-                Opened::Dir { dir, mode } => write_tar(dir, &name, mode, w).map(|s| {
-                    tracing::info!(?s, "directory sent as tar");
-                }),
-            }
-        });
-        while let Some(chunk) = rx.recv().await {
-            if client.write_all(&chunk).await.is_err() {
-                break;
-            }
-        }
-        drop(rx);
-        match producer.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                crate::metrics::global().error(ErrorCategory::FileCopy);
-                tracing::warn!(path, error = %e, "file copy ended early")
-            }
-            Err(e) => {
-                crate::metrics::global().error(ErrorCategory::FileCopy);
-                tracing::warn!(path, error = %e, "file copy task failed")
-            }
-        }
+        send_opened(&mut client, opened, path).await;
         let _ = client.shutdown().await;
     })
+}
+
+/// The `?path=` of a file request and what it names, opened inside the `?container=`'s
+/// root; or the answer to a request without a path, of an unknown container, or of a
+/// path that cannot be opened.
+fn requested_file(
+    state: &Attached,
+    req: &Request<Incoming>,
+) -> Result<(String, crate::files::Opened), Box<Reply>> {
+    use crate::files::{open_in_root, query_param};
+    let query = req.uri().query();
+    let Some(path) = query_param(query, "path") else {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "?path=<absolute path, percent-encoded> is required",
+        )));
+    };
+    let container = query_param(query, "container");
+    let Some(root) = state.root_of(container.as_deref()) else {
+        return Err(Box::new(error(StatusCode::NOT_FOUND, "no such container")));
+    };
+    match open_in_root(&root, &path) {
+        Ok(opened) => Ok((path, opened)),
+        Err(e) => {
+            let status =
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            Err(Box::new(error(status, e)))
+        }
+    }
+}
+
+/// Streams `opened` to `client`: a file's bytes, a directory as a tar. A blocking task
+/// reads it while this one writes; a copy that ends early is counted and logged.
+async fn send_opened(
+    client: &mut (impl tokio::io::AsyncWrite + Unpin),
+    opened: crate::files::Opened,
+    path: String,
+) {
+    use crate::files::{Opened, write_tar};
+    use crate::metrics::ErrorCategory;
+    // The tar's top entry: the directory's own name (`/` is `root`).
+    let name = std::path::Path::new(&path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| *n != "..")
+        .unwrap_or("root")
+        .to_owned();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    let producer = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut w = std::io::BufWriter::with_capacity(64 * 1024, ChannelWriter(tx));
+        match opened {
+            Opened::File { file, size, .. } => {
+                std::io::copy(&mut file.take(size), &mut w)?;
+                w.flush()
+            }
+            Opened::Dir { dir, mode } => write_tar(dir, &name, mode, w).map(|s| {
+                tracing::info!(?s, "directory sent as tar");
+            }),
+        }
+    });
+    while let Some(chunk) = rx.recv().await {
+        if client.write_all(&chunk).await.is_err() {
+            break;
+        }
+    }
+    drop(rx);
+    match producer.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            crate::metrics::global().error(ErrorCategory::FileCopy);
+            tracing::warn!(path, error = %e, "file copy ended early")
+        }
+        Err(e) => {
+            crate::metrics::global().error(ErrorCategory::FileCopy);
+            tracing::warn!(path, error = %e, "file copy task failed")
+        }
+    }
 }
 
 /// Longest body of a control request.

@@ -354,66 +354,94 @@ pub async fn serve(
                 continue;
             }
         };
-        let port = port.clone();
-        let netns = netns.clone();
-        tokio::spawn(async move {
-            let local = stream.local_addr().ok();
-            let original_dst = original_dst(&stream).unwrap_or_else(|| {
-                let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
-                SocketAddr::new(ip, port.app_port)
-            });
-            let tracked = metrics.accepted(mode_now(&port));
-            let stream = Counted::new(stream, metrics.byte_counters(tracked.mode()));
-            if tracked.mode() == Mode::Filtered
-                && let Some(filter) = port.filter()
-            {
-                let r = crate::filtered::proxy(
-                    &port,
-                    stream,
-                    peer,
-                    original_dst,
-                    &*netns,
-                    intercept_wait,
-                    filter,
-                )
-                .await;
-                match r {
-                    Ok(outcome) => tracked.end(outcome),
-                    Err(e) => {
-                        metrics.error(e.category);
-                        tracing::debug!(error = %e, "filtered connection ended with an error");
-                        tracked.end(e.outcome);
-                    }
-                }
-                return;
+        tokio::spawn(redirected(
+            port.clone(),
+            stream,
+            peer,
+            netns.clone(),
+            intercept_wait,
+        ));
+    }
+}
+
+/// Serves one redirected connection as the port's mode at its acceptance says:
+/// through the filtered intercept, to a client stream, or to the application.
+async fn redirected(
+    port: Arc<Port>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    netns: Arc<NetnsExecutor>,
+    intercept_wait: Duration,
+) {
+    let metrics = crate::metrics::global();
+    let local = stream.local_addr().ok();
+    let original_dst = original_dst(&stream).unwrap_or_else(|| {
+        let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
+        SocketAddr::new(ip, port.app_port)
+    });
+    let tracked = metrics.accepted(mode_now(&port));
+    let stream = Counted::new(stream, metrics.byte_counters(tracked.mode()));
+    if tracked.mode() == Mode::Filtered
+        && let Some(filter) = port.filter()
+    {
+        let r = crate::filtered::proxy(
+            &port,
+            stream,
+            peer,
+            original_dst,
+            &*netns,
+            intercept_wait,
+            filter,
+        )
+        .await;
+        match r {
+            Ok(outcome) => tracked.end(outcome),
+            Err(e) => {
+                metrics.error(e.category);
+                tracing::debug!(error = %e, "filtered connection ended with an error");
+                tracked.end(e.outcome);
             }
-            let conn = Delivered {
-                stream: Box::new(stream),
-                peer,
-                original_dst,
-            };
-            let conn = if port.intercepted() {
-                match port.deliver(conn, intercept_wait).await {
-                    Delivery::Taken => return tracked.end(Outcome::Delivered),
-                    Delivery::TimedOut => {
-                        metrics.error(ErrorCategory::NoClient);
-                        return tracked.end(Outcome::TimedOut);
-                    }
-                    // The intercept stopped meanwhile: pass through.
-                    Delivery::Stopped(c) => c,
-                }
-            } else {
-                conn
-            };
-            match pass_through(&port, conn, &netns).await {
-                Ok(()) => tracked.end(Outcome::Forwarded),
-                Err(e) => {
-                    metrics.error(e.category);
-                    tracing::debug!(error = %e, "pass-through connection ended with an error");
-                    tracked.end(e.outcome);
-                }
+        }
+        return;
+    }
+    let conn = Delivered {
+        stream: Box::new(stream),
+        peer,
+        original_dst,
+    };
+    tracked.end(offer_or_pass(&port, conn, &netns, intercept_wait).await);
+}
+
+/// An unfiltered connection: offered to a client stream while the port is
+/// intercepted, else (or once the intercept stops meanwhile) passed to the
+/// application. How it ended.
+async fn offer_or_pass(
+    port: &Port,
+    conn: Delivered,
+    netns: &NetnsExecutor,
+    intercept_wait: Duration,
+) -> Outcome {
+    let metrics = crate::metrics::global();
+    let conn = if port.intercepted() {
+        match port.deliver(conn, intercept_wait).await {
+            Delivery::Taken => return Outcome::Delivered,
+            Delivery::TimedOut => {
+                metrics.error(ErrorCategory::NoClient);
+                return Outcome::TimedOut;
             }
-        });
+            // The intercept stopped meanwhile: pass through.
+            Delivery::Stopped(c) => c,
+        }
+    } else {
+        conn
+    };
+    match pass_through(port, conn, netns).await {
+        Ok(()) => Outcome::Forwarded,
+        Err(e) => {
+            metrics.error(e.category);
+            tracing::debug!(error = %e, "pass-through connection ended with an error");
+            e.outcome
+        }
     }
 }
 
