@@ -75,6 +75,16 @@ pub fn populate(
     pid: u32,
     paths: &[String],
 ) -> Result<Vec<Export>, ExportError> {
+    let kept = outermost(paths)?;
+    empty_exports_dir(dir)?;
+    kept.into_iter()
+        .map(|(comps, path)| link_export(dir, proc_root, pid, &comps, path))
+        .collect()
+}
+
+/// The exported paths as components, duplicates and paths below another exported path
+/// left out (sorted, so an ancestor comes before what is below it).
+fn outermost(paths: &[String]) -> Result<Vec<(Vec<&str>, &String)>, ExportError> {
     let mut wanted: Vec<(Vec<&str>, &String)> = paths
         .iter()
         .map(|p| components(p).map(|c| (c, p)))
@@ -87,6 +97,11 @@ pub fn populate(
             kept.push((comps, path));
         }
     }
+    Ok(kept)
+}
+
+/// Creates the exports directory, or empties it of what an earlier run made.
+fn empty_exports_dir(dir: &Path) -> Result<(), ExportError> {
     let dir_err = |source| ExportError::Io {
         link: dir.to_owned(),
         source,
@@ -112,35 +127,42 @@ pub fn populate(
         };
         r.map_err(dir_err)?;
     }
+    Ok(())
+}
 
-    let mut out = Vec::new();
-    for (comps, path) in kept {
-        let mut target = proc_root.join(pid.to_string()).join("root");
-        let mut link = dir.to_owned();
-        if comps.is_empty() {
-            link.push("root");
-        }
-        for c in &comps {
-            target.push(c);
-            link.push(c);
-        }
-        let io = |source| ExportError::Io {
-            link: link.clone(),
-            source,
-        };
-        // Parents are plain directories we create in a fresh tree: no earlier link
-        // is an ancestor (filtered above), so nothing here resolves into the target.
-        if let Some(parent) = link.parent() {
-            std::fs::create_dir_all(parent).map_err(io)?;
-        }
-        std::os::unix::fs::symlink(&target, &link).map_err(io)?;
-        out.push(Export {
-            container_path: path.clone(),
-            link,
-            target,
-        });
+/// The link of one exported path (`comps`; none for `/`, linked as `root`), into the
+/// target's root through `/proc/<pid>/root`.
+fn link_export(
+    dir: &Path,
+    proc_root: &Path,
+    pid: u32,
+    comps: &[&str],
+    path: &str,
+) -> Result<Export, ExportError> {
+    let mut target = proc_root.join(pid.to_string()).join("root");
+    let mut link = dir.to_owned();
+    if comps.is_empty() {
+        link.push("root");
     }
-    Ok(out)
+    for c in comps {
+        target.push(c);
+        link.push(c);
+    }
+    let io = |source| ExportError::Io {
+        link: link.clone(),
+        source,
+    };
+    // Parents are plain directories we create in a fresh tree: no earlier link
+    // is an ancestor (filtered above), so nothing here resolves into the target.
+    if let Some(parent) = link.parent() {
+        std::fs::create_dir_all(parent).map_err(io)?;
+    }
+    std::os::unix::fs::symlink(&target, &link).map_err(io)?;
+    Ok(Export {
+        container_path: path.to_owned(),
+        link,
+        target,
+    })
 }
 
 /// Kernel-provided and runtime-internal filesystems that are not useful to a client.

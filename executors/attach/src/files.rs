@@ -218,6 +218,16 @@ fn walk<W: Write>(
         return Ok(());
     }
     let mut d = nix::dir::Dir::from_fd(dir)?;
+    for n in sorted_names(&mut d)? {
+        let shown = String::from_utf8_lossy(n.to_bytes()).into_owned();
+        let path = format!("{prefix}/{shown}");
+        append_entry(b, &d, &n, &path, depth, summary)?;
+    }
+    Ok(())
+}
+
+/// The names in `d` but `.` and `..`, sorted.
+fn sorted_names(d: &mut nix::dir::Dir) -> std::io::Result<Vec<std::ffi::CString>> {
     let mut names: Vec<std::ffi::CString> = Vec::new();
     for e in d.iter() {
         let e = e?;
@@ -227,56 +237,66 @@ fn walk<W: Write>(
         }
     }
     names.sort();
-    for n in names {
-        let shown = String::from_utf8_lossy(n.to_bytes()).into_owned();
-        let path = format!("{prefix}/{shown}");
-        // One component from the directory listing, not followed if it is a link:
-        // nothing here resolves a path the container chose.
-        let Ok(fd) = openat(
-            d.as_fd(),
-            n.as_c_str(),
-            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        ) else {
-            summary.skipped += 1;
-            continue;
-        };
-        let Ok(st) = fstat(fd.as_fd()) else {
-            summary.skipped += 1;
-            continue;
-        };
-        match kind(&st) {
-            SFlag::S_IFREG => {
-                let Ok(f) = reopen(fd.as_fd(), OFlag::O_RDONLY) else {
-                    summary.skipped += 1;
-                    continue;
-                };
-                let size = st.st_size as u64;
-                let mut h = header(&st, tar::EntryType::Regular, size);
-                b.append_data(&mut h, &path, exactly(File::from(f), size))?;
-                summary.files += 1;
-            }
-            SFlag::S_IFDIR => {
-                let Ok(sub) = reopen(fd.as_fd(), OFlag::O_RDONLY | OFlag::O_DIRECTORY) else {
-                    summary.skipped += 1;
-                    continue;
-                };
-                let mut h = header(&st, tar::EntryType::Directory, 0);
-                b.append_data(&mut h, format!("{path}/"), std::io::empty())?;
-                summary.dirs += 1;
-                walk(b, sub, &path, depth + 1, summary)?;
-            }
-            SFlag::S_IFLNK => {
-                let Ok(target) = nix::fcntl::readlinkat(d.as_fd(), n.as_c_str()) else {
-                    summary.skipped += 1;
-                    continue;
-                };
-                let mut h = header(&st, tar::EntryType::Symlink, 0);
-                b.append_link(&mut h, &path, Path::new(&target))?;
-                summary.symlinks += 1;
-            }
-            _ => summary.skipped += 1,
+    Ok(names)
+}
+
+/// Appends the entry `n` of `d` to the tar as `path`: a regular file, a directory with
+/// what it holds, or a symlink; anything else, or an entry that cannot be opened, is
+/// counted as skipped.
+fn append_entry<W: Write>(
+    b: &mut tar::Builder<W>,
+    d: &nix::dir::Dir,
+    n: &std::ffi::CStr,
+    path: &str,
+    depth: usize,
+    summary: &mut TarSummary,
+) -> std::io::Result<()> {
+    // One component from the directory listing, not followed if it is a link:
+    // nothing here resolves a path the container chose.
+    let Ok(fd) = openat(
+        d.as_fd(),
+        n,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    ) else {
+        summary.skipped += 1;
+        return Ok(());
+    };
+    let Ok(st) = fstat(fd.as_fd()) else {
+        summary.skipped += 1;
+        return Ok(());
+    };
+    match kind(&st) {
+        SFlag::S_IFREG => {
+            let Ok(f) = reopen(fd.as_fd(), OFlag::O_RDONLY) else {
+                summary.skipped += 1;
+                return Ok(());
+            };
+            let size = st.st_size as u64;
+            let mut h = header(&st, tar::EntryType::Regular, size);
+            b.append_data(&mut h, path, exactly(File::from(f), size))?;
+            summary.files += 1;
         }
+        SFlag::S_IFDIR => {
+            let Ok(sub) = reopen(fd.as_fd(), OFlag::O_RDONLY | OFlag::O_DIRECTORY) else {
+                summary.skipped += 1;
+                return Ok(());
+            };
+            let mut h = header(&st, tar::EntryType::Directory, 0);
+            b.append_data(&mut h, format!("{path}/"), std::io::empty())?;
+            summary.dirs += 1;
+            walk(b, sub, path, depth + 1, summary)?;
+        }
+        SFlag::S_IFLNK => {
+            let Ok(target) = nix::fcntl::readlinkat(d.as_fd(), n) else {
+                summary.skipped += 1;
+                return Ok(());
+            };
+            let mut h = header(&st, tar::EntryType::Symlink, 0);
+            b.append_link(&mut h, path, Path::new(&target))?;
+            summary.symlinks += 1;
+        }
+        _ => summary.skipped += 1,
     }
     Ok(())
 }

@@ -306,12 +306,7 @@ impl BodyCursor {
                     return Ok(rest.len());
                 };
                 line.extend_from_slice(&rest[..nl]);
-                let text = std::str::from_utf8(line)
-                    .map_err(|_| HttpError::Framing("chunk size not ASCII".into()))?;
-                let text = text.strip_suffix('\r').unwrap_or(text);
-                let hex = text.split(';').next().unwrap_or_default().trim();
-                let n = u64::from_str_radix(hex, 16)
-                    .map_err(|_| HttpError::Framing(format!("chunk size {hex:?}")))?;
+                let n = chunk_size(line)?;
                 *c = if n == 0 {
                     Chunk::Trailer(vec![])
                 } else {
@@ -358,6 +353,16 @@ impl BodyCursor {
             }
         }
     }
+}
+
+/// The size a chunk size line (without its `\n`) gives: hex digits, maybe extensions
+/// after `;`.
+fn chunk_size(line: &[u8]) -> Result<u64, HttpError> {
+    let text =
+        std::str::from_utf8(line).map_err(|_| HttpError::Framing("chunk size not ASCII".into()))?;
+    let text = text.strip_suffix('\r').unwrap_or(text);
+    let hex = text.split(';').next().unwrap_or_default().trim();
+    u64::from_str_radix(hex, 16).map_err(|_| HttpError::Framing(format!("chunk size {hex:?}")))
 }
 
 #[cfg(test)]
