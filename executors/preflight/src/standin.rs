@@ -190,21 +190,8 @@ fn listen_addr() -> String {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-    let probe = match args.first().map(String::as_str) {
-        Some(USERNS_PROBE_ARG) => Some(userns_probe()),
-        Some(PROC_PROBE_ARG) => Some(proc_probe_outer(&exe)),
-        Some(PROC_PROBE_INNER_ARG) => Some(proc_probe_inner()),
-        Some(SESSION_ARG) => Some(session_child()),
-        _ => None,
-    };
-    if let Some(result) = probe {
-        return match result {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::FAILURE
-            }
-        };
+    if let Some(code) = run_probe(&args, &exe) {
+        return code;
     }
     let serve = match args.first().map(String::as_str) {
         Some("report") => false,
@@ -216,22 +203,51 @@ fn main() -> ExitCode {
     };
     let mut r = report(&exe);
     if serve {
-        let sessions: usize = std::env::var("COMPASS_SESSIONS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        for _ in 0..sessions.min(64) {
-            match std::process::Command::new(&exe).arg(SESSION_ARG).spawn() {
-                Ok(c) => r.facts.session_pids.push(c.id()),
-                Err(e) => eprintln!("starting a session child: {e}"),
-            }
-        }
+        start_sessions(&exe, &mut r);
     }
     let json = serde_json::to_string(&r).expect("the report serializes");
     println!("{json}");
     if !serve {
         return ExitCode::SUCCESS;
     }
+    serve_until_terminated(&r, json)
+}
+
+/// A probe or session child of this binary (its first argument names it): its exit
+/// code, `None` when this is neither.
+fn run_probe(args: &[String], exe: &Path) -> Option<ExitCode> {
+    let result = match args.first().map(String::as_str) {
+        Some(USERNS_PROBE_ARG) => userns_probe(),
+        Some(PROC_PROBE_ARG) => proc_probe_outer(exe),
+        Some(PROC_PROBE_INNER_ARG) => proc_probe_inner(),
+        Some(SESSION_ARG) => session_child(),
+        _ => return None,
+    };
+    Some(match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
+/// Starts one session child per `COMPASS_SESSIONS` (at most 64), recording their pids.
+fn start_sessions(exe: &Path, r: &mut Report) {
+    let sessions: usize = std::env::var("COMPASS_SESSIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    for _ in 0..sessions.min(64) {
+        match std::process::Command::new(exe).arg(SESSION_ARG).spawn() {
+            Ok(c) => r.facts.session_pids.push(c.id()),
+            Err(e) => eprintln!("starting a session child: {e}"),
+        }
+    }
+}
+
+/// Serves the readiness, metrics and report endpoints until SIGTERM or SIGINT.
+fn serve_until_terminated(r: &Report, json: String) -> ExitCode {
     // SIGTERM (the kubelet stopping the pod) is taken by sigwait below: blocked here,
     // before any thread starts, so that every thread inherits the mask.
     let mut term = nix::sys::signal::SigSet::empty();
@@ -249,7 +265,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let shared = Arc::new((r.ok, json, metrics(&r)));
+    let shared = Arc::new((r.ok, json, metrics(r)));
     std::thread::spawn(move || {
         for s in listener.incoming().flatten() {
             let shared = Arc::clone(&shared);
