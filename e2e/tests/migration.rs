@@ -299,6 +299,9 @@ impl ProcAgents {
                 let m = w.migs.entry((node.into(), uid.clone())).or_default();
                 m.progress.resumed_at = Some(Timestamp::now());
             }
+            // The stand-in's fence is a no-op: its source is only ever resumed by Abort
+            // (or, like a real agent's broker, when the stand-in agent is killed).
+            Step::Fence => {}
             Step::Commit => {
                 if let Some(mut p) = w.containers.remove(&key) {
                     p.kill();

@@ -60,6 +60,13 @@ fn main() {
             true,
         ))
         .method(method(
+            "fence",
+            "Fence",
+            "MigrationRef",
+            "MigrationStatus",
+            false,
+        ))
+        .method(method(
             "restore",
             "Restore",
             "MigrationRef",

@@ -16,6 +16,8 @@ pub enum Step {
     Send,
     Receive,
     Restore,
+    /// The restore fence (source).
+    Fence,
     Commit,
 }
 
@@ -27,6 +29,7 @@ impl fmt::Display for Step {
             Step::Send => "send",
             Step::Receive => "receive",
             Step::Restore => "restore",
+            Step::Fence => "fence",
             Step::Commit => "commit",
         })
     }
@@ -75,6 +78,10 @@ pub fn admit(role: Role, phase: Phase, step: Step) -> Result<Admission, StepErro
         (Step::Receive, Target, P::Prepared | P::Receiving) => Ok(Run),
         (Step::Restore, _, P::Restored) => Ok(Done),
         (Step::Restore, Target, P::Received) => Ok(Run),
+        // Only once the final images were sent (the target holds all of the state);
+        // a fence already taken is answered from the freeze, before this table.
+        (Step::Fence, _, P::Killed) => Ok(Done),
+        (Step::Fence, Source, P::Sent) => Ok(Run),
         (Step::Commit, _, P::Committed) => Ok(Done),
         (Step::Commit, Source, P::Dumped | P::Sent) => Ok(Run),
         (step, _, phase) => Err(StepError::WrongPhase { step, phase }),
@@ -85,16 +92,17 @@ pub fn admit(role: Role, phase: Phase, step: Step) -> Result<Admission, StepErro
 mod tests {
     use super::*;
 
-    const STEPS: [Step; 6] = [
+    const STEPS: [Step; 7] = [
         Step::PreDump,
         Step::Dump,
         Step::Send,
         Step::Receive,
         Step::Restore,
+        Step::Fence,
         Step::Commit,
     ];
 
-    const PHASES: [Phase; 11] = [
+    const PHASES: [Phase; 12] = [
         Phase::Unknown,
         Phase::Prepared,
         Phase::PreDumping,
@@ -106,6 +114,7 @@ mod tests {
         Phase::Committed,
         Phase::Aborted,
         Phase::CleanedUp,
+        Phase::Killed,
     ];
 
     /// Every (step, role, phase) the table runs; everything else is done or refused.
@@ -121,6 +130,11 @@ mod tests {
         assert!(runs(Step::Send, Role::Source, Phase::PreDumping));
         assert!(runs(Step::Send, Role::Source, Phase::Dumped));
         assert!(runs(Step::Commit, Role::Source, Phase::Sent));
+        assert!(runs(Step::Fence, Role::Source, Phase::Sent));
+        // Not before the final images are on their way: the target would hold no state.
+        for phase in [Phase::Prepared, Phase::PreDumping, Phase::Dumped] {
+            assert!(!runs(Step::Fence, Role::Source, phase), "{phase:?}");
+        }
         assert!(runs(Step::Receive, Role::Target, Phase::Prepared));
         assert!(runs(Step::Restore, Role::Target, Phase::Received));
     }
@@ -129,8 +143,10 @@ mod tests {
     fn no_step_runs_on_the_wrong_side() {
         for step in STEPS {
             for phase in PHASES {
-                let source_side =
-                    matches!(step, Step::PreDump | Step::Dump | Step::Send | Step::Commit);
+                let source_side = matches!(
+                    step,
+                    Step::PreDump | Step::Dump | Step::Send | Step::Fence | Step::Commit
+                );
                 let wrong = if source_side {
                     Role::Target
                 } else {

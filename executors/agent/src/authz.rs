@@ -5,7 +5,7 @@
 //! mTLS alone proves only that a caller holds some key signed by the agents' CA: every
 //! agent holds one. So the table is:
 //!
-//! | caller                           | control RPCs (Prepare … Status) | ReceiveImages                              |
+//! | caller                           | control RPCs (Prepare … Status, Fence) | ReceiveImages                       |
 //! |----------------------------------|---------------------------------|--------------------------------------------|
 //! | the operator                     | allowed                         | denied (it streams no images)              |
 //! | the agent of node N              | denied                          | only if this agent is the *target* of the migration and the operator named N as its peer at `Prepare`; never N = this node |
@@ -30,6 +30,8 @@ pub enum Rpc {
     Dump,
     /// The operator asks the source to stream its images to the target.
     Send,
+    /// The restore fence on the source, before the target's `Restore`.
+    Fence,
     /// The source agent's image stream, agent to agent.
     ReceiveImages,
     Restore,
@@ -40,11 +42,12 @@ pub enum Rpc {
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 10] = [
+    pub const ALL: [Rpc; 11] = [
         Rpc::Prepare,
         Rpc::PreDump,
         Rpc::Dump,
         Rpc::Send,
+        Rpc::Fence,
         Rpc::ReceiveImages,
         Rpc::Restore,
         Rpc::Commit,

@@ -167,10 +167,10 @@ async fn serve() -> anyhow::Result<()> {
     ));
     tracing::info!(listen = %a.listen, metrics = %a.metrics_listen, "agent serving");
     let signal = serve_until_terminated(a.listen, tls, &agent).await?;
-    // Every source this agent froze is resumed before it exits: no freeze outlives
-    // its agent.
-    let n = agent.thaw_frozen_sources(signal).await;
-    tracing::info!(signal, thawed = n, "agent exiting");
+    // Every source this agent froze is resumed before it exits (no freeze outlives its
+    // agent), every fenced one killed (never two copies).
+    let (thawed, killed) = agent.thaw_frozen_sources(signal).await;
+    tracing::info!(signal, thawed, killed, "agent exiting");
     Ok(())
 }
 

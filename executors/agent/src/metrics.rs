@@ -52,7 +52,7 @@ pub struct PhaseLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub role: &'static str,
-    /// `Committed` or `Aborted`.
+    /// `Committed`, `Aborted` or `Killed` (a fenced source its watchdog killed).
     pub outcome: &'static str,
 }
 
@@ -92,6 +92,7 @@ pub struct AgentMetrics {
     frozen_over_budget: Gauge,
     frozen_seconds_max: Gauge<f64, AtomicU64>,
     watchdog_resumes: Counter,
+    watchdog_kills: Counter,
     broker_ops: Family<BrokerLabels, Counter>,
     tracked: Mutex<HashMap<String, Tracked>>,
 }
@@ -104,11 +105,12 @@ pub fn global() -> &'static AgentMetrics {
 }
 
 /// The agent's RPCs, as the `rpc` label names them.
-const RPCS: [&str; 10] = [
+const RPCS: [&str; 11] = [
     "Prepare",
     "PreDump",
     "Dump",
     "Send",
+    "Fence",
     "ReceiveImages",
     "Restore",
     "Commit",
@@ -117,7 +119,7 @@ const RPCS: [&str; 10] = [
     "Status",
 ];
 
-const PHASES: [Phase; 11] = [
+const PHASES: [Phase; 12] = [
     Phase::Unknown,
     Phase::Prepared,
     Phase::PreDumping,
@@ -129,6 +131,7 @@ const PHASES: [Phase; 11] = [
     Phase::Committed,
     Phase::Aborted,
     Phase::CleanedUp,
+    Phase::Killed,
 ];
 
 fn phase_name(p: Phase) -> &'static str {
@@ -144,6 +147,7 @@ fn phase_name(p: Phase) -> &'static str {
         Phase::Committed => "Committed",
         Phase::Aborted => "Aborted",
         Phase::CleanedUp => "CleanedUp",
+        Phase::Killed => "Killed",
     }
 }
 
@@ -214,6 +218,7 @@ impl AgentMetrics {
             frozen_over_budget: registered(reg, "frozen_sources_over_budget", "Frozen sources whose freeze has lasted longer than their migration's freeze budget", Gauge::default()),
             frozen_seconds_max: registered(reg, "frozen_seconds_max", "How long the longest-frozen source has been frozen (0 when none is)", Gauge::default()),
             watchdog_resumes: registered(reg, "watchdog_resumes", "Sources the freeze watchdog resumed because nobody committed or aborted in time", Counter::default()),
+            watchdog_kills: registered(reg, "watchdog_kills", "Fenced sources (the target may have restored them) the freeze watchdog killed because nobody committed or aborted in time", Counter::default()),
             broker_ops: registered(reg, "broker_ops", "Netns broker ops this agent asked for, by op and result", Family::default()),
             tracked: Mutex::new(HashMap::new()),
             registry: r,
@@ -234,7 +239,7 @@ impl AgentMetrics {
             let _ = self.call_duration.get_or_create(&RpcLabels { rpc });
         }
         for role in ["Source", "Target"] {
-            for outcome in ["Committed", "Aborted"] {
+            for outcome in ["Committed", "Aborted", "Killed"] {
                 let _ = self
                     .finished
                     .get_or_create(&OutcomeLabels { role, outcome });
@@ -301,7 +306,7 @@ impl AgentMetrics {
         t.bytes_received = t.bytes_received.max(s.bytes_received);
         t.iteration = s.iteration;
         t.phase = name;
-        if matches!(phase, Phase::Committed | Phase::Aborted) && !t.finished {
+        if matches!(phase, Phase::Committed | Phase::Aborted | Phase::Killed) && !t.finished {
             t.finished = true;
             self.finished
                 .get_or_create(&OutcomeLabels {
@@ -334,6 +339,11 @@ impl AgentMetrics {
         self.watchdog_resumes.inc();
     }
 
+    /// The freeze watchdog killed a fenced source.
+    pub fn watchdog_killed(&self) {
+        self.watchdog_kills.inc();
+    }
+
     /// The text exposition format, with the gauges brought up to date: the frozen
     /// sources as the agent holds them now, the unfinished migrations as last seen.
     pub fn encode(&self, frozen: &[FrozenAge]) -> String {
@@ -359,7 +369,10 @@ impl AgentMetrics {
             for role in ["Source", "Target"] {
                 for p in PHASES {
                     let phase = phase_name(p);
-                    if matches!(p, Phase::Committed | Phase::Aborted | Phase::CleanedUp) {
+                    if matches!(
+                        p,
+                        Phase::Committed | Phase::Aborted | Phase::CleanedUp | Phase::Killed
+                    ) {
                         continue;
                     }
                     self.migrations
@@ -412,6 +425,9 @@ impl MigrationAgent for Observed {
         let res = self.agent.receive_images(r).await;
         global().call("ReceiveImages", start.elapsed(), res.as_ref().map(|_| None));
         res
+    }
+    async fn fence(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        timed("Fence", self.agent.fence(r)).await
     }
     async fn restore(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         timed("Restore", self.agent.restore(r)).await

@@ -57,7 +57,9 @@ pub struct Config {
 /// final dump (`budget`: the PodMigration's freeze budget from `Prepare`, else
 /// `default_budget`) is resumed by the agent itself, on its own monotonic clock,
 /// without the operator or the API server. A migration the operator has not committed
-/// by then has overrun its budget, which the operator rolls back anyway.
+/// by then has overrun its budget, which the operator rolls back anyway. A **fenced**
+/// source (the operator may have asked the target to restore it) is killed instead:
+/// never two copies, at the cost of the state if the target never restored.
 #[derive(Clone, Copy, Debug)]
 pub struct FreezeWatchdog {
     pub margin: std::time::Duration,
@@ -79,6 +81,10 @@ impl FreezeWatchdog {
 /// Commit (kills it), Abort, the freeze watchdog or SIGTERM (resume it) to claim it.
 /// An atomic, not the migration's lock: a Send stuck on a dead target holds that lock,
 /// and the watchdog must not wait for it.
+///
+/// The restore fence (`Fence`) moves FROZEN to FENCED: from there the watchdog and
+/// SIGTERM kill the source (KILLING, KILLED) instead of resuming it, and only Abort
+/// (the operator's, after the target's copy was confirmed killed) or Commit claim it.
 #[derive(Debug)]
 struct Freeze(std::sync::atomic::AtomicU8);
 
@@ -93,6 +99,12 @@ const FROZEN: u8 = 1;
 const COMMITTING: u8 = 2;
 const THAWING: u8 = 3;
 const THAWED: u8 = 4;
+/// `Fence` is telling the broker (the watchdog waits for the outcome).
+const FENCING: u8 = 5;
+const FENCED: u8 = 6;
+const KILLING: u8 = 7;
+/// A fenced source killed by the watchdog or at shutdown (never by a commit).
+const KILLED: u8 = 8;
 
 impl Freeze {
     fn get(&self) -> u8 {
@@ -103,9 +115,13 @@ impl Freeze {
     }
     /// Moves FROZEN to `to`; false if the freeze was already claimed (or never made).
     fn claim(&self, to: u8) -> bool {
+        self.claim_from(FROZEN, to)
+    }
+    /// Moves `from` to `to`; false if the freeze is not in `from`.
+    fn claim_from(&self, from: u8, to: u8) -> bool {
         self.0
             .compare_exchange(
-                FROZEN,
+                from,
                 to,
                 std::sync::atomic::Ordering::SeqCst,
                 std::sync::atomic::Ordering::SeqCst,
@@ -144,16 +160,18 @@ struct Migration {
     freeze: Arc<Freeze>,
     /// The watchdog's bound on this source's freeze.
     freeze_limit: std::time::Duration,
+    /// The restore fence was taken (`Fence`), and no `Abort` lifted it since.
+    fenced: bool,
 }
 
 impl Migration {
     fn status(&self) -> MigrationStatus {
         // A source resumed by the watchdog or at shutdown is aborted, even while a call
         // that still holds the migration (a Send) has not seen it yet.
-        let phase = if self.freeze.get() == THAWED {
-            Phase::Aborted
-        } else {
-            self.phase
+        let phase = match self.freeze.get() {
+            THAWED => Phase::Aborted,
+            KILLED => Phase::Killed,
+            _ => self.phase,
         };
         MigrationStatus {
             migration_uid: self.uid.to_string(),
@@ -170,6 +188,8 @@ impl Migration {
             final_dump_bytes: self.final_dump_bytes,
             last_round_sent_bytes: self.last_round_sent_bytes,
             pre_copy_sent_bytes: self.pre_copy_sent_bytes,
+            fenced: matches!(self.freeze.get(), FENCED | KILLING | KILLED)
+                || (self.fenced && self.freeze.get() == COMMITTING),
         }
     }
 
@@ -180,8 +200,14 @@ impl Migration {
     /// Takes over a phase change that a watchdog or shutdown thaw made while a call
     /// held the migration.
     fn sync_freeze(&mut self) {
-        if self.freeze.get() == THAWED && self.phase != Phase::Aborted {
-            self.phase = Phase::Aborted;
+        match self.freeze.get() {
+            THAWED if self.phase != Phase::Aborted => self.phase = Phase::Aborted,
+            KILLED if self.phase != Phase::Killed => {
+                self.phase = Phase::Killed;
+                let _ = images::zeroize(&self.dir);
+                self.image_bytes = 0;
+            }
+            _ => {}
         }
     }
 }
@@ -216,6 +242,51 @@ async fn thaw_frozen(
             Err(e)
         }
     }
+}
+
+/// Kills a fenced source the final dump left frozen, if nothing else claimed it (the
+/// freeze watchdog and shutdown: a fenced source is never resumed but by the
+/// operator's Abort): `Ok(true)` when this call killed it. On failure the freeze stays
+/// fenced for the next claimant.
+async fn kill_fenced(
+    freeze: &Freeze,
+    b: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+    process: ProcRef,
+) -> Result<bool, Status> {
+    if !freeze.claim_from(FENCED, KILLING) {
+        return Ok(false);
+    }
+    match kill_source(b, uid, process).await {
+        Ok(()) => {
+            freeze.set(KILLED);
+            Ok(true)
+        }
+        Err(e) => {
+            freeze.set(FENCED);
+            Err(e)
+        }
+    }
+}
+
+/// SIGKILLs the source tree (through the broker) and waits, bounded, until its root is
+/// gone.
+async fn kill_source(
+    b: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+    process: ProcRef,
+) -> Result<(), Status> {
+    broker_call(b, Request::Kill { uid: uid.clone() }).await?;
+    blocking(move || {
+        for _ in 0..500 {
+            if procfs::check_live(process).is_err() {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Err(Status::internal("source tree did not die"))
+    })
+    .await
 }
 
 /// Resumes a source: out of TCP repair, network back, then run, in that order so the
@@ -292,6 +363,8 @@ struct FrozenSource {
     freeze: Arc<Freeze>,
     broker: Arc<StdMutex<BrokerClient>>,
     uid: MigrationUid,
+    /// The frozen tree's root (a fenced source is killed, not resumed).
+    process: ProcRef,
     /// For the metrics: when the final dump froze it, and its freeze budget.
     since: std::time::Instant,
     budget: std::time::Duration,
@@ -347,12 +420,15 @@ impl Agent {
         })
     }
 
-    /// Resumes every source this agent froze and nobody has committed or aborted:
-    /// run before the agent exits (SIGTERM), so no freeze outlives its agent. Reads
-    /// only the freezes' own parts, never a migration's lock (a stuck Send may hold it).
-    pub async fn thaw_frozen_sources(&self, why: &str) -> usize {
+    /// Resumes every source this agent froze and nobody has committed or aborted, and
+    /// kills every fenced one (its copy may run on the target): run before the agent
+    /// exits (SIGTERM), so no freeze outlives its agent. Reads only the freezes' own
+    /// parts, never a migration's lock (a stuck Send may hold it). Returns how many
+    /// were resumed and how many killed. A fence in flight is left to the broker,
+    /// which kills or rolls back by what it was told when this agent's lease ends.
+    pub async fn thaw_frozen_sources(&self, why: &str) -> (usize, usize) {
         let all: Vec<_> = self.frozen.lock().expect("frozen").clone();
-        let mut thawed = 0;
+        let (mut thawed, mut killed) = (0, 0);
         for f in all {
             match thaw_frozen(&f.freeze, &f.broker, &f.uid).await {
                 Ok(true) => {
@@ -364,15 +440,25 @@ impl Agent {
                     tracing::error!(uid = %f.uid, why, error = %e, "could not resume the source")
                 }
             }
+            match kill_fenced(&f.freeze, &f.broker, &f.uid, f.process).await {
+                Ok(true) => {
+                    killed += 1;
+                    tracing::warn!(uid = %f.uid, why, "killed the fenced source before exiting (restore fence: never resumed but by the operator's abort)");
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(uid = %f.uid, why, error = %e, "could not kill the fenced source; its broker kills it when this agent's lease ends")
+                }
+            }
         }
-        thawed
+        (thawed, killed)
     }
 
     /// The sources this agent froze that are still frozen, for the metrics.
     pub fn frozen_sources(&self) -> Vec<crate::metrics::FrozenAge> {
         let all = self.frozen.lock().expect("frozen");
         all.iter()
-            .filter(|f| f.freeze.get() == FROZEN)
+            .filter(|f| matches!(f.freeze.get(), FROZEN | FENCING | FENCED))
             .map(|f| crate::metrics::FrozenAge {
                 frozen_for: f.since.elapsed(),
                 budget: f.budget,
@@ -452,6 +538,7 @@ impl Agent {
             fs,
             freeze: Arc::default(),
             freeze_limit: self.cfg.freeze_watchdog.limit(r.freeze_budget_ms),
+            fenced: false,
         };
         let broker_role = if role == Role::Source {
             BrokerRole::Source
@@ -825,6 +912,37 @@ impl Agent {
             .map_err(|e| Status::internal(format!("restore task: {e}")))?
     }
 
+    /// The restore fence (see [`Freeze`]): once the broker has it in its journal, the
+    /// freeze is FENCED and the answer says `fenced`. Idempotent: a fenced (or, since,
+    /// killed or committing) source answers its status again.
+    async fn fence_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
+        m.sync_freeze();
+        if m.role == Role::Source && (m.fenced || m.phase == Phase::Killed) {
+            return Ok(m.status());
+        }
+        if m.freeze.get() == THAWED {
+            return Err(Status::failed_precondition(
+                "the source was resumed (freeze watchdog or agent shutdown): the migration is aborted",
+            ));
+        }
+        admit(m.role, m.phase, Step::Fence)?;
+        if !m.freeze.claim_from(FROZEN, FENCING) {
+            return Err(Status::failed_precondition(
+                "the source is not frozen (an abort or the watchdog claimed it)",
+            ));
+        }
+        if let Err(e) = m.broker(Request::Fence { uid: m.uid.clone() }).await {
+            m.freeze.set(FROZEN);
+            return Err(e);
+        }
+        m.fenced = true;
+        m.freeze.set(FENCED);
+        tracing::info!(%uid, "fenced: from now on this source is killed, never resumed, unless the operator aborts");
+        Ok(m.status())
+    }
+
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
         let m = self.get(&r.migration_uid)?;
         let mut m = m.lock().await;
@@ -834,12 +952,25 @@ impl Agent {
                 "the source was resumed (freeze watchdog or agent shutdown): the migration is aborted",
             ));
         }
+        if m.role == Role::Source && m.phase == Phase::Killed {
+            // The fenced source was killed by the watchdog: what a commit does.
+            return Ok(m.status());
+        }
+        if m.freeze.get() == KILLING {
+            return Err(Status::unavailable(
+                "the freeze watchdog is killing the fenced source: ask again",
+            ));
+        }
         if admit(m.role, m.phase, Step::Commit)? == Admission::Done {
             return Ok(m.status());
         }
         // From here the freeze is the commit's: neither the watchdog nor a shutdown
-        // resumes a source that is being killed (a retried Commit finds it claimed).
-        if !m.freeze.claim(COMMITTING) && m.freeze.get() != COMMITTING {
+        // resumes (or kills) a source that is being killed (a retried Commit finds it
+        // claimed).
+        if !m.freeze.claim(COMMITTING)
+            && !m.freeze.claim_from(FENCED, COMMITTING)
+            && m.freeze.get() != COMMITTING
+        {
             return Err(Status::failed_precondition("the source is not frozen"));
         }
         if r.close_connections || m.tcp == TcpPreservation::None {
@@ -849,18 +980,7 @@ impl Agent {
             m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
                 .await?;
         }
-        m.broker(Request::Kill { uid: m.uid.clone() }).await?;
-        let pid = m.process;
-        blocking(move || {
-            for _ in 0..500 {
-                if procfs::check_live(pid).is_err() {
-                    return Ok(());
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            Err(Status::internal("source tree did not die"))
-        })
-        .await?;
+        kill_source(&m.broker, &m.uid, m.process).await?;
         let _ = images::zeroize(&m.dir);
         m.image_bytes = 0;
         m.phase = Phase::Committed;
@@ -887,6 +1007,11 @@ impl Agent {
                     "already committed: the source is gone",
                 ));
             }
+            (Role::Source, Phase::Killed) => {
+                return Err(Status::failed_precondition(
+                    "the fenced source was killed by its agent's freeze watchdog (restore fence: never resumed but by an abort in time): it cannot be resumed",
+                ));
+            }
             (Role::Source, _) => {
                 if m.freeze.get() == COMMITTING {
                     return Err(Status::failed_precondition(
@@ -898,9 +1023,30 @@ impl Agent {
                     FROZEN => {
                         thaw_frozen(&m.freeze, &m.broker, &m.uid).await?;
                     }
-                    THAWING => {
+                    // The operator's abort is the one thing that lifts the fence (it
+                    // is sent once the target's copy is confirmed killed): the broker
+                    // first, then the thaw.
+                    FENCED => {
+                        if !m.freeze.claim_from(FENCED, THAWING) {
+                            return Err(Status::unavailable(
+                                "the freeze watchdog is killing the fenced source: ask again",
+                            ));
+                        }
+                        if let Err(e) = m.broker(Request::Unfence { uid: m.uid.clone() }).await {
+                            m.freeze.set(FENCED);
+                            return Err(e);
+                        }
+                        m.fenced = false;
+                        if let Err(e) = thaw_source(&m.broker, &m.uid).await {
+                            // Unfenced: the watchdog resumes it if no retry does.
+                            m.freeze.set(FROZEN);
+                            return Err(e);
+                        }
+                        m.freeze.set(THAWED);
+                    }
+                    THAWING | KILLING => {
                         return Err(Status::unavailable(
-                            "the freeze watchdog is resuming the source: ask again",
+                            "the freeze watchdog is resuming or killing the source: ask again",
                         ));
                     }
                     THAWED => {}
@@ -951,6 +1097,7 @@ impl Agent {
             });
         };
         let mut m = mm.lock().await;
+        m.sync_freeze();
         if m.role == Role::Source && matches!(m.phase, Phase::Dumped | Phase::Sent) {
             return Err(Status::failed_precondition(
                 "the source is frozen: commit or abort first",
@@ -1078,31 +1225,50 @@ fn start_freeze_watchdog(
         m.uid.clone(),
         m.freeze_limit,
     );
+    let process = m.process;
     frozen.lock().expect("frozen").push(FrozenSource {
         freeze: Arc::clone(&freeze),
         broker: Arc::clone(&broker),
         uid: uid.clone(),
+        process,
         since: std::time::Instant::now(),
         budget: limit.saturating_sub(margin),
     });
     tokio::spawn(async move {
         tokio::time::sleep(limit).await;
-        // A failed resume (the broker busy or restarting) is tried again.
+        // A failed resume or kill (the broker busy or restarting) is tried again, and
+        // so is a freeze another call holds for a moment (a fence being taken, an
+        // abort's thaw that may fail and give it back).
         for _ in 0..30 {
-            if freeze.get() != FROZEN {
-                return;
-            }
-            tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
-            match thaw_frozen(&freeze, &broker, &uid).await {
-                Ok(resumed) => {
-                    if resumed {
-                        crate::metrics::global().watchdog_resumed();
+            match freeze.get() {
+                FROZEN => {
+                    tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
+                    match thaw_frozen(&freeze, &broker, &uid).await {
+                        Ok(true) => {
+                            crate::metrics::global().watchdog_resumed();
+                            return;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
+                        }
                     }
-                    return;
                 }
-                Err(e) => {
-                    tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
+                FENCED => {
+                    tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
+                    match kill_fenced(&freeze, &broker, &uid, process).await {
+                        Ok(true) => {
+                            crate::metrics::global().watchdog_killed();
+                            return;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::error!(%uid, error = %e, "freeze watchdog could not kill the fenced source; retrying")
+                        }
+                    }
                 }
+                FENCING | THAWING | KILLING => {}
+                _ => return,
             }
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
@@ -1883,6 +2049,12 @@ impl MigrationAgent for Agent {
     async fn receive_images(&self, r: GrpcRequest<Streaming<ImageChunk>>) -> Res<ReceiveSummary> {
         let caller = self.caller(&r);
         self.receive_impl(caller, r.into_inner())
+            .await
+            .map(Response::new)
+    }
+    async fn fence(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Fence)?;
+        self.fence_impl(&r.into_inner().migration_uid)
             .await
             .map(Response::new)
     }

@@ -100,6 +100,7 @@ async fn every_control_call_is_denied(
             "Send",
             c.send(uid, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
         ),
+        denied("Fence", c.fence(uid).await),
         denied("Restore", c.restore(uid).await),
         denied("Commit", c.commit(uid).await),
         denied("Abort", c.abort(uid).await),
@@ -159,7 +160,7 @@ fn only_the_operator_commands_an_agent_other_ca_signed_parties_freeze_nothing() 
             let r = as_party(&tb, tls.clone(), 0, move |c| {
                 every_control_call_is_denied(c, u, p)
             });
-            assert_eq!(r.len(), 9, "{who}");
+            assert_eq!(r.len(), 10, "{who}");
             refusals.extend(r);
         }
     }

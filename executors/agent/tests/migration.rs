@@ -7,6 +7,7 @@
 use podmotion_agent::testbed::{POD_IP, Testbed, ask};
 use podmotion_broker::procfs;
 use podmotion_wire::agent::*;
+use podmotion_wire::ids::ProcRef;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -710,4 +711,189 @@ fn a_dump_whose_caller_went_away_is_still_resumed_by_the_watchdog() {
         a.cleanup(uid).await.unwrap();
     });
     assert!(running(src.pid));
+}
+
+/// Prepares both agents for `uid`, dumps the source, sends its images to the target and
+/// takes the restore fence on the source (what the operator does before it asks the
+/// target to restore); the source agent's answer to `Fence`.
+fn fenced(
+    tb: &Testbed,
+    uid: &'static str,
+    src: i32,
+    holder: i32,
+    budget_ms: u64,
+) -> MigrationStatus {
+    let mut prep_src = prepare(tb, uid, 0, src, TcpPreservation::BestEffort);
+    prep_src.freeze_budget_ms = budget_ms;
+    let prep_tgt = prepare(tb, uid, 1, holder, TcpPreservation::BestEffort);
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep_src).await.unwrap();
+        b.prepare(prep_tgt).await.unwrap();
+        a.dump(uid).await.unwrap();
+        a.send(uid, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        let f = a.fence(uid).await.unwrap();
+        // Idempotent: a retry answers the same.
+        assert_eq!(a.fence(uid).await.unwrap(), f);
+        f
+    })
+}
+
+/// Whether the source tree's root died (killed, not resumed) within `tries` × 100 ms.
+fn dies(src: ProcRef, tries: u32) -> bool {
+    (0..tries).any(|_| {
+        let dead = procfs::check_live(src).is_err();
+        if !dead {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        dead
+    })
+}
+
+/// The restore fence (issue 16 finding 6): once the operator has fenced the source
+/// before asking the target to restore, a watchdog that fires (the operator gone past
+/// budget + margin) kills the source instead of resuming it — never two copies.
+#[test]
+fn a_fenced_source_past_its_budget_is_killed_not_resumed_by_the_agent_watchdog() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "fwd",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    tb.agent_args = vec!["--freeze-watchdog-margin-ms".into(), "500".into()];
+    tb.start_agent(0);
+    tb.start_agent(1);
+    let src = tb.start_workload(4, 0);
+    let holder = tb.start_holder();
+    let uid = "fenced-watchdog";
+    let f = fenced(&tb, uid, src.pid, holder.pid, 1000);
+    assert_eq!(f.phase(), Phase::Sent);
+    assert!(f.fenced, "the answer says the fence holds");
+    assert!(!running(src.pid), "still frozen");
+    assert!(
+        dies(src, 150),
+        "the fenced source was not killed past its budget and margin\n{}",
+        tb.agent_log(0)
+    );
+    let log = tb.agent_log(0);
+    assert!(log.contains("the fenced source is still frozen"), "{log}");
+    assert!(
+        !log.contains("resuming it"),
+        "the watchdog must never resume a fenced source\n{log}"
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let st = a.status(uid).await.unwrap();
+        assert_eq!(
+            st.phase(),
+            Phase::Killed,
+            "never reported as aborted/resumed"
+        );
+        assert!(st.fenced);
+        // The commit finds its work done; an abort cannot resume what is dead.
+        assert_eq!(a.commit(uid).await.unwrap().phase(), Phase::Killed);
+        let e = a.abort(uid).await.unwrap_err();
+        assert_eq!(e.category(), "WrongPhase", "{e}");
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
+/// The kubelet stops the source agent (SIGTERM) after the fence: it kills the frozen
+/// source before it exits, it does not resume it beside the copy the target may run.
+#[test]
+fn a_terminated_agent_kills_the_fenced_source_instead_of_resuming_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("ftr");
+    let src = tb.start_workload(4, 0);
+    let holder = tb.start_holder();
+    let uid = "fenced-terminated";
+    assert!(fenced(&tb, uid, src.pid, holder.pid, 0).fenced);
+    let st = tb.terminate_agent(0).expect("agent was running");
+    let log = tb.agent_log(0);
+    assert!(st.success(), "the agent did not exit cleanly: {st}\n{log}");
+    assert!(
+        log.contains("killed the fenced source before exiting"),
+        "the agent did not kill the fenced source itself\n{log}"
+    );
+    assert!(
+        !log.contains("resumed the frozen source"),
+        "a fenced source was resumed\n{log}"
+    );
+    assert!(dies(src, 50), "the fenced source still lives\n{log}");
+    tb.operator(move |tls| async move {
+        let mut b = tls.agent(1).await;
+        b.abort(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+}
+
+/// The source agent is killed outright (SIGKILL: no shutdown) after the fence: its
+/// broker, which journalled the fence, kills the source when the agent's lease ends.
+#[test]
+fn a_killed_agent_s_broker_kills_the_fenced_source_instead_of_thawing_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("fkl");
+    let src = tb.start_workload(4, 0);
+    let holder = tb.start_holder();
+    let uid = "fenced-agent-killed";
+    assert!(fenced(&tb, uid, src.pid, holder.pid, 0).fenced);
+    tb.kill_agent(0);
+    assert!(
+        dies(src, 100),
+        "the broker did not kill the fenced source when the agent's lease ended\n{}",
+        tb.agent_log(0)
+    );
+    tb.operator(move |tls| async move {
+        let mut b = tls.agent(1).await;
+        b.abort(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+}
+
+/// A rollback before the restore: the operator's Abort (after the target's answer) is
+/// the one thing that lifts the fence, and the source resumes with its connections.
+#[test]
+fn an_abort_lifts_the_fence_and_resumes_the_source_with_its_connections() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("fab");
+    let src = tb.start_workload(4, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "fenced-aborted";
+    assert!(fenced(&tb, uid, src.pid, holder.pid, 0).fenced);
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        let st = a.abort(uid).await.unwrap();
+        assert_eq!(st.phase(), Phase::Aborted);
+        assert!(!st.fenced, "the abort lifted the fence");
+        // A fence after the abort is refused: the source runs again.
+        assert!(a.fence(uid).await.is_err());
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(
+        resumes(src.pid, &mut conn, before, 50),
+        "the source did not resume after the abort"
+    );
 }

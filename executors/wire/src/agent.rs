@@ -8,6 +8,12 @@
 //! Who may call what is decided per call from the caller's certificate
 //! ([`crate::identity`]): every call but `ReceiveImages` is the operator's;
 //! `ReceiveImages` is the source agent's, named by the operator at `Prepare`.
+//!
+//! The restore fence: before the operator asks the target to `Restore`, it asks the
+//! source agent to `Fence` (a `MigrationRef`; answered with the status, `fenced` set).
+//! From the acknowledgement on, nothing on the source node resumes the frozen source
+//! but the operator's `Abort`: the freeze watchdog and the agent's shutdown kill it,
+//! and so does the broker when the agent's lease ends or the broker restarts.
 
 /// Which side of a migration an agent plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
@@ -47,6 +53,11 @@ pub enum Phase {
     Committed = 8,
     Aborted = 9,
     CleanedUp = 10,
+    /// Source: fenced (`Fence`) and then killed by the agent itself (its freeze
+    /// watchdog) instead of resumed: a fenced source is resumed only by the
+    /// operator's `Abort`. The images the target holds are all that is left of the
+    /// state. `Commit` answers it as done (the source is gone); `Abort` is refused.
+    Killed = 11,
 }
 
 /// Outcome of one socket of the workload.
@@ -263,6 +274,11 @@ pub struct MigrationStatus {
     /// Bytes streamed to the target while the workload still ran.
     #[prost(uint64, tag = "14")]
     pub pre_copy_sent_bytes: u64,
+    /// Source: the restore fence holds (`Fence` acknowledged, no `Abort` since): the
+    /// agent's freeze watchdog, its shutdown and its broker (a lost lease, a restart)
+    /// kill this source instead of resuming it.
+    #[prost(bool, tag = "15")]
+    pub fenced: bool,
 }
 
 impl MigrationStatus {

@@ -407,6 +407,12 @@ impl AgentClient {
             .await?
             .into_inner())
     }
+    /// Source: the restore fence, asked (and acknowledged) before the target's
+    /// `Restore`: from here the source agent and its broker kill the frozen source
+    /// instead of resuming it, unless the operator aborts.
+    pub async fn fence(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
+        Ok(self.inner.fence(MigrationRef::new(uid)).await?.into_inner())
+    }
     /// Source: kill the frozen tree. Only after the target passed its probe.
     /// `close_connections`: the target reported `ClosedCleanly` sockets, so the source
     /// sends FIN on them before it dies.

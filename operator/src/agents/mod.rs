@@ -125,6 +125,7 @@ impl WireAgents {
                 };
                 send(&mut c, r, url).await
             }
+            Step::Fence => c.fence(uid).await,
             Step::Restore => c.restore(uid).await,
             // The wire service has no probe call yet: the operator probes the restored
             // pod over the pod network itself (TCP, HTTP, HTTPS, gRPC), and exec probes

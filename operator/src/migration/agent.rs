@@ -47,6 +47,11 @@ pub enum Step {
     Dump,
     /// Source: stream the remaining images to the target agent.
     Transfer,
+    /// Source: the restore fence, acknowledged before the target is asked to restore.
+    /// From then on the source's node (its agent's freeze watchdog and shutdown, its
+    /// broker's lease loss and restart) kills the frozen source instead of resuming
+    /// it; only `Abort` (sent once the target's copy is confirmed dead) resumes it.
+    Fence,
     /// Target: restore into the target pod's namespaces and cgroup, resume.
     Restore,
     /// Target: run the application probe against the restored process.
@@ -101,6 +106,12 @@ pub struct AgentProgress {
     pub resumed_at: Option<Timestamp>,
     /// What happened to the sockets (target, after restore).
     pub network: Option<NetworkOutcome>,
+    /// Source: the restore fence holds (the agent acknowledged `Fence`, no `Abort` since).
+    pub fenced: bool,
+    /// Source: the fenced source was killed on its node (its agent's freeze watchdog:
+    /// nobody committed or aborted in time), never resumed. Nothing can thaw it; the
+    /// target's images are all that is left of the state.
+    pub killed_under_fence: bool,
 }
 
 /// An agent's report for one migration.

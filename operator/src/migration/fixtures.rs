@@ -305,6 +305,10 @@ pub trait ReportExt {
     fn frozen_at(self, t: Timestamp) -> Self;
     fn resumed_at(self, t: Timestamp) -> Self;
     fn sent(self, iteration: u32, bytes: u64) -> Self;
+    /// Source: the restore fence holds.
+    fn fenced(self) -> Self;
+    /// Source: fenced, then killed on its node (its agent's watchdog).
+    fn killed_under_fence(self) -> Self;
 }
 impl ReportExt for AgentReport {
     fn dirty(mut self, bytes: u64, rate: u64) -> Self {
@@ -318,6 +322,15 @@ impl ReportExt for AgentReport {
     }
     fn resumed_at(mut self, t: Timestamp) -> Self {
         self.progress.resumed_at = Some(t);
+        self
+    }
+    fn fenced(mut self) -> Self {
+        self.progress.fenced = true;
+        self
+    }
+    fn killed_under_fence(mut self) -> Self {
+        self.progress.fenced = true;
+        self.progress.killed_under_fence = true;
         self
     }
     fn sent(mut self, iteration: u32, bytes: u64) -> Self {
@@ -356,12 +369,13 @@ pub fn at(phase: MigrationPhase) -> Observed {
             running(Step::Transfer).frozen_at(ts(NOW)),
             done(Step::Receive),
         ),
+        // The target restores only once the source acknowledged the restore fence.
         P::Restoring => (
-            done(Step::Transfer).frozen_at(ts(NOW)),
+            done(Step::Fence).fenced().frozen_at(ts(NOW)),
             running(Step::Restore),
         ),
         P::Committing => (
-            done(Step::Transfer).frozen_at(ts(NOW)),
+            done(Step::Fence).fenced().frozen_at(ts(NOW)),
             done(Step::Probe).resumed_at(ts(NOW)),
         ),
         P::Succeeded | P::Failed | P::Aborted => (done(Step::Cleanup), done(Step::Cleanup)),

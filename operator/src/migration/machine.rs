@@ -17,9 +17,13 @@
 //! restored copy's own failure), so there is never zero; and `Commit` (kill
 //! the frozen source) is only issued after the target passed the application probe.
 //! Once the target reports its restore (the restore fence) only the restored copy's
-//! own failure rolls back; everything else rolls forward to the commit. Every wait is
-//! bounded by the progress timeout and ends in a terminal phase that says what it
-//! could not confirm.
+//! own failure rolls back; everything else rolls forward to the commit. The target is
+//! asked to restore only after the source agent acknowledged the fence (`Fence`): from
+//! then on the source's node kills the frozen source rather than resume it (its agent's
+//! watchdog and shutdown, its broker), so an operator that disappears can never leave
+//! it thawed beside a restored copy; only the rollback's `Abort` lifts the fence. Every
+//! wait is bounded by the progress timeout and ends in a terminal phase that says what
+//! it could not confirm.
 
 use std::time::Duration;
 
@@ -368,7 +372,9 @@ impl<'a> Machine<'a> {
             MigrationPhase::Restoring => (
                 EventKind::Normal,
                 reasons::RESTORING,
-                "checkpoint transferred; restoring on the target".to_string(),
+                format!(
+                    "checkpoint transferred and the source fenced ({FENCED}); restoring on the target"
+                ),
             ),
             MigrationPhase::Committing => (
                 EventKind::Normal,
@@ -438,7 +444,9 @@ impl<'a> Machine<'a> {
     fn stopped_message(&self) -> String {
         let m = self.status.failure_message.as_deref().unwrap_or("stopped");
         // Never "resumed" unless an agent that knew the migration said so.
-        if m.contains(SOURCE_STATE_UNKNOWN) {
+        if m.contains(KILLED_UNDER_FENCE) {
+            format!("{m}; the source was not resumed")
+        } else if m.contains(SOURCE_STATE_UNKNOWN) {
             format!("{m}; whether the source pod runs again could not be confirmed")
         } else if self.committed() {
             format!("{m}; the source was given up at commit, not resumed")
@@ -674,6 +682,8 @@ impl<'a> Machine<'a> {
     fn detect_failure(&mut self) -> Option<Reason> {
         let (reason, message) = if self.target_restored() {
             self.restored_copy_failure()?
+        } else if self.source_killed_under_fence() {
+            self.killed_source_failure()?
         } else {
             self.stop_requested()
                 .or_else(|| self.pod_failure())
@@ -698,6 +708,45 @@ impl<'a> Machine<'a> {
                 r.progress.resumed_at.is_some()
                     || r.done(Step::Restore)
                     || r.last_step() == Some(Step::Probe)
+            })
+    }
+
+    /// The source's node killed the fenced source (its agent's watchdog: this operator
+    /// was away longer than the freeze budget plus the agent's margin) before the
+    /// target restored. Nothing can be thawed any more, and the target holds every
+    /// image: roll forward to the restore, the probe and the commit; only the target
+    /// failing (or no progress within the timeout) ends it, with the state lost.
+    fn source_killed_under_fence(&self) -> bool {
+        rank(self.status.phase) >= rank(MigrationPhase::Transferring)
+            && self
+                .o
+                .source_agent
+                .report()
+                .is_some_and(|r| r.progress.killed_under_fence)
+    }
+
+    /// Before the target restored, after the fenced source was killed on its node.
+    fn killed_source_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
+        self.restored_copy_failure()
+            .or_else(|| match &o.target_agent {
+                AgentView::Reported(r) if r.last.is_none() => Some((
+                    Reason::AgentError,
+                    "target agent lost the migration (restarted?)".to_string(),
+                )),
+                _ => None,
+            })
+            .or_else(|| {
+                self.progress_stalled().then(|| {
+                    (
+                        Reason::ProgressTimeout,
+                        format!(
+                            "no progress for {}s in {:?} after the fenced source was killed",
+                            o.knobs.progress_timeout.as_secs(),
+                            self.phase()
+                        ),
+                    )
+                })
             })
     }
 
@@ -794,6 +843,12 @@ impl<'a> Machine<'a> {
                 continue;
             };
             if let Some((step, category, message)) = r.failure() {
+                // A fence the source agent did not acknowledge is asked again until the
+                // progress timeout (nothing was restored: the rollback thaws the source);
+                // a migration the agent forgot is not retried.
+                if step == Step::Fence && category != "MigrationUnknown" {
+                    continue;
+                }
                 let reason = if step == Step::Probe {
                     Reason::ProbeFailed
                 } else {
@@ -876,11 +931,24 @@ impl<'a> Machine<'a> {
                 let Some(src) = o.source_agent.report() else {
                     return;
                 };
-                if src.done(Step::Transfer) {
-                    self.enter(MigrationPhase::Restoring);
-                    self.restore_step();
-                } else if !src.running(Step::Transfer) {
-                    self.act(Action::Agent(Side::Source, Step::Transfer));
+                // The restore fence: the target is asked to restore only once the source
+                // agent acknowledged it (entering Restoring records that it did).
+                match src.last_step() {
+                    Some(Step::Fence) if src.done(Step::Fence) => {
+                        self.enter(MigrationPhase::Restoring);
+                        self.restore_step();
+                    }
+                    Some(Step::Fence) if src.running(Step::Fence) => {}
+                    // Done, or a fence not acknowledged: (again) until the timeout.
+                    Some(Step::Transfer | Step::Fence)
+                        if src.done(Step::Transfer) || src.failure().is_some() =>
+                    {
+                        self.act(Action::Agent(Side::Source, Step::Fence));
+                    }
+                    _ if !src.running(Step::Transfer) => {
+                        self.act(Action::Agent(Side::Source, Step::Transfer));
+                    }
+                    _ => {}
                 }
             }
             Active::Restoring => self.restore_step(),
@@ -957,6 +1025,10 @@ impl<'a> Machine<'a> {
     }
 
     fn restore_step(&mut self) {
+        self.health = Some(Health::reconciling(
+            reasons::RESTORING,
+            format!("restoring on the target; the source is fenced ({FENCED})"),
+        ));
         let Some(tgt) = self.o.target_agent.report() else {
             return;
         };
@@ -1050,7 +1122,11 @@ impl<'a> Machine<'a> {
                 return SourceKill::ByPodDeletion(format!("the source agent is unreachable: {e}"));
             }
         };
-        if r.done(Step::Commit) || r.last_step() == Some(Step::Cleanup) {
+        // A fenced source its node killed (its agent's watchdog) is confirmed dead too.
+        if r.done(Step::Commit)
+            || r.last_step() == Some(Step::Cleanup)
+            || r.progress.killed_under_fence
+        {
             return SourceKill::Confirmed;
         }
         if r.last.is_none() {
@@ -1187,6 +1263,19 @@ impl<'a> Machine<'a> {
         self.resume();
     }
 
+    /// Records once, in the failure message, that the fenced source was killed on its
+    /// node and what that leaves.
+    fn note_killed_under_fence(&mut self) {
+        let pod = self.o.status_source_pod();
+        let m = self.status.failure_message.get_or_insert_with(String::new);
+        if m.contains(KILLED_UNDER_FENCE) {
+            return;
+        }
+        m.push_str(&format!(
+            "; {KILLED_UNDER_FENCE} (its agent's freeze watchdog: nobody committed or aborted it within its budget and margin): its state is lost; the source pod {pod} is left with its network isolated: delete it (its controller recreates it)"
+        ));
+    }
+
     /// Records once, in the failure message, that nothing confirmed the source's state,
     /// and what may be left: the Event then never says "resumed".
     fn note_source_state_unknown(&mut self, why: &str) {
@@ -1260,6 +1349,17 @@ impl<'a> Machine<'a> {
     /// unreachable, or whose thaw keeps failing or never finishes, ends the rollback
     /// with "source state unknown".
     fn source_resumed(&mut self) -> bool {
+        // The fenced source was killed on its node (its agent's watchdog): nothing can
+        // thaw it, and it is never reported as resumed.
+        if self
+            .o
+            .source_agent
+            .report()
+            .is_some_and(|r| r.progress.killed_under_fence)
+        {
+            self.note_killed_under_fence();
+            return true;
+        }
         // The source agent does not know the migration (it restarted and lost it), so
         // it cannot confirm a thaw: the rollback ends, saying the state is unknown
         // (the node's broker and the agent's freeze watchdog resume a lost freeze).
@@ -1405,6 +1505,13 @@ fn default_health(status: &PodMigrationStatus) -> Health {
 /// In a failure message: the rollback ended without an agent confirming the source's
 /// thaw, so nothing may report the source as resumed.
 const SOURCE_STATE_UNKNOWN: &str = "source state unknown";
+
+/// In a failure message: the fenced source was killed on its node, never resumed.
+const KILLED_UNDER_FENCE: &str = "the fenced source was killed on its node";
+
+/// What the restore fence means, in the Restoring Event and condition.
+const FENCED: &str =
+    "from now its node kills it rather than resume it, unless this migration rolls back";
 
 /// In the status message of a commit whose kill of the source its agent did not confirm.
 const KILL_UNCONFIRMED: &str = "the source agent did not confirm the kill of the source";

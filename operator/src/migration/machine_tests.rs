@@ -783,6 +783,10 @@ struct World {
     finalizer_released: bool,
     two_copies_seen: bool,
     commit_before_probe: bool,
+    /// The source agent acknowledged the restore fence (and no Abort lifted it).
+    source_fenced: bool,
+    /// The target was asked to restore while the source was not fenced.
+    restore_before_fence: bool,
     fail_step: Option<(Side, Step)>,
     adopt_next_tick: bool,
 }
@@ -794,6 +798,7 @@ impl World {
             P::Transferring | P::Restoring | P::Committing
         );
         let target_running = o.status.phase == P::Committing;
+        let source_fenced = matches!(o.status.phase, P::Restoring | P::Committing);
         World {
             o,
             source_frozen,
@@ -802,6 +807,8 @@ impl World {
             finalizer_released: false,
             two_copies_seen: false,
             commit_before_probe: false,
+            source_fenced,
+            restore_before_fence: false,
             fail_step: None,
             adopt_next_tick: false,
         }
@@ -892,7 +899,11 @@ impl World {
                 }
                 match (side, step) {
                     (Side::Source, Step::Dump) => self.source_frozen = true,
-                    (Side::Source, Step::Abort) => self.source_frozen = false,
+                    (Side::Source, Step::Fence) => self.source_fenced = true,
+                    (Side::Source, Step::Abort) => {
+                        self.source_frozen = false;
+                        self.source_fenced = false;
+                    }
                     (Side::Source, Step::Commit) => {
                         if !self
                             .o
@@ -905,7 +916,12 @@ impl World {
                         self.source_killed = true;
                         self.source_frozen = false;
                     }
-                    (Side::Target, Step::Restore) => self.target_running = true,
+                    (Side::Target, Step::Restore) => {
+                        if !self.source_fenced {
+                            self.restore_before_fence = true;
+                        }
+                        self.target_running = true;
+                    }
                     (Side::Target, Step::Abort) => self.target_running = false,
                     _ => {}
                 }
@@ -920,6 +936,8 @@ impl World {
                     }
                     Step::Dump => progress.frozen_at = Some(now),
                     Step::Transfer => progress.bytes_sent += 4 << 20,
+                    Step::Fence => progress.fenced = true,
+                    Step::Abort => progress.fenced = false,
                     Step::Restore => progress.resumed_at = Some(now + Duration::from_millis(150)),
                     _ => {}
                 }
@@ -978,6 +996,10 @@ fn a_pre_copy_migration_walks_every_phase_to_succeeded() {
         ]
     );
     assert!(!w.two_copies_seen && !w.commit_before_probe);
+    assert!(
+        w.source_fenced && !w.restore_before_fence,
+        "the target restored before the source was fenced"
+    );
     assert!(w.source_killed && w.target_running && w.o.source_pod.is_none());
     let s = &w.o.status;
     let frozen =
@@ -1047,7 +1069,7 @@ fn a_failure_at_any_step_resumes_the_source_and_never_runs_two_copies() {
             "{side} {step}: target pod left behind"
         );
         assert!(
-            !w.two_copies_seen && !w.commit_before_probe,
+            !w.two_copies_seen && !w.commit_before_probe && !w.restore_before_fence,
             "{side} {step}"
         );
     }
@@ -1409,4 +1431,175 @@ fn the_end_of_a_rollback_is_an_event_of_its_own() {
         "the end's message would be folded into the start's Event"
     );
     assert!(ended.message.contains("resumed"), "{}", ended.message);
+}
+
+// ------------------------------------------------- the restore fence (finding 6)
+
+/// The target is asked to restore only once the source agent acknowledged the fence:
+/// from then on the source's node kills the source rather than resume it. A fence the
+/// agent does not acknowledge is asked again until the progress timeout, then the
+/// migration rolls back (nothing was restored: the source is thawed).
+#[test]
+fn no_restore_is_asked_before_the_source_agent_acknowledges_the_fence() {
+    let restore = Action::Agent(Side::Target, Step::Restore);
+    let fence = Action::Agent(Side::Source, Step::Fence);
+    // The final images are sent: fence first, no restore yet.
+    let sent = at(P::Transferring).source(done(Step::Transfer).frozen_at(ts(NOW)));
+    let t = next(&sent);
+    assert!(has(&t, &fence), "{:?}", t.actions);
+    assert!(
+        !has(&t, &restore),
+        "restore asked before the fence: {:?}",
+        t.actions
+    );
+    assert_eq!(t.status.phase, P::Transferring);
+    // The fence in flight, not acknowledged, the agent unreachable, or gone: no restore.
+    let cases = [
+        (
+            "fence running",
+            sent.clone().source(running(Step::Fence).frozen_at(ts(NOW))),
+        ),
+        (
+            "fence failed",
+            sent.clone()
+                .source(failed(Step::Fence, "AgentUnavailable").frozen_at(ts(NOW))),
+        ),
+        (
+            "source agent unreachable",
+            sent.clone()
+                .source_view(AgentView::Unreachable("connection refused".into())),
+        ),
+        (
+            "source agent lost the migration",
+            sent.clone().source(blank()),
+        ),
+    ];
+    for (what, o) in cases {
+        let t = next(&o);
+        assert!(!has(&t, &restore), "{what}: {:?}", t.actions);
+        assert_ne!(t.status.phase, P::Restoring, "{what}");
+    }
+    // A fence the agent refused is asked again, within the progress timeout.
+    let refused = sent
+        .clone()
+        .source(failed(Step::Fence, "AgentUnavailable").frozen_at(ts(NOW)));
+    let t = next(&refused);
+    assert_eq!(t.status.failure_reason, None);
+    assert!(has(&t, &fence));
+    // Past it: rolled back, and the source thawed (nothing was restored).
+    let t = next(&refused.at_second(NOW + 151));
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    assert!(!has(&t, &restore));
+    assert!(has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    // Acknowledged: Restoring (the Event says the source is fenced), and the restore.
+    let t = next(&sent.source(done(Step::Fence).fenced().frozen_at(ts(NOW))));
+    assert_eq!(t.status.phase, P::Restoring);
+    assert!(has(&t, &restore));
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.reason == reasons::RESTORING && n.message.contains("source fenced")),
+        "{:?}",
+        t.notes
+    );
+}
+
+/// A rollback before the restore still thaws the fenced source, through the operator's
+/// Abort (the only thing that lifts the fence), and only once the target answered.
+#[test]
+fn a_rollback_before_the_restore_thaws_a_fenced_source_through_abort_after_the_target() {
+    let src_abort = Action::Agent(Side::Source, Step::Abort);
+    let tgt_abort = Action::Agent(Side::Target, Step::Abort);
+    // Restoring, the restore perhaps asked: the target's answer comes first.
+    let o = at(P::Restoring).target(done(Step::Receive)).deleting();
+    let t = next(&o);
+    assert_eq!(t.status.failure_reason.as_deref(), Some(reasons::ABORTED));
+    assert!(has(&t, &tgt_abort));
+    assert!(!has(&t, &src_abort), "thawed before the target answered");
+    let mut o = o.target(done(Step::Abort));
+    o.status = t.status;
+    let t = next(&o);
+    assert!(has(&t, &src_abort), "{:?}", t.actions);
+    let mut o = o.source(done(Step::Abort).frozen_at(ts(NOW)));
+    o.status = t.status;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Aborted);
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.message.contains("the source pod was resumed")),
+        "{:?}",
+        t.notes
+    );
+    // In Transferring, fenced, no restore ever asked: the receiver is stopped and the
+    // source thawed in the same round.
+    let t = next(
+        &at(P::Transferring)
+            .source(done(Step::Fence).fenced().frozen_at(ts(NOW)))
+            .deleting(),
+    );
+    assert!(has(&t, &src_abort) && !has(&t, &Action::Agent(Side::Target, Step::Restore)));
+}
+
+/// The source's node killed the fenced source (its agent's watchdog fired while the
+/// operator was away): never reported as resumed; the migration rolls forward to the
+/// restore (the target holds the images), and a commit counts the kill as done.
+#[test]
+fn a_fenced_source_killed_on_its_node_is_never_reported_as_resumed() {
+    let killed = || done(Step::Fence).killed_under_fence().frozen_at(ts(NOW));
+    // Long past the freeze budget, even deleted: the restore is asked, no rollback
+    // (there is nothing to thaw).
+    let o = at(P::Restoring)
+        .source(killed())
+        .target(done(Step::Receive))
+        .knobs(spec("web-0").budget_millis(500).build())
+        .deleting()
+        .at_second(NOW + 60);
+    let t = next(&o);
+    assert_eq!(t.status.failure_reason, None, "{:?}", t.status);
+    assert!(has(&t, &Action::Agent(Side::Target, Step::Restore)));
+    // The target fails its restore: rolled back, the source not asked to thaw, and
+    // the end says it was killed, never resumed.
+    let o = at(P::Restoring)
+        .source(killed())
+        .target(failed(Step::Restore, "AgentFailed"));
+    let t = next(&o);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR)
+    );
+    let mut o = o.target(done(Step::Abort));
+    o.status = t.status;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Failed);
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    let end = t
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::AGENT_ERROR && n.message.contains("killed"))
+        .unwrap_or_else(|| panic!("{:?}", t.notes));
+    assert!(
+        !end.message.contains("resumed the") && !end.message.contains("was resumed"),
+        "{end:?}"
+    );
+    assert!(
+        end.message
+            .contains("the fenced source was killed on its node"),
+        "{end:?}"
+    );
+    // Committing: the node's kill is the confirmed kill.
+    let t = next(&at(P::Committing).source(killed()));
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Commit)));
+    assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    assert!(
+        !t.status
+            .failure_message
+            .as_deref()
+            .is_some_and(|m| m.contains("did not confirm")),
+        "{:?}",
+        t.status.failure_message
+    );
 }

@@ -20,7 +20,10 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
         (Phase::Prepared, _) => Some(Step::Prepare),
         (Phase::PreDumping, _) => Some(Step::PreDump(st.iteration.max(1))),
         (Phase::Dumped, _) => Some(Step::Dump),
+        (Phase::Sent, _) if st.fenced => Some(Step::Fence),
         (Phase::Sent, _) => Some(Step::Transfer),
+        // Fenced, then killed by its agent's watchdog: the fence stands (never resumed).
+        (Phase::Killed, _) => Some(Step::Fence),
         (Phase::Restored, _) => Some(Step::Restore),
         (Phase::Committed, _) => Some(Step::Commit),
         (Phase::Aborted, _) => Some(Step::Abort),
@@ -71,6 +74,8 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
                 None
             },
             network,
+            fenced: st.fenced,
+            killed_under_fence: phase == Phase::Killed,
         },
     }
 }
@@ -127,6 +132,7 @@ mod tests {
             (Role::Target, Phase::Received, Some(Step::Receive)),
             (Role::Source, Phase::Dumped, Some(Step::Dump)),
             (Role::Source, Phase::Sent, Some(Step::Transfer)),
+            (Role::Source, Phase::Killed, Some(Step::Fence)),
             (Role::Target, Phase::Restored, Some(Step::Restore)),
             (Role::Source, Phase::Committed, Some(Step::Commit)),
             (Role::Source, Phase::Aborted, Some(Step::Abort)),
@@ -139,6 +145,16 @@ mod tests {
                 "{role:?} {phase:?}"
             );
         }
+        let mut fenced = status(Role::Source, Phase::Sent);
+        fenced.fenced = true;
+        let r = report_from_status(&fenced);
+        assert_eq!(r.last_step(), Some(Step::Fence));
+        assert!(r.progress.fenced && !r.progress.killed_under_fence);
+        let r = report_from_status(&MigrationStatus {
+            phase: Phase::Killed as i32,
+            ..fenced
+        });
+        assert!(r.done(Step::Fence) && r.progress.killed_under_fence);
         let mut st = status(Role::Source, Phase::PreDumping);
         st.iteration = 3;
         st.last_round_bytes = 4096;
