@@ -48,7 +48,7 @@ use podmotion_agent::containers::Containers;
 use podmotion_agent::criu::{self, Criu, InheritFd, Opts, Req};
 use podmotion_agent::mounts::{self, HostView};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::MigrationPhase;
+use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, ask, ended, node_of};
 use podmotion_e2e::real::{Images, helm_install, kubectl, real_nodes};
 use podmotion_e2e::{
@@ -184,93 +184,134 @@ async fn main() -> anyhow::Result<()> {
         "podmotion-bench-real",
         &[],
     );
-    let work = Work::new()?;
-    let pods: Api<Pod> = app.api();
-    let pms: Api<PodMigration> = app.api();
-    let deploys: Api<Deployment> = app.api();
+    let bench = Bench {
+        work: Work::new()?,
+        pods: app.api(),
+        pms: app.api(),
+        deploys: app.api(),
+        nodes,
+        agents_ns,
+        testload_image,
+        args,
+    };
     // SIGINT drops the run where it is: its guards kill what a raw round started, and
     // the namespaces and the release go as for a finished run.
-    let run = async {
-        let mut rows = vec![];
-        let mut loads = vec![format!("start {}", uptime())];
-        for &size in &args.sizes {
-            let mut names = vec![];
-            for kind in ["mig", "raw"] {
-                let name = format!("{kind}-{size}");
-                // The ballast is rewritten at the dirty rate while the pod runs.
-                let mut d =
-                    serde_json::to_value(testload::deployment(&name, &testload_image, size))?;
-                d["spec"]["template"]["spec"]["containers"][0]["args"]
-                    .as_array_mut()
-                    .context("testload args")?
-                    .push(json!(args.dirty_kib.to_string()));
-                let d: Deployment = from_json(d);
-                deploys.create(&PostParams::default(), &d).await?;
-                names.push(name);
-            }
-            for round in 0..args.rounds {
-                for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
-                    let raw_first = (round + i + usize::from(args.mig_first)) % 2 == 0;
-                    let mut raw = None;
-                    let mut mig = None;
-                    for side in 0..2 {
-                        if (side == 0) == raw_first {
-                            let r = raw_round(&pods, &format!("raw-{size}"), &work, &nodes)
-                                .await
-                                .map_err(|e| format!("{e:#}"));
-                            eprintln!("{size} MiB {} round {round} raw: {r:?}", mode.name());
-                            raw = Some(r);
-                        } else {
-                            let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
-                            let m = mig_round(
-                                &pods,
-                                &pms,
-                                &format!("mig-{size}"),
-                                &name,
-                                mode,
-                                &nodes,
-                                &agents_ns,
-                            )
-                            .await
-                            .map_err(|e| format!("{e:#}"));
-                            eprintln!(
-                                "{size} MiB {} round {round} PodMigration: {m:?}",
-                                mode.name()
-                            );
-                            mig = Some(m);
-                        }
-                    }
-                    rows.push(Row {
-                        size,
-                        mode,
-                        round,
-                        raw: raw.unwrap(),
-                        mig: mig.unwrap(),
-                    });
-                }
-            }
-            loads.push(format!("after {size} MiB {}", uptime()));
-            // Free the memory before the next size.
-            for name in names {
-                deploys.delete(&name, &DeleteParams::default()).await?;
-                wait_list(
-                    &pods,
-                    &format!("app={name}"),
-                    POD_TIMEOUT,
-                    "the pods gone",
-                    |ps| ps.is_empty(),
-                )
-                .await?;
-            }
-        }
-        Ok::<_, anyhow::Error>((rows, loads))
-    };
     let (rows, loads) = tokio::select! {
-        r = run => r?,
+        r = bench.run() => r?,
         _ = tokio::signal::ctrl_c() => bail!("interrupted"),
     };
     print_table(&rows, &loads);
     Ok(())
+}
+
+/// One run's settings, cluster handles and scratch.
+struct Bench {
+    work: Work,
+    pods: Api<Pod>,
+    pms: Api<PodMigration>,
+    deploys: Api<Deployment>,
+    nodes: Vec<String>,
+    agents_ns: String,
+    testload_image: String,
+    args: Args,
+}
+
+impl Bench {
+    /// Every size's rounds (the load average after each size), its Deployments
+    /// created first and deleted after.
+    async fn run(&self) -> anyhow::Result<(Vec<Row>, Vec<String>)> {
+        let mut rows = vec![];
+        let mut loads = vec![format!("start {}", uptime())];
+        for &size in &self.args.sizes {
+            let names = self.create_deployments(size).await?;
+            for round in 0..self.args.rounds {
+                for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
+                    let raw_first = (round + i + usize::from(self.args.mig_first)) % 2 == 0;
+                    rows.push(self.round(size, mode, round, raw_first).await);
+                }
+            }
+            loads.push(format!("after {size} MiB {}", uptime()));
+            // Free the memory before the next size.
+            self.delete_deployments(names).await?;
+        }
+        Ok((rows, loads))
+    }
+
+    /// The `mig-<size>` and `raw-<size>` Deployments of the testload fixture.
+    async fn create_deployments(&self, size: u32) -> anyhow::Result<Vec<String>> {
+        let mut names = vec![];
+        for kind in ["mig", "raw"] {
+            let name = format!("{kind}-{size}");
+            // The ballast is rewritten at the dirty rate while the pod runs.
+            let mut d =
+                serde_json::to_value(testload::deployment(&name, &self.testload_image, size))?;
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array_mut()
+                .context("testload args")?
+                .push(json!(self.args.dirty_kib.to_string()));
+            let d: Deployment = from_json(d);
+            self.deploys.create(&PostParams::default(), &d).await?;
+            names.push(name);
+        }
+        Ok(names)
+    }
+
+    /// Deletes the Deployments `names` and waits until their pods are gone.
+    async fn delete_deployments(&self, names: Vec<String>) -> anyhow::Result<()> {
+        for name in names {
+            self.deploys.delete(&name, &DeleteParams::default()).await?;
+            wait_list(
+                &self.pods,
+                &format!("app={name}"),
+                POD_TIMEOUT,
+                "the pods gone",
+                |ps| ps.is_empty(),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// One raw round and one PodMigration of `size` MiB in `mode`, the raw one first
+    /// when `raw_first`.
+    async fn round(&self, size: u32, mode: Mode, round: usize, raw_first: bool) -> Row {
+        let mut raw = None;
+        let mut mig = None;
+        for side in 0..2 {
+            if (side == 0) == raw_first {
+                let r = raw_round(&self.pods, &format!("raw-{size}"), &self.work, &self.nodes)
+                    .await
+                    .map_err(|e| format!("{e:#}"));
+                eprintln!("{size} MiB {} round {round} raw: {r:?}", mode.name());
+                raw = Some(r);
+            } else {
+                let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
+                let m = mig_round(
+                    &self.pods,
+                    &self.pms,
+                    &format!("mig-{size}"),
+                    &name,
+                    mode,
+                    &self.nodes,
+                    &self.agents_ns,
+                )
+                .await
+                .map_err(|e| format!("{e:#}"));
+                eprintln!(
+                    "{size} MiB {} round {round} PodMigration: {m:?}",
+                    mode.name()
+                );
+                mig = Some(m);
+            }
+        }
+        Row {
+            size,
+            mode,
+            round,
+            raw: raw.unwrap(),
+            mig: mig.unwrap(),
+        }
+    }
 }
 
 /// This run's scratch: the image directories (tmpfs) and the CRIU wrappers.
@@ -326,6 +367,24 @@ struct RawCleanup {
     netns: String,
     dir: PathBuf,
     pids: Vec<i32>,
+}
+
+impl RawCleanup {
+    /// A fresh image directory (with its `src`) on the run's tmpfs, and a fresh network
+    /// namespace for the restored copy.
+    fn new(work: &Work, n: &str) -> anyhow::Result<RawCleanup> {
+        let cleanup = RawCleanup {
+            netns: format!("pmbench-{}-{n}", work.id),
+            dir: work.shm.join(n),
+            pids: vec![],
+        };
+        std::fs::create_dir_all(cleanup.dir.join("src"))?;
+        let st = Command::new("ip")
+            .args(["netns", "add", &cleanup.netns])
+            .status()?;
+        ensure!(st.success(), "ip netns add {}", cleanup.netns);
+        Ok(cleanup)
+    }
 }
 
 impl Drop for RawCleanup {
@@ -387,18 +446,96 @@ async fn raw_round(
 ) -> anyhow::Result<Raw> {
     let pod = ready_pod(pods, app).await?;
     let res = raw_checkpoint_restore(&pod, work, nodes).await;
+    delete_now(pods, &pod.name_any()).await?;
+    res
+}
+
+/// Deletes the pod `name` without a grace period.
+async fn delete_now(pods: &Api<Pod>, name: &str) -> anyhow::Result<()> {
     pods.delete(
-        &pod.name_any(),
+        name,
         &DeleteParams {
             grace_period_seconds: Some(0),
             ..Default::default()
         },
     )
     .await?;
-    res
+    Ok(())
 }
 
 async fn raw_checkpoint_restore(pod: &Pod, work: &Work, nodes: &[String]) -> anyhow::Result<Raw> {
+    let c = container_of(pod, nodes).await?;
+    let before: u64 = ask(&addr(pod), "get")?.parse()?;
+
+    let n = random_suffix();
+    let mut cleanup = RawCleanup::new(work, &n)?;
+    let (src, dst) = (cleanup.dir.join("src"), cleanup.dir.join("dst"));
+    // Restore: fd 90 the fresh netns, 91–93 stand for the shim's stdio pipes (numbers
+    // far above the RPC socket's, which the wrapper passes on).
+    let dump_criu = work.criu(&c.node, &format!("criu-dump-{n}"), "")?;
+    let restore_criu = work.criu(
+        &c.node,
+        &format!("criu-restore-{n}"),
+        &format!(
+            "90</run/netns/{} 91</dev/null 92>/dev/null 93>/dev/null",
+            cleanup.netns
+        ),
+    )?;
+    let dump = dump_opts(&c, &src);
+    let restore = restore_opts(&c, &dst)?;
+
+    // Frozen from here.
+    let (r, dump_ms) = timed_criu(dump_criu, criu::REQ_DUMP, dump, src.join("dump.log")).await?;
+    // Stopped, not dead: killed when the round ends.
+    cleanup.pids.push(c.pid);
+    r.context("raw criu dump")?;
+    let t1 = Instant::now();
+    let st = Command::new("cp").arg("-r").arg(&src).arg(&dst).status()?;
+    let copy_ms = ms(t1.elapsed());
+    ensure!(st.success(), "cp -r");
+    let (r, restore_ms) = timed_criu(
+        restore_criu,
+        criu::REQ_RESTORE,
+        restore,
+        dst.join("restore.log"),
+    )
+    .await?;
+    let resp = r.context("raw criu restore")?;
+    let restored = resp.restore.map(|r| r.pid).unwrap_or(0);
+    ensure!(restored > 0, "criu reported no restored pid");
+    cleanup.pids.insert(0, restored);
+    let bytes = podmotion_agent::images::size(&dst);
+
+    let after = restored_counter(&cleanup.netns)?;
+    ensure!(
+        after >= before,
+        "the restored copy's counter went back: {before} then {after}"
+    );
+    drop(cleanup);
+    Ok(Raw {
+        node: c.node,
+        dump_ms,
+        copy_ms,
+        restore_ms,
+        bytes,
+    })
+}
+
+/// A pod's container as the agent finds it: its node, process, network namespace
+/// and stdio pipes, its external mounts, and its mounts with the root filesystem at
+/// its path in the node's mount namespace.
+struct Source {
+    node: String,
+    pid: i32,
+    ino: String,
+    stdio: Vec<mounts::StdioPipe>,
+    externals: Vec<String>,
+    holder: mounts::Holder,
+}
+
+/// The container of `pod` (on one of `nodes`), resolved through the node's
+/// containerd as the agent resolves it.
+async fn container_of(pod: &Pod, nodes: &[String]) -> anyhow::Result<Source> {
     let node = node_of(pod);
     ensure!(nodes.contains(&node), "{} on {node}", pod.name_any());
     let cid = pod
@@ -440,44 +577,44 @@ async fn raw_checkpoint_restore(pod: &Pod, work: &Work, nodes: &[String]) -> any
     let externals = mounts::dump_externals(&fs.spec, &mountinfo);
     let stdio = mounts::stdio_pipes(pid);
     let ino = netns_ino(pid)?;
-    let before: u64 = ask(&addr(pod), "get")?.parse()?;
+    Ok(Source {
+        node,
+        pid,
+        ino,
+        stdio,
+        externals,
+        holder: mounts::Holder {
+            spec: fs.spec,
+            mountinfo,
+            rootfs,
+        },
+    })
+}
 
-    let n = random_suffix();
-    let mut cleanup = RawCleanup {
-        netns: format!("pmbench-{}-{n}", work.id),
-        dir: work.shm.join(&n),
-        pids: vec![],
-    };
-    let (src, dst) = (cleanup.dir.join("src"), cleanup.dir.join("dst"));
-    std::fs::create_dir_all(&src)?;
-    let st = Command::new("ip")
-        .args(["netns", "add", &cleanup.netns])
-        .status()?;
-    ensure!(st.success(), "ip netns add {}", cleanup.netns);
-    // Restore: fd 90 the fresh netns, 91–93 stand for the shim's stdio pipes (numbers
-    // far above the RPC socket's, which the wrapper passes on).
-    let dump_criu = work.criu(&node, &format!("criu-dump-{n}"), "")?;
-    let restore_criu = work.criu(
-        &node,
-        &format!("criu-restore-{n}"),
-        &format!(
-            "90</run/netns/{} 91</dev/null 92>/dev/null 93>/dev/null",
-            cleanup.netns
-        ),
-    )?;
-    let mut dump = Opts::new(&src, "dump.log");
-    dump.pid = Some(pid);
-    dump.external = vec![format!("net[{ino}]:podnet")];
-    dump.external.extend(mounts::dump_external_args(&externals));
+/// The agent's final-dump options: its external netns and mounts, established TCP,
+/// left stopped.
+fn dump_opts(c: &Source, src: &Path) -> Opts {
+    let mut dump = Opts::new(src, "dump.log");
+    dump.pid = Some(c.pid);
+    dump.external = vec![format!("net[{}]:podnet", c.ino)];
+    dump.external
+        .extend(mounts::dump_external_args(&c.externals));
     dump.tcp_established = Some(true);
     dump.tcp_skip_in_flight = Some(true);
     dump.leave_stopped = Some(true);
-    let mut restore = Opts::new(&dst, "restore.log");
+    dump
+}
+
+/// The restore's options: the fresh netns as fd 90, the stdio pipes from 91, each
+/// external mount bound to the same source mount, the container's own root filesystem
+/// as root, `tcp-close`.
+fn restore_opts(c: &Source, dst: &Path) -> anyhow::Result<Opts> {
+    let mut restore = Opts::new(dst, "restore.log");
     restore.inherit_fd = vec![InheritFd {
         key: "podnet".into(),
         fd: 90,
     }];
-    for p in &stdio {
+    for p in &c.stdio {
         if !restore.inherit_fd.iter().any(|f| f.key == p.key) {
             restore.inherit_fd.push(InheritFd {
                 key: p.key.clone(),
@@ -485,73 +622,52 @@ async fn raw_checkpoint_restore(pod: &Pod, work: &Work, nodes: &[String]) -> any
             });
         }
     }
-    let holder = mounts::Holder {
-        spec: fs.spec.clone(),
-        mountinfo,
-        rootfs: rootfs.clone(),
-    };
     restore.external = mounts::restore_external_args(
-        &externals,
-        &holder,
+        &c.externals,
+        &c.holder,
         &HostView {
             host_root: "/".into(),
         },
     )
     .map_err(|e| anyhow::anyhow!(e))?;
-    restore.root = Some(rootfs.to_string_lossy().into_owned());
+    restore.root = Some(c.holder.rootfs.to_string_lossy().into_owned());
     restore.tcp_close = Some(true);
+    Ok(restore)
+}
 
-    // Frozen from here.
-    let t0 = Instant::now();
-    let log = src.join("dump.log");
+/// One CRIU request of `kind` (logged to `log`), off the async threads; its answer and
+/// how many ms it took.
+async fn timed_criu(
+    criu: Criu,
+    kind: i32,
+    opts: Opts,
+    log: PathBuf,
+) -> anyhow::Result<(anyhow::Result<criu::Resp>, f64)> {
+    let t = Instant::now();
     let r = tokio::task::spawn_blocking(move || {
         criu_call(
-            dump_criu,
+            criu,
             Req {
-                r#type: criu::REQ_DUMP,
-                opts: Some(dump),
+                r#type: kind,
+                opts: Some(opts),
             },
             log,
         )
     })
     .await?;
-    let dump_ms = ms(t0.elapsed());
-    // Stopped, not dead: killed when the round ends.
-    cleanup.pids.push(pid);
-    r.context("raw criu dump")?;
-    let t1 = Instant::now();
-    let st = Command::new("cp").arg("-r").arg(&src).arg(&dst).status()?;
-    let copy_ms = ms(t1.elapsed());
-    ensure!(st.success(), "cp -r");
-    let t2 = Instant::now();
-    let log = dst.join("restore.log");
-    let r = tokio::task::spawn_blocking(move || {
-        criu_call(
-            restore_criu,
-            Req {
-                r#type: criu::REQ_RESTORE,
-                opts: Some(restore),
-            },
-            log,
-        )
-    })
-    .await?;
-    let restore_ms = ms(t2.elapsed());
-    let resp = r.context("raw criu restore")?;
-    let restored = resp.restore.map(|r| r.pid).unwrap_or(0);
-    ensure!(restored > 0, "criu reported no restored pid");
-    cleanup.pids.insert(0, restored);
-    let bytes = podmotion_agent::images::size(&dst);
+    Ok((r, ms(t.elapsed())))
+}
 
-    // The restored copy serves the counter on (inside its network namespace).
+/// The counter the restored copy serves on (inside its network namespace `netns`).
+fn restored_counter(netns: &str) -> anyhow::Result<u64> {
     let answer = Command::new("ip")
-        .args(["netns", "exec", &cleanup.netns, "bash", "-c"])
+        .args(["netns", "exec", netns, "bash", "-c"])
         .arg(
             "ip link set lo up && exec 3<>/dev/tcp/127.0.0.1/8080 && echo get >&3 \
              && read -t 10 l <&3 && echo $l",
         )
         .output()?;
-    let after: u64 = String::from_utf8_lossy(&answer.stdout)
+    String::from_utf8_lossy(&answer.stdout)
         .trim()
         .parse()
         .with_context(|| {
@@ -559,19 +675,7 @@ async fn raw_checkpoint_restore(pod: &Pod, work: &Work, nodes: &[String]) -> any
                 "the restored copy's counter: {}",
                 String::from_utf8_lossy(&answer.stderr)
             )
-        })?;
-    ensure!(
-        after >= before,
-        "the restored copy's counter went back: {before} then {after}"
-    );
-    drop(cleanup);
-    Ok(Raw {
-        node,
-        dump_ms,
-        copy_ms,
-        restore_ms,
-        bytes,
-    })
+        })
 }
 
 fn ms(d: Duration) -> f64 {
@@ -637,15 +741,40 @@ async fn mig_round(
     .await?;
     // An adopted pod cannot be migrated again (the operator refuses it: `AdoptedPod`):
     // the next round migrates a fresh pod of the same Deployment.
-    pods.delete(
-        &target,
-        &DeleteParams {
-            grace_period_seconds: Some(0),
-            ..Default::default()
-        },
-    )
-    .await?;
+    delete_now(pods, &target).await?;
     let uid = created.uid().unwrap_or_default();
+    let [dumped, restored] =
+        agent_log_lines(agents_ns, &uid, ["dumped; source left stopped", "restored"]);
+    let progress = st.progress.clone().unwrap_or_default();
+    Ok(Mig {
+        from,
+        to,
+        downtime_ms: st.downtime_millis.context("status.downtimeMillis")?,
+        bytes_sent: progress.bytes_sent,
+        iterations: progress.iteration,
+        final_dump_ms: dumped.as_deref().and_then(|l| log_field(l, "dump_ms")),
+        final_dump_bytes: dumped.as_deref().and_then(|l| log_field(l, "bytes")),
+        restore_ms: restored.as_deref().and_then(|l| log_field(l, "restore_ms")),
+        total_s: whole_migration_s(&st),
+    })
+}
+
+/// Creation of the PodMigration to its final phase, as `phaseTransitionTimestamps` say.
+fn whole_migration_s(st: &PodMigrationStatus) -> i64 {
+    let stamps = &st.phase_transition_timestamps;
+    match (stamps.first(), stamps.last()) {
+        (Some(a), Some(b)) => (b.time.0 - a.time.0).get_seconds(),
+        _ => 0,
+    }
+}
+
+/// The first line of the migration agents' logs (their last 2,000 lines) about the
+/// migration `uid` that contains each of `what`.
+fn agent_log_lines<const N: usize>(
+    agents_ns: &str,
+    uid: &str,
+    what: [&str; N],
+) -> [Option<String>; N] {
     let logs = kubectl(&[
         "-n",
         agents_ns,
@@ -657,29 +786,10 @@ async fn mig_round(
         "--tail=2000",
     ]);
     let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
-    let line = |what: &str| {
+    what.map(|what| {
         logs.lines()
-            .find(|l| l.contains(&uid) && l.contains(what))
+            .find(|l| l.contains(uid) && l.contains(what))
             .map(str::to_owned)
-    };
-    let dumped = line("dumped; source left stopped");
-    let restored = line("restored");
-    let stamps = &st.phase_transition_timestamps;
-    let total_s = match (stamps.first(), stamps.last()) {
-        (Some(a), Some(b)) => (b.time.0 - a.time.0).get_seconds(),
-        _ => 0,
-    };
-    let progress = st.progress.clone().unwrap_or_default();
-    Ok(Mig {
-        from,
-        to,
-        downtime_ms: st.downtime_millis.context("status.downtimeMillis")?,
-        bytes_sent: progress.bytes_sent,
-        iterations: progress.iteration,
-        final_dump_ms: dumped.as_deref().and_then(|l| log_field(l, "dump_ms")),
-        final_dump_bytes: dumped.as_deref().and_then(|l| log_field(l, "bytes")),
-        restore_ms: restored.as_deref().and_then(|l| log_field(l, "restore_ms")),
-        total_s,
     })
 }
 
@@ -712,40 +822,7 @@ fn print_table(rows: &[Row], loads: &[String]) {
     );
     println!("|---|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|");
     for r in rows {
-        let (raw_node, raw_parts, raw_ms, raw_bytes) = match &r.raw {
-            Ok(x) => (
-                x.node.clone(),
-                format!("{:.0} / {:.0} / {:.0}", x.dump_ms, x.copy_ms, x.restore_ms),
-                format!("{:.0}", x.downtime_ms()),
-                mib(x.bytes),
-            ),
-            Err(e) => ("–".into(), format!("failed: {e}"), "–".into(), "–".into()),
-        };
-        let mig = match &r.mig {
-            Ok(m) => format!(
-                "{} → {} | {} | {} | {} / {} | {} | {} | {} | {}",
-                m.from,
-                m.to,
-                m.downtime_ms,
-                match &r.raw {
-                    Ok(x) => format!("{:.2}", m.downtime_ms as f64 / x.downtime_ms()),
-                    Err(_) => "–".into(),
-                },
-                opt(m.final_dump_ms),
-                opt(m.final_dump_bytes.map(mib)),
-                opt(m.restore_ms),
-                mib(m.bytes_sent.max(0) as u64),
-                m.iterations,
-                m.total_s
-            ),
-            Err(e) => format!("failed: {e} | – | – | – | – | – | – | –"),
-        };
-        println!(
-            "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} |",
-            r.size,
-            r.mode.name(),
-            r.round + 1
-        );
+        println!("{}", round_line(r));
     }
     println!();
     println!(
@@ -756,53 +833,95 @@ fn print_table(rows: &[Row], loads: &[String]) {
     sizes.dedup();
     for &size in &sizes {
         for mode in [Mode::Cold, Mode::PreCopy] {
-            let ok: Vec<(&Raw, &Mig)> = rows
-                .iter()
-                .filter(|r| r.size == size && r.mode == mode)
-                .filter_map(|r| Some((r.raw.as_ref().ok()?, r.mig.as_ref().ok()?)))
-                .collect();
-            let f = |v: Option<f64>, p: usize| {
-                v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "–".into())
-            };
-            println!(
-                "| {size} MiB | {} | {} | {} | {} | {} |",
-                mode.name(),
-                ok.len(),
-                f(median(ok.iter().map(|(r, _)| r.downtime_ms()).collect()), 0),
-                f(
-                    median(ok.iter().map(|(_, m)| m.downtime_ms as f64).collect()),
-                    0
-                ),
-                f(
-                    median(
-                        ok.iter()
-                            .map(|(r, m)| m.downtime_ms as f64 / r.downtime_ms())
-                            .collect()
-                    ),
-                    2
-                ),
-            );
+            println!("{}", median_line(rows, size, mode));
         }
-        // PreCopy ÷ Cold of the same round.
-        let ratios: Vec<f64> = rows
-            .iter()
-            .filter(|r| r.size == size && r.mode == Mode::PreCopy)
-            .filter_map(|p| {
-                let c = rows
-                    .iter()
-                    .find(|c| c.size == size && c.mode == Mode::Cold && c.round == p.round)?;
-                Some(
-                    p.mig.as_ref().ok()?.downtime_ms as f64
-                        / c.mig.as_ref().ok()?.downtime_ms as f64,
-                )
-            })
-            .collect();
-        println!(
-            "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} |",
-            ratios.len(),
-            median(ratios.clone())
-                .map(|v| format!("{v:.2}"))
-                .unwrap_or_else(|| "–".into())
-        );
+        println!("{}", precopy_over_cold_line(rows, size));
     }
+}
+
+/// One round's row of the first table.
+fn round_line(r: &Row) -> String {
+    let (raw_node, raw_parts, raw_ms, raw_bytes) = match &r.raw {
+        Ok(x) => (
+            x.node.clone(),
+            format!("{:.0} / {:.0} / {:.0}", x.dump_ms, x.copy_ms, x.restore_ms),
+            format!("{:.0}", x.downtime_ms()),
+            mib(x.bytes),
+        ),
+        Err(e) => ("–".into(), format!("failed: {e}"), "–".into(), "–".into()),
+    };
+    let mig = match &r.mig {
+        Ok(m) => format!(
+            "{} → {} | {} | {} | {} / {} | {} | {} | {} | {}",
+            m.from,
+            m.to,
+            m.downtime_ms,
+            match &r.raw {
+                Ok(x) => format!("{:.2}", m.downtime_ms as f64 / x.downtime_ms()),
+                Err(_) => "–".into(),
+            },
+            opt(m.final_dump_ms),
+            opt(m.final_dump_bytes.map(mib)),
+            opt(m.restore_ms),
+            mib(m.bytes_sent.max(0) as u64),
+            m.iterations,
+            m.total_s
+        ),
+        Err(e) => format!("failed: {e} | – | – | – | – | – | – | –"),
+    };
+    format!(
+        "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} |",
+        r.size,
+        r.mode.name(),
+        r.round + 1
+    )
+}
+
+/// The medians of the rounds of `size` and `mode` where both sides succeeded.
+fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
+    let ok: Vec<(&Raw, &Mig)> = rows
+        .iter()
+        .filter(|r| r.size == size && r.mode == mode)
+        .filter_map(|r| Some((r.raw.as_ref().ok()?, r.mig.as_ref().ok()?)))
+        .collect();
+    let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "–".into());
+    format!(
+        "| {size} MiB | {} | {} | {} | {} | {} |",
+        mode.name(),
+        ok.len(),
+        f(median(ok.iter().map(|(r, _)| r.downtime_ms()).collect()), 0),
+        f(
+            median(ok.iter().map(|(_, m)| m.downtime_ms as f64).collect()),
+            0
+        ),
+        f(
+            median(
+                ok.iter()
+                    .map(|(r, m)| m.downtime_ms as f64 / r.downtime_ms())
+                    .collect()
+            ),
+            2
+        ),
+    )
+}
+
+/// PreCopy ÷ Cold of the same round (PodMotion downtimes), for `size`.
+fn precopy_over_cold_line(rows: &[Row], size: u32) -> String {
+    let ratios: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.size == size && r.mode == Mode::PreCopy)
+        .filter_map(|p| {
+            let c = rows
+                .iter()
+                .find(|c| c.size == size && c.mode == Mode::Cold && c.round == p.round)?;
+            Some(p.mig.as_ref().ok()?.downtime_ms as f64 / c.mig.as_ref().ok()?.downtime_ms as f64)
+        })
+        .collect();
+    format!(
+        "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} |",
+        ratios.len(),
+        median(ratios.clone())
+            .map(|v| format!("{v:.2}"))
+            .unwrap_or_else(|| "–".into())
+    )
 }
