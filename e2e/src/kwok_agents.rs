@@ -225,6 +225,12 @@ impl KwokAgents {
     pub fn play_target(&mut self, container_id: &str) {
         let holder = self.tb.start_holder();
         self.tb.add_address_to_target();
+        // The CNI gives a new pod its routes too. The testbed set the target's once, on
+        // an address-less eth0, but the kernel flushes a device's routes when its last
+        // address goes: after `reset_target` took the pod address away, a restore there
+        // would find no route to the client ("Network is unreachable" on CRIU's
+        // reconnect of the client socket).
+        self.pod_network_up("tgt");
         self.tb.register_container(container_id, holder.pid);
     }
 
@@ -268,17 +274,19 @@ impl KwokAgents {
         self.reset_target();
         kill_cgroup(&self.tb.cgroup.join("src"));
         wait_gone(|| self.workload_processes().is_empty());
-        self.fresh_source_network();
+        self.pod_network_up("src");
         self.tb.start_workload(ballast_mib, 0).pid
     }
 
-    /// The source pod's network as a new pod's: links up, routes back. A committed
-    /// migration leaves the source's network as its final dump locked it (links down,
-    /// routes gone: the broker undoes a lock only for a live process, and a real
-    /// source pod's namespace goes with the pod), but these stand-ins reuse the
-    /// namespace for the next workload.
-    fn fresh_source_network(&self) {
-        let src = self.tb.ns("src");
+    /// A pod network namespace (`src` or `tgt`) as the testbed built it for a new pod:
+    /// eth0 up, the route to the gateway (the client's address) and the default route.
+    /// A committed migration leaves the source's network as its final dump locked it
+    /// (links down, routes gone: the broker undoes a lock only for a live process, and
+    /// a real source pod's namespace goes with the pod), and removing the target's pod
+    /// address flushes the target's routes (the last address of eth0); these stand-ins
+    /// reuse both namespaces.
+    fn pod_network_up(&self, pod: &str) {
+        let ns = self.tb.ns(pod);
         for args in [
             vec!["link", "set", "eth0", "up"],
             vec!["route", "replace", "10.213.1.1", "dev", "eth0"],
@@ -292,10 +300,14 @@ impl KwokAgents {
                 "eth0",
             ],
         ] {
-            let _ = std::process::Command::new("ip")
-                .args(["-n", &src])
+            let ok = std::process::Command::new("ip")
+                .args(["-n", &ns])
                 .args(&args)
-                .status();
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                eprintln!("kwok agents: `ip -n {ns} {}` failed", args.join(" "));
+            }
         }
     }
 

@@ -28,7 +28,12 @@
 //!   `tests/migration_full_stack.rs`), which the replicas reach through the endpoint
 //!   override. One PodMigration after another moves the process to the other node
 //!   (Cold, CRIU dump, transfer, restore), a third of them deleted at a random moment
-//!   in flight (abort and roll back, or finish when past the commit).
+//!   in flight (abort and roll back, or finish when past the commit). Before the
+//!   faults start, one live migration without faults (`live-0`: no kill, nothing
+//!   injected, not deleted) must move the process, or the run fails: a run whose
+//!   migrations all roll back under the faults would otherwise prove the rollback
+//!   and never the commit. The summary counts the migrations under faults that
+//!   committed and that rolled back (deleted in flight, or failed).
 //!
 //! Invariants, sampled every 2 s during the run: no two live agent Jobs for one target
 //! pod; at most one DaemonSet, NetworkPolicy and Secret of each kind per RunnerPool; the
@@ -102,7 +107,8 @@ const LIVE_SAMPLE_EVERY: Duration = Duration::from_millis(100);
 struct Opts {
     long: bool,
     duration: Duration,
-    kill_every: (u64, u64),
+    /// Seconds between leader kills; `None`: no kills (`--no-leader-kills`).
+    kill_every: Option<(u64, u64)>,
     share_per_mille: u32,
     api_restart: bool,
     plant_violation: bool,
@@ -115,6 +121,7 @@ fn usage() -> &'static str {
     "usage: chaos [--long] [--duration SECONDS] [--write-fault-share PER_MILLE] [--api-restart] [--seed N]\n\
      short (default): 90 s of faults, leader killed every 4-8 s; --long: 600 s, every 10-30 s.\n\
      --write-fault-share: per mille of the operators' writes answered 409/429 (default 200).\n\
+     --no-leader-kills: never kill the leader (with --write-fault-share 0: a run without faults).\n\
      --api-restart: restart the API server once halfway (hack/cluster.sh restart-component).\n\
      --plant-violation: negative control: plant a second DaemonSet of a RunnerPool; the run must fail.\n\
      --no-live-migrations: skip the PodMigrations that move a live process through process-level\n\
@@ -127,7 +134,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
     let mut o = Opts {
         long,
         duration: Duration::from_secs(if long { 600 } else { 90 }),
-        kill_every: if long { (10, 30) } else { (4, 8) },
+        kill_every: Some(if long { (10, 30) } else { (4, 8) }),
         share_per_mille: 200,
         api_restart: false,
         plant_violation: false,
@@ -146,6 +153,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
             "--api-restart" => o.api_restart = true,
             "--plant-violation" => o.plant_violation = true,
             "--no-live-migrations" => o.live = false,
+            "--no-leader-kills" => o.kill_every = None,
             "--duration" => {
                 let v = value(a)?;
                 let s: u64 = v
@@ -199,6 +207,13 @@ struct Tally {
     seen_migration_children: BTreeSet<String>,
     /// Live migrations (a process moved by the process-level agents), by outcome.
     live_outcomes: BTreeMap<String, u64>,
+    /// Live migrations under faults that moved the process, that rolled back after
+    /// the run deleted them in flight, and that rolled back by themselves (failed).
+    live_committed: u64,
+    live_rolled_back_deleted: u64,
+    live_rolled_back_failed: u64,
+    /// How the live migration without faults (before them) ended.
+    live_control: Option<String>,
     /// Live migrations deleted before they ended, by the phase they were deleted in.
     live_deleted_in: BTreeMap<String, u64>,
     /// Samples of the live workload's processes (exactly one copy, at most one running).
@@ -456,11 +471,12 @@ async fn run_replicas(
     client: Client,
     tally: Shared,
     mut phase: watch::Receiver<Phase>,
-    kill_every: (u64, u64),
+    kill_every: Option<(u64, u64)>,
     seed: u64,
     ids: Arc<Mutex<Vec<String>>>,
 ) {
     let mut rng = Rng::new(seed ^ 0x6b69_6c6c);
+    let (kills, kill_every) = (kill_every.is_some(), kill_every.unwrap_or((1, 1)));
     let mut next_kill = Instant::now() + Duration::from_secs(rng.range(kill_every.0, kill_every.1));
     let mut killed_at: Option<(Instant, String)> = None;
     loop {
@@ -507,7 +523,7 @@ async fn run_replicas(
                 .push(at.elapsed().as_secs_f64());
             killed_at = None;
         }
-        if now_phase == Phase::Chaos && Instant::now() >= next_kill {
+        if kills && now_phase == Phase::Chaos && Instant::now() >= next_kill {
             next_kill = Instant::now() + Duration::from_secs(rng.range(kill_every.0, kill_every.1));
             match holder
                 .as_ref()
@@ -688,6 +704,9 @@ fn record_deletion(tally: &Shared, kind: &'static str, name: String, uid: String
 struct Live {
     agents: Arc<Mutex<KwokAgents>>,
     watching: Arc<AtomicBool>,
+    /// The last migration moved the process: the next round starts a fresh workload
+    /// in the pod that now holds it.
+    fresh: Arc<AtomicBool>,
 }
 
 /// Samples the live workload's processes every [`LIVE_SAMPLE_EVERY`] until `stop`:
@@ -805,226 +824,300 @@ async fn live_rounds(
     phase: watch::Receiver<Phase>,
 ) -> anyhow::Result<()> {
     let mut rng = Rng::new(seed ^ 0x6c69_7665);
-    let migs: Api<PodMigration> = Api::namespaced(client.clone(), &n.app);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &n.app);
-    let mut fresh = false;
     let mut settle_at: Option<Instant> = None;
     for round in 1.. {
         if *phase.borrow() != Phase::Chaos {
             break;
         }
-        let pod = live_pod(client, n).await?;
-        let cid = container_id(&pod).unwrap_or_default();
-        if fresh {
-            live.watching.store(false, Ordering::Relaxed);
-            let agents = live.agents.clone();
-            let cid = cid.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut a = agents.lock().unwrap();
-                let pid = a.fresh_workload(LIVE_BALLAST_MIB);
-                a.tb.register_container(&cid, pid);
-            })
-            .await?;
-            live.watching.store(true, Ordering::Relaxed);
-            fresh = false;
-        }
-        let source_node = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.clone())
-            .unwrap_or_default();
-        let target_node = MIG_NODES
-            .iter()
-            .find(|n| **n != source_node)
-            .copied()
-            .unwrap_or(MIG_NODES[0]);
-        let agents = live.agents.clone();
-        let (mut conn, before) = tokio::task::spawn_blocking(move || {
-            let a = agents.lock().unwrap();
-            let mut c = a.tb.connect_timeout(Duration::from_secs(5))?;
-            let (v, _) = read_counter(&a, &mut c)?;
-            anyhow::Ok((c, v))
-        })
-        .await??;
-
-        let name = format!("live-{round}");
-        let t0 = Instant::now();
-        loop {
-            match migs
-                .create(
-                    &PostParams::default(),
-                    &live_migration(&name, &pod.name_any(), target_node),
-                )
-                .await
-            {
-                Ok(_) => break,
-                Err(e) if t0.elapsed() > CONVERGENCE => {
-                    bail!("creating PodMigration {name}: {e}")
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-            }
-        }
         let delete_after =
             (rng.range(0, 2) == 0).then(|| Duration::from_millis(rng.range(0, 5000)));
-        let (mut target_pod, mut played, mut deleted) = (None::<String>, false, false);
-        let mut final_phase = None;
-        let mut last_status = String::new();
-        let started = Instant::now();
-        loop {
-            if *phase.borrow() != Phase::Chaos && settle_at.is_none() {
-                settle_at = Some(Instant::now());
-            }
-            if started.elapsed() > Duration::from_secs(180) {
-                let logs = live.agents.lock().unwrap().logs();
-                bail!(
-                    "PodMigration {name} did not end within 180 s (deleted: {deleted}); status {last_status}\n{logs}"
-                );
-            }
-            let m = match migs.get_opt(&name).await {
-                Ok(m) => m,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            };
-            let st = m.as_ref().and_then(|m| m.status.clone());
-            if let Some(st) = &st {
-                last_status = format!("{:?} {:?}", st.phase, st.failure_message);
-            }
-            if target_pod.is_none() {
-                target_pod = st.as_ref().and_then(|s| s.target_pod.clone());
-            }
-            if let (Some(t), false) = (&target_pod, played)
-                && let Ok(Some(p)) = pods.get_opt(t).await
-                && let Some(tcid) = container_id(&p)
-            {
-                let agents = live.agents.clone();
-                tokio::task::spawn_blocking(move || agents.lock().unwrap().play_target(&tcid))
-                    .await?;
-                played = true;
-            }
-            if let Some(after) = delete_after
-                && !deleted
-                && started.elapsed() >= after
-                && m.is_some()
-            {
-                let at = st
-                    .as_ref()
-                    .map(|s| format!("{:?}", s.phase))
-                    .unwrap_or_else(|| "no status".into());
-                if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
-                    deleted = true;
-                    let uid = m.as_ref().and_then(|m| m.uid()).unwrap_or_default();
-                    record_deletion(tally, "PodMigration", name.clone(), uid);
-                    *tally.lock().unwrap().live_deleted_in.entry(at).or_default() += 1;
-                }
-            }
-            match (&m, &st) {
-                (None, _) if deleted => break,
-                (Some(_), Some(s)) if !deleted && terminal(&s.phase) => {
-                    final_phase = Some(format!(
-                        "{:?}{}",
-                        s.phase,
-                        s.failure_reason
-                            .as_deref()
-                            .map(|r| format!(": {r}"))
-                            .unwrap_or_default()
-                    ));
-                    break;
-                }
-                _ => {}
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        if let Some(at) = settle_at {
-            tally.lock().unwrap().live_settle_secs = Some(at.elapsed().as_secs_f64());
-            if at.elapsed() > CONVERGENCE {
-                violation(
-                    tally,
-                    format!(
-                        "PodMigration {name} ended {:.0} s after the last fault",
-                        at.elapsed().as_secs_f64()
-                    ),
-                );
-            }
-        }
-
-        // Which pod Kubernetes keeps says where the one copy must run.
-        let kept = live_pod(client, n).await?;
-        let side = if kept.name_any() == pod.name_any() {
-            PodSide::Source
-        } else if Some(kept.name_any()) == target_pod {
-            PodSide::Target
-        } else {
-            bail!(
-                "after {name} the live workload's pod is {}, neither the source {} nor the target {target_pod:?}",
-                kept.name_any(),
-                pod.name_any()
-            );
-        };
-        let agents = live.agents.clone();
-        let tally2 = tally.clone();
-        let name2 = name.clone();
-        tokio::task::spawn_blocking(move || {
-            let a = agents.lock().unwrap();
-            check_live_round(&a, &tally2, &name2, side, &mut conn, before)
-        })
+        let end = live_round(
+            client,
+            n,
+            live,
+            tally,
+            &format!("live-{round}"),
+            delete_after,
+            Some((&phase, &mut settle_at)),
+        )
         .await?;
-        // Cleanup zeroized and removed every checkpoint image on both nodes.
-        let t0 = Instant::now();
-        loop {
-            let left = live.agents.lock().unwrap().checkpoint_files();
-            if left.is_empty() {
-                tally.lock().unwrap().live_round_checks += 1;
-                break;
-            }
-            if t0.elapsed() > CONVERGENCE {
-                violation(
-                    tally,
-                    format!("checkpoint images left {CONVERGENCE:?} after {name} ended: {left:?}"),
-                );
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        let outcome = match (side, deleted) {
-            (PodSide::Target, false) => "moved the process".to_string(),
-            (PodSide::Target, true) => "moved the process (deleted after the commit)".into(),
-            (PodSide::Source, true) => "rolled back (deleted in flight)".into(),
-            (PodSide::Source, false) => {
-                format!("rolled back ({})", final_phase.unwrap_or_default())
-            }
-        };
-        eprintln!("[chaos] live migration {name}: {outcome}; last status {last_status}");
-        *tally
-            .lock()
-            .unwrap()
-            .live_outcomes
-            .entry(outcome)
-            .or_default() += 1;
-        if !deleted {
-            let uid = migs
-                .get_opt(&name)
-                .await
-                .ok()
-                .flatten()
-                .and_then(|m| m.uid())
-                .unwrap_or_default();
-            if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
-                record_deletion(tally, "PodMigration", name.clone(), uid);
-            }
-        }
-        match side {
-            // The next round starts a fresh workload in the pod that now holds it.
-            PodSide::Target => fresh = true,
-            // The source runs on: only the target's holder and address go.
-            PodSide::Source => {
-                let agents = live.agents.clone();
-                tokio::task::spawn_blocking(move || agents.lock().unwrap().reset_target()).await?;
-            }
+        let mut t = tally.lock().unwrap();
+        *t.live_outcomes.entry(end.outcome).or_default() += 1;
+        match (end.committed, end.deleted) {
+            (true, _) => t.live_committed += 1,
+            (false, true) => t.live_rolled_back_deleted += 1,
+            (false, false) => t.live_rolled_back_failed += 1,
         }
     }
     Ok(())
+}
+
+/// How one live migration ended.
+struct RoundEnd {
+    /// The process runs in the target pod (the migration committed).
+    committed: bool,
+    /// The run deleted the PodMigration before it ended.
+    deleted: bool,
+    /// What the summary counts it as.
+    outcome: String,
+}
+
+/// One live migration of the workload to the other kwok node (deleted `delete_after`
+/// its creation, if given) and the checks after it: the workload runs exactly once, in
+/// the pod Kubernetes keeps, its counter continued; no checkpoint image is left.
+/// `faults` (the run's phase and when it left `Chaos`) is given for the rounds under
+/// faults: the migration in flight at the last fault must end within CONVERGENCE.
+async fn live_round(
+    client: &Client,
+    n: &Names,
+    live: &Live,
+    tally: &Shared,
+    name: &str,
+    delete_after: Option<Duration>,
+    mut faults: Option<(&watch::Receiver<Phase>, &mut Option<Instant>)>,
+) -> anyhow::Result<RoundEnd> {
+    let name = name.to_string();
+    let migs: Api<PodMigration> = Api::namespaced(client.clone(), &n.app);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &n.app);
+    let mut pod = live_pod(client, n).await?;
+    if live.fresh.load(Ordering::Relaxed) {
+        live.watching.store(false, Ordering::Relaxed);
+        // The pod the last migration handed over is adopted (PID 1 of its container
+        // is PodMotion's holder): a PodMigration of it is refused (`AdoptedPod`) and
+        // would stay Pending to its deadline. As docs/migration-controller.md tells
+        // users: delete it, and its ReplicaSet makes an ordinary pod.
+        pods.delete(&pod.name_any(), &DeleteParams::default().grace_period(0))
+            .await
+            .with_context(|| format!("deleting the adopted pod {}", pod.name_any()))?;
+        let old = pod.name_any();
+        let t0 = Instant::now();
+        pod = loop {
+            let p = live_pod(client, n).await?;
+            if p.name_any() != old {
+                break p;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < CONVERGENCE,
+                "the adopted pod {old} was not replaced within {CONVERGENCE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        let cid = container_id(&pod).unwrap_or_default();
+        let agents = live.agents.clone();
+        let cid = cid.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut a = agents.lock().unwrap();
+            let pid = a.fresh_workload(LIVE_BALLAST_MIB);
+            a.tb.register_container(&cid, pid);
+        })
+        .await?;
+        live.watching.store(true, Ordering::Relaxed);
+        live.fresh.store(false, Ordering::Relaxed);
+    }
+    let pod = pod;
+    let source_node = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default();
+    let target_node = MIG_NODES
+        .iter()
+        .find(|n| **n != source_node)
+        .copied()
+        .unwrap_or(MIG_NODES[0]);
+    let agents = live.agents.clone();
+    let (mut conn, before) = tokio::task::spawn_blocking(move || {
+        let a = agents.lock().unwrap();
+        let mut c = a.tb.connect_timeout(Duration::from_secs(5))?;
+        let (v, _) = read_counter(&a, &mut c)?;
+        anyhow::Ok((c, v))
+    })
+    .await??;
+
+    let t0 = Instant::now();
+    loop {
+        match migs
+            .create(
+                &PostParams::default(),
+                &live_migration(&name, &pod.name_any(), target_node),
+            )
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if t0.elapsed() > CONVERGENCE => {
+                bail!("creating PodMigration {name}: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+    let (mut target_pod, mut played, mut deleted) = (None::<String>, false, false);
+    let mut final_phase = None;
+    let mut last_status = String::new();
+    let started = Instant::now();
+    loop {
+        if let Some((phase, settle_at)) = &mut faults
+            && *phase.borrow() != Phase::Chaos
+            && settle_at.is_none()
+        {
+            **settle_at = Some(Instant::now());
+        }
+        if started.elapsed() > Duration::from_secs(180) {
+            let logs = live.agents.lock().unwrap().logs();
+            bail!(
+                "PodMigration {name} did not end within 180 s (deleted: {deleted}); status {last_status}\n{logs}"
+            );
+        }
+        let m = match migs.get_opt(&name).await {
+            Ok(m) => m,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let st = m.as_ref().and_then(|m| m.status.clone());
+        if let Some(st) = &st {
+            // Why it waits, if it does (Pending: not Migratable, or Stalled).
+            let waits: Vec<String> = st
+                .conditions
+                .iter()
+                .filter(|c| {
+                    (c.type_ == ct::MIGRATABLE && c.status != "True")
+                        || (c.type_ == ct::STALLED && c.status == "True")
+                })
+                .map(|c| format!("{}={} {}: {}", c.type_, c.status, c.reason, c.message))
+                .collect();
+            last_status = format!("{:?} {:?} {waits:?}", st.phase, st.failure_message);
+        }
+        if target_pod.is_none() {
+            target_pod = st.as_ref().and_then(|s| s.target_pod.clone());
+        }
+        if let (Some(t), false) = (&target_pod, played)
+            && let Ok(Some(p)) = pods.get_opt(t).await
+            && let Some(tcid) = container_id(&p)
+        {
+            let agents = live.agents.clone();
+            tokio::task::spawn_blocking(move || agents.lock().unwrap().play_target(&tcid)).await?;
+            played = true;
+        }
+        if let Some(after) = delete_after
+            && !deleted
+            && started.elapsed() >= after
+            && m.is_some()
+        {
+            let at = st
+                .as_ref()
+                .map(|s| format!("{:?}", s.phase))
+                .unwrap_or_else(|| "no status".into());
+            if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
+                deleted = true;
+                let uid = m.as_ref().and_then(|m| m.uid()).unwrap_or_default();
+                record_deletion(tally, "PodMigration", name.clone(), uid);
+                *tally.lock().unwrap().live_deleted_in.entry(at).or_default() += 1;
+            }
+        }
+        match (&m, &st) {
+            (None, _) if deleted => break,
+            (Some(_), Some(s)) if !deleted && terminal(&s.phase) => {
+                final_phase = Some(format!(
+                    "{:?}{}",
+                    s.phase,
+                    s.failure_reason
+                        .as_deref()
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default()
+                ));
+                break;
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if let Some((_, Some(at))) = &faults {
+        tally.lock().unwrap().live_settle_secs = Some(at.elapsed().as_secs_f64());
+        if at.elapsed() > CONVERGENCE {
+            violation(
+                tally,
+                format!(
+                    "PodMigration {name} ended {:.0} s after the last fault",
+                    at.elapsed().as_secs_f64()
+                ),
+            );
+        }
+    }
+
+    // Which pod Kubernetes keeps says where the one copy must run.
+    let kept = live_pod(client, n).await?;
+    let side = if kept.name_any() == pod.name_any() {
+        PodSide::Source
+    } else if Some(kept.name_any()) == target_pod {
+        PodSide::Target
+    } else {
+        bail!(
+            "after {name} the live workload's pod is {}, neither the source {} nor the target {target_pod:?}",
+            kept.name_any(),
+            pod.name_any()
+        );
+    };
+    let agents = live.agents.clone();
+    let tally2 = tally.clone();
+    let name2 = name.clone();
+    tokio::task::spawn_blocking(move || {
+        let a = agents.lock().unwrap();
+        check_live_round(&a, &tally2, &name2, side, &mut conn, before)
+    })
+    .await?;
+    // Cleanup zeroized and removed every checkpoint image on both nodes.
+    let t0 = Instant::now();
+    loop {
+        let left = live.agents.lock().unwrap().checkpoint_files();
+        if left.is_empty() {
+            tally.lock().unwrap().live_round_checks += 1;
+            break;
+        }
+        if t0.elapsed() > CONVERGENCE {
+            violation(
+                tally,
+                format!("checkpoint images left {CONVERGENCE:?} after {name} ended: {left:?}"),
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let outcome = match (side, deleted) {
+        (PodSide::Target, false) => "moved the process".to_string(),
+        (PodSide::Target, true) => "moved the process (deleted after the commit)".into(),
+        (PodSide::Source, true) => "rolled back (deleted in flight)".into(),
+        (PodSide::Source, false) => {
+            format!("rolled back ({})", final_phase.unwrap_or_default())
+        }
+    };
+    eprintln!("[chaos] live migration {name}: {outcome}; last status {last_status}");
+    if !deleted {
+        let uid = migs
+            .get_opt(&name)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|m| m.uid())
+            .unwrap_or_default();
+        if migs.delete(&name, &DeleteParams::default()).await.is_ok() {
+            record_deletion(tally, "PodMigration", name.clone(), uid);
+        }
+    }
+    match side {
+        // The next round starts a fresh workload in the pod that now holds it.
+        PodSide::Target => live.fresh.store(true, Ordering::Relaxed),
+        // The source runs on: only the target's holder and address go.
+        PodSide::Source => {
+            let agents = live.agents.clone();
+            tokio::task::spawn_blocking(move || agents.lock().unwrap().reset_target()).await?;
+        }
+    }
+    Ok(RoundEnd {
+        committed: side == PodSide::Target,
+        deleted,
+        outcome,
+    })
 }
 
 /// After a live migration ended: exactly one copy runs, in the pod on `side`; its
@@ -1849,6 +1942,8 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
     }
     let stop_live_sampler = Arc::new(AtomicBool::new(false));
     let mut live_sampler_thread = None;
+    // The live agents, kept to save their logs whatever the run's end.
+    let mut live_agents = None;
 
     let res = async {
         let mig_pods = setup(&client, &n, o.live).await?;
@@ -1866,7 +1961,9 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
             let live = Live {
                 agents: Arc::new(Mutex::new(agents)),
                 watching: Arc::new(AtomicBool::new(true)),
+                fresh: Arc::new(AtomicBool::new(false)),
             };
+            live_agents = Some(live.agents.clone());
             let (marker, watching, stop, t) = (
                 live.agents.lock().unwrap().marker(),
                 live.watching.clone(),
@@ -1937,6 +2034,31 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
             baseline.unwrap_or_default().as_secs_f64()
         );
 
+        // The control: one live migration without faults (no kill, nothing injected,
+        // not deleted) must move the process. Without it, a run whose migrations all
+        // roll back under the faults cannot tell the faults from a harness or product
+        // that never commits.
+        if let Some(l) = &live {
+            let end = live_round(&client, &n, l, &tally, "live-0", None, None).await;
+            let outcome = match end {
+                Ok(end) if end.committed => end.outcome,
+                Ok(end) => {
+                    violation(
+                        &tally,
+                        format!(
+                            "the live migration without faults (live-0) did not move the process: {}",
+                            end.outcome
+                        ),
+                    );
+                    end.outcome
+                }
+                Err(e) => {
+                    violation(&tally, format!("live migration without faults: {e:#}"));
+                    format!("error: {e:#}")
+                }
+            };
+            tally.lock().unwrap().live_control = Some(outcome);
+        }
         if o.plant_violation {
             plant_violation(&client, &n).await?;
         }
@@ -1961,6 +2083,7 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
                 Live {
                     agents: l.agents.clone(),
                     watching: l.watching.clone(),
+                    fresh: l.fresh.clone(),
                 },
                 tally.clone(),
                 o.seed,
@@ -2016,6 +2139,12 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
     stop_live_sampler.store(true, Ordering::Relaxed);
     if let Some(t) = live_sampler_thread {
         let _ = t.join();
+    }
+    if let Some(a) = live_agents {
+        let a = a.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, node) in MIG_NODES.iter().enumerate() {
+            let _ = std::fs::write(dir.join(format!("agent-{node}.log")), a.tb.agent_log(i));
+        }
     }
     let (proxy, baseline, conv, faults_secs) = match res {
         Ok(v) => v,
@@ -2107,6 +2236,28 @@ async fn run(o: Opts) -> anyhow::Result<bool> {
         );
     }
     if o.live {
+        println!(
+            "{:<44} {:>8}",
+            "live migration without faults (live-0)",
+            t.live_control.as_deref().unwrap_or("-")
+        );
+        println!(
+            "{:<44} {:>8}",
+            "live under faults: committed / rolled back",
+            format!(
+                "{} / {}",
+                t.live_committed,
+                t.live_rolled_back_deleted + t.live_rolled_back_failed
+            )
+        );
+        println!(
+            "{:<44} {:>8}",
+            "  rolled back: deleted in flight / failed",
+            format!(
+                "{} / {}",
+                t.live_rolled_back_deleted, t.live_rolled_back_failed
+            )
+        );
         println!(
             "{:<44} {:>8}",
             "live: client connection kept / reopened",
