@@ -934,3 +934,109 @@ fn broker_binary_refuses_to_hand_off_more_sockets_than_it_can_carry() {
         c.call(&Request::Forget { uid }).unwrap();
     }
 }
+
+/// The restore fence on the real broker binary: a fenced source (frozen, locked, the
+/// fence journalled) is killed, never resumed, when the agent's connection ends (the
+/// agent died) and when a broker restarts on the run directory its predecessor left.
+#[test]
+fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let mut b = BrokerProcess::start("fence");
+    let procs = b.cgroup.join("pod/cgroup.procs");
+    for restart in [false, true] {
+        let mut child = KillOnDrop(
+            Command::new("unshare")
+                .args(["-n", "sh", "-c"])
+                .arg(format!(
+                    "echo $$ > {}; ip link set lo up; exec sleep 120",
+                    procs.display()
+                ))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let pid = child.0.id() as i32;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map_or(true, |c| c.trim() != "sleep")
+        {
+            assert!(Instant::now() < deadline, "source never settled");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let process = podmotion_wire::ids::ProcRef {
+            pid,
+            start_time: procfs::start_time(pid).unwrap(),
+        };
+        let mut c = BrokerClient::connect(&b.socket).unwrap();
+        let uid = MigrationUid::parse(if restart { "m-fence-r" } else { "m-fence-l" }).unwrap();
+        c.call(&Request::Register {
+            uid: uid.clone(),
+            role: BrokerRole::Source,
+            process,
+        })
+        .unwrap();
+        c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
+        assert_eq!(
+            c.call(&Request::Fence { uid: uid.clone() }).unwrap(),
+            Reply::Done
+        );
+        let refused = c.call(&Request::Resume { uid: uid.clone() }).unwrap_err();
+        assert_eq!(refused.kind, ErrorKind::Fenced, "{refused}");
+        assert_eq!(proc_state(pid), "T", "a fenced source is not resumed");
+        if restart {
+            // The broker dies with the source fenced; a new one starts on its run dir.
+            b.child.kill().unwrap();
+            b.child.wait().unwrap();
+            drop(c);
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(proc_state(pid), "T", "nothing acts without a broker");
+            b.child = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+                .arg("--socket")
+                .arg(&b.socket)
+                .arg("--run-dir")
+                .arg(b.dir.join("run"))
+                .arg("--pods-cgroup-root")
+                .arg(format!(
+                    "/{}",
+                    b.cgroup.file_name().unwrap().to_string_lossy()
+                ))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+        } else {
+            // The agent's connection ends: its lease is lost.
+            drop(c);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = proc_state(pid);
+            assert!(
+                st != "S" && st != "R",
+                "the fenced source was resumed (state {st})"
+            );
+            if st == "Z" || st.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the fenced source was not killed (restart: {restart}; state {st})"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.0.wait();
+        let journal: Vec<_> = std::fs::read_dir(b.dir.join("run/netns/.journal"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(journal.is_empty(), "journal left behind: {journal:?}");
+    }
+}
