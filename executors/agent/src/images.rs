@@ -50,19 +50,29 @@ fn zero_files(dir: &Path) -> std::io::Result<()> {
         if ft.is_dir() {
             zero_files(&e.path())?;
         } else if ft.is_file() {
-            let len = e.metadata()?.len();
-            let mut f = std::fs::OpenOptions::new().write(true).open(e.path())?;
-            let zeros = vec![0u8; 1 << 20];
-            let mut left = len;
-            while left > 0 {
-                let n = left.min(zeros.len() as u64) as usize;
-                f.write_all(&zeros[..n])?;
-                left -= n as u64;
-            }
-            f.sync_all()?;
+            zeroize_file(&e.path())?;
         }
     }
     Ok(())
+}
+
+/// Overwrites one regular file with zeros (it stays, its length kept); never follows
+/// a link.
+pub fn zeroize_file(p: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(p)?;
+    let len = f.metadata()?.len();
+    let zeros = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(zeros.len() as u64) as usize;
+        f.write_all(&zeros[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()
 }
 
 /// Zeroizes everything under the root (agent start).

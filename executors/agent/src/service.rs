@@ -750,10 +750,17 @@ impl Agent {
         let stream =
             futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
         let summary = client.receive_images(stream).await;
-        let (sent, paths) = producer
+        let produced = producer
             .await
-            .map_err(|e| Status::internal(e.to_string()))??;
-        let summary = summary?.into_inner();
+            .map_err(|e| Status::internal(e.to_string()))?;
+        // The target's own error first: a target that refused the stream closed it,
+        // and the producer's "target closed the stream" says nothing of why.
+        let ((sent, paths), summary) = match (produced, summary) {
+            (Err(e), Err(target)) if e.message() == TARGET_CLOSED => return Err(target),
+            (Err(e), _) => return Err(e),
+            (Ok(_), Err(target)) => return Err(target),
+            (Ok(p), Ok(s)) => (p, s.into_inner()),
+        };
         if summary.bytes != sent {
             return Err(Status::data_loss(format!(
                 "target stored {} of {sent} bytes",
@@ -777,6 +784,12 @@ impl Agent {
         Ok(m.status())
     }
 
+    /// Receives one image stream on the target. The stream is stored by a task of its
+    /// own that holds the migration until the stream ends, however it ends: a gRPC
+    /// handler whose stream is cut (the source's `Send` abandoned when the operator's
+    /// leader was killed) is dropped by the HTTP/2 server, and a receive dropped with it
+    /// left the migration `Receiving` with half-written files that the next `Send`'s
+    /// stream (every file from offset 0) was refused on ("offset 0 but have N").
     async fn receive_impl(
         &self,
         caller: Result<Peer, IdentityError>,
@@ -786,8 +799,8 @@ impl Agent {
             return Err(Status::invalid_argument("empty image stream"));
         };
         let found = self.get(&first.migration_uid).ok();
-        let m = match &found {
-            Some(m) => Some(m.lock().await),
+        let m = match found {
+            Some(m) => Some(m.lock_owned().await),
             None => None,
         };
         // Before anything is written: only the peer named at Prepare streams here (an
@@ -803,99 +816,11 @@ impl Agent {
             tracing::warn!(uid = %first.migration_uid, denied = %d, "image stream refused");
             return Err(d.into());
         }
-        let mut m = m.expect("authorized streams name a known migration");
+        let m = m.expect("authorized streams name a known migration");
         admit(m.role, m.phase, Step::Receive)?;
-        // The stream's header (its first chunk) carries the stream id.
-        let sealer = Arc::new(
-            Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?,
-        );
-        m.phase = Phase::Receiving;
-        let dir = m.dir.clone();
-        // This task takes chunks off the connection; a blocking thread opens and
-        // writes them, so the network side never waits for the decryption or tmpfs.
-        let (wtx, mut wrx) = tokio::sync::mpsc::channel::<ImageChunk>(RECEIVE_QUEUE);
-        let writer = {
-            let dir = dir.clone();
-            let sealer = sealer.clone();
-            tokio::task::spawn_blocking(move || -> Result<(u64, u64), Status> {
-                let mut store = Store::new(&dir);
-                while let Some(mut c) = wrx.blocking_recv() {
-                    transfer::check_image_path(&c.path)
-                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                    let mut plain = std::mem::take(&mut c.sealed);
-                    sealer
-                        .open_in_place(c.seq, &c.path, c.offset, false, &mut plain)
-                        .map_err(|e| Status::permission_denied(e.to_string()))?;
-                    store.put(&c, plain)?;
-                }
-                Ok((store.files, store.bytes))
-            })
-        };
-        let mut next = Some(first);
-        let mut seq = 0u64;
-        let uid = m.uid.to_string();
-        let read: Result<Vec<u8>, Status> = async {
-            loop {
-                let c = match next.take() {
-                    Some(c) => c,
-                    None => s
-                        .message()
-                        .await?
-                        .ok_or_else(|| Status::data_loss("stream ended without its final chunk"))?,
-                };
-                if c.seq != seq || c.migration_uid != uid {
-                    return Err(Status::invalid_argument(
-                        "chunk out of order or for another migration",
-                    ));
-                }
-                seq += 1;
-                if c.end {
-                    return Ok(c.sealed);
-                }
-                if wtx.send(c).await.is_err() {
-                    // The writer stopped on an error; it says which below.
-                    return Ok(vec![]);
-                }
-            }
-        }
-        .await;
-        drop(wtx);
-        let written = writer
+        tokio::spawn(receive_locked(m, first, s))
             .await
-            .map_err(|e| Status::internal(format!("image writer: {e}")));
-        // The stream ends well only if every chunk opened and was stored, and its final
-        // chunk authenticates the count.
-        let res: Result<(u64, u64), Status> = (|| {
-            let (files, bytes) = written??;
-            let end = read?;
-            let count = sealer
-                .open(seq - 1, "", 0, true, &end)
-                .map_err(|e| Status::permission_denied(e.to_string()))?;
-            if count != (seq - 1).to_be_bytes() {
-                return Err(Status::data_loss("chunk count mismatch"));
-            }
-            Ok((files, bytes))
-        })();
-        let (files, bytes) = match res {
-            Ok(r) => r,
-            Err(e) => {
-                // Never keep half an image: zeroize and start over on the next attempt.
-                let _ = images::zeroize(&dir);
-                let _ = images::create(&self.cfg.checkpoints_root, m.uid.as_str());
-                m.phase = Phase::Prepared;
-                return Err(e);
-            }
-        };
-        m.bytes_received += bytes;
-        m.image_bytes = images::size(&dir);
-        // Pre-copy rounds arrive first; the round carrying the manifest is the last.
-        m.phase = if dir.join("manifest.json").exists() {
-            Phase::Received
-        } else {
-            Phase::Receiving
-        };
-        Ok(ReceiveSummary { files, bytes })
+            .map_err(|e| Status::internal(format!("receive task: {e}")))?
     }
 
     /// Restores the received tree on the target. The restore runs to its end in a task
@@ -1613,6 +1538,138 @@ fn container_restore(
     Ok(Some(fds))
 }
 
+/// Stores one image stream (its first chunk already read) into the migration's
+/// checkpoint dir, holding the migration to the stream's end. A stream that does not
+/// end complete and verified (cut, refused, a chunk that does not open) leaves what was
+/// there before it: the files it created or replaced are zeroized and removed, and the
+/// phase is the one it found, so the next `Send` (a new stream) starts from the same
+/// state the source records; earlier pre-copy rounds, which the source counts as sent,
+/// stay.
+async fn receive_locked(
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+    first: ImageChunk,
+    mut s: Streaming<ImageChunk>,
+) -> Result<ReceiveSummary, Status> {
+    // The stream's header (its first chunk) carries the stream id.
+    let sealer = Arc::new(
+        Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?,
+    );
+    let before = m.phase;
+    m.phase = Phase::Receiving;
+    let dir = m.dir.clone();
+    // This task takes chunks off the connection; a blocking thread opens and
+    // writes them, so the network side never waits for the decryption or tmpfs.
+    let (wtx, mut wrx) = tokio::sync::mpsc::channel::<ImageChunk>(RECEIVE_QUEUE);
+    let writer = {
+        let dir = dir.clone();
+        let sealer = sealer.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut store = Store::new(&dir);
+            let res = (|| -> Result<(u64, u64), Status> {
+                while let Some(mut c) = wrx.blocking_recv() {
+                    transfer::check_image_path(&c.path)
+                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    let mut plain = std::mem::take(&mut c.sealed);
+                    sealer
+                        .open_in_place(c.seq, &c.path, c.offset, false, &mut plain)
+                        .map_err(|e| Status::permission_denied(e.to_string()))?;
+                    store.put(&c, plain)?;
+                }
+                Ok((store.files, store.bytes))
+            })();
+            (store.written(), res)
+        })
+    };
+    let mut next = Some(first);
+    let mut seq = 0u64;
+    let uid = m.uid.to_string();
+    let read: Result<Vec<u8>, Status> = async {
+        loop {
+            let c = match next.take() {
+                Some(c) => c,
+                None => s
+                    .message()
+                    .await?
+                    .ok_or_else(|| Status::data_loss("stream ended without its final chunk"))?,
+            };
+            if c.seq != seq || c.migration_uid != uid {
+                return Err(Status::invalid_argument(
+                    "chunk out of order or for another migration",
+                ));
+            }
+            seq += 1;
+            if c.end {
+                return Ok(c.sealed);
+            }
+            if wtx.send(c).await.is_err() {
+                // The writer stopped on an error; it says which below.
+                return Ok(vec![]);
+            }
+        }
+    }
+    .await;
+    drop(wtx);
+    drop(s);
+    let (written, stored) = match writer.await {
+        Ok((w, r)) => (Some(w), r),
+        Err(e) => (None, Err(Status::internal(format!("image writer: {e}")))),
+    };
+    // The stream ends well only if every chunk opened and was stored, and its final
+    // chunk authenticates the count.
+    let res: Result<(u64, u64), Status> = (|| {
+        let (files, bytes) = stored?;
+        let end = read?;
+        let count = sealer
+            .open(seq - 1, "", 0, true, &end)
+            .map_err(|e| Status::permission_denied(e.to_string()))?;
+        if count != (seq - 1).to_be_bytes() {
+            return Err(Status::data_loss("chunk count mismatch"));
+        }
+        Ok((files, bytes))
+    })();
+    let (files, bytes) = match res {
+        Ok(r) => r,
+        Err(e) => {
+            // Never keep half an image: what this stream wrote goes (zeroized); what
+            // earlier streams stored stays, as the source counts it sent.
+            let undone = match written {
+                Some(w) => blocking(move || {
+                    w.undo(&dir);
+                    Ok(())
+                })
+                .await
+                .ok(),
+                None => None,
+            };
+            if undone.is_none() {
+                // The writer panicked: what it wrote is unknown, so nothing stays.
+                let _ = images::zeroize(&m.dir);
+                if let Some(root) = m.dir.parent() {
+                    let _ = images::create(root, m.uid.as_str());
+                }
+            }
+            m.image_bytes = images::size(&m.dir);
+            m.phase = if undone.is_some() {
+                before
+            } else {
+                Phase::Prepared
+            };
+            tracing::warn!(uid = %m.uid, error = %e, "image stream not stored; its files removed");
+            return Err(e);
+        }
+    };
+    m.bytes_received += bytes;
+    m.image_bytes = images::size(&dir);
+    // Pre-copy rounds arrive first; the round carrying the manifest is the last.
+    m.phase = if dir.join("manifest.json").exists() {
+        Phase::Received
+    } else {
+        Phase::Receiving
+    };
+    Ok(ReceiveSummary { files, bytes })
+}
+
 /// The sealer of one outgoing image stream (every Send, every retry): a fresh random
 /// stream id, so no two streams under the migration key share a nonce.
 fn stream_sealer(key: &[u8], uid: &str) -> Result<Sealer, Status> {
@@ -1628,6 +1685,8 @@ struct Store<'a> {
     dir: &'a Path,
     /// Files created from a delta base in this stream; their chunks patch in place.
     patched: std::collections::BTreeSet<String>,
+    /// What this stream created or replaced, undone if the stream does not end well.
+    written: Written,
     files: u64,
     bytes: u64,
 }
@@ -1657,6 +1716,7 @@ impl<'a> Store<'a> {
         Store {
             dir,
             patched: Default::default(),
+            written: Default::default(),
             files: 0,
             bytes: 0,
         }
@@ -1676,8 +1736,21 @@ impl<'a> Store<'a> {
                         "{top} is not a directory"
                     )));
                 }
-                Err(_) => std::fs::create_dir(&d).map_err(ierr)?,
+                Err(_) => {
+                    std::fs::create_dir(&d).map_err(ierr)?;
+                    self.written.dirs.push(top.to_owned());
+                }
             }
+        }
+        // A path this stream did not write yet: a new stream (a retried `Send`) sends
+        // every file it carries whole, from offset 0, so a copy of it that an earlier
+        // stream left (its end not recorded by the source) is replaced, not appended to.
+        let fresh = !self.written.files.contains(&c.path);
+        if fresh && !c.symlink && c.base.is_empty() && c.offset != 0 {
+            return Err(Status::invalid_argument(format!(
+                "{}: starts at offset {}",
+                c.path, c.offset
+            )));
         }
         if c.symlink {
             let target =
@@ -1687,6 +1760,9 @@ impl<'a> Store<'a> {
                     "link {:?} -> {target:?} is not a round's parent link",
                     c.path
                 )));
+            }
+            if fresh {
+                self.replace(&c.path, &path)?;
             }
             return std::os::unix::fs::symlink(&target, &path).map_err(ierr);
         }
@@ -1702,6 +1778,9 @@ impl<'a> Store<'a> {
                 std::fs::OpenOptions::new().read(true),
             )
             .map_err(|e| Status::failed_precondition(format!("delta base: {}", e.message())))?;
+            if fresh {
+                self.replace(&c.path, &path)?;
+            }
             let mut to = open_nofollow(
                 &path,
                 std::fs::OpenOptions::new()
@@ -1728,7 +1807,18 @@ impl<'a> Store<'a> {
             self.bytes += plain.len() as u64;
             return Ok(());
         }
-        let mut f = open_nofollow(&path, std::fs::OpenOptions::new().create(true).append(true))?;
+        let mut f = if fresh {
+            self.replace(&c.path, &path)?;
+            open_nofollow(
+                &path,
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .truncate(true),
+            )?
+        } else {
+            open_nofollow(&path, std::fs::OpenOptions::new().create(true).append(true))?
+        };
         let md = f.metadata().map_err(ierr)?;
         if !md.is_file() || md.len() != c.offset {
             return Err(Status::invalid_argument(format!(
@@ -1744,6 +1834,61 @@ impl<'a> Store<'a> {
         f.write_all(&plain).map_err(ierr)?;
         self.bytes += plain.len() as u64;
         Ok(())
+    }
+}
+
+impl Store<'_> {
+    /// Takes `rel` (at `path`) as this stream's: a copy an earlier stream left there
+    /// (its end not recorded by the source, which sends it whole again) is zeroized and
+    /// replaced. Called only once the chunk that writes it was checked.
+    fn replace(&mut self, rel: &str, path: &Path) -> Result<(), Status> {
+        let ierr = |e: std::io::Error| Status::internal(e.to_string());
+        match std::fs::symlink_metadata(path) {
+            Ok(md) if md.file_type().is_symlink() => std::fs::remove_file(path).map_err(ierr)?,
+            Ok(md) if md.is_file() => images::zeroize_file(path).map_err(ierr)?,
+            Ok(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "{rel} is not a regular file"
+                )));
+            }
+            Err(_) => {}
+        }
+        self.written.files.insert(rel.to_owned());
+        Ok(())
+    }
+
+    /// What this stream wrote, for `Written::undo`.
+    fn written(&mut self) -> Written {
+        std::mem::take(&mut self.written)
+    }
+}
+
+/// The files and round directories one image stream created or replaced.
+#[derive(Default)]
+struct Written {
+    files: std::collections::BTreeSet<String>,
+    dirs: Vec<String>,
+}
+
+impl Written {
+    /// Zeroizes and removes what the stream wrote (a directory it created goes whole),
+    /// leaving what earlier streams stored.
+    fn undo(self, dir: &Path) {
+        for rel in &self.files {
+            let p = dir.join(rel);
+            let Ok(md) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if md.is_file() {
+                let _ = images::zeroize_file(&p);
+            }
+            if !md.is_dir() {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+        for top in &self.dirs {
+            let _ = images::zeroize(&dir.join(top));
+        }
     }
 }
 
@@ -1764,6 +1909,9 @@ fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
         ))),
     }
 }
+
+/// The producer's error when the target stopped taking chunks (its answer says why).
+const TARGET_CLOSED: &str = "target closed the stream";
 
 /// Chunks queued between the connection and the receiver's writer thread.
 const RECEIVE_QUEUE: usize = 4;
@@ -1841,7 +1989,7 @@ fn produce(
     let send = |c: ImageChunk| {
         pace.wait(c.sealed.len() as u64);
         tx.blocking_send(c)
-            .map_err(|_| Status::aborted("target closed the stream"))
+            .map_err(|_| Status::aborted(TARGET_CLOSED))
     };
     for (rel, is_link) in entries {
         let full = dir.join(&rel);

@@ -713,6 +713,93 @@ fn a_dump_whose_caller_went_away_is_still_resumed_by_the_watchdog() {
     assert!(running(src.pid));
 }
 
+/// The chaos run's stuck transfer (issue 21): the operator's leader was killed while
+/// the source's `Send` streamed, so the stream to the target was cut and the HTTP/2
+/// server dropped the target's receive. The target stayed `Receiving` with half-written
+/// files, and the next leader's `Send` (a new stream, every file from offset 0) was
+/// refused ("offset 0 but have N"). A new `Send` after an abandoned one must store the
+/// whole set, and an abort must leave no image behind.
+#[test]
+fn a_send_abandoned_mid_stream_is_sent_again_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("scx");
+    let src = tb.start_workload(32, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "send-caller-gone";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
+    let (abandoned, phase) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
+        a.dump(uid).await.unwrap();
+        // 4 MiB/s for an image of over 32 MiB: the stream is cut in its first tenth.
+        let slow = SendRequest {
+            migration_uid: uid.into(),
+            target_endpoint: Testbed::endpoint(1),
+            target_server_name: "agent-b".into(),
+            bandwidth_limit: 4 << 20,
+        };
+        let abandoned = tokio::time::timeout(Duration::from_secs(1), a.raw().send(slow))
+            .await
+            .is_err();
+        (abandoned, b.status(uid).await.unwrap().phase())
+    });
+    assert!(abandoned, "the throttled Send answered within a second");
+    assert_ne!(
+        phase,
+        Phase::Received,
+        "the cut stream was taken as complete"
+    );
+    let (sent, received) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        let sent = a.send(uid, &Testbed::endpoint(1), "agent-b").await;
+        (sent, b.status(uid).await.unwrap())
+    });
+    let sent = sent.unwrap_or_else(|e| {
+        panic!(
+            "the second Send failed: {e}; target {:?}\n{}",
+            received.phase(),
+            tb.agent_log(1)
+        )
+    });
+    assert_eq!(sent.phase(), Phase::Sent);
+    assert_eq!(received.phase(), Phase::Received);
+    assert_eq!(
+        received.bytes_received, sent.bytes_sent,
+        "the target holds exactly the set the source sent"
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert_eq!(b.abort(uid).await.unwrap().phase(), Phase::Aborted);
+        assert_eq!(a.abort(uid).await.unwrap().phase(), Phase::Aborted);
+    });
+    assert!(
+        tb.checkpoint_files(1).is_empty(),
+        "images left on the target after its abort: {:?}",
+        tb.checkpoint_files(1)
+    );
+    assert!(
+        resumes(src.pid, &mut conn, before, 50),
+        "the source resumed"
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
 /// Prepares both agents for `uid`, dumps the source, sends its images to the target and
 /// takes the restore fence on the source (what the operator does before it asks the
 /// target to restore); the source agent's answer to `Fence`.

@@ -362,3 +362,49 @@ fn a_delta_against_the_warm_copy_rebuilds_the_final_image_exactly() {
         fin.len()
     );
 }
+
+/// A stream that does not end well takes back only what it wrote (earlier rounds,
+/// which the source counts as sent, stay), and a new stream replaces a file an earlier
+/// stream left instead of refusing its offset 0.
+#[test]
+fn a_stream_that_fails_leaves_earlier_rounds_and_a_new_one_replaces_leftovers() {
+    let root = Scratch::new("undo");
+    let dir = root.0.join("mig");
+    write(&dir, "pre-1/pages-1.img", 10, 1);
+    let earlier = tree(&dir);
+    let mut cut = Store::new(&dir);
+    cut.put(&chunk("pre-2/pages-1.img", 0), b"abc".to_vec())
+        .unwrap();
+    cut.put(&link("pre-2/parent"), b"../pre-1".to_vec())
+        .unwrap();
+    cut.put(&chunk("pre-1/pages-2.img", 0), b"def".to_vec())
+        .unwrap();
+    cut.written().undo(&dir);
+    assert_eq!(tree(&dir), earlier, "the cut stream's files stayed");
+    assert!(!dir.join("pre-2").exists());
+
+    // A round an earlier stream stored whole (the source never recorded its end): the
+    // new stream sends it again from offset 0.
+    write(&dir, "final/pages-1.img", 10, 7);
+    let mut again = Store::new(&dir);
+    again
+        .put(&chunk("final/pages-1.img", 0), b"xyz".to_vec())
+        .unwrap();
+    again
+        .put(&chunk("final/pages-1.img", 3), b"w".to_vec())
+        .unwrap();
+    assert_eq!(
+        std::fs::read(dir.join("final/pages-1.img")).unwrap(),
+        b"xyzw"
+    );
+    // A file's first chunk in a stream starts at offset 0.
+    assert!(
+        again
+            .put(&chunk("pre-1/pages-1.img", 10), b"x".to_vec())
+            .is_err()
+    );
+    assert_eq!(
+        std::fs::read(dir.join("pre-1/pages-1.img")).unwrap(),
+        vec![1; 10]
+    );
+}
