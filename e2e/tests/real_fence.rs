@@ -216,7 +216,7 @@ fn jump_back(values: &[u64]) -> Option<(usize, u64, u64)> {
 
 /// The gate: a testload server listening on `GATE_PORT` in the network (and mount)
 /// namespace of host PID `pid`, outside the pod's cgroups. `timeout` ends it even if
-/// this test is killed; dropping the guard ends it at once.
+/// this test is killed; dropping the guard ends it at once (and the test checks it did).
 struct Gate(std::process::Child);
 
 impl Gate {
@@ -241,10 +241,38 @@ impl Gate {
 }
 
 impl Drop for Gate {
+    /// SIGTERM to `timeout`, which passes it on to the listener (a SIGKILL would end
+    /// `timeout` alone and leave the listener running).
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
         let _ = self.0.wait();
     }
+}
+
+/// PIDs of testload servers on `GATE_PORT` in network namespace `ns` (a readlink of
+/// /proc/<pid>/ns/net).
+fn gate_listeners(ns: &std::path::Path) -> Vec<u32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<_> = cmd.split(|b| *b == 0).collect();
+        let port = GATE_PORT.to_string();
+        if args.len() > 2
+            && args[1] == b"serve"
+            && args[2] == port.as_bytes()
+            && std::fs::read_link(format!("/proc/{pid}/ns/net")).is_ok_and(|l| l == ns)
+        {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 /// Where the run is, in order.
@@ -478,7 +506,14 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let gate_netns = restored
+        .as_ref()
+        .and_then(|r| std::fs::read_link(format!("/proc/{}/ns/net", r.pid)).ok());
     drop(gate);
+    if let Some(ns) = gate_netns {
+        let left = gate_listeners(&ns);
+        assert!(left.is_empty(), "the gate's listener outlived it: {left:?}");
+    }
     let restoring_s = restoring_seconds(&st);
     eprintln!(
         "ended {:?} ({:?}: {:?}); {samples} samples, max running copies {max_copies}, max running instances {max_instances}, Restoring ~{restoring_s:?} s",
