@@ -411,6 +411,13 @@ state = "/run/containerd"
     conf_dir = "/etc/cni/net.d"
     max_conf_num = 1
 
+# NRI listens on one fixed path, /var/run/nri/nri.sock, outside the node's own binds: every
+# node's containerd removes the socket and binds it again at start-up, so two starting at
+# once race (one dies with "bind: address already in use"), and a restarted one would take
+# the socket from the other. No node here uses an NRI plugin.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
