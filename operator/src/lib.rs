@@ -1,7 +1,7 @@
 //! The PodMotion operator as a library: pure reconcile cores (`runner_pool`,
 //! `attachment`, `migration`), the thin controllers that feed them observed state and
 //! apply what they return (`controllers`), and the runtime every controller shares
-//! (`context`, `cache`, `children`, `events`, `leader`, `metrics`, `server`); `meta`
+//! (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`, `server`); `meta`
 //! is the pure object metadata the cores and the runtime share.
 //!
 //! The pure cores take plain structs and return desired objects and status; they never
@@ -13,6 +13,7 @@ pub mod agents;
 pub mod attachment;
 pub mod cache;
 pub mod children;
+pub mod client;
 pub mod config;
 pub mod context;
 pub mod controllers;

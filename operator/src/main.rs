@@ -59,7 +59,7 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     podmotion_log::init(cli.operator.log_format, "info,kube=warn");
-    let client = Client::try_default()
+    let client = podmotion_operator::client::infer()
         .await
         .context("no kubeconfig or in-cluster configuration")?;
     match cli.command.unwrap_or(Command::Run) {
