@@ -35,6 +35,10 @@
 //!   and never the commit. The summary counts the migrations under faults that
 //!   committed and that rolled back (deleted in flight, or failed).
 //!
+//! Each replica logs to `<run dir>/<identity>.log` with every reconcile's start and end
+//! and every pause of its watches (`PODMOTION_CHAOS_RUST_LOG` replaces that filter); a
+//! convergence violation prints the tail of those lines for each replica.
+//!
 //! Invariants, sampled every 2 s during the run: no two live agent Jobs for one target
 //! pod; at most one DaemonSet, NetworkPolicy and Secret of each kind per RunnerPool; the
 //! migrated workload's pods are exactly the ones it started with, all Running, and no
@@ -87,6 +91,9 @@ use tokio::sync::watch;
 /// Everything must settle within this long after the last fault, and every deleted
 /// object be gone within this long after its deletion.
 const CONVERGENCE: Duration = Duration::from_secs(60);
+/// The replicas' log filter (`PODMOTION_CHAOS_RUST_LOG` replaces it): every reconcile's
+/// start and end, and every pause of a controller's watches, besides the usual.
+const REPLICA_LOG: &str = "info,kube=warn,kube_runtime::utils::stream_backoff=debug,podmotion_operator::controllers::shell=debug";
 /// How often the invariants are sampled during the run.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 /// The replicas' Lease duration (renewed every third of it).
@@ -419,7 +426,10 @@ impl Replicas {
                 "PODMOTION_PREFLIGHT_IMAGE",
                 "registry.example/podmotion/preflight:chaos",
             )
-            .env("RUST_LOG", "info,kube=warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("PODMOTION_CHAOS_RUST_LOG").unwrap_or(REPLICA_LOG.into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -1689,6 +1699,12 @@ async fn await_convergence(
         match converged(client, n, replicas, &mut checks).await {
             Ok(()) => {
                 tally.lock().unwrap().checks += checks;
+                if !why.is_empty() {
+                    eprintln!(
+                        "[chaos] converged {what} in {:.1} s; last unmet: {why}",
+                        t0.elapsed().as_secs_f64()
+                    );
+                }
                 return Some(t0.elapsed());
             }
             Err(e) => why = format!("{e:#}"),
@@ -1700,7 +1716,59 @@ async fn await_convergence(
         tally,
         format!("no convergence {what} within {CONVERGENCE:?}: {why}"),
     );
+    print_replica_tails(n, replicas);
     None
+}
+
+/// After a convergence violation: what each replica last did (reconciles, failures,
+/// paused watches), so a failed run explains itself where only its output is kept.
+fn print_replica_tails(n: &Names, replicas: &[String]) {
+    const KEEP: usize = 15;
+    for who in replicas {
+        let path = n.dir.join(format!("{who}.log"));
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let lines: Vec<String> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|j| {
+                let msg = j["fields"]["message"].as_str().unwrap_or_default();
+                msg.starts_with("reconcile")
+                    || msg.contains("backing off")
+                    || msg.contains("leadership")
+                    || j["level"] == "WARN"
+            })
+            .map(|j| {
+                let f = &j["fields"];
+                let fields = [
+                    "message",
+                    "controller",
+                    "name",
+                    "outcome",
+                    "error",
+                    "duration",
+                ]
+                .iter()
+                .filter_map(|k| match &f[*k] {
+                    serde_json::Value::Null => None,
+                    serde_json::Value::String(v) => Some(v.clone()),
+                    v => Some(v.to_string()),
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+                format!("  {} {fields}", j["timestamp"].as_str().unwrap_or_default())
+            })
+            .collect();
+        eprintln!(
+            "[chaos] replica {who}: last {KEEP} of {} noted lines ({})",
+            lines.len(),
+            path.display()
+        );
+        for l in lines.iter().skip(lines.len().saturating_sub(KEEP)) {
+            eprintln!("{l}");
+        }
+    }
 }
 
 // ------------------------------------------------------------------ run

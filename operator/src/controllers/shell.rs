@@ -165,7 +165,17 @@ pub async fn reconcile<R: Reconciler>(
         }
     };
     let timer = ctx.metrics.reconcile(R::NAME);
+    let name = obj.name_any();
+    let started = std::time::Instant::now();
+    tracing::debug!(controller = R::NAME, %name, "reconcile started");
     let res = finalized(r.as_ref(), obj).await;
+    tracing::debug!(
+        controller = R::NAME,
+        %name,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        outcome = res.as_ref().map_or_else(|e| e.category(), |_| "Ok"),
+        "reconcile finished"
+    );
     timer.done(match &res {
         Ok(_) | Err(ReconcileError::Wait { .. }) => Ok(()),
         Err(e) => Err(e.category()),
