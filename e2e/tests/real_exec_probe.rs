@@ -14,7 +14,7 @@ use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::testload::{
-    self, POD_TIMEOUT, counter, counter_after_rollback, ended, node_of, pod_ip, restart_count,
+    self, POD_TIMEOUT, counter, counter_when_reachable, ended, node_of, pod_ip, restart_count,
 };
 use podmotion_e2e::real::{Images, Uninstall, helm_install, real_nodes};
 use podmotion_e2e::{
@@ -135,7 +135,7 @@ async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
         message.contains("exit status 1") && message.contains("127.0.0.1:9"),
         "the exit status and the command's stderr: {message:?}"
     );
-    let after_rollback = counter_after_rollback(&source_addr, "after the failing exec probe");
+    let after_rollback = counter_when_reachable(&source_addr, "after the failing exec probe");
     assert!(
         after_rollback > before,
         "the source serves its own counter again: {before} then {after_rollback}"

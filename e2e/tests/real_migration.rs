@@ -18,7 +18,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_after_rollback, ended, node_of,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_when_reachable, ended, node_of,
     pod_ip, restart_count, source_serves_alone,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
@@ -236,7 +236,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     let st = ended(&pms, "bad-probe").await;
     assert_ne!(st.phase, MigrationPhase::Succeeded, "{st:?}");
     assert_eq!(st.failure_reason.as_deref(), Some("ProbeFailed"), "{st:?}");
-    let after_rollback = counter_after_rollback(&source_addr, "after the failing probe");
+    let after_rollback = counter_when_reachable(&source_addr, "after the failing probe");
     assert!(
         after_rollback > before,
         "the source serves its own counter again: {before} then {after_rollback}"
@@ -774,7 +774,9 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
     // Stop the reader first: a value it read after the new connection's would be later
     // in time, not a second copy (CI once saw 1225 on the new connection, then 1226).
     let (values, ends) = reader.finish();
-    let moved_counter = counter(&svc_addr);
+    // The rehearsal of session 13 once got EHOSTUNREACH here through the Service (the
+    // reader had read on a new connection a moment before).
+    let moved_counter = counter_when_reachable(&svc_addr, "through the Service after the move");
     assert!(
         reads_after,
         "the reader read nothing after the move: {ends:?}"

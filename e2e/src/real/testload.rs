@@ -73,12 +73,14 @@ pub fn counter(addr: &str) -> u64 {
         .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"))
 }
 
-/// The counter of a source the migration's rollback has just thawed, on a new
-/// connection. The host may find the pod's address unreachable (EHOSTUNREACH: its ARP
-/// entry failed while the network was locked) for a moment after the rollback ended:
-/// that is retried for up to 30 s and printed with the neighbour entry, so a run shows
-/// how long it lasted. Anything else (a refused connection: the listener is gone) fails.
-pub fn counter_after_rollback(addr: &str, what: &str) -> u64 {
+/// The counter on a new connection to an address whose pod's network was just locked:
+/// a source the migration's rollback has just thawed, or a Service right after a commit
+/// (the moved copy's network was locked during its restore). The host may find the
+/// pod's address unreachable (EHOSTUNREACH: its ARP entry failed while the network was
+/// locked) for a moment after: that is retried for up to 30 s and printed with the
+/// neighbour entry, so a run shows how long it lasted. Anything else (a refused
+/// connection: the listener is gone) fails.
+pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
     let start = std::time::Instant::now();
     let mut first_failure = None;
     loop {
@@ -86,7 +88,7 @@ pub fn counter_after_rollback(addr: &str, what: &str) -> u64 {
             Ok(a) => {
                 if let Some(neigh) = first_failure {
                     eprintln!(
-                        "NOTE {what}: {addr} unreachable for {} ms after the rollback ended (the host's neighbour entry then: {neigh})",
+                        "NOTE {what}: {addr} unreachable for {} ms (the host's neighbour entry then: {neigh})",
                         start.elapsed().as_millis()
                     );
                 }
