@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 
 use crate::run_dir;
 
+pub mod copies;
 pub mod testload;
 
 /// Taint every real node carries, so that only pods asking for them land there.

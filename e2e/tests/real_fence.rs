@@ -28,10 +28,6 @@
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
@@ -40,6 +36,9 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
+use podmotion_e2e::real::copies::{
+    Proc, ServicePoller, jump_back, running_copies, says_resumed, status_texts, workload_processes,
+};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, counter, node_of, pod_ip, restart_count,
 };
@@ -52,167 +51,6 @@ use serde_json::json;
 const APP: &str = "fenced";
 /// The probe's port: nothing listens there until the gate opens.
 const GATE_PORT: u16 = 9;
-
-/// One testload server process (`serve`) found on the nodes, in a pod's cgroups.
-#[derive(Clone, Debug, PartialEq)]
-struct Proc {
-    pid: u32,
-    pod_uid: String,
-    /// The state letter of /proc/<pid>/stat.
-    state: char,
-    /// Start time (clock ticks since boot): a pid reused by another process differs.
-    start: u64,
-}
-
-impl Proc {
-    /// Runs: not stopped (a frozen source is SIGSTOPped: `T`; `t` under ptrace, as CRIU
-    /// holds it), not a zombie.
-    fn runs(&self) -> bool {
-        !matches!(self.state, 'T' | 't' | 'Z' | 'X')
-    }
-}
-
-/// The testload server processes (port 8080) in the cgroups of the pods `pod_uids`
-/// (cgroupfs writes the UID with dashes, the systemd driver with underscores). The
-/// gate's listener runs in this test's cgroup, on another port: never counted.
-fn workload_processes(pod_uids: &[String]) -> Vec<Proc> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let (Ok(cmd), Ok(cgroup), Ok(stat)) = (
-            std::fs::read(format!("/proc/{pid}/cmdline")),
-            std::fs::read_to_string(format!("/proc/{pid}/cgroup")),
-            std::fs::read_to_string(format!("/proc/{pid}/stat")),
-        ) else {
-            continue;
-        };
-        let args: Vec<_> = cmd.split(|b| *b == 0).collect();
-        if !(args.len() > 2 && args[1] == b"serve" && args[2] == b"8080") {
-            continue;
-        }
-        let Some(uid) = pod_uids
-            .iter()
-            .find(|u| cgroup.contains(u.as_str()) || cgroup.contains(&u.replace('-', "_")))
-        else {
-            continue;
-        };
-        // "pid (comm) state ppid ..."; starttime is field 22.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let state = fields.first().and_then(|s| s.chars().next()).unwrap_or('?');
-        let start = fields.get(19).and_then(|s| s.parse().ok()).unwrap_or(0);
-        out.push(Proc {
-            pid,
-            pod_uid: uid.clone(),
-            state,
-            start,
-        });
-    }
-    out
-}
-
-/// The copies of the workload's state among `procs` that run: the original source
-/// process (`source`: same pid, same start) and the restored processes in the target
-/// pod `target_uid`. (A container the kubelet restarts in the source pod after the
-/// source's kill runs a fresh workload, not a copy: counted apart.)
-fn running_copies(procs: &[Proc], source: &Proc, target_uid: Option<&str>) -> Vec<Proc> {
-    procs
-        .iter()
-        .filter(|p| p.runs())
-        .filter(|p| {
-            (p.pid == source.pid && p.start == source.start)
-                || Some(p.pod_uid.as_str()) == target_uid
-        })
-        .cloned()
-        .collect()
-}
-
-/// Whether `text` says the source was resumed ("not resumed" does not).
-fn says_resumed(text: &str) -> bool {
-    text.replace("not resumed", "").contains("resumed")
-}
-
-/// Every text of a status a human reads: the failure message and the conditions'.
-fn status_texts(st: &PodMigrationStatus) -> Vec<String> {
-    let mut out: Vec<String> = st.failure_message.iter().cloned().collect();
-    out.extend(st.conditions.iter().map(|c| c.message.clone()));
-    out
-}
-
-/// Reads the counter through the Service on a thread, one new connection per read
-/// (a frozen source answers late or never: short timeouts, failures counted, not
-/// fatal), so a second copy serving an older counter shows as a jump back.
-struct ServiceReader {
-    stop: Arc<AtomicBool>,
-    seen: Arc<Mutex<Vec<u64>>>,
-    failures: Arc<Mutex<usize>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl ServiceReader {
-    fn start(addr: String) -> ServiceReader {
-        let stop = Arc::new(AtomicBool::new(false));
-        let seen = Arc::new(Mutex::new(vec![]));
-        let failures = Arc::new(Mutex::new(0));
-        let (s, v, f) = (stop.clone(), seen.clone(), failures.clone());
-        let thread = std::thread::spawn(move || {
-            let sa = addr.parse().expect("ClusterIP:port");
-            while !s.load(Ordering::SeqCst) {
-                let read = (|| -> std::io::Result<u64> {
-                    let c = TcpStream::connect_timeout(&sa, Duration::from_secs(2))?;
-                    c.set_read_timeout(Some(Duration::from_secs(3)))?;
-                    let mut w = c.try_clone()?;
-                    writeln!(w, "get")?;
-                    let mut line = String::new();
-                    BufReader::new(c).read_line(&mut line)?;
-                    line.trim()
-                        .parse()
-                        .map_err(|e| std::io::Error::other(format!("{line:?}: {e}")))
-                })();
-                match read {
-                    Ok(n) => v.lock().unwrap().push(n),
-                    Err(_) => *f.lock().unwrap() += 1,
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        });
-        ServiceReader {
-            stop,
-            seen,
-            failures,
-            thread: Some(thread),
-        }
-    }
-
-    fn finish(mut self) -> (Vec<u64>, usize) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            t.join().expect("reader thread");
-        }
-        let seen = self.seen.lock().unwrap().clone();
-        let failures = *self.failures.lock().unwrap();
-        (seen, failures)
-    }
-}
-
-impl Drop for ServiceReader {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
-}
-
-/// The first place where `values` goes backwards, if any.
-fn jump_back(values: &[u64]) -> Option<(usize, u64, u64)> {
-    values
-        .windows(2)
-        .enumerate()
-        .find(|(_, w)| w[1] < w[0])
-        .map(|(i, w)| (i, w[0], w[1]))
-}
 
 /// The gate: a testload server listening on `GATE_PORT` in the network (and mount)
 /// namespace of host PID `pid`, outside the pod's cgroups. `timeout` ends it even if
@@ -351,7 +189,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
     let source_proc = found[0].clone();
     assert!(source_proc.runs(), "{source_proc:?}");
 
-    let reader = ServiceReader::start(svc_addr.clone());
+    let reader = ServicePoller::start(svc_addr.clone());
     let pms: Api<PodMigration> = app.api();
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
@@ -430,9 +268,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
         if st.phase.is_terminal() {
             break st;
         }
-        let source_alive = procs
-            .iter()
-            .any(|p| p.pid == source_proc.pid && p.start == source_proc.start);
+        let source_alive = procs.iter().any(|p| p.same(&source_proc));
         match stage {
             Stage::Migrating => {
                 let in_target: Vec<&Proc> = procs
@@ -589,13 +425,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
     assert!(after > before, "the counter went from {before} to {after}");
     // Reads until one after the commit reached the moved copy.
     for _ in 0..300 {
-        if reader
-            .seen
-            .lock()
-            .unwrap()
-            .last()
-            .is_some_and(|v| *v >= after)
-        {
+        if reader.last().is_some_and(|v| v >= after) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -628,54 +458,4 @@ fn restoring_seconds(st: &PodMigrationStatus) -> Option<i64> {
         .position(|t| t.phase == MigrationPhase::Restoring)?;
     let next = ts.get(i + 1)?;
     Some(next.time.0.as_second() - ts[i].time.0.as_second())
-}
-
-#[test]
-fn only_a_resume_that_is_not_denied_counts() {
-    assert!(says_resumed("probe failed; the source pod was resumed"));
-    assert!(!says_resumed(
-        "the fenced source was killed on its node; the source was not resumed"
-    ));
-    assert!(!says_resumed("pod runs on node-b (downtime 180ms)"));
-}
-
-#[test]
-fn a_stopped_source_beside_the_restored_copy_is_one_copy_and_a_thawed_one_two() {
-    let source = Proc {
-        pid: 10,
-        pod_uid: "src".into(),
-        state: 'T',
-        start: 5,
-    };
-    let restored = Proc {
-        pid: 20,
-        pod_uid: "tgt".into(),
-        state: 'S',
-        start: 9,
-    };
-    let fresh = Proc {
-        pid: 30,
-        pod_uid: "src".into(),
-        state: 'S',
-        start: 12,
-    };
-    let frozen = [source.clone(), restored.clone(), fresh.clone()];
-    assert_eq!(
-        running_copies(&frozen, &source, Some("tgt")),
-        vec![restored.clone()]
-    );
-    let thawed = Proc {
-        state: 'S',
-        ..source.clone()
-    };
-    assert_eq!(
-        running_copies(&[thawed.clone(), restored.clone()], &source, Some("tgt")).len(),
-        2
-    );
-    // A pid reused by another process is not the source.
-    let reused = Proc {
-        start: 99,
-        ..thawed
-    };
-    assert_eq!(running_copies(&[reused], &source, Some("tgt")).len(), 0);
 }

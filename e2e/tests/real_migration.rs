@@ -17,6 +17,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::copies::{in_pod, jump_back};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_when_reachable, ended, node_of,
     pod_ip, restart_count, source_serves_alone,
@@ -50,10 +51,7 @@ fn agent_pids(agent_pods: &[String]) -> Vec<u32> {
         let Ok(cgroup) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
             continue;
         };
-        if agent_pods
-            .iter()
-            .any(|uid| cgroup.contains(uid.as_str()) || cgroup.contains(&uid.replace('-', "_")))
-        {
+        if agent_pods.iter().any(|uid| in_pod(&cgroup, uid)) {
             out.push(pid);
         }
     }
@@ -536,15 +534,6 @@ impl ServiceReader {
     }
 }
 
-/// The first place where `values` goes backwards, if any.
-fn jump_back(values: &[u64]) -> Option<(usize, u64, u64)> {
-    values
-        .windows(2)
-        .enumerate()
-        .find(|(_, w)| w[1] < w[0])
-        .map(|(i, w)| (i, w[0], w[1]))
-}
-
 /// A migration interrupted on the way never leaves two copies and never none: deleting
 /// the PodMigration while the checkpoint streams to the target (a bandwidth limit makes
 /// the transfer last), and deleting the target node's agent pod while the target
@@ -797,11 +786,4 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
         "a new connection through the Service went back: {moved_counter} < {:?}",
         values.last()
     );
-}
-
-#[test]
-fn jump_back_finds_the_first_decrease_only() {
-    assert_eq!(jump_back(&[1, 2, 2, 5]), None);
-    assert_eq!(jump_back(&[1, 3, 2, 5, 1]), Some((1, 3, 2)));
-    assert_eq!(jump_back(&[]), None);
 }
