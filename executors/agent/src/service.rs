@@ -16,18 +16,25 @@ use podmotion_broker::procfs;
 use podmotion_wire::agent::*;
 use podmotion_wire::broker::{BrokerError, BrokerRole, Reply, Request};
 use podmotion_wire::client::TlsFiles;
-use podmotion_wire::identity::{self, IdentityError, Peer, PeerVerifier};
+use podmotion_wire::identity::{self, IdentityError, Peer};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
-use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
 use podmotion_wire::proto::migration_agent_server::MigrationAgent;
-use podmotion_wire::transfer::{self, Sealer};
+use podmotion_wire::transfer;
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Mutex;
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
+
+mod dump;
+mod receive;
+mod restore;
+mod send;
+
+use dump::{DumpOutcome, dump_locked};
+use receive::receive_locked;
+use restore::{kill_restored, restore_locked};
 
 pub struct Config {
     pub criu: Criu,
@@ -212,6 +219,194 @@ impl Migration {
     }
 }
 
+/// Where a prepared migration's process and images are.
+struct Placement {
+    process: ProcRef,
+    /// A real container's mounts.
+    fs: Option<ContainerFs>,
+    /// Its checkpoint dir, just created.
+    dir: PathBuf,
+}
+
+impl Migration {
+    /// A migration as `Prepare` records it, before the broker knows it.
+    fn prepared(
+        uid: MigrationUid,
+        role: Role,
+        r: PrepareRequest,
+        placed: Placement,
+        broker: BrokerClient,
+        freeze_limit: std::time::Duration,
+    ) -> Migration {
+        Migration {
+            uid,
+            role,
+            peer: r.peer_node,
+            phase: Phase::Prepared,
+            process: placed.process,
+            key: r.transfer_key,
+            tcp: TcpPreservation::try_from(r.tcp).unwrap_or(TcpPreservation::BestEffort),
+            dir: placed.dir,
+            iteration: 0,
+            last_round_bytes: 0,
+            image_bytes: 0,
+            final_dump_bytes: 0,
+            last_round_sent_bytes: 0,
+            pre_copy_sent_bytes: 0,
+            bytes_sent: 0,
+            bytes_received: 0,
+            timings: Timings::default(),
+            sockets: vec![],
+            restored: None,
+            sent: Default::default(),
+            broker: Arc::new(StdMutex::new(broker)),
+            netns_path: None,
+            fs: placed.fs,
+            freeze: Arc::default(),
+            freeze_limit,
+            fenced: false,
+        }
+    }
+
+    /// Registers the migration with the node's broker; a target also has the broker
+    /// bind the pod's network namespace. A refused registration or bind removes the
+    /// checkpoint dir.
+    async fn register(&mut self) -> Result<(), Status> {
+        let broker_role = if self.role == Role::Source {
+            BrokerRole::Source
+        } else {
+            BrokerRole::Target
+        };
+        let reg = self
+            .broker(Request::Register {
+                uid: self.uid.clone(),
+                role: broker_role,
+                process: self.process,
+            })
+            .await;
+        if let Err(e) = reg {
+            let _ = images::zeroize(&self.dir);
+            return Err(e);
+        }
+        if self.role == Role::Target {
+            match self
+                .broker(Request::BindNetns {
+                    uid: self.uid.clone(),
+                })
+                .await
+            {
+                Ok(Reply::NetnsPath { path }) => self.netns_path = Some(path),
+                Ok(other) => return Err(Status::internal(format!("broker replied {other:?}"))),
+                Err(e) => {
+                    let _ = images::zeroize(&self.dir);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `Abort` on the source: resumes it, whatever left it stopped (the final dump's
+    /// freeze, the fence, or a step that left something locked), unless a commit or
+    /// the freeze watchdog has it.
+    async fn resume_source(&mut self) -> Result<(), Status> {
+        if self.freeze.get() == COMMITTING {
+            return Err(Status::failed_precondition(
+                "a commit is killing the source: it cannot be resumed",
+            ));
+        }
+        match self.freeze.get() {
+            // The freeze the final dump left, if nothing claimed it since.
+            FROZEN => {
+                thaw_frozen(&self.freeze, &self.broker, &self.uid).await?;
+            }
+            FENCED => self.unfence_and_thaw().await?,
+            THAWING | KILLING => {
+                return Err(Status::unavailable(
+                    "the freeze watchdog is resuming or killing the source: ask again",
+                ));
+            }
+            THAWED => {}
+            // No final dump (Prepared, a pre-copy round, a failed dump): the
+            // calls are no-ops unless something was left locked.
+            _ => thaw_source(&self.broker, &self.uid).await?,
+        }
+        Ok(())
+    }
+
+    /// The operator's abort is the one thing that lifts the fence (it is sent once
+    /// the target's copy is confirmed killed): the broker first, then the thaw.
+    async fn unfence_and_thaw(&mut self) -> Result<(), Status> {
+        if !self.freeze.claim_from(FENCED, THAWING) {
+            return Err(Status::unavailable(
+                "the freeze watchdog is killing the fenced source: ask again",
+            ));
+        }
+        if let Err(e) = self
+            .broker(Request::Unfence {
+                uid: self.uid.clone(),
+            })
+            .await
+        {
+            self.freeze.set(FENCED);
+            return Err(e);
+        }
+        self.fenced = false;
+        if let Err(e) = thaw_source(&self.broker, &self.uid).await {
+            // Unfenced: the watchdog resumes it if no retry does.
+            self.freeze.set(FROZEN);
+            return Err(e);
+        }
+        self.freeze.set(THAWED);
+        Ok(())
+    }
+
+    /// `Abort` on the target: no restored process may outlive the answer "aborted"
+    /// (the operator thaws the source on it). Killed and confirmed dead, or the Abort
+    /// fails and the operator asks again.
+    async fn kill_restored_copy(&mut self) -> Result<(), Status> {
+        let root = self.restored;
+        let holder = self.fs.is_some().then_some(self.process);
+        if root.is_some() || holder.is_some() {
+            blocking(move || {
+                kill_restored(root, holder).map_err(|e| {
+                    Status::unavailable(format!(
+                        "the restored copy could not be confirmed killed: {e}"
+                    ))
+                })
+            })
+            .await?;
+        }
+        self.restored = None;
+        Ok(())
+    }
+}
+
+/// The checks of a new `Prepare` (a migration already prepared answers its status
+/// before them); its role.
+fn check_prepare(r: &PrepareRequest, own_node: Option<&str>) -> Result<Role, Status> {
+    let role = Role::try_from(r.role).unwrap_or(Role::Unspecified);
+    if role == Role::Unspecified {
+        return Err(Status::invalid_argument("role must be Source or Target"));
+    }
+    if r.transfer_key.len() != transfer::KEY_LEN {
+        return Err(Status::invalid_argument("transfer key must be 32 bytes"));
+    }
+    if !identity::valid_node_name(&r.peer_node) {
+        return Err(Status::invalid_argument(format!(
+            "peer_node {:?} is not a node name: name the other agent's node",
+            r.peer_node
+        )));
+    }
+    if own_node == Some(r.peer_node.as_str()) {
+        return Err(Status::invalid_argument(format!(
+            "peer_node {:?} is this agent's own node",
+            r.peer_node
+        )));
+    }
+    Ok(role)
+}
+
 async fn broker_call(b: &Arc<StdMutex<BrokerClient>>, req: Request) -> Result<Reply, Status> {
     let b = Arc::clone(b);
     blocking(move || {
@@ -326,6 +521,25 @@ fn broker_status(e: BrokerError) -> Status {
 
 fn criu_status(e: criu::CriuError) -> Status {
     Status::internal(e.to_string())
+}
+
+fn io_internal(e: std::io::Error) -> Status {
+    Status::internal(e.to_string())
+}
+
+/// Runs one CRIU request (`kind`, its log at `log`) on a blocking thread.
+async fn run_criu(criu: Criu, kind: i32, opts: Opts, log: PathBuf) -> Result<criu::Resp, Status> {
+    blocking(move || {
+        criu.call(
+            Req {
+                r#type: kind,
+                opts: Some(opts),
+            },
+            Some(&log),
+        )
+        .map_err(criu_status)
+    })
+    .await
 }
 
 async fn blocking<T: Send + 'static>(
@@ -481,25 +695,7 @@ impl Agent {
         if let Ok(m) = self.get(uid.as_str()) {
             return Ok(m.lock().await.status());
         }
-        let role = Role::try_from(r.role).unwrap_or(Role::Unspecified);
-        if role == Role::Unspecified {
-            return Err(Status::invalid_argument("role must be Source or Target"));
-        }
-        if r.transfer_key.len() != transfer::KEY_LEN {
-            return Err(Status::invalid_argument("transfer key must be 32 bytes"));
-        }
-        if !identity::valid_node_name(&r.peer_node) {
-            return Err(Status::invalid_argument(format!(
-                "peer_node {:?} is not a node name: name the other agent's node",
-                r.peer_node
-            )));
-        }
-        if self.own_node() == Some(r.peer_node.as_str()) {
-            return Err(Status::invalid_argument(format!(
-                "peer_node {:?} is this agent's own node",
-                r.peer_node
-            )));
-        }
+        let role = check_prepare(&r, self.own_node())?;
         // No PID on the wire: the containers the operator names are resolved here,
         // through the node's container runtime.
         let Resolved { pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
@@ -512,60 +708,10 @@ impl Agent {
             BrokerClient::connect(&sock).map_err(|e| Status::unavailable(format!("broker: {e}")))
         })
         .await?;
-        let mut m = Migration {
-            uid: uid.clone(),
-            role,
-            peer: r.peer_node,
-            phase: Phase::Prepared,
-            process,
-            key: r.transfer_key,
-            tcp: TcpPreservation::try_from(r.tcp).unwrap_or(TcpPreservation::BestEffort),
-            dir: dir.clone(),
-            iteration: 0,
-            last_round_bytes: 0,
-            image_bytes: 0,
-            final_dump_bytes: 0,
-            last_round_sent_bytes: 0,
-            pre_copy_sent_bytes: 0,
-            bytes_sent: 0,
-            bytes_received: 0,
-            timings: Timings::default(),
-            sockets: vec![],
-            restored: None,
-            sent: Default::default(),
-            broker: Arc::new(StdMutex::new(client)),
-            netns_path: None,
-            fs,
-            freeze: Arc::default(),
-            freeze_limit: self.cfg.freeze_watchdog.limit(r.freeze_budget_ms),
-            fenced: false,
-        };
-        let broker_role = if role == Role::Source {
-            BrokerRole::Source
-        } else {
-            BrokerRole::Target
-        };
-        let reg = m
-            .broker(Request::Register {
-                uid: uid.clone(),
-                role: broker_role,
-                process,
-            })
-            .await;
-        if let Err(e) = reg {
-            let _ = images::zeroize(&dir);
-            return Err(e);
-        }
-        if role == Role::Target {
-            match m.broker(Request::BindNetns { uid: uid.clone() }).await {
-                Ok(Reply::NetnsPath { path }) => m.netns_path = Some(path),
-                Ok(other) => return Err(Status::internal(format!("broker replied {other:?}"))),
-                Err(e) => {
-                    let _ = images::zeroize(&dir);
-                    return Err(e);
-                }
-            }
-        }
+        let freeze_limit = self.cfg.freeze_watchdog.limit(r.freeze_budget_ms);
+        let placed = Placement { process, fs, dir };
+        let mut m = Migration::prepared(uid.clone(), role, r, placed, client, freeze_limit);
+        m.register().await?;
         let st = m.status();
         tracing::info!(%uid, ?role, pid = process.pid, peer = %m.peer, "prepared");
         self.migrations
@@ -628,20 +774,8 @@ impl Agent {
             opts.tcp_close = Some(true);
             criu::REQ_DUMP
         };
-        let criu = self.cfg.criu.clone();
         let t = Instant::now();
-        let log = dir.join("pre-dump.log");
-        blocking(move || {
-            criu.call(
-                Req {
-                    r#type: kind,
-                    opts: Some(opts),
-                },
-                Some(&log),
-            )
-            .map_err(criu_status)
-        })
-        .await?;
+        run_criu(self.cfg.criu.clone(), kind, opts, dir.join("pre-dump.log")).await?;
         m.timings.last_round_us = t.elapsed().as_micros() as u64;
         m.timings.pre_dump_total_us += m.timings.last_round_us;
         m.timings.last_pre_dump_us = now_us();
@@ -704,83 +838,10 @@ impl Agent {
             return Ok(m.status());
         }
         let t = Instant::now();
-        // The endpoint says where to dial; what is trusted is the identity the
-        // operator named at Prepare: the server must prove it is the peer's agent.
-        let tls = self.cfg.tls.material();
-        let verifier = PeerVerifier::new(
-            &tls.ca_pem,
-            Peer::Agent(m.peer.clone()),
-            self.cfg.legacy_shared_identity,
-        )
-        .map_err(|e| Status::internal(format!("agents' CA: {e}")))?;
-        let sni = if r.target_server_name.is_empty() {
-            m.peer.clone()
-        } else {
-            r.target_server_name.clone()
-        };
-        let channel = tonic::transport::Endpoint::from_shared(r.target_endpoint.clone())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?
-            .tls_config_with_verifier(
-                tonic::transport::ClientTlsConfig::new()
-                    .identity(tonic::transport::Identity::from_pem(
-                        &tls.cert_pem,
-                        &tls.key_pem,
-                    ))
-                    .domain_name(sni),
-                Arc::new(verifier),
-            )
-            .map_err(|e| Status::invalid_argument(e.to_string()))?
-            .tcp_nodelay(true)
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(16 << 20))
-            .connect()
-            .await
-            .map_err(|e| Status::unavailable(format!("target agent: {}", error_chain(&e))))?;
-        let mut client = MigrationAgentClient::new(channel).max_encoding_message_size(4 << 20);
-        let (tx, rx) = tokio::sync::mpsc::channel::<ImageChunk>(8);
-        let dir = m.dir.clone();
-        let sealer = stream_sealer(&m.key, m.uid.as_str())?;
-        let uid = m.uid.to_string();
-        let already = m.sent.clone();
+        let channel = send::connect_target(&self.cfg, &m.peer, &r).await?;
         let delta = !self.cfg.track_mem;
-        let pace = Pace::new(r.bandwidth_limit);
-        let producer = tokio::task::spawn_blocking(move || {
-            produce(&dir, &uid, &sealer, &tx, &already, delta, &pace)
-        });
-        let stream =
-            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
-        let summary = client.receive_images(stream).await;
-        let produced = producer
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
-        // The target's own error first: a target that refused the stream closed it,
-        // and the producer's "target closed the stream" says nothing of why.
-        let ((sent, paths), summary) = match (produced, summary) {
-            (Err(e), Err(target)) if e.message() == TARGET_CLOSED => return Err(target),
-            (Err(e), _) => return Err(e),
-            (Ok(_), Err(target)) => return Err(target),
-            (Ok(p), Ok(s)) => (p, s.into_inner()),
-        };
-        if summary.bytes != sent {
-            return Err(Status::data_loss(format!(
-                "target stored {} of {sent} bytes",
-                summary.bytes
-            )));
-        }
-        m.bytes_sent += sent;
-        m.sent.extend(paths);
-        if m.phase == Phase::PreDumping {
-            // A pre-copy round streamed while the workload runs: its size is the
-            // dirty set, its speed the link's, both what the freeze budget needs.
-            m.last_round_sent_bytes = sent;
-            m.pre_copy_sent_bytes += sent;
-            m.timings.pre_copy_send_us += t.elapsed().as_micros() as u64;
-        }
-        if m.phase == Phase::Dumped {
-            m.timings.send_us = t.elapsed().as_micros() as u64;
-            m.timings.send_finished_us = now_us();
-            m.phase = Phase::Sent;
-        }
+        let (sent, paths) = send::stream_images(channel, &m, delta, r.bandwidth_limit).await?;
+        m.record_sent(sent, paths, t);
         Ok(m.status())
     }
 
@@ -938,68 +999,11 @@ impl Agent {
                 ));
             }
             (Role::Source, _) => {
-                if m.freeze.get() == COMMITTING {
-                    return Err(Status::failed_precondition(
-                        "a commit is killing the source: it cannot be resumed",
-                    ));
-                }
-                match m.freeze.get() {
-                    // The freeze the final dump left, if nothing claimed it since.
-                    FROZEN => {
-                        thaw_frozen(&m.freeze, &m.broker, &m.uid).await?;
-                    }
-                    // The operator's abort is the one thing that lifts the fence (it
-                    // is sent once the target's copy is confirmed killed): the broker
-                    // first, then the thaw.
-                    FENCED => {
-                        if !m.freeze.claim_from(FENCED, THAWING) {
-                            return Err(Status::unavailable(
-                                "the freeze watchdog is killing the fenced source: ask again",
-                            ));
-                        }
-                        if let Err(e) = m.broker(Request::Unfence { uid: m.uid.clone() }).await {
-                            m.freeze.set(FENCED);
-                            return Err(e);
-                        }
-                        m.fenced = false;
-                        if let Err(e) = thaw_source(&m.broker, &m.uid).await {
-                            // Unfenced: the watchdog resumes it if no retry does.
-                            m.freeze.set(FROZEN);
-                            return Err(e);
-                        }
-                        m.freeze.set(THAWED);
-                    }
-                    THAWING | KILLING => {
-                        return Err(Status::unavailable(
-                            "the freeze watchdog is resuming or killing the source: ask again",
-                        ));
-                    }
-                    THAWED => {}
-                    // No final dump (Prepared, a pre-copy round, a failed dump): the
-                    // calls are no-ops unless something was left locked.
-                    _ => thaw_source(&m.broker, &m.uid).await?,
-                }
+                m.resume_source().await?;
                 m.sync_freeze();
                 m.timings.resumed_us = now_us();
             }
-            (_, _) => {
-                // The target: no restored process may outlive the answer "aborted"
-                // (the operator thaws the source on it). Killed and confirmed dead,
-                // or the Abort fails and the operator asks again.
-                let root = m.restored;
-                let holder = m.fs.is_some().then_some(m.process);
-                if root.is_some() || holder.is_some() {
-                    blocking(move || {
-                        kill_restored(root, holder).map_err(|e| {
-                            Status::unavailable(format!(
-                                "the restored copy could not be confirmed killed: {e}"
-                            ))
-                        })
-                    })
-                    .await?;
-                }
-                m.restored = None;
-            }
+            (_, _) => m.kill_restored_copy().await?,
         }
         let _ = images::zeroize(&m.dir);
         m.image_bytes = 0;
@@ -1041,1133 +1045,6 @@ impl Agent {
             .retain(|f| f.uid.as_str() != uid);
         Ok(st)
     }
-}
-
-/// What the final dump needs once the network is locked (see [`Agent::dump_impl`]).
-struct DumpOutcome {
-    dir: PathBuf,
-    opts: Opts,
-    external_mounts: Vec<String>,
-    stdio_pipes: Vec<(i32, String)>,
-    criu: Criu,
-    frozen: Arc<StdMutex<Vec<FrozenSource>>>,
-    margin: std::time::Duration,
-}
-
-/// The final dump from the network lock on, run by a task that owns the migration.
-async fn dump_locked(
-    mut m: tokio::sync::OwnedMutexGuard<Migration>,
-    d: DumpOutcome,
-) -> Result<MigrationStatus, Status> {
-    m.timings.freeze_started_us = now_us();
-    let t = Instant::now();
-    // Network first: from here nothing reaches or leaves the pod, so no segment
-    // is acknowledged after the socket state is captured.
-    m.broker(Request::LockNetwork { uid: m.uid.clone() })
-        .await?;
-    let sockets = match inventory(&m).await {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = m
-                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
-                .await;
-            return Err(e);
-        }
-    };
-    let criu = d.criu;
-    let dir = d.dir;
-    let log = dir.join("dump.log");
-    let res = blocking(move || {
-        criu.call(
-            Req {
-                r#type: criu::REQ_DUMP,
-                opts: Some(d.opts),
-            },
-            Some(&log),
-        )
-        .map_err(criu_status)
-    })
-    .await;
-    if let Err(e) = res {
-        // CRIU resumed the tree and its sockets on failure; reopen the network.
-        let _ = m
-            .broker(Request::UnlockNetwork { uid: m.uid.clone() })
-            .await;
-        let _ = images::zeroize(&dir);
-        m.timings.freeze_started_us = 0;
-        return Err(e);
-    }
-    m.timings.dump_us = t.elapsed().as_micros() as u64;
-    m.timings.dump_finished_us = now_us();
-    // The tree is stopped: the freeze is recorded and watched from this instant, even
-    // if what follows fails.
-    m.freeze.set(FROZEN);
-    start_freeze_watchdog(&d.frozen, d.margin, &m);
-    let manifest = Manifest {
-        final_dir: "final".into(),
-        sockets: sockets
-            .iter()
-            .map(|s| ManifestSocket {
-                local: s.local.clone(),
-                remote: s.remote.clone(),
-                listening: s.listening,
-            })
-            .collect(),
-        tcp: m.tcp as i32,
-        external_mounts: d.external_mounts,
-        stdio_pipes: d.stdio_pipes,
-        workload: m.fs.as_ref().and_then(|fs| fs.workload.clone()),
-    };
-    std::fs::write(
-        m.dir.join("manifest.json"),
-        serde_json::to_vec(&manifest).expect("manifest"),
-    )
-    .map_err(|e| Status::internal(e.to_string()))?;
-    m.sockets = sockets;
-    m.final_dump_bytes = images::size(&dir);
-    m.image_bytes = images::size(&m.dir);
-    m.phase = Phase::Dumped;
-    tracing::info!(
-        uid = %m.uid,
-        dump_ms = m.timings.dump_us / 1000,
-        bytes = m.final_dump_bytes,
-        watchdog_ms = m.freeze_limit.as_millis() as u64,
-        "dumped; source left stopped"
-    );
-    Ok(m.status())
-}
-
-/// Resumes the source `m` froze if it is still frozen `m.freeze_limit` from now
-/// (tokio's clock is monotonic): neither Commit nor Abort claimed the freeze.
-fn start_freeze_watchdog(
-    frozen: &StdMutex<Vec<FrozenSource>>,
-    margin: std::time::Duration,
-    m: &Migration,
-) {
-    let (freeze, broker, uid, limit) = (
-        Arc::clone(&m.freeze),
-        Arc::clone(&m.broker),
-        m.uid.clone(),
-        m.freeze_limit,
-    );
-    let process = m.process;
-    frozen.lock().expect("frozen").push(FrozenSource {
-        freeze: Arc::clone(&freeze),
-        broker: Arc::clone(&broker),
-        uid: uid.clone(),
-        process,
-        since: std::time::Instant::now(),
-        budget: limit.saturating_sub(margin),
-    });
-    tokio::spawn(async move {
-        tokio::time::sleep(limit).await;
-        // A failed resume or kill (the broker busy or restarting) is tried again, and
-        // so is a freeze another call holds for a moment (a fence being taken, an
-        // abort's thaw that may fail and give it back).
-        for _ in 0..30 {
-            match freeze.get() {
-                FROZEN => {
-                    tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
-                    match thaw_frozen(&freeze, &broker, &uid).await {
-                        Ok(true) => {
-                            crate::metrics::global().watchdog_resumed();
-                            return;
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
-                        }
-                    }
-                }
-                FENCED => {
-                    tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
-                    match kill_fenced(&freeze, &broker, &uid, process).await {
-                        Ok(true) => {
-                            crate::metrics::global().watchdog_killed();
-                            return;
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            tracing::error!(%uid, error = %e, "freeze watchdog could not kill the fenced source; retrying")
-                        }
-                    }
-                }
-                FENCING | THAWING | KILLING => {}
-                _ => return,
-            }
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-        }
-    });
-}
-
-/// The workload's TCP sockets, duplicated to us by the broker.
-async fn inventory(m: &Migration) -> Result<Vec<SocketReport>, Status> {
-    let b = Arc::clone(&m.broker);
-    let uid = m.uid.clone();
-    blocking(move || {
-        let fds = b
-            .lock()
-            .expect("broker client")
-            .sockets(&uid)
-            .map_err(broker_status)?;
-        use nix::sys::socket::{
-            SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
-        };
-        use std::os::fd::AsRawFd;
-        let mut out = Vec::new();
-        for fd in fds {
-            let listening = getsockopt(&fd, AcceptConn).unwrap_or(false);
-            let local = getsockname::<SockaddrStorage>(fd.as_raw_fd())
-                .map(|a| a.to_string())
-                .unwrap_or_default();
-            let remote = if listening {
-                String::new()
-            } else {
-                getpeername::<SockaddrStorage>(fd.as_raw_fd())
-                    .map(|a| a.to_string())
-                    .unwrap_or_default()
-            };
-            out.push(SocketReport {
-                local,
-                remote,
-                listening,
-                outcome: SocketOutcome::Pending as i32,
-            });
-        }
-        Ok(out)
-    })
-    .await
-}
-
-/// The body of `Restore`, run by a task that owns the migration (see
-/// [`Agent::restore_impl`]).
-async fn restore_locked(
-    cfg: Arc<Config>,
-    mut m: tokio::sync::OwnedMutexGuard<Migration>,
-) -> Result<MigrationStatus, Status> {
-    if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
-        return Ok(m.status());
-    }
-    let manifest: Manifest = serde_json::from_slice(
-        &std::fs::read(m.dir.join("manifest.json"))
-            .map_err(|e| Status::data_loss(format!("manifest: {e}")))?,
-    )
-    .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
-    let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await? else {
-        return Err(Status::internal("unexpected broker reply"));
-    };
-    let ip_of = |s: &str| {
-        s.parse::<std::net::SocketAddr>()
-            .map(|a| a.ip().to_string())
-            .unwrap_or_default()
-    };
-    let established: Vec<&ManifestSocket> =
-        manifest.sockets.iter().filter(|s| !s.listening).collect();
-    let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
-    let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(m.tcp);
-    let preserve = tcp != TcpPreservation::None && moved;
-    if tcp == TcpPreservation::Strict && !moved {
-        return Err(Status::failed_precondition(
-            "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
-        ));
-    }
-    let dir = final_dir(&m.dir, &manifest)?;
-    let netns = m
-        .netns_path
-        .clone()
-        .ok_or_else(|| Status::internal("target netns not bound"))?;
-    // Not close-on-exec: criu swrk inherits it and finds it by number.
-    let ns_fd = nix::fcntl::open(
-        netns.as_str(),
-        nix::fcntl::OFlag::O_RDONLY,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map_err(|e| Status::internal(format!("open {netns}: {e}")))?;
-    let mut o = Opts::new(&dir, "restore.log");
-    {
-        use std::os::fd::AsRawFd;
-        o.inherit_fd = vec![criu::InheritFd {
-            key: NETNS_KEY.into(),
-            fd: ns_fd.as_raw_fd(),
-        }];
-    }
-    // A container: its mounts bound to the holder's, its root the holder's root
-    // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
-    // the holder's PID namespace (crate::pidns).
-    let container = container_restore(&cfg, &m, &manifest, &mut o)?;
-    let holder_pid = container.is_some().then_some(m.process.pid);
-    if preserve {
-        o.tcp_established = Some(true);
-    } else {
-        o.tcp_close = Some(true);
-    }
-    m.timings.restore_started_us = now_us();
-    let t = Instant::now();
-    let criu = cfg.criu.clone();
-    let log = dir.join("restore.log");
-    let resp = blocking(move || {
-        let r = criu
-            .call_in(
-                Req {
-                    r#type: criu::REQ_RESTORE,
-                    opts: Some(o),
-                },
-                Some(&log),
-                holder_pid,
-            )
-            .map_err(criu_status);
-        drop(ns_fd);
-        drop(container);
-        r
-    })
-    .await;
-    let resp = match resp {
-        Ok(r) => r,
-        Err(e) => {
-            // CRIU kills what it forked when it fails (its own rollback). In a
-            // holder's PID namespace anything it left (CRIU itself killed
-            // mid-restore) is below the holder: end it all before answering.
-            if holder_pid.is_some() {
-                return Err(undo_restore(&mut m, true, e).await);
-            }
-            return Err(e);
-        }
-    };
-    m.timings.resumed_us = now_us();
-    m.timings.restore_us = t.elapsed().as_micros() as u64;
-    let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
-    // CRIU run inside the holder's PID namespace reports the restored root's PID
-    // there; it is now the holder's child (CRIU has exited).
-    let pid = match holder_pid {
-        Some(h) => procfs::child_by_ns_pid(h, criu_pid),
-        None => Some(criu_pid),
-    };
-    let Some(restored) = pid.and_then(|pid| {
-        Some(ProcRef {
-            pid,
-            start_time: procfs::start_time(pid).ok()?,
-        })
-    }) else {
-        let e = Status::internal(format!(
-            "the restored root (pid {criu_pid} as CRIU reported it) is not to be found{}",
-            holder_pid
-                .map(|h| format!(" among the children of the holder {h}"))
-                .unwrap_or_default()
-        ));
-        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
-    };
-    // From here the copy runs: every failure below kills it before answering.
-    m.restored = Some(restored);
-    if let Err(e) = m
-        .broker(Request::MoveCgroup {
-            uid: m.uid.clone(),
-            process: restored,
-        })
-        .await
-    {
-        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
-    }
-    if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
-        // What the holder executes if the adopted container is started again.
-        let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
-        if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
-            tracing::warn!(uid = %m.uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
-        }
-    }
-    m.sockets = manifest
-        .sockets
-        .iter()
-        .map(|s| SocketReport {
-            local: s.local.clone(),
-            remote: s.remote.clone(),
-            listening: s.listening,
-            outcome: if s.listening {
-                SocketOutcome::ListenerRestored
-            } else if preserve {
-                SocketOutcome::Preserved
-            } else {
-                SocketOutcome::ClosedCleanly
-            } as i32,
-        })
-        .collect();
-    // The images are no longer needed: do not keep the workload's memory around.
-    let _ = images::zeroize(&m.dir);
-    m.image_bytes = 0;
-    m.phase = Phase::Restored;
-    tracing::info!(
-        uid = %m.uid,
-        pid = restored.pid,
-        restore_ms = m.timings.restore_us / 1000,
-        "restored"
-    );
-    Ok(m.status())
-}
-
-/// After a failed restore, no process of it may run: kills what it restored (see
-/// [`kill_restored`]) and returns `e`, saying whether the kill was confirmed. An
-/// unconfirmed kill keeps the copy recorded, so an `Abort` tries again (and fails
-/// while it cannot confirm it: the operator then never thaws the source).
-async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
-    let root = m.restored;
-    let holder = holder.then_some(m.process);
-    match blocking(move || kill_restored(root, holder).map_err(Status::internal)).await {
-        Ok(()) => {
-            m.restored = None;
-            tracing::warn!(uid = %m.uid, error = %e.message(), "restore failed; no restored process left");
-            Status::new(
-                e.code(),
-                format!("{}; no restored process left", e.message()),
-            )
-        }
-        Err(k) => {
-            tracing::error!(uid = %m.uid, error = %e.message(), kill = %k.message(), "restore failed and its copy could not be confirmed killed");
-            Status::new(
-                e.code(),
-                format!(
-                    "{}; a restored copy may still run: {}",
-                    e.message(),
-                    k.message()
-                ),
-            )
-        }
-    }
-}
-
-/// Kills a restored process tree and waits (bounded) until none of it runs: the tree
-/// of `root` (the restored root as pinned after the restore; all of its PID namespace
-/// with it if it is that namespace's init), and in a holder's PID namespace everything
-/// below the holder (CRIU ran there, so whatever it forked and left ends up there,
-/// pinned or not). The holder itself stays. Every process is pinned (pid and start
-/// time) before it is signalled, so a reused pid is never killed.
-fn kill_restored(root: Option<ProcRef>, holder: Option<ProcRef>) -> Result<(), String> {
-    let live = || {
-        let mut pids = Vec::new();
-        if let Some(r) = root
-            && procfs::check_live(r).is_ok()
-        {
-            pids.extend(procfs::tree(r.pid));
-        }
-        // The holder as pinned at `Prepare`: a holder that exited (its container
-        // restarted) has nothing of this restore below it, and its pid may be reused.
-        if let Some(h) = holder
-            && procfs::check_live(h).is_ok()
-        {
-            pids.extend(procfs::tree(h.pid).into_iter().filter(|p| *p != h.pid));
-        }
-        pids.sort_unstable();
-        pids.dedup();
-        pids.into_iter()
-            .filter_map(|pid| {
-                let p = ProcRef {
-                    pid,
-                    start_time: procfs::start_time(pid).ok()?,
-                };
-                procfs::check_live(p).is_ok().then_some(p)
-            })
-            .collect::<Vec<_>>()
-    };
-    for _ in 0..500 {
-        let procs = live();
-        if procs.is_empty() {
-            return Ok(());
-        }
-        for p in procs {
-            if procfs::check_live(p).is_ok() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(p.pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let left: Vec<i32> = live().iter().map(|p| p.pid).collect();
-    Err(format!(
-        "restored processes {left:?} still run 5 s after SIGKILL"
-    ))
-}
-
-/// Restore options for a container's dump (`None`: a process of the node's mount
-/// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
-/// stay open until the restore has run.
-fn container_restore(
-    cfg: &Config,
-    m: &Migration,
-    manifest: &Manifest,
-    o: &mut Opts,
-) -> Result<Option<Vec<std::os::fd::OwnedFd>>, Status> {
-    if manifest.external_mounts.is_empty() && m.fs.is_none() {
-        return Ok(None);
-    }
-    let Some(fs) = &m.fs else {
-        return Err(Status::failed_precondition(
-            "the source is a container but the target holder was not resolved through the container runtime",
-        ));
-    };
-    let holder_pid = m.process.pid;
-    let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
-        .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
-    let holder = mounts::Holder {
-        spec: fs.spec.clone(),
-        mountinfo: mounts::parse_mountinfo(&mi),
-        rootfs: fs.rootfs.clone(),
-    };
-    let args =
-        mounts::restore_external_args(&manifest.external_mounts, &holder, &cfg.containers.host())
-            .map_err(Status::failed_precondition)?;
-    o.external.extend(args);
-    o.root = Some(holder.rootfs.to_string_lossy().into_owned());
-    let mut fds = Vec::new();
-    for (fd, key) in &manifest.stdio_pipes {
-        let path = format!("/proc/{holder_pid}/fd/{fd}");
-        let flags = if *fd == 0 {
-            nix::fcntl::OFlag::O_RDONLY
-        } else {
-            nix::fcntl::OFlag::O_WRONLY
-        };
-        // Not close-on-exec: criu swrk inherits it and finds it by number.
-        let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
-            .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
-        use std::os::fd::AsRawFd;
-        o.inherit_fd.push(criu::InheritFd {
-            key: key.clone(),
-            fd: f.as_raw_fd(),
-        });
-        fds.push(f);
-    }
-    Ok(Some(fds))
-}
-
-/// Stores one image stream (its first chunk already read) into the migration's
-/// checkpoint dir, holding the migration to the stream's end. A stream that does not
-/// end complete and verified (cut, refused, a chunk that does not open) leaves what was
-/// there before it: the files it created or replaced are zeroized and removed, and the
-/// phase is the one it found, so the next `Send` (a new stream) starts from the same
-/// state the source records; earlier pre-copy rounds, which the source counts as sent,
-/// stay.
-async fn receive_locked(
-    mut m: tokio::sync::OwnedMutexGuard<Migration>,
-    first: ImageChunk,
-    mut s: Streaming<ImageChunk>,
-) -> Result<ReceiveSummary, Status> {
-    // The stream's header (its first chunk) carries the stream id.
-    let sealer = Arc::new(
-        Sealer::new(&m.key, m.uid.as_str(), &first.stream_id)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?,
-    );
-    let before = m.phase;
-    m.phase = Phase::Receiving;
-    let dir = m.dir.clone();
-    // This task takes chunks off the connection; a blocking thread opens and
-    // writes them, so the network side never waits for the decryption or tmpfs.
-    let (wtx, mut wrx) = tokio::sync::mpsc::channel::<ImageChunk>(RECEIVE_QUEUE);
-    let writer = {
-        let dir = dir.clone();
-        let sealer = sealer.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut store = Store::new(&dir);
-            let res = (|| -> Result<(u64, u64), Status> {
-                while let Some(mut c) = wrx.blocking_recv() {
-                    transfer::check_image_path(&c.path)
-                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                    let mut plain = std::mem::take(&mut c.sealed);
-                    sealer
-                        .open_in_place(c.seq, &c.path, c.offset, false, &mut plain)
-                        .map_err(|e| Status::permission_denied(e.to_string()))?;
-                    store.put(&c, plain)?;
-                }
-                Ok((store.files, store.bytes))
-            })();
-            (store.written(), res)
-        })
-    };
-    let mut next = Some(first);
-    let mut seq = 0u64;
-    let uid = m.uid.to_string();
-    let read: Result<Vec<u8>, Status> = async {
-        loop {
-            let c = match next.take() {
-                Some(c) => c,
-                None => s
-                    .message()
-                    .await?
-                    .ok_or_else(|| Status::data_loss("stream ended without its final chunk"))?,
-            };
-            if c.seq != seq || c.migration_uid != uid {
-                return Err(Status::invalid_argument(
-                    "chunk out of order or for another migration",
-                ));
-            }
-            seq += 1;
-            if c.end {
-                return Ok(c.sealed);
-            }
-            if wtx.send(c).await.is_err() {
-                // The writer stopped on an error; it says which below.
-                return Ok(vec![]);
-            }
-        }
-    }
-    .await;
-    drop(wtx);
-    drop(s);
-    let (written, stored) = match writer.await {
-        Ok((w, r)) => (Some(w), r),
-        Err(e) => (None, Err(Status::internal(format!("image writer: {e}")))),
-    };
-    // The stream ends well only if every chunk opened and was stored, and its final
-    // chunk authenticates the count.
-    let res: Result<(u64, u64), Status> = (|| {
-        let (files, bytes) = stored?;
-        let end = read?;
-        let count = sealer
-            .open(seq - 1, "", 0, true, &end)
-            .map_err(|e| Status::permission_denied(e.to_string()))?;
-        if count != (seq - 1).to_be_bytes() {
-            return Err(Status::data_loss("chunk count mismatch"));
-        }
-        Ok((files, bytes))
-    })();
-    let (files, bytes) = match res {
-        Ok(r) => r,
-        Err(e) => {
-            // Never keep half an image: what this stream wrote goes (zeroized); what
-            // earlier streams stored stays, as the source counts it sent.
-            let undone = match written {
-                Some(w) => blocking(move || {
-                    w.undo(&dir);
-                    Ok(())
-                })
-                .await
-                .ok(),
-                None => None,
-            };
-            if undone.is_none() {
-                // The writer panicked: what it wrote is unknown, so nothing stays.
-                let _ = images::zeroize(&m.dir);
-                if let Some(root) = m.dir.parent() {
-                    let _ = images::create(root, m.uid.as_str());
-                }
-            }
-            m.image_bytes = images::size(&m.dir);
-            m.phase = if undone.is_some() {
-                before
-            } else {
-                Phase::Prepared
-            };
-            tracing::warn!(uid = %m.uid, error = %e, "image stream not stored; its files removed");
-            return Err(e);
-        }
-    };
-    m.bytes_received += bytes;
-    m.image_bytes = images::size(&dir);
-    // Pre-copy rounds arrive first; the round carrying the manifest is the last.
-    m.phase = if dir.join("manifest.json").exists() {
-        Phase::Received
-    } else {
-        Phase::Receiving
-    };
-    Ok(ReceiveSummary { files, bytes })
-}
-
-/// The sealer of one outgoing image stream (every Send, every retry): a fresh random
-/// stream id, so no two streams under the migration key share a nonce.
-fn stream_sealer(key: &[u8], uid: &str) -> Result<Sealer, Status> {
-    let id: [u8; transfer::STREAM_ID_LEN] = rand::random();
-    Sealer::new(key, uid, &id).map_err(|e| Status::internal(e.to_string()))
-}
-
-/// Writes the opened chunks of one stream into a migration's checkpoint dir. Nothing
-/// it writes leaves that dir: paths are `<dir>/<file>` or `<file>`, the only links are
-/// CRIU's `parent` links one level down pointing at a sibling round (`../pre-<n>`),
-/// and no write or copy follows a link.
-struct Store<'a> {
-    dir: &'a Path,
-    /// Files created from a delta base in this stream; their chunks patch in place.
-    patched: std::collections::BTreeSet<String>,
-    /// What this stream created or replaced, undone if the stream does not end well.
-    written: Written,
-    files: u64,
-    bytes: u64,
-}
-
-fn open_nofollow(p: &Path, o: &mut std::fs::OpenOptions) -> Result<std::fs::File, Status> {
-    use std::os::unix::fs::OpenOptionsExt;
-    o.custom_flags(nix::libc::O_NOFOLLOW)
-        .open(p)
-        .map_err(|e| Status::invalid_argument(format!("{}: {e}", p.display())))
-}
-
-/// `../pre-<n>`: a sibling round's directory, the only link target CRIU writes.
-fn parent_link_ok(path: &str, target: &str) -> bool {
-    let Some((_, name)) = path.split_once('/') else {
-        // A top-level link would resolve `../x` next to this migration's dir: into
-        // another migration's.
-        return false;
-    };
-    name == "parent"
-        && target
-            .strip_prefix("../pre-")
-            .is_some_and(|n| !n.is_empty() && n.len() <= 9 && n.bytes().all(|b| b.is_ascii_digit()))
-}
-
-impl<'a> Store<'a> {
-    fn new(dir: &'a Path) -> Self {
-        Store {
-            dir,
-            patched: Default::default(),
-            written: Default::default(),
-            files: 0,
-            bytes: 0,
-        }
-    }
-
-    /// Stores one chunk whose path was checked and whose payload opened.
-    fn put(&mut self, c: &ImageChunk, plain: Vec<u8>) -> Result<(), Status> {
-        transfer::check_image_path(&c.path).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let ierr = |e: std::io::Error| Status::internal(e.to_string());
-        let path = self.dir.join(&c.path);
-        if let Some((top, _)) = c.path.split_once('/') {
-            let d = self.dir.join(top);
-            match std::fs::symlink_metadata(&d) {
-                Ok(md) if md.is_dir() => {}
-                Ok(_) => {
-                    return Err(Status::invalid_argument(format!(
-                        "{top} is not a directory"
-                    )));
-                }
-                Err(_) => {
-                    std::fs::create_dir(&d).map_err(ierr)?;
-                    self.written.dirs.push(top.to_owned());
-                }
-            }
-        }
-        // A path this stream did not write yet: a new stream (a retried `Send`) sends
-        // every file it carries whole, from offset 0, so a copy of it that an earlier
-        // stream left (its end not recorded by the source) is replaced, not appended to.
-        let fresh = !self.written.files.contains(&c.path);
-        if fresh && !c.symlink && c.base.is_empty() && c.offset != 0 {
-            return Err(Status::invalid_argument(format!(
-                "{}: starts at offset {}",
-                c.path, c.offset
-            )));
-        }
-        if c.symlink {
-            let target =
-                String::from_utf8(plain).map_err(|_| Status::invalid_argument("bad link"))?;
-            if !parent_link_ok(&c.path, &target) {
-                return Err(Status::invalid_argument(format!(
-                    "link {:?} -> {target:?} is not a round's parent link",
-                    c.path
-                )));
-            }
-            if fresh {
-                self.replace(&c.path, &path)?;
-            }
-            return std::os::unix::fs::symlink(&target, &path).map_err(ierr);
-        }
-        if !c.base.is_empty() {
-            transfer::check_image_path(&c.base)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            let len: [u8; 8] = plain
-                .as_slice()
-                .try_into()
-                .map_err(|_| Status::invalid_argument("bad delta length"))?;
-            let mut from = open_nofollow(
-                &self.dir.join(&c.base),
-                std::fs::OpenOptions::new().read(true),
-            )
-            .map_err(|e| Status::failed_precondition(format!("delta base: {}", e.message())))?;
-            if fresh {
-                self.replace(&c.path, &path)?;
-            }
-            let mut to = open_nofollow(
-                &path,
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true),
-            )?;
-            std::io::copy(&mut from, &mut to).map_err(ierr)?;
-            to.set_len(u64::from_be_bytes(len)).map_err(ierr)?;
-            self.files += 1;
-            self.patched.insert(c.path.clone());
-            return Ok(());
-        }
-        if self.patched.contains(&c.path) {
-            use std::os::unix::fs::FileExt;
-            let f = open_nofollow(&path, std::fs::OpenOptions::new().write(true))?;
-            let len = f.metadata().map_err(ierr)?.len();
-            if c.offset + plain.len() as u64 > len {
-                return Err(Status::invalid_argument(
-                    "delta block past the end of the file",
-                ));
-            }
-            f.write_all_at(&plain, c.offset).map_err(ierr)?;
-            self.bytes += plain.len() as u64;
-            return Ok(());
-        }
-        let mut f = if fresh {
-            self.replace(&c.path, &path)?;
-            open_nofollow(
-                &path,
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .truncate(true),
-            )?
-        } else {
-            open_nofollow(&path, std::fs::OpenOptions::new().create(true).append(true))?
-        };
-        let md = f.metadata().map_err(ierr)?;
-        if !md.is_file() || md.len() != c.offset {
-            return Err(Status::invalid_argument(format!(
-                "{}: offset {} but have {}",
-                c.path,
-                c.offset,
-                md.len()
-            )));
-        }
-        if c.offset == 0 {
-            self.files += 1;
-        }
-        f.write_all(&plain).map_err(ierr)?;
-        self.bytes += plain.len() as u64;
-        Ok(())
-    }
-}
-
-impl Store<'_> {
-    /// Takes `rel` (at `path`) as this stream's: a copy an earlier stream left there
-    /// (its end not recorded by the source, which sends it whole again) is zeroized and
-    /// replaced. Called only once the chunk that writes it was checked.
-    fn replace(&mut self, rel: &str, path: &Path) -> Result<(), Status> {
-        let ierr = |e: std::io::Error| Status::internal(e.to_string());
-        match std::fs::symlink_metadata(path) {
-            Ok(md) if md.file_type().is_symlink() => std::fs::remove_file(path).map_err(ierr)?,
-            Ok(md) if md.is_file() => images::zeroize_file(path).map_err(ierr)?,
-            Ok(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "{rel} is not a regular file"
-                )));
-            }
-            Err(_) => {}
-        }
-        self.written.files.insert(rel.to_owned());
-        Ok(())
-    }
-
-    /// What this stream wrote, for `Written::undo`.
-    fn written(&mut self) -> Written {
-        std::mem::take(&mut self.written)
-    }
-}
-
-/// The files and round directories one image stream created or replaced.
-#[derive(Default)]
-struct Written {
-    files: std::collections::BTreeSet<String>,
-    dirs: Vec<String>,
-}
-
-impl Written {
-    /// Zeroizes and removes what the stream wrote (a directory it created goes whole),
-    /// leaving what earlier streams stored.
-    fn undo(self, dir: &Path) {
-        for rel in &self.files {
-            let p = dir.join(rel);
-            let Ok(md) = std::fs::symlink_metadata(&p) else {
-                continue;
-            };
-            if md.is_file() {
-                let _ = images::zeroize_file(&p);
-            }
-            if !md.is_dir() {
-                let _ = std::fs::remove_file(&p);
-            }
-        }
-        for top in &self.dirs {
-            let _ = images::zeroize(&dir.join(top));
-        }
-    }
-}
-
-/// The final image dir a manifest names: one plain directory inside the checkpoint
-/// dir (never a link, never a path out of it).
-fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
-    let name = &manifest.final_dir;
-    if transfer::check_image_path(name).is_err() || name.contains('/') {
-        return Err(Status::data_loss(format!(
-            "manifest names final dir {name:?}: not a directory of the checkpoint"
-        )));
-    }
-    let p = dir.join(name);
-    match std::fs::symlink_metadata(&p) {
-        Ok(md) if md.is_dir() => Ok(p),
-        _ => Err(Status::data_loss(format!(
-            "manifest names final dir {name:?}: not a directory of the checkpoint"
-        ))),
-    }
-}
-
-/// The producer's error when the target stopped taking chunks (its answer says why).
-const TARGET_CLOSED: &str = "target closed the stream";
-
-/// Chunks queued between the connection and the receiver's writer thread.
-const RECEIVE_QUEUE: usize = 4;
-
-/// Delta block size when comparing a final image with its warm copy.
-const BLOCK: usize = 64 * 1024;
-
-/// Reads the checkpoint dir and sends what was not sent before as sealed chunks;
-/// returns the plaintext bytes sent and the paths now on the target. With `delta`, an
-/// image of a later round (a warm copy after the first, or the final dump) whose
-/// namesake the target holds from the newest earlier warm copy is sent as the blocks
-/// that differ: each round then moves only what the workload changed since the last.
-fn produce(
-    dir: &Path,
-    uid: &str,
-    sealer: &Sealer,
-    tx: &tokio::sync::mpsc::Sender<ImageChunk>,
-    already: &std::collections::BTreeSet<String>,
-    delta: bool,
-    pace: &Pace,
-) -> Result<(u64, Vec<String>), Status> {
-    let ierr = |e: std::io::Error| Status::internal(e.to_string());
-    let mut entries = Vec::new();
-    collect(dir, dir, &mut entries).map_err(ierr)?;
-    entries.retain(|(rel, _)| !already.contains(rel));
-    // Parents before children: pre-1, pre-2, …, final, then the manifest last (its
-    // arrival tells the target the image set is complete).
-    entries.sort_by_key(|(rel, _)| {
-        (
-            rel.starts_with("manifest"),
-            rel.starts_with("final"),
-            pre_round(rel),
-            rel.clone(),
-        )
-    });
-    // The newest warm copy the target holds, for deltas.
-    let base_dir = already
-        .iter()
-        .filter_map(|p| p.split_once('/').map(|(d, _)| d))
-        .filter(|d| d.starts_with("pre-"))
-        .max_by_key(|d| pre_round(d))
-        .map(str::to_owned);
-    let mut seq = 0u64;
-    let mut bytes = 0u64;
-    let mut paths = Vec::new();
-    // The stream id travels in the first chunk, the stream's header.
-    let header = |seq: u64| {
-        if seq == 0 {
-            sealer.stream_id().to_vec()
-        } else {
-            vec![]
-        }
-    };
-    // Seals `data` (the plaintext, with room for the tag) in place.
-    let sealed_chunk =
-        |seq: u64, path: &str, offset: u64, mut data: Vec<u8>, symlink: bool, base: &str| {
-            sealer.seal_in_place(seq, path, offset, false, &mut data);
-            ImageChunk {
-                migration_uid: uid.into(),
-                seq,
-                path: path.into(),
-                offset,
-                sealed: data,
-                end: false,
-                symlink,
-                base: base.into(),
-                stream_id: header(seq),
-            }
-        };
-    let chunk = |seq: u64, path: &str, offset: u64, data: &[u8], symlink: bool, base: &str| {
-        let mut buf = Vec::with_capacity(data.len() + transfer::TAG_LEN);
-        buf.extend_from_slice(data);
-        sealed_chunk(seq, path, offset, buf, symlink, base)
-    };
-    let send = |c: ImageChunk| {
-        pace.wait(c.sealed.len() as u64);
-        tx.blocking_send(c)
-            .map_err(|_| Status::aborted(TARGET_CLOSED))
-    };
-    for (rel, is_link) in entries {
-        let full = dir.join(&rel);
-        paths.push(rel.clone());
-        if is_link {
-            let target = std::fs::read_link(&full).map_err(ierr)?;
-            send(chunk(
-                seq,
-                &rel,
-                0,
-                target.to_string_lossy().as_bytes(),
-                true,
-                "",
-            ))?;
-            seq += 1;
-            continue;
-        }
-        let name = rel.rsplit('/').next().unwrap_or_default();
-        let later_round = rel.starts_with("final/") || pre_round(&rel) > 0;
-        let base = match (&base_dir, delta && later_round) {
-            (Some(b), true) if already.contains(&format!("{b}/{name}")) => {
-                Some(format!("{b}/{name}"))
-            }
-            _ => None,
-        };
-        if let Some(base) = base {
-            let f = std::fs::File::open(&full).map_err(ierr)?;
-            let len = f.metadata().map_err(ierr)?.len();
-            let mut new = f.take(len);
-            let mut old = std::fs::File::open(dir.join(&base)).map_err(ierr)?;
-            send(chunk(seq, &rel, 0, &len.to_be_bytes(), false, &base))?;
-            seq += 1;
-            // Runs of differing blocks, each at most one CHUNK. Both files are compared
-            // a window at a time, so memory stays flat whatever the image size.
-            let mut flush = |run: &mut Vec<u8>, at: u64, seq: &mut u64| {
-                if run.is_empty() {
-                    return Ok(());
-                }
-                let data =
-                    std::mem::replace(run, Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN));
-                bytes += data.len() as u64;
-                send(sealed_chunk(*seq, &rel, at, data, false, ""))?;
-                *seq += 1;
-                Ok::<(), Status>(())
-            };
-            let (mut nw, mut ow) = (Vec::new(), Vec::new());
-            let mut run = Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN);
-            let (mut run_at, mut pos) = (0u64, 0u64);
-            loop {
-                nw.clear();
-                ow.clear();
-                let n = (&mut new)
-                    .take(transfer::CHUNK as u64)
-                    .read_to_end(&mut nw)
-                    .map_err(ierr)?;
-                if n == 0 {
-                    break;
-                }
-                (&mut old)
-                    .take(n as u64)
-                    .read_to_end(&mut ow)
-                    .map_err(ierr)?;
-                for b in (0..n).step_by(BLOCK) {
-                    let e = (b + BLOCK).min(n);
-                    if ow.get(b..e) == Some(&nw[b..e]) {
-                        flush(&mut run, run_at, &mut seq)?;
-                        continue;
-                    }
-                    if run.is_empty() {
-                        run_at = pos + b as u64;
-                    }
-                    run.extend_from_slice(&nw[b..e]);
-                    if run.len() >= transfer::CHUNK {
-                        flush(&mut run, run_at, &mut seq)?;
-                    }
-                }
-                pos += n as u64;
-            }
-            flush(&mut run, run_at, &mut seq)?;
-            continue;
-        }
-        let mut f = std::fs::File::open(&full).map_err(ierr)?;
-        let mut offset = 0u64;
-        loop {
-            // Read straight into the buffer that is sealed in place and sent: no copy.
-            let mut buf = Vec::with_capacity(transfer::CHUNK + transfer::TAG_LEN);
-            let n = (&mut f)
-                .take(transfer::CHUNK as u64)
-                .read_to_end(&mut buf)
-                .map_err(ierr)?;
-            if n == 0 && offset > 0 {
-                break;
-            }
-            send(sealed_chunk(seq, &rel, offset, buf, false, ""))?;
-            seq += 1;
-            offset += n as u64;
-            bytes += n as u64;
-            if n == 0 {
-                break;
-            }
-        }
-    }
-    let sealed = sealer.seal(seq, "", 0, true, &seq.to_be_bytes());
-    send(ImageChunk {
-        migration_uid: uid.into(),
-        seq,
-        path: String::new(),
-        offset: 0,
-        sealed,
-        end: true,
-        symlink: false,
-        base: String::new(),
-        stream_id: header(seq),
-    })?;
-    Ok((bytes, paths))
-}
-
-/// The PodMigration's bandwidth limit: the stream never runs ahead of `limit` bytes
-/// per second since it started (0 = unlimited).
-struct Pace {
-    limit: u64,
-    started: Instant,
-    sent: std::sync::atomic::AtomicU64,
-}
-
-impl Pace {
-    fn new(limit: u64) -> Pace {
-        Pace {
-            limit,
-            started: Instant::now(),
-            sent: Default::default(),
-        }
-    }
-
-    /// Blocks until `bytes` more may go out.
-    fn wait(&self, bytes: u64) {
-        if self.limit == 0 {
-            return;
-        }
-        let before = self
-            .sent
-            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-        let due = std::time::Duration::from_secs_f64(before as f64 / self.limit as f64);
-        if let Some(ahead) = due.checked_sub(self.started.elapsed()) {
-            std::thread::sleep(ahead);
-        }
-    }
-}
-
-fn pre_round(rel: &str) -> u32 {
-    rel.strip_prefix("pre-")
-        .and_then(|r| r.split('/').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
-fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, bool)>) -> std::io::Result<()> {
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let ft = e.file_type()?;
-        let rel = e
-            .path()
-            .strip_prefix(root)
-            .expect("under root")
-            .to_string_lossy()
-            .into_owned();
-        if rel.ends_with(".log") {
-            continue;
-        }
-        if ft.is_dir() {
-            collect(root, &e.path(), out)?;
-        } else if ft.is_symlink() {
-            out.push((rel, true));
-        } else if ft.is_file() {
-            out.push((rel, false));
-        }
-    }
-    Ok(())
 }
 
 type Res<T> = Result<Response<T>, Status>;
@@ -2241,3 +1118,42 @@ fn _assert_stream<S: Stream>(_: S) {}
 
 #[cfg(test)]
 mod transfer_tests;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_prepare_needs_a_role_a_key_and_another_node_as_peer() {
+        let ok = PrepareRequest {
+            migration_uid: "u".into(),
+            role: Role::Target as i32,
+            transfer_key: vec![1; transfer::KEY_LEN],
+            peer_node: "node-b".into(),
+            ..Default::default()
+        };
+        assert_eq!(check_prepare(&ok, Some("node-a")).unwrap(), Role::Target);
+        assert_eq!(check_prepare(&ok, None).unwrap(), Role::Target);
+        let refused = |r: PrepareRequest, own: Option<&str>| {
+            let e = check_prepare(&r, own).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            e.message().to_string()
+        };
+        let no_role = PrepareRequest {
+            role: Role::Unspecified as i32,
+            ..ok.clone()
+        };
+        assert_eq!(refused(no_role, None), "role must be Source or Target");
+        let short_key = PrepareRequest {
+            transfer_key: vec![1; 16],
+            ..ok.clone()
+        };
+        assert_eq!(refused(short_key, None), "transfer key must be 32 bytes");
+        let bad_peer = PrepareRequest {
+            peer_node: "Node_B".into(),
+            ..ok.clone()
+        };
+        assert!(refused(bad_peer, None).contains("is not a node name"));
+        assert!(refused(ok, Some("node-b")).contains("this agent's own node"));
+    }
+}

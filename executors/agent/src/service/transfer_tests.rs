@@ -1,8 +1,11 @@
 //! The image stream through the real sealing and storing code: no (key, nonce) pair
 //! is ever used twice, and a hostile stream cannot write outside its migration.
 
+use super::receive::Store;
+use super::restore::final_dir;
+use super::send::{BLOCK, Pace, collect, produce, stream_sealer};
 use super::*;
-use podmotion_wire::transfer::NonceLog;
+use podmotion_wire::transfer::{NonceLog, Sealer};
 use std::collections::BTreeSet;
 
 /// A fresh directory under the system temp dir, removed on drop.

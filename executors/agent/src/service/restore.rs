@@ -1,0 +1,497 @@
+//! `Restore` on the target: the received tree restored by CRIU into the pod's network
+//! namespace (a container's inside its holder), and never a process of it left
+//! running after a restore that failed (see [`kill_restored`]).
+
+use super::{Config, Migration, NETNS_KEY, Phase, blocking, criu_status, now_us};
+use crate::admission::{Admission, Step, admit};
+use crate::criu::{self, Criu, Opts, Req};
+use crate::{images, mounts};
+use podmotion_broker::procfs;
+use podmotion_wire::agent::{
+    HOLDER_RESTART, Manifest, ManifestSocket, MigrationStatus, SocketOutcome, SocketReport,
+    TcpPreservation,
+};
+use podmotion_wire::broker::{Reply, Request};
+use podmotion_wire::ids::ProcRef;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use tonic::Status;
+
+/// The body of `Restore`, run by a task that owns the migration (see
+/// [`super::Agent::restore_impl`]).
+pub(super) async fn restore_locked(
+    cfg: Arc<Config>,
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+) -> Result<MigrationStatus, Status> {
+    if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
+        return Ok(m.status());
+    }
+    let manifest = read_manifest(&m.dir)?;
+    let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await? else {
+        return Err(Status::internal("unexpected broker reply"));
+    };
+    let preserve = tcp_preserved(&manifest, m.tcp, &addrs)?;
+    let dir = final_dir(&m.dir, &manifest)?;
+    let run = restore_run(&cfg, &m, &manifest, &dir, preserve)?;
+    let holder_pid = run.container.is_some().then_some(m.process.pid);
+    let log = dir.join("restore.log");
+    let restored = restore_tree(&mut m, cfg.criu.clone(), log, run, holder_pid).await?;
+    // From here the copy runs: every failure below kills it before answering.
+    m.restored = Some(restored);
+    if let Err(e) = m
+        .broker(Request::MoveCgroup {
+            uid: m.uid.clone(),
+            process: restored,
+        })
+        .await
+    {
+        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
+    }
+    write_restart_file(&m, &manifest);
+    m.sockets = restored_sockets(&manifest.sockets, preserve);
+    // The images are no longer needed: do not keep the workload's memory around.
+    let _ = images::zeroize(&m.dir);
+    m.image_bytes = 0;
+    m.phase = Phase::Restored;
+    tracing::info!(
+        uid = %m.uid,
+        pid = restored.pid,
+        restore_ms = m.timings.restore_us / 1000,
+        "restored"
+    );
+    Ok(m.status())
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest, Status> {
+    let bytes = std::fs::read(dir.join("manifest.json"))
+        .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| Status::data_loss(format!("manifest: {e}")))
+}
+
+/// Whether the restore keeps the established connections (`addrs`: the target
+/// namespace's addresses): under the manifest's preservation (else the migration's),
+/// unless it is `None`, if every established socket's local address moved to the
+/// target. `Strict` refuses a restore that would not keep them.
+fn tcp_preserved(
+    manifest: &Manifest,
+    tcp: TcpPreservation,
+    addrs: &[String],
+) -> Result<bool, Status> {
+    let ip_of = |s: &str| {
+        s.parse::<std::net::SocketAddr>()
+            .map(|a| a.ip().to_string())
+            .unwrap_or_default()
+    };
+    let established: Vec<&ManifestSocket> =
+        manifest.sockets.iter().filter(|s| !s.listening).collect();
+    let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
+    let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(tcp);
+    let preserve = tcp != TcpPreservation::None && moved;
+    if tcp == TcpPreservation::Strict && !moved {
+        return Err(Status::failed_precondition(
+            "Strict TCP preservation: the pod address did not move to the target; refusing to restore",
+        ));
+    }
+    Ok(preserve)
+}
+
+/// What CRIU's restore runs with: its options and the descriptors it inherits, which
+/// stay open until it has run.
+struct RestoreRun {
+    opts: Opts,
+    ns_fd: OwnedFd,
+    /// A container's (see [`container_restore`]).
+    container: Option<Vec<OwnedFd>>,
+}
+
+/// The restore's options: into the target's network namespace, connections restored
+/// (`preserve`) or closed.
+fn restore_run(
+    cfg: &Config,
+    m: &Migration,
+    manifest: &Manifest,
+    dir: &Path,
+    preserve: bool,
+) -> Result<RestoreRun, Status> {
+    let netns = m
+        .netns_path
+        .clone()
+        .ok_or_else(|| Status::internal("target netns not bound"))?;
+    // Not close-on-exec: criu swrk inherits it and finds it by number.
+    let ns_fd = nix::fcntl::open(
+        netns.as_str(),
+        nix::fcntl::OFlag::O_RDONLY,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| Status::internal(format!("open {netns}: {e}")))?;
+    let mut o = Opts::new(dir, "restore.log");
+    o.inherit_fd = vec![criu::InheritFd {
+        key: NETNS_KEY.into(),
+        fd: ns_fd.as_raw_fd(),
+    }];
+    // A container: its mounts bound to the holder's, its root the holder's root
+    // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
+    // the holder's PID namespace (crate::pidns).
+    let container = container_restore(cfg, m, manifest, &mut o)?;
+    if preserve {
+        o.tcp_established = Some(true);
+    } else {
+        o.tcp_close = Some(true);
+    }
+    Ok(RestoreRun {
+        opts: o,
+        ns_fd,
+        container,
+    })
+}
+
+/// Runs the restore and finds its root; a restore that fails leaves no process of it
+/// running (see [`undo_restore`]).
+async fn restore_tree(
+    m: &mut Migration,
+    criu: Criu,
+    log: PathBuf,
+    run: RestoreRun,
+    holder_pid: Option<i32>,
+) -> Result<ProcRef, Status> {
+    m.timings.restore_started_us = now_us();
+    let t = Instant::now();
+    let resp = match run_restore(criu, log, run, holder_pid).await {
+        Ok(r) => r,
+        Err(e) => {
+            // CRIU kills what it forked when it fails (its own rollback). In a
+            // holder's PID namespace anything it left (CRIU itself killed
+            // mid-restore) is below the holder: end it all before answering.
+            if holder_pid.is_some() {
+                return Err(undo_restore(m, true, e).await);
+            }
+            return Err(e);
+        }
+    };
+    m.timings.resumed_us = now_us();
+    m.timings.restore_us = t.elapsed().as_micros() as u64;
+    let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+    match find_restored(criu_pid, holder_pid) {
+        Ok(p) => Ok(p),
+        Err(e) => Err(undo_restore(m, holder_pid.is_some(), e).await),
+    }
+}
+
+/// Runs CRIU's restore (inside the holder's PID namespace for a container), then
+/// closes the descriptors it inherited.
+async fn run_restore(
+    criu: Criu,
+    log: PathBuf,
+    run: RestoreRun,
+    holder_pid: Option<i32>,
+) -> Result<criu::Resp, Status> {
+    blocking(move || {
+        let RestoreRun {
+            opts,
+            ns_fd,
+            container,
+        } = run;
+        let r = criu
+            .call_in(
+                Req {
+                    r#type: criu::REQ_RESTORE,
+                    opts: Some(opts),
+                },
+                Some(&log),
+                holder_pid,
+            )
+            .map_err(criu_status);
+        drop(ns_fd);
+        drop(container);
+        r
+    })
+    .await
+}
+
+/// The restored root, pinned, from the PID CRIU reported. CRIU run inside the holder's
+/// PID namespace reports the restored root's PID there; it is now the holder's child
+/// (CRIU has exited).
+fn find_restored(criu_pid: i32, holder_pid: Option<i32>) -> Result<ProcRef, Status> {
+    let pid = match holder_pid {
+        Some(h) => procfs::child_by_ns_pid(h, criu_pid),
+        None => Some(criu_pid),
+    };
+    pid.and_then(|pid| {
+        Some(ProcRef {
+            pid,
+            start_time: procfs::start_time(pid).ok()?,
+        })
+    })
+    .ok_or_else(|| {
+        Status::internal(format!(
+            "the restored root (pid {criu_pid} as CRIU reported it) is not to be found{}",
+            holder_pid
+                .map(|h| format!(" among the children of the holder {h}"))
+                .unwrap_or_default()
+        ))
+    })
+}
+
+/// What the holder executes if the adopted container is started again (a container
+/// whose manifest names its workload); only warned about if it cannot be written.
+fn write_restart_file(m: &Migration, manifest: &Manifest) {
+    if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
+        let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
+        if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
+            tracing::warn!(uid = %m.uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
+        }
+    }
+}
+
+/// What became of each dumped socket: listeners are restored, connections preserved
+/// or closed cleanly.
+fn restored_sockets(sockets: &[ManifestSocket], preserve: bool) -> Vec<SocketReport> {
+    sockets
+        .iter()
+        .map(|s| SocketReport {
+            local: s.local.clone(),
+            remote: s.remote.clone(),
+            listening: s.listening,
+            outcome: if s.listening {
+                SocketOutcome::ListenerRestored
+            } else if preserve {
+                SocketOutcome::Preserved
+            } else {
+                SocketOutcome::ClosedCleanly
+            } as i32,
+        })
+        .collect()
+}
+
+/// After a failed restore, no process of it may run: kills what it restored (see
+/// [`kill_restored`]) and returns `e`, saying whether the kill was confirmed. An
+/// unconfirmed kill keeps the copy recorded, so an `Abort` tries again (and fails
+/// while it cannot confirm it: the operator then never thaws the source).
+async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
+    let root = m.restored;
+    let holder = holder.then_some(m.process);
+    match blocking(move || kill_restored(root, holder).map_err(Status::internal)).await {
+        Ok(()) => {
+            m.restored = None;
+            tracing::warn!(uid = %m.uid, error = %e.message(), "restore failed; no restored process left");
+            Status::new(
+                e.code(),
+                format!("{}; no restored process left", e.message()),
+            )
+        }
+        Err(k) => {
+            tracing::error!(uid = %m.uid, error = %e.message(), kill = %k.message(), "restore failed and its copy could not be confirmed killed");
+            Status::new(
+                e.code(),
+                format!(
+                    "{}; a restored copy may still run: {}",
+                    e.message(),
+                    k.message()
+                ),
+            )
+        }
+    }
+}
+
+/// Kills a restored process tree and waits (bounded) until none of it runs: the tree
+/// of `root` (the restored root as pinned after the restore; all of its PID namespace
+/// with it if it is that namespace's init), and in a holder's PID namespace everything
+/// below the holder (CRIU ran there, so whatever it forked and left ends up there,
+/// pinned or not). The holder itself stays. Every process is pinned (pid and start
+/// time) before it is signalled, so a reused pid is never killed.
+pub(super) fn kill_restored(root: Option<ProcRef>, holder: Option<ProcRef>) -> Result<(), String> {
+    let live = || {
+        let mut pids = Vec::new();
+        if let Some(r) = root
+            && procfs::check_live(r).is_ok()
+        {
+            pids.extend(procfs::tree(r.pid));
+        }
+        // The holder as pinned at `Prepare`: a holder that exited (its container
+        // restarted) has nothing of this restore below it, and its pid may be reused.
+        if let Some(h) = holder
+            && procfs::check_live(h).is_ok()
+        {
+            pids.extend(procfs::tree(h.pid).into_iter().filter(|p| *p != h.pid));
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        pids.into_iter()
+            .filter_map(|pid| {
+                let p = ProcRef {
+                    pid,
+                    start_time: procfs::start_time(pid).ok()?,
+                };
+                procfs::check_live(p).is_ok().then_some(p)
+            })
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..500 {
+        let procs = live();
+        if procs.is_empty() {
+            return Ok(());
+        }
+        for p in procs {
+            if procfs::check_live(p).is_ok() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p.pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let left: Vec<i32> = live().iter().map(|p| p.pid).collect();
+    Err(format!(
+        "restored processes {left:?} still run 5 s after SIGKILL"
+    ))
+}
+
+/// Restore options for a container's dump (`None`: a process of the node's mount
+/// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
+/// stay open until the restore has run.
+fn container_restore(
+    cfg: &Config,
+    m: &Migration,
+    manifest: &Manifest,
+    o: &mut Opts,
+) -> Result<Option<Vec<OwnedFd>>, Status> {
+    if manifest.external_mounts.is_empty() && m.fs.is_none() {
+        return Ok(None);
+    }
+    let Some(fs) = &m.fs else {
+        return Err(Status::failed_precondition(
+            "the source is a container but the target holder was not resolved through the container runtime",
+        ));
+    };
+    let holder_pid = m.process.pid;
+    let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
+        .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
+    let holder = mounts::Holder {
+        spec: fs.spec.clone(),
+        mountinfo: mounts::parse_mountinfo(&mi),
+        rootfs: fs.rootfs.clone(),
+    };
+    let args =
+        mounts::restore_external_args(&manifest.external_mounts, &holder, &cfg.containers.host())
+            .map_err(Status::failed_precondition)?;
+    o.external.extend(args);
+    o.root = Some(holder.rootfs.to_string_lossy().into_owned());
+    let mut fds = Vec::new();
+    for (fd, key) in &manifest.stdio_pipes {
+        let path = format!("/proc/{holder_pid}/fd/{fd}");
+        let flags = if *fd == 0 {
+            nix::fcntl::OFlag::O_RDONLY
+        } else {
+            nix::fcntl::OFlag::O_WRONLY
+        };
+        // Not close-on-exec: criu swrk inherits it and finds it by number.
+        let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
+            .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
+        o.inherit_fd.push(criu::InheritFd {
+            key: key.clone(),
+            fd: f.as_raw_fd(),
+        });
+        fds.push(f);
+    }
+    Ok(Some(fds))
+}
+
+/// The final image dir a manifest names: one plain directory inside the checkpoint
+/// dir (never a link, never a path out of it).
+pub(super) fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
+    let name = &manifest.final_dir;
+    if podmotion_wire::transfer::check_image_path(name).is_err() || name.contains('/') {
+        return Err(Status::data_loss(format!(
+            "manifest names final dir {name:?}: not a directory of the checkpoint"
+        )));
+    }
+    let p = dir.join(name);
+    match std::fs::symlink_metadata(&p) {
+        Ok(md) if md.is_dir() => Ok(p),
+        _ => Err(Status::data_loss(format!(
+            "manifest names final dir {name:?}: not a directory of the checkpoint"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket(local: &str, listening: bool) -> ManifestSocket {
+        ManifestSocket {
+            local: local.into(),
+            remote: if listening { "" } else { "10.0.0.9:41000" }.into(),
+            listening,
+        }
+    }
+
+    fn manifest(tcp: TcpPreservation, sockets: Vec<ManifestSocket>) -> Manifest {
+        Manifest {
+            final_dir: "final".into(),
+            sockets,
+            tcp: tcp as i32,
+            external_mounts: vec![],
+            stdio_pipes: vec![],
+            workload: None,
+        }
+    }
+
+    #[test]
+    fn connections_are_kept_only_if_their_address_moved_and_strict_refuses_otherwise() {
+        use TcpPreservation as T;
+        let sockets = || vec![socket("0.0.0.0:80", true), socket("10.0.0.5:80", false)];
+        let here = ["10.0.0.5".to_string()];
+        let elsewhere = ["10.0.0.6".to_string()];
+        let keeps = |tcp, default, addrs: &[String]| {
+            tcp_preserved(&manifest(tcp, sockets()), default, addrs)
+        };
+        assert!(keeps(T::BestEffort, T::None, &here).unwrap());
+        assert!(!keeps(T::BestEffort, T::None, &elsewhere).unwrap());
+        assert!(!keeps(T::None, T::Strict, &here).unwrap());
+        assert!(keeps(T::Strict, T::None, &here).unwrap());
+        let e = keeps(T::Strict, T::None, &elsewhere).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        // Only listeners: nothing had to move.
+        let listeners = manifest(T::Strict, vec![socket("0.0.0.0:80", true)]);
+        assert!(tcp_preserved(&listeners, T::None, &elsewhere).unwrap());
+        // A manifest without a valid preservation falls back on the migration's.
+        let mut unknown = manifest(T::Strict, sockets());
+        unknown.tcp = 99;
+        assert!(!tcp_preserved(&unknown, T::None, &here).unwrap());
+        assert!(tcp_preserved(&unknown, T::Strict, &elsewhere).is_err());
+    }
+
+    #[test]
+    fn listeners_are_restored_and_connections_preserved_or_closed() {
+        let sockets = [socket("0.0.0.0:80", true), socket("10.0.0.5:80", false)];
+        let outcomes = |preserve| {
+            restored_sockets(&sockets, preserve)
+                .iter()
+                .map(|s| s.outcome)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            outcomes(true),
+            [
+                SocketOutcome::ListenerRestored as i32,
+                SocketOutcome::Preserved as i32
+            ]
+        );
+        assert_eq!(
+            outcomes(false),
+            [
+                SocketOutcome::ListenerRestored as i32,
+                SocketOutcome::ClosedCleanly as i32
+            ]
+        );
+        let r = restored_sockets(&sockets, true);
+        assert_eq!(
+            (r[1].local.as_str(), r[1].remote.as_str()),
+            ("10.0.0.5:80", "10.0.0.9:41000")
+        );
+    }
+}
