@@ -151,12 +151,19 @@ impl Criu {
         log_in: Option<&Path>,
         holder_pid: Option<i32>,
     ) -> Result<Resp, CriuError> {
-        let op = match req.r#type {
-            REQ_DUMP => "dump",
-            REQ_RESTORE => "restore",
-            REQ_PRE_DUMP => "pre-dump",
-            _ => "request",
-        };
+        let op = op_name(req.r#type);
+        let (ours, mut child) = self.spawn_swrk(holder_pid)?;
+        let reply = exchange(ours, &req)?;
+        let _ = child.wait();
+        read_reply(op, &reply, || log_in.map(log_tail).unwrap_or_default())
+    }
+
+    /// Starts `criu swrk` (inside the holder's PID namespace when given) on one end of
+    /// a socket pair; returns the other end (close-on-exec) and the child.
+    fn spawn_swrk(
+        &self,
+        holder_pid: Option<i32>,
+    ) -> Result<(OwnedFd, std::process::Child), CriuError> {
         let (ours, theirs): (OwnedFd, OwnedFd) = socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
@@ -174,41 +181,14 @@ impl Criu {
                 .map_err(|e| CriuError::Spawn(e.to_string()))?,
             None => std::process::Command::new(&self.binary),
         };
-        let mut child = cmd
+        let child = cmd
             .arg("swrk")
             .arg(theirs.as_raw_fd().to_string())
             .stdin(std::process::Stdio::null())
             .spawn()
             .map_err(|e| CriuError::Spawn(format!("{}: {e}", self.binary.display())))?;
         drop(theirs);
-        let buf = prost::Message::encode_to_vec(&req);
-        send(ours.as_raw_fd(), &buf, MsgFlags::empty())
-            .map_err(|e| CriuError::Spawn(e.to_string()))?;
-        let mut rbuf = vec![0u8; 64 * 1024];
-        let n = recv(ours.as_raw_fd(), &mut rbuf, MsgFlags::empty())
-            .map_err(|e| CriuError::Spawn(e.to_string()))?;
-        drop(ours);
-        let _ = child.wait();
-        let log = || log_in.map(log_tail).unwrap_or_default();
-        if n == 0 {
-            return Err(CriuError::Failed {
-                op,
-                errno: 0,
-                msg: "criu closed the connection".into(),
-                log: log(),
-            });
-        }
-        let resp: Resp =
-            prost::Message::decode(&rbuf[..n]).map_err(|e| CriuError::Spawn(e.to_string()))?;
-        if !resp.success {
-            return Err(CriuError::Failed {
-                op,
-                errno: resp.cr_errno.unwrap_or(0),
-                msg: resp.cr_errmsg.clone().unwrap_or_default(),
-                log: log(),
-            });
-        }
-        Ok(resp)
+        Ok((ours, child))
     }
 
     pub fn version(&self) -> Result<(i32, i32), CriuError> {
@@ -224,6 +204,52 @@ impl Criu {
     }
 }
 
+/// What an operation is called in errors.
+fn op_name(kind: i32) -> &'static str {
+    match kind {
+        REQ_DUMP => "dump",
+        REQ_RESTORE => "restore",
+        REQ_PRE_DUMP => "pre-dump",
+        _ => "request",
+    }
+}
+
+/// Sends the request over `ours` and reads the one reply (its bytes; none when CRIU
+/// closed the connection), then closes `ours`.
+fn exchange(ours: OwnedFd, req: &Req) -> Result<Vec<u8>, CriuError> {
+    let buf = prost::Message::encode_to_vec(req);
+    send(ours.as_raw_fd(), &buf, MsgFlags::empty()).map_err(|e| CriuError::Spawn(e.to_string()))?;
+    let mut rbuf = vec![0u8; 64 * 1024];
+    let n = recv(ours.as_raw_fd(), &mut rbuf, MsgFlags::empty())
+        .map_err(|e| CriuError::Spawn(e.to_string()))?;
+    drop(ours);
+    rbuf.truncate(n);
+    Ok(rbuf)
+}
+
+/// CRIU's reply to `op`: its response if it succeeded; otherwise why not, with the
+/// tail of its log (read only then).
+fn read_reply(op: &'static str, reply: &[u8], log: impl Fn() -> String) -> Result<Resp, CriuError> {
+    if reply.is_empty() {
+        return Err(CriuError::Failed {
+            op,
+            errno: 0,
+            msg: "criu closed the connection".into(),
+            log: log(),
+        });
+    }
+    let resp: Resp = prost::Message::decode(reply).map_err(|e| CriuError::Spawn(e.to_string()))?;
+    if !resp.success {
+        return Err(CriuError::Failed {
+            op,
+            errno: resp.cr_errno.unwrap_or(0),
+            msg: resp.cr_errmsg.clone().unwrap_or_default(),
+            log: log(),
+        });
+    }
+    Ok(resp)
+}
+
 /// The last error lines of a CRIU log, for error messages.
 pub fn log_tail(path: &Path) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
@@ -234,4 +260,51 @@ pub fn log_tail(path: &Path) -> String {
         errs.into_iter().rev().take(4).collect()
     };
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_operation() {
+        assert_eq!(op_name(REQ_DUMP), "dump");
+        assert_eq!(op_name(REQ_RESTORE), "restore");
+        assert_eq!(op_name(REQ_PRE_DUMP), "pre-dump");
+        assert_eq!(op_name(REQ_VERSION), "request");
+    }
+
+    #[test]
+    fn a_reply_is_a_response_only_if_criu_succeeded() {
+        let log = || "Error (criu/cr-dump.c:1): boom".to_string();
+        let e = read_reply("dump", &[], log).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "criu dump failed (errno 0): criu closed the connection; log tail: Error (criu/cr-dump.c:1): boom"
+        );
+        let failed = Resp {
+            r#type: REQ_RESTORE,
+            success: false,
+            cr_errno: Some(17),
+            cr_errmsg: Some("File exists".into()),
+            ..Default::default()
+        };
+        let e = read_reply("restore", &prost::Message::encode_to_vec(&failed), log).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("criu restore failed (errno 17): File exists; log tail:"),
+            "{e}"
+        );
+        let ok = Resp {
+            r#type: REQ_RESTORE,
+            success: true,
+            restore: Some(RestoreResp { pid: 42 }),
+            ..Default::default()
+        };
+        let r = read_reply("restore", &prost::Message::encode_to_vec(&ok), || {
+            panic!("the log is read only on failure")
+        })
+        .unwrap();
+        assert_eq!(r.restore.map(|r| r.pid), Some(42));
+    }
 }

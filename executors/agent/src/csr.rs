@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{
-    CertificateSigningRequest, CertificateSigningRequestSpec,
+    CertificateSigningRequest, CertificateSigningRequestSpec, CertificateSigningRequestStatus,
 };
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -91,9 +91,23 @@ pub async fn request_certificate(
     timeout: Duration,
 ) -> Result<String, CsrError> {
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let csr = certificate_request(node, key)?;
+    let created = api.create(&PostParams::default(), &csr).await?;
+    let name = created.name_any();
+    tracing::info!(csr = %name, %node, "certificate requested");
+    tokio::time::timeout(timeout, wait_for_answer(&api, &name))
+        .await
+        .unwrap_or_else(|_| Err(CsrError::Timeout(name.clone())))
+}
+
+/// The CertificateSigningRequest for `node`'s identity, named by the API server.
+fn certificate_request(
+    node: &str,
+    key: &KeyPair,
+) -> Result<CertificateSigningRequest, rcgen::Error> {
     let mut prefix = format!("podmotion-agent-{node}-");
     prefix.truncate(200);
-    let csr = CertificateSigningRequest {
+    Ok(CertificateSigningRequest {
         metadata: ObjectMeta {
             generate_name: Some(prefix),
             labels: Some(BTreeMap::from([(
@@ -109,45 +123,51 @@ pub async fn request_certificate(
             ..Default::default()
         },
         status: None,
-    };
-    let created = api.create(&PostParams::default(), &csr).await?;
-    let name = created.name_any();
-    tracing::info!(csr = %name, %node, "certificate requested");
-    let wait = async {
-        let mut events = watcher::watcher(
-            api.clone(),
-            watcher::Config::default().fields(&format!("metadata.name={name}")),
-        )
-        .boxed();
-        while let Some(ev) = events.next().await {
-            let obj = match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => o,
-                Ok(_) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, csr = %name, "watching the certificate request");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
-                }
-            };
-            let status = obj.status.unwrap_or_default();
-            for c in status.conditions.unwrap_or_default() {
-                if (c.type_ == "Denied" || c.type_ == "Failed") && c.status == "True" {
-                    return Err(CsrError::Denied {
-                        name: name.clone(),
-                        reason: c.reason.unwrap_or_default(),
-                        message: c.message.unwrap_or_default(),
-                    });
-                }
+    })
+}
+
+/// Watches the request `name` until the operator signs or denies it (a watch error is
+/// retried after a second).
+async fn wait_for_answer(
+    api: &Api<CertificateSigningRequest>,
+    name: &str,
+) -> Result<String, CsrError> {
+    let mut events = watcher::watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    )
+    .boxed();
+    while let Some(ev) = events.next().await {
+        let obj = match ev {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => o,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, csr = %name, "watching the certificate request");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
             }
-            if let Some(cert) = status.certificate.filter(|c| !c.0.is_empty()) {
-                return Ok(String::from_utf8_lossy(&cert.0).into_owned());
-            }
+        };
+        if let Some(answer) = answer(name, obj.status.unwrap_or_default()) {
+            return answer;
         }
-        Err(CsrError::Timeout(name.clone()))
-    };
-    tokio::time::timeout(timeout, wait)
-        .await
-        .unwrap_or_else(|_| Err(CsrError::Timeout(name.clone())))
+    }
+    Err(CsrError::Timeout(name.to_owned()))
+}
+
+/// The operator's answer in a request's status, if it gave one: denied (or failed),
+/// or the certificate PEM.
+fn answer(name: &str, status: CertificateSigningRequestStatus) -> Option<Result<String, CsrError>> {
+    for c in status.conditions.unwrap_or_default() {
+        if (c.type_ == "Denied" || c.type_ == "Failed") && c.status == "True" {
+            return Some(Err(CsrError::Denied {
+                name: name.to_owned(),
+                reason: c.reason.unwrap_or_default(),
+                message: c.message.unwrap_or_default(),
+            }));
+        }
+    }
+    let cert = status.certificate.filter(|c| !c.0.is_empty())?;
+    Some(Ok(String::from_utf8_lossy(&cert.0).into_owned()))
 }
 
 /// The CA bundle (`ca.crt` of the ConfigMap), once it exists.
@@ -403,6 +423,56 @@ mod tests {
         assert!(renewal_due(&leaf, &both_old_first, 1600));
         assert!(renewal_due(&leaf, &both_new_first, 1100));
         assert!(renewal_due("junk", &both_old_first, 1100));
+    }
+
+    #[test]
+    fn the_request_is_for_the_agent_signer_and_named_after_its_node() {
+        let key = KeyPair::generate().unwrap();
+        let csr = certificate_request("pm-real-0", &key).unwrap();
+        assert_eq!(
+            csr.metadata.generate_name.as_deref(),
+            Some("podmotion-agent-pm-real-0-")
+        );
+        assert_eq!(csr.spec.signer_name, SIGNER);
+        assert_eq!(csr.spec.usages.unwrap(), USAGES);
+        let pem = String::from_utf8(csr.spec.request.0).unwrap();
+        assert!(pem.starts_with("-----BEGIN CERTIFICATE REQUEST-----"));
+        let long = "n".repeat(250);
+        let name = certificate_request(&long, &key)
+            .unwrap()
+            .metadata
+            .generate_name;
+        assert_eq!(name.unwrap().len(), 200);
+    }
+
+    #[test]
+    fn a_denial_or_failure_is_an_answer_and_so_is_a_certificate() {
+        use k8s_openapi::api::certificates::v1::CertificateSigningRequestCondition;
+        let cond = |type_: &str, status: &str| CertificateSigningRequestCondition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: Some("Nope".into()),
+            message: Some("not yours".into()),
+            ..Default::default()
+        };
+        let status = |conds: Vec<CertificateSigningRequestCondition>, cert: &str| {
+            CertificateSigningRequestStatus {
+                conditions: Some(conds),
+                certificate: Some(ByteString(cert.as_bytes().to_vec())),
+            }
+        };
+        assert!(answer("r", status(vec![], "")).is_none());
+        assert!(answer("r", status(vec![cond("Denied", "False")], "")).is_none());
+        assert_eq!(answer("r", status(vec![], "PEM")).unwrap().unwrap(), "PEM");
+        for t in ["Denied", "Failed"] {
+            let e = answer("r", status(vec![cond(t, "True")], "PEM"))
+                .unwrap()
+                .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "certificate request r denied: Nope: not yours"
+            );
+        }
     }
 
     fn time_at(unix: i64) -> time::OffsetDateTime {
