@@ -711,18 +711,20 @@ impl<'a> Machine<'a> {
             })
     }
 
-    /// The source's node killed the fenced source (its agent's watchdog: this operator
-    /// was away longer than the freeze budget plus the agent's margin) before the
-    /// target restored. Nothing can be thawed any more, and the target holds every
-    /// image: roll forward to the restore, the probe and the commit; only the target
-    /// failing (or no progress within the timeout) ends it, with the state lost.
+    /// The source's node killed the fenced source before the target restored, or is
+    /// killing it: its agent's watchdog did (this operator was away longer than the
+    /// freeze budget plus the agent's margin), or its agent lost the migration after
+    /// acknowledging the fence (phase `Restoring`: the agent restarted, and its broker
+    /// kills a fenced source when the agent's lease ends or at its own restart).
+    /// Nothing can be thawed any more, and the target holds every image: roll forward
+    /// to the restore, the probe and the commit; only the target failing (or no
+    /// progress within the timeout) ends it, with the state lost.
     fn source_killed_under_fence(&self) -> bool {
-        rank(self.status.phase) >= rank(MigrationPhase::Transferring)
-            && self
-                .o
-                .source_agent
-                .report()
-                .is_some_and(|r| r.progress.killed_under_fence)
+        let phase = rank(self.status.phase);
+        self.o.source_agent.report().is_some_and(|r| {
+            (phase >= rank(MigrationPhase::Transferring) && r.progress.killed_under_fence)
+                || (phase >= rank(MigrationPhase::Restoring) && r.last.is_none())
+        })
     }
 
     /// Before the target restored, after the fenced source was killed on its node.

@@ -1603,3 +1603,48 @@ fn a_fenced_source_killed_on_its_node_is_never_reported_as_resumed() {
         t.status.failure_message
     );
 }
+
+/// The source agent lost the migration after it acknowledged the fence (`Restoring`,
+/// the target not yet restored): the agent restarted, and its broker kills a fenced
+/// source when the agent's lease ends or at its own restart — there is no source to
+/// go back to. The migration rolls forward to the restore (the target holds every
+/// image) instead of aborting the target and leaving no copy at all.
+#[test]
+fn a_source_agent_that_forgot_a_fenced_migration_rolls_forward_to_the_restore() {
+    let restore = Action::Agent(Side::Target, Step::Restore);
+    let target_abort = Action::Agent(Side::Target, Step::Abort);
+    // The restore running: nothing stops it, nothing is rolled back.
+    let t = next(
+        &at(P::Restoring)
+            .source(blank())
+            .target(running(Step::Restore)),
+    );
+    assert_eq!(t.status.failure_reason, None, "{:?}", t.status);
+    assert!(!has(&t, &target_abort), "{:?}", t.actions);
+    assert_eq!(t.status.phase, P::Restoring);
+    // Not yet asked: it is asked.
+    let t = next(&at(P::Restoring).source(blank()).target(done(Step::Receive)));
+    assert_eq!(t.status.failure_reason, None, "{:?}", t.status);
+    assert!(has(&t, &restore), "{:?}", t.actions);
+    // Before the fence (Transferring) the same report still rolls back: the source
+    // was not fenced, its broker resumes it.
+    let t = next(&at(P::Transferring).source(blank()));
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR)
+    );
+    // The target failing its restore still ends it, and never says resumed.
+    let o = at(P::Restoring)
+        .source(blank())
+        .target(failed(Step::Restore, "AgentFailed"));
+    let t = next(&o);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::AGENT_ERROR)
+    );
+    assert!(
+        t.notes.iter().all(|n| !n.message.contains("was resumed")),
+        "{:?}",
+        t.notes
+    );
+}
