@@ -81,13 +81,19 @@ impl Leadership {
                 .is_some_and(|h| h.until > Instant::now())
     }
 
-    /// The lease's transition count of the term we lead (0 with election off), while
-    /// we hold a current lease.
-    pub fn term(&self) -> Option<i32> {
-        if !self.is_leader() {
-            return None;
+    /// The term agent calls are fenced with (`podmotion_wire::agent::leader_term`):
+    /// `Ok(None)` with leader election off, the lease's transition count while we hold
+    /// a current lease, and `NotLeader` otherwise — a replica that does not lead
+    /// commands no agent.
+    pub fn fencing_term(&self) -> Result<Option<u64>, NotLeader> {
+        if self.always {
+            return Ok(None);
         }
-        self.valid_until.borrow().map(|h| h.transitions)
+        self.ensure()?;
+        Ok(self
+            .valid_until
+            .borrow()
+            .map(|h| u64::try_from(h.transitions).unwrap_or(0)))
     }
 
     /// `Ok` only while we hold a current lease. Call before every write.
@@ -376,6 +382,26 @@ mod tests {
         assert!(
             !l.is_leader(),
             "an expired lease must not count as leadership"
+        );
+    }
+
+    #[test]
+    fn agent_calls_are_fenced_with_the_term_only_while_it_leads() {
+        assert_eq!(Leadership::always().fencing_term().ok(), Some(None));
+        let l = Leadership::elected();
+        assert!(l.fencing_term().is_err(), "not yet elected");
+        l.valid_until.send_replace(Some(Held {
+            until: Instant::now() + Duration::from_secs(60),
+            transitions: 7,
+        }));
+        assert_eq!(l.fencing_term().ok(), Some(Some(7)));
+        l.valid_until.send_replace(Some(Held {
+            until: Instant::now() - Duration::from_millis(1),
+            transitions: 7,
+        }));
+        assert!(
+            l.fencing_term().is_err(),
+            "an expired lease commands nothing"
         );
     }
 

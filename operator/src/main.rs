@@ -231,7 +231,8 @@ async fn run_controller(
                 // renewed in place; every connection to an agent uses the current one.
                 Some(pki) => {
                     let agents = WireAgents::new(ctx.client.clone(), Some(pki.operator_tls()))
-                        .with_settings(cfg.exec_probes, cfg.agent_call_timeout());
+                        .with_settings(cfg.exec_probes, cfg.agent_call_timeout())
+                        .with_leader(ctx.leader.clone());
                     migration::run_with(ctx, cfg, Arc::new(agents)).await
                 }
                 None => migration::run_configured(ctx, cfg).await,

@@ -12,6 +12,11 @@
 //! | the legacy shared agent cert     | denied                          | target of the migration (no node to check) |
 //! | no PodMotion identity            | denied                          | denied                                     |
 //!
+//! A commanding call of the operator also carries its leader term when leader election
+//! is on (`podmotion_wire::agent::LEADER_TERM_METADATA`): a term lower than the highest
+//! this agent has seen is refused ([`admit_term`]), so a replica that still believes it
+//! leads after another took over commands nothing. `Status` is never refused for it.
+//!
 //! Every denial is `PermissionDenied` ([`Denied`] → `Status`, in one place), and it
 //! comes before anything is resolved, frozen, read or written. An unknown migration is
 //! denied like a wrong peer, so a caller learns nothing of what runs here.
@@ -100,6 +105,31 @@ pub enum Denied {
     OwnIdentity { rpc: Rpc, caller: Peer },
     #[error("{rpc}: no migration on this agent takes images from {caller}")]
     NotThePeer { rpc: Rpc, caller: Peer },
+    #[error(
+        "{rpc}: the operator's leader term {presented} is older than term {highest} this agent has seen: another replica leads now"
+    )]
+    StaleLeader {
+        rpc: Rpc,
+        presented: u64,
+        highest: u64,
+    },
+}
+
+/// The leader-term fence of a commanding call: `presented` (the term the operator sent,
+/// `None` with leader election off) against `highest`, the highest term this agent saw
+/// before the call. A lower term is refused; a call without a term is not fenced. Reads
+/// (`Status`) change nothing and are never refused for their term.
+pub fn admit_term(rpc: Rpc, presented: Option<u64>, highest: u64) -> Result<(), Denied> {
+    match presented {
+        Some(t) if t < highest && rpc.is_control() && rpc != Rpc::Status => {
+            Err(Denied::StaleLeader {
+                rpc,
+                presented: t,
+                highest,
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The decision. Pure: the same inputs always give the same answer.
@@ -300,6 +330,33 @@ mod tests {
             .is_err()
         );
         assert!(authorize(&shared, Rpc::Dump, legacy).is_err());
+    }
+
+    #[test]
+    fn a_lower_leader_term_commands_nothing_and_reads_go_on() {
+        for rpc in Rpc::ALL
+            .into_iter()
+            .filter(|r| r.is_control() && *r != Rpc::Status)
+        {
+            assert!(admit_term(rpc, Some(6), 6).is_ok(), "{rpc}: the same term");
+            assert!(admit_term(rpc, Some(7), 6).is_ok(), "{rpc}: a newer term");
+            assert!(
+                admit_term(rpc, None, 6).is_ok(),
+                "{rpc}: no election, no fence"
+            );
+            let d = admit_term(rpc, Some(5), 6).unwrap_err();
+            assert_eq!(
+                d,
+                Denied::StaleLeader {
+                    rpc,
+                    presented: 5,
+                    highest: 6
+                }
+            );
+            assert!(d.to_string().contains("term 6"), "{d}");
+        }
+        assert!(admit_term(Rpc::Status, Some(1), 6).is_ok());
+        assert!(admit_term(Rpc::ReceiveImages, Some(1), 6).is_ok());
     }
 
     #[test]

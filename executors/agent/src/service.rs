@@ -22,6 +22,7 @@ use podmotion_wire::proto::migration_agent_server::MigrationAgent;
 use podmotion_wire::transfer;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Mutex;
@@ -570,6 +571,9 @@ pub struct Agent {
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
     /// Every source this agent left frozen after a final dump (claimed or not).
     frozen: Arc<StdMutex<Vec<FrozenSource>>>,
+    /// The highest operator leader term seen since this agent started (the fence
+    /// against a replica that still believes it leads; [`authz::admit_term`]).
+    highest_term: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -601,6 +605,7 @@ impl Agent {
             own,
             migrations: StdMutex::new(HashMap::new()),
             frozen: Arc::new(StdMutex::new(Vec::new())),
+            highest_term: AtomicU64::new(0),
         })
     }
 
@@ -621,17 +626,26 @@ impl Agent {
         )
     }
 
-    /// Authorizes a control call (its decision does not depend on the migration).
+    /// Authorizes a control call (its decision does not depend on the migration): the
+    /// caller's identity, then the operator's leader term against the highest seen.
     fn authorize_control<T>(&self, r: &GrpcRequest<T>, rpc: Rpc) -> Result<(), Status> {
         let caller = self.caller(r);
         let state = authz::State {
             this_node: self.own_node(),
             migration: None,
         };
-        authz::authorize(&caller, rpc, state).map_err(|d| {
+        let refused = |d: authz::Denied| {
             tracing::warn!(%rpc, denied = %d, "call refused");
             Status::from(d)
-        })
+        };
+        authz::authorize(&caller, rpc, state).map_err(refused)?;
+        let presented = podmotion_wire::agent::leader_term(r.metadata())
+            .map_err(|e| Status::invalid_argument(format!("{rpc}: {e}")))?;
+        let highest = match presented {
+            Some(t) => self.highest_term.fetch_max(t, Ordering::SeqCst),
+            None => self.highest_term.load(Ordering::SeqCst),
+        };
+        authz::admit_term(rpc, presented, highest).map_err(refused)
     }
 
     /// Resumes every source this agent froze and nobody has committed or aborted, and

@@ -410,3 +410,59 @@ fn a_prepare_must_name_a_known_container_and_another_node_as_the_peer() {
     );
     assert!(running(src.pid));
 }
+
+/// A replica that still believes it leads after another took over commands nothing
+/// (issue 16, finding 9's fence): once the agent has seen the operator's leader term 6,
+/// every commanding call with term 5 is refused — on the new leader's migration and on
+/// one of its own — while `Status` still answers it; a call with no term (leader
+/// election off) is not fenced. The source keeps running, the new leader's migration
+/// stays as it left it, the stale one's was never created.
+#[test]
+fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut tb) = testbed("azt") else { return };
+    let src = tb.start_workload(8, 0);
+    let container = tb.container("workload", src.pid);
+    let uid = "authz-term-new";
+    let newer = tb.prepare_request(uid, 0, &container, TcpPreservation::BestEffort);
+    let stale = tb.prepare_request("authz-term-old", 0, &container, TcpPreservation::BestEffort);
+    let (refusals, stale_reads, mine, theirs) = tb.operator(move |tls| async move {
+        let mut new = tls.agent(0).await.with_leader_term(Some(6));
+        assert_eq!(new.prepare(newer).await.unwrap().phase(), Phase::Prepared);
+        let mut old = tls.agent(0).await.with_leader_term(Some(5));
+        let mut refusals = vec![];
+        for (u, p) in [(uid, stale.clone()), ("authz-term-old", stale)] {
+            refusals.extend([
+                denied("Prepare", old.prepare(p).await),
+                denied("PreDump", old.pre_dump(u).await),
+                denied("Dump", old.dump(u).await),
+                denied(
+                    "Send",
+                    old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
+                ),
+                denied("Fence", old.fence(u).await),
+                denied("Restore", old.restore(u).await),
+                denied("Commit", old.commit(u).await),
+                denied("Abort", old.abort(u).await),
+                denied("Cleanup", old.cleanup(u).await),
+            ]);
+        }
+        let stale_reads = old.status(uid).await.map(|s| s.phase());
+        // No term: not fenced (and it sees the same migration).
+        let mut unfenced = tls.agent(0).await;
+        let mine = unfenced.status(uid).await.unwrap();
+        let theirs = new.status("authz-term-old").await.unwrap_err().category();
+        new.abort(uid).await.unwrap();
+        new.cleanup(uid).await.unwrap();
+        (refusals, stale_reads, mine, theirs)
+    });
+    assert_eq!(refusals.len(), 18);
+    for m in &refusals {
+        assert!(m.contains("leader term 5") && m.contains("term 6"), "{m}");
+    }
+    assert_eq!(stale_reads.ok(), Some(Phase::Prepared));
+    assert_eq!(mine.phase(), Phase::Prepared);
+    assert_eq!(theirs, "MigrationUnknown");
+    assert!(!tb.checkpoints(0).join("authz-term-old").exists());
+    assert!(running(src.pid), "the source was frozen by a stale leader");
+}

@@ -14,6 +14,28 @@
 //! From the acknowledgement on, nothing on the source node resumes the frozen source
 //! but the operator's `Abort`: the freeze watchdog and the agent's shutdown kill it,
 //! and so does the broker when the agent's lease ends or the broker restarts.
+//!
+//! The leader's term: with leader election on, the operator sends the transition count
+//! of the lease it holds as request metadata ([`LEADER_TERM_METADATA`], decimal) on
+//! every call. An agent refuses a commanding call whose term is lower than the highest
+//! it has seen: a replica that still believes it leads after another took over (a
+//! paused process, a partition) commands nothing. No metadata: no term (leader election
+//! off), accepted and not counted.
+
+/// Request metadata naming the operator's leader term (see the module docs).
+pub const LEADER_TERM_METADATA: &str = "podmotion-leader-term";
+
+/// The leader term in `meta`: `Ok(None)` when absent, an error when not a decimal.
+pub fn leader_term(meta: &tonic::metadata::MetadataMap) -> Result<Option<u64>, String> {
+    let Some(v) = meta.get(LEADER_TERM_METADATA) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map(Some)
+        .ok_or_else(|| format!("{LEADER_TERM_METADATA}: not a term: {v:?}"))
+}
 
 /// Which side of a migration an agent plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]

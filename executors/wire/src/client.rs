@@ -341,6 +341,8 @@ impl ClientError {
 #[derive(Clone)]
 pub struct AgentClient {
     inner: MigrationAgentClient<Channel>,
+    /// The operator's leader term, sent with every call (`None`: leader election off).
+    term: Option<u64>,
 }
 
 impl AgentClient {
@@ -363,7 +365,27 @@ impl AgentClient {
             inner: MigrationAgentClient::new(channel)
                 .max_decoding_message_size(8 << 20)
                 .max_encoding_message_size(8 << 20),
+            term: None,
         }
+    }
+
+    /// Every call carries `term`, the transition count of the lease the operator holds
+    /// ([`crate::agent::LEADER_TERM_METADATA`]; `None` with leader election off).
+    pub fn with_leader_term(mut self, term: Option<u64>) -> Self {
+        self.term = term;
+        self
+    }
+
+    /// `msg` as a request with this client's leader term.
+    pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(t) = self.term {
+            r.metadata_mut().insert(
+                crate::agent::LEADER_TERM_METADATA,
+                tonic::metadata::MetadataValue::from(t),
+            );
+        }
+        r
     }
 
     pub fn raw(&mut self) -> &mut MigrationAgentClient<Channel> {
@@ -371,19 +393,23 @@ impl AgentClient {
     }
 
     pub async fn prepare(&mut self, req: PrepareRequest) -> Result<MigrationStatus, ClientError> {
-        Ok(self.inner.prepare(req).await?.into_inner())
+        Ok(self.inner.prepare(self.request(req)).await?.into_inner())
     }
     /// One pre-copy round (memory tracking; pages since the previous round).
     pub async fn pre_dump(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
         Ok(self
             .inner
-            .pre_dump(MigrationRef::new(uid))
+            .pre_dump(self.request(MigrationRef::new(uid)))
             .await?
             .into_inner())
     }
     /// Freeze, final dump, source left stopped with its network locked.
     pub async fn dump(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
-        Ok(self.inner.dump(MigrationRef::new(uid)).await?.into_inner())
+        Ok(self
+            .inner
+            .dump(self.request(MigrationRef::new(uid)))
+            .await?
+            .into_inner())
     }
     /// Stream the images to the target agent.
     pub async fn send(
@@ -398,12 +424,12 @@ impl AgentClient {
             target_server_name: target_server_name.into(),
             bandwidth_limit: 0,
         };
-        Ok(self.inner.send(req).await?.into_inner())
+        Ok(self.inner.send(self.request(req)).await?.into_inner())
     }
     pub async fn restore(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
         Ok(self
             .inner
-            .restore(MigrationRef::new(uid))
+            .restore(self.request(MigrationRef::new(uid)))
             .await?
             .into_inner())
     }
@@ -411,7 +437,11 @@ impl AgentClient {
     /// `Restore`: from here the source agent and its broker kill the frozen source
     /// instead of resuming it, unless the operator aborts.
     pub async fn fence(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
-        Ok(self.inner.fence(MigrationRef::new(uid)).await?.into_inner())
+        Ok(self
+            .inner
+            .fence(self.request(MigrationRef::new(uid)))
+            .await?
+            .into_inner())
     }
     /// Source: kill the frozen tree. Only after the target passed its probe.
     /// `close_connections`: the target reported `ClosedCleanly` sockets, so the source
@@ -430,24 +460,28 @@ impl AgentClient {
             migration_uid: uid.into(),
             close_connections,
         };
-        Ok(self.inner.commit(req).await?.into_inner())
+        Ok(self.inner.commit(self.request(req)).await?.into_inner())
     }
     /// Source: resume the tree; target: kill whatever was restored.
     pub async fn abort(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
-        Ok(self.inner.abort(MigrationRef::new(uid)).await?.into_inner())
+        Ok(self
+            .inner
+            .abort(self.request(MigrationRef::new(uid)))
+            .await?
+            .into_inner())
     }
     /// Zeroize images and forget the migration.
     pub async fn cleanup(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
         Ok(self
             .inner
-            .cleanup(MigrationRef::new(uid))
+            .cleanup(self.request(MigrationRef::new(uid)))
             .await?
             .into_inner())
     }
     pub async fn status(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
         Ok(self
             .inner
-            .status(MigrationRef::new(uid))
+            .status(self.request(MigrationRef::new(uid)))
             .await?
             .into_inner())
     }

@@ -21,6 +21,7 @@ use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
 mod probe;
 
+use crate::leader::{Leadership, NotLeader};
 use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentReport, Step, StepRequest, StepState,
 };
@@ -43,6 +44,9 @@ pub struct WireAgents {
     exec_probes: bool,
     /// Deadline of connecting to an agent (`--migration-agent-call-timeout-seconds`).
     call_timeout: Duration,
+    /// This replica's leadership: every call carries the term of the lease it holds,
+    /// and agents refuse a term lower than one they have seen.
+    leader: Option<Leadership>,
 }
 
 impl WireAgents {
@@ -53,7 +57,22 @@ impl WireAgents {
             inflight: Default::default(),
             exec_probes: false,
             call_timeout: Duration::from_secs(10),
+            leader: None,
         }
+    }
+
+    /// Calls carry the term of the lease `leader` holds (none with leader election off).
+    pub fn with_leader(mut self, leader: Leadership) -> Self {
+        self.leader = Some(leader);
+        self
+    }
+
+    /// The term to send (`None`: no leader election); a replica that does not lead
+    /// connects to no agent.
+    fn term(&self) -> Result<Option<u64>, NotLeader> {
+        self.leader
+            .as_ref()
+            .map_or(Ok(None), Leadership::fencing_term)
     }
 
     /// With the migration controller's settings: whether exec probes may run, and the
@@ -69,6 +88,7 @@ impl WireAgents {
             node: e.node.clone(),
             message: m,
         };
+        let term = self.term().map_err(|x| err(x.to_string()))?;
         match (&self.tls, e.url.starts_with("http://")) {
             (_, true) => {
                 let ch = tonic::transport::Endpoint::from_shared(e.url.clone())
@@ -77,10 +97,11 @@ impl WireAgents {
                     .connect()
                     .await
                     .map_err(|x| err(format!("cannot reach agent: {x}")))?;
-                Ok(WireClient::from_channel(ch))
+                Ok(WireClient::from_channel(ch).with_leader_term(term))
             }
             (Some(tls), false) => WireClient::connect(&e.url, &agent_server_name(&e.node), tls)
                 .await
+                .map(|c| c.with_leader_term(term))
                 .map_err(|x| err(x.to_string())),
             (None, false) => Err(err("no agent TLS material configured".into())),
         }
@@ -174,6 +195,7 @@ async fn send(
         target_server_name: agent_server_name(&r.target_node),
         bandwidth_limit: r.bandwidth_limit_bytes_per_second.unwrap_or(0).max(0) as u64,
     };
+    let req = c.request(req);
     c.raw()
         .send(req)
         .await

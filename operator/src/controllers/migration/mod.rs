@@ -60,7 +60,8 @@ pub async fn run_configured(ctx: Arc<Context>, cfg: MigrationConfig) -> anyhow::
         _ => None,
     };
     let agents = crate::agents::WireAgents::new(ctx.client.clone(), tls)
-        .with_settings(cfg.exec_probes, cfg.agent_call_timeout());
+        .with_settings(cfg.exec_probes, cfg.agent_call_timeout())
+        .with_leader(ctx.leader.clone());
     run_with(ctx, cfg, Arc::new(agents)).await
 }
 
