@@ -152,9 +152,19 @@ impl Criu {
         holder_pid: Option<i32>,
     ) -> Result<Resp, CriuError> {
         let op = op_name(req.r#type);
-        let (ours, mut child) = self.spawn_swrk(holder_pid)?;
+        let (ours, child) = self.spawn_swrk(holder_pid)?;
+        let mut child = Swrk(child);
+        // No timeout on the reply: a dump of a large process may take long. A CRIU that
+        // hangs blocks this (blocking-pool) thread until it ends, and the step that
+        // called it keeps holding its migration. What bounds it is the operator: its
+        // progress timeout (`progressTimeoutSeconds`) rolls the migration back with an
+        // `Abort`, but that `Abort` waits for the same migration's lock, so it cannot
+        // act either: the rollback ends with "source state unknown" and what frees the
+        // source is CRIU ending or the agent's end (its broker lease then rolls the lock
+        // back). Killing CRIU from `Abort` is not safe: mid-dump its parasite code runs
+        // inside the workload.
         let reply = exchange(ours, &req)?;
-        let _ = child.wait();
+        child.reap();
         read_reply(op, &reply, || log_in.map(log_tail).unwrap_or_default())
     }
 
@@ -201,6 +211,29 @@ impl Criu {
         )?;
         let v = r.version.unwrap_or_default();
         Ok((v.major_number, v.minor_number))
+    }
+}
+
+/// A running `criu swrk`: waited for once it has answered ([`Swrk::reap`]); dropped
+/// before that (a failed send or receive, a panic), it is killed and reaped, so no
+/// failure path leaves it running or a zombie. Inside a holder's PID namespace the
+/// child is the agent's first stage (see [`crate::pidns`]): CRIU itself, reparented to
+/// the holder, exits on the socket's end, which is already closed then.
+struct Swrk(std::process::Child);
+
+impl Swrk {
+    /// Waits for CRIU to exit after its reply.
+    fn reap(&mut self) {
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Swrk {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }
 
@@ -272,6 +305,68 @@ mod tests {
         assert_eq!(op_name(REQ_RESTORE), "restore");
         assert_eq!(op_name(REQ_PRE_DUMP), "pre-dump");
         assert_eq!(op_name(REQ_VERSION), "request");
+    }
+
+    /// Our children named `comm` (running or zombies), from /proc.
+    fn children_named(comm: &str) -> Vec<i32> {
+        let me = std::process::id().to_string();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .filter_map(|st| {
+                // pid (comm) state ppid ...
+                let (head, rest) = st.rsplit_once(')')?;
+                let (pid, name) = head.split_once(" (")?;
+                let ppid = rest.split_whitespace().nth(1)?;
+                (name == comm && ppid == me).then(|| pid.parse().ok())?
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_criu_whose_request_cannot_be_sent_is_killed_and_reaped() {
+        let dir = std::env::temp_dir().join(format!(
+            "pm-criu-reap-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A "criu" that never answers nor exits: it blocks opening a FIFO nobody writes.
+        let name = format!("pmcriu{}", std::process::id() % 1_000_000);
+        let fifo = dir.join("never");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let fake = dir.join(&name);
+        std::fs::write(&fake, format!("#!/bin/sh\nread x < {}\n", fifo.display())).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let criu = Criu { binary: fake };
+        // Larger than a SOCK_SEQPACKET message can be: the send fails (EMSGSIZE).
+        let mut opts = Opts::new(&dir, "dump.log");
+        opts.external = vec!["x".repeat(1 << 20); 4];
+        let e = criu
+            .call(
+                Req {
+                    r#type: REQ_DUMP,
+                    opts: Some(opts),
+                },
+                None,
+            )
+            .unwrap_err();
+        assert!(matches!(e, CriuError::Spawn(_)), "{e}");
+        let left = children_named(&name);
+        for pid in &left {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(*pid), None);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            left.is_empty(),
+            "criu swrk left running or unreaped after a failed send: {left:?}"
+        );
     }
 
     #[test]
