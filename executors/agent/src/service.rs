@@ -270,38 +270,29 @@ impl Migration {
     }
 
     /// Registers the migration with the node's broker; a target also has the broker
-    /// bind the pod's network namespace. A refused registration or bind removes the
-    /// checkpoint dir.
+    /// bind the pod's network namespace. On failure `Prepare` undoes it all (see
+    /// [`Agent::prepare_impl`]).
     async fn register(&mut self) -> Result<(), Status> {
         let broker_role = if self.role == Role::Source {
             BrokerRole::Source
         } else {
             BrokerRole::Target
         };
-        let reg = self
-            .broker(Request::Register {
-                uid: self.uid.clone(),
-                role: broker_role,
-                process: self.process,
-            })
-            .await;
-        if let Err(e) = reg {
-            let _ = images::zeroize(&self.dir);
-            return Err(e);
-        }
+        self.broker(Request::Register {
+            uid: self.uid.clone(),
+            role: broker_role,
+            process: self.process,
+        })
+        .await?;
         if self.role == Role::Target {
             match self
                 .broker(Request::BindNetns {
                     uid: self.uid.clone(),
                 })
-                .await
+                .await?
             {
-                Ok(Reply::NetnsPath { path }) => self.netns_path = Some(path),
-                Ok(other) => return Err(Status::internal(format!("broker replied {other:?}"))),
-                Err(e) => {
-                    let _ = images::zeroize(&self.dir);
-                    return Err(e);
-                }
+                Reply::NetnsPath { path } => self.netns_path = Some(path),
+                other => return Err(Status::internal(format!("broker replied {other:?}"))),
             }
         }
         Ok(())
@@ -416,6 +407,21 @@ async fn broker_call(b: &Arc<StdMutex<BrokerClient>>, req: Request) -> Result<Re
         r.map_err(broker_status)
     })
     .await
+}
+
+/// Undoes a failed `Prepare`: the broker forgets the migration on its lease (unbinding
+/// a target's netns; nothing registered is a no-op, and a registration another
+/// connection holds is not this one's), the lease ends when `lease` is dropped, and the
+/// checkpoint dir is zeroized.
+async fn undo_prepare(uid: &MigrationUid, dir: &Path, lease: Option<Arc<StdMutex<BrokerClient>>>) {
+    if let Some(b) = lease
+        && let Err(e) = broker_call(&b, Request::Forget { uid: uid.clone() }).await
+    {
+        tracing::warn!(%uid, error = %e, "failed prepare: the broker did not forget it (the lease's end does)");
+    }
+    if let Err(e) = images::zeroize(dir) {
+        tracing::warn!(%uid, error = %e, "failed prepare: its checkpoint dir could not be removed");
+    }
 }
 
 /// Resumes a source the final dump left frozen, if nothing else claimed it: `Ok(true)`
@@ -717,15 +723,25 @@ impl Agent {
         let process = ProcRef { pid, start_time };
         let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
             .map_err(|e| Status::internal(e.to_string()))?;
-        let sock = self.cfg.broker_socket.clone();
-        let client = blocking(move || {
-            BrokerClient::connect(&sock).map_err(|e| Status::unavailable(format!("broker: {e}")))
-        })
-        .await?;
-        let freeze_limit = self.cfg.freeze_watchdog.limit(r.freeze_budget_ms);
-        let placed = Placement { process, fs, dir };
-        let mut m = Migration::prepared(uid.clone(), role, r, placed, client, freeze_limit);
-        m.register().await?;
+        // From here every failure undoes what this Prepare did so far, in one place:
+        // the checkpoint dir, and the broker registration (a target's netns bind
+        // with it) on the lease that made it.
+        let mut lease = None;
+        let placed = Placement {
+            process,
+            fs,
+            dir: dir.clone(),
+        };
+        let m = match self
+            .connect_and_register(&uid, role, r, placed, &mut lease)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                undo_prepare(&uid, &dir, lease).await;
+                return Err(e);
+            }
+        };
         let st = m.status();
         tracing::info!(%uid, ?role, pid = process.pid, peer = %m.peer, "prepared");
         self.migrations
@@ -733,6 +749,28 @@ impl Agent {
             .expect("migrations")
             .insert(uid.to_string(), Arc::new(Mutex::new(m)));
         Ok(st)
+    }
+
+    /// The broker steps of a `Prepare`: a connection (this migration's lease, also
+    /// left in `lease` for [`undo_prepare`]) and the registration on it.
+    async fn connect_and_register(
+        &self,
+        uid: &MigrationUid,
+        role: Role,
+        r: PrepareRequest,
+        placed: Placement,
+        lease: &mut Option<Arc<StdMutex<BrokerClient>>>,
+    ) -> Result<Migration, Status> {
+        let sock = self.cfg.broker_socket.clone();
+        let client = blocking(move || {
+            BrokerClient::connect(&sock).map_err(|e| Status::unavailable(format!("broker: {e}")))
+        })
+        .await?;
+        let freeze_limit = self.cfg.freeze_watchdog.limit(r.freeze_budget_ms);
+        let mut m = Migration::prepared(uid.clone(), role, r, placed, client, freeze_limit);
+        *lease = Some(Arc::clone(&m.broker));
+        m.register().await?;
+        Ok(m)
     }
 
     fn dump_opts(
@@ -1130,6 +1168,10 @@ impl MigrationAgent for Agent {
 #[allow(dead_code)]
 fn _assert_stream<S: Stream>(_: S) {}
 
+#[cfg(test)]
+mod prepare_tests;
+#[cfg(test)]
+mod testkit;
 #[cfg(test)]
 mod transfer_tests;
 

@@ -4,30 +4,10 @@
 use super::receive::Store;
 use super::restore::final_dir;
 use super::send::{BLOCK, Pace, collect, produce, stream_sealer};
+use super::testkit::Scratch;
 use super::*;
 use podmotion_wire::transfer::{NonceLog, Sealer};
 use std::collections::BTreeSet;
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!(
-            "pm-transfer-{tag}-{}-{}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn write(dir: &Path, rel: &str, len: usize, fill: u8) {
     let p = dir.join(rel);

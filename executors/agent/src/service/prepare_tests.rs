@@ -1,0 +1,134 @@
+//! A `Prepare` that fails leaves nothing behind: no checkpoint dir, no registration
+//! with the broker (a target's netns bind with it), whichever step failed.
+
+use super::testkit::{Answer, FakeBroker, Scratch};
+use super::*;
+use podmotion_wire::broker::ErrorKind;
+
+const UID: &str = "5f0c2a9e-1b7d-4c3e-8a6f-0d9e8c7b6a51";
+
+/// A certificate naming this agent `agent/node-a` (all `Agent::new` reads of it).
+fn agent_tls() -> TlsFiles {
+    use rcgen::{CertificateParams, KeyPair, SanType};
+    let k = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.subject_alt_names.push(SanType::URI(
+        identity::agent_uri("node-a").try_into().unwrap(),
+    ));
+    let c = p.self_signed(&k).unwrap();
+    let pem = c.pem().into_bytes();
+    TlsFiles::from_pem(pem.clone(), pem, k.serialize_pem().into_bytes())
+}
+
+/// An agent whose container `c1` is this test process, with its checkpoints under `dir`.
+fn agent(dir: &Path, broker_socket: PathBuf) -> Agent {
+    let table = dir.join("containers");
+    std::fs::write(&table, format!("c1 {}\n", std::process::id())).unwrap();
+    Agent::new(Config {
+        criu: Criu {
+            binary: "/nonexistent/criu".into(),
+        },
+        containers: Containers::Table { path: table },
+        track_mem: false,
+        broker_socket,
+        checkpoints_root: dir.join("checkpoints"),
+        tls: agent_tls(),
+        legacy_shared_identity: false,
+        freeze_watchdog: FreezeWatchdog {
+            margin: std::time::Duration::from_secs(60),
+            default_budget: std::time::Duration::from_secs(30),
+        },
+    })
+    .unwrap()
+}
+
+fn prepare_target() -> PrepareRequest {
+    PrepareRequest {
+        migration_uid: UID.into(),
+        role: Role::Target as i32,
+        transfer_key: vec![7; transfer::KEY_LEN],
+        peer_node: "node-b".into(),
+        container_ids: vec!["c1".into()],
+        ..Default::default()
+    }
+}
+
+/// A broker that registers, and answers `BindNetns` with `bind`.
+fn registers_then(req: &Request, bind: Answer) -> Answer {
+    match req {
+        Request::Register { .. } => Answer::Reply(Reply::Registered {
+            cgroup: "/pods/tgt".into(),
+        }),
+        Request::BindNetns { .. } => bind,
+        _ => Answer::Reply(Reply::Done),
+    }
+}
+
+#[tokio::test]
+async fn a_failed_prepare_leaves_no_checkpoint_dir_and_no_registration() {
+    type Case = (&'static str, fn(&Request) -> Answer, tonic::Code);
+    let cases: [Case; 3] = [
+        (
+            "register refused",
+            |_| Answer::Refuse(ErrorKind::NoSuchProcess),
+            tonic::Code::FailedPrecondition,
+        ),
+        (
+            "bind refused",
+            |r| registers_then(r, Answer::Refuse(ErrorKind::Kernel)),
+            tonic::Code::FailedPrecondition,
+        ),
+        (
+            "bind answered with something other than a netns path",
+            |r| registers_then(r, Answer::Reply(Reply::Done)),
+            tonic::Code::Internal,
+        ),
+    ];
+    for (what, script, code) in cases {
+        let d = Scratch::new("prepare");
+        let broker = FakeBroker::start(&d.0, Box::new(script));
+        let a = agent(&d.0, broker.socket.clone());
+        let e = a.prepare_impl(prepare_target()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{what}: {e}");
+        assert!(
+            !d.0.join("checkpoints").join(UID).exists(),
+            "{what}: the checkpoint dir was left behind"
+        );
+        assert!(
+            broker.registered().is_empty(),
+            "{what}: the broker still holds the registration when Prepare answers ({:?})",
+            broker.ops()
+        );
+        assert!(a.get(UID).is_err(), "{what}: the migration was recorded");
+    }
+}
+
+#[tokio::test]
+async fn a_prepare_that_cannot_reach_the_broker_leaves_no_checkpoint_dir() {
+    let d = Scratch::new("prepare");
+    let a = agent(&d.0, d.0.join("no-broker.sock"));
+    let e = a.prepare_impl(prepare_target()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(
+        !d.0.join("checkpoints").join(UID).exists(),
+        "the new checkpoint dir was left behind"
+    );
+}
+
+#[tokio::test]
+async fn a_prepare_that_succeeds_keeps_its_dir_and_registration() {
+    let d = Scratch::new("prepare");
+    let broker = FakeBroker::start(
+        &d.0,
+        Box::new(|r| {
+            let path = "/run/netns/x".into();
+            registers_then(r, Answer::Reply(Reply::NetnsPath { path }))
+        }),
+    );
+    let a = agent(&d.0, broker.socket.clone());
+    let st = a.prepare_impl(prepare_target()).await.unwrap();
+    assert_eq!(st.phase, Phase::Prepared as i32);
+    assert!(d.0.join("checkpoints").join(UID).is_dir());
+    assert_eq!(broker.registered().len(), 1);
+    assert_eq!(broker.ops(), ["register", "bind_netns"]);
+}
