@@ -57,6 +57,13 @@ pub struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GaveUpLabels {
+    /// `broker_lease_ended` (the broker rolls the source back or kills it itself) or
+    /// `source_gone`.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BrokerLabels {
     /// The broker op (`lock_network`, `resume`, …: `Request::name`).
     pub op: &'static str,
@@ -93,6 +100,7 @@ pub struct AgentMetrics {
     frozen_seconds_max: Gauge<f64, AtomicU64>,
     watchdog_resumes: Counter,
     watchdog_kills: Counter,
+    watchdog_gave_up: Family<GaveUpLabels, Counter>,
     broker_ops: Family<BrokerLabels, Counter>,
     tracked: Mutex<HashMap<String, Tracked>>,
 }
@@ -118,6 +126,9 @@ const RPCS: [&str; 11] = [
     "Cleanup",
     "Status",
 ];
+
+/// Why the freeze watchdog may give up on a source, as the `reason` label names it.
+pub const WATCHDOG_GAVE_UP: [&str; 2] = ["broker_lease_ended", "source_gone"];
 
 const PHASES: [Phase; 12] = [
     Phase::Unknown,
@@ -219,6 +230,7 @@ impl AgentMetrics {
             frozen_seconds_max: registered(reg, "frozen_seconds_max", "How long the longest-frozen source has been frozen (0 when none is)", Gauge::default()),
             watchdog_resumes: registered(reg, "watchdog_resumes", "Sources the freeze watchdog resumed because nobody committed or aborted in time", Counter::default()),
             watchdog_kills: registered(reg, "watchdog_kills", "Fenced sources (the target may have restored them) the freeze watchdog killed because nobody committed or aborted in time", Counter::default()),
+            watchdog_gave_up: registered(reg, "watchdog_gave_up", "Frozen sources the freeze watchdog stopped trying to resume or kill, by why no retry could succeed", Family::default()),
             broker_ops: registered(reg, "broker_ops", "Netns broker ops this agent asked for, by op and result", Family::default()),
             tracked: Mutex::new(HashMap::new()),
             registry: r,
@@ -244,6 +256,11 @@ impl AgentMetrics {
                     .finished
                     .get_or_create(&OutcomeLabels { role, outcome });
             }
+        }
+        for reason in WATCHDOG_GAVE_UP {
+            let _ = self
+                .watchdog_gave_up
+                .get_or_create(&GaveUpLabels { reason });
         }
         for &op in podmotion_wire::broker::OPS {
             let _ = self.broker_ops.get_or_create(&BrokerLabels {
@@ -342,6 +359,13 @@ impl AgentMetrics {
     /// The freeze watchdog killed a fenced source.
     pub fn watchdog_killed(&self) {
         self.watchdog_kills.inc();
+    }
+
+    /// The freeze watchdog gave up on a source (`reason`: one of [`WATCHDOG_GAVE_UP`]).
+    pub fn watchdog_gave_up(&self, reason: &'static str) {
+        self.watchdog_gave_up
+            .get_or_create(&GaveUpLabels { reason })
+            .inc();
     }
 
     /// The text exposition format, with the gauges brought up to date: the frozen

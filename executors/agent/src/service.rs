@@ -1174,6 +1174,8 @@ mod prepare_tests;
 mod testkit;
 #[cfg(test)]
 mod transfer_tests;
+#[cfg(test)]
+mod watchdog_tests;
 
 #[cfg(test)]
 mod tests {

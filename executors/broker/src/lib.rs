@@ -1018,6 +1018,21 @@ pub mod client {
             }
         }
 
+        /// Whether the broker has closed this connection (it ended it, or it exited):
+        /// every later call fails, and what was registered on it is the broker's to
+        /// undo (the lease's end, or the journal when the broker starts again).
+        pub fn closed(&self) -> bool {
+            let mut b = [0u8; 1];
+            matches!(
+                nix::sys::socket::recv(
+                    self.s.as_raw_fd(),
+                    &mut b,
+                    MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+                ),
+                Ok(0) | Err(nix::errno::Errno::ECONNRESET)
+            )
+        }
+
         /// `hand_off_sockets`, receiving every chunk in order.
         pub fn sockets(&mut self, uid: &MigrationUid) -> Result<Vec<OwnedFd>, BrokerError> {
             let Reply::Sockets { total, chunks } =
@@ -1076,6 +1091,21 @@ pub mod client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_knows_when_the_broker_closed_its_connection() {
+        let dir = std::env::temp_dir().join(format!("pm-broker-closed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("b.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let c = client::BrokerClient::connect(&path).unwrap();
+        let (server, _) = l.accept().unwrap();
+        assert!(!c.closed(), "an open connection with nothing to read");
+        drop(server);
+        assert!(c.closed());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn global_ipv6_addresses_of_the_locked_links_are_saved_with_their_link() {

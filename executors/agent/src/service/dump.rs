@@ -9,6 +9,7 @@ use super::{
 use crate::criu::{self, Criu, Opts};
 use crate::images;
 use podmotion_broker::client::BrokerClient;
+use podmotion_broker::procfs;
 use podmotion_wire::agent::{
     Manifest, ManifestSocket, MigrationStatus, SocketOutcome, SocketReport,
 };
@@ -16,7 +17,7 @@ use podmotion_wire::broker::Request;
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tonic::Status;
 
 /// What the final dump needs once the network is locked (see
@@ -143,54 +144,135 @@ fn start_freeze_watchdog(
         since: std::time::Instant::now(),
         budget: limit.saturating_sub(margin),
     });
-    tokio::spawn(watch_freeze(freeze, broker, uid, process, limit));
+    let watch = watch_freeze(freeze, broker, uid, process, limit, WATCHDOG_RETRY);
+    tokio::spawn(watch);
 }
 
+/// How the freeze watchdog retries a resume or kill that failed: after `first`, then
+/// twice as long after each failure, at most `max` apart.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Backoff {
+    pub(super) first: Duration,
+    pub(super) max: Duration,
+}
+
+const WATCHDOG_RETRY: Backoff = Backoff {
+    first: Duration::from_secs(1),
+    max: Duration::from_secs(10),
+};
+
 /// The freeze watchdog: `limit` from now, resumes the source if it is still frozen,
-/// or kills it if it is fenced.
-async fn watch_freeze(
+/// or kills it if it is fenced. A failed resume or kill (the broker busy, an `ip`
+/// step failing) is tried again, with `retry`'s backoff, for as long as the freeze
+/// stays unclaimed; a freeze another call holds for a moment (a fence being taken, an
+/// abort's thaw that may fail and give it back) is waited for. It stops as soon as
+/// Commit, Abort, Fence or shutdown has claimed the freeze (each attempt starts with
+/// the atomic claim), and gives up only where no retry can succeed (see
+/// [`hopeless`]).
+pub(super) async fn watch_freeze(
     freeze: Arc<Freeze>,
     broker: Arc<StdMutex<BrokerClient>>,
     uid: MigrationUid,
     process: ProcRef,
-    limit: std::time::Duration,
+    limit: Duration,
+    retry: Backoff,
 ) {
     tokio::time::sleep(limit).await;
-    // A failed resume or kill (the broker busy or restarting) is tried again, and
-    // so is a freeze another call holds for a moment (a fence being taken, an
-    // abort's thaw that may fail and give it back).
-    for _ in 0..30 {
-        match freeze.get() {
+    let limit_ms = limit.as_millis() as u64;
+    let mut delay = retry.first;
+    let mut failures = 0u32;
+    // The state last announced in the log (once each, not at every retry).
+    let mut announced = None;
+    loop {
+        let metrics = crate::metrics::global();
+        let state = freeze.get();
+        let first = announced.replace(state) != Some(state);
+        let attempt = match state {
             FROZEN => {
-                tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
-                match thaw_frozen(&freeze, &broker, &uid).await {
-                    Ok(true) => {
-                        crate::metrics::global().watchdog_resumed();
-                        return;
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::error!(%uid, error = %e, "freeze watchdog could not resume the source; retrying")
-                    }
+                if first {
+                    tracing::warn!(%uid, limit_ms, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
                 }
+                let r = thaw_frozen(&freeze, &broker, &uid).await;
+                if let Ok(true) = r {
+                    metrics.watchdog_resumed();
+                }
+                r
             }
             FENCED => {
-                tracing::warn!(%uid, limit_ms = limit.as_millis() as u64, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
-                match kill_fenced(&freeze, &broker, &uid, process).await {
-                    Ok(true) => {
-                        crate::metrics::global().watchdog_killed();
-                        return;
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::error!(%uid, error = %e, "freeze watchdog could not kill the fenced source; retrying")
-                    }
+                if first {
+                    tracing::warn!(%uid, limit_ms, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
                 }
+                let r = kill_fenced(&freeze, &broker, &uid, process).await;
+                if let Ok(true) = r {
+                    metrics.watchdog_killed();
+                }
+                r
             }
-            FENCING | THAWING | KILLING => {}
+            FENCING | THAWING | KILLING => {
+                tokio::time::sleep(retry.first).await;
+                continue;
+            }
             _ => return,
+        };
+        match attempt {
+            Ok(true) => return,
+            // Claimed in between: the next look says by what.
+            Ok(false) => {}
+            Err(e) => {
+                failures += 1;
+                if let Some(why) = hopeless(&broker, process).await {
+                    tracing::error!(%uid, error = %e, failures, why = why.explain(), "freeze watchdog gave up");
+                    metrics.watchdog_gave_up(why.label());
+                    return;
+                }
+                tracing::warn!(%uid, error = %e, failures, retry_in_ms = delay.as_millis() as u64, "freeze watchdog could not resume or kill the source; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(retry.max);
+            }
         }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
+/// Why no retry of the freeze watchdog can succeed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GaveUp {
+    // In the order of `metrics::WATCHDOG_GAVE_UP`.
+    /// The broker closed this migration's connection, the lease every broker op of the
+    /// migration needs: the broker itself rolls the source back, or kills it if
+    /// fenced (when the lease ends, or from its journal when it starts again).
+    BrokerLeaseEnded,
+    /// The source process is gone: nothing is frozen any more.
+    SourceGone,
+}
+
+impl GaveUp {
+    /// Its `reason` label in the metrics.
+    pub(super) fn label(self) -> &'static str {
+        crate::metrics::WATCHDOG_GAVE_UP[self as usize]
+    }
+
+    fn explain(self) -> &'static str {
+        match self {
+            GaveUp::BrokerLeaseEnded => {
+                "the broker closed this migration's connection (its lease): the broker rolls the source back, or kills it if fenced, itself"
+            }
+            GaveUp::SourceGone => "the source process is gone",
+        }
+    }
+}
+
+/// After a failed resume or kill: why retrying cannot succeed, if it cannot.
+async fn hopeless(broker: &Arc<StdMutex<BrokerClient>>, process: ProcRef) -> Option<GaveUp> {
+    let b = Arc::clone(broker);
+    let closed = blocking(move || Ok(b.lock().expect("broker client").closed()))
+        .await
+        .unwrap_or(false);
+    if closed {
+        Some(GaveUp::BrokerLeaseEnded)
+    } else if procfs::check_live(process).is_err() {
+        Some(GaveUp::SourceGone)
+    } else {
+        None
     }
 }
 

@@ -86,7 +86,7 @@ async fn a_failed_prepare_leaves_no_checkpoint_dir_and_no_registration() {
     ];
     for (what, script, code) in cases {
         let d = Scratch::new("prepare");
-        let broker = FakeBroker::start(&d.0, Box::new(script));
+        let broker = FakeBroker::start(&d.0, script);
         let a = agent(&d.0, broker.socket.clone());
         let e = a.prepare_impl(prepare_target()).await.unwrap_err();
         assert_eq!(e.code(), code, "{what}: {e}");
@@ -118,13 +118,10 @@ async fn a_prepare_that_cannot_reach_the_broker_leaves_no_checkpoint_dir() {
 #[tokio::test]
 async fn a_prepare_that_succeeds_keeps_its_dir_and_registration() {
     let d = Scratch::new("prepare");
-    let broker = FakeBroker::start(
-        &d.0,
-        Box::new(|r| {
-            let path = "/run/netns/x".into();
-            registers_then(r, Answer::Reply(Reply::NetnsPath { path }))
-        }),
-    );
+    let broker = FakeBroker::start(&d.0, |r| {
+        let path = "/run/netns/x".into();
+        registers_then(r, Answer::Reply(Reply::NetnsPath { path }))
+    });
     let a = agent(&d.0, broker.socket.clone());
     let st = a.prepare_impl(prepare_target()).await.unwrap();
     assert_eq!(st.phase, Phase::Prepared as i32);

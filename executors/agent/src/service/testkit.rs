@@ -31,10 +31,11 @@ impl Drop for Scratch {
     }
 }
 
-/// What the broker answers to one request.
+/// What the broker does with one request: answer it, or close the connection.
 pub(super) enum Answer {
     Reply(Reply),
     Refuse(ErrorKind),
+    Close,
 }
 
 type Script = Box<dyn FnMut(&Request) -> Answer + Send>;
@@ -56,11 +57,14 @@ pub(super) struct FakeBroker {
 
 impl FakeBroker {
     /// Serves on `<dir>/broker.sock` until the test process ends.
-    pub(super) fn start(dir: &std::path::Path, script: Script) -> FakeBroker {
+    pub(super) fn start(
+        dir: &std::path::Path,
+        script: impl FnMut(&Request) -> Answer + Send + 'static,
+    ) -> FakeBroker {
         let socket = dir.join("broker.sock");
         let listener = UnixListener::bind(&socket).expect("fake broker socket");
         let seen: Arc<Mutex<Seen>> = Arc::default();
-        let script = Arc::new(Mutex::new(script));
+        let script: Arc<Mutex<Script>> = Arc::new(Mutex::new(Box::new(script)));
         let seen2 = Arc::clone(&seen);
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
@@ -100,6 +104,7 @@ fn serve(mut s: UnixStream, seen: &Mutex<Seen>, script: &Mutex<Script>) {
             let mut seen = seen.lock().unwrap();
             seen.ops.push(req.name());
             match answer {
+                Answer::Close => break,
                 Answer::Refuse(kind) => Response::Err(BrokerError::new(kind, "scripted")),
                 Answer::Reply(r) => {
                     match &req {
