@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use podmotion_api::migration::TcpPreservation;
+use podmotion_api::migration::{ApplicationProbe, ExecProbe, TcpPreservation};
 use podmotion_wire::agent::{MigrationStatus, PrepareRequest, Role, SendRequest};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
@@ -218,46 +218,14 @@ impl WireAgents {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
         let target = pods.get(&r.target_pod).await.ok();
         let timeout = Duration::from_secs(p.timeout_seconds.max(1) as u64);
-        let exec = match &p.exec {
-            Some(e) => {
-                let container = e
-                    .container
-                    .clone()
-                    .or_else(|| {
-                        target
-                            .as_ref()
-                            .and_then(|t| t.spec.as_ref())
-                            .and_then(|s| s.containers.first())
-                            .map(|c| c.name.clone())
-                    })
-                    .ok_or_else(|| {
-                        (
-                            "ProbeFailed".to_string(),
-                            format!("the target pod {} has no container", r.target_pod),
-                        )
-                    })?;
-                Some((e, container))
-            }
-            None => None,
-        };
-        let ip = match exec {
-            Some(_) => String::new(),
-            None => target
-                .and_then(|pod| pod.status.and_then(|s| s.pod_ip))
-                .ok_or_else(|| {
-                    (
-                        "ProbeFailed".to_string(),
-                        "the target pod has no IP".to_string(),
-                    )
-                })?,
-        };
+        let what = probe_target(p, target.as_ref(), &r.target_pod)?;
         let mut last = String::new();
         for attempt in 1..=p.failure_threshold.max(1) {
-            let res = match &exec {
-                Some((e, container)) => {
+            let res = match &what {
+                ProbeTarget::Exec(e, container) => {
                     exec_once(&pods, &r.target_pod, container, e, timeout).await
                 }
-                None => probe_once(&ip, p, timeout).await,
+                ProbeTarget::Address(ip) => probe_once(ip, p, timeout).await,
             };
             match res {
                 Ok(()) => return Ok(()),
@@ -268,6 +236,39 @@ impl WireAgents {
         }
         Err(("ProbeFailed".into(), last))
     }
+}
+
+/// What a probe runs against in the target pod: a command in one of its containers
+/// (the probe's, else the first), or its address.
+#[derive(Debug, PartialEq)]
+enum ProbeTarget<'a> {
+    Exec(&'a ExecProbe, String),
+    Address(String),
+}
+
+/// Where probe `p` runs in the target pod `target` (named `name`). Pure.
+fn probe_target<'a>(
+    p: &'a ApplicationProbe,
+    target: Option<&Pod>,
+    name: &str,
+) -> Result<ProbeTarget<'a>, (String, String)> {
+    let failed = |m: String| ("ProbeFailed".to_string(), m);
+    if let Some(e) = &p.exec {
+        let first = target
+            .and_then(|t| t.spec.as_ref())
+            .and_then(|s| s.containers.first())
+            .map(|c| c.name.clone());
+        let container = e
+            .container
+            .clone()
+            .or(first)
+            .ok_or_else(|| failed(format!("the target pod {name} has no container")))?;
+        return Ok(ProbeTarget::Exec(e, container));
+    }
+    target
+        .and_then(|pod| pod.status.as_ref()?.pod_ip.clone())
+        .map(ProbeTarget::Address)
+        .ok_or_else(|| failed("the target pod has no IP".to_string()))
 }
 
 impl AgentClient for WireAgents {
@@ -333,6 +334,51 @@ mod tests {
     use super::*;
     use crate::migration::key::TransferKey;
     use podmotion_api::migration::MigrationMode;
+
+    #[test]
+    fn a_probe_runs_in_its_container_or_the_first_and_else_at_the_pod_address() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "t"},
+            "spec": {"containers": [{"name": "app"}, {"name": "side"}]},
+            "status": {"podIP": "198.18.0.7"}
+        }))
+        .unwrap();
+        let tcp = ApplicationProbe {
+            http_get: None,
+            tcp_socket: Some(podmotion_api::migration::TcpProbe { port: 80 }),
+            grpc: None,
+            exec: None,
+            timeout_seconds: 1,
+            failure_threshold: 1,
+        };
+        assert_eq!(
+            probe_target(&tcp, Some(&pod), "t"),
+            Ok(ProbeTarget::Address("198.18.0.7".into()))
+        );
+        assert_eq!(
+            probe_target(&tcp, None, "t").unwrap_err().1,
+            "the target pod has no IP"
+        );
+        let exec = |container: Option<&str>| ApplicationProbe {
+            tcp_socket: None,
+            exec: Some(ExecProbe {
+                command: vec!["true".into()],
+                container: container.map(Into::into),
+            }),
+            ..tcp.clone()
+        };
+        let first = exec(None);
+        let named = exec(Some("side"));
+        let run_in = |p| match probe_target(p, Some(&pod), "t") {
+            Ok(ProbeTarget::Exec(_, c)) => c,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(run_in(&first), "app");
+        assert_eq!(run_in(&named), "side");
+        let err = probe_target(&first, None, "t").unwrap_err();
+        assert_eq!(err.0, "ProbeFailed");
+        assert!(err.1.contains("has no container"), "{err:?}");
+    }
 
     fn request(step: Step) -> StepRequest {
         StepRequest {

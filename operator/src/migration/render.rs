@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, Pod, PodSpec, ResourceRequirements,
+    Capabilities, Container, EmptyDirVolumeSource, Pod, PodSpec, Probe, ResourceRequirements,
     SeccompProfile, Secret, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -95,29 +95,7 @@ pub fn target_pod(
     meta.labels
         .get_or_insert_with(Default::default)
         .insert(labels::MIGRATION.into(), migration.name_any());
-    let source_labels = source.labels().clone();
-    let mut ann = BTreeMap::from([
-        (annotations::MIGRATION.to_string(), migration.name_any()),
-        (
-            annotations::SOURCE_LABELS.to_string(),
-            serde_json::to_string(&source_labels).unwrap_or_else(|_| "{}".into()),
-        ),
-        (
-            annotations::SOURCE_POD.to_string(),
-            format!("{source_name}/{}", source.uid().unwrap_or_default()),
-        ),
-    ]);
-    if let Some(owner) = source
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true))
-    {
-        ann.insert(
-            annotations::EXPECTED_OWNER.to_string(),
-            format!("{}/{}/{}", owner.kind, owner.name, owner.uid),
-        );
-    }
-    meta.annotations = Some(ann);
+    meta.annotations = Some(target_annotations(migration, source));
 
     let src = source.spec.clone().unwrap_or_default();
     let mut volumes = src.volumes.clone().unwrap_or_default();
@@ -147,6 +125,34 @@ pub fn target_pod(
         spec: Some(spec),
         status: None,
     }
+}
+
+/// What the target pod records of its migration and its source: the source's labels
+/// (put on at hand-over), the source pod (name/uid), and the source's controller that
+/// must adopt it (kind/name/uid).
+fn target_annotations(migration: &PodMigration, source: &Pod) -> BTreeMap<String, String> {
+    let mut ann = BTreeMap::from([
+        (annotations::MIGRATION.to_string(), migration.name_any()),
+        (
+            annotations::SOURCE_LABELS.to_string(),
+            serde_json::to_string(source.labels()).unwrap_or_else(|_| "{}".into()),
+        ),
+        (
+            annotations::SOURCE_POD.to_string(),
+            format!("{}/{}", source.name_any(), source.uid().unwrap_or_default()),
+        ),
+    ]);
+    if let Some(owner) = source
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+    {
+        ann.insert(
+            annotations::EXPECTED_OWNER.to_string(),
+            format!("{}/{}/{}", owner.kind, owner.name, owner.uid),
+        );
+    }
+    ann
 }
 
 fn holder_mount() -> VolumeMount {
@@ -303,66 +309,71 @@ pub fn effective_probe(
         return Some(p.clone());
     }
     let spec = source.spec.as_ref()?;
-    spec.containers.iter().find_map(|c| {
-        let rp = c.readiness_probe.as_ref()?;
-        let port = |p: &IntOrString| match p {
-            IntOrString::Int(n) => Some(*n),
-            IntOrString::String(name) => c
-                .ports
-                .iter()
-                .flatten()
-                .find(|cp| cp.name.as_deref() == Some(name))
-                .map(|cp| cp.container_port),
+    spec.containers
+        .iter()
+        .find_map(|c| probe_from_readiness(c, c.readiness_probe.as_ref()?))
+}
+
+/// Container `c`'s readiness probe `rp` as an application probe (its port resolved);
+/// `None` when it names a port the container does not declare.
+fn probe_from_readiness(c: &Container, rp: &Probe) -> Option<ApplicationProbe> {
+    let base = ApplicationProbe {
+        http_get: None,
+        tcp_socket: None,
+        grpc: None,
+        exec: None,
+        timeout_seconds: rp.timeout_seconds.unwrap_or(1).clamp(1, 60),
+        failure_threshold: rp.failure_threshold.unwrap_or(3).clamp(1, 30),
+    };
+    if let Some(h) = &rp.http_get {
+        let scheme = if h.scheme.as_deref() == Some("HTTPS") {
+            HttpScheme::Https
+        } else {
+            HttpScheme::Http
         };
-        let base = ApplicationProbe {
-            http_get: None,
-            tcp_socket: None,
-            grpc: None,
-            exec: None,
-            timeout_seconds: rp.timeout_seconds.unwrap_or(1).clamp(1, 60),
-            failure_threshold: rp.failure_threshold.unwrap_or(3).clamp(1, 30),
-        };
-        if let Some(h) = &rp.http_get {
-            let scheme = if h.scheme.as_deref() == Some("HTTPS") {
-                HttpScheme::Https
-            } else {
-                HttpScheme::Http
-            };
-            let path = h.path.clone().unwrap_or_else(|| "/".into());
-            return Some(ApplicationProbe {
-                http_get: Some(HttpProbe {
-                    path,
-                    port: port(&h.port)?,
-                    scheme,
-                }),
-                ..base
-            });
-        }
-        if let Some(t) = &rp.tcp_socket {
-            return Some(ApplicationProbe {
-                tcp_socket: Some(TcpProbe {
-                    port: port(&t.port)?,
-                }),
-                ..base
-            });
-        }
-        if let Some(g) = &rp.grpc {
-            return Some(ApplicationProbe {
-                grpc: Some(GrpcProbe {
-                    port: g.port,
-                    service: g.service.clone(),
-                }),
-                ..base
-            });
-        }
-        rp.exec.as_ref().map(|e| ApplicationProbe {
-            exec: Some(ExecProbe {
-                command: e.command.clone().unwrap_or_default(),
-                container: Some(c.name.clone()),
+        let path = h.path.clone().unwrap_or_else(|| "/".into());
+        let port = container_port(c, &h.port)?;
+        return Some(ApplicationProbe {
+            http_get: Some(HttpProbe { path, port, scheme }),
+            ..base
+        });
+    }
+    if let Some(t) = &rp.tcp_socket {
+        let port = container_port(c, &t.port)?;
+        return Some(ApplicationProbe {
+            tcp_socket: Some(TcpProbe { port }),
+            ..base
+        });
+    }
+    if let Some(g) = &rp.grpc {
+        return Some(ApplicationProbe {
+            grpc: Some(GrpcProbe {
+                port: g.port,
+                service: g.service.clone(),
             }),
             ..base
-        })
+        });
+    }
+    rp.exec.as_ref().map(|e| ApplicationProbe {
+        exec: Some(ExecProbe {
+            command: e.command.clone().unwrap_or_default(),
+            container: Some(c.name.clone()),
+        }),
+        ..base
     })
+}
+
+/// A probe's port: a number, or a name resolved through the container's ports.
+fn container_port(c: &Container, p: &IntOrString) -> Option<i32> {
+    match p {
+        IntOrString::Int(n) => Some(*n),
+        IntOrString::String(name) => c
+            .ports
+            .iter()
+            .flatten()
+            .find(|cp| cp.name.as_deref() == Some(name))
+            .map(|cp| cp.container_port),
+    }
 }
 
 /// The source pod as the machine sees it.

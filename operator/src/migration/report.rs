@@ -12,7 +12,37 @@ use super::agent::{AgentProgress, AgentReport, Step, StepState};
 pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
     let role = Role::try_from(st.role).unwrap_or(Role::Unspecified);
     let phase = Phase::try_from(st.phase).unwrap_or(Phase::Unknown);
-    let step = match (phase, role) {
+    let t = st.timings();
+    let at = |us: u64| {
+        (us > 0)
+            .then(|| Timestamp::from_microsecond(us as i64).ok())
+            .flatten()
+    };
+    AgentReport {
+        last: last_step(st, phase, role).map(|s| (s, StepState::Done)),
+        progress: AgentProgress {
+            iteration: st.iteration,
+            bytes_sent: st.bytes_sent,
+            dirty_bytes: dirty_bytes(st),
+            rate_bytes_per_second: link_rate(st),
+            dump_millis: (st.iteration > 0 && t.last_round_us > 0)
+                .then(|| t.last_round_us.div_ceil(1000)),
+            frozen_at: at(t.freeze_started_us),
+            resumed_at: if role == Role::Target {
+                at(t.resumed_us)
+            } else {
+                None
+            },
+            network: network_outcome(st),
+            fenced: st.fenced,
+            killed_under_fence: phase == Phase::Killed,
+        },
+    }
+}
+
+/// The last step the agent's phase says completed (for its role).
+fn last_step(st: &MigrationStatus, phase: Phase, role: Role) -> Option<Step> {
+    match (phase, role) {
         (Phase::Unknown, _) => None,
         (Phase::Prepared, Role::Target) | (Phase::Receiving | Phase::Received, _) => {
             Some(Step::Receive)
@@ -28,56 +58,41 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
         (Phase::Committed, _) => Some(Step::Commit),
         (Phase::Aborted, _) => Some(Step::Abort),
         (Phase::CleanedUp, _) => Some(Step::Cleanup),
-    };
+    }
+}
+
+/// The link's speed: the final transfer's once it ran, before that the pre-copy
+/// rounds' (streamed while the workload runs, so known before the freeze).
+fn link_rate(st: &MigrationStatus) -> Option<u64> {
     let t = st.timings();
-    let at = |us: u64| {
-        (us > 0)
-            .then(|| Timestamp::from_microsecond(us as i64).ok())
-            .flatten()
-    };
-    // The link's speed: the final transfer's once it ran, before that the pre-copy
-    // rounds' (streamed while the workload runs, so known before the freeze).
     let final_bytes = st.bytes_sent.saturating_sub(st.pre_copy_sent_bytes);
-    let rate = if t.send_us > 0 && final_bytes > 0 {
+    if t.send_us > 0 && final_bytes > 0 {
         Some(final_bytes.saturating_mul(1_000_000) / t.send_us)
     } else if t.pre_copy_send_us > 0 && st.pre_copy_sent_bytes > 0 {
         Some(st.pre_copy_sent_bytes.saturating_mul(1_000_000) / t.pre_copy_send_us)
     } else {
         None
-    };
-    // What the final transfer will move: what the last streamed round had to send
-    // (the dirty set), else the last round's whole image.
-    let dirty = (st.iteration > 0).then_some(if t.pre_copy_send_us > 0 {
+    }
+}
+
+/// What the final transfer will move: what the last streamed round had to send (the
+/// dirty set), else the last round's whole image; nothing before a round.
+fn dirty_bytes(st: &MigrationStatus) -> Option<u64> {
+    (st.iteration > 0).then_some(if st.timings().pre_copy_send_us > 0 {
         st.last_round_sent_bytes
     } else {
         st.last_round_bytes
-    });
-    let network = (!st.sockets.is_empty()).then(|| NetworkOutcome {
+    })
+}
+
+/// Per socket, what the restore did with it (none reported: unknown, not zero).
+fn network_outcome(st: &MigrationStatus) -> Option<NetworkOutcome> {
+    (!st.sockets.is_empty()).then(|| NetworkOutcome {
         listeners_restored: st.count(SocketOutcome::ListenerRestored) as i32,
         connections_preserved: st.count(SocketOutcome::Preserved) as i32,
         connections_closed: st.count(SocketOutcome::ClosedCleanly) as i32,
         connections_reset: 0,
-    });
-    AgentReport {
-        last: step.map(|s| (s, StepState::Done)),
-        progress: AgentProgress {
-            iteration: st.iteration,
-            bytes_sent: st.bytes_sent,
-            dirty_bytes: dirty,
-            rate_bytes_per_second: rate,
-            dump_millis: (st.iteration > 0 && t.last_round_us > 0)
-                .then(|| t.last_round_us.div_ceil(1000)),
-            frozen_at: at(t.freeze_started_us),
-            resumed_at: if role == Role::Target {
-                at(t.resumed_us)
-            } else {
-                None
-            },
-            network,
-            fenced: st.fenced,
-            killed_under_fence: phase == Phase::Killed,
-        },
-    }
+    })
 }
 
 /// What the agent adapter keeps of a finished call. A success is forgotten (the agent's own

@@ -184,29 +184,11 @@ pub(super) async fn watch_freeze(
     // The state last announced in the log (once each, not at every retry).
     let mut announced = None;
     loop {
-        let metrics = crate::metrics::global();
         let state = freeze.get();
         let first = announced.replace(state) != Some(state);
         let attempt = match state {
-            FROZEN => {
-                if first {
-                    tracing::warn!(%uid, limit_ms, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
-                }
-                let r = thaw_frozen(&freeze, &broker, &uid).await;
-                if let Ok(true) = r {
-                    metrics.watchdog_resumed();
-                }
-                r
-            }
-            FENCED => {
-                if first {
-                    tracing::warn!(%uid, limit_ms, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
-                }
-                let r = kill_fenced(&freeze, &broker, &uid, process).await;
-                if let Ok(true) = r {
-                    metrics.watchdog_killed();
-                }
-                r
+            FROZEN | FENCED => {
+                end_freeze(&freeze, &broker, &uid, process, state, first, limit_ms).await
             }
             FENCING | THAWING | KILLING => {
                 tokio::time::sleep(retry.first).await;
@@ -222,7 +204,7 @@ pub(super) async fn watch_freeze(
                 failures += 1;
                 if let Some(why) = hopeless(&broker, process).await {
                     tracing::error!(%uid, error = %e, failures, why = why.explain(), "freeze watchdog gave up");
-                    metrics.watchdog_gave_up(why.label());
+                    crate::metrics::global().watchdog_gave_up(why.label());
                     return;
                 }
                 tracing::warn!(%uid, error = %e, failures, retry_in_ms = delay.as_millis() as u64, "freeze watchdog could not resume or kill the source; retrying");
@@ -231,6 +213,38 @@ pub(super) async fn watch_freeze(
             }
         }
     }
+}
+
+/// One attempt of the watchdog on a freeze in `state` (`FROZEN`: resume it; `FENCED`:
+/// kill it), announced in the log the `first` time; counted when it acted.
+async fn end_freeze(
+    freeze: &Arc<Freeze>,
+    broker: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+    process: ProcRef,
+    state: u8,
+    first: bool,
+    limit_ms: u64,
+) -> Result<bool, Status> {
+    let metrics = crate::metrics::global();
+    if state == FENCED {
+        if first {
+            tracing::warn!(%uid, limit_ms, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");
+        }
+        let r = kill_fenced(freeze, broker, uid, process).await;
+        if let Ok(true) = r {
+            metrics.watchdog_killed();
+        }
+        return r;
+    }
+    if first {
+        tracing::warn!(%uid, limit_ms, "freeze watchdog: the source is still frozen past its budget and margin; resuming it");
+    }
+    let r = thaw_frozen(freeze, broker, uid).await;
+    if let Ok(true) = r {
+        metrics.watchdog_resumed();
+    }
+    r
 }
 
 /// Why no retry of the freeze watchdog can succeed.
