@@ -391,6 +391,23 @@ pub fn kubectl(args: &[&str]) -> std::process::Output {
         .expect("running kubectl")
 }
 
+/// Deletes pod `name` in `namespace` at once (`--grace-period=0 --force`, not waiting):
+/// the API object goes now, its controller makes a new one, the kubelet stops the
+/// containers with its minimum grace.
+pub fn force_delete_pod(namespace: &str, name: &str) {
+    let out = kubectl(&[
+        "-n",
+        namespace,
+        "delete",
+        "pod",
+        name,
+        "--grace-period=0",
+        "--force",
+        "--wait=false",
+    ]);
+    assert!(out.status.success(), "{}", output_text(&out));
+}
+
 /// `helm` (the one `hack/build-helm.sh` built) against the local cluster.
 pub fn helm(args: &[&str]) -> std::process::Output {
     let out = Command::new("bash")

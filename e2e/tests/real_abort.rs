@@ -13,20 +13,16 @@
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, addr, counter, node_of, restart_count,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, restart_count,
     source_serves_alone, target_pods_of,
 };
-use podmotion_e2e::real::{Images, helm_install, real_nodes};
-use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
-};
+use podmotion_e2e::{from_json, pod_running_ready, wait_for, wait_list};
 use serde_json::{Value, json};
 
 const APP: &str = "victim";
@@ -95,50 +91,15 @@ fn cases(pre_copy_rate: i64) -> Vec<Case> {
 
 #[tokio::test]
 async fn deleting_a_migration_in_any_phase_leaves_exactly_one_copy_serving() {
-    let Some(op) = TestNamespace::new("abort-op", PodSecurity::Restricted).await else {
-        return;
-    };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        return;
-    };
-    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    let Some(app) = TestNamespace::new("abort-app", PodSecurity::Baseline).await else {
-        return;
-    };
-    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let _uninstall = helm_install(
-        &format!("pm{}", random_suffix()),
-        &images,
-        &op.name,
-        &app.name,
-        "podmotion-e2e-abort",
-        &[],
-    );
     // 64 MiB of ballast, at 8 MiB/s: a pre-copy round or the final transfer lasts ~8 s.
-    let deploy = testload::deployment(APP, &images.testload().unwrap(), 64);
-    app.api::<Deployment>()
-        .create(&PostParams::default(), &deploy)
-        .await
-        .unwrap();
+    let Some(w) = World::new("abort", APP, 64, &[]).await else {
+        return;
+    };
+    let app = &w.app;
+    let nodes = &w.nodes;
     let pods: Api<Pod> = app.api();
     let pms: Api<PodMigration> = app.api();
-    let mut source = wait_list(
-        &pods,
-        &format!("app={APP}"),
-        POD_TIMEOUT,
-        "the replica Ready",
-        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))[0]
-        .clone();
-    // The whole ballast is written before anything is dumped.
-    for _ in 0..600 {
-        if testload::ask(&addr(&source), "ballast").is_ok_and(|a| a == "filled") {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    let mut source = w.source.clone();
 
     let mut outcomes = vec![];
     for case in cases(8 << 20) {

@@ -27,23 +27,19 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Event, Pod, Service};
+use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, jump_back, pod_processes, running_copies, says_resumed, status_texts,
-    workload_processes,
+    Proc, ServicePoller, pod_processes, sample, says_resumed, status_texts, workload_processes,
 };
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, addr, counter, node_of, source_serves_alone,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, source_serves_alone,
 };
-use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
-use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_list,
-};
+use podmotion_e2e::real::{force_delete_pod, kubectl, output_text};
+use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;
 
 const APP: &str = "crashed";
@@ -86,66 +82,17 @@ fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
 
 #[tokio::test]
 async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_never_says_so() {
-    let Some(op) = TestNamespace::new("crash-op", PodSecurity::Restricted).await else {
+    let Some(w) = World::new("crash", APP, 64, &[]).await else {
         return;
     };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        return;
-    };
-    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let Some(app) = TestNamespace::new("crash-app", PodSecurity::Baseline).await else {
-        return;
-    };
-    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let agents = format!("{}-agents", op.name);
-    let _uninstall = helm_install(
-        &format!("pm{}", random_suffix()),
-        &images,
-        &op.name,
-        &app.name,
-        "podmotion-e2e-crash",
-        &[],
-    );
-    app.api::<Deployment>()
-        .create(
-            &PostParams::default(),
-            &testload::deployment(APP, &images.testload().unwrap(), 64),
-        )
-        .await
-        .unwrap();
-    let svc = app
-        .api::<Service>()
-        .create(&PostParams::default(), &testload::service(APP))
-        .await
-        .unwrap();
-    let svc_addr = format!(
-        "{}:{}",
-        svc.spec.unwrap().cluster_ip.unwrap(),
-        testload::PORT
-    );
+    let (app, op, source) = (&w.app, &w.op, &w.source);
+    let agents = w.agents();
+    let svc_addr = w.service(APP).await;
     let pods: Api<Pod> = app.api();
-    let source = wait_list(
-        &pods,
-        &format!("app={APP}"),
-        POD_TIMEOUT,
-        "the replica Ready",
-        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))[0]
-        .clone();
-    // The whole ballast is written before anything is dumped.
-    for _ in 0..600 {
-        if testload::ask(&addr(&source), "ballast").is_ok_and(|a| a == "filled") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let source_uid = source.uid().unwrap();
-    let source_node = node_of(&source);
-    let target_node = nodes.iter().find(|n| **n != source_node).unwrap().clone();
-    let before = counter(&addr(&source));
+    let source_node = node_of(source);
+    let target_node = w.target_node();
+    let before = counter(&addr(source));
     let found = workload_processes(std::slice::from_ref(&source_uid));
     assert_eq!(found.len(), 1, "one workload process in the source pod");
     let source_proc = found[0].clone();
@@ -187,15 +134,8 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
             .unwrap()
             .and_then(|m| m.status)
             .unwrap_or_default();
-        let target_uid = match &st.target_pod {
-            Some(t) => pods.get_opt(t).await.unwrap().and_then(|p| p.uid()),
-            None => None,
-        };
-        let mut uids = vec![source_uid.clone()];
-        uids.extend(target_uid.clone());
-        let procs = workload_processes(&uids);
+        let (procs, copies, _) = sample(&pods, &source_proc, st.target_pod.as_deref()).await;
         samples += 1;
-        let copies = running_copies(&procs, &source_proc, target_uid.as_deref());
         max_copies = max_copies.max(copies.len());
         if copies.len() > 1 {
             app.dump();
@@ -245,17 +185,7 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
             victim_uid = victim[0].uid().unwrap();
             let killed = kill_pod_processes(&victim_uid);
             killed_at = Some(Instant::now());
-            let out = kubectl(&[
-                "-n",
-                &agents,
-                "delete",
-                "pod",
-                &victim[0].name_any(),
-                "--grace-period=0",
-                "--force",
-                "--wait=false",
-            ]);
-            assert!(out.status.success(), "{}", output_text(&out));
+            force_delete_pod(&agents, &victim[0].name_any());
             eprintln!(
                 "sample {samples}: phase {:?}, source {} stopped ({}); SIGKILLed {killed:?} and deleted the agent pod {} on {source_node}",
                 st.phase,
@@ -329,7 +259,7 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
 
     // The source alone, never restarted, serving its own counter on through its address
     // (its links and routes are back), no target pod.
-    let after = source_serves_alone(&pods, APP, &source, before, "after the agent's crash").await;
+    let after = source_serves_alone(&pods, APP, source, before, "after the agent's crash").await;
     let procs = workload_processes(std::slice::from_ref(&source_uid));
     let running: Vec<&Proc> = procs.iter().filter(|p| p.runs()).collect();
     assert_eq!(running.len(), 1, "{procs:?}");
@@ -346,30 +276,7 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
     );
 
     // Through the Service, the counter never went back and reached the source again.
-    for _ in 0..300 {
-        if poller.last().is_some_and(|v| v >= after) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (values, failures) = poller.finish();
-    eprintln!(
-        "the Service gave {} counters ({failures} reads failed), {:?} .. {:?}",
-        values.len(),
-        values.first(),
-        values.last()
-    );
-    if let Some((i, a, b)) = jump_back(&values) {
-        panic!(
-            "two copies served through the Service: read {i} saw {a}, read {} saw {b}",
-            i + 1
-        );
-    }
-    assert!(
-        values.last().is_some_and(|v| *v >= after),
-        "the Service never reached the source again: {:?}",
-        values.last()
-    );
+    poller.finish_reaching(after, "the source again");
 }
 
 /// The migration failed, and says the source's state is unknown (never resumed).

@@ -24,21 +24,19 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_api::names::reasons;
-use podmotion_e2e::real::copies::{running_copies, workload_processes};
+use podmotion_e2e::real::copies::{sample, workload_processes};
+use podmotion_e2e::real::output_text;
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, addr, counter, node_of, restart_count,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, restart_count,
 };
-use podmotion_e2e::real::{Images, helm_install, output_text, real_nodes};
-use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, run_dir, wait_list,
-};
+use podmotion_e2e::{from_json, pod_running_ready, run_dir, wait_list};
 use serde_json::json;
 
 const APP: &str = "committed";
@@ -96,48 +94,14 @@ fn signal(sig: &str, pid: u32) {
 
 #[tokio::test]
 async fn deleting_a_migration_in_committing_rolls_forward_to_one_adopted_copy() {
-    let Some(op) = TestNamespace::new("commit-op", PodSecurity::Restricted).await else {
+    let Some(w) = World::new("commit", APP, 16, &[]).await else {
         return;
     };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        return;
-    };
-    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let Some(app) = TestNamespace::new("commit-app", PodSecurity::Baseline).await else {
-        return;
-    };
-    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let _uninstall = helm_install(
-        &format!("pm{}", random_suffix()),
-        &images,
-        &op.name,
-        &app.name,
-        "podmotion-e2e-commit",
-        &[],
-    );
-    app.api::<Deployment>()
-        .create(
-            &PostParams::default(),
-            &testload::deployment(APP, &images.testload().unwrap(), 16),
-        )
-        .await
-        .unwrap();
+    let (app, source) = (&w.app, &w.source);
     let pods: Api<Pod> = app.api();
-    let source = wait_list(
-        &pods,
-        &format!("app={APP}"),
-        POD_TIMEOUT,
-        "the replica Ready",
-        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))[0]
-        .clone();
     let source_uid = source.uid().unwrap();
-    let source_node = node_of(&source);
-    let target_node = nodes.iter().find(|n| **n != source_node).unwrap().clone();
-    let before = counter(&addr(&source));
+    let target_node = w.target_node();
+    let before = counter(&addr(source));
     let found = workload_processes(std::slice::from_ref(&source_uid));
     assert_eq!(found.len(), 1, "one workload process in the source pod");
     let source_proc = found[0].clone();
@@ -165,15 +129,9 @@ async fn deleting_a_migration_in_committing_rolls_forward_to_one_adopted_copy() 
             break;
         };
         let st = m.status.clone().unwrap_or_default();
-        let target_uid = match &st.target_pod {
-            Some(t) => pods.get_opt(t).await.unwrap().and_then(|p| p.uid()),
-            None => None,
-        };
-        let mut uids = vec![source_uid.clone()];
-        uids.extend(target_uid.clone());
-        let procs = workload_processes(&uids);
+        let (procs, copies, target_uid) =
+            sample(&pods, &source_proc, st.target_pod.as_deref()).await;
         samples += 1;
-        let copies = running_copies(&procs, &source_proc, target_uid.as_deref());
         max_copies = max_copies.max(copies.len());
         if copies.len() > 1 {
             app.dump();

@@ -7,19 +7,15 @@
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::testload::{
-    self, POD_TIMEOUT, counter, counter_when_reachable, ended, node_of, pod_ip, restart_count,
+    POD_TIMEOUT, World, counter, counter_when_reachable, ended, node_of, pod_ip, restart_count,
 };
-use podmotion_e2e::real::{Images, Uninstall, helm_install, real_nodes};
-use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
-};
+use podmotion_e2e::{from_json, wait_for, wait_list};
 use serde_json::json;
 
 /// The testload binary in its image (a scratch image: nothing else is in it).
@@ -39,63 +35,6 @@ fn migration(name: &str, pod: &str, node: &str, probe_addr: &str) -> PodMigratio
     }))
 }
 
-/// What a test runs against: the operator's and the application's namespaces (deleted
-/// on drop), the real nodes, the chart release (uninstalled on drop) and the testload
-/// pod, Ready on a real node.
-struct World {
-    // Dropped in this order: the release, then the namespaces (as the locals of
-    // real_migration.rs are).
-    _uninstall: Uninstall,
-    app: TestNamespace,
-    _op: TestNamespace,
-    nodes: Vec<String>,
-    source: Pod,
-}
-
-/// Installs the chart with `extra` values and runs a testload Deployment (1 replica)
-/// on the real nodes; `None` where there are no real nodes.
-async fn world(prefix: &str, extra: &[&str]) -> Option<World> {
-    let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
-    let nodes = real_nodes(&op.client).await?;
-    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let app = TestNamespace::new(&format!("{prefix}-app"), PodSecurity::Baseline).await?;
-    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let release = format!("pm{}", random_suffix());
-    let uninstall = helm_install(
-        &release,
-        &images,
-        &op.name,
-        &app.name,
-        &format!("podmotion-e2e-{prefix}"),
-        extra,
-    );
-    let testload = images.testload().unwrap();
-    let deploy = testload::deployment("probed", &testload, 16);
-    app.api::<Deployment>()
-        .create(&PostParams::default(), &deploy)
-        .await
-        .unwrap();
-    let pods: Api<Pod> = app.api();
-    let source = wait_list(
-        &pods,
-        "app=probed",
-        POD_TIMEOUT,
-        "the replica Ready",
-        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))[0]
-        .clone();
-    Some(World {
-        app,
-        nodes,
-        _uninstall: uninstall,
-        _op: op,
-        source,
-    })
-}
-
 /// A testload Deployment on the real nodes (installed with exec probes enabled). An
 /// exec probe that exits 1 (`testload get 127.0.0.1:9`: nothing listens there) rolls the
 /// migration back with the exit status in its message: the same source pod serves a
@@ -104,17 +43,19 @@ async fn world(prefix: &str, extra: &[&str]) -> Option<World> {
 /// lets the migration succeed: the target pod on the other node serves the counter on.
 #[tokio::test]
 async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
-    let Some(w) = world("exec", &["--set", "migration.execProbes.enabled=true"]).await else {
+    let Some(w) = World::new(
+        "exec",
+        "probed",
+        16,
+        &["--set", "migration.execProbes.enabled=true"],
+    )
+    .await
+    else {
         return;
     };
     let (app, source) = (&w.app, &w.source);
     let pods: Api<Pod> = app.api();
-    let target_node = w
-        .nodes
-        .iter()
-        .find(|n| **n != node_of(source))
-        .unwrap()
-        .clone();
+    let target_node = w.target_node();
     let source_addr = format!("{}:8080", pod_ip(source));
     let before = counter(&source_addr);
     let pms: Api<PodMigration> = app.api();
@@ -193,16 +134,11 @@ async fn exec_probes_run_in_the_restored_pod_and_decide_commit_or_rollback() {
 /// migration stays `Pending`, no target pod is created and the source serves on.
 #[tokio::test]
 async fn an_exec_probe_is_refused_before_anything_freezes_while_exec_probes_are_off() {
-    let Some(w) = world("noexec", &[]).await else {
+    let Some(w) = World::new("noexec", "probed", 16, &[]).await else {
         return;
     };
     let (app, source) = (&w.app, &w.source);
-    let target_node = w
-        .nodes
-        .iter()
-        .find(|n| **n != node_of(source))
-        .unwrap()
-        .clone();
+    let target_node = w.target_node();
     let source_addr = format!("{}:8080", pod_ip(source));
     let before = counter(&source_addr);
     let pms: Api<PodMigration> = app.api();

@@ -30,22 +30,20 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use k8s_openapi::api::core::v1::{Event, Pod, Service};
+use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, jump_back, running_copies, says_resumed, status_texts, workload_processes,
+    Proc, ServicePoller, running_copies, says_resumed, status_texts, workload_processes,
 };
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, counter, node_of, pod_ip, restart_count,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, counter, node_of, pod_ip, restart_count,
 };
-use podmotion_e2e::real::{Images, entrypoint, helm_install, kubectl, output_text, real_nodes};
-use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_list,
-};
+use podmotion_e2e::real::{entrypoint, force_delete_pod};
+use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;
 
 const APP: &str = "fenced";
@@ -129,61 +127,19 @@ enum Stage {
 
 #[tokio::test]
 async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
-    let Some(op) = TestNamespace::new("fence-op", PodSecurity::Restricted).await else {
+    let Some(w) = World::new("fence", APP, 16, &[]).await else {
         return;
     };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        return;
-    };
-    assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let Some(app) = TestNamespace::new("fence-app", PodSecurity::Baseline).await else {
-        return;
-    };
-    let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let agents = format!("{}-agents", op.name);
-    let _uninstall = helm_install(
-        &format!("pm{}", random_suffix()),
-        &images,
-        &op.name,
-        &app.name,
-        "podmotion-e2e-fence",
-        &[],
-    );
-    let testload_image = images.testload().unwrap();
-    let testload_bin = entrypoint(&testload_image).unwrap_or_else(|e| panic!("{e:#}"));
-    app.api::<Deployment>()
-        .create(
-            &PostParams::default(),
-            &testload::deployment(APP, &testload_image, 16),
-        )
-        .await
-        .unwrap();
-    let svc = app
-        .api::<Service>()
-        .create(&PostParams::default(), &testload::service(APP))
-        .await
-        .unwrap();
-    let svc_addr = format!(
-        "{}:{}",
-        svc.spec.unwrap().cluster_ip.unwrap(),
-        testload::PORT
-    );
+    let (app, op, source) = (&w.app, &w.op, &w.source);
+    let agents = w.agents();
+    let testload_bin =
+        entrypoint(&w.images.testload().unwrap()).unwrap_or_else(|e| panic!("{e:#}"));
+    let svc_addr = w.service(APP).await;
     let pods: Api<Pod> = app.api();
-    let source = wait_list(
-        &pods,
-        &format!("app={APP}"),
-        POD_TIMEOUT,
-        "the replica Ready",
-        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))[0]
-        .clone();
     let source_uid = source.uid().unwrap();
-    let source_node = node_of(&source);
-    let target_node = nodes.iter().find(|n| **n != source_node).unwrap().clone();
-    let before = counter(&format!("{}:{}", pod_ip(&source), testload::PORT));
+    let source_node = node_of(source);
+    let target_node = w.target_node();
+    let before = counter(&format!("{}:{}", pod_ip(source), testload::PORT));
     let found = workload_processes(std::slice::from_ref(&source_uid));
     assert_eq!(found.len(), 1, "one workload process in the source pod");
     let source_proc = found[0].clone();
@@ -291,17 +247,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
                     restored = Some(in_target[0].clone());
                     let victim = agent_pods.list(&on_source).await.unwrap().items;
                     assert_eq!(victim.len(), 1, "one agent pod on {source_node}");
-                    let out = kubectl(&[
-                        "-n",
-                        &agents,
-                        "delete",
-                        "pod",
-                        &victim[0].name_any(),
-                        "--grace-period=0",
-                        "--force",
-                        "--wait=false",
-                    ]);
-                    assert!(out.status.success(), "{}", output_text(&out));
+                    force_delete_pod(&agents, &victim[0].name_any());
                     eprintln!(
                         "sample {samples}: target restored (downtime {:?} ms, restored pid {}), source {} frozen ({}); deleted the agent pod {} on {source_node}",
                         st.downtime_millis,
@@ -424,30 +370,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
     let after = counter(&format!("{}:{}", pod_ip(target), testload::PORT));
     assert!(after > before, "the counter went from {before} to {after}");
     // Reads until one after the commit reached the moved copy.
-    for _ in 0..300 {
-        if reader.last().is_some_and(|v| v >= after) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (values, failures) = reader.finish();
-    eprintln!(
-        "the Service gave {} counters ({failures} reads failed), {:?} .. {:?}",
-        values.len(),
-        values.first(),
-        values.last()
-    );
-    if let Some((i, a, b)) = jump_back(&values) {
-        panic!(
-            "two copies served through the Service: read {i} saw {a}, read {} saw {b}",
-            i + 1
-        );
-    }
-    assert!(
-        values.last().is_some_and(|v| *v >= after),
-        "the Service never reached the moved copy: {:?}",
-        values.last()
-    );
+    reader.finish_reaching(after, "the moved copy");
 }
 
 /// Seconds between entering Restoring and the next phase (the status's timestamps).

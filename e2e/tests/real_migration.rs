@@ -17,7 +17,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
-use podmotion_e2e::real::copies::{in_pod, jump_back};
+use podmotion_e2e::real::copies::{in_pod, jump_back, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_when_reachable, ended, node_of,
     pod_ip, restart_count, source_serves_alone,
@@ -105,24 +105,10 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Host PIDs of the testload server processes (not the holder) in the pod `pod_uid`'s
 /// cgroups: after a restore, the restored workload tree moved into the holder's.
 fn restored_workload_pids(pod_uid: &str) -> Vec<u32> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let (Ok(cmd), Ok(cgroup)) = (
-            std::fs::read(format!("/proc/{pid}/cmdline")),
-            std::fs::read_to_string(format!("/proc/{pid}/cgroup")),
-        ) else {
-            continue;
-        };
-        let args: Vec<_> = cmd.split(|b| *b == 0).collect();
-        let in_pod = cgroup.contains(pod_uid) || cgroup.contains(&pod_uid.replace('-', "_"));
-        if in_pod && args.len() > 1 && args[1] == b"serve" {
-            out.push(pid);
-        }
-    }
-    out
+    workload_processes(&[pod_uid.to_string()])
+        .into_iter()
+        .map(|p| p.pid)
+        .collect()
 }
 
 fn checkpoint_files(agent_pid: u32) -> Vec<String> {

@@ -200,6 +200,62 @@ impl ServicePoller {
     }
 }
 
+impl ServicePoller {
+    /// Waits (30 s at most) until a read saw `at_least`, stops reading, and asserts that
+    /// the counters read never went back (two copies served) and reached `at_least`
+    /// (the copy that serves now, `what`).
+    pub fn finish_reaching(self, at_least: u64, what: &str) {
+        for _ in 0..300 {
+            if self.last().is_some_and(|v| v >= at_least) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (values, failures) = self.finish();
+        eprintln!(
+            "the Service gave {} counters ({failures} reads failed), {:?} .. {:?}",
+            values.len(),
+            values.first(),
+            values.last()
+        );
+        if let Some((i, a, b)) = jump_back(&values) {
+            panic!(
+                "two copies served through the Service: read {i} saw {a}, read {} saw {b}",
+                i + 1
+            );
+        }
+        assert!(
+            values.last().is_some_and(|v| *v >= at_least),
+            "the Service never reached {what}: {:?} (wanted {at_least})",
+            values.last()
+        );
+    }
+}
+
+/// One sample of a migration's copies: the workload processes of the source pod
+/// `source_uid` and of the target pod named `target_pod` (if it exists), that pod's
+/// UID, and which of the processes run as copies of the state (`source` is the
+/// original source process).
+pub async fn sample(
+    pods: &kube::Api<k8s_openapi::api::core::v1::Pod>,
+    source: &Proc,
+    target_pod: Option<&str>,
+) -> (Vec<Proc>, Vec<Proc>, Option<String>) {
+    let target_uid = match target_pod {
+        Some(t) => pods
+            .get_opt(t)
+            .await
+            .unwrap()
+            .and_then(|p| kube::ResourceExt::uid(&p)),
+        None => None,
+    };
+    let mut uids = vec![source.pod_uid.clone()];
+    uids.extend(target_uid.clone());
+    let procs = workload_processes(&uids);
+    let copies = running_copies(&procs, source, target_uid.as_deref());
+    (procs, copies, target_uid)
+}
+
 impl Drop for ServicePoller {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);

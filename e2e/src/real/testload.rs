@@ -2,7 +2,8 @@
 //! a one-replica Deployment of the counter server (`podmotion-testload serve`, a counter
 //! incremented every 10 ms, ballast of N MiB), its Service, and what the tests read from
 //! it — the counter on a new connection, the pod's address, node and restarts, a
-//! migration's end, and "only the source serves, unrestarted" after a rollback.
+//! migration's end, and "only the source serves, unrestarted" after a rollback — and
+//! [`World`], what a real-node migration test starts from.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -11,13 +12,15 @@ use std::time::Duration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::ResourceExt;
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::PodMigrationStatus;
 use serde_json::json;
 
-use super::REAL_NODE_TAINT;
-use crate::{from_json, pod_running_ready, wait_for, wait_list};
+use super::{Images, REAL_NODE_TAINT, Uninstall, helm_install, real_nodes};
+use crate::{
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
+};
 
 /// How long a pod may take to be scheduled, pulled, started and Ready on a real node.
 pub const POD_TIMEOUT: Duration = Duration::from_secs(240);
@@ -205,4 +208,99 @@ pub async fn source_serves_alone(
         "{what}: the source serves its own counter on: {before} then {after}"
     );
     after
+}
+
+/// What a real-node migration test runs against: the operator's and the application's
+/// namespaces (deleted on drop), the real nodes, the chart release (uninstalled on
+/// drop, before the namespaces go) and one testload replica, Ready on a real node with
+/// its ballast written.
+pub struct World {
+    // Fields drop in this order: the release, then the namespaces.
+    _uninstall: Uninstall,
+    pub app: TestNamespace,
+    pub op: TestNamespace,
+    pub nodes: Vec<String>,
+    pub images: Images,
+    /// The testload pod, as it was once Ready.
+    pub source: Pod,
+}
+
+impl World {
+    /// Namespaces `e2e-<prefix>-op` (restricted) and `e2e-<prefix>-app` (baseline: the
+    /// workload runs as uid 0, see docs/migration-controller.md, "Container user"), the
+    /// chart installed with `extra` values (lease `podmotion-e2e-<prefix>`), and a
+    /// Deployment `app` of one testload replica with `ballast_mib` MiB. `None` where
+    /// there are no real nodes.
+    pub async fn new(prefix: &str, app: &str, ballast_mib: u32, extra: &[&str]) -> Option<World> {
+        let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
+        let nodes = real_nodes(&op.client).await?;
+        assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+        let app_ns = TestNamespace::new(&format!("{prefix}-app"), PodSecurity::Baseline).await?;
+        let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
+        let uninstall = helm_install(
+            &format!("pm{}", random_suffix()),
+            &images,
+            &op.name,
+            &app_ns.name,
+            &format!("podmotion-e2e-{prefix}"),
+            extra,
+        );
+        let deploy = deployment(app, &images.testload().unwrap(), ballast_mib);
+        app_ns
+            .api::<Deployment>()
+            .create(&PostParams::default(), &deploy)
+            .await
+            .unwrap();
+        let source = wait_list(
+            &app_ns.api::<Pod>(),
+            &format!("app={app}"),
+            POD_TIMEOUT,
+            "the replica Ready",
+            |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"))[0]
+            .clone();
+        // The whole ballast is written before anything is dumped.
+        for _ in 0..600 {
+            if ask(&addr(&source), "ballast").is_ok_and(|a| a == "filled") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(World {
+            _uninstall: uninstall,
+            app: app_ns,
+            op,
+            nodes,
+            images,
+            source,
+        })
+    }
+
+    /// The namespace of the release's node agents.
+    pub fn agents(&self) -> String {
+        format!("{}-agents", self.op.name)
+    }
+
+    /// A real node other than the source's.
+    pub fn target_node(&self) -> String {
+        let source = node_of(&self.source);
+        self.nodes
+            .iter()
+            .find(|n| **n != source)
+            .expect("a second real node")
+            .clone()
+    }
+
+    /// A ClusterIP Service in front of the app `app`; its `ClusterIP:port`.
+    pub async fn service(&self, app: &str) -> String {
+        let svc = self
+            .app
+            .api::<Service>()
+            .create(&PostParams::default(), &service(app))
+            .await
+            .unwrap();
+        format!("{}:{PORT}", svc.spec.unwrap().cluster_ip.unwrap())
+    }
 }
