@@ -17,6 +17,7 @@ use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -204,6 +205,16 @@ impl World {
         w
     }
 
+    /// The links up in network namespace `netns`, by name.
+    pub fn links_up(&self, netns: u32) -> Vec<String> {
+        self.nets[&netns]
+            .links
+            .iter()
+            .filter(|(_, up)| **up)
+            .map(|(l, _)| l.clone())
+            .collect()
+    }
+
     /// The tree rooted at `root` (root first), as the kernel layer reports it.
     pub fn tree(&self, root: i32) -> Vec<i32> {
         tree_in(&self.procs, root)
@@ -300,6 +311,30 @@ impl World {
 pub struct FakeKernel {
     world: Arc<Mutex<World>>,
     epoch: Instant,
+    /// `in_netns` calls held on purpose ([`FakeKernel::pause_in_netns`]), by pid: how
+    /// the call reports its arrival, and what it waits on.
+    pauses: Arc<Mutex<BTreeMap<i32, Held>>>,
+}
+
+/// A held call's side of a [`Pause`]: how it reports its arrival, what it waits on.
+type Held = (Sender<()>, Receiver<()>);
+
+/// A slow kernel call ([`FakeKernel::pause_in_netns`]): held until released or dropped.
+pub struct Pause {
+    arrived: Receiver<()>,
+    release: Sender<()>,
+}
+
+impl Pause {
+    /// Whether the held call arrived within `timeout` (it is waiting now if so).
+    pub fn arrived(&self, timeout: Duration) -> bool {
+        self.arrived.recv_timeout(timeout).is_ok()
+    }
+
+    /// Lets the held call go on (dropping the pause does too).
+    pub fn release(self) {
+        let _ = self.release.send(());
+    }
 }
 
 impl FakeKernel {
@@ -307,7 +342,21 @@ impl FakeKernel {
         Self {
             world: Arc::new(Mutex::new(world)),
             epoch: Instant::now(),
+            pauses: Arc::default(),
         }
+    }
+
+    /// Holds the next `in_netns` call for `pid` (the `ip` work in that process's
+    /// network namespace: a lock, an unlock, an address read) before it touches the
+    /// world, until the returned [`Pause`] is released: a slow kernel, for tests.
+    pub fn pause_in_netns(&self, pid: i32) -> Pause {
+        let (arrive, arrived) = channel();
+        let (release, wait) = channel();
+        self.pauses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pid, (arrive, wait));
+        Pause { arrived, release }
     }
 
     pub fn world(&self) -> MutexGuard<'_, World> {
@@ -594,6 +643,16 @@ impl Kernel for FakeKernel {
         pid: i32,
         f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
     ) -> std::io::Result<T> {
+        let pause = self
+            .pauses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&pid);
+        if let Some((arrive, wait)) = pause {
+            let _ = arrive.send(());
+            // Released, or the pause dropped: go on.
+            let _ = wait.recv();
+        }
         let mut w = self.world();
         let Some(ns) = w.live(pid).map(|p| p.netns) else {
             return Err(std::io::Error::from_raw_os_error(nix::libc::ENOENT));

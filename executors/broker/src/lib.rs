@@ -52,14 +52,49 @@ pub struct Config {
 }
 
 /// The registrations, by migration UID.
-type Entries = HashMap<MigrationUid, Entry>;
+///
+/// Locking (issue 16 finding 8: one migration's slow kernel work must not hold up
+/// another's). Two levels:
+/// - the map (`Broker::entries`) is held only to look up, insert or remove an entry,
+///   and for what must be atomic across migrations: `register`'s check that the UID
+///   and the process belong to no other migration together with its insert, and
+///   `lease_lost`'s choice of the entries a connection holds. It is never held across
+///   a kernel call (`register` reads /proc between two short holds and checks again).
+/// - each entry's `state` is held for the whole of one op on that migration, its
+///   kernel work included (`ip`, mounts, cgroup writes, signals, the journal), and by
+///   `lease_lost` for that migration's rollback: the ops on one migration run one at
+///   a time, those on different migrations in parallel.
+///
+/// Lock order: an entry's `state`, then the map; never the map while waiting for an
+/// entry, and never two entries at once. What the map-side checks need (the holding
+/// connection, role, process, cgroup) is fixed at `register` and kept outside `state`,
+/// so `Busy`, `WrongRole` and the "process of another migration" refusal never wait
+/// for another migration's kernel work.
+///
+/// An entry leaves the map only with its `state` locked, `gone` set and its journal
+/// record removed (`forget`, `lease_lost`): an op that looked the entry up before it
+/// went finds `gone` once it holds `state` and answers `NotRegistered`; a rollback
+/// finishes before its UID and pid can be registered again, so a new registration
+/// can never lock a network the rollback is still restoring, nor lose its journal
+/// record to the old one's removal.
+type Entries = HashMap<MigrationUid, Arc<Entry>>;
 
+/// One registration: what `register` pinned (fixed for its life), and its state.
 #[derive(Debug)]
 struct Entry {
     role: BrokerRole,
     process: ProcRef,
     cgroup: String,
+    /// The connection (lease) holding it.
     conn: u64,
+    state: Mutex<State>,
+}
+
+/// What the ops of one migration change, under that migration's own lock.
+#[derive(Debug, Default)]
+struct State {
+    /// Removed from the map (forgotten or its lease lost): no op acts on it any more.
+    gone: bool,
     netns_bound: bool,
     /// Links set down and routes saved by `lock_network`.
     locked: Option<Lock>,
@@ -120,6 +155,12 @@ impl Broker<RealKernel> {
     }
 }
 
+impl Entry {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("broker state")
+    }
+}
+
 impl<K: Kernel> Broker<K> {
     /// The broker over any kernel layer (tests and the fuzzer: [`fake::FakeKernel`]).
     pub fn with_kernel(cfg: Config, kernel: K) -> Arc<Self> {
@@ -141,7 +182,13 @@ impl<K: Kernel> Broker<K> {
 
     /// Number of live registrations (tests use it to prove "no side effect").
     pub fn registrations(&self) -> usize {
-        self.entries.lock().expect("broker state").len()
+        self.map().len()
+    }
+
+    /// The map of registrations: held only for a lookup, an insert or a removal (see
+    /// [`Entries`] for the lock order).
+    fn map(&self) -> std::sync::MutexGuard<'_, Entries> {
+        self.entries.lock().expect("broker state")
     }
 
     /// Binds the socket (0600) and serves forever, one thread per connection.
@@ -241,22 +288,23 @@ impl<K: Kernel> Broker<K> {
     /// Called when a connection ends; public for harnesses that drive [`Broker::handle`]
     /// directly.
     pub fn lease_lost(&self, conn: u64) {
-        let mine: Vec<(MigrationUid, Entry)> = {
-            let mut m = self.entries.lock().expect("broker state");
-            let uids: Vec<_> = m
-                .iter()
-                .filter(|(_, e)| e.conn == conn)
-                .map(|(u, _)| u.clone())
-                .collect();
-            uids.into_iter()
-                .filter_map(|u| m.remove(&u).map(|e| (u, e)))
-                .collect()
-        };
+        let mine: Vec<(MigrationUid, Arc<Entry>)> = self
+            .map()
+            .iter()
+            .filter(|(_, e)| e.conn == conn)
+            .map(|(u, e)| (u.clone(), Arc::clone(e)))
+            .collect();
         for (uid, e) in mine {
-            if e.netns_bound {
+            // Waits for an op still running on this migration, then rolls back what
+            // it left; an entry forgotten meanwhile is gone and needs nothing.
+            let mut s = e.state();
+            if s.gone {
+                continue;
+            }
+            if s.netns_bound {
                 let _ = self.unbind(&uid);
             }
-            match (e.role, &e.locked, e.killed, e.fenced) {
+            match (e.role, &s.locked, s.killed, s.fenced) {
                 (BrokerRole::Source, _, false, true) => {
                     tracing::warn!(%uid, "agent gone while the source was fenced: killing it (its restored copy may run)");
                     kill_fenced(&self.kernel, e.process);
@@ -267,7 +315,18 @@ impl<K: Kernel> Broker<K> {
                 }
                 _ => {}
             }
-            self.journal_remove(&uid);
+            self.remove(&uid, &e, &mut s);
+        }
+    }
+
+    /// Ends registration `e` of `uid`, its `state` held: journal record removed, marked
+    /// gone, out of the map (unless the map already holds a newer one).
+    fn remove(&self, uid: &MigrationUid, e: &Arc<Entry>, s: &mut State) {
+        self.journal_remove(uid);
+        s.gone = true;
+        let mut m = self.map();
+        if m.get(uid).is_some_and(|x| Arc::ptr_eq(x, e)) {
+            m.remove(uid);
         }
     }
 
@@ -358,22 +417,29 @@ impl<K: Kernel> Broker<K> {
         rolled
     }
 
-    fn entry<'a>(
+    /// The registration of `uid` if connection `conn` holds it (`Busy` if another
+    /// does). Takes the map only for the lookup.
+    fn held(&self, uid: &MigrationUid, conn: u64) -> Result<Option<Arc<Entry>>, BrokerError> {
+        match self.map().get(uid) {
+            Some(e) if e.conn != conn => Err(err(
+                ErrorKind::Busy,
+                format!("{uid} is held by another connection"),
+            )),
+            e => Ok(e.cloned()),
+        }
+    }
+
+    /// Runs `op` on the registration of `uid` held by `conn`, in `role` if one is
+    /// named, its process still the one pinned, under that migration's lock only.
+    fn with_entry<T>(
         &self,
-        m: &'a mut Entries,
         uid: &MigrationUid,
         conn: u64,
         role: Option<BrokerRole>,
-    ) -> Result<&'a mut Entry, BrokerError> {
-        let e = m
-            .get_mut(uid)
-            .ok_or_else(|| err(ErrorKind::NotRegistered, format!("{uid} is not registered")))?;
-        if e.conn != conn {
-            return Err(err(
-                ErrorKind::Busy,
-                format!("{uid} is held by another connection"),
-            ));
-        }
+        op: impl FnOnce(&Entry, &mut State) -> Result<T, BrokerError>,
+    ) -> Result<T, BrokerError> {
+        let not_registered = || err(ErrorKind::NotRegistered, format!("{uid} is not registered"));
+        let e = self.held(uid, conn)?.ok_or_else(not_registered)?;
         if let Some(r) = role
             && e.role != r
         {
@@ -382,8 +448,12 @@ impl<K: Kernel> Broker<K> {
                 format!("{uid} is registered as {:?}", e.role),
             ));
         }
+        let mut s = e.state();
+        if s.gone {
+            return Err(not_registered());
+        }
         self.kernel.check_live(e.process)?;
-        Ok(e)
+        op(&e, &mut s)
     }
 
     /// Executes one validated request for connection `conn`.
@@ -391,39 +461,47 @@ impl<K: Kernel> Broker<K> {
         const SOURCE: Option<BrokerRole> = Some(BrokerRole::Source);
         const TARGET: Option<BrokerRole> = Some(BrokerRole::Target);
         const ANY: Option<BrokerRole> = None;
-        let mut m = self.entries.lock().expect("broker state");
-        let m = &mut *m;
         // Every op but the socket hand-off answers without descriptors. Each names the
         // role it needs of the registration it acts on, held by this connection.
         let reply = match &req {
             Request::Register { uid, role, process } => {
-                self.register(m, conn, uid.clone(), *role, *process)
+                self.register(conn, uid.clone(), *role, *process)
             }
-            Request::Forget { uid } => self.forget(m, conn, uid),
-            Request::NetnsAddrs { uid } => self.netns_addrs(self.entry(m, uid, conn, ANY)?),
-            Request::BindNetns { uid } => self.bind_netns(uid, self.entry(m, uid, conn, TARGET)?),
+            Request::Forget { uid } => self.forget(conn, uid),
+            Request::NetnsAddrs { uid } => {
+                self.with_entry(uid, conn, ANY, |e, _| self.netns_addrs(e))
+            }
+            Request::BindNetns { uid } => {
+                self.with_entry(uid, conn, TARGET, |e, s| self.bind_netns(uid, e, s))
+            }
             Request::UnbindNetns { uid } => {
-                self.unbind_netns(uid, self.entry(m, uid, conn, TARGET)?)
+                self.with_entry(uid, conn, TARGET, |_, s| self.unbind_netns(uid, s))
             }
             Request::MoveCgroup { uid, process } => {
-                self.move_cgroup(self.entry(m, uid, conn, TARGET)?, *process)
+                self.with_entry(uid, conn, TARGET, |e, _| self.move_cgroup(e, *process))
             }
             Request::LockNetwork { uid } => {
-                self.lock_network(uid, self.entry(m, uid, conn, SOURCE)?)
+                self.with_entry(uid, conn, SOURCE, |e, s| self.lock_network(uid, e, s))
             }
             Request::UnlockNetwork { uid } => {
-                self.unlock_network(uid, self.entry(m, uid, conn, SOURCE)?)
+                self.with_entry(uid, conn, SOURCE, |e, s| self.unlock_network(uid, e, s))
             }
             Request::HandOffSockets { uid } => {
-                return self.hand_off_sockets(self.entry(m, uid, conn, SOURCE)?);
+                return self.with_entry(uid, conn, SOURCE, |e, _| self.hand_off_sockets(e));
             }
             Request::ReleaseTcpRepair { uid } => {
-                self.release_tcp_repair(self.entry(m, uid, conn, SOURCE)?)
+                self.with_entry(uid, conn, SOURCE, |e, _| self.release_tcp_repair(e))
             }
-            Request::Resume { uid } => self.resume(self.entry(m, uid, conn, SOURCE)?),
-            Request::Kill { uid } => self.kill(uid, self.entry(m, uid, conn, SOURCE)?),
-            Request::Fence { uid } => self.fence(uid, self.entry(m, uid, conn, SOURCE)?),
-            Request::Unfence { uid } => self.unfence(uid, self.entry(m, uid, conn, SOURCE)?),
+            Request::Resume { uid } => self.with_entry(uid, conn, SOURCE, |e, s| self.resume(e, s)),
+            Request::Kill { uid } => {
+                self.with_entry(uid, conn, SOURCE, |e, s| self.kill(uid, e, s))
+            }
+            Request::Fence { uid } => {
+                self.with_entry(uid, conn, SOURCE, |e, s| self.fence(uid, e, s))
+            }
+            Request::Unfence { uid } => {
+                self.with_entry(uid, conn, SOURCE, |e, s| self.unfence(uid, e, s))
+            }
         }?;
         Ok((reply, Vec::new()))
     }
@@ -432,43 +510,31 @@ impl<K: Kernel> Broker<K> {
     /// on the same connection is a no-op; anything else already registered is refused.
     fn register(
         &self,
-        m: &mut Entries,
         conn: u64,
         uid: MigrationUid,
         role: BrokerRole,
         process: ProcRef,
     ) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
-        if let Some(e) = m.get(&uid) {
-            if e.process == process && e.role == role && e.conn == conn {
-                return Ok(Reply::Registered {
-                    cgroup: e.cgroup.clone(),
-                });
-            }
-            return Err(err(
-                ErrorKind::AlreadyRegistered,
-                format!("{uid} is already registered"),
-            ));
+        if let Some(again) = taken(&self.map(), conn, &uid, role, process)? {
+            return Ok(again);
         }
-        if m.values().any(|e| e.process.pid == process.pid) {
-            return Err(err(
-                ErrorKind::AlreadyRegistered,
-                "process belongs to another migration",
-            ));
-        }
+        // Read from /proc without the map; checked again with the insert, so that of
+        // two registrations of one UID or one process racing, one wins.
         let cgroup = self.pod_cgroup_of(process.pid)?;
+        let mut m = self.map();
+        if let Some(again) = taken(&m, conn, &uid, role, process)? {
+            return Ok(again);
+        }
         m.insert(
             uid,
-            Entry {
+            Arc::new(Entry {
                 role,
                 process,
                 cgroup: cgroup.clone(),
                 conn,
-                netns_bound: false,
-                locked: None,
-                killed: false,
-                fenced: false,
-            },
+                state: Mutex::new(State::default()),
+            }),
         );
         Ok(Reply::Registered { cgroup })
     }
@@ -499,27 +565,32 @@ impl<K: Kernel> Broker<K> {
         Ok(cgroup)
     }
 
-    fn bind_netns(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
+    fn bind_netns(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        s: &mut State,
+    ) -> Result<Reply, BrokerError> {
         let path = self.netns_path(uid);
-        if !e.netns_bound {
+        if !s.netns_bound {
             self.kernel.bind_netns(e.process.pid, &path)?;
-            e.netns_bound = true;
+            s.netns_bound = true;
         }
         Ok(Reply::NetnsPath {
             path: path.to_string_lossy().into_owned(),
         })
     }
 
-    fn unbind_netns(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
-        if e.netns_bound {
+    fn unbind_netns(&self, uid: &MigrationUid, s: &mut State) -> Result<Reply, BrokerError> {
+        if s.netns_bound {
             self.unbind(uid)?;
-            e.netns_bound = false;
+            s.netns_bound = false;
         }
         Ok(Reply::Done)
     }
 
     /// The addresses (without prefix length) of the registered process's namespace.
-    fn netns_addrs(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
+    fn netns_addrs(&self, e: &Entry) -> Result<Reply, BrokerError> {
         let addrs = self
             .kernel
             .in_netns(e.process.pid, |ip| {
@@ -539,33 +610,43 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Addrs { addrs })
     }
 
-    fn lock_network(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
-        if e.locked.is_none() {
+    fn lock_network(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        s: &mut State,
+    ) -> Result<Reply, BrokerError> {
+        if s.locked.is_none() {
             let l = lock(&self.kernel, e.process.pid)?;
-            if let Err(j) = self.journal_write(uid, e.process, &l, e.fenced) {
+            if let Err(j) = self.journal_write(uid, e.process, &l, s.fenced) {
                 // Never report a lock that a broker restart could not undo. If
                 // the undo fails too, the lock stays known in memory, so that
                 // unlock, forget or the lease rollback retry it.
                 if unlock(&self.kernel, e.process.pid, &l).is_err() {
-                    e.locked = Some(l);
+                    s.locked = Some(l);
                 }
                 return Err(j);
             }
-            e.locked = Some(l);
-        } else if let Some(l) = &e.locked {
+            s.locked = Some(l);
+        } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
             // failed): done only once the journal holds it.
-            self.journal_write(uid, e.process, l, e.fenced)?;
+            self.journal_write(uid, e.process, l, s.fenced)?;
         }
         Ok(Reply::Done)
     }
 
-    fn unlock_network(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
+    fn unlock_network(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        s: &mut State,
+    ) -> Result<Reply, BrokerError> {
         // The saved lock is dropped only once it is restored: after a failed
         // unlock, a retry, `forget` or the lease rollback still knows what to undo.
-        if let Some(l) = &e.locked {
+        if let Some(l) = &s.locked {
             unlock(&self.kernel, e.process.pid, l)?;
-            e.locked = None;
+            s.locked = None;
         }
         self.journal_remove(uid);
         Ok(Reply::Done)
@@ -573,7 +654,7 @@ impl<K: Kernel> Broker<K> {
 
     /// The only op that answers with descriptors: one per TCP socket of the source's
     /// process tree.
-    fn hand_off_sockets(&self, e: &mut Entry) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+    fn hand_off_sockets(&self, e: &Entry) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
         // Inventory first (one descriptor per socket, whichever process of the
         // tree holds it), then refuse a set larger than one hand-off rather than
         // hand over part of it: a socket left behind would be lost silently.
@@ -604,14 +685,14 @@ impl<K: Kernel> Broker<K> {
         Ok((Reply::Sockets { total, chunks }, fds))
     }
 
-    fn release_tcp_repair(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
+    fn release_tcp_repair(&self, e: &Entry) -> Result<Reply, BrokerError> {
         release_repair(&self.kernel, e.process.pid)?;
         Ok(Reply::Done)
     }
 
     /// Moves a restored tree into the cgroups of the target pod's registered process;
     /// only a tree in that pod's network namespace, never the registered process itself.
-    fn move_cgroup(&self, e: &mut Entry, process: ProcRef) -> Result<Reply, BrokerError> {
+    fn move_cgroup(&self, e: &Entry, process: ProcRef) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
         if process.pid == e.process.pid
             || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(e.process.pid)?
@@ -632,8 +713,8 @@ impl<K: Kernel> Broker<K> {
         })
     }
 
-    fn resume(&self, e: &mut Entry) -> Result<Reply, BrokerError> {
-        if e.fenced {
+    fn resume(&self, e: &Entry, s: &State) -> Result<Reply, BrokerError> {
+        if s.fenced {
             return Err(err(
                 ErrorKind::Fenced,
                 "the source is fenced (its copy may be restored on the target): only unfence, the operator's abort, lets it resume",
@@ -645,70 +726,95 @@ impl<K: Kernel> Broker<K> {
 
     /// The restore fence: done only once the journal holds it, so that neither a lost
     /// lease nor a broker restart can resume this source any more.
-    fn fence(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
-        let (Some(l), false) = (&e.locked, e.killed) else {
+    fn fence(&self, uid: &MigrationUid, e: &Entry, s: &mut State) -> Result<Reply, BrokerError> {
+        let (Some(l), false) = (&s.locked, s.killed) else {
             return Err(err(
                 ErrorKind::NotLocked,
                 format!("{uid}: no frozen, locked source to fence"),
             ));
         };
         self.journal_write(uid, e.process, l, true)?;
-        e.fenced = true;
+        s.fenced = true;
         Ok(Reply::Done)
     }
 
     /// Lifts the fence (the operator's abort): in the journal first, then in memory,
     /// so that a failure leaves it fenced (the safe side).
-    fn unfence(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
-        if !e.fenced {
+    fn unfence(&self, uid: &MigrationUid, e: &Entry, s: &mut State) -> Result<Reply, BrokerError> {
+        if !s.fenced {
             return Ok(Reply::Done);
         }
-        if let (Some(l), false) = (&e.locked, e.killed) {
+        if let (Some(l), false) = (&s.locked, s.killed) {
             self.journal_write(uid, e.process, l, false)?;
         }
-        e.fenced = false;
+        s.fenced = false;
         Ok(Reply::Done)
     }
 
-    fn kill(&self, uid: &MigrationUid, e: &mut Entry) -> Result<Reply, BrokerError> {
+    fn kill(&self, uid: &MigrationUid, e: &Entry, s: &mut State) -> Result<Reply, BrokerError> {
         signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
-        e.killed = true;
+        s.killed = true;
         self.journal_remove(uid);
         Ok(Reply::Done)
     }
 
     /// Ends a registration (a no-op if there is none) once its mount and lock are undone.
-    fn forget(&self, m: &mut Entries, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
-        match m.get(uid) {
-            None => return Ok(Reply::Done),
-            Some(e) if e.conn != conn => {
-                return Err(err(
-                    ErrorKind::Busy,
-                    format!("{uid} is held by another connection"),
-                ));
-            }
-            Some(_) => {}
+    fn forget(&self, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
+        let Some(e) = self.held(uid, conn)? else {
+            return Ok(Reply::Done);
+        };
+        let mut s = e.state();
+        if s.gone {
+            return Ok(Reply::Done);
         }
         // The registration goes only once its mount and lock are undone: a
         // failed forget keeps the lease, so a retry or the rollback still can.
-        let e = m.get_mut(uid).expect("checked");
-        if e.netns_bound {
+        if s.netns_bound {
             self.unbind(uid)?;
-            e.netns_bound = false;
+            s.netns_bound = false;
         }
-        if let (Some(l), false) = (&e.locked, e.killed)
+        if let (Some(l), false) = (&s.locked, s.killed)
             && self.kernel.check_live(e.process).is_ok()
         {
             unlock(&self.kernel, e.process.pid, l)?;
         }
-        m.remove(uid);
-        self.journal_remove(uid);
+        self.remove(uid, &e, &mut s);
         Ok(Reply::Done)
     }
 
     fn unbind(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
         self.kernel.unbind(&self.netns_path(uid))
     }
+}
+
+/// For `register`, under the map: `Some` (the answer to repeat) if this connection
+/// already registered `process` as `role` under `uid`, `AlreadyRegistered` if `uid` or
+/// the process belongs to another registration, `None` if both are free.
+fn taken(
+    m: &Entries,
+    conn: u64,
+    uid: &MigrationUid,
+    role: BrokerRole,
+    process: ProcRef,
+) -> Result<Option<Reply>, BrokerError> {
+    if let Some(e) = m.get(uid) {
+        if e.process == process && e.role == role && e.conn == conn {
+            return Ok(Some(Reply::Registered {
+                cgroup: e.cgroup.clone(),
+            }));
+        }
+        return Err(err(
+            ErrorKind::AlreadyRegistered,
+            format!("{uid} is already registered"),
+        ));
+    }
+    if m.values().any(|e| e.process.pid == process.pid) {
+        return Err(err(
+            ErrorKind::AlreadyRegistered,
+            "process belongs to another migration",
+        ));
+    }
+    Ok(None)
 }
 
 /// Reads one length-prefixed frame's body; `None` when the peer closed between frames.

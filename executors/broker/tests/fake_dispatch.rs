@@ -47,13 +47,7 @@ fn register(
 }
 
 fn links_up(h: &Harness, netns: u32) -> Vec<String> {
-    let w = h.kernel().world();
-    w.nets[&netns]
-        .links
-        .iter()
-        .filter(|(_, up)| **up)
-        .map(|(l, _)| l.clone())
-        .collect()
+    h.kernel().world().links_up(netns)
 }
 
 #[test]
