@@ -481,6 +481,33 @@ fn the_agent_sees_the_node_read_only_and_finds_the_runtime_socket_under_it() {
     }
 }
 
+/// Each release's broker owns its host directory (it rolls back and unbinds what it
+/// finds there at start): two releases get two, and a named one is used as given.
+#[test]
+fn each_release_gets_its_own_broker_directory_on_the_node() {
+    let dir = |release: &str, namespace: &str, args: &[&str]| {
+        let docs = parse_docs(&try_render(release, namespace, args).unwrap());
+        let spec = &of_kind(&docs, "DaemonSet")[0]["spec"]["template"]["spec"];
+        let v = volume(spec, "netns");
+        assert_eq!(v["hostPath"]["type"], "DirectoryOrCreate");
+        v["hostPath"]["path"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(dir("pm", "podmotion", &[]), "/run/podmotion/podmotion.pm/netns");
+    assert_eq!(dir("pm2", "podmotion", &[]), "/run/podmotion/podmotion.pm2/netns");
+    assert_eq!(dir("pm", "other", &[]), "/run/podmotion/other.pm/netns");
+    assert_eq!(
+        dir("pm", "podmotion", &["--set", "migrationAgent.netnsDir=/var/run/pm"]),
+        "/var/run/pm"
+    );
+    let e = try_render(
+        "pm",
+        "podmotion",
+        &["--set", "migrationAgent.netnsDir=relative/dir"],
+    )
+    .expect_err("a relative netnsDir is refused");
+    assert!(e.contains("netnsDir"), "{e}");
+}
+
 #[test]
 fn key_material_is_made_by_the_operator_at_run_time_never_by_the_chart() {
     let docs = render(&[]);

@@ -233,3 +233,12 @@ app.kubernetes.io/component: node-agent
 {{- define "podmotion.operatorLogFormat" -}}
 {{- default .Values.logFormat .Values.operator.logFormat -}}
 {{- end -}}
+
+{{/*
+The migration broker's host directory (netns mount points and its lock journal): one
+per release unless migrationAgent.netnsDir names one, so two releases' brokers on a node
+never roll back or unbind each other's migrations.
+*/}}
+{{- define "podmotion.netnsDir" -}}
+{{- .Values.migrationAgent.netnsDir | default (printf "/run/podmotion/%s.%s/netns" .Release.Namespace .Release.Name) -}}
+{{- end }}

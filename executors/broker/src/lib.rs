@@ -191,11 +191,43 @@ impl<K: Kernel> Broker<K> {
         self.entries.lock().expect("broker state")
     }
 
-    /// Binds the socket (0600) and serves forever, one thread per connection.
+    /// Takes the run directory, recovers what a previous broker left there, binds the
+    /// socket (0600) and serves forever, one thread per connection.
     pub fn serve(self: &Arc<Self>, socket: &std::path::Path) -> std::io::Result<()> {
+        let _owner = self.own_run_dir()?;
         self.recover();
         let listener = self.bind(socket)?;
         self.serve_listener(listener)
+    }
+
+    /// An exclusive `flock` on `<run-dir>/netns/.lock`, held while the broker lives.
+    /// Everything under that directory is this broker's: at start it rolls back the
+    /// journalled locks and unbinds every netns mount point there, which would wreck
+    /// the migrations of another broker using the same directory (two releases with
+    /// one `migrationAgent.netnsDir` on a node). A second broker is refused instead.
+    fn own_run_dir(&self) -> std::io::Result<nix::fcntl::Flock<std::fs::File>> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let dir = self.cfg.run_dir.join("netns");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)?;
+        let path = dir.join(".lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
+            |(_, e)| {
+                std::io::Error::other(format!(
+                    "{}: {e}: another broker serves this run directory on this node (two PodMotion releases with one migrationAgent.netnsDir?); give each release its own",
+                    path.display()
+                ))
+            },
+        )
     }
 
     pub fn bind(&self, socket: &std::path::Path) -> std::io::Result<UnixListener> {

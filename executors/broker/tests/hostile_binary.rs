@@ -619,8 +619,9 @@ fn broker_binary_refuses_a_symlink_at_the_netns_path() {
     );
     std::fs::remove_file(netns_dir.join("m-link")).unwrap();
 
-    // 2. The netns directory is a symlink to the victim's directory.
-    std::fs::remove_dir(&netns_dir).unwrap();
+    // 2. The netns directory is a symlink to the victim's directory (its `.lock`,
+    // which the broker holds, goes with it: the broker keeps its lock on the inode).
+    std::fs::remove_dir_all(&netns_dir).unwrap();
     std::os::unix::fs::symlink(&victim_dir, &netns_dir).unwrap();
     let e = c
         .call(&Request::BindNetns { uid: uid.clone() })
@@ -640,6 +641,80 @@ fn broker_binary_refuses_a_symlink_at_the_netns_path() {
     assert_eq!(path, netns_dir.join("m-link"));
     c.call(&Request::UnbindNetns { uid: uid.clone() }).unwrap();
     assert!(!path.exists(), "mount point left behind");
+    c.call(&Request::Forget { uid }).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Two brokers on one run directory (two releases with one `netnsDir` on a node): at
+/// its start the second would roll back the first's journalled locks and unbind its
+/// netns mount points. It is refused, says why, and the first's mount point stays.
+#[test]
+fn a_second_broker_on_the_same_run_directory_is_refused_and_changes_nothing() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    use std::os::unix::fs::MetadataExt;
+    let mut b = BrokerProcess::start("second");
+    let (mut child, process) = holder(&b);
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    let uid = MigrationUid::parse("m-second").unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Target,
+        process,
+    })
+    .expect("a holder in the pods cgroup registers");
+    let path = match c.call(&Request::BindNetns { uid: uid.clone() }).unwrap() {
+        Reply::NetnsPath { path } => PathBuf::from(path),
+        r => panic!("unexpected reply {r:?}"),
+    };
+    let netns = format!("/proc/{}/ns/net", process.pid);
+    let ino = |p: &Path| std::fs::metadata(p).map(|m| m.ino());
+    assert_eq!(ino(&path).unwrap(), ino(Path::new(&netns)).unwrap());
+
+    let mut second = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+        .arg("--socket")
+        .arg(b.dir.join("second.sock"))
+        .arg("--run-dir")
+        .arg(b.dir.join("run"))
+        .arg("--pods-cgroup-root")
+        .arg("/pmhb-nowhere")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start a second podmotion-broker");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = second.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = second.kill();
+            let _ = second.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().unwrap(), &mut stderr).unwrap();
+    let status = status.expect("the second broker served the first's run directory");
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("another broker serves this run directory"),
+        "{stderr}"
+    );
+    assert_eq!(
+        ino(&path).ok(),
+        ino(Path::new(&netns)).ok(),
+        "the first broker's netns mount point was removed"
+    );
+    assert!(b.alive(), "the first broker died");
+    c.call(&Request::UnbindNetns { uid: uid.clone() }).unwrap();
     c.call(&Request::Forget { uid }).unwrap();
     let _ = child.kill();
     let _ = child.wait();
