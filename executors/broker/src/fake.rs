@@ -12,10 +12,9 @@
 use crate::os::{Ip, Kernel};
 use crate::{Broker, Config, under_pods_root};
 use nix::sys::signal::Signal;
-use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply, Request};
+use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,6 +25,41 @@ pub struct Sock {
     pub fd: i32,
     pub ino: u64,
     pub repair: bool,
+    /// What `list_sockets` reads of it.
+    pub addrs: SocketAddrs,
+}
+
+impl Sock {
+    /// Socket `fd` of `pid` in network namespace `netns` (inode `ino`, not in repair).
+    /// Its addresses follow from the descriptor number: `fd % 3 == 0` listens on
+    /// `10.0.<netns>.5:<8000+fd>`; `1` is connected from `10.0.<netns>.5:8080` to
+    /// `198.51.100.<pid % 250>:<40000+fd>`; `2` from `[2001:db8:<netns>::5]:8443` to
+    /// `[2001:db8:ffff::<pid>]:<40000+fd>` (the pod addresses of [`World::standard`]).
+    pub fn new(pid: i32, fd: i32, ino: u64, netns: u32) -> Sock {
+        let at = |s: String| Some(s.parse().expect("a socket address"));
+        let n = netns % 256;
+        let (local, remote) = match fd % 3 {
+            0 => (format!("10.0.{n}.5:{}", 8000 + fd), None),
+            1 => (
+                format!("10.0.{n}.5:8080"),
+                at(format!("198.51.100.{}:{}", pid % 250, 40000 + fd)),
+            ),
+            _ => (
+                format!("[2001:db8:{n}::5]:8443"),
+                at(format!("[2001:db8:ffff::{pid}]:{}", 40000 + fd)),
+            ),
+        };
+        Sock {
+            fd,
+            ino,
+            repair: false,
+            addrs: SocketAddrs {
+                listening: remote.is_none(),
+                local: at(local),
+                remote,
+            },
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -61,11 +95,12 @@ impl Net {
     }
 }
 
-/// What the broker did to the world.
+/// What the broker did to the world (`ReadAddrs`: it read the addresses of socket `fd`
+/// of `pid`, for `list_sockets`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
     Signal { pid: i32, sig: Signal },
-    Stole { pid: i32, fd: i32 },
+    ReadAddrs { pid: i32, fd: i32 },
     RepairOff { pid: i32, fd: i32 },
     Moved { pid: i32, to: String },
     LinkDown { netns: u32, link: String },
@@ -182,11 +217,7 @@ impl World {
         for (pid, ppid, cg, ns, fds) in table {
             let sockets = fds
                 .iter()
-                .map(|fd| Sock {
-                    fd: *fd,
-                    ino: 1000 + (*pid as u64) * 10 + *fd as u64,
-                    repair: false,
-                })
+                .map(|fd| Sock::new(*pid, *fd, 1000 + (*pid as u64) * 10 + *fd as u64, *ns))
                 .collect();
             w.procs.insert(
                 *pid,
@@ -284,11 +315,7 @@ impl World {
         self.next_ino += 1;
         x.ppid = parent;
         x.start_time = 100_000 + ino;
-        x.sockets = vec![Sock {
-            fd: 3,
-            ino,
-            repair: false,
-        }];
+        x.sockets = vec![Sock::new(pid, 3, ino, x.netns)];
         self.procs.insert(pid, x);
     }
 
@@ -593,17 +620,17 @@ impl Kernel for FakeKernel {
             .unwrap_or_default()
     }
 
-    fn steal_fd(&self, pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
+    fn socket_addrs(&self, pid: i32, fd: i32) -> std::io::Result<SocketAddrs> {
         let mut w = self.world();
-        let has = w
+        let Some(addrs) = w
             .live(pid)
-            .is_some_and(|p| p.sockets.iter().any(|s| s.fd == fd));
-        if !has {
+            .and_then(|p| p.sockets.iter().find(|s| s.fd == fd))
+            .map(|s| s.addrs.clone())
+        else {
             return Err(std::io::Error::from_raw_os_error(nix::libc::EBADF));
-        }
-        w.effects.push(Effect::Stole { pid, fd });
-        // Any descriptor stands for the socket.
-        Ok(std::fs::File::open("/dev/null")?.into())
+        };
+        w.effects.push(Effect::ReadAddrs { pid, fd });
+        Ok(addrs)
     }
 
     fn repair_off(&self, pid: i32, fd: i32) -> Result<(), BrokerError> {
@@ -870,7 +897,7 @@ fn reply_fits(req: &Request, r: &Reply) -> bool {
         (Request::Register { .. }, Reply::Registered { .. })
             | (Request::BindNetns { .. }, Reply::NetnsPath { .. })
             | (Request::NetnsAddrs { .. }, Reply::Addrs { .. })
-            | (Request::HandOffSockets { .. }, Reply::Sockets { .. })
+            | (Request::ListSockets { .. }, Reply::Sockets { .. })
             | (Request::MoveCgroup { .. }, Reply::Moved { .. })
             | (
                 Request::UnbindNetns { .. }
@@ -949,7 +976,7 @@ impl Harness {
             3 => req(Request::NetnsAddrs { uid }),
             4 => req(Request::LockNetwork { uid }),
             5 => req(Request::UnlockNetwork { uid }),
-            6 => req(Request::HandOffSockets { uid }),
+            6 => req(Request::ListSockets { uid }),
             7 => req(Request::ReleaseTcpRepair { uid }),
             8 => req(Request::MoveCgroup {
                 uid,
@@ -1050,7 +1077,7 @@ impl Harness {
                 a.roots.extend(src.map(|r| (r.process, r.netns)));
                 a.sigs = &[Signal::SIGKILL];
             }
-            Request::HandOffSockets { .. } | Request::ReleaseTcpRepair { .. } => {
+            Request::ListSockets { .. } | Request::ReleaseTcpRepair { .. } => {
                 a.roots.extend(src.map(|r| (r.process, r.netns)));
             }
             Request::LockNetwork { .. } => a.may_lock = src.map(|r| r.netns),
@@ -1065,9 +1092,9 @@ impl Harness {
         a
     }
 
-    /// Sends `req` to the broker and checks the answer's shape (a reply that fits the
-    /// request, as many descriptors as announced, no kernel error without a fault);
-    /// the agents' model follows the answer.
+    /// Sends `req` to the broker and checks the answer (a reply that fits the request,
+    /// a socket list that is exactly the registered tree's sockets, no kernel error
+    /// without a fault); the agents' model follows the answer.
     fn request(
         &mut self,
         conn: u64,
@@ -1076,14 +1103,18 @@ impl Harness {
         pre: &BTreeMap<i32, Proc>,
     ) -> Result<Result<Reply, ErrorKind>, String> {
         let res = match self.broker.handle(conn, req.clone()) {
-            Ok((reply, fds)) => {
+            Ok(reply) => {
                 if !reply_fits(&req, &reply) {
                     return Err(format!("{req:?} answered with {reply:?}"));
                 }
-                if let Reply::Sockets { total, .. } = &reply
-                    && *total as usize != fds.len()
-                {
-                    return Err(format!("{total} sockets announced, {} sent", fds.len()));
+                if let Reply::Sockets { sockets } = &reply {
+                    let root = self.model.get(req.uid().as_str()).map(|r| r.process.pid);
+                    let want = root.map(|r| sockets_in(pre, r)).unwrap_or_default();
+                    if *sockets != want {
+                        return Err(format!(
+                            "{req:?} listed {sockets:?}, the tree holds {want:?}"
+                        ));
+                    }
                 }
                 Ok(reply)
             }
@@ -1420,7 +1451,7 @@ impl Allowed {
                 sig: Signal::SIGKILL,
             } if in_a_fenced_tree(*pid) => true,
             Effect::Signal { pid, sig } => self.sigs.contains(sig) && in_a_tree(*pid),
-            Effect::Stole { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
+            Effect::ReadAddrs { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
             Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
@@ -1471,6 +1502,19 @@ fn tree_in(procs: &BTreeMap<i32, Proc>, root: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+/// The addresses of the TCP sockets of the live processes of the tree rooted at `root`,
+/// each socket once (by inode), in tree order: what `list_sockets` must answer.
+fn sockets_in(procs: &BTreeMap<i32, Proc>, root: i32) -> Vec<SocketAddrs> {
+    let mut seen = BTreeSet::new();
+    tree_in(procs, root)
+        .iter()
+        .filter_map(|pid| procs.get(pid).filter(|p| !p.zombie))
+        .flat_map(|p| &p.sockets)
+        .filter(|s| seen.insert(s.ino))
+        .map(|s| s.addrs.clone())
+        .collect()
 }
 
 /// After a fenced source's lease ended, nothing of its tree runs or stays stopped: it

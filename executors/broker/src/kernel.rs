@@ -1,5 +1,5 @@
 //! The broker's direct kernel calls: the only module with `unsafe`. Everything that
-//! has a safe binding (setns, mount, sendmsg, kill) goes through `nix`; the raw calls
+//! has a safe binding (setns, mount, getsockname, kill) goes through `nix`; the raw calls
 //! here are those nix 0.30 does not wrap: pidfd_open/pidfd_getfd and the TCP_REPAIR
 //! socket option.
 
@@ -23,15 +23,6 @@ pub fn steal_fd(pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
     }
     // SAFETY: pidfd_getfd returned a fresh descriptor (with O_CLOEXEC) owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
-}
-
-/// Takes ownership of descriptors just received with SCM_RIGHTS (the client side).
-pub fn own_fds(raw: Vec<i32>) -> Vec<OwnedFd> {
-    raw.into_iter()
-        // SAFETY: each descriptor was just installed in this process by SCM_RIGHTS and
-        // is owned by nothing else.
-        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
-        .collect()
 }
 
 const TCP_REPAIR: libc::c_int = 19;

@@ -22,13 +22,13 @@ pub mod os;
 pub mod procfs;
 
 use nix::sys::signal::Signal;
-use nix::sys::socket::{ControlMessage, MsgFlags, getsockopt, sendmsg, sockopt::PeerCredentials};
+use nix::sys::socket::{MsgFlags, getsockopt, sockopt::PeerCredentials};
 pub use os::{Ip, Kernel, RealKernel};
 use podmotion_wire::broker::*;
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::HashMap;
-use std::io::{IoSlice, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -271,11 +271,7 @@ impl<K: Kernel> Broker<K> {
                     break;
                 }
             };
-            let (resp, fds) = self.answer(id, &body);
-            if s.write_all(&encode_frame(&resp)).is_err() {
-                break;
-            }
-            if !fds.is_empty() && send_fd_chunks(&s, &fds).is_err() {
+            if s.write_all(&encode_frame(&self.answer(id, &body))).is_err() {
                 break;
             }
         }
@@ -297,23 +293,19 @@ impl<K: Kernel> Broker<K> {
         }
     }
 
-    /// The response to one frame's body (decoded, validated, handled) and the
-    /// descriptors that follow it.
-    fn answer(&self, conn: u64, body: &[u8]) -> (Response, Vec<OwnedFd>) {
-        let (resp, fds) = match decode_request(body) {
-            Ok(req) => {
-                tracing::info!(op = req.name(), uid = %req.uid(), conn, "request");
-                match self.handle(conn, req) {
-                    Ok((reply, fds)) => (Response::Ok(reply), fds),
-                    Err(e) => (Response::Err(e), Vec::new()),
-                }
-            }
-            Err(e) => (Response::Err(e), Vec::new()),
+    /// The response to one frame's body (decoded, validated, handled).
+    fn answer(&self, conn: u64, body: &[u8]) -> Response {
+        let resp = match decode_request(body).and_then(|req| {
+            tracing::info!(op = req.name(), uid = %req.uid(), conn, "request");
+            self.handle(conn, req)
+        }) {
+            Ok(reply) => Response::Ok(reply),
+            Err(e) => Response::Err(e),
         };
         if let Response::Err(e) = &resp {
             tracing::warn!(kind = ?e.kind, message = %e.message, "rejected");
         }
-        (resp, fds)
+        resp
     }
 
     /// The agent behind connection `conn` is gone: roll back what it left half-done.
@@ -489,13 +481,13 @@ impl<K: Kernel> Broker<K> {
     }
 
     /// Executes one validated request for connection `conn`.
-    pub fn handle(&self, conn: u64, req: Request) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+    pub fn handle(&self, conn: u64, req: Request) -> Result<Reply, BrokerError> {
         const SOURCE: Option<BrokerRole> = Some(BrokerRole::Source);
         const TARGET: Option<BrokerRole> = Some(BrokerRole::Target);
         const ANY: Option<BrokerRole> = None;
-        // Every op but the socket hand-off answers without descriptors. Each names the
-        // role it needs of the registration it acts on, held by this connection.
-        let reply = match &req {
+        // Each op names the role it needs of the registration it acts on, held by this
+        // connection.
+        match &req {
             Request::Register { uid, role, process } => {
                 self.register(conn, uid.clone(), *role, *process)
             }
@@ -518,8 +510,8 @@ impl<K: Kernel> Broker<K> {
             Request::UnlockNetwork { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.unlock_network(uid, e, s))
             }
-            Request::HandOffSockets { uid } => {
-                return self.with_entry(uid, conn, SOURCE, |e, _| self.hand_off_sockets(e));
+            Request::ListSockets { uid } => {
+                self.with_entry(uid, conn, SOURCE, |e, _| self.list_sockets(e))
             }
             Request::ReleaseTcpRepair { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, _| self.release_tcp_repair(e))
@@ -534,8 +526,7 @@ impl<K: Kernel> Broker<K> {
             Request::Unfence { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.unfence(uid, e, s))
             }
-        }?;
-        Ok((reply, Vec::new()))
+        }
     }
 
     /// Pins `process` to `uid` for this connection. Registering the same thing again
@@ -684,12 +675,12 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Done)
     }
 
-    /// The only op that answers with descriptors: one per TCP socket of the source's
-    /// process tree.
-    fn hand_off_sockets(&self, e: &Entry) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
-        // Inventory first (one descriptor per socket, whichever process of the
-        // tree holds it), then refuse a set larger than one hand-off rather than
-        // hand over part of it: a socket left behind would be lost silently.
+    /// The addresses of every TCP socket of the source's process tree, each socket
+    /// once (whichever processes of the tree hold it). The broker reads them itself:
+    /// no descriptor of the workload leaves it.
+    fn list_sockets(&self, e: &Entry) -> Result<Reply, BrokerError> {
+        // Inventory first, then refuse a set larger than one answer lists rather than
+        // list part of it: a socket left out would be lost silently.
         let mut seen = std::collections::BTreeSet::new();
         let mut found = Vec::new();
         for pid in self.kernel.tree(e.process.pid) {
@@ -699,22 +690,20 @@ impl<K: Kernel> Broker<K> {
                 }
             }
         }
-        if found.len() > MAX_FDS {
+        if found.len() > MAX_SOCKETS {
             return Err(err(
                 ErrorKind::TooManySockets,
                 format!(
-                    "the source holds {} TCP sockets; at most {MAX_FDS} can be handed off",
+                    "the source holds {} TCP sockets; at most {MAX_SOCKETS} can be listed",
                     found.len()
                 ),
             ));
         }
-        let fds = found
+        let sockets = found
             .into_iter()
-            .map(|(pid, fd)| self.kernel.steal_fd(pid, fd).map_err(kerr))
+            .map(|(pid, fd)| self.kernel.socket_addrs(pid, fd).map_err(kerr))
             .collect::<Result<Vec<_>, _>>()?;
-        let total = fds.len() as u32;
-        let chunks = total.div_ceil(MAX_FDS_PER_CHUNK as u32);
-        Ok((Reply::Sockets { total, chunks }, fds))
+        Ok(Reply::Sockets { sockets })
     }
 
     fn release_tcp_repair(&self, e: &Entry) -> Result<Reply, BrokerError> {
@@ -857,7 +846,7 @@ fn read_request_frame(s: &mut UnixStream) -> Result<Option<Vec<u8>>, BrokerError
     if !read_full(s, &mut prefix)? {
         return Ok(None);
     }
-    let len = check_len(prefix)?;
+    let len = check_len(prefix, MAX_FRAME)?;
     let mut body = vec![0u8; len];
     match read_full(s, &mut body) {
         Ok(true) => Ok(Some(body)),
@@ -1106,29 +1095,9 @@ fn read_full(s: &mut UnixStream, buf: &mut [u8]) -> Result<bool, BrokerError> {
     Ok(true)
 }
 
-/// Sends descriptors in ordered chunks of at most MAX_FDS_PER_CHUNK, each with a header.
-fn send_fd_chunks(s: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {
-    let chunks = fds.len().div_ceil(MAX_FDS_PER_CHUNK) as u32;
-    for (seq, chunk) in fds.chunks(MAX_FDS_PER_CHUNK).enumerate() {
-        let hdr = FdChunk {
-            seq: seq as u32,
-            chunks,
-            count: chunk.len() as u32,
-        }
-        .encode();
-        let raw: Vec<i32> = chunk.iter().map(|f| f.as_raw_fd()).collect();
-        let iov = [IoSlice::new(&hdr)];
-        let cmsg = [ControlMessage::ScmRights(&raw)];
-        sendmsg::<()>(s.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)?;
-    }
-    Ok(())
-}
-
 /// Client side, used by the agent: one connection = one lease.
 pub mod client {
     use super::*;
-    use nix::sys::socket::{ControlMessageOwned, recvmsg};
-    use std::io::IoSliceMut;
 
     pub struct BrokerClient {
         s: UnixStream,
@@ -1147,7 +1116,7 @@ pub mod client {
             if !read_full(&mut self.s, &mut prefix)? {
                 return Err(err(ErrorKind::Truncated, "broker closed the connection"));
             }
-            let len = check_len(prefix)?;
+            let len = check_len(prefix, MAX_REPLY_FRAME)?;
             let mut body = vec![0u8; len];
             read_full(&mut self.s, &mut body)?;
             match decode_response(&body)? {
@@ -1170,59 +1139,6 @@ pub mod client {
                 Ok(0) | Err(nix::errno::Errno::ECONNRESET)
             )
         }
-
-        /// `hand_off_sockets`, receiving every chunk in order.
-        pub fn sockets(&mut self, uid: &MigrationUid) -> Result<Vec<OwnedFd>, BrokerError> {
-            let Reply::Sockets { total, chunks } =
-                self.call(&Request::HandOffSockets { uid: uid.clone() })?
-            else {
-                return Err(err(ErrorKind::Malformed, "unexpected reply"));
-            };
-            let mut out = Vec::with_capacity(total as usize);
-            for expect in 0..chunks {
-                let mut hdr = [0u8; FdChunk::LEN];
-                let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; MAX_FDS_PER_CHUNK]);
-                let mut iov = [IoSliceMut::new(&mut hdr)];
-                let msg = recvmsg::<()>(
-                    self.s.as_raw_fd(),
-                    &mut iov,
-                    Some(&mut cmsg),
-                    MsgFlags::MSG_CMSG_CLOEXEC,
-                )
-                .map_err(kerr)?;
-                let mut got = Vec::new();
-                for c in msg.cmsgs().map_err(kerr)? {
-                    if let ControlMessageOwned::ScmRights(fds) = c {
-                        // Raw until owned in one place below (kernel::own_fds).
-                        got.extend(fds);
-                    }
-                }
-                if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-                    return Err(err(ErrorKind::Truncated, "descriptor chunk truncated"));
-                }
-                let owned = own_fds(got);
-                let h = FdChunk::decode(&hdr)
-                    .ok_or_else(|| err(ErrorKind::Malformed, "bad chunk header"))?;
-                if h.seq != expect || h.chunks != chunks || h.count as usize != owned.len() {
-                    return Err(err(
-                        ErrorKind::Malformed,
-                        "descriptor chunk out of order or short",
-                    ));
-                }
-                out.extend(owned);
-            }
-            if out.len() != total as usize {
-                return Err(err(
-                    ErrorKind::Truncated,
-                    "fewer descriptors than announced",
-                ));
-            }
-            Ok(out)
-        }
-    }
-
-    fn own_fds(raw: Vec<i32>) -> Vec<OwnedFd> {
-        kernel::own_fds(raw)
     }
 }
 
@@ -1243,6 +1159,175 @@ mod tests {
         drop(server);
         assert!(c.closed());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// What came back for one request: the answer, the descriptors that came with it
+    /// or after it, and how many bytes followed its frame.
+    struct Exchanged {
+        resp: Response,
+        fds: Vec<i32>,
+        bytes_after: usize,
+    }
+
+    /// Writes `req` as one frame and reads the answer the way a client must be ready
+    /// to: `recvmsg` with room for descriptors, and whatever else arrives after it.
+    fn exchange(s: &UnixStream, req: &Request) -> Exchanged {
+        use nix::sys::socket::{ControlMessageOwned, recvmsg};
+        use std::io::IoSliceMut;
+        (&*s).write_all(&encode_frame(req)).unwrap();
+        let mut got = Vec::new();
+        let mut bytes = Vec::new();
+        let mut recv = |flags: MsgFlags, bytes: &mut Vec<u8>| {
+            let mut buf = [0u8; 4096];
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 64]);
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), flags);
+            let Ok(msg) = msg else {
+                return false;
+            };
+            for c in msg.cmsgs().unwrap() {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    got.extend(fds);
+                }
+            }
+            let n = msg.bytes;
+            bytes.extend_from_slice(&buf[..n]);
+            n > 0
+        };
+        let len = |b: &[u8]| check_len(b[..4].try_into().unwrap(), MAX_REPLY_FRAME).unwrap();
+        while bytes.len() < 4 || bytes.len() < 4 + len(&bytes) {
+            assert!(
+                recv(MsgFlags::MSG_CMSG_CLOEXEC, &mut bytes),
+                "broker closed"
+            );
+        }
+        // Give anything the broker sends after the frame the time to arrive.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut after = Vec::new();
+        while recv(
+            MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+            &mut after,
+        ) {}
+        let end = 4 + len(&bytes);
+        Exchanged {
+            resp: decode_response(&bytes[4..end]).unwrap(),
+            fds: got,
+            bytes_after: bytes.len() - end + after.len(),
+        }
+    }
+
+    /// `list_sockets` over the broker's socket: the workload's socket addresses, in
+    /// the answer frame, and not one descriptor passed to the client (the broker used
+    /// to hand over a duplicate of every socket with SCM_RIGHTS).
+    #[test]
+    fn list_sockets_answers_with_addresses_and_passes_no_descriptor() {
+        let dir = std::env::temp_dir().join(format!("pm-broker-list-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("b.sock");
+        let k = fake::FakeKernel::new(fake::World::standard());
+        let b = Broker::with_kernel(
+            Config {
+                run_dir: dir.join("run"),
+                pods_cgroup_root: fake::PODS_ROOT.into(),
+                allowed_uid: nix::unistd::geteuid().as_raw(),
+                same_netns_peers: false,
+            },
+            k.clone(),
+        );
+        let l = b.bind(&path).unwrap();
+        std::thread::spawn(move || b.serve_listener(l));
+        let s = UnixStream::connect(&path).unwrap();
+        let uid = MigrationUid::parse("m-list").unwrap();
+        let process = ProcRef {
+            pid: 101,
+            start_time: k.world().procs[&101].start_time,
+        };
+        let role = BrokerRole::Source;
+        let r = exchange(
+            &s,
+            &Request::Register {
+                uid: uid.clone(),
+                role,
+                process,
+            },
+        );
+        assert!(
+            matches!(r.resp, Response::Ok(Reply::Registered { .. })),
+            "{:?}",
+            r.resp
+        );
+
+        let r = exchange(&s, &Request::ListSockets { uid });
+        assert!(
+            r.fds.is_empty(),
+            "descriptors passed to the client: {:?}",
+            r.fds
+        );
+        assert_eq!(r.bytes_after, 0, "bytes after the answer frame");
+        let want: Vec<SocketAddrs> = [101, 102]
+            .iter()
+            .flat_map(|pid| k.world().procs[pid].sockets.clone())
+            .map(|s| s.addrs)
+            .collect();
+        assert_eq!(want.len(), 3);
+        assert_eq!(r.resp, Response::Ok(Reply::Sockets { sockets: want }));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_sockets_addresses_are_read_from_the_kernel() {
+        use std::net::{TcpListener, TcpStream};
+        use std::os::fd::AsFd;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let client = TcpStream::connect(at).unwrap();
+        let (server, from) = listener.accept().unwrap();
+        assert_eq!(
+            os::addrs_of(listener.as_fd()),
+            SocketAddrs {
+                local: Some(at),
+                remote: None,
+                listening: true
+            }
+        );
+        assert_eq!(
+            os::addrs_of(server.as_fd()),
+            SocketAddrs {
+                local: Some(at),
+                remote: Some(from),
+                listening: false
+            }
+        );
+        // Through a duplicate taken with pidfd_getfd, as from a workload (here our own
+        // process), closed once read.
+        let fd = client.as_raw_fd();
+        assert_eq!(
+            RealKernel
+                .socket_addrs(std::process::id() as i32, fd)
+                .unwrap(),
+            SocketAddrs {
+                local: Some(from),
+                remote: Some(at),
+                listening: false
+            }
+        );
+        // Neither bound nor connected: the kernel's unspecified address, no peer.
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+        let bare = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            os::addrs_of(bare.as_fd()),
+            SocketAddrs {
+                local: Some("0.0.0.0:0".parse().unwrap()),
+                remote: None,
+                listening: false
+            }
+        );
     }
 
     #[test]

@@ -9,10 +9,11 @@
 use crate::{err, kernel, kerr, procfs};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use podmotion_wire::broker::{BrokerError, ErrorKind};
+use podmotion_wire::broker::{BrokerError, ErrorKind, SocketAddrs};
 use podmotion_wire::ids::ProcRef;
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -42,8 +43,9 @@ pub trait Kernel: Send + Sync + 'static {
     fn tree(&self, root: i32) -> Vec<i32>;
     /// (fd, socket inode) of each TCP socket `pid` holds.
     fn tcp_fds(&self, pid: i32) -> Vec<(i32, u64)>;
-    /// Duplicates descriptor `fd` of `pid` into the broker.
-    fn steal_fd(&self, pid: i32, fd: i32) -> std::io::Result<OwnedFd>;
+    /// The addresses of TCP socket `fd` of `pid` (read through a duplicate of it that
+    /// is closed before this returns: no descriptor outlives the call).
+    fn socket_addrs(&self, pid: i32, fd: i32) -> std::io::Result<SocketAddrs>;
     /// Takes socket `fd` of `pid` out of TCP repair if it is in repair; a descriptor
     /// that cannot be taken or queried is skipped.
     fn repair_off(&self, pid: i32, fd: i32) -> Result<(), BrokerError>;
@@ -163,8 +165,9 @@ impl Kernel for RealKernel {
         procfs::tcp_fds(pid)
     }
 
-    fn steal_fd(&self, pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
-        kernel::steal_fd(pid, fd)
+    fn socket_addrs(&self, pid: i32, fd: i32) -> std::io::Result<SocketAddrs> {
+        let dup = kernel::steal_fd(pid, fd)?;
+        Ok(addrs_of(dup.as_fd()))
     }
 
     fn repair_off(&self, pid: i32, fd: i32) -> Result<(), BrokerError> {
@@ -306,6 +309,31 @@ impl Kernel for RealKernel {
 
     fn sleep(&self, d: Duration) {
         std::thread::sleep(d)
+    }
+}
+
+/// What `list_sockets` reports of a socket: whether it listens, its local address and,
+/// unless it listens, its peer's. An address the kernel does not give (an unconnected
+/// socket has no peer) is `None`.
+pub fn addrs_of(sock: BorrowedFd<'_>) -> SocketAddrs {
+    use nix::sys::socket::{
+        SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
+    };
+    let fd = sock.as_raw_fd();
+    let ip = |a: SockaddrStorage| -> Option<SocketAddr> {
+        a.as_sockaddr_in()
+            .map(|v4| SocketAddr::V4((*v4).into()))
+            .or_else(|| a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into())))
+    };
+    let listening = getsockopt(&sock, AcceptConn).unwrap_or(false);
+    SocketAddrs {
+        local: getsockname(fd).ok().and_then(ip),
+        remote: if listening {
+            None
+        } else {
+            getpeername(fd).ok().and_then(ip)
+        },
+        listening,
     }
 }
 

@@ -3,8 +3,8 @@
 //! checks, and a replay of the fuzz target's committed seed corpus. No root needed,
 //! nothing on the machine is touched.
 
-use podmotion_broker::fake::{Fault, Harness, Op};
-use podmotion_wire::broker::{BrokerRole, ErrorKind, Reply, Request};
+use podmotion_broker::fake::{Effect, Fault, Harness, Op};
+use podmotion_wire::broker::{BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 
 fn uid(s: &str) -> MigrationUid {
@@ -51,7 +51,7 @@ fn links_up(h: &Harness, netns: u32) -> Vec<String> {
 }
 
 #[test]
-fn a_committed_source_migration_locks_hands_off_releases_and_kills_only_its_tree() {
+fn a_committed_source_migration_locks_lists_releases_and_kills_only_its_tree() {
     let mut h = Harness::new();
     assert_eq!(
         register(&mut h, 1, "mig-a", BrokerRole::Source, 101),
@@ -72,13 +72,11 @@ fn a_committed_source_migration_locks_hands_off_releases_and_kills_only_its_tree
             .any(|p| p.ends_with(".journal/mig-a"))
     );
     ev(&mut h, Op::Dump { pid: 101 });
-    assert_eq!(
-        req(&mut h, 1, Request::HandOffSockets { uid: uid("mig-a") }),
-        Ok(Reply::Sockets {
-            total: 3,
-            chunks: 1
-        })
-    );
+    let Ok(Reply::Sockets { sockets }) = req(&mut h, 1, Request::ListSockets { uid: uid("mig-a") })
+    else {
+        panic!("list_sockets refused")
+    };
+    assert_eq!(sockets.len(), 3, "{sockets:?}");
     assert_eq!(
         req(&mut h, 1, Request::ReleaseTcpRepair { uid: uid("mig-a") }),
         Ok(Reply::Done)
@@ -107,6 +105,51 @@ fn a_committed_source_migration_locks_hands_off_releases_and_kills_only_its_tree
         Ok(Reply::Done)
     );
     assert_eq!(h.broker().registrations(), 0);
+}
+
+fn socket(local: &str, remote: Option<&str>) -> SocketAddrs {
+    SocketAddrs {
+        local: Some(local.parse().unwrap()),
+        remote: remote.map(|r| r.parse().unwrap()),
+        listening: remote.is_none(),
+    }
+}
+
+/// `list_sockets` answers what the source's tree holds — each socket once, even one
+/// two of its processes share, a listener without a peer — and nothing of any other
+/// process; it only reads addresses (no other effect on the node), and reads a shared
+/// socket once.
+#[test]
+fn the_sources_sockets_are_listed_by_their_addresses_each_once() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    {
+        // 102 also holds 101's listener (inherited across a fork).
+        let mut w = h.kernel().world();
+        let mut shared = w.procs[&101].sockets[0].clone();
+        shared.fd = 9;
+        w.procs.get_mut(&102).unwrap().sockets.push(shared);
+    }
+    let listed = req(&mut h, 1, Request::ListSockets { uid: uid("mig-a") });
+    assert_eq!(
+        listed,
+        Ok(Reply::Sockets {
+            sockets: vec![
+                socket("10.0.10.5:8003", None),
+                socket("10.0.10.5:8080", Some("198.51.100.101:40004")),
+                socket("[2001:db8:10::5]:8443", Some("[2001:db8:ffff::102]:40005")),
+            ]
+        })
+    );
+    let w = h.kernel().world();
+    assert_eq!(
+        w.effects,
+        [
+            Effect::ReadAddrs { pid: 101, fd: 3 },
+            Effect::ReadAddrs { pid: 101, fd: 4 },
+            Effect::ReadAddrs { pid: 102, fd: 5 },
+        ]
+    );
 }
 
 #[test]

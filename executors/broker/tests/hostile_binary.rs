@@ -358,7 +358,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         "op",
         "forget_all",
         "lock_network2",
-        "hand_off_sockets_all",
+        "list_sockets_all",
     ] {
         let body = serde_json::json!({"op": op, "uid": "m-1"}).to_string();
         cases.push(("unknown op", frame(body.as_bytes()), false, vec![UnknownOp]));
@@ -978,12 +978,12 @@ fn socket_holder(b: &BrokerProcess, n: usize) -> (KillOnDrop, podmotion_wire::id
     (child, process)
 }
 
-/// More TCP sockets than one hand-off carries: the broker used to hand over the first
-/// 1,024 and drop the rest without a word (their connections would have been lost on
-/// the target); now it refuses with `TooManySockets` and hands over nothing. A source
-/// under the limit gets every one of its sockets.
+/// More TCP sockets than one answer lists: the broker once handed over the first
+/// 1,024 and dropped the rest without a word (their connections would have been lost on
+/// the target); it refuses with `TooManySockets` and lists nothing. A source under the
+/// limit gets every one of its sockets listed, by address, in one answer.
 #[test]
-fn broker_binary_refuses_to_hand_off_more_sockets_than_it_can_carry() {
+fn broker_binary_refuses_to_list_more_sockets_than_one_answer_carries() {
     if !require_root() {
         return;
     }
@@ -991,7 +991,10 @@ fn broker_binary_refuses_to_hand_off_more_sockets_than_it_can_carry() {
     use podmotion_broker::client::BrokerClient;
     use podmotion_wire::ids::MigrationUid;
     let b = BrokerProcess::start("sockets");
-    for (n, uid) in [(MAX_FDS + 76, "m-many-sockets"), (200, "m-some-sockets")] {
+    for (n, uid) in [
+        (MAX_SOCKETS + 76, "m-many-sockets"),
+        (200, "m-some-sockets"),
+    ] {
         let (_child, process) = socket_holder(&b, n);
         let uid = MigrationUid::parse(uid).unwrap();
         let mut c = BrokerClient::connect(&b.socket).unwrap();
@@ -1001,10 +1004,15 @@ fn broker_binary_refuses_to_hand_off_more_sockets_than_it_can_carry() {
             process,
         })
         .unwrap();
-        match c.sockets(&uid) {
-            Err(e) if n > MAX_FDS => assert_eq!(e.kind, ErrorKind::TooManySockets, "{e}"),
-            Ok(fds) if n <= MAX_FDS => assert_eq!(fds.len(), n),
-            other => panic!("{n} sockets: {:?}", other.map(|f| f.len())),
+        match c.call(&Request::ListSockets { uid: uid.clone() }) {
+            Err(e) if n > MAX_SOCKETS => assert_eq!(e.kind, ErrorKind::TooManySockets, "{e}"),
+            Ok(Reply::Sockets { sockets }) if n <= MAX_SOCKETS => {
+                assert_eq!(sockets.len(), n);
+                assert!(sockets.iter().all(|s| s.listening
+                    && s.remote.is_none()
+                    && s.local.is_some_and(|a| a.ip().is_loopback())));
+            }
+            other => panic!("{n} sockets: {other:?}"),
         }
         c.call(&Request::Forget { uid }).unwrap();
     }

@@ -41,7 +41,7 @@ fn pin(k: &FakeKernel, pid: i32) -> ProcRef {
 }
 
 fn call(b: &Broker<FakeKernel>, conn: u64, req: Request) -> Outcome {
-    b.handle(conn, req).map(|(r, _)| r).map_err(|e| e.kind)
+    b.handle(conn, req).map_err(|e| e.kind)
 }
 
 fn register(

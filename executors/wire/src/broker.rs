@@ -6,21 +6,23 @@
 //! malformed UIDs and oversize or truncated frames are rejected by [`decode_request`]
 //! before anything is looked at. Errors are typed ([`ErrorKind`]).
 //!
-//! [`Reply::Sockets`] is followed by `chunks` messages carrying descriptors with
-//! SCM_RIGHTS, each with a [`FdChunk`] header: ordered (`seq` 0..chunks), at most
-//! [`MAX_FDS_PER_CHUNK`] descriptors each, so a large set is never truncated by the
-//! kernel's per-message limit and a lost or reordered chunk is detected.
+//! Every answer is one frame and nothing else: no descriptor ever crosses this socket
+//! (the workload's sockets are described by their addresses, [`SocketAddrs`]).
 
 use crate::ids::{MigrationUid, ProcRef};
 use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
 
-/// Largest request or response body.
+/// Largest request body: what the broker reads from its (untrusted) client.
 pub const MAX_FRAME: usize = 16 * 1024;
-/// Descriptors per SCM_RIGHTS message (the kernel allows 253; we stay well below).
-pub const MAX_FDS_PER_CHUNK: usize = 16;
-/// Descriptors per hand-off: a source with more TCP sockets is refused with
-/// [`ErrorKind::TooManySockets`], never handed a silently truncated set.
-pub const MAX_FDS: usize = 1024;
+/// Largest response body: what the agent reads from the broker. Sized for the largest
+/// answer, a [`Reply::Sockets`] of [`MAX_SOCKETS`] sockets each with the longest
+/// addresses there are (IPv6 with a scope id, about 160 bytes of JSON a socket):
+/// a test in this module encodes that reply and checks it fits.
+pub const MAX_REPLY_FRAME: usize = 256 * 1024;
+/// TCP sockets per `list_sockets` answer: a source with more is refused with
+/// [`ErrorKind::TooManySockets`], never answered with a silently truncated list.
+pub const MAX_SOCKETS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -59,8 +61,9 @@ pub enum Request {
     UnlockNetwork {
         uid: MigrationUid,
     },
-    /// Source: duplicate the workload's TCP sockets to the caller (SCM_RIGHTS chunks).
-    HandOffSockets {
+    /// Source: the addresses of the workload's TCP sockets (each socket once, however
+    /// many processes of the tree hold it). Only addresses leave the broker.
+    ListSockets {
         uid: MigrationUid,
     },
     /// Source: take the workload's sockets out of TCP repair mode (after a
@@ -110,7 +113,7 @@ impl Request {
             | Request::NetnsAddrs { uid }
             | Request::LockNetwork { uid }
             | Request::UnlockNetwork { uid }
-            | Request::HandOffSockets { uid }
+            | Request::ListSockets { uid }
             | Request::ReleaseTcpRepair { uid }
             | Request::MoveCgroup { uid, .. }
             | Request::Resume { uid }
@@ -129,7 +132,7 @@ impl Request {
             Request::NetnsAddrs { .. } => "netns_addrs",
             Request::LockNetwork { .. } => "lock_network",
             Request::UnlockNetwork { .. } => "unlock_network",
-            Request::HandOffSockets { .. } => "hand_off_sockets",
+            Request::ListSockets { .. } => "list_sockets",
             Request::ReleaseTcpRepair { .. } => "release_tcp_repair",
             Request::MoveCgroup { .. } => "move_cgroup",
             Request::Resume { .. } => "resume",
@@ -147,7 +150,7 @@ pub enum Reply {
     Registered { cgroup: String },
     NetnsPath { path: String },
     Addrs { addrs: Vec<String> },
-    Sockets { total: u32, chunks: u32 },
+    Sockets { sockets: Vec<SocketAddrs> },
     Moved { pids: u32 },
     Done,
 }
@@ -172,7 +175,7 @@ pub enum ErrorKind {
     /// A path the broker computes (the netns mount point or its directory) is a
     /// symlink or not what the broker made: refused, nothing followed.
     UnsafePath,
-    /// The source holds more TCP sockets than one hand-off carries ([`MAX_FDS`]).
+    /// The source holds more TCP sockets than one answer lists ([`MAX_SOCKETS`]).
     TooManySockets,
     /// `fence` of a source whose network is not locked (nothing frozen to fence).
     NotLocked,
@@ -205,34 +208,15 @@ pub enum Response {
     Err(BrokerError),
 }
 
-/// Header of one SCM_RIGHTS message of a hand-off (12 bytes, big-endian).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FdChunk {
-    pub seq: u32,
-    pub chunks: u32,
-    pub count: u32,
-}
-
-impl FdChunk {
-    pub const LEN: usize = 12;
-    pub fn encode(&self) -> [u8; 12] {
-        let mut b = [0u8; 12];
-        b[0..4].copy_from_slice(&self.seq.to_be_bytes());
-        b[4..8].copy_from_slice(&self.chunks.to_be_bytes());
-        b[8..12].copy_from_slice(&self.count.to_be_bytes());
-        b
-    }
-    pub fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() != Self::LEN {
-            return None;
-        }
-        let n = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        Some(Self {
-            seq: n(0),
-            chunks: n(4),
-            count: n(8),
-        })
-    }
+/// One TCP socket of a source, as `list_sockets` describes it: its local address, its
+/// peer's (none for a listener, or where the kernel has none) and whether it listens.
+/// An address the kernel could not give (or not an IP one) is `None`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SocketAddrs {
+    pub local: Option<SocketAddr>,
+    pub remote: Option<SocketAddr>,
+    pub listening: bool,
 }
 
 /// Encodes a body as a frame.
@@ -244,13 +228,14 @@ pub fn encode_frame<T: Serialize>(body: &T) -> Vec<u8> {
     out
 }
 
-/// Checks a frame length prefix before any body byte is read.
-pub fn check_len(prefix: [u8; 4]) -> Result<usize, BrokerError> {
+/// Checks a frame length prefix against `max` ([`MAX_FRAME`] for a request,
+/// [`MAX_REPLY_FRAME`] for a response) before any body byte is read.
+pub fn check_len(prefix: [u8; 4], max: usize) -> Result<usize, BrokerError> {
     let len = u32::from_be_bytes(prefix) as usize;
-    if len > MAX_FRAME {
+    if len > max {
         return Err(BrokerError::new(
             ErrorKind::FrameTooLarge,
-            format!("frame of {len} bytes exceeds {MAX_FRAME}"),
+            format!("frame of {len} bytes exceeds {max}"),
         ));
     }
     if len == 0 {
@@ -268,7 +253,7 @@ pub const OPS: &[&str] = &[
     "netns_addrs",
     "lock_network",
     "unlock_network",
-    "hand_off_sockets",
+    "list_sockets",
     "release_tcp_repair",
     "move_cgroup",
     "resume",
@@ -355,13 +340,13 @@ mod tests {
                 uid: uid(),
                 process: p,
             },
-            Request::HandOffSockets { uid: uid() },
+            Request::ListSockets { uid: uid() },
             Request::Kill { uid: uid() },
             Request::Fence { uid: uid() },
             Request::Unfence { uid: uid() },
         ] {
             let f = encode_frame(&r);
-            let len = check_len(f[..4].try_into().unwrap()).unwrap();
+            let len = check_len(f[..4].try_into().unwrap(), MAX_FRAME).unwrap();
             assert_eq!(decode_request(&f[4..4 + len]).unwrap(), r);
         }
     }
@@ -389,27 +374,84 @@ mod tests {
 
     #[test]
     fn oversize_and_empty_frames_are_rejected_from_the_prefix() {
-        assert_eq!(
-            check_len(((MAX_FRAME + 1) as u32).to_be_bytes())
-                .unwrap_err()
-                .kind,
-            ErrorKind::FrameTooLarge
-        );
-        assert_eq!(
-            check_len(u32::MAX.to_be_bytes()).unwrap_err().kind,
-            ErrorKind::FrameTooLarge
-        );
-        assert_eq!(check_len([0; 4]).unwrap_err().kind, ErrorKind::Truncated);
+        for max in [MAX_FRAME, MAX_REPLY_FRAME] {
+            assert_eq!(
+                check_len(((max + 1) as u32).to_be_bytes(), max)
+                    .unwrap_err()
+                    .kind,
+                ErrorKind::FrameTooLarge
+            );
+            assert_eq!(check_len((max as u32).to_be_bytes(), max), Ok(max));
+            assert_eq!(
+                check_len(u32::MAX.to_be_bytes(), max).unwrap_err().kind,
+                ErrorKind::FrameTooLarge
+            );
+            assert_eq!(
+                check_len([0; 4], max).unwrap_err().kind,
+                ErrorKind::Truncated
+            );
+        }
+    }
+
+    /// The longest address text there is: IPv6 without a zero group to shorten, the
+    /// largest scope id and port.
+    fn longest_addr(host: u16) -> SocketAddr {
+        let ip =
+            std::net::Ipv6Addr::new(0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, host);
+        SocketAddr::V6(std::net::SocketAddrV6::new(ip, u16::MAX, 0, u32::MAX))
     }
 
     #[test]
-    fn fd_chunk_header_round_trips() {
-        let c = FdChunk {
-            seq: 2,
-            chunks: 5,
-            count: 16,
+    fn the_largest_socket_list_fits_one_reply_frame() {
+        let worst = SocketAddrs {
+            local: Some(longest_addr(0xfffe)),
+            remote: Some(longest_addr(0xffff)),
+            listening: false,
         };
-        assert_eq!(FdChunk::decode(&c.encode()), Some(c));
-        assert_eq!(FdChunk::decode(&[0; 11]), None);
+        assert_eq!(
+            worst.local.unwrap().to_string(),
+            "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:fffe%4294967295]:65535"
+        );
+        let reply = Response::Ok(Reply::Sockets {
+            sockets: vec![worst; MAX_SOCKETS],
+        });
+        let f = encode_frame(&reply);
+        let len = check_len(f[..4].try_into().unwrap(), MAX_REPLY_FRAME)
+            .expect("the largest list fits the reply frame");
+        assert_eq!(len, f.len() - 4);
+        // Not a cap far above need either: a list twice as long would not fit.
+        assert!(2 * len > MAX_REPLY_FRAME, "{len} bytes");
+        assert_eq!(decode_response(&f[4..]).unwrap(), reply);
+    }
+
+    #[test]
+    fn socket_addresses_round_trip_as_address_text() {
+        let v4: SocketAddr = "198.18.0.5:8080".parse().unwrap();
+        let scoped: SocketAddr = "[fe80::1%3]:80".parse().unwrap();
+        let reply = Response::Ok(Reply::Sockets {
+            sockets: vec![
+                SocketAddrs {
+                    local: Some(v4),
+                    remote: None,
+                    listening: true,
+                },
+                SocketAddrs {
+                    local: Some(scoped),
+                    remote: Some("[::1]:41000".parse().unwrap()),
+                    listening: false,
+                },
+            ],
+        });
+        let body = &encode_frame(&reply)[4..];
+        let text = std::str::from_utf8(body).unwrap();
+        assert!(
+            text.contains(r#""local":"198.18.0.5:8080","remote":null"#),
+            "{text}"
+        );
+        assert!(text.contains(r#""local":"[fe80::1%3]:80""#), "{text}");
+        assert_eq!(decode_response(body).unwrap(), reply);
+        // Anything but an address (or null) is refused.
+        let bad = br#"{"ok":{"reply":"sockets","sockets":[{"local":"/etc","remote":null,"listening":true}]}}"#;
+        assert_eq!(decode_response(bad).unwrap_err().kind, ErrorKind::Malformed);
     }
 }

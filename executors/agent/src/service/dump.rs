@@ -4,7 +4,7 @@
 
 use super::{
     FENCED, FENCING, FROZEN, Freeze, FrozenSource, KILLING, Migration, Phase, THAWING, blocking,
-    broker_status, io_internal, kill_fenced, now_us, run_criu, thaw_frozen,
+    io_internal, kill_fenced, now_us, run_criu, thaw_frozen,
 };
 use crate::criu::{self, Criu, Opts};
 use crate::images;
@@ -13,7 +13,7 @@ use podmotion_broker::procfs;
 use podmotion_wire::agent::{
     Manifest, ManifestSocket, MigrationStatus, SocketOutcome, SocketReport,
 };
-use podmotion_wire::broker::Request;
+use podmotion_wire::broker::{Reply, Request, SocketAddrs};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -290,41 +290,64 @@ async fn hopeless(broker: &Arc<StdMutex<BrokerClient>>, process: ProcRef) -> Opt
     }
 }
 
-/// The workload's TCP sockets, duplicated to us by the broker.
+/// The workload's TCP sockets, by the addresses the broker reads of them (it passes
+/// no descriptor).
 async fn inventory(m: &Migration) -> Result<Vec<SocketReport>, Status> {
-    let b = Arc::clone(&m.broker);
-    let uid = m.uid.clone();
-    blocking(move || {
-        let fds = b
-            .lock()
-            .expect("broker client")
-            .sockets(&uid)
-            .map_err(broker_status)?;
-        use nix::sys::socket::{
-            SockaddrStorage, getpeername, getsockname, getsockopt, sockopt::AcceptConn,
-        };
-        use std::os::fd::AsRawFd;
-        let mut out = Vec::new();
-        for fd in fds {
-            let listening = getsockopt(&fd, AcceptConn).unwrap_or(false);
-            let local = getsockname::<SockaddrStorage>(fd.as_raw_fd())
-                .map(|a| a.to_string())
-                .unwrap_or_default();
-            let remote = if listening {
-                String::new()
-            } else {
-                getpeername::<SockaddrStorage>(fd.as_raw_fd())
-                    .map(|a| a.to_string())
-                    .unwrap_or_default()
-            };
-            out.push(SocketReport {
-                local,
-                remote,
-                listening,
-                outcome: SocketOutcome::Pending as i32,
+    let Reply::Sockets { sockets } = m
+        .broker(Request::ListSockets { uid: m.uid.clone() })
+        .await?
+    else {
+        return Err(Status::internal("unexpected broker reply"));
+    };
+    Ok(sockets.iter().map(socket_report).collect())
+}
+
+/// One socket of the report, not yet migrated: its addresses as `ip:port` (`[ip]:port`
+/// for IPv6), empty where there is none (a listener's peer).
+fn socket_report(s: &SocketAddrs) -> SocketReport {
+    let text = |a: Option<std::net::SocketAddr>| a.map(|a| a.to_string()).unwrap_or_default();
+    SocketReport {
+        local: text(s.local),
+        remote: text(s.remote),
+        listening: s.listening,
+        outcome: SocketOutcome::Pending as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    /// The report's text is what the agent printed when it read the addresses off the
+    /// descriptors itself (nix's `SockaddrStorage`), so the operator and the manifest
+    /// see the same strings: `ip:port`, `[ip]:port`, the IPv6 scope kept.
+    #[test]
+    fn a_socket_is_reported_by_the_address_text_it_always_had() {
+        use nix::sys::socket::SockaddrStorage;
+        for (local, remote) in [
+            ("198.18.0.5:8080", Some("198.51.100.7:41000")),
+            ("[::1]:80", Some("[2001:db8::7]:41000")),
+            ("[fe80::1%3]:8443", Some("[::ffff:10.0.0.9]:41000")),
+            ("0.0.0.0:80", None),
+        ] {
+            let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+            let r = socket_report(&SocketAddrs {
+                local: Some(at(local)),
+                remote: remote.map(at),
+                listening: remote.is_none(),
             });
+            assert_eq!(r.local, local);
+            assert_eq!(r.local, SockaddrStorage::from(at(local)).to_string());
+            assert_eq!(r.remote, remote.unwrap_or(""));
+            assert_eq!(r.listening, remote.is_none());
+            assert_eq!(r.outcome, SocketOutcome::Pending as i32);
         }
-        Ok(out)
-    })
-    .await
+        let unknown = socket_report(&SocketAddrs {
+            local: None,
+            remote: None,
+            listening: false,
+        });
+        assert_eq!((unknown.local.as_str(), unknown.remote.as_str()), ("", ""));
+    }
 }

@@ -2,7 +2,8 @@
 //! a scripted netns broker on a Unix socket ([`FakeBroker`]).
 
 use podmotion_wire::broker::{
-    BrokerError, ErrorKind, Reply, Request, Response, check_len, decode_request, encode_frame,
+    BrokerError, ErrorKind, MAX_FRAME, Reply, Request, Response, check_len, decode_request,
+    encode_frame,
 };
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
@@ -93,7 +94,7 @@ fn serve(mut s: UnixStream, seen: &Mutex<Seen>, script: &Mutex<Script>) {
         if s.read_exact(&mut prefix).is_err() {
             break;
         }
-        let mut body = vec![0u8; check_len(prefix).expect("frame length")];
+        let mut body = vec![0u8; check_len(prefix, MAX_FRAME).expect("frame length")];
         if s.read_exact(&mut body).is_err() {
             break;
         }

@@ -5,14 +5,14 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use podmotion_wire::broker::{check_len, decode_request, encode_frame};
+use podmotion_wire::broker::{MAX_FRAME, check_len, decode_request, encode_frame};
 use podmotion_wire::ids::MigrationUid;
 
 fuzz_target!(|data: &[u8]| {
     let Some((prefix, rest)) = data.split_first_chunk::<4>() else {
         return;
     };
-    let Ok(len) = check_len(*prefix) else {
+    let Ok(len) = check_len(*prefix, MAX_FRAME) else {
         return;
     };
     let body = &rest[..len.min(rest.len())];
