@@ -492,11 +492,21 @@ fn each_release_gets_its_own_broker_directory_on_the_node() {
         assert_eq!(v["hostPath"]["type"], "DirectoryOrCreate");
         v["hostPath"]["path"].as_str().unwrap().to_owned()
     };
-    assert_eq!(dir("pm", "podmotion", &[]), "/run/podmotion/podmotion.pm/netns");
-    assert_eq!(dir("pm2", "podmotion", &[]), "/run/podmotion/podmotion.pm2/netns");
+    assert_eq!(
+        dir("pm", "podmotion", &[]),
+        "/run/podmotion/podmotion.pm/netns"
+    );
+    assert_eq!(
+        dir("pm2", "podmotion", &[]),
+        "/run/podmotion/podmotion.pm2/netns"
+    );
     assert_eq!(dir("pm", "other", &[]), "/run/podmotion/other.pm/netns");
     assert_eq!(
-        dir("pm", "podmotion", &["--set", "migrationAgent.netnsDir=/var/run/pm"]),
+        dir(
+            "pm",
+            "podmotion",
+            &["--set", "migrationAgent.netnsDir=/var/run/pm"]
+        ),
         "/var/run/pm"
     );
     let e = try_render(
