@@ -9,7 +9,7 @@
 //! a broker restart) against one broker and checks the invariants after every step;
 //! the fuzz target `fuzz/fuzz_targets/dispatch.rs` and the unit tests drive it.
 
-use crate::os::{Ip, Kernel};
+use crate::os::{Ip, Kernel, Link};
 use crate::{Broker, Config, under_pods_root};
 use nix::sys::signal::Signal;
 use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
@@ -99,12 +99,36 @@ impl Net {
 /// of `pid`, for `list_sockets`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
-    Signal { pid: i32, sig: Signal },
-    ReadAddrs { pid: i32, fd: i32 },
-    RepairOff { pid: i32, fd: i32 },
-    Moved { pid: i32, to: String },
-    LinkDown { netns: u32, link: String },
-    Mounted { path: PathBuf, netns: u32 },
+    Signal {
+        pid: i32,
+        sig: Signal,
+    },
+    ReadAddrs {
+        pid: i32,
+        fd: i32,
+    },
+    RepairOff {
+        pid: i32,
+        fd: i32,
+    },
+    Moved {
+        pid: i32,
+        to: String,
+    },
+    LinkDown {
+        netns: u32,
+        link: String,
+    },
+    /// A gratuitous ARP for `addr` out of `link` of `netns`.
+    Announced {
+        netns: u32,
+        link: String,
+        addr: String,
+    },
+    Mounted {
+        path: PathBuf,
+        netns: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +138,8 @@ pub enum Fault {
     Mount,
     Journal,
     Cgroup,
+    /// The next gratuitous ARP cannot be sent.
+    Announce,
 }
 
 #[derive(Debug)]
@@ -433,6 +459,8 @@ impl Ip for FakeIp<'_> {
             ["-o", "link", "show", "up"] => Ok(n.links_up()),
             ["-6", "-o", "addr", "show", "scope", "global"] => Ok(n.global_addrs6()),
             ["-o", "addr", "show"] => Ok(n.addrs()),
+            ["-4", "-o", "addr", "show"] => Ok(n.addrs4()),
+            ["-o", "link", "show"] => Ok(n.links_all(ns)),
             ["link", "set", "dev", link, state @ ("up" | "down")] => {
                 let r = n.set_link(link, *state == "up");
                 if r.is_ok() && *state == "down" && *link != "lo" {
@@ -451,6 +479,28 @@ impl Ip for FakeIp<'_> {
             }
             _ => fail("unsupported by the fake"),
         }
+    }
+
+    /// Recorded; refused for a link that is down or has no such index (as the kernel
+    /// would drop or refuse the frame).
+    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()> {
+        if self.w.take_fault(|f| f == Fault::Announce) {
+            return Err(std::io::Error::other("announce: injected failure"));
+        }
+        let ns = self.ns;
+        let n = &self.w.nets[&ns];
+        if n.links.get(&link.name) != Some(&true) || n.index(&link.name) as i32 != link.index {
+            return Err(std::io::Error::other(format!(
+                "announce on {}: no such link up",
+                link.name
+            )));
+        }
+        self.w.effects.push(Effect::Announced {
+            netns: ns,
+            link: link.name.clone(),
+            addr: addr.to_string(),
+        });
+        Ok(())
     }
 }
 
@@ -493,6 +543,37 @@ impl Net {
                     self.index(l)
                 )
             })
+            .collect()
+    }
+
+    /// `ip -o link show`: every link, `lo` as loopback, the others as Ethernet links
+    /// with the MAC `02:00:00:<netns>:00:<index>`.
+    fn links_all(&self, ns: u32) -> String {
+        self.links
+            .iter()
+            .map(|(l, up)| {
+                let i = self.index(l);
+                let flags = if *up { "UP,LOWER_UP" } else { "" };
+                if l == "lo" {
+                    format!(
+                        "{i}: lo: <LOOPBACK,{flags}> mtu 65536 \\    link/loopback 00:00:00:00:00:00 brd 00:00:00:00:00:00\n"
+                    )
+                } else {
+                    format!(
+                        "{i}: {l}@if{}: <BROADCAST,MULTICAST,{flags}> mtu 1500 \\    link/ether 02:00:00:{:02x}:00:{i:02x} brd ff:ff:ff:ff:ff:ff\n",
+                        i + 40,
+                        ns % 256
+                    )
+                }
+            })
+            .collect()
+    }
+
+    /// `ip -4 -o addr show`: every IPv4 address.
+    fn addrs4(&self) -> String {
+        self.addrs4
+            .iter()
+            .map(|(a, l)| format!("{}: {l}    inet {a} scope global {l}\n", self.index(l)))
             .collect()
     }
 
@@ -998,10 +1079,11 @@ impl Harness {
             17 => Op::Spawn {
                 parent: self.pick(b),
             },
-            18 => Op::Fault(match a % 4 {
+            18 => Op::Fault(match a % 5 {
                 0 => Fault::Ip(b % 6),
                 1 => Fault::Mount,
                 2 => Fault::Journal,
+                3 => Fault::Announce,
                 _ => Fault::Cgroup,
             }),
             19 => Op::Symlink {
@@ -1348,7 +1430,7 @@ impl Harness {
     fn check(&self, pre: &BTreeMap<i32, Proc>, allowed: &Allowed) -> Result<(), String> {
         let w = self.k.world();
         for e in &w.effects {
-            if !allowed.permits(e, pre, w.node_netns) {
+            if !allowed.permits(e, pre, &w.nets, w.node_netns) {
                 return Err(format!("effect not allowed: {e:?}"));
             }
         }
@@ -1434,7 +1516,13 @@ struct Allowed {
 }
 
 impl Allowed {
-    fn permits(&self, e: &Effect, pre: &BTreeMap<i32, Proc>, node: u32) -> bool {
+    fn permits(
+        &self,
+        e: &Effect,
+        pre: &BTreeMap<i32, Proc>,
+        nets: &BTreeMap<u32, Net>,
+        node: u32,
+    ) -> bool {
         let in_a_tree = |pid: i32| {
             self.roots
                 .iter()
@@ -1453,6 +1541,15 @@ impl Allowed {
             Effect::Signal { pid, sig } => self.sigs.contains(sig) && in_a_tree(*pid),
             Effect::ReadAddrs { pid, .. } | Effect::RepairOff { pid, .. } => in_a_tree(*pid),
             Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
+            // Only a pod's own address, on its own link, never from the node.
+            Effect::Announced { netns, link, addr } => {
+                *netns != node
+                    && nets.get(netns).is_some_and(|n| {
+                        n.addrs4
+                            .iter()
+                            .any(|(a, l)| l == link && a.split('/').next() == Some(addr))
+                    })
+            }
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
             }

@@ -1,7 +1,7 @@
 //! The broker's direct kernel calls: the only module with `unsafe`. Everything that
 //! has a safe binding (setns, mount, getsockname, kill) goes through `nix`; the raw calls
-//! here are those nix 0.30 does not wrap: pidfd_open/pidfd_getfd and the TCP_REPAIR
-//! socket option.
+//! here are those nix 0.30 does not wrap: pidfd_open/pidfd_getfd, the TCP_REPAIR
+//! socket option and a packet socket's `sendto` (the gratuitous ARP of an unlock).
 
 use nix::sched::CloneFlags;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -80,4 +80,59 @@ pub fn in_netns<T: Send + 'static>(
     })
     .join()
     .map_err(|_| std::io::Error::other("netns worker panicked"))?
+}
+
+const ETH_P_ARP: u16 = 0x0806;
+
+/// Sends one gratuitous ARP request for `addr` out of link `ifindex` (hardware address
+/// `mac`), from the network namespace of the calling thread: "`addr` is at `mac`". A
+/// neighbour that holds an entry for `addr` (the node, a bridge's host side) updates it
+/// at once instead of waiting for its own probes.
+pub fn announce_ipv4(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv4Addr) -> std::io::Result<()> {
+    // SAFETY: integer arguments only; the result is a new descriptor or -1.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            i32::from(ETH_P_ARP.to_be()),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: socket returned a fresh descriptor that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let ip = addr.octets();
+    // An ARP request (RFC 826) whose sender and target address are both `addr`.
+    let mut arp = [0u8; 28];
+    arp[0..2].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    arp[2..4].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    arp[4] = 6;
+    arp[5] = 4;
+    arp[6..8].copy_from_slice(&1u16.to_be_bytes()); // request
+    arp[8..14].copy_from_slice(&mac);
+    arp[14..18].copy_from_slice(&ip);
+    arp[24..28].copy_from_slice(&ip);
+    // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
+    let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    to.sll_family = libc::AF_PACKET as u16;
+    to.sll_protocol = ETH_P_ARP.to_be();
+    to.sll_ifindex = ifindex;
+    to.sll_halen = 6;
+    to.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+    // SAFETY: `arp` and `to` are valid for reads of the lengths given; `sock` is open.
+    let r = unsafe {
+        libc::sendto(
+            sock.as_raw_fd(),
+            arp.as_ptr().cast(),
+            arp.len(),
+            0,
+            (&to as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -23,7 +23,7 @@ pub mod procfs;
 
 use nix::sys::signal::Signal;
 use nix::sys::socket::{MsgFlags, getsockopt, sockopt::PeerCredentials};
-pub use os::{Ip, Kernel, RealKernel};
+pub use os::{Ip, Kernel, Link, RealKernel};
 use podmotion_wire::broker::*;
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::HashMap;
@@ -1012,7 +1012,90 @@ fn lock<K: Kernel>(k: &K, pid: i32) -> Result<Lock, BrokerError> {
 
 fn unlock<K: Kernel>(k: &K, pid: i32, l: &Lock) -> Result<(), BrokerError> {
     let l = l.clone();
-    k.in_netns(pid, move |ip| restore(ip, &l)).map_err(kerr)
+    k.in_netns(pid, move |ip| {
+        restore(ip, &l)?;
+        announce(ip, &l.links);
+        Ok(())
+    })
+    .map_err(kerr)
+}
+
+/// Tells the pod's neighbours that its IPv4 addresses are back: one gratuitous ARP per
+/// address of each link the lock took down. While the links were down, a neighbour
+/// that sent to the pod (the node, for a client's retransmission or a probe) failed to
+/// resolve it; a connection it opens just after the unlock can join that failing
+/// resolution and get EHOSTUNREACH ("No route to host") for up to its probe time (3 s
+/// by default). The announcement settles its entry at once. Best effort: a failure is
+/// logged, never a failed unlock (the neighbours then resolve the pod on their own).
+fn announce(ip: &mut dyn Ip, locked: &[String]) {
+    let links = match ip.ip(&["-o", "link", "show"]) {
+        Ok(out) => parse_links(&out),
+        Err(e) => {
+            tracing::warn!(error = %e, "unlock: links not listed, addresses not announced");
+            return;
+        }
+    };
+    let addrs = match ip.ip(&["-4", "-o", "addr", "show"]) {
+        Ok(out) => parse_addrs4(&out),
+        Err(e) => {
+            tracing::warn!(error = %e, "unlock: addresses not listed, not announced");
+            return;
+        }
+    };
+    for (name, addr) in addrs {
+        let Some(link) = links
+            .iter()
+            .find(|k| k.name == name && k.mac.is_some() && locked.contains(&k.name))
+        else {
+            continue;
+        };
+        if let Err(e) = ip.announce(link, addr) {
+            tracing::warn!(error = %e, link = %name, %addr, "unlock: address not announced");
+        }
+    }
+}
+
+/// `ip -o link show` output (`2: eth0@if7: <...> mtu 1500 ... \    link/ether
+/// 36:9a:9a:24:f0:ec brd ff:ff:ff:ff:ff:ff link-netnsid 0`) as links.
+fn parse_links(out: &str) -> Vec<Link> {
+    out.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let index = w.next()?.strip_suffix(':')?.parse().ok()?;
+            let name = w
+                .next()?
+                .trim_end_matches(':')
+                .split('@')
+                .next()?
+                .to_owned();
+            let mut rest = w.skip_while(|t| *t != "link/ether");
+            let mac = rest.next().and_then(|_| parse_mac(rest.next()?));
+            Some(Link { name, index, mac })
+        })
+        .collect()
+}
+
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// `ip -4 -o addr show` output (`2: eth0    inet 198.18.1.21/24 brd ... scope global
+/// eth0\ ...`) as (link, address) pairs.
+fn parse_addrs4(out: &str) -> Vec<(String, std::net::Ipv4Addr)> {
+    out.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let link = w.nth(1)?.split('@').next()?.to_owned();
+            (w.next()? == "inet").then_some(())?;
+            let addr = w.next()?.split('/').next()?.parse().ok()?;
+            Some((link, addr))
+        })
+        .collect()
 }
 
 /// Links up, IPv6 addresses back, routes restored: the inverse of [`lock`], inside the
@@ -1145,6 +1228,52 @@ pub mod client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_and_ipv4_addresses_are_read_as_iproute2_prints_them() {
+        let links = "1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN mode DEFAULT group default qlen 1000\\    link/loopback 00:00:00:00:00:00 brd 00:00:00:00:00:00\n\
+                     2: eth0@if7: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc noqueue state UP mode DEFAULT group default \\    link/ether 36:9a:9a:24:f0:ec brd ff:ff:ff:ff:ff:ff link-netnsid 0\n\
+                     3: wg0: <POINTOPOINT,NOARP,UP,LOWER_UP> mtu 1420 qdisc noqueue state UNKNOWN \\    link/none \n\
+                     4: bad: garbage\n";
+        assert_eq!(
+            parse_links(links),
+            vec![
+                Link {
+                    name: "lo".into(),
+                    index: 1,
+                    mac: None
+                },
+                Link {
+                    name: "eth0".into(),
+                    index: 2,
+                    mac: Some([0x36, 0x9a, 0x9a, 0x24, 0xf0, 0xec])
+                },
+                Link {
+                    name: "wg0".into(),
+                    index: 3,
+                    mac: None
+                },
+                Link {
+                    name: "bad".into(),
+                    index: 4,
+                    mac: None
+                },
+            ]
+        );
+        let addrs = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n\
+                     2: eth0    inet 198.18.1.21/24 brd 198.18.1.255 scope global eth0\\       valid_lft forever preferred_lft forever\n\
+                     2: eth0    inet 198.18.9.4/32 scope global eth0\\       valid_lft forever\n";
+        assert_eq!(
+            parse_addrs4(addrs),
+            vec![
+                ("lo".to_owned(), "127.0.0.1".parse().unwrap()),
+                ("eth0".to_owned(), "198.18.1.21".parse().unwrap()),
+                ("eth0".to_owned(), "198.18.9.4".parse().unwrap()),
+            ]
+        );
+        assert_eq!(parse_mac("36:9a:9a:24:f0"), None);
+        assert_eq!(parse_mac("36:9a:9a:24:f0:ec:01"), None);
+    }
 
     #[test]
     fn a_client_knows_when_the_broker_closed_its_connection() {

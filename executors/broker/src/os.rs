@@ -18,9 +18,21 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Runs `ip` (iproute2) inside the network namespace [`Kernel::in_netns`] entered.
+/// A link of a pod's network namespace, as `ip -o link show` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    pub index: i32,
+    /// Its Ethernet address; `None` for a link without one (`link/none`, loopback).
+    pub mac: Option<[u8; 6]>,
+}
+
+/// Runs `ip` (iproute2) inside the network namespace [`Kernel::in_netns`] entered, and
+/// announces addresses there.
 pub trait Ip {
     fn ip(&mut self, args: &[&str]) -> std::io::Result<String>;
+    /// One gratuitous ARP request for `addr`, out of `link` (which has a MAC).
+    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()>;
 }
 
 /// What the broker needs from the node. Errors are the broker's typed errors where the
@@ -120,6 +132,13 @@ impl Ip for RealIp {
             )));
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()> {
+        let mac = link
+            .mac
+            .ok_or_else(|| std::io::Error::other(format!("{} has no MAC", link.name)))?;
+        kernel::announce_ipv4(link.index, mac, addr)
     }
 }
 

@@ -509,3 +509,65 @@ fn only_a_frozen_locked_source_can_be_fenced() {
         Ok(Reply::Done)
     );
 }
+
+fn announced(h: &Harness) -> Vec<(u32, String, String)> {
+    h.kernel()
+        .world()
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Announced { netns, link, addr } => Some((*netns, link.clone(), addr.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every way a lock ends — unlock, a lost lease's rollback, a restarted broker's
+/// recovery — ends with the pod announcing its IPv4 addresses on the links the lock
+/// took down (the node's neighbour entry for the pod failed while they were down).
+#[test]
+fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
+    let both = vec![
+        (10, "eth0".to_owned(), "10.0.10.5".to_owned()),
+        (10, "pm0".to_owned(), "10.1.10.5".to_owned()),
+    ];
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(announced(&h), [], "nothing is announced while locked");
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(announced(&h), both);
+    // Nothing locked: nothing to announce.
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(announced(&h), []);
+
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(&mut h, Op::LeaseLost { conn: 1 });
+    assert_eq!(announced(&h), both);
+
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-b", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-b") }).unwrap();
+    ev(&mut h, Op::Restart);
+    assert_eq!(announced(&h), both);
+}
+
+/// An announcement that cannot be sent never fails the unlock: the links are up, the
+/// routes back and the lock gone; the other address is still announced.
+#[test]
+fn an_announcement_that_fails_never_fails_the_unlock() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    ev(&mut h, Op::Fault(Fault::Announce));
+    assert_eq!(
+        req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(
+        announced(&h),
+        [(10, "pm0".to_owned(), "10.1.10.5".to_owned())]
+    );
+    assert_eq!(h.kernel().world().nets[&10].canonical(), h_baseline(10));
+    assert!(h.kernel().world().files.is_empty(), "the lock is gone");
+}

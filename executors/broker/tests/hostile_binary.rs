@@ -1123,3 +1123,104 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
         assert!(journal.is_empty(), "journal left behind: {journal:?}");
     }
 }
+
+/// Runs `sh -c script`, panicking with its stderr when it fails.
+fn sh(script: &str) -> String {
+    let out = Command::new("sh").args(["-c", script]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Deletes a link of the node's network namespace (a veth: its peer goes with it).
+struct DelLink(String);
+impl Drop for DelLink {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.0]).output();
+    }
+}
+
+/// While a source's links are down, the node's neighbour entry for its address fails
+/// (a client's retransmission, a kubelet probe). Right after the unlock that entry must
+/// hold the pod's MAC again: otherwise a connection the node opens then joins a failing
+/// resolution and gets EHOSTUNREACH for up to its probe time (3 s by default) — seen by
+/// the real-node interrupted-migrations test as "No route to host" from a thawed source.
+#[test]
+fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let b = BrokerProcess::start("announce");
+    let (child, process) = holder(&b);
+    let _child = KillOnDrop(child);
+    let pid = process.pid;
+    let host = format!("pmga{}", std::process::id() % 100_000);
+    let pod = format!("pmgp{}", std::process::id() % 100_000);
+    let (node_ip, pod_ip) = ("198.18.127.1", "198.18.127.2");
+    sh(&format!(
+        "ip link add {host} type veth peer name {pod} netns {pid}"
+    ));
+    let _link = DelLink(host.clone());
+    // The node gives up on an unanswered resolution after one probe of 50 ms.
+    sh(&format!(
+        "echo 1 > /proc/sys/net/ipv4/neigh/{host}/mcast_solicit && \
+         echo 1 > /proc/sys/net/ipv4/neigh/{host}/ucast_solicit && \
+         echo 50 > /proc/sys/net/ipv4/neigh/{host}/retrans_time_ms && \
+         ip addr add {node_ip}/24 dev {host} && ip link set {host} up && \
+         nsenter -t {pid} -n sh -c 'ip addr add {pod_ip}/24 dev {pod} && ip link set {pod} up && ip link set lo up'"
+    ));
+    let pod_mac = sh(&format!("nsenter -t {pid} -n ip -o link show {pod}"))
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .expect("the pod's MAC")
+        .to_owned();
+    let entry = || sh(&format!("ip neigh show {pod_ip} dev {host}"));
+    let poke = || {
+        let s = std::net::UdpSocket::bind(format!("{node_ip}:0")).unwrap();
+        let _ = s.send_to(b"x", format!("{pod_ip}:9"));
+    };
+    let wait = |what: &str, ok: &dyn Fn(&str) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let e = entry();
+            if ok(&e) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: the entry is {e:?}");
+            poke();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // The setup works: the node resolves the pod.
+    wait("before the lock", &|e| e.contains(&pod_mac));
+
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    let uid = MigrationUid::parse("m-announce").unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Source,
+        process,
+    })
+    .unwrap();
+    c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
+    // Traffic to the locked pod: the node's entry fails.
+    sh(&format!("ip neigh flush dev {host}"));
+    wait("while locked", &|e| e.contains("FAILED"));
+
+    c.call(&Request::UnlockNetwork { uid: uid.clone() })
+        .unwrap();
+    // No traffic since: only the pod's announcement can have settled the entry.
+    let after = entry();
+    assert!(
+        after.contains(&format!("lladdr {pod_mac}")),
+        "the node's entry for {pod_ip} right after the unlock: {after:?} (the pod's MAC is {pod_mac})"
+    );
+    c.call(&Request::Forget { uid }).unwrap();
+}
