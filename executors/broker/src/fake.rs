@@ -459,7 +459,6 @@ impl Ip for FakeIp<'_> {
             ["-o", "link", "show", "up"] => Ok(n.links_up()),
             ["-6", "-o", "addr", "show", "scope", "global"] => Ok(n.global_addrs6()),
             ["-o", "addr", "show"] => Ok(n.addrs()),
-            ["-4", "-o", "addr", "show"] => Ok(n.addrs4()),
             ["-o", "link", "show"] => Ok(n.links_all(ns)),
             ["link", "set", "dev", link, state @ ("up" | "down")] => {
                 let r = n.set_link(link, *state == "up");
@@ -483,7 +482,7 @@ impl Ip for FakeIp<'_> {
 
     /// Recorded; refused for a link that is down or has no such index (as the kernel
     /// would drop or refuse the frame).
-    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()> {
+    fn announce(&mut self, link: &Link, addr: std::net::IpAddr) -> std::io::Result<()> {
         if self.w.take_fault(|f| f == Fault::Announce) {
             return Err(std::io::Error::other("announce: injected failure"));
         }
@@ -502,6 +501,15 @@ impl Ip for FakeIp<'_> {
         });
         Ok(())
     }
+}
+
+/// Whether `cidr` (`<addr>/<len>`) is the address `addr`, however either is written.
+fn same_addr(cidr: &str, addr: &str) -> bool {
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().ok();
+    cidr.split('/')
+        .next()
+        .and_then(ip)
+        .is_some_and(|a| Some(a) == ip(addr))
 }
 
 /// One line per entry, as `ip route show` prints routes.
@@ -566,14 +574,6 @@ impl Net {
                     )
                 }
             })
-            .collect()
-    }
-
-    /// `ip -4 -o addr show`: every IPv4 address.
-    fn addrs4(&self) -> String {
-        self.addrs4
-            .iter()
-            .map(|(a, l)| format!("{}: {l}    inet {a} scope global {l}\n", self.index(l)))
             .collect()
     }
 
@@ -1547,7 +1547,8 @@ impl Allowed {
                     && nets.get(netns).is_some_and(|n| {
                         n.addrs4
                             .iter()
-                            .any(|(a, l)| l == link && a.split('/').next() == Some(addr))
+                            .chain(&n.addrs6)
+                            .any(|(a, l)| l == link && same_addr(a, addr))
                     })
             }
             Effect::Mounted { path, netns } => {

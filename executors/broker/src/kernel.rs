@@ -1,7 +1,8 @@
 //! The broker's direct kernel calls: the only module with `unsafe`. Everything that
 //! has a safe binding (setns, mount, getsockname, kill) goes through `nix`; the raw calls
 //! here are those nix 0.30 does not wrap: pidfd_open/pidfd_getfd, the TCP_REPAIR
-//! socket option and a packet socket's `sendto` (the gratuitous ARP of an unlock).
+//! socket option, and the raw sends of an unlock's announcements (a gratuitous ARP, an
+//! unsolicited Neighbour Advertisement).
 
 use nix::sched::CloneFlags;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -129,6 +130,88 @@ pub fn announce_ipv4(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv4Addr) -> st
             0,
             (&to as *const libc::sockaddr_ll).cast(),
             std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sends one unsolicited Neighbour Advertisement (RFC 4861 §7.2.6: to all nodes,
+/// Override set, Solicited clear, with the target link-layer address) for `addr` out of
+/// link `ifindex` (hardware address `mac`), from `addr` itself, in the network namespace
+/// of the calling thread: the IPv6 counterpart of [`announce_ipv4`]. `addr` must be
+/// usable as a source (not tentative: the unlock re-adds addresses with `nodad`).
+pub fn announce_ipv6(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv6Addr) -> std::io::Result<()> {
+    let check = |r: libc::c_int| {
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: integer arguments only; the result is a new descriptor or -1.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_INET6,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_ICMPV6,
+        )
+    };
+    check(fd)?;
+    // SAFETY: socket returned a fresh descriptor that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let set = |opt: libc::c_int, v: libc::c_int| {
+        // SAFETY: `v` is a valid c_int for reads of its size; `sock` is open.
+        check(unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::IPPROTO_IPV6,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        })
+    };
+    // Receivers drop neighbour discovery that crossed a router (hop limit below 255).
+    set(libc::IPV6_MULTICAST_HOPS, 255)?;
+    set(libc::IPV6_MULTICAST_IF, ifindex)?;
+    // SAFETY: sockaddr_in6 is plain data; all-zero is a valid value.
+    let mut from: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    from.sin6_family = libc::AF_INET6 as u16;
+    from.sin6_addr.s6_addr = addr.octets();
+    // SAFETY: `from` is valid for reads of its size; `sock` is open.
+    check(unsafe {
+        libc::bind(
+            sock.as_raw_fd(),
+            (&from as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        )
+    })?;
+    // Type 136, code 0, checksum (the kernel fills it in for ICMPv6 raw sockets),
+    // flags R=0 S=0 O=1, the target, then the target link-layer address option.
+    let mut na = [0u8; 32];
+    na[0] = 136;
+    na[4] = 0x20;
+    na[8..24].copy_from_slice(&addr.octets());
+    na[24] = 2;
+    na[25] = 1;
+    na[26..32].copy_from_slice(&mac);
+    // SAFETY: as above.
+    let mut to: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    to.sin6_family = libc::AF_INET6 as u16;
+    to.sin6_addr.s6_addr = std::net::Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1).octets();
+    to.sin6_scope_id = ifindex as u32;
+    // SAFETY: `na` and `to` are valid for reads of the lengths given; `sock` is open.
+    let r = unsafe {
+        libc::sendto(
+            sock.as_raw_fd(),
+            na.as_ptr().cast(),
+            na.len(),
+            0,
+            (&to as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
         )
     };
     if r < 0 {

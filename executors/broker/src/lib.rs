@@ -1020,13 +1020,14 @@ fn unlock<K: Kernel>(k: &K, pid: i32, l: &Lock) -> Result<(), BrokerError> {
     .map_err(kerr)
 }
 
-/// Tells the pod's neighbours that its IPv4 addresses are back: one gratuitous ARP per
-/// address of each link the lock took down. While the links were down, a neighbour
-/// that sent to the pod (the node, for a client's retransmission or a probe) failed to
-/// resolve it; a connection it opens just after the unlock can join that failing
-/// resolution and get EHOSTUNREACH ("No route to host") for up to its probe time (3 s
-/// by default). The announcement settles its entry at once. Best effort: a failure is
-/// logged, never a failed unlock (the neighbours then resolve the pod on their own).
+/// Tells the pod's neighbours that its addresses are back: for each address of each link
+/// the lock took down, a gratuitous ARP (IPv4) or an unsolicited Neighbour Advertisement
+/// (global IPv6). While the links were down, a neighbour that sent to the pod (the node,
+/// for a client's retransmission or a probe) failed to resolve it; a connection it
+/// opens just after the unlock can join that failing resolution and get EHOSTUNREACH
+/// ("No route to host") for up to its probe time (3 s by default). The announcement
+/// settles its entry at once. Best effort: a failure is logged, never a failed unlock
+/// (the neighbours then resolve the pod on their own).
 fn announce(ip: &mut dyn Ip, locked: &[String]) {
     let links = match ip.ip(&["-o", "link", "show"]) {
         Ok(out) => parse_links(&out),
@@ -1035,8 +1036,8 @@ fn announce(ip: &mut dyn Ip, locked: &[String]) {
             return;
         }
     };
-    let addrs = match ip.ip(&["-4", "-o", "addr", "show"]) {
-        Ok(out) => parse_addrs4(&out),
+    let addrs = match ip.ip(&["-o", "addr", "show"]) {
+        Ok(out) => parse_addrs(&out),
         Err(e) => {
             tracing::warn!(error = %e, "unlock: addresses not listed, not announced");
             return;
@@ -1084,15 +1085,28 @@ fn parse_mac(s: &str) -> Option<[u8; 6]> {
     parts.next().is_none().then_some(mac)
 }
 
-/// `ip -4 -o addr show` output (`2: eth0    inet 198.18.1.21/24 brd ... scope global
-/// eth0\ ...`) as (link, address) pairs.
-fn parse_addrs4(out: &str) -> Vec<(String, std::net::Ipv4Addr)> {
+/// `ip -o addr show` output (`2: eth0    inet 198.18.1.21/24 brd ... scope global
+/// eth0\\ ...`, `2: eth0    inet6 2001:db8::5/64 scope global \\ ...`) as (link,
+/// address) pairs: every IPv4 address, and the IPv6 addresses of global scope (a link-local
+/// address is new after the link comes back, and still tentative).
+fn parse_addrs(out: &str) -> Vec<(String, std::net::IpAddr)> {
     out.lines()
         .filter_map(|l| {
             let mut w = l.split_whitespace();
             let link = w.nth(1)?.split('@').next()?.to_owned();
-            (w.next()? == "inet").then_some(())?;
-            let addr = w.next()?.split('/').next()?.parse().ok()?;
+            let family = w.next()?;
+            let addr = w.next()?.split('/').next()?;
+            let addr: std::net::IpAddr = match family {
+                "inet" => addr.parse().ok()?,
+                "inet6" => {
+                    let mut rest = w;
+                    rest.any(|t| t == "scope")
+                        .then_some(())
+                        .and_then(|()| (rest.next()? == "global").then_some(()))?;
+                    addr.parse().ok()?
+                }
+                _ => return None,
+            };
             Some((link, addr))
         })
         .collect()
@@ -1261,14 +1275,19 @@ mod tests {
             ]
         );
         let addrs = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n\
+                     1: lo    inet6 ::1/128 scope host noprefixroute \\       valid_lft forever preferred_lft forever\n\
                      2: eth0    inet 198.18.1.21/24 brd 198.18.1.255 scope global eth0\\       valid_lft forever preferred_lft forever\n\
-                     2: eth0    inet 198.18.9.4/32 scope global eth0\\       valid_lft forever\n";
+                     2: eth0    inet 198.18.9.4/32 scope global eth0\\       valid_lft forever\n\
+                     2: eth0    inet6 2001:db8:1::15/64 scope global nodad \\       valid_lft forever preferred_lft forever\n\
+                     2: eth0    inet6 fe80::349a:9aff:fe24:f0ec/64 scope link tentative \\       valid_lft forever preferred_lft forever\n";
+        let v = |a: &str| a.parse::<std::net::IpAddr>().unwrap();
         assert_eq!(
-            parse_addrs4(addrs),
+            parse_addrs(addrs),
             vec![
-                ("lo".to_owned(), "127.0.0.1".parse().unwrap()),
-                ("eth0".to_owned(), "198.18.1.21".parse().unwrap()),
-                ("eth0".to_owned(), "198.18.9.4".parse().unwrap()),
+                ("lo".to_owned(), v("127.0.0.1")),
+                ("eth0".to_owned(), v("198.18.1.21")),
+                ("eth0".to_owned(), v("198.18.9.4")),
+                ("eth0".to_owned(), v("2001:db8:1::15")),
             ]
         );
         assert_eq!(parse_mac("36:9a:9a:24:f0"), None);

@@ -31,8 +31,9 @@ pub struct Link {
 /// announces addresses there.
 pub trait Ip {
     fn ip(&mut self, args: &[&str]) -> std::io::Result<String>;
-    /// One gratuitous ARP request for `addr`, out of `link` (which has a MAC).
-    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()>;
+    /// Tells the neighbours on `link` (which has a MAC) that `addr` is there: a
+    /// gratuitous ARP request for IPv4, an unsolicited Neighbour Advertisement for IPv6.
+    fn announce(&mut self, link: &Link, addr: std::net::IpAddr) -> std::io::Result<()>;
 }
 
 /// What the broker needs from the node. Errors are the broker's typed errors where the
@@ -134,11 +135,14 @@ impl Ip for RealIp {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    fn announce(&mut self, link: &Link, addr: std::net::Ipv4Addr) -> std::io::Result<()> {
+    fn announce(&mut self, link: &Link, addr: std::net::IpAddr) -> std::io::Result<()> {
         let mac = link
             .mac
             .ok_or_else(|| std::io::Error::other(format!("{} has no MAC", link.name)))?;
-        kernel::announce_ipv4(link.index, mac, addr)
+        match addr {
+            std::net::IpAddr::V4(a) => kernel::announce_ipv4(link.index, mac, a),
+            std::net::IpAddr::V6(a) => kernel::announce_ipv6(link.index, mac, a),
+        }
     }
 }
 

@@ -523,13 +523,16 @@ fn announced(h: &Harness) -> Vec<(u32, String, String)> {
 }
 
 /// Every way a lock ends — unlock, a lost lease's rollback, a restarted broker's
-/// recovery — ends with the pod announcing its IPv4 addresses on the links the lock
-/// took down (the node's neighbour entry for the pod failed while they were down).
+/// recovery — ends with the pod announcing its IPv4 and global IPv6 addresses on the
+/// links the lock took down (the node's neighbour entry for the pod failed while they
+/// were down).
 #[test]
 fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
     let both = vec![
         (10, "eth0".to_owned(), "10.0.10.5".to_owned()),
         (10, "pm0".to_owned(), "10.1.10.5".to_owned()),
+        (10, "eth0".to_owned(), "2001:db8:10::5".to_owned()),
+        (10, "pm0".to_owned(), "2001:db8:10:1::5".to_owned()),
     ];
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
@@ -553,7 +556,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
 }
 
 /// An announcement that cannot be sent never fails the unlock: the links are up, the
-/// routes back and the lock gone; the other address is still announced.
+/// routes back and the lock gone; the other addresses are still announced.
 #[test]
 fn an_announcement_that_fails_never_fails_the_unlock() {
     let mut h = Harness::new();
@@ -566,7 +569,11 @@ fn an_announcement_that_fails_never_fails_the_unlock() {
     );
     assert_eq!(
         announced(&h),
-        [(10, "pm0".to_owned(), "10.1.10.5".to_owned())]
+        [
+            (10, "pm0".to_owned(), "10.1.10.5".to_owned()),
+            (10, "eth0".to_owned(), "2001:db8:10::5".to_owned()),
+            (10, "pm0".to_owned(), "2001:db8:10:1::5".to_owned()),
+        ]
     );
     assert_eq!(h.kernel().world().nets[&10].canonical(), h_baseline(10));
     assert!(h.kernel().world().files.is_empty(), "the lock is gone");

@@ -1143,11 +1143,12 @@ impl Drop for DelLink {
     }
 }
 
-/// While a source's links are down, the node's neighbour entry for its address fails
-/// (a client's retransmission, a kubelet probe). Right after the unlock that entry must
-/// hold the pod's MAC again: otherwise a connection the node opens then joins a failing
-/// resolution and gets EHOSTUNREACH for up to its probe time (3 s by default) — seen by
-/// the real-node interrupted-migrations test as "No route to host" from a thawed source.
+/// While a source's links are down, the node's neighbour entries for its addresses fail
+/// (a client's retransmission, a kubelet probe). Right after the unlock they must hold
+/// the pod's MAC again, for IPv4 and IPv6: otherwise a connection the node opens then
+/// joins a failing resolution and gets EHOSTUNREACH for up to its probe time (3 s by
+/// default) — seen by the real-node interrupted-migrations test as "No route to host"
+/// from a thawed source.
 #[test]
 fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
     if !require_root() {
@@ -1162,18 +1163,32 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
     let pid = process.pid;
     let host = format!("pmga{}", std::process::id() % 100_000);
     let pod = format!("pmgp{}", std::process::id() % 100_000);
-    let (node_ip, pod_ip) = ("198.18.127.1", "198.18.127.2");
+    let (node4, pod4) = ("198.18.127.1", "198.18.127.2");
+    let (node6, pod6) = ("2001:db8:127::1", "2001:db8:127::2");
     sh(&format!(
         "ip link add {host} type veth peer name {pod} netns {pid}"
     ));
     let _link = DelLink(host.clone());
-    // The node gives up on an unanswered resolution after one probe of 50 ms.
+    // IPv4: the node gives up on an unanswered resolution after one probe of 50 ms (an
+    // ARP reply or gratuitous ARP settles a FAILED entry too). IPv6: it probes every
+    // 5 s, so that the entry is still INCOMPLETE at the unlock (Linux ignores a
+    // Neighbour Advertisement for a FAILED entry; a FAILED entry is resolved anew by the
+    // next packet — the window that returns EHOSTUNREACH is a resolution still under
+    // way, which an advertisement completes).
+    let mut setup = String::new();
+    for (family, knob, v) in [
+        ("ipv4", "mcast_solicit", 1),
+        ("ipv4", "ucast_solicit", 1),
+        ("ipv4", "retrans_time_ms", 50),
+        ("ipv6", "mcast_solicit", 3),
+        ("ipv6", "retrans_time_ms", 5000),
+    ] {
+        setup += &format!("echo {v} > /proc/sys/net/{family}/neigh/{host}/{knob} && ");
+    }
     sh(&format!(
-        "echo 1 > /proc/sys/net/ipv4/neigh/{host}/mcast_solicit && \
-         echo 1 > /proc/sys/net/ipv4/neigh/{host}/ucast_solicit && \
-         echo 50 > /proc/sys/net/ipv4/neigh/{host}/retrans_time_ms && \
-         ip addr add {node_ip}/24 dev {host} && ip link set {host} up && \
-         nsenter -t {pid} -n sh -c 'ip addr add {pod_ip}/24 dev {pod} && ip link set {pod} up && ip link set lo up'"
+        "{setup}ip addr add {node4}/24 dev {host} && ip -6 addr add {node6}/64 dev {host} nodad && \
+         ip link set {host} up && \
+         nsenter -t {pid} -n sh -c 'ip addr add {pod4}/24 dev {pod} && ip -6 addr add {pod6}/64 dev {pod} nodad && ip link set {pod} up && ip link set lo up'"
     ));
     let pod_mac = sh(&format!("nsenter -t {pid} -n ip -o link show {pod}"))
         .split_whitespace()
@@ -1181,25 +1196,35 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
         .nth(1)
         .expect("the pod's MAC")
         .to_owned();
-    let entry = || sh(&format!("ip neigh show {pod_ip} dev {host}"));
-    let poke = || {
-        let s = std::net::UdpSocket::bind(format!("{node_ip}:0")).unwrap();
-        let _ = s.send_to(b"x", format!("{pod_ip}:9"));
+    let entries = || {
+        [pod4, pod6].map(|a| {
+            sh(&format!("ip neigh show {a} dev {host}"))
+                .trim()
+                .to_owned()
+        })
     };
-    let wait = |what: &str, ok: &dyn Fn(&str) -> bool| {
+    let poke = || {
+        for (from, to) in [(node4, pod4), (node6, pod6)] {
+            let from: std::net::IpAddr = from.parse().unwrap();
+            let to: std::net::IpAddr = to.parse().unwrap();
+            let s = std::net::UdpSocket::bind((from, 0)).unwrap();
+            let _ = s.send_to(b"x", (to, 9));
+        }
+    };
+    let wait = |what: &str, ok: &dyn Fn(usize, &str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let e = entry();
-            if ok(&e) {
+            let e = entries();
+            if e.iter().enumerate().all(|(i, e)| ok(i, e)) {
                 return;
             }
-            assert!(Instant::now() < deadline, "{what}: the entry is {e:?}");
+            assert!(Instant::now() < deadline, "{what}: the entries are {e:?}");
             poke();
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    // The setup works: the node resolves the pod.
-    wait("before the lock", &|e| e.contains(&pod_mac));
+    // The setup works: the node resolves the pod, both families.
+    wait("before the lock", &|_, e| e.contains(&pod_mac));
 
     let mut c = BrokerClient::connect(&b.socket).unwrap();
     let uid = MigrationUid::parse("m-announce").unwrap();
@@ -1210,17 +1235,22 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
     })
     .unwrap();
     c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
-    // Traffic to the locked pod: the node's entry fails.
+    // Traffic to the locked pod: the node's IPv4 entry fails, its IPv6 one is being
+    // resolved.
     sh(&format!("ip neigh flush dev {host}"));
-    wait("while locked", &|e| e.contains("FAILED"));
+    wait("while locked", &|i, e| {
+        e.contains(if i == 0 { "FAILED" } else { "INCOMPLETE" })
+    });
 
     c.call(&Request::UnlockNetwork { uid: uid.clone() })
         .unwrap();
-    // No traffic since: only the pod's announcement can have settled the entry.
-    let after = entry();
-    assert!(
-        after.contains(&format!("lladdr {pod_mac}")),
-        "the node's entry for {pod_ip} right after the unlock: {after:?} (the pod's MAC is {pod_mac})"
-    );
+    // No traffic since: only the pod's announcements can have settled the entries.
+    let after = entries();
+    for (addr, e) in [pod4, pod6].iter().zip(&after) {
+        assert!(
+            e.contains(&format!("lladdr {pod_mac}")),
+            "the node's entry for {addr} right after the unlock: {e:?} (the pod's MAC is {pod_mac})"
+        );
+    }
     c.call(&Request::Forget { uid }).unwrap();
 }
