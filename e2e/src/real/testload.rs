@@ -80,10 +80,11 @@ pub fn counter(addr: &str) -> u64 {
 /// a source the migration's rollback has just thawed, or a Service right after a commit
 /// (the moved copy's network was locked during its restore). The host's neighbour
 /// entry for the pod's address failed while the network was locked; the broker's
-/// unlock announces the address (gratuitous ARP, IPv6 Neighbour Advertisement) so that the entry is settled at once
-/// (root test `broker_binary_unlock_announces_the_pods_address_to_the_node`). Should
-/// the host still answer EHOSTUNREACH, that is retried for up to 30 s and printed as a
-/// NOTE with the neighbour entry, so a run shows that it happened and for how long.
+/// unlock announces the address (gratuitous ARP, IPv6 Neighbour Advertisement) so that
+/// the entry is settled at once (root test
+/// `broker_binary_unlock_announces_the_pods_address_to_the_node`). Should the host
+/// still answer EHOSTUNREACH, that is retried for up to 30 s and printed as a NOTE
+/// with the neighbour entry, so a run shows that it happened and for how long.
 /// Anything else (a refused connection: the listener is gone) fails.
 pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
     let start = std::time::Instant::now();
