@@ -85,24 +85,46 @@ pub fn in_netns<T: Send + 'static>(
 
 const ETH_P_ARP: u16 = 0x0806;
 
+/// A new socket (close-on-exec), owned.
+fn socket(domain: libc::c_int, ty: libc::c_int, protocol: libc::c_int) -> std::io::Result<OwnedFd> {
+    // SAFETY: integer arguments only; the result is a new descriptor or -1.
+    let fd = unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, protocol) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: socket returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sends `buf` as one datagram to `to` (a `sockaddr_*` of the socket's family).
+fn send_to<A>(sock: &OwnedFd, buf: &[u8], to: &A) -> std::io::Result<()> {
+    // SAFETY: `buf` and `to` are valid for reads of the lengths given; `sock` is open.
+    let r = unsafe {
+        libc::sendto(
+            sock.as_raw_fd(),
+            buf.as_ptr().cast(),
+            buf.len(),
+            0,
+            (to as *const A).cast(),
+            std::mem::size_of::<A>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Sends one gratuitous ARP request for `addr` out of link `ifindex` (hardware address
 /// `mac`), from the network namespace of the calling thread: "`addr` is at `mac`". A
 /// neighbour that holds an entry for `addr` (the node, a bridge's host side) updates it
 /// at once instead of waiting for its own probes.
 pub fn announce_ipv4(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv4Addr) -> std::io::Result<()> {
-    // SAFETY: integer arguments only; the result is a new descriptor or -1.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_PACKET,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            i32::from(ETH_P_ARP.to_be()),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: socket returned a fresh descriptor that nothing else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sock = socket(
+        libc::AF_PACKET,
+        libc::SOCK_DGRAM,
+        i32::from(ETH_P_ARP.to_be()),
+    )?;
     let ip = addr.octets();
     // An ARP request (RFC 826) whose sender and target address are both `addr`.
     let mut arp = [0u8; 28];
@@ -121,21 +143,7 @@ pub fn announce_ipv4(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv4Addr) -> st
     to.sll_ifindex = ifindex;
     to.sll_halen = 6;
     to.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-    // SAFETY: `arp` and `to` are valid for reads of the lengths given; `sock` is open.
-    let r = unsafe {
-        libc::sendto(
-            sock.as_raw_fd(),
-            arp.as_ptr().cast(),
-            arp.len(),
-            0,
-            (&to as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    send_to(&sock, &arp, &to)
 }
 
 /// Sends one unsolicited Neighbour Advertisement (RFC 4861 §7.2.6: to all nodes,
@@ -151,17 +159,7 @@ pub fn announce_ipv6(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv6Addr) -> st
             Ok(())
         }
     };
-    // SAFETY: integer arguments only; the result is a new descriptor or -1.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_INET6,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::IPPROTO_ICMPV6,
-        )
-    };
-    check(fd)?;
-    // SAFETY: socket returned a fresh descriptor that nothing else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sock = socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_ICMPV6)?;
     let set = |opt: libc::c_int, v: libc::c_int| {
         // SAFETY: `v` is a valid c_int for reads of its size; `sock` is open.
         check(unsafe {
@@ -198,24 +196,8 @@ pub fn announce_ipv6(ifindex: i32, mac: [u8; 6], addr: std::net::Ipv6Addr) -> st
     na[24] = 2;
     na[25] = 1;
     na[26..32].copy_from_slice(&mac);
-    // SAFETY: as above.
-    let mut to: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-    to.sin6_family = libc::AF_INET6 as u16;
+    let mut to = from;
     to.sin6_addr.s6_addr = std::net::Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1).octets();
     to.sin6_scope_id = ifindex as u32;
-    // SAFETY: `na` and `to` are valid for reads of the lengths given; `sock` is open.
-    let r = unsafe {
-        libc::sendto(
-            sock.as_raw_fd(),
-            na.as_ptr().cast(),
-            na.len(),
-            0,
-            (&to as *const libc::sockaddr_in6).cast(),
-            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    send_to(&sock, &na, &to)
 }

@@ -618,15 +618,9 @@ impl<K: Kernel> Broker<K> {
             .kernel
             .in_netns(e.process.pid, |ip| {
                 let out = ip.ip(&["-o", "addr", "show"])?;
-                Ok(out
-                    .lines()
-                    .filter_map(|l| {
-                        let mut it = l
-                            .split_whitespace()
-                            .skip_while(|w| *w != "inet" && *w != "inet6");
-                        it.next()?;
-                        Some(it.next()?.split('/').next()?.to_owned())
-                    })
+                Ok(addr_lines(&out)
+                    .into_iter()
+                    .map(|a| a.address().to_owned())
                     .collect::<Vec<_>>())
             })
             .map_err(kerr)?;
@@ -1037,13 +1031,24 @@ fn announce(ip: &mut dyn Ip, locked: &[String]) {
         }
     };
     let addrs = match ip.ip(&["-o", "addr", "show"]) {
-        Ok(out) => parse_addrs(&out),
+        Ok(out) => addr_lines(&out),
         Err(e) => {
             tracing::warn!(error = %e, "unlock: addresses not listed, not announced");
             return;
         }
     };
-    for (name, addr) in addrs {
+    // Every IPv4 address, and the IPv6 addresses of global scope (a link-local address
+    // is new after the link comes back, and still tentative).
+    let announced = addrs
+        .into_iter()
+        .filter(|a| !a.v6 || a.global)
+        .filter_map(|a| {
+            Some((
+                a.link.clone(),
+                a.address().parse::<std::net::IpAddr>().ok()?,
+            ))
+        });
+    for (name, addr) in announced {
         let Some(link) = links
             .iter()
             .find(|k| k.name == name && k.mac.is_some() && locked.contains(&k.name))
@@ -1085,29 +1090,46 @@ fn parse_mac(s: &str) -> Option<[u8; 6]> {
     parts.next().is_none().then_some(mac)
 }
 
-/// `ip -o addr show` output (`2: eth0    inet 198.18.1.21/24 brd ... scope global
-/// eth0\\ ...`, `2: eth0    inet6 2001:db8::5/64 scope global \\ ...`) as (link,
-/// address) pairs: every IPv4 address, and the IPv6 addresses of global scope (a link-local
-/// address is new after the link comes back, and still tentative).
-fn parse_addrs(out: &str) -> Vec<(String, std::net::IpAddr)> {
+/// One line of `ip -o addr show` (`2: eth0    inet 198.18.1.21/24 brd ... scope global
+/// eth0\\ ...`, `4: eth0@if9    inet6 2001:db8::5/64 scope global \\ ...`).
+#[derive(Debug, PartialEq, Eq)]
+struct AddrLine {
+    link: String,
+    v6: bool,
+    /// `<addr>/<len>`, as printed.
+    cidr: String,
+    /// `scope global`.
+    global: bool,
+}
+
+impl AddrLine {
+    /// The address without its prefix length.
+    fn address(&self) -> &str {
+        self.cidr.split('/').next().unwrap_or(&self.cidr)
+    }
+}
+
+/// The address lines of `ip -o addr show` output (the one reading of it: the
+/// namespace's addresses, the IPv6 addresses a lock saves, the addresses an unlock
+/// announces).
+fn addr_lines(out: &str) -> Vec<AddrLine> {
     out.lines()
         .filter_map(|l| {
             let mut w = l.split_whitespace();
             let link = w.nth(1)?.split('@').next()?.to_owned();
-            let family = w.next()?;
-            let addr = w.next()?.split('/').next()?;
-            let addr: std::net::IpAddr = match family {
-                "inet" => addr.parse().ok()?,
-                "inet6" => {
-                    let mut rest = w;
-                    rest.any(|t| t == "scope")
-                        .then_some(())
-                        .and_then(|()| (rest.next()? == "global").then_some(()))?;
-                    addr.parse().ok()?
-                }
+            let v6 = match w.next()? {
+                "inet" => false,
+                "inet6" => true,
                 _ => return None,
             };
-            Some((link, addr))
+            let cidr = w.next()?.to_owned();
+            let global = w.skip_while(|t| *t != "scope").nth(1) == Some("global");
+            Some(AddrLine {
+                link,
+                v6,
+                cidr,
+                global,
+            })
         })
         .collect()
 }
@@ -1158,17 +1180,10 @@ fn restore(ip: &mut dyn Ip, l: &Lock) -> std::io::Result<()> {
 /// The global IPv6 addresses of `links` in `ip -6 -o addr show scope global` output
 /// (`2: eth0    inet6 2001:db8::5/64 scope global \ ...`), as `<addr>/<len> dev <link>`.
 fn global_ipv6_addrs(out: &str, links: &[String]) -> Vec<String> {
-    out.lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            let link = w.nth(1)?.split('@').next()?;
-            (w.next()? == "inet6").then_some(())?;
-            let addr = w.next()?;
-            links
-                .iter()
-                .any(|k| k == link)
-                .then(|| format!("{addr} dev {link}"))
-        })
+    addr_lines(out)
+        .into_iter()
+        .filter(|a| a.v6 && links.contains(&a.link))
+        .map(|a| format!("{} dev {}", a.cidr, a.link))
         .collect()
 }
 
@@ -1280,14 +1295,19 @@ mod tests {
                      2: eth0    inet 198.18.9.4/32 scope global eth0\\       valid_lft forever\n\
                      2: eth0    inet6 2001:db8:1::15/64 scope global nodad \\       valid_lft forever preferred_lft forever\n\
                      2: eth0    inet6 fe80::349a:9aff:fe24:f0ec/64 scope link tentative \\       valid_lft forever preferred_lft forever\n";
-        let v = |a: &str| a.parse::<std::net::IpAddr>().unwrap();
+        let lines = addr_lines(addrs);
         assert_eq!(
-            parse_addrs(addrs),
+            lines
+                .iter()
+                .map(|a| (a.link.as_str(), a.v6, a.address(), a.global))
+                .collect::<Vec<_>>(),
             vec![
-                ("lo".to_owned(), v("127.0.0.1")),
-                ("eth0".to_owned(), v("198.18.1.21")),
-                ("eth0".to_owned(), v("198.18.9.4")),
-                ("eth0".to_owned(), v("2001:db8:1::15")),
+                ("lo", false, "127.0.0.1", false),
+                ("lo", true, "::1", false),
+                ("eth0", false, "198.18.1.21", true),
+                ("eth0", false, "198.18.9.4", true),
+                ("eth0", true, "2001:db8:1::15", true),
+                ("eth0", true, "fe80::349a:9aff:fe24:f0ec", false),
             ]
         );
         assert_eq!(parse_mac("36:9a:9a:24:f0"), None);
