@@ -15,4 +15,6 @@ pub mod metrics;
 pub mod mounts;
 pub mod pidns;
 pub mod service;
+/// The test harness (feature `testbed`, off by default: not in the shipped agent).
+#[cfg(feature = "testbed")]
 pub mod testbed;

@@ -2,8 +2,9 @@
 //! checkpoint/restore and one migration through the agents in Cold and PreCopy mode,
 //! all in the same run on the same testbed layout, printed side by side.
 //!
-//! `cargo build -p podmotion-agent --bins && target/debug/podmotion-migration-bench [MiB…]`
-//! (root; CRIU from hack/install-criu.sh). Default sizes: 64 512.
+//! `cargo build -p podmotion-agent --features testbed --bins &&
+//! target/debug/podmotion-migration-bench [MiB…]` (root; CRIU from
+//! hack/install-criu.sh). Default sizes: 64 512. Needs the `testbed` feature.
 #![forbid(unsafe_code)]
 
 use podmotion_agent::testbed::{Testbed, ask, criu_path};
