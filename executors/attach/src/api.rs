@@ -16,8 +16,8 @@
 //! | `GET /v1/wiretaps/<port>/<id>/stream` (upgrade) | the tap's frames, `[kind u8][conn u32 BE][len u32 BE][payload]`, kinds open(0, JSON meta) / to-app(1) / from-app(2) / close(3) |
 
 use crate::attached::Attached;
-use crate::forward::{ModeError, Port};
 use crate::http::Filter;
+use crate::port::{ModeError, Port};
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -513,8 +513,8 @@ fn stream_wiretap(
 mod tests {
     use super::*;
     use crate::environ::EnvEntry;
-    use crate::forward::Port;
     use crate::nft::{Redirect, Ruleset};
+    use crate::port::Port;
 
     fn attached() -> Arc<Attached> {
         with_token(None)

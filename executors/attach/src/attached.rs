@@ -6,8 +6,9 @@
 use crate::cri;
 use crate::environ::EnvEntry;
 use crate::exports::{Export, Mount};
-use crate::forward::{ModeError, Port};
+use crate::metrics::PortGauges;
 use crate::nft::Ruleset;
+use crate::port::{ModeError, Port};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -50,6 +51,23 @@ impl Attached {
                 "tap_drops": p.tap_drops.load(std::sync::atomic::Ordering::Relaxed),
             })).collect::<Vec<_>>(),
         })
+    }
+
+    /// The intercept and wiretap gauges of the metrics: intercepted ports by kind,
+    /// and wiretaps over all ports.
+    pub fn port_gauges(&self) -> PortGauges {
+        let mut g = PortGauges::default();
+        for p in &self.ports {
+            if p.intercepted() {
+                if p.filter().is_some() {
+                    g.filtered += 1;
+                } else {
+                    g.whole += 1;
+                }
+            }
+            g.wiretaps += p.wiretaps().len() as i64;
+        }
+        g
     }
 
     pub fn env(&self, container: Option<&str>) -> Option<&[EnvEntry]> {

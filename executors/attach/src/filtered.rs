@@ -16,10 +16,9 @@
 //! relayed as bytes once the chosen side accepts the upgrade. Wiretaps do not see
 //! connections of a filtered port.
 
-use crate::forward::{Conn, Delivered, Delivery, Port};
 use crate::http::{self, BodyCursor, Filter};
 use crate::metrics::{ErrorCategory, Outcome as Ended, Route};
-use crate::netns::NetnsExecutor;
+use crate::port::{Conn, Delivered, Delivery, Port};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,22 +26,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, Wr
 use tokio::net::TcpStream;
 
 /// Opens connections to the application: from inside the target's network namespace
-/// in the agent ([`NetnsExecutor`]), plain TCP in tests.
+/// in the agent ([`crate::netns::NetnsExecutor`], see [`crate::forward`]), plain TCP
+/// in tests.
 pub trait AppDial: Send + Sync {
     fn dial(
         &self,
         addr: SocketAddr,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<TcpStream>> + Send + '_>>;
-}
-
-impl AppDial for NetnsExecutor {
-    fn dial(
-        &self,
-        addr: SocketAddr,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<TcpStream>> + Send + '_>>
-    {
-        Box::pin(crate::forward::dial(self, addr))
-    }
 }
 
 /// Bytes of an in-memory pipe to a client stream.

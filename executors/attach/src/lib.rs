@@ -20,3 +20,4 @@ pub mod jobenv;
 pub mod metrics;
 pub mod netns;
 pub mod nft;
+pub mod port;

@@ -2,12 +2,13 @@
 #![forbid(unsafe_code)]
 
 use clap::Parser;
-use podmotion_attach::agent::{self, Config};
+use podmotion_attach::agent::{self, Attached, Config};
 use podmotion_attach::environ::EnvFilter;
 use podmotion_attach::jobenv::{self, config_keys, env};
 use podmotion_attach::nft::{DEFAULT_TABLE, Redirect};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -278,8 +279,11 @@ async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
                 format!("{}: {e}", cli.metrics_listen),
             )
         })?;
-    let attached = std::sync::Arc::new(std::sync::OnceLock::new());
-    tokio::spawn(podmotion_attach::metrics::serve(metrics, attached.clone()));
+    let attached: Arc<OnceLock<Arc<Attached>>> = Arc::new(OnceLock::new());
+    let scraped = attached.clone();
+    tokio::spawn(podmotion_attach::metrics::serve(metrics, move || {
+        scraped.get().map(|a| a.port_gauges())
+    }));
     let running = tokio::select! {
         r = agent::attach(&cfg) => r.map_err(|e| (e.category(), e.to_string()))?,
         _ = term.recv() => return Ok(()),

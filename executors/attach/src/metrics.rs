@@ -23,8 +23,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use crate::attached::Attached;
-
 /// How a port treated a connection when the forwarder accepted it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -259,6 +257,17 @@ pub struct InterceptLabels {
     pub kind: &'static str,
 }
 
+/// What the intercept and wiretap gauges show: the attached ports' state at a scrape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortGauges {
+    /// Ports intercepted whole (every connection).
+    pub whole: i64,
+    /// Ports under a filtered (HTTP header) intercept.
+    pub filtered: i64,
+    /// Wiretaps running, over all ports.
+    pub wiretaps: i64,
+}
+
 /// All metrics of one attach agent.
 pub struct AttachMetrics {
     registry: Registry,
@@ -422,27 +431,17 @@ impl AttachMetrics {
         self.redirected_ports.set(ports.unwrap_or(0) as i64);
     }
 
-    /// The text exposition format, with the intercept and wiretap gauges read from
-    /// `attached` (none before the agent is attached).
-    pub fn encode(&self, attached: Option<&Attached>) -> String {
-        let (mut whole, mut filtered, mut taps) = (0, 0, 0);
-        for p in attached.map(|a| a.ports.as_slice()).unwrap_or_default() {
-            if p.intercepted() {
-                if p.filter().is_some() {
-                    filtered += 1;
-                } else {
-                    whole += 1;
-                }
-            }
-            taps += p.wiretaps().len() as i64;
-        }
+    /// The text exposition format, with the intercept and wiretap gauges set from
+    /// `ports` (all 0 before the agent is attached: `None`).
+    pub fn encode(&self, ports: Option<PortGauges>) -> String {
+        let ports = ports.unwrap_or_default();
         self.intercepts
             .get_or_create(&InterceptLabels { kind: "whole" })
-            .set(whole);
+            .set(ports.whole);
         self.intercepts
             .get_or_create(&InterceptLabels { kind: "filtered" })
-            .set(filtered);
-        self.wiretaps.set(taps);
+            .set(ports.filtered);
+        self.wiretaps.set(ports.wiretaps);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
@@ -564,18 +563,20 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
 }
 
 /// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends;
-/// `attached` is read at each scrape (empty until the agent is attached). One request
-/// per connection; no TLS and no token — the port carries counts only.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    attached: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<Attached>>>,
-) {
+/// `ports` is called at each scrape for the intercept and wiretap gauges (`None` until
+/// the agent is attached). One request per connection; no TLS and no token — the port
+/// carries counts only.
+pub async fn serve<F>(listener: tokio::net::TcpListener, ports: F)
+where
+    F: Fn() -> Option<PortGauges> + Send + Sync + 'static,
+{
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ports = std::sync::Arc::new(ports);
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
         };
-        let attached = attached.clone();
+        let ports = ports.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             let mut n = 0;
@@ -601,7 +602,7 @@ pub async fn serve(
                 (
                     "200 OK",
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    global().encode(attached.get().map(|a| &**a)),
+                    global().encode(ports()),
                 )
             } else {
                 ("404 Not Found", "text/plain", "not found\n".to_owned())
