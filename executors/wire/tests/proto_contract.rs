@@ -1,0 +1,321 @@
+//! The agent API's contract (`proto/podmotion/agent/v1/agent.proto`) is the wire the
+//! agents and the operator spoke before it existed, when the messages were hand-written
+//! prost structs: the golden bytes below were recorded from those structs, one
+//! fully-populated instance of every message (every field set to a value other than
+//! its default, every enum variant used), and the generated types must encode to the
+//! same bytes and decode them back unchanged.
+
+use podmotion_wire::agent::*;
+use prost::Message;
+
+const UID: &str = "0b5e9f3c-6d1a-4e2b-9c7f-2a8d4e6f1b3c";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn prepare_source() -> PrepareRequest {
+    PrepareRequest {
+        migration_uid: UID.into(),
+        role: Role::Source as i32,
+        transfer_key: (0u8..32).collect(),
+        tcp: TcpPreservation::Strict as i32,
+        container_ids: vec![
+            "containerd://0123456789abcdef".into(),
+            "containerd://fedcba9876543210".into(),
+        ],
+        peer_node: "node-b".into(),
+        freeze_budget_ms: 4_000,
+    }
+}
+
+fn prepare_target() -> PrepareRequest {
+    PrepareRequest {
+        migration_uid: UID.into(),
+        role: Role::Target as i32,
+        transfer_key: vec![0xa5; 32],
+        tcp: TcpPreservation::None as i32,
+        container_ids: vec!["containerd://aa55".into()],
+        peer_node: "node-a".into(),
+        freeze_budget_ms: u64::MAX,
+    }
+}
+
+fn send() -> SendRequest {
+    SendRequest {
+        migration_uid: UID.into(),
+        target_endpoint: "https://10.0.0.2:7443".into(),
+        target_server_name: "podmotion-agent.node-b".into(),
+        bandwidth_limit: 125_000_000,
+    }
+}
+
+fn commit() -> CommitRequest {
+    CommitRequest {
+        migration_uid: UID.into(),
+        close_connections: true,
+    }
+}
+
+fn chunk() -> ImageChunk {
+    ImageChunk {
+        migration_uid: UID.into(),
+        seq: 300,
+        path: "pre-1/pages-1.img".into(),
+        offset: 1 << 33,
+        sealed: vec![0xde, 0xad, 0xbe, 0xef, 0x00, 0x01],
+        end: true,
+        symlink: true,
+        base: "pre-0/pages-1.img".into(),
+        stream_id: (0xf0u8..=0xff).collect(),
+    }
+}
+
+fn summary() -> ReceiveSummary {
+    ReceiveSummary {
+        files: 42,
+        bytes: 1 << 40,
+    }
+}
+
+fn socket(outcome: SocketOutcome, listening: bool, n: u8) -> SocketReport {
+    SocketReport {
+        local: format!("10.0.0.{n}:8080"),
+        remote: format!("10.0.1.{n}:5{n}000"),
+        listening,
+        outcome: outcome as i32,
+    }
+}
+
+fn timings() -> Timings {
+    let t0 = 1_764_000_000_000_000u64;
+    Timings {
+        freeze_started_us: t0,
+        dump_finished_us: t0 + 1,
+        send_finished_us: t0 + 2,
+        restore_started_us: t0 + 3,
+        resumed_us: t0 + 4,
+        last_pre_dump_us: t0 + 5,
+        pre_dump_total_us: 6,
+        dump_us: 7,
+        send_us: 8,
+        restore_us: 9,
+        last_round_us: 10,
+        pre_copy_send_us: 11,
+    }
+}
+
+fn status() -> MigrationStatus {
+    MigrationStatus {
+        migration_uid: UID.into(),
+        role: Role::Target as i32,
+        phase: Phase::Killed as i32,
+        iteration: 3,
+        last_round_bytes: 4096,
+        image_bytes: 1 << 30,
+        bytes_sent: 123_456_789,
+        bytes_received: 987_654_321,
+        timings: Some(timings()),
+        sockets: vec![
+            socket(SocketOutcome::Pending, true, 1),
+            socket(SocketOutcome::ListenerRestored, true, 2),
+            socket(SocketOutcome::Preserved, false, 3),
+            socket(SocketOutcome::ClosedCleanly, false, 4),
+        ],
+        // Negative: int32 (ten-byte varint), not sint32 or sfixed32.
+        restored_pid: -4242,
+        final_dump_bytes: 65_536,
+        last_round_sent_bytes: 8_192,
+        pre_copy_sent_bytes: 1 << 32,
+        fenced: true,
+    }
+}
+
+/// Every `Phase` (and `Role::Unspecified`, `TcpPreservation::BestEffort`, the zero
+/// values a populated message cannot carry) on the wire, one message each.
+fn enum_corner_cases() -> Vec<MigrationStatus> {
+    let phases = [
+        Phase::Unknown,
+        Phase::Prepared,
+        Phase::PreDumping,
+        Phase::Dumped,
+        Phase::Sent,
+        Phase::Receiving,
+        Phase::Received,
+        Phase::Restored,
+        Phase::Committed,
+        Phase::Aborted,
+        Phase::CleanedUp,
+        Phase::Killed,
+    ];
+    phases
+        .iter()
+        .map(|p| MigrationStatus {
+            migration_uid: "p".into(),
+            role: Role::Source as i32,
+            phase: *p as i32,
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// Recorded from the hand-written prost structs (commit df0ae61, before the contract).
+const GOLDEN: &[(&str, &str)] = &[
+    (
+        "MigrationRef",
+        "0a2430623565396633632d366431612d346532622d396337662d326138643465366631623363",
+    ),
+    (
+        "PrepareRequest/source",
+        "0a2430623565396633632d366431612d346532622d396337662d32613864346536663162336310012a2000010203\
+         0405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f30013a1d636f6e7461696e6572643a2f2f30\
+         3132333435363738396162636465663a1d636f6e7461696e6572643a2f2f66656463626139383736353433323130\
+         42066e6f64652d6248a01f",
+    ),
+    (
+        "PrepareRequest/target",
+        "0a2430623565396633632d366431612d346532622d396337662d32613864346536663162336310022a20a5a5a5a5\
+         a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a530023a11636f6e7461696e6572643a2f2f61\
+         61353542066e6f64652d6148ffffffffffffffffff01",
+    ),
+    ("PrepareRequest/zero-enums", "0a017a"),
+    (
+        "SendRequest",
+        "0a2430623565396633632d366431612d346532622d396337662d326138643465366631623363121568747470733a\
+         2f2f31302e302e302e323a373434331a16706f646d6f74696f6e2d6167656e742e6e6f64652d6220c0b2cd3b",
+    ),
+    (
+        "CommitRequest",
+        "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233631001",
+    ),
+    (
+        "ImageChunk",
+        "0a2430623565396633632d366431612d346532622d396337662d32613864346536663162336310ac021a11707265\
+         2d312f70616765732d312e696d672080808080202a06deadbeef00013001380142117072652d302f70616765732d\
+         312e696d674a10f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff",
+    ),
+    ("ReceiveSummary", "082a10808080808020"),
+    (
+        "SocketReport",
+        "0a0d31302e302e302e393a38303830120e31302e302e312e393a353930303018012002",
+    ),
+    (
+        "Timings",
+        "088080898b948b9103108180898b948b9103188280898b948b9103208380898b948b9103288480898b948b910330\
+         8580898b948b91033806400748085009580a600b",
+    ),
+    (
+        "MigrationStatus",
+        "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233631002180b20032880\
+         2030808080800438959aef3a40b1d1f9d6034a42088080898b948b9103108180898b948b9103188280898b948b91\
+         03208380898b948b9103288480898b948b9103308580898b948b91033806400748085009580a600b52210a0d3130\
+         2e302e302e313a38303830120e31302e302e312e313a3531303030180152230a0d31302e302e302e323a38303830\
+         120e31302e302e312e323a35323030301801200152210a0d31302e302e302e333a38303830120e31302e302e312e\
+         333a3533303030200252210a0d31302e302e302e343a38303830120e31302e302e312e343a3534303030200358ee\
+         deffffffffffffff01608080046880407080808080107801",
+    ),
+    (
+        "MigrationStatus/phases",
+        "050a01701001070a017010011801070a017010011802070a017010011803070a017010011804070a017010011805\
+         070a017010011806070a017010011807070a017010011808070a017010011809070a01701001180a070a01701001\
+         180b",
+    ),
+];
+
+fn golden(name: &str) -> String {
+    let (_, h) = GOLDEN.iter().find(|(n, _)| *n == name).expect(name);
+    h.chars().filter(|c| !c.is_whitespace()).collect()
+}
+
+fn unhex(h: &str) -> Vec<u8> {
+    (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// `m` encodes to the golden bytes of `name`, and they decode back to `m`.
+fn assert_wire<M: Message + Default + PartialEq + std::fmt::Debug>(name: &str, m: M) {
+    let want = golden(name);
+    assert_eq!(hex(&m.encode_to_vec()), want, "{name}: encoding changed");
+    assert_eq!(
+        M::decode(&unhex(&want)[..]).unwrap(),
+        m,
+        "{name}: decoding changed"
+    );
+}
+
+#[test]
+fn every_message_encodes_to_the_bytes_of_the_hand_written_structs() {
+    assert_wire("MigrationRef", MigrationRef::new(UID));
+    assert_wire("PrepareRequest/source", prepare_source());
+    assert_wire("PrepareRequest/target", prepare_target());
+    assert_wire(
+        "PrepareRequest/zero-enums",
+        PrepareRequest {
+            migration_uid: "z".into(),
+            role: Role::Unspecified as i32,
+            tcp: TcpPreservation::BestEffort as i32,
+            ..Default::default()
+        },
+    );
+    assert_wire("SendRequest", send());
+    assert_wire("CommitRequest", commit());
+    assert_wire("ImageChunk", chunk());
+    assert_wire("ReceiveSummary", summary());
+    assert_wire("SocketReport", socket(SocketOutcome::Preserved, true, 9));
+    assert_wire("Timings", timings());
+    assert_wire("MigrationStatus", status());
+
+    let want = golden("MigrationStatus/phases");
+    let mut phases = Vec::new();
+    for st in enum_corner_cases() {
+        st.encode_length_delimited(&mut phases).unwrap();
+    }
+    assert_eq!(
+        hex(&phases),
+        want,
+        "MigrationStatus/phases: encoding changed"
+    );
+    let mut buf = &unhex(&want)[..];
+    for st in enum_corner_cases() {
+        assert_eq!(
+            MigrationStatus::decode_length_delimited(&mut buf).unwrap(),
+            st
+        );
+    }
+    assert!(buf.is_empty());
+}
+
+#[test]
+fn enum_values_are_the_wire_numbers() {
+    let roles = [(Role::Unspecified, 0), (Role::Source, 1), (Role::Target, 2)];
+    for (r, n) in roles {
+        assert_eq!(r as i32, n, "{r:?}");
+        assert_eq!(Role::try_from(n), Ok(r));
+    }
+    let tcp = [
+        (TcpPreservation::BestEffort, 0),
+        (TcpPreservation::Strict, 1),
+        (TcpPreservation::None, 2),
+    ];
+    for (t, n) in tcp {
+        assert_eq!(t as i32, n, "{t:?}");
+        assert_eq!(TcpPreservation::try_from(n), Ok(t));
+    }
+    let outcomes = [
+        (SocketOutcome::Pending, 0),
+        (SocketOutcome::ListenerRestored, 1),
+        (SocketOutcome::Preserved, 2),
+        (SocketOutcome::ClosedCleanly, 3),
+    ];
+    for (o, n) in outcomes {
+        assert_eq!(o as i32, n, "{o:?}");
+        assert_eq!(SocketOutcome::try_from(n), Ok(o));
+    }
+    for (i, p) in enum_corner_cases().iter().enumerate() {
+        assert_eq!(p.phase, i as i32);
+        assert_eq!(Phase::try_from(p.phase).map(|p| p as i32), Ok(i as i32));
+    }
+    assert!(Phase::try_from(12).is_err());
+}
