@@ -392,7 +392,8 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .find(|v| v["name"] == "checkpoints")
         .unwrap();
     assert_eq!(checkpoints["emptyDir"]["medium"], "Memory");
-    // The agent mounts no host path read-write.
+    // The agent mounts no host path read-write but its own state directory (the
+    // leader-term record, which must outlive its pod).
     let host_volumes: BTreeSet<&str> = spec["volumes"]
         .as_array()
         .unwrap()
@@ -401,11 +402,13 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .map(|v| v["name"].as_str().unwrap())
         .collect();
     for m in agent["volumeMounts"].as_array().unwrap() {
-        if host_volumes.contains(m["name"].as_str().unwrap()) {
+        let name = m["name"].as_str().unwrap();
+        if host_volumes.contains(name) && name != "agent-state" {
             assert_eq!(m["readOnly"], true, "agent mount {m}");
         }
     }
-    // The host paths it has: the node's root and the broker's netns directory.
+    // The host paths it has: its state directory, the broker's netns directory and the
+    // node's root.
     let agent_host_mounts: Vec<&str> = agent["volumeMounts"]
         .as_array()
         .unwrap()
@@ -413,7 +416,16 @@ fn the_netns_broker_is_the_only_privileged_container() {
         .filter_map(|m| m["name"].as_str())
         .filter(|n| host_volumes.contains(n))
         .collect();
-    assert_eq!(agent_host_mounts, vec!["netns", "host"]);
+    assert_eq!(agent_host_mounts, vec!["agent-state", "netns", "host"]);
+    let state = mount(agent, "agent-state").unwrap();
+    assert_eq!(state["mountPath"], "/run/podmotion/agent");
+    assert!(state.get("mountPropagation").is_none(), "{state}");
+    assert!(strs(&agent["args"]).contains(&"--state-dir=/run/podmotion/agent"));
+    let broker = containers(spec)
+        .into_iter()
+        .find(|c| c["name"] == "netns-broker")
+        .unwrap();
+    assert!(mount(broker, "agent-state").is_none());
 }
 
 /// The volume named `name` of a pod spec.
@@ -482,16 +494,40 @@ fn the_agent_sees_the_node_read_only_and_finds_the_runtime_socket_under_it() {
 }
 
 /// Each release's broker owns its host directory (it rolls back and unbinds what it
-/// finds there at start): two releases get two, and a named one is used as given.
+/// finds there at start): two releases get two, and a named one is used as given. So
+/// does each release's agent (its leader-term record: another release's operator has
+/// its own Lease and terms), always in the release's run directory.
 #[test]
 fn each_release_gets_its_own_broker_directory_on_the_node() {
-    let dir = |release: &str, namespace: &str, args: &[&str]| {
+    let dirs = |release: &str, namespace: &str, args: &[&str]| {
         let docs = parse_docs(&try_render(release, namespace, args).unwrap());
         let spec = &of_kind(&docs, "DaemonSet")[0]["spec"]["template"]["spec"];
-        let v = volume(spec, "netns");
-        assert_eq!(v["hostPath"]["type"], "DirectoryOrCreate");
-        v["hostPath"]["path"].as_str().unwrap().to_owned()
+        let path = |name: &str| {
+            let v = volume(spec, name);
+            assert_eq!(v["hostPath"]["type"], "DirectoryOrCreate");
+            v["hostPath"]["path"].as_str().unwrap().to_owned()
+        };
+        (path("netns"), path("agent-state"))
     };
+    let dir = |release: &str, namespace: &str, args: &[&str]| dirs(release, namespace, args).0;
+    let agent = |release: &str, namespace: &str, args: &[&str]| dirs(release, namespace, args).1;
+    assert_eq!(
+        agent("pm", "podmotion", &[]),
+        "/run/podmotion/podmotion.pm/agent"
+    );
+    assert_eq!(
+        agent("pm2", "podmotion", &[]),
+        "/run/podmotion/podmotion.pm2/agent"
+    );
+    assert_eq!(agent("pm", "other", &[]), "/run/podmotion/other.pm/agent");
+    assert_eq!(
+        agent(
+            "pm",
+            "podmotion",
+            &["--set", "migrationAgent.netnsDir=/var/run/pm"]
+        ),
+        "/run/podmotion/podmotion.pm/agent"
+    );
     assert_eq!(
         dir("pm", "podmotion", &[]),
         "/run/podmotion/podmotion.pm/netns"

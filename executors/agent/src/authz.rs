@@ -16,6 +16,8 @@
 //! is on (`podmotion_wire::agent::LEADER_TERM_METADATA`): a term lower than the highest
 //! this agent has seen is refused ([`admit_term`]), so a replica that still believes it
 //! leads after another took over commands nothing. `Status` is never refused for it.
+//! The highest term is also recorded on the node before a call that raised it is
+//! admitted, so a restarted agent starts from it (`crate::service::leader_term`).
 //!
 //! Every denial is `PermissionDenied` ([`Denied`] → `Status`, in one place), and it
 //! comes before anything is resolved, frozen, read or written. An unknown migration is
@@ -64,6 +66,12 @@ impl Rpc {
     /// The calls that command the agent: the operator's only.
     pub fn is_control(self) -> bool {
         self != Rpc::ReceiveImages
+    }
+
+    /// The operator's calls that act (all but the `Status` read): the ones the leader
+    /// term fences.
+    pub fn commands(self) -> bool {
+        self.is_control() && self != Rpc::Status
     }
 }
 
@@ -121,13 +129,11 @@ pub enum Denied {
 /// (`Status`) change nothing and are never refused for their term.
 pub fn admit_term(rpc: Rpc, presented: Option<u64>, highest: u64) -> Result<(), Denied> {
     match presented {
-        Some(t) if t < highest && rpc.is_control() && rpc != Rpc::Status => {
-            Err(Denied::StaleLeader {
-                rpc,
-                presented: t,
-                highest,
-            })
-        }
+        Some(t) if t < highest && rpc.commands() => Err(Denied::StaleLeader {
+            rpc,
+            presented: t,
+            highest,
+        }),
         _ => Ok(()),
     }
 }

@@ -6,7 +6,7 @@ use podmotion_agent::{
     containers::Containers,
     criu::Criu,
     csr, images,
-    service::{Agent, Config, FreezeWatchdog},
+    service::{Agent, Config, FreezeWatchdog, leader_term::TermRecord},
 };
 use podmotion_wire::client::{TlsFiles, tls_incoming};
 use podmotion_wire::proto::migration_agent_server::MigrationAgentServer;
@@ -102,6 +102,13 @@ struct Args {
         default_value = "/run/podmotion/checkpoints"
     )]
     checkpoints_root: PathBuf,
+    /// Directory for what the agent must remember across its restarts: the highest
+    /// operator leader term it admitted (`leader-term`), so a stale leader cannot
+    /// command a restarted agent. It must outlive the agent's container (the chart: a
+    /// hostPath in the release's run directory on the node). Default: `agent` beside
+    /// the checkpoint root (`/run/podmotion/agent` with the default root).
+    #[arg(long, env = "PODMOTION_AGENT_STATE_DIR")]
+    state_dir: Option<PathBuf>,
     /// The freeze watchdog's margin: a source still frozen its migration's freeze
     /// budget plus this long after the final dump is resumed by the agent itself.
     #[arg(
@@ -137,6 +144,8 @@ async fn serve() -> anyhow::Result<()> {
     let a = Args::parse();
     podmotion_log::init(a.log_format, "info");
     zeroize_leftover_images(&a.checkpoints_root)?;
+    // Before anything else can fail late: an unreadable record stops the agent here.
+    let term_record = leader_term_record(&a)?;
     let track_mem = criu_tracks_dirty_memory(&a.criu);
     let criu = Criu {
         binary: a.criu.clone(),
@@ -158,7 +167,8 @@ async fn serve() -> anyhow::Result<()> {
             margin: std::time::Duration::from_millis(a.freeze_watchdog_margin_ms),
             default_budget: std::time::Duration::from_millis(a.freeze_watchdog_default_budget_ms),
         },
-    })?;
+    })?
+    .with_leader_term_record(term_record)?;
     let agent = std::sync::Arc::new(agent);
     let metrics = tokio::net::TcpListener::bind(a.metrics_listen).await?;
     tokio::spawn(podmotion_agent::metrics::serve(
@@ -182,6 +192,20 @@ fn zeroize_leftover_images(checkpoints_root: &std::path::Path) -> anyhow::Result
         tracing::warn!(swept, "zeroized checkpoint images left by a previous run");
     }
     Ok(())
+}
+
+/// The node's record of the highest leader term this agent admitted, in `--state-dir`
+/// (default: `agent` beside the checkpoint root, so each testbed node gets its own).
+fn leader_term_record(a: &Args) -> anyhow::Result<TermRecord> {
+    let dir = match (&a.state_dir, a.checkpoints_root.parent()) {
+        (Some(d), _) => d.clone(),
+        (None, Some(p)) if !p.as_os_str().is_empty() => p.join("agent"),
+        (None, _) => anyhow::bail!(
+            "--state-dir is needed: the checkpoint root {} has no parent directory",
+            a.checkpoints_root.display()
+        ),
+    };
+    Ok(TermRecord::open(&dir)?)
 }
 
 /// Whether CRIU can track soft-dirty memory here, which decides how pre-copy works

@@ -22,13 +22,13 @@ use podmotion_wire::proto::migration_agent_server::MigrationAgent;
 use podmotion_wire::transfer;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Mutex;
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 mod dump;
+pub mod leader_term;
 mod receive;
 mod restore;
 mod send;
@@ -577,9 +577,10 @@ pub struct Agent {
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
     /// Every source this agent left frozen after a final dump (claimed or not).
     frozen: Arc<StdMutex<Vec<FrozenSource>>>,
-    /// The highest operator leader term seen since this agent started (the fence
-    /// against a replica that still believes it leads; [`authz::admit_term`]).
-    highest_term: AtomicU64,
+    /// The highest operator leader term seen, and recorded on the node when the agent
+    /// has a [`leader_term::TermRecord`] (the fence against a replica that still
+    /// believes it leads; [`authz::admit_term`]).
+    term_fence: leader_term::TermFence,
 }
 
 #[derive(Clone)]
@@ -611,8 +612,26 @@ impl Agent {
             own,
             migrations: StdMutex::new(HashMap::new()),
             frozen: Arc::new(StdMutex::new(Vec::new())),
-            highest_term: AtomicU64::new(0),
+            term_fence: leader_term::TermFence::default(),
         })
+    }
+
+    /// The agent keeps its leader-term fence in `record` (on the node, so that it
+    /// survives the agent) and starts from the term recorded there. Fails if the
+    /// record cannot be read or is corrupt: the fence is never lowered silently
+    /// ([`leader_term::TermRecord`]).
+    pub fn with_leader_term_record(
+        mut self,
+        record: leader_term::TermRecord,
+    ) -> Result<Self, leader_term::TermRecordError> {
+        let path = record.path();
+        self.term_fence = leader_term::TermFence::recorded(record)?;
+        tracing::info!(
+            highest_term = self.term_fence.highest(),
+            record = %path.display(),
+            "leader-term fence starts from the recorded term"
+        );
+        Ok(self)
     }
 
     /// This agent's node, if its identity names one.
@@ -647,10 +666,12 @@ impl Agent {
         authz::authorize(&caller, rpc, state).map_err(refused)?;
         let presented = podmotion_wire::agent::leader_term(r.metadata())
             .map_err(|e| Status::invalid_argument(format!("{rpc}: {e}")))?;
-        let highest = match presented {
-            Some(t) => self.highest_term.fetch_max(t, Ordering::SeqCst),
-            None => self.highest_term.load(Ordering::SeqCst),
-        };
+        // A term this call raises is recorded on the node before the call is admitted:
+        // an agent that crashes after acting on it must not come back below it.
+        let highest = self.term_fence.observe(rpc, presented).map_err(|e| {
+            tracing::error!(%rpc, error = %e, "could not record the leader term: call refused");
+            Status::unavailable(format!("{rpc}: the leader term was not recorded: {e}"))
+        })?;
         authz::admit_term(rpc, presented, highest).map_err(refused)
     }
 

@@ -466,3 +466,77 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
     assert!(!tb.checkpoints(0).join("authz-term-old").exists());
     assert!(running(src.pid), "the source was frozen by a stale leader");
 }
+
+/// The fence survives the agent (issue 16, finding 9's fence, across a restart): once
+/// a commanding call with the operator's leader term 7 was admitted, the agent is
+/// killed (SIGKILL: nothing is written on the way out) and a new one started on the same
+/// node's state directory refuses term 6 on every commanding call, while terms 7 and 8
+/// are admitted. The term is on the node (`<state dir>/leader-term`) by the time the
+/// call that raised it returned.
+#[test]
+fn a_restarted_agent_still_refuses_a_stale_leader() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut tb) = testbed("azr") else { return };
+    let src = tb.start_workload(8, 0);
+    let container = tb.container("workload", src.pid);
+    let prepare = |uid| tb.prepare_request(uid, 0, &container, TcpPreservation::BestEffort);
+    let (before, stale, current) = (
+        prepare("authz-restart-7"),
+        prepare("authz-restart-6"),
+        prepare("authz-restart-8"),
+    );
+    let prepared = tb.operator(move |tls| async move {
+        let mut new = tls.agent(0).await.with_leader_term(Some(7));
+        let p = new.prepare(before).await.unwrap().phase();
+        new.abort("authz-restart-7").await.unwrap();
+        new.cleanup("authz-restart-7").await.unwrap();
+        p
+    });
+    assert_eq!(prepared, Phase::Prepared);
+    // The testbed's agents keep their state beside their checkpoint root.
+    let record = tb.dir.join("node0/agent/leader-term");
+    assert_eq!(std::fs::read_to_string(&record).unwrap(), "7\n");
+
+    tb.kill_agent(0);
+    tb.start_agent(0);
+    let (refusals, stale_reads, at_7, at_8) = tb.operator(move |tls| async move {
+        let mut old = tls.agent(0).await.with_leader_term(Some(6));
+        let u = "authz-restart-6";
+        let refusals = vec![
+            denied("Prepare", old.prepare(stale).await),
+            denied("PreDump", old.pre_dump(u).await),
+            denied("Dump", old.dump(u).await),
+            denied(
+                "Send",
+                old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
+            ),
+            denied("Fence", old.fence(u).await),
+            denied("Restore", old.restore(u).await),
+            denied("Commit", old.commit(u).await),
+            denied("Abort", old.abort(u).await),
+            denied("Cleanup", old.cleanup(u).await),
+        ];
+        // A read is still answered (the migration is unknown to the new agent).
+        let stale_reads = old.status(u).await.unwrap_err().category();
+        // The leader of term 7 is admitted: its Abort of a migration the restarted
+        // agent never saw is answered as such, not refused.
+        let mut same = tls.agent(0).await.with_leader_term(Some(7));
+        let at_7 = same.abort("authz-restart-7").await.unwrap_err().category();
+        // A newer leader is admitted and commands.
+        let mut newer = tls.agent(0).await.with_leader_term(Some(8));
+        let at_8 = newer.prepare(current).await.unwrap().phase();
+        newer.abort("authz-restart-8").await.unwrap();
+        newer.cleanup("authz-restart-8").await.unwrap();
+        (refusals, stale_reads, at_7, at_8)
+    });
+    assert_eq!(refusals.len(), 9);
+    for m in &refusals {
+        assert!(m.contains("leader term 6") && m.contains("term 7"), "{m}");
+    }
+    assert_eq!(stale_reads, "MigrationUnknown");
+    assert_eq!(at_7, "MigrationUnknown");
+    assert_eq!(at_8, Phase::Prepared);
+    assert_eq!(std::fs::read_to_string(&record).unwrap(), "8\n");
+    assert!(!tb.checkpoints(0).join("authz-restart-6").exists());
+    assert!(running(src.pid), "the source was frozen by a stale leader");
+}
