@@ -1,107 +1,31 @@
-//! Generates the tonic client and server stubs of the agent service from the Rust
-//! description below (tonic-build's `manual` module), so no `protoc` and no .proto
-//! compiler are needed at build time. The messages are the prost structs in
-//! `src/agent.rs`; their field numbers are the wire contract.
+//! Generates the agent API from its contract, `proto/podmotion/agent/v1/agent.proto`:
+//! the .proto is compiled in pure Rust (protox, so no `protoc` is needed) into a
+//! FileDescriptorSet, from which tonic-prost-build generates the prost messages and
+//! the tonic client and server (`$OUT_DIR/podmotion.agent.v1.rs`, included by
+//! `src/agent.rs`). The encoded descriptor set is written beside it
+//! (`agent_descriptor.bin`, `podmotion_wire::proto::FILE_DESCRIPTOR_SET`).
 
-use tonic_build::manual::{Builder, Method, Service};
+use std::path::PathBuf;
 
-fn method(name: &str, route: &str, input: &str, output: &str, client_streaming: bool) -> Method {
-    let b = Method::builder()
-        .name(name)
-        .route_name(route)
-        .input_type(format!("crate::agent::{input}"))
-        .output_type(format!("crate::agent::{output}"))
-        .codec_path("tonic_prost::ProstCodec");
-    if client_streaming {
-        b.client_streaming().build()
-    } else {
-        b.build()
-    }
-}
+const PROTO: &str = "proto/podmotion/agent/v1/agent.proto";
 
-fn main() {
-    let svc = Service::builder()
-        .name("MigrationAgent")
-        .package("podmotion.agent.v1")
-        .comment("Node agent of a live migration; every call is idempotent per migration UID.")
-        .method(method(
-            "prepare",
-            "Prepare",
-            "PrepareRequest",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "pre_dump",
-            "PreDump",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "dump",
-            "Dump",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "send",
-            "Send",
-            "SendRequest",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "receive_images",
-            "ReceiveImages",
-            "ImageChunk",
-            "ReceiveSummary",
-            true,
-        ))
-        .method(method(
-            "fence",
-            "Fence",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "restore",
-            "Restore",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "commit",
-            "Commit",
-            "CommitRequest",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "abort",
-            "Abort",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "cleanup",
-            "Cleanup",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .method(method(
-            "status",
-            "Status",
-            "MigrationRef",
-            "MigrationStatus",
-            false,
-        ))
-        .build();
-    Builder::new().compile(&[svc]);
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed={PROTO}");
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+
+    let mut compiler = protox::Compiler::new(["proto"])?;
+    // Source info carries the .proto comments into the generated docs.
+    compiler.include_source_info(true).include_imports(true);
+    compiler.open_file(PROTO)?;
+    std::fs::write(
+        out.join("agent_descriptor.bin"),
+        compiler.encode_file_descriptor_set(),
+    )?;
+
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(compiler.file_descriptor_set())?;
+    Ok(())
 }

@@ -319,3 +319,236 @@ fn enum_values_are_the_wire_numbers() {
     }
     assert!(Phase::try_from(12).is_err());
 }
+
+/// The service as the code knows it: (method, request, response, client streaming).
+/// The routes are `/podmotion.agent.v1.MigrationAgent/<method>`, as the hand-written
+/// stubs had them.
+const METHODS: &[(&str, &str, &str, bool)] = &[
+    ("Prepare", "PrepareRequest", "MigrationStatus", false),
+    ("PreDump", "MigrationRef", "MigrationStatus", false),
+    ("Dump", "MigrationRef", "MigrationStatus", false),
+    ("Send", "SendRequest", "MigrationStatus", false),
+    ("ReceiveImages", "ImageChunk", "ReceiveSummary", true),
+    ("Fence", "MigrationRef", "MigrationStatus", false),
+    ("Restore", "MigrationRef", "MigrationStatus", false),
+    ("Commit", "CommitRequest", "MigrationStatus", false),
+    ("Abort", "MigrationRef", "MigrationStatus", false),
+    ("Cleanup", "MigrationRef", "MigrationStatus", false),
+    ("Status", "MigrationRef", "MigrationStatus", false),
+];
+
+/// The few fields of `google/protobuf/descriptor.proto` this test reads (their numbers
+/// are protobuf's own; everything else is skipped as unknown).
+mod descriptor {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct FileDescriptorSet {
+        #[prost(message, repeated, tag = "1")]
+        pub file: Vec<FileDescriptorProto>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct FileDescriptorProto {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(string, tag = "2")]
+        pub package: String,
+        #[prost(message, repeated, tag = "6")]
+        pub service: Vec<ServiceDescriptorProto>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ServiceDescriptorProto {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(message, repeated, tag = "2")]
+        pub method: Vec<MethodDescriptorProto>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct MethodDescriptorProto {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(string, tag = "2")]
+        pub input_type: String,
+        #[prost(string, tag = "3")]
+        pub output_type: String,
+        #[prost(bool, tag = "5")]
+        pub client_streaming: bool,
+        #[prost(bool, tag = "6")]
+        pub server_streaming: bool,
+    }
+}
+
+#[test]
+fn the_contract_names_exactly_the_methods_of_the_code() {
+    let fds =
+        descriptor::FileDescriptorSet::decode(podmotion_wire::proto::FILE_DESCRIPTOR_SET).unwrap();
+    let [file] = &fds.file[..] else {
+        panic!(
+            "one file, no imports: {:?}",
+            fds.file.iter().map(|f| &f.name).collect::<Vec<_>>()
+        );
+    };
+    assert_eq!(file.name, "podmotion/agent/v1/agent.proto");
+    assert_eq!(file.package, "podmotion.agent.v1");
+    let [svc] = &file.service[..] else {
+        panic!(
+            "one service: {:?}",
+            file.service.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+    };
+    assert_eq!(svc.name, "MigrationAgent");
+    let q = |t: &str| format!(".podmotion.agent.v1.{t}");
+    let mut contract: Vec<_> = svc
+        .method
+        .iter()
+        .map(|m| {
+            assert!(
+                !m.server_streaming,
+                "{}: no call streams its answer",
+                m.name
+            );
+            (
+                m.name.clone(),
+                m.input_type.clone(),
+                m.output_type.clone(),
+                m.client_streaming,
+            )
+        })
+        .collect();
+    let mut code: Vec<_> = METHODS
+        .iter()
+        .map(|(n, i, o, s)| (n.to_string(), q(i), q(o), *s))
+        .collect();
+    contract.sort();
+    code.sort();
+    assert_eq!(
+        contract, code,
+        "the contract's methods and the code's differ"
+    );
+}
+
+/// Answers every call with the name of the method that took it.
+struct Echo;
+
+type Res<T> = Result<tonic::Response<T>, tonic::Status>;
+
+fn echo(method: &str, uid: &str) -> Res<MigrationStatus> {
+    Ok(tonic::Response::new(MigrationStatus {
+        migration_uid: format!("{method}:{uid}"),
+        ..Default::default()
+    }))
+}
+
+#[tonic::async_trait]
+impl podmotion_wire::proto::migration_agent_server::MigrationAgent for Echo {
+    async fn prepare(&self, r: tonic::Request<PrepareRequest>) -> Res<MigrationStatus> {
+        echo("Prepare", &r.into_inner().migration_uid)
+    }
+    async fn pre_dump(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("PreDump", &r.into_inner().migration_uid)
+    }
+    async fn dump(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Dump", &r.into_inner().migration_uid)
+    }
+    async fn send(&self, r: tonic::Request<SendRequest>) -> Res<MigrationStatus> {
+        echo("Send", &r.into_inner().migration_uid)
+    }
+    async fn receive_images(
+        &self,
+        r: tonic::Request<tonic::Streaming<ImageChunk>>,
+    ) -> Res<ReceiveSummary> {
+        let mut s = r.into_inner();
+        let mut files = 0;
+        while let Some(c) = s.message().await? {
+            assert_eq!(c.migration_uid, "x");
+            files += 1;
+        }
+        Ok(tonic::Response::new(ReceiveSummary { files, bytes: 7 }))
+    }
+    async fn fence(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Fence", &r.into_inner().migration_uid)
+    }
+    async fn restore(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Restore", &r.into_inner().migration_uid)
+    }
+    async fn commit(&self, r: tonic::Request<CommitRequest>) -> Res<MigrationStatus> {
+        echo("Commit", &r.into_inner().migration_uid)
+    }
+    async fn abort(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Abort", &r.into_inner().migration_uid)
+    }
+    async fn cleanup(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Cleanup", &r.into_inner().migration_uid)
+    }
+    async fn status(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
+        echo("Status", &r.into_inner().migration_uid)
+    }
+}
+
+/// One raw gRPC call to the generated server: (grpc-status, the answer's message).
+async fn call(path: &str) -> (String, Vec<u8>) {
+    use tonic::codegen::{Body as _, Service as _, http};
+    let mut svc = podmotion_wire::proto::migration_agent_server::MigrationAgentServer::new(Echo);
+    // One length-prefixed message whose field 1 is the string "x": the
+    // `migration_uid` of every request type.
+    let frame = "\0\0\0\0\x03\x0a\x01x".to_string();
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://agent{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(frame))
+        .unwrap();
+    futures::future::poll_fn(|cx| {
+        tonic::codegen::Service::<http::Request<tonic::body::Body>>::poll_ready(&mut svc, cx)
+    })
+    .await
+    .unwrap();
+    let resp = svc.call(req).await.unwrap();
+    let mut grpc_status = resp.headers().get("grpc-status").cloned();
+    let mut body = resp.into_body();
+    let mut data = Vec::new();
+    while let Some(f) =
+        futures::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+    {
+        match f.unwrap().into_data() {
+            Ok(d) => data.extend_from_slice(&d),
+            Err(f) => {
+                if let Ok(t) = f.into_trailers() {
+                    grpc_status = grpc_status.or(t.get("grpc-status").cloned());
+                }
+            }
+        }
+    }
+    let status = grpc_status
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let msg = if data.len() >= 5 {
+        data[5..].to_vec()
+    } else {
+        vec![]
+    };
+    (status, msg)
+}
+
+#[tokio::test]
+async fn every_method_of_the_contract_is_served_on_its_route() {
+    for (name, _, _, _) in METHODS {
+        let (status, msg) = call(&format!("/podmotion.agent.v1.MigrationAgent/{name}")).await;
+        assert_eq!(status, "0", "{name}");
+        if *name == "ReceiveImages" {
+            assert_eq!(
+                ReceiveSummary::decode(&msg[..]).unwrap(),
+                ReceiveSummary { files: 1, bytes: 7 }
+            );
+        } else {
+            let st = MigrationStatus::decode(&msg[..]).unwrap();
+            assert_eq!(
+                st.migration_uid,
+                format!("{name}:x"),
+                "{name} reached another method"
+            );
+        }
+    }
+    // A method outside the contract is not served (the check above can fail).
+    let (status, _) = call("/podmotion.agent.v1.MigrationAgent/Migrate").await;
+    assert_eq!(status, (tonic::Code::Unimplemented as i32).to_string());
+}
