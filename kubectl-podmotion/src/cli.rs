@@ -70,7 +70,7 @@ pub struct OneAgent {
 pub struct Cp {
     /// `<workload>:<absolute path>`, e.g. `deploy/web:/etc/nginx/nginx.conf`: a regular
     /// file, or a directory (copied with its files, subdirectories and symlinks).
-    #[arg(value_parser = crate::cp::parse_remote)]
+    #[arg(value_parser = parse_remote)]
     pub source: (Workload, String),
     /// Where to write: a file, a directory (created if missing; a directory's contents
     /// go into it), or `-` for stdout (a file's bytes, or a directory as tar).
@@ -261,6 +261,19 @@ pub struct Status {
     pub all_namespaces: bool,
 }
 
+/// `<workload>:<path>`: the workload (as for the other commands) and an absolute path.
+pub fn parse_remote(s: &str) -> Result<(Workload, String), String> {
+    let (w, path) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not <workload>:<absolute path>"))?;
+    if !path.starts_with('/') {
+        return Err(format!(
+            "{path:?} must be an absolute path in the container"
+        ));
+    }
+    Ok((parse_workload(w)?, path.to_string()))
+}
+
 /// `90`, `90s`, `15m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -349,6 +362,23 @@ mod tests {
         };
         assert_eq!(i.port.local, 18080);
         assert_eq!(i.headers, vec![("x-dev".to_string(), "me".to_string())]);
+    }
+
+    #[test]
+    fn remote_paths_parse_as_workload_colon_absolute_path() {
+        let (w, p) = parse_remote("deploy/web:/etc/os-release").unwrap();
+        assert_eq!((w.name.as_str(), p.as_str()), ("web", "/etc/os-release"));
+        let (w, p) = parse_remote("sts/db:/var/lib/data/").unwrap();
+        assert_eq!(
+            (w.kind, p.as_str()),
+            (
+                podmotion_api::attachment::WorkloadKind::StatefulSet,
+                "/var/lib/data/"
+            )
+        );
+        assert!(parse_remote("web").is_err());
+        assert!(parse_remote("web:etc/passwd").is_err());
+        assert!(parse_remote("pod/x:/a").is_err());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use kube::Client;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, DuplexStream};
 
 use crate::agent::Agent;
-use crate::cli::{Cp, Workload};
+use crate::cli::Cp;
 use crate::env::{container_id, progress, with_agent};
 
 /// Longest JSON line the agent sends before the bytes.
@@ -31,19 +31,6 @@ const MAX_META: u64 = 4096;
 pub enum Meta {
     File { size: u64, mode: u32 },
     Dir { mode: u32 },
-}
-
-/// `<workload>:<path>`: the workload (as for the other commands) and an absolute path.
-pub fn parse_remote(s: &str) -> Result<(Workload, String), String> {
-    let (w, path) = s
-        .split_once(':')
-        .ok_or_else(|| format!("{s:?} is not <workload>:<absolute path>"))?;
-    if !path.starts_with('/') {
-        return Err(format!(
-            "{path:?} must be an absolute path in the container"
-        ));
-    }
-    Ok((crate::cli::parse_workload(w)?, path.to_string()))
 }
 
 /// Percent-encodes a query value: everything but unreserved characters and `/`.
@@ -389,23 +376,6 @@ impl Read for ChunkReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn remote_paths_parse_as_workload_colon_absolute_path() {
-        let (w, p) = parse_remote("deploy/web:/etc/os-release").unwrap();
-        assert_eq!((w.name.as_str(), p.as_str()), ("web", "/etc/os-release"));
-        let (w, p) = parse_remote("sts/db:/var/lib/data/").unwrap();
-        assert_eq!(
-            (w.kind, p.as_str()),
-            (
-                podmotion_api::attachment::WorkloadKind::StatefulSet,
-                "/var/lib/data/"
-            )
-        );
-        assert!(parse_remote("web").is_err());
-        assert!(parse_remote("web:etc/passwd").is_err());
-        assert!(parse_remote("pod/x:/a").is_err());
-    }
 
     #[test]
     fn query_values_are_percent_encoded() {
