@@ -28,8 +28,6 @@ use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
-use crate::service::Agent;
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     pub rpc: &'static str,
@@ -194,6 +192,12 @@ fn now_us() -> u64 {
 pub struct FrozenAge {
     pub frozen_for: Duration,
     pub budget: Duration,
+}
+
+/// What a scrape reads from the agent that no RPC answer shows: the sources it holds
+/// frozen now (the service's `Agent` provides it).
+pub trait FrozenSources: Send + Sync + 'static {
+    fn frozen_sources(&self) -> Vec<FrozenAge>;
 }
 
 /// Registers `metric` under `name` with `help` and hands it back (a clone shares its
@@ -413,9 +417,9 @@ impl AgentMetrics {
     }
 }
 
-/// The gRPC service with every answer counted: what `main` serves.
-pub struct Observed {
-    pub agent: Arc<Agent>,
+/// The gRPC service (the agent's) with every answer counted: what `main` serves.
+pub struct Observed<A> {
+    pub agent: Arc<A>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
@@ -431,7 +435,7 @@ async fn timed(
 }
 
 #[tonic::async_trait]
-impl MigrationAgent for Observed {
+impl<A: MigrationAgent> MigrationAgent for Observed<A> {
     async fn prepare(&self, r: GrpcRequest<PrepareRequest>) -> Res<MigrationStatus> {
         timed("Prepare", self.agent.prepare(r)).await
     }
@@ -470,9 +474,10 @@ impl MigrationAgent for Observed {
     }
 }
 
-/// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends.
-/// One request per connection; no TLS and no secrets — the port carries counts only.
-pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) {
+/// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends;
+/// `agent`'s frozen sources are read at each scrape. One request per connection; no
+/// TLS and no secrets — the port carries counts only.
+pub async fn serve<S: FrozenSources>(listener: tokio::net::TcpListener, agent: Arc<S>) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
