@@ -160,6 +160,107 @@ pub struct Testbed {
     pub criu: PathBuf,
 }
 
+/// The network namespace `n` of the testbed `p` (see [`Testbed::ns`]).
+fn ns_of(p: &str, n: &str) -> String {
+    format!("{p}-{n}")
+}
+
+/// The testbed's network namespaces, each new (a leftover of the same name deleted
+/// first) with its loopback up: the two nodes, the source and target pods, the client.
+fn fresh_namespaces(p: &str) {
+    for n in ["na", "nb", "src", "tgt", "cli"] {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &ns_of(p, n)])
+            .stderr(Stdio::null())
+            .status();
+        ip(&format!("netns add {}", ns_of(p, n)));
+        ip(&format!("-n {} link set lo up", ns_of(p, n)));
+    }
+}
+
+/// The two nodes' link: a veth pair between them, with [`NODE_IPS`].
+fn link_nodes(p: &str) {
+    let ns = |n: &str| ns_of(p, n);
+    ip(&format!(
+        "link add eth0 netns {} type veth peer name eth0 netns {}",
+        ns("na"),
+        ns("nb")
+    ));
+    for (i, n) in ["na", "nb"].iter().enumerate() {
+        ip(&format!(
+            "-n {} addr add {}/24 dev eth0",
+            ns(n),
+            NODE_IPS[i]
+        ));
+        ip(&format!("-n {} link set eth0 up", ns(n)));
+    }
+}
+
+/// The source and target pods' links to the client namespace, which routes
+/// [`POD_IP`] to the source; the source holds the pod IP.
+fn link_pods_to_client(p: &str) {
+    let ns = |n: &str| ns_of(p, n);
+    ip(&format!(
+        "link add to-src netns {} type veth peer name eth0 netns {}",
+        ns("cli"),
+        ns("src")
+    ));
+    ip(&format!(
+        "link add to-tgt netns {} type veth peer name eth0 netns {}",
+        ns("cli"),
+        ns("tgt")
+    ));
+    for l in ["to-src", "to-tgt"] {
+        ip(&format!("-n {} addr add 10.213.1.1/32 dev {l}", ns("cli")));
+        ip(&format!("-n {} link set {l} up", ns("cli")));
+    }
+    ip(&format!("-n {} addr add {POD_IP}/32 dev eth0", ns("src")));
+    for n in ["src", "tgt"] {
+        ip(&format!("-n {} link set eth0 up", ns(n)));
+        ip(&format!("-n {} route add 10.213.1.1 dev eth0", ns(n)));
+        ip(&format!(
+            "-n {} route add default via 10.213.1.1 dev eth0",
+            ns(n)
+        ));
+    }
+    ip(&format!(
+        "-n {} route add {POD_IP}/32 dev to-src",
+        ns("cli")
+    ));
+}
+
+/// The testbed's pods cgroup (`<cgroup2>/<p>`) with the source and target pods'.
+fn pod_cgroups(p: &str) -> PathBuf {
+    let cgroup = procfs::cgroup2_mount().expect("cgroup2").join(p);
+    for c in ["src", "tgt"] {
+        std::fs::create_dir_all(cgroup.join(c)).expect("cgroup");
+    }
+    cgroup
+}
+
+/// Node `i`'s broker, serving on `<dir>/node<i>/broker.sock` from a thread of its
+/// own, with its checkpoint root on a tmpfs.
+fn start_broker(dir: &Path, p: &str, i: usize) -> Arc<Broker> {
+    let run = dir.join(format!("node{i}"));
+    std::fs::create_dir_all(run.join("checkpoints")).expect("dir");
+    sh(&format!(
+        "mount -t tmpfs -o mode=0700,size=2g tmpfs {}",
+        run.join("checkpoints").display()
+    ));
+    let b = Broker::new(BrokerConfig {
+        run_dir: run.clone(),
+        pods_cgroup_root: format!("/{p}"),
+        allowed_uid: 0,
+        // The testbed's agents run in their node's network namespace, this
+        // broker in the test's: not the chart's one-pod shape.
+        same_netns_peers: false,
+    });
+    let l = b.bind(&run.join("broker.sock")).expect("broker socket");
+    let b2 = Arc::clone(&b);
+    std::thread::spawn(move || b2.serve_listener(l));
+    b
+}
+
 impl Testbed {
     pub fn new(name: &str, agent_bin: &Path, testload_bin: &Path) -> Self {
         Self::build(
@@ -195,80 +296,11 @@ impl Testbed {
         let dir = PathBuf::from(format!("/run/podmotion-testbed/{p}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("dir");
-        let ns = |n: &str| format!("{p}-{n}");
-        for n in ["na", "nb", "src", "tgt", "cli"] {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &ns(n)])
-                .stderr(Stdio::null())
-                .status();
-            ip(&format!("netns add {}", ns(n)));
-            ip(&format!("-n {} link set lo up", ns(n)));
-        }
-        ip(&format!(
-            "link add eth0 netns {} type veth peer name eth0 netns {}",
-            ns("na"),
-            ns("nb")
-        ));
-        for (i, n) in ["na", "nb"].iter().enumerate() {
-            ip(&format!(
-                "-n {} addr add {}/24 dev eth0",
-                ns(n),
-                NODE_IPS[i]
-            ));
-            ip(&format!("-n {} link set eth0 up", ns(n)));
-        }
-        ip(&format!(
-            "link add to-src netns {} type veth peer name eth0 netns {}",
-            ns("cli"),
-            ns("src")
-        ));
-        ip(&format!(
-            "link add to-tgt netns {} type veth peer name eth0 netns {}",
-            ns("cli"),
-            ns("tgt")
-        ));
-        for l in ["to-src", "to-tgt"] {
-            ip(&format!("-n {} addr add 10.213.1.1/32 dev {l}", ns("cli")));
-            ip(&format!("-n {} link set {l} up", ns("cli")));
-        }
-        ip(&format!("-n {} addr add {POD_IP}/32 dev eth0", ns("src")));
-        for n in ["src", "tgt"] {
-            ip(&format!("-n {} link set eth0 up", ns(n)));
-            ip(&format!("-n {} route add 10.213.1.1 dev eth0", ns(n)));
-            ip(&format!(
-                "-n {} route add default via 10.213.1.1 dev eth0",
-                ns(n)
-            ));
-        }
-        ip(&format!(
-            "-n {} route add {POD_IP}/32 dev to-src",
-            ns("cli")
-        ));
-
-        let cgroup = procfs::cgroup2_mount().expect("cgroup2").join(&p);
-        for c in ["src", "tgt"] {
-            std::fs::create_dir_all(cgroup.join(c)).expect("cgroup");
-        }
-        let brokers = [0, 1].map(|i| {
-            let run = dir.join(format!("node{i}"));
-            std::fs::create_dir_all(run.join("checkpoints")).expect("dir");
-            sh(&format!(
-                "mount -t tmpfs -o mode=0700,size=2g tmpfs {}",
-                run.join("checkpoints").display()
-            ));
-            let b = Broker::new(BrokerConfig {
-                run_dir: run.clone(),
-                pods_cgroup_root: format!("/{p}"),
-                allowed_uid: 0,
-                // The testbed's agents run in their node's network namespace, this
-                // broker in the test's: not the chart's one-pod shape.
-                same_netns_peers: false,
-            });
-            let l = b.bind(&run.join("broker.sock")).expect("broker socket");
-            let b2 = Arc::clone(&b);
-            std::thread::spawn(move || b2.serve_listener(l));
-            b
-        });
+        fresh_namespaces(&p);
+        link_nodes(&p);
+        link_pods_to_client(&p);
+        let cgroup = pod_cgroups(&p);
+        let brokers = [0, 1].map(|i| start_broker(&dir, &p, i));
         let tls = make_tls(&dir, nodes, &extra_sans);
         Self {
             p,
@@ -286,7 +318,7 @@ impl Testbed {
     }
 
     pub fn ns(&self, n: &str) -> String {
-        format!("{}-{n}", self.p)
+        ns_of(&self.p, n)
     }
 
     pub fn checkpoints(&self, node: usize) -> PathBuf {

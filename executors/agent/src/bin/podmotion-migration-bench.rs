@@ -154,77 +154,114 @@ fn criu_restore(criu: &Path, dst: &Path, netns: &str) -> ExitStatus {
         .expect("criu")
 }
 
+/// The migration id the bench's migrations use.
+const UID: &str = "bench";
+
 fn agents(mib: usize, precopy: bool) -> Row {
     let (agent, load) = bins();
     let mut tb = Testbed::new(if precopy { "bP" } else { "bC" }, &agent, &load);
+    let (src, holder) = start_pods_and_agents(&mut tb, mib);
+    let mut conn = tb.connect_timeout(Duration::from_secs(5)).expect("connect");
+    let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
+    tb.add_address_to_target();
+    let [prep_src, prep_tgt] = prepare_requests(&tb, src, holder);
+    let cpu = |tb: &Testbed| Some(tb.agent_cpu_ms(0)? + tb.agent_cpu_ms(1)?);
+    let cpu_before = cpu(&tb);
+    let (s, sent_in_freeze, r) = migrate(&tb, precopy, prep_src, prep_tgt);
+    tb.route_to_target();
+    let ok = ask(&mut conn, "get")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|v| v > before);
+    commit_and_clean_up(&tb);
+    let agent_cpu_ms = cpu(&tb).zip(cpu_before).map(|(a, b)| a - b);
+    let agent_rss_kib = tb.agent_peak_rss_kib(0).max(tb.agent_peak_rss_kib(1));
+    Row {
+        agent_rss_kib,
+        agent_cpu_ms,
+        ok,
+        ..timings_row(&s, &r, sent_in_freeze)
+    }
+}
+
+/// Starts the workload (`mib` of ballast) and the target's holder pod, then both
+/// agents: the workload's process and the holder's.
+fn start_pods_and_agents(tb: &mut Testbed, mib: usize) -> (ProcRef, ProcRef) {
     let src = tb.start_workload(mib, DIRTY_KIB_S);
     let holder = tb.start_holder();
     tb.start_agent(0);
     tb.start_agent(1);
-    let mut conn = tb.connect_timeout(Duration::from_secs(5)).expect("connect");
-    let before: u64 = ask(&mut conn, "get").expect("get").parse().expect("n");
-    tb.add_address_to_target();
-    let uid = "bench";
-    let prep_src = tb.prepare_request(
-        uid,
-        0,
-        &tb.container("workload", src.pid),
-        TcpPreservation::Strict,
-    );
-    let prep_tgt = tb.prepare_request(
-        uid,
-        1,
-        &tb.container("holder", holder.pid),
-        TcpPreservation::Strict,
-    );
-    let cpu = |tb: &Testbed| Some(tb.agent_cpu_ms(0)? + tb.agent_cpu_ms(1)?);
-    let cpu_before = cpu(&tb);
-    let (s, sent_in_freeze, r) = tb.operator(move |tls| async move {
+    (src, holder)
+}
+
+/// The `Prepare` of the source's agent (for the workload's container) and of the
+/// target's (for the holder's).
+fn prepare_requests(tb: &Testbed, src: ProcRef, holder: ProcRef) -> [PrepareRequest; 2] {
+    [("workload", src, 0), ("holder", holder, 1)].map(|(name, pod, node)| {
+        tb.prepare_request(
+            UID,
+            node,
+            &tb.container(name, pod.pid),
+            TcpPreservation::Strict,
+        )
+    })
+}
+
+/// The operator's side of the migration up to the restore (a warm pre-dump and send
+/// first with `precopy`): the final send's status, the bytes it sent while frozen, and
+/// the restore's status.
+fn migrate(
+    tb: &Testbed,
+    precopy: bool,
+    prep_src: PrepareRequest,
+    prep_tgt: PrepareRequest,
+) -> (MigrationStatus, u64, MigrationStatus) {
+    tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
         a.prepare(prep_src).await.expect("prepare");
         b.prepare(prep_tgt).await.expect("prepare");
         let mut warm = 0;
         if precopy {
-            a.pre_dump(uid).await.expect("pre-dump");
+            a.pre_dump(UID).await.expect("pre-dump");
             warm = a
-                .send(uid, &Testbed::endpoint(1), "agent-b")
+                .send(UID, &Testbed::endpoint(1), "agent-b")
                 .await
                 .expect("warm send")
                 .bytes_sent;
         }
-        a.dump(uid).await.expect("dump");
+        a.dump(UID).await.expect("dump");
         let s = a
-            .send(uid, &Testbed::endpoint(1), "agent-b")
+            .send(UID, &Testbed::endpoint(1), "agent-b")
             .await
             .expect("send");
-        let r = b.restore(uid).await.expect("restore");
+        let r = b.restore(UID).await.expect("restore");
         (s.clone(), s.bytes_sent - warm, r)
-    });
-    tb.route_to_target();
-    let ok = ask(&mut conn, "get")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .is_some_and(|v| v > before);
+    })
+}
+
+/// Commits the migration on the source and cleans up on both agents.
+fn commit_and_clean_up(tb: &Testbed) {
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut b = tls.agent(1).await;
-        a.commit(uid).await.expect("commit");
-        a.cleanup(uid).await.expect("cleanup");
-        b.cleanup(uid).await.expect("cleanup");
+        a.commit(UID).await.expect("commit");
+        a.cleanup(UID).await.expect("cleanup");
+        b.cleanup(UID).await.expect("cleanup");
     });
-    let agent_cpu_ms = cpu(&tb).zip(cpu_before).map(|(a, b)| a - b);
+}
+
+/// The row's timings, from the source's send status `s` and the target's restore
+/// status `r`.
+fn timings_row(s: &MigrationStatus, r: &MigrationStatus, freeze_bytes: u64) -> Row {
     let (st, rt) = (s.timings(), r.timings());
-    let agent_rss_kib = tb.agent_peak_rss_kib(0).max(tb.agent_peak_rss_kib(1));
     Row {
         dump_ms: st.dump_us as f64 / 1000.0,
         transfer_ms: st.send_us as f64 / 1000.0,
         restore_ms: rt.restore_us as f64 / 1000.0,
         downtime_ms: rt.resumed_us.saturating_sub(st.freeze_started_us) as f64 / 1000.0,
-        freeze_bytes: sent_in_freeze,
-        agent_rss_kib,
-        agent_cpu_ms,
-        ok,
+        freeze_bytes,
+        ..Row::default()
     }
 }
 

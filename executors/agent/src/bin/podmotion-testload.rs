@@ -62,32 +62,55 @@ fn get(addr: &str) -> std::io::Result<String> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("get") {
-        let Some(addr) = args.get(2) else {
-            eprintln!("usage: podmotion-testload get <host:port>");
+    match args.get(1).map(String::as_str) {
+        Some("get") => get_command(args.get(2)),
+        Some("serve") => serve_command(&args),
+        _ => {
+            eprintln!(
+                "usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s] | get <host:port>"
+            );
             std::process::exit(2);
-        };
-        match get(addr) {
-            Ok(v) => println!("{v}"),
-            Err(e) => {
-                eprintln!("podmotion-testload get {addr}: {e}");
-                std::process::exit(1);
-            }
         }
-        return;
     }
-    if args.get(1).map(String::as_str) != Some("serve") {
-        eprintln!(
-            "usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s] | get <host:port>"
-        );
+}
+
+/// `get <host:port>`: prints the server's counter; exits 1 when it cannot.
+fn get_command(addr: Option<&String>) {
+    let Some(addr) = addr else {
+        eprintln!("usage: podmotion-testload get <host:port>");
         std::process::exit(2);
+    };
+    match get(addr) {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            eprintln!("podmotion-testload get {addr}: {e}");
+            std::process::exit(1);
+        }
     }
+}
+
+/// `serve <port> [ballast MiB] [dirty KiB/s]` (`args` as the process got them).
+fn serve_command(args: &[String]) {
     let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8080);
     let mib: usize = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
     let dirty_kib: usize = args.get(4).and_then(|p| p.parse().ok()).unwrap_or(0);
     if mib == 0 {
         BALLAST_FILLED.store(true, Ordering::SeqCst);
     }
+    let counter = start_counter();
+    if mib > 0 {
+        std::thread::spawn(move || keep_ballast(mib, dirty_kib));
+    }
+    let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
+    println!("ready");
+    for s in l.incoming().flatten() {
+        let c = Arc::clone(&counter);
+        std::thread::spawn(move || serve_conn(s, c));
+    }
+}
+
+/// The counter, incremented every 10 ms by a thread of its own.
+fn start_counter() -> Arc<AtomicU64> {
     let counter = Arc::new(AtomicU64::new(0));
     let c = Arc::clone(&counter);
     std::thread::spawn(move || {
@@ -96,35 +119,31 @@ fn main() {
             std::thread::sleep(Duration::from_millis(10));
         }
     });
-    if mib > 0 {
-        std::thread::spawn(move || {
-            let mut ballast = vec![0u8; mib << 20];
-            let mut x = 0x9e37_79b9_7f4a_7c15u64;
-            for chunk in ballast.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-            }
-            BALLAST_FILLED.store(true, Ordering::SeqCst);
-            // Rewrite `dirty_kib` per second, one page at a time, round robin.
-            let pages = ballast.len() / 4096;
-            let per_tick = (dirty_kib / 4).div_ceil(10);
-            let mut next = 0usize;
-            loop {
-                for _ in 0..per_tick {
-                    ballast[(next % pages) * 4096] = ballast[(next % pages) * 4096].wrapping_add(1);
-                    next += 1;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-                std::hint::black_box(&ballast);
-            }
-        });
+    counter
+}
+
+/// Fills `mib` MiB of ballast with non-zero data, then rewrites `dirty_kib` of it per
+/// second, one page at a time, round robin, forever.
+fn keep_ballast(mib: usize, dirty_kib: usize) {
+    let mut ballast = vec![0u8; mib << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for chunk in ballast.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
     }
-    let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
-    println!("ready");
-    for s in l.incoming().flatten() {
-        let c = Arc::clone(&counter);
-        std::thread::spawn(move || serve_conn(s, c));
+    BALLAST_FILLED.store(true, Ordering::SeqCst);
+    // Rewrite `dirty_kib` per second, one page at a time, round robin.
+    let pages = ballast.len() / 4096;
+    let per_tick = (dirty_kib / 4).div_ceil(10);
+    let mut next = 0usize;
+    loop {
+        for _ in 0..per_tick {
+            ballast[(next % pages) * 4096] = ballast[(next % pages) * 4096].wrapping_add(1);
+            next += 1;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        std::hint::black_box(&ballast);
     }
 }
