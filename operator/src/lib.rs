@@ -1,7 +1,8 @@
 //! The PodMotion operator as a library: pure reconcile cores (`runner_pool`,
 //! `attachment`, `migration`), the thin controllers that feed them observed state and
 //! apply what they return (`controllers`), and the runtime every controller shares
-//! (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`, `server`); `meta`
+//! (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`, `release`,
+//! `server`); `meta`
 //! is the pure object metadata the cores and the runtime share.
 //!
 //! The pure cores take plain structs and return desired objects and status; they never
@@ -24,5 +25,6 @@ pub mod metrics;
 pub mod migration;
 pub mod note;
 pub mod pki;
+pub mod release;
 pub mod runner_pool;
 pub mod server;

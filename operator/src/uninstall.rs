@@ -7,9 +7,9 @@
 //! finalizer of every PodMigration, RunnerPool and NodeAgentAttachment in the
 //! namespaces the controllers watch, and (4) reap the attachment Jobs as before. The
 //! objects themselves and the CRDs are kept. The decisions are the pure functions at
-//! the top (`in_flight`, `released`); the rest is I/O.
+//! the top (`in_flight`; `released` with `release_all`, shared with `reap-all`, is in
+//! `podmotion_operator::release`); the rest is I/O.
 
-use std::fmt::Debug;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -24,7 +24,7 @@ use podmotion_api::names::finalizers;
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use podmotion_operator::config::ControllerKind;
 use podmotion_operator::controllers::attachment;
-use serde::de::DeserializeOwned;
+use podmotion_operator::release::release_all;
 use serde_json::json;
 
 /// How long the operator gets to roll back the in-flight PodMigrations the hook deleted.
@@ -62,14 +62,6 @@ pub struct Uninstall {
 /// deleted first so that the operator rolls them back before it stops.
 pub fn in_flight(pm: &PodMigration) -> bool {
     !pm.status.as_ref().is_some_and(|s| s.phase.is_terminal())
-}
-
-/// The finalizer list without `ours`, or `None` when `ours` is not on it (nothing to do).
-pub fn released(finalizers: &[String], ours: &str) -> Option<Vec<String>> {
-    finalizers
-        .iter()
-        .any(|f| f == ours)
-        .then(|| finalizers.iter().filter(|f| *f != ours).cloned().collect())
 }
 
 fn api_in<K>(client: &Client, scope: Option<&str>) -> Api<K>
@@ -256,61 +248,6 @@ impl Uninstall {
     }
 }
 
-/// Removes `ours` from every object of kind `K` in `scope` that carries it; returns how
-/// many were released. Each patch carries the resourceVersion it was computed from, so a
-/// concurrent change of the list (someone else's finalizer) is never overwritten: on a
-/// conflict the object is read again.
-async fn release_all<K>(client: &Client, scope: Option<&str>, ours: &str) -> anyhow::Result<usize>
-where
-    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + Debug,
-{
-    let kind = K::kind(&());
-    let api: Api<K> = api_in(client, scope);
-    let list = api
-        .list_metadata(&ListParams::default())
-        .await
-        .with_context(|| format!("list {kind}"))?;
-    let mut n = 0;
-    for obj in list.items {
-        let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
-        let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
-        let mut current = obj;
-        for attempt in 0.. {
-            let Some(keep) = released(current.finalizers(), ours) else {
-                break;
-            };
-            let patch = json!({"metadata": {
-                "finalizers": keep,
-                "resourceVersion": current.resource_version(),
-            }});
-            match ns_api
-                .patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => {
-                    n += 1;
-                    break;
-                }
-                Err(e) if is_status(&e, 404) => break,
-                Err(e) if is_status(&e, 409) && attempt < 5 => {
-                    match ns_api.get_metadata_opt(&name).await? {
-                        Some(fresh) => current = fresh,
-                        None => break,
-                    }
-                }
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("remove {ours} from {kind} {ns}/{name}"));
-                }
-            }
-        }
-    }
-    Ok(n)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -345,18 +282,5 @@ mod tests {
         for p in [Succeeded, Failed, Aborted] {
             assert!(!in_flight(&pm(Some(p))), "{p:?}");
         }
-    }
-
-    #[test]
-    fn releasing_removes_only_our_finalizer() {
-        let ours = finalizers::MIGRATION_CLEANUP;
-        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(released(&list(&[ours]), ours), Some(vec![]));
-        assert_eq!(
-            released(&list(&["example.com/keep", ours]), ours),
-            Some(list(&["example.com/keep"]))
-        );
-        assert_eq!(released(&list(&["example.com/keep"]), ours), None);
-        assert_eq!(released(&[], ours), None);
     }
 }

@@ -8,12 +8,11 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::batch::v1::Job;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
+use kube::api::{Api, DeleteParams, ListParams, PropagationPolicy};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::names::finalizers;
-use serde_json::json;
 
 use super::state::{Mode, NAME, Shared};
 use super::{observe, writes};
@@ -88,7 +87,12 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
     let api: Api<Job> = Api::namespaced(client.clone(), namespace);
     let deleted = delete_agent_jobs(&api).await?;
     await_deleted(&api, &deleted, timeout).await?;
-    release_attachments(&client).await?;
+    crate::release::release_all::<NodeAgentAttachment>(
+        &client,
+        None,
+        finalizers::ATTACHMENT_CLEANUP,
+    )
+    .await?;
     Ok(deleted.len())
 }
 
@@ -125,45 +129,5 @@ async fn await_deleted(
     tokio::time::timeout(timeout, gone)
         .await
         .map_err(|_| anyhow::anyhow!("agent Jobs still present after {timeout:?}"))??;
-    Ok(())
-}
-
-/// Removes the attachment finalizer from every NodeAgentAttachment that has it.
-async fn release_attachments(client: &Client) -> anyhow::Result<()> {
-    let attachments: Api<NodeAgentAttachment> = Api::all(client.clone());
-    for a in attachments
-        .list_metadata(&ListParams::default())
-        .await?
-        .items
-    {
-        if !a
-            .finalizers()
-            .iter()
-            .any(|f| f == finalizers::ATTACHMENT_CLEANUP)
-        {
-            continue;
-        }
-        let keep: Vec<String> = a
-            .finalizers()
-            .iter()
-            .filter(|f| *f != finalizers::ATTACHMENT_CLEANUP)
-            .cloned()
-            .collect();
-        let ns_api: Api<NodeAgentAttachment> =
-            Api::namespaced(client.clone(), &a.namespace().unwrap_or_default());
-        let patch = json!({"metadata": {"finalizers": keep}});
-        match ns_api
-            .patch(
-                &a.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
-            .await
-        {
-            Ok(_) => {}
-            Err(e) if is_status(&e, 404) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
     Ok(())
 }

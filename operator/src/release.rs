@@ -1,0 +1,105 @@
+//! Releasing a PodMotion finalizer without a running controller: `reap-all` (the
+//! attachment Jobs' hook step) and the uninstall hook remove the finalizers a stopped
+//! operator can no longer remove. One function serves both, and it never overwrites a
+//! concurrent change of the finalizer list: each patch carries the resourceVersion it
+//! was computed from, and a conflict is answered by reading the object again.
+
+use std::fmt::Debug;
+
+use anyhow::Context as _;
+use k8s_openapi::NamespaceResourceScope;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+/// Conflicts retried per object before giving up (each one a fresh read).
+const CONFLICT_RETRIES: usize = 5;
+
+/// The finalizer list without `ours`, or `None` when `ours` is not on it (nothing to do).
+pub fn released(finalizers: &[String], ours: &str) -> Option<Vec<String>> {
+    finalizers
+        .iter()
+        .any(|f| f == ours)
+        .then(|| finalizers.iter().filter(|f| *f != ours).cloned().collect())
+}
+
+/// Removes `ours` from every object of kind `K` in `scope` (`None`: all namespaces)
+/// that carries it; returns how many were released.
+pub async fn release_all<K>(
+    client: &Client,
+    scope: Option<&str>,
+    ours: &str,
+) -> anyhow::Result<usize>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let kind = K::kind(&());
+    let api: Api<K> = crate::controllers::scoped(client, scope);
+    let list = api
+        .list_metadata(&ListParams::default())
+        .await
+        .with_context(|| format!("list {kind}"))?;
+    let mut n = 0;
+    for obj in list.items {
+        let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+        let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
+        let mut current = obj;
+        for attempt in 0.. {
+            let Some(keep) = released(current.finalizers(), ours) else {
+                break;
+            };
+            let patch = json!({"metadata": {
+                "finalizers": keep,
+                "resourceVersion": current.resource_version(),
+            }});
+            match ns_api
+                .patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    n += 1;
+                    break;
+                }
+                Err(e) if is_status(&e, 404) => break,
+                Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
+                    match ns_api.get_metadata_opt(&name).await? {
+                        Some(fresh) => current = fresh,
+                        None => break,
+                    }
+                }
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("remove {ours} from {kind} {ns}/{name}"));
+                }
+            }
+        }
+    }
+    Ok(n)
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podmotion_api::names::finalizers;
+
+    #[test]
+    fn releasing_removes_only_our_finalizer() {
+        let ours = finalizers::MIGRATION_CLEANUP;
+        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(released(&list(&[ours]), ours), Some(vec![]));
+        assert_eq!(
+            released(&list(&["example.com/keep", ours]), ours),
+            Some(list(&["example.com/keep"]))
+        );
+        assert_eq!(released(&list(&["example.com/keep"]), ours), None);
+        assert_eq!(released(&[], ours), None);
+    }
+}
