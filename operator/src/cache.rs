@@ -228,6 +228,15 @@ impl<V: PartialEq> Projection<V> {
     }
 }
 
+/// The list-then-watch of a cache: small pages, not `any_semantic` (the API server's
+/// watch cache serves such a list whole, ignoring the page size). Each page is decoded
+/// as full objects before it is projected, and the allocator keeps the largest such
+/// moment: 500-pod pages left the operator at 91 MiB with 10,000 pods, 100-pod pages
+/// at 48 MiB (`bench_operator_rss`).
+pub fn paged() -> watcher::Config {
+    watcher::Config::default().page_size(100)
+}
+
 /// Feeds `cache` from a watcher stream (`watcher(..)` or `metadata_watcher(..)`) and
 /// turns each change into the reconcile triggers `map` gives. Registers `part` on the
 /// readiness endpoint and marks it ready with the first complete list. Watch errors

@@ -18,35 +18,86 @@ use super::preflight::{
     self, ClaimFacts, Limits, Me, NodeFacts, OtherMigration, PodFacts, Resources, SlotHolder,
 };
 
-/// Requested resources of the non-terminal `pods`, summed per node.
-pub fn requested_by_node(pods: &[Pod]) -> BTreeMap<String, Resources> {
-    let mut requested: BTreeMap<String, Resources> = BTreeMap::new();
-    for p in pods {
-        if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
-            let r = requested.entry(n).or_default();
-            *r = r.plus(preflight::pod_requests(p));
+/// What a non-terminal pod bound to a node takes from it: the projection the
+/// controller's cluster-wide pod cache keeps (a few strings, not the pod), and the
+/// source pod's progress that can make a waiting migration movable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodLoad {
+    pub node: String,
+    pub requests: Resources,
+    pub running: bool,
+}
+
+impl PodLoad {
+    /// `None` for a pod that loads no node: not bound yet, or terminal.
+    pub fn from_pod(p: &Pod) -> Option<PodLoad> {
+        let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) {
+            return None;
         }
+        let node = p
+            .spec
+            .as_ref()?
+            .node_name
+            .clone()
+            .filter(|n| !n.is_empty())?;
+        Some(PodLoad {
+            node,
+            requests: preflight::pod_requests(p),
+            running: phase == Some("Running"),
+        })
+    }
+
+    /// Whether going from `old` to `new` (`None`: gone) frees capacity on a node: the
+    /// only pod changes that can make a waiting migration's target fit.
+    pub fn frees_capacity(old: Option<&PodLoad>, new: Option<&PodLoad>) -> bool {
+        match (old, new) {
+            (Some(_), None) => true,
+            (Some(o), Some(n)) => {
+                o.node != n.node
+                    || n.requests.cpu_millis < o.requests.cpu_millis
+                    || n.requests.memory_bytes < o.requests.memory_bytes
+            }
+            (None, _) => false,
+        }
+    }
+}
+
+/// Requested resources of the non-terminal pods, summed per node.
+pub fn requested_by_node<'a>(
+    loads: impl IntoIterator<Item = &'a PodLoad>,
+) -> BTreeMap<String, Resources> {
+    let mut requested: BTreeMap<String, Resources> = BTreeMap::new();
+    for l in loads {
+        let r = requested.entry(l.node.clone()).or_default();
+        *r = r.plus(l.requests);
     }
     requested
 }
 
-/// Every node's facts, with its load and whether a Ready agent serves it.
-pub fn node_facts(
-    nodes: &[Node],
+/// A node's facts without its load and agent (what the controller's node cache keeps:
+/// a heartbeat changes none of it).
+pub fn node_view(n: &Node) -> NodeFacts {
+    NodeFacts::from_node(n, Resources::default(), false)
+}
+
+/// Every node's facts (in name order), with its load and whether a Ready agent serves
+/// it.
+pub fn node_facts<'a>(
+    nodes: impl IntoIterator<Item = &'a NodeFacts>,
     requested: &BTreeMap<String, Resources>,
     has_agent: impl Fn(&str) -> bool,
 ) -> Vec<NodeFacts> {
-    nodes
-        .iter()
-        .map(|n| {
-            let name = n.name_any();
-            NodeFacts::from_node(
-                n,
-                requested.get(&name).copied().unwrap_or_default(),
-                has_agent(&name),
-            )
+    let mut out: Vec<NodeFacts> = nodes
+        .into_iter()
+        .map(|n| NodeFacts {
+            requested: requested.get(&n.name).copied().unwrap_or_default(),
+            has_ready_agent: has_agent(&n.name),
+            ..n.clone()
         })
-        .collect()
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
 }
 
 /// The facts of the claims the controller read, by claim name: each claim with the
@@ -151,13 +202,59 @@ mod tests {
         .unwrap()
     }
 
+    fn loads(pods: &[Pod]) -> Vec<PodLoad> {
+        pods.iter().filter_map(PodLoad::from_pod).collect()
+    }
+
     #[test]
-    fn requests_are_summed_per_node_and_unscheduled_pods_count_nowhere() {
+    fn requests_are_summed_per_node_and_unscheduled_or_finished_pods_count_nowhere() {
         let mut unscheduled = pod_on("x", "1");
         unscheduled.spec.as_mut().unwrap().node_name = None;
-        let r = requested_by_node(&[pod_on("n1", "1"), pod_on("n1", "500m"), unscheduled]);
+        let mut finished = pod_on("n1", "2");
+        finished.status = Some(serde_json::from_value(json!({"phase": "Succeeded"})).unwrap());
+        let r = requested_by_node(&loads(&[
+            pod_on("n1", "1"),
+            pod_on("n1", "500m"),
+            unscheduled,
+            finished,
+        ]));
         assert_eq!(r.len(), 1);
         assert_eq!(r["n1"], pod_on_requests("1").plus(pod_on_requests("500m")));
+    }
+
+    #[test]
+    fn only_a_pod_that_leaves_or_shrinks_frees_capacity() {
+        let on = |node: &str, cpu: &str| PodLoad::from_pod(&pod_on(node, cpu)).unwrap();
+        let (a, bigger, moved) = (on("n1", "1"), on("n1", "2"), on("n2", "1"));
+        assert!(
+            PodLoad::frees_capacity(Some(&a), None),
+            "deleted or finished"
+        );
+        assert!(PodLoad::frees_capacity(Some(&bigger), Some(&a)), "shrunk");
+        assert!(PodLoad::frees_capacity(Some(&a), Some(&moved)), "rebound");
+        assert!(!PodLoad::frees_capacity(None, Some(&a)), "a new pod takes");
+        assert!(!PodLoad::frees_capacity(Some(&a), Some(&bigger)), "grown");
+        let running = PodLoad {
+            running: true,
+            ..a.clone()
+        };
+        assert!(
+            !PodLoad::frees_capacity(Some(&a), Some(&running)),
+            "started"
+        );
+    }
+
+    #[test]
+    fn nodes_get_their_load_and_agent_in_name_order() {
+        use crate::migration::fixtures::node;
+        let views = [node("n1").build(), node("n0").build()];
+        let requested = requested_by_node(&loads(&[pod_on("n1", "1")]));
+        let facts = node_facts(&views, &requested, |n| n == "n0");
+        let names: Vec<&str> = facts.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["n0", "n1"]);
+        assert!(facts[0].has_ready_agent && !facts[1].has_ready_agent);
+        assert_eq!(facts[1].requested, pod_on_requests("1"));
+        assert_eq!(facts[0].requested, Resources::default());
     }
 
     #[test]

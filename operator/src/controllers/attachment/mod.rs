@@ -88,7 +88,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     let pod_triggers = cache::feed(
         &ctx,
         "attachment-pods",
-        watcher(pods, paged()),
+        watcher(pods, cache::paged()),
         shared.pods.clone(),
         |p: &Pod| Some(PodView::from_pod(p)),
         move |c| attachments_in_namespace(&s.store, &c.key.0),
@@ -99,7 +99,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
         "attachment-jobs",
         watcher(
             Api::<Job>::namespaced(client.clone(), &shared.settings.namespace),
-            paged().labels(&render::agent_selector()),
+            cache::paged().labels(&render::agent_selector()),
         ),
         shared.jobs.clone(),
         JobView::from_job,
@@ -122,15 +122,6 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
     tokio::spawn(sweep::every_period(shared.clone()));
     shell::run(controller, shared).await;
     Ok(())
-}
-
-/// The list-then-watch of a cache: small pages, not `any_semantic` (the API server's
-/// watch cache serves such a list whole, ignoring the page size). Each page is decoded
-/// as full objects before it is projected, and the allocator keeps the largest such
-/// moment: 500-pod pages left the operator at 91 MiB with 10,000 pods, 100-pod pages
-/// at 48 MiB (`bench_operator_rss`).
-fn paged() -> watcher::Config {
-    watcher::Config::default().page_size(100)
 }
 
 type AttachmentRef = ObjectRef<DeserializeGuard<NodeAgentAttachment>>;

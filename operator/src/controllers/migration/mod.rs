@@ -1,14 +1,28 @@
 //! The PodMigration controller: the wiring around `crate::migration`.
 //!
 //! One reconcile: observe the facts ([`observe`]: the source and target pods, the
-//! transfer-key Secret, both agents' reports, and in `Pending` the nodes and the other
-//! migrations), call `machine::next`, hand its status and notes to the shell, which
-//! writes the status first, then carry out its actions in order ([`act`]). Every
+//! transfer-key Secret, both agents' reports, and in `Pending` the nodes, their load
+//! and the other migrations), call `machine::next`, hand its status and notes to the
+//! shell, which writes the status first, then carry out its actions in order ([`act`]). Every
 //! action is idempotent, so a reconcile interrupted anywhere (operator killed, API
 //! server restarted) is simply repeated. The finalizer is the shell's: deleting a
 //! PodMigration runs the machine's rollback, and the finalizer goes when the machine
 //! says so. Agents are polled while a migration is active (they own the status of the
 //! steps they run); nothing polls the API server.
+//!
+//! The `Pending` step reads caches, not lists: the migrations (the controller's store),
+//! the agent pods (a reflector store), and projection caches ([`crate::cache`]) of
+//! every node (its pre-flight facts) and of every non-terminal pod cluster-wide (its
+//! node and requests: the load). A node whose facts change wakes every `Pending`
+//! migration; a pod wakes the migrations of that pod, and every `Pending` one when it
+//! frees capacity. A migration waiting for a slot (another migration to end) or for an
+//! agent to become Ready is not woken by a watch: the machine's idle recheck
+//! (`machine::IDLE_RECHECK`) stays as that trigger and as the safety net, and costs
+//! cache reads only. Read per reconcile, by name: the source and target pods (the
+//! machine acts on them and must see its own writes at once; the target also leaves
+//! the target-pod watch, whose label selector it stops matching, at the hand-over),
+//! and in `Pending` the source's PersistentVolumeClaims and their volumes (rare, few,
+//! and only there).
 
 mod act;
 mod observe;
@@ -17,13 +31,14 @@ mod state;
 
 use std::sync::Arc;
 
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use futures::{StreamExt, stream};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::Controller;
-use kube::runtime::reflector::{self, reflector};
+use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
 use kube::runtime::watcher;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::{finalizers, labels, managers};
@@ -32,10 +47,12 @@ use rand::RngCore;
 
 use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
+use crate::cache::{self, Change, Projection};
 use crate::context::Context;
 use crate::migration::agent::AgentClient;
 use crate::migration::key::{KEY_LEN, MasterKey};
 use crate::migration::machine::{self, Action};
+use crate::migration::pending::{self, PodLoad};
 use act::Deferred;
 use state::Shared;
 
@@ -100,11 +117,40 @@ pub async fn run_with<A: AgentClient>(
             ),
             None => (Api::all(client.clone()), Api::all(client.clone())),
         };
-    let controller = Controller::new(migrations, watcher::Config::default().any_semantic())
+    let controller = Controller::new(migrations, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    // Nodes and their load are cluster-wide whatever the watch namespace: a pod moves
+    // to any node, and every pod on a node takes from its capacity.
+    let nodes = Arc::new(Projection::new());
+    let load = Arc::new(Projection::new());
+    let s = store.clone();
+    let node_triggers = cache::feed(
+        &ctx,
+        "migration-nodes",
+        watcher::watcher(Api::<Node>::all(client.clone()), cache::paged()),
+        nodes.clone(),
+        |n: &Node| Some(pending::node_view(n)),
+        move |_| pending_migrations(&s),
+    );
+    let s = store.clone();
+    let pod_triggers = cache::feed(
+        &ctx,
+        "migration-pods",
+        watcher::watcher(
+            Api::<Pod>::all(client.clone()),
+            // A pod that ends leaves the watch (a DELETED event).
+            cache::paged().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        ),
+        load.clone(),
+        PodLoad::from_pod,
+        move |c| woken_by_pod(&s, c),
+    );
+    let controller = controller
         .owns(
             target_pods,
             watcher::Config::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND)),
         )
+        .reconcile_on(stream::select(node_triggers, pod_triggers))
         // A replica that wins the lease reconciles everything once.
         .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
@@ -133,11 +179,57 @@ pub async fn run_with<A: AgentClient>(
         ctx: ctx.clone(),
         cfg,
         agents,
-        store: controller.store(),
+        store,
+        nodes,
+        load,
     });
     super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
     shell::run(controller, shared).await;
     Ok(())
+}
+
+type MigrationRef = ObjectRef<DeserializeGuard<PodMigration>>;
+
+/// Whether `pm` is waiting in `Pending` (not yet reconciled counts) and not deleted.
+fn is_pending(pm: &PodMigration) -> bool {
+    pm.metadata.deletion_timestamp.is_none()
+        && pm
+            .status
+            .as_ref()
+            .is_none_or(|st| st.phase == MigrationPhase::Pending)
+}
+
+/// Every `Pending` migration: a node's facts changed.
+fn pending_migrations(store: &Store<DeserializeGuard<PodMigration>>) -> Vec<MigrationRef> {
+    store
+        .state()
+        .iter()
+        .filter(|g| g.0.as_ref().is_ok_and(is_pending))
+        .map(|g| ObjectRef::from_obj(g.as_ref()))
+        .collect()
+}
+
+/// The migrations a pod's change concerns: those of that pod (its node or state
+/// changed) and, when it freed capacity, every `Pending` one.
+fn woken_by_pod(
+    store: &Store<DeserializeGuard<PodMigration>>,
+    c: &Change<PodLoad>,
+) -> Vec<MigrationRef> {
+    let (ns, name) = &c.key;
+    let frees = PodLoad::frees_capacity(c.old.as_deref(), c.new.as_deref());
+    store
+        .state()
+        .iter()
+        .filter(|g| {
+            g.0.as_ref().is_ok_and(|pm| {
+                let of_pod =
+                    pm.namespace().as_deref() == Some(ns.as_str()) && pm.spec.pod_name == *name;
+                (of_pod && !pm.status.as_ref().is_some_and(|st| st.phase.is_terminal()))
+                    || (frees && is_pending(pm))
+            })
+        })
+        .map(|g| ObjectRef::from_obj(g.as_ref()))
+        .collect()
 }
 
 impl<A: AgentClient> Reconciler for Shared<A> {
@@ -215,5 +307,90 @@ fn record_outcome(ctx: &Context, st: &PodMigrationStatus) {
         ctx.metrics
             .migration_bytes
             .inc_by(p.bytes_sent.max(0) as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration::preflight::Resources;
+    use serde_json::json;
+    use std::collections::BTreeSet;
+
+    fn pm(name: &str, pod: &str, phase: Option<&str>) -> PodMigration {
+        let mut v = json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": name, "namespace": "apps"},
+            "spec": {"podName": pod}
+        });
+        if let Some(phase) = phase {
+            v["status"] = json!({"phase": phase});
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn store(pms: Vec<PodMigration>) -> Store<DeserializeGuard<PodMigration>> {
+        let (store, mut writer) = reflector::store();
+        for p in pms {
+            writer.apply_watcher_event(&watcher::Event::Apply(DeserializeGuard(Ok(p))));
+        }
+        store
+    }
+
+    fn load(node: &str, cpu_millis: u64) -> Option<Arc<PodLoad>> {
+        Some(Arc::new(PodLoad {
+            node: node.into(),
+            requests: Resources {
+                cpu_millis,
+                memory_bytes: 0,
+            },
+            running: true,
+        }))
+    }
+
+    fn woken(s: &Store<DeserializeGuard<PodMigration>>, c: Change<PodLoad>) -> Vec<String> {
+        let mut n: Vec<String> = woken_by_pod(s, &c).into_iter().map(|r| r.name).collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn a_pod_wakes_its_migrations_and_every_pending_one_when_it_frees_capacity() {
+        let s = store(vec![
+            pm("new", "web-0", None),
+            pm("waiting", "web-1", Some("Pending")),
+            pm("moving", "web-2", Some("Transferring")),
+            pm("done", "web-2", Some("Succeeded")),
+        ]);
+        let key = |pod: &str| ("apps".to_string(), pod.to_string());
+        let change = |pod: &str, old, new| Change {
+            key: key(pod),
+            old,
+            new,
+        };
+        // Another pod appears: it takes capacity, it frees none.
+        assert!(woken(&s, change("other", None, load("n1", 100))).is_empty());
+        // The source of a running migration changes: that migration, not the ended one.
+        assert_eq!(
+            woken(&s, change("web-2", load("n1", 100), load("n2", 100))),
+            ["moving", "new", "waiting"],
+            "moving between nodes frees capacity on the first"
+        );
+        assert_eq!(
+            woken(&s, change("web-2", load("n1", 100), load("n1", 200))),
+            ["moving"]
+        );
+        // Another pod ends: every Pending migration may fit now.
+        assert_eq!(
+            woken(&s, change("other", load("n1", 100), None)),
+            ["new", "waiting"]
+        );
+        assert_eq!(
+            pending_migrations(&s)
+                .into_iter()
+                .map(|r| r.name)
+                .collect::<BTreeSet<_>>(),
+            BTreeSet::from(["new".to_string(), "waiting".to_string()])
+        );
     }
 }

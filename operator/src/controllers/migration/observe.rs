@@ -1,12 +1,19 @@
 //! The migration controller's reads: the pods, the agents' reports, and in `Pending`
-//! the cluster's nodes and load (for the pre-flight checks and the slot).
+//! the cluster's nodes and load (for the pre-flight checks and the slot), from the
+//! controller's caches.
+//!
+//! Still read per reconcile (GET by name): the source and target pods, because the
+//! machine acts on them and must see its own writes at once (a cache may lag behind a
+//! create, a patch or a delete, and the target pod leaves the target-pod watch at the
+//! hand-over), and, in `Pending` only, the source's PersistentVolumeClaims and their
+//! PersistentVolumes: few, read only there, and not worth a cluster-wide watch.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use kube::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
@@ -90,23 +97,21 @@ async fn evaluate_pending<A: AgentClient>(
     pm: &PodMigration,
     source: Option<&Pod>,
 ) -> Result<(Preflight, bool), ReconcileError> {
-    let client = s.ctx.client.clone();
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .map_err(api_err("list", "nodes"))?;
-    let active = Api::<Pod>::all(client.clone())
-        .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
-        .await
-        .map_err(api_err("list", "pods"))?;
+    if !(s.nodes.is_ready() && s.load.is_ready()) {
+        // A verdict on a cache that has not listed yet ("no node fits") would be wrong.
+        return Err(ReconcileError::wait(
+            "node and pod caches not synced",
+            Duration::from_millis(250),
+        ));
+    }
     let claims = match source {
         Some(pod) => read_claims(s, pm, pod).await?,
         None => vec![],
     };
     let endpoints = agent_endpoints(s).await?;
     let nodes = pending::node_facts(
-        &nodes.items,
-        &pending::requested_by_node(&active.items),
+        s.nodes.select(|_, _| true).iter().map(|n| n.as_ref()),
+        &pending::requested_by_node(s.load.select(|_, _| true).iter().map(|l| l.as_ref())),
         |n| endpoints.contains_key(n),
     );
     let all: Vec<PodMigration> = s

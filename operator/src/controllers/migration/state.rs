@@ -1,6 +1,6 @@
 //! The migration controller's state, shared by its steps: settings, the master key,
-//! what this process knows of the transfer-key Secrets, the agent client and the
-//! stores of migrations and agent pods.
+//! what this process knows of the transfer-key Secrets, the agent client, the stores
+//! of migrations and agent pods, and the projection caches of the nodes and their load.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,8 +13,11 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 
 use super::settings::MigrationConfig;
+use crate::cache::Projection;
 use crate::context::Context;
 use crate::migration::key::MasterKey;
+use crate::migration::pending::PodLoad;
+use crate::migration::preflight::NodeFacts;
 
 /// The controller: settings, keys, agents and stores.
 pub(super) struct Shared<A> {
@@ -30,6 +33,10 @@ pub(super) struct Shared<A> {
     pub(super) store: Store<DeserializeGuard<PodMigration>>,
     /// The node agents' pods (watched; endpoints come from their IPs).
     pub(super) agent_pods: Store<Pod>,
+    /// Every node, as the pre-flight sees it (without load and agent).
+    pub(super) nodes: Arc<Projection<NodeFacts>>,
+    /// Every non-terminal pod bound to a node, cluster-wide (what it takes from it).
+    pub(super) load: Arc<Projection<PodLoad>>,
 }
 
 impl<A> Shared<A> {
