@@ -23,12 +23,14 @@ use crate::meta::{owner_selector, short_hash};
 use crate::runner_pool::{Applied, Desired, Inputs, drift, render};
 
 /// Renders the pool and applies every child that changed; returns what was
-/// rendered and what the applies left behind.
+/// rendered and what the applies left behind. `live` is the DaemonSet as the cache has
+/// it.
 pub(super) async fn apply_all(
     ctx: &Context,
     reads_secrets: bool,
     pool: &RunnerPool,
     inputs: &Inputs,
+    live: Option<DaemonSet>,
 ) -> Result<(Desired, Applied), ReconcileError> {
     let ns = pool.namespace().unwrap_or_default();
     let desired = render::render(pool, inputs);
@@ -53,7 +55,7 @@ pub(super) async fn apply_all(
         .collect();
     delete_priority_classes(ctx, pool, &keep_pc).await?;
     // The DaemonSet: drift is judged on the live object before the apply.
-    let (daemonset, drift) = apply_daemonset(ctx, pool, &desired).await?;
+    let (daemonset, drift) = apply_daemonset(ctx, pool, &desired, live).await?;
     let applied = Applied {
         daemonset,
         drift,
@@ -206,16 +208,29 @@ pub(super) async fn delete_priority_classes(
 }
 
 /// Applies the DaemonSet when it is missing or has drifted; returns the live object
-/// and the drift found before the apply.
+/// and the drift found before the apply. `live` comes from the DaemonSet cache (the
+/// watch the controller is woken by): when it shows the rendered hash and no drift, a
+/// settled pool costs no read and no write. Otherwise the DaemonSet is read again
+/// before anything is judged, so a cached copy that lags behind our last apply can
+/// never be reported as drift (a drifted change of the live object arrives through
+/// the same watch and wakes the pool again).
 pub(super) async fn apply_daemonset(
     ctx: &Context,
     pool: &RunnerPool,
     desired: &Desired,
+    live: Option<DaemonSet>,
 ) -> Result<(DaemonSet, Vec<String>), ReconcileError> {
     let api: Api<DaemonSet> =
         Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
     let (ds, hash) = stamp(desired.daemonset.clone());
     let name = ds.name_any();
+    let settled = |l: &DaemonSet| {
+        l.annotations().get(annotations::SPEC_HASH) == Some(&hash)
+            && drift::shape_drift(&ds, l).is_empty()
+    };
+    if let Some(live) = live.filter(|l| settled(l)) {
+        return Ok((live, vec![]));
+    }
     let live = api
         .get_opt(&name)
         .await

@@ -9,12 +9,23 @@
 //! PriorityClass (the namespaced children go with their owner reference).
 //!
 //! Watches: RunnerPools (through `DeserializeGuard`, so one malformed object cannot
-//! wedge the controller), the DaemonSet (content is needed: status counts and drift),
-//! the Runner pods (preflight verdicts), and the ServiceAccount, Secret,
-//! NetworkPolicy and PDB as metadata (`PartialObjectMeta`; kube 5 without its
-//! unstable stream feature still lists those objects in full, but keeps only their
-//! metadata).
+//! wedge the controller), and the ServiceAccount, Secret and PDB as metadata
+//! (`PartialObjectMeta`; kube 5 without its unstable stream feature still lists those
+//! objects in full, but keeps only their metadata). What a round reads comes from
+//! projection caches ([`crate::cache`], [`caches`]) fed by their own watches, whose
+//! changes wake the pools they concern: the Runner DaemonSets (content is needed:
+//! status counts and drift; wakes its owner), the Runner pods (preflight verdicts;
+//! wakes its pool), every NetworkPolicy in the watch namespace (wakes the pools of its
+//! namespace) and every node's labels, cluster-wide (wakes the pools whose eligible
+//! count it changes). Nothing is decided before every cache has its first list.
+//!
+//! Still read per round, by name: the Server's Service (another namespace, any
+//! Service: not worth a watch), the pool's Namespace labels (one small object), the
+//! referenced PriorityClass, the children's metadata for their hash (`apply_if_changed`)
+//! and, where Secrets may be read, the credential Secret (secrets are not cached).
+//! The resync picks up changes of the first three.
 
+mod caches;
 mod children;
 mod observe;
 mod settings;
@@ -23,7 +34,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::stream;
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -32,13 +45,13 @@ use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::watcher::{self, watcher};
 use podmotion_api::names::{finalizers, labels, managers};
 use podmotion_api::{RunnerPool, RunnerPoolStatus};
 
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
 use super::{controller_config, scoped};
+use crate::cache::{self, Key, Projection};
 use crate::context::Context;
 use crate::runner_pool::priority;
 use crate::runner_pool::status;
@@ -48,12 +61,25 @@ pub use settings::{DEFAULT_PREFLIGHT_IMAGE, RunnerPoolConfig};
 const NAME: &str = "runner-pool";
 
 /// Resync period: picks up changes of things not watched (the Server's Service, the
-/// namespace's PodSecurity labels, other NetworkPolicies, node labels).
+/// namespace's PodSecurity labels, the referenced PriorityClass).
 const RESYNC: Duration = Duration::from_secs(300);
 
 struct Shared {
     ctx: Arc<Context>,
     cfg: RunnerPoolConfig,
+    daemonsets: Arc<Projection<DaemonSet>>,
+    pods: Arc<Projection<Pod>>,
+    policies: Arc<Projection<NetworkPolicy>>,
+    nodes: Arc<Projection<caches::NodeLabels>>,
+}
+
+impl Shared {
+    fn caches_ready(&self) -> bool {
+        self.daemonsets.is_ready()
+            && self.pods.is_ready()
+            && self.policies.is_ready()
+            && self.nodes.is_ready()
+    }
 }
 
 /// Runs the controller with the settings from the environment.
@@ -64,46 +90,82 @@ pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
 /// Runs the controller with explicit settings.
 pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Result<()> {
     let client = ctx.client.clone();
-    let ns = cfg.watch_namespace.as_deref();
+    let watch_namespace = cfg.watch_namespace.clone();
+    let ns = watch_namespace.as_deref();
     let children = watcher::Config::default().labels(&format!("{}=RunnerPool", labels::OWNER_KIND));
-    let children_cfg = children.clone();
     let pools: Api<DeserializeGuard<RunnerPool>> = scoped(&client, ns);
-    let controller = Controller::new(pools, watcher::Config::default().any_semantic())
-        .owns(scoped::<DaemonSet>(&client, ns), children.clone())
+    let controller = Controller::new(pools, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    let shared = Arc::new(Shared {
+        ctx: ctx.clone(),
+        cfg,
+        daemonsets: Arc::new(Projection::new()),
+        pods: Arc::new(Projection::new()),
+        policies: Arc::new(Projection::new()),
+        nodes: Arc::new(Projection::new()),
+    });
+    let daemonset_triggers = cache::feed(
+        &ctx,
+        "runner-pool-daemonsets",
+        watcher(scoped::<DaemonSet>(&client, ns), children.clone()),
+        shared.daemonsets.clone(),
+        caches::daemonset,
+        caches::pool_of_daemonset,
+    );
+    // Runner pods belong to the DaemonSet, not to the pool: mapped by the pool name
+    // label every Runner pod carries.
+    let pod_triggers = cache::feed(
+        &ctx,
+        "runner-pool-pods",
+        watcher(scoped::<Pod>(&client, ns), children.clone()),
+        shared.pods.clone(),
+        caches::runner_pod,
+        caches::pool_of_pod,
+    );
+    let s = store.clone();
+    let policy_triggers = cache::feed(
+        &ctx,
+        "runner-pool-networkpolicies",
+        watcher(scoped::<NetworkPolicy>(&client, ns), cache::paged()),
+        shared.policies.clone(),
+        caches::policy,
+        move |c| caches::pools_in_namespace(&s, c),
+    );
+    // Nodes are cluster-wide whatever the watch namespace; only their labels are kept.
+    let s = store.clone();
+    let node_triggers = cache::feed(
+        &ctx,
+        "runner-pool-nodes",
+        watcher(
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            cache::paged(),
+        ),
+        shared.nodes.clone(),
+        caches::node_labels,
+        move |c| caches::pools_of_node(&s, c),
+    );
+    let controller = controller
         .owns(
             scoped::<PartialObjectMeta<ServiceAccount>>(&client, ns),
-            children.clone(),
-        )
-        .owns(
-            scoped::<PartialObjectMeta<NetworkPolicy>>(&client, ns),
             children.clone(),
         )
         .owns(
             scoped::<PartialObjectMeta<PodDisruptionBudget>>(&client, ns),
             children.clone(),
         )
-        // Runner pods belong to the DaemonSet, not to the pool: map them by the pool
-        // name label every Runner pod carries.
-        .watches(scoped::<Pod>(&client, ns), children, |pod: Pod| {
-            let pool = pod.labels().get(labels::INSTANCE)?.clone();
-            Some(ObjectRef::<DeserializeGuard<RunnerPool>>::new(&pool).within(&pod.namespace()?))
-        })
+        .reconcile_on(stream::select(
+            stream::select(daemonset_triggers, pod_triggers),
+            stream::select(policy_triggers, node_triggers),
+        ))
         .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
     // Secrets are read only where the operator may read them: in its watch namespace.
-    let controller = match ns.filter(|_| cfg.read_secrets) {
-        Some(_) => controller.owns(
-            scoped::<PartialObjectMeta<Secret>>(&client, ns),
-            children_cfg,
-        ),
+    let controller = match ns.filter(|_| shared.cfg.read_secrets) {
+        Some(_) => controller.owns(scoped::<PartialObjectMeta<Secret>>(&client, ns), children),
         None => controller,
     };
-    super::mark_ready_when_synced(&ctx, NAME, controller.store());
-    let shared = Arc::new(Shared {
-        ctx: ctx.clone(),
-        cfg,
-    });
+    super::mark_ready_when_synced(&ctx, NAME, store);
     shell::run(controller, shared).await;
     Ok(())
 }
@@ -134,9 +196,15 @@ impl Reconciler for Shared {
         if cleanup {
             return Ok(None);
         }
-        Ok(Some(
-            observe::observation(&self.ctx, &self.cfg, pool).await?,
-        ))
+        if !self.caches_ready() {
+            // A status from caches that have not listed yet would report no Runner pods
+            // and no eligible nodes.
+            return Err(ReconcileError::wait(
+                "caches not synced",
+                Duration::from_millis(250),
+            ));
+        }
+        Ok(Some(observe::observation(self, pool).await?))
     }
 
     async fn apply(
@@ -172,8 +240,17 @@ impl Reconciler for Shared {
             out.requeue = Some(RESYNC);
             return Ok(out);
         }
+        let ds_key: Key = (
+            pool.namespace().unwrap_or_default(),
+            crate::runner_pool::render::child_name(pool),
+        );
+        let live = self.daemonsets.get(&ds_key).map(|d| d.as_ref().clone());
         let (desired, applied) =
-            children::apply_all(&self.ctx, self.cfg.reads_secrets(), pool, &o.inputs).await?;
+            children::apply_all(&self.ctx, self.cfg.reads_secrets(), pool, &o.inputs, live).await?;
+        // Read our own write: a DaemonSet just created is not missing next round.
+        if let Some(ds) = caches::daemonset(&applied.daemonset) {
+            self.daemonsets.insert_if_absent(ds_key, ds);
+        }
         let drift = status::drift_note(&applied.drift);
         if !applied.drift.is_empty() {
             self.ctx.metrics.runner_pool_shape_drift.inc();

@@ -1,16 +1,17 @@
 //! The RunnerPool controller's reads: what rendering needs (eligible nodes, the
 //! Server's Service, the credential token), what the status needs (namespace labels,
-//! Runner pods, NetworkPolicies) and the referenced PriorityClass's value.
+//! Runner pods, NetworkPolicies) and the referenced PriorityClass's value. Nodes, pods
+//! and policies come from the controller's caches; the rest is read by name (see the
+//! module above for why).
 
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret, Service};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use podmotion_api::RunnerPool;
 
-use super::children;
 use super::settings::RunnerPoolConfig;
+use super::{Shared, caches, children};
 use crate::context::Context;
 use crate::controllers::shell::{ReconcileError, api_err};
 use crate::runner_pool::priority::Referenced;
@@ -25,13 +26,13 @@ pub(super) struct Observation {
 
 /// Everything a live pool's round reads, at once.
 pub(super) async fn observation(
-    ctx: &Context,
-    cfg: &RunnerPoolConfig,
+    s: &Shared,
     pool: &RunnerPool,
 ) -> Result<Observation, ReconcileError> {
+    let ctx = &s.ctx;
     let (inputs, facts, priority) = tokio::try_join!(
-        inputs(ctx, cfg, pool),
-        facts(ctx, pool),
+        inputs(s, pool),
+        facts(s, pool),
         referenced_priority(ctx, pool)
     )?;
     Ok(Observation {
@@ -41,22 +42,11 @@ pub(super) async fn observation(
     })
 }
 
-/// The facts rendering needs: eligible nodes, the Server's Service, the token.
-async fn inputs(
-    ctx: &Context,
-    cfg: &RunnerPoolConfig,
-    pool: &RunnerPool,
-) -> Result<Inputs, ReconcileError> {
+/// The facts rendering needs: eligible nodes (cached), the Server's Service, the token.
+async fn inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, ReconcileError> {
+    let (ctx, cfg) = (&s.ctx, &s.cfg);
     let client = ctx.client.clone();
-    let nodes = &pool.spec.nodes;
-    let eligible = Api::<Node>::all(client.clone())
-        .list_metadata(
-            &ListParams::default().labels(&format!("{}={}", nodes.label_key, nodes.label_value)),
-        )
-        .await
-        .map_err(api_err("list", "Runner nodes"))?
-        .items
-        .len();
+    let eligible = s.nodes.select(|_, l| caches::eligible(pool, l)).len();
     let server_ns = server_namespace(pool);
     let service = Api::<Service>::namespaced(client.clone(), &server_ns)
         .get_opt(&pool.spec.server.service_name)
@@ -119,30 +109,34 @@ async fn referenced_priority(
     }))
 }
 
-/// The facts the status needs: namespace labels, Runner pods, NetworkPolicies.
-async fn facts(ctx: &Context, pool: &RunnerPool) -> Result<Facts, ReconcileError> {
-    let client = ctx.client.clone();
+/// The facts the status needs: namespace labels (read), Runner pods and
+/// NetworkPolicies (cached).
+async fn facts(s: &Shared, pool: &RunnerPool) -> Result<Facts, ReconcileError> {
     let ns = pool.namespace().unwrap_or_default();
-    let namespace = Api::<Namespace>::all(client.clone())
+    let namespace = Api::<Namespace>::all(s.ctx.client.clone())
         .get_metadata_opt(&ns)
         .await
         .map_err(api_err("get", format!("Namespace {ns}")))?;
-    let selector = render::pod_selector(pool)
+    let selector = render::pod_selector(pool);
+    let mut pods: Vec<_> = s
+        .pods
+        .select(|(pod_ns, _), p| {
+            *pod_ns == ns && selector.iter().all(|(k, v)| p.labels().get(k) == Some(v))
+        })
         .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let pods = Api::<Pod>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default().labels(&selector))
-        .await
-        .map_err(api_err("list", "Runner pods"))?;
-    let policies = Api::<NetworkPolicy>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default())
-        .await
-        .map_err(api_err("list", "NetworkPolicies"))?;
+        .map(|p| p.as_ref().clone())
+        .collect();
+    pods.sort_by_key(|p| p.name_any());
+    let mut policies: Vec<_> = s
+        .policies
+        .select(|(np_ns, _), _| *np_ns == ns)
+        .iter()
+        .map(|p| p.as_ref().clone())
+        .collect();
+    policies.sort_by_key(|p| p.name_any());
     Ok(Facts {
         namespace_labels: namespace.map(|n| n.labels().clone()).unwrap_or_default(),
-        pods: pods.items,
-        policies: policies.items,
+        pods,
+        policies,
     })
 }
