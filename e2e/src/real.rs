@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 
 use crate::run_dir;
 
+pub mod agents;
 pub mod copies;
 pub mod testload;
 
