@@ -120,6 +120,9 @@ pub struct Observed {
     pub knobs: Knobs,
     /// The persisted status (default for a new PodMigration).
     pub status: PodMigrationStatus,
+    /// Our finalizer is on the object. The controller shell adds it before the machine
+    /// ever runs, so the machine only removes it (`RemoveFinalizer`, once a deletion
+    /// is cleaned up).
     pub has_finalizer: bool,
     /// `metadata.deletionTimestamp` is set: the user asked to abort.
     pub deletion_requested: bool,
@@ -137,7 +140,6 @@ pub struct Observed {
 /// An idempotent thing for the controller to do, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    AddFinalizer,
     /// Create the per-migration transfer-key Secret if it does not exist.
     EnsureTransferKey,
     /// Create the target pod (holders, pinned to the target node) if it does not exist.
@@ -516,10 +518,6 @@ impl<'a> Machine<'a> {
     }
 
     fn run(&mut self) {
-        let o = self.o;
-        if !o.has_finalizer && !o.deletion_requested && !self.phase().is_terminal() {
-            self.act(Action::AddFinalizer);
-        }
         self.merge_agent_progress();
         self.resume();
     }

@@ -218,7 +218,6 @@ fn terminal_phases_clean_up_and_never_act_on_pods_or_agents_steps() {
         assert!(has(&t, &Action::Agent(Side::Target, Step::Cleanup)));
         assert!(has(&t, &Action::DeleteTransferKey));
         assert!(!gives_up_source(&t));
-        assert!(!has(&t, &Action::AddFinalizer), "{phase:?}");
     }
 }
 
@@ -568,7 +567,7 @@ fn dry_run_runs_the_checks_and_freezes_nothing() {
     assert!(
         t.actions
             .iter()
-            .all(|a| matches!(a, Action::DeleteTransferKey | Action::AddFinalizer)),
+            .all(|a| matches!(a, Action::DeleteTransferKey)),
         "{:?}",
         t.actions
     );
@@ -625,17 +624,11 @@ fn without_a_free_slot_the_migration_waits_queued() {
 
 #[test]
 fn a_migratable_pod_starts_preparing_its_key_and_target_pod() {
-    let mut o = at(P::Pending);
-    o.has_finalizer = false;
-    let t = next(&o);
+    let t = next(&at(P::Pending));
     assert_eq!(t.status.phase, P::Preparing);
     assert_eq!(
         t.actions,
-        vec![
-            Action::AddFinalizer,
-            Action::EnsureTransferKey,
-            Action::EnsureTargetPod
-        ]
+        vec![Action::EnsureTransferKey, Action::EnsureTargetPod]
     );
     assert_eq!(t.status.source_pod_uid.as_deref(), Some(SOURCE_UID));
     assert_eq!(t.status.target_node.as_deref(), Some("n1"));
@@ -859,7 +852,6 @@ impl World {
     fn apply(&mut self, a: &Action) {
         let now = self.o.now;
         match a {
-            Action::AddFinalizer => self.o.has_finalizer = true,
             Action::RemoveFinalizer => self.finalizer_released = true,
             Action::EnsureTransferKey => self.o.transfer_key_present = true,
             Action::DeleteTransferKey => self.o.transfer_key_present = false,
@@ -970,8 +962,8 @@ impl World {
 }
 
 fn fresh() -> Observed {
+    // The shell's finalizer is on before the machine first runs.
     let mut o = at(P::Pending);
-    o.has_finalizer = false;
     o.target_pod = None;
     o.transfer_key_present = false;
     o.status = PodMigrationStatus::default();

@@ -1,6 +1,7 @@
 //! The migration controller's writes: each action the machine returns, carried out
 //! idempotently (a repeated reconcile repeats them harmlessly). The finalizer is the
-//! shell's, so `AddFinalizer` and `RemoveFinalizer` only touch the key memo here.
+//! shell's, so `RemoveFinalizer` (which tells the shell the cleanup is done) only
+//! forgets the key memo here.
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::ResourceExt;
@@ -34,8 +35,6 @@ pub(super) async fn execute<A: AgentClient>(
     let ns = pm.namespace().unwrap_or_default();
     let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &ns);
     match action {
-        // The shell added it before the machine ran.
-        Action::AddFinalizer => Ok(()),
         // The shell removes it once this round succeeds: forget the key memo.
         Action::RemoveFinalizer => {
             s.remember_key_secret(pm, None);
