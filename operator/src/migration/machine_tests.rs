@@ -221,6 +221,34 @@ fn terminal_phases_clean_up_and_never_act_on_pods_or_agents_steps() {
     }
 }
 
+#[test]
+fn a_terminal_migration_asks_an_unanswering_agent_again_until_the_progress_timeout() {
+    // A replica that has just taken over (or an agent restarting) gets no answer: the
+    // images that agent holds are only cleaned up if the migration is looked at again.
+    for phase in [P::Succeeded, P::Failed, P::Aborted] {
+        let o = at(phase)
+            .source(done(Step::Cleanup))
+            .target_view(AgentView::Unreachable("connection refused".into()));
+        let t = next(&o);
+        assert_eq!(t.requeue_after, Some(POLL), "{phase:?}");
+        let o = at(phase)
+            .source_view(AgentView::Missing)
+            .target(done(Step::Cleanup));
+        assert_eq!(next(&o).requeue_after, Some(POLL), "{phase:?}");
+        // Bounded: past the progress timeout after the terminal phase it stops asking.
+        let later = at(phase)
+            .source(done(Step::Cleanup))
+            .target_view(AgentView::Unreachable("connection refused".into()))
+            .at_second(NOW + 3_600);
+        assert_eq!(next(&later).requeue_after, None, "{phase:?}");
+        // Both cleaned up: nothing to ask.
+        let clean = at(phase)
+            .source(done(Step::Cleanup))
+            .target(done(Step::Cleanup));
+        assert_eq!(next(&clean).requeue_after, None, "{phase:?}");
+    }
+}
+
 // ---------------------------------------------------------- rollback ordering
 
 #[test]
