@@ -194,12 +194,6 @@ pub struct FrozenAge {
     pub budget: Duration,
 }
 
-/// What a scrape reads from the agent that no RPC answer shows: the sources it holds
-/// frozen now (the service's `Agent` provides it).
-pub trait FrozenSources: Send + Sync + 'static {
-    fn frozen_sources(&self) -> Vec<FrozenAge>;
-}
-
 /// Registers `metric` under `name` with `help` and hands it back (a clone shares its
 /// values with the registered one).
 fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
@@ -475,14 +469,18 @@ impl<A: MigrationAgent> MigrationAgent for Observed<A> {
 }
 
 /// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends;
-/// `agent`'s frozen sources are read at each scrape. One request per connection; no
-/// TLS and no secrets — the port carries counts only.
-pub async fn serve<S: FrozenSources>(listener: tokio::net::TcpListener, agent: Arc<S>) {
+/// `frozen` is called at each scrape for the sources frozen now. One request per
+/// connection; no TLS and no secrets — the port carries counts only.
+pub async fn serve<F>(listener: tokio::net::TcpListener, frozen: F)
+where
+    F: Fn() -> Vec<FrozenAge> + Send + Sync + 'static,
+{
+    let frozen = Arc::new(frozen);
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
         };
-        let agent = Arc::clone(&agent);
+        let frozen = Arc::clone(&frozen);
         tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             let mut n = 0;
@@ -504,7 +502,7 @@ pub async fn serve<S: FrozenSources>(listener: tokio::net::TcpListener, agent: A
                 (
                     "200 OK",
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    global().encode(&agent.frozen_sources()),
+                    global().encode(&frozen()),
                 )
             } else {
                 ("404 Not Found", "text/plain", "not found\n".to_owned())

@@ -259,13 +259,6 @@ pub(super) enum GaveUp {
     SourceGone,
 }
 
-/// What a metrics scrape reads: the sources frozen now ([`super::Agent::frozen_sources`]).
-impl crate::metrics::FrozenSources for super::Agent {
-    fn frozen_sources(&self) -> Vec<crate::metrics::FrozenAge> {
-        super::Agent::frozen_sources(self)
-    }
-}
-
 impl GaveUp {
     /// Its `reason` label in the metrics.
     pub(super) fn label(self) -> &'static str {
