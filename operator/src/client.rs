@@ -45,6 +45,18 @@ pub fn from_config(mut config: Config) -> Result<Client, kube::Error> {
         .build())
 }
 
+/// `Api<K>` in namespace `ns`, or across all namespaces when `ns` is `None` (a
+/// controller's watch namespace).
+pub fn scoped<K>(client: &Client, ns: Option<&str>) -> kube::Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match ns {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

@@ -38,7 +38,7 @@ where
         + Debug,
 {
     let kind = K::kind(&());
-    let api: Api<K> = crate::controllers::scoped(client, scope);
+    let api: Api<K> = crate::client::scoped(client, scope);
     let list = api
         .list_metadata(&ListParams::default())
         .await

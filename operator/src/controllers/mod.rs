@@ -8,12 +8,11 @@
 //! - [`controller_config`]: explicit concurrency (kube-rs's default is unlimited);
 //! - [`reconcile_guard`]: followers keep their caches warm but never reconcile;
 //! - [`mark_ready_when_synced`]: `/readyz` once the controller's store has listed;
-//! - [`scoped`]: the API of a kind in the watch namespace, or in all of them.
+//! - [`crate::client::scoped`]: the API of a kind in the watch namespace, or in all of them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::Api;
 use kube::runtime::controller::{Action, Config};
 use kube::runtime::reflector::Store;
 
@@ -58,18 +57,6 @@ where
             }
         }
     });
-}
-
-/// `Api<K>` in namespace `ns`, or across all namespaces when `ns` is `None` (a
-/// controller's watch namespace).
-pub fn scoped<K>(client: &kube::Client, ns: Option<&str>) -> Api<K>
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
-{
-    match ns {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    }
 }
 
 pub mod attachment;

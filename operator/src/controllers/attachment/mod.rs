@@ -48,12 +48,13 @@ use kube::runtime::watcher::{self, watcher};
 use podmotion_api::names::{finalizers, managers};
 use podmotion_api::{NodeAgentAttachment, NodeAgentAttachmentStatus};
 
+use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
-use super::{controller_config, scoped};
 use crate::attachment::observed::workload_key;
 use crate::attachment::render;
 use crate::attachment::{JobView, ObservedGroup, PodView};
 use crate::cache::{self, Projection};
+use crate::client::scoped;
 use crate::context::Context;
 
 pub use settings::AttachmentConfig;
