@@ -53,6 +53,7 @@ use crate::migration::agent::AgentClient;
 use crate::migration::key::{KEY_LEN, MasterKey};
 use crate::migration::machine::{self, Action};
 use crate::migration::pending::{self, PodLoad};
+use crate::migration::preflight::NodeFacts;
 use act::Deferred;
 use state::Shared;
 
@@ -119,58 +120,18 @@ pub async fn run_with<A: AgentClient>(
         };
     let controller = Controller::new(migrations, watcher::Config::default().any_semantic());
     let store = controller.store();
-    // Nodes and their load are cluster-wide whatever the watch namespace: a pod moves
-    // to any node, and every pod on a node takes from its capacity.
-    let nodes = Arc::new(Projection::new());
-    let load = Arc::new(Projection::new());
-    let s = store.clone();
-    let node_triggers = cache::feed(
-        &ctx,
-        "migration-nodes",
-        watcher::watcher(Api::<Node>::all(client.clone()), cache::paged()),
-        nodes.clone(),
-        |n: &Node| Some(pending::node_view(n)),
-        move |_| pending_migrations(&s),
-    );
-    let s = store.clone();
-    let pod_triggers = cache::feed(
-        &ctx,
-        "migration-pods",
-        watcher::watcher(
-            Api::<Pod>::all(client.clone()),
-            // A pod that ends leaves the watch (a DELETED event).
-            cache::paged().fields("status.phase!=Succeeded,status.phase!=Failed"),
-        ),
-        load.clone(),
-        PodLoad::from_pod,
-        move |c| woken_by_pod(&s, c),
-    );
+    let (nodes, load, wakes) = pending_inputs(&ctx, &store);
     let controller = controller
         .owns(
             target_pods,
             watcher::Config::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND)),
         )
-        .reconcile_on(stream::select(node_triggers, pod_triggers))
+        .reconcile_on(wakes)
         // A replica that wins the lease reconciles everything once.
         .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
-    // The agents' pods are few: watch them rather than list them on every poll.
-    let (agent_pods, writer) = reflector::store();
-    let agent_api: Api<Pod> = Api::namespaced(client.clone(), &cfg.agent_namespace);
-    let agent_watch = reflector(
-        writer,
-        watcher::watcher(
-            agent_api,
-            watcher::Config::default().labels(&cfg.agent_selector),
-        )
-        .default_backoff(),
-    );
-    tokio::spawn(agent_watch.for_each(|ev| async move {
-        if let Err(e) = ev {
-            tracing::debug!(error = %e, "agent pod watch");
-        }
-    }));
+    let agent_pods = watch_agent_pods(&client, &cfg);
     let master_key = load_master_key(cfg.key_file.as_deref())?;
     let shared = Arc::new(Shared {
         master_key,
@@ -186,6 +147,66 @@ pub async fn run_with<A: AgentClient>(
     super::mark_ready_when_synced(&ctx, NAME, shared.store.clone());
     shell::run(controller, shared).await;
     Ok(())
+}
+
+/// What a Pending migration decides on, cached: every node's pre-flight facts and every
+/// running pod's load, cluster-wide whatever the watch namespace (a pod moves to any
+/// node, and every pod on a node takes from its capacity), and the migrations their
+/// changes wake.
+fn pending_inputs(
+    ctx: &Arc<Context>,
+    store: &Store<DeserializeGuard<PodMigration>>,
+) -> (
+    Arc<Projection<NodeFacts>>,
+    Arc<Projection<PodLoad>>,
+    impl futures::Stream<Item = MigrationRef> + Send + 'static,
+) {
+    let client = ctx.client.clone();
+    let nodes = Arc::new(Projection::new());
+    let load = Arc::new(Projection::new());
+    let s = store.clone();
+    let node_triggers = cache::feed(
+        ctx,
+        "migration-nodes",
+        watcher::watcher(Api::<Node>::all(client.clone()), cache::paged()),
+        nodes.clone(),
+        |n: &Node| Some(pending::node_view(n)),
+        move |_| pending_migrations(&s),
+    );
+    let s = store.clone();
+    let pod_triggers = cache::feed(
+        ctx,
+        "migration-pods",
+        watcher::watcher(
+            Api::<Pod>::all(client),
+            // A pod that ends leaves the watch (a DELETED event).
+            cache::paged().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        ),
+        load.clone(),
+        PodLoad::from_pod,
+        move |c| woken_by_pod(&s, c),
+    );
+    (nodes, load, stream::select(node_triggers, pod_triggers))
+}
+
+/// The agents' pods, watched (they are few) rather than listed on every poll.
+fn watch_agent_pods(client: &kube::Client, cfg: &MigrationConfig) -> Store<Pod> {
+    let (agent_pods, writer) = reflector::store();
+    let agent_api: Api<Pod> = Api::namespaced(client.clone(), &cfg.agent_namespace);
+    let agent_watch = reflector(
+        writer,
+        watcher::watcher(
+            agent_api,
+            watcher::Config::default().labels(&cfg.agent_selector),
+        )
+        .default_backoff(),
+    );
+    tokio::spawn(agent_watch.for_each(|ev| async move {
+        if let Err(e) = ev {
+            tracing::debug!(error = %e, "agent pod watch");
+        }
+    }));
+    agent_pods
 }
 
 type MigrationRef = ObjectRef<DeserializeGuard<PodMigration>>;

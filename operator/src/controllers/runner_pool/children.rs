@@ -252,20 +252,30 @@ pub(super) async fn apply_daemonset(
     if drift::shape_drift(&ds, &applied).is_empty() {
         return Ok((applied, drift));
     }
+    Ok((replace_daemonset(ctx, &api, &ds, applied).await?, drift))
+}
+
+/// Replaces the whole DaemonSet with `ds`, from the `current` one. The DaemonSet
+/// controller writes its status all the time, so the resourceVersion may move between
+/// our read and the replace: a conflict is retried on a fresh read (5 times).
+async fn replace_daemonset(
+    ctx: &Context,
+    api: &Api<DaemonSet>,
+    ds: &DaemonSet,
+    mut current: DaemonSet,
+) -> Result<DaemonSet, ReconcileError> {
+    let name = ds.name_any();
     let pp = PostParams {
         field_manager: Some(managers::RUNNER_POOL.into()),
         ..Default::default()
     };
-    // The DaemonSet controller writes its status all the time, so the resourceVersion
-    // may move between our read and the replace: retry a conflict on a fresh read.
-    let mut current = applied;
     let mut attempts = 0;
-    let replaced = loop {
+    loop {
         ctx.ensure_leader()?;
         let mut replacement = ds.clone();
         replacement.metadata.resource_version = current.resource_version();
         match api.replace(&name, &pp, &replacement).await {
-            Ok(r) => break r,
+            Ok(r) => return Ok(r),
             Err(e) if is_status(&e, 409) && attempts < 5 => {
                 attempts += 1;
                 current = api
@@ -275,6 +285,5 @@ pub(super) async fn apply_daemonset(
             }
             Err(e) => return Err(api_err("replace", format!("DaemonSet {name}"))(e)),
         }
-    };
-    Ok((replaced, drift))
+    }
 }

@@ -45,13 +45,15 @@ use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
+use kube::runtime::reflector::Store;
 use kube::runtime::watcher::{self, watcher};
 use podmotion_api::names::{finalizers, labels, managers};
 use podmotion_api::{RunnerPool, RunnerPoolStatus};
 
+use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
-use super::{controller_config, scoped};
 use crate::cache::{self, Key, Projection};
+use crate::client::scoped;
 use crate::context::Context;
 use crate::runner_pool::priority;
 use crate::runner_pool::status;
@@ -104,46 +106,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
         policies: Arc::new(Projection::new()),
         nodes: Arc::new(Projection::new()),
     });
-    let daemonset_triggers = cache::feed(
-        &ctx,
-        "runner-pool-daemonsets",
-        watcher(scoped::<DaemonSet>(&client, ns), children.clone()),
-        shared.daemonsets.clone(),
-        caches::daemonset,
-        caches::pool_of_daemonset,
-    );
-    // Runner pods belong to the DaemonSet, not to the pool: mapped by the pool name
-    // label every Runner pod carries.
-    let pod_triggers = cache::feed(
-        &ctx,
-        "runner-pool-pods",
-        watcher(scoped::<Pod>(&client, ns), children.clone()),
-        shared.pods.clone(),
-        caches::runner_pod,
-        caches::pool_of_pod,
-    );
-    let s = store.clone();
-    let policy_triggers = cache::feed(
-        &ctx,
-        "runner-pool-networkpolicies",
-        watcher(scoped::<NetworkPolicy>(&client, ns), cache::paged()),
-        shared.policies.clone(),
-        caches::policy,
-        move |c| caches::pools_in_namespace(&s, c),
-    );
-    // Nodes are cluster-wide whatever the watch namespace; only their labels are kept.
-    let s = store.clone();
-    let node_triggers = cache::feed(
-        &ctx,
-        "runner-pool-nodes",
-        watcher(
-            Api::<PartialObjectMeta<Node>>::all(client.clone()),
-            cache::paged(),
-        ),
-        shared.nodes.clone(),
-        caches::node_labels,
-        move |c| caches::pools_of_node(&s, c),
-    );
+    let wakes = wakes(&ctx, &shared, &store, &children);
     let controller = controller
         .owns(
             scoped::<PartialObjectMeta<ServiceAccount>>(&client, ns),
@@ -153,10 +116,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
             scoped::<PartialObjectMeta<PodDisruptionBudget>>(&client, ns),
             children.clone(),
         )
-        .reconcile_on(stream::select(
-            stream::select(daemonset_triggers, pod_triggers),
-            stream::select(policy_triggers, node_triggers),
-        ))
+        .reconcile_on(wakes)
         .reconcile_all_on(ctx.leader.on_acquire())
         .with_config(controller_config(&ctx))
         .graceful_shutdown_on(ctx.shutdown());
@@ -168,6 +128,58 @@ pub async fn run_with(ctx: Arc<Context>, cfg: RunnerPoolConfig) -> anyhow::Resul
     super::mark_ready_when_synced(&ctx, NAME, store);
     shell::run(controller, shared).await;
     Ok(())
+}
+
+/// The pools to reconcile when what their status and children are read from changes:
+/// the caches of their DaemonSets, Runner pods (mapped by the pool name label every
+/// Runner pod carries: they belong to the DaemonSet, not to the pool), the namespace's
+/// NetworkPolicies and the nodes' labels (cluster-wide whatever the watch namespace).
+fn wakes(
+    ctx: &Arc<Context>,
+    shared: &Shared,
+    store: &Store<DeserializeGuard<RunnerPool>>,
+    children: &watcher::Config,
+) -> impl futures::Stream<Item = caches::PoolRef> + Send + 'static {
+    let client = ctx.client.clone();
+    let ns = shared.cfg.watch_namespace.as_deref();
+    let daemonset_triggers = cache::feed(
+        ctx,
+        "runner-pool-daemonsets",
+        watcher(scoped::<DaemonSet>(&client, ns), children.clone()),
+        shared.daemonsets.clone(),
+        caches::daemonset,
+        caches::pool_of_daemonset,
+    );
+    let pod_triggers = cache::feed(
+        ctx,
+        "runner-pool-pods",
+        watcher(scoped::<Pod>(&client, ns), children.clone()),
+        shared.pods.clone(),
+        caches::runner_pod,
+        caches::pool_of_pod,
+    );
+    let s = store.clone();
+    let policy_triggers = cache::feed(
+        ctx,
+        "runner-pool-networkpolicies",
+        watcher(scoped::<NetworkPolicy>(&client, ns), cache::paged()),
+        shared.policies.clone(),
+        caches::policy,
+        move |c| caches::pools_in_namespace(&s, c),
+    );
+    let s = store.clone();
+    let node_triggers = cache::feed(
+        ctx,
+        "runner-pool-nodes",
+        watcher(Api::<PartialObjectMeta<Node>>::all(client), cache::paged()),
+        shared.nodes.clone(),
+        caches::node_labels,
+        move |c| caches::pools_of_node(&s, c),
+    );
+    stream::select(
+        stream::select(daemonset_triggers, pod_triggers),
+        stream::select(policy_triggers, node_triggers),
+    )
 }
 
 impl Reconciler for Shared {
@@ -232,13 +244,7 @@ impl Reconciler for Shared {
                 Timestamp::now(),
             );
             self.ctx.metrics.runner_pool(&key, Some(&new));
-            let old = pool.status.clone().unwrap_or_default();
-            let mut out = Outcome::new(Some(new));
-            if let Some(new) = &out.status {
-                out.notes.extend(status::health_change(&old, new));
-            }
-            out.requeue = Some(RESYNC);
-            return Ok(out);
+            return Ok(resynced(pool, new, vec![]));
         }
         let ds_key: Key = (
             pool.namespace().unwrap_or_default(),
@@ -259,13 +265,22 @@ impl Reconciler for Shared {
             crate::runner_pool::status_inputs(pool, &desired, &o.inputs, &o.facts, applied);
         let new = status::compute(pool, &observed, Timestamp::now());
         self.ctx.metrics.runner_pool(&key, Some(&new));
-        let old = pool.status.clone().unwrap_or_default();
-        let mut out = Outcome::new(Some(new));
-        out.notes.extend(drift);
-        if let Some(new) = &out.status {
-            out.notes.extend(status::health_change(&old, new));
-        }
-        out.requeue = Some(RESYNC);
-        Ok(out)
+        Ok(resynced(pool, new, drift.into_iter().collect()))
     }
+}
+
+/// The outcome of a round that computed `new`: `notes`, then the health change from the
+/// pool's current status, and the next look after `RESYNC`.
+fn resynced(
+    pool: &RunnerPool,
+    new: RunnerPoolStatus,
+    notes: Vec<crate::note::Note>,
+) -> Outcome<RunnerPoolStatus> {
+    let old = pool.status.clone().unwrap_or_default();
+    let health = status::health_change(&old, &new);
+    let mut out = Outcome::new(Some(new));
+    out.notes.extend(notes);
+    out.notes.extend(health);
+    out.requeue = Some(RESYNC);
+    out
 }
