@@ -217,10 +217,24 @@ fail_with_log() { # component message
   exit 1
 }
 
+# Whether the process `start`/`start_in_ns` recorded for a component still runs. Not
+# pid_of: until the subshell has exec'd the component's binary (after closing
+# descriptors, setsid and nsenter), its /proc/<pid>/exe is bash's or nsenter's, and a
+# loaded machine stretches that window (a CI run once reported the KVM device plugin
+# "exited during start-up" while it had registered with its kubelet).
+still_running() { # component
+  local f=$PIDS/$1.pid pid state
+  [[ -f $f ]] || return 1
+  pid=$(cat "$f")
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+  [[ -n $state && $state != Z && $state != X ]]
+}
+
 wait_healthy() { # component
   local deadline=$((SECONDS + TIMEOUT))
   while ! healthy "$1"; do
-    pid_of "$1" >/dev/null || fail_with_log "$1" "$1 exited during start-up"
+    still_running "$1" || fail_with_log "$1" "$1 exited during start-up"
     ((SECONDS < deadline)) || fail_with_log "$1" "$1 not healthy after ${TIMEOUT}s"
     sleep 0.2
   done
