@@ -56,11 +56,9 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_api::names::labels;
 use podmotion_e2e::real::agents::{agent_pids, agent_pod_uids, checkpoint_files};
-use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, jump_back, pod_processes, workload_processes,
-};
+use podmotion_e2e::real::copies::{Proc, ServicePoller, pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter_when_reachable, node_of,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter_when_reachable, node_of,
 };
 use podmotion_e2e::real::{force_delete_pod, kubectl, output_text};
 use podmotion_e2e::{from_json, pod_running_ready, wait_list};
@@ -379,12 +377,7 @@ async fn ready_pod(pods: &Api<Pod>) -> Pod {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"))[0]
         .clone();
-    for _ in 0..600 {
-        if ask(&addr(&p), "ballast").is_ok_and(|a| a == "filled") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    testload::wait_ballast(&p);
     p
 }
 
@@ -686,28 +679,8 @@ async fn leader_kills_and_an_api_server_restart_never_lose_or_double_a_migrating
 /// Stops a lineage's Service reader: its counters never went back (two copies served)
 /// and reached `at_least`.
 fn finish_lineage(poller: ServicePoller, at_least: u64, tally: &mut Tally) {
-    for _ in 0..100 {
-        if poller.last().is_some_and(|v| v >= at_least) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (values, failures) = poller.finish();
-    eprintln!(
-        "[real-chaos] the Service gave {} counters ({failures} reads failed), {:?} .. {:?}",
-        values.len(),
-        values.first(),
-        values.last()
-    );
-    tally.check(jump_back(&values).is_none(), || {
-        format!(
-            "two copies served through the Service: {:?}",
-            jump_back(&values)
-        )
-    });
-    tally.check(values.last().is_some_and(|v| *v >= at_least), || {
-        format!("the Service never reached {at_least}: {:?}", values.last())
-    });
+    let result = poller.finish_checked(at_least);
+    tally.check(result.is_ok(), || result.unwrap_err());
 }
 
 /// Waits, from `last_fault`, until everything settled (or `CONVERGENCE` passed, a

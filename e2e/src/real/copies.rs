@@ -205,6 +205,15 @@ impl ServicePoller {
     /// the counters read never went back (two copies served) and reached `at_least`
     /// (the copy that serves now, `what`).
     pub fn finish_reaching(self, at_least: u64, what: &str) {
+        if let Err(e) = self.finish_checked(at_least) {
+            panic!("{e} ({what})");
+        }
+    }
+
+    /// Waits (30 s at most) until a read saw `at_least`, stops reading, prints what was
+    /// read, and says what went wrong: the counters went back (two copies served
+    /// through the Service) or never reached `at_least`.
+    pub fn finish_checked(self, at_least: u64) -> Result<(), String> {
         for _ in 0..300 {
             if self.last().is_some_and(|v| v >= at_least) {
                 break;
@@ -219,16 +228,18 @@ impl ServicePoller {
             values.last()
         );
         if let Some((i, a, b)) = jump_back(&values) {
-            panic!(
+            return Err(format!(
                 "two copies served through the Service: read {i} saw {a}, read {} saw {b}",
                 i + 1
-            );
+            ));
         }
-        assert!(
-            values.last().is_some_and(|v| *v >= at_least),
-            "the Service never reached {what}: {:?} (wanted {at_least})",
-            values.last()
-        );
+        if values.last().is_none_or(|v| *v < at_least) {
+            return Err(format!(
+                "the Service never reached {at_least}: {:?}",
+                values.last()
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -213,6 +213,17 @@ pub async fn source_serves_alone(
     after
 }
 
+/// Waits (60 s at most) until the testload pod `p` has written its whole ballast, so
+/// nothing is dumped before it.
+pub fn wait_ballast(p: &Pod) {
+    for _ in 0..600 {
+        if ask(&addr(p), "ballast").is_ok_and(|a| a == "filled") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// What a real-node migration test runs against: the operator's and the application's
 /// namespaces (deleted on drop), the real nodes, the chart release (uninstalled on
 /// drop, before the namespaces go) and one testload replica, Ready on a real node with
@@ -264,13 +275,7 @@ impl World {
         .await
         .unwrap_or_else(|e| panic!("{e:#}"))[0]
             .clone();
-        // The whole ballast is written before anything is dumped.
-        for _ in 0..600 {
-            if ask(&addr(&source), "ballast").is_ok_and(|a| a == "filled") {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_ballast(&source);
         Some(World {
             _uninstall: uninstall,
             app: app_ns,
