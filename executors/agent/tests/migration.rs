@@ -7,6 +7,7 @@
 use podmotion_agent::testbed::{POD_IP, Testbed, ask};
 use podmotion_broker::procfs;
 use podmotion_wire::agent::*;
+use podmotion_wire::client::AgentClient;
 use podmotion_wire::ids::ProcRef;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -438,7 +439,10 @@ fn a_source_frozen_past_its_budget_is_resumed_by_the_agent_watchdog() {
     );
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
-        assert_eq!(a.status(uid).await.unwrap().phase(), Phase::Aborted);
+        assert_eq!(
+            recorded(&mut a, uid, Phase::Aborted).await.phase(),
+            Phase::Aborted
+        );
         let c = a.commit(uid).await.unwrap_err();
         assert_eq!(c.category(), "WrongPhase", "{c}");
         // Abort after the watchdog: aborted, the source still runs.
@@ -706,7 +710,10 @@ fn a_dump_whose_caller_went_away_is_still_resumed_by_the_watchdog() {
     );
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
-        assert_eq!(a.status(uid).await.unwrap().phase(), Phase::Aborted);
+        assert_eq!(
+            recorded(&mut a, uid, Phase::Aborted).await.phase(),
+            Phase::Aborted
+        );
         assert_eq!(a.abort(uid).await.unwrap().phase(), Phase::Aborted);
         a.cleanup(uid).await.unwrap();
     });
@@ -827,6 +834,22 @@ fn fenced(
     })
 }
 
+/// The agent's status of `uid`, asked again (up to 5 s) until its phase is `want`: a
+/// test sees the watchdog's effect on the process (resumed, dead) a moment before the
+/// agent records it (its freeze is still THAWING or KILLING, reported as the phase it
+/// had). The caller asserts on the phase.
+async fn recorded(a: &mut AgentClient, uid: &str, want: Phase) -> MigrationStatus {
+    let mut st = a.status(uid).await.unwrap();
+    for _ in 0..50 {
+        if st.phase() == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        st = a.status(uid).await.unwrap();
+    }
+    st
+}
+
 /// Whether the source tree's root died (killed, not resumed) within `tries` × 100 ms.
 fn dies(src: ProcRef, tries: u32) -> bool {
     (0..tries).any(|_| {
@@ -875,7 +898,7 @@ fn a_fenced_source_past_its_budget_is_killed_not_resumed_by_the_agent_watchdog()
     );
     tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
-        let st = a.status(uid).await.unwrap();
+        let st = recorded(&mut a, uid, Phase::Killed).await;
         assert_eq!(
             st.phase(),
             Phase::Killed,
