@@ -27,6 +27,8 @@ use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 use tokio::sync::watch;
 
+use podmotion_wire::agent::LeaderTerm;
+
 use crate::config::LeaderConfig;
 
 /// Returned by [`Leadership::ensure`] when this replica may not write.
@@ -34,12 +36,12 @@ use crate::config::LeaderConfig;
 #[error("not the leader: this replica does not hold a current lease")]
 pub struct NotLeader;
 
-/// A lease we hold: valid until `until` on our monotonic clock; `transitions` is the
-/// lease's `leaseTransitions` when we took it (the leadership term).
+/// A lease we hold: valid until `until` on our monotonic clock; `term` is the lease's
+/// creation time and its `leaseTransitions` when we took it (the leadership term).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Held {
     until: Instant,
-    transitions: i32,
+    term: LeaderTerm,
 }
 
 /// This replica's view of the lease, shared by every controller.
@@ -55,7 +57,7 @@ impl Leadership {
     pub fn always() -> Self {
         let (tx, _) = watch::channel(Some(Held {
             until: Instant::now(),
-            transitions: 0,
+            term: LeaderTerm::default(),
         }));
         Leadership {
             valid_until: tx,
@@ -81,19 +83,16 @@ impl Leadership {
                 .is_some_and(|h| h.until > Instant::now())
     }
 
-    /// The term agent calls are fenced with (`podmotion_wire::agent::leader_term`):
-    /// `Ok(None)` with leader election off, the lease's transition count while we hold
-    /// a current lease, and `NotLeader` otherwise — a replica that does not lead
-    /// commands no agent.
-    pub fn fencing_term(&self) -> Result<Option<u64>, NotLeader> {
+    /// The term agent calls are fenced with (`podmotion_wire::agent::LeaderTerm`):
+    /// `Ok(None)` with leader election off, the lease's creation time and transition
+    /// count while we hold a current lease, and `NotLeader` otherwise — a replica that
+    /// does not lead commands no agent.
+    pub fn fencing_term(&self) -> Result<Option<LeaderTerm>, NotLeader> {
         if self.always {
             return Ok(None);
         }
         self.ensure()?;
-        Ok(self
-            .valid_until
-            .borrow()
-            .map(|h| u64::try_from(h.transitions).unwrap_or(0)))
+        Ok(self.valid_until.borrow().map(|h| h.term))
     }
 
     /// `Ok` only while we hold a current lease. Call before every write.
@@ -148,13 +147,17 @@ impl Leadership {
             let started = Instant::now();
             let held = self.valid_until.borrow().is_some();
             match try_acquire(&api, &cfg.lease_name, identity, duration, &mut seen).await {
-                Ok(Some(transitions)) => {
+                Ok(Some(term)) => {
+                    let was = *self.valid_until.borrow();
                     if !held {
-                        tracing::info!(lease = %cfg.lease_name, %identity, transitions, "acquired leadership");
+                        tracing::info!(lease = %cfg.lease_name, %identity, %term, "acquired leadership");
+                    } else if was.is_some_and(|h| h.term != term) {
+                        // Someone deleted the Lease and we created it again.
+                        tracing::warn!(lease = %cfg.lease_name, %identity, %term, "the Lease was created again; leading in its new term");
                     }
                     self.valid_until.send_replace(Some(Held {
                         until: started + duration,
-                        transitions,
+                        term,
                     }));
                 }
                 Ok(None) => {
@@ -284,15 +287,14 @@ pub fn claim(
     Claim::Write(spec)
 }
 
-/// One attempt to take or renew the lease. `Ok(Some(transitions))`: we hold it now,
-/// in the term `transitions`.
+/// One attempt to take or renew the lease. `Ok(Some(term))`: we hold it now, in `term`.
 async fn try_acquire(
     api: &Api<Lease>,
     name: &str,
     identity: &str,
     duration: Duration,
     seen: &mut Observation,
-) -> kube::Result<Option<i32>> {
+) -> kube::Result<Option<LeaderTerm>> {
     let current = api.get_opt(name).await?;
     let spec = current.as_ref().and_then(|l| l.spec.as_ref());
     let empty = LeaseSpec::default();
@@ -329,10 +331,23 @@ async fn try_acquire(
         }
     };
     match res {
-        Ok(_) => Ok(Some(term)),
+        Ok(written) => Ok(Some(term_of(&written, term))),
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// The term of the lease `written` (as the API server answered our write) with
+/// `transitions`: its creation time (set by the API server, so every replica reads the
+/// same) first, so a Lease deleted and created again, whose count restarts at 0, is a
+/// newer term than every one of the Lease it replaced.
+fn term_of(written: &Lease, transitions: i32) -> LeaderTerm {
+    let epoch = written
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| u64::try_from(t.0.as_second()).unwrap_or(0));
+    LeaderTerm::new(epoch, u64::try_from(transitions).unwrap_or(0))
 }
 
 /// A tiny generator: runs `f` with a channel and yields what it sends.
@@ -358,7 +373,7 @@ mod tests {
     fn held(until: Instant) -> Held {
         Held {
             until,
-            transitions: 0,
+            term: LeaderTerm::default(),
         }
     }
 
@@ -386,18 +401,42 @@ mod tests {
     }
 
     #[test]
+    fn the_term_is_the_lease_s_creation_time_then_its_count() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let lease = |created: &str| Lease {
+            metadata: ObjectMeta {
+                creation_timestamp: Some(Time(created.parse().unwrap())),
+                ..Default::default()
+            },
+            spec: None,
+        };
+        let replaced = term_of(&lease("2026-11-24T00:00:00Z"), 41);
+        assert_eq!(replaced, LeaderTerm::new(1_795_478_400, 41));
+        // Deleted and created again: the count restarts, the term is still newer.
+        let recreated = term_of(&lease("2026-12-03T00:00:00Z"), 0);
+        assert_eq!(recreated, LeaderTerm::new(1_796_256_000, 0));
+        assert!(recreated > replaced);
+        let unknown = Lease {
+            metadata: ObjectMeta::default(),
+            spec: None,
+        };
+        assert_eq!(term_of(&unknown, 3), LeaderTerm::new(0, 3));
+    }
+
+    #[test]
     fn agent_calls_are_fenced_with_the_term_only_while_it_leads() {
         assert_eq!(Leadership::always().fencing_term().ok(), Some(None));
         let l = Leadership::elected();
         assert!(l.fencing_term().is_err(), "not yet elected");
+        let term = LeaderTerm::new(1_764_770_000, 7);
         l.valid_until.send_replace(Some(Held {
             until: Instant::now() + Duration::from_secs(60),
-            transitions: 7,
+            term,
         }));
-        assert_eq!(l.fencing_term().ok(), Some(Some(7)));
+        assert_eq!(l.fencing_term().ok(), Some(Some(term)));
         l.valid_until.send_replace(Some(Held {
             until: Instant::now() - Duration::from_millis(1),
-            transitions: 7,
+            term,
         }));
         assert!(
             l.fencing_term().is_err(),

@@ -13,7 +13,8 @@
 //! | no PodMotion identity            | denied                          | denied                                     |
 //!
 //! A commanding call of the operator also carries its leader term when leader election
-//! is on (`podmotion_wire::agent::LEADER_TERM_METADATA`): a term lower than the highest
+//! is on (`podmotion_wire::agent::LeaderTerm`: the Lease's creation time, then its
+//! transition count): a term older than the newest
 //! this agent has seen is refused ([`admit_term`]), so a replica that still believes it
 //! leads after another took over commands nothing. `Status` is never refused for it.
 //! The highest term is also recorded on the node before a call that raised it is
@@ -25,7 +26,7 @@
 
 use std::fmt;
 
-use podmotion_wire::agent::Role;
+use podmotion_wire::agent::{LeaderTerm, Role};
 use podmotion_wire::identity::{IdentityError, Peer};
 use tonic::Status;
 
@@ -114,20 +115,24 @@ pub enum Denied {
     #[error("{rpc}: no migration on this agent takes images from {caller}")]
     NotThePeer { rpc: Rpc, caller: Peer },
     #[error(
-        "{rpc}: the operator's leader term {presented} is older than term {highest} this agent has seen: another replica leads now"
+        "{rpc}: the operator's leader {presented} is older than {highest} this agent has seen: another replica leads now"
     )]
     StaleLeader {
         rpc: Rpc,
-        presented: u64,
-        highest: u64,
+        presented: LeaderTerm,
+        highest: LeaderTerm,
     },
 }
 
 /// The leader-term fence of a commanding call: `presented` (the term the operator sent,
-/// `None` with leader election off) against `highest`, the highest term this agent saw
-/// before the call. A lower term is refused; a call without a term is not fenced. Reads
+/// `None` with leader election off) against `highest`, the newest term this agent saw
+/// before the call. An older term is refused; a call without a term is not fenced. Reads
 /// (`Status`) change nothing and are never refused for their term.
-pub fn admit_term(rpc: Rpc, presented: Option<u64>, highest: u64) -> Result<(), Denied> {
+pub fn admit_term(
+    rpc: Rpc,
+    presented: Option<LeaderTerm>,
+    highest: LeaderTerm,
+) -> Result<(), Denied> {
     match presented {
         Some(t) if t < highest && rpc.commands() => Err(Denied::StaleLeader {
             rpc,
@@ -340,29 +345,53 @@ mod tests {
 
     #[test]
     fn a_lower_leader_term_commands_nothing_and_reads_go_on() {
+        let t = |term| LeaderTerm::new(0, term);
         for rpc in Rpc::ALL
             .into_iter()
             .filter(|r| r.is_control() && *r != Rpc::Status)
         {
-            assert!(admit_term(rpc, Some(6), 6).is_ok(), "{rpc}: the same term");
-            assert!(admit_term(rpc, Some(7), 6).is_ok(), "{rpc}: a newer term");
             assert!(
-                admit_term(rpc, None, 6).is_ok(),
+                admit_term(rpc, Some(t(6)), t(6)).is_ok(),
+                "{rpc}: the same term"
+            );
+            assert!(
+                admit_term(rpc, Some(t(7)), t(6)).is_ok(),
+                "{rpc}: a newer term"
+            );
+            assert!(
+                admit_term(rpc, None, t(6)).is_ok(),
                 "{rpc}: no election, no fence"
             );
-            let d = admit_term(rpc, Some(5), 6).unwrap_err();
+            let d = admit_term(rpc, Some(t(5)), t(6)).unwrap_err();
             assert_eq!(
                 d,
                 Denied::StaleLeader {
                     rpc,
-                    presented: 5,
-                    highest: 6
+                    presented: t(5),
+                    highest: t(6)
                 }
             );
             assert!(d.to_string().contains("term 6"), "{d}");
         }
-        assert!(admit_term(Rpc::Status, Some(1), 6).is_ok());
-        assert!(admit_term(Rpc::ReceiveImages, Some(1), 6).is_ok());
+        assert!(admit_term(Rpc::Status, Some(t(1)), t(6)).is_ok());
+        assert!(admit_term(Rpc::ReceiveImages, Some(t(1)), t(6)).is_ok());
+    }
+
+    #[test]
+    fn a_recreated_lease_leads_and_the_replaced_one_commands_nothing() {
+        let replaced = LeaderTerm::new(1_764_000_000, 41);
+        let recreated = LeaderTerm::new(1_764_770_000, 0);
+        for rpc in Rpc::ALL.into_iter().filter(|r| r.commands()) {
+            assert!(admit_term(rpc, Some(recreated), replaced).is_ok(), "{rpc}");
+            let d = admit_term(rpc, Some(replaced), recreated).unwrap_err();
+            assert!(
+                d.to_string()
+                    .contains("term 0 of the Lease created at 1764770000"),
+                "{d}"
+            );
+            // Without an epoch (an operator from before it): older than any Lease's.
+            assert!(admit_term(rpc, Some(LeaderTerm::new(0, 99)), recreated).is_err());
+        }
     }
 
     #[test]

@@ -627,7 +627,7 @@ impl Agent {
         let path = record.path();
         self.term_fence = leader_term::TermFence::recorded(record)?;
         tracing::info!(
-            highest_term = self.term_fence.highest(),
+            highest = %self.term_fence.highest(),
             record = %path.display(),
             "leader-term fence starts from the recorded term"
         );

@@ -427,9 +427,9 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
     let newer = tb.prepare_request(uid, 0, &container, TcpPreservation::BestEffort);
     let stale = tb.prepare_request("authz-term-old", 0, &container, TcpPreservation::BestEffort);
     let (refusals, stale_reads, mine, theirs) = tb.operator(move |tls| async move {
-        let mut new = tls.agent(0).await.with_leader_term(Some(6));
+        let mut new = tls.agent(0).await.with_leader_term(term(6));
         assert_eq!(new.prepare(newer).await.unwrap().phase(), Phase::Prepared);
-        let mut old = tls.agent(0).await.with_leader_term(Some(5));
+        let mut old = tls.agent(0).await.with_leader_term(term(5));
         let mut refusals = vec![];
         for (u, p) in [(uid, stale.clone()), ("authz-term-old", stale)] {
             refusals.extend([
@@ -467,12 +467,21 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
     assert!(running(src.pid), "the source was frozen by a stale leader");
 }
 
+/// The creation time of a Lease made after the one whose terms the test used before.
+const RECREATED: u64 = 1_764_770_000;
+
+/// Leader `n` of a Lease without a creation time (the count alone).
+fn term(n: u64) -> Option<LeaderTerm> {
+    Some(LeaderTerm::new(0, n))
+}
+
 /// The fence survives the agent (issue 16, finding 9's fence, across a restart): once
 /// a commanding call with the operator's leader term 7 was admitted, the agent is
 /// killed (SIGKILL: nothing is written on the way out) and a new one started on the same
 /// node's state directory refuses term 6 on every commanding call, while terms 7 and 8
 /// are admitted. The term is on the node (`<state dir>/leader-term`) by the time the
-/// call that raised it returned.
+/// call that raised it returned. Then the Lease is created again: its term 0 with the
+/// new creation time is admitted, and term 8 is refused from then on.
 #[test]
 fn a_restarted_agent_still_refuses_a_stale_leader() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -486,7 +495,7 @@ fn a_restarted_agent_still_refuses_a_stale_leader() {
         prepare("authz-restart-8"),
     );
     let prepared = tb.operator(move |tls| async move {
-        let mut new = tls.agent(0).await.with_leader_term(Some(7));
+        let mut new = tls.agent(0).await.with_leader_term(term(7));
         let p = new.prepare(before).await.unwrap().phase();
         new.abort("authz-restart-7").await.unwrap();
         new.cleanup("authz-restart-7").await.unwrap();
@@ -499,36 +508,49 @@ fn a_restarted_agent_still_refuses_a_stale_leader() {
 
     tb.kill_agent(0);
     tb.start_agent(0);
-    let (refusals, stale_reads, at_7, at_8) = tb.operator(move |tls| async move {
-        let mut old = tls.agent(0).await.with_leader_term(Some(6));
-        let u = "authz-restart-6";
-        let refusals = vec![
-            denied("Prepare", old.prepare(stale).await),
-            denied("PreDump", old.pre_dump(u).await),
-            denied("Dump", old.dump(u).await),
-            denied(
-                "Send",
-                old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
-            ),
-            denied("Fence", old.fence(u).await),
-            denied("Restore", old.restore(u).await),
-            denied("Commit", old.commit(u).await),
-            denied("Abort", old.abort(u).await),
-            denied("Cleanup", old.cleanup(u).await),
-        ];
-        // A read is still answered (the migration is unknown to the new agent).
-        let stale_reads = old.status(u).await.unwrap_err().category();
-        // The leader of term 7 is admitted: its Abort of a migration the restarted
-        // agent never saw is answered as such, not refused.
-        let mut same = tls.agent(0).await.with_leader_term(Some(7));
-        let at_7 = same.abort("authz-restart-7").await.unwrap_err().category();
-        // A newer leader is admitted and commands.
-        let mut newer = tls.agent(0).await.with_leader_term(Some(8));
-        let at_8 = newer.prepare(current).await.unwrap().phase();
-        newer.abort("authz-restart-8").await.unwrap();
-        newer.cleanup("authz-restart-8").await.unwrap();
-        (refusals, stale_reads, at_7, at_8)
-    });
+    let (refusals, stale_reads, at_7, at_8, at_recreated, replaced) =
+        tb.operator(move |tls| async move {
+            let mut old = tls.agent(0).await.with_leader_term(term(6));
+            let u = "authz-restart-6";
+            let refusals = vec![
+                denied("Prepare", old.prepare(stale).await),
+                denied("PreDump", old.pre_dump(u).await),
+                denied("Dump", old.dump(u).await),
+                denied(
+                    "Send",
+                    old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
+                ),
+                denied("Fence", old.fence(u).await),
+                denied("Restore", old.restore(u).await),
+                denied("Commit", old.commit(u).await),
+                denied("Abort", old.abort(u).await),
+                denied("Cleanup", old.cleanup(u).await),
+            ];
+            // A read is still answered (the migration is unknown to the new agent).
+            let stale_reads = old.status(u).await.unwrap_err().category();
+            // The leader of term 7 is admitted: its Abort of a migration the restarted
+            // agent never saw is answered as such, not refused.
+            let mut same = tls.agent(0).await.with_leader_term(term(7));
+            let at_7 = same.abort("authz-restart-7").await.unwrap_err().category();
+            // A newer leader is admitted and commands.
+            let mut newer = tls.agent(0).await.with_leader_term(term(8));
+            let at_8 = newer.prepare(current).await.unwrap().phase();
+            newer.abort("authz-restart-8").await.unwrap();
+            newer.cleanup("authz-restart-8").await.unwrap();
+            // The Lease deleted and created again counts from 0: its creation time, sent
+            // beside the count, makes it newer than term 8, which now commands nothing.
+            let mut recreated = tls
+                .agent(0)
+                .await
+                .with_leader_term(Some(LeaderTerm::new(RECREATED, 0)));
+            let at_recreated = recreated
+                .abort("authz-restart-8")
+                .await
+                .unwrap_err()
+                .category();
+            let replaced = denied("Abort", newer.abort("authz-restart-8").await);
+            (refusals, stale_reads, at_7, at_8, at_recreated, replaced)
+        });
     assert_eq!(refusals.len(), 9);
     for m in &refusals {
         assert!(m.contains("leader term 6") && m.contains("term 7"), "{m}");
@@ -536,7 +558,15 @@ fn a_restarted_agent_still_refuses_a_stale_leader() {
     assert_eq!(stale_reads, "MigrationUnknown");
     assert_eq!(at_7, "MigrationUnknown");
     assert_eq!(at_8, Phase::Prepared);
-    assert_eq!(std::fs::read_to_string(&record).unwrap(), "8\n");
+    assert_eq!(at_recreated, "MigrationUnknown", "admitted, not refused");
+    assert!(
+        replaced.contains("leader term 8 is older than term 0 of the Lease created at 1764770000"),
+        "{replaced}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&record).unwrap(),
+        format!("{RECREATED} 0\n")
+    );
     assert!(!tb.checkpoints(0).join("authz-restart-6").exists());
     assert!(running(src.pid), "the source was frozen by a stale leader");
 }

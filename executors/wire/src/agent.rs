@@ -18,26 +18,75 @@
 //! but the operator's `Abort`: the freeze watchdog and the agent's shutdown kill it,
 //! and so does the broker when the agent's lease ends or the broker restarts.
 //!
-//! The leader's term: with leader election on, the operator sends the transition count
-//! of the lease it holds as request metadata ([`LEADER_TERM_METADATA`], decimal) on
-//! every call. An agent refuses a commanding call whose term is lower than the highest
-//! it has seen: a replica that still believes it leads after another took over (a
-//! paused process, a partition) commands nothing. No metadata: no term (leader election
-//! off), accepted and not counted.
+//! The leader's term: with leader election on, the operator sends the [`LeaderTerm`] of
+//! the lease it holds as request metadata on every call: the Lease's transition count
+//! ([`LEADER_TERM_METADATA`], decimal) and its creation time
+//! ([`LEADER_EPOCH_METADATA`], Unix seconds, decimal). An agent refuses a commanding
+//! call whose term is older than the newest it has seen: a replica that still believes
+//! it leads after another took over (a paused process, a partition) commands nothing.
+//! The creation time comes first in the order, so a Lease deleted and created again
+//! (its namespace deleted and the release reinstalled, or another lease name), whose
+//! count restarts at 0, is newer than every term of the one it replaced. No term
+//! metadata: no term (leader election off), accepted and not counted. A term without
+//! an epoch (an operator from before the epoch) is epoch 0, older than any Lease's.
 
 /// Request metadata naming the operator's leader term (see the module docs).
 pub const LEADER_TERM_METADATA: &str = "podmotion-leader-term";
+/// Request metadata naming the creation time of the Lease the term counts in.
+pub const LEADER_EPOCH_METADATA: &str = "podmotion-leader-epoch";
 
-/// The leader term in `meta`: `Ok(None)` when absent, an error when not a decimal.
-pub fn leader_term(meta: &tonic::metadata::MetadataMap) -> Result<Option<u64>, String> {
-    let Some(v) = meta.get(LEADER_TERM_METADATA) else {
-        return Ok(None);
+/// A leader term, ordered by the Lease's creation time, then its transition count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LeaderTerm {
+    /// The Lease's `metadata.creationTimestamp` in Unix seconds (0: not known).
+    pub epoch: u64,
+    /// The Lease's `spec.leaseTransitions` when the leader took it.
+    pub term: u64,
+}
+
+impl LeaderTerm {
+    pub fn new(epoch: u64, term: u64) -> Self {
+        Self { epoch, term }
+    }
+}
+
+impl std::fmt::Display for LeaderTerm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.epoch == 0 {
+            write!(f, "term {}", self.term)
+        } else {
+            write!(
+                f,
+                "term {} of the Lease created at {} (Unix seconds)",
+                self.term, self.epoch
+            )
+        }
+    }
+}
+
+/// The leader term in `meta`: `Ok(None)` when there is no term, an error when a value
+/// is not a decimal or an epoch comes without a term.
+pub fn leader_term(meta: &tonic::metadata::MetadataMap) -> Result<Option<LeaderTerm>, String> {
+    let decimal = |key: &str| -> Result<Option<u64>, String> {
+        let Some(v) = meta.get(key) else {
+            return Ok(None);
+        };
+        v.to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Some)
+            .ok_or_else(|| format!("{key}: not a decimal: {v:?}"))
     };
-    v.to_str()
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .map(Some)
-        .ok_or_else(|| format!("{LEADER_TERM_METADATA}: not a term: {v:?}"))
+    match (
+        decimal(LEADER_EPOCH_METADATA)?,
+        decimal(LEADER_TERM_METADATA)?,
+    ) {
+        (epoch, Some(term)) => Ok(Some(LeaderTerm::new(epoch.unwrap_or(0), term))),
+        (Some(_), None) => Err(format!(
+            "{LEADER_EPOCH_METADATA} without {LEADER_TERM_METADATA}"
+        )),
+        (None, None) => Ok(None),
+    }
 }
 
 // The messages, enums, client (`migration_agent_client`) and server
@@ -110,4 +159,71 @@ pub struct ManifestSocket {
     pub local: String,
     pub remote: String,
     pub listening: bool,
+}
+
+#[cfg(test)]
+mod leader_term_tests {
+    use super::*;
+    use tonic::metadata::MetadataMap;
+
+    fn meta(pairs: &[(&'static str, &'static str)]) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        for (k, v) in pairs {
+            m.insert(*k, v.parse().unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn the_term_and_its_epoch_are_read_from_the_metadata() {
+        assert_eq!(leader_term(&meta(&[])), Ok(None));
+        assert_eq!(
+            leader_term(&meta(&[(LEADER_TERM_METADATA, "7")])),
+            Ok(Some(LeaderTerm::new(0, 7)))
+        );
+        assert_eq!(
+            leader_term(&meta(&[
+                (LEADER_TERM_METADATA, "7"),
+                (LEADER_EPOCH_METADATA, "1764770000")
+            ])),
+            Ok(Some(LeaderTerm::new(1_764_770_000, 7)))
+        );
+        for bad in [
+            meta(&[(LEADER_TERM_METADATA, "seven")]),
+            meta(&[(LEADER_TERM_METADATA, "-1")]),
+            meta(&[(LEADER_TERM_METADATA, "7"), (LEADER_EPOCH_METADATA, "x")]),
+            meta(&[(LEADER_EPOCH_METADATA, "1764770000")]),
+        ] {
+            assert!(leader_term(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_recreated_lease_is_newer_than_every_term_of_the_one_it_replaced() {
+        let old = LeaderTerm::new(1_764_000_000, 41);
+        let recreated = LeaderTerm::new(1_764_770_000, 0);
+        assert!(recreated > old);
+        assert!(LeaderTerm::new(old.epoch, 42) > old);
+        // No epoch (an operator from before it): older than any Lease's.
+        assert!(LeaderTerm::new(0, u64::MAX) < recreated);
+        assert_eq!(LeaderTerm::new(0, 6).to_string(), "term 6");
+        assert!(
+            recreated
+                .to_string()
+                .contains("term 0 of the Lease created at 1764770000")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_sends_what_the_agent_reads() {
+        let t = LeaderTerm::new(1_764_770_000, 9);
+        let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        let c = crate::client::AgentClient::from_channel(ch).with_leader_term(Some(t));
+        let r = c.request(());
+        assert_eq!(leader_term(r.metadata()), Ok(Some(t)));
+        let none = crate::client::AgentClient::from_channel(
+            tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy(),
+        );
+        assert_eq!(leader_term(none.request(()).metadata()), Ok(None));
+    }
 }

@@ -342,7 +342,7 @@ impl ClientError {
 pub struct AgentClient {
     inner: MigrationAgentClient<Channel>,
     /// The operator's leader term, sent with every call (`None`: leader election off).
-    term: Option<u64>,
+    term: Option<LeaderTerm>,
 }
 
 impl AgentClient {
@@ -369,9 +369,9 @@ impl AgentClient {
         }
     }
 
-    /// Every call carries `term`, the transition count of the lease the operator holds
-    /// ([`crate::agent::LEADER_TERM_METADATA`]; `None` with leader election off).
-    pub fn with_leader_term(mut self, term: Option<u64>) -> Self {
+    /// Every call carries `term`, the term of the lease the operator holds
+    /// ([`crate::agent::LeaderTerm`]; `None` with leader election off).
+    pub fn with_leader_term(mut self, term: Option<LeaderTerm>) -> Self {
         self.term = term;
         self
     }
@@ -380,9 +380,14 @@ impl AgentClient {
     pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         if let Some(t) = self.term {
-            r.metadata_mut().insert(
+            let meta = r.metadata_mut();
+            meta.insert(
                 crate::agent::LEADER_TERM_METADATA,
-                tonic::metadata::MetadataValue::from(t),
+                tonic::metadata::MetadataValue::from(t.term),
+            );
+            meta.insert(
+                crate::agent::LEADER_EPOCH_METADATA,
+                tonic::metadata::MetadataValue::from(t.epoch),
             );
         }
         r

@@ -69,7 +69,7 @@ impl WireAgents {
 
     /// The term to send (`None`: no leader election); a replica that does not lead
     /// connects to no agent.
-    fn term(&self) -> Result<Option<u64>, NotLeader> {
+    fn term(&self) -> Result<Option<podmotion_wire::agent::LeaderTerm>, NotLeader> {
         self.leader
             .as_ref()
             .map_or(Ok(None), Leadership::fencing_term)

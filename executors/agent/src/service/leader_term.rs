@@ -1,12 +1,16 @@
 //! The leader-term fence's memory on the node. The agent refuses a commanding call whose
-//! operator leader term is lower than the highest it has seen ([`authz::admit_term`]);
-//! that highest term is kept in a small file on the node ([`TermRecord`]) as well as in
+//! operator leader term ([`LeaderTerm`]: the Lease's creation time, then its transition
+//! count) is older than the newest it has seen ([`authz::admit_term`]);
+//! that newest term is kept in a small file on the node ([`TermRecord`]) as well as in
 //! memory ([`TermFence`]), so an agent restarted (pod deleted, crash, upgrade) starts
 //! from it instead of from 0, and a replica that still believes it leads cannot
 //! command the restarted agent again.
 //!
-//! The record is `<state dir>/leader-term`: the term in decimal ASCII and a newline
-//! (`7\n`), nothing else. It only ever rises, and it rises *before* the call that
+//! The record is `<state dir>/leader-term`: the Lease's creation time (Unix seconds) and
+//! the transition count in decimal ASCII, a space between them and a newline
+//! (`1764770000 7\n`), nothing else; a term without a creation time (epoch 0: an
+//! operator, or a record, from before the epoch) is the count alone (`7\n`). It only
+//! ever rises, and it rises *before* the call that
 //! raised it is admitted, so an agent that crashes right after acting on a term comes
 //! back knowing it. Each write is atomic — a temporary file in the same directory,
 //! fsync, rename over the record, fsync the directory — and made under an exclusive
@@ -26,16 +30,21 @@
 //! term was recorded. A record on a persistent disk would close that gap, but it would
 //! also keep the refusal described next across reboots, where today a reboot ends it.
 //!
-//! The term is the Lease's transition count, which restarts at 0 if the Lease is
-//! deleted (its namespace deleted and the release reinstalled, or
-//! `operator.leaderElection.leaseName` changed). The agents then refuse the new leader
-//! (`PermissionDenied`, "leader term 0 is older than term N") until the record is
-//! removed on each node (`rm /run/podmotion/<namespace>.<release>/agent/leader-term`,
+//! The transition count restarts at 0 when the Lease is deleted (its namespace deleted
+//! and the release reinstalled, or `operator.leaderElection.leaseName` changed); the
+//! creation time, compared first, is what makes the new Lease's term 0 newer than every
+//! term of the one it replaced. Two cases remain where a new leader is refused: a Lease
+//! created again within the same second as the one it replaced (which then lived under
+//! a second and counted no more than a transition or two), and an API server whose
+//! clock went back past the replaced Lease's creation. The agents then refuse the new
+//! leader (`PermissionDenied`, "leader term 0 … is older than term N …") until the
+//! record is removed on each node (`rm /run/podmotion/<namespace>.<release>/agent/leader-term`,
 //! then restart the agent) or the node reboots: loud, never silent.
 //!
 //! [`authz::admit_term`]: crate::authz::admit_term
 
 use crate::authz::Rpc;
+use podmotion_wire::agent::LeaderTerm;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -44,8 +53,9 @@ use std::sync::Mutex;
 pub const RECORD: &str = "leader-term";
 const LOCK: &str = ".lock";
 const TEMP: &str = ".leader-term.tmp";
-/// Longer than any `u64` in decimal plus a newline: anything longer is not a term.
-const MAX_LEN: u64 = 32;
+/// Longer than two `u64`s in decimal, a space and a newline: anything longer is not a
+/// term.
+const MAX_LEN: u64 = 64;
 
 /// Why the record could not be read or raised.
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +69,7 @@ pub enum TermRecordError {
     /// The agent does not lower its fence on its own: removing the record is a
     /// decision for whoever knows which leader is current.
     #[error(
-        "leader-term record {} is corrupt (holds {content:?}, not a decimal term and a newline); \
+        "leader-term record {} is corrupt (holds {content:?}, not `<epoch> <term>` or `<term>` in decimal and a newline); \
          the agent will not lower its leader-term fence on its own: if no stale operator replica \
          can reach this node, remove the file and restart the agent",
         path.display()
@@ -67,8 +77,8 @@ pub enum TermRecordError {
     Corrupt { path: PathBuf, content: String },
 }
 
-/// The highest leader term this node's agent has admitted, as kept in the state
-/// directory. Reading a record that is not there gives 0.
+/// The newest leader term this node's agent has admitted, as kept in the state
+/// directory. Reading a record that is not there gives term 0 of epoch 0.
 ///
 /// A record that is there but unreadable or corrupt is an error, never 0: the agent
 /// refuses to start (its log and exit status say which file and why) rather than
@@ -105,8 +115,8 @@ impl TermRecord {
         self.dir.join(RECORD)
     }
 
-    /// The recorded term: 0 if there is no record.
-    pub fn read(&self) -> Result<u64, TermRecordError> {
+    /// The recorded term: the oldest (epoch 0, term 0) if there is no record.
+    pub fn read(&self) -> Result<LeaderTerm, TermRecordError> {
         let path = self.path();
         let io = |source| TermRecordError::Io {
             path: path.clone(),
@@ -115,7 +125,9 @@ impl TermRecord {
         let mut content = Vec::new();
         match std::fs::File::open(&path) {
             Ok(f) => f.take(MAX_LEN + 1).read_to_end(&mut content).map_err(io)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(LeaderTerm::default());
+            }
             Err(e) => return Err(io(e)),
         };
         parse(&content).ok_or_else(|| TermRecordError::Corrupt {
@@ -125,9 +137,9 @@ impl TermRecord {
     }
 
     /// Makes the record at least `term` and returns what it holds now (`term`, or a
-    /// higher one another agent process recorded). Never lowers it. Returns only once
+    /// newer one another agent process recorded). Never lowers it. Returns only once
     /// the record is durable.
-    pub fn raise(&self, term: u64) -> Result<u64, TermRecordError> {
+    pub fn raise(&self, term: LeaderTerm) -> Result<LeaderTerm, TermRecordError> {
         let io = |path: &Path| {
             let path = path.to_owned();
             move |source| TermRecordError::Io { path, source }
@@ -147,8 +159,7 @@ impl TermRecord {
         }
         let temp = self.dir.join(TEMP);
         let mut f = std::fs::File::create(&temp).map_err(io(&temp))?;
-        f.write_all(format!("{term}\n").as_bytes())
-            .map_err(io(&temp))?;
+        f.write_all(format(term).as_bytes()).map_err(io(&temp))?;
         f.sync_all().map_err(io(&temp))?;
         drop(f);
         let path = self.path();
@@ -161,23 +172,42 @@ impl TermRecord {
     }
 }
 
-/// `<decimal>\n`, exactly: no sign, no spaces, no leading zeros but `0` itself.
-fn parse(content: &[u8]) -> Option<u64> {
-    let digits = content.strip_suffix(b"\n")?;
-    let text = std::str::from_utf8(digits).ok()?;
+/// The record's text for `t`: `<epoch> <term>\n`, or `<term>\n` for epoch 0.
+fn format(t: LeaderTerm) -> String {
+    if t.epoch == 0 {
+        format!("{}\n", t.term)
+    } else {
+        format!("{} {}\n", t.epoch, t.term)
+    }
+}
+
+/// What [`format`] writes, exactly: no sign, one space, no leading zeros but `0` itself.
+fn parse(content: &[u8]) -> Option<LeaderTerm> {
+    let line = std::str::from_utf8(content.strip_suffix(b"\n")?).ok()?;
+    match line.split_once(' ') {
+        None => Some(LeaderTerm::new(0, decimal(line)?)),
+        Some((epoch, term)) => {
+            let epoch = decimal(epoch)?;
+            (epoch != 0).then_some(LeaderTerm::new(epoch, decimal(term)?))
+        }
+    }
+}
+
+/// A `u64` in canonical decimal.
+fn decimal(text: &str) -> Option<u64> {
     let well_formed = !text.is_empty()
         && text.bytes().all(|b| b.is_ascii_digit())
         && (text == "0" || !text.starts_with('0'));
     well_formed.then(|| text.parse().ok()).flatten()
 }
 
-/// The fence's state: the highest term seen (in memory; what a call is judged
-/// against) and, with a record, the highest the record is known to hold. Every term
+/// The fence's state: the newest term seen (in memory; what a call is judged
+/// against) and, with a record, the newest the record is known to hold. Every term
 /// a commanding call was admitted with is at most `recorded`.
 #[derive(Debug, Default)]
 struct Seen {
-    highest: u64,
-    recorded: u64,
+    highest: LeaderTerm,
+    recorded: LeaderTerm,
 }
 
 /// The leader-term fence of one agent: the highest term seen, recorded on the node
@@ -202,8 +232,8 @@ impl TermFence {
         })
     }
 
-    /// The highest term seen.
-    pub(crate) fn highest(&self) -> u64 {
+    /// The newest term seen.
+    pub(crate) fn highest(&self) -> LeaderTerm {
         self.seen.lock().expect("term fence").highest
     }
 
@@ -213,7 +243,11 @@ impl TermFence {
     /// record first; if that fails, the error refuses the call (the term is still
     /// remembered in memory, and the next such call tries again). `Status` acts on
     /// nothing and never writes.
-    pub(crate) fn observe(&self, rpc: Rpc, presented: Option<u64>) -> Result<u64, TermRecordError> {
+    pub(crate) fn observe(
+        &self,
+        rpc: Rpc,
+        presented: Option<LeaderTerm>,
+    ) -> Result<LeaderTerm, TermRecordError> {
         // Held across the write (rare: once per leader term; fast on tmpfs), so calls
         // are judged in the order their terms were recorded.
         let mut seen = self.seen.lock().expect("term fence");
@@ -240,6 +274,11 @@ impl TermFence {
 mod tests {
     use super::*;
     use crate::authz::admit_term;
+
+    /// A term without an epoch.
+    fn t(term: u64) -> LeaderTerm {
+        LeaderTerm::new(0, term)
+    }
 
     /// A fresh directory under the system temp dir, removed on drop.
     struct Dir(PathBuf);
@@ -269,16 +308,16 @@ mod tests {
         let d = Dir::new("missing");
         let r = TermRecord::open(&d.0.join("agent")).unwrap();
         assert!(d.0.join("agent").is_dir());
-        assert_eq!(r.read().unwrap(), 0);
+        assert_eq!(r.read().unwrap(), t(0));
         assert!(!r.path().exists(), "reading writes nothing");
     }
 
     #[test]
     fn a_raised_record_is_what_a_new_agent_reads() {
         let d = Dir::new("reread");
-        assert_eq!(TermRecord::open(&d.0).unwrap().raise(7).unwrap(), 7);
+        assert_eq!(TermRecord::open(&d.0).unwrap().raise(t(7)).unwrap(), t(7));
         assert_eq!(contents(&d), "7\n");
-        assert_eq!(TermRecord::open(&d.0).unwrap().read().unwrap(), 7);
+        assert_eq!(TermRecord::open(&d.0).unwrap().read().unwrap(), t(7));
         // Nothing but the record and the lock is left behind.
         let mut names: Vec<String> = std::fs::read_dir(&d.0)
             .unwrap()
@@ -292,20 +331,20 @@ mod tests {
     fn the_larger_term_wins_and_the_record_is_never_lowered() {
         let d = Dir::new("monotonic");
         let r = TermRecord::open(&d.0).unwrap();
-        assert_eq!(r.raise(5).unwrap(), 5);
-        assert_eq!(r.raise(9).unwrap(), 9);
+        assert_eq!(r.raise(t(5)).unwrap(), t(5));
+        assert_eq!(r.raise(t(9)).unwrap(), t(9));
         assert_eq!(contents(&d), "9\n");
-        assert_eq!(r.raise(6).unwrap(), 9);
-        assert_eq!(r.raise(0).unwrap(), 9);
+        assert_eq!(r.raise(t(6)).unwrap(), t(9));
+        assert_eq!(r.raise(t(0)).unwrap(), t(9));
         assert_eq!(contents(&d), "9\n");
         // Raised by another agent process on the same directory: adopted, not
         // overwritten with a lower term.
         let other = TermRecord::open(&d.0).unwrap();
-        assert_eq!(other.raise(12).unwrap(), 12);
-        assert_eq!(r.raise(10).unwrap(), 12);
+        assert_eq!(other.raise(t(12)).unwrap(), t(12));
+        assert_eq!(r.raise(t(10)).unwrap(), t(12));
         assert_eq!(contents(&d), "12\n");
-        assert_eq!(r.raise(u64::MAX).unwrap(), u64::MAX);
-        assert_eq!(r.read().unwrap(), u64::MAX);
+        assert_eq!(r.raise(t(u64::MAX)).unwrap(), t(u64::MAX));
+        assert_eq!(r.read().unwrap(), t(u64::MAX));
     }
 
     #[test]
@@ -326,6 +365,15 @@ mod tests {
             "seven\n",
             "0x7\n",
             too_big.as_str(),
+            "1764770000  7\n",
+            "1764770000 7 8\n",
+            " 1764770000 7\n",
+            "1764770000 \n",
+            " 7\n",
+            "0 7\n",
+            "01764770000 7\n",
+            "1764770000 07\n",
+            "1764770000\t7\n",
         ] {
             std::fs::write(r.path(), bad).unwrap();
             match r.read() {
@@ -333,7 +381,7 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
             // Nor is it lowered, or overwritten, by a raise.
-            assert!(r.raise(3).is_err(), "{bad:?}");
+            assert!(r.raise(t(3)).is_err(), "{bad:?}");
             assert_eq!(std::fs::read_to_string(r.path()).unwrap(), bad);
         }
         std::fs::write(r.path(), vec![b'7'; 4096]).unwrap();
@@ -347,9 +395,19 @@ mod tests {
         assert!(TermFence::recorded(TermRecord::open(&d.0).unwrap()).is_err());
         // Well-formed records read as themselves.
         std::fs::remove_dir(r.path()).unwrap();
-        for (good, term) in [("0\n", 0), ("7\n", 7), ("18446744073709551615\n", u64::MAX)] {
+        for (good, term) in [
+            ("0\n", t(0)),
+            ("7\n", t(7)),
+            ("18446744073709551615\n", t(u64::MAX)),
+            ("1764770000 0\n", LeaderTerm::new(1_764_770_000, 0)),
+            (
+                "18446744073709551615 18446744073709551615\n",
+                LeaderTerm::new(u64::MAX, u64::MAX),
+            ),
+        ] {
             std::fs::write(r.path(), good).unwrap();
             assert_eq!(r.read().unwrap(), term, "{good:?}");
+            assert_eq!(format(term), good);
         }
     }
 
@@ -358,14 +416,18 @@ mod tests {
         let d = Dir::new("leftover");
         let r = TermRecord::open(&d.0).unwrap();
         std::fs::write(d.0.join(TEMP), "garbage").unwrap();
-        assert_eq!(r.read().unwrap(), 0);
-        assert_eq!(r.raise(4).unwrap(), 4);
+        assert_eq!(r.read().unwrap(), t(0));
+        assert_eq!(r.raise(t(4)).unwrap(), t(4));
         assert_eq!(contents(&d), "4\n");
         assert!(!d.0.join(TEMP).exists());
     }
 
     /// Judges a call as the agent does: the fence, then [`admit_term`].
     fn call(f: &TermFence, rpc: Rpc, term: u64) -> Result<(), String> {
+        call_in(f, rpc, t(term))
+    }
+
+    fn call_in(f: &TermFence, rpc: Rpc, term: LeaderTerm) -> Result<(), String> {
         let highest = f.observe(rpc, Some(term)).map_err(|e| e.to_string())?;
         admit_term(rpc, Some(term), highest).map_err(|d| d.to_string())
     }
@@ -374,7 +436,7 @@ mod tests {
     fn a_fence_starts_from_the_record_and_records_a_term_before_admitting_it() {
         let d = Dir::new("fence");
         let f = TermFence::recorded(TermRecord::open(&d.0).unwrap()).unwrap();
-        assert_eq!(f.highest(), 0);
+        assert_eq!(f.highest(), t(0));
         call(&f, Rpc::Prepare, 7).unwrap();
         // Recorded by the time the call is admitted.
         assert_eq!(contents(&d), "7\n");
@@ -389,7 +451,7 @@ mod tests {
 
         // The next agent on this directory: term 6 and 7 refused, 8 and 9 admitted.
         let next = TermFence::recorded(TermRecord::open(&d.0).unwrap()).unwrap();
-        assert_eq!(next.highest(), 8);
+        assert_eq!(next.highest(), t(8));
         for (rpc, term) in [(Rpc::Abort, 6), (Rpc::Prepare, 7)] {
             let e = call(&next, rpc, term).unwrap_err();
             assert!(e.contains(&format!("leader term {term}")), "{e}");
@@ -399,7 +461,38 @@ mod tests {
         call(&next, Rpc::Commit, 9).unwrap();
         assert_eq!(contents(&d), "9\n");
         // No term (leader election off): not fenced, nothing written.
-        assert_eq!(next.observe(Rpc::Dump, None).unwrap(), 9);
+        assert_eq!(next.observe(Rpc::Dump, None).unwrap(), t(9));
+    }
+
+    /// The hazard the epoch removes: a Lease deleted and created again counts from 0.
+    #[test]
+    fn a_recreated_lease_leads_after_a_restart_and_the_replaced_one_does_not() {
+        let d = Dir::new("epoch");
+        let replaced = LeaderTerm::new(1_764_000_000, 41);
+        let recreated = LeaderTerm::new(1_764_770_000, 0);
+        // An agent from before the epoch left the count alone.
+        let record = TermRecord::open(&d.0).unwrap();
+        std::fs::write(d.0.join(RECORD), "41\n").unwrap();
+        let f = TermFence::recorded(record).unwrap();
+        assert_eq!(f.highest(), t(41));
+        // The first leader with an epoch is newer than the record without one.
+        call_in(&f, Rpc::Prepare, replaced).unwrap();
+        assert_eq!(contents(&d), "1764000000 41\n");
+        call_in(&f, Rpc::Dump, recreated).unwrap();
+        assert_eq!(contents(&d), "1764770000 0\n");
+        let next = TermFence::recorded(TermRecord::open(&d.0).unwrap()).unwrap();
+        assert_eq!(next.highest(), recreated);
+        let e = call_in(&next, Rpc::Commit, replaced).unwrap_err();
+        assert!(
+            e.contains("term 41 of the Lease created at 1764000000"),
+            "{e}"
+        );
+        assert!(
+            call(&next, Rpc::Commit, 99).is_err(),
+            "no epoch: older than any"
+        );
+        call_in(&next, Rpc::Commit, LeaderTerm::new(recreated.epoch, 1)).unwrap();
+        assert_eq!(contents(&d), "1764770000 1\n");
     }
 
     #[test]
@@ -426,6 +519,6 @@ mod tests {
         let f = TermFence::default();
         call(&f, Rpc::Prepare, 7).unwrap();
         assert!(call(&f, Rpc::Prepare, 6).is_err());
-        assert_eq!(f.highest(), 7);
+        assert_eq!(f.highest(), t(7));
     }
 }
