@@ -83,8 +83,11 @@ pub fn counter(addr: &str) -> u64 {
 /// unlock announces the address (gratuitous ARP, IPv6 Neighbour Advertisement) so that
 /// the entry is settled at once (root test
 /// `broker_binary_unlock_announces_the_pods_address_to_the_node`). Should the host
-/// still answer EHOSTUNREACH, that is retried for up to 30 s and printed as a NOTE
-/// with the neighbour entry, so a run shows that it happened and for how long.
+/// still answer EHOSTUNREACH, that is retried for up to 90 s and printed as a NOTE
+/// with the neighbour entry, so a run shows that it happened and for how long; past
+/// that the failure prints the host's whole neighbour table. (A CI rehearsal once saw
+/// a Service unreachable this way for over 30 s right after a commit, undiagnosed:
+/// the bound was 30 s and the message carried no neighbour table then.)
 /// Anything else (a refused connection: the listener is gone) fails.
 pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
     let start = std::time::Instant::now();
@@ -103,7 +106,7 @@ pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
                     .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"));
             }
             Err(e)
-                if e.raw_os_error() == Some(113) && start.elapsed() < Duration::from_secs(30) =>
+                if e.raw_os_error() == Some(113) && start.elapsed() < Duration::from_secs(90) =>
             {
                 if first_failure.is_none() {
                     let ip = addr.rsplit_once(':').map_or(addr, |(ip, _)| ip);
@@ -116,9 +119,23 @@ pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
-            Err(e) => panic!("{what}: get from {addr}: {e}"),
+            Err(e) => panic!(
+                "{what}: get from {addr}: {e} (after {} ms; the host's neighbour entry at the first failure: {first_failure:?}; its neighbour table now:\n{})",
+                start.elapsed().as_millis(),
+                neighbours()
+            ),
         }
     }
+}
+
+/// The host's IPv4 neighbour table (the real nodes share the host's network namespace),
+/// for a failure message.
+fn neighbours() -> String {
+    std::process::Command::new("ip")
+        .args(["-4", "neigh", "show"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|e| format!("ip neigh: {e}"))
 }
 
 /// `<pod IP>:8080`.

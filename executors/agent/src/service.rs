@@ -20,7 +20,7 @@ use podmotion_wire::identity::{self, IdentityError, Peer};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use podmotion_wire::proto::migration_agent_server::MigrationAgent;
 use podmotion_wire::transfer;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -575,12 +575,43 @@ pub struct Agent {
     /// This agent's own identity, from its certificate.
     own: Peer,
     migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
+    /// Migrations whose `Prepare` is under way: a second `Prepare` of one of them is
+    /// refused until the first has ended (its failure would undo the first's work).
+    preparing: StdMutex<HashSet<String>>,
     /// Every source this agent left frozen after a final dump (claimed or not).
     frozen: Arc<StdMutex<Vec<FrozenSource>>>,
     /// The highest operator leader term seen, and recorded on the node when the agent
     /// has a [`leader_term::TermRecord`] (the fence against a replica that still
     /// believes it leads; [`authz::admit_term`]).
     term_fence: leader_term::TermFence,
+}
+
+/// A `Prepare` under way, marked in [`Agent::preparing`] until dropped (on every way
+/// out of the call, an abandoned one included).
+struct Preparing<'a> {
+    set: &'a StdMutex<HashSet<String>>,
+    uid: String,
+}
+
+impl<'a> Preparing<'a> {
+    /// `None` if a `Prepare` of `uid` is already under way.
+    fn claim(set: &'a StdMutex<HashSet<String>>, uid: &MigrationUid) -> Option<Self> {
+        let uid = uid.to_string();
+        // The guard is made only once the set's lock is released: a guard dropped
+        // under it (`then_some` builds its value eagerly) would deadlock on it.
+        let claimed = set.lock().expect("preparing").insert(uid.clone());
+        if claimed {
+            Some(Preparing { set, uid })
+        } else {
+            None
+        }
+    }
+}
+
+impl Drop for Preparing<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("preparing").remove(&self.uid);
+    }
 }
 
 #[derive(Clone)]
@@ -611,6 +642,7 @@ impl Agent {
             cfg: Arc::new(cfg),
             own,
             migrations: StdMutex::new(HashMap::new()),
+            preparing: StdMutex::new(HashSet::new()),
             frozen: Arc::new(StdMutex::new(Vec::new())),
             term_fence: leader_term::TermFence::default(),
         })
@@ -733,6 +765,13 @@ impl Agent {
     async fn prepare_impl(&self, r: PrepareRequest) -> Result<MigrationStatus, Status> {
         let uid = MigrationUid::parse(&r.migration_uid)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // Two calls at once (an operator retry racing its first call) would both
+        // register: the loser's undo would remove the winner's checkpoint directory.
+        let Some(_preparing) = Preparing::claim(&self.preparing, &uid) else {
+            return Err(Status::unavailable(
+                "a Prepare of this migration is already under way: ask again",
+            ));
+        };
         if let Ok(m) = self.get(uid.as_str()) {
             return Ok(m.lock().await.status());
         }

@@ -1007,3 +1007,65 @@ fn an_abort_lifts_the_fence_and_resumes_the_source_with_its_connections() {
         "the source did not resume after the abort"
     );
 }
+
+/// Prepares of one migration that arrive together (an operator's retry racing its
+/// first call): one prepares it, the others answer that one is under way or with the
+/// prepared migration, and the migration is whole — its checkpoint directory is there
+/// and the source dumps. Before the guard, a loser's failed registration undid the
+/// winner's work (its checkpoint directory zeroized) and the dump failed.
+#[test]
+fn concurrent_prepares_of_one_migration_leave_it_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("cpr");
+    let src = tb.start_workload(4, 0);
+    let uid = "concurrent-prepare";
+    let p = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let checkpoints = tb.checkpoints(0);
+    let (answers, dumped, dir_after) = tb.operator(move |tls| async move {
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(tls.agent(0).await);
+        }
+        let calls = clients.iter_mut().map(|c| {
+            let p = p.clone();
+            async move {
+                c.prepare(p)
+                    .await
+                    .map(|s| s.phase())
+                    .map_err(|e| e.category())
+            }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let dir_after = checkpoints.join(uid).is_dir();
+        let a = &mut clients[0];
+        let dumped = a
+            .dump(uid)
+            .await
+            .map(|s| s.phase())
+            .map_err(|e| e.to_string());
+        a.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+        (answers, dumped, dir_after)
+    });
+    assert!(answers.contains(&Ok(Phase::Prepared)), "{answers:?}");
+    for a in &answers {
+        assert!(
+            *a == Ok(Phase::Prepared) || *a == Err("AgentUnavailable"),
+            "{answers:?}"
+        );
+    }
+    assert!(
+        dir_after,
+        "the checkpoint directory was removed: {answers:?}"
+    );
+    assert_eq!(
+        dumped,
+        Ok(Phase::Dumped),
+        "{answers:?}\n{}",
+        tb.agent_log(0)
+    );
+    assert!(running(src.pid));
+}
