@@ -92,6 +92,17 @@ async fn every_control_call_is_denied(
     uid: &str,
     prepare: PrepareRequest,
 ) -> Vec<String> {
+    let mut refusals = every_commanding_call_is_denied(&mut c, uid, prepare).await;
+    refusals.push(denied("Status", c.status(uid).await));
+    refusals
+}
+
+/// The denial of each commanding call (every control call but the `Status` read).
+async fn every_commanding_call_is_denied(
+    c: &mut AgentClient,
+    uid: &str,
+    prepare: PrepareRequest,
+) -> Vec<String> {
     vec![
         denied("Prepare", c.prepare(prepare).await),
         denied("PreDump", c.pre_dump(uid).await),
@@ -105,7 +116,6 @@ async fn every_control_call_is_denied(
         denied("Commit", c.commit(uid).await),
         denied("Abort", c.abort(uid).await),
         denied("Cleanup", c.cleanup(uid).await),
-        denied("Status", c.status(uid).await),
     ]
 }
 
@@ -432,20 +442,7 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
         let mut old = tls.agent(0).await.with_leader_term(term(5));
         let mut refusals = vec![];
         for (u, p) in [(uid, stale.clone()), ("authz-term-old", stale)] {
-            refusals.extend([
-                denied("Prepare", old.prepare(p).await),
-                denied("PreDump", old.pre_dump(u).await),
-                denied("Dump", old.dump(u).await),
-                denied(
-                    "Send",
-                    old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
-                ),
-                denied("Fence", old.fence(u).await),
-                denied("Restore", old.restore(u).await),
-                denied("Commit", old.commit(u).await),
-                denied("Abort", old.abort(u).await),
-                denied("Cleanup", old.cleanup(u).await),
-            ]);
+            refusals.extend(every_commanding_call_is_denied(&mut old, u, p).await);
         }
         let stale_reads = old.status(uid).await.map(|s| s.phase());
         // No term: not fenced (and it sees the same migration).
@@ -512,20 +509,7 @@ fn a_restarted_agent_still_refuses_a_stale_leader() {
         tb.operator(move |tls| async move {
             let mut old = tls.agent(0).await.with_leader_term(term(6));
             let u = "authz-restart-6";
-            let refusals = vec![
-                denied("Prepare", old.prepare(stale).await),
-                denied("PreDump", old.pre_dump(u).await),
-                denied("Dump", old.dump(u).await),
-                denied(
-                    "Send",
-                    old.send(u, &Testbed::endpoint(1), AGENT_NAMES[1]).await,
-                ),
-                denied("Fence", old.fence(u).await),
-                denied("Restore", old.restore(u).await),
-                denied("Commit", old.commit(u).await),
-                denied("Abort", old.abort(u).await),
-                denied("Cleanup", old.cleanup(u).await),
-            ];
+            let refusals = every_commanding_call_is_denied(&mut old, u, stale).await;
             // A read is still answered (the migration is unknown to the new agent).
             let stale_reads = old.status(u).await.unwrap_err().category();
             // The leader of term 7 is admitted: its Abort of a migration the restarted
