@@ -151,7 +151,7 @@ impl Leadership {
                     let was = *self.valid_until.borrow();
                     if !held {
                         tracing::info!(lease = %cfg.lease_name, %identity, %term, "acquired leadership");
-                    } else if was.is_some_and(|h| h.term != term) {
+                    } else if was.is_some_and(|h| h.term.epoch != term.epoch) {
                         // Someone deleted the Lease and we created it again.
                         tracing::warn!(lease = %cfg.lease_name, %identity, %term, "the Lease was created again; leading in its new term");
                     }
