@@ -472,13 +472,19 @@ async fn kill_fenced(
 }
 
 /// SIGKILLs the source tree (through the broker) and waits, bounded, until its root is
-/// gone.
+/// gone. A root already gone counts as killed (a commit whose call was cut off after
+/// its kill is asked again, and the broker refuses a process that is gone).
 async fn kill_source(
     b: &Arc<StdMutex<BrokerClient>>,
     uid: &MigrationUid,
     process: ProcRef,
 ) -> Result<(), Status> {
-    broker_call(b, Request::Kill { uid: uid.clone() }).await?;
+    if let Err(e) = broker_call(b, Request::Kill { uid: uid.clone() }).await {
+        if procfs::check_live(process).is_err() {
+            return Ok(());
+        }
+        return Err(e);
+    }
     blocking(move || {
         for _ in 0..500 {
             if procfs::check_live(process).is_err() {

@@ -1069,3 +1069,54 @@ fn concurrent_prepares_of_one_migration_leave_it_whole() {
     );
     assert!(running(src.pid));
 }
+
+/// A commit that finds the fenced source already dead (the chaos run's leftover images,
+/// issue 21: a leader killed while its `Commit` ran — after the broker's kill, before
+/// the agent recorded it — and the next leader's `Commit` then failed on the broker's
+/// refusal of a process that is gone; the source stayed `Sent`, so every `Cleanup` was
+/// refused and its checkpoint images stayed). A root that is gone counts as killed: the
+/// commit is `Committed`, and the cleanup removes the images.
+#[test]
+fn a_commit_that_finds_the_fenced_source_dead_commits_and_cleans_up() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("cdd");
+    let src = tb.start_workload(4, 0);
+    let holder = tb.start_holder();
+    let uid = "commit-finds-dead";
+    let f = fenced(&tb, uid, src.pid, holder.pid, 60_000);
+    assert!(f.fenced);
+    // The tree's root dies before the commit (here: SIGKILL from outside).
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(src.pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(dies(src, 50), "the source did not die");
+    let (committed, cleaned) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let committed = a
+            .commit(uid)
+            .await
+            .map(|s| s.phase())
+            .map_err(|e| e.to_string());
+        let cleaned = a
+            .cleanup(uid)
+            .await
+            .map(|s| s.phase())
+            .map_err(|e| e.to_string());
+        let mut b = tls.agent(1).await;
+        b.abort(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+        (committed, cleaned)
+    });
+    assert_eq!(committed, Ok(Phase::Committed), "{}", tb.agent_log(0));
+    assert_eq!(cleaned, Ok(Phase::CleanedUp));
+    assert!(
+        tb.checkpoint_files(0).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(0)
+    );
+}
