@@ -131,7 +131,18 @@ impl WireAgents {
             TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
         };
         let res = match r.step {
-            Step::Prepare | Step::Receive => c.prepare(prepare_request(r, tcp)).await,
+            // A Prepare of the same migration under way on the agent (a retry racing
+            // the first call, or two replicas across a leader change) is answered
+            // `Unavailable`, "ask again": the call is idempotent, so it is asked again
+            // within the call deadline rather than failing the migration.
+            Step::Prepare | Step::Receive => {
+                let req = prepare_request(r, tcp);
+                asking_again(self.call_timeout, ASK_AGAIN_PAUSE, || {
+                    let (mut c, req) = (c.clone(), req.clone());
+                    async move { c.prepare(req).await }
+                })
+                .await
+            }
             // A pre-copy round is the dump while the workload runs and the stream of
             // what changed to the target: pages move before the freeze, and the
             // stream measures the dirty set and the link for the freeze budget.
@@ -180,6 +191,35 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         container_ids: r.container_ids.clone(),
         peer_node: peer.clone(),
         freeze_budget_ms: r.freeze_budget_millis,
+    }
+}
+
+/// The pause before asking an agent again after `Unavailable`.
+const ASK_AGAIN_PAUSE: Duration = Duration::from_millis(200);
+
+/// Calls `call` again, every `pause`, while the agent answers `Unavailable` ("ask
+/// again"), for as long as `within` allows; then its last answer stands. Only for
+/// idempotent calls.
+async fn asking_again<T, F, Fut>(
+    within: Duration,
+    pause: Duration,
+    mut call: F,
+) -> Result<T, ClientError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match call().await {
+            Err(ClientError::Status(s))
+                if s.code() == tonic::Code::Unavailable
+                    && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tokio::time::sleep(pause).await
+            }
+            res => return res,
+        }
     }
 }
 
@@ -400,6 +440,40 @@ mod tests {
             freeze_budget_millis: 5000,
             step,
         }
+    }
+
+    /// A call answered `Unavailable` three times, then `answer`; returns what
+    /// `asking_again` made of it within `within` and how many calls it made.
+    async fn asked_again(within: Duration, answer: tonic::Code) -> (Result<u32, ClientError>, u32) {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let res = asking_again(within, Duration::from_millis(5), || {
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            async move {
+                match n {
+                    1..=3 => Err(ClientError::Status(tonic::Status::unavailable("ask again"))),
+                    _ if answer == tonic::Code::Ok => Ok(n),
+                    _ => Err(ClientError::Status(tonic::Status::new(answer, "no"))),
+                }
+            }
+        })
+        .await;
+        (res, calls.into_inner())
+    }
+
+    #[tokio::test]
+    async fn a_prepare_answered_ask_again_is_asked_again_until_the_deadline() {
+        // Answered at last: the answer after the "ask again"s.
+        let (res, calls) = asked_again(Duration::from_secs(10), tonic::Code::Ok).await;
+        assert_eq!((res.unwrap(), calls), (4, 4));
+        // Another failure is not asked again: it stands.
+        let (res, calls) = asked_again(Duration::from_secs(10), tonic::Code::NotFound).await;
+        assert_eq!(res.unwrap_err().category(), "MigrationUnknown");
+        assert_eq!(calls, 4);
+        // Past the deadline, the "ask again" stands (an agent that never answers
+        // otherwise fails the step within the call deadline).
+        let (res, calls) = asked_again(Duration::from_millis(1), tonic::Code::Ok).await;
+        assert_eq!(res.unwrap_err().category(), "AgentUnavailable");
+        assert_eq!(calls, 1);
     }
 
     #[test]
