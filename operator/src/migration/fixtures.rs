@@ -405,6 +405,7 @@ pub fn at(phase: MigrationPhase) -> Observed {
             uid: SOURCE_UID.into(),
             running: true,
             terminating: false,
+            deletion_grace_seconds: None,
             deletion_cost_lowered: false,
         }),
         target_pod: (1..=5).contains(&rank).then_some(TargetPodFacts {
@@ -430,6 +431,10 @@ pub trait ObservedExt {
     fn deleting(self) -> Self;
     fn failing(self, reason: &str) -> Self;
     fn at_second(self, s: i64) -> Self;
+    /// The target pod handed over and adopted by the source's owner.
+    fn adopted(self) -> Self;
+    /// The source pod terminating, deleted with this grace period.
+    fn source_terminating(self, grace_seconds: i64) -> Self;
 }
 impl ObservedExt for Observed {
     fn source(mut self, r: AgentReport) -> Self {
@@ -463,6 +468,18 @@ impl ObservedExt for Observed {
     }
     fn at_second(mut self, s: i64) -> Self {
         self.now = ts(s);
+        self
+    }
+    fn adopted(mut self) -> Self {
+        let tp = self.target_pod.as_mut().expect("a target pod");
+        tp.handed_over = true;
+        tp.awaiting_adoption = false;
+        self
+    }
+    fn source_terminating(mut self, grace_seconds: i64) -> Self {
+        let s = self.source_pod.as_mut().expect("a source pod");
+        s.terminating = true;
+        s.deletion_grace_seconds = Some(grace_seconds);
         self
     }
 }

@@ -74,6 +74,9 @@ pub struct SourcePodFacts {
     pub running: bool,
     /// `metadata.deletionTimestamp` is set.
     pub terminating: bool,
+    /// `metadata.deletionGracePeriodSeconds` once terminating: 0 once a deletion with
+    /// grace period 0 was accepted (a pod its own finalizers hold stays with it).
+    pub deletion_grace_seconds: Option<i64>,
     /// Its `pod-deletion-cost` already marks it as the one to remove.
     pub deletion_cost_lowered: bool,
 }
@@ -151,7 +154,12 @@ pub enum Action {
     /// Put the source's labels on the target pod and release it to the workload's
     /// controller.
     HandOverTargetPod,
-    DeleteSourcePod,
+    /// Delete the source pod (only the pod the migration pinned, by its UID) with this
+    /// grace period: the commit's grace while its agent's kill is still to come, 0 when
+    /// the deletion is the kill (see `Machine::committing`).
+    DeleteSourcePod {
+        grace_seconds: i64,
+    },
     DeleteTargetPod,
     DeleteTransferKey,
     RemoveFinalizer,
@@ -411,7 +419,8 @@ impl<'a> Machine<'a> {
     }
 
     /// Kind, reason and message of entering `Succeeded`: a dry run's pass, or where the
-    /// pod runs now — a Warning when the source's kill was not confirmed.
+    /// pod runs now, with what the commit noted — a Warning when the source's kill was
+    /// not confirmed.
     fn succeeded_entry(&self) -> (EventKind, &'static str, String) {
         if self.o.knobs.dry_run {
             return (
@@ -420,13 +429,13 @@ impl<'a> Machine<'a> {
                 "dry run: every check passed; nothing was frozen".to_string(),
             );
         }
-        let unconfirmed = self
+        let noted = self
             .status
             .failure_message
             .as_deref()
-            .filter(|m| m.contains(KILL_UNCONFIRMED));
+            .filter(|m| !m.is_empty());
         (
-            if unconfirmed.is_some() {
+            if noted.is_some_and(|m| m.contains(KILL_UNCONFIRMED)) {
                 EventKind::Warning
             } else {
                 EventKind::Normal
@@ -436,7 +445,7 @@ impl<'a> Machine<'a> {
                 "pod runs on {} (downtime {}){}",
                 self.status.target_node.as_deref().unwrap_or("?"),
                 self.status.downtime.as_deref().unwrap_or("unknown"),
-                unconfirmed.map(|m| format!("; {m}")).unwrap_or_default()
+                noted.map(|m| format!("; {m}")).unwrap_or_default()
             ),
         )
     }
@@ -1054,66 +1063,124 @@ impl<'a> Machine<'a> {
 
     /// Past the probe, a migration only rolls forward: deletion waits for it.
     ///
-    /// The source is given up in this order: its agent kills the frozen tree
-    /// (`Commit`), the target pod is handed over to the workload's controller, and only
-    /// then is the source pod deleted (grace period 0: a frozen or killed source has
-    /// nothing to shut down, and a grace period would leave a thawed one serving beside
-    /// the target). A kill the source agent does not confirm (unreachable, restarted,
-    /// the kill failed, no answer within the progress timeout) is never counted as
-    /// done: the pod deletion is then the kill, and the outcome says the kill was not
-    /// confirmed. Bounded: the owner's adoption is awaited for `progressTimeoutSeconds`
-    /// from entering `Committing`, then the migration ends `Failed` with the reason.
+    /// The source is given up in this order, each step decided from what is observed,
+    /// so an operator restart anywhere resumes it:
+    /// 1. its `pod-deletion-cost` is lowered, the target pod is handed over to the
+    ///    workload's controller and its adoption awaited (bounded: at the progress
+    ///    timeout the migration ends `Failed`, see `owner_never_adopted`);
+    /// 2. the source pod is deleted with the commit's grace period
+    ///    ([`Machine::commit_grace_seconds`]). Its ReplicaSet, which has two active pods
+    ///    once it adopted the target, may have deleted it already (chosen by the lowered
+    ///    deletion cost): a terminating source pod counts as deleted;
+    /// 3. only once the source pod is seen terminating (read back from the API server, at
+    ///    the earliest in the pass after the deletion: the deletion has gone out to its
+    ///    watchers, the source's kubelet among them) is its agent asked to kill the
+    ///    frozen tree (`Commit`,
+    ///    which releases TCP repair and unlocks the network first, so the peers of
+    ///    closed connections get a FIN). The kubelet never restarts a container of a
+    ///    terminating pod, so the kill leaves no fresh workload beside the restored
+    ///    copy; its SIGTERM stays pending on the stopped tree (nothing continues it
+    ///    after the restore fence) and its SIGKILL waits for the grace period, which the
+    ///    agent's kill wins. A source pod already gone by then (the kubelet's SIGKILL
+    ///    at the end of the grace period, a forced deletion) does not hold the kill
+    ///    back: the agent is asked all the same (a tree already dead counts as killed
+    ///    for it), and the status notes that its peers may have got no FIN;
+    /// 4. `Succeeded` once the kill is confirmed and the source pod is terminating or
+    ///    gone.
+    ///
+    /// A kill the source agent does not confirm (missing, unreachable, restarted, the
+    /// kill failed, no answer within the progress timeout from entering `Committing`)
+    /// is never counted as done: the source pod is deleted with grace period 0 (again,
+    /// if it was terminating with a grace period), the deletion is the kill, and the
+    /// outcome says that the agent did not confirm it.
     fn committing(&mut self) {
         let o = self.o;
         self.poll();
         // `Committing` is only ever entered (and persisted) once the target's probe
         // passed, so the phase itself is the proof: an agent that cannot remember the
         // probe after an operator restart must not hold the commit back.
-        let source_present = o.source_pod.as_ref().is_some_and(|s| !s.terminating);
-        if let Some(s) = &o.source_pod
+        let source = self.source_of_record();
+        if let Some(s) = source
             && !s.terminating
             && !s.deletion_cost_lowered
         {
             self.act(Action::LowerSourceDeletionCost);
         }
-        match self.source_kill() {
-            SourceKill::Confirmed => {}
-            SourceKill::Waiting => return,
-            SourceKill::ByPodDeletion(why) => self.note_kill_unconfirmed(&why),
-        }
         match &o.target_pod {
+            None => return self.restored_pod_lost("the target pod disappeared during commit"),
+            Some(tp) if tp.terminating => {
+                return self.restored_pod_lost("the target pod was deleted during commit");
+            }
             Some(tp) if !tp.handed_over => {
                 self.act(Action::HandOverTargetPod);
                 return;
             }
             Some(tp) if tp.awaiting_adoption => {
                 if self.progress_stalled() {
-                    self.owner_never_adopted(source_present);
+                    self.owner_never_adopted();
                 }
                 return;
             }
             Some(_) => {}
-            None => {
-                // The restored pod vanished after the source was given up: nothing to
-                // roll back to. Report it; never silently succeed.
-                self.status.failure_reason = Some(Reason::TargetPodUnschedulable.as_str().into());
-                self.status.failure_message =
-                    Some("the target pod disappeared during commit".into());
-                self.enter(MigrationPhase::Failed);
-                self.resume();
+        }
+        match (source, self.source_kill()) {
+            (_, SourceKill::ByPodDeletion(why)) => {
+                self.note_kill_unconfirmed(&why);
+                if source.is_some_and(|s| s.deletion_grace_seconds != Some(0)) {
+                    self.act(Action::DeleteSourcePod { grace_seconds: 0 });
+                    return;
+                }
+            }
+            // The agent's kill is to come: the pod goes first.
+            (Some(s), SourceKill::NotAsked | SourceKill::Running) if !s.terminating => {
+                let grace_seconds = self.commit_grace_seconds();
+                self.act(Action::DeleteSourcePod { grace_seconds });
                 return;
             }
-        }
-        if source_present {
-            self.act(Action::DeleteSourcePod);
-            return;
+            (_, SourceKill::NotAsked) => {
+                if source.is_none() {
+                    self.note_source_gone_before_the_kill();
+                }
+                self.act(Action::Agent(Side::Source, Step::Commit));
+                return;
+            }
+            (_, SourceKill::Running) => return,
+            // Killed before its pod was deleted (its node's freeze watchdog, or a commit
+            // in the order before this one): its container may be restarting from its
+            // image, and the deletion ends that at once.
+            (Some(s), SourceKill::Confirmed) if !s.terminating => {
+                self.act(Action::DeleteSourcePod { grace_seconds: 0 });
+                return;
+            }
+            (_, SourceKill::Confirmed) => {}
         }
         self.enter(MigrationPhase::Succeeded);
         self.resume();
     }
 
-    /// Whether the source agent killed the frozen source (asking it to if not).
-    fn source_kill(&mut self) -> SourceKill {
+    /// The source pod the migration pinned, if it exists (a namesake is not it).
+    fn source_of_record(&self) -> Option<&'a SourcePodFacts> {
+        let o: &'a Observed = self.o;
+        o.source_pod.as_ref().filter(|s| {
+            o.status
+                .source_pod_uid
+                .as_ref()
+                .is_none_or(|uid| *uid == s.uid)
+        })
+    }
+
+    /// The grace period of the source pod's deletion when its agent's kill follows it:
+    /// the progress timeout, which bounds the wait for that kill from entering
+    /// `Committing`. The kubelet's own SIGKILL at its end (the source's network still
+    /// locked: no FIN) thus never comes before the machine has stopped waiting for the
+    /// agent's kill and made the deletion the kill itself (grace period 0). Normally the
+    /// agent's kill follows within a poll and one call, and the pod goes with it.
+    fn commit_grace_seconds(&self) -> i64 {
+        i64::try_from(self.o.knobs.progress_timeout.as_secs()).unwrap_or(i64::MAX)
+    }
+
+    /// Where the kill of the frozen source stands, from its agent's report.
+    fn source_kill(&self) -> SourceKill {
         let bound = self.o.knobs.progress_timeout.as_secs();
         let r = match &self.o.source_agent {
             AgentView::Reported(r) => r,
@@ -1144,10 +1211,11 @@ impl<'a> Machine<'a> {
                 "the source agent did not confirm the kill within {bound}s"
             ));
         }
-        if !r.running(Step::Commit) {
-            self.act(Action::Agent(Side::Source, Step::Commit));
+        if r.running(Step::Commit) {
+            SourceKill::Running
+        } else {
+            SourceKill::NotAsked
         }
-        SourceKill::Waiting
     }
 
     /// The kill goes through the source pod's deletion; say so once (status and
@@ -1162,22 +1230,91 @@ impl<'a> Machine<'a> {
             return;
         }
         let message = format!(
-            "{KILL_UNCONFIRMED} ({why}): the source pod is deleted with grace period 0 after the hand-over; if its node is unreachable, {SOURCE_STATE_UNKNOWN} until the node's kubelet removes it"
+            "{KILL_UNCONFIRMED} ({why}): the source pod is deleted with grace period 0 once the target is adopted, and that deletion is the kill; if its node is unreachable, {SOURCE_STATE_UNKNOWN} until the node's kubelet removes it"
         );
         self.notes
             .push(Note::warning(reasons::COMMITTING, ACTION, message.clone()));
-        self.status.failure_message = Some(message);
+        self.push_message(&message);
+    }
+
+    /// The source pod was gone before its agent was asked for the kill: say so once in
+    /// the status (the agent is asked all the same; a tree already dead counts as
+    /// killed for it, so its answer cannot tell whether the FIN went out).
+    fn note_source_gone_before_the_kill(&mut self) {
+        if self
+            .status
+            .failure_message
+            .as_deref()
+            .is_some_and(|m| m.contains(SOURCE_GONE_FIRST))
+        {
+            return;
+        }
+        self.push_message(&format!(
+            "{SOURCE_GONE_FIRST} (its kubelet killed it at the end of the grace period, or the pod was deleted by force): the peers of its closed connections may have got no FIN"
+        ));
+    }
+
+    /// Appends `m` to the status message (`; `-separated).
+    fn push_message(&mut self, m: &str) {
+        match &mut self.status.failure_message {
+            Some(existing) if !existing.is_empty() => {
+                existing.push_str("; ");
+                existing.push_str(m);
+            }
+            slot => *slot = Some(m.to_string()),
+        }
+    }
+
+    /// The restored pod disappeared or is being deleted during the commit (before the
+    /// source was given up): the migrated state goes with it, and the stale source is
+    /// never thawed behind it (the restore fence). Its agent kills it as at any commit,
+    /// but its pod is kept: its container restarts from its image, the workload's
+    /// replica again, without the state. A kill the agent does not confirm is the
+    /// source pod's deletion with grace period 0. Then the migration ends `Failed`.
+    fn restored_pod_lost(&mut self, what: &str) {
+        let source = self.source_of_record();
+        let outcome = match self.source_kill() {
+            SourceKill::NotAsked => {
+                self.act(Action::Agent(Side::Source, Step::Commit));
+                return;
+            }
+            SourceKill::Running => return,
+            SourceKill::Confirmed => match source {
+                Some(s) if !s.terminating => "the source was killed by its agent; its pod is kept (its container restarts from its image, without the state)".to_string(),
+                _ => "the source was killed by its agent".to_string(),
+            },
+            SourceKill::ByPodDeletion(why) => {
+                if source.is_some_and(|s| s.deletion_grace_seconds != Some(0)) {
+                    self.act(Action::DeleteSourcePod { grace_seconds: 0 });
+                    return;
+                }
+                format!(
+                    "{KILL_UNCONFIRMED} ({why}): the source pod was deleted with grace period 0, which kills it"
+                )
+            }
+        };
+        self.status.failure_reason = Some(Reason::TargetPodUnschedulable.as_str().into());
+        self.status.failure_message = Some(format!(
+            "{what}: the migrated state is lost with it; {outcome}"
+        ));
+        self.enter(MigrationPhase::Failed);
+        self.resume();
     }
 
     /// The target pod was handed over, but no controller adopted it within the bound
     /// (the ReplicaSet was deleted or no longer selects it): end with the reason. The
-    /// source was already given up, so the source pod goes too; the handed-over target
-    /// pod keeps running the workload, unowned.
-    fn owner_never_adopted(&mut self, source_present: bool) {
-        if source_present {
-            self.act(Action::DeleteSourcePod);
+    /// source was already given up, so the source pod goes too, with grace period 0
+    /// (the deletion is the kill: the agent's kill waits for a terminating pod, and the
+    /// migration ends here); the handed-over target pod keeps running the workload,
+    /// unowned.
+    fn owner_never_adopted(&mut self) {
+        if self
+            .source_of_record()
+            .is_some_and(|s| s.deletion_grace_seconds != Some(0))
+        {
+            self.act(Action::DeleteSourcePod { grace_seconds: 0 });
         }
-        let killed = self
+        let noted = self
             .status
             .failure_message
             .clone()
@@ -1185,7 +1322,7 @@ impl<'a> Machine<'a> {
             .unwrap_or_default();
         self.status.failure_reason = Some(Reason::ProgressTimeout.as_str().into());
         self.status.failure_message = Some(format!(
-            "the target pod {} was handed over but the pod's owner did not adopt it within {}s (was it deleted?): it runs the workload unowned, the source pod was deleted{killed}",
+            "the target pod {} was handed over but the pod's owner did not adopt it within {}s (was it deleted?): it runs the workload unowned; the source pod was deleted with grace period 0, which kills the frozen source (its peers get no FIN){noted}",
             self.o.status_pod_name(),
             self.o.knobs.progress_timeout.as_secs()
         ));
@@ -1528,13 +1665,20 @@ const FENCED: &str =
 /// In the status message of a commit whose kill of the source its agent did not confirm.
 const KILL_UNCONFIRMED: &str = "the source agent did not confirm the kill of the source";
 
-/// How the frozen source is given up at commit.
+/// In the status message of a commit that found the source pod gone before it asked
+/// the source agent for the kill.
+const SOURCE_GONE_FIRST: &str =
+    "the source pod was gone before its agent was asked to kill the source";
+
+/// Where the kill of the frozen source stands at commit.
 enum SourceKill {
-    /// Its agent killed it.
+    /// Its agent killed it (or its node did, under the fence).
     Confirmed,
-    /// Its agent is killing it (or was just asked to).
-    Waiting,
-    /// Its agent cannot confirm a kill (why): the pod deletion kills it.
+    /// Its agent is killing it.
+    Running,
+    /// Its agent can kill it and has not been asked (it is, once the pod terminates).
+    NotAsked,
+    /// Its agent cannot confirm a kill (why): the pod's deletion kills it.
     ByPodDeletion(String),
 }
 

@@ -35,8 +35,21 @@ fn has(t: &Transition, a: &Action) -> bool {
 }
 
 fn gives_up_source(t: &Transition) -> bool {
-    has(t, &Action::Agent(Side::Source, Step::Commit)) || has(t, &Action::DeleteSourcePod)
+    has(t, &Action::Agent(Side::Source, Step::Commit)) || source_deletion(t).is_some()
 }
+
+/// The grace period of the source pod's deletion this transition asks for, if any.
+fn source_deletion(t: &Transition) -> Option<i64> {
+    t.actions.iter().find_map(|a| match a {
+        Action::DeleteSourcePod { grace_seconds } => Some(*grace_seconds),
+        _ => None,
+    })
+}
+
+/// The commit's grace period with the fixtures' knobs (the default progress timeout).
+const COMMIT_GRACE: i64 = 150;
+
+const COMMIT: Action = Action::Agent(Side::Source, Step::Commit);
 
 // ------------------------------------------------------------------ the table
 
@@ -308,14 +321,19 @@ fn a_source_agent_that_cannot_kill_at_commit_leaves_it_to_the_pod_deletion() {
             "{source:?}: {:?}",
             t.actions
         );
-        assert!(!has(&t, &Action::Agent(Side::Source, Step::Commit)));
+        assert!(!gives_up_source(&t), "{source:?}: {:?}", t.actions);
+        let t = next(&at(P::Committing).source(source.clone()).adopted());
+        assert_eq!(source_deletion(&t), Some(0), "{source:?}: {:?}", t.actions);
+        assert!(!has(&t, &COMMIT), "{source:?}");
     }
-    let t = next(&at(P::Committing).source(running(Step::Commit)));
-    assert!(
-        t.actions == vec![Action::LowerSourceDeletionCost],
-        "waits for the kill: {:?}",
-        t.actions
+    let t = next(
+        &at(P::Committing)
+            .source(running(Step::Commit))
+            .adopted()
+            .source_terminating(COMMIT_GRACE),
     );
+    assert!(t.actions.is_empty(), "waits for the kill: {:?}", t.actions);
+    assert_eq!(t.status.phase, P::Committing);
 }
 
 #[test]
@@ -707,40 +725,245 @@ fn the_source_is_given_up_only_after_the_probe_passed() {
     let t = next(&at(P::Restoring).target(done(Step::Probe)));
     assert_eq!(t.status.phase, P::Committing);
     assert!(has(&t, &Action::LowerSourceDeletionCost));
-    assert!(has(&t, &Action::Agent(Side::Source, Step::Commit)));
+    assert!(has(&t, &Action::HandOverTargetPod));
+    // Neither killed nor deleted before the workload's controller adopted the target.
+    assert!(!gives_up_source(&t), "{:?}", t.actions);
 }
 
 #[test]
 fn committing_resumes_after_a_restart_even_when_the_probe_is_no_longer_reported() {
     // The wire adapter keeps a passed probe in memory only; after a restart the target
     // reports its restore as the last step. The persisted phase is the proof.
-    let t = next(&at(P::Committing).target(done(Step::Restore)));
-    assert!(
-        has(&t, &Action::Agent(Side::Source, Step::Commit)),
-        "{:?}",
-        t.actions
-    );
+    let o = at(P::Committing).target(done(Step::Restore));
+    let t = next(&o);
+    assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    let t = next(&o.adopted().source_terminating(COMMIT_GRACE));
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
 }
 
+/// The commit's whole order: hand-over, adoption, the source pod's deletion with a
+/// grace period, and only then the agent's kill, which the grace period lets win.
 #[test]
-fn commit_hands_over_waits_for_adoption_then_removes_the_source() {
-    let o = at(P::Committing).source(done(Step::Commit));
-    assert!(has(&next(&o), &Action::HandOverTargetPod));
+fn commit_hands_over_waits_for_adoption_deletes_the_source_pod_then_kills_the_source() {
+    let o = at(P::Committing);
+    let t = next(&o);
+    assert!(has(&t, &Action::HandOverTargetPod));
+    assert!(!gives_up_source(&t), "{:?}", t.actions);
     let mut waiting = o.clone();
     waiting.target_pod.as_mut().unwrap().handed_over = true;
     waiting.target_pod.as_mut().unwrap().awaiting_adoption = true;
     let t = next(&waiting);
     assert!(
-        !has(&t, &Action::DeleteSourcePod),
-        "source removed before the ReplicaSet adopted the target"
+        !gives_up_source(&t),
+        "source given up before the ReplicaSet adopted the target: {:?}",
+        t.actions
     );
-    let mut adopted = waiting.clone();
-    adopted.target_pod.as_mut().unwrap().awaiting_adoption = false;
-    assert!(has(&next(&adopted), &Action::DeleteSourcePod));
-    adopted.source_pod = None;
+    let adopted = o.adopted();
     let t = next(&adopted);
+    assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
+    assert!(!has(&t, &COMMIT), "{:?}", t.actions);
+    let terminating = adopted.source_terminating(COMMIT_GRACE);
+    let t = next(&terminating);
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    let t = next(&terminating.clone().source(running(Step::Commit)));
+    assert!(t.actions.is_empty(), "{:?}", t.actions);
+    let t = next(&terminating.clone().source(done(Step::Commit)));
     assert_eq!(t.status.phase, P::Succeeded);
     assert!(is_true(&t.status.conditions, ct::READY));
+    assert_eq!(t.status.failure_message, None);
+    let note = t
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::SUCCEEDED)
+        .expect("success event");
+    assert_eq!(note.kind, EventKind::Normal);
+    // The kill confirmed and the pod gone (its kubelet finished): the same.
+    let mut gone = terminating.source(done(Step::Commit));
+    gone.source_pod = None;
+    assert_eq!(next(&gone).status.phase, P::Succeeded);
+}
+
+/// (a) The frozen source's container is never killed while its pod is not terminating:
+/// the kubelet would restart it from its image beside the restored copy.
+#[test]
+fn no_commit_is_asked_before_the_source_pod_is_terminating() {
+    let not_terminating = [
+        at(P::Committing),
+        at(P::Committing).at_second(NOW + 100),
+        {
+            let mut o = at(P::Committing);
+            let tp = o.target_pod.as_mut().unwrap();
+            tp.handed_over = true;
+            tp.awaiting_adoption = true;
+            o
+        },
+        at(P::Committing).adopted(),
+        at(P::Committing).adopted().deleting(),
+    ];
+    for o in not_terminating {
+        let t = next(&o);
+        assert!(
+            !has(&t, &COMMIT),
+            "killed with its pod not terminating: {:?} from {:?}",
+            t.actions,
+            o.target_pod
+        );
+    }
+    // Deleted by its ReplicaSet (two active pods once the target is adopted), with the
+    // pod's own grace period: terminating counts as deleted; the kill follows.
+    let t = next(&at(P::Committing).adopted().source_terminating(30));
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+}
+
+/// (b) While the agent's kill is to come, the source pod is deleted with the commit's
+/// grace period (the progress timeout), not 0: the kubelet's SIGKILL must not come
+/// first (the network still locked: no FIN).
+#[test]
+fn the_source_pod_is_deleted_with_a_grace_period_when_its_agent_kills_it() {
+    let t = next(&at(P::Committing).adopted());
+    assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
+    let mut o = at(P::Committing).adopted();
+    o.knobs.progress_timeout = Duration::from_secs(40);
+    let t = next(&o);
+    assert_eq!(source_deletion(&t), Some(40), "{:?}", t.actions);
+    // A kill already under way (a commit of the order before this one) too.
+    let t = next(&at(P::Committing).adopted().source(running(Step::Commit)));
+    assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
+}
+
+/// (c) A kill the agent does not confirm: the deletion is the kill, with grace period 0,
+/// also when the pod was already terminating with a grace period (it is shortened).
+#[test]
+fn the_source_pod_is_deleted_with_grace_period_zero_when_the_kill_is_unconfirmed() {
+    let unconfirmed = [
+        AgentView::Unreachable("connection refused".into()),
+        AgentView::Missing,
+        AgentView::Reported(blank()),
+        AgentView::Reported(failed(Step::Commit, "KillFailed")),
+    ];
+    for view in unconfirmed {
+        let o = at(P::Committing).adopted().source_view(view.clone());
+        let t = next(&o);
+        assert_eq!(source_deletion(&t), Some(0), "{view:?}: {:?}", t.actions);
+        assert!(!has(&t, &COMMIT), "{view:?}");
+        let t = next(&o.clone().source_terminating(COMMIT_GRACE));
+        assert_eq!(source_deletion(&t), Some(0), "{view:?}: {:?}", t.actions);
+        assert_eq!(t.status.phase, P::Committing, "{view:?}");
+        // Accepted (grace 0 recorded; a pod its finalizers hold stays so): done.
+        let t = next(&o.source_terminating(0));
+        assert_eq!(source_deletion(&t), None, "{view:?}: {:?}", t.actions);
+        assert_eq!(t.status.phase, P::Succeeded, "{view:?}");
+    }
+    // No answer within the bound: the same.
+    let t = next(
+        &at(P::Committing)
+            .adopted()
+            .source(running(Step::Commit))
+            .source_terminating(COMMIT_GRACE)
+            .at_second(NOW + 151),
+    );
+    assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
+}
+
+/// (d) An operator restart anywhere in the commit resumes it from what it observes:
+/// before the deletion it deletes, after it (the pod terminating, the kill not asked
+/// or not answered) it asks the kill, never another deletion.
+#[test]
+fn a_restart_mid_commit_asks_the_kill_of_a_terminating_source_not_another_deletion() {
+    // The pod was deleted, the operator restarted before it asked the kill.
+    let o = at(P::Committing).adopted().source_terminating(COMMIT_GRACE);
+    let t = next(&o);
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    // Restarted after asking the kill: it waits for the agent.
+    let t = next(&o.clone().source(running(Step::Commit)));
+    assert!(t.actions.is_empty(), "{:?}", t.actions);
+    // Restarted before the deletion: the deletion, not the kill.
+    let t = next(&at(P::Committing).adopted());
+    assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
+    assert!(!has(&t, &COMMIT), "{:?}", t.actions);
+    // Restarted after the kill: done, whatever the agent's last step says now.
+    for source in [done(Step::Commit), done(Step::Cleanup)] {
+        let t = next(&o.clone().source(source));
+        assert_eq!(t.status.phase, P::Succeeded);
+        assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    }
+}
+
+/// The source pod gone before the kill was asked (its kubelet's SIGKILL at the end of
+/// the grace period, or a forced deletion): the agent is asked all the same (a tree
+/// that still runs, a forced deletion's, gets the FIN; a dead one counts as killed),
+/// and the status notes that its peers may have got no FIN.
+#[test]
+fn a_source_pod_gone_before_the_kill_still_asks_the_agent_and_says_so() {
+    let mut o = at(P::Committing).adopted();
+    o.source_pod = None;
+    let t = next(&o);
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None);
+    let msg = t.status.failure_message.clone().unwrap_or_default();
+    assert!(msg.contains("was gone before its agent"), "{msg}");
+    assert!(msg.contains("no FIN"), "{msg}");
+    // The agent confirms: Succeeded, the note kept, no Warning (the kill is confirmed).
+    let mut done_o = o.clone().source(done(Step::Commit));
+    done_o.status = t.status.clone();
+    let t = next(&done_o);
+    assert_eq!(t.status.phase, P::Succeeded);
+    let note = t
+        .notes
+        .iter()
+        .find(|n| n.reason == reasons::SUCCEEDED)
+        .expect("success event");
+    assert_eq!(note.kind, EventKind::Normal);
+    assert!(note.message.contains("no FIN"), "{}", note.message);
+    // An agent that cannot answer: the pod's deletion was the kill.
+    let t = next(&o.source_view(AgentView::Missing));
+    assert_eq!(t.status.phase, P::Succeeded);
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.reason == reasons::SUCCEEDED && n.kind == EventKind::Warning),
+        "{:?}",
+        t.notes
+    );
+}
+
+/// The restored pod deleted during the commit (its ReplicaSet chose it over the source,
+/// someone deleted it): the state goes with it. Never `Succeeded`, and the stale source
+/// is never thawed: its agent kills it (its pod kept: its container restarts from its
+/// image as the workload's replica), then the migration fails.
+#[test]
+fn a_target_pod_deleted_during_the_commit_fails_it_killing_never_thawing_the_source() {
+    let mut o = at(P::Committing).adopted();
+    o.target_pod.as_mut().unwrap().terminating = true;
+    let t = next(&o);
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    assert_eq!(t.status.phase, P::Committing);
+    let t = next(&o.clone().source(done(Step::Commit)));
+    assert_eq!(t.status.phase, P::Failed, "{:?}", t.status);
+    let msg = t.status.failure_message.as_deref().unwrap();
+    assert!(msg.contains("deleted during commit"), "{msg}");
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    // The target pod gone entirely: the same, and an agent that cannot kill leaves it
+    // to the source pod's deletion (grace 0).
+    o.target_pod = None;
+    let t = next(&o.clone().source_view(AgentView::Missing));
+    assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
+    let mut gone = o.source_view(AgentView::Missing);
+    gone.source_pod = None;
+    let t = next(&gone);
+    assert_eq!(t.status.phase, P::Failed);
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("disappeared during commit")
+    );
 }
 
 #[test]
@@ -810,6 +1033,12 @@ struct World {
     restore_before_fence: bool,
     fail_step: Option<(Side, Step)>,
     adopt_next_tick: bool,
+    /// The ReplicaSet deletes the source pod itself (its own grace period) as it adopts
+    /// the target (two active pods).
+    replicaset_deletes_source: bool,
+    /// The source was killed while its pod was not terminating: its kubelet would
+    /// restart the container from its image beside the restored copy.
+    killed_before_its_pod_terminated: bool,
 }
 
 impl World {
@@ -832,6 +1061,8 @@ impl World {
             restore_before_fence: false,
             fail_step: None,
             adopt_next_tick: false,
+            replicaset_deletes_source: false,
+            killed_before_its_pod_terminated: false,
         }
     }
 
@@ -846,6 +1077,12 @@ impl World {
         if self.adopt_next_tick {
             if let Some(tp) = self.o.target_pod.as_mut() {
                 tp.awaiting_adoption = false;
+            }
+            if self.replicaset_deletes_source
+                && let Some(s) = self.o.source_pod.as_mut()
+            {
+                s.terminating = true;
+                s.deletion_grace_seconds = Some(30);
             }
             self.adopt_next_tick = false;
         }
@@ -911,7 +1148,23 @@ impl World {
                 tp.awaiting_adoption = true;
                 self.adopt_next_tick = true;
             }
-            Action::DeleteSourcePod => self.o.source_pod = None,
+            // Grace 0: the object goes at once and the kubelet kills the tree. Otherwise
+            // the pod terminates, and the frozen tree ignores the SIGTERM.
+            Action::DeleteSourcePod { grace_seconds: 0 } => {
+                self.o.source_pod = None;
+                if self.source_frozen {
+                    self.source_killed = true;
+                    self.source_frozen = false;
+                }
+            }
+            Action::DeleteSourcePod { grace_seconds } => {
+                if let Some(s) = self.o.source_pod.as_mut() {
+                    s.terminating = true;
+                    // The API server only ever shortens a deletion's grace period.
+                    let g = s.deletion_grace_seconds.unwrap_or(i64::MAX);
+                    s.deletion_grace_seconds = Some(g.min(*grace_seconds));
+                }
+            }
             Action::Agent(side, step) => {
                 if self.fail_step == Some((*side, *step)) {
                     *self.report_mut(*side) = failed(*step, "Injected");
@@ -935,6 +1188,14 @@ impl World {
                         }
                         self.source_killed = true;
                         self.source_frozen = false;
+                        match &self.o.source_pod {
+                            Some(s) if !s.terminating => {
+                                self.killed_before_its_pod_terminated = true
+                            }
+                            // The container exited: the kubelet ends the terminating pod.
+                            Some(_) => self.o.source_pod = None,
+                            None => {}
+                        }
                     }
                     (Side::Target, Step::Restore) => {
                         if !self.source_fenced {
@@ -1001,7 +1262,14 @@ fn fresh() -> Observed {
 
 #[test]
 fn a_pre_copy_migration_walks_every_phase_to_succeeded() {
-    let mut w = World::new(fresh());
+    for replicaset_deletes_source in [false, true] {
+        let mut w = World::new(fresh());
+        w.replicaset_deletes_source = replicaset_deletes_source;
+        walks_every_phase_to_succeeded(w);
+    }
+}
+
+fn walks_every_phase_to_succeeded(mut w: World) {
     let phases = w.step_until_settled(60);
     assert_eq!(
         phases,
@@ -1021,6 +1289,11 @@ fn a_pre_copy_migration_walks_every_phase_to_succeeded() {
         "the target restored before the source was fenced"
     );
     assert!(w.source_killed && w.target_running && w.o.source_pod.is_none());
+    assert!(
+        !w.killed_before_its_pod_terminated,
+        "the source was killed before its pod terminated: its container restarts afresh"
+    );
+    assert_eq!(w.o.status.failure_message, None, "{:?}", w.o.status);
     let s = &w.o.status;
     let frozen =
         w.o.source_agent
@@ -1276,6 +1549,7 @@ fn deleting_a_migration_whose_target_restored_commits_it_with_one_copy() {
     assert_eq!(w.o.status.phase, P::Succeeded, "{:?}", w.o.status);
     assert!(w.finalizer_released);
     assert!(w.source_killed && w.target_running && !w.two_copies_seen);
+    assert!(!w.killed_before_its_pod_terminated);
 }
 
 #[test]
@@ -1289,12 +1563,14 @@ fn a_source_kill_its_agent_does_not_confirm_is_never_reported_as_done() {
     for view in unconfirmed {
         let o = at(P::Committing).source_view(view.clone());
         let t = next(&o);
-        // The kill goes through the pod deletion, after the hand-over.
+        // The kill goes through the pod deletion, after the hand-over and adoption.
         assert!(has(&t, &Action::HandOverTargetPod), "{view:?}");
         assert!(
-            !has(&t, &Action::DeleteSourcePod),
+            source_deletion(&t).is_none(),
             "{view:?}: before the hand-over"
         );
+        let t = next(&o.clone().adopted());
+        assert_eq!(source_deletion(&t), Some(0), "{view:?}");
         let msg = t.status.failure_message.clone().unwrap_or_default();
         assert!(msg.contains("did not confirm the kill"), "{view:?}: {msg}");
         assert!(
@@ -1302,12 +1578,9 @@ fn a_source_kill_its_agent_does_not_confirm_is_never_reported_as_done() {
             "{view:?}: {:?}",
             t.notes
         );
-        // Handed over and adopted: the pod deletion, then Succeeded saying so.
-        let mut adopted = o.clone();
+        // The pod deleted: Succeeded saying so.
+        let mut adopted = o.clone().adopted();
         adopted.status = t.status.clone();
-        let tp = adopted.target_pod.as_mut().unwrap();
-        tp.handed_over = true;
-        assert!(has(&next(&adopted), &Action::DeleteSourcePod), "{view:?}");
         adopted.source_pod = None;
         let t = next(&adopted);
         assert_eq!(t.status.phase, P::Succeeded);
@@ -1322,6 +1595,14 @@ fn a_source_kill_its_agent_does_not_confirm_is_never_reported_as_done() {
     // The agent's kill is confirmed: no warning.
     let t = next(&at(P::Committing).source(done(Step::Commit)));
     assert!(has(&t, &Action::HandOverTargetPod));
+    assert_eq!(t.status.failure_message, None);
+    let t = next(
+        &at(P::Committing)
+            .source(done(Step::Commit))
+            .adopted()
+            .source_terminating(COMMIT_GRACE),
+    );
+    assert_eq!(t.status.phase, P::Succeeded);
     assert_eq!(t.status.failure_message, None);
 }
 
@@ -1406,7 +1687,7 @@ fn committing_is_bounded_a_kill_without_answer_and_an_owner_that_never_adopts_en
         t.status.failure_reason.as_deref(),
         Some(reasons::PROGRESS_TIMEOUT)
     );
-    assert!(has(&t, &Action::DeleteSourcePod));
+    assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
     assert!(has(&t, &Action::RemoveFinalizer));
     assert!(
         !has(&t, &Action::DeleteTargetPod),
@@ -1614,6 +1895,10 @@ fn a_fenced_source_killed_on_its_node_is_never_reported_as_resumed() {
     let t = next(&at(P::Committing).source(killed()));
     assert!(!has(&t, &Action::Agent(Side::Source, Step::Commit)));
     assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    // Its container may be restarting from its image: the pod goes at once.
+    let t = next(&at(P::Committing).source(killed()).adopted());
+    assert!(!has(&t, &COMMIT));
+    assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
     assert!(
         !t.status
             .failure_message

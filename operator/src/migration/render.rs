@@ -248,15 +248,17 @@ pub fn transfer_key_secret(migration: &PodMigration, key: &[u8]) -> Secret {
     }
 }
 
-/// Merge patch marking the source as the pod its ReplicaSet removes first.
 /// How the source pod is deleted at commit: only the pod the migration pinned (its
-/// UID), never a namesake, and with grace period 0. The source is frozen or already
-/// killed by its agent by then; a grace period would only give anything that thaws it
-/// (its agent's freeze watchdog or shutdown, its broker) time to serve beside the
-/// target, which the hand-over has just put behind the workload's Services.
-pub fn source_pod_deletion(source_pod_uid: Option<String>) -> kube::api::DeleteParams {
+/// UID), never a namesake, with the grace period the machine chose: the commit's while
+/// the source agent's kill is to follow (the frozen, fenced tree leaves the kubelet's
+/// SIGTERM pending, and the kill comes before the SIGKILL), 0 when the deletion is the
+/// kill (see `machine::Machine::committing`).
+pub fn source_pod_deletion(
+    source_pod_uid: Option<String>,
+    grace_seconds: i64,
+) -> kube::api::DeleteParams {
     kube::api::DeleteParams {
-        grace_period_seconds: Some(0),
+        grace_period_seconds: Some(u32::try_from(grace_seconds.max(0)).unwrap_or(u32::MAX)),
         preconditions: Some(kube::api::Preconditions {
             uid: source_pod_uid,
             resource_version: None,
@@ -265,6 +267,7 @@ pub fn source_pod_deletion(source_pod_uid: Option<String>) -> kube::api::DeleteP
     }
 }
 
+/// Merge patch marking the source as the pod its ReplicaSet removes first.
 pub fn deletion_cost_patch() -> serde_json::Value {
     json!({"metadata": {"annotations": {annotations::POD_DELETION_COST: LOWEST_DELETION_COST}}})
 }
@@ -382,6 +385,11 @@ pub fn source_facts(p: &Pod) -> SourcePodFacts {
         uid: p.uid().unwrap_or_default(),
         running: p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"),
         terminating: p.metadata.deletion_timestamp.is_some(),
+        deletion_grace_seconds: p
+            .metadata
+            .deletion_timestamp
+            .as_ref()
+            .and(p.metadata.deletion_grace_period_seconds),
         deletion_cost_lowered: deletion_cost_lowered(p),
     }
 }
@@ -497,13 +505,15 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     #[test]
-    fn the_source_pod_is_deleted_with_grace_period_zero_and_only_by_its_uid() {
-        let dp = source_pod_deletion(Some("uid-1".into()));
-        assert_eq!(dp.grace_period_seconds, Some(0));
-        assert_eq!(
-            dp.preconditions.and_then(|p| p.uid).as_deref(),
-            Some("uid-1")
-        );
+    fn the_source_pod_is_deleted_with_the_machine_s_grace_period_and_only_by_its_uid() {
+        for grace in [0, 150] {
+            let dp = source_pod_deletion(Some("uid-1".into()), grace);
+            assert_eq!(dp.grace_period_seconds, Some(grace as u32));
+            assert_eq!(
+                dp.preconditions.and_then(|p| p.uid).as_deref(),
+                Some("uid-1")
+            );
+        }
     }
 
     fn rendered() -> (PodMigration, Pod, Pod) {

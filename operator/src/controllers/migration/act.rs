@@ -61,7 +61,7 @@ pub(super) async fn execute<A: AgentClient>(
         Action::EnsureTargetPod
         | Action::LowerSourceDeletionCost
         | Action::HandOverTargetPod
-        | Action::DeleteSourcePod
+        | Action::DeleteSourcePod { .. }
         | Action::DeleteTargetPod => pod_action(s, pm, action, d).await,
     }
 }
@@ -91,7 +91,9 @@ async fn pod_action<A: AgentClient>(
                 .await
                 .map_err(api_err("hand over", format!("pod {name}")))
         }
-        (Action::DeleteSourcePod, _, _) => delete_source_pod(&pods, pm, &d.status).await,
+        (Action::DeleteSourcePod { grace_seconds }, _, _) => {
+            delete_source_pod(&pods, pm, &d.status, *grace_seconds).await
+        }
         (Action::DeleteTargetPod, _, _) => delete_target_pod(&pods, &d.status).await,
         // Nothing to act on (the pod is gone), or not a pod action.
         _ => Ok(()),
@@ -131,13 +133,16 @@ async fn merge_patch(
         .map(|_| ())
 }
 
-/// Deletes the source pod (see `render::source_pod_deletion`: its UID, grace 0).
+/// Deletes the source pod (see `render::source_pod_deletion`: its UID, the machine's
+/// grace period). A pod already terminating takes a shorter grace period, never a
+/// longer one (the API server's rule), which is what the machine relies on.
 async fn delete_source_pod(
     pods: &Api<Pod>,
     pm: &PodMigration,
     status: &PodMigrationStatus,
+    grace_seconds: i64,
 ) -> Result<(), ReconcileError> {
-    let dp = render::source_pod_deletion(status.source_pod_uid.clone());
+    let dp = render::source_pod_deletion(status.source_pod_uid.clone(), grace_seconds);
     let name = &pm.spec.pod_name;
     pods.delete(name, &dp)
         .await
