@@ -9,12 +9,17 @@
 //!
 //! A container reported by the kubelet may not be known to the runtime (or written to
 //! the table) for a moment; resolution retries for a bounded time before giving up.
+//!
+//! The container's bare ID (runtime prefix stripped) goes with the PID: the broker pins
+//! the PID only if its cgroup is that container's. An ID that is not a plausible
+//! runtime ID (`ContainerId`: no `/`, no `..`) is refused before anything is asked.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::mounts::{HostView, SpecMount, rootfs, spec_mounts};
 use podmotion_cri as cri;
+use podmotion_wire::ids::ContainerId;
 use tonic::Status;
 
 /// Where container IDs are resolved.
@@ -43,10 +48,11 @@ impl Containers {
     }
 }
 
-/// A resolved container: its host PID and, for a real container, what its mount
-/// namespace is made of.
+/// A resolved container: its bare ID (the runtime's, without the kubelet's prefix), its
+/// host PID and, for a real container, what its mount namespace is made of.
 #[derive(Clone, Debug)]
 pub struct Resolved {
+    pub container: ContainerId,
     pub pid: i32,
     pub fs: Option<ContainerFs>,
 }
@@ -62,13 +68,17 @@ pub struct ContainerFs {
 
 impl Containers {
     /// The first of `ids` (the pod's first container: the tree CRIU dumps on the
-    /// source, the holder on the target): its host PID and, through CRI, its mounts.
+    /// source, the holder on the target): its bare ID, its host PID and, through CRI,
+    /// its mounts. An ID that is not a valid [`ContainerId`] once its runtime prefix is
+    /// stripped is an invalid argument, refused at once.
     pub async fn resolve(&self, ids: &[String]) -> Result<Resolved, Status> {
         let Some(id) = ids.first() else {
             return Err(Status::invalid_argument(
                 "neither a pid nor a container ID was given",
             ));
         };
+        let requested = ContainerId::parse(cri::strip_runtime_prefix(id))
+            .map_err(|e| Status::invalid_argument(format!("container {id:?}: {e}")))?;
         let deadline = tokio::time::Instant::now() + SETTLE;
         loop {
             let res = match self {
@@ -82,18 +92,25 @@ impl Containers {
                                 rootfs: rootfs(spec, &r.id, c.socket(), host),
                                 workload: crate::holder::workload_from_spec(spec),
                             });
-                            (r.pid, fs)
+                            (r.id, r.pid, fs)
                         })
                         .map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 },
-                Containers::Table { path } => lookup(path, id).map(|pid| (pid, None)),
+                Containers::Table { path } => {
+                    lookup(path, id).map(|pid| (requested.to_string(), pid, None))
+                }
             };
             match res {
-                Ok((pid, fs)) => {
+                Ok((bare, pid, fs)) => {
                     let pid = i32::try_from(pid)
                         .map_err(|_| Status::internal(format!("container {id}: pid {pid}")))?;
-                    return Ok(Resolved { pid, fs });
+                    // The runtime's own ID of what it found (CRI): what its cgroup is
+                    // named by.
+                    let container = ContainerId::parse(&bare).map_err(|e| {
+                        Status::internal(format!("container {id}: the runtime's ID {bare:?}: {e}"))
+                    })?;
+                    return Ok(Resolved { container, pid, fs });
                 }
                 Err(e) if tokio::time::Instant::now() >= deadline => {
                     return Err(Status::not_found(format!("container {id}: {e}")));
@@ -131,13 +148,13 @@ mod tests {
         let path = dir.join("table");
         std::fs::write(
             &path,
-            "kwok://u1/app 100\n\nkwok://u2/app 200\nkwok://u1/app 101\n",
+            "kwok://u1-app 100\n\nkwok://u2-app 200\nkwok://u1-app 101\n",
         )
         .unwrap();
-        assert_eq!(lookup(&path, "kwok://u1/app"), Ok(101));
-        assert_eq!(lookup(&path, "u2/app"), Ok(200));
-        assert!(lookup(&path, "kwok://u3/app").is_err());
-        assert!(lookup(&dir.join("missing"), "kwok://u1/app").is_err());
+        assert_eq!(lookup(&path, "kwok://u1-app"), Ok(101));
+        assert_eq!(lookup(&path, "u2-app"), Ok(200));
+        assert!(lookup(&path, "kwok://u3-app").is_err());
+        assert!(lookup(&dir.join("missing"), "kwok://u1-app").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -148,5 +165,44 @@ mod tests {
         };
         let e = c.resolve(&[]).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    }
+
+    #[tokio::test]
+    async fn a_resolved_container_carries_its_id_without_the_runtime_prefix() {
+        let dir = std::env::temp_dir().join(format!("pm-ctable-id-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("table");
+        std::fs::write(&path, "kwok://u1-app 100\n").unwrap();
+        let c = Containers::Table { path };
+        let r = c.resolve(&["kwok://u1-app".into()]).await.unwrap();
+        assert_eq!((r.container.as_str(), r.pid), ("u1-app", 100));
+        let r = c.resolve(&["u1-app".into()]).await.unwrap();
+        assert_eq!(r.container.as_str(), "u1-app");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An ID that could not name a container's cgroup is refused at once (no settle
+    /// wait), even one the table would map to a pid.
+    #[tokio::test]
+    async fn a_malformed_container_id_is_an_invalid_argument_not_a_wait() {
+        let dir = std::env::temp_dir().join(format!("pm-ctable-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("table");
+        std::fs::write(&path, "kwok://u1/app 100\nkwok://.. 101\n").unwrap();
+        let c = Containers::Table { path };
+        for bad in [
+            "kwok://u1/app",
+            "kwok://..",
+            "containerd://../x",
+            "a/b",
+            "",
+            "kwok://",
+        ] {
+            let t = std::time::Instant::now();
+            let e = c.resolve(&[bad.into()]).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}: {e}");
+            assert!(t.elapsed() < SETTLE / 2, "{bad:?} waited");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -17,7 +17,7 @@ use podmotion_wire::agent::*;
 use podmotion_wire::broker::{BrokerError, BrokerRole, Reply, Request};
 use podmotion_wire::client::TlsFiles;
 use podmotion_wire::identity::{self, IdentityError, Peer};
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use podmotion_wire::proto::migration_agent_server::MigrationAgent;
 use podmotion_wire::transfer;
 use std::collections::{HashMap, HashSet};
@@ -145,6 +145,8 @@ struct Migration {
     peer: String,
     phase: Phase,
     process: ProcRef,
+    /// The container the operator named, `process` its PID (the broker checks it).
+    container: ContainerId,
     key: Vec<u8>,
     tcp: TcpPreservation,
     dir: PathBuf,
@@ -223,6 +225,8 @@ impl Migration {
 /// Where a prepared migration's process and images are.
 struct Placement {
     process: ProcRef,
+    /// The container `process` was resolved from (its bare ID).
+    container: ContainerId,
     /// A real container's mounts.
     fs: Option<ContainerFs>,
     /// Its checkpoint dir, just created.
@@ -245,6 +249,7 @@ impl Migration {
             peer: r.peer_node,
             phase: Phase::Prepared,
             process: placed.process,
+            container: placed.container,
             key: r.transfer_key,
             tcp: TcpPreservation::try_from(r.tcp).unwrap_or(TcpPreservation::BestEffort),
             dir: placed.dir,
@@ -269,9 +274,10 @@ impl Migration {
         }
     }
 
-    /// Registers the migration with the node's broker; a target also has the broker
-    /// bind the pod's network namespace. On failure `Prepare` undoes it all (see
-    /// [`Agent::prepare_impl`]).
+    /// Registers the migration with the node's broker, naming the container the process
+    /// was resolved from (the broker refuses a process outside that container's
+    /// cgroup); a target also has the broker bind the pod's network namespace. On
+    /// failure `Prepare` undoes it all (see [`Agent::prepare_impl`]).
     async fn register(&mut self) -> Result<(), Status> {
         let broker_role = if self.role == Role::Source {
             BrokerRole::Source
@@ -282,6 +288,7 @@ impl Migration {
             uid: self.uid.clone(),
             role: broker_role,
             process: self.process,
+            container: self.container.clone(),
         })
         .await?;
         if self.role == Role::Target {
@@ -783,8 +790,8 @@ impl Agent {
         }
         let role = check_prepare(&r, self.own_node())?;
         // No PID on the wire: the containers the operator names are resolved here,
-        // through the node's container runtime.
-        let Resolved { pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
+        // through the node's container runtime (a malformed ID is InvalidArgument).
+        let Resolved { container, pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
         let start_time = procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?;
         let process = ProcRef { pid, start_time };
         let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
@@ -795,6 +802,7 @@ impl Agent {
         let mut lease = None;
         let placed = Placement {
             process,
+            container,
             fs,
             dir: dir.clone(),
         };

@@ -254,6 +254,10 @@ fn start_broker(dir: &Path, p: &str, i: usize) -> Arc<Broker> {
         // The testbed's agents run in their node's network namespace, this
         // broker in the test's: not the chart's one-pod shape.
         same_netns_peers: false,
+        // The testbed's pods are the cgroups `src` and `tgt`, which carry no
+        // container ID (its "containers" are rows of the container table): not the
+        // kubelet's cgroup layout.
+        container_cgroups: false,
     });
     let l = b.bind(&run.join("broker.sock")).expect("broker socket");
     let b2 = Arc::clone(&b);
@@ -412,9 +416,11 @@ impl Testbed {
     }
 
     /// "The container runtime" runs `pid` as container `name` of this testbed;
-    /// returns the container ID the operator names (no PID crosses the wire).
+    /// returns the container ID the operator names (no PID crosses the wire):
+    /// `testbed://<p>-<name>`, whose bare ID (`<p>-<name>`) is a valid `ContainerId`
+    /// like a runtime's (no `/`).
     pub fn container(&self, name: &str, pid: i32) -> String {
-        let id = format!("testbed://{}/{name}", self.p);
+        let id = format!("testbed://{}-{name}", self.p);
         self.register_container(&id, pid);
         id
     }

@@ -377,11 +377,16 @@ fn a_prepare_must_name_a_known_container_and_another_node_as_the_peer() {
     let unknown = tb.prepare_request(
         "authz-unknown",
         0,
-        "testbed://nowhere/app",
+        "testbed://nowhere-app",
         TcpPreservation::BestEffort,
     );
     let mut no_container = tb.prepare_request("authz-none", 0, &known, TcpPreservation::BestEffort);
     no_container.container_ids.clear();
+    // An ID no runtime would give (a path: it could not name a container's cgroup),
+    // even one the runtime (the table) maps to the workload's pid.
+    let bad_id = format!("testbed://{}/../workload", tb.p);
+    tb.register_container(&bad_id, src.pid);
+    let malformed = tb.prepare_request("authz-malformed", 0, &bad_id, TcpPreservation::BestEffort);
     let mut no_peer = tb.prepare_request("authz-nopeer", 0, &known, TcpPreservation::BestEffort);
     no_peer.peer_node.clear();
     let mut self_peer = tb.prepare_request("authz-self", 0, &known, TcpPreservation::BestEffort);
@@ -389,7 +394,7 @@ fn a_prepare_must_name_a_known_container_and_another_node_as_the_peer() {
     let codes = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let mut codes = vec![];
-        for p in [unknown, no_container, no_peer, self_peer] {
+        for p in [unknown, no_container, malformed, no_peer, self_peer] {
             let uid = p.migration_uid.clone();
             let e = a.prepare(p).await.unwrap_err();
             let ClientError::Status(s) = &e else {
@@ -406,6 +411,7 @@ fn a_prepare_must_name_a_known_container_and_another_node_as_the_peer() {
         codes,
         vec![
             (NotFound, "MigrationUnknown"),
+            (InvalidArgument, "MigrationUnknown"),
             (InvalidArgument, "MigrationUnknown"),
             (InvalidArgument, "MigrationUnknown"),
             (InvalidArgument, "MigrationUnknown"),

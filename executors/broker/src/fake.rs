@@ -13,7 +13,7 @@ use crate::os::{Ip, Kernel, Link};
 use crate::{Broker, Config, under_pods_root};
 use nix::sys::signal::Signal;
 use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -189,7 +189,9 @@ fn net(n: u32, links: &[&str]) -> Net {
 }
 
 impl World {
-    /// The standard node: the pods cgroup root is `/kubepods`.
+    /// The standard node: the pods cgroup root is `/kubepods`; a process's container is
+    /// the last component of its cgroup (cgroupfs driver: `pause`, `app`, `agent`…;
+    /// see [`World::container_of`]).
     ///
     /// | pid | what | cgroup | netns |
     /// |---|---|---|---|
@@ -260,6 +262,25 @@ impl World {
             );
         }
         w
+    }
+
+    /// The container `pid` runs in, as an agent names it: the last component of its
+    /// cgroup (`app` for a pid that does not exist).
+    pub fn container_of(&self, pid: i32) -> ContainerId {
+        self.procs
+            .get(&pid)
+            .and_then(|p| ContainerId::parse(p.cgroup.rsplit('/').next()?).ok())
+            .unwrap_or_else(|| ContainerId::parse("app").expect("valid container id"))
+    }
+
+    /// A container `pid` does not run in (`pause`, or `app` for a pause process).
+    pub fn other_container(&self, pid: i32) -> ContainerId {
+        let other = if self.container_of(pid).as_str() == "pause" {
+            "app"
+        } else {
+            "pause"
+        };
+        ContainerId::parse(other).expect("valid container id")
     }
 
     /// The links up in network namespace `netns`, by name.
@@ -933,6 +954,7 @@ struct Reg {
     conn: u64,
     role: BrokerRole,
     process: ProcRef,
+    container: ContainerId,
     netns: u32,
     cgroup: String,
     bound: bool,
@@ -969,6 +991,7 @@ fn cfg() -> Config {
         pods_cgroup_root: PODS_ROOT.into(),
         allowed_uid: 0,
         same_netns_peers: true,
+        container_cgroups: true,
     }
 }
 
@@ -1037,21 +1060,31 @@ impl Harness {
     }
 
     /// Three bytes → one op over the current world (the fuzzer's encoding; the seed
-    /// corpus is written in it): `[kind, a, b]`.
+    /// corpus is written in it): `[kind, a, b]`. A `register` names the pinned
+    /// process's own container unless `b & 0x80`, then another one.
     pub fn op_from_bytes(&self, kind: u8, a: u8, b: u8) -> Op {
         let uid = MigrationUid::parse(UIDS[(a % 3) as usize]).expect("valid uid");
         let conn = 1 + u64::from(a >> 7);
         let req = |req| Op::Req { conn, req };
         match kind % 24 {
-            0 => req(Request::Register {
-                uid,
-                role: if a & 4 != 0 {
-                    BrokerRole::Target
+            0 => {
+                let pid = self.pick(b);
+                let container = if b & 0x80 != 0 {
+                    self.k.world().other_container(pid)
                 } else {
-                    BrokerRole::Source
-                },
-                process: self.pin(self.pick(b), b & 0x40 != 0),
-            }),
+                    self.k.world().container_of(pid)
+                };
+                req(Request::Register {
+                    uid,
+                    role: if a & 4 != 0 {
+                        BrokerRole::Target
+                    } else {
+                        BrokerRole::Source
+                    },
+                    process: self.pin(pid, b & 0x40 != 0),
+                    container,
+                })
+            }
             1 => req(Request::BindNetns { uid }),
             2 => req(Request::UnbindNetns { uid }),
             3 => req(Request::NetnsAddrs { uid }),
@@ -1313,17 +1346,18 @@ impl Harness {
     }
 
     /// A registration the broker accepted: it must be one it may accept (a live pod
-    /// process with its pinned start time, not the broker's cgroup, not in the node's
-    /// netns), not a second pin of the same process, and a repeat only by the same agent.
+    /// process with its pinned start time, of the container named, not the broker's
+    /// cgroup, not in the node's netns), not a second pin of the same process, and a
+    /// repeat (of the same container too) only by the same agent.
     fn registered(
         &mut self,
         conn: u64,
         uid: String,
-        role: BrokerRole,
-        process: ProcRef,
+        pin: (BrokerRole, ProcRef, &ContainerId),
         cgroup: &str,
         pre: &BTreeMap<i32, Proc>,
     ) -> Result<(), String> {
+        let (role, process, container) = pin;
         let Some(p) = pre.get(&process.pid) else {
             return Err(format!(
                 "registered pid {} that does not exist",
@@ -1336,16 +1370,20 @@ impl Harness {
         // A repeated register of the same pin by the same agent is idempotent:
         // the pin was checked when it was made.
         let new = !self.model.contains_key(&uid);
+        // The fake world's containers are its cgroups' last components.
+        let its_container = p.cgroup.rsplit('/').next() == Some(container.as_str());
         if p.zombie
             || p.start_time != process.start_time
             || (new && !under_pods_root(&p.cgroup, PODS_ROOT))
+            || (new && !its_container)
             || (new && Some(&p.cgroup) == broker_cg.as_ref())
             || (new && p.netns == self.k.world().node_netns)
         {
             return Err(format!("registered a process it must refuse: {p:?}"));
         }
         if let Some(r) = self.model.get(&uid) {
-            if r.conn != conn || r.process != process || r.role != role {
+            if r.conn != conn || r.process != process || r.role != role || r.container != *container
+            {
                 return Err(format!("{uid} registered twice"));
             }
             return Ok(());
@@ -1359,6 +1397,7 @@ impl Harness {
                 conn,
                 role,
                 process,
+                container: container.clone(),
                 netns: p.netns,
                 cgroup: cgroup.to_owned(),
                 bound: false,
@@ -1386,11 +1425,16 @@ impl Harness {
             return Ok(());
         };
         match req {
-            Request::Register { role, process, .. } => {
+            Request::Register {
+                role,
+                process,
+                container,
+                ..
+            } => {
                 let Reply::Registered { cgroup } = reply else {
                     unreachable!("checked by reply_fits")
                 };
-                self.registered(conn, uid, *role, *process, cgroup, pre)?;
+                self.registered(conn, uid, (*role, *process, container), cgroup, pre)?;
             }
             Request::Forget { .. } => {
                 self.model.remove(&uid);

@@ -25,7 +25,7 @@ use nix::sys::signal::Signal;
 use nix::sys::socket::{MsgFlags, getsockopt, sockopt::PeerCredentials};
 pub use os::{Ip, Kernel, Link, RealKernel};
 use podmotion_wire::broker::*;
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -49,6 +49,12 @@ pub struct Config {
     /// shipped binary; off only where a test harness runs agents in other namespaces
     /// than an in-process broker (the agent crate's testbed).
     pub same_netns_peers: bool,
+    /// A registered process must be in the cgroup of the container the agent names
+    /// (`register`'s `container`, see [`names_container`]): the container the operator
+    /// named in its `Prepare`, not just any pod's process. Always on in the shipped
+    /// binary; off only where a test harness stands processes in cgroups that carry no
+    /// container ID (the agent crate's testbed: `src` and `tgt`).
+    pub container_cgroups: bool,
 }
 
 /// The registrations, by migration UID.
@@ -84,6 +90,8 @@ type Entries = HashMap<MigrationUid, Arc<Entry>>;
 struct Entry {
     role: BrokerRole,
     process: ProcRef,
+    /// The container the agent named (its cgroup checked at `register`).
+    container: ContainerId,
     cgroup: String,
     /// The connection (lease) holding it.
     conn: u64,
@@ -138,6 +146,36 @@ pub fn under_pods_root(cgroup: &str, roots: &str) -> bool {
                     .strip_prefix(root)
                     .is_some_and(|r| r.starts_with('/'))
         })
+}
+
+/// The runtimes' names for a container's cgroup other than its bare ID:
+/// `<runtime>-<id>.scope` with the systemd cgroup driver (containerd, CRI-O,
+/// cri-dockerd), `crio-<id>` with CRI-O's cgroupfs driver.
+const RUNTIME_CGROUP_PREFIXES: &[&str] = &["cri-containerd", "crio", "docker"];
+
+/// Whether cgroup path `cgroup` is container `id`'s or lies below it: some path
+/// component below one of `roots` (comma-separated, as for [`under_pods_root`]) is
+/// the ID itself (the cgroupfs driver: `<root>/besteffort/pod<uid>/<id>`) or the
+/// runtime's name for it (`<runtime>-<id>.scope` with the systemd driver,
+/// `crio-<id>` with CRI-O's cgroupfs; see [`RUNTIME_CGROUP_PREFIXES`]). A component
+/// that merely contains the ID, or one at or above the pods root, does not count.
+pub fn names_container(cgroup: &str, roots: &str, id: &ContainerId) -> bool {
+    let id = id.as_str();
+    let is_the_container = |c: &str| {
+        c == id
+            || RUNTIME_CGROUP_PREFIXES.iter().any(|p| {
+                c.strip_prefix(p)
+                    .and_then(|r| r.strip_prefix('-'))
+                    .is_some_and(|r| r == id || r.strip_suffix(".scope") == Some(id))
+            })
+    };
+    roots
+        .split(',')
+        .map(|r| r.trim().trim_end_matches('/'))
+        .filter(|root| !root.is_empty())
+        .filter_map(|root| cgroup.strip_prefix(root))
+        .filter(|below| below.starts_with('/'))
+        .any(|below| below.split('/').any(is_the_container))
 }
 
 fn err(kind: ErrorKind, m: impl Into<String>) -> BrokerError {
@@ -488,9 +526,12 @@ impl<K: Kernel> Broker<K> {
         // Each op names the role it needs of the registration it acts on, held by this
         // connection.
         match &req {
-            Request::Register { uid, role, process } => {
-                self.register(conn, uid.clone(), *role, *process)
-            }
+            Request::Register {
+                uid,
+                role,
+                process,
+                container,
+            } => self.register(conn, uid.clone(), *role, *process, container),
             Request::Forget { uid } => self.forget(conn, uid),
             Request::NetnsAddrs { uid } => {
                 self.with_entry(uid, conn, ANY, |e, _| self.netns_addrs(e))
@@ -529,24 +570,42 @@ impl<K: Kernel> Broker<K> {
         }
     }
 
-    /// Pins `process` to `uid` for this connection. Registering the same thing again
-    /// on the same connection is a no-op; anything else already registered is refused.
+    /// Pins `process`, a process of `container`, to `uid` for this connection.
+    /// Registering the same thing again (same process, role and container) on the same
+    /// connection is a no-op; anything else already registered is refused.
     fn register(
         &self,
         conn: u64,
         uid: MigrationUid,
         role: BrokerRole,
         process: ProcRef,
+        container: &ContainerId,
     ) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
-        if let Some(again) = taken(&self.map(), conn, &uid, role, process)? {
+        let pin = Pin {
+            role,
+            process,
+            container,
+        };
+        if let Some(again) = taken(&self.map(), conn, &uid, &pin)? {
             return Ok(again);
         }
         // Read from /proc without the map; checked again with the insert, so that of
         // two registrations of one UID or one process racing, one wins.
         let cgroup = self.pod_cgroup_of(process.pid)?;
+        if self.cfg.container_cgroups
+            && !names_container(&cgroup, &self.cfg.pods_cgroup_root, container)
+        {
+            return Err(err(
+                ErrorKind::ForeignProcess,
+                format!(
+                    "pid {} (cgroup {cgroup}) does not belong to container {container}",
+                    process.pid
+                ),
+            ));
+        }
         let mut m = self.map();
-        if let Some(again) = taken(&m, conn, &uid, role, process)? {
+        if let Some(again) = taken(&m, conn, &uid, &pin)? {
             return Ok(again);
         }
         m.insert(
@@ -554,6 +613,7 @@ impl<K: Kernel> Broker<K> {
             Arc::new(Entry {
                 role,
                 process,
+                container: container.clone(),
                 cgroup: cgroup.clone(),
                 conn,
                 state: Mutex::new(State::default()),
@@ -802,18 +862,30 @@ impl<K: Kernel> Broker<K> {
     }
 }
 
+/// What a `register` asks to pin.
+struct Pin<'a> {
+    role: BrokerRole,
+    process: ProcRef,
+    container: &'a ContainerId,
+}
+
 /// For `register`, under the map: `Some` (the answer to repeat) if this connection
-/// already registered `process` as `role` under `uid`, `AlreadyRegistered` if `uid` or
-/// the process belongs to another registration, `None` if both are free.
+/// already registered this pin (process, role and container) under `uid`,
+/// `AlreadyRegistered` if `uid` or the process belongs to another registration (another
+/// container named for the same process and UID included), `None` if both are free.
 fn taken(
     m: &Entries,
     conn: u64,
     uid: &MigrationUid,
-    role: BrokerRole,
-    process: ProcRef,
+    pin: &Pin<'_>,
 ) -> Result<Option<Reply>, BrokerError> {
+    let process = pin.process;
     if let Some(e) = m.get(uid) {
-        if e.process == process && e.role == role && e.conn == conn {
+        if e.process == process
+            && e.role == pin.role
+            && e.container == *pin.container
+            && e.conn == conn
+        {
             return Ok(Some(Reply::Registered {
                 cgroup: e.cgroup.clone(),
             }));
@@ -1258,6 +1330,114 @@ pub mod client {
 mod tests {
     use super::*;
 
+    const ID: &str = "3d359f10a9c1e6f0b2a4d8c7e5f60718293a4b5c6d7e8f90a1b2c3d4e5f6a7b2";
+    const POD: &str = "pod6fecc63a-68d4-4995-b8ec-5091216a6244";
+
+    fn names(cgroup: &str, roots: &str, id: &str) -> bool {
+        names_container(cgroup, roots, &ContainerId::parse(id).unwrap())
+    }
+
+    #[test]
+    fn the_cgroupfs_drivers_container_leaf_names_its_container() {
+        let roots = "/pm-real-0/kubepods,/pm-real-1/kubepods";
+        let cg = format!("/pm-real-1/kubepods/besteffort/{POD}/{ID}");
+        assert!(names(&cg, roots, ID));
+        assert!(names(&format!("/kubepods/{POD}/{ID}"), "/kubepods", ID));
+        // CRI-O's cgroupfs driver prefixes the ID.
+        assert!(names(
+            &format!("/kubepods/{POD}/crio-{ID}"),
+            "/kubepods",
+            ID
+        ));
+        // Another container of the same pod, or of another pod, does not.
+        let other = "9a8b7c6d5e4f";
+        assert!(!names(&cg, roots, other));
+        assert!(!names(&format!("/kubepods/{POD}/{other}"), "/kubepods", ID));
+        // Nor the pod's cgroup itself.
+        assert!(!names(
+            &format!("/pm-real-1/kubepods/besteffort/{POD}"),
+            roots,
+            ID
+        ));
+    }
+
+    #[test]
+    fn the_systemd_drivers_scope_names_its_container() {
+        let root = "/kubepods.slice";
+        let pod =
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod6fecc63a_68d4.slice";
+        for runtime in ["cri-containerd", "crio", "docker"] {
+            assert!(
+                names(&format!("{pod}/{runtime}-{ID}.scope"), root, ID),
+                "{runtime}"
+            );
+        }
+        // Not an unknown runtime's, nor CRI-O's conmon (the monitor, not the container).
+        assert!(!names(&format!("{pod}/other-{ID}.scope"), root, ID));
+        assert!(!names(&format!("{pod}/crio-conmon-{ID}.scope"), root, ID));
+        assert!(!names(
+            &format!("{pod}/cri-containerd-{ID}.slice"),
+            root,
+            ID
+        ));
+    }
+
+    #[test]
+    fn a_component_that_merely_contains_the_id_does_not_name_the_container() {
+        for leaf in [
+            format!("{ID}x"),
+            format!("x{ID}"),
+            format!("x-{ID}"),
+            format!("{ID}.scope"),
+            format!("cri-containerd-{ID}x.scope"),
+            format!("cri-containerd-{ID}.scopex"),
+        ] {
+            assert!(
+                !names(&format!("/kubepods/{POD}/{leaf}"), "/kubepods", ID),
+                "{leaf}"
+            );
+        }
+        // Nor a shorter ID that the real one begins with.
+        assert!(!names(
+            &format!("/kubepods/{POD}/{ID}"),
+            "/kubepods",
+            &ID[..12]
+        ));
+    }
+
+    #[test]
+    fn an_id_at_or_above_the_pods_root_does_not_name_the_container() {
+        assert!(!names(
+            "/pm-real-1/kubepods/besteffort/p/c",
+            "/pm-real-1/kubepods",
+            "pm-real-1"
+        ));
+        assert!(!names(
+            "/pm-real-1/kubepods/besteffort/p/c",
+            "/pm-real-1/kubepods",
+            "kubepods"
+        ));
+        // Outside every root, however it is named.
+        assert!(!names(&format!("/system.slice/{ID}"), "/kubepods", ID));
+        // A root that only begins the path's first component is not a root.
+        assert!(!names(&format!("/kubepods2/{POD}/{ID}"), "/kubepods", ID));
+        assert!(!names(&format!("/kubepods/{POD}/{ID}"), "", ID));
+    }
+
+    #[test]
+    fn a_sub_cgroup_below_the_containers_names_the_container() {
+        assert!(names(
+            &format!("/kubepods/burstable/{POD}/{ID}/init/worker"),
+            "/kubepods/",
+            ID
+        ));
+        assert!(names(
+            &format!("/kubepods.slice/kubepods-pod1.slice/crio-{ID}.scope/container"),
+            "/kubepods.slice",
+            ID
+        ));
+    }
+
     #[test]
     fn links_and_ipv4_addresses_are_read_as_iproute2_prints_them() {
         let links = "1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN mode DEFAULT group default qlen 1000\\    link/loopback 00:00:00:00:00:00 brd 00:00:00:00:00:00\n\
@@ -1399,6 +1579,7 @@ mod tests {
                 pods_cgroup_root: fake::PODS_ROOT.into(),
                 allowed_uid: nix::unistd::geteuid().as_raw(),
                 same_netns_peers: false,
+                container_cgroups: true,
             },
             k.clone(),
         );
@@ -1411,12 +1592,14 @@ mod tests {
             start_time: k.world().procs[&101].start_time,
         };
         let role = BrokerRole::Source;
+        let container = k.world().container_of(101);
         let r = exchange(
             &s,
             &Request::Register {
                 uid: uid.clone(),
                 role,
                 process,
+                container,
             },
         );
         assert!(

@@ -37,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         pods_cgroup_root: a.pods_cgroup_root,
         allowed_uid: a.allowed_uid,
         same_netns_peers: true,
+        container_cgroups: true,
     });
     tracing::info!(socket = %a.socket.display(), "broker serving");
     broker.serve(&a.socket)?;

@@ -5,7 +5,7 @@
 
 use podmotion_broker::fake::{Effect, Fault, Harness, Op};
 use podmotion_wire::broker::{BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 
 fn uid(s: &str) -> MigrationUid {
     MigrationUid::parse(s).unwrap()
@@ -35,6 +35,7 @@ fn register(
     pid: i32,
 ) -> Result<Reply, ErrorKind> {
     let process = pin(h, pid);
+    let container = h.kernel().world().container_of(pid);
     req(
         h,
         conn,
@@ -42,6 +43,7 @@ fn register(
             uid: uid(u),
             role,
             process,
+            container,
         },
     )
 }
@@ -206,6 +208,7 @@ fn processes_outside_the_pods_or_in_the_node_netns_are_never_registered() {
         pid: 101,
         start_time: 1,
     };
+    let container = h.kernel().world().container_of(101);
     assert_eq!(
         req(
             &mut h,
@@ -213,7 +216,8 @@ fn processes_outside_the_pods_or_in_the_node_netns_are_never_registered() {
             Request::Register {
                 uid: uid("mig-a"),
                 role: BrokerRole::Source,
-                process: stale
+                process: stale,
+                container,
             }
         ),
         Err(ErrorKind::PidReused)
@@ -238,6 +242,60 @@ fn processes_outside_the_pods_or_in_the_node_netns_are_never_registered() {
         Err(ErrorKind::PidReused)
     );
     assert!(!h.kernel().world().procs[&101].zombie);
+}
+
+/// The broker pins a process only under the container the agent names (the operator's,
+/// resolved through CRI): a live pod process of another container — a stale or reused
+/// pid, a confused agent — is refused and nothing is registered.
+#[test]
+fn a_process_is_registered_only_under_its_own_container() {
+    let mut h = Harness::new();
+    let (app, pause) = {
+        let w = h.kernel().world();
+        (w.container_of(101), w.container_of(100))
+    };
+    assert_eq!((app.as_str(), pause.as_str()), ("app", "pause"));
+    let register_as = |h: &mut Harness, u: &str, pid: i32, container: &ContainerId| {
+        let process = pin(h, pid);
+        req(
+            h,
+            1,
+            Request::Register {
+                uid: uid(u),
+                role: BrokerRole::Source,
+                process,
+                container: container.clone(),
+            },
+        )
+    };
+    // The workload (podA/app) named as the pod's pause container, and the reverse.
+    assert_eq!(
+        register_as(&mut h, "mig-a", 101, &pause),
+        Err(ErrorKind::ForeignProcess)
+    );
+    assert_eq!(
+        register_as(&mut h, "mig-a", 100, &app),
+        Err(ErrorKind::ForeignProcess)
+    );
+    assert_eq!(h.broker().registrations(), 0);
+    assert_eq!(
+        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        Err(ErrorKind::NotRegistered)
+    );
+    // Under its own container it registers; again with the same container is a no-op,
+    // with another container it is not "the same thing" and is refused.
+    assert_eq!(
+        register_as(&mut h, "mig-a", 101, &app),
+        Ok(Reply::Registered {
+            cgroup: "/kubepods/podA/app".into()
+        })
+    );
+    assert!(register_as(&mut h, "mig-a", 101, &app).is_ok());
+    assert_eq!(
+        register_as(&mut h, "mig-a", 101, &pause),
+        Err(ErrorKind::AlreadyRegistered)
+    );
+    assert_eq!(h.broker().registrations(), 1);
 }
 
 #[test]

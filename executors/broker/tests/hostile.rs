@@ -5,12 +5,20 @@
 use podmotion_broker::client::BrokerClient;
 use podmotion_broker::{Broker, Config, procfs};
 use podmotion_wire::broker::*;
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+
+/// The container the fixture's processes run in: its pod cgroup's leaf is named by its
+/// ID, as with the kubelet's cgroupfs driver (`<root>/pod/<id>`).
+const CONTAINER: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+
+fn container() -> ContainerId {
+    ContainerId::parse(CONTAINER).unwrap()
+}
 
 struct Fixture {
     broker: Arc<Broker>,
@@ -39,12 +47,13 @@ fn fixture(name: &str, allowed_uid: u32) -> Fixture {
     std::fs::create_dir_all(&run_dir).unwrap();
     let cgroup_rel = format!("/{tag}");
     let cgroup = procfs::cgroup2_mount().unwrap().join(&tag);
-    std::fs::create_dir_all(cgroup.join("pod")).unwrap();
+    std::fs::create_dir_all(cgroup.join("pod").join(CONTAINER)).unwrap();
     let broker = Broker::new(Config {
         run_dir: run_dir.clone(),
         pods_cgroup_root: cgroup_rel.clone(),
         allowed_uid,
         same_netns_peers: true,
+        container_cgroups: true,
     });
     let socket = run_dir.join("broker.sock");
     let listener = broker.bind(&socket).unwrap();
@@ -62,7 +71,7 @@ fn fixture(name: &str, allowed_uid: u32) -> Fixture {
 impl Drop for Fixture {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.run_dir);
-        for d in ["pod", ""] {
+        for d in [&format!("pod/{CONTAINER}"), "pod", ""] {
             let _ = std::fs::remove_dir(self.cgroup.join(d));
         }
     }
@@ -110,7 +119,12 @@ fn me() -> ProcRef {
 fn workload(f: &Fixture, n: usize) -> (Child, ProcRef) {
     let script = format!(
         "echo $$ > {procs}; i=0; while [ $i -lt {n} ]; do busybox nc -l -p $((20000+i)) </dev/null >/dev/null & i=$((i+1)); done; sleep 60",
-        procs = f.cgroup.join("pod/cgroup.procs").display()
+        procs = f
+            .cgroup
+            .join("pod")
+            .join(CONTAINER)
+            .join("cgroup.procs")
+            .display()
     );
     let child = Command::new("unshare")
         .args(["-n", "sh", "-c", &script])
@@ -126,7 +140,11 @@ fn workload(f: &Fixture, n: usize) -> (Child, ProcRef) {
             .iter()
             .map(|p| procfs::tcp_fds(*p).len())
             .sum();
-        if procfs::cgroup_of(pid).unwrap_or_default().ends_with("/pod") && listeners >= n {
+        if procfs::cgroup_of(pid)
+            .unwrap_or_default()
+            .ends_with(CONTAINER)
+            && listeners >= n
+        {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(25));
@@ -157,7 +175,7 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
         (frame(br#"{"op":"bind_netns","uid":"x","target":"/etc/passwd"}"#), false, ErrorKind::Malformed),
         (frame(br#"{"op":"mount","uid":"x"}"#), false, ErrorKind::UnknownOp),
         (frame(br#"{"op":"kill","uid":"never-registered"}"#), false, ErrorKind::NotRegistered),
-        (frame(br#"{"op":"register","uid":"x","role":"source","process":{"pid":1,"start_time":0}}"#), false, ErrorKind::NoSuchProcess),
+        (frame(br#"{"op":"register","uid":"x","role":"source","process":{"pid":1,"start_time":0},"container":"c1"}"#), false, ErrorKind::NoSuchProcess),
     ];
     for (bytes, close, kind) in cases {
         let e = raw(s, &bytes, close);
@@ -170,6 +188,7 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
             uid: uid("m-host"),
             role: BrokerRole::Source,
             process: me(),
+            container: container(),
         })
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::ForeignProcess);
@@ -181,6 +200,7 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
             uid: uid("m-reuse"),
             role: BrokerRole::Source,
             process: reused,
+            container: container(),
         })
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::PidReused);
@@ -196,6 +216,7 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
                 pid: dead_pid,
                 start_time: 1,
             },
+            container: container(),
         })
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::NoSuchProcess);
@@ -217,7 +238,11 @@ fn broker_refuses_a_process_in_the_nodes_network_namespace() {
     let f = fixture("hostnet", 0);
     let script = format!(
         "echo $$ > {}; sleep 60",
-        f.cgroup.join("pod/cgroup.procs").display()
+        f.cgroup
+            .join("pod")
+            .join(CONTAINER)
+            .join("cgroup.procs")
+            .display()
     );
     let mut child = Command::new("sh")
         .args(["-c", &script])
@@ -226,7 +251,10 @@ fn broker_refuses_a_process_in_the_nodes_network_namespace() {
         .unwrap();
     let pid = child.id() as i32;
     for _ in 0..200 {
-        if procfs::cgroup_of(pid).unwrap_or_default().ends_with("/pod") {
+        if procfs::cgroup_of(pid)
+            .unwrap_or_default()
+            .ends_with(CONTAINER)
+        {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(25));
@@ -241,6 +269,7 @@ fn broker_refuses_a_process_in_the_nodes_network_namespace() {
             uid: uid("m-hostnet"),
             role: BrokerRole::Source,
             process: p,
+            container: container(),
         })
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::ForeignProcess, "{e}");
@@ -277,17 +306,19 @@ fn broker_pins_processes_and_lists_many_sockets() {
             uid: u.clone(),
             role: BrokerRole::Source,
             process: p,
+            container: container(),
         })
         .unwrap()
     else {
         panic!()
     };
-    assert_eq!(cgroup, format!("{}/pod", f.cgroup_rel));
+    assert_eq!(cgroup, format!("{}/pod/{CONTAINER}", f.cgroup_rel));
     // Idempotent for the same pin; refused for another migration or connection.
     c.call(&Request::Register {
         uid: u.clone(),
         role: BrokerRole::Source,
         process: p,
+        container: container(),
     })
     .unwrap();
     let e = c
@@ -295,6 +326,7 @@ fn broker_pins_processes_and_lists_many_sockets() {
             uid: uid("m-other"),
             role: BrokerRole::Source,
             process: p,
+            container: container(),
         })
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::AlreadyRegistered);
@@ -329,7 +361,8 @@ fn broker_pins_processes_and_lists_many_sockets() {
     let status = child.wait().unwrap();
     assert!(!status.success());
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let survivors = std::fs::read_to_string(f.cgroup.join("pod/cgroup.procs")).unwrap();
+    let survivors =
+        std::fs::read_to_string(f.cgroup.join("pod").join(CONTAINER).join("cgroup.procs")).unwrap();
     assert!(survivors.trim().is_empty(), "kill left {survivors}");
     c.call(&Request::Forget { uid: u }).unwrap();
     assert_eq!(f.broker.registrations(), 0);

@@ -9,8 +9,9 @@
 //! fields, malformed UIDs on every op, pinning every other live process on the machine
 //! (the kubelets', containerd's, other pods' — all outside the broker's pods cgroup
 //! root) in both roles, the same pids with a reused start time, every op on an
-//! unregistered migration, a connection flood and a slow client, and a symlink planted
-//! at the netns bind-mount path.
+//! unregistered migration, malformed container IDs, a connection flood and a slow
+//! client, and a symlink planted at the netns bind-mount path; a live pod process
+//! registered under another container's ID.
 
 use podmotion_broker::procfs;
 use podmotion_wire::broker::*;
@@ -49,8 +50,19 @@ fn require_root() -> bool {
     true
 }
 
+/// The container the tests' processes run in, and another container of the same pod:
+/// leaf cgroups named by their IDs below the pod's (`<root>/pod/<id>`, as with the
+/// kubelet's cgroupfs driver), so that the broker finds the container it is named.
+const CONTAINER: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+const OTHER_CONTAINER: &str = "9a8b7c6d5e4f30211203f4e5d6c7b8a99a8b7c6d5e4f30211203f4e5d6c7b8a9";
+
+fn container() -> podmotion_wire::ids::ContainerId {
+    podmotion_wire::ids::ContainerId::parse(CONTAINER).unwrap()
+}
+
 /// The broker binary on a private socket and run directory; its pods cgroup root is a
-/// fresh cgroup (v2 mount) that holds only what a test puts there.
+/// fresh cgroup (v2 mount) that holds only what a test puts there: one pod with the
+/// leaf cgroups of two containers, [`CONTAINER`] and [`OTHER_CONTAINER`].
 struct BrokerProcess {
     child: Child,
     dir: PathBuf,
@@ -65,7 +77,9 @@ impl BrokerProcess {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let cgroup = procfs::cgroup2_mount().unwrap().join(&tag);
-        std::fs::create_dir_all(cgroup.join("pod")).unwrap();
+        for c in [CONTAINER, OTHER_CONTAINER] {
+            std::fs::create_dir_all(cgroup.join("pod").join(c)).unwrap();
+        }
         let socket = dir.join("broker.sock");
         let child = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
             .arg("--socket")
@@ -96,6 +110,16 @@ impl BrokerProcess {
     fn alive(&mut self) -> bool {
         self.child.try_wait().unwrap().is_none()
     }
+
+    /// The `cgroup.procs` of container `id`'s cgroup.
+    fn procs_of(&self, id: &str) -> PathBuf {
+        self.cgroup.join("pod").join(id).join("cgroup.procs")
+    }
+
+    /// The `cgroup.procs` of [`CONTAINER`]'s cgroup, where the tests' processes run.
+    fn procs(&self) -> PathBuf {
+        self.procs_of(CONTAINER)
+    }
 }
 
 impl Drop for BrokerProcess {
@@ -103,7 +127,12 @@ impl Drop for BrokerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
-        for d in ["pod", ""] {
+        for d in [
+            &format!("pod/{CONTAINER}"),
+            &format!("pod/{OTHER_CONTAINER}"),
+            "pod",
+            "",
+        ] {
             let _ = std::fs::remove_dir(self.cgroup.join(d));
         }
     }
@@ -264,6 +293,29 @@ const BAD_UIDS: &[&str] = &[
     "-----------------------------------------------------------------------------------",
 ];
 
+/// Container IDs the decoder refuses: path separators and traversal, a runtime prefix
+/// left on, what cannot be a cgroup name component, too long.
+const BAD_CONTAINERS: &[&str] = &[
+    "",
+    ".",
+    "..",
+    "../x",
+    "a/b",
+    "/",
+    "../../../sys/fs/cgroup",
+    "containerd://0f1e2d3c",
+    "x\u{0}y",
+    "\u{0}",
+    "x y",
+    "x\ny",
+    "ü",
+    "x;rm -rf /",
+    "$(id)",
+    "*",
+    "x\u{202e}y",
+    "0123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789",
+];
+
 /// The UID values that are not strings at all.
 const NON_STRING_UIDS: &[&str] = &["1", "null", "true", "[]", "{}", "[\"a\"]", "1e9", "-1"];
 
@@ -388,13 +440,46 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
             cases.push(("bad uid", frame(body.as_bytes()), false, vec![InvalidUid]));
         }
     }
+    // Malformed container IDs (and non-string ones, and none at all) on a register that
+    // is otherwise well formed: refused by the decoder, before any pid is looked at.
+    for (i, bad) in BAD_CONTAINERS.iter().enumerate() {
+        let body = serde_json::json!({"op": "register", "uid": format!("m-badc-{i}"),
+            "role": "source", "process": {"pid": 4242, "start_time": 1}, "container": bad})
+        .to_string();
+        cases.push((
+            "bad container",
+            frame(body.as_bytes()),
+            false,
+            vec![Malformed],
+        ));
+    }
+    for bad in NON_STRING_UIDS {
+        let body = format!(
+            "{{\"op\":\"register\",\"uid\":\"m-badc\",\"role\":\"target\",\"process\":{{\"pid\":4242,\"start_time\":1}},\"container\":{bad}}}"
+        );
+        cases.push((
+            "bad container",
+            frame(body.as_bytes()),
+            false,
+            vec![Malformed],
+        ));
+    }
+    let body =
+        r#"{"op":"register","uid":"m-noc","role":"source","process":{"pid":4242,"start_time":1}}"#;
+    cases.push((
+        "bad container",
+        frame(body.as_bytes()),
+        false,
+        vec![Malformed],
+    ));
     // Every other live process on the machine, in both roles: none is under the
     // broker's pods cgroup root, so each is foreign (or gone/reused by now).
     let procs = live_processes();
     for (pid, start) in &procs {
         for role in ["source", "target"] {
             let body = serde_json::json!({"op": "register", "uid": format!("m-{pid}-{role}"),
-                "role": role, "process": {"pid": pid, "start_time": start}})
+                "role": role, "process": {"pid": pid, "start_time": start},
+                "container": CONTAINER})
             .to_string();
             cases.push((
                 "foreign process",
@@ -405,7 +490,8 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         }
         // The same pid with another start time: a recycled pid.
         let body = serde_json::json!({"op": "register", "uid": format!("m-{pid}-reuse"),
-            "role": "source", "process": {"pid": pid, "start_time": start + 1}})
+            "role": "source", "process": {"pid": pid, "start_time": start + 1},
+            "container": CONTAINER})
         .to_string();
         cases.push((
             "pid reuse",
@@ -540,7 +626,12 @@ fn broker_binary_keeps_serving_through_a_connection_flood_and_a_slow_client() {
 
 /// A process tree in its own network namespace, in the broker's pods cgroup.
 fn holder(b: &BrokerProcess) -> (Child, podmotion_wire::ids::ProcRef) {
-    let procs = b.cgroup.join("pod/cgroup.procs");
+    holder_in(b, CONTAINER)
+}
+
+/// A process tree in its own network namespace, in container `id`'s cgroup.
+fn holder_in(b: &BrokerProcess, id: &str) -> (Child, podmotion_wire::ids::ProcRef) {
+    let procs = b.procs_of(id);
     let child = Command::new("unshare")
         .args(["-n", "sh", "-c"])
         .arg(format!("echo $$ > {}; exec sleep 60", procs.display()))
@@ -568,6 +659,84 @@ fn holder(b: &BrokerProcess) -> (Child, podmotion_wire::ids::ProcRef) {
     (child, podmotion_wire::ids::ProcRef { pid, start_time })
 }
 
+/// A live pod process, under the broker's pods root and in a network namespace of its
+/// own — everything the broker checked before — registered under the ID of a container
+/// it does not run in (a pid gone stale and reused by another container, or an agent
+/// that resolved the wrong one) is refused: the broker pins only a process of the
+/// container the agent names. Nothing is registered.
+#[test]
+fn broker_binary_refuses_a_process_registered_under_another_containers_id() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::{ContainerId, MigrationUid};
+    let b = BrokerProcess::start("container");
+    let (child, process) = holder_in(&b, OTHER_CONTAINER);
+    let _child = KillOnDrop(child);
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    for (u, role) in [
+        ("m-foreign-src", BrokerRole::Source),
+        ("m-foreign-tgt", BrokerRole::Target),
+    ] {
+        let uid = MigrationUid::parse(u).unwrap();
+        let e = c
+            .call(&Request::Register {
+                uid: uid.clone(),
+                role,
+                process,
+                container: container(),
+            })
+            .expect_err("a process of another container registered");
+        assert_eq!(e.kind, ErrorKind::ForeignProcess, "{e}");
+        for named in [
+            format!("pid {}", process.pid),
+            format!("/pod/{OTHER_CONTAINER}"),
+            format!("container {CONTAINER}"),
+        ] {
+            assert!(e.message.contains(&named), "{named:?} not in {e}");
+        }
+        // Nothing was registered: no op acts on that UID.
+        let e = c
+            .call(&Request::NetnsAddrs { uid: uid.clone() })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotRegistered, "{e}");
+    }
+    // The same process under its own container's ID registers (so the refusal above was
+    // the container's, not anything else about the process).
+    let uid = MigrationUid::parse("m-own").unwrap();
+    let own = ContainerId::parse(OTHER_CONTAINER).unwrap();
+    let r = c
+        .call(&Request::Register {
+            uid: uid.clone(),
+            role: BrokerRole::Source,
+            process,
+            container: own.clone(),
+        })
+        .expect("a process registers under its own container");
+    assert_eq!(
+        r,
+        Reply::Registered {
+            cgroup: format!(
+                "/{}/pod/{OTHER_CONTAINER}",
+                b.cgroup.file_name().unwrap().to_string_lossy()
+            )
+        }
+    );
+    // Asked again with another container, it is not the same registration.
+    let e = c
+        .call(&Request::Register {
+            uid: uid.clone(),
+            role: BrokerRole::Source,
+            process,
+            container: container(),
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::AlreadyRegistered, "{e}");
+    c.call(&Request::Forget { uid }).unwrap();
+}
+
 /// Someone planted a symlink where the broker bind-mounts a holder's network namespace
 /// (the file, or the netns directory itself): the broker must refuse, and neither
 /// truncate nor mount over what the link points at.
@@ -593,6 +762,7 @@ fn broker_binary_refuses_a_symlink_at_the_netns_path() {
         uid: uid.clone(),
         role: BrokerRole::Target,
         process,
+        container: container(),
     })
     .expect("a holder in the pods cgroup registers");
     let mounted_on_victim = || {
@@ -666,6 +836,7 @@ fn a_second_broker_on_the_same_run_directory_is_refused_and_changes_nothing() {
         uid: uid.clone(),
         role: BrokerRole::Target,
         process,
+        container: container(),
     })
     .expect("a holder in the pods cgroup registers");
     let path = match c.call(&Request::BindNetns { uid: uid.clone() }).unwrap() {
@@ -791,7 +962,7 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
     let mut b = BrokerProcess::start("restart");
     // A source with a link of its own (up, with IPv4 and IPv6 addresses and a route of
     // each family through a gateway) in its netns.
-    let procs = b.cgroup.join("pod/cgroup.procs");
+    let procs = b.procs();
     let child = KillOnDrop(
         Command::new("unshare")
             .args(["-n", "sh", "-c"])
@@ -858,6 +1029,7 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         uid: uid.clone(),
         role: BrokerRole::Source,
         process,
+        container: container(),
     })
     .unwrap();
     c.call(&Request::LockNetwork { uid }).unwrap();
@@ -944,7 +1116,7 @@ fn holds_tcp_sockets_when_asked() {
 /// A source in the broker's pods cgroup, in its own network namespace, holding `n` TCP
 /// listeners (the child half above); returns once all of them exist.
 fn socket_holder(b: &BrokerProcess, n: usize) -> (KillOnDrop, podmotion_wire::ids::ProcRef) {
-    let procs = b.cgroup.join("pod/cgroup.procs");
+    let procs = b.procs();
     let me = std::env::current_exe().unwrap();
     let child = KillOnDrop(
         Command::new("unshare")
@@ -1002,6 +1174,7 @@ fn broker_binary_refuses_to_list_more_sockets_than_one_answer_carries() {
             uid: uid.clone(),
             role: BrokerRole::Source,
             process,
+            container: container(),
         })
         .unwrap();
         match c.call(&Request::ListSockets { uid: uid.clone() }) {
@@ -1030,7 +1203,7 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
     use podmotion_broker::client::BrokerClient;
     use podmotion_wire::ids::MigrationUid;
     let mut b = BrokerProcess::start("fence");
-    let procs = b.cgroup.join("pod/cgroup.procs");
+    let procs = b.procs();
     for restart in [false, true] {
         let mut child = KillOnDrop(
             Command::new("unshare")
@@ -1063,6 +1236,7 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
             uid: uid.clone(),
             role: BrokerRole::Source,
             process,
+            container: container(),
         })
         .unwrap();
         c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
@@ -1232,6 +1406,7 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
         uid: uid.clone(),
         role: BrokerRole::Source,
         process,
+        container: container(),
     })
     .unwrap();
     c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();

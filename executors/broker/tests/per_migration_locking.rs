@@ -27,6 +27,7 @@ fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
         pods_cgroup_root: PODS_ROOT.into(),
         allowed_uid: 0,
         same_netns_peers: true,
+        container_cgroups: true,
     };
     (k.clone(), Broker::with_kernel(cfg, k))
 }
@@ -53,6 +54,7 @@ fn register(
     pid: i32,
 ) -> Outcome {
     let process = pin(k, pid);
+    let container = k.world().container_of(pid);
     call(
         b,
         conn,
@@ -60,6 +62,7 @@ fn register(
             uid: uid(u),
             role,
             process,
+            container,
         },
     )
 }

@@ -9,7 +9,7 @@
 //! Every answer is one frame and nothing else: no descriptor ever crosses this socket
 //! (the workload's sockets are described by their addresses, [`SocketAddrs`]).
 
-use crate::ids::{MigrationUid, ProcRef};
+use crate::ids::{ContainerId, MigrationUid, ProcRef};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -36,11 +36,15 @@ pub enum BrokerRole {
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Pin a migration to a process: the source workload's root, or the target pod's
-    /// holder. Later ops act only on what was pinned here.
+    /// holder. Later ops act only on what was pinned here. `container` is the container
+    /// the operator named in `Prepare` (its bare ID, as the runtime reports it), which
+    /// the agent resolved to `process`: the broker refuses a process whose cgroup is
+    /// not that container's.
     Register {
         uid: MigrationUid,
         role: BrokerRole,
         process: ProcRef,
+        container: ContainerId,
     },
     /// Target: bind-mount the holder's network namespace at a path the broker computes
     /// from the UID (`<run>/netns/<uid>`), for CRIU's `--join-ns net:<path>`.
@@ -334,6 +338,7 @@ mod tests {
                 uid: uid(),
                 role: BrokerRole::Source,
                 process: p,
+                container: ContainerId::parse("3d359f10a9c1").unwrap(),
             },
             Request::BindNetns { uid: uid() },
             Request::MoveCgroup {
@@ -361,9 +366,17 @@ mod tests {
             (br#"{"uid":"a"}"#, ErrorKind::Malformed),
             (br#"{"op":"bind_netns","uid":"a","path":"/etc"}"#, ErrorKind::Malformed),
             (br#"{"op":"bind_netns","uid":"a""#, ErrorKind::Truncated),
-            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":1,"start_time":1}}"#, ErrorKind::NoSuchProcess),
-            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":-5,"start_time":1}}"#, ErrorKind::NoSuchProcess),
-            (br#"{"op":"register","uid":"a","role":"root","process":{"pid":9,"start_time":1}}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":1,"start_time":1},"container":"c1"}"#, ErrorKind::NoSuchProcess),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":-5,"start_time":1},"container":"c1"}"#, ErrorKind::NoSuchProcess),
+            (br#"{"op":"register","uid":"a","role":"root","process":{"pid":9,"start_time":1},"container":"c1"}"#, ErrorKind::Malformed),
+            // The container the operator named is required, and only a bare runtime ID:
+            // nothing that spans or climbs cgroup path components.
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1}}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":"../x"}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":"a/b"}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":".."}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":""}"#, ErrorKind::Malformed),
+            (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":7}"#, ErrorKind::Malformed),
             (b"\xff\xfe", ErrorKind::Malformed),
         ];
         for (body, kind) in cases {

@@ -129,3 +129,60 @@ async fn a_prepare_that_succeeds_keeps_its_dir_and_registration() {
     assert_eq!(broker.registered().len(), 1);
     assert_eq!(broker.ops(), ["register", "bind_netns"]);
 }
+
+/// The broker is told the container the operator named (the bare ID, runtime prefix
+/// stripped), with the pid it resolved to: the broker pins that pid only if its cgroup
+/// is that container's.
+#[tokio::test]
+async fn the_registration_names_the_container_the_operator_named() {
+    let d = Scratch::new("prepare");
+    let asked = Arc::new(StdMutex::new(vec![]));
+    let asked2 = Arc::clone(&asked);
+    let broker = FakeBroker::start(&d.0, move |r| {
+        if let Request::Register {
+            container, process, ..
+        } = r
+        {
+            asked2
+                .lock()
+                .unwrap()
+                .push((container.to_string(), process.pid));
+        }
+        let path = "/run/netns/x".into();
+        registers_then(r, Answer::Reply(Reply::NetnsPath { path }))
+    });
+    let a = agent(&d.0, broker.socket.clone());
+    let mut r = prepare_target();
+    r.container_ids = vec!["containerd://c1".into(), "containerd://c2".into()];
+    a.prepare_impl(r).await.unwrap();
+    assert_eq!(
+        *asked.lock().unwrap(),
+        [("c1".to_string(), std::process::id() as i32)]
+    );
+}
+
+/// A container ID that could not be a runtime's (a path, `..`) fails the Prepare as an
+/// invalid argument before the broker is asked anything or a checkpoint dir is made.
+#[tokio::test]
+async fn a_malformed_container_id_is_refused_before_anything_is_registered() {
+    for bad in [
+        "containerd://../x",
+        "c1/../../etc",
+        "containerd://..",
+        "a b",
+    ] {
+        let d = Scratch::new("prepare");
+        let table = d.0.join("containers");
+        let broker = FakeBroker::start(&d.0, |r| registers_then(r, Answer::Reply(Reply::Done)));
+        let a = agent(&d.0, broker.socket.clone());
+        // The table would resolve it: only its form refuses it.
+        std::fs::write(&table, format!("{bad} {}\n", std::process::id())).unwrap();
+        let mut r = prepare_target();
+        r.container_ids = vec![bad.into()];
+        let e = a.prepare_impl(r).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}: {e}");
+        assert!(broker.ops().is_empty(), "{bad:?}: {:?}", broker.ops());
+        assert!(!d.0.join("checkpoints").join(UID).exists(), "{bad:?}");
+        assert!(a.get(UID).is_err(), "{bad:?}: the migration was recorded");
+    }
+}
