@@ -33,7 +33,7 @@ mod receive;
 mod restore;
 mod send;
 
-use dump::{DumpOutcome, dump_locked};
+use dump::{DumpOutcome, PreDumpRound, dump_locked, pre_dump_locked};
 use receive::receive_locked;
 use restore::{kill_restored, restore_locked};
 
@@ -93,12 +93,23 @@ impl FreezeWatchdog {
 /// The restore fence (`Fence`) moves FROZEN to FENCED: from there the watchdog and
 /// SIGTERM kill the source (KILLING, KILLED) instead of resuming it, and only Abort
 /// (the operator's, after the target's copy was confirmed killed) or Commit claim it.
+///
+/// `given_up`: the watchdog found that no retry of its resume or kill can succeed (the
+/// broker ended the lease and undoes the freeze itself, or the source is gone). The
+/// state stays as it was (what the operator is told does not change), but the freeze
+/// is no longer this agent's to hold, so the frozen-time metric stops counting it.
 #[derive(Debug)]
-struct Freeze(std::sync::atomic::AtomicU8);
+struct Freeze {
+    state: std::sync::atomic::AtomicU8,
+    given_up: std::sync::atomic::AtomicBool,
+}
 
 impl Default for Freeze {
     fn default() -> Self {
-        Freeze(std::sync::atomic::AtomicU8::new(NOT_FROZEN))
+        Freeze {
+            state: std::sync::atomic::AtomicU8::new(NOT_FROZEN),
+            given_up: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 }
 
@@ -116,10 +127,20 @@ const KILLED: u8 = 8;
 
 impl Freeze {
     fn get(&self) -> u8 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
+        self.state.load(std::sync::atomic::Ordering::SeqCst)
     }
     fn set(&self, v: u8) {
-        self.0.store(v, std::sync::atomic::Ordering::SeqCst)
+        self.state.store(v, std::sync::atomic::Ordering::SeqCst)
+    }
+    /// The watchdog gave up on this freeze (see [`Freeze`]).
+    fn give_up(&self) {
+        self.given_up
+            .store(true, std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Held by this agent: frozen (or being fenced, or fenced) and not given up.
+    fn held(&self) -> bool {
+        matches!(self.get(), FROZEN | FENCING | FENCED)
+            && !self.given_up.load(std::sync::atomic::Ordering::SeqCst)
     }
     /// Moves FROZEN to `to`; false if the freeze was already claimed (or never made).
     fn claim(&self, to: u8) -> bool {
@@ -127,7 +148,7 @@ impl Freeze {
     }
     /// Moves `from` to `to`; false if the freeze is not in `from`.
     fn claim_from(&self, from: u8, to: u8) -> bool {
-        self.0
+        self.state
             .compare_exchange(
                 from,
                 to,
@@ -758,7 +779,7 @@ impl Agent {
     pub fn frozen_sources(&self) -> Vec<crate::metrics::FrozenAge> {
         let all = self.frozen.lock().expect("frozen");
         all.iter()
-            .filter(|f| matches!(f.freeze.get(), FROZEN | FENCING | FENCED))
+            .filter(|f| f.freeze.held())
             .map(|f| crate::metrics::FrozenAge {
                 frozen_for: f.since.elapsed(),
                 budget: f.budget,
@@ -883,12 +904,10 @@ impl Agent {
     }
 
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?;
-        let mut m = m.lock().await;
+        let m = self.get(uid)?.lock_owned().await;
         admit(m.role, m.phase, Step::PreDump)?;
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
-        let n = m.iteration + 1;
-        let dir = m.dir.join(format!("pre-{n}"));
+        let dir = m.dir.join(format!("pre-{}", m.iteration + 1));
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
         let mut opts = self.dump_opts(&m, &dir, "pre-dump.log", &self.external_mounts(&m)?)?;
         let kind = if self.cfg.track_mem {
@@ -900,16 +919,19 @@ impl Agent {
             opts.tcp_close = Some(true);
             criu::REQ_DUMP
         };
-        let t = Instant::now();
-        run_criu(self.cfg.criu.clone(), kind, opts, dir.join("pre-dump.log")).await?;
-        m.timings.last_round_us = t.elapsed().as_micros() as u64;
-        m.timings.pre_dump_total_us += m.timings.last_round_us;
-        m.timings.last_pre_dump_us = now_us();
-        m.iteration = n;
-        m.phase = Phase::PreDumping;
-        m.last_round_bytes = images::size(&dir);
-        m.image_bytes = images::size(&m.dir);
-        Ok(m.status())
+        // The round runs to its end in a task of its own that holds the migration,
+        // even if the caller goes away (a dropped gRPC call drops its handler's
+        // future, not CRIU): otherwise the next round or the final dump would take
+        // the migration while this CRIU still has the tree seized.
+        let round = PreDumpRound {
+            kind,
+            opts,
+            dir,
+            criu: self.cfg.criu.clone(),
+        };
+        tokio::spawn(pre_dump_locked(m, round))
+            .await
+            .map_err(|e| Status::internal(format!("pre-dump task: {e}")))?
     }
 
     async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {

@@ -1120,3 +1120,76 @@ fn a_commit_that_finds_the_fenced_source_dead_commits_and_cleans_up() {
         tb.checkpoint_files(0)
     );
 }
+
+/// A CRIU that logs `start` and `end` around each run (after a second's wait, so a
+/// call can be abandoned before CRIU starts); returns it and its log.
+fn logging_criu(tb: &Testbed) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (wrapper, log) = (tb.dir.join("logging-criu"), tb.dir.join("criu-runs"));
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nsleep 1\necho start >> {log}\n{criu} \"$@\"\nrc=$?\necho end >> {log}\nexit $rc\n",
+            log = log.display(),
+            criu = tb.criu.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    (wrapper, log)
+}
+
+/// A review finding (issue 16): a `PreDump` whose caller went away (the operator's
+/// call deadline, a leader killed) dropped the call's hold on the migration while its
+/// CRIU ran on, so the next round (or the final dump) started a second CRIU on the
+/// same tree. The round now finishes in a task that holds the migration: the next call
+/// waits for it, and CRIU never runs twice at once on one source.
+#[test]
+fn a_pre_dump_whose_caller_went_away_holds_off_the_next_round() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = Testbed::new(
+        "pdx",
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    let (criu, runs) = logging_criu(&tb);
+    tb.criu = criu;
+    tb.start_agent(0);
+    let src = tb.start_workload(16, 0);
+    let uid = "pre-dump-caller-gone";
+    let prep = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let (abandoned, second) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.prepare(prep).await.unwrap();
+        let abandoned = tokio::time::timeout(Duration::from_millis(300), a.pre_dump(uid))
+            .await
+            .is_err();
+        (abandoned, a.pre_dump(uid).await)
+    });
+    assert!(abandoned, "the PreDump answered within 300 ms");
+    let second =
+        second.unwrap_or_else(|e| panic!("the second round failed: {e}\n{}", tb.agent_log(0)));
+    assert_eq!(second.phase(), Phase::PreDumping);
+    assert_eq!(second.iteration, 2, "both rounds ran, one after the other");
+    // Each round may run CRIU more than once (a feature check before the dump); never
+    // two at once: every start is followed by its end.
+    let log = std::fs::read_to_string(&runs).unwrap();
+    let runs: Vec<&str> = log.lines().collect();
+    assert!(runs.len() >= 4, "two rounds ran CRIU: {runs:?}");
+    assert!(
+        runs.chunks(2).all(|r| r == ["start", "end"]),
+        "two CRIUs ran at once on one source: {runs:?}"
+    );
+    assert!(running(src.pid));
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        a.abort(uid).await.unwrap();
+        a.cleanup(uid).await.unwrap();
+    });
+}

@@ -32,6 +32,33 @@ pub(super) struct DumpOutcome {
     pub(super) margin: std::time::Duration,
 }
 
+/// One pre-copy round (see [`super::Agent::pre_dump_impl`]).
+pub(super) struct PreDumpRound {
+    /// A CRIU pre-dump (memory tracking), or a full dump leaving the tree running.
+    pub(super) kind: i32,
+    pub(super) opts: Opts,
+    /// The round's directory (`pre-<n>`).
+    pub(super) dir: PathBuf,
+    pub(super) criu: Criu,
+}
+
+/// A pre-copy round, run by a task that owns the migration until CRIU is done.
+pub(super) async fn pre_dump_locked(
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+    r: PreDumpRound,
+) -> Result<MigrationStatus, Status> {
+    let t = Instant::now();
+    run_criu(r.criu, r.kind, r.opts, r.dir.join("pre-dump.log")).await?;
+    m.timings.last_round_us = t.elapsed().as_micros() as u64;
+    m.timings.pre_dump_total_us += m.timings.last_round_us;
+    m.timings.last_pre_dump_us = now_us();
+    m.iteration += 1;
+    m.phase = Phase::PreDumping;
+    m.last_round_bytes = images::size(&r.dir);
+    m.image_bytes = images::size(&m.dir);
+    Ok(m.status())
+}
+
 /// The final dump from the network lock on, run by a task that owns the migration.
 pub(super) async fn dump_locked(
     mut m: tokio::sync::OwnedMutexGuard<Migration>,
@@ -205,6 +232,7 @@ pub(super) async fn watch_freeze(
                 if let Some(why) = hopeless(&broker, process).await {
                     tracing::error!(%uid, error = %e, failures, why = why.explain(), "freeze watchdog gave up");
                     crate::metrics::global().watchdog_gave_up(why.label());
+                    freeze.give_up();
                     return;
                 }
                 tracing::warn!(%uid, error = %e, failures, retry_in_ms = delay.as_millis() as u64, "freeze watchdog could not resume or kill the source; retrying");

@@ -119,6 +119,7 @@ async fn the_watchdog_gives_up_only_where_no_retry_can_succeed_and_counts_it() {
         .expect("the watchdog gives up on a closed lease")
         .unwrap();
     assert_eq!(freeze.get(), FROZEN, "nothing claimed it");
+    assert!(!freeze.held(), "a freeze given up is not counted as held");
     assert_eq!(asked(&broker, "release_tcp_repair"), 1);
     assert_eq!(gave_up("broker_lease_ended"), before + 1);
 
@@ -132,10 +133,11 @@ async fn the_watchdog_gives_up_only_where_no_retry_can_succeed_and_counts_it() {
     let d = Scratch::new("watchdog");
     let broker = FakeBroker::start(&d.0, |_| Answer::Refuse(ErrorKind::NoSuchProcess));
     let before = gave_up("source_gone");
-    let (_, watchdog) = watched(&broker, gone);
+    let (freeze, watchdog) = watched(&broker, gone);
     tokio::time::timeout(Duration::from_secs(5), watchdog)
         .await
         .expect("the watchdog gives up on a source that is gone")
         .unwrap();
     assert_eq!(gave_up("source_gone"), before + 1);
+    assert!(!freeze.held(), "a freeze given up is not counted as held");
 }
