@@ -124,6 +124,16 @@ struct Args {
         default_value_t = 60_000
     )]
     freeze_watchdog_default_budget_ms: u64,
+    /// How long one call to the node's broker may take; a call past it fails and ends
+    /// that migration's broker lease (the broker rolls the source back, or kills it if
+    /// fenced).
+    #[arg(
+        long,
+        env = "PODMOTION_BROKER_CALL_TIMEOUT_SECONDS",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=3600)
+    )]
+    broker_call_timeout_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -167,6 +177,7 @@ async fn serve() -> anyhow::Result<()> {
             margin: std::time::Duration::from_millis(a.freeze_watchdog_margin_ms),
             default_budget: std::time::Duration::from_millis(a.freeze_watchdog_default_budget_ms),
         },
+        broker_call_timeout: std::time::Duration::from_secs(a.broker_call_timeout_seconds),
     })?
     .with_leader_term_record(term_record)?;
     let agent = std::sync::Arc::new(agent);

@@ -59,6 +59,10 @@ pub struct Config {
     /// How long a source may stay frozen after its final dump before this agent
     /// resumes it on its own (see [`FreezeWatchdog`]).
     pub freeze_watchdog: FreezeWatchdog,
+    /// How long one call to the node's broker may take (taking the request and
+    /// answering it). A call past it fails and closes that migration's broker
+    /// connection, its lease: the broker rolls the source back, or kills it if fenced.
+    pub broker_call_timeout: std::time::Duration,
 }
 
 /// The agent-side bound on a freeze: a source still frozen `budget + margin` after its
@@ -857,8 +861,10 @@ impl Agent {
         lease: &mut Option<Arc<StdMutex<BrokerClient>>>,
     ) -> Result<Migration, Status> {
         let sock = self.cfg.broker_socket.clone();
+        let deadline = self.cfg.broker_call_timeout;
         let client = blocking(move || {
-            BrokerClient::connect(&sock).map_err(|e| Status::unavailable(format!("broker: {e}")))
+            BrokerClient::connect_with_deadline(&sock, deadline)
+                .map_err(|e| Status::unavailable(format!("broker: {e}")))
         })
         .await?;
         let freeze_limit = self.cfg.freeze_watchdog.limit(r.freeze_budget_ms);

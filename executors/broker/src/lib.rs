@@ -1273,10 +1273,20 @@ fn read_full(s: &mut UnixStream, buf: &mut [u8]) -> Result<bool, BrokerError> {
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(kerr(e)),
+            Err(e) => return Err(io_err(e)),
         }
     }
     Ok(true)
+}
+
+/// An I/O error on a broker connection; a deadline passed (a socket timeout) says so.
+fn io_err(e: std::io::Error) -> BrokerError {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            err(ErrorKind::Kernel, "no answer within the call deadline")
+        }
+        _ => kerr(e),
+    }
 }
 
 /// Client side, used by the agent: one connection = one lease.
@@ -1294,8 +1304,44 @@ pub mod client {
             })
         }
 
+        /// Connects, and bounds every call: a broker that does not take a request or
+        /// answer it within `deadline` fails the call, and the connection is closed
+        /// (a frame cut off leaves nothing to read the next answer from). The
+        /// connection is the migration's lease, so its end hands what was registered
+        /// on it back to the broker, which undoes it (rolls the source back, or kills
+        /// it if fenced) when it gets to it.
+        pub fn connect_with_deadline(
+            path: &std::path::Path,
+            deadline: Duration,
+        ) -> std::io::Result<Self> {
+            let s = UnixStream::connect(path)?;
+            s.set_read_timeout(Some(deadline))?;
+            s.set_write_timeout(Some(deadline))?;
+            Ok(Self { s })
+        }
+
         pub fn call(&mut self, req: &Request) -> Result<Reply, BrokerError> {
-            self.s.write_all(&encode_frame(req)).map_err(kerr)?;
+            match self.exchange(req) {
+                Ok(Response::Ok(r)) => Ok(r),
+                // The broker's answer: the connection is as good as before.
+                Ok(Response::Err(e)) => Err(e),
+                // The framing is lost (the deadline passed, or the broker went away
+                // inside a frame): end the lease rather than read a stale answer later.
+                Err(mut e) => {
+                    let _ = self.s.shutdown(std::net::Shutdown::Both);
+                    e.message = format!(
+                        "{}: {} (this migration's broker connection, its lease, is closed: the broker undoes what it holds)",
+                        req.name(),
+                        e.message
+                    );
+                    Err(e)
+                }
+            }
+        }
+
+        /// One request and its answer; an error only where the connection failed.
+        fn exchange(&mut self, req: &Request) -> Result<Response, BrokerError> {
+            self.s.write_all(&encode_frame(req)).map_err(io_err)?;
             let mut prefix = [0u8; 4];
             if !read_full(&mut self.s, &mut prefix)? {
                 return Err(err(ErrorKind::Truncated, "broker closed the connection"));
@@ -1303,10 +1349,7 @@ pub mod client {
             let len = check_len(prefix, MAX_REPLY_FRAME)?;
             let mut body = vec![0u8; len];
             read_full(&mut self.s, &mut body)?;
-            match decode_response(&body)? {
-                Response::Ok(r) => Ok(r),
-                Response::Err(e) => Err(e),
-            }
+            decode_response(&body)
         }
 
         /// Whether the broker has closed this connection (it ended it, or it exited):
@@ -1506,6 +1549,45 @@ mod tests {
         assert!(!c.closed(), "an open connection with nothing to read");
         drop(server);
         assert!(c.closed());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A broker that takes the request but never answers (an `ip` step hung): the call
+    /// fails within the deadline, saying which op, and the connection (the lease) is
+    /// closed, so the broker gets back what was registered on it; a late answer is
+    /// never read as the next call's.
+    #[test]
+    fn a_call_the_broker_does_not_answer_in_time_fails_and_ends_the_lease() {
+        let dir = std::env::temp_dir().join(format!("pm-broker-deadline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("b.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let mut c =
+            client::BrokerClient::connect_with_deadline(&path, Duration::from_millis(200)).unwrap();
+        let (mut server, _) = l.accept().unwrap();
+        let uid = MigrationUid::parse("2d4e6f80-9a1b-4c3d-8e5f-60718293a4b5").unwrap();
+        let t = std::time::Instant::now();
+        let e = c
+            .call(&Request::LockNetwork { uid: uid.clone() })
+            .unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            e.message
+                .starts_with("lock_network: no answer within the call deadline"),
+            "{e}"
+        );
+        // The broker sees the lease end: its read after the request finds the close.
+        let mut req = Vec::new();
+        server.read_to_end(&mut req).unwrap();
+        assert_eq!(
+            req,
+            encode_frame(&Request::LockNetwork { uid: uid.clone() })
+        );
+        // Its late answer is not taken as the next call's.
+        let _ = server.write_all(&encode_frame(&Response::Ok(Reply::Done)));
+        assert!(c.closed());
+        assert!(c.call(&Request::UnlockNetwork { uid }).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -38,6 +38,7 @@ fn agent(dir: &Path, broker_socket: PathBuf) -> Agent {
             margin: std::time::Duration::from_secs(60),
             default_budget: std::time::Duration::from_secs(30),
         },
+        broker_call_timeout: std::time::Duration::from_secs(30),
     })
     .unwrap()
 }
