@@ -16,10 +16,10 @@
 //! after each migration:
 //! - never two running copies of the workload's state (the original source process, or a
 //!   restored one; a source frozen next to its restored copy is one), and never none
-//!   (some process holds the state: running, or frozen). The source pod's container
-//!   restarted afresh by the kubelet after the commit killed the source (it runs until
-//!   the source pod's deletion reaches its node) holds no state: it is counted and
-//!   printed apart, and were it ever Ready, the Service reader below would see it;
+//!   (some process holds the state: running, or frozen); and never the source pod's
+//!   container restarted afresh by the kubelet (a fresh workload beside the state's
+//!   copy): the commit deletes the source pod before its agent's kill, so the kubelet
+//!   does not restart the killed container (docs/migration-controller.md);
 //! - the counter read through the Service, one new connection per read, never goes back
 //!   (two copies serving);
 //! - after each migration exactly one pod of the app is left, Ready; the one the phase
@@ -292,7 +292,8 @@ struct Watch {
     /// The source pod's UID and its workload process when the migration began.
     source: Option<Proc>,
     /// Fresh processes seen in a source pod (pid, start): its container restarted by the
-    /// kubelet after the commit killed the source, before the source pod was deleted.
+    /// kubelet after the source was killed (a violation: the commit deletes the source
+    /// pod before the kill).
     fresh: Vec<(u32, u64)>,
 }
 
@@ -323,9 +324,9 @@ impl Watch {
     /// One look at the processes: never two running copies of the state (the original
     /// source process, or a process in any other pod: a restored copy), never none alive
     /// (running or frozen). A process that started in the source pod after the original
-    /// is not a copy of the state but the container restarted from its image: counted
-    /// apart (`fresh`), and if it ever served, the Service reader sees its counter go
-    /// back. A "none" is looked at twice more before it counts (a /proc scan is not
+    /// is not a copy of the state but the container restarted from its image: a
+    /// violation too (the commit deletes the source pod before the kill), remembered in
+    /// `fresh` so it counts once. A "none" is looked at twice more before it counts (a /proc scan is not
     /// atomic: a restore can create its process behind the scan while the frozen source
     /// is killed before it).
     async fn sample(&mut self, tally: &mut Tally, when: &str) {
@@ -359,10 +360,12 @@ impl Watch {
                 && !p.same(&source)
                 && !self.fresh.contains(&(p.pid, p.start))
             {
-                eprintln!(
-                    "[real-chaos] NOTE {when}: the source pod's container restarted afresh (pid {}, state {}) beside the state's copies {held:?}",
-                    p.pid, p.state
-                );
+                tally.check(false, || {
+                    format!(
+                        "{when}: the source pod's container restarted afresh (pid {}, state {}) beside the state's copies {held:?}",
+                        p.pid, p.state
+                    )
+                });
                 self.fresh.push((p.pid, p.start));
             }
         }
