@@ -1221,12 +1221,7 @@ impl<'a> Machine<'a> {
     /// The kill goes through the source pod's deletion; say so once (status and
     /// Event), never counting it as the agent's kill.
     fn note_kill_unconfirmed(&mut self, why: &str) {
-        if self
-            .status
-            .failure_message
-            .as_deref()
-            .is_some_and(|m| m.contains(KILL_UNCONFIRMED))
-        {
+        if self.noted(KILL_UNCONFIRMED) {
             return;
         }
         let message = format!(
@@ -1241,17 +1236,20 @@ impl<'a> Machine<'a> {
     /// the status (the agent is asked all the same; a tree already dead counts as
     /// killed for it, so its answer cannot tell whether the FIN went out).
     fn note_source_gone_before_the_kill(&mut self) {
-        if self
-            .status
-            .failure_message
-            .as_deref()
-            .is_some_and(|m| m.contains(SOURCE_GONE_FIRST))
-        {
+        if self.noted(SOURCE_GONE_FIRST) {
             return;
         }
         self.push_message(&format!(
             "{SOURCE_GONE_FIRST} (its kubelet killed it at the end of the grace period, or the pod was deleted by force): the peers of its closed connections may have got no FIN"
         ));
+    }
+
+    /// Whether the status message already says `marker` (each note is made once).
+    fn noted(&self, marker: &str) -> bool {
+        self.status
+            .failure_message
+            .as_deref()
+            .is_some_and(|m| m.contains(marker))
     }
 
     /// Appends `m` to the status message (`; `-separated).
