@@ -1262,17 +1262,23 @@ async fn a_refused_port_forward_names_the_subresource_and_the_can_i_line() {
     let (mut child, rx) = spawn_intercept(&bin, "deploy/mover", local, &[], &w.app.name);
     let mut seen = vec![];
     wait_line(&mut child, &rx, "intercepting every connection", &mut seen);
-    // The agents' namespace: where the attachment's Job pods run.
+    // The agents' namespace: where this attachment's Job pods run. Other tests' agents run
+    // at the same time (each with its own release), so only pods targeting this test's
+    // namespace count.
     let pods: Api<Pod> = Api::all(w.app.client.clone());
     let agents_ns = pods
-        .list(&ListParams::default().labels("batch.kubernetes.io/job-name"))
+        .list(&ListParams::default().labels(&format!(
+            "batch.kubernetes.io/job-name,{}={}",
+            podmotion_api::names::labels::TARGET_NAMESPACE,
+            w.app.name
+        )))
         .await
         .unwrap()
         .items
         .iter()
         .filter_map(|p| p.namespace())
-        .find(|ns| *ns != w.app.name)
-        .expect("an agent Job pod");
+        .next()
+        .expect("an agent Job pod of this test's attachment");
     let user = format!("plugin-pf-{}", random_suffix());
     podmotion_e2e::grant_user(
         &w.app,
