@@ -5,7 +5,7 @@
 //!     eval "$(hack/cluster.sh env)"       # the cluster with real nodes, images pushed
 //!     cargo build -p podmotion-e2e --bin bench_real_migration
 //!     PODMOTION_IMAGES_VALUES=… PODMOTION_IMAGES_LIST=… \
-//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024] [--mig-first]
+//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024] [--mig-first] [--timeline]
 //!
 //! The chart is installed from our images by the real-node tests' fixture
 //! ([`podmotion_e2e::real::helm_install`]). For each size two Deployments of the
@@ -117,6 +117,9 @@ struct Args {
     dirty_kib: u32,
     /// The first round's Cold starts with the PodMigration instead of raw CRIU.
     mig_first: bool,
+    /// After each PodMigration, print the operator's and both agents' log lines about it,
+    /// in time order (where the freeze goes between the dump and the restore).
+    timeline: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -125,6 +128,7 @@ fn parse_args() -> anyhow::Result<Args> {
         sizes: vec![64, 512],
         dirty_kib: 1024,
         mig_first: false,
+        timeline: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -139,8 +143,9 @@ fn parse_args() -> anyhow::Result<Args> {
             }
             "--dirty-kib" => a.dirty_kib = value()?.parse()?,
             "--mig-first" => a.mig_first = true,
+            "--timeline" => a.timeline = true,
             other => bail!(
-                "unknown argument {other}; usage: bench_real_migration [--rounds N] [--sizes 64,512] [--dirty-kib 1024] [--mig-first]"
+                "unknown argument {other}; usage: bench_real_migration [--rounds N] [--sizes 64,512] [--dirty-kib 1024] [--mig-first] [--timeline]"
             ),
         }
     }
@@ -182,7 +187,15 @@ async fn main() -> anyhow::Result<()> {
         &op.name,
         &app.name,
         "podmotion-bench-real",
-        &[],
+        // The timeline shows each reconcile of the migration (its start and length).
+        if args.timeline {
+            &[
+                "--set",
+                r"operator.logFilter=info\,podmotion_operator=debug\,kube=warn",
+            ]
+        } else {
+            &[]
+        },
     );
     let bench = Bench {
         work: Work::new()?,
@@ -286,17 +299,9 @@ impl Bench {
                 raw = Some(r);
             } else {
                 let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
-                let m = mig_round(
-                    &self.pods,
-                    &self.pms,
-                    &format!("mig-{size}"),
-                    &name,
-                    mode,
-                    &self.nodes,
-                    &self.agents_ns,
-                )
-                .await
-                .map_err(|e| format!("{e:#}"));
+                let m = mig_round(self, &format!("mig-{size}"), &name, mode)
+                    .await
+                    .map_err(|e| format!("{e:#}"));
                 eprintln!(
                     "{size} MiB {} round {round} PodMigration: {m:?}",
                     mode.name()
@@ -698,15 +703,8 @@ fn log_field(line: &str, key: &str) -> Option<u64> {
     None
 }
 
-async fn mig_round(
-    pods: &Api<Pod>,
-    pms: &Api<PodMigration>,
-    app: &str,
-    name: &str,
-    mode: Mode,
-    nodes: &[String],
-    agents_ns: &str,
-) -> anyhow::Result<Mig> {
+async fn mig_round(b: &Bench, app: &str, name: &str, mode: Mode) -> anyhow::Result<Mig> {
+    let (pods, pms, nodes, agents_ns) = (&b.pods, &b.pms, &b.nodes, b.agents_ns.as_str());
     let pod = ready_pod(pods, app).await?;
     let from = node_of(&pod);
     let to = nodes
@@ -723,6 +721,11 @@ async fn mig_round(
     }));
     let created = pms.create(&PostParams::default(), &pm).await?;
     let st = ended(pms, name).await;
+    let uid = created.uid().unwrap_or_default();
+    if b.args.timeline {
+        // Also of a migration that failed: where it stopped.
+        print_timeline(agents_ns, name, &uid);
+    }
     ensure!(
         st.phase == MigrationPhase::Succeeded,
         "{name} ended {:?}: {:?} {:?}",
@@ -742,7 +745,6 @@ async fn mig_round(
     // An adopted pod cannot be migrated again (the operator refuses it: `AdoptedPod`):
     // the next round migrates a fresh pod of the same Deployment.
     delete_now(pods, &target).await?;
-    let uid = created.uid().unwrap_or_default();
     let [dumped, restored] =
         agent_log_lines(agents_ns, &uid, ["dumped; source left stopped", "restored"]);
     let progress = st.progress.clone().unwrap_or_default();
@@ -768,6 +770,44 @@ fn whole_migration_s(st: &PodMigrationStatus) -> i64 {
     }
 }
 
+/// The operator's and both migration agents' log lines that name the migration (by name
+/// or uid), merged in the order of their kubelet timestamps, to stderr.
+fn print_timeline(agents_ns: &str, name: &str, uid: &str) {
+    // The release's namespace is the agents' without its suffix (`helm_install`).
+    let op_ns = agents_ns.strip_suffix("-agents").unwrap_or(agents_ns);
+    let mut lines: Vec<String> = [
+        (
+            agents_ns,
+            "app.kubernetes.io/component=migration-agent",
+            "agent",
+        ),
+        (op_ns, "app.kubernetes.io/component=operator", "operator"),
+    ]
+    .iter()
+    .flat_map(|(ns, selector, container)| {
+        pod_logs(
+            ns,
+            selector,
+            container,
+            &["--timestamps", "--prefix", "--tail=4000"],
+        )
+        .lines()
+        .filter(|l| l.contains(uid) || l.contains(name))
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+    })
+    .collect();
+    // `--prefix` puts `[pod/<name>/<container>] ` before the timestamp.
+    lines.sort_by_key(|l| {
+        l.split_once("] ")
+            .map_or(String::new(), |(_, t)| t.to_owned())
+    });
+    eprintln!("timeline of {name} ({uid}):");
+    for l in lines {
+        eprintln!("  {l}");
+    }
+}
+
 /// The first line of the migration agents' logs (their last 2,000 lines) about the
 /// migration `uid` that contains each of `what`.
 fn agent_log_lines<const N: usize>(
@@ -775,22 +815,24 @@ fn agent_log_lines<const N: usize>(
     uid: &str,
     what: [&str; N],
 ) -> [Option<String>; N] {
-    let logs = kubectl(&[
-        "-n",
+    let logs = pod_logs(
         agents_ns,
-        "logs",
-        "-l",
         "app.kubernetes.io/component=migration-agent",
-        "-c",
         "agent",
-        "--tail=2000",
-    ]);
-    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+        &["--tail=2000"],
+    );
     what.map(|what| {
         logs.lines()
             .find(|l| l.contains(uid) && l.contains(what))
             .map(str::to_owned)
     })
+}
+
+/// `kubectl logs` of `container` in the pods of `ns` that `selector` picks, with `flags`.
+fn pod_logs(ns: &str, selector: &str, container: &str, flags: &[&str]) -> String {
+    let mut args = vec!["-n", ns, "logs", "-l", selector, "-c", container];
+    args.extend_from_slice(flags);
+    String::from_utf8_lossy(&kubectl(&args).stdout).into_owned()
 }
 
 fn mib(b: u64) -> String {

@@ -280,6 +280,8 @@ async fn serve_until_terminated(
     let served = tonic::transport::Server::builder()
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
+        // The image stream's 1 MiB chunks in 1 MiB DATA frames, not 64 of 16 KiB.
+        .max_frame_size(Some(1 << 20))
         .add_service(
             MigrationAgentServer::new(podmotion_agent::metrics::Observed {
                 agent: std::sync::Arc::clone(agent),

@@ -129,6 +129,12 @@ impl Migration {
             self.timings.send_us = t.elapsed().as_micros() as u64;
             self.timings.send_finished_us = now_us();
             self.phase = Phase::Sent;
+            tracing::info!(
+                uid = %self.uid,
+                bytes = sent,
+                send_ms = self.timings.send_us / 1000,
+                "final images sent"
+            );
         }
     }
 }
