@@ -94,9 +94,12 @@ pub struct PodMigrationSpec {
     pub bandwidth_limit_bytes_per_second: Option<i64>,
 
     /// What happens to established TCP connections. `Strict`: they must survive
-    /// (the pod IP must move with the pod) or the migration is refused; `BestEffort`
-    /// (default): they survive where the IP moves and are closed cleanly otherwise;
-    /// `None`: they are closed cleanly. Listeners always come back bound.
+    /// (the pod IP must move with the pod) or the migration fails and the source is
+    /// resumed; `BestEffort` (default): they survive where the IP moves and are closed
+    /// cleanly otherwise; `None`: they are closed cleanly. Listeners always come back
+    /// bound. The IP moves only where the installer enabled the address hand-over
+    /// (chart value `migrationAgent.broker.addressHandover.cidrs`) for the pod's
+    /// subnet.
     #[serde(default)]
     pub tcp_preservation: TcpPreservation,
 

@@ -186,6 +186,9 @@ struct Migration {
     timings: Timings,
     sockets: Vec<SocketReport>,
     restored: Option<ProcRef>,
+    /// Target: the source pod's addresses the broker took over for this restore (the
+    /// installer's address hand-over), given back if the restore is undone.
+    adopted: Vec<std::net::IpAddr>,
     /// Relative paths already streamed to the target (Send is incremental).
     sent: std::collections::BTreeSet<String>,
     broker: Arc<StdMutex<BrokerClient>>,
@@ -289,6 +292,7 @@ impl Migration {
             timings: Timings::default(),
             sockets: vec![],
             restored: None,
+            adopted: Vec::new(),
             sent: Default::default(),
             broker: Arc::new(StdMutex::new(broker)),
             netns_path: None,
@@ -388,7 +392,24 @@ impl Migration {
     /// `Abort` on the target: no restored process may outlive the answer "aborted"
     /// (the operator thaws the source on it). Killed and confirmed dead, or the Abort
     /// fails and the operator asks again.
+    /// Target: gives back the addresses taken over for the restore (before its holder
+    /// is killed: the broker edits the holder's namespace through it), so the source,
+    /// resumed, announces its address again with nobody else answering for it. A
+    /// failure is logged: the target pod's deletion takes the address with it.
+    async fn release_adopted(&mut self) {
+        for address in std::mem::take(&mut self.adopted) {
+            let req = Request::ReleaseAddress {
+                uid: self.uid.clone(),
+                address,
+            };
+            if let Err(e) = self.broker(req).await {
+                tracing::warn!(uid = %self.uid, %address, error = %e.message(), "the adopted address could not be released (the target pod's deletion removes it)");
+            }
+        }
+    }
+
     async fn kill_restored_copy(&mut self) -> Result<(), Status> {
+        self.release_adopted().await;
         let root = self.restored;
         let holder = self.fs.is_some().then_some(self.process);
         if root.is_some() || holder.is_some() {
@@ -1272,6 +1293,8 @@ fn _assert_stream<S: Stream>(_: S) {}
 
 #[cfg(test)]
 mod prepare_tests;
+#[cfg(test)]
+mod restore_tests;
 #[cfg(test)]
 mod testkit;
 #[cfg(test)]

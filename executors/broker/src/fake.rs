@@ -5,16 +5,19 @@
 //! lock and restore them), bind mounts, journal files and a virtual clock — and
 //! records every effect the broker has on it. [`Harness`] runs a sequence of [`Op`]s
 //! (requests from two agent connections, and the world's own events: CRIU stopping
-//! and releasing a tree, processes exiting and pids being reused, faults, lease loss,
-//! a broker restart) against one broker and checks the invariants after every step;
+//! and releasing a tree, processes exiting and pids being reused, connections opened
+//! on an address, faults, lease loss, a broker restart, time passing and the sweep of
+//! adopted addresses) against one broker and checks the invariants after every step;
 //! the fuzz target `fuzz/fuzz_targets/dispatch.rs` and the unit tests drive it.
 
+use crate::handover::{Adoption, parse_cidrs, parse_journal_body};
 use crate::os::{Ip, Kernel, Link};
 use crate::{Broker, Config, under_pods_root};
 use nix::sys::signal::Signal;
 use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply, Request, SocketAddrs};
 use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -128,6 +131,18 @@ pub enum Effect {
     Mounted {
         path: PathBuf,
         netns: u32,
+    },
+    /// `addr` (a host address, `/32` or `/128`) added to `link` of `netns`.
+    AddrAdded {
+        netns: u32,
+        link: String,
+        addr: IpAddr,
+    },
+    /// `addr` (a host address) removed from `link` of `netns`.
+    AddrRemoved {
+        netns: u32,
+        link: String,
+        addr: IpAddr,
     },
 }
 
@@ -370,6 +385,31 @@ impl World {
         self.procs.get(&pid).filter(|p| !p.zombie)
     }
 
+    /// A live `pid` opens a TCP connection from `local` (port 9000 up) to a client:
+    /// what a restored tree holds on an adopted address.
+    fn connect(&mut self, pid: i32, local: IpAddr) {
+        let ino = self.next_ino;
+        let Some(p) = self.procs.get_mut(&pid).filter(|p| !p.zombie) else {
+            return;
+        };
+        if p.sockets.len() >= 8 {
+            return;
+        }
+        self.next_ino += 1;
+        let fd = 100 + ino as i32 % 1000;
+        let port = 9000 + (ino % 1000) as u16;
+        p.sockets.push(Sock {
+            fd,
+            ino,
+            repair: false,
+            addrs: SocketAddrs {
+                local: Some(std::net::SocketAddr::new(local, port)),
+                remote: Some("[2001:db8:ffff::9]:50000".parse().expect("an address")),
+                listening: false,
+            },
+        });
+    }
+
     fn take_fault(&mut self, f: impl Fn(Fault) -> bool) -> bool {
         if self.fault.is_some_and(&f) {
             self.fault = None;
@@ -493,6 +533,30 @@ impl Ip for FakeIp<'_> {
             }
             ["-6", "addr", "replace", addr, "dev", link, "nodad"] => {
                 done(n.replace_addr6(addr, link))
+            }
+            ["-4", "addr", op @ ("add" | "del"), cidr, "dev", link]
+            | ["-6", "addr", op @ ("add" | "del"), cidr, "dev", link]
+            | ["-6", "addr", op @ "add", cidr, "dev", link, "nodad"] => {
+                let v4 = args[0] == "-4";
+                let add = *op == "add";
+                let r = n.host_addr(v4, add, cidr, link);
+                if let Ok(addr) = &r {
+                    let (netns, link) = (ns, (*link).to_owned());
+                    self.w.effects.push(if add {
+                        Effect::AddrAdded {
+                            netns,
+                            link,
+                            addr: *addr,
+                        }
+                    } else {
+                        Effect::AddrRemoved {
+                            netns,
+                            link,
+                            addr: *addr,
+                        }
+                    });
+                }
+                done(r.map(|_| ()))
             }
             [family @ ("-4" | "-6"), "route", "replace", route @ ..] => {
                 done(n.replace_route(*family == "-4", route))
@@ -626,6 +690,41 @@ impl Net {
             self.addrs6.retain(|(_, l)| l != link);
         }
         Ok(())
+    }
+
+    /// `ip -4|-6 addr add|del ADDR/32|128 dev LINK`: a host address (the hand-over's)
+    /// added (refused if the address is there already) or removed (refused if it is not
+    /// there). The address, on success.
+    fn host_addr(
+        &mut self,
+        v4: bool,
+        add: bool,
+        cidr: &str,
+        link: &str,
+    ) -> Result<IpAddr, &'static str> {
+        let (a, len) = cidr.split_once('/').ok_or("no prefix length")?;
+        let addr: IpAddr = a.parse().map_err(|_| "invalid address")?;
+        if addr.is_ipv4() != v4 || len != if v4 { "32" } else { "128" } {
+            return Err("not a host address of the family");
+        }
+        if !self.links.contains_key(link) {
+            return Err("Cannot find device");
+        }
+        let set = if v4 {
+            &mut self.addrs4
+        } else {
+            &mut self.addrs6
+        };
+        let entry = (cidr.to_owned(), link.to_owned());
+        if add {
+            if set.iter().any(|(c, _)| same_addr(c, a)) {
+                return Err("RTNETLINK answers: File exists");
+            }
+            set.insert(entry);
+        } else if !set.remove(&entry) {
+            return Err("RTNETLINK answers: Cannot assign requested address");
+        }
+        Ok(addr)
     }
 
     /// `ip -6 addr replace ADDR dev LINK nodad`.
@@ -882,8 +981,30 @@ impl Kernel for FakeKernel {
         self.world().files.get(path).cloned()
     }
 
+    /// The sockets of every live process in `pid`'s namespace: a listener is LISTEN,
+    /// any other socket ESTABLISHED.
+    fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(IpAddr, u8)>> {
+        let w = self.world();
+        let Some(ns) = w.live(pid).map(|p| p.netns) else {
+            return Err(std::io::Error::from_raw_os_error(nix::libc::ENOENT));
+        };
+        Ok(w.procs
+            .values()
+            .filter(|p| !p.zombie && p.netns == ns)
+            .flat_map(|p| &p.sockets)
+            .filter_map(|s| {
+                let st = if s.addrs.listening { 0x0A } else { 0x01 };
+                Some((s.addrs.local?.ip(), st))
+            })
+            .collect())
+    }
+
     fn now(&self) -> Instant {
         self.epoch + self.world().clock
+    }
+
+    fn unix_now(&self) -> u64 {
+        UNIX_EPOCH_AT_START + self.world().clock.as_secs()
     }
 
     fn sleep(&self, d: Duration) {
@@ -904,6 +1025,57 @@ pub const PODS_ROOT: &str = "/kubepods";
 pub const RUN_DIR: &str = "/fake/run";
 /// The migration UIDs ops name, by index.
 pub const UIDS: [&str; 3] = ["mig-a", "mig-b", "mig-c"];
+/// What the fake's wall clock reads at its start (unix seconds).
+pub const UNIX_EPOCH_AT_START: u64 = 1_800_000_000;
+/// The hand-over CIDRs of the harness's broker ([`config`]).
+pub const HANDOVER_CIDRS: &str = "10.0.0.0/15,2001:db8::/32";
+/// How long the harness's broker lets an adopted address linger, at most.
+pub const LINGER_SECS: u64 = 600;
+/// The addresses `adopt_address`, `release_address` and connections name, by index:
+/// the source pod's (netns 10: `eth0`, `pm0`, both families), the target's own (netns
+/// 20), nobody's, and addresses the broker must never adopt (outside the CIDRs,
+/// loopback, unspecified, multicast, link-local, IPv4-mapped, broadcast).
+pub const ADDRESSES: [&str; 16] = [
+    "10.0.10.5",
+    "10.1.10.5",
+    "2001:db8:10::5",
+    "2001:db8:10:1::5",
+    "10.0.20.5",
+    "10.0.99.7",
+    "2001:db8:99::7",
+    "10.2.10.5",
+    "192.0.2.1",
+    "127.0.0.1",
+    "0.0.0.0",
+    "224.0.0.1",
+    "169.254.1.1",
+    "fe80::1",
+    "::ffff:10.0.10.5",
+    "255.255.255.255",
+];
+
+/// Address `i` of [`ADDRESSES`].
+pub fn address(i: u8) -> IpAddr {
+    ADDRESSES[usize::from(i) % ADDRESSES.len()]
+        .parse()
+        .expect("an address")
+}
+
+/// Whether the harness's broker may adopt `a`: its own reading of [`HANDOVER_CIDRS`]
+/// (10.0.0.0/15, 2001:db8::/32) and of the addresses that are never a pod's, kept
+/// apart from the broker's code on purpose.
+pub fn may_adopt(a: IpAddr) -> bool {
+    match a {
+        IpAddr::V4(v) => {
+            let o = v.octets();
+            o[0] == 10 && o[1] <= 1
+        }
+        IpAddr::V6(v) => {
+            let s = v.segments();
+            s[0] == 0x2001 && s[1] == 0x0db8
+        }
+    }
+}
 
 /// One step: a request from agent connection 1 or 2, or something that happens on the
 /// node.
@@ -939,14 +1111,27 @@ pub enum Op {
         parent: i32,
     },
     Fault(Fault),
-    /// A symlink is planted at the netns path of UIDS[uid], or at the journal dir.
+    /// A symlink is planted at the netns path of UIDS[uid], or at the journal dir, or
+    /// at the hand-over journal's.
     Symlink {
         uid: usize,
         journal: bool,
+        handover: bool,
     },
     /// The broker process dies and starts again over the same node (`recover`).
     Restart,
     DetachOnSleep(bool),
+    /// `secs` seconds pass on the node's clocks, then the broker's sweep of adopted
+    /// addresses runs.
+    Sweep {
+        secs: u64,
+    },
+    /// A live `pid` opens a TCP connection from `address` (a moved connection, when
+    /// the address is adopted in its namespace).
+    Connect {
+        pid: i32,
+        address: IpAddr,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -977,6 +1162,27 @@ pub struct Harness {
     /// Pod netns left locked on purpose (a killed source: commit) or by the known gap
     /// (the pinned process died while locked).
     killed_netns: BTreeSet<u32>,
+    cfg: Config,
+    /// The adoptions the broker must hold, by (uid, address).
+    adopted: BTreeMap<(String, IpAddr), Adopted>,
+    /// Adopted addresses left in a namespace whose holder died (a real namespace goes
+    /// with its last process and the runtime's mount; the fake's stays): (netns, address).
+    abandoned: BTreeSet<(u32, IpAddr)>,
+    /// Namespaces where a source was locked, and where an address was adopted: a
+    /// namespace that is both (a target and a source pinned in one pod's namespace,
+    /// never a migration) is exempt from the network checks, a known gap: a lock
+    /// takes the IPv6 adoptions down with its links, and the unlock puts them back.
+    ever_locked: BTreeSet<u32>,
+    ever_adopted: BTreeSet<u32>,
+}
+
+/// One adoption as the harness expects the broker to hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Adopted {
+    netns: u32,
+    holder: ProcRef,
+    restored: bool,
+    deadline: u64,
 }
 
 impl Default for Harness {
@@ -985,13 +1191,18 @@ impl Default for Harness {
     }
 }
 
-fn cfg() -> Config {
+/// The harness's broker configuration: the simulated node's run directory and pods
+/// root, the address hand-over on for [`HANDOVER_CIDRS`], lingering [`LINGER_SECS`].
+pub fn config() -> Config {
     Config {
         run_dir: PathBuf::from(RUN_DIR),
         pods_cgroup_root: PODS_ROOT.into(),
         allowed_uid: 0,
         same_netns_peers: true,
         container_cgroups: true,
+        handover_cidrs: parse_cidrs(HANDOVER_CIDRS).expect("valid CIDRs"),
+        address_linger: Duration::from_secs(LINGER_SECS),
+        sweep_interval: Duration::from_secs(2),
     }
 }
 
@@ -1012,6 +1223,8 @@ fn reply_fits(req: &Request, r: &Reply) -> bool {
                     | Request::Kill { .. }
                     | Request::Fence { .. }
                     | Request::Unfence { .. }
+                    | Request::AdoptAddress { .. }
+                    | Request::ReleaseAddress { .. }
                     | Request::Forget { .. },
                 Reply::Done
             )
@@ -1020,16 +1233,26 @@ fn reply_fits(req: &Request, r: &Reply) -> bool {
 
 impl Harness {
     pub fn new() -> Self {
+        Self::with_config(config())
+    }
+
+    /// A harness whose broker runs with `cfg` (the hand-over off, say).
+    pub fn with_config(cfg: Config) -> Self {
         let w = World::standard();
         let baseline = w.nets.iter().map(|(n, x)| (*n, x.canonical())).collect();
         let k = FakeKernel::new(w);
-        let broker = Broker::with_kernel(cfg(), k.clone());
+        let broker = Broker::with_kernel(cfg.clone(), k.clone());
         Self {
             k,
             broker,
             model: BTreeMap::new(),
             baseline,
             killed_netns: BTreeSet::new(),
+            cfg,
+            adopted: BTreeMap::new(),
+            abandoned: BTreeSet::new(),
+            ever_locked: BTreeSet::new(),
+            ever_adopted: BTreeSet::new(),
         }
     }
 
@@ -1066,7 +1289,7 @@ impl Harness {
         let uid = MigrationUid::parse(UIDS[(a % 3) as usize]).expect("valid uid");
         let conn = 1 + u64::from(a >> 7);
         let req = |req| Op::Req { conn, req };
-        match kind % 24 {
+        match kind % 28 {
             0 => {
                 let pid = self.pick(b);
                 let container = if b & 0x80 != 0 {
@@ -1122,11 +1345,27 @@ impl Harness {
             19 => Op::Symlink {
                 uid: (a % 3) as usize,
                 journal: b & 1 != 0,
+                handover: b & 3 == 2,
             },
             20 => Op::Restart,
             21 => Op::DetachOnSleep(a & 1 != 0),
             22 => req(Request::Fence { uid }),
-            _ => req(Request::Unfence { uid }),
+            23 => req(Request::Unfence { uid }),
+            24 => req(Request::AdoptAddress {
+                uid,
+                address: address(b),
+            }),
+            25 => req(Request::ReleaseAddress {
+                uid,
+                address: address(b),
+            }),
+            26 => Op::Sweep {
+                secs: [0, 1, 60, LINGER_SECS + 1][usize::from(b % 4)],
+            },
+            _ => Op::Connect {
+                pid: self.pick(b),
+                address: address(a),
+            },
         }
     }
 
@@ -1147,26 +1386,48 @@ impl Harness {
     /// Runs one op; the request's outcome (None for node events), or the invariant it
     /// broke.
     pub fn step(&mut self, op: Op) -> Result<Option<Result<Reply, ErrorKind>>, String> {
-        let (pre, fault_pending) = {
+        let (pre, pre_nets, fault_pending) = {
             let mut w = self.k.world();
             w.effects.clear();
-            (w.procs.clone(), w.fault.is_some())
+            (w.procs.clone(), w.nets.clone(), w.fault.is_some())
         };
         let pre_model = self.model.clone();
+        let pre_adopted: BTreeSet<(u32, IpAddr)> = self
+            .adopted
+            .iter()
+            .map(|((_, a), x)| (x.netns, *a))
+            .collect();
         let mut outcome = None;
-        let allowed = match op.clone() {
+        let mut allowed = match op.clone() {
             Op::Req { conn, req } => {
                 let allowed = self.allowed_by(conn, &req);
-                outcome = Some(self.request(conn, req, fault_pending, &pre)?);
+                outcome = Some(
+                    self.request(conn, req, fault_pending, &pre, &pre_nets)
+                        .map_err(|e| format!("after {op:?}: {e}"))?,
+                );
                 allowed
             }
-            Op::LeaseLost { conn } => self.lose_lease(conn, &pre_model),
-            Op::Restart => self.restart(&pre_model),
+            Op::LeaseLost { conn } => self
+                .lose_lease(conn, &pre_model)
+                .map_err(|e| format!("after {op:?}: {e}"))?,
+            Op::Restart => self
+                .restart(&pre_model)
+                .map_err(|e| format!("after {op:?}: {e}"))?,
+            Op::Sweep { secs } => self
+                .sweep(secs, fault_pending)
+                .map_err(|e| format!("after {op:?}: {e}"))?,
             other => {
                 self.world_event(other);
                 Allowed::default()
             }
         };
+        // The known gap of a netns both locked as a source and holding adoptions: its
+        // unlock announces the adoptions it brought back, which this very step (a
+        // restart's sweep) may withdraw again.
+        allowed.announced_adoptions = pre_adopted
+            .into_iter()
+            .filter(|(n, _)| self.ever_locked.contains(n) && self.ever_adopted.contains(n))
+            .collect();
         self.exempt_networks_of_dead_locked_sources(&pre_model, &pre);
         self.check(&pre, &allowed)
             .map_err(|e| format!("after {op:?}: {e}"))?;
@@ -1179,7 +1440,7 @@ impl Harness {
         let uid = req.uid().as_str().to_owned();
         let mine = self.model.get(&uid).filter(|r| r.conn == conn).cloned();
         let src = mine.clone().filter(|r| r.role == BrokerRole::Source);
-        let tgt = mine.filter(|r| r.role == BrokerRole::Target);
+        let tgt = mine.clone().filter(|r| r.role == BrokerRole::Target);
         let mut a = Allowed::default();
         match req {
             Request::Resume { .. } => {
@@ -1202,6 +1463,26 @@ impl Harness {
             Request::MoveCgroup { process, .. } => {
                 a.may_move = tgt.map(|r| (*process, r.netns, r.cgroup, r.process.pid))
             }
+            Request::AdoptAddress { address, .. } => {
+                a.adopt_into = tgt.map(|r| (r.netns, *address))
+            }
+            Request::ReleaseAddress { address, .. } => {
+                a.may_withdraw = self
+                    .adopted
+                    .get(&(uid.clone(), *address))
+                    .filter(|x| tgt.as_ref().is_some_and(|r| r.process == x.holder))
+                    .map(|x| (x.netns, *address))
+                    .into_iter()
+                    .collect();
+            }
+            Request::Forget { .. } if mine.is_some() => {
+                a.may_withdraw = self
+                    .adopted
+                    .iter()
+                    .filter(|((u, _), x)| *u == uid && !x.restored)
+                    .map(|((_, addr), x)| (x.netns, *addr))
+                    .collect();
+            }
             _ => {}
         }
         a
@@ -1216,7 +1497,19 @@ impl Harness {
         req: Request,
         fault_pending: bool,
         pre: &BTreeMap<i32, Proc>,
+        pre_nets: &BTreeMap<u32, Net>,
     ) -> Result<Result<Reply, ErrorKind>, String> {
+        let uid = req.uid().as_str().to_owned();
+        let mine = self.model.get(&uid).filter(|r| r.conn == conn).cloned();
+        match (&req, &mine) {
+            (Request::LockNetwork { .. }, Some(r)) if r.role == BrokerRole::Source => {
+                self.ever_locked.insert(r.netns);
+            }
+            (Request::AdoptAddress { .. }, Some(r)) if r.role == BrokerRole::Target => {
+                self.ever_adopted.insert(r.netns);
+            }
+            _ => {}
+        }
         let res = match self.broker.handle(conn, req.clone()) {
             Ok(reply) => {
                 if !reply_fits(&req, &reply) {
@@ -1234,19 +1527,292 @@ impl Harness {
                 Ok(reply)
             }
             Err(e) => {
-                if e.kind == ErrorKind::Kernel && !fault_pending {
+                // An adoption into a namespace where the broker cannot tell the link
+                // (no default route of the family, several links) is the kernel
+                // layer's refusal, without a fault.
+                let no_link = match (&req, &mine) {
+                    (Request::AdoptAddress { address, .. }, Some(r)) => {
+                        no_link_for(&pre_nets[&r.netns], *address)
+                    }
+                    _ => false,
+                };
+                if e.kind == ErrorKind::Kernel && !fault_pending && !no_link {
                     return Err(format!("{req:?}: kernel error with no fault: {e}"));
                 }
+                self.check_refusal(&req, mine.as_ref(), &e)?;
                 Err(e.kind)
             }
         };
         self.update_model(conn, &req, &res, pre)?;
+        self.update_adoptions(&req, mine.as_ref(), &res, fault_pending, pre_nets)?;
         Ok(res)
+    }
+
+    /// An `adopt_address` refusal must have its reason: `HandoverOff` only with no
+    /// CIDRs, `AddressNotAllowed` for an address it may adopt only when the migration
+    /// has [`crate::handover::MAX_ADOPTED`] already, another migration holds it, or it
+    /// holds it for another holder.
+    fn check_refusal(
+        &self,
+        req: &Request,
+        mine: Option<&Reg>,
+        e: &BrokerError,
+    ) -> Result<(), String> {
+        let Request::AdoptAddress { uid, address } = req else {
+            return Ok(());
+        };
+        let on = !self.cfg.handover_cidrs.is_empty();
+        match e.kind {
+            ErrorKind::HandoverOff if on => Err(format!("{req:?}: {e} with the hand-over on")),
+            ErrorKind::AddressNotAllowed if on && may_adopt(*address) => {
+                let u = uid.as_str();
+                let mine_n = self.adopted.keys().filter(|(x, _)| x == u).count();
+                let elsewhere = self.adopted.iter().any(|((x, a), r)| {
+                    a == address && (x != u || mine.is_none_or(|m| m.process != r.holder))
+                });
+                if mine_n >= crate::handover::MAX_ADOPTED || elsewhere {
+                    Ok(())
+                } else {
+                    Err(format!("{req:?}: {e}, an address it may adopt"))
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The adoptions the broker must hold after `req` answered `res`.
+    fn update_adoptions(
+        &mut self,
+        req: &Request,
+        mine: Option<&Reg>,
+        res: &Result<Reply, ErrorKind>,
+        fault_pending: bool,
+        pre_nets: &BTreeMap<u32, Net>,
+    ) -> Result<(), String> {
+        let uid = req.uid().as_str().to_owned();
+        if res.is_err() {
+            // A failure changes nothing, unless a fault stopped it half-way (or the
+            // journal cannot be written): then the journal says what is left, never
+            // more than there was.
+            if fault_pending || self.handover_blocked() {
+                self.sync_from_journal(&uid)?;
+            }
+            return Ok(());
+        }
+        let Some(r) = mine else {
+            return Ok(());
+        };
+        match req {
+            Request::AdoptAddress { address, .. } => {
+                if !may_adopt(*address) {
+                    return Err(format!("{req:?} done: an address it must refuse"));
+                }
+                let there = |nets: &BTreeMap<u32, Net>| net_has(&nets[&r.netns], *address);
+                if !there(&self.k.world().nets) {
+                    return Err(format!(
+                        "{req:?} done, the address is not in netns {}",
+                        r.netns
+                    ));
+                }
+                match self.adopted.get(&(uid.clone(), *address)) {
+                    Some(x) if x.holder != r.process => {
+                        return Err(format!("{req:?} done for another holder: {x:?}"));
+                    }
+                    Some(_) => {}
+                    // There before (the pod's own): nothing recorded.
+                    None if there(pre_nets) => {}
+                    None => {
+                        let deadline = self.k.unix_now() + self.cfg.address_linger.as_secs();
+                        self.adopted.insert(
+                            (uid, *address),
+                            Adopted {
+                                netns: r.netns,
+                                holder: r.process,
+                                restored: false,
+                                deadline,
+                            },
+                        );
+                    }
+                }
+            }
+            Request::ReleaseAddress { address, .. } => {
+                let key = (uid, *address);
+                if self
+                    .adopted
+                    .get(&key)
+                    .is_some_and(|x| x.holder == r.process)
+                {
+                    self.adopted.remove(&key);
+                    if net_has(&self.k.world().nets[&r.netns], *address) {
+                        return Err(format!("{req:?} done, the address is still there"));
+                    }
+                }
+            }
+            Request::MoveCgroup { .. } => {
+                for ((u, _), x) in self.adopted.iter_mut() {
+                    if *u == uid && x.holder == r.process {
+                        x.restored = true;
+                    }
+                }
+            }
+            Request::Forget { .. } => self.end_adoptions(&uid),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A registration of `uid` ended: its adoptions not restored are gone (withdrawn,
+    /// or left in the namespace of a holder that died).
+    fn end_adoptions(&mut self, uid: &str) {
+        let live = self.k.world().procs.clone();
+        let ended: Vec<(String, IpAddr)> = self
+            .adopted
+            .iter()
+            .filter(|((u, _), x)| u == uid && !x.restored)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in ended {
+            let x = self.adopted.remove(&k).expect("listed");
+            if !live_as(&live, x.holder) {
+                self.abandoned.insert((x.netns, k.1));
+            }
+        }
+    }
+
+    /// Whether a symlink was planted at the hand-over journal's directory: every write
+    /// of a non-empty record is refused from then on, so what the broker withdraws it
+    /// cannot always take out of its records.
+    fn handover_blocked(&self) -> bool {
+        self.k
+            .world()
+            .symlinks
+            .contains(&Path::new(RUN_DIR).join("netns").join(".handover"))
+    }
+
+    /// After a failure a fault cut short: the adoptions of `uid` are what the journal
+    /// holds, which must be some of those there were, unchanged.
+    fn sync_from_journal(&mut self, uid: &str) -> Result<(), String> {
+        let journal = self.handover_journal(&self.k.world())?;
+        let now = journal.get(uid).cloned().unwrap_or_default();
+        let procs = self.k.world().procs.clone();
+        let before: Vec<(String, IpAddr)> = self
+            .adopted
+            .keys()
+            .filter(|(u, _)| u == uid)
+            .cloned()
+            .collect();
+        for r in &now {
+            let key = (uid.to_owned(), r.address);
+            match self.adopted.get(&key) {
+                Some(x)
+                    if x.holder == r.holder
+                        && x.restored == r.restored
+                        && x.deadline == r.deadline => {}
+                other => {
+                    return Err(format!(
+                        "after a failure the hand-over journal holds {r:?}, which was {other:?}"
+                    ));
+                }
+            }
+        }
+        for key in before {
+            if !now.iter().any(|r| r.address == key.1) {
+                let x = self.adopted.remove(&key).expect("listed");
+                if !live_as(&procs, x.holder) {
+                    self.abandoned.insert((x.netns, key.1));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Time passes (`secs`), then the broker's sweep runs: what it must withdraw is
+    /// predicted from the adoptions, the clock, the registrations and the connections
+    /// of each holder's namespace.
+    fn sweep(&mut self, secs: u64, fault_pending: bool) -> Result<Allowed, String> {
+        self.k.world().clock += Duration::from_secs(secs);
+        let a = Allowed {
+            may_withdraw: self
+                .adopted
+                .iter()
+                .map(|((_, ad), x)| (x.netns, *ad))
+                .collect(),
+            ..Allowed::default()
+        };
+        let keys: Vec<(String, IpAddr)> = self.adopted.keys().cloned().collect();
+        self.broker.sweep();
+        if fault_pending || self.handover_blocked() {
+            for u in keys.iter().map(|(u, _)| u.clone()).collect::<BTreeSet<_>>() {
+                self.sync_from_journal(&u)?;
+            }
+            return Ok(a);
+        }
+        self.predict_sweep();
+        Ok(a)
+    }
+
+    /// What one sweep leaves of the adoptions (see [`Broker::sweep`]).
+    fn predict_sweep(&mut self) {
+        let w = self.k.world();
+        let now = UNIX_EPOCH_AT_START + w.clock.as_secs();
+        let procs = w.procs.clone();
+        drop(w);
+        let model = &self.model;
+        let mut abandoned = Vec::new();
+        self.adopted.retain(|(u, a), x| {
+            if !live_as(&procs, x.holder) {
+                abandoned.push((x.netns, *a));
+                return false;
+            }
+            let registered = model
+                .get(u)
+                .is_some_and(|r| r.role == BrokerRole::Target && r.process == x.holder);
+            let used = procs.values().any(|p| {
+                !p.zombie
+                    && p.netns == x.netns
+                    && p.sockets
+                        .iter()
+                        .any(|s| !s.addrs.listening && s.addrs.local.is_some_and(|l| l.ip() == *a))
+            });
+            !(now >= x.deadline || (!x.restored && !registered) || (x.restored && !used))
+        });
+        self.abandoned.extend(abandoned);
+    }
+
+    /// The hand-over journal, by migration (every record must parse, name a valid UID
+    /// and hold at most [`crate::handover::MAX_ADOPTED`] addresses, each once).
+    fn handover_journal(&self, w: &World) -> Result<BTreeMap<String, Vec<Adoption>>, String> {
+        let dir = Path::new(RUN_DIR).join("netns").join(".handover");
+        let mut out = BTreeMap::new();
+        for (p, body) in w.files.iter().filter(|(p, _)| p.parent() == Some(&dir)) {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if MigrationUid::parse(&name).is_err() {
+                return Err(format!("hand-over record at {p:?}"));
+            }
+            let list = parse_journal_body(body)
+                .ok_or_else(|| format!("unreadable hand-over record {p:?}"))?;
+            let addrs: BTreeSet<IpAddr> = list.iter().map(|r| r.address).collect();
+            if list.is_empty()
+                || list.len() > crate::handover::MAX_ADOPTED
+                || addrs.len() != list.len()
+            {
+                return Err(format!("hand-over record {p:?}: {list:?}"));
+            }
+            out.insert(name, list);
+        }
+        Ok(out)
     }
 
     /// Connection `conn` ends: its locked (or maybe locked) sources are rolled back,
     /// its fenced ones killed.
-    fn lose_lease(&mut self, conn: u64, pre_model: &BTreeMap<String, Reg>) -> Allowed {
+    fn lose_lease(
+        &mut self,
+        conn: u64,
+        pre_model: &BTreeMap<String, Reg>,
+    ) -> Result<Allowed, String> {
         self.k.world().fault = None;
         let mut a = Allowed {
             sigs: &[Signal::SIGCONT],
@@ -1270,12 +1836,32 @@ impl Harness {
             }
         }
         self.broker.lease_lost(conn);
-        self.model.retain(|_, r| r.conn != conn);
-        a
+        let mut ended = Vec::new();
+        self.model.retain(|u, r| {
+            if r.conn == conn {
+                ended.push(u.clone());
+            }
+            r.conn != conn
+        });
+        for u in &ended {
+            a.may_withdraw.extend(
+                self.adopted
+                    .iter()
+                    .filter(|((x, _), ad)| x == u && !ad.restored)
+                    .map(|((_, addr), ad)| (ad.netns, *addr)),
+            );
+            if self.handover_blocked() {
+                // Withdrawn, but perhaps still recorded: the journal says.
+                self.sync_from_journal(u)?;
+            } else {
+                self.end_adoptions(u);
+            }
+        }
+        Ok(a)
     }
 
     /// A new broker over the same node recovers what the old one had locked.
-    fn restart(&mut self, pre_model: &BTreeMap<String, Reg>) -> Allowed {
+    fn restart(&mut self, pre_model: &BTreeMap<String, Reg>) -> Result<Allowed, String> {
         self.k.world().fault = None;
         let mut a = Allowed {
             sigs: &[Signal::SIGCONT],
@@ -1298,10 +1884,25 @@ impl Harness {
                 self.killed_netns.insert(r.netns);
             }
         }
-        self.broker = Broker::with_kernel(cfg(), self.k.clone());
+        a.may_withdraw = self
+            .adopted
+            .iter()
+            .map(|((_, ad), x)| (x.netns, *ad))
+            .collect();
+        self.broker = Broker::with_kernel(self.cfg.clone(), self.k.clone());
         self.broker.recover();
+        // Its registrations ended with the old broker; then one sweep (which drops
+        // the records of holders that died, as the loading does).
         self.model.clear();
-        a
+        if self.handover_blocked() {
+            let uids: BTreeSet<String> = self.adopted.keys().map(|(u, _)| u.clone()).collect();
+            for u in uids {
+                self.sync_from_journal(&u)?;
+            }
+        } else {
+            self.predict_sweep();
+        }
+        Ok(a)
     }
 
     /// A source whose pinned process died while locked cannot be entered any more
@@ -1332,15 +1933,22 @@ impl Harness {
             Op::Reuse { pid, like } if pid != w.broker_pid && pid != 1 => w.reuse(pid, like),
             Op::Spawn { parent } => w.spawn(parent),
             Op::Fault(f) => w.fault = Some(f),
-            Op::Symlink { uid, journal } => {
+            Op::Symlink {
+                uid,
+                journal,
+                handover,
+            } => {
                 let p = if journal {
                     Path::new(RUN_DIR).join("netns").join(".journal")
+                } else if handover {
+                    Path::new(RUN_DIR).join("netns").join(".handover")
                 } else {
                     Self::netns_path(UIDS[uid])
                 };
                 w.symlinks.insert(p);
             }
             Op::DetachOnSleep(on) => w.detach_on_sleep = on,
+            Op::Connect { pid, address } => w.connect(pid, address),
             _ => {}
         }
     }
@@ -1488,7 +2096,55 @@ impl Harness {
         check_thawed(&w, pre, &allowed.rolled_back)?;
         check_killed(&w, pre, &allowed.killed)?;
         self.check_mounts_and_journal(&w)?;
+        self.check_adoptions(&w)?;
         self.check_networks(&w)
+    }
+
+    /// Adoptions: the hand-over journal holds exactly the adoptions the harness expects
+    /// (address, holder, restored, deadline), and the broker's memory exactly the
+    /// journal.
+    fn check_adoptions(&self, w: &World) -> Result<(), String> {
+        let journal = self.handover_journal(w)?;
+        let have: BTreeMap<(String, IpAddr), Adopted> = journal
+            .iter()
+            .flat_map(|(u, list)| {
+                list.iter().map(|r| {
+                    let netns = self
+                        .adopted
+                        .get(&(u.clone(), r.address))
+                        .map_or(0, |x| x.netns);
+                    (
+                        (u.clone(), r.address),
+                        Adopted {
+                            netns,
+                            holder: r.holder,
+                            restored: r.restored,
+                            deadline: r.deadline,
+                        },
+                    )
+                })
+            })
+            .collect();
+        if have != self.adopted {
+            return Err(format!(
+                "hand-over journal {have:?}, expected {:?}",
+                self.adopted
+            ));
+        }
+        let memory = self.broker.adoptions();
+        // With the journal's directory a planted symlink, a record the broker dropped
+        // (a holder gone, nothing to withdraw) may stay in the journal.
+        let subset = memory.iter().all(|(u, l)| {
+            journal
+                .get(u)
+                .is_some_and(|j| l.iter().all(|r| j.contains(r)))
+        });
+        if memory != journal && !(self.handover_blocked() && subset) {
+            return Err(format!(
+                "the broker holds the adoptions {memory:?}, its journal {journal:?}"
+            ));
+        }
+        Ok(())
     }
 
     /// Mounts: exactly those of the bound target registrations. Journal: exactly the
@@ -1511,7 +2167,12 @@ impl Harness {
             .filter(|(_, r)| r.locked && !r.killed)
             .map(|(u, _)| jdir.join(u))
             .collect();
-        let have: BTreeSet<PathBuf> = w.files.keys().cloned().collect();
+        let have: BTreeSet<PathBuf> = w
+            .files
+            .keys()
+            .filter(|p| p.parent() == Some(&jdir))
+            .cloned()
+            .collect();
         if want != have {
             return Err(format!("journal {have:?}, expected {want:?}"));
         }
@@ -1519,13 +2180,51 @@ impl Harness {
     }
 
     /// Networks: the node's is never touched; a pod's is as it was once no
-    /// registration holds it (unless its source was killed: commit).
+    /// registration holds it (unless its source was killed: commit), but for the
+    /// addresses adopted in it; and in no namespace is there an address the pod did
+    /// not have that is not an adoption the broker holds (or one whose holder died).
     fn check_networks(&self, w: &World) -> Result<(), String> {
         let node = w.node_netns;
         for (n, net) in &w.nets {
+            if *n != node && self.ever_locked.contains(n) && self.ever_adopted.contains(n) {
+                continue;
+            }
+            let adopted: BTreeSet<IpAddr> = self
+                .adopted
+                .iter()
+                .filter(|(_, x)| x.netns == *n)
+                .map(|((_, a), _)| *a)
+                .chain(
+                    self.abandoned
+                        .iter()
+                        .filter(|(x, _)| x == n)
+                        .map(|(_, a)| *a),
+                )
+                .collect();
+            let base = &self.baseline[n];
+            let mut stripped = net.canonical();
+            for set in [&mut stripped.addrs4, &mut stripped.addrs6] {
+                for (cidr, link) in set.clone() {
+                    let extra = !base.addrs4.contains(&(cidr.clone(), link.clone()))
+                        && !base.addrs6.contains(&(cidr.clone(), link.clone()));
+                    if !extra {
+                        continue;
+                    }
+                    let a = cidr
+                        .split('/')
+                        .next()
+                        .and_then(|a| a.parse::<IpAddr>().ok());
+                    if !a.is_some_and(|a| adopted.contains(&a)) {
+                        return Err(format!(
+                            "netns {n} holds {cidr} on {link}, an address nobody adopted"
+                        ));
+                    }
+                    set.remove(&(cidr, link));
+                }
+            }
             let held = self.model.values().any(|r| r.netns == *n);
             let exempt = *n != node && (held || self.killed_netns.contains(n));
-            if !exempt && net.canonical() != self.baseline[n] {
+            if !exempt && stripped != *base {
                 return Err(format!(
                     "netns {n} left changed: {:?}, was {:?}",
                     net.canonical(),
@@ -1557,6 +2256,13 @@ struct Allowed {
     kill_roots: Vec<(ProcRef, u32)>,
     /// Fenced sources whose lease ended in this step: nothing of their trees may live.
     killed: Vec<ProcRef>,
+    /// The one address that may be adopted, and the netns it may go into.
+    adopt_into: Option<(u32, IpAddr)>,
+    /// The adopted addresses that may be withdrawn (netns, address).
+    may_withdraw: BTreeSet<(u32, IpAddr)>,
+    /// Adopted addresses that may be announced though gone at the step's end (netns,
+    /// address): see [`Harness::step`].
+    announced_adoptions: BTreeSet<(u32, IpAddr)>,
 }
 
 impl Allowed {
@@ -1587,16 +2293,29 @@ impl Allowed {
             Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
             // Only a pod's own address, on its own link, never from the node.
             Effect::Announced { netns, link, addr } => {
+                let gone_adoption = addr
+                    .parse()
+                    .is_ok_and(|a| self.announced_adoptions.contains(&(*netns, a)));
                 *netns != node
-                    && nets.get(netns).is_some_and(|n| {
-                        n.addrs4
-                            .iter()
-                            .chain(&n.addrs6)
-                            .any(|(a, l)| l == link && same_addr(a, addr))
-                    })
+                    && (gone_adoption
+                        || nets.get(netns).is_some_and(|n| {
+                            n.addrs4
+                                .iter()
+                                .chain(&n.addrs6)
+                                .any(|(a, l)| l == link && same_addr(a, addr))
+                        }))
             }
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
+            }
+            // Only into the namespace of this agent's target holder, only the address
+            // asked for, only one the hand-over allows.
+            Effect::AddrAdded { netns, addr, .. } => {
+                *netns != node && self.adopt_into == Some((*netns, *addr)) && may_adopt(*addr)
+            }
+            // Only an address the broker adopted, from where it adopted it.
+            Effect::AddrRemoved { netns, addr, .. } => {
+                *netns != node && self.may_withdraw.contains(&(*netns, *addr))
             }
             Effect::Moved { pid, to } => {
                 self.may_move
@@ -1617,6 +2336,34 @@ impl Allowed {
             }
         }
     }
+}
+
+/// Whether process `p` is alive with its pinned start time.
+fn live_as(procs: &BTreeMap<i32, Proc>, p: ProcRef) -> bool {
+    procs
+        .get(&p.pid)
+        .is_some_and(|x| !x.zombie && x.start_time == p.start_time)
+}
+
+/// Whether `net` has address `a` (any link, any prefix length).
+fn net_has(net: &Net, a: IpAddr) -> bool {
+    net.addrs4
+        .iter()
+        .chain(&net.addrs6)
+        .any(|(c, _)| same_addr(c, &a.to_string()))
+}
+
+/// Whether the broker cannot tell which link of `net` takes `a`: not there already, no
+/// default route of its family, and not exactly one link but `lo`.
+fn no_link_for(net: &Net, a: IpAddr) -> bool {
+    let routes = if a.is_ipv4() {
+        &net.routes4
+    } else {
+        &net.routes6
+    };
+    !net_has(net, a)
+        && !routes.iter().any(|r| r.starts_with("default "))
+        && net.links.keys().filter(|l| *l != "lo").count() != 1
 }
 
 /// A root the broker may act on: live with its pinned start time, in a pod cgroup, not

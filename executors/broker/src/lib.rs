@@ -13,9 +13,14 @@
 //! (`fence`: the operator is about to restore it on the target): a fenced source is
 //! never resumed by the broker (`resume` is refused until `unfence`), and a lost lease
 //! or a restart kills its tree instead, so it never runs beside its restored copy.
+//!
+//! Where the installer enabled it (`--address-handover-cidrs`), a target can take over
+//! the source pod's address ([`handover`]: `adopt_address`, `release_address`), journalled
+//! and swept by a background thread until no moved connection uses it.
 #![deny(unsafe_code)]
 
 pub mod fake;
+pub mod handover;
 #[allow(unsafe_code)]
 pub mod kernel;
 pub mod os;
@@ -55,6 +60,16 @@ pub struct Config {
     /// binary; off only where a test harness stands processes in cgroups that carry no
     /// container ID (the agent crate's testbed: `src` and `tgt`).
     pub container_cgroups: bool,
+    /// The pod address hand-over (`adopt_address`, `--address-handover-cidrs`): the
+    /// networks an adopted address must lie in. Empty: the hand-over is off
+    /// (`HandoverOff`).
+    pub handover_cidrs: Vec<handover::Cidr>,
+    /// The longest an adopted address stays (`--address-linger-seconds`): past this,
+    /// counted from its adoption, the sweep withdraws it, moved connections or not.
+    pub address_linger: Duration,
+    /// How often the background sweep of adopted addresses runs
+    /// ([`Broker::spawn_sweeper`], started by [`Broker::serve`]; 2 s in the binary).
+    pub sweep_interval: Duration,
 }
 
 /// The registrations, by migration UID.
@@ -72,7 +87,9 @@ pub struct Config {
 ///   a time, those on different migrations in parallel.
 ///
 /// Lock order: an entry's `state`, then the map; never the map while waiting for an
-/// entry, and never two entries at once. What the map-side checks need (the holding
+/// entry, and never two entries at once. The adopted addresses (`adopt_address`) have
+/// locks of their own, taken after a `state` and before the map (see [`handover`]).
+/// What the map-side checks need (the holding
 /// connection, role, process, cgroup) is fixed at `register` and kept outside `state`,
 /// so `Busy`, `WrongRole` and the "process of another migration" refusal never wait
 /// for another migration's kernel work.
@@ -132,6 +149,8 @@ pub struct Broker<K: Kernel = RealKernel> {
     kernel: K,
     entries: Mutex<Entries>,
     next_conn: AtomicU64,
+    /// The addresses adopted by `adopt_address`, by migration ([`handover`]).
+    handover: handover::Table,
 }
 
 /// Whether cgroup path `cgroup` lies under one of `roots` (comma-separated: nodes that
@@ -207,6 +226,7 @@ impl<K: Kernel> Broker<K> {
             kernel,
             entries: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            handover: handover::Table::default(),
         })
     }
 
@@ -229,11 +249,13 @@ impl<K: Kernel> Broker<K> {
         self.entries.lock().expect("broker state")
     }
 
-    /// Takes the run directory, recovers what a previous broker left there, binds the
-    /// socket (0600) and serves forever, one thread per connection.
+    /// Takes the run directory, recovers what a previous broker left there, starts the
+    /// sweep of adopted addresses, binds the socket (0600) and serves forever, one
+    /// thread per connection.
     pub fn serve(self: &Arc<Self>, socket: &std::path::Path) -> std::io::Result<()> {
         let _owner = self.own_run_dir()?;
         self.recover();
+        self.spawn_sweeper();
         let listener = self.bind(socket)?;
         self.serve_listener(listener)
     }
@@ -377,6 +399,11 @@ impl<K: Kernel> Broker<K> {
                 }
                 _ => {}
             }
+            // Adoptions not yet restored end with the lease (best effort: what cannot
+            // be withdrawn now stays recorded, and the sweep withdraws it).
+            if let Err(err) = self.end_adoptions(&uid) {
+                tracing::warn!(%uid, error = %err, "agent gone: adopted address not withdrawn yet");
+            }
             self.remove(&uid, &e, &mut s);
         }
     }
@@ -435,7 +462,10 @@ impl<K: Kernel> Broker<K> {
     /// is rolled back — sockets out of repair, links and routes restored, SIGCONT — or,
     /// if it was fenced, killed; and every netns bind mount it had made is removed. Its
     /// agents' connections (the leases) ended with it, so this is what `lease_lost`
-    /// would have done. Returns the migration UIDs rolled back or killed.
+    /// would have done. The addresses it adopted are loaded from their journal and
+    /// swept: those not restored are withdrawn (their leases ended), the restored ones
+    /// stay while a moved connection uses them. Returns the migration UIDs rolled back
+    /// or killed.
     pub fn recover(&self) -> Vec<String> {
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
@@ -476,6 +506,8 @@ impl<K: Kernel> Broker<K> {
                 let _ = self.unbind(&uid);
             }
         }
+        self.load_adoptions();
+        self.sweep();
         rolled
     }
 
@@ -543,7 +575,15 @@ impl<K: Kernel> Broker<K> {
                 self.with_entry(uid, conn, TARGET, |_, s| self.unbind_netns(uid, s))
             }
             Request::MoveCgroup { uid, process } => {
-                self.with_entry(uid, conn, TARGET, |e, _| self.move_cgroup(e, *process))
+                self.with_entry(uid, conn, TARGET, |e, _| self.move_cgroup(uid, e, *process))
+            }
+            Request::AdoptAddress { uid, address } => self.with_entry(uid, conn, TARGET, |e, _| {
+                self.adopt_address(uid, e, *address)
+            }),
+            Request::ReleaseAddress { uid, address } => {
+                self.with_entry(uid, conn, TARGET, |e, _| {
+                    self.release_address(uid, e, *address)
+                })
             }
             Request::LockNetwork { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.lock_network(uid, e, s))
@@ -767,7 +807,14 @@ impl<K: Kernel> Broker<K> {
 
     /// Moves a restored tree into the cgroups of the target pod's registered process;
     /// only a tree in that pod's network namespace, never the registered process itself.
-    fn move_cgroup(&self, e: &Entry, process: ProcRef) -> Result<Reply, BrokerError> {
+    /// The migration's adopted addresses are restored from then on (journalled: if that
+    /// fails, the move is reported failed, since its addresses would not outlive it).
+    fn move_cgroup(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        process: ProcRef,
+    ) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
         if process.pid == e.process.pid
             || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(e.process.pid)?
@@ -783,6 +830,16 @@ impl<K: Kernel> Broker<K> {
         let tree = self.kernel.tree(process.pid);
         self.kernel
             .move_into_cgroups_of(e.process.pid, &e.cgroup, &tree)?;
+        self.mark_restored(uid, e.process).map_err(|j| {
+            err(
+                j.kind,
+                format!(
+                    "{} pids moved, but the adopted addresses could not be journalled as restored: {}",
+                    tree.len(),
+                    j.message
+                ),
+            )
+        })?;
         Ok(Reply::Moved {
             pids: tree.len() as u32,
         })
@@ -833,7 +890,8 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Done)
     }
 
-    /// Ends a registration (a no-op if there is none) once its mount and lock are undone.
+    /// Ends a registration (a no-op if there is none) once its mount and lock are undone
+    /// and its adoptions not yet restored withdrawn.
     fn forget(&self, conn: u64, uid: &MigrationUid) -> Result<Reply, BrokerError> {
         let Some(e) = self.held(uid, conn)? else {
             return Ok(Reply::Done);
@@ -842,6 +900,10 @@ impl<K: Kernel> Broker<K> {
         if s.gone {
             return Ok(Reply::Done);
         }
+        // Adoptions not yet restored end with the registration; restored ones linger
+        // (a commit: the moved connections run on) until the sweep withdraws them.
+        // First, so that a failure here has undone nothing else.
+        self.end_adoptions(uid)?;
         // The registration goes only once its mount and lock are undone: a
         // failed forget keeps the lease, so a retry or the rollback still can.
         if s.netns_bound {
@@ -1662,6 +1724,9 @@ mod tests {
                 allowed_uid: nix::unistd::geteuid().as_raw(),
                 same_netns_peers: false,
                 container_cgroups: true,
+                handover_cidrs: Vec::new(),
+                address_linger: Duration::from_secs(3600),
+                sweep_interval: Duration::from_secs(2),
             },
             k.clone(),
         );

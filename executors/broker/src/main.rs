@@ -3,7 +3,17 @@
 #![forbid(unsafe_code)]
 
 use clap::Parser;
+use podmotion_broker::handover::{Cidr, parse_cidrs};
 use std::path::PathBuf;
+use std::time::Duration;
+
+/// `--address-handover-cidrs`: a comma-separated list, empty for none.
+#[derive(Clone, Debug)]
+struct Cidrs(Vec<Cidr>);
+
+fn cidrs(s: &str) -> Result<Cidrs, String> {
+    parse_cidrs(s).map(Cidrs)
+}
 
 #[derive(Parser, Debug)]
 #[command(version, about)]
@@ -24,6 +34,25 @@ struct Args {
     /// The agent's uid (SO_PEERCRED).
     #[arg(long, env = "PODMOTION_AGENT_UID", default_value_t = 0)]
     allowed_uid: u32,
+    /// The pod address hand-over (`adopt_address`): comma-separated CIDRs an adopted
+    /// address must lie in (the nodes' shared pod segment, e.g. `198.18.0.0/16`). Empty
+    /// (the default): the hand-over is off, `adopt_address` answers `handover_off`.
+    #[arg(
+        long,
+        env = "PODMOTION_ADDRESS_HANDOVER_CIDRS",
+        default_value = "",
+        value_parser = cidrs
+    )]
+    address_handover_cidrs: Cidrs,
+    /// The longest an adopted address stays after its adoption: the sweep withdraws it
+    /// then, even while a moved connection still uses it.
+    #[arg(
+        long,
+        env = "PODMOTION_ADDRESS_LINGER_SECONDS",
+        default_value_t = 3600,
+        value_parser = clap::value_parser!(u64).range(1..=86400)
+    )]
+    address_linger_seconds: u64,
     /// Log format: `json` (one object per line) or `text`.
     #[arg(long, env = podmotion_log::ENV, default_value = "json")]
     log_format: podmotion_log::LogFormat,
@@ -38,17 +67,67 @@ fn main() -> anyhow::Result<()> {
         allowed_uid: a.allowed_uid,
         same_netns_peers: true,
         container_cgroups: true,
+        handover_cidrs: a.address_handover_cidrs.0.clone(),
+        address_linger: Duration::from_secs(a.address_linger_seconds),
+        sweep_interval: Duration::from_secs(2),
     });
-    tracing::info!(socket = %a.socket.display(), "broker serving");
+    let cidrs: Vec<String> = a
+        .address_handover_cidrs
+        .0
+        .iter()
+        .map(Cidr::to_string)
+        .collect();
+    tracing::info!(
+        socket = %a.socket.display(),
+        address_handover_cidrs = %cidrs.join(","),
+        address_linger_seconds = a.address_linger_seconds,
+        "broker serving"
+    );
     broker.serve(&a.socket)?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     #[test]
     fn cli_is_consistent() {
         use clap::CommandFactory;
         super::Args::command().debug_assert();
+    }
+
+    #[test]
+    fn the_hand_over_is_off_by_default_and_its_flags_parse() {
+        let a = super::Args::try_parse_from(["b"]).unwrap();
+        assert!(a.address_handover_cidrs.0.is_empty());
+        assert_eq!(a.address_linger_seconds, 3600);
+        // The chart's rendering of an empty list.
+        let a = super::Args::try_parse_from(["b", "--address-handover-cidrs="]).unwrap();
+        assert!(a.address_handover_cidrs.0.is_empty());
+        let a = super::Args::try_parse_from([
+            "b",
+            "--address-handover-cidrs",
+            "198.18.0.0/15, 2001:db8::/32",
+            "--address-linger-seconds",
+            "86400",
+        ])
+        .unwrap();
+        let got: Vec<String> = a
+            .address_handover_cidrs
+            .0
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got, ["198.18.0.0/15", "2001:db8::/32"]);
+        for bad in [
+            &["b", "--address-handover-cidrs", "198.18.0.0/15,10.0.0.1/8"][..],
+            &["b", "--address-handover-cidrs", "pods"],
+            &["b", "--address-linger-seconds", "0"],
+            &["b", "--address-linger-seconds", "86401"],
+        ] {
+            let e = super::Args::try_parse_from(bad).unwrap_err().to_string();
+            assert!(e.contains(bad[2].split(',').next_back().unwrap()), "{e}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The broker's kernel layer: everything [`crate::Broker`] reaches the node through —
 //! /proc lookups, signals, `pidfd_getfd` and TCP repair, `ip` in a pod's network
-//! namespace, bind mounts, cgroup writes, the journal files and the clock — behind one
+//! namespace, bind mounts, cgroup writes, the journal files, a namespace's TCP table
+//! and the clocks — behind one
 //! trait, [`Kernel`]. The binary uses [`RealKernel`] (the calls it always made, moved
 //! here unchanged); tests and the fuzzer use [`crate::fake::FakeKernel`], a small
 //! simulated node, so that the dispatcher can be driven hard without touching a real
@@ -84,10 +85,19 @@ pub trait Kernel: Send + Sync + 'static {
     /// Writes `body` to `dir/name` atomically (0600, `dir` made 0700, never a symlink).
     fn journal_write(&self, dir: &Path, name: &str, body: &[u8]) -> Result<(), BrokerError>;
     fn remove_file(&self, path: &Path);
-    /// (file name, path) of each entry of `dir`; empty if it cannot be read.
+    /// (file name, path) of each entry of `dir`; empty if it cannot be read or is a
+    /// symlink (never followed).
     fn read_dir(&self, dir: &Path) -> Vec<(String, PathBuf)>;
+    /// The contents of the regular file at `path`; `None` if it cannot be read or is a
+    /// symlink (never followed).
     fn read_file(&self, path: &Path) -> Option<Vec<u8>>;
+    /// The local address and state (`/proc/net/tcp`'s `st`) of every TCP socket in the
+    /// network namespace of `pid`.
+    fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(std::net::IpAddr, u8)>>;
     fn now(&self) -> Instant;
+    /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
+    /// deadlines, which must survive a broker restart).
+    fn unix_now(&self) -> u64;
     fn sleep(&self, d: Duration);
 
     /// The process named by `p`, or a typed error if it died or its pid was reused.
@@ -309,11 +319,24 @@ impl Kernel for RealKernel {
         std::fs::rename(&tmp, dir.join(name)).map_err(kerr)
     }
 
+    /// Never through a symlink planted at the file's directory (the file itself, a
+    /// link, is removed, not followed).
     fn remove_file(&self, path: &Path) {
+        if path
+            .parent()
+            .is_some_and(|d| std::fs::symlink_metadata(d).is_ok_and(|m| m.file_type().is_symlink()))
+        {
+            tracing::warn!(file = %path.display(), "not removed: its directory is a symlink");
+            return;
+        }
         let _ = std::fs::remove_file(path);
     }
 
     fn read_dir(&self, dir: &Path) -> Vec<(String, PathBuf)> {
+        if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            tracing::warn!(dir = %dir.display(), "a symlink where the broker keeps its records: not followed");
+            return Vec::new();
+        }
         std::fs::read_dir(dir)
             .into_iter()
             .flatten()
@@ -323,11 +346,33 @@ impl Kernel for RealKernel {
     }
 
     fn read_file(&self, path: &Path) -> Option<Vec<u8>> {
-        std::fs::read(path).ok()
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+            .open(path)
+            .ok()?;
+        if !f.metadata().ok()?.is_file() {
+            return None;
+        }
+        let mut body = Vec::new();
+        f.read_to_end(&mut body).ok()?;
+        Some(body)
+    }
+
+    fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(std::net::IpAddr, u8)>> {
+        procfs::tcp_states(pid)
     }
 
     fn now(&self) -> Instant {
         Instant::now()
+    }
+
+    fn unix_now(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
     }
 
     fn sleep(&self, d: Duration) {

@@ -248,6 +248,61 @@ pub fn tcp_fds(pid: i32) -> Vec<(i32, u64)> {
     out
 }
 
+/// TCP socket states as `/proc/net/tcp` prints them (`st`, hex): those that keep no
+/// connection going. Every other state (established, closing, waiting for the peer's
+/// FIN…) holds a connection that still uses its local address.
+pub const TCP_LISTEN: u8 = 0x0A;
+pub const TCP_TIME_WAIT: u8 = 0x06;
+pub const TCP_CLOSE: u8 = 0x07;
+
+/// The local address and state of every TCP socket (IPv4 and IPv6) in the network
+/// namespace of `pid` (`/proc/<pid>/net/tcp` and `tcp6` show that namespace's). A
+/// namespace without IPv6 has no `tcp6`: nothing of it, not an error.
+pub fn tcp_states(pid: i32) -> std::io::Result<Vec<(std::net::IpAddr, u8)>> {
+    let mut out = parse_net_tcp(&std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))?);
+    match std::fs::read_to_string(format!("/proc/{pid}/net/tcp6")) {
+        Ok(s) => out.extend(parse_net_tcp(&s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    Ok(out)
+}
+
+/// The (local address, state) of each socket line of `/proc/net/tcp` or `tcp6`
+/// (`  0: 0100007F:1F90 00000000:0000 0A ...`). The kernel prints an IPv4 address as
+/// the 32-bit word it holds in network byte order, read in the machine's own order
+/// (`%08X`: `0100007F` is 127.0.0.1 on a little-endian machine), and an IPv6 address as
+/// four such words; so each word's bytes in the machine's order are the address's bytes
+/// in network order. An IPv4-mapped IPv6 address (a dual-stack socket's IPv4
+/// connection) is given as the IPv4 address it maps. Lines that do not parse are
+/// skipped.
+pub fn parse_net_tcp(text: &str) -> Vec<(std::net::IpAddr, u8)> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let word = |h: &str| u32::from_str_radix(h, 16).ok().map(u32::to_ne_bytes);
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            f.next()?.strip_suffix(':')?;
+            let (addr, _port) = f.next()?.split_once(':')?;
+            f.next()?;
+            let st = u8::from_str_radix(f.next()?, 16).ok()?;
+            let ip = match addr.len() {
+                8 => IpAddr::V4(Ipv4Addr::from(word(addr)?)),
+                32 => {
+                    let mut b = [0u8; 16];
+                    for (i, chunk) in b.chunks_exact_mut(4).enumerate() {
+                        chunk.copy_from_slice(&word(addr.get(8 * i..8 * i + 8)?)?);
+                    }
+                    let v6 = Ipv6Addr::from(b);
+                    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+                }
+                _ => return None,
+            };
+            Some((ip, st))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,5 +397,72 @@ mod tests {
             .kind,
             ErrorKind::PidReused
         );
+    }
+    /// `/proc/net/tcp` text for sockets, each word written the way the kernel does.
+    fn net_tcp_line(i: usize, local: std::net::IpAddr, port: u16, st: u8) -> String {
+        let words: Vec<[u8; 4]> = match local {
+            std::net::IpAddr::V4(a) => vec![a.octets()],
+            std::net::IpAddr::V6(a) => a
+                .octets()
+                .chunks_exact(4)
+                .map(|c| c.try_into().unwrap())
+                .collect(),
+        };
+        let hex: String = words
+            .iter()
+            .map(|w| format!("{:08X}", u32::from_ne_bytes(*w)))
+            .collect();
+        format!(
+            "{i:4}: {hex}:{port:04X} 00000000:0000 {st:02X} 00000000:00000000 00:00000000 00000000     0        0 {} 1 0000000000000000 100 0 0 10 0",
+            1000 + i
+        )
+    }
+
+    #[test]
+    fn tcp_sockets_are_read_with_their_local_address_and_state() {
+        use std::net::IpAddr;
+        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode";
+        let socks: Vec<(IpAddr, u8)> = vec![
+            ("198.18.2.20".parse().unwrap(), 0x01),
+            ("127.0.0.1".parse().unwrap(), TCP_LISTEN),
+            ("2001:db8:1:2:3:4:5:6".parse().unwrap(), 0x08),
+            ("fe80::1234:5678".parse().unwrap(), TCP_TIME_WAIT),
+        ];
+        let mut text = format!("{header}\n");
+        for (i, (a, st)) in socks.iter().enumerate() {
+            text += &net_tcp_line(i, *a, 8080, *st);
+            text += "\n";
+        }
+        // A dual-stack socket's IPv4 connection, in tcp6, is its IPv4 address.
+        text += &net_tcp_line(9, "::ffff:198.18.2.20".parse().unwrap(), 80, 0x01);
+        text += "\ngarbage line\n";
+        let mut want = socks.clone();
+        want.push(("198.18.2.20".parse().unwrap(), 0x01));
+        assert_eq!(parse_net_tcp(&text), want);
+    }
+
+    /// What this machine's kernel prints (little-endian x86): byte order as read.
+    #[cfg(target_endian = "little")]
+    #[test]
+    fn tcp_addresses_are_read_in_the_kernels_byte_order() {
+        let v4 = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0";
+        assert_eq!(
+            parse_net_tcp(v4),
+            [("127.0.0.1".parse().unwrap(), TCP_LISTEN)]
+        );
+        let v6 = "   0: B80D0120000000000000000001000000:1F90 00000000000000000000000000000000:0000 01 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0";
+        assert_eq!(parse_net_tcp(v6), [("2001:db8::1".parse().unwrap(), 0x01)]);
+    }
+
+    #[test]
+    fn the_tcp_sockets_of_our_own_namespace_are_read() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let me = std::process::id() as i32;
+        let states = tcp_states(me).unwrap();
+        assert!(
+            states.contains(&("127.0.0.1".parse().unwrap(), TCP_LISTEN)),
+            "{states:?}"
+        );
+        drop(l);
     }
 }

@@ -358,6 +358,7 @@ fn a_planted_symlink_is_refused_and_nothing_is_mounted() {
         Op::Symlink {
             uid: 2,
             journal: false,
+            handover: false,
         },
     );
     assert_eq!(
@@ -430,6 +431,7 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
         Op::Symlink {
             uid: 0,
             journal: true,
+            handover: false,
         },
     );
     ev(&mut h, Op::Fault(Fault::Ip(6)));
@@ -635,4 +637,521 @@ fn an_announcement_that_fails_never_fails_the_unlock() {
     );
     assert_eq!(h.kernel().world().nets[&10].canonical(), h_baseline(10));
     assert!(h.kernel().world().files.is_empty(), "the lock is gone");
+}
+
+// The address hand-over (`adopt_address`, `release_address`, the sweep). The harness's
+// broker allows 10.0.0.0/15 and 2001:db8::/32; the source pod (netns 10) has 10.0.10.5,
+// 10.1.10.5, 2001:db8:10::5 and 2001:db8:10:1::5, the target pod (netns 20, holder 200,
+// restored tree 201 → 202) 10.0.20.5 and 2001:db8:20::5.
+
+fn ip(s: &str) -> std::net::IpAddr {
+    s.parse().unwrap()
+}
+
+fn adopt(h: &mut Harness, conn: u64, u: &str, a: &str) -> Result<Reply, ErrorKind> {
+    req(
+        h,
+        conn,
+        Request::AdoptAddress {
+            uid: uid(u),
+            address: ip(a),
+        },
+    )
+}
+
+fn release(h: &mut Harness, conn: u64, u: &str, a: &str) -> Result<Reply, ErrorKind> {
+    req(
+        h,
+        conn,
+        Request::ReleaseAddress {
+            uid: uid(u),
+            address: ip(a),
+        },
+    )
+}
+
+/// The host addresses (`/32`, `/128`) of netns `n`, by link.
+fn host_addrs(h: &Harness, n: u32) -> Vec<(String, String)> {
+    let w = h.kernel().world();
+    let net = &w.nets[&n];
+    net.addrs4
+        .iter()
+        .chain(&net.addrs6)
+        .filter(|(c, _)| c.ends_with("/32") || c.ends_with("/128"))
+        .map(|(c, l)| (c.clone(), l.clone()))
+        .collect()
+}
+
+/// The hand-over journal record of `u`, as text.
+fn handover_record(h: &Harness, u: &str) -> Option<String> {
+    let w = h.kernel().world();
+    w.files
+        .iter()
+        .find(|(p, _)| p.ends_with(format!(".handover/{u}")))
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+}
+
+fn addr_effects(h: &Harness) -> Vec<Effect> {
+    h.kernel()
+        .world()
+        .effects
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Effect::AddrAdded { .. } | Effect::AddrRemoved { .. } | Effect::Announced { .. }
+            )
+        })
+        .cloned()
+        .collect()
+}
+
+fn target(h: &mut Harness) {
+    register(h, 1, "mig-c", BrokerRole::Target, 200).unwrap();
+}
+
+#[test]
+fn the_hand_over_is_off_unless_the_installer_gave_cidrs() {
+    let mut cfg = podmotion_broker::fake::config();
+    cfg.handover_cidrs.clear();
+    let mut h = Harness::with_config(cfg);
+    target(&mut h);
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.10.5"),
+        Err(ErrorKind::HandoverOff)
+    );
+    assert_eq!(addr_effects(&h), []);
+    assert_eq!(host_addrs(&h, 20), []);
+    // Nothing was adopted: releasing is done, and changes nothing.
+    assert_eq!(release(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    assert!(handover_record(&h, "mig-c").is_none());
+}
+
+#[test]
+fn an_address_outside_the_cidrs_or_never_a_pods_is_refused() {
+    let mut h = Harness::new();
+    target(&mut h);
+    for a in [
+        "10.2.10.5",
+        "192.0.2.1",
+        "2001:db9::5",
+        "127.0.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "169.254.1.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "ff02::1",
+        "fe80::1",
+        "::ffff:10.0.10.5",
+    ] {
+        assert_eq!(
+            adopt(&mut h, 1, "mig-c", a),
+            Err(ErrorKind::AddressNotAllowed),
+            "{a}"
+        );
+        assert_eq!(addr_effects(&h), [], "{a}");
+    }
+    assert_eq!(host_addrs(&h, 20), []);
+    assert!(handover_record(&h, "mig-c").is_none());
+}
+
+#[test]
+fn only_the_agent_holding_a_target_adopts_for_it() {
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    assert_eq!(
+        adopt(&mut h, 1, "mig-a", "10.0.99.7"),
+        Err(ErrorKind::WrongRole)
+    );
+    assert_eq!(
+        release(&mut h, 1, "mig-a", "10.0.99.7"),
+        Err(ErrorKind::WrongRole)
+    );
+    assert_eq!(
+        adopt(&mut h, 1, "mig-b", "10.0.99.7"),
+        Err(ErrorKind::NotRegistered)
+    );
+    target(&mut h);
+    assert_eq!(adopt(&mut h, 2, "mig-c", "10.0.99.7"), Err(ErrorKind::Busy));
+    // The pinned holder's pid now names another process.
+    ev(&mut h, Op::Reuse { pid: 200, like: 80 });
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.99.7"),
+        Err(ErrorKind::PidReused)
+    );
+    assert_eq!(host_addrs(&h, 20), []);
+    assert_eq!(host_addrs(&h, 30), []);
+}
+
+#[test]
+fn an_adoption_is_added_announced_journalled_and_idempotent() {
+    let mut h = Harness::new();
+    target(&mut h);
+    assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    assert_eq!(
+        addr_effects(&h),
+        [
+            Effect::AddrAdded {
+                netns: 20,
+                link: "eth0".into(),
+                addr: ip("10.0.10.5")
+            },
+            Effect::Announced {
+                netns: 20,
+                link: "eth0".into(),
+                addr: "10.0.10.5".into()
+            },
+        ]
+    );
+    let record = handover_record(&h, "mig-c").expect("journalled");
+    for part in [
+        r#""address":"10.0.10.5""#,
+        r#""link":"eth0""#,
+        r#""pid":200"#,
+        r#""restored":false"#,
+        &format!(
+            r#""deadline":{}"#,
+            podmotion_broker::fake::UNIX_EPOCH_AT_START + podmotion_broker::fake::LINGER_SECS
+        ),
+    ] {
+        assert!(record.contains(part), "{part} not in {record}");
+    }
+    // Again: done, and nothing more happens.
+    assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    assert_eq!(addr_effects(&h), []);
+    // The target's own address: done, not recorded (not the broker's to take back).
+    assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.20.5"), Ok(Reply::Done));
+    assert_eq!(addr_effects(&h), []);
+    assert!(!handover_record(&h, "mig-c").unwrap().contains("10.0.20.5"));
+    // IPv6: a /128.
+    assert_eq!(adopt(&mut h, 1, "mig-c", "2001:db8:10::5"), Ok(Reply::Done));
+    assert_eq!(
+        host_addrs(&h, 20),
+        [
+            ("10.0.10.5/32".to_owned(), "eth0".to_owned()),
+            ("2001:db8:10::5/128".to_owned(), "eth0".to_owned())
+        ]
+    );
+}
+
+#[test]
+fn release_withdraws_only_what_was_adopted() {
+    let mut h = Harness::new();
+    target(&mut h);
+    adopt(&mut h, 1, "mig-c", "10.0.10.5").unwrap();
+    assert_eq!(release(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    assert_eq!(
+        addr_effects(&h),
+        [Effect::AddrRemoved {
+            netns: 20,
+            link: "eth0".into(),
+            addr: ip("10.0.10.5")
+        }]
+    );
+    assert_eq!(host_addrs(&h, 20), []);
+    assert!(handover_record(&h, "mig-c").is_none());
+    // Idempotent; and the pod's own address is never the broker's to remove.
+    assert_eq!(release(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    adopt(&mut h, 1, "mig-c", "10.0.20.5").unwrap();
+    assert_eq!(release(&mut h, 1, "mig-c", "10.0.20.5"), Ok(Reply::Done));
+    assert_eq!(addr_effects(&h), []);
+    assert!(
+        h.kernel().world().nets[&20]
+            .addrs4
+            .contains(&("10.0.20.5/24".to_owned(), "eth0".to_owned()))
+    );
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+}
+
+#[test]
+fn forget_or_a_lost_lease_before_the_restored_tree_moved_withdraws_the_adoption() {
+    for lease in [false, true] {
+        let mut h = Harness::new();
+        target(&mut h);
+        adopt(&mut h, 1, "mig-c", "10.0.10.5").unwrap();
+        adopt(&mut h, 1, "mig-c", "2001:db8:10::5").unwrap();
+        if lease {
+            ev(&mut h, Op::LeaseLost { conn: 1 });
+        } else {
+            req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+        }
+        assert_eq!(host_addrs(&h, 20), [], "lease lost: {lease}");
+        assert!(handover_record(&h, "mig-c").is_none());
+        assert!(h.broker().adoptions().is_empty());
+    }
+}
+
+/// The target after a restore: holder 200 with the adopted address, the restored tree
+/// (201) moved into its cgroup, holding a connection from that address.
+fn restored_with_a_connection(h: &mut Harness, a: &str) {
+    target(h);
+    adopt(h, 1, "mig-c", a).unwrap();
+    let process = pin(h, 201);
+    assert_eq!(
+        req(
+            h,
+            1,
+            Request::MoveCgroup {
+                uid: uid("mig-c"),
+                process
+            }
+        ),
+        Ok(Reply::Moved { pids: 2 })
+    );
+    assert!(
+        handover_record(h, "mig-c")
+            .unwrap()
+            .contains(r#""restored":true"#)
+    );
+    ev(
+        h,
+        Op::Connect {
+            pid: 201,
+            address: ip(a),
+        },
+    );
+}
+
+#[test]
+fn a_restored_adoption_outlives_the_migration_while_a_connection_uses_it() {
+    let mut h = Harness::new();
+    restored_with_a_connection(&mut h, "10.0.10.5");
+    // Commit: the agent forgets the target; the moved connection runs on.
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+    for secs in [0, 1, 60] {
+        ev(&mut h, Op::Sweep { secs });
+        assert_eq!(
+            host_addrs(&h, 20),
+            [("10.0.10.5/32".to_owned(), "eth0".to_owned())]
+        );
+    }
+    assert!(handover_record(&h, "mig-c").is_some());
+    // The connection ends (its process exits): the next sweep withdraws the address.
+    ev(&mut h, Op::Exit { pid: 201 });
+    ev(&mut h, Op::Sweep { secs: 1 });
+    assert_eq!(host_addrs(&h, 20), []);
+    assert!(handover_record(&h, "mig-c").is_none());
+}
+
+#[test]
+fn the_deadline_withdraws_an_adoption_whatever_still_uses_it() {
+    let mut h = Harness::new();
+    restored_with_a_connection(&mut h, "2001:db8:10::5");
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+    ev(
+        &mut h,
+        Op::Sweep {
+            secs: podmotion_broker::fake::LINGER_SECS - 1,
+        },
+    );
+    assert_eq!(host_addrs(&h, 20).len(), 1, "before the deadline");
+    ev(&mut h, Op::Sweep { secs: 1 });
+    assert_eq!(host_addrs(&h, 20), [], "at the deadline");
+    assert!(
+        h.kernel().world().procs[&201].sockets.iter().any(|s| s
+            .addrs
+            .local
+            .is_some_and(|l| l.ip() == ip("2001:db8:10::5"))),
+        "the connection was still there"
+    );
+}
+
+#[test]
+fn a_restarted_broker_withdraws_unrestored_adoptions_and_keeps_restored_ones_in_use() {
+    let mut h = Harness::new();
+    restored_with_a_connection(&mut h, "10.0.10.5");
+    // Another migration's target (the pod of pid 80, netns 30), not restored yet.
+    register(&mut h, 2, "mig-b", BrokerRole::Target, 80).unwrap();
+    adopt(&mut h, 2, "mig-b", "10.0.99.7").unwrap();
+    assert_eq!(host_addrs(&h, 30).len(), 1);
+    ev(&mut h, Op::Restart);
+    assert_eq!(
+        host_addrs(&h, 30),
+        [],
+        "its lease ended with the old broker"
+    );
+    assert_eq!(
+        host_addrs(&h, 20),
+        [("10.0.10.5/32".to_owned(), "eth0".to_owned())],
+        "a moved connection uses it"
+    );
+    assert_eq!(h.broker().adoptions().keys().collect::<Vec<_>>(), ["mig-c"]);
+    ev(&mut h, Op::Exit { pid: 201 });
+    ev(&mut h, Op::Sweep { secs: 0 });
+    assert_eq!(host_addrs(&h, 20), []);
+}
+
+#[test]
+fn at_most_eight_addresses_a_migration_and_one_migration_an_address() {
+    let mut h = Harness::new();
+    target(&mut h);
+    for i in 1..=8 {
+        assert_eq!(
+            adopt(&mut h, 1, "mig-c", &format!("10.0.99.{i}")),
+            Ok(Reply::Done)
+        );
+    }
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.99.9"),
+        Err(ErrorKind::AddressNotAllowed)
+    );
+    register(&mut h, 2, "mig-b", BrokerRole::Target, 80).unwrap();
+    assert_eq!(
+        adopt(&mut h, 2, "mig-b", "10.0.99.1"),
+        Err(ErrorKind::AddressNotAllowed),
+        "adopted by mig-c"
+    );
+    assert_eq!(host_addrs(&h, 30), []);
+    assert_eq!(adopt(&mut h, 2, "mig-b", "10.0.99.9"), Ok(Reply::Done));
+}
+
+#[test]
+fn an_adoption_that_fails_half_way_leaves_nothing() {
+    let mut h = Harness::new();
+    target(&mut h);
+    // The 4th `ip` call (after listing addresses, routes and links): the add.
+    ev(&mut h, Op::Fault(Fault::Ip(3)));
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.10.5"),
+        Err(ErrorKind::Kernel)
+    );
+    ev(&mut h, Op::Fault(Fault::Journal));
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.10.5"),
+        Err(ErrorKind::Kernel)
+    );
+    ev(
+        &mut h,
+        Op::Symlink {
+            uid: 0,
+            journal: false,
+            handover: true,
+        },
+    );
+    assert_eq!(
+        adopt(&mut h, 1, "mig-c", "10.0.10.5"),
+        Err(ErrorKind::UnsafePath)
+    );
+    assert_eq!(host_addrs(&h, 20), []);
+    assert!(handover_record(&h, "mig-c").is_none());
+    // A failed announcement fails nothing.
+    let mut h = Harness::new();
+    target(&mut h);
+    ev(&mut h, Op::Fault(Fault::Announce));
+    assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
+    assert_eq!(host_addrs(&h, 20).len(), 1);
+}
+
+#[test]
+fn a_move_whose_restore_cannot_be_journalled_is_not_done() {
+    let mut h = Harness::new();
+    target(&mut h);
+    adopt(&mut h, 1, "mig-c", "10.0.10.5").unwrap();
+    ev(&mut h, Op::Fault(Fault::Journal));
+    let process = pin(&h, 201);
+    assert_eq!(
+        req(
+            &mut h,
+            1,
+            Request::MoveCgroup {
+                uid: uid("mig-c"),
+                process
+            }
+        ),
+        Err(ErrorKind::Kernel)
+    );
+    // Not restored: the end of the registration withdraws it.
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+    assert_eq!(host_addrs(&h, 20), []);
+}
+
+#[test]
+fn the_address_goes_on_the_default_routes_link_or_else_the_only_link() {
+    // The source's holder namespace (netns 10: eth0 and pm0) as a target's: the
+    // default route's link.
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-b", BrokerRole::Target, 100).unwrap();
+    adopt(&mut h, 1, "mig-b", "10.0.99.7").unwrap();
+    assert_eq!(
+        host_addrs(&h, 10),
+        [("10.0.99.7/32".to_owned(), "eth0".to_owned())]
+    );
+    // No default route: two links, and no telling which; refused, naming them.
+    h.kernel()
+        .world()
+        .nets
+        .get_mut(&10)
+        .unwrap()
+        .routes6
+        .retain(|r| !r.starts_with("default"));
+    let e = h
+        .broker()
+        .handle(
+            1,
+            Request::AdoptAddress {
+                uid: uid("mig-b"),
+                address: ip("2001:db8:99::7"),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Kernel);
+    assert!(e.message.contains("eth0, pm0"), "{e}");
+    // One link: that one.
+    let mut h = Harness::new();
+    target(&mut h);
+    h.kernel()
+        .world()
+        .nets
+        .get_mut(&20)
+        .unwrap()
+        .routes4
+        .retain(|r| !r.starts_with("default"));
+    adopt(&mut h, 1, "mig-c", "10.0.99.7").unwrap();
+    assert_eq!(
+        host_addrs(&h, 20),
+        [("10.0.99.7/32".to_owned(), "eth0".to_owned())]
+    );
+}
+
+#[test]
+fn a_record_whose_holder_died_is_dropped_and_nothing_is_entered() {
+    let mut h = Harness::new();
+    restored_with_a_connection(&mut h, "10.0.10.5");
+    req(&mut h, 1, Request::Forget { uid: uid("mig-c") }).unwrap();
+    ev(&mut h, Op::Exit { pid: 200 });
+    ev(&mut h, Op::Sweep { secs: 0 });
+    assert!(handover_record(&h, "mig-c").is_none());
+    assert_eq!(
+        addr_effects(&h),
+        [],
+        "nothing done in a namespace it cannot enter"
+    );
+}
+
+/// A release whose record cannot be dropped (a symlink planted at the hand-over
+/// journal's directory) has withdrawn the address: adopting it again puts it back
+/// before answering done (the fuzzer found it answered done with the address gone).
+#[test]
+fn adopting_again_after_a_release_the_journal_kept_puts_the_address_back() {
+    let mut h = Harness::new();
+    target(&mut h);
+    adopt(&mut h, 1, "mig-c", "10.0.10.5").unwrap();
+    adopt(&mut h, 1, "mig-c", "10.0.99.7").unwrap();
+    ev(
+        &mut h,
+        Op::Symlink {
+            uid: 0,
+            journal: false,
+            handover: true,
+        },
+    );
+    assert_eq!(
+        release(&mut h, 1, "mig-c", "10.0.99.7"),
+        Err(ErrorKind::UnsafePath)
+    );
+    assert_eq!(host_addrs(&h, 20).len(), 1, "withdrawn, still recorded");
+    assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.99.7"), Ok(Reply::Done));
+    assert_eq!(host_addrs(&h, 20).len(), 2, "back");
 }

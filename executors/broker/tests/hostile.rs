@@ -2,80 +2,17 @@
 //! Every hostile request must come back as the right typed error and leave nothing
 //! behind: no registration, no netns bind mount, no signal to anyone.
 
+mod support;
+
 use podmotion_broker::client::BrokerClient;
-use podmotion_broker::{Broker, Config, procfs};
+use podmotion_broker::procfs;
 use podmotion_wire::broker::*;
-use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
+use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-
-/// The container the fixture's processes run in: its pod cgroup's leaf is named by its
-/// ID, as with the kubelet's cgroupfs driver (`<root>/pod/<id>`).
-const CONTAINER: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
-
-fn container() -> ContainerId {
-    ContainerId::parse(CONTAINER).unwrap()
-}
-
-struct Fixture {
-    broker: Arc<Broker>,
-    socket: PathBuf,
-    run_dir: PathBuf,
-    cgroup: PathBuf,
-    cgroup_rel: String,
-}
-
-fn require_root() -> bool {
-    if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
-        eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
-        return false;
-    }
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "broker tests need root (set PODMOTION_ROOT_TESTS=0 to skip)"
-    );
-    true
-}
-
-fn fixture(name: &str, allowed_uid: u32) -> Fixture {
-    let tag = format!("pmb-{name}-{}", std::process::id());
-    let run_dir = std::env::temp_dir().join(&tag);
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let cgroup_rel = format!("/{tag}");
-    let cgroup = procfs::cgroup2_mount().unwrap().join(&tag);
-    std::fs::create_dir_all(cgroup.join("pod").join(CONTAINER)).unwrap();
-    let broker = Broker::new(Config {
-        run_dir: run_dir.clone(),
-        pods_cgroup_root: cgroup_rel.clone(),
-        allowed_uid,
-        same_netns_peers: true,
-        container_cgroups: true,
-    });
-    let socket = run_dir.join("broker.sock");
-    let listener = broker.bind(&socket).unwrap();
-    let b = Arc::clone(&broker);
-    std::thread::spawn(move || b.serve_listener(listener));
-    Fixture {
-        broker,
-        socket,
-        run_dir,
-        cgroup,
-        cgroup_rel,
-    }
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.run_dir);
-        for d in [&format!("pod/{CONTAINER}"), "pod", ""] {
-            let _ = std::fs::remove_dir(self.cgroup.join(d));
-        }
-    }
-}
+use support::{CONTAINER, Fixture, container, fixture, require_root};
 
 /// Sends raw bytes, returns the decoded error of the single response.
 fn raw(sock: &Path, bytes: &[u8], close_write: bool) -> BrokerError {
@@ -176,6 +113,22 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
         (frame(br#"{"op":"mount","uid":"x"}"#), false, ErrorKind::UnknownOp),
         (frame(br#"{"op":"kill","uid":"never-registered"}"#), false, ErrorKind::NotRegistered),
         (frame(br#"{"op":"register","uid":"x","role":"source","process":{"pid":1,"start_time":0},"container":"c1"}"#), false, ErrorKind::NoSuchProcess),
+        // The address hand-over's ops: an address is an IP address and nothing else (no
+        // prefix length, port, scope, host name), and they carry no other field.
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"not-an-ip"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"198.18.2.20/32"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"198.18.2.20:80"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"fe80::1%eth0"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"localhost"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":3323068948}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":null}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"x","address":"198.18.2.20","link":"eth0"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"release_address","uid":"x","address":"../../etc"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"release_address","uid":"x"}"#), false, ErrorKind::Malformed),
+        (frame(br#"{"op":"adopt_address","uid":"../x","address":"198.18.2.20"}"#), false, ErrorKind::InvalidUid),
+        (frame(br#"{"op":"adopt_address","uid":"never-registered","address":"198.18.2.20"}"#), false, ErrorKind::NotRegistered),
+        (frame(br#"{"op":"release_address","uid":"never-registered","address":"198.18.2.20"}"#), false, ErrorKind::NotRegistered),
     ];
     for (bytes, close, kind) in cases {
         let e = raw(s, &bytes, close);
@@ -223,8 +176,9 @@ fn broker_rejects_a_hostile_corpus_with_typed_errors_and_no_side_effect() {
     assert_eq!(f.broker.registrations(), 0);
     assert!(
         !f.run_dir.join("netns").exists(),
-        "a rejected request created a mount point"
+        "a rejected request created a mount point or a record"
     );
+    assert!(f.broker.adoptions().is_empty());
 }
 
 /// A process in a pod cgroup that shares the node's network namespace (a hostNetwork

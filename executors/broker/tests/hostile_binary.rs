@@ -9,9 +9,12 @@
 //! fields, malformed UIDs on every op, pinning every other live process on the machine
 //! (the kubelets', containerd's, other pods' — all outside the broker's pods cgroup
 //! root) in both roles, the same pids with a reused start time, every op on an
-//! unregistered migration, malformed container IDs, a connection flood and a slow
-//! client, and a symlink planted at the netns bind-mount path; a live pod process
-//! registered under another container's ID.
+//! unregistered migration, malformed container IDs, malformed addresses on the
+//! address hand-over's ops, a connection flood and a slow client, and a symlink planted
+//! at the netns bind-mount path; a live pod process registered under another
+//! container's ID; addresses the hand-over must refuse; invalid hand-over flags.
+
+mod support;
 
 use podmotion_broker::procfs;
 use podmotion_wire::broker::*;
@@ -21,14 +24,59 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{CONTAINER, require_root};
 
 /// The ops whose request is the migration UID alone: every op of the one list
-/// (`podmotion_wire::broker::OPS`) but the two that carry a process.
+/// (`podmotion_wire::broker::OPS`) but the two that carry a process and the two that
+/// carry an address.
 fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
-    OPS.iter()
-        .copied()
-        .filter(|op| !matches!(*op, "register" | "move_cgroup"))
+    OPS.iter().copied().filter(|op| {
+        !matches!(
+            *op,
+            "register" | "move_cgroup" | "adopt_address" | "release_address"
+        )
+    })
 }
+
+/// The address hand-over's ops (their request: the UID and an address).
+const ADDRESS_OPS: [&str; 2] = ["adopt_address", "release_address"];
+
+/// A well-formed request of `op` on migration `uid`: the UID, and an address for the
+/// address ops (not for the two that carry a process).
+fn well_formed(op: &str, uid: &str) -> serde_json::Value {
+    if ADDRESS_OPS.contains(&op) {
+        serde_json::json!({"op": op, "uid": uid, "address": "198.18.2.20"})
+    } else {
+        serde_json::json!({"op": op, "uid": uid})
+    }
+}
+
+/// Addresses the decoder refuses: not an IP address alone (a prefix length, a port, a
+/// scope, a host name, a list, leading zeros, other digits, whitespace, control
+/// characters, path and shell text).
+const BAD_ADDRESSES: &[&str] = &[
+    "",
+    "not-an-ip",
+    "localhost",
+    "198.18.2.20/32",
+    "198.18.2.20:80",
+    "198.18.2",
+    "198.18.2.256",
+    "198.018.2.20",
+    "0x7f.0.0.1",
+    " 198.18.2.20",
+    "198.18.2.20 ",
+    "198.18.2.20\n",
+    "198.18.2.20\u{0}",
+    "198.18.2.20,198.18.2.21",
+    "\u{661}\u{669}\u{668}.18.2.20",
+    "fe80::1%eth0",
+    "[::1]",
+    "::1/128",
+    "2001:db8::g",
+    "../../etc",
+    "$(id)",
+];
 
 /// The tests of this binary run one at a time: one of them stops a process and takes
 /// a link down on purpose, which another's "nothing on the host changed" would see.
@@ -38,22 +86,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn require_root() -> bool {
-    if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
-        eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
-        return false;
-    }
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "broker tests need root (set PODMOTION_ROOT_TESTS=0 to skip)"
-    );
-    true
-}
-
 /// The container the tests' processes run in, and another container of the same pod:
 /// leaf cgroups named by their IDs below the pod's (`<root>/pod/<id>`, as with the
 /// kubelet's cgroupfs driver), so that the broker finds the container it is named.
-const CONTAINER: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
 const OTHER_CONTAINER: &str = "9a8b7c6d5e4f30211203f4e5d6c7b8a99a8b7c6d5e4f30211203f4e5d6c7b8a9";
 
 fn container() -> podmotion_wire::ids::ContainerId {
@@ -72,6 +107,12 @@ struct BrokerProcess {
 
 impl BrokerProcess {
     fn start(name: &str) -> Self {
+        Self::start_with(name, &[])
+    }
+
+    /// The broker binary started with `args` besides its socket, run directory and pods
+    /// cgroup root.
+    fn start_with(name: &str, args: &[&str]) -> Self {
         let tag = format!("pmhb-{name}-{}", std::process::id());
         let dir = std::env::temp_dir().join(&tag);
         let _ = std::fs::remove_dir_all(&dir);
@@ -88,6 +129,7 @@ impl BrokerProcess {
             .arg(dir.join("run"))
             .arg("--pods-cgroup-root")
             .arg(format!("/{tag}"))
+            .args(args)
             .env("RUST_LOG", "error")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -325,7 +367,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         return;
     }
     let _serial = serial();
-    let mut b = BrokerProcess::start("corpus");
+    let mut b = BrokerProcess::start_with("corpus", &["--address-handover-cidrs", "198.18.0.0/15"]);
     let run = b.dir.join("run");
     let before = host_state(&run);
     let stopped_before = stopped();
@@ -415,10 +457,13 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         let body = serde_json::json!({"op": op, "uid": "m-1"}).to_string();
         cases.push(("unknown op", frame(body.as_bytes()), false, vec![UnknownOp]));
     }
-    // Unknown fields on every op.
-    for op in ops_with_uid_only() {
+    // Unknown fields on every op (but the two that carry a process, which have a class
+    // of their own).
+    for op in ops_with_uid_only().chain(ADDRESS_OPS) {
         for field in ["path", "target", "netns", "pid", "cgroup", "signal", "Uid"] {
-            let body = serde_json::json!({"op": op, "uid": "m-1", field: "/etc"}).to_string();
+            let mut body = well_formed(op, "m-1");
+            body[field] = "/etc".into();
+            let body = body.to_string();
             cases.push((
                 "unknown field",
                 frame(body.as_bytes()),
@@ -509,11 +554,54 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
             vec![NotRegistered, NoSuchProcess, PidReused],
         ));
     }
+    // Malformed addresses on the address hand-over's ops (and non-strings, and none at
+    // all, and one beside a field it does not have): refused by the decoder.
+    for op in ADDRESS_OPS {
+        for bad in BAD_ADDRESSES {
+            let body = serde_json::json!({"op": op, "uid": "m-addr", "address": bad}).to_string();
+            cases.push((
+                "bad address",
+                frame(body.as_bytes()),
+                false,
+                vec![Malformed],
+            ));
+        }
+        for bad in NON_STRING_UIDS
+            .iter()
+            .chain(&["3323068948", "[\"198.18.2.20\"]"])
+        {
+            let body = format!("{{\"op\":\"{op}\",\"uid\":\"m-addr\",\"address\":{bad}}}");
+            cases.push((
+                "bad address",
+                frame(body.as_bytes()),
+                false,
+                vec![Malformed],
+            ));
+        }
+        let body = serde_json::json!({"op": op, "uid": "m-addr"}).to_string();
+        cases.push((
+            "bad address",
+            frame(body.as_bytes()),
+            false,
+            vec![Malformed],
+        ));
+        let body = serde_json::json!({"op": op, "uid": "m-addr", "addresses": ["198.18.2.20"]})
+            .to_string();
+        cases.push((
+            "bad address",
+            frame(body.as_bytes()),
+            false,
+            vec![Malformed],
+        ));
+    }
     // Every op on migrations nobody registered (`forget` excepted: forgetting what is
     // not registered is idempotent, answered Done, and changes nothing).
     for i in 0..12 {
-        for op in ops_with_uid_only().filter(|op| *op != "forget") {
-            let body = serde_json::json!({"op": op, "uid": format!("never-{i}")}).to_string();
+        for op in ops_with_uid_only()
+            .chain(ADDRESS_OPS)
+            .filter(|op| *op != "forget")
+        {
+            let body = well_formed(op, &format!("never-{i}")).to_string();
             cases.push((
                 "unregistered",
                 frame(body.as_bytes()),
@@ -1428,4 +1516,156 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
         );
     }
     c.call(&Request::Forget { uid }).unwrap();
+}
+
+/// The address hand-over on the shipped binary (`--address-handover-cidrs
+/// 198.18.0.0/15`), a target registered: every address outside the CIDRs or never a
+/// pod's is `address_not_allowed` and changes nothing; at most eight addresses a
+/// migration; one broker without the flag answers `handover_off`. What was adopted goes
+/// with `forget` (nothing was restored), its record too.
+#[test]
+fn broker_binary_refuses_addresses_outside_its_hand_over_policy() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let addrs_of = |pid: i32| sh(&format!("nsenter -t {pid} -n ip -o addr show"));
+    let adopt = |c: &mut BrokerClient, uid: &MigrationUid, a: &str| {
+        c.call(&Request::AdoptAddress {
+            uid: uid.clone(),
+            address: a.parse().unwrap(),
+        })
+    };
+    let uid = MigrationUid::parse("m-policy").unwrap();
+
+    let off = BrokerProcess::start("handover-off");
+    let (child, process) = holder(&off);
+    let _child = KillOnDrop(child);
+    let mut c = BrokerClient::connect(&off.socket).unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Target,
+        process,
+        container: container(),
+    })
+    .unwrap();
+    let e = adopt(&mut c, &uid, "198.18.2.20").unwrap_err();
+    assert_eq!(e.kind, ErrorKind::HandoverOff, "{e}");
+    c.call(&Request::Forget { uid: uid.clone() }).unwrap();
+    drop((c, _child, off));
+
+    let b = BrokerProcess::start_with(
+        "handover-on",
+        &["--address-handover-cidrs", "198.18.0.0/15"],
+    );
+    let (child, process) = holder(&b);
+    let _child = KillOnDrop(child);
+    let pid = process.pid;
+    // The holder's links: a veth pair, the default route through d0, which takes the
+    // adopted addresses.
+    sh(&format!(
+        "nsenter -t {pid} -n sh -c 'ip link add d0 type veth peer name d1 && ip addr add 198.18.9.1/24 dev d0 && ip link set d1 up && ip link set d0 up && ip route add default via 198.18.9.2 dev d0'"
+    ));
+    let before = addrs_of(pid);
+    let mut c = BrokerClient::connect(&b.socket).unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Target,
+        process,
+        container: container(),
+    })
+    .unwrap();
+    for a in [
+        "198.20.0.1",
+        "198.17.255.255",
+        "10.0.0.1",
+        "203.0.113.7",
+        "127.0.0.1",
+        "0.0.0.0",
+        "255.255.255.255",
+        "224.0.0.1",
+        "169.254.10.1",
+        "::ffff:198.18.2.20",
+        "::1",
+        "::",
+        "fe80::1",
+        "ff02::1",
+        "2001:db8::5",
+    ] {
+        let e = adopt(&mut c, &uid, a).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::AddressNotAllowed, "{a}: {e}");
+    }
+    assert_eq!(addrs_of(pid), before, "a refused address changed the pod");
+    assert!(
+        !b.dir.join("run/netns/.handover").exists(),
+        "a refused address was recorded"
+    );
+    for i in 1..=8 {
+        assert_eq!(
+            adopt(&mut c, &uid, &format!("198.18.2.{i}")).unwrap(),
+            Reply::Done
+        );
+    }
+    let e = adopt(&mut c, &uid, "198.18.2.9").unwrap_err();
+    assert_eq!(e.kind, ErrorKind::AddressNotAllowed, "{e}");
+    let now = addrs_of(pid);
+    assert_eq!(now.matches("/32 scope global d0").count(), 8, "{now}");
+    assert!(!now.contains("198.18.2.9/"), "{now}");
+    c.call(&Request::Forget { uid }).unwrap();
+    assert_eq!(addrs_of(pid), before, "forget left adopted addresses");
+    let records: Vec<_> = std::fs::read_dir(b.dir.join("run/netns/.handover"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(records.is_empty(), "records left behind: {records:?}");
+}
+
+/// An invalid hand-over flag stops the binary at start, naming what is wrong: a CIDR
+/// that is not one (by flag or environment), a linger out of 1..=86400 seconds.
+#[test]
+fn broker_binary_refuses_to_start_with_invalid_hand_over_flags() {
+    let dir = std::env::temp_dir().join(format!("pmhb-flags-{}", std::process::id()));
+    let run = |args: &[&str], env: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"));
+        cmd.arg("--socket")
+            .arg(dir.join("b.sock"))
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .args(args)
+            .env_remove("PODMOTION_ADDRESS_HANDOVER_CIDRS")
+            .env_remove("PODMOTION_ADDRESS_LINGER_SECONDS")
+            .stdin(Stdio::null());
+        if let Some(v) = env {
+            cmd.env("PODMOTION_ADDRESS_HANDOVER_CIDRS", v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(!out.status.success(), "{args:?} {env:?} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    for (args, env, named) in [
+        (
+            &["--address-handover-cidrs", "198.18.0.0/15,198.18.0.0/33"][..],
+            None,
+            "198.18.0.0/33",
+        ),
+        (&["--address-handover-cidrs", "pods"], None, "pods"),
+        (
+            &["--address-handover-cidrs", "198.18.0.1/15"],
+            None,
+            "198.18.0.1/15",
+        ),
+        (&[], Some("198.18.0.0/15, 2001:db8::1/32"), "2001:db8::1/32"),
+        (
+            &["--address-linger-seconds", "0"],
+            None,
+            "address-linger-seconds",
+        ),
+        (&["--address-linger-seconds", "86401"], None, "86401"),
+    ] {
+        let stderr = run(args, env);
+        assert!(stderr.contains(named), "{args:?} {env:?}: {stderr}");
+    }
+    assert!(!dir.join("b.sock").exists(), "a broker served");
+    let _ = std::fs::remove_dir_all(&dir);
 }

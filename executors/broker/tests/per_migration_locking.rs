@@ -28,6 +28,9 @@ fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
         allowed_uid: 0,
         same_netns_peers: true,
         container_cgroups: true,
+        handover_cidrs: Vec::new(),
+        address_linger: std::time::Duration::from_secs(3600),
+        sweep_interval: std::time::Duration::from_secs(2),
     };
     (k.clone(), Broker::with_kernel(cfg, k))
 }

@@ -11,7 +11,7 @@
 
 use crate::ids::{ContainerId, MigrationUid, ProcRef};
 use serde::{Deserialize, Serialize};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 /// Largest request body: what the broker reads from its (untrusted) client.
 pub const MAX_FRAME: usize = 16 * 1024;
@@ -81,6 +81,27 @@ pub enum Request {
         uid: MigrationUid,
         process: ProcRef,
     },
+    /// Target: take over one address of the source pod (the address hand-over the
+    /// installer enabled: `--address-handover-cidrs`, off by default): add it to the
+    /// holder's network namespace, on the link of its default route (or its only link;
+    /// `/32`, or `/128` with `nodad`), and announce it from there (gratuitous ARP,
+    /// unsolicited Neighbour Advertisement), so the restored tree keeps its established
+    /// connections. Done at once if the address is there already (adopted before, or
+    /// the pod's own: then nothing is recorded, nothing later removed). The address must
+    /// lie in one of those CIDRs. Once `move_cgroup` has moved the restored tree it
+    /// lingers after the migration while a restored connection uses it (see the
+    /// broker's sweep), never past the installer's `--address-linger-seconds`; before,
+    /// `forget` or the lease's end withdraws it.
+    AdoptAddress {
+        uid: MigrationUid,
+        address: IpAddr,
+    },
+    /// Target: remove an adopted address from the holder's namespace (rollback, before
+    /// the source is resumed and announces it again). Done if it was not adopted.
+    ReleaseAddress {
+        uid: MigrationUid,
+        address: IpAddr,
+    },
     /// Source: SIGCONT the registered tree (abort).
     Resume {
         uid: MigrationUid,
@@ -120,6 +141,8 @@ impl Request {
             | Request::ListSockets { uid }
             | Request::ReleaseTcpRepair { uid }
             | Request::MoveCgroup { uid, .. }
+            | Request::AdoptAddress { uid, .. }
+            | Request::ReleaseAddress { uid, .. }
             | Request::Resume { uid }
             | Request::Kill { uid }
             | Request::Fence { uid }
@@ -139,6 +162,8 @@ impl Request {
             Request::ListSockets { .. } => "list_sockets",
             Request::ReleaseTcpRepair { .. } => "release_tcp_repair",
             Request::MoveCgroup { .. } => "move_cgroup",
+            Request::AdoptAddress { .. } => "adopt_address",
+            Request::ReleaseAddress { .. } => "release_address",
             Request::Resume { .. } => "resume",
             Request::Kill { .. } => "kill",
             Request::Fence { .. } => "fence",
@@ -185,6 +210,14 @@ pub enum ErrorKind {
     NotLocked,
     /// `resume` of a fenced source: only `unfence` (the operator's abort) lifts it.
     Fenced,
+    /// `adopt_address` on a node whose installer did not enable the address hand-over
+    /// (no `--address-handover-cidrs`).
+    HandoverOff,
+    /// `adopt_address` of an address outside the hand-over CIDRs, or one that is never
+    /// a pod's (loopback, unspecified, multicast, link-local, IPv4 broadcast,
+    /// IPv4-mapped), or one too many (eight per migration), or one another migration
+    /// (or this one, for an earlier holder) still holds.
+    AddressNotAllowed,
     Kernel,
 }
 
@@ -260,6 +293,8 @@ pub const OPS: &[&str] = &[
     "list_sockets",
     "release_tcp_repair",
     "move_cgroup",
+    "adopt_address",
+    "release_address",
     "resume",
     "kill",
     "fence",
@@ -349,6 +384,14 @@ mod tests {
             Request::Kill { uid: uid() },
             Request::Fence { uid: uid() },
             Request::Unfence { uid: uid() },
+            Request::AdoptAddress {
+                uid: uid(),
+                address: "198.18.2.20".parse().unwrap(),
+            },
+            Request::ReleaseAddress {
+                uid: uid(),
+                address: "2001:db8::5".parse().unwrap(),
+            },
         ] {
             let f = encode_frame(&r);
             let len = check_len(f[..4].try_into().unwrap(), MAX_FRAME).unwrap();
@@ -378,6 +421,17 @@ mod tests {
             (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":""}"#, ErrorKind::Malformed),
             (br#"{"op":"register","uid":"a","role":"source","process":{"pid":9,"start_time":1},"container":7}"#, ErrorKind::Malformed),
             (b"\xff\xfe", ErrorKind::Malformed),
+            // An address is an IP address and nothing else, and it is required.
+            (br#"{"op":"adopt_address","uid":"a","address":"pod"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":"198.18.2.20/32"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":"198.18.2.20:80"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":"fe80::1%eth0"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":"198.018.2.20"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":3323068948}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a"}"#, ErrorKind::Malformed),
+            (br#"{"op":"adopt_address","uid":"a","address":"198.18.2.20","link":"eth0"}"#, ErrorKind::Malformed),
+            (br#"{"op":"release_address","uid":"a","address":null}"#, ErrorKind::Malformed),
+            (br#"{"op":"release_address","uid":"../a","address":"198.18.2.20"}"#, ErrorKind::InvalidUid),
         ];
         for (body, kind) in cases {
             let err = decode_request(body).expect_err(&String::from_utf8_lossy(body));

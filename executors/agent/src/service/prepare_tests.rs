@@ -5,7 +5,7 @@ use super::testkit::{Answer, FakeBroker, Scratch};
 use super::*;
 use podmotion_wire::broker::ErrorKind;
 
-const UID: &str = "5f0c2a9e-1b7d-4c3e-8a6f-0d9e8c7b6a51";
+pub(super) const UID: &str = "5f0c2a9e-1b7d-4c3e-8a6f-0d9e8c7b6a51";
 
 /// A certificate naming this agent `agent/node-a` (all `Agent::new` reads of it).
 fn agent_tls() -> TlsFiles {
@@ -21,7 +21,7 @@ fn agent_tls() -> TlsFiles {
 }
 
 /// An agent whose container `c1` is this test process, with its checkpoints under `dir`.
-fn agent(dir: &Path, broker_socket: PathBuf) -> Agent {
+pub(super) fn agent(dir: &Path, broker_socket: PathBuf) -> Agent {
     let table = dir.join("containers");
     std::fs::write(&table, format!("c1 {}\n", std::process::id())).unwrap();
     Agent::new(Config {
@@ -43,7 +43,7 @@ fn agent(dir: &Path, broker_socket: PathBuf) -> Agent {
     .unwrap()
 }
 
-fn prepare_target() -> PrepareRequest {
+pub(super) fn prepare_target() -> PrepareRequest {
     PrepareRequest {
         migration_uid: UID.into(),
         role: Role::Target as i32,
@@ -55,7 +55,7 @@ fn prepare_target() -> PrepareRequest {
 }
 
 /// A broker that registers, and answers `BindNetns` with `bind`.
-fn registers_then(req: &Request, bind: Answer) -> Answer {
+pub(super) fn registers_then(req: &Request, bind: Answer) -> Answer {
     match req {
         Request::Register { .. } => Answer::Reply(Reply::Registered {
             cgroup: "/pods/tgt".into(),

@@ -29,15 +29,38 @@ pub(super) async fn restore_locked(
         return Ok(m.status());
     }
     let manifest = read_manifest(&m.dir)?;
-    let Reply::Addrs { addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await? else {
+    let Reply::Addrs { mut addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
+    else {
         return Err(Status::internal("unexpected broker reply"));
     };
-    let preserve = tcp_preserved(&manifest, m.tcp, &addrs)?;
-    let dir = final_dir(&m.dir, &manifest)?;
-    let run = restore_run(&cfg, &m, &manifest, &dir, preserve)?;
+    let tcp = effective_tcp(&manifest, m.tcp);
+    adopt_addresses(&mut m, &manifest, tcp, &mut addrs).await;
+    let run = match tcp_preserved(&manifest, tcp, &addrs).and_then(|preserve| {
+        let dir = final_dir(&m.dir, &manifest)?;
+        Ok((
+            restore_run(&cfg, &m, &manifest, &dir, preserve)?,
+            dir,
+            preserve,
+        ))
+    }) {
+        Ok(run) => run,
+        Err(e) => {
+            m.release_adopted().await;
+            return Err(e);
+        }
+    };
+    let (run, dir, preserve) = run;
     let holder_pid = run.container.is_some().then_some(m.process.pid);
     let log = dir.join("restore.log");
-    let restored = restore_tree(&mut m, cfg.criu.clone(), log, run, holder_pid).await?;
+    let restored = match restore_tree(&mut m, cfg.criu.clone(), log, run, holder_pid).await {
+        Ok(r) => r,
+        Err(e) => {
+            // Given back already where the restore had to be undone (a holder's);
+            // CRIU's own rollback leaves nothing of the tree.
+            m.release_adopted().await;
+            return Err(e);
+        }
+    };
     // From here the copy runs: every failure below kills it before answering.
     m.restored = Some(restored);
     if let Err(e) = m
@@ -70,10 +93,65 @@ fn read_manifest(dir: &Path) -> Result<Manifest, Status> {
     serde_json::from_slice(&bytes).map_err(|e| Status::data_loss(format!("manifest: {e}")))
 }
 
+/// The preservation the restore runs under: the manifest's (what the source dumped
+/// for), else the migration's.
+fn effective_tcp(manifest: &Manifest, tcp: TcpPreservation) -> TcpPreservation {
+    TcpPreservation::try_from(manifest.tcp).unwrap_or(tcp)
+}
+
+/// The local addresses of the dumped established connections that the target's
+/// namespace lacks (`addrs`), each once, in the manifest's order.
+fn missing_addresses(manifest: &Manifest, addrs: &[String]) -> Vec<std::net::IpAddr> {
+    let mut out = Vec::new();
+    for s in manifest.sockets.iter().filter(|s| !s.listening) {
+        if let Ok(a) = s.local.parse::<std::net::SocketAddr>()
+            && !addrs.contains(&a.ip().to_string())
+            && !out.contains(&a.ip())
+        {
+            out.push(a.ip());
+        }
+    }
+    out
+}
+
+/// Unless the preservation is `None`, asks the broker to take over the source pod's
+/// addresses that the dumped connections use (the installer's address hand-over) and
+/// adds what it took to `addrs`. A node without the hand-over (`handover_off`), an
+/// address outside its CIDRs or a failure stops there: the connections are then
+/// closed cleanly, or the restore is refused under `Strict` ([`tcp_preserved`]).
+async fn adopt_addresses(
+    m: &mut Migration,
+    manifest: &Manifest,
+    tcp: TcpPreservation,
+    addrs: &mut Vec<String>,
+) {
+    if tcp == TcpPreservation::None {
+        return;
+    }
+    for address in missing_addresses(manifest, addrs) {
+        let req = Request::AdoptAddress {
+            uid: m.uid.clone(),
+            address,
+        };
+        match m.broker(req).await {
+            Ok(_) => {
+                tracing::info!(uid = %m.uid, %address, "the source's address was taken over");
+                m.adopted.push(address);
+                addrs.push(address.to_string());
+            }
+            Err(e) => {
+                tracing::info!(uid = %m.uid, %address, error = %e.message(), "the source's address was not taken over: its connections cannot be kept");
+                return;
+            }
+        }
+    }
+}
+
 /// Whether the restore keeps the established connections (`addrs`: the target
-/// namespace's addresses): under the manifest's preservation (else the migration's),
-/// unless it is `None`, if every established socket's local address moved to the
-/// target. `Strict` refuses a restore that would not keep them.
+/// namespace's addresses): under the manifest's preservation (else `tcp`, see
+/// [`effective_tcp`]), unless it is `None`, if every established socket's local
+/// address moved to the target (one it cannot parse never did).
+/// `Strict` refuses a restore that would not keep them.
 fn tcp_preserved(
     manifest: &Manifest,
     tcp: TcpPreservation,
@@ -84,10 +162,12 @@ fn tcp_preserved(
             .map(|a| a.ip().to_string())
             .unwrap_or_default()
     };
-    let established: Vec<&ManifestSocket> =
-        manifest.sockets.iter().filter(|s| !s.listening).collect();
-    let moved = established.iter().all(|s| addrs.contains(&ip_of(&s.local)));
-    let tcp = TcpPreservation::try_from(manifest.tcp).unwrap_or(tcp);
+    let moved = manifest
+        .sockets
+        .iter()
+        .filter(|s| !s.listening)
+        .all(|s| addrs.contains(&ip_of(&s.local)));
+    let tcp = effective_tcp(manifest, tcp);
     let preserve = tcp != TcpPreservation::None && moved;
     if tcp == TcpPreservation::Strict && !moved {
         return Err(Status::failed_precondition(
@@ -270,6 +350,7 @@ fn restored_sockets(sockets: &[ManifestSocket], preserve: bool) -> Vec<SocketRep
 /// unconfirmed kill keeps the copy recorded, so an `Abort` tries again (and fails
 /// while it cannot confirm it: the operator then never thaws the source).
 async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
+    m.release_adopted().await;
     let root = m.restored;
     let holder = holder.then_some(m.process);
     match blocking(move || kill_restored(root, holder).map_err(Status::internal)).await {

@@ -1,0 +1,960 @@
+//! The pod address hand-over, the broker's side (issue 15): on nodes whose pods share
+//! one L2 segment, the source pod's address can move to the target pod, so that the
+//! connections CRIU restores keep their local address and come back established.
+//!
+//! - `adopt_address` (target) adds one of the source's addresses to the target holder's
+//!   network namespace (`/32`, or `/128` with `nodad`, on the link of that family's
+//!   default route) and announces it from there (gratuitous ARP, unsolicited Neighbour
+//!   Advertisement with Override: the same sends as `unlock_network`'s). The source's
+//!   links are down by then (`lock_network`), so it no longer answers for it.
+//! - `release_address` (target, rollback) withdraws it again.
+//! - A successful `move_cgroup` marks the migration's adoptions **restored**: from then on
+//!   they outlive the migration's registration (after a commit the agent forgets it while
+//!   the moved connections run) until the **sweep** ([`Broker::sweep`]) finds no
+//!   connection using them, or their deadline (`--address-linger-seconds` after the
+//!   adoption) passes. Adoptions not yet restored end with the registration (`forget`,
+//!   the lease's end, a broker restart).
+//!
+//! Every adoption is recorded in the journal `<run>/netns/.handover/<uid>` (0600, one file
+//! per migration, its path computed from the UID) before it is reported done, and taken
+//! out only once the address is gone: a broker that starts loads its predecessor's
+//! records and sweeps them.
+//!
+//! Locking: each migration's adoptions have their own lock (a [`List`]); the table of
+//! lists and the claimed addresses (an address is adopted by one migration at most) are
+//! held only to look up, insert or remove, never across kernel work. Lock order: a
+//! registration's `state`, then its list, then the table or the claims (never both at
+//! once) or the registrations' map; never two lists at once. The sweep takes a list only
+//! if it is free (`try_lock`), so one migration's slow `ip` call never holds it up.
+
+use crate::os::{Ip, Kernel, Link};
+use crate::{Broker, Entry, addr_lines, err, ipv6_optional, kerr, parse_links};
+use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply};
+use podmotion_wire::ids::{MigrationUid, ProcRef};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+
+/// The most addresses one migration may adopt (a pod has one per family, a few at most
+/// with several interfaces): more is refused with `AddressNotAllowed`.
+pub const MAX_ADOPTED: usize = 8;
+
+/// An IPv4 or IPv6 network, `address/prefix-length` (`198.18.0.0/15`,
+/// `2001:db8::/32`): the address hand-over's allow-list (`--address-handover-cidrs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    network: IpAddr,
+    len: u8,
+}
+
+fn bits(a: IpAddr) -> u128 {
+    match a {
+        IpAddr::V4(v) => u128::from(u32::from(v)),
+        IpAddr::V6(v) => u128::from(v),
+    }
+}
+
+fn width(a: IpAddr) -> u8 {
+    if a.is_ipv4() { 32 } else { 128 }
+}
+
+impl Cidr {
+    /// The mask of this prefix length over the family's width (as a u128, low bits).
+    fn mask(&self) -> u128 {
+        let w = u32::from(width(self.network));
+        let all = if w == 32 {
+            u128::from(u32::MAX)
+        } else {
+            u128::MAX
+        };
+        // `len` 0: nothing fixed (every address of the family).
+        all & all.checked_shl(w - u32::from(self.len)).unwrap_or(0)
+    }
+
+    /// Whether `a` (of the same family) lies in this network.
+    pub fn contains(&self, a: IpAddr) -> bool {
+        self.network.is_ipv4() == a.is_ipv4() && (bits(a) ^ bits(self.network)) & self.mask() == 0
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+
+    /// `address/length`, the address without host bits (`198.18.1.0/15` is refused: a
+    /// typo or a misunderstanding, not a network).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, l) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (address/prefix-length)"))?;
+        let network: IpAddr = a
+            .parse()
+            .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?;
+        let max = width(network);
+        let len = Some(l)
+            .filter(|l| !l.is_empty() && l.len() <= 3 && l.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|l| l.parse::<u8>().ok())
+            .filter(|n| *n <= max)
+            .ok_or_else(|| format!("{s:?}: prefix length {l:?} is not 0 to {max}"))?;
+        let c = Cidr { network, len };
+        if bits(network) & !c.mask() != 0 {
+            return Err(format!(
+                "{s:?}: the address has bits set past the prefix length"
+            ));
+        }
+        Ok(c)
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.network, self.len)
+    }
+}
+
+/// A comma-separated list of CIDRs (`--address-handover-cidrs`); empty pieces are
+/// skipped, so an empty list (the hand-over off) is the empty string. An invalid entry
+/// fails the whole list, naming it.
+pub fn parse_cidrs(list: &str) -> Result<Vec<Cidr>, String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect()
+}
+
+/// Why `a` is never a pod's address to adopt, whatever the CIDRs allow: the addresses
+/// every namespace has of its own or that name no one host.
+pub fn never_a_pods(a: IpAddr) -> Option<&'static str> {
+    match a {
+        IpAddr::V4(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V4(v) if v.is_unspecified() => Some("the unspecified address"),
+        IpAddr::V4(v) if v.is_multicast() => Some("a multicast address"),
+        IpAddr::V4(v) if v.is_link_local() => Some("a link-local address"),
+        IpAddr::V4(v) if v.is_broadcast() => Some("the broadcast address"),
+        IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V6(v) if v.is_unspecified() => Some("the unspecified address"),
+        IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
+        IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80 => Some("a link-local address"),
+        IpAddr::V6(v) if v.to_ipv4_mapped().is_some() => {
+            Some("an IPv4-mapped address (adopt the IPv4 address itself)")
+        }
+        _ => None,
+    }
+}
+
+/// Whether `a` may be adopted under `cidrs` (non-empty: the hand-over is on).
+pub fn check_address(cidrs: &[Cidr], a: IpAddr) -> Result<(), BrokerError> {
+    if let Some(why) = never_a_pods(a) {
+        return Err(err(
+            ErrorKind::AddressNotAllowed,
+            format!("{a} is {why}: never adopted"),
+        ));
+    }
+    if !cidrs.iter().any(|c| c.contains(a)) {
+        let list: Vec<String> = cidrs.iter().map(Cidr::to_string).collect();
+        return Err(err(
+            ErrorKind::AddressNotAllowed,
+            format!("{a} is outside the hand-over CIDRs ({})", list.join(", ")),
+        ));
+    }
+    Ok(())
+}
+
+/// One adopted address, as journalled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Adoption {
+    /// The target pod's holder the address was added for (its network namespace).
+    pub holder: ProcRef,
+    pub address: IpAddr,
+    /// The link it was added to.
+    pub link: String,
+    /// When the sweep withdraws it whatever uses it (unix time, seconds).
+    pub deadline: u64,
+    /// The restored tree was moved into the holder's cgroup (`move_cgroup`): the address
+    /// outlives the registration while a moved connection uses it.
+    pub restored: bool,
+}
+
+impl Adoption {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "pid": self.holder.pid, "start_time": self.holder.start_time,
+            "address": self.address.to_string(), "link": self.link,
+            "deadline": self.deadline, "restored": self.restored,
+        })
+    }
+
+    fn from_json(v: &serde_json::Value) -> Option<Adoption> {
+        let holder = ProcRef {
+            pid: i32::try_from(v.get("pid")?.as_i64()?).ok()?,
+            start_time: v.get("start_time")?.as_u64()?,
+        };
+        let link = v.get("link")?.as_str()?.to_owned();
+        (holder.pid > 1 && link_name_ok(&link)).then_some(())?;
+        Some(Adoption {
+            holder,
+            address: v.get("address")?.as_str()?.parse().ok()?,
+            link,
+            deadline: v.get("deadline")?.as_u64()?,
+            restored: v.get("restored")?.as_bool()?,
+        })
+    }
+}
+
+/// A link name as the kernel allows it (1 to 15 bytes, no `/`, whitespace or NUL): what
+/// a journal record may name (it comes back as an `ip` argument).
+fn link_name_ok(l: &str) -> bool {
+    (1..=15).contains(&l.len())
+        && l != "."
+        && l != ".."
+        && !l
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace() || b == 0)
+}
+
+/// The journal body of one migration's adoptions.
+pub fn journal_body(records: &[Adoption]) -> Vec<u8> {
+    let list: Vec<serde_json::Value> = records.iter().map(Adoption::to_json).collect();
+    serde_json::json!({ "adoptions": list })
+        .to_string()
+        .into_bytes()
+}
+
+/// A journal body's adoptions; `None` if anything in it does not parse.
+pub fn parse_journal_body(body: &[u8]) -> Option<Vec<Adoption>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.get("adoptions")?
+        .as_array()?
+        .iter()
+        .map(Adoption::from_json)
+        .collect()
+}
+
+/// One migration's adoptions, under its own lock.
+#[derive(Debug, Default)]
+pub(crate) struct List {
+    /// Out of the table (emptied): whoever took it before must look it up again.
+    gone: bool,
+    records: Vec<Adoption>,
+}
+
+/// Every migration's adoptions, and which migration claims each address.
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    lists: Mutex<BTreeMap<MigrationUid, Arc<Mutex<List>>>>,
+    claims: Mutex<BTreeMap<IpAddr, MigrationUid>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where `adopt_address` puts an address: already there (nothing to do), or onto a link.
+enum Plan {
+    Present,
+    Onto(Link),
+}
+
+/// In the holder's namespace: is `a` there already, and if not, which link takes it —
+/// the link of the family's default route, or else the only link but `lo`.
+fn plan(ip: &mut dyn Ip, a: IpAddr) -> std::io::Result<Plan> {
+    let present = addr_lines(&ip.ip(&["-o", "addr", "show"])?)
+        .iter()
+        .any(|l| l.address().parse::<IpAddr>().ok() == Some(a));
+    if present {
+        return Ok(Plan::Present);
+    }
+    let routes = if a.is_ipv4() {
+        ip.ip(&["-4", "route", "show"])?
+    } else {
+        ipv6_optional(ip.ip(&["-6", "route", "show"]))?
+    };
+    let default_dev = routes.lines().find_map(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        (w.first() == Some(&"default"))
+            .then(|| dev_of(&w))
+            .flatten()
+    });
+    let links = parse_links(&ip.ip(&["-o", "link", "show"])?);
+    let others: Vec<&Link> = links.iter().filter(|l| l.name != "lo").collect();
+    let chosen = match &default_dev {
+        Some(d) => links.iter().find(|l| &l.name == d),
+        None if others.len() == 1 => Some(others[0]),
+        None => None,
+    };
+    chosen.cloned().map(Plan::Onto).ok_or_else(|| {
+        let names: Vec<&str> = others.iter().map(|l| l.name.as_str()).collect();
+        std::io::Error::other(match default_dev {
+            Some(d) => format!("the default route's link {d} is not listed"),
+            None => format!(
+                "no default route for {a}'s family and {} links but lo ({}): which one carries {a} is not known",
+                names.len(),
+                names.join(", ")
+            ),
+        })
+    })
+}
+
+/// The link a route names (`... dev eth0 ...`).
+fn dev_of(words: &[&str]) -> Option<String> {
+    let i = words.iter().position(|w| *w == "dev")?;
+    words.get(i + 1).map(|s| (*s).to_owned())
+}
+
+/// Adds `a` to `link` as a host address and announces it there (best effort, as the
+/// unlock's announcements: a failure is logged).
+fn add_and_announce(ip: &mut dyn Ip, link: &Link, a: IpAddr) -> std::io::Result<()> {
+    match a {
+        IpAddr::V4(_) => ip.ip(&["-4", "addr", "add", &format!("{a}/32"), "dev", &link.name])?,
+        // nodad: the address was in use a moment ago (on the source); no duplicate
+        // detection delay, and usable at once as the advertisement's source.
+        IpAddr::V6(_) => ip.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{a}/128"),
+            "dev",
+            &link.name,
+            "nodad",
+        ])?,
+    };
+    if link.mac.is_none() {
+        tracing::warn!(link = %link.name, address = %a, "adopted address not announced: the link has no MAC");
+    } else if let Err(e) = ip.announce(link, a) {
+        tracing::warn!(error = %e, link = %link.name, address = %a, "adopted address not announced");
+    }
+    Ok(())
+}
+
+/// Removes `a` where it is a host address (`/32`, `/128`) of any link: what
+/// `adopt_address` added, wherever the link went since. Absent is done.
+fn withdraw(ip: &mut dyn Ip, a: IpAddr) -> std::io::Result<()> {
+    let host = format!("{a}/{}", width(a));
+    for l in addr_lines(&ip.ip(&["-o", "addr", "show"])?) {
+        let len = l
+            .cidr
+            .rsplit_once('/')
+            .and_then(|(_, n)| n.parse::<u8>().ok());
+        if l.address().parse::<IpAddr>().ok() == Some(a) && len == Some(width(a)) {
+            let family = if a.is_ipv4() { "-4" } else { "-6" };
+            ip.ip(&[family, "addr", "del", &host, "dev", &l.link])?;
+        }
+    }
+    Ok(())
+}
+
+/// Why the sweep withdraws an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Why {
+    Deadline,
+    LeaseEnded,
+    ConnectionsEnded,
+}
+
+impl<K: Kernel> Broker<K> {
+    fn handover_dir(&self) -> PathBuf {
+        self.cfg.run_dir.join("netns").join(".handover")
+    }
+
+    /// Runs `f` on the adoptions of `uid` (created if `create`; `None` if there are none
+    /// and not `create`), and takes an emptied list out of the table.
+    fn with_list<T>(
+        &self,
+        uid: &MigrationUid,
+        create: bool,
+        f: impl FnOnce(&mut List) -> T,
+    ) -> Option<T> {
+        loop {
+            let arc = {
+                let mut lists = locked(&self.handover.lists);
+                match lists.get(uid) {
+                    Some(a) => Arc::clone(a),
+                    None if create => Arc::clone(lists.entry(uid.clone()).or_default()),
+                    None => return None,
+                }
+            };
+            let mut l = locked(&arc);
+            if l.gone {
+                continue;
+            }
+            let out = f(&mut l);
+            self.retire_if_empty(uid, &arc, &mut l);
+            return Some(out);
+        }
+    }
+
+    fn retire_if_empty(&self, uid: &MigrationUid, arc: &Arc<Mutex<List>>, l: &mut List) {
+        if l.records.is_empty() && !l.gone {
+            l.gone = true;
+            let mut lists = locked(&self.handover.lists);
+            if lists.get(uid).is_some_and(|x| Arc::ptr_eq(x, arc)) {
+                lists.remove(uid);
+            }
+        }
+    }
+
+    /// Writes the journal record of `uid`'s adoptions (removed when there are none).
+    fn write_adoptions(&self, uid: &MigrationUid, records: &[Adoption]) -> Result<(), BrokerError> {
+        let dir = self.handover_dir();
+        if records.is_empty() {
+            self.kernel.remove_file(&dir.join(uid.as_str()));
+            return Ok(());
+        }
+        self.kernel
+            .journal_write(&dir, uid.as_str(), &journal_body(records))
+    }
+
+    /// Replaces `uid`'s adoptions by `next`: journal first, then memory (a journal that
+    /// cannot be written leaves both as they were); the addresses no record names any
+    /// more are unclaimed.
+    fn set_adoptions(
+        &self,
+        uid: &MigrationUid,
+        l: &mut List,
+        next: Vec<Adoption>,
+    ) -> Result<(), BrokerError> {
+        if next == l.records {
+            return Ok(());
+        }
+        self.write_adoptions(uid, &next)?;
+        let gone: Vec<IpAddr> = l
+            .records
+            .iter()
+            .map(|r| r.address)
+            .filter(|a| !next.iter().any(|n| n.address == *a))
+            .collect();
+        l.records = next;
+        let mut claims = locked(&self.handover.claims);
+        for a in gone {
+            if claims.get(&a) == Some(uid) {
+                claims.remove(&a);
+            }
+        }
+        Ok(())
+    }
+
+    /// `adopt_address`: `a` into the registered holder's network namespace (see the
+    /// module docs). Recorded before it is added; done once it is there.
+    pub(crate) fn adopt_address(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        a: IpAddr,
+    ) -> Result<Reply, BrokerError> {
+        if self.cfg.handover_cidrs.is_empty() {
+            return Err(err(
+                ErrorKind::HandoverOff,
+                "the address hand-over is off on this node (no --address-handover-cidrs)",
+            ));
+        }
+        check_address(&self.cfg.handover_cidrs, a)?;
+        let holder = e.process;
+        self.with_list(uid, true, |l| {
+            if let Some(r) = l.records.iter().find(|r| r.address == a) {
+                if r.holder == holder {
+                    // Adopted already; there still, unless a withdrawal whose record
+                    // could not be dropped took it (then it goes back).
+                    return self.readopt(holder, a);
+                }
+                return Err(err(
+                    ErrorKind::AddressNotAllowed,
+                    format!(
+                        "{a} is still adopted by {uid} for an earlier holder (pid {})",
+                        r.holder.pid
+                    ),
+                ));
+            }
+            if l.records.len() >= MAX_ADOPTED {
+                return Err(err(
+                    ErrorKind::AddressNotAllowed,
+                    format!(
+                        "{uid} already adopted {MAX_ADOPTED} addresses, the most one migration may"
+                    ),
+                ));
+            }
+            {
+                let mut claims = locked(&self.handover.claims);
+                if let Some(other) = claims.get(&a).filter(|o| *o != uid) {
+                    return Err(err(
+                        ErrorKind::AddressNotAllowed,
+                        format!("{a} is adopted by migration {other}"),
+                    ));
+                }
+                claims.insert(a, uid.clone());
+            }
+            let r = self.adopt_claimed(uid, l, holder, a);
+            if !l.records.iter().any(|r| r.address == a) {
+                let mut claims = locked(&self.handover.claims);
+                if claims.get(&a) == Some(uid) {
+                    claims.remove(&a);
+                }
+            }
+            r
+        })
+        .expect("created")
+    }
+
+    /// The kernel part of `adopt_address`, `a` claimed for `uid`.
+    fn adopt_claimed(
+        &self,
+        uid: &MigrationUid,
+        l: &mut List,
+        holder: ProcRef,
+        a: IpAddr,
+    ) -> Result<Reply, BrokerError> {
+        let link = match self
+            .kernel
+            .in_netns(holder.pid, move |ip| plan(ip, a))
+            .map_err(kerr)?
+        {
+            // There natively (not ours): done, and nothing to take back later.
+            Plan::Present => return Ok(Reply::Done),
+            Plan::Onto(link) => link,
+        };
+        let rec = Adoption {
+            holder,
+            address: a,
+            link: link.name.clone(),
+            deadline: self
+                .kernel
+                .unix_now()
+                .saturating_add(self.cfg.address_linger.as_secs()),
+            restored: false,
+        };
+        let mut next = l.records.clone();
+        next.push(rec);
+        self.set_adoptions(uid, l, next)?;
+        if let Err(k) = self
+            .kernel
+            .in_netns(holder.pid, move |ip| add_and_announce(ip, &link, a))
+        {
+            // Not added: the record goes again (if the journal cannot drop it, it stays,
+            // and its withdrawal later finds nothing to remove).
+            let next = l
+                .records
+                .iter()
+                .filter(|r| r.address != a)
+                .cloned()
+                .collect();
+            let _ = self.set_adoptions(uid, l, next);
+            return Err(kerr(k));
+        }
+        tracing::info!(%uid, address = %a, holder = holder.pid, "address adopted");
+        Ok(Reply::Done)
+    }
+
+    /// `adopt_address` of an address this registration adopted already: done once it is
+    /// in the holder's namespace.
+    fn readopt(&self, holder: ProcRef, a: IpAddr) -> Result<Reply, BrokerError> {
+        let plan = self
+            .kernel
+            .in_netns(holder.pid, move |ip| plan(ip, a))
+            .map_err(kerr)?;
+        if let Plan::Onto(link) = plan {
+            self.kernel
+                .in_netns(holder.pid, move |ip| add_and_announce(ip, &link, a))
+                .map_err(kerr)?;
+        }
+        Ok(Reply::Done)
+    }
+
+    /// `release_address`: withdraws `a` if this registration adopted it; done if not.
+    pub(crate) fn release_address(
+        &self,
+        uid: &MigrationUid,
+        e: &Entry,
+        a: IpAddr,
+    ) -> Result<Reply, BrokerError> {
+        let holder = e.process;
+        self.with_list(uid, false, |l| {
+            if !l
+                .records
+                .iter()
+                .any(|r| r.address == a && r.holder == holder)
+            {
+                return Ok(Reply::Done);
+            }
+            self.kernel
+                .in_netns(holder.pid, move |ip| withdraw(ip, a))
+                .map_err(kerr)?;
+            let next = l
+                .records
+                .iter()
+                .filter(|r| !(r.address == a && r.holder == holder))
+                .cloned()
+                .collect();
+            self.set_adoptions(uid, l, next)?;
+            tracing::info!(%uid, address = %a, "adopted address released");
+            Ok(Reply::Done)
+        })
+        .unwrap_or(Ok(Reply::Done))
+    }
+
+    /// After a successful `move_cgroup`: the adoptions of `uid` for `holder` are
+    /// restored (journal first). They now outlive the registration.
+    pub(crate) fn mark_restored(
+        &self,
+        uid: &MigrationUid,
+        holder: ProcRef,
+    ) -> Result<(), BrokerError> {
+        self.with_list(uid, false, |l| {
+            let mut next = l.records.clone();
+            for r in next.iter_mut().filter(|r| r.holder == holder) {
+                r.restored = true;
+            }
+            self.set_adoptions(uid, l, next)
+        })
+        .unwrap_or(Ok(()))
+    }
+
+    /// The registration of `uid` ends (`forget`, the lease's end): its adoptions not yet
+    /// restored are withdrawn (a holder that is gone took its namespace with it); the
+    /// restored ones linger. The first failure is returned; what failed stays recorded
+    /// (the sweep withdraws it once no registration holds it).
+    pub(crate) fn end_adoptions(&self, uid: &MigrationUid) -> Result<(), BrokerError> {
+        self.with_list(uid, false, |l| {
+            let mut first_err = None;
+            let mut next = Vec::new();
+            for r in &l.records {
+                if r.restored {
+                    next.push(r.clone());
+                    continue;
+                }
+                if self.kernel.check_live(r.holder).is_err() {
+                    continue;
+                }
+                let a = r.address;
+                match self.kernel.in_netns(r.holder.pid, move |ip| withdraw(ip, a)) {
+                    Ok(()) => {
+                        tracing::info!(%uid, address = %a, "adopted address withdrawn: its migration ended before the restored tree was moved");
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(kerr(e));
+                        next.push(r.clone());
+                    }
+                }
+            }
+            if let Err(j) = self.set_adoptions(uid, l, next) {
+                first_err.get_or_insert(j);
+            }
+            first_err.map_or(Ok(()), Err)
+        })
+        .unwrap_or(Ok(()))
+    }
+
+    /// Whether `uid` is registered here, as a target, for `holder`.
+    fn registered_for(&self, uid: &MigrationUid, holder: ProcRef) -> bool {
+        self.map()
+            .get(uid)
+            .is_some_and(|e| e.role == BrokerRole::Target && e.process == holder)
+    }
+
+    /// Whether a TCP connection in `holder`'s network namespace still uses `a` as its
+    /// local address (a socket in any state but listening, `TIME_WAIT` or closed). Not
+    /// readable: counted as used.
+    fn in_use(&self, holder: ProcRef, a: IpAddr) -> bool {
+        use crate::procfs::{TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT};
+        match self.kernel.tcp_states(holder.pid) {
+            Ok(socks) => socks
+                .iter()
+                .any(|(l, st)| *l == a && ![TCP_LISTEN, TCP_TIME_WAIT, TCP_CLOSE].contains(st)),
+            Err(e) => {
+                tracing::warn!(error = %e, address = %a, holder = holder.pid, "the holder's TCP sockets cannot be read: adopted address kept");
+                true
+            }
+        }
+    }
+
+    /// One pass over every adoption: a record whose holder is gone (dead, or its pid
+    /// reused) is dropped — its namespace went with it; past its deadline, or not
+    /// restored and no longer registered (its lease ended, or a previous broker's), or
+    /// restored with no connection using it any more, the address is withdrawn and the
+    /// record dropped. A migration whose adoptions are busy (an op under way) is
+    /// looked at in the next pass. The background thread ([`Broker::spawn_sweeper`]) runs
+    /// it every `sweep_interval`; a starting broker runs it once.
+    pub fn sweep(&self) {
+        let lists: Vec<(MigrationUid, Arc<Mutex<List>>)> = locked(&self.handover.lists)
+            .iter()
+            .map(|(u, l)| (u.clone(), Arc::clone(l)))
+            .collect();
+        let now = self.kernel.unix_now();
+        for (uid, arc) in lists {
+            let mut l = match arc.try_lock() {
+                Ok(l) => l,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            if l.gone {
+                continue;
+            }
+            let mut next = Vec::new();
+            for r in &l.records {
+                let a = r.address;
+                if self.kernel.check_live(r.holder).is_err() {
+                    tracing::info!(%uid, address = %a, holder = r.holder.pid, "adopted address forgotten: its holder is gone, and its network namespace with it");
+                    continue;
+                }
+                let why = if now >= r.deadline {
+                    Some(Why::Deadline)
+                } else if !r.restored && !self.registered_for(&uid, r.holder) {
+                    Some(Why::LeaseEnded)
+                } else if r.restored && !self.in_use(r.holder, a) {
+                    Some(Why::ConnectionsEnded)
+                } else {
+                    None
+                };
+                let Some(why) = why else {
+                    next.push(r.clone());
+                    continue;
+                };
+                if let Err(e) = self
+                    .kernel
+                    .in_netns(r.holder.pid, move |ip| withdraw(ip, a))
+                {
+                    tracing::warn!(%uid, address = %a, error = %e, "adopted address not withdrawn; next sweep");
+                    next.push(r.clone());
+                    continue;
+                }
+                match why {
+                    Why::Deadline => {
+                        tracing::warn!(%uid, address = %a, restored = r.restored, "adopted address withdrawn: its linger deadline passed (connections still using it lose it)")
+                    }
+                    Why::LeaseEnded => {
+                        tracing::info!(%uid, address = %a, "adopted address withdrawn: its migration ended before the restored tree was moved")
+                    }
+                    Why::ConnectionsEnded => {
+                        tracing::info!(%uid, address = %a, "adopted address withdrawn: moved connections ended")
+                    }
+                }
+            }
+            if let Err(e) = self.set_adoptions(&uid, &mut l, next) {
+                tracing::warn!(%uid, error = %e, "hand-over journal not updated; next sweep");
+            }
+            self.retire_if_empty(&uid, &arc, &mut l);
+        }
+    }
+
+    /// Loads the adoptions a previous broker journalled (only records of a pod's
+    /// process that parse; anything else is removed, never acted on). Its registrations
+    /// ended with it: the sweep that follows withdraws what was not restored.
+    pub(crate) fn load_adoptions(&self) {
+        let dir = self.handover_dir();
+        for (name, path) in self.kernel.read_dir(&dir) {
+            let uid = MigrationUid::parse(&name).ok();
+            let records = uid
+                .as_ref()
+                .and_then(|_| parse_journal_body(&self.kernel.read_file(&path)?));
+            let (Some(uid), Some(records)) = (uid, records) else {
+                tracing::warn!(file = %path.display(), "unreadable hand-over record removed");
+                self.kernel.remove_file(&path);
+                continue;
+            };
+            let n = records.len();
+            let kept: Vec<Adoption> = records
+                .into_iter()
+                .filter(|r| self.a_pods_adoption(&uid, r))
+                .collect();
+            if kept.len() != n {
+                let _ = self.write_adoptions(&uid, &kept);
+            }
+            if kept.is_empty() {
+                continue;
+            }
+            {
+                let mut claims = locked(&self.handover.claims);
+                for r in &kept {
+                    claims.entry(r.address).or_insert_with(|| uid.clone());
+                }
+            }
+            tracing::warn!(%uid, addresses = kept.len(), "a previous broker left adopted addresses: sweeping them");
+            let list = List {
+                gone: false,
+                records: kept,
+            };
+            locked(&self.handover.lists).insert(uid, Arc::new(Mutex::new(list)));
+        }
+    }
+
+    /// A journalled adoption the broker may act on: an address that can be a pod's, of a
+    /// live pod's process (as at registration: under the pods cgroup root, not in the
+    /// node's network namespace). A holder gone since is dropped (its namespace went
+    /// with it); anything else is ignored, never acted on.
+    fn a_pods_adoption(&self, uid: &MigrationUid, r: &Adoption) -> bool {
+        if self.kernel.check_live(r.holder).is_err() {
+            tracing::info!(%uid, address = %r.address, pid = r.holder.pid, "journalled adoption dropped: its holder is gone");
+            return false;
+        }
+        let in_pod = self
+            .kernel
+            .cgroup_of(r.holder.pid)
+            .is_ok_and(|cg| crate::under_pods_root(&cg, &self.cfg.pods_cgroup_root))
+            && self
+                .kernel
+                .netns_inode(r.holder.pid)
+                .is_ok_and(|n| n != self.kernel.node_netns());
+        if !in_pod || never_a_pods(r.address).is_some() {
+            tracing::warn!(%uid, address = %r.address, pid = r.holder.pid, "hand-over record names no pod's address or process: ignored");
+            return false;
+        }
+        true
+    }
+
+    /// Starts the background sweep: every `sweep_interval`, for as long as the broker
+    /// lives ([`Broker::serve`] starts it).
+    pub fn spawn_sweeper(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
+        let me = Arc::downgrade(self);
+        let every = self.cfg.sweep_interval;
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(every);
+                let Some(b) = me.upgrade() else { return };
+                b.sweep();
+            }
+        })
+    }
+
+    /// The adoptions the broker holds, by migration (tests).
+    pub fn adoptions(&self) -> BTreeMap<String, Vec<Adoption>> {
+        let lists: Vec<(MigrationUid, Arc<Mutex<List>>)> = locked(&self.handover.lists)
+            .iter()
+            .map(|(u, l)| (u.clone(), Arc::clone(l)))
+            .collect();
+        lists
+            .into_iter()
+            .map(|(u, l)| (u.as_str().to_owned(), locked(&l).records.clone()))
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn cidrs_parse_and_contain_their_addresses_only() {
+        let v4: Cidr = "198.18.0.0/15".parse().unwrap();
+        assert!(v4.contains(ip("198.18.0.1")));
+        assert!(v4.contains(ip("198.19.255.254")));
+        assert!(!v4.contains(ip("198.20.0.1")));
+        assert!(!v4.contains(ip("198.17.255.255")));
+        assert!(!v4.contains(ip("::ffff:198.18.0.1")), "another family");
+        let v6: Cidr = "2001:db8::/32".parse().unwrap();
+        assert!(v6.contains(ip("2001:db8:ffff::1")));
+        assert!(!v6.contains(ip("2001:db9::1")));
+        assert!(!v6.contains(ip("198.18.0.1")));
+        let host: Cidr = "10.213.1.10/32".parse().unwrap();
+        assert!(host.contains(ip("10.213.1.10")) && !host.contains(ip("10.213.1.11")));
+        let all: Cidr = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains(ip("203.0.113.9")) && !all.contains(ip("::1")));
+        let all6: Cidr = "::/0".parse().unwrap();
+        assert!(all6.contains(ip("2001:db8::1")));
+        let one6: Cidr = "2001:db8::5/128".parse().unwrap();
+        assert!(one6.contains(ip("2001:db8::5")) && !one6.contains(ip("2001:db8::4")));
+        assert_eq!(v4.to_string(), "198.18.0.0/15");
+        assert_eq!(v6.to_string(), "2001:db8::/32");
+    }
+
+    #[test]
+    fn invalid_cidrs_are_refused_naming_them() {
+        for bad in [
+            "198.18.0.0",
+            "198.18.0.0/33",
+            "2001:db8::/129",
+            "198.18.1.0/15",
+            "198.18.0.0/",
+            "198.18.0.0/+8",
+            "198.18.0.0/-1",
+            "198.18.0.0/ 8",
+            "/8",
+            "x/8",
+            "198.18.0/15",
+            "2001:db8::1/32",
+            "198.18.0.0/15/1",
+            "fe80::%eth0/64",
+        ] {
+            let e = bad.parse::<Cidr>().expect_err(bad);
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+        let e = parse_cidrs("198.18.0.0/15, 10.0.0.0/33").unwrap_err();
+        assert!(e.contains("10.0.0.0/33"), "{e}");
+        assert_eq!(parse_cidrs("").unwrap(), []);
+        assert_eq!(parse_cidrs(" , ").unwrap(), []);
+        assert_eq!(
+            parse_cidrs("198.18.0.0/15,2001:db8::/32,").unwrap(),
+            [
+                "198.18.0.0/15".parse().unwrap(),
+                "2001:db8::/32".parse::<Cidr>().unwrap()
+            ]
+        );
+    }
+
+    #[test]
+    fn addresses_that_are_never_a_pods_are_refused_whatever_the_cidrs() {
+        let all = parse_cidrs("0.0.0.0/0,::/0").unwrap();
+        for a in [
+            "127.0.0.1",
+            "127.9.9.9",
+            "0.0.0.0",
+            "224.0.0.1",
+            "239.255.255.250",
+            "169.254.1.1",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "ff02::1",
+            "fe80::1",
+            "febf::1",
+            "::ffff:198.18.0.5",
+        ] {
+            let e = check_address(&all, ip(a)).expect_err(a);
+            assert_eq!(e.kind, ErrorKind::AddressNotAllowed, "{a}");
+        }
+        for a in ["198.18.0.5", "10.0.0.1", "2001:db8::5", "fec0::1"] {
+            assert!(check_address(&all, ip(a)).is_ok(), "{a}");
+        }
+        let some = parse_cidrs("198.18.0.0/15").unwrap();
+        let e = check_address(&some, ip("10.0.0.1")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::AddressNotAllowed);
+        assert!(e.message.contains("198.18.0.0/15"), "{e}");
+        assert!(check_address(&some, ip("2001:db8::5")).is_err());
+    }
+
+    #[test]
+    fn journal_bodies_round_trip_and_hostile_ones_are_refused() {
+        let r = Adoption {
+            holder: ProcRef {
+                pid: 4242,
+                start_time: 77,
+            },
+            address: ip("2001:db8::5"),
+            link: "eth0".into(),
+            deadline: 1_900_000_000,
+            restored: true,
+        };
+        let v4 = Adoption {
+            address: ip("198.18.2.20"),
+            restored: false,
+            ..r.clone()
+        };
+        let body = journal_body(&[r.clone(), v4.clone()]);
+        assert_eq!(parse_journal_body(&body), Some(vec![r, v4]));
+        for bad in [
+            r#"{"adoptions":[{"pid":1,"start_time":1,"address":"198.18.0.1","link":"eth0","deadline":1,"restored":false}]}"#,
+            r#"{"adoptions":[{"pid":9,"start_time":1,"address":"198.18.0.1/32","link":"eth0","deadline":1,"restored":false}]}"#,
+            r#"{"adoptions":[{"pid":9,"start_time":1,"address":"198.18.0.1","link":"../x","deadline":1,"restored":false}]}"#,
+            r#"{"adoptions":[{"pid":9,"start_time":1,"address":"198.18.0.1","link":"a b","deadline":1,"restored":false}]}"#,
+            r#"{"adoptions":[{"pid":9,"start_time":1,"address":"198.18.0.1","link":"eth0","restored":false}]}"#,
+            r#"{"adoptions":{}}"#,
+            r#"[]"#,
+            "garbage",
+        ] {
+            assert_eq!(parse_journal_body(bad.as_bytes()), None, "{bad}");
+        }
+    }
+}
