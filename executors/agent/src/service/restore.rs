@@ -500,6 +500,7 @@ pub(super) fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Stat
 
 #[cfg(test)]
 mod tests {
+    use super::super::testkit::manifest;
     use super::*;
 
     fn socket(local: &str, listening: bool) -> ManifestSocket {
@@ -507,17 +508,6 @@ mod tests {
             local: local.into(),
             remote: if listening { "" } else { "10.0.0.9:41000" }.into(),
             listening,
-        }
-    }
-
-    fn manifest(tcp: TcpPreservation, sockets: Vec<ManifestSocket>) -> Manifest {
-        Manifest {
-            final_dir: "final".into(),
-            sockets,
-            tcp: tcp as i32,
-            external_mounts: vec![],
-            stdio_pipes: vec![],
-            workload: None,
         }
     }
 

@@ -5,9 +5,9 @@
 //! answering for its address.
 
 use super::prepare_tests::{UID, agent, prepare_target, registers_then};
-use super::testkit::{Answer, FakeBroker, Scratch};
+use super::testkit::{Answer, FakeBroker, Scratch, manifest};
 use super::*;
-use podmotion_wire::agent::{Manifest, ManifestSocket};
+use podmotion_wire::agent::ManifestSocket;
 use podmotion_wire::broker::ErrorKind;
 
 /// The source's address (where its connection was) and the target's own.
@@ -35,14 +35,7 @@ async fn received(
     let m = a.get(UID).unwrap();
     let mut m = m.lock().await;
     std::fs::create_dir_all(m.dir.join("final")).unwrap();
-    let manifest = Manifest {
-        final_dir: "final".into(),
-        sockets,
-        tcp: tcp as i32,
-        external_mounts: vec![],
-        stdio_pipes: vec![],
-        workload: None,
-    };
+    let manifest = manifest(tcp, sockets);
     std::fs::write(
         m.dir.join("manifest.json"),
         serde_json::to_vec(&manifest).unwrap(),

@@ -1,6 +1,7 @@
 //! What the service's unit tests share (no kernel, no root): a scratch directory and
 //! a scripted netns broker on a Unix socket ([`FakeBroker`]).
 
+use podmotion_wire::agent::{Manifest, ManifestSocket, TcpPreservation};
 use podmotion_wire::broker::{
     BrokerError, ErrorKind, MAX_FRAME, Reply, Request, Response, check_len, decode_request,
     encode_frame,
@@ -131,5 +132,18 @@ fn serve(mut s: UnixStream, seen: &Mutex<Seen>, script: &Mutex<Script>) {
     let mut seen = seen.lock().unwrap();
     for uid in mine {
         seen.registered.remove(&uid);
+    }
+}
+
+/// The manifest of a final dump in `final/` with `sockets` under `tcp` (no container
+/// mounts, pipes or workload).
+pub(super) fn manifest(tcp: TcpPreservation, sockets: Vec<ManifestSocket>) -> Manifest {
+    Manifest {
+        final_dir: "final".into(),
+        sockets,
+        tcp: tcp as i32,
+        external_mounts: vec![],
+        stdio_pipes: vec![],
+        workload: None,
     }
 }
