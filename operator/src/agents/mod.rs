@@ -11,6 +11,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use futures::StreamExt;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender};
+
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -47,10 +50,15 @@ pub struct WireAgents {
     /// This replica's leadership: every call carries the term of the lease it holds,
     /// and agents refuse a term lower than one they have seen.
     leader: Option<Leadership>,
+    /// Announces a migration UID when one of its step calls ended.
+    ended: UnboundedSender<String>,
+    /// The receiving end of `ended`, until [`AgentClient::step_ends`] takes it.
+    ends: Arc<Mutex<Option<UnboundedReceiver<String>>>>,
 }
 
 impl WireAgents {
     pub fn new(client: kube::Client, tls: Option<TlsFiles>) -> Self {
+        let (ended, ends) = futures::channel::mpsc::unbounded();
         WireAgents {
             client,
             tls,
@@ -58,6 +66,8 @@ impl WireAgents {
             exec_probes: false,
             call_timeout: Duration::from_secs(10),
             leader: None,
+            ended,
+            ends: Arc::new(Mutex::new(Some(ends))),
         }
     }
 
@@ -359,13 +369,25 @@ impl AgentClient for WireAgents {
         let (e, r) = (e.clone(), r.clone());
         tokio::spawn(async move {
             let res = this.call(&e, &r).await;
-            let mut inflight = this.inflight.lock().expect("inflight lock");
-            match remembered_outcome(r.step, res) {
-                Some(outcome) => inflight.insert(key, outcome),
-                None => inflight.remove(&key),
-            };
+            {
+                let mut inflight = this.inflight.lock().expect("inflight lock");
+                match remembered_outcome(r.step, res) {
+                    Some(outcome) => inflight.insert(key, outcome),
+                    None => inflight.remove(&key),
+                };
+            }
+            // Nobody listening (no controller runs these agents) loses nothing.
+            let _ = this.ended.unbounded_send(r.migration_uid);
         });
         Ok(())
+    }
+
+    fn step_ends(&self) -> impl futures::Stream<Item = String> + Send + 'static {
+        let taken = self.ends.lock().expect("step ends lock").take();
+        match taken {
+            Some(rx) => rx.left_stream(),
+            None => futures::stream::empty().right_stream(),
+        }
     }
 }
 
@@ -440,6 +462,35 @@ mod tests {
             freeze_budget_millis: 5000,
             step,
         }
+    }
+
+    /// A step that ends (here: its agent refuses the connection) announces its
+    /// migration after its outcome is remembered, so the reconcile it wakes sees it.
+    #[tokio::test]
+    async fn a_step_that_ends_announces_its_migration_once_its_outcome_is_reported() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let api = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let agents = WireAgents::new(kube::Client::try_from(api).unwrap(), None);
+        let mut ends = agents.step_ends();
+        let e = AgentEndpoint {
+            node: "node-b".into(),
+            url,
+        };
+        agents.start(&e, &request(Step::Prepare)).await.unwrap();
+        let uid = tokio::time::timeout(Duration::from_secs(60), ends.next())
+            .await
+            .expect("the step's end was announced")
+            .expect("the stream is open");
+        assert_eq!(uid, "u1");
+        let r = agents.report(&e, "u1").await.unwrap();
+        assert!(
+            matches!(&r.last, Some((Step::Prepare, StepState::Failed { category, .. })) if category == "AgentUnreachable"),
+            "{r:?}"
+        );
+        // Handed out once: a second taker gets an ended stream.
+        assert_eq!(agents.step_ends().next().await, None);
     }
 
     /// A call answered `Unavailable` three times, then `answer`; returns what

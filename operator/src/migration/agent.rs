@@ -229,4 +229,12 @@ pub trait AgentClient: Send + Sync + 'static {
         endpoint: &AgentEndpoint,
         request: &StepRequest,
     ) -> impl Future<Output = Result<(), AgentCallError>> + Send;
+
+    /// The UIDs of migrations whose started step just ended (its outcome is in the next
+    /// [`report`](Self::report)), so the controller reconciles them at once rather than
+    /// at their next poll. The stream is handed out once; later calls, and clients that
+    /// cannot tell, get an empty one (the polls still see every outcome).
+    fn step_ends(&self) -> impl futures::Stream<Item = String> + Send + 'static {
+        futures::stream::empty()
+    }
 }

@@ -17,13 +17,20 @@ use podmotion_api::migration::{
 };
 
 use super::agent::{AgentProgress, AgentReport, AgentView, Step, StepState};
-use super::machine::{Knobs, Observed, Plan, Preflight, SourcePodFacts, TargetPodFacts};
+use super::machine::{
+    KUBELET_SETTLE, Knobs, Observed, Plan, Preflight, SourcePodFacts, TargetPodFacts,
+};
 use super::preflight::{NodeFacts, OwnerFacts, PodFacts, Resources};
 
 pub const SOURCE_UID: &str = "5a1c0000-0000-4000-8000-000000000001";
 
 pub fn ts(s: i64) -> Timestamp {
     Timestamp::from_second(s).unwrap()
+}
+
+/// `t` to the second below, as the API's timestamps carry it.
+pub fn whole_second(t: Timestamp) -> Timestamp {
+    ts(t.as_second())
 }
 
 // ------------------------------------------------------------------ preflight
@@ -406,6 +413,7 @@ pub fn at(phase: MigrationPhase) -> Observed {
             running: true,
             terminating: false,
             deletion_grace_seconds: None,
+            deletion_accepted: None,
             deletion_cost_lowered: false,
         }),
         target_pod: (1..=5).contains(&rank).then_some(TargetPodFacts {
@@ -435,6 +443,9 @@ pub trait ObservedExt {
     fn adopted(self) -> Self;
     /// The source pod terminating, deleted with this grace period.
     fn source_terminating(self, grace_seconds: i64) -> Self;
+    /// [`KUBELET_SETTLE`] later: the source's kubelet has had the time to see its pod's
+    /// deletion.
+    fn kubelet_settled(self) -> Self;
 }
 impl ObservedExt for Observed {
     fn source(mut self, r: AgentReport) -> Self {
@@ -480,6 +491,11 @@ impl ObservedExt for Observed {
         let s = self.source_pod.as_mut().expect("a source pod");
         s.terminating = true;
         s.deletion_grace_seconds = Some(grace_seconds);
+        s.deletion_accepted = Some(whole_second(self.now));
+        self
+    }
+    fn kubelet_settled(mut self) -> Self {
+        self.now += KUBELET_SETTLE;
         self
     }
 }

@@ -77,6 +77,10 @@ pub struct SourcePodFacts {
     /// `metadata.deletionGracePeriodSeconds` once terminating: 0 once a deletion with
     /// grace period 0 was accepted (a pod its own finalizers hold stays with it).
     pub deletion_grace_seconds: Option<i64>,
+    /// When the API server accepted its (latest) deletion, once terminating:
+    /// `deletionTimestamp − deletionGracePeriodSeconds`, to the second (the API's
+    /// timestamps have no finer unit), so at most 1 s before the true instant.
+    pub deletion_accepted: Option<Timestamp>,
     /// Its `pod-deletion-cost` already marks it as the one to remove.
     pub deletion_cost_lowered: bool,
 }
@@ -191,6 +195,13 @@ pub const POLL: Duration = Duration::from_millis(500);
 /// downtime. Few migrations are ever frozen at once (the concurrency limits), so the
 /// extra reconciles are bounded.
 pub const FROZEN_POLL: Duration = Duration::from_millis(50);
+/// How long after the source pod's deletion was accepted its agent's kill waits, so
+/// that the source node's kubelet has seen the deletion through its watch (normally
+/// within tens of milliseconds) and ends the pod rather than restarting a container
+/// that died. Measured from [`SourcePodFacts::deletion_accepted`], which is up to 1 s
+/// early: the true wait is between 0.5 and 1.5 s. It does not count as downtime (the
+/// target serves from its resume on); it is time the source's memory is held longer.
+pub const KUBELET_SETTLE: Duration = Duration::from_millis(1500);
 /// Re-check interval while waiting for a slot or for the cluster to become migratable.
 pub const IDLE_RECHECK: Duration = Duration::from_secs(10);
 
@@ -333,6 +344,11 @@ impl<'a> Machine<'a> {
 
     fn poll(&mut self) {
         self.requeue_after = Some(POLL);
+    }
+
+    /// Reconcile again no later than `wait` from now.
+    fn requeue_within(&mut self, wait: Duration) {
+        self.requeue_after = Some(self.requeue_after.map_or(wait, |r| r.min(wait)));
     }
 
     fn enter(&mut self, phase: MigrationPhase) {
@@ -1138,6 +1154,10 @@ impl<'a> Machine<'a> {
                 return;
             }
             (_, SourceKill::NotAsked) => {
+                if let Some(wait) = source.and_then(|s| self.kubelet_settling(s)) {
+                    self.requeue_within(wait);
+                    return;
+                }
                 if source.is_none() {
                     self.note_source_gone_before_the_kill();
                 }
@@ -1167,6 +1187,15 @@ impl<'a> Machine<'a> {
                 .as_ref()
                 .is_none_or(|uid| *uid == s.uid)
         })
+    }
+
+    /// How much longer the source's kill waits for its kubelet to have seen the pod's
+    /// deletion ([`KUBELET_SETTLE`]), if at all.
+    fn kubelet_settling(&self, s: &SourcePodFacts) -> Option<Duration> {
+        let accepted = s.deletion_accepted?;
+        KUBELET_SETTLE
+            .checked_sub(self.elapsed_since(accepted))
+            .filter(|w| !w.is_zero())
     }
 
     /// The grace period of the source pod's deletion when its agent's kill follows it:

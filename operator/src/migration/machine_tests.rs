@@ -737,7 +737,11 @@ fn committing_resumes_after_a_restart_even_when_the_probe_is_no_longer_reported(
     let o = at(P::Committing).target(done(Step::Restore));
     let t = next(&o);
     assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
-    let t = next(&o.adopted().source_terminating(COMMIT_GRACE));
+    let t = next(
+        &o.adopted()
+            .source_terminating(COMMIT_GRACE)
+            .kubelet_settled(),
+    );
     assert!(has(&t, &COMMIT), "{:?}", t.actions);
 }
 
@@ -763,6 +767,13 @@ fn commit_hands_over_waits_for_adoption_deletes_the_source_pod_then_kills_the_so
     assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
     assert!(!has(&t, &COMMIT), "{:?}", t.actions);
     let terminating = adopted.source_terminating(COMMIT_GRACE);
+    let t = next(&terminating);
+    assert!(
+        !has(&t, &COMMIT),
+        "killed before the kubelet saw the deletion: {:?}",
+        t.actions
+    );
+    let terminating = terminating.kubelet_settled();
     let t = next(&terminating);
     assert!(has(&t, &COMMIT), "{:?}", t.actions);
     assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
@@ -811,10 +822,62 @@ fn no_commit_is_asked_before_the_source_pod_is_terminating() {
         );
     }
     // Deleted by its ReplicaSet (two active pods once the target is adopted), with the
-    // pod's own grace period: terminating counts as deleted; the kill follows.
-    let t = next(&at(P::Committing).adopted().source_terminating(30));
+    // pod's own grace period: terminating counts as deleted; the kill follows once the
+    // kubelet has had the time to see the deletion.
+    let t = next(
+        &at(P::Committing)
+            .adopted()
+            .source_terminating(30)
+            .kubelet_settled(),
+    );
     assert!(has(&t, &COMMIT), "{:?}", t.actions);
     assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+}
+
+/// (a') The kill waits [`KUBELET_SETTLE`] from the accepted deletion (the kubelet sees
+/// it through its watch; a container that dies before that is restarted), and asks
+/// to be reconciled again when that wait ends, not a poll later.
+#[test]
+fn the_kill_waits_for_the_kubelet_to_have_seen_the_deletion() {
+    let deleted = at(P::Committing).adopted().source_terminating(150);
+    let accepted = deleted
+        .source_pod
+        .as_ref()
+        .unwrap()
+        .deletion_accepted
+        .unwrap();
+    for after_ms in [0, 100, 1_000, 1_499] {
+        let mut o = deleted.clone();
+        o.now = accepted + Duration::from_millis(after_ms);
+        let t = next(&o);
+        assert!(
+            !has(&t, &COMMIT),
+            "killed {after_ms} ms after: {:?}",
+            t.actions
+        );
+        assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+        let wait = t.requeue_after.expect("a requeue");
+        assert!(
+            wait <= KUBELET_SETTLE - Duration::from_millis(after_ms),
+            "{after_ms} ms after: requeue in {wait:?}"
+        );
+        assert_eq!(t.status.phase, P::Committing);
+    }
+    for after_ms in [1_500, 1_501, 60_000] {
+        let mut o = deleted.clone();
+        o.now = accepted + Duration::from_millis(after_ms);
+        let t = next(&o);
+        assert!(
+            has(&t, &COMMIT),
+            "not killed {after_ms} ms after: {:?}",
+            t.actions
+        );
+    }
+    // A pod already gone (its kubelet ended it, or a deletion with grace 0): nothing to
+    // wait for.
+    let mut gone = deleted.clone();
+    gone.source_pod = None;
+    assert!(has(&next(&gone), &COMMIT));
 }
 
 /// (b) While the agent's kill is to come, the source pod is deleted with the commit's
@@ -873,7 +936,10 @@ fn the_source_pod_is_deleted_with_grace_period_zero_when_the_kill_is_unconfirmed
 #[test]
 fn a_restart_mid_commit_asks_the_kill_of_a_terminating_source_not_another_deletion() {
     // The pod was deleted, the operator restarted before it asked the kill.
-    let o = at(P::Committing).adopted().source_terminating(COMMIT_GRACE);
+    let o = at(P::Committing)
+        .adopted()
+        .source_terminating(COMMIT_GRACE)
+        .kubelet_settled();
     let t = next(&o);
     assert!(has(&t, &COMMIT), "{:?}", t.actions);
     assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
@@ -1036,8 +1102,9 @@ struct World {
     /// The ReplicaSet deletes the source pod itself (its own grace period) as it adopts
     /// the target (two active pods).
     replicaset_deletes_source: bool,
-    /// The source was killed while its pod was not terminating: its kubelet would
-    /// restart the container from its image beside the restored copy.
+    /// The source was killed while its pod was not terminating, or before its kubelet
+    /// could have seen the deletion ([`KUBELET_SETTLE`]): its kubelet would restart the
+    /// container from its image beside the restored copy.
     killed_before_its_pod_terminated: bool,
 }
 
@@ -1083,6 +1150,7 @@ impl World {
             {
                 s.terminating = true;
                 s.deletion_grace_seconds = Some(30);
+                s.deletion_accepted = Some(whole_second(self.o.now));
             }
             self.adopt_next_tick = false;
         }
@@ -1160,9 +1228,13 @@ impl World {
             Action::DeleteSourcePod { grace_seconds } => {
                 if let Some(s) = self.o.source_pod.as_mut() {
                     s.terminating = true;
-                    // The API server only ever shortens a deletion's grace period.
+                    // The API server only ever shortens a deletion's grace period, and
+                    // a shortened one moves the deletion's time to now.
                     let g = s.deletion_grace_seconds.unwrap_or(i64::MAX);
-                    s.deletion_grace_seconds = Some(g.min(*grace_seconds));
+                    if *grace_seconds < g {
+                        s.deletion_grace_seconds = Some(*grace_seconds);
+                        s.deletion_accepted = Some(whole_second(now));
+                    }
                 }
             }
             Action::Agent(side, step) => {
@@ -1188,10 +1260,14 @@ impl World {
                         }
                         self.source_killed = true;
                         self.source_frozen = false;
+                        let unseen = |s: &SourcePodFacts| {
+                            !s.terminating
+                                || s.deletion_accepted.is_none_or(|d| {
+                                    now.duration_since(d) < KUBELET_SETTLE.try_into().unwrap()
+                                })
+                        };
                         match &self.o.source_pod {
-                            Some(s) if !s.terminating => {
-                                self.killed_before_its_pod_terminated = true
-                            }
+                            Some(s) if unseen(s) => self.killed_before_its_pod_terminated = true,
                             // The container exited: the kubelet ends the terminating pod.
                             Some(_) => self.o.source_pod = None,
                             None => {}

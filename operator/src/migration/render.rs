@@ -20,6 +20,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
 use podmotion_api::PodMigration;
@@ -390,8 +391,18 @@ pub fn source_facts(p: &Pod) -> SourcePodFacts {
             .deletion_timestamp
             .as_ref()
             .and(p.metadata.deletion_grace_period_seconds),
+        deletion_accepted: deletion_accepted(p),
         deletion_cost_lowered: deletion_cost_lowered(p),
     }
+}
+
+/// When the API server accepted `p`'s deletion (see
+/// [`SourcePodFacts::deletion_accepted`]).
+fn deletion_accepted(p: &Pod) -> Option<Timestamp> {
+    let at = p.metadata.deletion_timestamp.as_ref()?.0;
+    let grace = p.metadata.deletion_grace_period_seconds.unwrap_or(0);
+    at.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(grace))
+        .ok()
 }
 
 /// Container IDs (`containerd://…`) of `pod`'s containers that have one.
@@ -514,6 +525,30 @@ mod tests {
                 Some("uid-1")
             );
         }
+    }
+
+    #[test]
+    fn a_deletion_is_accepted_its_grace_period_before_its_deletion_timestamp() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let mut p = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
+        assert_eq!(source_facts(&p).deletion_accepted, None, "not deleted");
+        let at = Timestamp::from_second(1_000_150).unwrap();
+        p.metadata.deletion_timestamp = Some(Time(at));
+        p.metadata.deletion_grace_period_seconds = Some(150);
+        let f = source_facts(&p);
+        assert!(f.terminating);
+        assert_eq!(f.deletion_grace_seconds, Some(150));
+        assert_eq!(
+            f.deletion_accepted,
+            Some(Timestamp::from_second(1_000_000).unwrap())
+        );
+        // A grace period shortened to 0 moves the deletion timestamp to that instant.
+        p.metadata.deletion_timestamp = Some(Time(Timestamp::from_second(1_000_007).unwrap()));
+        p.metadata.deletion_grace_period_seconds = Some(0);
+        assert_eq!(
+            source_facts(&p).deletion_accepted,
+            Some(Timestamp::from_second(1_000_007).unwrap())
+        );
     }
 
     fn rendered() -> (PodMigration, Pod, Pod) {

@@ -121,15 +121,22 @@ pub async fn run_with<A: AgentClient>(
     let controller = Controller::new(migrations, watcher::Config::default().any_semantic());
     let store = controller.store();
     let (nodes, load, wakes) = pending_inputs(&ctx, &store);
+    let s = store.clone();
+    let step_ends = agents
+        .step_ends()
+        .filter_map(move |uid| std::future::ready(migration_with_uid(&s, &uid)));
     let controller = controller
         .owns(
             target_pods,
             watcher::Config::default().labels(&format!("{}=PodMigration", labels::OWNER_KIND)),
         )
-        .reconcile_on(wakes)
+        .reconcile_on(stream::select(wakes, step_ends))
         // A replica that wins the lease reconciles everything once.
         .reconcile_all_on(ctx.leader.on_acquire())
-        .with_config(controller_config(&ctx))
+        // No debounce: a migration's next step starts as soon as the last one ended (a
+        // frozen pod's downtime grows with every wait). Triggers that arrive while a
+        // reconcile runs are coalesced into one rerun by the runtime.
+        .with_config(controller_config(&ctx).debounce(std::time::Duration::ZERO))
         .graceful_shutdown_on(ctx.shutdown());
     let agent_pods = watch_agent_pods(&client, &cfg);
     let master_key = load_master_key(cfg.key_file.as_deref())?;
@@ -210,6 +217,19 @@ fn watch_agent_pods(client: &kube::Client, cfg: &MigrationConfig) -> Store<Pod> 
 }
 
 type MigrationRef = ObjectRef<DeserializeGuard<PodMigration>>;
+
+/// The migration whose UID is `uid`, if the cache has it (one that is gone needs no
+/// reconcile).
+fn migration_with_uid(
+    store: &Store<DeserializeGuard<PodMigration>>,
+    uid: &str,
+) -> Option<MigrationRef> {
+    store
+        .state()
+        .iter()
+        .find(|g| g.uid().as_deref() == Some(uid))
+        .map(|g| ObjectRef::from_obj(g.as_ref()))
+}
 
 /// Whether `pm` is waiting in `Pending` (not yet reconciled counts) and not deleted.
 fn is_pending(pm: &PodMigration) -> bool {
