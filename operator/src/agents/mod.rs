@@ -10,12 +10,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures::StreamExt;
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender};
-
-use std::time::Duration;
-
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use podmotion_api::migration::{ApplicationProbe, ExecProbe, TcpPreservation};
