@@ -337,6 +337,40 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         st.progress.as_ref().map(|p| p.bytes_sent).unwrap_or(0) > 64 << 20,
         "the 64 MiB ballast moved: {st:?}"
     );
+    // The restored memory is charged to the target pod's container, not to the agent
+    // that restored it (a charge stays where memory was first touched).
+    let restored = restored_workload_pids(&moved.uid().unwrap());
+    assert_eq!(restored.len(), 1, "{restored:?}");
+    let charged = memory_charged_to_cgroup_of(restored[0]);
+    assert!(
+        charged > 64 << 20,
+        "the 64 MiB ballast is charged to the restored container's memory cgroup: {charged} bytes"
+    );
+}
+
+/// What the memory cgroup (v1 hierarchy, or v2) of host PID `pid` is charged, in bytes.
+fn memory_charged_to_cgroup_of(pid: u32) -> u64 {
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let file = cgroup
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+            if ctrls.split(',').any(|c| c == "memory") {
+                Some(format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"))
+            } else if ctrls.is_empty() && l.starts_with("0::") {
+                Some(format!("/sys/fs/cgroup{path}/memory.current"))
+            } else {
+                None
+            }
+        })
+        .find(|f| std::path::Path::new(f).exists())
+        .unwrap_or_else(|| panic!("no memory cgroup for pid {pid}: {cgroup}"));
+    std::fs::read_to_string(&file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 /// Reads the counter continuously over one long-lived connection through the Service

@@ -140,20 +140,34 @@ impl Criu {
     /// Runs one request in a fresh `criu swrk`. `inherit` descriptors must not be
     /// close-on-exec (criu finds them by number).
     pub fn call(&self, req: Req, log_in: Option<&Path>) -> Result<Resp, CriuError> {
-        self.call_in(req, log_in, None)
+        self.call_in(req, log_in, None, None)
     }
 
     /// [`Criu::call`], with CRIU running inside the PID namespace of `holder_pid` when
-    /// given (a container's restore, see [`crate::pidns`]).
+    /// given (a container's restore, see [`crate::pidns`]). There, `before_start` runs
+    /// first, given the pid of the launcher that will start CRIU (the agent's first
+    /// stage, waiting at its gate): CRIU starts only once it returned `Ok`; its error
+    /// ends the launch, nothing started. Without a holder it is not called.
     pub fn call_in(
         &self,
         req: Req,
         log_in: Option<&Path>,
         holder_pid: Option<i32>,
+        before_start: Option<BeforeStart<'_>>,
     ) -> Result<Resp, CriuError> {
         let op = op_name(req.r#type);
-        let (ours, child) = self.spawn_swrk(holder_pid)?;
+        let gate = match (holder_pid, &before_start) {
+            (Some(_), Some(_)) => Some(gate_pipe().map_err(|e| CriuError::Spawn(e.to_string()))?),
+            _ => None,
+        };
+        let (r, w) = gate.unzip();
+        let (ours, child) = self.spawn_swrk(holder_pid, r)?;
         let mut child = Swrk(child);
+        if let (Some(w), Some(f)) = (w, before_start) {
+            // A launcher that is not let through is killed and reaped (`Swrk`'s drop).
+            f(child.0.id() as i32).map_err(CriuError::Spawn)?;
+            nix::unistd::write(&w, &[1]).map_err(|e| CriuError::Spawn(format!("gate: {e}")))?;
+        }
         // No timeout on the reply: a dump of a large process may take long. A CRIU that
         // hangs blocks this (blocking-pool) thread until it ends, and the step that
         // called it keeps holding its migration. What bounds it is the operator: its
@@ -187,14 +201,14 @@ impl Criu {
         )
         .map_err(|e| CriuError::Spawn(e.to_string()))?;
         let mut cmd = match holder_pid {
-            Some(pid) => crate::pidns::criu_command(&self.binary, pid)
+            Some(pid) => crate::pidns::criu_command(&self.binary, pid, gate.is_some())
                 .map_err(|e| CriuError::Spawn(e.to_string()))?,
             None => std::process::Command::new(&self.binary),
         };
         let child = cmd
             .arg("swrk")
             .arg(theirs.as_raw_fd().to_string())
-            .stdin(std::process::Stdio::null())
+            .stdin(gate.map_or_else(std::process::Stdio::null, std::process::Stdio::from))
             .spawn()
             .map_err(|e| CriuError::Spawn(format!("{}: {e}", self.binary.display())))?;
         drop(theirs);
@@ -212,6 +226,16 @@ impl Criu {
         let v = r.version.unwrap_or_default();
         Ok((v.major_number, v.minor_number))
     }
+}
+
+/// What [`Criu::call_in`] runs between the launch and CRIU's start, given the
+/// launcher's pid; its error (said in words) ends the launch.
+pub type BeforeStart<'a> = &'a mut dyn FnMut(i32) -> Result<(), String>;
+
+/// A gate for the launcher: the read end becomes its stdin; neither end leaks into
+/// other children (close-on-exec).
+fn gate_pipe() -> nix::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
 }
 
 /// A running `criu swrk`: waited for once it has answered ([`Swrk::reap`]); dropped

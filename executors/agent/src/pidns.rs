@@ -12,6 +12,11 @@
 //! binary: stage 1 joins the holder's PID namespace and starts stage 2 (the first
 //! process inside it), which takes a private mount namespace with a fresh /proc and
 //! executes `criu swrk`. Descriptors CRIU inherits by number pass through both stages.
+//!
+//! Stage 1 can wait at a gate (a pipe's read end as its stdin) before it starts stage 2: the agent
+//! has the broker move stage 1 into the pod's memory cgroup first, so that CRIU and the
+//! tree it restores are charged to the pod (see [`crate::criu::Criu::call_in`]). Stage 1
+//! starts nothing unless it reads the one byte that opens the gate.
 
 use nix::mount::{MsFlags, mount};
 use nix::sched::{CloneFlags, setns, unshare};
@@ -20,11 +25,20 @@ use std::process::Command;
 
 const STAGE1: &str = "__criu-in-pidns";
 const STAGE2: &str = "__criu-in-pidns-stage2";
+const GATED: &str = "gated";
 
-/// The command that runs `criu <args>` inside the PID namespace of `holder_pid`.
-pub fn criu_command(criu: &std::path::Path, holder_pid: i32) -> std::io::Result<Command> {
+/// The command that runs `criu <args>` inside the PID namespace of `holder_pid`;
+/// `gated`: once its stdin (the gate) yields a byte.
+pub fn criu_command(
+    criu: &std::path::Path,
+    holder_pid: i32,
+    gated: bool,
+) -> std::io::Result<Command> {
     let mut c = Command::new(std::env::current_exe()?);
-    c.arg(STAGE1).arg(holder_pid.to_string()).arg(criu);
+    c.arg(STAGE1)
+        .arg(holder_pid.to_string())
+        .arg(if gated { GATED } else { "-" })
+        .arg(criu);
     Ok(c)
 }
 
@@ -46,19 +60,35 @@ pub fn run_stage(args: &[String]) -> Option<i32> {
 }
 
 fn stage1(args: &[String]) -> Result<i32, String> {
-    let [pid, rest @ ..] = args else {
-        return Err("usage: <holder pid> <criu> <args...>".into());
+    let [pid, gate, rest @ ..] = args else {
+        return Err(format!("usage: <holder pid> <{GATED}|-> <criu> <args...>"));
     };
     let pid: i32 = pid.parse().map_err(|e| format!("holder pid {pid}: {e}"))?;
+    if gate == GATED {
+        wait_at_gate()?;
+    }
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/pid"))
         .map_err(|e| format!("pid namespace of {pid}: {e}"))?;
     setns(&ns, CloneFlags::CLONE_NEWPID).map_err(|e| format!("setns pid of {pid}: {e}"))?;
     let status = Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
         .arg(STAGE2)
         .args(rest)
+        .stdin(std::process::Stdio::null())
         .status()
         .map_err(|e| format!("stage 2: {e}"))?;
     Ok(status.code().unwrap_or(128))
+}
+
+/// Reads the one byte that opens the gate (stdin; stage 2 and CRIU get none). An end
+/// without it (the agent gave up) starts nothing.
+fn wait_at_gate() -> Result<(), String> {
+    use std::io::Read;
+    let mut b = [0u8; 1];
+    match std::io::stdin().lock().read(&mut b) {
+        Ok(1) => Ok(()),
+        Ok(_) => Err("the agent closed the gate: CRIU not started".into()),
+        Err(e) => Err(format!("gate: {e}")),
+    }
 }
 
 fn stage2(args: &[String]) -> Result<i32, String> {

@@ -454,12 +454,14 @@ fn check_prepare(r: &PrepareRequest, own_node: Option<&str>) -> Result<Role, Sta
 
 async fn broker_call(b: &Arc<StdMutex<BrokerClient>>, req: Request) -> Result<Reply, Status> {
     let b = Arc::clone(b);
-    blocking(move || {
-        let r = b.lock().expect("broker client").call(&req);
-        crate::metrics::global().broker_op(req.name(), r.as_ref().map(|_| ()).map_err(|e| e.kind));
-        r.map_err(broker_status)
-    })
-    .await
+    blocking(move || broker_call_blocking(&b, req)).await
+}
+
+/// [`broker_call`] on a thread that may block (the blocking pool's).
+fn broker_call_blocking(b: &StdMutex<BrokerClient>, req: Request) -> Result<Reply, Status> {
+    let r = b.lock().expect("broker client").call(&req);
+    crate::metrics::global().broker_op(req.name(), r.as_ref().map(|_| ()).map_err(|e| e.kind));
+    r.map_err(broker_status)
 }
 
 /// Undoes a failed `Prepare`: the broker forgets the migration on its lease (unbinding

@@ -118,6 +118,11 @@ pub enum Effect {
         pid: i32,
         to: String,
     },
+    /// `pid` written into the memory cgroup `to` (`charge_restore`).
+    Charged {
+        pid: i32,
+        to: String,
+    },
     LinkDown {
         netns: u32,
         link: String,
@@ -911,6 +916,21 @@ impl Kernel for FakeKernel {
         Ok(())
     }
 
+    fn charge_memory_to(&self, _holder: i32, cgroup_v2: &str, pid: i32) -> Result<(), BrokerError> {
+        let mut w = self.world();
+        if w.take_fault(|f| f == Fault::Cgroup) {
+            return Err(kernel_err("memory cgroup.procs: injected failure"));
+        }
+        if !w.procs.contains_key(&pid) {
+            return Err(kernel_err(format!("cgroup.procs: pid {pid}: ESRCH")));
+        }
+        w.effects.push(Effect::Charged {
+            pid,
+            to: cgroup_v2.to_owned(),
+        });
+        Ok(())
+    }
+
     fn bind_netns(&self, pid: i32, path: &Path) -> Result<(), BrokerError> {
         let mut w = self.world();
         let dir = path.parent().expect("has a parent");
@@ -1214,6 +1234,7 @@ fn reply_fits(req: &Request, r: &Reply) -> bool {
             | (Request::NetnsAddrs { .. }, Reply::Addrs { .. })
             | (Request::ListSockets { .. }, Reply::Sockets { .. })
             | (Request::MoveCgroup { .. }, Reply::Moved { .. })
+            | (Request::ChargeRestore { .. }, Reply::Moved { .. })
             | (
                 Request::UnbindNetns { .. }
                     | Request::LockNetwork { .. }
@@ -1289,7 +1310,7 @@ impl Harness {
         let uid = MigrationUid::parse(UIDS[(a % 3) as usize]).expect("valid uid");
         let conn = 1 + u64::from(a >> 7);
         let req = |req| Op::Req { conn, req };
-        match kind % 28 {
+        match kind % 29 {
             0 => {
                 let pid = self.pick(b);
                 let container = if b & 0x80 != 0 {
@@ -1362,6 +1383,10 @@ impl Harness {
             26 => Op::Sweep {
                 secs: [0, 1, 60, LINGER_SECS + 1][usize::from(b % 4)],
             },
+            28 => req(Request::ChargeRestore {
+                uid,
+                process: self.pin(self.pick(b), b & 0x40 != 0),
+            }),
             _ => Op::Connect {
                 pid: self.pick(b),
                 address: address(a),
@@ -1462,6 +1487,11 @@ impl Harness {
             }
             Request::MoveCgroup { process, .. } => {
                 a.may_move = tgt.map(|r| (*process, r.netns, r.cgroup, r.process.pid))
+            }
+            Request::ChargeRestore { process, .. } => {
+                let w = self.k.world();
+                let broker_netns = w.procs.get(&w.broker_pid).map_or(0, |p| p.netns);
+                a.may_charge = tgt.map(|r| (*process, r.cgroup, w.broker_pid, broker_netns))
             }
             Request::AdoptAddress { address, .. } => {
                 a.adopt_into = tgt.map(|r| (r.netns, *address))
@@ -2250,6 +2280,9 @@ struct Allowed {
     /// The restored root that may move, its netns, the cgroup it may move to, and the
     /// registered holder (which must not move).
     may_move: Option<(ProcRef, u32, String, i32)>,
+    /// The process whose memory may be charged to a holder's cgroup, that cgroup, and
+    /// the broker's pid and netns (the process must be of the broker's pod, not it).
+    may_charge: Option<(ProcRef, String, i32, u32)>,
     /// Sources rolled back in this step: nothing of their trees may stay frozen.
     rolled_back: Vec<ProcRef>,
     /// Fenced roots (with their netns) whose trees may only be SIGKILLed.
@@ -2316,6 +2349,18 @@ impl Allowed {
             // Only an address the broker adopted, from where it adopted it.
             Effect::AddrRemoved { netns, addr, .. } => {
                 *netns != node && self.may_withdraw.contains(&(*netns, *addr))
+            }
+            Effect::Charged { pid, to } => {
+                self.may_charge
+                    .as_ref()
+                    .is_some_and(|(p, cg, broker, broker_netns)| {
+                        pre.get(pid).is_some_and(|x| {
+                            !x.zombie && x.start_time == p.start_time && x.netns == *broker_netns
+                        }) && p.pid == *pid
+                            && *pid != *broker
+                            && to == cg
+                            && under_pods_root(to, PODS_ROOT)
+                    })
             }
             Effect::Moved { pid, to } => {
                 self.may_move

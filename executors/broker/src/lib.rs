@@ -577,6 +577,9 @@ impl<K: Kernel> Broker<K> {
             Request::MoveCgroup { uid, process } => {
                 self.with_entry(uid, conn, TARGET, |e, _| self.move_cgroup(uid, e, *process))
             }
+            Request::ChargeRestore { uid, process } => {
+                self.with_entry(uid, conn, TARGET, |e, _| self.charge_restore(e, *process))
+            }
             Request::AdoptAddress { uid, address } => self.with_entry(uid, conn, TARGET, |e, _| {
                 self.adopt_address(uid, e, *address)
             }),
@@ -843,6 +846,26 @@ impl<K: Kernel> Broker<K> {
         Ok(Reply::Moved {
             pids: tree.len() as u32,
         })
+    }
+
+    /// Moves the agent's launcher of CRIU's restore into the holder's memory cgroup
+    /// before it starts CRIU, so what the restore allocates is charged to the pod. Only
+    /// a process of the agent's own pod (the broker's network namespace), never the
+    /// broker itself, and that one process (what it forks later follows it).
+    fn charge_restore(&self, e: &Entry, process: ProcRef) -> Result<Reply, BrokerError> {
+        self.kernel.check_live(process)?;
+        let me = self.kernel.self_pid();
+        if process.pid == me
+            || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(me)?
+        {
+            return Err(err(
+                ErrorKind::ForeignProcess,
+                format!("pid {} is not a process of the agent's pod", process.pid),
+            ));
+        }
+        self.kernel
+            .charge_memory_to(e.process.pid, &e.cgroup, process.pid)?;
+        Ok(Reply::Moved { pids: 1 })
     }
 
     fn resume(&self, e: &Entry, s: &State) -> Result<Reply, BrokerError> {

@@ -78,6 +78,10 @@ pub trait Kernel: Send + Sync + 'static {
         cgroup_v2: &str,
         tree: &[i32],
     ) -> Result<(), BrokerError>;
+    /// Writes `pid` into the memory cgroup of `holder` (its v1 `memory` hierarchy, and
+    /// the v2 path `cgroup_v2` where it exists): what `pid` allocates from then on, and
+    /// what it forks, is charged there.
+    fn charge_memory_to(&self, holder: i32, cgroup_v2: &str, pid: i32) -> Result<(), BrokerError>;
     /// Bind-mounts the network namespace of `pid` at `path` (never through a symlink).
     fn bind_netns(&self, pid: i32, path: &Path) -> Result<(), BrokerError>;
     /// Detaches and removes the mount at `path` (absent is fine).
@@ -231,32 +235,13 @@ impl Kernel for RealKernel {
         cgroup_v2: &str,
         tree: &[i32],
     ) -> Result<(), BrokerError> {
-        // On a hybrid host the v2 hierarchy may lack the pod's directory; then the v1
-        // moves are what counts.
-        let v1 = procfs::cgroup_v1_of(holder)?;
-        let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
-        for (ctrls, path) in &v1 {
-            let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
-                err(
-                    ErrorKind::Kernel,
-                    format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
-                )
-            })?;
-            let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
-            for pid in tree {
-                std::fs::write(&procs, pid.to_string())
-                    .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
-            }
-        }
-        let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
-        if !v1.is_empty() && !dir.is_dir() {
-            return Ok(());
-        }
-        let procs = dir.join("cgroup.procs");
-        for pid in tree {
-            std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
-        }
-        Ok(())
+        write_into_cgroups_of(holder, cgroup_v2, tree, |_| true)
+    }
+
+    fn charge_memory_to(&self, holder: i32, cgroup_v2: &str, pid: i32) -> Result<(), BrokerError> {
+        write_into_cgroups_of(holder, cgroup_v2, &[pid], |ctrls| {
+            ctrls.split(',').any(|c| c == "memory")
+        })
     }
 
     fn bind_netns(&self, pid: i32, path: &Path) -> Result<(), BrokerError> {
@@ -448,4 +433,43 @@ fn mount_point(path: &Path) -> Result<std::fs::File, BrokerError> {
                 Err(unsafe_path(path, "is not a regular file"))
             }
         })
+}
+
+/// Writes every pid of `tree` into the cgroups of `holder`: the v1 hierarchies whose
+/// controllers `accept` accepts, and the v2 path `cgroup_v2`.
+fn write_into_cgroups_of(
+    holder: i32,
+    cgroup_v2: &str,
+    tree: &[i32],
+    accept: impl Fn(&str) -> bool,
+) -> Result<(), BrokerError> {
+    // On a hybrid host the v2 hierarchy may lack the pod's directory; then the v1
+    // moves are what counts.
+    let v1: Vec<_> = procfs::cgroup_v1_of(holder)?
+        .into_iter()
+        .filter(|(ctrls, _)| accept(ctrls))
+        .collect();
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
+    for (ctrls, path) in &v1 {
+        let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
+            err(
+                ErrorKind::Kernel,
+                format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
+            )
+        })?;
+        let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
+        for pid in tree {
+            std::fs::write(&procs, pid.to_string())
+                .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
+        }
+    }
+    let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
+    if !v1.is_empty() && !dir.is_dir() {
+        return Ok(());
+    }
+    let procs = dir.join("cgroup.procs");
+    for pid in tree {
+        std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
+    }
+    Ok(())
 }

@@ -350,6 +350,54 @@ fn the_target_binds_its_netns_and_moves_only_a_tree_of_that_netns() {
 }
 
 #[test]
+fn the_target_charges_only_a_process_of_the_agents_pod_to_the_holders_memory_cgroup() {
+    let mut h = Harness::new();
+    let charge = |h: &mut Harness, conn, u: &str, pid| {
+        let process = pin(h, pid);
+        req(
+            h,
+            conn,
+            Request::ChargeRestore {
+                uid: uid(u),
+                process,
+            },
+        )
+    };
+    // Nothing registered: nothing to charge to.
+    assert_eq!(
+        charge(&mut h, 1, "mig-c", 210),
+        Err(ErrorKind::NotRegistered)
+    );
+    register(&mut h, 1, "mig-c", BrokerRole::Target, 200).unwrap();
+    register(&mut h, 1, "mig-s", BrokerRole::Source, 101).unwrap();
+    // A source has no pod to charge a restore to.
+    assert_eq!(charge(&mut h, 1, "mig-s", 210), Err(ErrorKind::WrongRole));
+    // Another tenant's process, a host process, the holder, the restored tree (the
+    // pod's own netns) and the broker itself are not the agent's launcher.
+    for pid in [80, 60, 70, 200, 201, 2] {
+        assert_eq!(
+            charge(&mut h, 1, "mig-c", pid),
+            Err(ErrorKind::ForeignProcess),
+            "pid {pid}"
+        );
+        assert!(h.kernel().world().effects.is_empty(), "pid {pid}");
+    }
+    // Another agent's connection does not hold the registration.
+    assert_eq!(charge(&mut h, 2, "mig-c", 210), Err(ErrorKind::Busy));
+    assert_eq!(
+        charge(&mut h, 1, "mig-c", 210),
+        Ok(Reply::Moved { pids: 1 })
+    );
+    assert_eq!(
+        h.kernel().world().effects,
+        vec![Effect::Charged {
+            pid: 210,
+            to: "/kubepods/podC/pause".into()
+        }]
+    );
+}
+
+#[test]
 fn a_planted_symlink_is_refused_and_nothing_is_mounted() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-c", BrokerRole::Target, 200).unwrap();

@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 use support::{CONTAINER, require_root};
 
 /// The ops whose request is the migration UID alone: every op of the one list
-/// (`podmotion_wire::broker::OPS`) but the two that carry a process and the two that
+/// (`podmotion_wire::broker::OPS`) but the three that carry a process and the two that
 /// carry an address.
 fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
     OPS.iter().copied().filter(|op| {
         !matches!(
             *op,
-            "register" | "move_cgroup" | "adopt_address" | "release_address"
+            "register" | "move_cgroup" | "charge_restore" | "adopt_address" | "release_address"
         )
     })
 }
@@ -42,7 +42,7 @@ fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
 const ADDRESS_OPS: [&str; 2] = ["adopt_address", "release_address"];
 
 /// A well-formed request of `op` on migration `uid`: the UID, and an address for the
-/// address ops (not for the two that carry a process).
+/// address ops (not for the three that carry a process).
 fn well_formed(op: &str, uid: &str) -> serde_json::Value {
     if ADDRESS_OPS.contains(&op) {
         serde_json::json!({"op": op, "uid": uid, "address": "198.18.2.20"})
@@ -457,7 +457,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
         let body = serde_json::json!({"op": op, "uid": "m-1"}).to_string();
         cases.push(("unknown op", frame(body.as_bytes()), false, vec![UnknownOp]));
     }
-    // Unknown fields on every op (but the two that carry a process, which have a class
+    // Unknown fields on every op (but the three that carry a process, which have a class
     // of their own).
     for op in ops_with_uid_only().chain(ADDRESS_OPS) {
         for field in ["path", "target", "netns", "pid", "cgroup", "signal", "Uid"] {

@@ -81,6 +81,18 @@ pub enum Request {
         uid: MigrationUid,
         process: ProcRef,
     },
+    /// Target: charge what CRIU's restore allocates to the pod, not to the agent.
+    /// `process` is the agent's launcher of CRIU's restore, not yet started (a process of
+    /// the agent's own pod: the broker's network namespace, never the broker itself): it
+    /// is moved into the holder's memory cgroup (the v1 `memory` hierarchy, and the
+    /// holder's cgroup v2 directory where it has one), so CRIU and the tree it restores
+    /// are created there. Memory is charged where it is first touched and a later move
+    /// does not carry its charge along (this kernel has no charge moving), so without
+    /// this the restored workload's memory stays charged to the agent's container.
+    ChargeRestore {
+        uid: MigrationUid,
+        process: ProcRef,
+    },
     /// Target: take over one address of the source pod (the address hand-over the
     /// installer enabled: `--address-handover-cidrs`, off by default): add it to the
     /// holder's network namespace, on the link of its default route (or its only link;
@@ -141,6 +153,7 @@ impl Request {
             | Request::ListSockets { uid }
             | Request::ReleaseTcpRepair { uid }
             | Request::MoveCgroup { uid, .. }
+            | Request::ChargeRestore { uid, .. }
             | Request::AdoptAddress { uid, .. }
             | Request::ReleaseAddress { uid, .. }
             | Request::Resume { uid }
@@ -162,6 +175,7 @@ impl Request {
             Request::ListSockets { .. } => "list_sockets",
             Request::ReleaseTcpRepair { .. } => "release_tcp_repair",
             Request::MoveCgroup { .. } => "move_cgroup",
+            Request::ChargeRestore { .. } => "charge_restore",
             Request::AdoptAddress { .. } => "adopt_address",
             Request::ReleaseAddress { .. } => "release_address",
             Request::Resume { .. } => "resume",
@@ -293,6 +307,7 @@ pub const OPS: &[&str] = &[
     "list_sockets",
     "release_tcp_repair",
     "move_cgroup",
+    "charge_restore",
     "adopt_address",
     "release_address",
     "resume",

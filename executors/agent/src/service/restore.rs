@@ -2,20 +2,23 @@
 //! namespace (a container's inside its holder), and never a process of it left
 //! running after a restore that failed (see [`kill_restored`]).
 
-use super::{Config, Migration, NETNS_KEY, Phase, blocking, criu_status, now_us};
+use super::{
+    Config, Migration, NETNS_KEY, Phase, blocking, broker_call_blocking, criu_status, now_us,
+};
 use crate::admission::{Admission, Step, admit};
 use crate::criu::{self, Criu, Opts, Req};
 use crate::{images, mounts};
+use podmotion_broker::client::BrokerClient;
 use podmotion_broker::procfs;
 use podmotion_wire::agent::{
     HOLDER_RESTART, Manifest, ManifestSocket, MigrationStatus, SocketOutcome, SocketReport,
     TcpPreservation,
 };
 use podmotion_wire::broker::{Reply, Request};
-use podmotion_wire::ids::ProcRef;
+use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 use tonic::Status;
 
@@ -238,7 +241,8 @@ async fn restore_tree(
 ) -> Result<ProcRef, Status> {
     m.timings.restore_started_us = now_us();
     let t = Instant::now();
-    let resp = match run_restore(criu, log, run, holder_pid).await {
+    let charge = holder_pid.map(|_| (Arc::clone(&m.broker), m.uid.clone()));
+    let resp = match run_restore(criu, log, run, holder_pid, charge).await {
         Ok(r) => r,
         Err(e) => {
             // CRIU kills what it forked when it fails (its own rollback). In a
@@ -260,12 +264,17 @@ async fn restore_tree(
 }
 
 /// Runs CRIU's restore (inside the holder's PID namespace for a container), then
-/// closes the descriptors it inherited.
+/// closes the descriptors it inherited. For a container, `charge` (the migration's
+/// broker lease and UID) has the broker move CRIU's launcher into the pod's memory
+/// cgroup before CRIU starts: memory is charged to the cgroup that first touches it
+/// and stays there when its process moves, so the restored workload would otherwise
+/// stay charged to the agent's container (its limit, not the pod's, would bound it).
 async fn run_restore(
     criu: Criu,
     log: PathBuf,
     run: RestoreRun,
     holder_pid: Option<i32>,
+    charge: Option<(Arc<StdMutex<BrokerClient>>, MigrationUid)>,
 ) -> Result<criu::Resp, Status> {
     blocking(move || {
         let RestoreRun {
@@ -273,6 +282,29 @@ async fn run_restore(
             ns_fd,
             container,
         } = run;
+        let mut to_pod = |pid: i32| -> Result<(), String> {
+            let Some((broker, uid)) = &charge else {
+                return Ok(());
+            };
+            let process = ProcRef {
+                pid,
+                start_time: procfs::start_time(pid).map_err(|e| e.to_string())?,
+            };
+            broker_call_blocking(
+                broker,
+                Request::ChargeRestore {
+                    uid: uid.clone(),
+                    process,
+                },
+            )
+            .map(|_| ())
+            .map_err(|e| {
+                format!(
+                    "charging the restore to the pod's memory cgroup: {}",
+                    e.message()
+                )
+            })
+        };
         let r = criu
             .call_in(
                 Req {
@@ -281,6 +313,7 @@ async fn run_restore(
                 },
                 Some(&log),
                 holder_pid,
+                Some(&mut to_pod),
             )
             .map_err(criu_status);
         drop(ns_fd);
