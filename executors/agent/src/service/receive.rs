@@ -87,7 +87,7 @@ fn store_chunks(
             .map_err(|e| Status::permission_denied(e.to_string()))?;
         store.put(&c, plain)?;
     }
-    Ok((store.files, store.bytes))
+    Ok(store.stored())
 }
 
 /// Takes the stream's chunks off the connection in order and queues them for the
@@ -198,7 +198,10 @@ async fn undo_stream(
 /// Writes the opened chunks of one stream into a migration's checkpoint dir. Nothing
 /// it writes leaves that dir: paths are `<dir>/<file>` or `<file>`, the only links are
 /// CRIU's `parent` links one level down pointing at a sibling round (`../pre-<n>`),
-/// and no write or copy follows a link.
+/// and no write, copy or move follows a link.
+///
+/// A delta's file takes its base's place (see [`Store::put_from_base`]): the target
+/// holds each image once, not a warm copy and its rebuild side by side.
 pub(super) struct Store<'a> {
     dir: &'a Path,
     /// Files created from a delta base in this stream; their chunks patch in place.
@@ -222,6 +225,19 @@ fn open_nofollow(p: &Path, o: &mut std::fs::OpenOptions) -> Result<std::fs::File
     o.custom_flags(nix::libc::O_NOFOLLOW)
         .open(p)
         .map_err(|e| Status::invalid_argument(format!("{}: {e}", p.display())))
+}
+
+/// Whether a round of the migration has a `parent` link (`<dir>/<round>/parent`): an
+/// incremental CRIU dump, whose restore reads pages from the rounds it links to.
+fn has_parent_link(dir: &Path) -> Result<bool, Status> {
+    for e in std::fs::read_dir(dir).map_err(io_internal)? {
+        let e = e.map_err(io_internal)?;
+        let round = e.file_type().map_err(io_internal)?.is_dir();
+        if round && std::fs::symlink_metadata(e.path().join("parent")).is_ok() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// `../pre-<n>`: a sibling round's directory, the only link target CRIU writes.
@@ -255,8 +271,9 @@ impl<'a> Store<'a> {
         self.round_dir(&c.path)?;
         // A path this stream did not write yet: a new stream (a retried `Send`) sends
         // every file it carries whole, from offset 0, so a copy of it that an earlier
-        // stream left (its end not recorded by the source) is replaced, not appended to.
-        let fresh = !self.written.files.contains(&c.path);
+        // stream left (its end not recorded by the source) is replaced, not appended to
+        // (a delta's rebuild is patched again: see `Start::Again`).
+        let fresh = !self.written.files.contains(&c.path) && !self.patched.contains(&c.path);
         if fresh && !c.symlink && c.base.is_empty() && c.offset != 0 {
             return Err(Status::invalid_argument(format!(
                 "{}: starts at offset {}",
@@ -298,7 +315,8 @@ impl<'a> Store<'a> {
         Ok(())
     }
 
-    /// A link chunk: only a round's parent link.
+    /// A link chunk: only a round's parent link, and none in a stream that rebuilt a
+    /// file in place of its base (the restore could need the base through it).
     fn put_link(&mut self, to: &Destination, plain: Vec<u8>) -> Result<(), Status> {
         let Destination { c, path, fresh } = to;
         let target = String::from_utf8(plain).map_err(|_| Status::invalid_argument("bad link"))?;
@@ -308,28 +326,137 @@ impl<'a> Store<'a> {
                 c.path
             )));
         }
+        if !self.written.in_place.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "parent link {:?} in a stream of deltas rebuilt in place of their bases",
+                c.path
+            )));
+        }
         if *fresh {
             self.replace(&c.path, path)?;
         }
         std::os::unix::fs::symlink(&target, path).map_err(io_internal)
     }
 
-    /// A delta's first chunk: the file starts as a copy of its base (which this agent
-    /// holds), cut to the length the chunk carries; the blocks that differ follow.
+    /// A delta's first chunk: the file starts as its base (which this agent holds), cut
+    /// or grown to the length the chunk carries; the blocks that differ follow. The
+    /// base is moved to the delta's path and rebuilt there ([`Start::Move`]), so the
+    /// target never holds a second copy of it, and [`Written::undo`] puts it back as
+    /// it was if the stream does not end well.
+    ///
+    /// Nothing reads the base after that: the restore reads the final dir alone unless
+    /// a round links to a parent (`parent`, written by CRIU only for a dump with
+    /// `parent_img`, i.e. when the source tracks dirty memory, and then the source
+    /// sends no deltas: see `dump_opts` and `send_impl`); with such a link the base is
+    /// copied instead ([`Start::Copy`]), and a stream that moved a base refuses one.
+    /// The source names as base the namesake in the newest warm copy it counts as sent
+    /// (`send::delta_base`), so once it recorded the stream, never that base again;
+    /// until then a stream may name it again: see [`Start`]. Only a stream the target
+    /// stored and the source did not record, followed by one naming the same base for
+    /// another file (the unrecorded round and a newer one), finds it gone (refused).
     fn put_from_base(&mut self, to: &Destination, plain: &[u8]) -> Result<(), Status> {
         let Destination { c, path, fresh } = to;
         transfer::check_image_path(&c.base).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let len: [u8; 8] = plain
             .try_into()
             .map_err(|_| Status::invalid_argument("bad delta length"))?;
-        let mut from = open_nofollow(
-            &self.dir.join(&c.base),
-            std::fs::OpenOptions::new().read(true),
-        )
-        .map_err(|e| Status::failed_precondition(format!("delta base: {}", e.message())))?;
-        if *fresh {
-            self.replace(&c.path, path)?;
+        let len = u64::from_be_bytes(len);
+        if !fresh || c.base == c.path {
+            return Err(Status::invalid_argument(format!(
+                "{}: a delta written twice in one stream, or against itself",
+                c.path
+            )));
         }
+        match self.start(c, path)? {
+            Start::Move(f) => {
+                let base = InPlace::of(&c.base, &c.path, &f)?;
+                self.replace(&c.path, path)?;
+                std::fs::rename(self.dir.join(&c.base), path).map_err(io_internal)?;
+                self.rebuild_in_place(base, &f, len)?;
+            }
+            Start::Again(f) => {
+                self.rebuild_in_place(InPlace::of(&c.path, &c.path, &f)?, &f, len)?
+            }
+            Start::Copy(mut from) => self.copy_base(c, path, &mut from, None, len)?,
+            Start::Moved(i) => {
+                let moved = self.dir.join(&self.written.in_place[i].to);
+                let mut from = open_nofollow(&moved, std::fs::OpenOptions::new().read(true))?;
+                self.copy_base(c, path, &mut from, Some(i), len)?;
+            }
+        }
+        self.files += 1;
+        self.patched.insert(c.path.clone());
+        Ok(())
+    }
+
+    /// Where the delta `c` (to be stored at `path`) starts from.
+    fn start(&self, c: &ImageChunk, path: &Path) -> Result<Start, Status> {
+        let moved = |p: &InPlace| p.from == c.base && p.to != p.from;
+        if let Some(i) = self.written.in_place.iter().rposition(moved) {
+            return Ok(Start::Moved(i));
+        }
+        let gone =
+            |e: std::io::Error| Status::failed_precondition(format!("delta base {}: {e}", c.base));
+        match self.base_file(&c.base) {
+            Ok(f) if has_parent_link(self.dir)? => Ok(Start::Copy(f)),
+            Ok(f) => Ok(Start::Move(f)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if !std::fs::symlink_metadata(path).is_ok_and(|md| md.is_file()) {
+                    return Err(gone(e));
+                }
+                let rw = open_nofollow(path, std::fs::OpenOptions::new().read(true).write(true))?;
+                Ok(Start::Again(rw))
+            }
+            Err(e) => Err(gone(e)),
+        }
+    }
+
+    /// A delta's base, opened to read and write: a regular file of this migration, in
+    /// a plain round directory (never reached through a link).
+    fn base_file(&self, base: &str) -> std::io::Result<std::fs::File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Some((top, _)) = base.split_once('/')
+            && !std::fs::symlink_metadata(self.dir.join(top))?.is_dir()
+        {
+            return Err(std::io::Error::other(format!("{top} is not a directory")));
+        }
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(self.dir.join(base))?;
+        if !f.metadata()?.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
+        Ok(f)
+    }
+
+    /// Records `p` (its file open as `f`) as rebuilt in place by this stream, and sets
+    /// the file's length.
+    fn rebuild_in_place(
+        &mut self,
+        mut p: InPlace,
+        f: &std::fs::File,
+        len: u64,
+    ) -> Result<(), Status> {
+        let cut = p.set_len(f, len);
+        // Recorded even if the length could not be set: it is in its new place.
+        self.written.in_place.push(p);
+        cut.map_err(io_internal)
+    }
+
+    /// Copies the base (`from`) to the delta's path and sets its length. A base this
+    /// stream moved already (`moved`, its index in `written.in_place`) is copied from
+    /// where it went, and the bytes the stream overwrote there put back in the copy.
+    fn copy_base(
+        &mut self,
+        c: &ImageChunk,
+        path: &Path,
+        from: &mut std::fs::File,
+        moved: Option<usize>,
+        len: u64,
+    ) -> Result<(), Status> {
+        self.replace(&c.path, path)?;
         let mut file = open_nofollow(
             path,
             std::fs::OpenOptions::new()
@@ -337,24 +464,31 @@ impl<'a> Store<'a> {
                 .create(true)
                 .truncate(true),
         )?;
-        std::io::copy(&mut from, &mut file).map_err(io_internal)?;
-        file.set_len(u64::from_be_bytes(len)).map_err(io_internal)?;
-        self.files += 1;
-        self.patched.insert(c.path.clone());
-        Ok(())
+        std::io::copy(from, &mut file).map_err(io_internal)?;
+        if let Some(i) = moved {
+            self.written.in_place[i]
+                .put_back(&file)
+                .map_err(io_internal)?;
+        }
+        file.set_len(len).map_err(io_internal)
     }
 
-    /// A block of a delta, written in place inside the file.
+    /// A block of a delta, written in place inside the file (what it overwrites kept,
+    /// in a file rebuilt in place of its base).
     fn patch(&mut self, c: &ImageChunk, plain: &[u8], path: &Path) -> Result<(), Status> {
         use std::os::unix::fs::FileExt;
-        let f = open_nofollow(path, std::fs::OpenOptions::new().write(true))?;
+        let f = open_nofollow(path, std::fs::OpenOptions::new().read(true).write(true))?;
         let len = f.metadata().map_err(io_internal)?.len();
         if c.offset + plain.len() as u64 > len {
             return Err(Status::invalid_argument(
                 "delta block past the end of the file",
             ));
         }
-        f.write_all_at(plain, c.offset).map_err(io_internal)?;
+        match self.written.in_place.iter_mut().find(|p| p.to == c.path) {
+            Some(p) => p.write_at(&f, c.offset, plain),
+            None => f.write_all_at(plain, c.offset),
+        }
+        .map_err(io_internal)?;
         self.bytes += plain.len() as u64;
         Ok(())
     }
@@ -411,23 +545,127 @@ impl<'a> Store<'a> {
         Ok(())
     }
 
+    /// The files and bytes this stream stored so far.
+    pub(super) fn stored(&self) -> (u64, u64) {
+        (self.files, self.bytes)
+    }
+
     /// What this stream wrote, for `Written::undo`.
     pub(super) fn written(&mut self) -> Written {
         std::mem::take(&mut self.written)
     }
 }
 
-/// The files and round directories one image stream created or replaced.
+/// Where a delta's file starts from (see [`Store::put_from_base`]).
+enum Start {
+    /// Its base (open), a plain file of this migration: moved to the delta's path.
+    Move(std::fs::File),
+    /// Its base, while a round links to a parent: copied, as the restore may read it.
+    Copy(std::fs::File),
+    /// A base this stream moved already (`written.in_place[i]`): the round the source
+    /// did not record travels with a newer one, both against that base. Copied from
+    /// where it went, as it was.
+    Moved(usize),
+    /// No base, and the delta's path holds a regular file (open) this stream did not
+    /// write: the rebuild a stream the target stored left, which the source did not
+    /// record and sends again, the same delta against the same base. Applied again in
+    /// place (it writes the same bytes).
+    Again(std::fs::File),
+}
+
+/// Pieces in which a file rebuilt in place is cut to a shorter length, each kept as
+/// it is cut: the file and what undoes it never hold the tail twice.
+const TAIL_PIECE: u64 = 1 << 20;
+
+/// A file this stream rebuilt in place from a delta, and what puts it back as it was
+/// before the stream.
+struct InPlace {
+    /// Where it was: the delta's base, which the stream moved to `to`, or `to` itself
+    /// ([`Start::Again`]).
+    from: String,
+    to: String,
+    /// Its length before the stream.
+    len: u64,
+    /// Each range the stream overwrote or cut (offset, old bytes), in that order.
+    old: Vec<(u64, Vec<u8>)>,
+}
+
+impl InPlace {
+    /// The file `f`, at `from` before the stream and rebuilt at `to`, as it is now.
+    fn of(from: &str, to: &str, f: &std::fs::File) -> Result<InPlace, Status> {
+        Ok(InPlace {
+            from: from.to_owned(),
+            to: to.to_owned(),
+            len: f.metadata().map_err(io_internal)?.len(),
+            old: vec![],
+        })
+    }
+
+    /// Sets `f`'s length, keeping what it cuts.
+    fn set_len(&mut self, f: &std::fs::File, len: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut now = f.metadata()?.len();
+        while now > len {
+            let at = now.saturating_sub(TAIL_PIECE).max(len);
+            let mut was = vec![0; (now - at) as usize];
+            f.read_exact_at(&mut was, at)?;
+            f.set_len(at)?;
+            self.old.push((at, was));
+            now = at;
+        }
+        f.set_len(len)
+    }
+
+    /// Writes `data` into `f` at `at`, keeping the bytes it overwrites.
+    fn write_at(&mut self, f: &std::fs::File, at: u64, data: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut was = vec![0; data.len()];
+        f.read_exact_at(&mut was, at)?;
+        self.old.push((at, was));
+        f.write_all_at(data, at)
+    }
+
+    /// Makes `f` (the file at `to`, or a copy of it) what it was before the stream:
+    /// the old bytes written back, newest first, then its old length.
+    fn put_back(&self, f: &std::fs::File) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        for (at, was) in self.old.iter().rev() {
+            f.write_all_at(was, *at)?;
+        }
+        f.set_len(self.len)
+    }
+
+    /// Puts the file back as it was, in its old place.
+    fn undo(&self, dir: &Path) -> Result<(), Status> {
+        let to = dir.join(&self.to);
+        let f = open_nofollow(&to, std::fs::OpenOptions::new().write(true))?;
+        self.put_back(&f).map_err(io_internal)?;
+        if self.from != self.to {
+            std::fs::rename(&to, dir.join(&self.from)).map_err(io_internal)?;
+        }
+        Ok(())
+    }
+}
+
+/// The files and round directories one image stream created or replaced, and the
+/// files it rebuilt in place.
 #[derive(Default)]
 pub(super) struct Written {
     files: std::collections::BTreeSet<String>,
     dirs: Vec<String>,
+    in_place: Vec<InPlace>,
 }
 
 impl Written {
     /// Zeroizes and removes what the stream wrote (a directory it created goes whole),
-    /// leaving what earlier streams stored.
+    /// leaving what earlier streams stored: a file rebuilt in place is put back as it
+    /// was first (newest first), a moved base in its round, before anything goes.
     pub(super) fn undo(self, dir: &Path) {
+        for p in self.in_place.iter().rev() {
+            if let Err(e) = p.undo(dir) {
+                tracing::warn!(file = %p.to, error = %e.message(), "delta base not put back");
+            }
+        }
         for rel in &self.files {
             let p = dir.join(rel);
             let Ok(md) = std::fs::symlink_metadata(&p) else {

@@ -290,8 +290,17 @@ fn the_manifest_names_only_a_plain_directory_of_its_checkpoint() {
     }
 }
 
-/// One Send through `produce` into a target's `Store`, as the two agents run it.
-fn send_into(src: &Path, dst: &Path, already: &BTreeSet<String>) -> (u64, Vec<String>) {
+/// One Send through `produce` into a target's `Store`, as the two agents run it: the
+/// target takes `accept` chunks (all if `None`), or up to one it refuses, and short of
+/// the final chunk hangs up and undoes the stream, as `receive_locked` does. Returns
+/// what the source sent and the paths now on the target, or why the stream failed (the
+/// target's reason first).
+fn send_into_until(
+    src: &Path,
+    dst: &Path,
+    already: &BTreeSet<String>,
+    accept: Option<usize>,
+) -> Result<(u64, Vec<String>), Status> {
     let key = [5u8; 32];
     let uid = "m-delta";
     let sealer = stream_sealer(&key, uid).unwrap();
@@ -300,21 +309,233 @@ fn send_into(src: &Path, dst: &Path, already: &BTreeSet<String>) -> (u64, Vec<St
     let dst = dst.to_path_buf();
     let target = std::thread::spawn(move || {
         let mut store = Store::new(&dst);
-        while let Some(mut c) = rx.blocking_recv() {
+        let mut got = 0;
+        let stored = loop {
+            if accept.is_some_and(|n| got == n) {
+                break Err(Status::aborted("target hung up"));
+            }
+            let Some(mut c) = rx.blocking_recv() else {
+                break Err(Status::data_loss("no final chunk"));
+            };
+            got += 1;
             if c.end {
-                break;
+                break Ok(store.stored());
             }
             let mut plain = std::mem::take(&mut c.sealed);
             opener
                 .open_in_place(c.seq, &c.path, c.offset, false, &mut plain)
                 .unwrap();
-            store.put(&c, plain).unwrap();
+            if let Err(e) = store.put(&c, plain) {
+                break Err(e);
+            }
+        };
+        drop(rx);
+        if stored.is_err() {
+            store.written().undo(&dst);
         }
+        stored
     });
-    let r = produce(src, uid, &sealer, &tx, already, true, &Pace::new(0)).unwrap();
+    let r = produce(src, uid, &sealer, &tx, already, true, &Pace::new(0));
     drop(tx);
-    target.join().unwrap();
-    r
+    let (_, bytes) = target.join().unwrap()?;
+    let (sent, paths) = r?;
+    assert_eq!(bytes, sent, "the target counts the bytes the source sent");
+    Ok((sent, paths))
+}
+
+/// One Send the target takes whole.
+fn send_into(src: &Path, dst: &Path, already: &BTreeSet<String>) -> (u64, Vec<String>) {
+    send_into_until(src, dst, already, None).unwrap()
+}
+
+/// `len` bytes, differing with `seed`.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+fn put_bytes(dir: &Path, rel: &str, data: &[u8]) {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, data).unwrap();
+}
+
+fn inode(dir: &Path, rel: &str) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join(rel)).unwrap())
+}
+
+/// A warm copy (`pre-1`: two images) stored on the target, and the final round's
+/// images on the source: `pages-1.img` changed in three places (two blocks and a grown
+/// tail: a delta of four chunks), `pages-2.img` in two blocks and cut by more than a
+/// MiB (three chunks). Returns the final images and what the target holds.
+fn warm_copy_on_target(src: &Path, dst: &Path) -> (Vec<u8>, Vec<u8>, BTreeSet<String>) {
+    let warm = (pattern((3 << 20) + 100, 0), pattern((2 << 20) + 300, 0x5a));
+    put_bytes(src, "pre-1/pages-1.img", &warm.0);
+    put_bytes(src, "pre-1/pages-2.img", &warm.1);
+    let (_, paths) = send_into(src, dst, &BTreeSet::new());
+    let (mut fin1, mut fin2) = warm;
+    fin1[2 * BLOCK] ^= 0xff;
+    fin1[40 * BLOCK + 9] ^= 0xff;
+    fin1.extend_from_slice(&[9u8; 5000]);
+    fin2[BLOCK + 1] ^= 0xff;
+    fin2[5 * BLOCK] ^= 0xff;
+    fin2.truncate((1 << 20) - 10);
+    put_bytes(src, "final/pages-1.img", &fin1);
+    put_bytes(src, "final/pages-2.img", &fin2);
+    (fin1, fin2, paths.into_iter().collect())
+}
+
+/// The target holds each image once: a delta's file is its base, moved and patched
+/// (same inode, the base's path gone), not a copy beside it.
+#[test]
+fn a_delta_takes_its_bases_place_on_the_target_without_a_copy() {
+    let (src, dst) = (Scratch::new("inplace-src"), Scratch::new("inplace-dst"));
+    let (fin1, fin2, already) = warm_copy_on_target(&src.0, &dst.0);
+    let warm = (
+        inode(&dst.0, "pre-1/pages-1.img"),
+        inode(&dst.0, "pre-1/pages-2.img"),
+    );
+    send_into(&src.0, &dst.0, &already);
+    assert_eq!(
+        std::fs::read(dst.0.join("final/pages-1.img")).unwrap(),
+        fin1
+    );
+    assert_eq!(
+        std::fs::read(dst.0.join("final/pages-2.img")).unwrap(),
+        fin2
+    );
+    assert_eq!(
+        (
+            inode(&dst.0, "final/pages-1.img"),
+            inode(&dst.0, "final/pages-2.img")
+        ),
+        warm,
+        "the final images are not the warm copy's files"
+    );
+    assert!(!dst.0.join("pre-1/pages-1.img").exists() && !dst.0.join("pre-1/pages-2.img").exists());
+    assert_eq!(images::size(&dst.0), (fin1.len() + fin2.len()) as u64);
+}
+
+/// A delta stream cut after some of its blocks (one image rebuilt, the other moved,
+/// cut and patched once) puts the warm copy back byte for byte, length and place, and
+/// the retried stream (against the same base) rebuilds the final images.
+#[test]
+fn a_cut_delta_stream_puts_its_bases_back_and_a_retried_one_rebuilds_them() {
+    let (src, dst) = (Scratch::new("cut-src"), Scratch::new("cut-dst"));
+    let (fin1, fin2, already) = warm_copy_on_target(&src.0, &dst.0);
+    let earlier = tree(&dst.0);
+    let warm = inode(&dst.0, "pre-1/pages-2.img");
+    // pages-1.img: its four chunks; pages-2.img: its first chunk and one block.
+    let cut = send_into_until(&src.0, &dst.0, &already, Some(6)).unwrap_err();
+    assert_eq!(cut.code(), tonic::Code::Aborted, "{cut:?}");
+    assert_eq!(tree(&dst.0), earlier, "the warm copy was not put back");
+    assert_eq!(inode(&dst.0, "pre-1/pages-2.img"), warm);
+    assert!(!dst.0.join("final").exists());
+    send_into(&src.0, &dst.0, &already);
+    assert_eq!(
+        std::fs::read(dst.0.join("final/pages-1.img")).unwrap(),
+        fin1
+    );
+    assert_eq!(
+        std::fs::read(dst.0.join("final/pages-2.img")).unwrap(),
+        fin2
+    );
+}
+
+/// Streams the source did not record: a round stored on the target but not recorded
+/// travels again with the final one, both against the same base (the second is copied
+/// from where the first moved it, as it was), a stream cut there puts the base back,
+/// and one sent again after the target stored it applies the same blocks again. A
+/// newer round against a base such a stream moved finds it gone: refused, nothing
+/// changed.
+#[test]
+fn rounds_the_source_did_not_record_are_rebuilt_against_the_base_they_moved() {
+    let (src, dst) = (Scratch::new("unrec-src"), Scratch::new("unrec-dst"));
+    let warm = pattern((2 << 20) + 7, 3);
+    put_bytes(&src.0, "pre-1/pages-1.img", &warm);
+    let (_, paths) = send_into(&src.0, &dst.0, &BTreeSet::new());
+    let already: BTreeSet<String> = paths.into_iter().collect();
+    let (mut pre2, mut fin) = (warm.clone(), warm.clone());
+    pre2[3 * BLOCK] ^= 1;
+    pre2.truncate(1 << 20);
+    fin[7 * BLOCK] ^= 1;
+    fin.extend_from_slice(&[4u8; 100]);
+    put_bytes(&src.0, "pre-2/pages-1.img", &pre2);
+    put_bytes(&src.0, "final/pages-1.img", &fin);
+    let earlier = tree(&dst.0);
+    // pre-2's image (its first chunk and one block), then final's first chunk.
+    let cut = send_into_until(&src.0, &dst.0, &already, Some(3)).unwrap_err();
+    assert_eq!(cut.code(), tonic::Code::Aborted, "{cut:?}");
+    assert_eq!(tree(&dst.0), earlier, "the warm copy was not put back");
+    let rebuilt = || {
+        assert_eq!(
+            std::fs::read(dst.0.join("pre-2/pages-1.img")).unwrap(),
+            pre2
+        );
+        assert_eq!(std::fs::read(dst.0.join("final/pages-1.img")).unwrap(), fin);
+    };
+    send_into(&src.0, &dst.0, &already);
+    rebuilt();
+    assert!(!dst.0.join("pre-1/pages-1.img").exists());
+    // The target stored it; the source sends it again, cut, then whole.
+    let stored = tree(&dst.0);
+    let cut = send_into_until(&src.0, &dst.0, &already, Some(3)).unwrap_err();
+    assert_eq!(cut.code(), tonic::Code::Aborted, "{cut:?}");
+    assert_eq!(tree(&dst.0), stored);
+    send_into(&src.0, &dst.0, &already);
+    rebuilt();
+    std::fs::remove_file(src.0.join("final/pages-1.img")).unwrap();
+    put_bytes(&src.0, "pre-3/pages-1.img", &fin);
+    let e = send_into_until(&src.0, &dst.0, &already, None).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(tree(&dst.0), stored);
+}
+
+/// While a round links to a parent (an incremental dump, whose restore may read the
+/// base), a delta copies its base; a stream that moved a base takes no parent link, and
+/// its undo puts the base back even where its blocks overlapped.
+#[test]
+fn a_base_the_restore_may_read_through_a_parent_link_is_copied_not_moved() {
+    let root = Scratch::new("parent");
+    let dir = root.0.join("mig");
+    write(&dir, "pre-1/pages-1.img", 10, 1);
+    write(&dir, "pre-2/pages-1.img", 10, 2);
+    std::os::unix::fs::symlink("../pre-1", dir.join("pre-2/parent")).unwrap();
+    let len = || 12u64.to_be_bytes().to_vec();
+    let mut store = Store::new(&dir);
+    store
+        .put(&delta("final/pages-1.img", "pre-2/pages-1.img"), len())
+        .unwrap();
+    assert_eq!(
+        std::fs::read(dir.join("pre-2/pages-1.img")).unwrap(),
+        [2; 10]
+    );
+    let mut copy = vec![2; 10];
+    copy.extend([0, 0]);
+    assert_eq!(std::fs::read(dir.join("final/pages-1.img")).unwrap(), copy);
+
+    std::fs::remove_file(dir.join("pre-2/parent")).unwrap();
+    let mut store = Store::new(&dir);
+    store
+        .put(&delta("pre-3/pages-1.img", "pre-2/pages-1.img"), len())
+        .unwrap();
+    assert!(!dir.join("pre-2/pages-1.img").exists());
+    // Blocks that overlap are put back newest first.
+    store
+        .put(&chunk("pre-3/pages-1.img", 0), b"ab".to_vec())
+        .unwrap();
+    store
+        .put(&chunk("pre-3/pages-1.img", 1), b"cd".to_vec())
+        .unwrap();
+    assert!(
+        store
+            .put(&link("pre-3/parent"), b"../pre-2".to_vec())
+            .is_err()
+    );
+    store.written().undo(&dir);
+    assert_eq!(
+        std::fs::read(dir.join("pre-2/pages-1.img")).unwrap(),
+        [2; 10]
+    );
 }
 
 #[test]
