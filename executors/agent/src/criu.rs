@@ -187,6 +187,7 @@ impl Criu {
     fn spawn_swrk(
         &self,
         holder_pid: Option<i32>,
+        gate: Option<OwnedFd>,
     ) -> Result<(OwnedFd, std::process::Child), CriuError> {
         let (ours, theirs): (OwnedFd, OwnedFd) = socketpair(
             AddressFamily::Unix,
@@ -307,16 +308,124 @@ fn read_reply(op: &'static str, reply: &[u8], log: impl Fn() -> String) -> Resul
     Ok(resp)
 }
 
-/// The last error lines of a CRIU log, for error messages.
+/// A CRIU log summed up for error messages, see [`summarize_log`].
 pub fn log_tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let errs: Vec<&str> = s.lines().filter(|l| l.contains("Error")).collect();
-    let lines = if errs.is_empty() {
-        s.lines().rev().take(3).collect::<Vec<_>>()
+    summarize_log(&std::fs::read_to_string(path).unwrap_or_default())
+}
+
+/// The longest [`summarize_log`] answer, in characters: it ends up in the
+/// PodMigration's status.
+const LOG_SUMMARY_MAX: usize = 600;
+
+/// How many of a log's error lines a summary shows.
+const LOG_SUMMARY_LINES: usize = 4;
+
+/// `Error` lines of CRIU that are not a failure's cause: it logs them and goes on.
+const LOG_NOISE: &[&str] = &[
+    // tun.c's feature probe: the agent's container has no /dev/net/tun.
+    "tun: Unable to create tun",
+    // util.c: CRIU keeps its current descriptor limit.
+    "Can't setup RLIMIT_NOFILE",
+];
+
+/// A failure's cause that a CRIU log line names, and what to do about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LogCause {
+    NoSpace,
+    /// A process of the dump or restore killed by SIGKILL (the OOM killer's signal).
+    MemoryKill,
+    /// Killed by another signal: the cause, with no advice.
+    Killed,
+    NoMemory,
+}
+
+impl LogCause {
+    fn of(line: &str) -> Option<LogCause> {
+        if line.contains("No space left on device") || line.contains("ENOSPC") {
+            Some(LogCause::NoSpace)
+        } else if line.contains("killed by signal 9:") || line.contains("killed by signal 9 ") {
+            Some(LogCause::MemoryKill)
+        } else if line.contains("killed by signal") || line.ends_with(": Killed") {
+            Some(LogCause::Killed)
+        } else if line.contains("Cannot allocate memory") || line.contains("ENOMEM") {
+            Some(LogCause::NoMemory)
+        } else {
+            None
+        }
+    }
+
+    fn hint(self) -> Option<&'static str> {
+        match self {
+            LogCause::NoSpace => Some(
+                "the checkpoint volume is full: raise the chart value migrationAgent.checkpointSizeLimit",
+            ),
+            LogCause::MemoryKill => Some(
+                "killed by SIGKILL, most likely out of memory at the agent container's memory limit: raise the chart value migrationAgent.agent.resources.limits.memory",
+            ),
+            LogCause::Killed => None,
+            LogCause::NoMemory => Some(
+                "out of memory, most likely the agent container's memory limit: raise the chart value migrationAgent.agent.resources.limits.memory",
+            ),
+        }
+    }
+}
+
+/// One line summing up a CRIU log: its last error lines (timestamps dropped, repeats
+/// and CRIU's harmless probes left out; the last lines of the log if it has none),
+/// the first line naming a cause we know (no space, a kill, no memory) put first and
+/// followed by what to do about it, at most [`LOG_SUMMARY_MAX`] characters.
+fn summarize_log(log: &str) -> String {
+    let mut errs: Vec<&str> = Vec::new();
+    for l in log.lines() {
+        let l = strip_log_stamp(l);
+        if l.contains("Error") && !LOG_NOISE.iter().any(|n| l.contains(n)) && !errs.contains(&l) {
+            errs.push(l);
+        }
+    }
+    let (lines, cause) = if errs.is_empty() {
+        let mut last: Vec<&str> = log
+            .lines()
+            .rev()
+            .map(strip_log_stamp)
+            .filter(|l| !l.is_empty())
+            .take(3)
+            .collect();
+        last.reverse();
+        (last, None)
     } else {
-        errs.into_iter().rev().take(4).collect()
+        match errs.iter().position(|l| LogCause::of(l).is_some()) {
+            Some(i) => {
+                let first = errs.remove(i);
+                let skip = errs.len().saturating_sub(LOG_SUMMARY_LINES - 1);
+                let lines = std::iter::once(first).chain(errs.drain(skip..)).collect();
+                (lines, LogCause::of(first))
+            }
+            None => {
+                let skip = errs.len().saturating_sub(LOG_SUMMARY_LINES);
+                (errs.split_off(skip), None)
+            }
+        }
     };
-    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    let hint = cause
+        .and_then(LogCause::hint)
+        .map(|h| format!("; hint: {h}"))
+        .unwrap_or_default();
+    let room = LOG_SUMMARY_MAX.saturating_sub(hint.chars().count());
+    let mut text = lines.join(" | ");
+    if text.chars().count() > room {
+        text = text.chars().take(room.saturating_sub(1)).collect();
+        text.push('…');
+    }
+    text + &hint
+}
+
+/// A CRIU log line without its leading `(seconds)` stamp.
+fn strip_log_stamp(line: &str) -> &str {
+    let l = line.trim();
+    match l.strip_prefix('(').and_then(|r| r.split_once(')')) {
+        Some((stamp, rest)) if stamp.chars().all(|c| c.is_ascii_digit() || c == '.') => rest.trim(),
+        _ => l,
+    }
 }
 
 #[cfg(test)]
@@ -425,5 +534,171 @@ mod tests {
         })
         .unwrap();
         assert_eq!(r.restore.map(|r| r.pid), Some(42));
+    }
+
+    // Fixtures: lines of real CRIU 4.2.1 logs (`-v4`), from a dump of a 16 MiB process
+    // into a 1 MiB tmpfs with no /dev/net/tun (as in the agent's container), a restore
+    // OOM-killed in a 40 MiB memory cgroup, and a restore under a 150 MB RLIMIT_AS.
+    const TUN: &str =
+        "(00.004495) Error (criu/tun.c:85): tun: Unable to create tun: No such file or directory";
+    const RLIMIT: &str = "(00.047612) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted";
+    const SPLICE_ENOSPC: &str = "(00.059469) Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left on device";
+    const BFD_ENOSPC: &str =
+        "(00.059486) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device";
+    const PARASITE: &str = "(00.059572) Error (criu/mem.c:718): Can't dump page with parasite";
+    const DUMP_FAILED: &str = "(00.061811) Error (criu/cr-dump.c:1975): Dumping FAILED.";
+
+    /// The ENOSPC dump as CRIU logged it, every line from the first error on.
+    fn enospc_dump_log() -> String {
+        [
+            "(00.000110) Version: 4.2.1 (gitid 0)",
+            "(00.004481) net: Restoring netdev veth idx 10",
+            TUN,
+            "(00.047590) Dumping processes (pid: 19192 comm: perl)",
+            RLIMIT,
+            "(00.058772) page-xfer: \tp 0x7fe880271000 - 0x7fe880331000",
+            SPLICE_ENOSPC,
+            BFD_ENOSPC,
+            "(00.059489) page-pipe: Killing page pipe",
+            PARASITE,
+            "(00.059588) Waiting for 19192 to trap",
+            "pie: 19192: __fetched msg: 3 0 0",
+            "(00.059704) 19192 was stopped",
+            "(00.059783) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
+            "(00.059800) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
+            "(00.059825) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
+            "(00.059842) net: Unlock network",
+            "(00.059848) \tUnseizing 19192 into 1",
+            DUMP_FAILED,
+        ]
+        .join("\n")
+    }
+
+    #[test]
+    fn a_full_checkpoint_volume_is_named_first_with_the_chart_value_to_raise() {
+        let s = summarize_log(&enospc_dump_log());
+        assert_eq!(
+            s,
+            "Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left on device \
+             | Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device \
+             | Error (criu/mem.c:718): Can't dump page with parasite \
+             | Error (criu/cr-dump.c:1975): Dumping FAILED.; \
+             hint: the checkpoint volume is full: raise the chart value migrationAgent.checkpointSizeLimit"
+        );
+        assert!(!s.contains("tun") && !s.contains("RLIMIT"), "{s}");
+    }
+
+    /// The real nodes' case: few error lines, the tun probe among the last ones.
+    #[test]
+    fn the_tun_probe_never_leads_the_summary() {
+        let log = [TUN, RLIMIT, SPLICE_ENOSPC, DUMP_FAILED].join("\n");
+        let s = summarize_log(&log);
+        assert!(
+            s.starts_with("Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left on device | "),
+            "{s}"
+        );
+        assert!(!s.contains("tun"), "{s}");
+        // Even with no cause recognized, the probes are left out.
+        let s = summarize_log(&[TUN, PARASITE, DUMP_FAILED].join("\n"));
+        assert_eq!(
+            s,
+            "Error (criu/mem.c:718): Can't dump page with parasite \
+             | Error (criu/cr-dump.c:1975): Dumping FAILED."
+        );
+    }
+
+    #[test]
+    fn a_restore_killed_by_the_oom_killer_names_the_agent_memory_limit() {
+        let log = [
+            "(00.023797) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted",
+            "(00.025967) pie: 19481: Preadv 0x5633cc625000:4096... (14 iovs)",
+            "(00.060233) Error (criu/cr-restore.c:1269): 19481 killed by signal 9: Killed",
+            "(00.060259) Error (criu/cr-restore.c:2331): Restoring FAILED.",
+        ]
+        .join("\n");
+        assert_eq!(
+            summarize_log(&log),
+            "Error (criu/cr-restore.c:1269): 19481 killed by signal 9: Killed \
+             | Error (criu/cr-restore.c:2331): Restoring FAILED.; \
+             hint: killed by SIGKILL, most likely out of memory at the agent container's memory limit: \
+             raise the chart value migrationAgent.agent.resources.limits.memory"
+        );
+        // Another signal is the cause, with no advice.
+        let segv = log.replace("signal 9: Killed", "signal 11: Segmentation fault");
+        let s = summarize_log(&segv);
+        assert!(
+            s.starts_with("Error (criu/cr-restore.c:1269): 19481 killed by signal 11"),
+            "{s}"
+        );
+        assert!(!s.contains("hint"), "{s}");
+    }
+
+    #[test]
+    fn no_memory_is_named_first_with_the_agent_memory_limit() {
+        let log = [
+            "(00.046128) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted",
+            "(00.047276)  19481:  `- type 1 ID 0x18",
+            "(00.047359)  19481: Error (criu/mem.c:1363): Unable to reserve memory (142266368 bytes): Cannot allocate memory",
+            "(00.047418) Error (criu/cr-restore.c:2331): Restoring FAILED.",
+        ]
+        .join("\n");
+        let s = summarize_log(&log);
+        assert!(
+            s.starts_with(
+                "19481: Error (criu/mem.c:1363): Unable to reserve memory (142266368 bytes): Cannot allocate memory | "
+            ),
+            "{s}"
+        );
+        assert!(
+            s.ends_with("raise the chart value migrationAgent.agent.resources.limits.memory"),
+            "{s}"
+        );
+    }
+
+    /// The cause stays first even when it is older than the last lines shown.
+    #[test]
+    fn the_cause_is_kept_when_later_errors_follow() {
+        let later: Vec<String> = (1..=6)
+            .map(|i| format!("(00.06{i}) Error (criu/files.c:{i}): later {i}"))
+            .collect();
+        let log = format!("{SPLICE_ENOSPC}\n{}", later.join("\n"));
+        let s = summarize_log(&log);
+        assert!(s.starts_with("Error (criu/page-xfer.c:263)"), "{s}");
+        assert!(
+            s.contains("later 4 | ") && s.contains("later 6; hint: "),
+            "{s}"
+        );
+        assert!(!s.contains("later 3"), "{s}");
+    }
+
+    #[test]
+    fn the_summary_is_one_bounded_line() {
+        let long = format!("(00.1) Error (criu/x.c:1): {}", "x".repeat(2000));
+        let log = format!("{long}\n{SPLICE_ENOSPC}\n{long}\n");
+        let s = summarize_log(&log);
+        assert!(s.chars().count() <= LOG_SUMMARY_MAX, "{}", s.len());
+        assert!(!s.contains('\n'));
+        assert!(s.starts_with("Error (criu/page-xfer.c:263)"), "{s}");
+        assert!(s.ends_with("migrationAgent.checkpointSizeLimit"), "{s}");
+        // No error line at all: the last lines of the log.
+        assert_eq!(
+            summarize_log("(00.1) a\n(00.2) b\n\n(00.3) c\n(00.4) d\n"),
+            "b | c | d"
+        );
+        assert_eq!(summarize_log(""), "");
+    }
+
+    #[test]
+    fn a_log_file_is_summed_up() {
+        let p = std::env::temp_dir().join(format!(
+            "pm-criu-log-{}-{}.log",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::write(&p, enospc_dump_log()).unwrap();
+        let s = log_tail(&p);
+        let _ = std::fs::remove_file(&p);
+        assert!(s.starts_with("Error (criu/page-xfer.c:263)"), "{s}");
+        assert_eq!(log_tail(Path::new("/nonexistent/criu.log")), "");
     }
 }
