@@ -329,6 +329,7 @@ impl ClientError {
                 tonic::Code::NotFound => "MigrationUnknown",
                 tonic::Code::InvalidArgument => "InvalidRequest",
                 tonic::Code::FailedPrecondition => "WrongPhase",
+                tonic::Code::ResourceExhausted => "NoRoom",
                 tonic::Code::Unavailable => "AgentUnavailable",
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => "NotAuthorized",
                 _ => "AgentFailed",

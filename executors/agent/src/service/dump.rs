@@ -174,7 +174,7 @@ fn room_decision(need: u64, basis: RoomBasis, free: u64) -> Result<(), String> {
     ))
 }
 
-/// Refuses the final dump (`failed_precondition`) when the checkpoint volume of `d`
+/// Refuses the final dump (`resource_exhausted`: category `NoRoom`) when the checkpoint volume of `d`
 /// has not the room [`final_dump_room`] expects it to take. What cannot be read
 /// (the volume's free space) never refuses it.
 async fn check_room(m: &Migration, d: &DumpOutcome) -> Result<(), Status> {
@@ -197,7 +197,7 @@ async fn check_room(m: &Migration, d: &DumpOutcome) -> Result<(), Status> {
         tracing::debug!(%uid, need, ?basis, free, "room for the final dump");
         room_decision(need, basis, free).map_err(|why| {
             tracing::warn!(%uid, need, ?basis, free, "final dump refused: {why}");
-            Status::failed_precondition(why)
+            Status::resource_exhausted(why)
         })
     })
     .await
@@ -695,7 +695,7 @@ mod tests {
         .unwrap();
 
         let e = a.dump_impl(UID).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
         assert!(
             e.message().starts_with(
                 "the checkpoint volume has 0 MiB free, but the final dump needs about "

@@ -402,7 +402,7 @@ impl Outgoing<'_> {
         let n = new.len();
         for b in (0..n).step_by(BLOCK) {
             let e = (b + BLOCK).min(n);
-            if old.get(b..e) == Some(&new[b..e]) {
+            if old.get(b..e).is_some_and(|o| same_bytes(o, &new[b..e])) {
                 self.flush_run(rel, run)?;
                 continue;
             }
@@ -512,9 +512,52 @@ pub(super) fn collect(
     Ok(())
 }
 
+/// Whether `a` and `b` hold the same bytes, compared a word at a time (vectorized).
+/// Not `==` on the slices: that is libc's `memcmp`, which in the shipped images is
+/// musl's, a byte at a time, and a delta compares the whole warm copy inside the
+/// freeze (12% of the agents' CPU in a 512 MiB migration, measured with `perf`).
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    const LANES: usize = 8;
+    const STRIDE: usize = LANES * 8;
+    if a.len() != b.len() {
+        return false;
+    }
+    let (xs, ys) = (a.chunks_exact(STRIDE), b.chunks_exact(STRIDE));
+    let (xr, yr) = (xs.remainder(), ys.remainder());
+    for (x, y) in xs.zip(ys) {
+        let mut diff = 0u64;
+        for i in 0..LANES {
+            let w = |s: &[u8]| u64::from_ne_bytes(s[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+            diff |= w(x) ^ w(y);
+        }
+        if diff != 0 {
+            return false;
+        }
+    }
+    xr.iter().zip(yr).all(|(x, y)| x == y)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_compare_equal_only_when_every_byte_is() {
+        let a: Vec<u8> = (0..BLOCK + 77).map(|i| (i * 31 % 251) as u8).collect();
+        for len in [0, 1, 63, 64, 65, 200, BLOCK, BLOCK + 77] {
+            let x = &a[..len];
+            assert!(same_bytes(x, &x.to_vec()), "len {len}");
+            for at in [0, len / 2, len.saturating_sub(1)] {
+                if len == 0 {
+                    continue;
+                }
+                let mut y = x.to_vec();
+                y[at] ^= 0x80;
+                assert!(!same_bytes(x, &y), "len {len}, differing at {at}");
+            }
+        }
+        assert!(!same_bytes(&a[..64], &a[..65]));
+    }
 
     fn set(paths: &[&str]) -> BTreeSet<String> {
         paths.iter().map(|p| p.to_string()).collect()
