@@ -395,14 +395,7 @@ fn a_delta_takes_its_bases_place_on_the_target_without_a_copy() {
         inode(&dst.0, "pre-1/pages-2.img"),
     );
     send_into(&src.0, &dst.0, &already);
-    assert_eq!(
-        std::fs::read(dst.0.join("final/pages-1.img")).unwrap(),
-        fin1
-    );
-    assert_eq!(
-        std::fs::read(dst.0.join("final/pages-2.img")).unwrap(),
-        fin2
-    );
+    assert_final_images(&dst.0, &fin1, &fin2);
     assert_eq!(
         (
             inode(&dst.0, "final/pages-1.img"),
@@ -413,6 +406,12 @@ fn a_delta_takes_its_bases_place_on_the_target_without_a_copy() {
     );
     assert!(!dst.0.join("pre-1/pages-1.img").exists() && !dst.0.join("pre-1/pages-2.img").exists());
     assert_eq!(images::size(&dst.0), (fin1.len() + fin2.len()) as u64);
+}
+
+/// The target's final images hold exactly `fin1` and `fin2`.
+fn assert_final_images(dst: &Path, fin1: &[u8], fin2: &[u8]) {
+    assert_eq!(std::fs::read(dst.join("final/pages-1.img")).unwrap(), fin1);
+    assert_eq!(std::fs::read(dst.join("final/pages-2.img")).unwrap(), fin2);
 }
 
 /// A delta stream cut after some of its blocks (one image rebuilt, the other moved,
@@ -431,14 +430,7 @@ fn a_cut_delta_stream_puts_its_bases_back_and_a_retried_one_rebuilds_them() {
     assert_eq!(inode(&dst.0, "pre-1/pages-2.img"), warm);
     assert!(!dst.0.join("final").exists());
     send_into(&src.0, &dst.0, &already);
-    assert_eq!(
-        std::fs::read(dst.0.join("final/pages-1.img")).unwrap(),
-        fin1
-    );
-    assert_eq!(
-        std::fs::read(dst.0.join("final/pages-2.img")).unwrap(),
-        fin2
-    );
+    assert_final_images(&dst.0, &fin1, &fin2);
 }
 
 /// Streams the source did not record: a round stored on the target but not recorded
