@@ -24,7 +24,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::Mutex;
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 mod dump;
@@ -200,69 +200,21 @@ struct Migration {
     freeze_limit: std::time::Duration,
     /// The restore fence was taken (`Fence`), and no `Abort` lifted it since.
     fenced: bool,
-    /// What `Status` answers while a step holds this migration.
-    published: Arc<Published>,
-}
-
-/// What `Status` answers while a step holds the migration (see [`Agent::status_impl`]):
-/// the migration as it was last published, merged with its freeze, which is read live
-/// (the watchdog and a shutdown change it without the migration's lock).
-///
-/// Published by the migration itself, under its lock: every answer it makes
-/// ([`Migration::status`], which every step ends with), and its state whenever a step
-/// takes it ([`Agent::hold`]). So while a step runs, `Status` answers at least what
-/// any call was last told, and exactly the state that step started from (what the step
-/// before it left, failed or not); it never answers older than a previous answer.
-#[derive(Debug)]
-struct Published {
-    /// [`Migration::recorded`]: the phase and fence as the migration recorded them.
-    recorded: StdMutex<MigrationStatus>,
-    /// The migration's own freeze cell.
-    freeze: Arc<Freeze>,
-}
-
-impl Published {
-    fn status(&self) -> MigrationStatus {
-        let recorded = self.recorded.lock().expect("published status").clone();
-        with_freeze(recorded, self.freeze.get())
-    }
-}
-
-/// A status as the migration recorded it, as the freeze (`freeze`, one reading of it)
-/// makes it: a source resumed by the watchdog or at shutdown is aborted, one killed
-/// under the fence is killed, even while a call that still holds the migration (a
-/// Send) has not seen it yet.
-fn with_freeze(mut st: MigrationStatus, freeze: u8) -> MigrationStatus {
-    match freeze {
-        THAWED => st.phase = Phase::Aborted as i32,
-        KILLED => st.phase = Phase::Killed as i32,
-        _ => {}
-    }
-    st.fenced = matches!(freeze, FENCED | KILLING | KILLED) || (st.fenced && freeze == COMMITTING);
-    st
 }
 
 impl Migration {
-    /// The migration's status, also published for `Status` calls made while a step
-    /// holds the migration (see [`Published`]).
     fn status(&self) -> MigrationStatus {
-        let recorded = self.recorded();
-        *self.published.recorded.lock().expect("published status") = recorded.clone();
-        with_freeze(recorded, self.freeze.get())
-    }
-
-    /// Publishes the migration as it is now (see [`Published`]).
-    fn publish(&self) {
-        *self.published.recorded.lock().expect("published status") = self.recorded();
-    }
-
-    /// The status as this migration records it: its own phase and fence, not yet
-    /// merged with the freeze ([`with_freeze`]).
-    fn recorded(&self) -> MigrationStatus {
+        // A source resumed by the watchdog or at shutdown is aborted, even while a call
+        // that still holds the migration (a Send) has not seen it yet.
+        let phase = match self.freeze.get() {
+            THAWED => Phase::Aborted,
+            KILLED => Phase::Killed,
+            _ => self.phase,
+        };
         MigrationStatus {
             migration_uid: self.uid.to_string(),
             role: self.role as i32,
-            phase: self.phase as i32,
+            phase: phase as i32,
             iteration: self.iteration,
             last_round_bytes: self.last_round_bytes,
             image_bytes: self.image_bytes,
@@ -274,7 +226,8 @@ impl Migration {
             final_dump_bytes: self.final_dump_bytes,
             last_round_sent_bytes: self.last_round_sent_bytes,
             pre_copy_sent_bytes: self.pre_copy_sent_bytes,
-            fenced: self.fenced,
+            fenced: matches!(self.freeze.get(), FENCED | KILLING | KILLED)
+                || (self.fenced && self.freeze.get() == COMMITTING),
         }
     }
 
@@ -318,8 +271,7 @@ impl Migration {
         broker: BrokerClient,
         freeze_limit: std::time::Duration,
     ) -> Migration {
-        let freeze: Arc<Freeze> = Arc::default();
-        let m = Migration {
+        Migration {
             uid,
             role,
             peer: r.peer_node,
@@ -345,16 +297,10 @@ impl Migration {
             broker: Arc::new(StdMutex::new(broker)),
             netns_path: None,
             fs: placed.fs,
-            freeze: Arc::clone(&freeze),
+            freeze: Arc::default(),
             freeze_limit,
             fenced: false,
-            published: Arc::new(Published {
-                recorded: StdMutex::default(),
-                freeze,
-            }),
-        };
-        m.publish();
-        m
+        }
     }
 
     /// Registers the migration with the node's broker, naming the container the process
@@ -689,7 +635,7 @@ pub struct Agent {
     cfg: Arc<Config>,
     /// This agent's own identity, from its certificate.
     own: Peer,
-    migrations: StdMutex<HashMap<String, Entry>>,
+    migrations: StdMutex<HashMap<String, Arc<Mutex<Migration>>>>,
     /// Migrations whose `Prepare` is under way: a second `Prepare` of one of them is
     /// refused until the first has ended (its failure would undo the first's work).
     preparing: StdMutex<HashSet<String>>,
@@ -699,24 +645,6 @@ pub struct Agent {
     /// has a [`leader_term::TermRecord`] (the fence against a replica that still
     /// believes it leads; [`authz::admit_term`]).
     term_fence: leader_term::TermFence,
-}
-
-/// A migration the agent knows: the migration, which a step holds for its whole run,
-/// and beside it what `Status` answers meanwhile (the same [`Published`] the migration
-/// publishes to), so that `Status` never waits for a step. Both go with the entry.
-#[derive(Clone)]
-struct Entry {
-    migration: Arc<Mutex<Migration>>,
-    published: Arc<Published>,
-}
-
-impl Entry {
-    fn new(m: Migration) -> Entry {
-        Entry {
-            published: Arc::clone(&m.published),
-            migration: Arc::new(Mutex::new(m)),
-        }
-    }
 }
 
 /// A `Prepare` under way, marked in [`Agent::preparing`] until dropped (on every way
@@ -886,39 +814,13 @@ impl Agent {
             .collect()
     }
 
-    fn entry(&self, uid: &str) -> Result<Entry, Status> {
+    fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {
         self.migrations
             .lock()
             .expect("migrations")
             .get(uid)
             .cloned()
             .ok_or_else(|| Status::not_found(format!("no migration {uid:?} on this agent")))
-    }
-
-    fn get(&self, uid: &str) -> Result<Arc<Mutex<Migration>>, Status> {
-        self.entry(uid).map(|e| e.migration)
-    }
-
-    /// The migration `uid`, held for a step (waiting for the step before it), its state
-    /// published for `Status` as the step finds it: what the step before it left,
-    /// failed or not (see [`Published`]). Every step takes its migration here.
-    async fn hold(&self, uid: &str) -> Result<OwnedMutexGuard<Migration>, Status> {
-        let m = self.get(uid)?.lock_owned().await;
-        m.publish();
-        Ok(m)
-    }
-
-    /// The migration's status, without waiting for a step that holds it (a dump of a
-    /// large tree takes seconds, a hung CRIU forever): its live status if no step
-    /// holds it, else the one published last ([`Published`]), its freeze read live.
-    /// Nothing on the wire says that a step runs: the operator knows which call it
-    /// has in flight.
-    fn status_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let e = self.entry(uid)?;
-        Ok(match e.migration.try_lock() {
-            Ok(m) => m.status(),
-            Err(_) => e.published.status(),
-        })
     }
 
     async fn prepare_impl(&self, r: PrepareRequest) -> Result<MigrationStatus, Status> {
@@ -967,7 +869,7 @@ impl Agent {
         self.migrations
             .lock()
             .expect("migrations")
-            .insert(uid.to_string(), Entry::new(m));
+            .insert(uid.to_string(), Arc::new(Mutex::new(m)));
         Ok(st)
     }
 
@@ -1031,7 +933,7 @@ impl Agent {
     }
 
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.hold(uid).await?;
+        let m = self.get(uid)?.lock_owned().await;
         admit(m.role, m.phase, Step::PreDump)?;
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let dir = m.dir.join(format!("pre-{}", m.iteration + 1));
@@ -1062,7 +964,7 @@ impl Agent {
     }
 
     async fn dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let mut m = self.hold(uid).await?;
+        let mut m = self.get(uid)?.lock_owned().await;
         m.sync_freeze();
         if admit(m.role, m.phase, Step::Dump)? == Admission::Done {
             return Ok(m.status());
@@ -1106,7 +1008,8 @@ impl Agent {
     }
 
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
-        let mut m = self.hold(&r.migration_uid).await?;
+        let m = self.get(&r.migration_uid)?;
+        let mut m = m.lock().await;
         m.sync_freeze();
         if admit(m.role, m.phase, Step::Send)? == Admission::Done {
             return Ok(m.status());
@@ -1133,8 +1036,11 @@ impl Agent {
         let Some(first) = s.message().await? else {
             return Err(Status::invalid_argument("empty image stream"));
         };
-        // Unknown: `None`, refused below like a stream from a stranger.
-        let m = self.hold(&first.migration_uid).await.ok();
+        let found = self.get(&first.migration_uid).ok();
+        let m = match found {
+            Some(m) => Some(m.lock_owned().await),
+            None => None,
+        };
         // Before anything is written: only the peer named at Prepare streams here (an
         // unknown migration is refused the same way, telling the caller nothing).
         let state = authz::State {
@@ -1163,7 +1069,7 @@ impl Agent {
     /// second one (which failed: its connection's address was the first copy's), and
     /// `Abort` had nothing to kill, so the source was thawed beside the first copy.
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.hold(uid).await?;
+        let m = self.get(uid)?.lock_owned().await;
         tokio::spawn(restore_locked(Arc::clone(&self.cfg), m))
             .await
             .map_err(|e| Status::internal(format!("restore task: {e}")))?
@@ -1173,7 +1079,8 @@ impl Agent {
     /// freeze is FENCED and the answer says `fenced`. Idempotent: a fenced (or, since,
     /// killed or committing) source answers its status again.
     async fn fence_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let mut m = self.hold(uid).await?;
+        let m = self.get(uid)?;
+        let mut m = m.lock().await;
         m.sync_freeze();
         if m.role == Role::Source && (m.fenced || m.phase == Phase::Killed) {
             return Ok(m.status());
@@ -1200,7 +1107,8 @@ impl Agent {
     }
 
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
-        let mut m = self.hold(&r.migration_uid).await?;
+        let m = self.get(&r.migration_uid)?;
+        let mut m = m.lock().await;
         m.sync_freeze();
         if m.phase == Phase::Aborted && m.freeze.get() == THAWED {
             return Err(Status::failed_precondition(
@@ -1243,7 +1151,7 @@ impl Agent {
     }
 
     async fn abort_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let Ok(mut m) = self.hold(uid).await else {
+        let Ok(m) = self.get(uid) else {
             // Unknown here (never prepared, or lost in an agent restart). This agent
             // cannot tell whether a source is still frozen (the node's broker resumes
             // what a lost agent left, but that is not this agent's knowledge): the
@@ -1253,6 +1161,7 @@ impl Agent {
                 "no migration {uid:?} on this agent (never prepared, or forgotten in a restart): its source's state is unknown here"
             )));
         };
+        let mut m = m.lock().await;
         m.sync_freeze();
         match (m.role, m.phase) {
             (_, Phase::Aborted) => return Ok(m.status()),
@@ -1281,7 +1190,7 @@ impl Agent {
     }
 
     async fn cleanup_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let Ok(mut m) = self.hold(uid).await else {
+        let Ok(mm) = self.get(uid) else {
             // Unknown (never prepared, or already cleaned up, or lost in a restart):
             // make sure nothing is left on disk either way.
             if let Ok(u) = MigrationUid::parse(uid) {
@@ -1293,6 +1202,7 @@ impl Agent {
                 ..Default::default()
             });
         };
+        let mut m = mm.lock().await;
         m.sync_freeze();
         if m.role == Role::Source && matches!(m.phase, Phase::Dumped | Phase::Sent) {
             return Err(Status::failed_precondition(
@@ -1374,8 +1284,9 @@ impl MigrationAgent for Agent {
     }
     async fn status(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Status)?;
-        self.status_impl(&r.into_inner().migration_uid)
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        let m = self.get(&uid)?;
+        Ok(Response::new(m.lock().await.status()))
     }
 }
 
@@ -1386,8 +1297,6 @@ fn _assert_stream<S: Stream>(_: S) {}
 mod prepare_tests;
 #[cfg(test)]
 mod restore_tests;
-#[cfg(test)]
-mod status_tests;
 #[cfg(test)]
 mod testkit;
 #[cfg(test)]

@@ -205,13 +205,6 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
 /// The pause before asking an agent again after `Unavailable`.
 const ASK_AGAIN_PAUSE: Duration = Duration::from_millis(200);
 
-/// The longest a report's `Status` call to an agent (connecting included) may take.
-/// An agent answers it at once, even while a step holds the migration; one that does
-/// not is unreachable or wedged. The deadline is also at most half the agent call
-/// deadline (which bounds the whole report, see `report_within` in the controller), so
-/// that a report of a step in flight still says so when its agent does not answer.
-const STATUS_DEADLINE: Duration = Duration::from_secs(3);
-
 /// Calls `call` again, every `pause`, while the agent answers `Unavailable` ("ask
 /// again"), for as long as `within` allows; then its last answer stands. Only for
 /// idempotent calls.
@@ -259,38 +252,6 @@ async fn send(
 }
 
 impl WireAgents {
-    /// The agent's `Status` of migration `uid` (`None`: the agent does not know it),
-    /// within the status deadline ([`STATUS_DEADLINE`]); past it, the agent counts as
-    /// unreachable for this report.
-    async fn agent_status(
-        &self,
-        e: &AgentEndpoint,
-        uid: &str,
-    ) -> Result<Option<MigrationStatus>, AgentCallError> {
-        let err = |message: String| AgentCallError {
-            node: e.node.clone(),
-            message,
-        };
-        let limit = STATUS_DEADLINE.min(self.call_timeout / 2);
-        let asked = async {
-            let mut c = self.connect(e).await?;
-            match c.status(uid).await {
-                Ok(st) => Ok(Some(st)),
-                Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => Ok(None),
-                Err(x) => Err(err(x.to_string())),
-            }
-        };
-        tokio::time::timeout(limit, asked)
-            .await
-            .unwrap_or_else(|_| {
-                Err(err(format!(
-                    "the agent on {} did not answer Status within {} ms",
-                    e.node,
-                    limit.as_millis()
-                )))
-            })
-    }
-
     async fn probe(&self, r: &StepRequest) -> Result<(), (String, String)> {
         let Some(p) = &r.probe else {
             // No probe anywhere: the restore resuming the process is the proof.
@@ -373,13 +334,24 @@ impl AgentClient for WireAgents {
                 last: Some((step, state)),
                 ..Default::default()
             };
-            if let Ok(Some(st)) = self.agent_status(e, uid).await {
+            if let Ok(mut c) = self.connect(e).await
+                && let Ok(st) = c.status(uid).await
+            {
                 r.progress = report_from_status(&st).progress;
             }
             return Ok(r);
         }
-        let st = self.agent_status(e, uid).await?;
-        Ok(st.map(|st| report_from_status(&st)).unwrap_or_default())
+        let mut c = self.connect(e).await?;
+        match c.status(uid).await {
+            Ok(st) => Ok(report_from_status(&st)),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
+                Ok(AgentReport::default())
+            }
+            Err(x) => Err(AgentCallError {
+                node: e.node.clone(),
+                message: x.to_string(),
+            }),
+        }
     }
 
     async fn start(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
@@ -517,43 +489,6 @@ mod tests {
         );
         // Handed out once: a second taker gets an ended stream.
         assert_eq!(agents.step_ends().next().await, None);
-    }
-
-    /// An agent that takes the connection and never answers: a report is not held by it
-    /// beyond the status deadline, and one of a step in flight still says so.
-    #[tokio::test]
-    async fn a_report_from_an_agent_that_never_answers_status_ends_at_its_deadline() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let api = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let agents = WireAgents::new(kube::Client::try_from(api).unwrap(), None)
-            .with_settings(false, Duration::from_secs(1));
-        let e = AgentEndpoint {
-            node: "node-b".into(),
-            url: format!("http://{}", silent.local_addr().unwrap()),
-        };
-        // The failure detector of a report that waits for the agent: generous, it
-        // measures no speed (the deadline here is half a second).
-        let hung = Duration::from_secs(30);
-        let r = tokio::time::timeout(hung, agents.report(&e, "u1"))
-            .await
-            .expect("the report waited for an agent that never answers");
-        let err = r.unwrap_err();
-        assert_eq!(err.node, "node-b");
-        assert_eq!(
-            err.message,
-            "the agent on node-b did not answer Status within 500 ms"
-        );
-
-        agents.inflight.lock().unwrap().insert(
-            ("node-b".into(), "u1".into()),
-            (Step::Dump, StepState::Running),
-        );
-        let r = tokio::time::timeout(hung, agents.report(&e, "u1"))
-            .await
-            .expect("the report waited for an agent that never answers")
-            .unwrap();
-        assert_eq!(r.last, Some((Step::Dump, StepState::Running)));
-        drop(silent);
     }
 
     /// A call answered `Unavailable` three times, then `answer`; returns what
