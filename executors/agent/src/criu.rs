@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 pub const REQ_DUMP: i32 = 1;
 pub const REQ_RESTORE: i32 = 2;
 pub const REQ_PRE_DUMP: i32 = 4;
+/// A notification from CRIU during a request (`notify_scripts`), and our answer to it.
+pub const REQ_NOTIFY: i32 = 6;
 pub const REQ_VERSION: i32 = 10;
 
 pub const CG_IGNORE: i32 = 0;
@@ -39,6 +41,10 @@ pub struct Opts {
     pub log_level: Option<i32>,
     #[prost(string, optional, tag = "10")]
     pub log_file: Option<String>,
+    /// CRIU tells us of each of its action-script points (`pre-dump`, `post-dump`,
+    /// `status-ready`, …) and waits for our answer (see [`Criu::call_notified`]).
+    #[prost(bool, optional, tag = "12")]
+    pub notify_scripts: Option<bool>,
     /// Root of the restored mount namespace (a container's root filesystem).
     #[prost(string, optional, tag = "13")]
     pub root: Option<String>,
@@ -58,6 +64,17 @@ pub struct Opts {
     pub tcp_skip_in_flight: Option<bool>,
     #[prost(bool, optional, tag = "52")]
     pub tcp_close: Option<bool>,
+    /// Dump: memory pages stay with the frozen tree and are served on demand by CRIU's
+    /// page server when the rest is written. Restore: the restored tree's anonymous
+    /// memory is filled by a `criu lazy-pages` daemon over userfaultfd (see
+    /// [`crate::lazy`]).
+    #[prost(bool, optional, tag = "48")]
+    pub lazy_pages: Option<bool>,
+    /// A CRIU configuration file read after the RPC options (over them): how a lazy
+    /// dump is given its page-server socket, which the RPC's own field does not
+    /// reach in lazy mode (see [`crate::lazy::ps_socket_config`]).
+    #[prost(string, optional, tag = "51")]
+    pub config_file: Option<String>,
     #[prost(int32, optional, tag = "64")]
     pub network_lock: Option<i32>,
     #[prost(string, optional, tag = "68")]
@@ -88,6 +105,24 @@ pub struct Req {
     pub opts: Option<Opts>,
 }
 
+/// Our answer to a notification (CRIU's `criu_req` with `notify_success`).
+#[derive(Clone, PartialEq, prost::Message)]
+struct NotifyAnswer {
+    #[prost(int32, required, tag = "1")]
+    r#type: i32,
+    #[prost(bool, optional, tag = "3")]
+    notify_success: Option<bool>,
+}
+
+/// What CRIU notifies: the action-script point it reached.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Notify {
+    #[prost(string, optional, tag = "1")]
+    pub script: Option<String>,
+    #[prost(int32, optional, tag = "2")]
+    pub pid: Option<i32>,
+}
+
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RestoreResp {
     #[prost(int32, required, tag = "1")]
@@ -110,6 +145,8 @@ pub struct Resp {
     pub success: bool,
     #[prost(message, optional, tag = "4")]
     pub restore: Option<RestoreResp>,
+    #[prost(message, optional, tag = "5")]
+    pub notify: Option<Notify>,
     #[prost(int32, optional, tag = "7")]
     pub cr_errno: Option<i32>,
     #[prost(string, optional, tag = "9")]
@@ -155,13 +192,51 @@ impl Criu {
         holder_pid: Option<i32>,
         before_start: Option<BeforeStart<'_>>,
     ) -> Result<Resp, CriuError> {
+        self.run(
+            req,
+            log_in,
+            Launch::default(),
+            holder_pid,
+            before_start,
+            None,
+        )
+    }
+
+    /// [`Criu::call`] with `notify_scripts` on: `on_notify` is told each action-script
+    /// point CRIU reaches (`post-dump`: every image is written), and CRIU goes on once
+    /// it returned (every notification is answered as a success). `stdin`: given to
+    /// CRIU as its standard input (fd 0) and to no other process: how a lazy dump gets
+    /// its page-server socket (see [`crate::lazy`]).
+    pub fn call_notified(
+        &self,
+        mut req: Req,
+        log_in: Option<&Path>,
+        stdin: Option<OwnedFd>,
+        on_notify: OnNotify<'_>,
+    ) -> Result<Resp, CriuError> {
+        if let Some(o) = req.opts.as_mut() {
+            o.notify_scripts = Some(true);
+        }
+        let launch = Launch { stdin };
+        self.run(req, log_in, launch, None, None, Some(on_notify))
+    }
+
+    fn run(
+        &self,
+        req: Req,
+        log_in: Option<&Path>,
+        launch: Launch,
+        holder_pid: Option<i32>,
+        before_start: Option<BeforeStart<'_>>,
+        on_notify: Option<OnNotify<'_>>,
+    ) -> Result<Resp, CriuError> {
         let op = op_name(req.r#type);
         let gate = match (holder_pid, &before_start) {
             (Some(_), Some(_)) => Some(gate_pipe().map_err(|e| CriuError::Spawn(e.to_string()))?),
             _ => None,
         };
         let (r, w) = gate.unzip();
-        let (ours, child) = self.spawn_swrk(holder_pid, r)?;
+        let (ours, child) = self.spawn_swrk(holder_pid, r.or(launch.stdin))?;
         let mut child = Swrk(child);
         if let (Some(w), Some(f)) = (w, before_start) {
             // A launcher that is not let through is killed and reaped (`Swrk`'s drop).
@@ -177,7 +252,7 @@ impl Criu {
         // source is CRIU ending or the agent's end (its broker lease then rolls the lock
         // back). Killing CRIU from `Abort` is not safe: mid-dump its parasite code runs
         // inside the workload.
-        let reply = exchange(ours, &req)?;
+        let reply = exchange(ours, &req, on_notify)?;
         child.reap();
         read_reply(op, &reply, || log_in.map(log_tail).unwrap_or_default())
     }
@@ -187,7 +262,7 @@ impl Criu {
     fn spawn_swrk(
         &self,
         holder_pid: Option<i32>,
-        gate: Option<OwnedFd>,
+        stdin: Option<OwnedFd>,
     ) -> Result<(OwnedFd, std::process::Child), CriuError> {
         let (ours, theirs): (OwnedFd, OwnedFd) = socketpair(
             AddressFamily::Unix,
@@ -202,14 +277,14 @@ impl Criu {
         )
         .map_err(|e| CriuError::Spawn(e.to_string()))?;
         let mut cmd = match holder_pid {
-            Some(pid) => crate::pidns::criu_command(&self.binary, pid, gate.is_some())
+            Some(pid) => crate::pidns::criu_command(&self.binary, pid, stdin.is_some())
                 .map_err(|e| CriuError::Spawn(e.to_string()))?,
             None => std::process::Command::new(&self.binary),
         };
         let child = cmd
             .arg("swrk")
             .arg(theirs.as_raw_fd().to_string())
-            .stdin(gate.map_or_else(std::process::Stdio::null, std::process::Stdio::from))
+            .stdin(stdin.map_or_else(std::process::Stdio::null, std::process::Stdio::from))
             .spawn()
             .map_err(|e| CriuError::Spawn(format!("{}: {e}", self.binary.display())))?;
         drop(theirs);
@@ -232,6 +307,16 @@ impl Criu {
 /// What [`Criu::call_in`] runs between the launch and CRIU's start, given the
 /// launcher's pid; its error (said in words) ends the launch.
 pub type BeforeStart<'a> = &'a mut dyn FnMut(i32) -> Result<(), String>;
+
+/// What [`Criu::call_notified`] is told: the action-script point CRIU reached.
+pub type OnNotify<'a> = &'a mut dyn FnMut(&str);
+
+/// How `criu swrk` is started beyond its RPC socket.
+#[derive(Default)]
+struct Launch {
+    /// Its standard input (else /dev/null); never given to another process.
+    stdin: Option<OwnedFd>,
+}
 
 /// A gate for the launcher: the read end becomes its stdin; neither end leaks into
 /// other children (close-on-exec).
@@ -272,16 +357,40 @@ fn op_name(kind: i32) -> &'static str {
     }
 }
 
-/// Sends the request over `ours` and reads the one reply (its bytes; none when CRIU
-/// closed the connection), then closes `ours`.
-fn exchange(ours: OwnedFd, req: &Req) -> Result<Vec<u8>, CriuError> {
+/// Sends the request over `ours` and reads the reply (its bytes; none when CRIU
+/// closed the connection), then closes `ours`. Notifications before it (only with
+/// `notify_scripts`) go to `on_notify` and are answered as successes.
+fn exchange(
+    ours: OwnedFd,
+    req: &Req,
+    mut on_notify: Option<OnNotify<'_>>,
+) -> Result<Vec<u8>, CriuError> {
+    let io = |e: nix::Error| CriuError::Spawn(e.to_string());
     let buf = prost::Message::encode_to_vec(req);
-    send(ours.as_raw_fd(), &buf, MsgFlags::empty()).map_err(|e| CriuError::Spawn(e.to_string()))?;
+    send(ours.as_raw_fd(), &buf, MsgFlags::empty()).map_err(io)?;
     let mut rbuf = vec![0u8; 64 * 1024];
-    let n = recv(ours.as_raw_fd(), &mut rbuf, MsgFlags::empty())
-        .map_err(|e| CriuError::Spawn(e.to_string()))?;
+    loop {
+        rbuf.resize(64 * 1024, 0);
+        let n = recv(ours.as_raw_fd(), &mut rbuf, MsgFlags::empty()).map_err(io)?;
+        rbuf.truncate(n);
+        let Some(f) = on_notify.as_mut() else { break };
+        let notified = <Resp as prost::Message>::decode(rbuf.as_slice())
+            .ok()
+            .filter(|r| r.r#type == REQ_NOTIFY);
+        let Some(n) = notified else { break };
+        f(n.notify.and_then(|n| n.script).as_deref().unwrap_or(""));
+        let answer = NotifyAnswer {
+            r#type: REQ_NOTIFY,
+            notify_success: Some(true),
+        };
+        send(
+            ours.as_raw_fd(),
+            &prost::Message::encode_to_vec(&answer),
+            MsgFlags::empty(),
+        )
+        .map_err(io)?;
+    }
     drop(ours);
-    rbuf.truncate(n);
     Ok(rbuf)
 }
 

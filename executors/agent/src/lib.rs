@@ -11,6 +11,7 @@ pub mod criu;
 pub mod csr;
 pub mod holder;
 pub mod images;
+pub mod lazy;
 pub mod metrics;
 pub mod mounts;
 pub mod pidns;

@@ -6,7 +6,8 @@
 //! * a counter incremented every 10 ms by a thread (proves execution continues);
 //! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
 //!   `total` → how many requests this connection served (per-connection state),
-//!   `ballast` → `filled` once the ballast is written;
+//!   `ballast` → `filled` once the ballast is written, `digest` → a digest of the
+//!   ballast's bytes as they are now (hex; proves memory came across whole);
 //! * optional ballast memory, filled with non-zero data, and rewritten at a bounded
 //!   dirty rate (for pre-copy).
 #![forbid(unsafe_code)]
@@ -18,6 +19,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 static BALLAST_FILLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static BALLAST: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+
+/// FNV-1a over the ballast, 8 bytes at a time.
+fn ballast_digest() -> String {
+    let b = BALLAST.lock().unwrap_or_else(|e| e.into_inner());
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for w in b.chunks(8) {
+        let mut x = [0u8; 8];
+        x[..w.len()].copy_from_slice(w);
+        h ^= u64::from_le_bytes(x);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
 
 fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
     let mut w = s.try_clone().expect("clone");
@@ -29,6 +44,7 @@ fn serve_conn(s: TcpStream, counter: Arc<AtomicU64>) {
             Some(("echo", x)) => x.to_owned(),
             _ if line == "get" => counter.load(Ordering::SeqCst).to_string(),
             _ if line == "total" => served.to_string(),
+            _ if line == "digest" => ballast_digest(),
             _ if line == "ballast" => if BALLAST_FILLED.load(Ordering::SeqCst) {
                 "filled"
             } else {
@@ -125,7 +141,8 @@ fn start_counter() -> Arc<AtomicU64> {
 /// Fills `mib` MiB of ballast with non-zero data, then rewrites `dirty_kib` of it per
 /// second, one page at a time, round robin, forever.
 fn keep_ballast(mib: usize, dirty_kib: usize) {
-    let mut ballast = vec![0u8; mib << 20];
+    let mut ballast = BALLAST.lock().unwrap_or_else(|e| e.into_inner());
+    *ballast = vec![0u8; mib << 20];
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     for chunk in ballast.chunks_mut(8) {
         x ^= x << 13;
@@ -133,17 +150,20 @@ fn keep_ballast(mib: usize, dirty_kib: usize) {
         x ^= x << 17;
         chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
     }
+    let pages = ballast.len() / 4096;
+    drop(ballast);
     BALLAST_FILLED.store(true, Ordering::SeqCst);
     // Rewrite `dirty_kib` per second, one page at a time, round robin.
-    let pages = ballast.len() / 4096;
     let per_tick = (dirty_kib / 4).div_ceil(10);
     let mut next = 0usize;
     loop {
-        for _ in 0..per_tick {
-            ballast[(next % pages) * 4096] = ballast[(next % pages) * 4096].wrapping_add(1);
-            next += 1;
+        if per_tick > 0 {
+            let mut ballast = BALLAST.lock().unwrap_or_else(|e| e.into_inner());
+            for _ in 0..per_tick {
+                ballast[(next % pages) * 4096] = ballast[(next % pages) * 4096].wrapping_add(1);
+                next += 1;
+            }
         }
         std::thread::sleep(Duration::from_millis(100));
-        std::hint::black_box(&ballast);
     }
 }
