@@ -5,22 +5,41 @@
 //!     eval "$(hack/cluster.sh env)"       # the cluster with real nodes, images pushed
 //!     cargo build -p podmotion-e2e --bin bench_real_migration
 //!     PODMOTION_IMAGES_VALUES=… PODMOTION_IMAGES_LIST=… \
-//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512] [--dirty-kib 1024] [--mig-first] [--timeline]
+//!       target/debug/bench_real_migration [--rounds 3] [--sizes 64,512,2048] [--dirty-kib 1024] [--mig-first] [--timeline]
 //!
 //! The chart is installed from our images by the real-node tests' fixture
-//! ([`podmotion_e2e::real::helm_install`]). For each size two Deployments of the
+//! ([`podmotion_e2e::real::helm_install`]), with the agents' checkpoint tmpfs
+//! (`migrationAgent.checkpointSizeLimit`) and memory limit sized for the largest of
+//! `--sizes` (MiB; `agent_memory_mib`: twice the pod for PreCopy, whose final dump
+//! is written beside the warm copy without soft-dirty tracking, plus a quarter and
+//! 256 MiB; the limit 1 GiB above; never below the chart's 2Gi / 3Gi — 5376Mi / 6400Mi
+//! for 2048). Each PodMigration gets `deadlineSeconds` 900 and
+//! `progressTimeoutSeconds` 600 (a 2 GiB one takes about half a minute here); the
+//! testload pods have no memory limit. For each size two Deployments of the
 //! `testload` fixture run on the real nodes (`serve 8080 <MiB> <dirty KiB/s>`, readiness
 //! probe): `mig-<MiB>` is moved by a PodMigration to the other real node in every
 //! migration round (then the adopted pod is deleted: an adopted pod cannot be migrated
 //! again, so the next round moves the fresh pod its ReplicaSet makes); `raw-<MiB>` gives
-//! a fresh pod of the same spec for every raw round. In every round,
-//! for Cold and for PreCopy, one PodMigration and one raw CRIU checkpoint/restore run,
-//! alternating which goes first; nothing is timed before the pod's ballast is written.
+//! a fresh pod of the same spec for every raw round. In every round, for each mode
+//! (`Mode::ALL`: Cold, PreCopy), one PodMigration and one raw CRIU checkpoint/restore
+//! run, alternating which goes first; nothing is timed before the pod's ballast is
+//! written.
 //!
 //! * **PodMotion**: `status.downtimeMillis` as the operator reports it (the source agent's
 //!   freeze start — before it locks the pod's network — to the target agent's CRIU
 //!   restore returning), `status.progress.bytesSent`, and the agents' own log lines of
 //!   that migration (final dump ms and bytes, restore ms).
+//! * **Agent memory**, of the source's and the target's migration agent over each
+//!   PodMigration (its creation to its final phase; the agents' pods are found in the
+//!   release's agents namespace by node, their `podmotion-agent` process by pod UID in
+//!   its cgroup, [`podmotion_e2e::real::agents::agent_pids`]). Two figures, not to be
+//!   confused: **agent VmHWM**, the peak resident memory of the agent process itself
+//!   (`/proc/<pid>/status`, reset before with `clear_refs` 5; DESIGN.md's "agent peak
+//!   RSS"), and the **agent container memory-cgroup peak**: everything charged to the
+//!   agent container — the agent, the CRIU it runs and the checkpoint images staged
+//!   on its tmpfs — (cgroup v1 `memory.max_usage_in_bytes`, reset by writing 0; v2
+//!   `memory.peak` through a file reset when the migration starts). A figure that
+//!   cannot be read is printed `n/a`, with the reason once on stderr; the run goes on.
 //! * **raw CRIU**, on the raw pod's node, through the same `criu swrk` RPC and the same
 //!   dump options as the agent's final dump (its external netns and the container's
 //!   runtime bind and cgroup mounts as external mounts, `tcp-established`,
@@ -33,10 +52,17 @@
 //!   restored copy must answer a counter at least as large as the one read before the
 //!   dump; then it, the stopped source and the pod are killed, and the network namespace
 //!   and the image directories removed.
+//!
+//! Printed: one row per round and mode (both sides, and both agents' VmHWM and cgroup
+//! peak, source / target), then per size and mode the medians, the median ratio and
+//! the largest VmHWM and cgroup peak over the rounds, plus PreCopy ÷ Cold.
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeSet;
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -49,13 +75,17 @@ use podmotion_agent::criu::{self, Criu, InheritFd, Opts, Req};
 use podmotion_agent::mounts::{self, HostView};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, ask, ended, node_of};
+use podmotion_e2e::real::agents::agent_pids;
+use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, ask, node_of};
 use podmotion_e2e::real::{Images, helm_install, kubectl, real_nodes};
 use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, run_dir, wait_list,
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, run_dir, wait_for,
+    wait_list,
 };
 use serde_json::json;
 
+/// A PodMigration mode the bench runs: every round runs each of [`Mode::ALL`], in
+/// that order (a new mode is one more variant here and in `ALL`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Cold,
@@ -63,10 +93,23 @@ enum Mode {
 }
 
 impl Mode {
+    const ALL: [Mode; 2] = [Mode::Cold, Mode::PreCopy];
+
+    /// `spec.mode`.
     fn name(self) -> &'static str {
         match self {
             Mode::Cold => "Cold",
             Mode::PreCopy => "PreCopy",
+        }
+    }
+
+    /// How many times the pod's memory the source agent's checkpoint tmpfs holds at
+    /// once (the chart's `migrationAgent.checkpointSizeLimit`): Cold the one dump,
+    /// PreCopy without soft-dirty tracking the final dump beside the warm copy.
+    fn images_per_pod(self) -> u32 {
+        match self {
+            Mode::Cold => 1,
+            Mode::PreCopy => 2,
         }
     }
 }
@@ -109,6 +152,50 @@ struct Row {
     round: usize,
     raw: Result<Raw, String>,
     mig: Result<Mig, String>,
+    /// The two agents' memory over the PodMigration (also of one that failed, once it
+    /// was created).
+    agents: AgentPeaks,
+}
+
+/// Bytes, or why they could not be read (printed "n/a").
+type Reading = Result<u64, String>;
+
+/// The peak memory of the source's and the target's migration agent over one
+/// PodMigration (`[source, target]`).
+#[derive(Debug)]
+struct AgentPeaks {
+    /// `VmHWM` of the `podmotion-agent` process: its own peak resident memory.
+    rss: [Reading; 2],
+    /// The peak of the agent container's memory cgroup: the agent, the CRIU it runs
+    /// and the checkpoint images staged on its tmpfs (`emptyDir` of medium Memory,
+    /// charged to the container that writes them).
+    cgroup: [Reading; 2],
+}
+
+impl AgentPeaks {
+    fn not_measured(why: &str) -> AgentPeaks {
+        let na = || Err(why.to_owned());
+        AgentPeaks {
+            rss: [na(), na()],
+            cgroup: [na(), na()],
+        }
+    }
+
+    fn rss_cell(&self) -> String {
+        format!("{} / {}", reading(&self.rss[0]), reading(&self.rss[1]))
+    }
+
+    fn cgroup_cell(&self) -> String {
+        format!(
+            "{} / {}",
+            reading(&self.cgroup[0]),
+            reading(&self.cgroup[1])
+        )
+    }
+}
+
+fn reading(r: &Reading) -> String {
+    r.as_ref().map_or_else(|_| "n/a".into(), |b| mib(*b))
 }
 
 struct Args {
@@ -181,31 +268,41 @@ async fn main() -> anyhow::Result<()> {
     );
     let release = format!("pm{}", random_suffix());
     let agents_ns = format!("{}-agents", op.name);
+    let (checkpoint_mib, agent_limit_mib) = agent_memory_mib(&args.sizes);
+    eprintln!("agents: checkpointSizeLimit {checkpoint_mib}Mi, memory limit {agent_limit_mib}Mi");
+    let mut values = vec![
+        "--set-string".to_owned(),
+        format!(
+            "migrationAgent.checkpointSizeLimit={checkpoint_mib}Mi,\
+             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi"
+        ),
+    ];
+    if args.timeline {
+        // The timeline shows each reconcile of the migration (its start and length).
+        values.extend([
+            "--set".to_owned(),
+            r"operator.logFilter=info\,podmotion_operator=debug\,kube=warn".to_owned(),
+        ]);
+    }
     let _uninstall = helm_install(
         &release,
         &images,
         &op.name,
         &app.name,
         "podmotion-bench-real",
-        // The timeline shows each reconcile of the migration (its start and length).
-        if args.timeline {
-            &[
-                "--set",
-                r"operator.logFilter=info\,podmotion_operator=debug\,kube=warn",
-            ]
-        } else {
-            &[]
-        },
+        &values.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     let bench = Bench {
         work: Work::new()?,
         pods: app.api(),
         pms: app.api(),
         deploys: app.api(),
+        agent_pods: Api::namespaced(op.client.clone(), &agents_ns),
         nodes,
         agents_ns,
         testload_image,
         args,
+        said: Mutex::default(),
     };
     // SIGINT drops the run where it is: its guards kill what a raw round started, and
     // the namespaces and the release go as for a finished run.
@@ -217,16 +314,35 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The chart's `migrationAgent.checkpointSizeLimit` and the agent container's memory
+/// limit (MiB) for pods of `sizes` MiB in every mode: the largest pod's memory as many
+/// times as a mode stages it ([`Mode::images_per_pod`]), plus a quarter (the images'
+/// own overhead, the agent's 10% room margin) and 256 MiB; the limit is that plus
+/// 1 GiB for the agent and its CRIU. Never below the chart's defaults (2Gi, 3Gi).
+fn agent_memory_mib(sizes: &[u32]) -> (u32, u32) {
+    let staged = sizes
+        .iter()
+        .flat_map(|s| Mode::ALL.map(|m| s * m.images_per_pod()))
+        .max()
+        .unwrap_or(0);
+    let checkpoint = (staged + staged / 4 + 256).max(2048);
+    (checkpoint, (checkpoint + 1024).max(3072))
+}
+
 /// One run's settings, cluster handles and scratch.
 struct Bench {
     work: Work,
     pods: Api<Pod>,
     pms: Api<PodMigration>,
     deploys: Api<Deployment>,
+    /// The release's migration agents (one per real node).
+    agent_pods: Api<Pod>,
     nodes: Vec<String>,
     agents_ns: String,
     testload_image: String,
     args: Args,
+    /// Why a memory reading was n/a, said once each.
+    said: Mutex<BTreeSet<String>>,
 }
 
 impl Bench {
@@ -238,7 +354,7 @@ impl Bench {
         for &size in &self.args.sizes {
             let names = self.create_deployments(size).await?;
             for round in 0..self.args.rounds {
-                for (i, mode) in [Mode::Cold, Mode::PreCopy].into_iter().enumerate() {
+                for (i, mode) in Mode::ALL.into_iter().enumerate() {
                     let raw_first = (round + i + usize::from(self.args.mig_first)) % 2 == 0;
                     rows.push(self.round(size, mode, round, raw_first).await);
                 }
@@ -290,6 +406,7 @@ impl Bench {
     async fn round(&self, size: u32, mode: Mode, round: usize, raw_first: bool) -> Row {
         let mut raw = None;
         let mut mig = None;
+        let mut agents = AgentPeaks::not_measured("the PodMigration was not created");
         for side in 0..2 {
             if (side == 0) == raw_first {
                 let r = raw_round(&self.pods, &format!("raw-{size}"), &self.work, &self.nodes)
@@ -299,12 +416,15 @@ impl Bench {
                 raw = Some(r);
             } else {
                 let name = format!("{}-{size}-r{round}", mode.name().to_lowercase());
-                let m = mig_round(self, &format!("mig-{size}"), &name, mode)
+                let m = mig_round(self, &format!("mig-{size}"), &name, mode, &mut agents)
                     .await
                     .map_err(|e| format!("{e:#}"));
                 eprintln!(
-                    "{size} MiB {} round {round} PodMigration: {m:?}",
-                    mode.name()
+                    "{size} MiB {} round {round} PodMigration: {m:?}; agent VmHWM source / target: {}; \
+                     agent container memory-cgroup peak (with the checkpoint tmpfs) source / target: {}",
+                    mode.name(),
+                    agents.rss_cell(),
+                    agents.cgroup_cell()
                 );
                 mig = Some(m);
             }
@@ -315,7 +435,173 @@ impl Bench {
             round,
             raw: raw.unwrap(),
             mig: mig.unwrap(),
+            agents,
         }
+    }
+
+    /// `why` as the reason a memory reading is n/a, said (to stderr) the first time.
+    fn na(&self, why: String) -> Reading {
+        if self.said.lock().unwrap().insert(why.clone()) {
+            eprintln!("NOTE: an agent memory figure is n/a: {why}");
+        }
+        Err(why)
+    }
+
+    /// Starts watching the agents on `nodes` (`[source, target]`): their peaks reset.
+    async fn watch_agents(&self, nodes: [&str; 2]) -> [Result<AgentWatch, String>; 2] {
+        let pods = match self.agent_pods.list(&Default::default()).await {
+            Ok(l) => l.items,
+            Err(e) => {
+                let why = format!("listing the agent pods in {}: {e}", self.agents_ns);
+                return [Err(why.clone()), Err(why)];
+            }
+        };
+        nodes.map(|node| {
+            let pod = pods
+                .iter()
+                .find(|p| {
+                    node_of(p) == node
+                        && p.labels()
+                            .get("app.kubernetes.io/component")
+                            .map(String::as_str)
+                            == Some("migration-agent")
+                })
+                .with_context(|| format!("no migration agent pod on {node}"))
+                .map_err(|e| format!("{e:#}"))?;
+            AgentWatch::start(&pod.uid().unwrap_or_default())
+                .map_err(|e| format!("the agent on {node}: {e:#}"))
+        })
+    }
+
+    /// The peaks since [`Bench::watch_agents`].
+    fn agent_peaks(&self, watches: &mut [Result<AgentWatch, String>; 2]) -> AgentPeaks {
+        let mut peaks = AgentPeaks::not_measured("");
+        for (i, w) in watches.iter_mut().enumerate() {
+            let (rss, cgroup) = match w {
+                Ok(w) => (
+                    w.rss_peak().map_err(|e| format!("{e:#}")),
+                    w.cgroup_peak().map_err(|e| format!("{e:#}")),
+                ),
+                Err(why) => (Err(why.clone()), Err(why.clone())),
+            };
+            peaks.rss[i] = rss.or_else(|e| self.na(format!("agent VmHWM: {e}")));
+            peaks.cgroup[i] = cgroup.or_else(|e| self.na(format!("agent memory-cgroup peak: {e}")));
+        }
+        peaks
+    }
+}
+
+/// One node agent's process and memory cgroup, their peaks reset when it was found.
+struct AgentWatch {
+    pid: u32,
+    cgroup: Result<CgroupPeak, String>,
+}
+
+/// The peak of a memory cgroup since it was reset.
+enum CgroupPeak {
+    /// cgroup v1: `memory.max_usage_in_bytes` (reset by writing 0).
+    V1(PathBuf),
+    /// cgroup v2: `memory.peak`, reset for reads through this open file only.
+    V2(std::fs::File),
+}
+
+impl AgentWatch {
+    /// The `podmotion-agent` process of the agent pod `uid` (`agent_pids`), its VmHWM
+    /// reset (`clear_refs` 5) and its container's memory-cgroup peak reset.
+    fn start(uid: &str) -> anyhow::Result<AgentWatch> {
+        let pids = agent_pids(&[uid.to_owned()]);
+        let [pid] = pids[..] else {
+            bail!("{} podmotion-agent processes in pod {uid}", pids.len());
+        };
+        std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+            .with_context(|| format!("resetting VmHWM: /proc/{pid}/clear_refs"))?;
+        let cgroup = CgroupPeak::reset(pid).map_err(|e| format!("{e:#}"));
+        Ok(AgentWatch { pid, cgroup })
+    }
+
+    fn rss_peak(&self) -> anyhow::Result<u64> {
+        let pid = self.pid;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .with_context(|| format!("the agent process {pid} is gone (restarted?)"))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .context("no VmHWM in /proc/<pid>/status")?;
+        Ok(kib << 10)
+    }
+
+    fn cgroup_peak(&mut self) -> anyhow::Result<u64> {
+        let pid = self.pid;
+        ensure!(
+            Path::new(&format!("/proc/{pid}")).exists(),
+            "the agent process {pid} is gone (restarted?)"
+        );
+        match &mut self.cgroup {
+            Ok(peak) => peak.read(),
+            Err(why) => bail!("{why}"),
+        }
+    }
+}
+
+impl CgroupPeak {
+    /// The memory cgroup of `pid` (cgroup v1 `memory` hierarchy, else v2), its peak reset.
+    fn reset(pid: u32) -> anyhow::Result<CgroupPeak> {
+        let path = format!("/proc/{pid}/cgroup");
+        let cgroups = std::fs::read_to_string(&path).with_context(|| path.clone())?;
+        let mut v2 = None;
+        for line in cgroups.lines() {
+            let mut parts = line.splitn(3, ':');
+            let (Some(_), Some(controllers), Some(dir)) =
+                (parts.next(), parts.next(), parts.next())
+            else {
+                continue;
+            };
+            let dir = dir.trim_start_matches('/');
+            if controllers.split(',').any(|c| c == "memory") {
+                let file = Path::new("/sys/fs/cgroup/memory")
+                    .join(dir)
+                    .join("memory.max_usage_in_bytes");
+                std::fs::write(&file, "0")
+                    .with_context(|| format!("resetting {}", file.display()))?;
+                return Ok(CgroupPeak::V1(file));
+            }
+            if controllers.is_empty() {
+                v2 = Some(dir.to_owned());
+            }
+        }
+        let dir = v2.with_context(|| format!("no memory cgroup in {path}"))?;
+        for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+            let file = Path::new(root).join(&dir).join("memory.peak");
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&file)
+            {
+                f.write_all(b"reset")
+                    .with_context(|| format!("resetting {} (kernel < 6.12?)", file.display()))?;
+                return Ok(CgroupPeak::V2(f));
+            }
+        }
+        bail!("no memory.peak of the cgroup v2 {dir} (no v1 memory hierarchy either)")
+    }
+
+    fn read(&mut self) -> anyhow::Result<u64> {
+        let text = match self {
+            CgroupPeak::V1(file) => {
+                std::fs::read_to_string(&*file).with_context(|| file.display().to_string())?
+            }
+            CgroupPeak::V2(f) => {
+                let mut s = String::new();
+                f.rewind()?;
+                f.read_to_string(&mut s).context("reading memory.peak")?;
+                s
+            }
+        };
+        text.trim()
+            .parse()
+            .with_context(|| format!("memory peak {text:?}"))
     }
 }
 
@@ -703,7 +989,21 @@ fn log_field(line: &str, key: &str) -> Option<u64> {
     None
 }
 
-async fn mig_round(b: &Bench, app: &str, name: &str, mode: Mode) -> anyhow::Result<Mig> {
+/// Generous bounds of one PodMigration (`spec`; the largest pods take minutes), and how
+/// long the bench waits for its end.
+const DEADLINE_S: u64 = 900;
+const PROGRESS_TIMEOUT_S: u64 = 600;
+const MIGRATION_WAIT: Duration = Duration::from_secs(DEADLINE_S + 120);
+
+/// One PodMigration of the pod of `app` to the other real node; the agents' peaks over
+/// it go to `agents` (also when it fails, once it was created).
+async fn mig_round(
+    b: &Bench,
+    app: &str,
+    name: &str,
+    mode: Mode,
+    agents: &mut AgentPeaks,
+) -> anyhow::Result<Mig> {
     let (pods, pms, nodes, agents_ns) = (&b.pods, &b.pms, &b.nodes, b.agents_ns.as_str());
     let pod = ready_pod(pods, app).await?;
     let from = node_of(&pod);
@@ -717,10 +1017,21 @@ async fn mig_round(b: &Bench, app: &str, name: &str, mode: Mode) -> anyhow::Resu
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": name},
         "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode.name(),
-            "freezeBudgetMillis": 600000, "probe": {"tcpSocket": {"port": 8080}}}
+            "freezeBudgetMillis": 600000, "deadlineSeconds": DEADLINE_S,
+            "progressTimeoutSeconds": PROGRESS_TIMEOUT_S,
+            "probe": {"tcpSocket": {"port": 8080}}}
     }));
+    let mut watches = b.watch_agents([&from, &to]).await;
     let created = pms.create(&PostParams::default(), &pm).await?;
-    let st = ended(pms, name).await;
+    let ended = wait_for(pms, name, MIGRATION_WAIT, "the PodMigration to end", |m| {
+        m.and_then(|m| m.status.as_ref())
+            .is_some_and(|s| s.phase.is_terminal())
+    })
+    .await;
+    *agents = b.agent_peaks(&mut watches);
+    let st = ended?
+        .and_then(|m| m.status)
+        .context("the PodMigration's status")?;
     let uid = created.uid().unwrap_or_default();
     if b.args.timeline {
         // Also of a migration that failed: where it stopped.
@@ -860,21 +1171,21 @@ fn print_table(rows: &[Row], loads: &[String]) {
     println!("load (1/5/15 min): {}", loads.join("; "));
     println!();
     println!(
-        "| size | mode | round | raw node | raw dump / cp / restore ms | raw ms | raw bytes | PodMotion from → to | PodMotion downtime ms | ÷ raw | final dump ms / bytes | restore ms | bytes sent | rounds | whole migration s |"
+        "| size | mode | round | raw node | raw dump / cp / restore ms | raw ms | raw bytes | PodMotion from → to | PodMotion downtime ms | ÷ raw | final dump ms / bytes | restore ms | bytes sent | rounds | whole migration s | agent VmHWM src / tgt | agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
     );
-    println!("|---|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|");
+    println!("|---|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|");
     for r in rows {
         println!("{}", round_line(r));
     }
     println!();
     println!(
-        "| size | mode | rounds ok | median raw ms | median PodMotion downtime ms | median of per-round ÷ raw |"
+        "| size | mode | rounds ok | median raw ms | median PodMotion downtime ms | median of per-round ÷ raw | max agent VmHWM src / tgt | max agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
     );
-    println!("|---|---|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---|---|");
     let mut sizes: Vec<u32> = rows.iter().map(|r| r.size).collect();
     sizes.dedup();
     for &size in &sizes {
-        for mode in [Mode::Cold, Mode::PreCopy] {
+        for mode in Mode::ALL {
             println!("{}", median_line(rows, size, mode));
         }
         println!("{}", precopy_over_cold_line(rows, size));
@@ -912,10 +1223,12 @@ fn round_line(r: &Row) -> String {
         Err(e) => format!("failed: {e} | – | – | – | – | – | – | –"),
     };
     format!(
-        "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} |",
+        "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} | {} | {} |",
         r.size,
         r.mode.name(),
-        r.round + 1
+        r.round + 1,
+        r.agents.rss_cell(),
+        r.agents.cgroup_cell()
     )
 }
 
@@ -927,8 +1240,21 @@ fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
         .filter_map(|r| Some((r.raw.as_ref().ok()?, r.mig.as_ref().ok()?)))
         .collect();
     let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "–".into());
+    // Over every round of the PodMigration, whether or not raw CRIU succeeded.
+    let agents: Vec<&AgentPeaks> = rows
+        .iter()
+        .filter(|r| r.size == size && r.mode == mode)
+        .map(|r| &r.agents)
+        .collect();
+    let max = |pick: fn(&AgentPeaks) -> &[Reading; 2]| {
+        let side = |i: usize| {
+            let max = agents.iter().filter_map(|a| pick(a)[i].as_ref().ok()).max();
+            max.map_or_else(|| "n/a".into(), |b| mib(*b))
+        };
+        format!("{} / {}", side(0), side(1))
+    };
     format!(
-        "| {size} MiB | {} | {} | {} | {} | {} |",
+        "| {size} MiB | {} | {} | {} | {} | {} | {} | {} |",
         mode.name(),
         ok.len(),
         f(median(ok.iter().map(|(r, _)| r.downtime_ms()).collect()), 0),
@@ -944,6 +1270,8 @@ fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
             ),
             2
         ),
+        max(|a| &a.rss),
+        max(|a| &a.cgroup),
     )
 }
 
@@ -960,7 +1288,7 @@ fn precopy_over_cold_line(rows: &[Row], size: u32) -> String {
         })
         .collect();
     format!(
-        "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} |",
+        "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} | | |",
         ratios.len(),
         median(ratios.clone())
             .map(|v| format!("{v:.2}"))
