@@ -463,17 +463,26 @@ impl LogCause {
         }
     }
 
-    fn hint(self) -> Option<&'static str> {
-        match self {
-            LogCause::NoSpace => Some(
+    /// What to do about it. `restore`: the log is a restore's, which runs charged to
+    /// the target pod's memory cgroup (`charge_restore`), so memory there is the pod's
+    /// limit, not the agent's; a dump runs in the agent's container.
+    fn hint(self, restore: bool) -> Option<&'static str> {
+        match (self, restore) {
+            (LogCause::NoSpace, _) => Some(
                 "the checkpoint volume is full: raise the chart value migrationAgent.checkpointSizeLimit",
             ),
-            LogCause::MemoryKill => Some(
+            (LogCause::MemoryKill, false) => Some(
                 "killed by SIGKILL, most likely out of memory at the agent container's memory limit: raise the chart value migrationAgent.agent.resources.limits.memory",
             ),
-            LogCause::Killed => None,
-            LogCause::NoMemory => Some(
+            (LogCause::MemoryKill, true) => Some(
+                "killed by SIGKILL, most likely out of memory: the restore is charged to the target pod, so check the pod's resources.limits.memory against the memory its process uses (and the target node's free memory)",
+            ),
+            (LogCause::Killed, _) => None,
+            (LogCause::NoMemory, false) => Some(
                 "out of memory, most likely the agent container's memory limit: raise the chart value migrationAgent.agent.resources.limits.memory",
+            ),
+            (LogCause::NoMemory, true) => Some(
+                "out of memory: the restore is charged to the target pod, so check the pod's resources.limits.memory against the memory its process uses (and the target node's free memory)",
             ),
         }
     }
@@ -515,8 +524,9 @@ fn summarize_log(log: &str) -> String {
             }
         }
     };
+    let restore = log.contains("Restoring FAILED") || log.contains("criu/cr-restore.c");
     let hint = cause
-        .and_then(LogCause::hint)
+        .and_then(|c| c.hint(restore))
         .map(|h| format!("; hint: {h}"))
         .unwrap_or_default();
     let room = LOG_SUMMARY_MAX.saturating_sub(hint.chars().count());
@@ -717,7 +727,7 @@ mod tests {
     }
 
     #[test]
-    fn a_restore_killed_by_the_oom_killer_names_the_agent_memory_limit() {
+    fn a_restore_killed_by_the_oom_killer_names_the_pods_memory_limit() {
         let log = [
             "(00.023797) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted",
             "(00.025967) pie: 19481: Preadv 0x5633cc625000:4096... (14 iovs)",
@@ -729,8 +739,23 @@ mod tests {
             summarize_log(&log),
             "Error (criu/cr-restore.c:1269): 19481 killed by signal 9: Killed \
              | Error (criu/cr-restore.c:2331): Restoring FAILED.; \
-             hint: killed by SIGKILL, most likely out of memory at the agent container's memory limit: \
-             raise the chart value migrationAgent.agent.resources.limits.memory"
+             hint: killed by SIGKILL, most likely out of memory: the restore is charged to the \
+             target pod, so check the pod's resources.limits.memory against the memory its \
+             process uses (and the target node's free memory)"
+        );
+        // The same kill in a dump names the agent's limit: a dump runs in its container.
+        let dump = [
+            "(00.060233) Error (criu/cr-dump.c:2093): 19481 killed by signal 9: Killed",
+            "(00.060259) Error (criu/cr-dump.c:2111): Dumping FAILED.",
+        ]
+        .join("\n");
+        assert!(
+            summarize_log(&dump).ends_with(
+                "hint: killed by SIGKILL, most likely out of memory at the agent container's memory limit: \
+                 raise the chart value migrationAgent.agent.resources.limits.memory"
+            ),
+            "{}",
+            summarize_log(&dump)
         );
         // Another signal is the cause, with no advice.
         let segv = log.replace("signal 9: Killed", "signal 11: Segmentation fault");
@@ -743,7 +768,7 @@ mod tests {
     }
 
     #[test]
-    fn no_memory_is_named_first_with_the_agent_memory_limit() {
+    fn no_memory_in_a_restore_is_named_first_with_the_pods_memory_limit() {
         let log = [
             "(00.046128) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted",
             "(00.047276)  19481:  `- type 1 ID 0x18",
@@ -759,7 +784,7 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.ends_with("raise the chart value migrationAgent.agent.resources.limits.memory"),
+            s.ends_with("check the pod's resources.limits.memory against the memory its process uses (and the target node's free memory)"),
             "{s}"
         );
     }
