@@ -5,7 +5,7 @@
 //! mTLS alone proves only that a caller holds some key signed by the agents' CA: every
 //! agent holds one. So the table is:
 //!
-//! | caller                           | control RPCs (Prepare … Status, Fence) | ReceiveImages                       |
+//! | caller                           | control RPCs (Prepare … Status, Fence) | ReceiveImages, LazyPages            |
 //! |----------------------------------|---------------------------------|--------------------------------------------|
 //! | the operator                     | allowed                         | denied (it streams no images)              |
 //! | the agent of node N              | denied                          | only if this agent is the *target* of the migration and the operator named N as its peer at `Prepare`; never N = this node |
@@ -42,6 +42,9 @@ pub enum Rpc {
     Fence,
     /// The source agent's image stream, agent to agent.
     ReceiveImages,
+    /// PostCopy: the source agent's lazy-pages session, agent to agent (the same
+    /// rule as `ReceiveImages`).
+    LazyPages,
     Restore,
     Commit,
     Abort,
@@ -50,13 +53,14 @@ pub enum Rpc {
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 11] = [
+    pub const ALL: [Rpc; 12] = [
         Rpc::Prepare,
         Rpc::PreDump,
         Rpc::Dump,
         Rpc::Send,
         Rpc::Fence,
         Rpc::ReceiveImages,
+        Rpc::LazyPages,
         Rpc::Restore,
         Rpc::Commit,
         Rpc::Abort,
@@ -66,7 +70,7 @@ impl Rpc {
 
     /// The calls that command the agent: the operator's only.
     pub fn is_control(self) -> bool {
-        self != Rpc::ReceiveImages
+        !matches!(self, Rpc::ReceiveImages | Rpc::LazyPages)
     }
 
     /// The operator's calls that act (all but the `Status` read): the ones the leader

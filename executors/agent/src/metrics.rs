@@ -14,7 +14,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use podmotion_wire::agent::{
-    CommitRequest, ImageChunk, MigrationRef, MigrationStatus, Phase, PrepareRequest,
+    CommitRequest, ImageChunk, LazyFrame, MigrationRef, MigrationStatus, Phase, PrepareRequest,
     ReceiveSummary, Role, SendRequest,
 };
 use podmotion_wire::broker::ErrorKind;
@@ -446,6 +446,13 @@ impl<A: MigrationAgent> MigrationAgent for Observed<A> {
         let start = Instant::now();
         let res = self.agent.receive_images(r).await;
         global().call("ReceiveImages", start.elapsed(), res.as_ref().map(|_| None));
+        res
+    }
+    type LazyPagesStream = A::LazyPagesStream;
+    async fn lazy_pages(&self, r: GrpcRequest<Streaming<LazyFrame>>) -> Res<Self::LazyPagesStream> {
+        let start = Instant::now();
+        let res = self.agent.lazy_pages(r).await;
+        global().call("LazyPages", start.elapsed(), res.as_ref().map(|_| None));
         res
     }
     async fn fence(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {

@@ -29,6 +29,7 @@ use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 mod dump;
 pub mod leader_term;
+mod post_copy;
 mod receive;
 mod restore;
 mod send;
@@ -106,6 +107,10 @@ impl FreezeWatchdog {
 struct Freeze {
     state: std::sync::atomic::AtomicU8,
     given_up: std::sync::atomic::AtomicBool,
+    /// PostCopy: the lazy dump that holds this frozen source while it serves pages.
+    /// Every thaw ends its session first ([`end_lazy_session`]), and the freeze
+    /// watchdog kills nothing it still serves from.
+    lazy: StdMutex<Option<Arc<post_copy::Source>>>,
 }
 
 impl Default for Freeze {
@@ -113,6 +118,7 @@ impl Default for Freeze {
         Freeze {
             state: std::sync::atomic::AtomicU8::new(NOT_FROZEN),
             given_up: std::sync::atomic::AtomicBool::new(false),
+            lazy: StdMutex::new(None),
         }
     }
 }
@@ -145,6 +151,14 @@ impl Freeze {
     fn held(&self) -> bool {
         matches!(self.get(), FROZEN | FENCING | FENCED)
             && !self.given_up.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// PostCopy: the lazy dump holding this source still serves pages.
+    fn serving_pages(&self) -> bool {
+        self.lazy
+            .lock()
+            .expect("lazy")
+            .as_ref()
+            .is_some_and(|s| s.serving())
     }
     /// Moves FROZEN to `to`; false if the freeze was already claimed (or never made).
     fn claim(&self, to: u8) -> bool {
@@ -200,6 +214,12 @@ struct Migration {
     freeze_limit: std::time::Duration,
     /// The restore fence was taken (`Fence`), and no `Abort` lifted it since.
     fenced: bool,
+    /// PostCopy (`post_copy` at `Prepare`).
+    post_copy: bool,
+    /// PostCopy, source: the lazy dump serving the tree's pages.
+    lazy_source: Option<Arc<post_copy::Source>>,
+    /// PostCopy, target: the session with the source and its daemon's socket.
+    lazy_target: Option<Arc<post_copy::Target>>,
 }
 
 impl Migration {
@@ -228,6 +248,19 @@ impl Migration {
             pre_copy_sent_bytes: self.pre_copy_sent_bytes,
             fenced: matches!(self.freeze.get(), FENCED | KILLING | KILLED)
                 || (self.fenced && self.freeze.get() == COMMITTING),
+            post_copy: self.post_copy,
+            lazy_done: self.lazy_state().is_some_and(|s| s.done()),
+            lazy_error: self.lazy_state().map(|s| s.error()).unwrap_or_default(),
+            lazy_bytes: self.lazy_state().map(|s| s.bytes()).unwrap_or(0),
+        }
+    }
+
+    /// PostCopy: this side's view of the lazy phase, once it began.
+    fn lazy_state(&self) -> Option<&post_copy::LazyState> {
+        match (&self.lazy_source, &self.lazy_target) {
+            (Some(s), _) => Some(&s.state),
+            (_, Some(t)) => Some(&t.state),
+            _ => None,
         }
     }
 
@@ -300,6 +333,9 @@ impl Migration {
             freeze: Arc::default(),
             freeze_limit,
             fenced: false,
+            post_copy: r.post_copy,
+            lazy_source: None,
+            lazy_target: None,
         }
     }
 
@@ -380,6 +416,10 @@ impl Migration {
             return Err(e);
         }
         self.fenced = false;
+        if let Err(e) = end_lazy_session(&self.freeze).await {
+            self.freeze.set(FROZEN);
+            return Err(e);
+        }
         if let Err(e) = thaw_source(&self.broker, &self.uid).await {
             // Unfenced: the watchdog resumes it if no retry does.
             self.freeze.set(FROZEN);
@@ -489,6 +529,10 @@ async fn thaw_frozen(
     if !freeze.claim(THAWING) {
         return Ok(false);
     }
+    if let Err(e) = end_lazy_session(freeze).await {
+        freeze.set(FROZEN);
+        return Err(e);
+    }
     match thaw_source(b, uid).await {
         Ok(()) => {
             freeze.set(THAWED);
@@ -499,6 +543,20 @@ async fn thaw_frozen(
             Err(e)
         }
     }
+}
+
+/// PostCopy: before a thaw, the lazy dump holding the source ends its session cleanly
+/// and returns, leaving the tree stopped (a thaw of a tree CRIU still holds would be
+/// lost). Nothing to do without one.
+async fn end_lazy_session(freeze: &Freeze) -> Result<(), Status> {
+    let Some(src) = freeze.lazy.lock().expect("lazy").clone() else {
+        return Ok(());
+    };
+    src.end().await.map_err(|e| {
+        Status::unavailable(format!(
+            "the lazy dump holding the source did not let it go: {e}"
+        ))
+    })
 }
 
 /// Kills a fenced source the final dump left frozen, if nothing else claimed it (the
@@ -837,6 +895,9 @@ impl Agent {
             return Ok(m.lock().await.status());
         }
         let role = check_prepare(&r, self.own_node())?;
+        if r.post_copy && role == Role::Source {
+            crate::lazy::pipe_room().map_err(Status::failed_precondition)?;
+        }
         // No PID on the wire: the containers the operator names are resolved here,
         // through the node's container runtime (a malformed ID is InvalidArgument).
         let Resolved { container, pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
@@ -935,6 +996,11 @@ impl Agent {
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let m = self.get(uid)?.lock_owned().await;
         admit(m.role, m.phase, Step::PreDump)?;
+        if m.post_copy {
+            return Err(Status::failed_precondition(
+                "PostCopy has no pre-copy rounds: the memory follows the restore",
+            ));
+        }
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let dir = m.dir.join(format!("pre-{}", m.iteration + 1));
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
@@ -1001,6 +1067,7 @@ impl Agent {
             criu: self.cfg.criu.clone(),
             frozen: Arc::clone(&self.frozen),
             margin: self.cfg.freeze_watchdog.margin,
+            lazy: m.post_copy,
         };
         tokio::spawn(dump_locked(m, dumped))
             .await
@@ -1008,8 +1075,8 @@ impl Agent {
     }
 
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
-        let m = self.get(&r.migration_uid)?;
-        let mut m = m.lock().await;
+        let mm = self.get(&r.migration_uid)?;
+        let mut m = mm.lock().await;
         m.sync_freeze();
         if admit(m.role, m.phase, Step::Send)? == Admission::Done {
             return Ok(m.status());
@@ -1017,9 +1084,62 @@ impl Agent {
         let t = Instant::now();
         let channel = send::connect_target(&self.cfg, &m.peer, &r).await?;
         let delta = !self.cfg.track_mem;
-        let (sent, paths) = send::stream_images(channel, &m, delta, r.bandwidth_limit).await?;
+        let (sent, paths) =
+            send::stream_images(channel.clone(), &m, delta, r.bandwidth_limit).await?;
         m.record_sent(sent, paths, t);
+        // PostCopy: with the images there, the source's pages follow on demand.
+        if m.phase == Phase::Sent
+            && let Some(src) = m.lazy_source.clone()
+        {
+            let mm = Arc::clone(&mm);
+            tokio::spawn(post_copy::serve_pages(channel, src, mm, r.bandwidth_limit));
+        }
         Ok(m.status())
+    }
+
+    /// PostCopy, target: the source agent's lazy-pages session (see
+    /// [`post_copy::accept_session`]), admitted like an image stream (only the peer
+    /// named at Prepare), once the final images are here and before the restore.
+    async fn lazy_pages_impl(
+        &self,
+        caller: Result<Peer, IdentityError>,
+        mut s: Streaming<LazyFrame>,
+    ) -> Result<post_copy::FrameStream, Status> {
+        let Some(first) = s.message().await? else {
+            return Err(Status::invalid_argument("empty lazy-pages stream"));
+        };
+        let found = self.get(&first.migration_uid).ok();
+        let guard = match &found {
+            Some(m) => Some(Arc::clone(m).lock_owned().await),
+            None => None,
+        };
+        let state = authz::State {
+            this_node: self.own_node(),
+            migration: guard.as_ref().map(|m| Prepared {
+                role: m.role,
+                peer: &m.peer,
+            }),
+        };
+        if let Err(d) = authz::authorize(&caller, Rpc::LazyPages, state) {
+            tracing::warn!(uid = %first.migration_uid, denied = %d, "lazy-pages session refused");
+            return Err(d.into());
+        }
+        let (mm, mut m) = (
+            found.expect("authorized sessions name a known migration"),
+            guard.expect("authorized"),
+        );
+        if !m.post_copy {
+            return Err(Status::failed_precondition(
+                "this migration is not PostCopy",
+            ));
+        }
+        if m.phase != Phase::Received || m.lazy_target.is_some() {
+            return Err(Status::failed_precondition(format!(
+                "a lazy-pages session opens once, between the final images and the restore (phase {:?})",
+                m.phase
+            )));
+        }
+        post_copy::accept_session(&mut m, mm, first, s)
     }
 
     /// Receives one image stream on the target. The stream is stored by a task of its
@@ -1069,8 +1189,9 @@ impl Agent {
     /// second one (which failed: its connection's address was the first copy's), and
     /// `Abort` had nothing to kill, so the source was thawed beside the first copy.
     async fn restore_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?.lock_owned().await;
-        tokio::spawn(restore_locked(Arc::clone(&self.cfg), m))
+        let mm = self.get(uid)?;
+        let m = Arc::clone(&mm).lock_owned().await;
+        tokio::spawn(restore_locked(Arc::clone(&self.cfg), m, mm))
             .await
             .map_err(|e| Status::internal(format!("restore task: {e}")))?
     }
@@ -1126,6 +1247,11 @@ impl Agent {
         }
         if admit(m.role, m.phase, Step::Commit)? == Admission::Done {
             return Ok(m.status());
+        }
+        if m.lazy_source.as_ref().is_some_and(|s| !s.state.done()) {
+            return Err(Status::failed_precondition(
+                "PostCopy: the target's copy has not all its pages yet; commit once the target reports lazy_done",
+            ));
         }
         // From here the freeze is the commit's: neither the watchdog nor a shutdown
         // resumes (or kills) a source that is being killed (a retried Commit finds it
@@ -1251,6 +1377,13 @@ impl MigrationAgent for Agent {
     async fn receive_images(&self, r: GrpcRequest<Streaming<ImageChunk>>) -> Res<ReceiveSummary> {
         let caller = self.caller(&r);
         self.receive_impl(caller, r.into_inner())
+            .await
+            .map(Response::new)
+    }
+    type LazyPagesStream = post_copy::FrameStream;
+    async fn lazy_pages(&self, r: GrpcRequest<Streaming<LazyFrame>>) -> Res<Self::LazyPagesStream> {
+        let caller = self.caller(&r);
+        self.lazy_pages_impl(caller, r.into_inner())
             .await
             .map(Response::new)
     }

@@ -449,6 +449,7 @@ impl Testbed {
             container_ids: vec![container_id.into()],
             peer_node: self.tls.nodes[1 - node].clone(),
             freeze_budget_ms: 0,
+            post_copy: false,
         }
     }
 

@@ -26,6 +26,7 @@ fn prepare_source() -> PrepareRequest {
         ],
         peer_node: "node-b".into(),
         freeze_budget_ms: 4_000,
+        post_copy: false,
     }
 }
 
@@ -38,6 +39,37 @@ fn prepare_target() -> PrepareRequest {
         container_ids: vec!["containerd://aa55".into()],
         peer_node: "node-a".into(),
         freeze_budget_ms: u64::MAX,
+        post_copy: false,
+    }
+}
+
+/// PostCopy's fields (field numbers 10 of `PrepareRequest`, 16–19 of
+/// `MigrationStatus`), and the `LazyPages` frame.
+fn prepare_post_copy() -> PrepareRequest {
+    PrepareRequest {
+        migration_uid: UID.into(),
+        post_copy: true,
+        ..Default::default()
+    }
+}
+
+fn lazy_frame() -> LazyFrame {
+    LazyFrame {
+        migration_uid: UID.into(),
+        seq: 300,
+        sealed: vec![0xde, 0xad, 0xbe, 0xef],
+        stream_id: (0xf0u8..=0xff).collect(),
+    }
+}
+
+fn status_post_copy() -> MigrationStatus {
+    MigrationStatus {
+        migration_uid: UID.into(),
+        post_copy: true,
+        lazy_done: true,
+        lazy_error: "x".into(),
+        lazy_bytes: 1 << 33,
+        ..Default::default()
     }
 }
 
@@ -128,6 +160,10 @@ fn status() -> MigrationStatus {
         last_round_sent_bytes: 8_192,
         pre_copy_sent_bytes: 1 << 32,
         fenced: true,
+        post_copy: false,
+        lazy_done: false,
+        lazy_error: String::new(),
+        lazy_bytes: 0,
     }
 }
 
@@ -215,6 +251,18 @@ const GOLDEN: &[(&str, &str)] = &[
          deffffffffffffff01608080046880407080808080107801",
     ),
     (
+        "PrepareRequest/post_copy",
+        "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233635001",
+    ),
+    (
+        "LazyFrame",
+        "0a2430623565396633632d366431612d346532622d396337662d32613864346536663162336310ac021a04deadbeef2210f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff",
+    ),
+    (
+        "MigrationStatus/post_copy",
+        "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233638001018801019201017898018080808020",
+    ),
+    (
         "MigrationStatus/phases",
         "050a01701001070a017010011801070a017010011802070a017010011803070a017010011804070a017010011805\
          070a017010011806070a017010011807070a017010011808070a017010011809070a01701001180a070a01701001\
@@ -266,6 +314,9 @@ fn every_message_encodes_to_the_bytes_of_the_hand_written_structs() {
     assert_wire("SocketReport", socket(SocketOutcome::Preserved, true, 9));
     assert_wire("Timings", timings());
     assert_wire("MigrationStatus", status());
+    assert_wire("PrepareRequest/post_copy", prepare_post_copy());
+    assert_wire("LazyFrame", lazy_frame());
+    assert_wire("MigrationStatus/post_copy", status_post_copy());
 
     let want = golden("MigrationStatus/phases");
     let mut phases = Vec::new();
@@ -320,7 +371,8 @@ fn enum_values_are_the_wire_numbers() {
     assert!(Phase::try_from(12).is_err());
 }
 
-/// The service as the code knows it: (method, request, response, client streaming).
+/// The service as the code knows it: (method, request, response, client streaming);
+/// only `LazyPages` also streams its answer (checked below).
 /// The routes are `/podmotion.agent.v1.MigrationAgent/<method>`, as the hand-written
 /// stubs had them.
 const METHODS: &[(&str, &str, &str, bool)] = &[
@@ -329,6 +381,7 @@ const METHODS: &[(&str, &str, &str, bool)] = &[
     ("Dump", "MigrationRef", "MigrationStatus", false),
     ("Send", "SendRequest", "MigrationStatus", false),
     ("ReceiveImages", "ImageChunk", "ReceiveSummary", true),
+    ("LazyPages", "LazyFrame", "LazyFrame", true),
     ("Fence", "MigrationRef", "MigrationStatus", false),
     ("Restore", "MigrationRef", "MigrationStatus", false),
     ("Commit", "CommitRequest", "MigrationStatus", false),
@@ -400,9 +453,10 @@ fn the_contract_names_exactly_the_methods_of_the_code() {
         .method
         .iter()
         .map(|m| {
-            assert!(
-                !m.server_streaming,
-                "{}: no call streams its answer",
+            assert_eq!(
+                m.server_streaming,
+                m.name == "LazyPages",
+                "{}: only LazyPages streams its answer",
                 m.name
             );
             (
@@ -462,6 +516,22 @@ impl podmotion_wire::proto::migration_agent_server::MigrationAgent for Echo {
             files += 1;
         }
         Ok(tonic::Response::new(ReceiveSummary { files, bytes: 7 }))
+    }
+    type LazyPagesStream =
+        futures::stream::Iter<std::vec::IntoIter<Result<LazyFrame, tonic::Status>>>;
+    async fn lazy_pages(
+        &self,
+        r: tonic::Request<tonic::Streaming<LazyFrame>>,
+    ) -> Res<Self::LazyPagesStream> {
+        let mut s = r.into_inner();
+        let mut frames = Vec::new();
+        while let Some(f) = s.message().await? {
+            frames.push(Ok(LazyFrame {
+                migration_uid: format!("LazyPages:{}", f.migration_uid),
+                ..Default::default()
+            }));
+        }
+        Ok(tonic::Response::new(futures::stream::iter(frames)))
     }
     async fn fence(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
         echo("Fence", &r.into_inner().migration_uid)
@@ -538,6 +608,11 @@ async fn every_method_of_the_contract_is_served_on_its_route() {
             assert_eq!(
                 ReceiveSummary::decode(&msg[..]).unwrap(),
                 ReceiveSummary { files: 1, bytes: 7 }
+            );
+        } else if *name == "LazyPages" {
+            assert_eq!(
+                LazyFrame::decode(&msg[..]).unwrap().migration_uid,
+                "LazyPages:x"
             );
         } else {
             let st = MigrationStatus::decode(&msg[..]).unwrap();

@@ -199,6 +199,8 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         container_ids: r.container_ids.clone(),
         peer_node: peer.clone(),
         freeze_budget_ms: r.freeze_budget_millis,
+        // PostCopy is not run by the operator yet (the CRD refuses the mode).
+        post_copy: false,
     }
 }
 

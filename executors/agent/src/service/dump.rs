@@ -30,6 +30,8 @@ pub(super) struct DumpOutcome {
     pub(super) criu: Criu,
     pub(super) frozen: Arc<StdMutex<Vec<FrozenSource>>>,
     pub(super) margin: std::time::Duration,
+    /// PostCopy: a lazy dump ([`super::post_copy::Source`]).
+    pub(super) lazy: bool,
 }
 
 /// One pre-copy round (see [`super::Agent::pre_dump_impl`]).
@@ -74,19 +76,35 @@ pub(super) async fn dump_locked(
     let t = Instant::now();
     let sockets = lock_network(&m).await?;
     let dir = d.dir;
-    if let Err(e) = run_criu(d.criu, criu::REQ_DUMP, d.opts, dir.join("dump.log")).await {
-        // CRIU resumed the tree and its sockets on failure; reopen the network.
-        let _ = m
-            .broker(Request::UnlockNetwork { uid: m.uid.clone() })
-            .await;
-        let _ = images::zeroize(&dir);
-        m.timings.freeze_started_us = 0;
-        return Err(e);
-    }
+    let dumped = if d.lazy {
+        super::post_copy::Source::dump(d.criu, d.opts, &dir, dir.join("dump.log"))
+            .await
+            .map(Some)
+    } else {
+        run_criu(d.criu, criu::REQ_DUMP, d.opts, dir.join("dump.log"))
+            .await
+            .map(|_| None)
+    };
+    let lazy = match dumped {
+        Ok(lazy) => lazy,
+        Err(e) => {
+            // CRIU resumed the tree and its sockets on failure; reopen the network.
+            let _ = m
+                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                .await;
+            let _ = images::zeroize(&dir);
+            m.timings.freeze_started_us = 0;
+            return Err(e);
+        }
+    };
     m.timings.dump_us = t.elapsed().as_micros() as u64;
     m.timings.dump_finished_us = now_us();
-    // The tree is stopped: the freeze is recorded and watched from this instant, even
-    // if what follows fails.
+    // The tree is stopped (PostCopy: held by the lazy dump): the freeze is recorded and
+    // watched from this instant, even if what follows fails.
+    if let Some(src) = lazy {
+        *m.freeze.lazy.lock().expect("lazy") = Some(Arc::clone(&src));
+        m.lazy_source = Some(src);
+    }
     m.freeze.set(FROZEN);
     start_freeze_watchdog(&d.frozen, d.margin, &m);
     let manifest = dump_manifest(&m, &sockets, d.external_mounts, d.stdio_pipes);
@@ -392,6 +410,14 @@ async fn end_freeze(
     limit_ms: u64,
 ) -> Result<bool, Status> {
     let metrics = crate::metrics::global();
+    if state == FENCED && freeze.serving_pages() {
+        // PostCopy: the target's copy still fetches its pages from this tree.
+        if first {
+            tracing::warn!(%uid, limit_ms, "freeze watchdog: the fenced source is past its budget but still serves its target's pages; it is killed once its session ends");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        return Ok(false);
+    }
     if state == FENCED {
         if first {
             tracing::warn!(%uid, limit_ms, "freeze watchdog: the fenced source is still frozen past its budget and margin; killing it (restore fence: its copy may run on the target, it is never resumed)");

@@ -27,6 +27,7 @@ use tonic::Status;
 pub(super) async fn restore_locked(
     cfg: Arc<Config>,
     mut m: tokio::sync::OwnedMutexGuard<Migration>,
+    mm: Arc<tokio::sync::Mutex<Migration>>,
 ) -> Result<MigrationStatus, Status> {
     if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
         return Ok(m.status());
@@ -52,7 +53,19 @@ pub(super) async fn restore_locked(
             return Err(e);
         }
     };
-    let (run, dir, preserve) = run;
+    let (mut run, dir, preserve) = run;
+    // PostCopy: the daemon that fills the restored memory from the source, on the
+    // session the source opened, listening before CRIU starts.
+    let daemon = match lazy_daemon(&cfg, &m, &dir).await {
+        Ok(d) => d,
+        Err(e) => {
+            m.release_adopted().await;
+            return Err(e);
+        }
+    };
+    if daemon.is_some() {
+        run.opts.lazy_pages = Some(true);
+    }
     let holder_pid = run.container.is_some().then_some(m.process.pid);
     let log = dir.join("restore.log");
     let restored = match restore_tree(&mut m, cfg.criu.clone(), log, run, holder_pid).await {
@@ -61,6 +74,10 @@ pub(super) async fn restore_locked(
             // Given back already where the restore had to be undone (a holder's);
             // CRIU's own rollback leaves nothing of the tree.
             m.release_adopted().await;
+            if let Some(mut d) = daemon {
+                let _ = d.kill();
+                let _ = d.wait();
+            }
             return Err(e);
         }
     };
@@ -77,9 +94,16 @@ pub(super) async fn restore_locked(
     }
     write_restart_file(&m, &manifest);
     m.sockets = restored_sockets(&manifest.sockets, preserve);
-    // The images are no longer needed: do not keep the workload's memory around.
-    let _ = images::zeroize(&m.dir);
-    m.image_bytes = 0;
+    match (daemon, m.lazy_target.clone()) {
+        // PostCopy: the daemon reads the images until every page is in; it zeroizes
+        // them when it is done.
+        (Some(d), Some(t)) => super::post_copy::watch_daemon(d, t, mm, dir.clone()),
+        _ => {
+            // The images are no longer needed: do not keep the workload's memory around.
+            let _ = images::zeroize(&m.dir);
+            m.image_bytes = 0;
+        }
+    }
     m.phase = Phase::Restored;
     tracing::info!(
         uid = %m.uid,
@@ -88,6 +112,30 @@ pub(super) async fn restore_locked(
         "restored"
     );
     Ok(m.status())
+}
+
+/// PostCopy: `criu lazy-pages` for the images in `dir`, started on the source's
+/// session; `None` for the other modes.
+async fn lazy_daemon(
+    cfg: &Config,
+    m: &Migration,
+    dir: &Path,
+) -> Result<Option<std::process::Child>, Status> {
+    if !m.post_copy {
+        return Ok(None);
+    }
+    let socket = m
+        .lazy_target
+        .as_ref()
+        .and_then(|t| t.take_daemon_end())
+        .ok_or_else(|| {
+            Status::failed_precondition(
+                "PostCopy: the source has not opened its lazy-pages session (or a restore already used it)",
+            )
+        })?;
+    super::post_copy::start_daemon(&cfg.criu, dir, socket)
+        .await
+        .map(Some)
 }
 
 fn read_manifest(dir: &Path) -> Result<Manifest, Status> {

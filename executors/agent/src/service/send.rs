@@ -498,7 +498,9 @@ pub(super) fn collect(
             .expect("under root")
             .to_string_lossy()
             .into_owned();
-        if rel.ends_with(".log") {
+        // Logs, and the agent's own CRIU configuration (`lazy::ps_socket_config`),
+        // stay on this node.
+        if rel.ends_with(".log") || rel.ends_with(".conf") {
             continue;
         }
         if ft.is_dir() {

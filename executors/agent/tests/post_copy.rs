@@ -1,0 +1,222 @@
+//! PostCopy through the agents, on this machine's kernel, as root (the testbed of
+//! `tests/migration.rs`: two agents, their brokers, a workload in its own PID and
+//! network namespaces, the target pod's holder). The final dump leaves the memory with
+//! the frozen source; the target restores at once and fetches the pages over
+//! `LazyPages`. `PODMOTION_ROOT_TESTS=0` skips them; otherwise a missing CRIU fails them.
+
+use podmotion_agent::lazy;
+use podmotion_agent::testbed::{Testbed, ask};
+use podmotion_broker::procfs;
+use podmotion_wire::agent::*;
+use std::sync::Mutex;
+use std::time::Duration;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const UID: &str = "7a2c4e1b-3b7e-4d0e-9a3c-0d1f2e3a4b5c";
+
+fn testbed(name: &str) -> Option<Testbed> {
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return None;
+    }
+    // CRIU's page server needs pipes larger than the default fs.pipe-max-size: the
+    // node's setup raises it (a sysctl, not namespaced).
+    if lazy::pipe_room().is_err() {
+        std::fs::write(
+            "/proc/sys/fs/pipe-max-size",
+            lazy::CRIU_PIPE_BYTES.to_string(),
+        )
+        .expect("raise fs.pipe-max-size");
+    }
+    let mut tb = Testbed::new(
+        name,
+        env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
+        env!("CARGO_BIN_EXE_podmotion-testload").as_ref(),
+    );
+    tb.start_agent(0);
+    tb.start_agent(1);
+    Some(tb)
+}
+
+fn post_copy(tb: &Testbed, node: usize, pid: i32) -> PrepareRequest {
+    let mut r = tb.prepare_request(
+        UID,
+        node,
+        &tb.container(["src", "tgt"][node], pid),
+        TcpPreservation::None,
+    );
+    r.post_copy = true;
+    r
+}
+
+/// Status of `node` until `done` says so (30 s at most).
+fn until(
+    tb: &Testbed,
+    node: usize,
+    what: &str,
+    done: fn(&MigrationStatus) -> bool,
+) -> MigrationStatus {
+    for _ in 0..300 {
+        let st =
+            tb.operator(move |tls| async move { tls.agent(node).await.status(UID).await.unwrap() });
+        if done(&st) {
+            return st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{what} never came on node {node}\n{}", tb.agent_log(node));
+}
+
+#[test]
+fn post_copy_resumes_the_target_first_and_brings_every_page_after() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut tb) = testbed("pcm") else { return };
+    let src = tb.start_workload(64, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let digest = ask(&mut conn, "digest").unwrap();
+    let before: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    drop(conn);
+
+    let (p_src, p_tgt) = (post_copy(&tb, 0, src.pid), post_copy(&tb, 1, holder.pid));
+    let (dumped, sent) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        assert!(a.prepare(p_src).await.unwrap().post_copy);
+        b.prepare(p_tgt).await.unwrap();
+        let e = a.pre_dump(UID).await.unwrap_err();
+        assert!(e.to_string().contains("no pre-copy rounds"), "{e}");
+        let d = a.dump(UID).await.unwrap();
+        let s = a.send(UID, &Testbed::endpoint(1), "agent-b").await.unwrap();
+        a.fence(UID).await.unwrap();
+        (d, s)
+    });
+    assert_eq!(dumped.phase(), Phase::Dumped);
+    assert!(
+        dumped.final_dump_bytes < 16 << 20,
+        "the ballast stays with the frozen source: {} bytes dumped",
+        dumped.final_dump_bytes
+    );
+    assert_eq!(sent.phase(), Phase::Sent);
+    assert!(!sent.lazy_done, "nothing was asked for yet");
+
+    tb.give_target_its_own_address();
+    let restored = tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() });
+    assert_eq!(restored.phase(), Phase::Restored);
+    let rpid = restored.restored_pid;
+    assert_eq!(
+        procfs::netns_inode(rpid).unwrap(),
+        procfs::netns_inode(holder.pid).unwrap()
+    );
+    // The copy answers with the source's state and memory, fetched as it touches it.
+    let mut conn = tb
+        .connect_to(podmotion_agent::testbed::TARGET_OWN_IP)
+        .unwrap();
+    let after: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(after >= before, "counter {after} < {before}");
+    assert_eq!(
+        ask(&mut conn, "digest").unwrap(),
+        digest,
+        "every page came across whole"
+    );
+
+    let t = until(&tb, 1, "lazy_done", |s| {
+        s.lazy_done || !s.lazy_error.is_empty()
+    });
+    assert!(t.lazy_error.is_empty(), "{}", t.lazy_error);
+    assert!(t.lazy_bytes >= 64 << 20, "pages received: {}", t.lazy_bytes);
+    let s = until(&tb, 0, "lazy_done", |s| {
+        s.lazy_done || !s.lazy_error.is_empty()
+    });
+    assert!(s.lazy_error.is_empty(), "{}", s.lazy_error);
+    assert!(
+        procfs::check_live(src).is_ok(),
+        "served, the source waits stopped for the commit"
+    );
+
+    let committed = tb.operator(|tls| async move {
+        let mut a = tls.agent(0).await;
+        let c = a.commit(UID).await.unwrap();
+        a.cleanup(UID).await.unwrap();
+        tls.agent(1).await.cleanup(UID).await.unwrap();
+        c
+    });
+    assert_eq!(committed.phase(), Phase::Committed);
+    assert!(procfs::check_live(src).is_err(), "source killed on commit");
+    let later: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(later > after, "the copy runs on");
+    assert!(
+        tb.checkpoint_files(0).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(0)
+    );
+    assert!(
+        tb.checkpoint_files(1).is_empty(),
+        "{:?}",
+        tb.checkpoint_files(1)
+    );
+}
+
+#[test]
+fn a_source_agent_lost_in_the_lazy_phase_ends_in_a_clear_failure_with_no_copy_left() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut tb) = testbed("pcl") else { return };
+    let src = tb.start_workload(256, 0);
+    let holder = tb.start_holder();
+    let (p_src, p_tgt) = (post_copy(&tb, 0, src.pid), post_copy(&tb, 1, holder.pid));
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(p_src).await.unwrap();
+        b.prepare(p_tgt).await.unwrap();
+        a.dump(UID).await.unwrap();
+        // Paced, so that the lazy phase is still on when the source agent dies.
+        let req = SendRequest {
+            migration_uid: UID.into(),
+            target_endpoint: Testbed::endpoint(1),
+            target_server_name: "agent-b".into(),
+            bandwidth_limit: 16 << 20,
+        };
+        let req = a.request(req);
+        a.raw().send(req).await.unwrap();
+        a.fence(UID).await.unwrap();
+    });
+    tb.give_target_its_own_address();
+    let restored = tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() });
+    let rpid = restored.restored_pid;
+    assert!(procfs::tree(rpid).contains(&rpid), "the copy runs");
+    let mid = tb.operator(|tls| async move { tls.agent(1).await.status(UID).await.unwrap() });
+    assert!(!mid.lazy_done, "paced: the lazy phase is still on");
+
+    tb.kill_agent(0);
+    let t = until(&tb, 1, "lazy_error", |s| {
+        !s.lazy_error.is_empty() || s.lazy_done
+    });
+    assert!(!t.lazy_done);
+    assert!(
+        t.lazy_error.contains("the source was lost") && t.lazy_error.contains("the pod is lost"),
+        "{}",
+        t.lazy_error
+    );
+    for _ in 0..100 {
+        if std::fs::read_to_string(format!("/proc/{rpid}/stat")).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        std::fs::read_to_string(format!("/proc/{rpid}/stat")).is_err(),
+        "the restored copy, missing pages, was killed"
+    );
+    // And the fenced source does not run on: its broker kills it when the agent's
+    // lease ends.
+    for _ in 0..200 {
+        if procfs::check_live(src).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        procfs::check_live(src).is_err(),
+        "the fenced source was left alive"
+    );
+}
