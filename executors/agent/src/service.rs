@@ -1091,8 +1091,14 @@ impl Agent {
         if m.phase == Phase::Sent
             && let Some(src) = m.lazy_source.clone()
         {
-            let mm = Arc::clone(&mm);
-            tokio::spawn(post_copy::serve_pages(channel, src, mm, r.bandwidth_limit));
+            let (uid, key) = (m.uid.to_string(), m.key.clone());
+            tokio::spawn(post_copy::serve_pages(
+                channel,
+                src,
+                uid,
+                key,
+                r.bandwidth_limit,
+            ));
         }
         Ok(m.status())
     }

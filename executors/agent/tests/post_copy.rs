@@ -66,6 +66,23 @@ fn until(
     panic!("{what} never came on node {node}\n{}", tb.agent_log(node));
 }
 
+/// `pid` is gone (or a zombie: dead, its parent not yet told), waiting up to 5 s.
+fn gone(pid: i32) -> bool {
+    for _ in 0..100 {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, r)| r.trim().chars().next())
+            });
+        if matches!(state, None | Some('Z')) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
 #[test]
 fn post_copy_resumes_the_target_first_and_brings_every_page_after() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -197,16 +214,7 @@ fn a_source_agent_lost_in_the_lazy_phase_ends_in_a_clear_failure_with_no_copy_le
         "{}",
         t.lazy_error
     );
-    for _ in 0..100 {
-        if std::fs::read_to_string(format!("/proc/{rpid}/stat")).is_err() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(
-        std::fs::read_to_string(format!("/proc/{rpid}/stat")).is_err(),
-        "the restored copy, missing pages, was killed"
-    );
+    assert!(gone(rpid), "the restored copy, missing pages, was killed");
     // And the fenced source does not run on: its broker kills it when the agent's
     // lease ends.
     for _ in 0..200 {
@@ -219,4 +227,60 @@ fn a_source_agent_lost_in_the_lazy_phase_ends_in_a_clear_failure_with_no_copy_le
         procfs::check_live(src).is_err(),
         "the fenced source was left alive"
     );
+}
+
+#[test]
+fn a_rollback_in_the_lazy_phase_kills_the_copy_and_resumes_the_source_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut tb) = testbed("pcr") else { return };
+    let src = tb.start_workload(128, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let digest = ask(&mut conn, "digest").unwrap();
+    drop(conn);
+    let (p_src, p_tgt) = (post_copy(&tb, 0, src.pid), post_copy(&tb, 1, holder.pid));
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(p_src).await.unwrap();
+        b.prepare(p_tgt).await.unwrap();
+        a.dump(UID).await.unwrap();
+        let req = SendRequest {
+            migration_uid: UID.into(),
+            target_endpoint: Testbed::endpoint(1),
+            target_server_name: "agent-b".into(),
+            bandwidth_limit: 8 << 20,
+        };
+        let req = a.request(req);
+        a.raw().send(req).await.unwrap();
+        a.fence(UID).await.unwrap();
+    });
+    tb.give_target_its_own_address();
+    let restored = tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() });
+    let rpid = restored.restored_pid;
+    // The operator rolls back (a probe failed, say): the copy first, then the source.
+    let (t, s) = tb.operator(|tls| async move {
+        let t = tls.agent(1).await.abort(UID).await.unwrap();
+        let mut a = tls.agent(0).await;
+        let mut s = a.abort(UID).await;
+        for _ in 0..50 {
+            if s.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s = a.abort(UID).await;
+        }
+        (t, s.unwrap())
+    });
+    assert_eq!(t.phase(), Phase::Aborted);
+    assert!(gone(rpid), "the copy is gone");
+    assert_eq!(s.phase(), Phase::Aborted);
+    assert!(!s.lazy_done);
+    // The source runs on, whole: its pages never left it.
+    let mut conn = tb.connect_timeout(Duration::from_secs(5)).unwrap();
+    let a: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let b: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();
+    assert!(b > a, "the source counts on");
+    assert_eq!(ask(&mut conn, "digest").unwrap(), digest);
 }

@@ -10,10 +10,10 @@
 //!   `lazy_done`;
 //! - a session that breaks before that, on the target: the restored copy is killed
 //!   *before* the daemon is told (its missing pages would read as zeros), and
-//!   `lazy_error` says the pod is lost; on the source: a fenced source is killed (its
-//!   target resumed, so it must never run again), an unfenced one has its session ended
-//!   cleanly and stays stopped for the operator's `Abort` (CRIU resumes the tree of a
-//!   session that fails: the agent never lets one fail while it runs);
+//!   `lazy_error` says the pod is lost; on the source: the agent ends the session
+//!   cleanly itself, so the tree stays stopped (and fenced, if it was) for the
+//!   operator's `Abort` or the freeze watchdog, as after a Cold dump (CRIU resumes the
+//!   tree of a session that fails: the agent never lets one fail while it runs);
 //! - a thaw (an `Abort`, the freeze watchdog, shutdown) ends the session cleanly first
 //!   ([`Source::end`]); the freeze watchdog never kills a source that still serves
 //!   pages.
@@ -189,13 +189,6 @@ impl Source {
             )),
         }
     }
-
-    /// Breaks the session without a clean end (after the tree was killed): CRIU's
-    /// dump then fails and returns.
-    async fn cut(&self) {
-        let mut w = self.writer.lock().await;
-        w.1 = None;
-    }
 }
 
 /// Seals one direction of a session.
@@ -314,13 +307,10 @@ impl Pace {
 pub(super) async fn serve_pages(
     channel: Channel,
     src: Arc<Source>,
-    m: Arc<Mutex<Migration>>,
+    uid: String,
+    key: Vec<u8>,
     bandwidth_limit: u64,
 ) {
-    let (uid, key) = {
-        let m = m.lock().await;
-        (m.uid.to_string(), m.key.clone())
-    };
     let outcome = carry_source(channel, &src, &uid, &key, bandwidth_limit).await;
     let clean = src.writer.lock().await.0.closed() && outcome.is_ok();
     if clean {
@@ -335,30 +325,19 @@ pub(super) async fn serve_pages(
         }
         return;
     }
+    // Broken (the target aborted and killed its copy, or it, its agent or the link
+    // went away): the session ends cleanly here, so the tree stays stopped and, if
+    // fenced, fenced — the operator's `Abort` resumes it once the target's copy is
+    // confirmed killed, the freeze watchdog kills it otherwise, as after a Cold dump.
     let why = outcome
         .err()
         .unwrap_or_else(|| "the session ended early".into());
-    let mut m = m.lock().await;
-    if m.freeze.get() == super::FENCED {
-        // The target may run: this tree must never run again.
-        let r = super::kill_fenced(&m.freeze, &m.broker, &m.uid, m.process).await;
-        src.cut().await;
-        src.state.fail(format!(
-            "the lazy-pages session broke ({why}); the fenced source was killed{}",
-            match r {
-                Ok(_) => String::new(),
-                Err(e) => format!(" (its kill failed: {})", e.message()),
-            }
-        ));
-    } else {
-        let r = src.end().await;
-        src.state.fail(format!(
-            "the lazy-pages session broke before the fence ({why}); the source stays stopped for an abort{}",
-            r.err().map(|e| format!(" ({e})")).unwrap_or_default()
-        ));
-    }
-    m.sync_freeze();
-    tracing::warn!(uid = %m.uid, error = %src.state.error(), "PostCopy: lazy phase failed on the source");
+    let ended = src.end().await;
+    src.state.fail(format!(
+        "the lazy-pages session broke ({why}); the source stays stopped{}",
+        ended.err().map(|e| format!(" ({e})")).unwrap_or_default()
+    ));
+    tracing::warn!(%uid, error = %src.state.error(), "PostCopy: lazy phase failed on the source");
 }
 
 /// Carries one session on the source: CRIU's answers up, sealed and paced; the
@@ -507,9 +486,9 @@ pub(super) fn accept_session(
             }
         }
         .await;
-        let closed = target.requests.lock().expect("requests").closed();
-        if closed && carried.is_ok() {
-            // The daemon asked for the end; its own exit says the rest.
+        if target.requests.lock().expect("requests").closed() {
+            // The daemon asked for the end: its own exit says how it went
+            // ([`watch_daemon`]).
             return;
         }
         // The source is lost: the copy dies before the daemon learns it (dropping
