@@ -50,6 +50,20 @@ pub fn criu_path() -> PathBuf {
     home.join("criu/bin/criu")
 }
 
+/// Lets CRIU's lazy page server get its pipe on this host: raises the host's
+/// `fs.pipe-max-size` to [`crate::lazy::CRIU_PIPE_BYTES`] where it is lower (a node
+/// setting, not namespaced; it stays raised).
+pub fn ensure_lazy_pipe_room() {
+    if crate::lazy::pipe_room().is_err() {
+        std::fs::write(
+            "/proc/sys/fs/pipe-max-size",
+            crate::lazy::CRIU_PIPE_BYTES.to_string(),
+        )
+        .expect("raise fs.pipe-max-size");
+    }
+    crate::lazy::pipe_room().expect("pipe room");
+}
+
 /// Whether root tests run: they do unless PODMOTION_ROOT_TESTS=0; if they run, root and
 /// CRIU must be there (a missing CRIU fails the test, it never skips silently).
 pub fn root_tests_enabled() -> bool {

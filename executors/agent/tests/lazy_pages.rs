@@ -24,16 +24,7 @@ fn testbed(name: &str) -> Option<Testbed> {
     if !testbed::root_tests_enabled() {
         return None;
     }
-    // CRIU's page server needs pipes larger than the default fs.pipe-max-size; the
-    // real nodes' setup raises it the same way (a node's sysctl, not namespaced).
-    if lazy::pipe_room().is_err() {
-        std::fs::write(
-            "/proc/sys/fs/pipe-max-size",
-            lazy::CRIU_PIPE_BYTES.to_string(),
-        )
-        .expect("raise fs.pipe-max-size");
-    }
-    lazy::pipe_room().expect("pipe room");
+    testbed::ensure_lazy_pipe_room();
     Some(Testbed::new(
         name,
         env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),

@@ -4,7 +4,6 @@
 //! the frozen source; the target restores at once and fetches the pages over
 //! `LazyPages`. `PODMOTION_ROOT_TESTS=0` skips them; otherwise a missing CRIU fails them.
 
-use podmotion_agent::lazy;
 use podmotion_agent::testbed::{Testbed, ask};
 use podmotion_broker::procfs;
 use podmotion_wire::agent::*;
@@ -18,15 +17,7 @@ fn testbed(name: &str) -> Option<Testbed> {
     if !podmotion_agent::testbed::root_tests_enabled() {
         return None;
     }
-    // CRIU's page server needs pipes larger than the default fs.pipe-max-size: the
-    // node's setup raises it (a sysctl, not namespaced).
-    if lazy::pipe_room().is_err() {
-        std::fs::write(
-            "/proc/sys/fs/pipe-max-size",
-            lazy::CRIU_PIPE_BYTES.to_string(),
-        )
-        .expect("raise fs.pipe-max-size");
-    }
+    podmotion_agent::testbed::ensure_lazy_pipe_room();
     let mut tb = Testbed::new(
         name,
         env!("CARGO_BIN_EXE_podmotion-agent").as_ref(),
@@ -64,6 +55,34 @@ fn until(
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!("{what} never came on node {node}\n{}", tb.agent_log(node));
+}
+
+/// A PostCopy up to the target's restore, its pages paced to `bandwidth` bytes per
+/// second (the lazy phase then lasts); the target gets its own address. The restore's
+/// answer.
+fn restore_paced(
+    tb: &Testbed,
+    p_src: PrepareRequest,
+    p_tgt: PrepareRequest,
+    bandwidth: u64,
+) -> MigrationStatus {
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(p_src).await.unwrap();
+        b.prepare(p_tgt).await.unwrap();
+        a.dump(UID).await.unwrap();
+        let req = a.request(SendRequest {
+            migration_uid: UID.into(),
+            target_endpoint: Testbed::endpoint(1),
+            target_server_name: "agent-b".into(),
+            bandwidth_limit: bandwidth,
+        });
+        a.raw().send(req).await.unwrap();
+        a.fence(UID).await.unwrap();
+    });
+    tb.give_target_its_own_address();
+    tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() })
 }
 
 /// `pid` is gone (or a zombie: dead, its parent not yet told), waiting up to 5 s.
@@ -180,25 +199,8 @@ fn a_source_agent_lost_in_the_lazy_phase_ends_in_a_clear_failure_with_no_copy_le
     let src = tb.start_workload(256, 0);
     let holder = tb.start_holder();
     let (p_src, p_tgt) = (post_copy(&tb, 0, src.pid), post_copy(&tb, 1, holder.pid));
-    tb.operator(move |tls| async move {
-        let mut a = tls.agent(0).await;
-        let mut b = tls.agent(1).await;
-        a.prepare(p_src).await.unwrap();
-        b.prepare(p_tgt).await.unwrap();
-        a.dump(UID).await.unwrap();
-        // Paced, so that the lazy phase is still on when the source agent dies.
-        let req = SendRequest {
-            migration_uid: UID.into(),
-            target_endpoint: Testbed::endpoint(1),
-            target_server_name: "agent-b".into(),
-            bandwidth_limit: 16 << 20,
-        };
-        let req = a.request(req);
-        a.raw().send(req).await.unwrap();
-        a.fence(UID).await.unwrap();
-    });
-    tb.give_target_its_own_address();
-    let restored = tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() });
+    // Paced, so that the lazy phase is still on when the source agent dies.
+    let restored = restore_paced(&tb, p_src, p_tgt, 16 << 20);
     let rpid = restored.restored_pid;
     assert!(procfs::tree(rpid).contains(&rpid), "the copy runs");
     let mid = tb.operator(|tls| async move { tls.agent(1).await.status(UID).await.unwrap() });
@@ -239,24 +241,7 @@ fn a_rollback_in_the_lazy_phase_kills_the_copy_and_resumes_the_source_whole() {
     let digest = ask(&mut conn, "digest").unwrap();
     drop(conn);
     let (p_src, p_tgt) = (post_copy(&tb, 0, src.pid), post_copy(&tb, 1, holder.pid));
-    tb.operator(move |tls| async move {
-        let mut a = tls.agent(0).await;
-        let mut b = tls.agent(1).await;
-        a.prepare(p_src).await.unwrap();
-        b.prepare(p_tgt).await.unwrap();
-        a.dump(UID).await.unwrap();
-        let req = SendRequest {
-            migration_uid: UID.into(),
-            target_endpoint: Testbed::endpoint(1),
-            target_server_name: "agent-b".into(),
-            bandwidth_limit: 8 << 20,
-        };
-        let req = a.request(req);
-        a.raw().send(req).await.unwrap();
-        a.fence(UID).await.unwrap();
-    });
-    tb.give_target_its_own_address();
-    let restored = tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() });
+    let restored = restore_paced(&tb, p_src, p_tgt, 8 << 20);
     let rpid = restored.restored_pid;
     // The operator rolls back (a probe failed, say): the copy first, then the source.
     let (t, s) = tb.operator(|tls| async move {
@@ -275,7 +260,10 @@ fn a_rollback_in_the_lazy_phase_kills_the_copy_and_resumes_the_source_whole() {
     assert_eq!(t.phase(), Phase::Aborted);
     assert!(gone(rpid), "the copy is gone");
     assert_eq!(s.phase(), Phase::Aborted);
-    assert!(!s.lazy_done);
+    assert!(
+        !t.lazy_done,
+        "the target never reports a killed copy complete"
+    );
     // The source runs on, whole: its pages never left it.
     let mut conn = tb.connect_timeout(Duration::from_secs(5)).unwrap();
     let a: u64 = ask(&mut conn, "get").unwrap().parse().unwrap();

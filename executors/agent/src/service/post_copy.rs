@@ -21,6 +21,7 @@
 use super::{Migration, blocking};
 use crate::criu::{self, Criu, Opts, Req};
 use crate::lazy::{self, Requests};
+use podmotion_broker::procfs;
 use podmotion_wire::agent::LazyFrame;
 use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
 use podmotion_wire::transfer::{self, Sealer};
@@ -554,9 +555,16 @@ pub(super) fn watch_daemon(
         let st = blocking(move || child.wait().map_err(|e| Status::internal(e.to_string()))).await;
         let mut m = mm.lock().await;
         match st {
-            Ok(s) if s.success() => {
+            // The daemon also ends well when every process it served exited (an abort
+            // killed the copy, or the workload ended): done only with the copy alive.
+            Ok(s) if s.success() && m.restored.is_some_and(|p| procfs::check_live(p).is_ok()) => {
                 target.state.finish();
                 tracing::info!(uid = %m.uid, bytes = target.state.bytes(), "PostCopy: every page is in");
+            }
+            Ok(s) if s.success() => {
+                target.state.fail(
+                    "the restored copy ended before every page came in (aborted, or the workload exited)".into(),
+                );
             }
             other => {
                 let why = match other {
