@@ -167,7 +167,9 @@ impl Source {
 
     /// Ends the session where the requests passed on so far end, if it still runs,
     /// and waits for CRIU's dump to return: the tree is then left stopped, as after a
-    /// Cold dump. `Ok` once CRIU returned well.
+    /// Cold dump. `Ok` once CRIU returned and no longer holds the tree; a CRIU that
+    /// returned a failure (it then resumed the tree itself) is recorded in the state.
+    /// `Err` only while CRIU still holds it.
     pub(super) async fn end(&self) -> Result<(), String> {
         {
             let mut w = self.writer.lock().await;
@@ -176,7 +178,14 @@ impl Source {
                 let _ = writer.write_all(&close).await;
             }
         }
-        self.returned().await
+        match self.returned().await {
+            Ok(()) => Ok(()),
+            Err(e) if self.serving() => Err(e),
+            Err(e) => {
+                self.state.fail(format!("criu's lazy dump failed: {e}"));
+                Ok(())
+            }
+        }
     }
 
     /// Waits (bounded) for CRIU's dump to return; its outcome.
