@@ -155,6 +155,18 @@ fn post_copy_resumes_the_target_first_and_brings_every_page_after() {
         "every page came across whole"
     );
 
+    // Measured, never asserted: the freeze.
+    let downtime_ms = restored
+        .timings()
+        .resumed_us
+        .saturating_sub(dumped.timings().freeze_started_us)
+        / 1000;
+    eprintln!(
+        "PostCopy 64 MiB: dump {} ms, images {} bytes, restore {} ms, downtime {downtime_ms} ms",
+        dumped.timings().dump_us / 1000,
+        sent.bytes_sent,
+        restored.timings().restore_us / 1000
+    );
     let t = until(&tb, 1, "lazy_done", |s| {
         s.lazy_done || !s.lazy_error.is_empty()
     });
