@@ -41,7 +41,6 @@ use serde::{Deserialize, Serialize};
 #[x_kube(
     validation = Rule::new("self == oldSelf").message("spec is immutable: delete this PodMigration (which aborts it and resumes the source pod) and create a new one"),
     validation = Rule::new("!(has(self.targetNode) && has(self.targetNodeSelector))").message("set at most one of targetNode and targetNodeSelector"),
-    validation = Rule::new("self.mode != 'PostCopy'").message("mode PostCopy (lazy pages) is not implemented yet: use PreCopy or Cold"),
     validation = Rule::new("self.mode == 'PreCopy' || !has(self.preCopy)").message("preCopy settings apply only to mode PreCopy"),
 )]
 #[serde(rename_all = "camelCase")]
@@ -72,7 +71,16 @@ pub struct PodMigrationSpec {
 
     /// How memory is moved. `PreCopy` (default) copies memory in rounds while the pod
     /// runs and freezes it only for the last, small round; `Cold` freezes the pod for
-    /// the whole dump and copy; `PostCopy` (lazy pages) is reserved.
+    /// the whole dump and copy. `PostCopy` (opt-in) freezes it only to dump everything
+    /// but its memory, resumes it on the target at once and moves the memory after, on
+    /// demand (lazy pages): the shortest freeze, flat in the pod's memory, but until
+    /// every page is in (`status.progress.lazyBytes` grows, then the commit) the
+    /// restored pod depends on the frozen source: if the source's node or agent is lost
+    /// in that window, the pod's in-memory state is lost with it (the migration ends
+    /// `Failed`, the restored copy is killed, and the source's container restarts from
+    /// its image). Up to the resume it rolls back like the other modes. It needs the
+    /// source node's `fs.pipe-max-size` at least 3354624 (refused at `Prepare`
+    /// otherwise, with the pod left running).
     #[serde(default)]
     pub mode: MigrationMode,
 
@@ -158,7 +166,9 @@ pub enum MigrationMode {
     PreCopy,
     /// Stop, dump everything, copy, restore.
     Cold,
-    /// Lazy pages after restore (reserved; rejected at admission for now).
+    /// Dump all but the memory, restore at once, then fetch the memory on demand from
+    /// the frozen source (lazy pages). Shortest freeze; a source lost before every page
+    /// is in loses the pod's state.
     PostCopy,
 }
 
@@ -361,6 +371,10 @@ pub struct MigrationProgress {
     /// Measured transfer rate of the last round, bytes per second.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer_rate_bytes_per_second: Option<i64>,
+    /// PostCopy: bytes of memory the restored pod fetched from the source after it
+    /// resumed (lazy pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lazy_bytes: Option<i64>,
     /// When progress (a phase change, a pre-copy round, transferred bytes) was last
     /// seen; `progressTimeoutSeconds` counts from here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -405,6 +419,9 @@ pub struct PodMigrationStatus {
         skip_serializing_if = "Option::is_none"
     )]
     pub source_pod_uid: Option<String>,
+    /// The mode this migration runs in (`spec.mode`), recorded once it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<MigrationMode>,
     /// Node the pod ran on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_node: Option<String>,

@@ -136,6 +136,8 @@ pub mod reasons {
     pub const SOURCE_POD_GONE: &str = "SourcePodGone";
     pub const TARGET_POD_UNSCHEDULABLE: &str = "TargetPodUnschedulable";
     pub const ROLLED_BACK: &str = "RolledBack";
+    /// PostCopy: the restored copy lost its page source before every page was in.
+    pub const POST_COPY_FAILED: &str = "PostCopyFailed";
     /// Waiting for a free slot (concurrency limit per cluster or per source node).
     pub const QUEUED: &str = "Queued";
     /// The pod's controller cannot adopt a pod of another name (StatefulSet, DaemonSet, Job…).

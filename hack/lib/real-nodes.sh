@@ -114,6 +114,14 @@ net_up() {
   fi
   [[ -f $RUN/ip_forward.saved ]] || cat /proc/sys/net/ipv4/ip_forward >"$RUN/ip_forward.saved"
   echo 1 >/proc/sys/net/ipv4/ip_forward
+  # PostCopy: CRIU's page server sizes a pipe to 3354624 bytes, past the default
+  # fs.pipe-max-size (1 MiB); the agents hold no CAP_SYS_RESOURCE, so a node that
+  # offers PostCopy raises the sysctl (the real nodes share this kernel).
+  local pipe_max=3354624
+  [[ -f $RUN/pipe_max.saved ]] || cat /proc/sys/fs/pipe-max-size >"$RUN/pipe_max.saved"
+  if (($(cat /proc/sys/fs/pipe-max-size) < pipe_max)); then
+    echo "$pipe_max" >/proc/sys/fs/pipe-max-size
+  fi
   nft -f - <<EOF
 table inet $NFT_TABLE
 delete table inet $NFT_TABLE
@@ -145,6 +153,10 @@ net_down() {
   if [[ -f $RUN/ip_forward.saved ]]; then
     cat "$RUN/ip_forward.saved" >/proc/sys/net/ipv4/ip_forward
     rm -f "$RUN/ip_forward.saved"
+  fi
+  if [[ -f $RUN/pipe_max.saved ]]; then
+    cat "$RUN/pipe_max.saved" >/proc/sys/fs/pipe-max-size
+    rm -f "$RUN/pipe_max.saved"
   fi
 }
 

@@ -21,7 +21,7 @@
 //! migration round (then the adopted pod is deleted: an adopted pod cannot be migrated
 //! again, so the next round moves the fresh pod its ReplicaSet makes); `raw-<MiB>` gives
 //! a fresh pod of the same spec for every raw round. In every round, for each mode
-//! (`Mode::ALL`: Cold, PreCopy), one PodMigration and one raw CRIU checkpoint/restore
+//! (`Mode::ALL`: Cold, PreCopy, PostCopy), one PodMigration and one raw CRIU checkpoint/restore
 //! run, alternating which goes first; nothing is timed before the pod's ballast is
 //! written.
 //!
@@ -55,7 +55,10 @@
 //!
 //! Printed: one row per round and mode (both sides, and both agents' VmHWM and cgroup
 //! peak, source / target), then per size and mode the medians, the median ratio and
-//! the largest VmHWM and cgroup peak over the rounds, plus PreCopy ÷ Cold.
+//! the largest VmHWM and cgroup peak over the rounds, plus PreCopy ÷ Cold and
+//! PostCopy ÷ Cold. A PostCopy round's downtime is the same measure (freeze to the
+//! restored copy running); its memory then comes over `LazyPages`, shown as
+//! `+ … lazy` beside the bytes sent, and its total time includes that phase.
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeSet;
@@ -90,26 +93,30 @@ use serde_json::json;
 enum Mode {
     Cold,
     PreCopy,
+    PostCopy,
 }
 
 impl Mode {
-    const ALL: [Mode; 2] = [Mode::Cold, Mode::PreCopy];
+    const ALL: [Mode; 3] = [Mode::Cold, Mode::PreCopy, Mode::PostCopy];
 
     /// `spec.mode`.
     fn name(self) -> &'static str {
         match self {
             Mode::Cold => "Cold",
             Mode::PreCopy => "PreCopy",
+            Mode::PostCopy => "PostCopy",
         }
     }
 
     /// How many times the pod's memory the source agent's checkpoint tmpfs holds at
     /// once (the chart's `migrationAgent.checkpointSizeLimit`): Cold the one dump,
-    /// PreCopy without soft-dirty tracking the final dump beside the warm copy.
+    /// PreCopy without soft-dirty tracking the final dump beside the warm copy,
+    /// PostCopy none (its memory stays in the stopped source until asked for).
     fn images_per_pod(self) -> u32 {
         match self {
             Mode::Cold => 1,
             Mode::PreCopy => 2,
+            Mode::PostCopy => 0,
         }
     }
 }
@@ -137,6 +144,8 @@ struct Mig {
     to: String,
     downtime_ms: i64,
     bytes_sent: i64,
+    /// PostCopy: the memory the restored copy fetched after its resume.
+    lazy_bytes: Option<i64>,
     iterations: i32,
     final_dump_ms: Option<u64>,
     final_dump_bytes: Option<u64>,
@@ -1064,6 +1073,7 @@ async fn mig_round(
         to,
         downtime_ms: st.downtime_millis.context("status.downtimeMillis")?,
         bytes_sent: progress.bytes_sent,
+        lazy_bytes: progress.lazy_bytes,
         iterations: progress.iteration,
         final_dump_ms: dumped.as_deref().and_then(|l| log_field(l, "dump_ms")),
         final_dump_bytes: dumped.as_deref().and_then(|l| log_field(l, "bytes")),
@@ -1188,7 +1198,9 @@ fn print_table(rows: &[Row], loads: &[String]) {
         for mode in Mode::ALL {
             println!("{}", median_line(rows, size, mode));
         }
-        println!("{}", precopy_over_cold_line(rows, size));
+        for mode in [Mode::PreCopy, Mode::PostCopy] {
+            println!("{}", over_cold_line(rows, size, mode));
+        }
     }
 }
 
@@ -1216,7 +1228,14 @@ fn round_line(r: &Row) -> String {
             opt(m.final_dump_ms),
             opt(m.final_dump_bytes.map(mib)),
             opt(m.restore_ms),
-            mib(m.bytes_sent.max(0) as u64),
+            match m.lazy_bytes {
+                Some(l) => format!(
+                    "{} + {} lazy",
+                    mib(m.bytes_sent.max(0) as u64),
+                    mib(l.max(0) as u64)
+                ),
+                None => mib(m.bytes_sent.max(0) as u64),
+            },
             m.iterations,
             m.total_s
         ),
@@ -1275,11 +1294,11 @@ fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
     )
 }
 
-/// PreCopy ÷ Cold of the same round (PodMotion downtimes), for `size`.
-fn precopy_over_cold_line(rows: &[Row], size: u32) -> String {
+/// `mode` ÷ Cold of the same round (PodMotion downtimes), for `size`.
+fn over_cold_line(rows: &[Row], size: u32, mode: Mode) -> String {
     let ratios: Vec<f64> = rows
         .iter()
-        .filter(|r| r.size == size && r.mode == Mode::PreCopy)
+        .filter(|r| r.size == size && r.mode == mode)
         .filter_map(|p| {
             let c = rows
                 .iter()
@@ -1288,7 +1307,8 @@ fn precopy_over_cold_line(rows: &[Row], size: u32) -> String {
         })
         .collect();
     format!(
-        "| {size} MiB | PreCopy ÷ Cold (PodMotion, same round) | {} | | | {} | | |",
+        "| {size} MiB | {} ÷ Cold (PodMotion, same round) | {} | | | {} | | |",
+        mode.name(),
         ratios.len(),
         median(ratios.clone())
             .map(|v| format!("{v:.2}"))

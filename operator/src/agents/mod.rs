@@ -16,7 +16,7 @@ use futures::StreamExt;
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use podmotion_api::migration::{ApplicationProbe, ExecProbe, TcpPreservation};
+use podmotion_api::migration::{ApplicationProbe, ExecProbe, MigrationMode, TcpPreservation};
 use podmotion_wire::agent::{MigrationStatus, PrepareRequest, Role, SendRequest};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
@@ -199,8 +199,9 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         container_ids: r.container_ids.clone(),
         peer_node: peer.clone(),
         freeze_budget_ms: r.freeze_budget_millis,
-        // PostCopy is not run by the operator yet (the CRD refuses the mode).
-        post_copy: false,
+        // Both sides: the source checks it can serve lazy pages, the target admits the
+        // source's page stream.
+        post_copy: r.mode == MigrationMode::PostCopy,
     }
 }
 
@@ -548,5 +549,18 @@ mod tests {
         );
         assert_eq!(tgt.container_ids, vec!["containerd://abc".to_string()]);
         assert_eq!(tgt.transfer_key, vec![7; 32]);
+        assert!(!src.post_copy && !tgt.post_copy);
+    }
+
+    #[test]
+    fn both_agents_of_a_post_copy_migration_are_told_so() {
+        let tcp = podmotion_wire::agent::TcpPreservation::BestEffort;
+        for step in [Step::Prepare, Step::Receive] {
+            let mut r = request(step);
+            r.mode = MigrationMode::PostCopy;
+            assert!(prepare_request(&r, tcp).post_copy, "{step}");
+            r.mode = MigrationMode::PreCopy;
+            assert!(!prepare_request(&r, tcp).post_copy, "{step}");
+        }
     }
 }

@@ -112,6 +112,14 @@ pub struct AgentProgress {
     /// nobody committed or aborted in time), never resumed. Nothing can thaw it; the
     /// target's images are all that is left of the state.
     pub killed_under_fence: bool,
+    /// PostCopy. Target: every page is in and the restored copy runs on its own (it no
+    /// longer depends on the source); source: the target's daemon ended the session.
+    pub lazy_done: bool,
+    /// PostCopy: why the lazy phase failed (on the target, the restored copy was
+    /// killed first: its missing pages would read as zeros).
+    pub lazy_error: Option<String>,
+    /// PostCopy: page bytes sent (source) or received (target) after the resume.
+    pub lazy_bytes: u64,
 }
 
 /// An agent's report for one migration.

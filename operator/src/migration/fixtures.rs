@@ -190,6 +190,10 @@ impl SpecB {
             .insert(k.into(), v.into());
         self
     }
+    pub fn post_copy(mut self) -> Self {
+        self.0.mode = MigrationMode::PostCopy;
+        self
+    }
     pub fn cold(mut self) -> Self {
         self.0.mode = MigrationMode::Cold;
         self
@@ -316,6 +320,10 @@ pub trait ReportExt {
     fn fenced(self) -> Self;
     /// Source: fenced, then killed on its node (its agent's watchdog).
     fn killed_under_fence(self) -> Self;
+    /// PostCopy: `bytes` of pages moved after the resume, every page in or not.
+    fn lazy(self, bytes: u64, done: bool) -> Self;
+    /// PostCopy: the lazy phase failed.
+    fn lazy_failed(self, why: &str) -> Self;
 }
 impl ReportExt for AgentReport {
     fn dirty(mut self, bytes: u64, rate: u64) -> Self {
@@ -338,6 +346,15 @@ impl ReportExt for AgentReport {
     fn killed_under_fence(mut self) -> Self {
         self.progress.fenced = true;
         self.progress.killed_under_fence = true;
+        self
+    }
+    fn lazy(mut self, bytes: u64, done: bool) -> Self {
+        self.progress.lazy_bytes = bytes;
+        self.progress.lazy_done = done;
+        self
+    }
+    fn lazy_failed(mut self, why: &str) -> Self {
+        self.progress.lazy_error = Some(why.into());
         self
     }
     fn sent(mut self, iteration: u32, bytes: u64) -> Self {

@@ -583,7 +583,16 @@ impl<'a> Machine<'a> {
         if let Some(rate) = r.progress.rate_bytes_per_second {
             p.transfer_rate_bytes_per_second = Some(i64::try_from(rate).unwrap_or(i64::MAX));
         }
-        let grew = p.iteration > before.iteration || p.bytes_sent > before.bytes_sent;
+        // PostCopy: the pages the restored copy fetched after its resume.
+        if let Some(t) = self.o.target_agent.report()
+            && t.progress.lazy_bytes > 0
+        {
+            let lazy = i64::try_from(t.progress.lazy_bytes).unwrap_or(i64::MAX);
+            p.lazy_bytes = Some(p.lazy_bytes.unwrap_or(0).max(lazy));
+        }
+        let grew = p.iteration > before.iteration
+            || p.bytes_sent > before.bytes_sent
+            || p.lazy_bytes > before.lazy_bytes;
         if grew {
             p.last_progress_time = Some(Time(self.o.now));
         }
@@ -690,6 +699,7 @@ impl<'a> Machine<'a> {
         }
         self.status.source_pod_uid = Some(plan.source_pod_uid.clone());
         self.status.target_pod = Some(plan.target_pod.clone());
+        self.status.mode = Some(o.knobs.mode);
         self.enter(MigrationPhase::Preparing);
         self.act(Action::EnsureTransferKey);
         self.act(Action::EnsureTargetPod);
@@ -710,6 +720,7 @@ impl<'a> Machine<'a> {
         } else {
             self.stop_requested()
                 .or_else(|| self.pod_failure())
+                .or_else(|| self.lazy_failure())
                 .or_else(|| self.agent_failure())
                 .or_else(|| self.time_failure())?
         };
@@ -791,6 +802,9 @@ impl<'a> Machine<'a> {
                 "the target pod disappeared".to_string(),
             ));
         }
+        if let Some(f) = self.lazy_failure() {
+            return Some(f);
+        }
         let r = o.target_agent.report()?;
         if let Some((step, category, message)) = r.failure() {
             let reason = if step == Step::Probe {
@@ -801,18 +815,63 @@ impl<'a> Machine<'a> {
             let message = format!("target agent: {step} failed ({category}): {message}");
             return Some((reason, message));
         }
-        // The one wait past the fence is the probe's verdict (asking for the probe
+        // The waits past the fence are the probe's verdict (asking for the probe
         // counts as progress, so a replica that takes over after a long absence
-        // probes before it judges).
-        (r.running(Step::Probe) && self.progress_stalled()).then(|| {
-            (
+        // probes before it judges) and, in PostCopy, the last page (every page
+        // fetched counts as progress).
+        if r.running(Step::Probe) && self.progress_stalled() {
+            return Some((
                 Reason::ProgressTimeout,
                 format!(
                     "the restored copy was not proven healthy within {}s",
                     o.knobs.progress_timeout.as_secs()
                 ),
+            ));
+        }
+        (self.awaiting_pages() && self.progress_stalled()).then(|| {
+            (
+                Reason::ProgressTimeout,
+                format!(
+                    "PostCopy: the restored copy fetched no page from the source for {}s ({} bytes in so far)",
+                    o.knobs.progress_timeout.as_secs(),
+                    r.progress.lazy_bytes
+                ),
             )
         })
+    }
+
+    /// PostCopy: the lazy phase failed on either agent (the session between them
+    /// broke, the target's daemon failed, the restored copy died). The target agent
+    /// killed its copy before anything read a missing page; the rollback confirms
+    /// that kill, then thaws the source, whose memory is whole, unless the source
+    /// itself was lost, and with it the pod's state.
+    fn lazy_failure(&self) -> Option<(Reason, String)> {
+        let o = self.o;
+        if o.knobs.mode != MigrationMode::PostCopy {
+            return None;
+        }
+        [(Side::Target, &o.target_agent), (Side::Source, &o.source_agent)]
+            .into_iter()
+            .find_map(|(side, view)| {
+                let why = view.report()?.progress.lazy_error.as_ref()?;
+                Some((
+                    Reason::PostCopyFailed,
+                    format!(
+                        "PostCopy: the lazy phase failed before every page was in ({side} agent: {why}); the restored copy is not kept"
+                    ),
+                ))
+            })
+    }
+
+    /// PostCopy: the restored copy passed its probe and still fetches pages from the
+    /// frozen source, which must live (and not be committed) until the last page.
+    fn awaiting_pages(&self) -> bool {
+        self.o.knobs.mode == MigrationMode::PostCopy
+            && self
+                .o
+                .target_agent
+                .report()
+                .is_some_and(|r| r.done(Step::Probe) && !r.progress.lazy_done)
     }
 
     /// The user's stop: deletion, or the deadline.
@@ -1068,7 +1127,18 @@ impl<'a> Machine<'a> {
             }
             Some(Step::Probe) => {
                 self.record_restore(tgt);
-                if tgt.done(Step::Probe) {
+                if self.awaiting_pages() {
+                    // The source is the restored copy's page store until the last
+                    // page: nothing of it is given up before (deleting its pod would
+                    // end it with the grace period's SIGKILL).
+                    self.health = Some(Health::reconciling(
+                        reasons::RESTORING,
+                        format!(
+                            "PostCopy: the restored copy runs and passed its probe; fetching its memory from the frozen source ({} bytes in)",
+                            tgt.progress.lazy_bytes
+                        ),
+                    ));
+                } else if tgt.done(Step::Probe) {
                     self.enter(MigrationPhase::Committing);
                     self.resume();
                 }

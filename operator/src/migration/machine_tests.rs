@@ -2029,3 +2029,179 @@ fn a_source_agent_that_forgot_a_fenced_migration_rolls_forward_to_the_restore() 
         t.notes
     );
 }
+
+// ------------------------------------------------------------------- PostCopy
+
+/// A PostCopy migration in `phase` (the knobs' mode; the status records it).
+fn post_copy_at(phase: P) -> Observed {
+    at(phase).knobs(spec("web-0").post_copy().build())
+}
+
+#[test]
+fn the_mode_that_runs_is_recorded_when_the_migration_starts() {
+    let t = next(&post_copy_at(P::Pending));
+    assert_eq!(t.status.phase, P::Preparing);
+    assert_eq!(
+        t.status.mode,
+        Some(podmotion_api::migration::MigrationMode::PostCopy)
+    );
+    let t = next(&at(P::Pending).knobs(spec("web-0").cold().build()));
+    assert_eq!(
+        t.status.mode,
+        Some(podmotion_api::migration::MigrationMode::Cold)
+    );
+}
+
+#[test]
+fn post_copy_dumps_once_without_pre_copy_rounds() {
+    let o = post_copy_at(P::Checkpointing).source(done(Step::Prepare));
+    let t = next(&o);
+    assert!(
+        has(&t, &Action::Agent(Side::Source, Step::Dump)),
+        "{:?}",
+        t.actions
+    );
+}
+
+/// The restored copy passed its probe but still fetches pages: the source is its page
+/// store, so nothing of it is given up (no commit, no hand-over, no deletion) until
+/// the target reports every page in.
+#[test]
+fn post_copy_commits_only_once_the_restored_copy_has_every_page() {
+    let waiting = post_copy_at(P::Restoring)
+        .target(done(Step::Probe).resumed_at(ts(NOW)).lazy(8 << 20, false));
+    let t = next(&waiting);
+    assert_eq!(t.status.phase, P::Restoring);
+    assert!(!gives_up_source(&t), "{:?}", t.actions);
+    assert!(!has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    assert_eq!(
+        t.status.progress.as_ref().and_then(|p| p.lazy_bytes),
+        Some(8 << 20)
+    );
+    let ready = is_true(&t.status.conditions, ct::READY);
+    assert!(!ready);
+    // A deletion in this window rolls forward too (the copy is the workload now).
+    let t = next(&waiting.clone().deleting());
+    assert_eq!(t.status.phase, P::Restoring);
+    assert!(
+        t.status.failure_reason.is_none(),
+        "{:?}",
+        t.status.failure_message
+    );
+    let t = next(&post_copy_at(P::Restoring).target(done(Step::Probe).lazy(64 << 20, true)));
+    assert_eq!(t.status.phase, P::Committing);
+    assert!(has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    // Cold and PreCopy never wait for pages.
+    let t = next(&at(P::Restoring).target(done(Step::Probe)));
+    assert_eq!(t.status.phase, P::Committing);
+}
+
+/// Pages fetched count as progress; none for the progress timeout rolls back: the
+/// restored copy is killed (confirmed) before the source, whose memory is whole, is
+/// thawed.
+#[test]
+fn post_copy_pages_that_stop_coming_roll_back_to_the_whole_source() {
+    let mut o = post_copy_at(P::Restoring).target(done(Step::Probe).lazy(1 << 20, false));
+    o.status.progress = Some(MigrationProgress {
+        lazy_bytes: Some(1 << 20),
+        last_progress_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts(
+            NOW,
+        ))),
+        ..Default::default()
+    });
+    let later = NOW + 151;
+    let t = next(
+        &o.clone()
+            .at_second(later)
+            .target(done(Step::Probe).lazy(2 << 20, false)),
+    );
+    assert!(
+        t.status.failure_reason.is_none(),
+        "growth is progress: {:?}",
+        t.status.failure_message
+    );
+    let t = next(&o.clone().at_second(later));
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::PROGRESS_TIMEOUT)
+    );
+    assert!(
+        t.status
+            .failure_message
+            .as_deref()
+            .unwrap()
+            .contains("PostCopy")
+    );
+    assert!(
+        has(&t, &Action::Agent(Side::Target, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    assert!(
+        !has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    assert!(!gives_up_source(&t));
+}
+
+/// A broken lazy phase (the session between the agents, the target's daemon, the
+/// copy) is reported by either agent: the migration fails with `PostCopyFailed`, the
+/// target's kill is confirmed first, then the source is thawed; a source that is gone
+/// too ends it saying the state is lost.
+#[test]
+fn a_broken_lazy_phase_fails_clearly_and_never_waits_or_commits() {
+    let broken = post_copy_at(P::Restoring).target(
+        done(Step::Probe)
+            .lazy(4096, false)
+            .lazy_failed("the page stream from the source broke"),
+    );
+    let t = next(&broken);
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::POST_COPY_FAILED)
+    );
+    let m = t.status.failure_message.clone().unwrap();
+    assert!(m.contains("page stream from the source broke"), "{m}");
+    assert!(
+        has(&t, &Action::Agent(Side::Target, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    assert!(!gives_up_source(&t));
+    assert!(!has(&t, &Action::Agent(Side::Source, Step::Abort)));
+    // The kill confirmed: the source is thawed and the migration ends Failed.
+    let mut o = broken.clone().target(done(Step::Abort));
+    o.status = t.status.clone();
+    let t = next(&o);
+    assert!(
+        has(&t, &Action::Agent(Side::Source, Step::Abort)),
+        "{:?}",
+        t.actions
+    );
+    let mut o = o.source(done(Step::Abort));
+    o.status = t.status.clone();
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Failed);
+    // The source agent restarted in the lazy phase (its broker kills a fenced source):
+    // the rollback ends saying the state may be lost, never waits.
+    let mut o = broken.clone().target(done(Step::Abort)).source(blank());
+    o.status = next(&broken).status;
+    let t = next(&o);
+    assert_eq!(t.status.phase, P::Failed, "{:?}", t.status.failure_message);
+    // Reported by the source before the restore: a Cold-like rollback.
+    let t = next(
+        &post_copy_at(P::Transferring).source(
+            done(Step::Transfer)
+                .frozen_at(ts(NOW))
+                .lazy_failed("target closed the session"),
+        ),
+    );
+    assert_eq!(
+        t.status.failure_reason.as_deref(),
+        Some(reasons::POST_COPY_FAILED)
+    );
+    // Another mode ignores lazy fields it never asked for.
+    let t = next(&at(P::Restoring).target(done(Step::Probe).lazy_failed("x")));
+    assert_eq!(t.status.phase, P::Committing);
+}

@@ -36,6 +36,9 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
             network: network_outcome(st),
             fenced: st.fenced,
             killed_under_fence: phase == Phase::Killed,
+            lazy_done: st.lazy_done,
+            lazy_error: (!st.lazy_error.is_empty()).then(|| st.lazy_error.clone()),
+            lazy_bytes: st.lazy_bytes,
         },
     }
 }

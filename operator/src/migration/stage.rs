@@ -100,6 +100,7 @@ failure_reasons! {
     TargetDoesNotFit = TARGET_DOES_NOT_FIT,
     UnsupportedOwner = UNSUPPORTED_OWNER,
     RolledBack = ROLLED_BACK,
+    PostCopyFailed = POST_COPY_FAILED,
 }
 
 impl Reason {
