@@ -619,6 +619,67 @@ async fn thaw_source(b: &Arc<StdMutex<BrokerClient>>, uid: &MigrationUid) -> Res
     Ok(())
 }
 
+/// `Fence` once it holds the migration (see [`Agent::fence_impl`]).
+async fn fence_locked(
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+) -> Result<MigrationStatus, Status> {
+    m.sync_freeze();
+    if m.role == Role::Source && (m.fenced || m.phase == Phase::Killed) {
+        return Ok(m.status());
+    }
+    if m.freeze.get() == THAWED {
+        return Err(Status::failed_precondition(
+            "the source was resumed (freeze watchdog or agent shutdown): the migration is aborted",
+        ));
+    }
+    admit(m.role, m.phase, Step::Fence)?;
+    if !m.freeze.claim_from(FROZEN, FENCING) {
+        return Err(Status::failed_precondition(
+            "the source is not frozen (an abort or the watchdog claimed it)",
+        ));
+    }
+    if let Err(e) = m.broker(Request::Fence { uid: m.uid.clone() }).await {
+        m.freeze.set(FROZEN);
+        return Err(e);
+    }
+    m.fenced = true;
+    m.freeze.set(FENCED);
+    tracing::info!(uid = %m.uid, "fenced: from now on this source is killed, never resumed, unless the operator aborts");
+    Ok(m.status())
+}
+
+/// `Abort` once it holds the migration (see [`Agent::abort_impl`]): on the source the
+/// thaw, on the target the kill of the restored copy, then the images go.
+async fn abort_locked(
+    mut m: tokio::sync::OwnedMutexGuard<Migration>,
+) -> Result<MigrationStatus, Status> {
+    m.sync_freeze();
+    match (m.role, m.phase) {
+        (_, Phase::Aborted) => return Ok(m.status()),
+        (Role::Source, Phase::Committed) => {
+            return Err(Status::failed_precondition(
+                "already committed: the source is gone",
+            ));
+        }
+        (Role::Source, Phase::Killed) => {
+            return Err(Status::failed_precondition(
+                "the fenced source was killed by its agent's freeze watchdog (restore fence: never resumed but by an abort in time): it cannot be resumed",
+            ));
+        }
+        (Role::Source, _) => {
+            m.resume_source().await?;
+            m.sync_freeze();
+            m.timings.resumed_us = now_us();
+        }
+        (_, _) => m.kill_restored_copy().await?,
+    }
+    let _ = images::zeroize(&m.dir);
+    m.image_bytes = 0;
+    m.phase = Phase::Aborted;
+    tracing::info!(uid = %m.uid, "aborted");
+    Ok(m.status())
+}
+
 fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -1206,31 +1267,13 @@ impl Agent {
     /// freeze is FENCED and the answer says `fenced`. Idempotent: a fenced (or, since,
     /// killed or committing) source answers its status again.
     async fn fence_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
-        let m = self.get(uid)?;
-        let mut m = m.lock().await;
-        m.sync_freeze();
-        if m.role == Role::Source && (m.fenced || m.phase == Phase::Killed) {
-            return Ok(m.status());
-        }
-        if m.freeze.get() == THAWED {
-            return Err(Status::failed_precondition(
-                "the source was resumed (freeze watchdog or agent shutdown): the migration is aborted",
-            ));
-        }
-        admit(m.role, m.phase, Step::Fence)?;
-        if !m.freeze.claim_from(FROZEN, FENCING) {
-            return Err(Status::failed_precondition(
-                "the source is not frozen (an abort or the watchdog claimed it)",
-            ));
-        }
-        if let Err(e) = m.broker(Request::Fence { uid: m.uid.clone() }).await {
-            m.freeze.set(FROZEN);
-            return Err(e);
-        }
-        m.fenced = true;
-        m.freeze.set(FENCED);
-        tracing::info!(%uid, "fenced: from now on this source is killed, never resumed, unless the operator aborts");
-        Ok(m.status())
+        // Like `Abort`, the fence runs to its end in a task that holds the migration,
+        // even if its caller goes away: one cut off inside the broker's call would leave
+        // the freeze claimed (FENCING), neither fenced nor abortable.
+        let m = self.get(uid)?.lock_owned().await;
+        tokio::spawn(fence_locked(m))
+            .await
+            .map_err(|e| Status::internal(format!("fence task: {e}")))?
     }
 
     async fn commit_impl(&self, r: CommitRequest) -> Result<MigrationStatus, Status> {
@@ -1293,32 +1336,16 @@ impl Agent {
                 "no migration {uid:?} on this agent (never prepared, or forgotten in a restart): its source's state is unknown here"
             )));
         };
-        let mut m = m.lock().await;
-        m.sync_freeze();
-        match (m.role, m.phase) {
-            (_, Phase::Aborted) => return Ok(m.status()),
-            (Role::Source, Phase::Committed) => {
-                return Err(Status::failed_precondition(
-                    "already committed: the source is gone",
-                ));
-            }
-            (Role::Source, Phase::Killed) => {
-                return Err(Status::failed_precondition(
-                    "the fenced source was killed by its agent's freeze watchdog (restore fence: never resumed but by an abort in time): it cannot be resumed",
-                ));
-            }
-            (Role::Source, _) => {
-                m.resume_source().await?;
-                m.sync_freeze();
-                m.timings.resumed_us = now_us();
-            }
-            (_, _) => m.kill_restored_copy().await?,
-        }
-        let _ = images::zeroize(&m.dir);
-        m.image_bytes = 0;
-        m.phase = Phase::Aborted;
-        tracing::info!(uid, "aborted");
-        Ok(m.status())
+        // The abort runs to its end in a task of its own that holds the migration, even
+        // if the caller goes away (a dropped gRPC call drops its handler's future: the
+        // operator's leader killed, its call deadline): an abort cut off inside the
+        // source's thaw left the freeze claimed (THAWING) with nothing to finish or give
+        // it back, so every later Abort answered "ask again", the freeze watchdog waited
+        // on it for ever and Cleanup refused the source as frozen: it stayed stopped.
+        let m = m.lock_owned().await;
+        tokio::spawn(abort_locked(m))
+            .await
+            .map_err(|e| Status::internal(format!("abort task: {e}")))?
     }
 
     async fn cleanup_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
@@ -1432,6 +1459,8 @@ impl MigrationAgent for Agent {
 #[allow(dead_code)]
 fn _assert_stream<S: Stream>(_: S) {}
 
+#[cfg(test)]
+mod abort_tests;
 #[cfg(test)]
 mod prepare_tests;
 #[cfg(test)]
