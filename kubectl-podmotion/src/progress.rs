@@ -15,6 +15,8 @@ pub struct Snapshot {
     pub phase: MigrationPhase,
     pub iteration: i32,
     pub bytes_sent: i64,
+    /// PostCopy: memory fetched after the resume.
+    pub lazy_bytes: i64,
     /// `Stalled` (or queued) reason and message, while one is set.
     pub waiting: Option<String>,
     pub target_node: Option<String>,
@@ -27,6 +29,7 @@ impl Snapshot {
             phase: status.phase,
             iteration: p.iteration,
             bytes_sent: p.bytes_sent,
+            lazy_bytes: p.lazy_bytes.unwrap_or(0),
             waiting: waiting(status),
             target_node: status.target_node.clone(),
         }
@@ -82,6 +85,12 @@ pub fn transfer_summary(status: &PodMigrationStatus) -> String {
     if let Some(left) = p.bytes_remaining_estimate.filter(|_| !parts.is_empty()) {
         parts.push(format!("~{} left", bytes(left)));
     }
+    if let Some(lazy) = p.lazy_bytes.filter(|l| *l > 0) {
+        parts.push(format!(
+            "{} of memory fetched after the resume",
+            bytes(lazy)
+        ));
+    }
     parts.join(", ")
 }
 
@@ -102,7 +111,11 @@ pub fn changes(prev: Option<&Snapshot>, status: &PodMigrationStatus) -> Vec<Stri
             now.target_node.as_deref().unwrap_or_default()
         ));
     }
-    let moved = prev.is_none_or(|p| p.iteration != now.iteration || p.bytes_sent != now.bytes_sent);
+    let moved = prev.is_none_or(|p| {
+        p.iteration != now.iteration
+            || p.bytes_sent != now.bytes_sent
+            || p.lazy_bytes != now.lazy_bytes
+    });
     if moved && !now.phase.is_terminal() {
         let t = transfer_summary(status);
         if !t.is_empty() {
@@ -288,6 +301,7 @@ mod tests {
             bytes_sent: sent,
             bytes_remaining_estimate: left,
             transfer_rate_bytes_per_second: rate,
+            lazy_bytes: None,
             last_progress_time: None,
         }
     }
@@ -335,6 +349,19 @@ mod tests {
         assert_eq!(
             changes(Some(&prev), &s),
             ["phase Preparing (pm-real-0 -> pm-real-1)"]
+        );
+    }
+
+    #[test]
+    fn post_copy_pages_fetched_after_the_resume_print_as_they_grow() {
+        let mut s = status(MigrationPhase::Restoring);
+        s.progress = Some(progress(0, 300 * 1024, None, None));
+        let prev = Snapshot::of(&s);
+        assert!(changes(Some(&prev), &s).is_empty());
+        s.progress.as_mut().unwrap().lazy_bytes = Some(48 * 1024 * 1024);
+        assert_eq!(
+            changes(Some(&prev), &s),
+            ["  300.0 KiB sent, 48.0 MiB of memory fetched after the resume"]
         );
     }
 

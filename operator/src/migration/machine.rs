@@ -583,9 +583,16 @@ impl<'a> Machine<'a> {
         if let Some(rate) = r.progress.rate_bytes_per_second {
             p.transfer_rate_bytes_per_second = Some(i64::try_from(rate).unwrap_or(i64::MAX));
         }
-        // PostCopy: the pages the restored copy fetched after its resume.
+        // PostCopy: the pages the restored copy fetched after its resume, recorded at
+        // most once a second (each record is a status write; the progress timeout
+        // counts in seconds), and the total once every page is in.
+        let recorded_within_a_second = before
+            .last_progress_time
+            .as_ref()
+            .is_some_and(|t| self.elapsed_since(t.0) < Duration::from_secs(1));
         if let Some(t) = self.o.target_agent.report()
             && t.progress.lazy_bytes > 0
+            && (!recorded_within_a_second || t.progress.lazy_done)
         {
             let lazy = i64::try_from(t.progress.lazy_bytes).unwrap_or(i64::MAX);
             p.lazy_bytes = Some(p.lazy_bytes.unwrap_or(0).max(lazy));
