@@ -1164,18 +1164,23 @@ impl Agent {
         Ok(m.status())
     }
 
-    /// PostCopy, target: the source agent's lazy-pages session (see
-    /// [`post_copy::accept_session`]), admitted like an image stream (only the peer
-    /// named at Prepare), once the final images are here and before the restore.
-    async fn lazy_pages_impl(
+    /// A stream from the peer agent (images, lazy pages), before anything of it is
+    /// used: only the peer named at `Prepare` may open one, and an unknown migration is
+    /// refused the same way, telling the caller nothing. The migration and its lock.
+    async fn admit_peer_stream(
         &self,
-        caller: Result<Peer, IdentityError>,
-        mut s: Streaming<LazyFrame>,
-    ) -> Result<post_copy::FrameStream, Status> {
-        let Some(first) = s.message().await? else {
-            return Err(Status::invalid_argument("empty lazy-pages stream"));
-        };
-        let found = self.get(&first.migration_uid).ok();
+        caller: &Result<Peer, IdentityError>,
+        rpc: Rpc,
+        uid: &str,
+        what: &str,
+    ) -> Result<
+        (
+            Arc<Mutex<Migration>>,
+            tokio::sync::OwnedMutexGuard<Migration>,
+        ),
+        Status,
+    > {
+        let found = self.get(uid).ok();
         let guard = match &found {
             Some(m) => Some(Arc::clone(m).lock_owned().await),
             None => None,
@@ -1187,14 +1192,35 @@ impl Agent {
                 peer: &m.peer,
             }),
         };
-        if let Err(d) = authz::authorize(&caller, Rpc::LazyPages, state) {
-            tracing::warn!(uid = %first.migration_uid, denied = %d, "lazy-pages session refused");
+        if let Err(d) = authz::authorize(caller, rpc, state) {
+            tracing::warn!(%uid, denied = %d, "{what} refused");
             return Err(d.into());
         }
-        let (mm, mut m) = (
-            found.expect("authorized sessions name a known migration"),
-            guard.expect("authorized"),
-        );
+        Ok((
+            found.expect("authorized streams name a known migration"),
+            guard.expect("authorized streams name a known migration"),
+        ))
+    }
+
+    /// PostCopy, target: the source agent's lazy-pages session (see
+    /// [`post_copy::accept_session`]), admitted like an image stream (only the peer
+    /// named at Prepare), once the final images are here and before the restore.
+    async fn lazy_pages_impl(
+        &self,
+        caller: Result<Peer, IdentityError>,
+        mut s: Streaming<LazyFrame>,
+    ) -> Result<post_copy::FrameStream, Status> {
+        let Some(first) = s.message().await? else {
+            return Err(Status::invalid_argument("empty lazy-pages stream"));
+        };
+        let (mm, mut m) = self
+            .admit_peer_stream(
+                &caller,
+                Rpc::LazyPages,
+                &first.migration_uid,
+                "lazy-pages session",
+            )
+            .await?;
         if !m.post_copy {
             return Err(Status::failed_precondition(
                 "this migration is not PostCopy",
@@ -1223,25 +1249,14 @@ impl Agent {
         let Some(first) = s.message().await? else {
             return Err(Status::invalid_argument("empty image stream"));
         };
-        let found = self.get(&first.migration_uid).ok();
-        let m = match found {
-            Some(m) => Some(m.lock_owned().await),
-            None => None,
-        };
-        // Before anything is written: only the peer named at Prepare streams here (an
-        // unknown migration is refused the same way, telling the caller nothing).
-        let state = authz::State {
-            this_node: self.own_node(),
-            migration: m.as_ref().map(|m| Prepared {
-                role: m.role,
-                peer: &m.peer,
-            }),
-        };
-        if let Err(d) = authz::authorize(&caller, Rpc::ReceiveImages, state) {
-            tracing::warn!(uid = %first.migration_uid, denied = %d, "image stream refused");
-            return Err(d.into());
-        }
-        let m = m.expect("authorized streams name a known migration");
+        let (_, m) = self
+            .admit_peer_stream(
+                &caller,
+                Rpc::ReceiveImages,
+                &first.migration_uid,
+                "image stream",
+            )
+            .await?;
         admit(m.role, m.phase, Step::Receive)?;
         tokio::spawn(receive_locked(m, first, s))
             .await

@@ -18,6 +18,7 @@
 //!   ([`Source::end`]); the freeze watchdog never kills a source that still serves
 //!   pages.
 
+use super::send::Pace;
 use super::{Migration, blocking};
 use crate::criu::{self, Criu, Opts, Req};
 use crate::lazy::{self, Requests};
@@ -287,30 +288,6 @@ impl Incoming {
     }
 }
 
-/// Paces one direction to `limit` bytes per second (0: unpaced).
-struct Pace {
-    limit: u64,
-    start: tokio::time::Instant,
-    sent: u64,
-}
-
-impl Pace {
-    fn new(limit: u64) -> Self {
-        Pace {
-            limit,
-            start: tokio::time::Instant::now(),
-            sent: 0,
-        }
-    }
-    async fn after(&mut self, n: usize) {
-        self.sent += n as u64;
-        if self.limit > 0 {
-            let due = Duration::from_secs_f64(self.sent as f64 / self.limit as f64);
-            tokio::time::sleep_until(self.start + due).await;
-        }
-    }
-}
-
 /// The source's side of the session, from the end of its final `Send`: opens
 /// `LazyPages` on the target and carries the session until it ends, then records how
 /// (see the module's rules). Runs in a task of its own.
@@ -377,17 +354,19 @@ async fn carry_source(
     let call = client.lazy_pages(up);
     let state = Arc::clone(&src.state);
     let pages = async move {
-        let mut pace = Pace::new(bandwidth_limit);
+        let pace = Pace::new(bandwidth_limit);
         loop {
             let n = reader.read(&mut buf).await.map_err(|e| e.to_string())?;
             if n == 0 {
                 return Ok::<(), String>(());
             }
+            if let Some(wait) = pace.ahead(n as u64) {
+                tokio::time::sleep(wait).await;
+            }
             tx.send(out.frame(&buf[..n]))
                 .await
                 .map_err(|_| "the target closed the session".to_string())?;
             state.bytes.fetch_add(n as u64, Ordering::SeqCst);
-            pace.after(n).await;
         }
     };
     let requests = async {

@@ -462,16 +462,24 @@ impl Pace {
         }
     }
 
-    /// Blocks until `bytes` more may go out.
-    fn wait(&self, bytes: u64) {
+    /// Charges `bytes` that are about to go out: how long to wait before they may
+    /// (`None`: at once). The one pacing rule of every stream the agent sends, the
+    /// images' (blocking, [`Pace::wait`]) and PostCopy's pages (async).
+    pub(super) fn ahead(&self, bytes: u64) -> Option<std::time::Duration> {
         if self.limit == 0 {
-            return;
+            return None;
         }
         let before = self
             .sent
             .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         let due = std::time::Duration::from_secs_f64(before as f64 / self.limit as f64);
-        if let Some(ahead) = due.checked_sub(self.started.elapsed()) {
+        due.checked_sub(self.started.elapsed())
+            .filter(|d| !d.is_zero())
+    }
+
+    /// Blocks until `bytes` more may go out.
+    fn wait(&self, bytes: u64) {
+        if let Some(ahead) = self.ahead(bytes) {
             std::thread::sleep(ahead);
         }
     }
