@@ -116,6 +116,10 @@ pub enum Mode {
     PreCopy,
     #[value(name = "Cold", alias = "cold")]
     Cold,
+    /// Opt-in: the shortest freeze, but the pod's state is lost if the source's node or
+    /// agent is lost before every page is in.
+    #[value(name = "PostCopy", alias = "postcopy")]
+    PostCopy,
 }
 
 #[derive(Args, Debug)]

@@ -61,6 +61,7 @@ pub fn build(args: &Migrate, name: &str, pod_uid: Option<String>) -> PodMigratio
     spec.mode = match args.mode {
         Mode::PreCopy => MigrationMode::PreCopy,
         Mode::Cold => MigrationMode::Cold,
+        Mode::PostCopy => MigrationMode::PostCopy,
     };
     spec.dry_run = args.dry_run;
     spec.deadline_seconds = args.timeout.as_secs().clamp(10, 86_400) as i64;
