@@ -312,6 +312,40 @@ fn operator_and_hook_pods_meet_the_restricted_level() {
     );
 }
 
+/// PostCopy is the installer's choice: only `migrationAgent.postCopy.enabled` adds
+/// CAP_SYS_PTRACE (the userfaultfd of CRIU's lazy restore), and only to the agent.
+#[test]
+fn post_copy_adds_sys_ptrace_to_the_agent_only_when_the_installer_enables_it() {
+    let added = |args: &[&str]| -> Vec<String> {
+        let docs = render(args);
+        let ds = of_kind(&docs, "DaemonSet")[0];
+        let agent = containers(&ds["spec"]["template"]["spec"])
+            .into_iter()
+            .find(|c| c["name"] == "agent")
+            .expect("agent container");
+        agent["securityContext"]["capabilities"]["add"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect()
+    };
+    let default = added(&[]);
+    assert!(!default.contains(&"SYS_PTRACE".to_string()), "{default:?}");
+    let post_copy = added(&["--set", "migrationAgent.postCopy.enabled=true"]);
+    let mut expected = default.clone();
+    expected.push("SYS_PTRACE".into());
+    assert_eq!(post_copy, expected);
+    // Once, also where the installer listed it already.
+    let listed = added(&[
+        "--set",
+        "migrationAgent.postCopy.enabled=true",
+        "--set",
+        "migrationAgent.agent.capabilities={SYS_ADMIN,SYS_PTRACE}",
+    ]);
+    assert_eq!(listed, ["SYS_ADMIN", "SYS_PTRACE"]);
+}
+
 #[test]
 fn the_netns_broker_is_the_only_privileged_container() {
     let docs = render(&[]);

@@ -41,6 +41,8 @@ use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;
 
 const BALLAST_MIB: u32 = 64;
+/// The installer's choice that lets the agents restore lazily (CAP_SYS_PTRACE).
+const POST_COPY: &[&str] = &["--set", "migrationAgent.postCopy.enabled=true"];
 /// The progress timeout of the crash case: the bound of its lazy phase's end.
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -68,7 +70,7 @@ async fn status(pms: &Api<PodMigration>) -> PodMigrationStatus {
 
 #[tokio::test]
 async fn a_post_copy_migration_resumes_first_and_brings_every_page() {
-    let Some(w) = World::new("lazy", "lazy", BALLAST_MIB, &[]).await else {
+    let Some(w) = World::new("lazy", "lazy", BALLAST_MIB, POST_COPY).await else {
         return;
     };
     let (app, source) = (&w.app, &w.source);
@@ -161,7 +163,7 @@ async fn a_post_copy_migration_resumes_first_and_brings_every_page() {
 
 #[tokio::test]
 async fn a_source_agent_killed_in_the_lazy_phase_fails_clearly_and_never_leaves_two_copies() {
-    let Some(w) = World::new("lazykill", "lazykill", BALLAST_MIB, &[]).await else {
+    let Some(w) = World::new("lazykill", "lazykill", BALLAST_MIB, POST_COPY).await else {
         return;
     };
     let (app, op, source) = (&w.app, &w.op, &w.source);

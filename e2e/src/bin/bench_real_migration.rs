@@ -13,7 +13,7 @@
 //! `--sizes` (MiB; `agent_memory_mib`: twice the pod for PreCopy, whose final dump
 //! is written beside the warm copy without soft-dirty tracking, plus a quarter and
 //! 256 MiB; the limit 1 GiB above; never below the chart's 2Gi / 3Gi — 5376Mi / 6400Mi
-//! for 2048). Each PodMigration gets `deadlineSeconds` 900 and
+//! for 2048), and `migrationAgent.postCopy.enabled` for the PostCopy arm. Each PodMigration gets `deadlineSeconds` 900 and
 //! `progressTimeoutSeconds` 600 (a 2 GiB one takes about half a minute here); the
 //! testload pods have no memory limit. For each size two Deployments of the
 //! `testload` fixture run on the real nodes (`serve 8080 <MiB> <dirty KiB/s>`, readiness
@@ -283,7 +283,8 @@ async fn main() -> anyhow::Result<()> {
         "--set-string".to_owned(),
         format!(
             "migrationAgent.checkpointSizeLimit={checkpoint_mib}Mi,\
-             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi"
+             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi,\
+             migrationAgent.postCopy.enabled=true"
         ),
     ];
     if args.timeline {

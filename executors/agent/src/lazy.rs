@@ -48,16 +48,24 @@ pub const CRIU_PIPE_BYTES: u64 = (8 * 4096 / 40) * 4096;
 /// CAP_SYS_RESOURCE, which lets a pipe grow past `fs.pipe-max-size`.
 const CAP_SYS_RESOURCE: u32 = 24;
 
-/// Whether CRIU run by this process can serve lazy pages: its pipes can grow to
-/// [`CRIU_PIPE_BYTES`]. The error says what to change on the node.
-pub fn pipe_room() -> Result<(), String> {
-    let caps = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let eff = caps
+/// CAP_SYS_PTRACE, which lets a process open a userfaultfd that also handles the
+/// kernel's own faults while `vm.unprivileged_userfaultfd` is 0.
+const CAP_SYS_PTRACE: u32 = 19;
+
+/// Whether this process holds capability `cap` (its effective set).
+fn holds(cap: u32) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .unwrap_or(0);
-    if eff & (1 << CAP_SYS_RESOURCE) != 0 {
+        .is_some_and(|eff| eff & (1 << cap) != 0)
+}
+
+/// Whether CRIU run by this process can serve lazy pages: its pipes can grow to
+/// [`CRIU_PIPE_BYTES`]. The error says what to change on the node.
+pub fn pipe_room() -> Result<(), String> {
+    if holds(CAP_SYS_RESOURCE) {
         return Ok(());
     }
     let max = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
@@ -75,6 +83,31 @@ pub fn pipe_room() -> Result<(), String> {
          CAP_SYS_RESOURCE; set the sysctl fs.pipe-max-size to at least {CRIU_PIPE_BYTES} \
          on the node (it is not namespaced), or migrate with PreCopy or Cold"
     ))
+}
+
+/// Whether CRIU run by this process can restore lazily: `criu lazy-pages` and the
+/// restored process open a userfaultfd that must also handle faults in the kernel's
+/// own accesses (CRIU asks for no `UFFD_USER_MODE_ONLY`), which the kernel grants
+/// only with CAP_SYS_PTRACE while `vm.unprivileged_userfaultfd` is 0. The error says
+/// what to change (the kernel's rule; measured: without either, `criu lazy-pages`
+/// logs "Lazy pages are not permitted" and exits 1).
+pub fn uffd_room() -> Result<(), String> {
+    if holds(CAP_SYS_PTRACE) {
+        return Ok(());
+    }
+    let unprivileged = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
+        .map(|v| v.trim() == "1")
+        .unwrap_or(false);
+    if unprivileged {
+        return Ok(());
+    }
+    Err(
+        "PostCopy is not possible on this target node: CRIU's lazy restore needs a \
+         userfaultfd, which the kernel grants this agent only with CAP_SYS_PTRACE (the \
+         chart adds it with migrationAgent.postCopy.enabled=true) or with the node's \
+         sysctl vm.unprivileged_userfaultfd=1; or migrate with PreCopy or Cold"
+            .to_string(),
+    )
 }
 
 /// Writes the CRIU configuration file that names its standard input as the

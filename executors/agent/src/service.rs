@@ -956,8 +956,14 @@ impl Agent {
             return Ok(m.lock().await.status());
         }
         let role = check_prepare(&r, self.own_node())?;
-        if r.post_copy && role == Role::Source {
-            crate::lazy::pipe_room().map_err(Status::failed_precondition)?;
+        if r.post_copy {
+            // Refused here, before anything is frozen: the source serves the pages,
+            // the target restores them through a userfaultfd.
+            match role {
+                Role::Source => crate::lazy::pipe_room(),
+                _ => crate::lazy::uffd_room(),
+            }
+            .map_err(Status::failed_precondition)?;
         }
         // No PID on the wire: the containers the operator names are resolved here,
         // through the node's container runtime (a malformed ID is InvalidArgument).
