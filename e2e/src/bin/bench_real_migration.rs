@@ -283,9 +283,10 @@ async fn main() -> anyhow::Result<()> {
         "--set-string".to_owned(),
         format!(
             "migrationAgent.checkpointSizeLimit={checkpoint_mib}Mi,\
-             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi,\
-             migrationAgent.postCopy.enabled=true"
+             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi"
         ),
+        "--set".to_owned(),
+        "migrationAgent.postCopy.enabled=true".to_owned(),
     ];
     if args.timeline {
         // The timeline shows each reconcile of the migration (its start and length).
