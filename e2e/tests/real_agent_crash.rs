@@ -33,7 +33,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, pod_processes, sample, says_resumed, status_texts, workload_processes,
+    Proc, ServicePoller, kill_pod_processes, sample, says_resumed, status_texts, workload_processes,
 };
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, source_serves_alone,
@@ -58,26 +58,6 @@ enum Stage {
     Crashed,
     /// The source runs again: until the migration ends.
     Resumed,
-}
-
-/// SIGKILLs every process of pod `uid` but its sandbox's (`pause`); returns what was
-/// killed (pid, argv[0]).
-fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
-    let victims: Vec<(u32, String)> = pod_processes(uid)
-        .into_iter()
-        .filter(|(_, argv0)| !argv0.ends_with("pause"))
-        .collect();
-    for (pid, argv0) in &victims {
-        // One that exited meanwhile (a CRIU finishing) fails the kill: that is fine.
-        let out = std::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .output()
-            .expect("kill");
-        if !out.status.success() {
-            eprintln!("kill -KILL {pid} ({argv0}): {}", output_text(&out));
-        }
-    }
-    victims
 }
 
 #[tokio::test]

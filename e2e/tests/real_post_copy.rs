@@ -31,7 +31,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationMode, MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::copies::{
-    pod_processes, sample, says_resumed, status_texts, workload_processes,
+    kill_pod_processes, sample, says_resumed, status_texts, workload_processes,
 };
 use podmotion_e2e::real::force_delete_pod;
 use podmotion_e2e::real::testload::{
@@ -214,16 +214,7 @@ async fn a_source_agent_killed_in_the_lazy_phase_fails_clearly_and_never_leaves_
             let victim = agent_pods.list(&on_source).await.unwrap().items;
             assert_eq!(victim.len(), 1, "one agent pod on {source_node}");
             let uid = victim[0].uid().unwrap();
-            let killed: Vec<(u32, String)> = pod_processes(&uid)
-                .into_iter()
-                .filter(|(_, argv0)| !argv0.ends_with("pause"))
-                .collect();
-            for (pid, _) in &killed {
-                // One that exited meanwhile fails the kill: that is fine.
-                let _ = std::process::Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .output();
-            }
+            let killed = kill_pod_processes(&uid);
             force_delete_pod(&agents, &victim[0].name_any());
             killed_at = Some(Instant::now());
             eprintln!(

@@ -68,6 +68,29 @@ pub fn pod_processes(uid: &str) -> Vec<(u32, String)> {
     out
 }
 
+/// SIGKILLs every process of pod `uid` but its sandbox's (`pause`): a crash no signal
+/// handler sees; returns what was killed (pid, argv[0]).
+pub fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
+    let victims: Vec<(u32, String)> = pod_processes(uid)
+        .into_iter()
+        .filter(|(_, argv0)| !argv0.ends_with("pause"))
+        .collect();
+    for (pid, argv0) in &victims {
+        // One that exited meanwhile (a CRIU finishing) fails the kill: that is fine.
+        let out = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .output()
+            .expect("kill");
+        if !out.status.success() {
+            eprintln!(
+                "kill -KILL {pid} ({argv0}): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+    }
+    victims
+}
+
 /// The testload server processes (port 8080) in the cgroups of the pods `pod_uids`.
 /// Another listener a test starts (in its own cgroup, on another port) never counts.
 pub fn workload_processes(pod_uids: &[String]) -> Vec<Proc> {
