@@ -449,6 +449,10 @@ impl Migration {
     }
 
     async fn kill_restored_copy(&mut self) -> Result<(), Status> {
+        // PostCopy: a daemon started for a restore that never came goes too.
+        if let Some(t) = &self.lazy_target {
+            t.stop_daemon();
+        }
         self.release_adopted().await;
         let root = self.restored;
         let holder = self.fs.is_some().then_some(self.process);
@@ -1238,7 +1242,7 @@ impl Agent {
                 m.phase
             )));
         }
-        post_copy::accept_session(&mut m, mm, first, s)
+        post_copy::accept_session(&self.cfg.criu, &mut m, mm, first, s)
     }
 
     /// Receives one image stream on the target. The stream is stored by a task of its
@@ -1388,6 +1392,9 @@ impl Agent {
             return Err(Status::failed_precondition(
                 "the source is frozen: commit or abort first",
             ));
+        }
+        if let Some(t) = &m.lazy_target {
+            t.stop_daemon();
         }
         images::zeroize(&m.dir).map_err(|e| Status::internal(e.to_string()))?;
         let _ = m.broker(Request::Forget { uid: m.uid.clone() }).await;

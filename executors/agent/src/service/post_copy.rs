@@ -395,16 +395,31 @@ async fn carry_source(
 /// what the lazy phase came to.
 pub(super) struct Target {
     pub(super) state: Arc<LazyState>,
-    daemon_end: StdMutex<Option<OwnedFd>>,
+    /// `criu lazy-pages`, started when the session opened (its start is then not part
+    /// of the freeze), until `Restore` takes it; killed with the target otherwise.
+    daemon: StdMutex<Option<std::process::Child>>,
     /// The daemon's requests, parsed to tell a clean end from a cut session.
     requests: StdMutex<Requests>,
 }
 
 impl Target {
-    /// The daemon's end of the session's socket, once (`Restore` gives it to the
-    /// daemon).
-    pub(super) fn take_daemon_end(&self) -> Option<OwnedFd> {
-        self.daemon_end.lock().expect("daemon end").take()
+    /// The daemon, once (`Restore` restores lazily on it, then watches it).
+    pub(super) fn take_daemon(&self) -> Option<std::process::Child> {
+        self.daemon.lock().expect("daemon").take()
+    }
+
+    /// Kills a daemon no restore took (an abort or a cleanup before the restore).
+    pub(super) fn stop_daemon(&self) {
+        if let Some(mut d) = self.take_daemon() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.stop_daemon();
     }
 }
 
@@ -416,13 +431,19 @@ pub(super) type FrameStream =
 /// one end waits for the daemon, the other carried here until either side ends.
 /// Returns the stream of the daemon's requests, sealed.
 pub(super) fn accept_session(
+    criu: &Criu,
     m: &mut Migration,
     mm: Arc<Mutex<Migration>>,
     first: LazyFrame,
     rest: tonic::Streaming<LazyFrame>,
 ) -> Result<FrameStream, Status> {
+    let dir = super::restore::final_images(&m.dir)?;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| Status::internal(format!("lazy-pages socket: {e}")))?;
+    // The daemon starts now, on the final images, while the source is frozen but
+    // before `Restore` is asked for: its start (CRIU's kernel-feature probe, ≈ 50 ms)
+    // is then mostly over when the restore needs it.
+    let daemon = spawn_daemon(criu, &dir, OwnedFd::from(theirs))?;
     ours.set_nonblocking(true)
         .map_err(|e| Status::internal(e.to_string()))?;
     let (mut reader, mut writer) = tokio::net::UnixStream::from_std(ours)
@@ -430,7 +451,7 @@ pub(super) fn accept_session(
         .into_split();
     let target = Arc::new(Target {
         state: Arc::default(),
-        daemon_end: StdMutex::new(Some(OwnedFd::from(theirs))),
+        daemon: StdMutex::new(Some(daemon)),
         requests: StdMutex::new(Requests::default()),
     });
     m.lazy_target = Some(Arc::clone(&target));
@@ -502,17 +523,21 @@ pub(super) fn accept_session(
 
 /// Starts the target's `criu lazy-pages` for the images in `dir` on the session's
 /// socket, and waits until it listens for the restore.
-pub(super) async fn start_daemon(
-    criu: &Criu,
-    dir: &Path,
-    socket: OwnedFd,
-) -> Result<std::process::Child, Status> {
-    let mut child = lazy::daemon_command(&criu.binary, dir, "lazy.log")
+fn spawn_daemon(criu: &Criu, dir: &Path, socket: OwnedFd) -> Result<std::process::Child, Status> {
+    lazy::daemon_command(&criu.binary, dir, "lazy.log")
         .stdin(socket)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
-        .map_err(|e| Status::internal(format!("criu lazy-pages: {e}")))?;
+        .map_err(|e| Status::internal(format!("criu lazy-pages: {e}")))
+}
+
+/// Waits (5 s at most) for the daemon started with the session to listen for the
+/// restored processes; a daemon that exited instead is reported with its log.
+pub(super) async fn daemon_listening(
+    mut child: std::process::Child,
+    dir: &Path,
+) -> Result<std::process::Child, Status> {
     let sock = dir.join("lazy-pages.socket");
     for _ in 0..500 {
         if sock.exists() {

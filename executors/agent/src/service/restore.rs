@@ -56,7 +56,7 @@ pub(super) async fn restore_locked(
     let (mut run, dir, preserve) = run;
     // PostCopy: the daemon that fills the restored memory from the source, on the
     // session the source opened, listening before CRIU starts.
-    let daemon = match lazy_daemon(&cfg, &m, &dir).await {
+    let daemon = match lazy_daemon(&m, &dir).await {
         Ok(d) => d,
         Err(e) => {
             m.release_adopted().await;
@@ -114,28 +114,30 @@ pub(super) async fn restore_locked(
     Ok(m.status())
 }
 
-/// PostCopy: `criu lazy-pages` for the images in `dir`, started on the source's
-/// session; `None` for the other modes.
-async fn lazy_daemon(
-    cfg: &Config,
-    m: &Migration,
-    dir: &Path,
-) -> Result<Option<std::process::Child>, Status> {
+/// PostCopy: `criu lazy-pages` for the images in `dir`, started when the source opened its
+/// session, once it listens; `None` for the other modes.
+async fn lazy_daemon(m: &Migration, dir: &Path) -> Result<Option<std::process::Child>, Status> {
     if !m.post_copy {
         return Ok(None);
     }
-    let socket = m
+    let daemon = m
         .lazy_target
         .as_ref()
-        .and_then(|t| t.take_daemon_end())
+        .and_then(|t| t.take_daemon())
         .ok_or_else(|| {
             Status::failed_precondition(
                 "PostCopy: the source has not opened its lazy-pages session (or a restore already used it)",
             )
         })?;
-    super::post_copy::start_daemon(&cfg.criu, dir, socket)
+    super::post_copy::daemon_listening(daemon, dir)
         .await
         .map(Some)
+}
+
+/// The directory of the final images of the checkpoint in `dir`, as its manifest
+/// names it.
+pub(super) fn final_images(dir: &Path) -> Result<PathBuf, Status> {
+    final_dir(dir, &read_manifest(dir)?)
 }
 
 fn read_manifest(dir: &Path) -> Result<Manifest, Status> {
