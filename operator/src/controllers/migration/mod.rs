@@ -143,6 +143,7 @@ pub async fn run_with<A: AgentClient>(
     let shared = Arc::new(Shared {
         master_key,
         key_secrets: Default::default(),
+        written: Default::default(),
         agent_pods,
         ctx: ctx.clone(),
         cfg,
@@ -295,6 +296,16 @@ impl<A: AgentClient> Reconciler for Shared<A> {
         pm: &PodMigration,
         _cleanup: bool,
     ) -> Result<observe::Observation, ReconcileError> {
+        // A round on a migration older than this replica's own last write would decide
+        // on a past state (found by the chaos run: a watch broken by an API server
+        // restart served a pre-commit status after the commit was written, and the
+        // round rolled back a migration whose source pod was already being deleted).
+        if self.behind_own_write(pm) {
+            return Err(ReconcileError::wait(
+                "the status this replica wrote last is not in its cache yet",
+                std::time::Duration::from_millis(50),
+            ));
+        }
         observe::observe(self, pm).await
     }
 
@@ -324,6 +335,9 @@ impl<A: AgentClient> Reconciler for Shared<A> {
     }
 
     async fn after_status(&self, pm: &PodMigration, d: Deferred) -> Result<(), ReconcileError> {
+        // Written (or already there): later rounds must not decide on anything older.
+        let forget = d.actions.contains(&Action::RemoveFinalizer);
+        self.remember_written(pm, (!forget).then_some(&d.status));
         for action in &d.actions {
             act::execute(self, pm, action, &d).await?;
         }
