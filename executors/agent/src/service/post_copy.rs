@@ -428,7 +428,8 @@ pub(super) type FrameStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<LazyFrame, Status>> + Send>>;
 
 /// Opens the target's side of a session (the caller admitted it): a socket pair whose
-/// one end waits for the daemon, the other carried here until either side ends.
+/// one end the daemon's (started here, see [`spawn_daemon`]), the other carried here
+/// until either side ends.
 /// Returns the stream of the daemon's requests, sealed.
 pub(super) fn accept_session(
     criu: &Criu,
@@ -522,7 +523,7 @@ pub(super) fn accept_session(
 }
 
 /// Starts the target's `criu lazy-pages` for the images in `dir` on the session's
-/// socket, and waits until it listens for the restore.
+/// socket (without waiting: [`daemon_listening`] does, at the restore).
 fn spawn_daemon(criu: &Criu, dir: &Path, socket: OwnedFd) -> Result<std::process::Child, Status> {
     lazy::daemon_command(&criu.binary, dir, "lazy.log")
         .stdin(socket)
