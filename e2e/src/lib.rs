@@ -77,11 +77,30 @@ pub fn kubeconfig_path() -> PathBuf {
     }
 }
 
-/// `false` when `PODMOTION_E2E=0`: cluster tests are skipped instead of failing.
+/// Whether this run is CI's (`CI` set to anything but empty, `0` or `false`). Skip
+/// switches are for developers' local runs: under CI a test that cannot run its real
+/// body fails, naming what was missing, instead of reporting ok.
+pub fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
+}
+
+/// Panics when the skip switch `name` (set to `0`) is used under CI; see [`under_ci`].
+pub fn refuse_skip_under_ci(name: &str) {
+    assert!(
+        !under_ci(),
+        "{name}=0 is set under CI: skip switches are for local runs only, and this test \
+         must run its real body (unset {name}, and provide what it needs)"
+    );
+}
+
+/// `false` when `PODMOTION_E2E=0`: cluster tests are skipped instead of failing (a
+/// local run only: under CI the switch fails the test).
 pub fn e2e_enabled() -> bool {
-    std::env::var("PODMOTION_E2E")
-        .map(|v| v != "0")
-        .unwrap_or(true)
+    let skip = std::env::var("PODMOTION_E2E").is_ok_and(|v| v == "0");
+    if skip {
+        refuse_skip_under_ci("PODMOTION_E2E");
+    }
+    !skip
 }
 
 /// Path of our `kubectl` (the binary cache, never the one on `$PATH`).

@@ -145,7 +145,13 @@ fn parse_opts() -> anyhow::Result<Opts> {
         share_per_mille: 200,
         api_restart: false,
         plant_violation: false,
-        live: std::env::var("PODMOTION_ROOT_TESTS").as_deref() != Ok("0"),
+        live: {
+            let skip = std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0");
+            if skip {
+                podmotion_e2e::refuse_skip_under_ci("PODMOTION_ROOT_TESTS");
+            }
+            !skip
+        },
         seed: u64::from_str_radix(&random_suffix(), 16).unwrap_or(1),
     };
     let mut it = args.iter();

@@ -20,6 +20,11 @@ pub fn container() -> ContainerId {
 
 pub fn require_root() -> bool {
     if std::env::var("PODMOTION_ROOT_TESTS").as_deref() == Ok("0") {
+        // A developer's local run only: under CI (`CI` set) the switch fails the test.
+        assert!(
+            !std::env::var("CI").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false")),
+            "PODMOTION_ROOT_TESTS=0 is set under CI: skip switches are for local runs only"
+        );
         eprintln!("PODMOTION_ROOT_TESTS=0: skipping");
         return false;
     }
