@@ -126,7 +126,7 @@ fn logs_are_json(namespace: &str, pod: &str, container: &str) {
     let v: Value = serde_json::from_str(&first)
         .unwrap_or_else(|e| panic!("{pod}/{container}: not JSON ({e}): {first}"));
     assert!(v["level"].is_string(), "{pod}/{container}: {v}");
-    assert!(v["fields"]["message"].is_string(), "{pod}/{container}: {v}");
+    assert!(v["message"].is_string(), "{pod}/{container}: {v}");
 }
 
 /// The first log line of a container is tracing's text format (`<time>  INFO

@@ -1739,14 +1739,14 @@ fn print_replica_tails(n: &Names, replicas: &[String]) {
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter(|j| {
-                let msg = j["fields"]["message"].as_str().unwrap_or_default();
+                let msg = j["message"].as_str().unwrap_or_default();
                 msg.starts_with("reconcile")
                     || msg.contains("backing off")
                     || msg.contains("leadership")
                     || j["level"] == "WARN"
             })
             .map(|j| {
-                let f = &j["fields"];
+                let f = &j;
                 let fields = [
                     "message",
                     "controller",

@@ -73,7 +73,9 @@ where
         .with_env_filter(filter)
         .with_writer(writer);
     match format {
-        LogFormat::Json => tracing::Dispatch::new(builder.json().finish()),
+        // Flattened: `message` and the event's fields are top-level keys, as log
+        // collectors (Loki, Elasticsearch, Cloud Logging) look for them.
+        LogFormat::Json => tracing::Dispatch::new(builder.json().flatten_event(true).finish()),
         LogFormat::Text => tracing::Dispatch::new(builder.with_ansi(false).finish()),
     }
 }
@@ -114,8 +116,9 @@ mod tests {
         assert_eq!(lines.len(), 1, "{text}");
         let v: serde_json::Value = serde_json::from_str(lines[0]).expect(lines[0]);
         assert_eq!(v["level"], "INFO", "{v}");
-        assert_eq!(v["fields"]["message"], "agent serving", "{v}");
-        assert_eq!(v["fields"]["node"], "pm-node-0", "{v}");
+        assert_eq!(v["message"], "agent serving", "{v}");
+        assert_eq!(v["node"], "pm-node-0", "{v}");
+        assert!(v.get("fields").is_none(), "fields are top-level: {v}");
         assert!(v["timestamp"].is_string(), "{v}");
     }
 

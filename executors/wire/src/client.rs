@@ -286,6 +286,11 @@ pub fn tls_incoming(
                     Ok(Ok(s)) => {
                         let _ = tx.send(Ok(s)).await;
                     }
+                    // A peer that closes before a handshake (the kubelet's TCP readiness
+                    // probe, every period) is no news: debug. Anything else is.
+                    Ok(Err(e)) if closed_early(&e) => {
+                        tracing::debug!(error = %e, %peer, "connection closed before a TLS handshake")
+                    }
                     Ok(Err(e)) => tracing::info!(error = %e, %peer, "TLS handshake refused"),
                     Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
                 }
@@ -293,6 +298,17 @@ pub fn tls_incoming(
         }
     });
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
+}
+
+/// Whether a failed TLS accept is a peer that went away before saying anything (a TCP
+/// probe): end of stream or reset, as opposed to a refused certificate or protocol.
+fn closed_early(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe
+    )
 }
 
 /// `(subject, issuer)` of the first certificate of a PEM bundle, as RFC 4514 strings.

@@ -317,8 +317,11 @@ impl<A: AgentClient> Reconciler for Shared<A> {
     ) -> Result<Outcome<PodMigrationStatus, Deferred>, ReconcileError> {
         let t = machine::next(&o.machine);
         let before = pm.status.clone().unwrap_or_default();
-        if t.status.phase != before.phase && t.status.phase.is_terminal() {
-            record_outcome(&self.ctx, &t.status);
+        if t.status.phase != before.phase {
+            log_phase_change(pm, &before, &t.status);
+            if t.status.phase.is_terminal() {
+                record_outcome(&self.ctx, &t.status);
+            }
         }
         Ok(Outcome {
             status: Some(t.status.clone()),
@@ -343,6 +346,30 @@ impl<A: AgentClient> Reconciler for Shared<A> {
         }
         Ok(())
     }
+}
+
+/// One info line per phase change, with what an operator's log reader needs to find the
+/// migration (name, namespace, uid), where it moves and why (the failure reason, else the
+/// `Ready` condition's reason): the chaos runs' failures were slow to explain without it.
+fn log_phase_change(pm: &PodMigration, before: &PodMigrationStatus, after: &PodMigrationStatus) {
+    let reason = after.failure_reason.as_deref().or_else(|| {
+        after
+            .conditions
+            .iter()
+            .find(|c| c.type_ == podmotion_api::names::condition_types::READY)
+            .map(|c| c.reason.as_str())
+    });
+    tracing::info!(
+        migration = %pm.name_any(),
+        namespace = pm.namespace().as_deref().unwrap_or_default(),
+        uid = pm.uid().as_deref().unwrap_or_default(),
+        from = ?before.phase,
+        to = ?after.phase,
+        reason = reason.unwrap_or_default(),
+        source = after.source_node.as_deref().unwrap_or_default(),
+        target = after.target_node.as_deref().unwrap_or_default(),
+        "migration phase changed"
+    );
 }
 
 fn record_outcome(ctx: &Context, st: &PodMigrationStatus) {
