@@ -25,6 +25,10 @@
 #                                            real-node test, demo), never in the chart
 #   pause                                    the nodes' sandbox image, also tagged :3.10
 #
+# Every build also checks the size budget: an image the chart ships (operator, agent,
+# broker, attach, preflight) over IMAGE_SIZE_LIMIT_MIB (default 20) MiB compressed fails
+# it, naming the image; each image's compressed size is logged.
+#
 # stdout: exactly one line per image, `$PODMOTION_REGISTRY/podmotion/<name>@sha256:<digest>`.
 # Everything else goes to stderr. Also writes $PODMOTION_RUN/images-values.yaml (the
 # chart's image keys pinned by digest; hack/install.sh passes it to helm) and, with every
@@ -509,6 +513,29 @@ for n in "${names[@]}"; do
     log "$n: built and pushed in $((SECONDS - start))s, ${DIGEST[$n]}"
   fi
 done
+
+# Size budget: every image the chart ships stays at most IMAGE_SIZE_LIMIT_MIB (20 MiB,
+# DESIGN.md's target) compressed, as pulled: the sum of its layers in the registry. The
+# test-only images (testload, runner-standin, pause) are listed, not limited.
+limit_mib=${IMAGE_SIZE_LIMIT_MIB:-20}
+too_big=()
+for n in "${names[@]}"; do
+  bytes=$(reg_get "$n" "manifests/${DIGEST[$n]}" | jq '[.layers[].size] | add') ||
+    die "$n: cannot read its manifest back from the registry"
+  mib=$(awk -v b="$bytes" 'BEGIN{printf "%.2f", b/1048576}')
+  case $n in
+    operator | agent | broker | attach | preflight)
+      if ((bytes > limit_mib * 1048576)); then
+        log "$n: $mib MiB compressed, over the ${limit_mib} MiB budget"
+        too_big+=("$n")
+      else
+        log "$n: $mib MiB compressed (budget ${limit_mib} MiB)"
+      fi
+      ;;
+    *) log "$n: $mib MiB compressed (test image, no budget)" ;;
+  esac
+done
+((${#too_big[@]} == 0)) || die "images over ${limit_mib} MiB compressed: ${too_big[*]}"
 
 # Images replaced by this build are unreferenced now (vfs keeps a full copy of each).
 buildah_in "$STORE" rmi --prune >/dev/null 2>&1 || true
