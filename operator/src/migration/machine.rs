@@ -378,11 +378,12 @@ impl<'a> Machine<'a> {
             MigrationPhase::Preparing => (
                 EventKind::Normal,
                 reasons::MIGRATABLE,
+                // The Event is on the PodMigration, whose spec names the pod; the target
+                // pod has no name yet when this phase is entered.
                 format!(
-                    "migrating pod {} from {} to {}",
-                    self.o.status_pod_name(),
-                    self.status.source_node.as_deref().unwrap_or("?"),
-                    self.status.target_node.as_deref().unwrap_or("?")
+                    "migrating the pod from node {} to node {}",
+                    self.status.source_node.as_deref().unwrap_or("(unknown)"),
+                    self.status.target_node.as_deref().unwrap_or("(unknown)")
                 ),
             ),
             MigrationPhase::Checkpointing => (
