@@ -193,3 +193,52 @@ pub mod reasons {
     /// A Runner pod cannot be scheduled on its node (it does not fit, usually).
     pub const RUNNER_UNSCHEDULABLE: &str = "RunnerUnschedulable";
 }
+
+/// The holder of a migration target pod, named by both the operator (which renders the
+/// target pod) and the node agent (which installs the holder and restores into it).
+pub mod holder {
+    /// Where a migration target pod's containers mount the holder's directory (an
+    /// `emptyDir`): the holder binary and, after restore, its restart file.
+    pub const HOLDER_DIR: &str = "/.podmotion";
+    /// The holder binary in [`HOLDER_DIR`].
+    pub const HOLDER_BIN: &str = "/.podmotion/hold";
+}
+
+/// The identities of the migration wire's parties (URI SANs in PodMotion's trust
+/// domain, and informative CNs), named by both the operator's PKI (which issues the
+/// certificates) and the wire (which reads them: `podmotion_wire::identity`).
+pub mod identity {
+    /// PodMotion's SPIFFE trust domain, as the prefix of every identity URI.
+    pub const TRUST_DOMAIN: &str = "spiffe://podmotion.io/";
+    /// The operator's identity.
+    pub const OPERATOR_URI: &str = "spiffe://podmotion.io/operator";
+    /// The operator certificate's CN (informative).
+    pub const OPERATOR_CN: &str = "podmotion-operator";
+    /// CN of the legacy certificate shared by every agent (no URI SAN).
+    pub const LEGACY_AGENT_CN: &str = "podmotion-agent";
+
+    /// The identity URI of the agent on `node`.
+    pub fn agent_uri(node: &str) -> String {
+        format!("{TRUST_DOMAIN}agent/{node}")
+    }
+
+    /// The CN of the agent certificate of `node` (informative).
+    pub fn agent_cn(node: &str) -> String {
+        format!("podmotion-agent:{node}")
+    }
+
+    /// Whether `s` is a Kubernetes node name (a DNS-1123 subdomain).
+    pub fn valid_node_name(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            })
+    }
+}

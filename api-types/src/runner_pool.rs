@@ -4,7 +4,7 @@
 //! The spec carries only the values the design record leaves to the cluster
 //! operator (node label and taint, capacity numbers, device resource name, paths,
 //! the Server's Service); the pod *shape* is fixed by the operator's renderer
-//! (`operator/src/runner_pool/`). Every bound here is enforced by CEL so a bad value
+//! (`operator/core/src/runner_pool/`). Every bound here is enforced by CEL so a bad value
 //! is rejected at admission with a message, not discovered as a crash-looping pod.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;

@@ -1,5 +1,5 @@
 //! The agent Job contract end to end, without a cluster: the attachment controller
-//! renders a Job (`operator/src/attachment/render.rs`) and the attach executor parses
+//! renders a Job (`operator/core/src/attachment/render.rs`) and the attach executor parses
 //! that Job's environment with its own code (`executors/attach/src/jobenv.rs`). Both use
 //! one definition (`executors/attach-job`), and this test proves they agree: every
 //! variable the operator sets is one the contract names, and what the executor reads

@@ -1819,7 +1819,7 @@ fn log_format_is_one_value_for_every_component() {
         assert_eq!(f, if operator_image { "text" } else { "json" }, "{c}");
     }
     // The operator passes its own format on to the pods it renders (attachment Jobs
-    // here; the RunnerPool preflight in operator/src/runner_pool/tests.rs).
+    // here; the RunnerPool preflight in operator/core/src/runner_pool/tests.rs).
     let (_, operator_format) = text
         .iter()
         .find(|(c, _)| c.ends_with("/operator"))

@@ -1,17 +1,17 @@
-//! The PodMotion operator as a library: pure reconcile cores (`runner_pool`,
-//! `attachment`, `migration`), the thin controllers that feed them observed state and
-//! apply what they return (`controllers`), and the runtime every controller shares
-//! (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`, `release`,
-//! `server`); `meta`
-//! is the pure object metadata the cores and the runtime share.
+//! The PodMotion operator's runtime: the thin controllers that feed the pure cores
+//! observed state and apply what they return (`controllers`), the adapters to the node
+//! agents (`agents`) and the PKI's API side (`pki::shell`), and what every controller
+//! shares (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`,
+//! `release`, `server`).
 //!
-//! The pure cores take plain structs and return desired objects and status; they never
-//! touch the network. Everything that talks to the API server lives in `controllers`
-//! and the runtime modules, and is proven against the real control plane in `e2e/`.
+//! The pure cores (`runner_pool`, `attachment`, `migration`, the PKI's `plan` and
+//! `issue`, `meta`, `note`) live in the `podmotion-core` crate, whose dependencies
+//! leave out the API client, the async runtime, the wire protocol and the clock; they
+//! are re-exported here under their old paths. Everything that talks to the API server
+//! lives in this crate and is proven against the real control plane in `e2e/`.
 #![forbid(unsafe_code)]
 
 pub mod agents;
-pub mod attachment;
 pub mod cache;
 pub mod children;
 pub mod client;
@@ -20,11 +20,9 @@ pub mod context;
 pub mod controllers;
 pub mod events;
 pub mod leader;
-pub mod meta;
 pub mod metrics;
-pub mod migration;
-pub mod note;
 pub mod pki;
 pub mod release;
-pub mod runner_pool;
 pub mod server;
+
+pub use podmotion_core::{attachment, meta, migration, note, runner_pool};

@@ -52,7 +52,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: migration-agent
 {{- end -}}
 
-{{/* The attach agents' pods, as the operator labels them (operator/src/attachment/
+{{/* The attach agents' pods, as the operator labels them (operator/core/src/attachment/
      render.rs agent_selector_labels): no release label, the agents' namespace tells
      the releases apart. */}}
 {{- define "podmotion.attachAgentSelector" -}}

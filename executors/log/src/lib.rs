@@ -9,7 +9,9 @@
 use std::fmt;
 use std::str::FromStr;
 
+#[cfg(feature = "setup")]
 use tracing_subscriber::EnvFilter;
+#[cfg(feature = "setup")]
 use tracing_subscriber::fmt::MakeWriter;
 
 /// The environment variable every binary reads its log format from (the operator's
@@ -44,6 +46,7 @@ impl fmt::Display for LogFormat {
     }
 }
 
+#[cfg(feature = "setup")]
 impl LogFormat {
     /// From [`ENV`], for binaries that parse no flags with clap (preflight); unset or
     /// empty is the default.
@@ -55,6 +58,7 @@ impl LogFormat {
     }
 }
 
+#[cfg(feature = "setup")]
 /// Installs the global subscriber: `format` on stderr, filtered by `RUST_LOG` or else
 /// `default_filter` (e.g. `"info"`, `"info,kube=warn"`); `log` records are forwarded.
 pub fn init(format: LogFormat, default_filter: &str) {
@@ -62,6 +66,7 @@ pub fn init(format: LogFormat, default_filter: &str) {
     dispatch(format, default_filter, std::io::stderr).init();
 }
 
+#[cfg(feature = "setup")]
 /// The subscriber [`init`] installs, writing to `writer` (tests give it a buffer).
 pub fn dispatch<W>(format: LogFormat, default_filter: &str, writer: W) -> tracing::Dispatch
 where
@@ -80,7 +85,7 @@ where
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "setup"))]
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};

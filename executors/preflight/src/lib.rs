@@ -671,7 +671,7 @@ mod tests {
 
     #[test]
     fn the_verdict_format_matches_the_golden_line_the_operator_parses() {
-        // operator/src/runner_pool/preflight.rs parses the same file: a change of the
+        // operator/core/src/runner_pool/preflight.rs parses the same file: a change of the
         // format must change both sides.
         let v = Verdict::new(vec![
             Check::fail(

@@ -137,11 +137,8 @@ pub struct Manifest {
     pub workload: Option<Workload>,
 }
 
-/// Where a migration target pod's containers mount the holder's directory (an
-/// `emptyDir`): the holder binary and, after restore, its restart file.
-pub const HOLDER_DIR: &str = "/.podmotion";
-/// The holder binary in [`HOLDER_DIR`].
-pub const HOLDER_BIN: &str = "/.podmotion/hold";
+// Named by the operator too (it renders the target pod): shared through the API types.
+pub use podmotion_api::names::holder::{HOLDER_BIN, HOLDER_DIR};
 /// The restart file in [`HOLDER_DIR`]: the [`Workload`] the holder executes when an
 /// adopted container is started again.
 pub const HOLDER_RESTART: &str = "/.podmotion/restart.json";

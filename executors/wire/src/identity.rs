@@ -30,24 +30,11 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 
-/// PodMotion's SPIFFE trust domain, as the prefix of every identity URI.
-pub const TRUST_DOMAIN: &str = "spiffe://podmotion.io/";
-/// The operator's identity.
-pub const OPERATOR_URI: &str = "spiffe://podmotion.io/operator";
-/// The operator certificate's CN (informative).
-pub const OPERATOR_CN: &str = "podmotion-operator";
-/// CN of the legacy certificate shared by every agent (no URI SAN).
-pub const LEGACY_AGENT_CN: &str = "podmotion-agent";
-
-/// The identity URI of the agent on `node`.
-pub fn agent_uri(node: &str) -> String {
-    format!("{TRUST_DOMAIN}agent/{node}")
-}
-
-/// The CN of the agent certificate of `node` (informative).
-pub fn agent_cn(node: &str) -> String {
-    format!("podmotion-agent:{node}")
-}
+// The names the operator's PKI issues and this module reads are shared with the API
+// types, so the operator's pure core names them without depending on the wire.
+pub use podmotion_api::names::identity::{
+    LEGACY_AGENT_CN, OPERATOR_CN, OPERATOR_URI, TRUST_DOMAIN, agent_cn, agent_uri, valid_node_name,
+};
 
 /// A party of the migration wire.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -84,21 +71,6 @@ pub enum IdentityError {
     Unknown(String),
     #[error("{0:?} is not a valid node name")]
     BadNode(String),
-}
-
-/// Whether `s` is a Kubernetes node name (a DNS-1123 subdomain).
-pub fn valid_node_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// The party an identity URI names.

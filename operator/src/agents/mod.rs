@@ -21,14 +21,15 @@ use podmotion_wire::agent::{MigrationStatus, PrepareRequest, Role, SendRequest};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
 mod probe;
+mod report;
 
 use crate::leader::{Leadership, NotLeader};
 use crate::migration::agent::{
     AgentCallError, AgentClient, AgentEndpoint, AgentReport, Step, StepRequest, StepState,
 };
 use crate::migration::preflight::{EXEC_PROBE_DISABLED, exec_probes_disabled_message};
-use crate::migration::report::{remembered_outcome, report_from_status};
 use probe::{ProbeError, exec_once, probe_once};
+use report::{remembered_outcome, report_from_status};
 
 pub use crate::pki::plan::agent_server_name;
 

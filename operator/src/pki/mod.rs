@@ -6,12 +6,13 @@
 //! signer `podmotion.io/agent-serving`, only for the agent pod of the node whose
 //! identity is asked for), and the migration master key (a Secret, created once).
 //!
-//! [`plan`] holds every decision (pure, unit-tested); [`issue`] makes certificates;
-//! [`shell`] reads and writes the API, the leader alone writing.
+//! [`plan`] holds every decision (pure, unit-tested) and [`issue`] makes certificates,
+//! both in `podmotion-core`; [`shell`] reads and writes the API, the leader alone writing.
 
-pub mod issue;
-pub mod plan;
 pub mod shell;
+
+// The pure part, in the core crate, under its old paths.
+pub use podmotion_core::pki::{issue, plan};
 
 pub use plan::AGENT_SIGNER;
 pub use shell::{Pki, PkiSettings};

@@ -6,7 +6,7 @@
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::conditions::{Health, set_condition, set_health};
 use podmotion_api::names::{condition_types as ct, reasons};
 use podmotion_api::runner_pool::{PreflightFailure, RunnerPool, RunnerPoolStatus};

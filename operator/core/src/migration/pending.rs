@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::{Resource, ResourceExt};
+use kube_core::{Resource, ResourceExt};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::condition_types;
@@ -111,11 +111,13 @@ pub fn claim_facts(
         .collect()
 }
 
+/// When `m` was created; one the API server has not stored yet (no timestamp) is the
+/// newest of all, as it would be, without reading the clock.
 fn created(m: &PodMigration) -> Timestamp {
     m.meta()
         .creation_timestamp
         .as_ref()
-        .map_or(Timestamp::now(), |t| t.0)
+        .map_or(Timestamp::MAX, |t| t.0)
 }
 
 /// What of the installation the pre-flight checks: the operator's own

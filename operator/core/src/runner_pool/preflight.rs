@@ -233,7 +233,7 @@ mod tests {
 
     #[test]
     fn the_executors_golden_verdict_parses_with_both_failures_named() {
-        let line = include_str!("../../../executors/preflight/testdata/verdict-v1.json");
+        let line = include_str!("../../../../executors/preflight/testdata/verdict-v1.json");
         let p = pod_with(
             json!({"terminated": {"exitCode": 1, "message": line}}),
             json!({}),

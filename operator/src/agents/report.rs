@@ -1,12 +1,13 @@
 //! An agent's wire status read as the phase machine's report (which step completed,
 //! and the progress figures the freeze budget and the status use), and what the agent
-//! adapter remembers of a finished call. Pure: message types in, plain values out.
+//! adapter remembers of a finished call. Pure: message types in, plain values out. The
+//! translation lives in the adapter, so the core never sees a wire message.
 
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::NetworkOutcome;
 use podmotion_wire::agent::{MigrationStatus, Phase, Role, SocketOutcome};
 
-use super::agent::{AgentProgress, AgentReport, Step, StepState};
+use crate::migration::agent::{AgentProgress, AgentReport, Step, StepState};
 
 /// The agent's status as the phase machine's report. Pure.
 pub fn report_from_status(st: &MigrationStatus) -> AgentReport {

@@ -7,7 +7,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::attachment::{NodeAgentAttachmentSpec, WorkloadKind, WorkloadRef};
 use podmotion_api::names::{annotations, labels};
 use podmotion_api::{NodeAgentAttachment, NodeAgentAttachmentStatus};

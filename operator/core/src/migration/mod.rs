@@ -10,7 +10,6 @@ pub mod machine;
 pub mod pending;
 pub mod preflight;
 pub mod render;
-pub mod report;
 pub mod stage;
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use podmotion_wire::identity;
+use podmotion_api::names::identity;
 
 /// Lifetimes of the key material, in seconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

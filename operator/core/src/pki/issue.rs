@@ -9,7 +9,7 @@ use rcgen::{
 use time::OffsetDateTime;
 
 use super::plan::{Lifetimes, Requested, leaf_validity};
-use podmotion_wire::identity;
+use podmotion_api::names::identity;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IssueError {

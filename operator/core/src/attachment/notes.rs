@@ -3,7 +3,7 @@
 //! cost 100 extra writes), naming the first few Jobs with their pods.
 
 use k8s_openapi::api::batch::v1::Job;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::names::{annotations, reasons};
 
 use super::plan::Deletion;

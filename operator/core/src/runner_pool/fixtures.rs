@@ -1,7 +1,7 @@
 //! Builders for the RunnerPool core's tests: `pool("rp").sessions(4).build()`.
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::ObjectMeta;
+use kube_core::ObjectMeta;
 use podmotion_api::runner_pool::{LivenessProbe, RunnerPool, RunnerPoolSpec, ServerRef};
 
 use super::{Inputs, ServerEndpoint};

@@ -20,7 +20,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::names::{annotations, labels};
 use podmotion_api::runner_pool::RunnerPool;
 use serde::de::DeserializeOwned;

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::RunnerPool;
 
 pub mod drift;

@@ -1,5 +1,7 @@
 use super::*;
 use crate::pki::plan::{self, Lifetimes};
+// The wire's reading of a certificate (as the agents read it), not the shared names.
+use podmotion_wire::identity;
 
 fn life() -> Lifetimes {
     Lifetimes {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 use podmotion_api::RunnerPool;
 
 /// The Server's Service, resolved to what a NetworkPolicy can select.

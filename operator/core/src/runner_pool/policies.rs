@@ -23,7 +23,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use kube::ResourceExt;
+use kube_core::ResourceExt;
 
 /// IPv4 ranges the Runner's catch-all egress rule excludes: not globally reachable.
 pub const DENIED_IPV4: [&str; 14] = [

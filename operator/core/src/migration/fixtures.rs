@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::ObjectMeta;
+use kube_core::ObjectMeta;
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{
     MigrationMode, MigrationPhase, PhaseTransition, PodMigrationSpec, PodMigrationStatus, PreCopy,

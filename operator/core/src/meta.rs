@@ -2,13 +2,13 @@
 //! selector that finds an owner's children, a controller owner reference where the
 //! owner shares the namespace, and the one SHA-256-to-hex helper behind generated names
 //! and label values. The cores build their objects with it; the writes are in
-//! [`crate::children`].
+//! the runtime's `children`.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::ObjectMeta;
-use kube::{Resource, ResourceExt};
+use kube_core::ObjectMeta;
+use kube_core::{Resource, ResourceExt};
 use podmotion_api::names::labels;
 use sha2::{Digest, Sha256};
 

@@ -21,14 +21,14 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
-use kube::api::ObjectMeta;
+use kube_core::ObjectMeta;
+use kube_core::ResourceExt;
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{
     ApplicationProbe, ExecProbe, GrpcProbe, HttpProbe, HttpScheme, PodMigrationStatus, TcpProbe,
 };
+use podmotion_api::names::holder::{HOLDER_BIN, HOLDER_DIR};
 use podmotion_api::names::{annotations, labels};
-use podmotion_wire::agent::{HOLDER_BIN, HOLDER_DIR};
 use serde_json::json;
 
 use super::agent::{Side, Step, StepRequest};
@@ -257,10 +257,10 @@ pub fn transfer_key_secret(migration: &PodMigration, key: &[u8]) -> Secret {
 pub fn source_pod_deletion(
     source_pod_uid: Option<String>,
     grace_seconds: i64,
-) -> kube::api::DeleteParams {
-    kube::api::DeleteParams {
+) -> kube_core::params::DeleteParams {
+    kube_core::params::DeleteParams {
         grace_period_seconds: Some(u32::try_from(grace_seconds.max(0)).unwrap_or(u32::MAX)),
-        preconditions: Some(kube::api::Preconditions {
+        preconditions: Some(kube_core::params::Preconditions {
             uid: source_pod_uid,
             resource_version: None,
         }),
