@@ -265,7 +265,7 @@ fn requested_file(
     state: &Attached,
     req: &Request<Incoming>,
 ) -> Result<(String, crate::files::Opened), Box<Reply>> {
-    use crate::files::{open_in_root, query_param};
+    use crate::files::query_param;
     let query = req.uri().query();
     let Some(path) = query_param(query, "path") else {
         return Err(Box::new(error(
@@ -274,10 +274,7 @@ fn requested_file(
         )));
     };
     let container = query_param(query, "container");
-    let Some(root) = state.root_of(container.as_deref()) else {
-        return Err(Box::new(error(StatusCode::NOT_FOUND, "no such container")));
-    };
-    match open_in_root(&root, &path) {
+    match state.open_file(container.as_deref(), &path) {
         Ok(opened) => Ok((path, opened)),
         Err(e) => {
             let status =
@@ -540,11 +537,13 @@ mod tests {
                             value: "3".into(),
                         },
                     ],
+                    pin: own_pin(),
                 },
                 crate::attached::Container {
                     id: "containerd://bbb".into(),
                     pid: 11,
                     env: vec![],
+                    pin: own_pin(),
                 },
             ],
             exports_dir: "/x".into(),
@@ -561,8 +560,12 @@ mod tests {
             },
             cri_socket: None,
             token: token.map(str::to_owned),
-            proc_root: "/proc".into(),
         })
+    }
+
+    /// A live process to stand for the fixture's containers: this test process.
+    fn own_pin() -> Arc<crate::pinned::Pinned> {
+        Arc::new(crate::pinned::Pinned::open("/proc".as_ref(), std::process::id()).unwrap())
     }
 
     async fn call(addr: std::net::SocketAddr, method: &str, path: &str, upgrade: bool) -> String {
@@ -788,8 +791,11 @@ mod tests {
         std::fs::write(root.join("srv/index.html"), b"<h1>hi</h1>").unwrap();
         std::os::unix::fs::symlink("../../../outside", root.join("srv/up")).unwrap();
         std::os::unix::fs::symlink("/proc/self/root", root.join("srv/proc")).unwrap();
+        // A directory laid out like `/proc/10` of a running process stands for the target.
+        std::fs::write(base.join("10/stat"), "10 (app) S 1").unwrap();
         let mut state = Arc::into_inner(with_token(Some("t"))).unwrap();
-        state.proc_root = base.clone();
+        state.containers[0].pin =
+            Arc::new(crate::pinned::Pinned::open_dir("/proc".as_ref(), &base.join("10")).unwrap());
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         tokio::spawn(serve(l, Arc::new(state)));

@@ -57,9 +57,10 @@ struct TargetArgs {
         value_delimiter = ','
     )]
     container_ids: Vec<String>,
-    /// Target host PID, bypassing CRI resolution.
-    #[arg(long, env = "PODMOTION_TARGET_PID")]
-    pid: Option<u32>,
+    /// Target host PIDs, bypassing CRI resolution (repeatable or comma-separated; the
+    /// first is the primary, like the first container id).
+    #[arg(long, env = "PODMOTION_TARGET_PID", value_delimiter = ',')]
+    pid: Vec<u32>,
     /// The container-runtime socket; when absent, well-known sockets under --host-run are probed.
     #[arg(long, env = env::CRI_SOCKET)]
     cri_socket: Option<PathBuf>,
@@ -192,7 +193,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
     };
     Ok(Config {
         container_ids,
-        pid: cli.target.pid,
+        pids: cli.target.pid.clone(),
         cri_socket: cli.target.cri_socket.clone(),
         host_run: cli
             .target
@@ -223,7 +224,7 @@ fn container_ids(cli: &Cli, agent_config: &jobenv::AgentConfig) -> Result<Vec<St
     {
         container_ids = jobenv::container_ids(json, &agent_config.containers)?;
     }
-    if container_ids.is_empty() && cli.target.pid.is_none() {
+    if container_ids.is_empty() && cli.target.pid.is_empty() {
         return Err("no target: give --container-id (or AGENT_CONTAINER_IDS) or --pid".into());
     }
     Ok(container_ids)
@@ -292,11 +293,20 @@ async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
     let _ = attached.set(running.attached.clone());
     tracing::info!(control = %running.control_addr, pid = running.attached.containers[0].pid, "attached");
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut reported: Vec<String> = Vec::new();
     let target_gone = loop {
         tokio::select! {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
-            _ = tick.tick() => if !running.target_alive() { break true },
+            _ = tick.tick() => {
+                if !running.target_alive() { break true }
+                for id in running.gone() {
+                    if !reported.contains(&id) {
+                        tracing::warn!(container = %id, "target container exited: its attachment has ended, requests about it are refused");
+                        reported.push(id);
+                    }
+                }
+            }
         }
     };
     let r = tokio::task::spawn_blocking(move || running.shutdown())
