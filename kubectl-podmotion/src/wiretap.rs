@@ -75,7 +75,18 @@ async fn read_frames(
         };
         buf.extend_from_slice(&chunk[..n]);
         let mut used = 0;
-        while let Some((kind, conn, payload, len)) = parse_frame(&buf[used..]) {
+        loop {
+            let (kind, conn, payload, len) = match parse_frame(&buf[used..]) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!(
+                        "warning: wiretap stream of the agent for {}: {e}; this agent's stream ends here",
+                        agent.target
+                    );
+                    return;
+                }
+            };
             if tx.send((src, kind, conn, payload.to_vec())).await.is_err() {
                 return;
             }

@@ -11,7 +11,7 @@ use crate::forward;
 use crate::netns::{self, NetnsExecutor};
 use crate::nft::{NftError, NftSession, Redirect, Ruleset};
 use crate::pinned::Pinned;
-use crate::port::Port;
+use crate::port::{Port, TapBudget};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,6 +39,8 @@ pub struct Config {
     pub intercept_wait: Duration,
     /// Bearer token the control API requires (all routes but /healthz).
     pub token: Option<String>,
+    /// Most concurrent wiretaps, all ports together (the installer's choice).
+    pub max_wiretaps: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -259,6 +261,7 @@ async fn bind_forwarders(
 ) -> Result<(Vec<Arc<Port>>, Listeners), AttachError> {
     let mut ports = Vec::new();
     let mut listeners = Vec::new();
+    let taps = TapBudget::new(cfg.max_wiretaps);
     for r in &cfg.redirects {
         let ls = claim(
             cfg.claim_timeout,
@@ -268,7 +271,7 @@ async fn bind_forwarders(
         )
         .await
         .map_err(|source| AttachError::Bind { port: r.to, source })?;
-        let port = Arc::new(Port::new(r.port, r.to));
+        let port = Arc::new(Port::with_tap_budget(r.port, r.to, taps.clone()));
         for l in ls {
             listeners.push((port.clone(), l));
         }

@@ -68,6 +68,7 @@ fn mode_error(e: ModeError) -> Response<Full<Bytes>> {
     let status = match e {
         ModeError::UnknownPort(_) | ModeError::NoTap(..) => StatusCode::NOT_FOUND,
         ModeError::AlreadyIntercepted(_) | ModeError::NotIntercepted(_) => StatusCode::CONFLICT,
+        ModeError::TooManyWiretaps(_) => StatusCode::TOO_MANY_REQUESTS,
     };
     error(status, e)
 }
@@ -150,13 +151,15 @@ async fn answer(state: Arc<Attached>, req: Request<Incoming>, path: &str) -> Res
             start_or_stop_intercept(&state, &method, &port, req).await
         }
         (&Method::GET, ["v1", "intercepts", port, "accept"]) => accept(&state, port, req),
-        (&Method::POST, ["v1", "wiretaps", port]) => match state.port(port) {
-            Ok(p) => json(
-                StatusCode::CREATED,
-                serde_json::json!({ "id": p.start_wiretap(), "port": p.app_port }),
-            ),
-            Err(e) => mode_error(e),
-        },
+        (&Method::POST, ["v1", "wiretaps", port]) => {
+            match state.port(port).and_then(|p| Ok((p.start_wiretap()?, p))) {
+                Ok((id, p)) => json(
+                    StatusCode::CREATED,
+                    serde_json::json!({ "id": id, "port": p.app_port }),
+                ),
+                Err(e) => mode_error(e),
+            }
+        }
         (&Method::DELETE, ["v1", "wiretaps", port, id]) => {
             let (port, id) = match wiretap_of(&state, port, id) {
                 Ok(w) => w,

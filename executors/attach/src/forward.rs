@@ -308,7 +308,7 @@ async fn copy_tapped(
     mut r: impl tokio::io::AsyncRead + Unpin,
     mut w: impl tokio::io::AsyncWrite + Unpin,
 ) -> std::io::Result<()> {
-    let mut buf = vec![0u8; 16 * 1024];
+    let mut buf = vec![0u8; crate::port::TAP_FRAME_MAX_PAYLOAD];
     loop {
         let n = r.read(&mut buf).await?;
         if n == 0 {

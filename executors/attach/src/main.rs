@@ -36,6 +36,11 @@ struct Cli {
     /// Job pod's own network namespace.
     #[arg(long, env = env::METRICS_LISTEN, default_value = "0.0.0.0:9090")]
     metrics_listen: SocketAddr,
+    /// Most concurrent wiretaps of this agent, all ports together; each queues up to
+    /// about 16 MiB for a slow reader, so this bounds their memory (4: 64 MiB). A
+    /// wiretap past it is refused (429).
+    #[arg(long, env = "PODMOTION_MAX_WIRETAPS", default_value_t = podmotion_attach::port::DEFAULT_MAX_WIRETAPS)]
+    max_wiretaps: usize,
     /// Where to write the termination message on a fatal error.
     #[arg(
         long,
@@ -212,6 +217,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
         claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
         intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
         token,
+        max_wiretaps: cli.max_wiretaps,
     })
 }
 

@@ -999,7 +999,9 @@ fn a_file_request_for_an_exited_container_fails_even_when_its_pid_went_to_anothe
 }
 
 fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
 }
 
 #[test]
