@@ -934,9 +934,7 @@ async fn env_prints_the_replicas_environment_as_dotenv_and_leaves_nothing() {
         out.status.code()
     );
     assert!(
-        stdout
-            .lines()
-            .any(|l| l == "PLUGIN_MARK='mark with $pace'"),
+        stdout.lines().any(|l| l == "PLUGIN_MARK='mark with $pace'"),
         "{stdout}"
     );
     assert!(
