@@ -136,7 +136,10 @@ fn renew_lease(client: Client, namespace: String, name: String) -> tokio::task::
                 .await
                 && code(&e) != Some(404)
             {
-                eprintln!("warning: renewing Lease {namespace}/{name}: {e}");
+                eprintln!(
+                    "warning: renewing Lease {namespace}/{name}: {}",
+                    crate::sanitize(&e.to_string())
+                );
             }
             tokio::time::sleep(RENEW_EVERY).await;
         }

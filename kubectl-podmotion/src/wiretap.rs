@@ -59,9 +59,11 @@ async fn read_frames(
     let mut s = match agent.upgrade(&path).await {
         Ok(s) => s,
         Err(e) => {
+            // The agent's answer is its text: sanitised.
             eprintln!(
-                "warning: wiretap stream of the agent for {}: {e:#}",
-                agent.target
+                "warning: wiretap stream of the agent for {}: {}",
+                agent.target,
+                crate::sanitize(&format!("{e:#}"))
             );
             return;
         }
