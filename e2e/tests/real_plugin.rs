@@ -934,14 +934,12 @@ async fn env_prints_the_replicas_environment_as_dotenv_and_leaves_nothing() {
         out.status.code()
     );
     assert!(
-        stdout
-            .lines()
-            .any(|l| l == r#"PLUGIN_MARK="mark with \$pace""#),
+        stdout.lines().any(|l| l == "PLUGIN_MARK='mark with $pace'"),
         "{stdout}"
     );
     assert!(
         stdout.lines().all(|l| l.contains('=')),
-        "only dotenv lines on stdout: {stdout}"
+        "only assignment lines on stdout: {stdout}"
     );
     assert!(stderr.contains("Ingest of Deployment/mover"), "{stderr}");
     let left = w

@@ -1,6 +1,12 @@
 //! `kubectl podmotion env <workload> [--container C]`: the environment a replica's
 //! container really runs with (its `/proc/<pid>/environ`, read by the attach agent),
-//! printed as a dotenv file on stdout; progress goes to stderr.
+//! printed on stdout as POSIX sh assignments (`. app.env` reads them back, and so do
+//! dotenv readers that understand single quotes); progress goes to stderr.
+//!
+//! The names and values are the workload's, so nothing in them may run: a value is
+//! single-quoted unless it is plain characters (inside single quotes sh expands
+//! nothing; a `'` is written `'\''`), and a name that is not a shell identifier is
+//! left out and named on stderr.
 //!
 //! It uses a Ready attachment of the workload when there is one (any mode: every agent
 //! serves the environment), and otherwise creates an `Ingest` attachment (one Job, kept
@@ -38,42 +44,45 @@ pub struct EnvEntry {
     pub value: String,
 }
 
-/// A dotenv line: `NAME=value`, or `NAME="…"` with `\\`, `\"`, `\$`, `\n`, `\r`, `\t`
-/// escaped when the value holds anything but plain characters.
-pub fn dotenv_line(name: &str, value: &str) -> String {
+/// Whether `name` is a shell identifier (`[A-Za-z_][A-Za-z0-9_]*`), the only names an
+/// assignment `NAME=value` takes; anything else would be run as a command.
+pub fn is_shell_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// An assignment line for POSIX sh: `NAME=value` for a plain value, else
+/// `NAME='value'` with each `'` written `'\''` (sh expands nothing inside single
+/// quotes: no `$`, no backtick, no backslash). `name` must be a shell identifier.
+pub fn sh_line(name: &str, value: &str) -> String {
     let plain = value
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || "_-./:@%+,".contains(c));
     if plain {
         return format!("{name}={value}");
     }
-    let mut q = String::with_capacity(value.len() + 2);
-    for c in value.chars() {
-        match c {
-            '\\' => q.push_str("\\\\"),
-            '"' => q.push_str("\\\""),
-            '$' => q.push_str("\\$"),
-            '\n' => q.push_str("\\n"),
-            '\r' => q.push_str("\\r"),
-            '\t' => q.push_str("\\t"),
-            c => q.push(c),
-        }
-    }
-    format!("{name}=\"{q}\"")
+    format!("{name}='{}'", value.replace('\'', "'\\''"))
 }
 
-/// The dotenv file: entries in the process's order; a name that repeats keeps its
-/// first value (the one `getenv` returns in the process).
-pub fn dotenv(entries: &[EnvEntry]) -> String {
+/// The env file: entries in the process's order; a name that repeats keeps its first
+/// value (the one `getenv` returns in the process). Also the names left out because
+/// they are not shell identifiers.
+pub fn env_file(entries: &[EnvEntry]) -> (String, Vec<String>) {
     let mut seen = HashSet::new();
     let mut out = String::new();
+    let mut skipped = Vec::new();
     for e in entries {
-        if seen.insert(e.name.as_str()) {
-            out.push_str(&dotenv_line(&e.name, &e.value));
+        if !is_shell_name(&e.name) {
+            skipped.push(e.name.clone());
+        } else if seen.insert(e.name.as_str()) {
+            out.push_str(&sh_line(&e.name, &e.value));
             out.push('\n');
         }
     }
-    out
+    (out, skipped)
 }
 
 /// A Ready attachment of the workload, any mode, not being deleted.
@@ -127,7 +136,10 @@ fn renew_lease(client: Client, namespace: String, name: String) -> tokio::task::
                 .await
                 && code(&e) != Some(404)
             {
-                eprintln!("warning: renewing Lease {namespace}/{name}: {e}");
+                eprintln!(
+                    "warning: renewing Lease {namespace}/{name}: {}",
+                    crate::sanitize(&e.to_string())
+                );
             }
             tokio::time::sleep(RENEW_EVERY).await;
         }
@@ -209,7 +221,14 @@ pub async fn run(client: Client, namespace: &str, args: &Env) -> anyhow::Result<
         |agent| read_env(&client, namespace, agent, args),
     )
     .await?;
-    print!("{}", dotenv(&env));
+    let (file, skipped) = env_file(&env);
+    for name in skipped {
+        eprintln!(
+            "warning: left out the variable {}: its name is not a shell identifier",
+            crate::sanitize(&name)
+        );
+    }
+    print!("{file}");
     Ok(0)
 }
 
@@ -278,27 +297,87 @@ async fn read_env(
 mod tests {
     use super::*;
 
+    fn e(n: &str, v: &str) -> EnvEntry {
+        EnvEntry {
+            name: n.into(),
+            value: v.into(),
+        }
+    }
+
     #[test]
-    fn dotenv_quotes_what_a_shell_or_dotenv_reader_would_misread() {
-        assert_eq!(dotenv_line("A", "1"), "A=1");
-        assert_eq!(dotenv_line("URL", "http://x:8080/p"), "URL=http://x:8080/p");
-        assert_eq!(dotenv_line("E", ""), "E=");
-        assert_eq!(dotenv_line("S", "a b"), "S=\"a b\"");
-        assert_eq!(
-            dotenv_line("Q", "say \"hi\" $HOME\\n\nx"),
-            "Q=\"say \\\"hi\\\" \\$HOME\\\\n\\nx\""
+    fn values_are_single_quoted_so_sh_expands_nothing_in_them() {
+        assert_eq!(sh_line("A", "1"), "A=1");
+        assert_eq!(sh_line("URL", "http://x:8080/p"), "URL=http://x:8080/p");
+        assert_eq!(sh_line("E", ""), "E=");
+        assert_eq!(sh_line("S", "a b"), "S='a b'");
+        assert_eq!(sh_line("B", "`id`"), "B='`id`'");
+        assert_eq!(sh_line("D", "$(id) ${HOME}"), "D='$(id) ${HOME}'");
+        assert_eq!(sh_line("Q", "it's"), r"Q='it'\''s'");
+        assert_eq!(sh_line("N", "a\nb\\c"), "N='a\nb\\c'");
+    }
+
+    #[test]
+    fn names_that_are_not_shell_identifiers_are_left_out_and_reported() {
+        for ok in ["A", "_x", "PATH_2"] {
+            assert!(is_shell_name(ok), "{ok}");
+        }
+        for bad in ["", "2A", "A-B", "A B", "x;id", "`id`", "A=B", "É"] {
+            assert!(!is_shell_name(bad), "{bad}");
+        }
+        let (file, skipped) = env_file(&[e("OK", "1"), e("x;touch /tmp/p;y", "2"), e("B", "3")]);
+        assert_eq!(file, "OK=1\nB=3\n");
+        assert_eq!(skipped, ["x;touch /tmp/p;y"]);
+    }
+
+    /// What `sh` makes of the file: each hostile value comes back as it was, and
+    /// nothing in it ran.
+    #[test]
+    fn sourcing_the_file_in_sh_gives_back_the_values_and_runs_nothing() {
+        let dir = std::env::temp_dir().join(format!("pm-env-sh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ran = dir.join("ran");
+        let hostile = [
+            format!("`touch {}`", ran.display()),
+            format!("$(touch {})", ran.display()),
+            format!("'; touch {}; '", ran.display()),
+            "a\\\"b\\$c\nd\te ~ * ?".to_owned(),
+        ];
+        let entries: Vec<EnvEntry> = hostile
+            .iter()
+            .enumerate()
+            .map(|(i, v)| e(&format!("V{i}"), v))
+            .collect();
+        let (file, _) = env_file(&entries);
+        std::fs::write(dir.join("app.env"), &file).unwrap();
+        let script = format!(
+            ". {}/app.env && printf '%s\\0' \"$V0\" \"$V1\" \"$V2\" \"$V3\"",
+            dir.display()
         );
-        assert_eq!(dotenv_line("H", "a#b"), "H=\"a#b\"");
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let back: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .split_terminator('\0')
+            .map(str::to_owned)
+            .collect();
+        let exists = ran.exists();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(back, hostile);
+        assert!(!exists, "a value ran a command");
     }
 
     #[test]
     fn repeated_names_keep_the_value_getenv_sees() {
-        let e = |n: &str, v: &str| EnvEntry {
-            name: n.into(),
-            value: v.into(),
-        };
         assert_eq!(
-            dotenv(&[e("B", "1"), e("A", "2"), e("B", "3")]),
+            env_file(&[e("B", "1"), e("A", "2"), e("B", "3")]).0,
             "B=1\nA=2\n"
         );
     }

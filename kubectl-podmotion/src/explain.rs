@@ -40,7 +40,9 @@ impl<'a> Attempt<'a> {
 }
 
 /// One sentence for an API error of `code` with the server's `message`.
+/// The server's message is sanitised ([`crate::sanitize`]): it is the server's text.
 pub fn api_error(a: Attempt<'_>, code: u16, message: &str) -> String {
+    let message = &*crate::sanitize(message);
     let what = a
         .name
         .map(|n| format!("{} {n}", singular(a.resource)))
@@ -107,12 +109,13 @@ pub fn kube_error(a: Attempt<'_>, e: &kube::Error) -> String {
                 &format!("the upgrade was answered {status}"),
             )
         }
-        other => format!(
+        other => crate::sanitize(&format!(
             "{} {} {}: {other}",
             a.verb,
             a.name.unwrap_or(a.resource),
             a.where_()
-        ),
+        ))
+        .into_owned(),
     }
 }
 
@@ -295,6 +298,22 @@ mod tests {
         assert_eq!(
             s,
             "podmigration web-0-abcde already exists in namespace shop: choose another name (--name)"
+        );
+    }
+
+    #[test]
+    fn an_api_servers_message_reaches_the_terminal_without_its_controls() {
+        let a = Attempt {
+            verb: "get",
+            resource: "podmigrations",
+            name: Some("m"),
+            namespace: Some("ns"),
+        };
+        let s = api_error(a, 500, "boom\x1b]0;owned\x07\r\x1b[2Kall good");
+        assert!(!s.chars().any(char::is_control), "{s:?}");
+        assert!(
+            s.contains("boom\\x1b]0;owned\\x07\\x0d\\x1b[2Kall good"),
+            "{s}"
         );
     }
 }

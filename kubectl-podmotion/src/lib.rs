@@ -28,8 +28,31 @@ pub mod table;
 pub mod wiretap;
 
 use anyhow::Context;
+
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
+
+/// Text from the cluster or an agent (statuses, conditions, API and agent errors,
+/// names) made safe to print on a terminal: every C0 control (ESC, CR and newline
+/// included), DEL and every C1 control is written as an escape (`\x1b`, `\u{9b}`), so
+/// a workload or a writer of a status cannot move the cursor, rewrite earlier lines,
+/// set the window title or forge output. Everything else is kept. The one sanitiser
+/// for everything the plugin prints that it did not write itself.
+pub fn sanitize(s: &str) -> std::borrow::Cow<'_, str> {
+    let control = |c: char| c.is_control();
+    if !s.chars().any(control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c as u32 {
+            n @ (0..=0x1f | 0x7f) => out.push_str(&format!("\\x{n:02x}")),
+            n @ 0x80..=0x9f => out.push_str(&format!("\\u{{{n:x}}}")),
+            _ => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
 
 /// A client from `--kubeconfig`/`--context` or, as kubectl does, `$KUBECONFIG` and
 /// `~/.kube/config` (in-cluster config last).
@@ -53,4 +76,33 @@ pub async fn client(g: &cli::Global) -> anyhow::Result<Client> {
         config.auth_info.impersonate = Some(user.clone());
     }
     Ok(Client::try_from(config)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sanitize;
+
+    #[test]
+    fn controls_from_the_cluster_are_escaped_and_the_rest_is_kept() {
+        let cases = [
+            (
+                "plain: ok (é, 漢字, emoji 🚀)",
+                "plain: ok (é, 漢字, emoji 🚀)",
+            ),
+            ("\x1b[2J\x1b]0;pwned\x07", "\\x1b[2J\\x1b]0;pwned\\x07"),
+            (
+                "line\nforged: Succeeded\r",
+                "line\\x0aforged: Succeeded\\x0d",
+            ),
+            ("tab\tnul\0del\x7f", "tab\\x09nul\\x00del\\x7f"),
+            (
+                "c1 csi \u{9b}31m and \u{85}",
+                "c1 csi \\u{9b}31m and \\u{85}",
+            ),
+        ];
+        for (input, want) in cases {
+            assert_eq!(sanitize(input), want, "{input:?}");
+            assert!(!sanitize(input).chars().any(char::is_control), "{input:?}");
+        }
+    }
 }

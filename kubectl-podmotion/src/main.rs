@@ -15,7 +15,8 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Agent and API errors carry text from the cluster: sanitised.
+            eprintln!("error: {}", kubectl_podmotion::sanitize(&format!("{e:#}")));
             ExitCode::from(1)
         }
     }

@@ -79,7 +79,9 @@ struct Printer {
 }
 
 impl Printer {
+    /// Prints a progress line; its text (from the migration's status) is sanitised.
     fn line(&mut self, text: &str) {
+        let text = crate::sanitize(text);
         let mut out = std::io::stdout().lock();
         if self.live {
             let _ = write!(out, "\r\x1b[2K");
@@ -97,6 +99,7 @@ impl Printer {
         if !self.tty {
             return;
         }
+        let text = crate::sanitize(text);
         let mut out = std::io::stdout().lock();
         let _ = write!(
             out,

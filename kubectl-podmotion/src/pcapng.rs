@@ -310,15 +310,44 @@ impl Writer {
     }
 }
 
-/// Splits the start of `buf` into one frame: (kind, conn, payload, bytes used).
-pub fn parse_frame(buf: &[u8]) -> Option<(u8, u32, &[u8], usize)> {
-    if buf.len() < 9 {
-        return None;
+/// Largest frame payload accepted from an agent: agents send at most 16 KiB of
+/// connection bytes per frame (and a short JSON line on open); a length past this is
+/// a broken or hostile stream, not something to buffer gigabytes for.
+pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
+
+/// A frame header announcing more than [`MAX_FRAME_PAYLOAD`] bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct FrameTooLong(pub u64);
+
+impl std::fmt::Display for FrameTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the agent announced a wiretap frame of {} bytes (at most {MAX_FRAME_PAYLOAD} expected)",
+            self.0
+        )
     }
-    let conn = u32::from_be_bytes(buf[1..5].try_into().ok()?);
-    let len = u32::from_be_bytes(buf[5..9].try_into().ok()?) as usize;
-    let end = 9usize.checked_add(len)?;
-    (buf.len() >= end).then(|| (buf[0], conn, &buf[9..end], end))
+}
+
+impl std::error::Error for FrameTooLong {}
+
+/// One frame: kind, connection, payload, bytes it took.
+pub type Frame<'a> = (u8, u32, &'a [u8], usize);
+
+/// Splits the start of `buf` into one frame, or `None` while the frame is not whole;
+/// a frame longer than [`MAX_FRAME_PAYLOAD`] is refused as soon as its header is in.
+pub fn parse_frame(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameTooLong> {
+    let (Some(head), Some(rest)) = (buf.get(..9), buf.get(9..)) else {
+        return Ok(None);
+    };
+    let conn = u32::from_be_bytes([head[1], head[2], head[3], head[4]]);
+    let len = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) as usize;
+    if len > MAX_FRAME_PAYLOAD {
+        return Err(FrameTooLong(len as u64));
+    }
+    Ok(rest
+        .get(..len)
+        .map(|payload| (head[0], conn, payload, 9 + len)))
 }
 
 #[cfg(test)]
@@ -336,9 +365,26 @@ mod tests {
     #[test]
     fn frames_are_split_only_when_whole() {
         let f = frame(TAP_TO_APP, 7, b"hello");
-        assert_eq!(parse_frame(&f), Some((TAP_TO_APP, 7, &b"hello"[..], 14)));
-        assert_eq!(parse_frame(&f[..13]), None);
-        assert_eq!(parse_frame(&f[..8]), None);
+        assert_eq!(
+            parse_frame(&f),
+            Ok(Some((TAP_TO_APP, 7, &b"hello"[..], 14)))
+        );
+        assert_eq!(parse_frame(&f[..13]), Ok(None));
+        assert_eq!(parse_frame(&f[..8]), Ok(None));
+    }
+
+    #[test]
+    fn a_frame_longer_than_any_agent_sends_is_refused_from_its_header() {
+        let mut huge = vec![TAP_TO_APP, 0, 0, 0, 7];
+        huge.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert_eq!(parse_frame(&huge), Err(FrameTooLong(u32::MAX as u64)));
+        let at_limit = frame(TAP_TO_APP, 7, &vec![0; MAX_FRAME_PAYLOAD]);
+        assert!(matches!(parse_frame(&at_limit), Ok(Some(_))));
+        let past = frame(TAP_TO_APP, 7, &vec![0; MAX_FRAME_PAYLOAD + 1]);
+        assert_eq!(
+            parse_frame(&past[..9]),
+            Err(FrameTooLong(MAX_FRAME_PAYLOAD as u64 + 1))
+        );
     }
 
     #[test]

@@ -132,17 +132,19 @@ pub fn render(rows: &[Row]) -> String {
     let header = ["NAMESPACE", "NAME", "STATE", "DETAIL", "ATTENTION"];
     let cells: Vec<[String; 5]> = std::iter::once(header.map(String::from))
         .chain(rows.iter().map(|r| {
+            // Every cell comes from the cluster: sanitised (`crate::sanitize`).
             [
-                r.namespace.clone(),
-                r.name.clone(),
-                r.state.clone(),
-                r.detail.clone(),
+                r.namespace.as_str(),
+                &r.name,
+                &r.state,
+                &r.detail,
                 if r.attention.is_empty() {
-                    "-".to_string()
+                    "-"
                 } else {
-                    r.attention.clone()
+                    &r.attention
                 },
             ]
+            .map(|c| crate::sanitize(c).into_owned())
         }))
         .collect();
     let mut width = [0usize; 4];
@@ -213,6 +215,21 @@ mod tests {
             ]
         })));
         assert_eq!(r.attention, "Stalled: NoAgentOnNode: no agent on pm-real-0");
+    }
+
+    #[test]
+    fn a_status_that_carries_terminal_controls_prints_them_escaped() {
+        let r = migration_row(&pmig(json!({
+            "phase": "Failed", "failureReason": "ProbeFailed",
+            "failureMessage": "refused\x1b[2K\rSucceeded \u{9b}0m"
+        })));
+        let out = render(&[r]);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(
+            out.contains("refused\\x1b[2K\\x0dSucceeded \\u{9b}0m"),
+            "{out}"
+        );
+        assert_eq!(out.lines().count(), 2, "a header and one row: {out}");
     }
 
     #[test]

@@ -59,9 +59,11 @@ async fn read_frames(
     let mut s = match agent.upgrade(&path).await {
         Ok(s) => s,
         Err(e) => {
+            // The agent's answer is its text: sanitised.
             eprintln!(
-                "warning: wiretap stream of the agent for {}: {e:#}",
-                agent.target
+                "warning: wiretap stream of the agent for {}: {}",
+                agent.target,
+                crate::sanitize(&format!("{e:#}"))
             );
             return;
         }
@@ -75,7 +77,18 @@ async fn read_frames(
         };
         buf.extend_from_slice(&chunk[..n]);
         let mut used = 0;
-        while let Some((kind, conn, payload, len)) = parse_frame(&buf[used..]) {
+        loop {
+            let (kind, conn, payload, len) = match parse_frame(&buf[used..]) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!(
+                        "warning: wiretap stream of the agent for {}: {e}; this agent's stream ends here",
+                        agent.target
+                    );
+                    return;
+                }
+            };
             if tx.send((src, kind, conn, payload.to_vec())).await.is_err() {
                 return;
             }

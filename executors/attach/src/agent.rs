@@ -10,9 +10,10 @@ use crate::exports;
 use crate::forward;
 use crate::netns::{self, NetnsExecutor};
 use crate::nft::{NftError, NftSession, Redirect, Ruleset};
-use crate::port::Port;
+use crate::pinned::Pinned;
+use crate::port::{Port, TapBudget};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,8 +22,9 @@ pub struct Config {
     /// CRI container IDs (kubelet form `containerd://…` accepted); the first one is
     /// the primary container whose namespaces are entered.
     pub container_ids: Vec<String>,
-    /// Target PID given directly instead of resolving container IDs.
-    pub pid: Option<u32>,
+    /// Target PIDs given directly instead of resolving container IDs (the first is
+    /// the primary).
+    pub pids: Vec<u32>,
     pub cri_socket: Option<PathBuf>,
     pub host_run: PathBuf,
     pub proc_root: PathBuf,
@@ -37,6 +39,8 @@ pub struct Config {
     pub intercept_wait: Duration,
     /// Bearer token the control API requires (all routes but /healthz).
     pub token: Option<String>,
+    /// Most concurrent wiretaps, all ports together (the installer's choice).
+    pub max_wiretaps: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -96,8 +100,13 @@ impl AttachError {
 
 /// Resolves container IDs to PIDs over one CRI connection.
 async fn resolve(cfg: &Config) -> Result<(Vec<(String, u32)>, Option<PathBuf>), AttachError> {
-    if let Some(pid) = cfg.pid {
-        return Ok((vec![(format!("pid://{pid}"), pid)], None));
+    if !cfg.pids.is_empty() {
+        let targets = cfg
+            .pids
+            .iter()
+            .map(|p| (format!("pid://{p}"), *p))
+            .collect();
+        return Ok((targets, None));
     }
     let first = cfg.container_ids.first().ok_or(AttachError::NoTarget)?;
     let client = match &cfg.cri_socket {
@@ -152,16 +161,6 @@ pub struct Running {
     nft: Arc<NftSession>,
     netns: Arc<NetnsExecutor>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
-    pid: u32,
-    pid_start: Option<String>,
-    proc_root: PathBuf,
-}
-
-fn start_time(proc_root: &Path, pid: u32) -> Option<String> {
-    // Field 22 of stat, after the parenthesised comm (which may contain spaces).
-    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    after.split(' ').nth(19).map(str::to_owned)
 }
 
 pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
@@ -173,14 +172,19 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         });
     }
     let (targets, cri_socket) = resolve(cfg).await?;
-    let proc = cfg.proc_root.as_path();
     let pid = targets[0].1;
+    // Pinned first: from here on nothing is read through a PID.
     let containers = read_containers(cfg, &targets)?;
-    let exports = exports::populate(&cfg.exports_dir, proc, pid, &cfg.export_paths)?;
+    let primary = containers[0].pin.clone();
+    let exports = exports::populate(
+        &cfg.exports_dir,
+        &primary.path().join("root"),
+        &cfg.export_paths,
+    )?;
     let mounts =
-        exports::read_mounts(proc, pid).map_err(proc_err(format!("pid {pid} mountinfo")))?;
+        exports::read_mounts(&primary).map_err(proc_err(format!("pid {pid} mountinfo")))?;
 
-    let netns = Arc::new(NetnsExecutor::open(&ns_path(proc, pid, "net"))?);
+    let netns = Arc::new(NetnsExecutor::open(&primary.path().join("ns/net"))?);
 
     // Forwarders first, then the ruleset: a redirect never points at a port nobody
     // listens on. A predecessor may still hold the ports for a moment.
@@ -198,7 +202,6 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         ruleset,
         cri_socket,
         token: cfg.token.clone(),
-        proc_root: cfg.proc_root.clone(),
     });
     let (tasks, control_addr) = serve(cfg, &attached, listeners, &netns).await?;
     Ok(Running {
@@ -207,44 +210,42 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         nft,
         netns,
         tasks,
-        pid,
-        pid_start: start_time(proc, pid),
-        proc_root: cfg.proc_root.clone(),
     })
-}
-
-/// `/proc/<pid>/ns/<kind>`.
-fn ns_path(proc: &Path, pid: u32, kind: &str) -> PathBuf {
-    proc.join(pid.to_string()).join("ns").join(kind)
 }
 
 /// The target containers with their (filtered) environments, after checking that each
 /// shares our user namespace and the first container's network namespace.
 fn read_containers(cfg: &Config, targets: &[(String, u32)]) -> Result<Vec<Container>, AttachError> {
     let proc = cfg.proc_root.as_path();
-    let pid = targets[0].1;
     let own_user = netns::ns_inode(&proc.join("self/ns/user"))
         .map_err(proc_err("own user namespace".into()))?;
-    let primary_net = netns::ns_inode(&ns_path(proc, pid, "net"))
-        .map_err(proc_err(format!("pid {pid} net namespace")))?;
-    let mut containers = Vec::new();
+    let mut containers: Vec<Container> = Vec::new();
     for (id, cpid) in targets {
-        let user = netns::ns_inode(&ns_path(proc, *cpid, "user"))
+        let pin = Arc::new(Pinned::open(proc, *cpid).map_err(proc_err(format!("pid {cpid}")))?);
+        let user = pin
+            .ns_inode("user")
             .map_err(proc_err(format!("pid {cpid} user namespace")))?;
         if user != own_user {
             return Err(AttachError::UserNamespaced { pid: *cpid });
         }
-        let net = netns::ns_inode(&ns_path(proc, *cpid, "net"))
+        let net = pin
+            .ns_inode("net")
             .map_err(proc_err(format!("pid {cpid} net namespace")))?;
-        if net != primary_net {
-            return Err(AttachError::SplitPod(targets[0].0.clone(), id.clone()));
+        if let Some(primary) = containers.first() {
+            let primary_net = primary
+                .pin
+                .ns_inode("net")
+                .map_err(proc_err(format!("pid {} net namespace", primary.pid)))?;
+            if net != primary_net {
+                return Err(AttachError::SplitPod(targets[0].0.clone(), id.clone()));
+            }
         }
-        let env =
-            environ::read_environ(proc, *cpid).map_err(proc_err(format!("pid {cpid} environ")))?;
+        let env = environ::read_environ(&pin).map_err(proc_err(format!("pid {cpid} environ")))?;
         containers.push(Container {
             id: id.clone(),
             pid: *cpid,
             env: cfg.env_filter.apply(env),
+            pin,
         });
     }
     Ok(containers)
@@ -260,6 +261,7 @@ async fn bind_forwarders(
 ) -> Result<(Vec<Arc<Port>>, Listeners), AttachError> {
     let mut ports = Vec::new();
     let mut listeners = Vec::new();
+    let taps = TapBudget::new(cfg.max_wiretaps);
     for r in &cfg.redirects {
         let ls = claim(
             cfg.claim_timeout,
@@ -269,7 +271,7 @@ async fn bind_forwarders(
         )
         .await
         .map_err(|source| AttachError::Bind { port: r.to, source })?;
-        let port = Arc::new(Port::new(r.port, r.to));
+        let port = Arc::new(Port::with_tap_budget(r.port, r.to, taps.clone()));
         for l in ls {
             listeners.push((port.clone(), l));
         }
@@ -348,9 +350,21 @@ async fn serve(
 }
 
 impl Running {
-    /// True while the target process is the one we attached to (PID-reuse safe).
+    /// True while the primary target process (the one whose namespaces were entered)
+    /// runs: asked of its pin, so never true of another process that got its PID.
     pub fn target_alive(&self) -> bool {
-        self.pid_start.is_some() && start_time(&self.proc_root, self.pid) == self.pid_start
+        self.attached.containers[0].pin.alive()
+    }
+
+    /// The ids of target containers that have exited. Their attachment has ended:
+    /// requests about them are refused ([`crate::files::FileError::Gone`]).
+    pub fn gone(&self) -> Vec<String> {
+        self.attached
+            .containers
+            .iter()
+            .filter(|c| !c.pin.alive())
+            .map(|c| c.id.clone())
+            .collect()
     }
 
     /// Re-applies the ruleset (idempotent).

@@ -68,6 +68,7 @@ fn mode_error(e: ModeError) -> Response<Full<Bytes>> {
     let status = match e {
         ModeError::UnknownPort(_) | ModeError::NoTap(..) => StatusCode::NOT_FOUND,
         ModeError::AlreadyIntercepted(_) | ModeError::NotIntercepted(_) => StatusCode::CONFLICT,
+        ModeError::TooManyWiretaps(_) => StatusCode::TOO_MANY_REQUESTS,
     };
     error(status, e)
 }
@@ -150,13 +151,15 @@ async fn answer(state: Arc<Attached>, req: Request<Incoming>, path: &str) -> Res
             start_or_stop_intercept(&state, &method, &port, req).await
         }
         (&Method::GET, ["v1", "intercepts", port, "accept"]) => accept(&state, port, req),
-        (&Method::POST, ["v1", "wiretaps", port]) => match state.port(port) {
-            Ok(p) => json(
-                StatusCode::CREATED,
-                serde_json::json!({ "id": p.start_wiretap(), "port": p.app_port }),
-            ),
-            Err(e) => mode_error(e),
-        },
+        (&Method::POST, ["v1", "wiretaps", port]) => {
+            match state.port(port).and_then(|p| Ok((p.start_wiretap()?, p))) {
+                Ok((id, p)) => json(
+                    StatusCode::CREATED,
+                    serde_json::json!({ "id": id, "port": p.app_port }),
+                ),
+                Err(e) => mode_error(e),
+            }
+        }
         (&Method::DELETE, ["v1", "wiretaps", port, id]) => {
             let (port, id) = match wiretap_of(&state, port, id) {
                 Ok(w) => w,
@@ -265,7 +268,7 @@ fn requested_file(
     state: &Attached,
     req: &Request<Incoming>,
 ) -> Result<(String, crate::files::Opened), Box<Reply>> {
-    use crate::files::{open_in_root, query_param};
+    use crate::files::query_param;
     let query = req.uri().query();
     let Some(path) = query_param(query, "path") else {
         return Err(Box::new(error(
@@ -274,10 +277,7 @@ fn requested_file(
         )));
     };
     let container = query_param(query, "container");
-    let Some(root) = state.root_of(container.as_deref()) else {
-        return Err(Box::new(error(StatusCode::NOT_FOUND, "no such container")));
-    };
-    match open_in_root(&root, &path) {
+    match state.open_file(container.as_deref(), &path) {
         Ok(opened) => Ok((path, opened)),
         Err(e) => {
             let status =
@@ -540,11 +540,13 @@ mod tests {
                             value: "3".into(),
                         },
                     ],
+                    pin: own_pin(),
                 },
                 crate::attached::Container {
                     id: "containerd://bbb".into(),
                     pid: 11,
                     env: vec![],
+                    pin: own_pin(),
                 },
             ],
             exports_dir: "/x".into(),
@@ -561,8 +563,12 @@ mod tests {
             },
             cri_socket: None,
             token: token.map(str::to_owned),
-            proc_root: "/proc".into(),
         })
+    }
+
+    /// A live process to stand for the fixture's containers: this test process.
+    fn own_pin() -> Arc<crate::pinned::Pinned> {
+        Arc::new(crate::pinned::Pinned::open("/proc".as_ref(), std::process::id()).unwrap())
     }
 
     async fn call(addr: std::net::SocketAddr, method: &str, path: &str, upgrade: bool) -> String {
@@ -788,8 +794,11 @@ mod tests {
         std::fs::write(root.join("srv/index.html"), b"<h1>hi</h1>").unwrap();
         std::os::unix::fs::symlink("../../../outside", root.join("srv/up")).unwrap();
         std::os::unix::fs::symlink("/proc/self/root", root.join("srv/proc")).unwrap();
+        // A directory laid out like `/proc/10` of a running process stands for the target.
+        std::fs::write(base.join("10/stat"), "10 (app) S 1").unwrap();
         let mut state = Arc::into_inner(with_token(Some("t"))).unwrap();
-        state.proc_root = base.clone();
+        state.containers[0].pin =
+            Arc::new(crate::pinned::Pinned::open_dir("/proc".as_ref(), &base.join("10")).unwrap());
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         tokio::spawn(serve(l, Arc::new(state)));

@@ -6,8 +6,10 @@
 use crate::cri;
 use crate::environ::EnvEntry;
 use crate::exports::{Export, Mount};
+use crate::files::{FileError, Opened};
 use crate::metrics::PortGauges;
 use crate::nft::Ruleset;
+use crate::pinned::Pinned;
 use crate::port::{ModeError, Port};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,6 +19,10 @@ pub struct Container {
     pub id: String,
     pub pid: u32,
     pub env: Vec<EnvEntry>,
+    /// The container's process, pinned when the agent attached: every later access
+    /// goes through it, never through `pid` (which another process may hold by then).
+    #[serde(skip)]
+    pub pin: Arc<Pinned>,
 }
 
 /// Everything the control API serves.
@@ -29,8 +35,6 @@ pub struct Attached {
     pub ruleset: Ruleset,
     pub cri_socket: Option<PathBuf>,
     pub token: Option<String>,
-    /// The host's /proc as mounted in the Job (`/proc/<pid>/root` is a target's root).
-    pub proc_root: PathBuf,
 }
 
 impl Attached {
@@ -38,7 +42,7 @@ impl Attached {
         serde_json::json!({
             "status": "ok",
             "pid": self.containers[0].pid,
-            "containers": self.containers.iter().map(|c| serde_json::json!({"id": c.id, "pid": c.pid})).collect::<Vec<_>>(),
+            "containers": self.containers.iter().map(|c| serde_json::json!({"id": c.id, "pid": c.pid, "running": c.pin.alive()})).collect::<Vec<_>>(),
             "cri_socket": self.cri_socket,
             "table": self.ruleset.table,
             "agent_gid": self.ruleset.agent_gid,
@@ -70,28 +74,40 @@ impl Attached {
         g
     }
 
-    pub fn env(&self, container: Option<&str>) -> Option<&[EnvEntry]> {
-        match container {
-            None => self.containers.first().map(|c| c.env.as_slice()),
-            Some(id) => self
-                .containers
-                .iter()
-                .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id)
-                .map(|c| c.env.as_slice()),
-        }
-    }
-
-    /// The root directory of a target container (`/proc/<pid>/root`): the first
-    /// container's, or the one with this id.
-    pub fn root_of(&self, container: Option<&str>) -> Option<PathBuf> {
-        let c = match container {
+    fn container(&self, id: Option<&str>) -> Option<&Container> {
+        match id {
             None => self.containers.first(),
             Some(id) => self
                 .containers
                 .iter()
                 .find(|c| c.id == id || cri::strip_runtime_prefix(&c.id) == id),
-        }?;
-        Some(self.proc_root.join(c.pid.to_string()).join("root"))
+        }
+    }
+
+    pub fn env(&self, container: Option<&str>) -> Option<&[EnvEntry]> {
+        self.container(container).map(|c| c.env.as_slice())
+    }
+
+    /// Opens `path` in the root of a target container (the first one, or the one with
+    /// this id), strictly inside it ([`crate::files`]). The root is reached through the
+    /// container's pinned process: a container that has exited is refused
+    /// ([`FileError::Gone`]), whatever process has its PID now.
+    pub fn open_file(&self, container: Option<&str>, path: &str) -> Result<Opened, FileError> {
+        let c = self
+            .container(container)
+            .ok_or_else(|| FileError::NoContainer(container.unwrap_or_default().to_owned()))?;
+        let gone = || FileError::Gone(c.id.clone());
+        if !c.pin.alive() {
+            return Err(gone());
+        }
+        let root = c.pin.root().map_err(|e| match e {
+            nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH => gone(),
+            e => FileError::Other {
+                path: "/".into(),
+                errno: e,
+            },
+        })?;
+        crate::files::open_in(std::os::fd::AsFd::as_fd(&root), path)
     }
 
     pub fn exports(&self) -> serde_json::Value {

@@ -1,12 +1,13 @@
-//! The target container's environment, read from `/proc/<pid>/environ`.
+//! The target container's environment, read from `/proc/<pid>/environ` of its pinned
+//! process ([`crate::pinned`]).
 //!
 //! This is the fully resolved, post-start environment of the container's init
 //! process. Entries keep their order and duplicates (a process may legitimately carry
 //! `A=1` twice; what the application sees is what we report). The sidecar's
 //! AppEnvironment treatment follows: drop excluded names, then prefix the rest.
 
+use crate::pinned::Pinned;
 use serde::Serialize;
-use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EnvEntry {
@@ -65,9 +66,8 @@ impl EnvFilter {
     }
 }
 
-pub fn read_environ(proc_root: &Path, pid: u32) -> std::io::Result<Vec<EnvEntry>> {
-    let raw = std::fs::read(proc_root.join(pid.to_string()).join("environ"))?;
-    Ok(parse_environ(&raw))
+pub fn read_environ(target: &Pinned) -> std::io::Result<Vec<EnvEntry>> {
+    Ok(parse_environ(&target.read("environ")?))
 }
 
 #[cfg(test)]

@@ -1,11 +1,15 @@
-//! Filesystem exports: a directory of symlinks into `/proc/<pid>/root/...`.
+//! Filesystem exports: a directory of symlinks into the target's root.
 //!
 //! A path under `/proc/<pid>/root` is resolved by the kernel in the target's mount
 //! namespace and root, so a symlink to it gives the file servers (and anything else
 //! running in the agent's own mount namespace) the container's view of that path,
-//! without entering the namespace or copying. The reported mounts are the target's
-//! own, read from its mountinfo.
+//! without entering the namespace or copying. The links go through the agent's pin of
+//! the target process (`<proc>/<agent pid>/fd/<n>/root/…`, [`crate::pinned`]), never
+//! through the target's PID: once the target has exited they resolve to nothing, even
+//! when its PID went to another process. The reported mounts are the target's own,
+//! read from its mountinfo.
 
+use crate::pinned::Pinned;
 use serde::Serialize;
 use std::path::{Component, Path, PathBuf};
 
@@ -61,7 +65,8 @@ fn components(path: &str) -> Result<Vec<&str>, ExportError> {
 }
 
 /// Replaces the exports directory with one symlink per exported path:
-/// `<dir>/<container path>` → `<proc_root>/<pid>/root/<container path>`; `/` exports
+/// `<dir>/<container path>` → `<root>/<container path>` (`root` is the target's root
+/// through its pin, [`Pinned::path`]`/root`); `/` exports
 /// the whole root as `<dir>/root` and makes every other path redundant.
 ///
 /// The directory's contents are rebuilt from scratch (restarts converge, stale links
@@ -69,16 +74,11 @@ fn components(path: &str) -> Result<Vec<&str>, ExportError> {
 /// exported path is already reachable through its ancestor's link and is skipped:
 /// creating its link would mean creating directories *through* the ancestor's
 /// symlink, i.e. writing into the target container's filesystem.
-pub fn populate(
-    dir: &Path,
-    proc_root: &Path,
-    pid: u32,
-    paths: &[String],
-) -> Result<Vec<Export>, ExportError> {
+pub fn populate(dir: &Path, root: &Path, paths: &[String]) -> Result<Vec<Export>, ExportError> {
     let kept = outermost(paths)?;
     empty_exports_dir(dir)?;
     kept.into_iter()
-        .map(|(comps, path)| link_export(dir, proc_root, pid, &comps, path))
+        .map(|(comps, path)| link_export(dir, root, &comps, path))
         .collect()
 }
 
@@ -131,15 +131,9 @@ fn empty_exports_dir(dir: &Path) -> Result<(), ExportError> {
 }
 
 /// The link of one exported path (`comps`; none for `/`, linked as `root`), into the
-/// target's root through `/proc/<pid>/root`.
-fn link_export(
-    dir: &Path,
-    proc_root: &Path,
-    pid: u32,
-    comps: &[&str],
-    path: &str,
-) -> Result<Export, ExportError> {
-    let mut target = proc_root.join(pid.to_string()).join("root");
+/// target's `root`.
+fn link_export(dir: &Path, root: &Path, comps: &[&str], path: &str) -> Result<Export, ExportError> {
+    let mut target = root.to_owned();
     let mut link = dir.to_owned();
     if comps.is_empty() {
         link.push("root");
@@ -198,8 +192,8 @@ pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
         .collect()
 }
 
-pub fn read_mounts(proc_root: &Path, pid: u32) -> std::io::Result<Vec<Mount>> {
-    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("mountinfo"))?;
+pub fn read_mounts(target: &Pinned) -> std::io::Result<Vec<Mount>> {
+    let text = String::from_utf8_lossy(&target.read("mountinfo")?).into_owned();
     Ok(parse_mountinfo(&text))
 }
 
@@ -219,8 +213,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pm-exports-{}", std::process::id()));
         let got = populate(
             &dir,
-            Path::new("/proc"),
-            42,
+            Path::new("/proc/42/root"),
             &["/srv/www".into(), "/etc".into()],
         )
         .unwrap();
@@ -234,7 +227,7 @@ mod tests {
             Path::new("/proc/42/root/etc")
         );
         // Re-populating replaces the whole directory: new target, stale links gone.
-        populate(&dir, Path::new("/proc"), 43, &["/srv/www".into()]).unwrap();
+        populate(&dir, Path::new("/proc/43/root"), &["/srv/www".into()]).unwrap();
         assert_eq!(
             std::fs::read_link(dir.join("srv/www")).unwrap(),
             Path::new("/proc/43/root/srv/www")
@@ -243,8 +236,7 @@ mod tests {
         // `/` covers everything.
         let got = populate(
             &dir,
-            Path::new("/proc"),
-            44,
+            Path::new("/proc/44/root"),
             &["/srv/www".into(), "/".into()],
         )
         .unwrap();
@@ -258,9 +250,10 @@ mod tests {
 
     #[test]
     fn a_shallow_exports_dir_is_refused() {
-        assert!(populate(Path::new("/"), Path::new("/proc"), 1, &["/".into()]).is_err());
-        assert!(populate(Path::new("/tmp"), Path::new("/proc"), 1, &["/".into()]).is_err());
-        assert!(populate(Path::new("rel/dir"), Path::new("/proc"), 1, &["/".into()]).is_err());
+        let root = Path::new("/proc/1/root");
+        assert!(populate(Path::new("/"), root, &["/".into()]).is_err());
+        assert!(populate(Path::new("/tmp"), root, &["/".into()]).is_err());
+        assert!(populate(Path::new("rel/dir"), root, &["/".into()]).is_err());
     }
 
     #[test]
@@ -272,8 +265,7 @@ mod tests {
         let dir = base.join("exports");
         let got = populate(
             &dir,
-            &fake_proc,
-            42,
+            &fake_proc.join("42/root"),
             &["/srv/new/deeper".into(), "/srv".into()],
         )
         .unwrap();

@@ -1,8 +1,8 @@
 //! Reading files of the target's filesystem for `kubectl podmotion cp`, strictly inside
 //! the target's root.
 //!
-//! The root is `/proc/<pid>/root` (the target's root in its own mount namespace, as
-//! for the exports). A path is resolved by the kernel with `openat2(2)` and
+//! The root is the target's root directory in its own mount namespace, opened through
+//! the process pinned at attach time ([`crate::pinned`]), never through a PID. A path is resolved by the kernel with `openat2(2)` and
 //! `RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS`: `..` and absolute symlinks stay inside
 //! the root, as in a chroot, and `/proc/<pid>/root`-style magic links (the target's
 //! own `/proc`) are refused, so no path a tenant can plant leads out of the container.
@@ -53,6 +53,12 @@ pub enum FileError {
     NotRegular(String),
     #[error("{0}: permission denied")]
     Denied(String),
+    #[error("no container {0:?} in this attachment")]
+    NoContainer(String),
+    #[error(
+        "container {0} has exited: its attachment has ended (the Job is replaced for a restarted container)"
+    )]
+    Gone(String),
     #[error("this kernel has no openat2(2) (Linux 5.6 or later is needed to read files safely)")]
     NoOpenat2,
     #[error("{path}: {errno}")]
@@ -76,7 +82,8 @@ impl FileError {
     pub fn status(&self) -> u16 {
         match self {
             FileError::NotAbsolute(_) | FileError::NotRegular(_) | FileError::Loop(_) => 400,
-            FileError::NotFound(_) => 404,
+            FileError::NotFound(_) | FileError::NoContainer(_) => 404,
+            FileError::Gone(_) => 410,
             FileError::Escapes(_) | FileError::Denied(_) => 403,
             FileError::NoOpenat2 => 501,
             FileError::Other { .. } => 500,
@@ -102,25 +109,30 @@ fn reopen(fd: BorrowedFd<'_>, flags: OFlag) -> Result<OwnedFd, Errno> {
     )
 }
 
-/// Opens `path` (absolute, as the container sees it) inside `root` (a directory,
-/// normally `/proc/<pid>/root`).
+/// Opens `path` (absolute, as the container sees it) inside the directory `root`.
 pub fn open_in_root(root: &Path, path: &str) -> Result<Opened, FileError> {
-    if !path.starts_with('/') {
-        return Err(FileError::NotAbsolute(path.to_owned()));
-    }
     let root_fd = nix::fcntl::open(
         root,
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
     .map_err(|e| FileError::of("/", e))?;
+    open_in(root_fd.as_fd(), path)
+}
+
+/// Opens `path` (absolute, as the container sees it) inside the open directory
+/// `root_fd` (a target's root, from its pinned process).
+pub fn open_in(root_fd: BorrowedFd<'_>, path: &str) -> Result<Opened, FileError> {
+    if !path.starts_with('/') {
+        return Err(FileError::NotAbsolute(path.to_owned()));
+    }
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     // EAGAIN: a concurrent rename somewhere in the root; the kernel asks for a retry.
     let mut tries = 0;
     let fd = loop {
-        match openat2(root_fd.as_fd(), path, how) {
+        match openat2(root_fd, path, how) {
             Err(Errno::EAGAIN) if tries < 8 => tries += 1,
             r => break r.map_err(|e| FileError::of(path, e))?,
         }

@@ -304,7 +304,7 @@ async fn exchange(
     dbuf.drain(..head.len);
     let mut body = BodyCursor::new(head.body);
     let send = send_body(dr, dbuf, &mut body, &mut up.w);
-    let relay = relay_response(&mut up.r, &mut up.buf, dw, &head.method);
+    let relay = relay_response(&mut up.r, &mut up.buf, dw, &head.method, head.upgrade);
     tokio::pin!(send, relay);
     let mut sent = false;
     loop {
@@ -382,16 +382,18 @@ async fn send_body(
     w.flush().await
 }
 
-/// Relays one response (interim 1xx responses included) from `r` to `dw`.
+/// Relays one response (interim 1xx responses included) from `r` to `dw`, to a
+/// request with `method` that asked to upgrade (`upgrade`) or not.
 async fn relay_response(
     r: &mut (impl AsyncRead + Unpin),
     buf: &mut Vec<u8>,
     dw: &mut (impl AsyncWrite + Unpin),
     method: &str,
+    upgrade: bool,
 ) -> std::io::Result<Outcome> {
     loop {
         let head = loop {
-            if let Some(h) = http::parse_response(buf, method).map_err(io_err)? {
+            if let Some(h) = http::parse_response(buf, method, upgrade).map_err(io_err)? {
                 break h;
             }
             if read_more(r, buf).await? == 0 {
@@ -455,10 +457,19 @@ mod tests {
 
     /// `relay_response` over a canned upstream: what reaches the caller and the outcome.
     async fn relay(upstream: &[u8], method: &str) -> (Vec<u8>, Vec<u8>, &'static str) {
+        relay_to(upstream, method, false).await
+    }
+
+    /// `relay` to a request that asked to upgrade (`upgrade`) or not.
+    async fn relay_to(
+        upstream: &[u8],
+        method: &str,
+        upgrade: bool,
+    ) -> (Vec<u8>, Vec<u8>, &'static str) {
         let mut r = upstream;
         let mut buf = vec![];
         let mut out = vec![];
-        let o = relay_response(&mut r, &mut buf, &mut out, method).await;
+        let o = relay_response(&mut r, &mut buf, &mut out, method, upgrade).await;
         let o = match o {
             Ok(Outcome::Next {
                 upstream_closes: false,
@@ -492,12 +503,15 @@ mod tests {
         assert_eq!(o, "closed");
         let (_, _, o) = relay(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "GET").await;
         assert_eq!(o, "error", "a response cut short is an error");
-        let (_, _, o) = relay(
-            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
-            "GET",
-        )
-        .await;
+        let switching = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n";
+        let (_, _, o) = relay_to(switching, "GET", true).await;
         assert_eq!(o, "upgraded");
+        let (out, _, o) = relay(switching, "GET").await;
+        assert_eq!(
+            (o, out.as_slice()),
+            ("error", &b""[..]),
+            "a 101 to a request that did not ask to upgrade is refused, not relayed"
+        );
         let (_, _, o) = relay(
             b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
             "GET",
@@ -597,7 +611,7 @@ mod tests {
         let mut out = vec![];
         while out.len() < n {
             let head = loop {
-                if let Some(h) = http::parse_response(&buf, "GET").unwrap() {
+                if let Some(h) = http::parse_response(&buf, "GET", false).unwrap() {
                     break h;
                 }
                 assert!(

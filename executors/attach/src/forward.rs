@@ -11,6 +11,11 @@
 //! - otherwise passed through: dialed to its original destination from inside the
 //!   target namespace (the agent GID lets that dial bypass the redirect), optionally
 //!   copying both directions to every wiretap on the port.
+//!
+//! A connection made straight to a forwarder's port was not redirected: it has no
+//! original destination but the forwarder itself, and passing it on would dial the
+//! forwarder again, which would dial again, until the agent ran out of descriptors.
+//! Such a connection is closed at once ([`redirected_from`]).
 
 use crate::filtered::{self, AppDial, ProxyError};
 use crate::metrics::{Counted, ErrorCategory, Mode, Outcome};
@@ -106,10 +111,34 @@ fn into_io(e: crate::netns::NetnsError) -> std::io::Error {
     }
 }
 
-/// Where a redirected connection was headed before the redirect.
+/// Where a connection was headed before the ruleset redirected it: `None` when it
+/// was not redirected (no NAT record, or one whose original destination is the
+/// forwarder's own address: a direct connection to the forwarder's port).
 pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
-    use nix::sys::socket::{getsockopt, sockopt};
     let local = s.local_addr().ok()?;
+    redirected_from(local, nat_original_dst(s, local))
+}
+
+/// The original destination of a connection accepted at `local`, from the NAT record
+/// (`SO_ORIGINAL_DST`), if that is somewhere else than `local`.
+pub fn redirected_from(local: SocketAddr, nat: Option<SocketAddr>) -> Option<SocketAddr> {
+    let dst = nat?;
+    (canonical(dst) != canonical(local)).then_some(dst)
+}
+
+/// An IPv4-mapped IPv6 address as the IPv4 one, so both forms compare equal.
+fn canonical(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(v4.into(), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
+fn nat_original_dst(s: &TcpStream, local: SocketAddr) -> Option<SocketAddr> {
+    use nix::sys::socket::{getsockopt, sockopt};
     if local.is_ipv4() {
         let sa = getsockopt(s, sockopt::OriginalDst).ok()?;
         Some(SocketAddr::V4(SocketAddrV4::new(
@@ -167,11 +196,12 @@ async fn redirected(
     intercept_wait: Duration,
 ) {
     let metrics = crate::metrics::global();
-    let local = stream.local_addr().ok();
-    let original_dst = original_dst(&stream).unwrap_or_else(|| {
-        let ip = local.map(|l| l.ip()).unwrap_or(Ipv4Addr::LOCALHOST.into());
-        SocketAddr::new(ip, port.app_port)
-    });
+    let Some(original_dst) = original_dst(&stream) else {
+        // Not redirected: dropped before it is counted as a connection of the port.
+        metrics.error(ErrorCategory::NotRedirected);
+        tracing::debug!(%peer, port = port.agent_port, "dropped a connection that was not redirected");
+        return;
+    };
     let tracked = metrics.accepted(port.mode_now());
     let stream = Counted::new(stream, metrics.byte_counters(tracked.mode()));
     if tracked.mode() == Mode::Filtered
@@ -278,7 +308,7 @@ async fn copy_tapped(
     mut r: impl tokio::io::AsyncRead + Unpin,
     mut w: impl tokio::io::AsyncWrite + Unpin,
 ) -> std::io::Result<()> {
-    let mut buf = vec![0u8; 16 * 1024];
+    let mut buf = vec![0u8; crate::port::TAP_FRAME_MAX_PAYLOAD];
     loop {
         let n = r.read(&mut buf).await?;
         if n == 0 {
@@ -287,5 +317,39 @@ async fn copy_tapped(
         }
         w.write_all(&buf[..n]).await?;
         port.tap(taps, tap_frame(kind, id, &buf[..n]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn only_a_connection_whose_nat_record_names_another_destination_was_redirected() {
+        let local = a("10.0.0.2:15001");
+        assert_eq!(
+            redirected_from(local, Some(a("10.0.0.2:8080"))),
+            Some(a("10.0.0.2:8080"))
+        );
+        assert_eq!(
+            redirected_from(a("127.0.0.1:15001"), Some(a("10.96.0.1:80"))),
+            Some(a("10.96.0.1:80"))
+        );
+        // Dialed straight to the forwarder: its record names the forwarder itself.
+        assert_eq!(redirected_from(local, Some(local)), None);
+        assert_eq!(
+            redirected_from(a("[::ffff:10.0.0.2]:15001"), Some(local)),
+            None
+        );
+        assert_eq!(
+            redirected_from(a("[fd00::2]:15001"), Some(a("[fd00::2]:15001"))),
+            None
+        );
+        // No record at all (no NAT happened).
+        assert_eq!(redirected_from(local, None), None);
     }
 }

@@ -8,6 +8,14 @@
 //! (already in the tree under hyper); bodies are framed by `Content-Length`, chunked
 //! transfer coding (RFC 9112 §7.1, trailers included) or, for responses only, the end
 //! of the connection.
+//!
+//! Strict where a lenient reading could disagree with the front end or the
+//! application about where a message ends (a desync with a pooling proxy smuggles a
+//! request past the filter): lines end in CRLF, never a bare LF; `Content-Length` is
+//! digits only (no sign, no padding); a chunk size is hex digits only, at most 16;
+//! `Transfer-Encoding` must be ASCII and is not accepted in HTTP/1.0; a 101 answers
+//! only a request that asked to upgrade. Each refusal is an [`HttpError::Framing`]
+//! (or [`HttpError::Syntax`]) and ends the connection.
 
 /// Longest request or response head accepted (as hyper's default buffer).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -102,6 +110,26 @@ pub enum HttpError {
     Framing(String),
 }
 
+/// A head whose lines all end in CRLF (httparse also takes a bare LF).
+fn crlf_only(head: &[u8]) -> Result<(), HttpError> {
+    let bare = head
+        .iter()
+        .enumerate()
+        .any(|(i, b)| *b == b'\n' && (i == 0 || head[i - 1] != b'\r'));
+    if bare {
+        return Err(HttpError::Syntax("a line ends in a bare LF".into()));
+    }
+    Ok(())
+}
+
+/// One `Content-Length` value: 1*DIGIT (RFC 9110 §8.6), no sign, no padding, small
+/// enough for a u64.
+fn content_length(v: &str) -> Option<u64> {
+    (!v.is_empty() && v.len() <= 19 && v.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| v.parse().ok())
+        .flatten()
+}
+
 fn header<'a>(headers: &'a [httparse::Header<'_>], name: &str) -> impl Iterator<Item = &'a [u8]> {
     headers
         .iter()
@@ -117,27 +145,48 @@ fn has_token(headers: &[httparse::Header<'_>], name: &str, token: &str) -> bool 
 }
 
 /// The body framing a message's headers declare (RFC 9112 §6.3): chunked when it is
-/// the final transfer coding, else `Content-Length` (all copies equal), else `None`.
+/// the final transfer coding, else `Content-Length` (one value per line, all lines
+/// equal), else `None`.
 /// Both at once, or a transfer coding that is not chunked, is refused for requests —
-/// the classic request-smuggling ambiguity.
+/// the classic request-smuggling ambiguity — and so is any transfer coding in
+/// HTTP/1.0, which has none.
 fn declared_body(
     headers: &[httparse::Header<'_>],
     request: bool,
+    http10: bool,
 ) -> Result<Option<Body>, HttpError> {
-    let codings: Vec<String> = header(headers, "transfer-encoding")
-        .filter_map(|v| std::str::from_utf8(v).ok())
-        .flat_map(|v| v.split(',').map(|t| t.trim().to_ascii_lowercase()))
-        .filter(|t| !t.is_empty())
-        .collect();
+    let mut codings: Vec<String> = Vec::new();
+    for v in header(headers, "transfer-encoding") {
+        let v = std::str::from_utf8(v)
+            .ok()
+            .filter(|v| v.is_ascii())
+            .ok_or_else(|| HttpError::Framing("Transfer-Encoding is not ASCII".into()))?;
+        codings.extend(
+            v.split(',')
+                .map(|t| t.trim_matches([' ', '\t']).to_ascii_lowercase())
+                .filter(|t| !t.is_empty()),
+        );
+    }
     let lengths: Vec<&[u8]> = header(headers, "content-length").collect();
-    if !codings.is_empty() {
+    if !codings.is_empty() || header(headers, "transfer-encoding").next().is_some() {
+        if http10 {
+            return Err(HttpError::Framing(
+                "Transfer-Encoding in an HTTP/1.0 message".into(),
+            ));
+        }
         if request && !lengths.is_empty() {
             return Err(HttpError::Framing(
                 "both Transfer-Encoding and Content-Length".into(),
             ));
         }
-        return match codings.last().map(String::as_str) {
-            Some("chunked") => Ok(Some(Body::Chunked)),
+        let (last, before) = codings
+            .split_last()
+            .ok_or_else(|| HttpError::Framing("an empty Transfer-Encoding".into()))?;
+        if before.iter().any(|c| c == "chunked") {
+            return Err(HttpError::Framing("chunked applied more than once".into()));
+        }
+        return match last.as_str() {
+            "chunked" => Ok(Some(Body::Chunked)),
             _ if request => Err(HttpError::Framing(format!(
                 "transfer coding {codings:?} does not end in chunked"
             ))),
@@ -146,15 +195,14 @@ fn declared_body(
     }
     let mut length: Option<u64> = None;
     for v in lengths {
-        for part in std::str::from_utf8(v).unwrap_or("x").split(',') {
-            let n: u64 = part.trim().parse().map_err(|_| {
-                HttpError::Framing(format!("Content-Length {:?}", String::from_utf8_lossy(v)))
-            })?;
-            if length.is_some_and(|l| l != n) {
-                return Err(HttpError::Framing("differing Content-Length values".into()));
-            }
-            length = Some(n);
+        let bad = || HttpError::Framing(format!("Content-Length {:?}", String::from_utf8_lossy(v)));
+        // One value per line (hyper's server refuses a list, even of equal values).
+        let text = std::str::from_utf8(v).map_err(|_| bad())?;
+        let n = content_length(text.trim_matches([' ', '\t'])).ok_or_else(bad)?;
+        if length.is_some_and(|l| l != n) {
+            return Err(HttpError::Framing("differing Content-Length values".into()));
         }
+        length = Some(n);
     }
     Ok(length.map(|n| if n == 0 { Body::Empty } else { Body::Length(n) }))
 }
@@ -175,10 +223,11 @@ pub fn parse_request(buf: &[u8], filter: &Filter) -> Result<Option<RequestHead>,
     if len > MAX_HEAD {
         return Err(HttpError::HeadTooLong);
     }
+    crlf_only(&buf[..len])?;
     let method = req.method.unwrap_or_default().to_string();
     let http10 = req.version == Some(0);
     let headers = &*req.headers;
-    let body = declared_body(headers, true)?.unwrap_or(Body::Empty);
+    let body = declared_body(headers, true, http10)?.unwrap_or(Body::Empty);
     Ok(Some(RequestHead {
         len,
         matches: filter.matches(headers),
@@ -191,8 +240,14 @@ pub fn parse_request(buf: &[u8], filter: &Filter) -> Result<Option<RequestHead>,
     }))
 }
 
-/// Parses the response head at the start of `buf`, to a request with `method`.
-pub fn parse_response(buf: &[u8], method: &str) -> Result<Option<ResponseHead>, HttpError> {
+/// Parses the response head at the start of `buf`, to a request with `method` that
+/// asked to upgrade (`upgrade`, [`RequestHead::upgrade`]) or not: a 101 to a request
+/// that did not ask is refused.
+pub fn parse_response(
+    buf: &[u8],
+    method: &str,
+    upgrade: bool,
+) -> Result<Option<ResponseHead>, HttpError> {
     let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut res = httparse::Response::new(&mut hs);
     let len = match res.parse(buf) {
@@ -203,7 +258,13 @@ pub fn parse_response(buf: &[u8], method: &str) -> Result<Option<ResponseHead>, 
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(e) => return Err(HttpError::Syntax(e.to_string())),
     };
+    crlf_only(&buf[..len])?;
     let status = res.code.unwrap_or_default();
+    if status == 101 && !upgrade {
+        return Err(HttpError::Framing(
+            "101 Switching Protocols to a request that did not ask to upgrade".into(),
+        ));
+    }
     let headers = &*res.headers;
     let http10 = res.version == Some(0);
     let close = has_token(headers, "connection", "close")
@@ -217,7 +278,7 @@ pub fn parse_response(buf: &[u8], method: &str) -> Result<Option<ResponseHead>, 
     let body = if bodyless {
         Body::Empty
     } else {
-        declared_body(headers, false)?.unwrap_or(Body::UntilClose)
+        declared_body(headers, false, http10)?.unwrap_or(Body::UntilClose)
     };
     Ok(Some(ResponseHead {
         len,
@@ -343,7 +404,18 @@ impl BodyCursor {
                     return Ok(rest.len());
                 };
                 line.extend_from_slice(&rest[..=nl]);
-                if line.as_slice() != b"\r\n" && line.as_slice() != b"\n" {
+                if !line.ends_with(b"\r\n") {
+                    return Err(HttpError::Framing(
+                        "a trailer line ends in a bare LF".into(),
+                    ));
+                }
+                if line.as_slice() != b"\r\n" {
+                    if !trailer_field(&line[..line.len() - 2]) {
+                        return Err(HttpError::Framing(format!(
+                            "trailer line {:?} is not a header field",
+                            String::from_utf8_lossy(line)
+                        )));
+                    }
                     line.clear();
                 } else {
                     // Normalised so the caller can tell the end.
@@ -355,14 +427,47 @@ impl BodyCursor {
     }
 }
 
-/// The size a chunk size line (without its `\n`) gives: hex digits, maybe extensions
-/// after `;`.
+/// A trailer line (without its CRLF) that is a header field: a token, `:`, and a
+/// value of visible characters, blanks and obs-text (as httparse reads a head).
+fn trailer_field(line: &[u8]) -> bool {
+    let Some(colon) = line.iter().position(|b| *b == b':') else {
+        return false;
+    };
+    let token = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b);
+    colon > 0
+        && line[..colon].iter().all(token)
+        && line[colon + 1..]
+            .iter()
+            .all(|b| *b == b'\t' || (b' '..=b'~').contains(b) || *b >= 0x80)
+}
+
+/// The size a chunk size line (without its `\n`) gives: 1 to 16 hex digits, maybe
+/// blanks, maybe extensions after `;`, then CR (RFC 9112 §7.1). No sign, no leading
+/// blanks, no bare LF.
 fn chunk_size(line: &[u8]) -> Result<u64, HttpError> {
-    let text =
-        std::str::from_utf8(line).map_err(|_| HttpError::Framing("chunk size not ASCII".into()))?;
-    let text = text.strip_suffix('\r').unwrap_or(text);
-    let hex = text.split(';').next().unwrap_or_default().trim();
-    u64::from_str_radix(hex, 16).map_err(|_| HttpError::Framing(format!("chunk size {hex:?}")))
+    let bad = || {
+        HttpError::Framing(format!(
+            "chunk size line {:?}",
+            String::from_utf8_lossy(line)
+        ))
+    };
+    let line = line
+        .strip_suffix(b"\r")
+        .ok_or_else(|| HttpError::Framing("a chunk size line ends in a bare LF".into()))?;
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 || digits > 16 {
+        return Err(bad());
+    }
+    let rest = &line[digits..];
+    let rest = &rest[rest
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t'))
+        .count()..];
+    if !(rest.is_empty() || rest[0] == b';') {
+        return Err(bad());
+    }
+    let hex = std::str::from_utf8(&line[..digits]).map_err(|_| bad())?;
+    u64::from_str_radix(hex, 16).map_err(|_| bad())
 }
 
 #[cfg(test)]
@@ -520,19 +625,22 @@ GET /d HTTP/1.1\r\nHost: x\r\nX-Dev: you\r\n\r\n";
             c.advance(b"2\r\nabXY").is_err(),
             "chunk data must end in CRLF"
         );
-        let h = parse_request(b"POST / HTTP/1.1\r\nContent-Length: 3, 3\r\n\r\n", &f)
-            .unwrap()
-            .unwrap();
+        let h = parse_request(
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n",
+            &f,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(
             h.body,
             Body::Length(3),
-            "repeated equal values are one length"
+            "repeated equal lines are one length"
         );
     }
 
     #[test]
     fn responses_are_framed_by_method_status_length_chunks_or_close() {
-        let r = |s: &[u8], m: &str| parse_response(s, m).unwrap().unwrap();
+        let r = |s: &[u8], m: &str| parse_response(s, m, false).unwrap().unwrap();
         let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello";
         assert_eq!(r(ok, "GET").body, Body::Length(5));
         assert!(!r(ok, "GET").close);
@@ -586,7 +694,7 @@ GET /d HTTP/1.1\r\nHost: x\r\nX-Dev: you\r\n\r\n";
             .close
         );
         assert_eq!(
-            parse_response(b"HTTP/1.1 200 OK\r\nContent-", "GET"),
+            parse_response(b"HTTP/1.1 200 OK\r\nContent-", "GET", false),
             Ok(None)
         );
         let mut c = BodyCursor::new(Body::UntilClose);
@@ -616,5 +724,125 @@ GET /d HTTP/1.1\r\nHost: x\r\nX-Dev: you\r\n\r\n";
         assert!(closes(b"GET / HTTP/1.0\r\n\r\n"));
         assert!(!closes(b"GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"));
         assert!(closes(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n"));
+    }
+
+    #[test]
+    fn requests_two_parsers_could_frame_differently_are_refused() {
+        let f = Filter::default();
+        let cases: [(&str, &[u8]); 10] = [
+            (
+                "a signed Content-Length",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +5\r\n\r\nhello",
+            ),
+            (
+                "a Content-Length padded with a no-break space",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: \xc2\xa05\r\n\r\nhello",
+            ),
+            (
+                "a Content-Length list (hyper refuses one)",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5, 5\r\n\r\nhello",
+            ),
+            (
+                "a head of bare-LF lines",
+                b"GET / HTTP/1.1\nHost: x\n\n",
+            ),
+            (
+                "one bare-LF header line",
+                b"GET / HTTP/1.1\r\nHost: x\nX-Dev: me\r\n\r\n",
+            ),
+            (
+                "a Transfer-Encoding that is not UTF-8 beside a Content-Length",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \xffchunked\r\nContent-Length: 5\r\n\r\nhello",
+            ),
+            (
+                "a Transfer-Encoding that is not ASCII",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\xc2\xa0\r\n\r\n0\r\n\r\n",
+            ),
+            (
+                "a chunked HTTP/1.0 request",
+                b"POST / HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            ),
+            (
+                "chunked twice",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+            ),
+            (
+                "an empty Transfer-Encoding",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\nContent-Length: 5\r\n\r\nhello",
+            ),
+        ];
+        for (what, req) in cases {
+            let r = parse_request(req, &f);
+            assert!(
+                matches!(r, Err(HttpError::Framing(_) | HttpError::Syntax(_))),
+                "{what}: {r:?}"
+            );
+        }
+        let chunks: [(&str, &[u8]); 7] = [
+            ("a signed chunk size", b"+5\r\nhello\r\n0\r\n\r\n"),
+            ("a chunk size padded in front", b" 5\r\nhello\r\n0\r\n\r\n"),
+            (
+                "a chunk size padded with a no-break space",
+                b"\xc2\xa05\r\nhello\r\n0\r\n\r\n",
+            ),
+            ("a bare-LF chunk size line", b"5\nhello\r\n0\r\n\r\n"),
+            ("a bare-LF last chunk", b"0\n\r\n"),
+            ("a bare-LF end of trailers", b"0\r\n\n"),
+            (
+                "a chunk size of more than 16 hex digits",
+                b"00000000000000005\r\nhello\r\n0\r\n\r\n",
+            ),
+        ];
+        for (what, body) in chunks {
+            let mut c = BodyCursor::new(Body::Chunked);
+            let r = c.advance(body);
+            assert!(
+                matches!(r, Err(HttpError::Framing(_))),
+                "{what}: {r:?} {c:?}"
+            );
+        }
+        let switching = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n";
+        assert!(
+            matches!(
+                parse_response(switching, "GET", false),
+                Err(HttpError::Framing(_))
+            ),
+            "a 101 to a request that did not ask to upgrade"
+        );
+        assert_eq!(
+            parse_response(switching, "GET", true)
+                .unwrap()
+                .unwrap()
+                .status,
+            101
+        );
+        assert!(
+            matches!(
+                parse_response(b"HTTP/1.1 200 OK\nContent-Length: 0\n\n", "GET", false),
+                Err(HttpError::Syntax(_))
+            ),
+            "a bare-LF response head"
+        );
+        assert!(
+            matches!(
+                parse_response(
+                    b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                    "GET",
+                    false
+                ),
+                Err(HttpError::Framing(_))
+            ),
+            "a chunked HTTP/1.0 response"
+        );
+        // What stays accepted: blanks around the value, leading zeros, blanks before
+        // a chunk extension.
+        let h = parse_request(b"POST / HTTP/1.1\r\nContent-Length: \t005 \r\n\r\n", &f)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, Body::Length(5));
+        let mut c = BodyCursor::new(Body::Chunked);
+        let body = b"05 ;x=y\r\nhello\r\n0\r\n\r\n";
+        assert_eq!(c.advance(body), Ok(body.len()));
+        assert!(c.done());
     }
 }

@@ -20,4 +20,5 @@ pub mod jobenv;
 pub mod metrics;
 pub mod netns;
 pub mod nft;
+pub mod pinned;
 pub mod port;

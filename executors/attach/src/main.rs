@@ -36,6 +36,11 @@ struct Cli {
     /// Job pod's own network namespace.
     #[arg(long, env = env::METRICS_LISTEN, default_value = "0.0.0.0:9090")]
     metrics_listen: SocketAddr,
+    /// Most concurrent wiretaps of this agent, all ports together; each queues up to
+    /// about 16 MiB for a slow reader, so this bounds their memory (4: 64 MiB). A
+    /// wiretap past it is refused (429).
+    #[arg(long, env = "PODMOTION_MAX_WIRETAPS", default_value_t = podmotion_attach::port::DEFAULT_MAX_WIRETAPS)]
+    max_wiretaps: usize,
     /// Where to write the termination message on a fatal error.
     #[arg(
         long,
@@ -57,9 +62,10 @@ struct TargetArgs {
         value_delimiter = ','
     )]
     container_ids: Vec<String>,
-    /// Target host PID, bypassing CRI resolution.
-    #[arg(long, env = "PODMOTION_TARGET_PID")]
-    pid: Option<u32>,
+    /// Target host PIDs, bypassing CRI resolution (repeatable or comma-separated; the
+    /// first is the primary, like the first container id).
+    #[arg(long, env = "PODMOTION_TARGET_PID", value_delimiter = ',')]
+    pid: Vec<u32>,
     /// The container-runtime socket; when absent, well-known sockets under --host-run are probed.
     #[arg(long, env = env::CRI_SOCKET)]
     cri_socket: Option<PathBuf>,
@@ -192,7 +198,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
     };
     Ok(Config {
         container_ids,
-        pid: cli.target.pid,
+        pids: cli.target.pid.clone(),
         cri_socket: cli.target.cri_socket.clone(),
         host_run: cli
             .target
@@ -211,6 +217,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
         claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
         intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
         token,
+        max_wiretaps: cli.max_wiretaps,
     })
 }
 
@@ -223,7 +230,7 @@ fn container_ids(cli: &Cli, agent_config: &jobenv::AgentConfig) -> Result<Vec<St
     {
         container_ids = jobenv::container_ids(json, &agent_config.containers)?;
     }
-    if container_ids.is_empty() && cli.target.pid.is_none() {
+    if container_ids.is_empty() && cli.target.pid.is_empty() {
         return Err("no target: give --container-id (or AGENT_CONTAINER_IDS) or --pid".into());
     }
     Ok(container_ids)
@@ -292,11 +299,20 @@ async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
     let _ = attached.set(running.attached.clone());
     tracing::info!(control = %running.control_addr, pid = running.attached.containers[0].pid, "attached");
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut reported: Vec<String> = Vec::new();
     let target_gone = loop {
         tokio::select! {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
-            _ = tick.tick() => if !running.target_alive() { break true },
+            _ = tick.tick() => {
+                if !running.target_alive() { break true }
+                for id in running.gone() {
+                    if !reported.contains(&id) {
+                        tracing::warn!(container = %id, "target container exited: its attachment has ended, requests about it are refused");
+                        reported.push(id);
+                    }
+                }
+            }
         }
     };
     let r = tokio::task::spawn_blocking(move || running.shutdown())

@@ -125,10 +125,13 @@ pub enum ErrorCategory {
     FileCopy,
     /// Re-applying or deleting the redirect ruleset failed.
     Ruleset,
+    /// A connection reached a forwarder without being redirected (dialed directly):
+    /// dropped, since passing it on would dial the forwarder itself.
+    NotRedirected,
 }
 
 impl ErrorCategory {
-    pub const ALL: [ErrorCategory; 8] = [
+    pub const ALL: [ErrorCategory; 9] = [
         ErrorCategory::Accept,
         ErrorCategory::Dial,
         ErrorCategory::Io,
@@ -137,6 +140,7 @@ impl ErrorCategory {
         ErrorCategory::WiretapOverflow,
         ErrorCategory::FileCopy,
         ErrorCategory::Ruleset,
+        ErrorCategory::NotRedirected,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -148,6 +152,7 @@ impl ErrorCategory {
             ErrorCategory::WiretapOverflow => "wiretap_overflow",
             ErrorCategory::FileCopy => "file_copy",
             ErrorCategory::Ruleset => "ruleset",
+            ErrorCategory::NotRedirected => "not_redirected",
         }
     }
 }

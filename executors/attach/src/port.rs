@@ -58,6 +58,52 @@ pub struct Port {
     waiter_added: Notify,
     conn_ids: AtomicU32,
     pub tap_drops: AtomicU64,
+    taps_budget: Arc<TapBudget>,
+}
+
+/// Most frames a wiretap's stream queues before it drops (a slow reader loses frames,
+/// never slows the application).
+pub const TAP_QUEUE_FRAMES: usize = 1024;
+/// Most payload bytes in one wiretap frame (the forwarders copy in reads this size).
+pub const TAP_FRAME_MAX_PAYLOAD: usize = 16 * 1024;
+/// Concurrent wiretaps of one agent, all ports together, unless the installer says
+/// otherwise (`--max-wiretaps`): each can queue about 16 MiB.
+pub const DEFAULT_MAX_WIRETAPS: usize = 4;
+
+/// The agent's wiretaps, all ports together, and how many it may hold: each queues up
+/// to [`TAP_QUEUE_FRAMES`] frames of [`TAP_FRAME_MAX_PAYLOAD`] bytes, so the limit
+/// bounds the memory wiretaps can take.
+#[derive(Debug)]
+pub struct TapBudget {
+    limit: usize,
+    active: std::sync::atomic::AtomicUsize,
+}
+
+impl TapBudget {
+    pub fn new(limit: usize) -> Arc<TapBudget> {
+        Arc::new(TapBudget {
+            limit,
+            active: Default::default(),
+        })
+    }
+
+    /// The most memory the wiretaps' queues can hold at this limit.
+    pub fn max_bytes(&self) -> usize {
+        self.limit * TAP_QUEUE_FRAMES * (9 + TAP_FRAME_MAX_PAYLOAD)
+    }
+
+    fn take(&self) -> Result<(), ModeError> {
+        self.active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .map(|_| ())
+            .map_err(|_| ModeError::TooManyWiretaps(self.limit))
+    }
+
+    fn give_back(&self) {
+        self.active.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +116,10 @@ pub enum ModeError {
     NotIntercepted(u16),
     #[error("wiretap {1} on port {0} not found or its stream is already attached")]
     NoTap(u16, u64),
+    #[error(
+        "this agent already runs {0} wiretaps, its limit (set by the installer): stop one first"
+    )]
+    TooManyWiretaps(usize),
 }
 
 static IDS: AtomicU64 = AtomicU64::new(1);
@@ -85,8 +135,15 @@ pub(crate) enum Delivery {
 }
 
 impl Port {
+    /// A port with a wiretap budget of its own, at the default limit.
     pub fn new(app_port: u16, agent_port: u16) -> Self {
+        Self::with_tap_budget(app_port, agent_port, TapBudget::new(DEFAULT_MAX_WIRETAPS))
+    }
+
+    /// A port whose wiretaps count against `budget`, shared by the agent's ports.
+    pub fn with_tap_budget(app_port: u16, agent_port: u16, budget: Arc<TapBudget>) -> Self {
         Port {
+            taps_budget: budget,
             app_port,
             agent_port,
             mode: Mutex::new(PortMode::default()),
@@ -148,13 +205,15 @@ impl Port {
         Ok(rx)
     }
 
-    pub fn start_wiretap(&self) -> u64 {
+    /// Starts a wiretap, if the agent's limit allows one more.
+    pub fn start_wiretap(&self) -> Result<u64, ModeError> {
+        self.taps_budget.take()?;
         let id = IDS.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(1024);
+        let (tx, rx) = mpsc::channel(TAP_QUEUE_FRAMES);
         let mut m = self.mode();
         m.taps.insert(id, tx);
         m.pending_tap_rx.insert(id, rx);
-        id
+        Ok(id)
     }
 
     pub fn take_wiretap_stream(&self, id: u64) -> Result<mpsc::Receiver<Bytes>, ModeError> {
@@ -169,7 +228,7 @@ impl Port {
         m.pending_tap_rx.remove(&id);
         m.taps
             .remove(&id)
-            .map(|_| ())
+            .map(|_| self.taps_budget.give_back())
             .ok_or(ModeError::NoTap(self.app_port, id))
     }
 
@@ -234,5 +293,35 @@ impl Port {
                 return Delivery::TimedOut;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wiretaps_past_the_agents_limit_are_refused_on_every_port_until_one_stops() {
+        let budget = TapBudget::new(2);
+        let a = Port::with_tap_budget(8080, 15001, budget.clone());
+        let b = Port::with_tap_budget(9090, 15002, budget);
+        let first = a.start_wiretap().unwrap();
+        b.start_wiretap().unwrap();
+        for port in [&a, &b] {
+            let e = port.start_wiretap().unwrap_err();
+            assert!(matches!(e, ModeError::TooManyWiretaps(2)), "{e}");
+            assert!(e.to_string().contains("limit"), "{e}");
+        }
+        assert_eq!(a.wiretaps().len() + b.wiretaps().len(), 2);
+        a.stop_wiretap(first).unwrap();
+        assert!(a.stop_wiretap(first).is_err(), "a stop gives back once");
+        b.start_wiretap().unwrap();
+        assert!(a.start_wiretap().is_err());
+    }
+
+    #[test]
+    fn the_default_limit_bounds_wiretap_memory_to_about_64_mib() {
+        let max = TapBudget::new(DEFAULT_MAX_WIRETAPS).max_bytes();
+        assert!(max > 64 << 20 && max < 65 << 20, "{max}");
     }
 }

@@ -101,9 +101,13 @@ fn attached_agent_reads_env_in_order_and_serves_files_through_exports() {
         secret,
         std::fs::read_to_string(pod.www.join("sub/secret.txt")).unwrap()
     );
-    assert_eq!(
-        std::fs::read_link(&link).unwrap(),
-        std::path::Path::new(&format!("/proc/{}/root{}", pod.pid(), pod.www.display()))
+    // The link goes through the agent's pin of the target, never the target's PID.
+    let target = std::fs::read_link(&link).unwrap().display().to_string();
+    let through_pin = format!("/proc/{}/fd/", agent.child.id());
+    assert!(
+        target.starts_with(&through_pin)
+            && target.ends_with(&format!("/root{}", pod.www.display())),
+        "{target}"
     );
     assert!(
         exports["mounts"]
@@ -848,18 +852,10 @@ fn exports_dir_can_be_a_mount_point_like_the_jobs_empty_dir() {
             .arg(&dir),
     );
     let me = std::process::id();
-    let first = podmotion_attach::exports::populate(
-        &dir,
-        std::path::Path::new("/proc"),
-        me,
-        &["/etc".into(), "/usr/share".into()],
-    );
-    let second = podmotion_attach::exports::populate(
-        &dir,
-        std::path::Path::new("/proc"),
-        me,
-        &["/usr/share".into()],
-    );
+    let root = std::path::PathBuf::from(format!("/proc/{me}/root"));
+    let first =
+        podmotion_attach::exports::populate(&dir, &root, &["/etc".into(), "/usr/share".into()]);
+    let second = podmotion_attach::exports::populate(&dir, &root, &["/usr/share".into()]);
     let stale = std::fs::symlink_metadata(dir.join("etc")).is_ok();
     let share = std::fs::read_link(dir.join("usr/share")).ok();
     common::run(common::tool("umount").arg(&dir));
@@ -870,4 +866,192 @@ fn exports_dir_can_be_a_mount_point_like_the_jobs_empty_dir() {
         share.unwrap(),
         std::path::Path::new(&format!("/proc/{me}/root/usr/share"))
     );
+}
+
+/// `GET /v1/files?path=…&container=…` (an upgrade): the status and everything the
+/// agent sent after the head (the JSON line and the file's bytes, or the error).
+fn file_request(agent: &Agent, path: &str, container: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(agent.control).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET /v1/files?path={path}&container={container} HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: podmotion-stream\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = std::io::BufReader::new(s);
+    let mut head = String::new();
+    while !head.ends_with("\r\n\r\n") {
+        assert!(r.read_line(&mut head).unwrap() > 0, "{head}");
+    }
+    let status: u16 = head[9..12].parse().unwrap();
+    let mut body = String::new();
+    if status == 101 {
+        r.read_to_string(&mut body).unwrap();
+    } else {
+        let len: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .unwrap_or(0);
+        let mut b = vec![0u8; len];
+        r.read_exact(&mut b).unwrap();
+        body = String::from_utf8_lossy(&b).into_owned();
+    }
+    (status, body)
+}
+
+/// A root that is recognisably its own: a directory holding a static busybox and
+/// `/marker` with `marker`.
+fn make_root(dir: &std::path::Path, marker: &str) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(which("busybox").unwrap(), dir.join("busybox")).unwrap();
+    std::fs::write(dir.join("marker"), marker).unwrap();
+}
+
+/// A process chrooted into `dir` (made by [`make_root`]).
+fn chrooted(dir: &std::path::Path) -> std::process::Command {
+    let mut c = tool("chroot");
+    c.arg(dir).args(["/busybox", "sleep", "60"]);
+    c.stdin(std::process::Stdio::null());
+    c
+}
+
+fn root_is(pid: u32, dir: &std::path::Path) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/root")).is_ok_and(|r| r == dir)
+}
+
+/// Makes the kernel give `pid` to the next process it creates: `ns_last_pid` is set
+/// to the number before it right before spawning. Another process on the machine may
+/// take the number in between, so this retries; it never settles for another PID.
+fn spawn_with_pid(pid: u32, mut cmd: impl FnMut() -> std::process::Command) -> std::process::Child {
+    for _ in 0..500 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).unwrap();
+        let mut c = cmd().spawn().unwrap();
+        if c.id() == pid {
+            return c;
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    panic!("the kernel never handed out pid {pid} again");
+}
+
+#[test]
+fn a_file_request_for_an_exited_container_fails_even_when_its_pid_went_to_another_process() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[("A", "1")]);
+    let base = std::env::temp_dir().join(format!("pmt-reuse-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    // The secondary container: a process in the pod's network namespace, in a root of
+    // its own.
+    let sidecar_root = base.join("sidecar");
+    let mut sidecar = {
+        let mut c = tool("ip");
+        make_root(&sidecar_root, "sidecar-file");
+        c.args(["netns", "exec", &pod.pod_ns])
+            .arg("chroot")
+            .arg(&sidecar_root);
+        c.args(["/busybox", "sleep", "60"])
+            .stdin(std::process::Stdio::null());
+        c.spawn().unwrap()
+    };
+    let pid = sidecar.id();
+    wait_for(Duration::from_secs(5), || root_is(pid, &sidecar_root)).expect("sidecar chrooted");
+    let agent = Agent::start(&["--pid".into(), format!("{},{pid}", pod.pid())], &[]);
+    let container = format!("pid%3A%2F%2F{pid}");
+    let (status, body) = file_request(&agent, "/marker", &container);
+    assert_eq!(status, 101, "{body}");
+    assert!(body.ends_with("sidecar-file"), "{body}");
+
+    // The sidecar exits; a process of the node (here: a root of its own with a
+    // secret) gets its PID.
+    sidecar.kill().unwrap();
+    sidecar.wait().unwrap();
+    let node_root = base.join("node");
+    make_root(&node_root, "node-secret");
+    let mut node = spawn_with_pid(pid, || chrooted(&node_root));
+    wait_for(Duration::from_secs(5), || root_is(pid, &node_root)).expect("node process chrooted");
+
+    let (status, body) = file_request(&agent, "/marker", &container);
+    assert!(
+        !body.contains("node-secret"),
+        "the node's file was served: {body}"
+    );
+    assert_eq!(status, 410, "{body}");
+    assert!(body.contains("has exited"), "{body}");
+    // The primary container is still served, and /healthz says which one is gone.
+    let health = agent.json("/healthz");
+    let running: Vec<bool> = health["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["running"].as_bool().unwrap())
+        .collect();
+    assert_eq!(running, [true, false], "{health}");
+    let _ = node.kill();
+    let _ = node.wait();
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn a_direct_connection_to_the_forwarder_port_is_dropped_not_looped() {
+    if !root_tests_enabled() {
+        return;
+    }
+    let pod = NetnsPod::start(&[]);
+    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut agent = Agent::start(&target(&pod), &["--metrics-listen", &metrics.to_string()]);
+    let fds_before = open_fds(agent.child.id());
+    // Straight to the forwarder's port, which nothing redirected.
+    let forwarder: std::net::SocketAddr = format!("{}:{AGENT_PORT}", pod.pod_ip).parse().unwrap();
+    let mut direct = pod.client_connect(forwarder).unwrap();
+    direct
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let _ = direct.write_all(b"GET / HTTP/1.0\r\n\r\n");
+    let mut got = Vec::new();
+    // Closed (a reset when our request was still unread), within the timeout.
+    let read = direct.read_to_end(&mut got);
+    let closed = match &read {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    assert!(
+        closed && got.is_empty(),
+        "closed at once, unanswered: {read:?} {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    // No chain of connections to itself: the agent runs and holds what it held before.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent died: {}",
+        agent.stderr()
+    );
+    let fds_after = open_fds(agent.child.id());
+    assert!(
+        fds_after <= fds_before + 4,
+        "the agent's descriptors grew from {fds_before} to {fds_after}"
+    );
+    let text = scrape(metrics);
+    assert_eq!(
+        sample(
+            &text,
+            r#"podmotion_attach_errors_total{category="not_redirected"}"#
+        ),
+        1.0
+    );
+    // Redirected connections still reach the application.
+    assert!(pod.client_get("/").unwrap().contains("hello-app"));
 }
