@@ -52,10 +52,6 @@ fn chart_capabilities() -> Vec<String> {
     caps
 }
 
-fn counter(s: &mut std::net::TcpStream) -> u64 {
-    ask(s, "get").expect("get").parse().expect("number")
-}
-
 fn uid_of(pid: i32) -> u32 {
     podmotion_agent::creds::owner_of(pid).unwrap().uid
 }
