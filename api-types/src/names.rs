@@ -154,6 +154,10 @@ pub mod reasons {
     pub const MULTIPLE_CONTAINERS: &str = "MultipleContainers";
     /// A container requests a device or other extended resource (`nvidia.com/gpu`…).
     pub const EXTENDED_RESOURCES: &str = "ExtendedResources";
+    /// A container runs as a non-root user and the migration's mode cannot dump it on
+    /// the agents' capabilities (PostCopy: its lazy dump runs CRIU as root, which needs
+    /// CAP_SYS_RESOURCE and CAP_SYS_PTRACE for another user's process).
+    pub const NON_ROOT_WORKLOAD: &str = "NonRootWorkload";
     /// Data on the source node (emptyDir, hostPath, ephemeral volumes) or a claim
     /// that cannot be mounted on another node.
     pub const LOCAL_DATA: &str = "LocalData";

@@ -202,6 +202,21 @@ impl Criu {
         )
     }
 
+    /// [`Criu::call`], with CRIU running as `owner` when it is not root (its dump of a
+    /// non-root workload, see [`crate::creds`]).
+    pub fn call_as(
+        &self,
+        req: Req,
+        log_in: Option<&Path>,
+        owner: crate::creds::Owner,
+    ) -> Result<Resp, CriuError> {
+        let launch = Launch {
+            stdin: None,
+            owner: (!owner.is_root()).then_some(owner),
+        };
+        self.run(req, log_in, launch, None, None, None)
+    }
+
     /// [`Criu::call`] with `notify_scripts` on: `on_notify` is told each action-script
     /// point CRIU reaches (`post-dump`: every image is written), and CRIU goes on once
     /// it returned (every notification is answered as a success). `stdin`: given to
@@ -217,7 +232,7 @@ impl Criu {
         if let Some(o) = req.opts.as_mut() {
             o.notify_scripts = Some(true);
         }
-        let launch = Launch { stdin };
+        let launch = Launch { stdin, owner: None };
         self.run(req, log_in, launch, None, None, Some(on_notify))
     }
 
@@ -236,7 +251,7 @@ impl Criu {
             _ => None,
         };
         let (r, w) = gate.unzip();
-        let (ours, child) = self.spawn_swrk(holder_pid, r.or(launch.stdin))?;
+        let (ours, child) = self.spawn_swrk(holder_pid, launch.owner, r.or(launch.stdin))?;
         let mut child = Swrk(child);
         if let (Some(w), Some(f)) = (w, before_start) {
             // A launcher that is not let through is killed and reaped (`Swrk`'s drop).
@@ -262,6 +277,7 @@ impl Criu {
     fn spawn_swrk(
         &self,
         holder_pid: Option<i32>,
+        owner: Option<crate::creds::Owner>,
         stdin: Option<OwnedFd>,
     ) -> Result<(OwnedFd, std::process::Child), CriuError> {
         let (ours, theirs): (OwnedFd, OwnedFd) = socketpair(
@@ -276,10 +292,12 @@ impl Criu {
             nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
         )
         .map_err(|e| CriuError::Spawn(e.to_string()))?;
-        let mut cmd = match holder_pid {
-            Some(pid) => crate::pidns::criu_command(&self.binary, pid, stdin.is_some())
+        let mut cmd = match (holder_pid, owner) {
+            (Some(pid), _) => crate::pidns::criu_command(&self.binary, pid, stdin.is_some())
                 .map_err(|e| CriuError::Spawn(e.to_string()))?,
-            None => std::process::Command::new(&self.binary),
+            (None, Some(o)) => crate::creds::criu_command(&self.binary, o)
+                .map_err(|e| CriuError::Spawn(e.to_string()))?,
+            (None, None) => std::process::Command::new(&self.binary),
         };
         let child = cmd
             .arg("swrk")
@@ -316,6 +334,8 @@ pub type OnNotify<'a> = &'a mut dyn FnMut(&str);
 struct Launch {
     /// Its standard input (else /dev/null); never given to another process.
     stdin: Option<OwnedFd>,
+    /// The user it runs as, if not root ([`crate::creds::criu_command`]).
+    owner: Option<crate::creds::Owner>,
 }
 
 /// A gate for the launcher: the read end becomes its stdin; neither end leaks into

@@ -143,6 +143,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(code) = podmotion_agent::pidns::run_stage(&argv) {
         std::process::exit(code);
     }
+    if let Some(code) = podmotion_agent::creds::run_stage(&argv) {
+        std::process::exit(code);
+    }
     // The target pod's holder (crate::holder) is this binary too.
     if let Some(code) = podmotion_agent::holder::run_mode(&argv) {
         std::process::exit(code);

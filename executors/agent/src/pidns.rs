@@ -67,8 +67,13 @@ fn stage1(args: &[String]) -> Result<i32, String> {
     if gate == GATED {
         wait_at_gate()?;
     }
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/pid"))
-        .map_err(|e| format!("pid namespace of {pid}: {e}"))?;
+    // A holder of another user (the container's own, e.g. 65532) is reached as that
+    // user: the agent has no CAP_SYS_PTRACE (crate::creds).
+    let path = format!("/proc/{pid}/ns/pid");
+    let owner = crate::creds::owner_of(pid)?;
+    let ns = crate::creds::as_owner(owner, || std::fs::File::open(&path))
+        .and_then(|r| r)
+        .map_err(|e| format!("open {path} as {owner}: {e}"))?;
     setns(&ns, CloneFlags::CLONE_NEWPID).map_err(|e| format!("setns pid of {pid}: {e}"))?;
     let status = Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
         .arg(STAGE2)

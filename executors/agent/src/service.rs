@@ -7,6 +7,7 @@
 use crate::admission::{Admission, Step, admit};
 use crate::authz::{self, Prepared, Rpc};
 use crate::containers::{ContainerFs, Containers, Resolved};
+use crate::creds;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
 use crate::mounts;
@@ -718,15 +719,40 @@ fn io_internal(e: std::io::Error) -> Status {
     Status::internal(e.to_string())
 }
 
-/// Runs one CRIU request (`kind`, its log at `log`) on a blocking thread.
-async fn run_criu(criu: Criu, kind: i32, opts: Opts, log: PathBuf) -> Result<criu::Resp, Status> {
+/// A failed system call `call` on `path` as a status whose code says what happened:
+/// the kernel's refusal (EACCES, EPERM) is `PermissionDenied`, a path that is not
+/// there `NotFound`, anything else `Internal`. The message names the call and the
+/// path, and what grants the permission when refused.
+pub(crate) fn io_status(call: &str, path: &str, e: &std::io::Error) -> Status {
+    use std::io::ErrorKind;
+    let msg = format!("{call} {path}: {e}");
+    match e.kind() {
+        ErrorKind::PermissionDenied => Status::permission_denied(format!(
+            "{msg} (the agent runs as uid 0 without CAP_SYS_PTRACE: a process of another \
+             user is reached as that user, see docs/security.md)"
+        )),
+        ErrorKind::NotFound => Status::not_found(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+/// Runs one CRIU request (`kind`, its log at `log`) on a blocking thread, as `owner`
+/// (the tree's: see [`crate::creds`]).
+async fn run_criu(
+    criu: Criu,
+    kind: i32,
+    opts: Opts,
+    log: PathBuf,
+    owner: creds::Owner,
+) -> Result<criu::Resp, Status> {
     blocking(move || {
-        criu.call(
+        criu.call_as(
             Req {
                 r#type: kind,
                 opts: Some(opts),
             },
             Some(&log),
+            owner,
         )
         .map_err(criu_status)
     })
@@ -741,9 +767,18 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| Status::internal(e.to_string()))?
 }
 
-fn netns_ino(pid: i32) -> Result<String, Status> {
-    let l = std::fs::read_link(format!("/proc/{pid}/ns/net"))
-        .map_err(|e| Status::not_found(e.to_string()))?;
+/// The inode of `pid`'s network namespace, read as `owner` (the process's).
+/// Who the source's CRIU runs as: its tree's owner (the same at `Prepare`, which
+/// refused a tree of several users).
+fn source_owner(m: &Migration) -> Result<creds::Owner, Status> {
+    creds::tree_owner(m.process.pid).map_err(Status::failed_precondition)
+}
+
+fn netns_ino(pid: i32, owner: creds::Owner) -> Result<String, Status> {
+    let path = format!("/proc/{pid}/ns/net");
+    let l = creds::as_owner(owner, || std::fs::read_link(&path))
+        .and_then(|r| r)
+        .map_err(|e| io_status("readlink", &path, &e))?;
     Ok(l.to_string_lossy()
         .chars()
         .filter(char::is_ascii_digit)
@@ -974,6 +1009,18 @@ impl Agent {
         let Resolved { container, pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
         let start_time = procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?;
         let process = ProcRef { pid, start_time };
+        if role == Role::Source {
+            // Refused here, before anything is frozen: a tree CRIU cannot dump as one
+            // user on this node (see crate::creds).
+            let owner = creds::tree_owner(pid).map_err(Status::failed_precondition)?;
+            if r.post_copy && !owner.is_root() {
+                return Err(Status::failed_precondition(format!(
+                    "PostCopy of a container running as {owner} is not supported: its lazy \
+                     dump runs CRIU as root, which cannot read that user's resource limits \
+                     without CAP_SYS_RESOURCE; use PreCopy or Cold"
+                )));
+            }
+        }
         let dir = images::create(&self.cfg.checkpoints_root, uid.as_str())
             .map_err(|e| Status::internal(e.to_string()))?;
         // From here every failure undoes what this Prepare did so far, in one place:
@@ -1035,10 +1082,14 @@ impl Agent {
         dir: &Path,
         log: &str,
         external_mounts: &[String],
+        owner: creds::Owner,
     ) -> Result<Opts, Status> {
         let mut o = Opts::new(dir, log);
         o.pid = Some(m.process.pid);
-        o.external = vec![format!("net[{}]:{NETNS_KEY}", netns_ino(m.process.pid)?)];
+        o.external = vec![format!(
+            "net[{}]:{NETNS_KEY}",
+            netns_ino(m.process.pid, owner)?
+        )];
         o.external
             .extend(mounts::dump_external_args(external_mounts));
         if self.cfg.track_mem {
@@ -1056,8 +1107,8 @@ impl Agent {
         let Some(fs) = &m.fs else {
             return Ok(vec![]);
         };
-        let mi = std::fs::read_to_string(format!("/proc/{}/mountinfo", m.process.pid))
-            .map_err(|e| Status::failed_precondition(format!("mounts of the source: {e}")))?;
+        let path = format!("/proc/{}/mountinfo", m.process.pid);
+        let mi = std::fs::read_to_string(&path).map_err(|e| io_status("read", &path, &e))?;
         Ok(mounts::dump_externals(
             &fs.spec,
             &mounts::parse_mountinfo(&mi),
@@ -1073,9 +1124,11 @@ impl Agent {
             ));
         }
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let owner = source_owner(&m)?;
         let dir = m.dir.join(format!("pre-{}", m.iteration + 1));
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
-        let mut opts = self.dump_opts(&m, &dir, "pre-dump.log", &self.external_mounts(&m)?)?;
+        let mut opts =
+            self.dump_opts(&m, &dir, "pre-dump.log", &self.external_mounts(&m)?, owner)?;
         let kind = if self.cfg.track_mem {
             criu::REQ_PRE_DUMP
         } else {
@@ -1094,6 +1147,7 @@ impl Agent {
             opts,
             dir,
             criu: self.cfg.criu.clone(),
+            owner,
         };
         tokio::spawn(pre_dump_locked(m, round))
             .await
@@ -1107,11 +1161,15 @@ impl Agent {
             return Ok(m.status());
         }
         procfs::check_live(m.process).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let owner = source_owner(&m)?;
         let dir = m.dir.join("final");
         std::fs::create_dir_all(&dir).map_err(|e| Status::internal(e.to_string()))?;
         let external_mounts = self.external_mounts(&m)?;
         let stdio_pipes: Vec<(i32, String)> = if m.fs.is_some() {
-            mounts::stdio_pipes(m.process.pid)
+            // The links of another user's fds are read as that user.
+            let pid = m.process.pid;
+            creds::as_owner(owner, || mounts::stdio_pipes(pid))
+                .map_err(|e| io_status("read fd links of", &format!("/proc/{pid}/fd"), &e))?
                 .into_iter()
                 .map(|p| (p.fd, p.key))
                 .collect()
@@ -1119,7 +1177,7 @@ impl Agent {
             vec![]
         };
         let opts = {
-            let mut o = self.dump_opts(&m, &dir, "dump.log", &external_mounts)?;
+            let mut o = self.dump_opts(&m, &dir, "dump.log", &external_mounts, owner)?;
             o.tcp_established = Some(true);
             o.tcp_skip_in_flight = Some(true);
             o.leave_stopped = Some(true);
@@ -1139,6 +1197,7 @@ impl Agent {
             frozen: Arc::clone(&self.frozen),
             margin: self.cfg.freeze_watchdog.margin,
             lazy: m.post_copy,
+            owner,
         };
         tokio::spawn(dump_locked(m, dumped))
             .await
@@ -1413,27 +1472,39 @@ impl Agent {
 
 type Res<T> = Result<Response<T>, Status>;
 
+/// A control call's result, its failure logged once (one line at warn: the call, the
+/// migration's UID, the gRPC code and the message, which names the system call and
+/// the path where one failed): what the operator reports is also in the node's log.
+fn logged<T>(rpc: Rpc, uid: &str, r: Result<T, Status>) -> Result<T, Status> {
+    if let Err(e) = &r {
+        tracing::warn!(%rpc, uid, code = ?e.code(), error = e.message(), "call failed");
+    }
+    r
+}
+
 #[tonic::async_trait]
 impl MigrationAgent for Agent {
     async fn prepare(&self, r: GrpcRequest<PrepareRequest>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Prepare)?;
-        self.prepare_impl(r.into_inner()).await.map(Response::new)
+        let r = r.into_inner();
+        let uid = r.migration_uid.clone();
+        logged(Rpc::Prepare, &uid, self.prepare_impl(r).await).map(Response::new)
     }
     async fn pre_dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::PreDump)?;
-        self.pre_dump_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::PreDump, &uid, self.pre_dump_impl(&uid).await).map(Response::new)
     }
     async fn dump(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Dump)?;
-        self.dump_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::Dump, &uid, self.dump_impl(&uid).await).map(Response::new)
     }
     async fn send(&self, r: GrpcRequest<SendRequest>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Send)?;
-        self.send_impl(r.into_inner()).await.map(Response::new)
+        let r = r.into_inner();
+        let uid = r.migration_uid.clone();
+        logged(Rpc::Send, &uid, self.send_impl(r).await).map(Response::new)
     }
     async fn receive_images(&self, r: GrpcRequest<Streaming<ImageChunk>>) -> Res<ReceiveSummary> {
         let caller = self.caller(&r);
@@ -1450,31 +1521,29 @@ impl MigrationAgent for Agent {
     }
     async fn fence(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Fence)?;
-        self.fence_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::Fence, &uid, self.fence_impl(&uid).await).map(Response::new)
     }
     async fn restore(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Restore)?;
-        self.restore_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::Restore, &uid, self.restore_impl(&uid).await).map(Response::new)
     }
     async fn commit(&self, r: GrpcRequest<CommitRequest>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Commit)?;
-        self.commit_impl(r.into_inner()).await.map(Response::new)
+        let r = r.into_inner();
+        let uid = r.migration_uid.clone();
+        logged(Rpc::Commit, &uid, self.commit_impl(r).await).map(Response::new)
     }
     async fn abort(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Abort)?;
-        self.abort_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::Abort, &uid, self.abort_impl(&uid).await).map(Response::new)
     }
     async fn cleanup(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Cleanup)?;
-        self.cleanup_impl(&r.into_inner().migration_uid)
-            .await
-            .map(Response::new)
+        let uid = r.into_inner().migration_uid;
+        logged(Rpc::Cleanup, &uid, self.cleanup_impl(&uid).await).map(Response::new)
     }
     async fn status(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Status)?;
@@ -1503,6 +1572,53 @@ mod watchdog_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_io_failure_carries_the_code_of_what_happened_and_names_the_call_and_path() {
+        let status = |errno: i32| {
+            io_status(
+                "readlink",
+                "/proc/7/ns/net",
+                &std::io::Error::from_raw_os_error(errno),
+            )
+        };
+        // The error of issue 39: EACCES was NotFound, with no call and no path.
+        let denied = status(nix::libc::EACCES);
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+        assert!(
+            denied
+                .message()
+                .starts_with("readlink /proc/7/ns/net: Permission denied (os error 13) (")
+                && denied.message().contains("CAP_SYS_PTRACE"),
+            "{}",
+            denied.message()
+        );
+        assert_eq!(
+            status(nix::libc::EPERM).code(),
+            tonic::Code::PermissionDenied
+        );
+        let gone = status(nix::libc::ENOENT);
+        assert_eq!(gone.code(), tonic::Code::NotFound);
+        assert_eq!(
+            gone.message(),
+            "readlink /proc/7/ns/net: No such file or directory (os error 2)"
+        );
+        let other = status(nix::libc::EIO);
+        assert_eq!(other.code(), tonic::Code::Internal);
+        assert!(other.message().starts_with("readlink /proc/7/ns/net: "));
+    }
+
+    #[test]
+    fn the_agents_own_read_of_a_namespace_reports_the_path() {
+        let e = netns_ino(i32::MAX, creds::Owner { uid: 0, gid: 0 }).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert!(
+            e.message()
+                .starts_with("readlink /proc/2147483647/ns/net: "),
+            "{}",
+            e.message()
+        );
+    }
 
     #[test]
     fn a_new_prepare_needs_a_role_a_key_and_another_node_as_peer() {

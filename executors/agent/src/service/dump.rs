@@ -32,6 +32,8 @@ pub(super) struct DumpOutcome {
     pub(super) margin: std::time::Duration,
     /// PostCopy: a lazy dump ([`super::post_copy::Source`]).
     pub(super) lazy: bool,
+    /// Who CRIU runs as: the tree's owner ([`crate::creds`]).
+    pub(super) owner: crate::creds::Owner,
 }
 
 /// One pre-copy round (see [`super::Agent::pre_dump_impl`]).
@@ -42,6 +44,8 @@ pub(super) struct PreDumpRound {
     /// The round's directory (`pre-<n>`).
     pub(super) dir: PathBuf,
     pub(super) criu: Criu,
+    /// Who CRIU runs as: the tree's owner ([`crate::creds`]).
+    pub(super) owner: crate::creds::Owner,
 }
 
 /// A pre-copy round, run by a task that owns the migration until CRIU is done.
@@ -50,7 +54,7 @@ pub(super) async fn pre_dump_locked(
     r: PreDumpRound,
 ) -> Result<MigrationStatus, Status> {
     let t = Instant::now();
-    run_criu(r.criu, r.kind, r.opts, r.dir.join("pre-dump.log")).await?;
+    run_criu(r.criu, r.kind, r.opts, r.dir.join("pre-dump.log"), r.owner).await?;
     m.timings.last_round_us = t.elapsed().as_micros() as u64;
     m.timings.pre_dump_total_us += m.timings.last_round_us;
     m.timings.last_pre_dump_us = now_us();
@@ -81,9 +85,15 @@ pub(super) async fn dump_locked(
             .await
             .map(Some)
     } else {
-        run_criu(d.criu, criu::REQ_DUMP, d.opts, dir.join("dump.log"))
-            .await
-            .map(|_| None)
+        run_criu(
+            d.criu,
+            criu::REQ_DUMP,
+            d.opts,
+            dir.join("dump.log"),
+            d.owner,
+        )
+        .await
+        .map(|_| None)
     };
     let lazy = match dumped {
         Ok(lazy) => lazy,

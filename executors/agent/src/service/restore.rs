@@ -402,7 +402,13 @@ fn find_restored(criu_pid: i32, holder_pid: Option<i32>) -> Result<ProcRef, Stat
 fn write_restart_file(m: &Migration, manifest: &Manifest) {
     if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
         let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
-        if let Err(e) = std::fs::write(&path, serde_json::to_vec(w).expect("workload")) {
+        let body = serde_json::to_vec(w).expect("workload");
+        // Reached as the holder's user (crate::creds), with the agent's capabilities.
+        let written = crate::creds::owner_of(m.process.pid)
+            .map_err(std::io::Error::other)
+            .and_then(|o| crate::creds::as_owner(o, || std::fs::write(&path, &body)))
+            .and_then(|r| r);
+        if let Err(e) = written {
             tracing::warn!(uid = %m.uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
         }
     }
@@ -531,8 +537,10 @@ fn container_restore(
         ));
     };
     let holder_pid = m.process.pid;
-    let mi = std::fs::read_to_string(format!("/proc/{holder_pid}/mountinfo"))
-        .map_err(|e| Status::failed_precondition(format!("mounts of the holder: {e}")))?;
+    let path = format!("/proc/{holder_pid}/mountinfo");
+    let mi = std::fs::read_to_string(&path).map_err(|e| super::io_status("read", &path, &e))?;
+    // The holder runs as the container's user: its fds are opened as that user.
+    let owner = crate::creds::owner_of(holder_pid).map_err(Status::failed_precondition)?;
     let holder = mounts::Holder {
         spec: fs.spec.clone(),
         mountinfo: mounts::parse_mountinfo(&mi),
@@ -552,8 +560,12 @@ fn container_restore(
             nix::fcntl::OFlag::O_WRONLY
         };
         // Not close-on-exec: criu swrk inherits it and finds it by number.
-        let f = nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
-            .map_err(|e| Status::failed_precondition(format!("open {path}: {e}")))?;
+        let f = crate::creds::as_owner(owner, || {
+            nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty())
+                .map_err(std::io::Error::from)
+        })
+        .and_then(|r| r)
+        .map_err(|e| super::io_status("open", &path, &e))?;
         o.inherit_fd.push(criu::InheritFd {
             key: key.clone(),
             fd: f.as_raw_fd(),

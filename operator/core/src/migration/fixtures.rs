@@ -65,6 +65,7 @@ pub fn pod(name: &str) -> PodB {
         node_attached_disks: vec![],
         claims: vec![],
         readiness_exec_probe: false,
+        non_root_containers: vec![],
     })
 }
 impl PodB {

@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
-use podmotion_api::migration::PodMigrationSpec;
+use podmotion_api::migration::{MigrationMode, PodMigrationSpec};
 use podmotion_api::names::{annotations, reasons};
 
 use super::machine::{Plan, Preflight};
@@ -88,6 +88,13 @@ pub struct PodFacts {
     /// The check a migration without `spec.probe` uses (the pod's readiness probe,
     /// `render::effective_probe`) is an exec probe.
     pub readiness_exec_probe: bool,
+    /// `(container, uid)` for each container of [`PodFacts::containers`] known not to
+    /// run as root: the uid the kubelet reports its process runs as
+    /// (`status.containerStatuses[].user.linux.uid`, the image's `USER` resolved), else
+    /// the pod's or container's `securityContext.runAsUser`. A container whose user
+    /// neither tells (an image's `USER` on a runtime that does not report it) is not
+    /// listed: its agent checks the process itself at `Prepare`, before any freeze.
+    pub non_root_containers: Vec<(String, i64)>,
 }
 
 /// A claim mounted by the pod.
@@ -326,6 +333,7 @@ impl PodFacts {
                 .collect(),
             readiness_exec_probe: super::render::effective_probe(None, pod)
                 .is_some_and(|p| p.exec.is_some()),
+            non_root_containers: non_root_containers(pod, &spec, init),
         }
     }
 
@@ -337,6 +345,36 @@ impl PodFacts {
         }
         self
     }
+}
+
+/// The running containers whose process is known to run as a user other than root
+/// (see [`PodFacts::non_root_containers`]).
+fn non_root_containers(pod: &Pod, spec: &PodSpec, init: &[Container]) -> Vec<(String, i64)> {
+    let statuses = pod.status.as_ref().map(|s| {
+        s.container_statuses
+            .iter()
+            .flatten()
+            .chain(s.init_container_statuses.iter().flatten())
+            .collect::<Vec<_>>()
+    });
+    let pod_user = spec.security_context.as_ref().and_then(|s| s.run_as_user);
+    running_containers(&spec.containers, init)
+        .filter_map(|c| {
+            let reported = statuses
+                .iter()
+                .flatten()
+                .find(|st| st.name == c.name)
+                .and_then(|st| st.user.as_ref()?.linux.as_ref())
+                .map(|l| l.uid);
+            let declared = c
+                .security_context
+                .as_ref()
+                .and_then(|s| s.run_as_user)
+                .or(pod_user);
+            let uid = reported.or(declared)?;
+            (uid != 0).then(|| (c.name.clone(), uid))
+        })
+        .collect()
 }
 
 /// The pod's containers that run for its whole life: its containers and its native
@@ -700,7 +738,34 @@ fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
             ),
         ));
     }
+    if let Some(r) = non_root_refused(spec, pod) {
+        return Some(r);
+    }
     local_data(spec, pod).map(|m| (reasons::LOCAL_DATA, m))
+}
+
+/// A non-root container in a mode whose dump needs root privileges the agents lack.
+/// PreCopy and Cold dump a non-root container as its own user (the agent runs CRIU
+/// as that user with its own capabilities: docs/security.md, "Non-root workloads");
+/// PostCopy's lazy dump runs CRIU as root, which reads another user's resource limits
+/// only with CAP_SYS_RESOURCE and seizes its process only with CAP_SYS_PTRACE.
+fn non_root_refused(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
+    if spec.mode != MigrationMode::PostCopy {
+        return None;
+    }
+    let (container, uid) = pod.non_root_containers.first()?;
+    Some((
+        reasons::NON_ROOT_WORKLOAD,
+        format!(
+            "pod {}: container {container} runs as uid {uid}, and a PostCopy dump runs CRIU \
+             as root, which needs CAP_SYS_RESOURCE and CAP_SYS_PTRACE to dump another \
+             user's process; the agents hold neither (chart value \
+             migrationAgent.agent.capabilities; CAP_SYS_RESOURCE must also be in the \
+             node's capability bounding set). Use mode PreCopy or Cold, which dump it as \
+             its own user",
+            pod.name
+        ),
+    ))
 }
 
 /// Why the pod's data cannot follow it to another node, if it cannot. Pod-scoped
@@ -1489,6 +1554,46 @@ mod tests {
         assert!(m.contains("2 containers (app, envoy"), "{m}");
         let (_, m) = refusal(&k8s(json!({"metadata": {"namespace": "kube-system"}})), &s);
         assert!(m.contains("kube-system"), "{m}");
+    }
+
+    #[test]
+    fn a_non_root_container_is_refused_in_pending_only_where_its_dump_cannot_run() {
+        let post_copy = spec("web-0").post_copy().build();
+        let pre_copy = spec("web-0").build();
+        // The image's own user, as the kubelet reports it: no securityContext says it.
+        let reported = k8s(json!({"status": {"containerStatuses": [{"name": "app",
+            "image": "app:1", "imageID": "", "ready": true, "restartCount": 0,
+            "user": {"linux": {"uid": 65532, "gid": 65532}}}]}}));
+        assert_eq!(
+            reported.non_root_containers,
+            vec![("app".to_string(), 65532)]
+        );
+        let (reason, m) = refusal(&reported, &post_copy);
+        assert_eq!(reason, reasons::NON_ROOT_WORKLOAD);
+        assert!(
+            m.contains("container app runs as uid 65532")
+                && m.contains("CAP_SYS_RESOURCE")
+                && m.contains("migrationAgent.agent.capabilities")
+                && m.contains("PreCopy or Cold"),
+            "{m}"
+        );
+        // PreCopy and Cold dump it as its own user.
+        assert_migratable("a non-root container in PreCopy", &reported, &pre_copy);
+        // Declared in the spec (container over pod), when the kubelet does not report it.
+        let declared = k8s(json!({"spec": {"securityContext": {"runAsUser": 1000},
+            "containers": [{"name": "app", "image": "app:1"}]}}));
+        assert_eq!(
+            declared.non_root_containers,
+            vec![("app".to_string(), 1000)]
+        );
+        assert_eq!(refusal(&declared, &post_copy).0, reasons::NON_ROOT_WORKLOAD);
+        let root = k8s(json!({"spec": {"securityContext": {"runAsUser": 1000},
+            "containers": [{"name": "app", "image": "app:1",
+                "securityContext": {"runAsUser": 0}}]}}));
+        assert!(root.non_root_containers.is_empty());
+        assert_migratable("a root container in PostCopy", &root, &post_copy);
+        // Neither tells: the agent checks the process at Prepare.
+        assert!(k8s(json!({})).non_root_containers.is_empty());
     }
 
     #[test]
