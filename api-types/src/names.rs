@@ -146,8 +146,6 @@ pub mod reasons {
     pub const PROTECTED_NAMESPACE: &str = "ProtectedNamespace";
     /// A static pod (its mirror on the API server): the kubelet owns it.
     pub const STATIC_POD: &str = "StaticPod";
-    /// A pod PodMotion already migrated: its container's PID 1 is the holder.
-    pub const ADOPTED_POD: &str = "AdoptedPod";
     /// The pod shares the node's network, PID or IPC namespace.
     pub const HOST_NAMESPACES: &str = "HostNamespaces";
     /// More than one container (native sidecars count): only one tree is migrated.

@@ -20,8 +20,8 @@ use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
 use podmotion_e2e::real::copies::{jump_back, workload_processes};
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, ask, counter, counter_when_reachable, ended, node_of,
-    pod_ip, restart_count, source_serves_alone,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable, ended,
+    node_of, pod_ip, restart_count, source_serves_alone,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
@@ -716,4 +716,133 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
         "a new connection through the Service went back: {moved_counter} < {:?}",
         values.last()
     );
+}
+
+/// How one move of [`a_real_pod_moves_again_and_again_and_a_rollback_keeps_the_second_copy`]
+/// ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AgainEnd {
+    Adopted,
+    /// A probe that cannot pass: the restored copy is killed and the source thawed.
+    RolledBack,
+}
+
+/// Issue 39: a pod PodMotion moved moves again, through the chart, on the real nodes.
+/// One testload replica (16 MiB of ballast) moves A → B (Cold), B → A (PreCopy), then
+/// A → B with a probe that cannot pass (rolled back after the restore: the second copy
+/// on A serves on, never restarted), then A → B (Cold). After every adopted move: the
+/// target pod on its node, owned by the same ReplicaSet (never a rollout: its UID and
+/// the Deployment's generation do not change), the only replica, never restarted; the
+/// counter larger than before, through the pod and through the Service; the ballast's
+/// digest the same. No checkpoint image is left on either node.
+#[tokio::test]
+async fn a_real_pod_moves_again_and_again_and_a_rollback_keeps_the_second_copy() {
+    let Some(w) = World::new("again", "again", 16, &[]).await else {
+        return;
+    };
+    let svc = w.service("again").await;
+    let pods: Api<Pod> = w.app.api();
+    let pms: Api<PodMigration> = w.app.api();
+    let (a, b) = (node_of(&w.source), w.target_node());
+    let rs_of = |p: &Pod| {
+        p.owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true) && o.kind == "ReplicaSet")
+            .map(|o| (o.name.clone(), o.uid.clone()))
+            .expect("owned by a ReplicaSet")
+    };
+    let rs = rs_of(&w.source);
+    let deployments: Api<Deployment> = w.app.api();
+    let generation = deployments.get("again").await.unwrap().metadata.generation;
+    let digest = ask(&addr(&w.source), "digest").unwrap();
+    let mut pod = w.source.clone();
+    let mut last = counter(&addr(&pod));
+    let plan = [
+        (b.clone(), "Cold", AgainEnd::Adopted),
+        (a.clone(), "PreCopy", AgainEnd::Adopted),
+        (b.clone(), "Cold", AgainEnd::RolledBack),
+        (b.clone(), "Cold", AgainEnd::Adopted),
+    ];
+    let mut report = Vec::new();
+    for (n, (to, mode, end)) in plan.into_iter().enumerate() {
+        let name = format!("again-{}", n + 1);
+        let port = if end == AgainEnd::RolledBack { 9 } else { 8080 };
+        let pm: PodMigration = from_json(json!({
+            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+            "metadata": {"name": name},
+            "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode,
+                "freezeBudgetMillis": 20000, "preCopy": {"maxRounds": 3},
+                "probe": {"tcpSocket": {"port": port}, "failureThreshold": 1,
+                    "timeoutSeconds": 1}}
+        }));
+        pms.create(&PostParams::default(), &pm).await.unwrap();
+        let st = ended(&pms, &name).await;
+        let what = format!("move {} ({} → {to}, {mode}, {end:?})", n + 1, node_of(&pod));
+        match end {
+            AgainEnd::RolledBack => {
+                assert_ne!(st.phase, MigrationPhase::Succeeded, "{what}: {st:?}");
+                assert_eq!(
+                    st.failure_reason.as_deref(),
+                    Some("ProbeFailed"),
+                    "{what}: {st:?}"
+                );
+                // The second copy serves on (same pod, never restarted), alone.
+                last = source_serves_alone(&pods, "again", &pod, last, &what).await;
+                assert_eq!(ask(&addr(&pod), "digest").unwrap(), digest, "{what}");
+            }
+            AgainEnd::Adopted => {
+                if st.phase != MigrationPhase::Succeeded {
+                    w.app.dump();
+                    panic!("{what}: {st:?}");
+                }
+                let target = pods
+                    .get(st.target_pod.as_deref().expect("status.targetPod"))
+                    .await
+                    .unwrap();
+                assert_eq!(node_of(&target), to, "{what}");
+                assert_eq!(rs_of(&target), rs, "{what}: adopted by the same ReplicaSet");
+                wait_list(
+                    &pods,
+                    "app=again",
+                    POD_TIMEOUT,
+                    &format!("{what}: only the target pod left"),
+                    |ps| ps.len() == 1 && ps[0].uid() == target.uid(),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e:#}"));
+                assert_eq!(restart_count(&target), 0, "{what}");
+                let after = counter(&addr(&target));
+                assert!(
+                    after > last,
+                    "{what}: the counter went from {last} to {after}"
+                );
+                assert_eq!(ask(&addr(&target), "digest").unwrap(), digest, "{what}");
+                let via_service = counter_when_reachable(&svc, &what);
+                assert!(via_service >= after, "{what}: {via_service} < {after}");
+                last = via_service;
+                pod = target;
+            }
+        }
+        report.push(format!(
+            "{what}: {:?}, downtime {} ms",
+            st.phase,
+            st.downtime_millis.unwrap_or(0)
+        ));
+    }
+    assert_eq!(node_of(&pod), b, "the plan ends on B");
+    assert_eq!(
+        deployments.get("again").await.unwrap().metadata.generation,
+        generation,
+        "no rollout in between"
+    );
+    let rs_api: Api<ReplicaSet> = w.app.api();
+    assert_eq!(rs_api.get(&rs.0).await.unwrap().spec.replicas, Some(1));
+    no_checkpoint_files_left(
+        "after the last move",
+        &w.op.client,
+        &w.agents(),
+        w.nodes.len(),
+    )
+    .await;
+    eprintln!("again and again:\n  {}", report.join("\n  "));
 }

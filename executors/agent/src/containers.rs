@@ -4,8 +4,10 @@
 //! (`containerd://…`); it never sees host PIDs. On a node the agent asks the container
 //! runtime over its CRI socket (the same client the attach executor uses). Local runs,
 //! where kwok simulates the nodes and real processes stand for containers, use a
-//! container table instead: a file of `<container-id> <pid>` lines kept by whoever
-//! starts those processes — the runtime's role, played by the test harness.
+//! container table instead: a file of `<container-id> <pid> [<rootfs>]` lines kept by
+//! whoever starts those processes — the runtime's role, played by the test harness. A
+//! row with a root filesystem stands for a container with a mount namespace of its own
+//! rooted there (the agent's testbed: see `testbed::Testbed::start_container`).
 //!
 //! A container reported by the kubelet may not be known to the runtime (or written to
 //! the table) for a moment; resolution retries for a bounded time before giving up.
@@ -29,7 +31,7 @@ pub enum Containers {
     /// one of the well-known paths (containerd, CRI-O, cri-dockerd); `host` is where
     /// the node's root filesystem is seen (paths of the runtime spec are node paths).
     Cri { run_dir: PathBuf, host: HostView },
-    /// Local runs: a file of `<container-id> <pid>` lines.
+    /// Local runs: a file of `<container-id> <pid> [<rootfs>]` lines.
     Table { path: PathBuf },
 }
 
@@ -97,9 +99,14 @@ impl Containers {
                         .map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 },
-                Containers::Table { path } => {
-                    lookup(path, id).map(|pid| (requested.to_string(), pid, None))
-                }
+                Containers::Table { path } => lookup(path, id).map(|(pid, rootfs)| {
+                    let fs = rootfs.map(|rootfs| ContainerFs {
+                        spec: Vec::new(),
+                        rootfs,
+                        workload: None,
+                    });
+                    (requested.to_string(), pid, fs)
+                }),
             };
             match res {
                 Ok((bare, pid, fs)) => {
@@ -121,20 +128,25 @@ impl Containers {
     }
 }
 
-/// `id`'s PID in the table at `path` (the last line naming it wins).
-fn lookup(path: &std::path::Path, id: &str) -> Result<u32, String> {
+/// `id`'s PID in the table at `path` (the last line naming it wins), and its root
+/// filesystem if the line names one.
+fn lookup(path: &std::path::Path, id: &str) -> Result<(u32, Option<PathBuf>), String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("container table {}: {e}", path.display()))?;
-    text.lines()
+    let (_, pid, rootfs) = text
+        .lines()
         .filter_map(|l| {
             let mut f = l.split_whitespace();
-            Some((f.next()?, f.next()?))
+            Some((f.next()?, f.next()?, f.next()))
         })
-        .rfind(|(c, _)| *c == id || cri::strip_runtime_prefix(c) == cri::strip_runtime_prefix(id))
-        .ok_or_else(|| format!("not in the container table {}", path.display()))?
-        .1
+        .rfind(|(c, _, _)| {
+            *c == id || cri::strip_runtime_prefix(c) == cri::strip_runtime_prefix(id)
+        })
+        .ok_or_else(|| format!("not in the container table {}", path.display()))?;
+    let pid = pid
         .parse::<u32>()
-        .map_err(|e| format!("container table {}: {e}", path.display()))
+        .map_err(|e| format!("container table {}: {e}", path.display()))?;
+    Ok((pid, rootfs.map(PathBuf::from)))
 }
 
 #[cfg(test)]
@@ -148,11 +160,14 @@ mod tests {
         let path = dir.join("table");
         std::fs::write(
             &path,
-            "kwok://u1-app 100\n\nkwok://u2-app 200\nkwok://u1-app 101\n",
+            "kwok://u1-app 100\n\nkwok://u2-app 200 /run/rootfs\nkwok://u1-app 101\n",
         )
         .unwrap();
-        assert_eq!(lookup(&path, "kwok://u1-app"), Ok(101));
-        assert_eq!(lookup(&path, "u2-app"), Ok(200));
+        assert_eq!(lookup(&path, "kwok://u1-app"), Ok((101, None)));
+        assert_eq!(
+            lookup(&path, "u2-app"),
+            Ok((200, Some(PathBuf::from("/run/rootfs"))))
+        );
         assert!(lookup(&path, "kwok://u3-app").is_err());
         assert!(lookup(&dir.join("missing"), "kwok://u1-app").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
@@ -172,12 +187,17 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pm-ctable-id-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("table");
-        std::fs::write(&path, "kwok://u1-app 100\n").unwrap();
+        std::fs::write(&path, "kwok://u1-app 100\nkwok://u2-app 200 /run/r2\n").unwrap();
         let c = Containers::Table { path };
         let r = c.resolve(&["kwok://u1-app".into()]).await.unwrap();
         assert_eq!((r.container.as_str(), r.pid), ("u1-app", 100));
+        assert!(r.fs.is_none(), "a row without a root filesystem");
         let r = c.resolve(&["u1-app".into()]).await.unwrap();
         assert_eq!(r.container.as_str(), "u1-app");
+        // A row with one: a container with a mount namespace of its own rooted there.
+        let fs = c.resolve(&["u2-app".into()]).await.unwrap().fs.unwrap();
+        assert_eq!(fs.rootfs, PathBuf::from("/run/r2"));
+        assert!(fs.spec.is_empty() && fs.workload.is_none());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -187,6 +187,9 @@ struct Migration {
     process: ProcRef,
     /// The container the operator named, `process` its PID (the broker checks it).
     container: ContainerId,
+    /// Source: the container's PID 1 when it is PodMotion's holder (a pod moved
+    /// before); `process` is then the restored workload it holds.
+    held_by: Option<ProcRef>,
     key: Vec<u8>,
     tcp: TcpPreservation,
     dir: PathBuf,
@@ -289,6 +292,8 @@ struct Placement {
     process: ProcRef,
     /// The container `process` was resolved from (its bare ID).
     container: ContainerId,
+    /// The holder whose workload `process` is (see [`Migration::held_by`]).
+    held_by: Option<ProcRef>,
     /// A real container's mounts.
     fs: Option<ContainerFs>,
     /// Its checkpoint dir, just created.
@@ -312,6 +317,7 @@ impl Migration {
             phase: Phase::Prepared,
             process: placed.process,
             container: placed.container,
+            held_by: placed.held_by,
             key: r.transfer_key,
             tcp: TcpPreservation::try_from(r.tcp).unwrap_or(TcpPreservation::BestEffort),
             dir: placed.dir,
@@ -785,6 +791,22 @@ fn netns_ino(pid: i32, owner: creds::Owner) -> Result<String, Status> {
         .collect())
 }
 
+/// The tree a source container's dump starts from, from its PID 1 (`pid`): that
+/// process, or, if it is PodMotion's holder, the restored workload it holds (see
+/// [`crate::holder::held_workload`]) with the holder pinned beside it. CRIU, run in the
+/// node's PID namespace as for any container, dumps that workload: the init of the
+/// namespace nested below the holder's (what it refuses is a tree that spans two
+/// nested namespaces, the holder's own). A holder that holds nothing to migrate is a
+/// failed precondition.
+fn held_source(pid: i32) -> Result<(i32, Option<ProcRef>), Status> {
+    let Some(workload) = crate::holder::held_workload(pid).map_err(Status::failed_precondition)?
+    else {
+        return Ok((pid, None));
+    };
+    let start_time = procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?;
+    Ok((workload, Some(ProcRef { pid, start_time })))
+}
+
 /// Name under which the pod's network namespace is external to the images: CRIU
 /// neither dumps nor recreates it; the target passes its own namespace for this key.
 const NETNS_KEY: &str = "podnet";
@@ -1007,6 +1029,12 @@ impl Agent {
         // No PID on the wire: the containers the operator names are resolved here,
         // through the node's container runtime (a malformed ID is InvalidArgument).
         let Resolved { container, pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
+        // A pod PodMotion moved before: the source container's PID 1 is the holder,
+        // and the tree to dump is the workload it holds.
+        let (pid, held_by) = match role {
+            Role::Source => held_source(pid)?,
+            _ => (pid, None),
+        };
         let start_time = procfs::start_time(pid).map_err(|e| Status::not_found(e.to_string()))?;
         let process = ProcRef { pid, start_time };
         if role == Role::Source {
@@ -1030,6 +1058,7 @@ impl Agent {
         let placed = Placement {
             process,
             container,
+            held_by,
             fs,
             dir: dir.clone(),
         };
@@ -1044,7 +1073,12 @@ impl Agent {
             }
         };
         let st = m.status();
-        tracing::info!(%uid, ?role, pid = process.pid, peer = %m.peer, "prepared");
+        match m.held_by {
+            Some(h) => {
+                tracing::info!(%uid, ?role, pid = process.pid, holder = h.pid, peer = %m.peer, "prepared: the container's PID 1 is PodMotion's holder, its restored workload is the tree to migrate")
+            }
+            None => tracing::info!(%uid, ?role, pid = process.pid, peer = %m.peer, "prepared"),
+        }
         self.migrations
             .lock()
             .expect("migrations")

@@ -11,6 +11,16 @@
 //! client's /32 route at the target's veth (what a CNI with sticky pod IPs does).
 //! Brokers run in-process (one per node, separate sockets and run dirs); agents are
 //! real `podmotion-agent` processes; checkpoint roots are private tmpfs mounts.
+//!
+//! Pods beyond `src` and `tgt` can be added ([`Testbed::add_pod`]: a pod that a move
+//! makes, on either node), and a pod's process can be a *container*
+//! ([`Testbed::start_container`]): the init of its own PID and mount namespaces, rooted
+//! in a read-only bind of the host's root filesystem with its own `/proc` and `/dev`
+//! (what a runtime makes of an image, minus the image), registered with that root
+//! filesystem so that the agents treat it as a container: CRIU dumps its mount
+//! namespace and restores it on the holder's root, inside the holder's PID namespace.
+//! A target pod's container runs PodMotion's holder ([`Testbed::start_holder_container`]),
+//! so a pod restored there is a pod PodMotion moved — and can be moved again.
 
 use podmotion_broker::{Broker, Config as BrokerConfig, procfs};
 use podmotion_wire::client::{AgentClient, TlsFiles};
@@ -177,7 +187,29 @@ pub struct Testbed {
     /// The CRIU the agents started from now on run ([`criu_path`] unless a test puts
     /// a wrapper in its place).
     pub criu: PathBuf,
+    /// The containers' root filesystem, once mounted ([`Testbed::rootfs`]).
+    rootfs: Option<PathBuf>,
+    /// Pods added beyond `src` and `tgt` ([`Testbed::add_pod`]).
+    pods: Vec<String>,
 }
+
+/// The testbed's container runtime, run as `bash container.sh <rootfs> <argv...>`
+/// inside new mount and PID namespaces (`unshare -m -p -f --propagation private`):
+/// descriptors inherited from the test's environment closed (the host's files are not
+/// the container's), a fresh `/proc` of the new PID namespace and a tmpfs `/dev` with
+/// `null` in the root filesystem, which becomes the root (`pivot_root`, the old root
+/// detached), then `argv` as the namespace's init, in a session of its own (CRIU dumps
+/// a session leader's tree), its streams on the container's `/dev/null`.
+const CONTAINER_SH: &str = r#"R=$1; shift
+for f in /proc/self/fd/*; do
+  fd=${f##*/}; [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+done 2>/dev/null
+mount -t proc proc "$R/proc" &&
+mount -t tmpfs -o mode=755,size=1m tmpfs "$R/dev" &&
+mknod -m 666 "$R/dev/null" c 1 3 &&
+cd "$R" && pivot_root . tmp && umount -l /tmp || exit 1
+exec setsid "$@" </dev/null >/dev/null 2>&1
+"#;
 
 /// The network namespace `n` of the testbed `p` (see [`Testbed::ns`]).
 fn ns_of(p: &str, n: &str) -> String {
@@ -343,6 +375,8 @@ impl Testbed {
             agent_args: vec![],
             criu: criu_path(),
             children: vec![],
+            rootfs: None,
+            pods: vec![],
         }
     }
 
@@ -431,13 +465,17 @@ impl Testbed {
 
     /// "The container runtime" starts a container: `id` runs as host `pid`.
     pub fn register_container(&self, id: &str, pid: i32) {
+        self.table_line(&format!("{id} {pid}"));
+    }
+
+    fn table_line(&self, line: &str) {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.container_table())
             .expect("container table");
-        writeln!(f, "{id} {pid}").expect("container table");
+        writeln!(f, "{line}").expect("container table");
     }
 
     /// "The container runtime" runs `pid` as container `name` of this testbed;
@@ -606,6 +644,182 @@ impl Testbed {
         panic!("holder did not come up");
     }
 
+    /// A pod `name` (at most 12 characters) beside `src` and `tgt`: its network
+    /// namespace linked to the client's (as `src` and `tgt` are, without the pod
+    /// address) and its cgroup. Removed with the testbed.
+    pub fn add_pod(&mut self, name: &str) {
+        assert!(
+            name.len() <= 12,
+            "pod name {name:?}: its veth name would be too long"
+        );
+        let (ns, cli) = (self.ns(name), self.ns("cli"));
+        let _ = Command::new("ip")
+            .args(["netns", "del", &ns])
+            .stderr(Stdio::null())
+            .status();
+        ip(&format!("netns add {ns}"));
+        self.pods.push(name.to_owned());
+        ip(&format!("-n {ns} link set lo up"));
+        ip(&format!(
+            "link add to-{name} netns {cli} type veth peer name eth0 netns {ns}"
+        ));
+        ip(&format!("-n {cli} addr add 10.213.1.1/32 dev to-{name}"));
+        ip(&format!("-n {cli} link set to-{name} up"));
+        ip(&format!("-n {ns} link set eth0 up"));
+        ip(&format!("-n {ns} route add 10.213.1.1 dev eth0"));
+        ip(&format!(
+            "-n {ns} route add default via 10.213.1.1 dev eth0"
+        ));
+        std::fs::create_dir_all(self.cgroup.join(name)).expect("cgroup");
+    }
+
+    /// "The CNI" of a pod the workload moved to: the pod address exists in pod
+    /// `name` (it may still exist in others) and the client's route leads there.
+    pub fn route_pod_address_to(&self, name: &str) {
+        self.pod_address_in(name);
+        ip(&format!(
+            "-n {} route replace {POD_IP}/32 dev to-{name}",
+            self.ns("cli")
+        ));
+    }
+
+    /// The pod address exists in pod `name` (what a restore that keeps the
+    /// connections needs there); the client's route does not change.
+    pub fn pod_address_in(&self, name: &str) {
+        ip(&format!(
+            "-n {} addr replace {POD_IP}/32 dev eth0",
+            self.ns(name)
+        ));
+    }
+
+    /// "The CNI" gives the pod address of pod `name` back (a rolled-back target):
+    /// what a copy killed there still sends from it goes nowhere, as the agent's
+    /// address hand-over releases an adopted address before it kills the copy.
+    pub fn pod_address_gone_from(&self, name: &str) {
+        ip(&format!(
+            "-n {} addr del {POD_IP}/32 dev eth0",
+            self.ns(name)
+        ));
+    }
+
+    /// The containers' root filesystem: a read-only, non-recursive bind of the host's
+    /// `/` (no submounts: no /proc, /sys, /dev, tmpfs, netns), mounted once, outside
+    /// the testbed's directory, and unmounted with the testbed. Read-only: a container
+    /// writes nothing of the host's.
+    pub fn rootfs(&mut self) -> PathBuf {
+        if let Some(r) = &self.rootfs {
+            return r.clone();
+        }
+        let r = PathBuf::from(format!("/run/podmotion-testbed/{}.rootfs", self.p));
+        std::fs::create_dir_all(&r).expect("rootfs dir");
+        sh(&format!("mount --bind / {}", r.display()));
+        self.rootfs = Some(r.clone());
+        sh(&format!("mount -o remount,bind,ro {}", r.display()));
+        r
+    }
+
+    /// Starts a container in pod `pod` running `argv` as the init of its own PID and
+    /// mount namespaces, rooted in [`Testbed::rootfs`] with a fresh `/proc` and a
+    /// tmpfs `/dev` holding `null` (its standard streams); returns that init once it
+    /// runs `argv`.
+    pub fn start_container(&mut self, pod: &str, argv: &[String]) -> ProcRef {
+        let rootfs = self.rootfs();
+        let runtime = self.dir.join("container.sh");
+        std::fs::write(&runtime, CONTAINER_SH).expect("container.sh");
+        let quoted: Vec<String> = argv.iter().map(|a| format!("'{a}'")).collect();
+        let script = format!(
+            "echo $$ > {cg}/cgroup.procs && exec nsenter --net=/run/netns/{ns} unshare -m -p -f --propagation private bash {runtime} {rootfs} {argv}",
+            cg = self.cgroup.join(pod).display(),
+            ns = self.ns(pod),
+            runtime = runtime.display(),
+            rootfs = rootfs.display(),
+            argv = quoted.join(" "),
+        );
+        let child = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("container");
+        let outer = child.id() as i32;
+        self.children.push(child);
+        let want: Vec<u8> = argv
+            .iter()
+            .flat_map(|a| [a.as_bytes(), b"\0"].concat())
+            .collect();
+        for _ in 0..1000 {
+            let init = procfs::tree(outer).into_iter().find(|p| {
+                procfs::ns_pids(*p).is_some_and(|n| n.len() > 1 && n.last() == Some(&1))
+                    && std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == want)
+            });
+            if let Some(pid) = init {
+                return ProcRef {
+                    pid,
+                    start_time: procfs::start_time(pid).expect("start"),
+                };
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("container {argv:?} did not come up in pod {pod}");
+    }
+
+    /// The workload as a container of pod `pod` (see [`Testbed::start_container`]),
+    /// once it serves with its ballast filled; the pod address must lead to `pod`.
+    pub fn start_workload_container(
+        &mut self,
+        pod: &str,
+        ballast_mib: usize,
+        dirty_kib_s: usize,
+    ) -> ProcRef {
+        let argv = [
+            self.testload_bin.display().to_string(),
+            "serve".into(),
+            POD_PORT.to_string(),
+            ballast_mib.to_string(),
+            dirty_kib_s.to_string(),
+        ];
+        let root = self.start_container(pod, &argv);
+        for _ in 0..1200 {
+            if let Ok(mut c) = self.connect_timeout(Duration::from_millis(200)) {
+                while ask(&mut c, "ballast").expect("ballast") != "filled" {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                return root;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("workload container did not come up");
+    }
+
+    /// A target pod's container in pod `pod`: PodMotion's holder (`<dir>/hold hold`,
+    /// installed by the agent's own `install-holder`, as the target pod's init
+    /// container does), the init of its container (see [`Testbed::start_container`]).
+    pub fn start_holder_container(&mut self, pod: &str) -> ProcRef {
+        let hold = self.dir.join("hold");
+        if !hold.exists() {
+            let st = Command::new(&self.agent_bin)
+                .arg(crate::holder::INSTALL)
+                .arg(&hold)
+                .status()
+                .expect("install-holder");
+            assert!(st.success(), "install-holder failed");
+        }
+        self.start_container(
+            pod,
+            &[hold.display().to_string(), crate::holder::HOLD.into()],
+        )
+    }
+
+    /// "The container runtime" runs `pid`, a container of [`Testbed::start_container`],
+    /// as container `name`: registered with its root filesystem; returns its ID.
+    pub fn container_with_rootfs(&mut self, name: &str, pid: i32) -> String {
+        let rootfs = self.rootfs();
+        let id = format!("testbed://{}-{name}", self.p);
+        self.table_line(&format!("{id} {pid} {}", rootfs.display()));
+        id
+    }
+
     /// "The CNI": the pod address now exists in the target pod too.
     pub fn add_address_to_target(&self) {
         ip(&format!(
@@ -738,7 +952,12 @@ impl Drop for Testbed {
             let _ = c.wait();
         }
         // Whatever is still in the pod cgroups (restored trees, pid-ns inits).
-        for c in ["src", "tgt"] {
+        let pods: Vec<String> = ["src", "tgt"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(self.pods.iter().cloned())
+            .collect();
+        for c in &pods {
             let procs = std::fs::read_to_string(self.cgroup.join(c).join("cgroup.procs"))
                 .unwrap_or_default();
             for p in procs
@@ -752,8 +971,13 @@ impl Drop for Testbed {
             }
         }
         std::thread::sleep(Duration::from_millis(100));
-        for c in ["src", "tgt", ""] {
+        for c in pods.iter().map(String::as_str).chain([""]) {
             let _ = std::fs::remove_dir(self.cgroup.join(c));
+        }
+        if let Some(r) = &self.rootfs {
+            // Never removed recursively: while mounted it is the host's root.
+            let _ = Command::new("umount").arg("-l").arg(r).status();
+            let _ = std::fs::remove_dir(r);
         }
         for i in 0..2 {
             let _ = Command::new("umount")
@@ -765,7 +989,10 @@ impl Drop for Testbed {
                 let _ = Command::new("umount").arg("-l").arg(e.path()).status();
             }
         }
-        for n in ["na", "nb", "src", "tgt", "cli"] {
+        for n in ["na", "nb", "cli"]
+            .into_iter()
+            .chain(pods.iter().map(String::as_str))
+        {
             let _ = Command::new("ip")
                 .args(["netns", "del", &self.ns(n)])
                 .status();

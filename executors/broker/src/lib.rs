@@ -850,13 +850,15 @@ impl<K: Kernel> Broker<K> {
 
     /// Moves the agent's launcher of CRIU's restore into the holder's memory cgroup
     /// before it starts CRIU, so what the restore allocates is charged to the pod. Only
-    /// a process of the agent's own pod (the broker's network namespace), never the
-    /// broker itself, and that one process (what it forks later follows it).
+    /// a process of the agent's own pod (the broker's network namespace, where peers
+    /// must share it: see [`Config::same_netns_peers`]), never the broker itself, and
+    /// that one process (what it forks later follows it).
     fn charge_restore(&self, e: &Entry, process: ProcRef) -> Result<Reply, BrokerError> {
         self.kernel.check_live(process)?;
         let me = self.kernel.self_pid();
         if process.pid == me
-            || self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(me)?
+            || (self.cfg.same_netns_peers
+                && self.kernel.netns_inode(process.pid)? != self.kernel.netns_inode(me)?)
         {
             return Err(err(
                 ErrorKind::ForeignProcess,

@@ -302,7 +302,29 @@ fn dump_manifest(
         tcp: m.tcp as i32,
         external_mounts,
         stdio_pipes,
-        workload: m.fs.as_ref().and_then(|fs| fs.workload.clone()),
+        workload: workload(m),
+    }
+}
+
+/// The process the target's holder executes if the adopted container is started
+/// again: the source container's own (its runtime's spec), or, for a source that is
+/// itself a holder, the one its restart file names (the spec's would be the holder,
+/// which would then execute itself). A restart file that cannot be read is logged and
+/// left out: a restart of the adopted container then holds, as the holder does.
+fn workload(m: &Migration) -> Option<podmotion_wire::agent::Workload> {
+    let Some(holder) = m.held_by else {
+        return m.fs.as_ref().and_then(|fs| fs.workload.clone());
+    };
+    let root = PathBuf::from(format!("/proc/{}/root", holder.pid));
+    match procfs::check_live(holder)
+        .map_err(|e| e.to_string())
+        .and_then(|()| crate::holder::restart_workload(&root))
+    {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(uid = %m.uid, holder = holder.pid, error = %e, "the holder's restart file was not read: a restart of the adopted container will not start the workload");
+            None
+        }
     }
 }
 

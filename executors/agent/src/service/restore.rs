@@ -67,6 +67,7 @@ pub(super) async fn restore_locked(
         run.opts.lazy_pages = Some(true);
     }
     let holder_pid = run.container.is_some().then_some(m.process.pid);
+    tracing::info!(uid = %m.uid, holder = ?holder_pid, root = ?run.opts.root, "restoring");
     let log = dir.join("restore.log");
     let restored = match restore_tree(&mut m, cfg.criu.clone(), log, run, holder_pid).await {
         Ok(r) => r,

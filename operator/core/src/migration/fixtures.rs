@@ -59,7 +59,6 @@ pub fn pod(name: &str) -> PodB {
         static_pod: false,
         host_namespaces: vec![],
         containers: vec!["app".into()],
-        adopted: false,
         extended_resources: vec![],
         local_volumes: vec![],
         node_attached_disks: vec![],

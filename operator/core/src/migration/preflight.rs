@@ -73,8 +73,6 @@ pub struct PodFacts {
     /// The containers that run for the pod's life: `containers`, then native sidecars
     /// (init containers with `restartPolicy: Always`).
     pub containers: Vec<String>,
-    /// Has PodMotion's holder-installer init container: a pod PodMotion restored.
-    pub adopted: bool,
     /// `(container, resource)` for every requested or limited resource other than
     /// cpu, memory, ephemeral-storage and hugepages-*.
     pub extended_resources: Vec<(String, String)>,
@@ -306,7 +304,6 @@ impl PodFacts {
             containers: running_containers(&spec.containers, init)
                 .map(|c| c.name.clone())
                 .collect(),
-            adopted: init.iter().any(|c| c.name == HOLDER_INSTALLER),
             extended_resources: extended_resources(spec.containers.iter().chain(init)),
             local_volumes: volumes
                 .iter()
@@ -686,17 +683,6 @@ fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<Refusal> {
 /// `None` if nothing. Local data comes last: it is the one a user may waive.
 fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
     let name = &pod.name;
-    if pod.adopted {
-        return Some((
-            reasons::ADOPTED_POD,
-            format!(
-                "pod {name} was already migrated by PodMotion (it has the init container \
-                 {HOLDER_INSTALLER}): its container's PID 1 is PodMotion's holder and CRIU \
-                 cannot dump the nested PID namespace; restart or roll out the workload \
-                 first (e.g. kubectl rollout restart deployment/<name>), then migrate the new pod"
-            ),
-        ));
-    }
     if !pod.host_namespaces.is_empty() {
         return Some((
             reasons::HOST_NAMESPACES,
@@ -1296,14 +1282,6 @@ mod tests {
                 reasons::STATIC_POD,
             ),
             (
-                "pod PodMotion already restored",
-                k8s(json!({"spec": {
-                    "initContainers": [{"name": HOLDER_INSTALLER, "image": "agent:1"}],
-                    "volumes": [{"name": HOLDER_INSTALLER, "emptyDir": {}}]}})),
-                s.clone(),
-                reasons::ADOPTED_POD,
-            ),
-            (
                 "hostNetwork",
                 k8s(json!({"spec": {"hostNetwork": true}})),
                 s.clone(),
@@ -1543,11 +1521,6 @@ mod tests {
             "{m}"
         );
         let (_, m) = refusal(
-            &k8s(json!({"spec": {"initContainers": [{"name": HOLDER_INSTALLER}]}})),
-            &s,
-        );
-        assert!(m.contains("restart or roll out the workload"), "{m}");
-        let (_, m) = refusal(
             &k8s(json!({"spec": {"containers": [{"name": "app"}, {"name": "envoy"}]}})),
             &s,
         );
@@ -1654,6 +1627,23 @@ mod tests {
             &p,
             &spec("web-0").leave_local_data_behind().build(),
         );
+    }
+
+    /// A pod PodMotion restored (its holder's init container and volume, its
+    /// container's command the holder) moves again: the agent dumps the workload the
+    /// holder holds.
+    #[test]
+    fn a_pod_podmotion_restored_is_migratable_again() {
+        let p = k8s(json!({"spec": {
+            "initContainers": [{"name": HOLDER_INSTALLER, "image": "agent:1"}],
+            "containers": [{"name": "app", "command": ["/.podmotion/hold", "hold"]}],
+            "volumes": [{"name": HOLDER_INSTALLER, "emptyDir": {"sizeLimit": "64Mi"}}]}}));
+        assert_eq!(
+            p.containers,
+            ["app"],
+            "the finished installer is no container"
+        );
+        assert_migratable("pod PodMotion restored", &p, &spec("web-0").build());
     }
 
     #[test]

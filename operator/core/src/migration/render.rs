@@ -100,6 +100,9 @@ pub fn target_pod(
 
     let src = source.spec.clone().unwrap_or_default();
     let mut volumes = src.volumes.clone().unwrap_or_default();
+    // A source PodMotion restored already has it (moved again): a fresh one in its
+    // place, the restart file it held goes with the images.
+    volumes.retain(|v| v.name != HOLDER_INSTALLER);
     volumes.push(Volume {
         name: HOLDER_INSTALLER.into(),
         empty_dir: Some(EmptyDirVolumeSource {
@@ -170,6 +173,7 @@ fn holder_mount() -> VolumeMount {
 /// environment resolved for this pod), running the holder program; no probes or hooks.
 fn holder_container(c: &Container) -> Container {
     let mut mounts = c.volume_mounts.clone().unwrap_or_default();
+    mounts.retain(|m| m.name != HOLDER_INSTALLER);
     mounts.push(holder_mount());
     Container {
         name: c.name.clone(),
@@ -610,6 +614,53 @@ mod tests {
         );
         assert_eq!(vols.len(), src_vols.len() + 1);
         assert!(vols.last().unwrap().empty_dir.is_some());
+    }
+
+    /// A source PodMotion restored (moved again): its spec already has the holder's
+    /// volume, mount and command; the target gets each once (the API server refuses a
+    /// pod that names a volume or a mount path twice).
+    #[test]
+    fn a_restored_source_renders_a_target_with_one_holder_volume_and_mount() {
+        let m = migration("move-web-again", "web-abc-1-pm-12345678");
+        let (_, _, first) = rendered();
+        let mut source = first.clone();
+        source.metadata.name = Some("web-abc-1-pm-12345678".into());
+        let target = target_pod(&m, &source, "n0", &Holder::default());
+        let spec = target.spec.as_ref().unwrap();
+        let vols: Vec<&str> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(
+            vols.iter().filter(|v| **v == HOLDER_INSTALLER).count(),
+            1,
+            "{vols:?}"
+        );
+        assert_eq!(
+            vols.len(),
+            first.spec.as_ref().unwrap().volumes.as_ref().unwrap().len()
+        );
+        for c in &spec.containers {
+            let mounts: Vec<&str> = c
+                .volume_mounts
+                .iter()
+                .flatten()
+                .map(|v| v.mount_path.as_str())
+                .collect();
+            assert_eq!(
+                mounts.iter().filter(|p| **p == HOLDER_DIR).count(),
+                1,
+                "{mounts:?}"
+            );
+            assert_eq!(
+                c.command.as_deref(),
+                Some(&[HOLDER_BIN.to_string(), "hold".to_string()][..])
+            );
+        }
+        let init = spec.init_containers.as_deref().unwrap_or_default();
+        assert_eq!(init.len(), 1, "one installer");
     }
 
     #[test]
