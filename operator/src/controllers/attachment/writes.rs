@@ -223,6 +223,29 @@ async fn resume(s: &Shared, job: &str, token: &[u8]) -> Result<(), ReconcileErro
         Ok(_) => {}
         // Deleted meanwhile: nothing to resume.
         Err(e) if is_status(&e, 404) => {}
+        // A Job that ran once and was suspended again (by hand) has an immutable pod
+        // template: it cannot take the new verifier, so it is replaced (foreground; the
+        // next reconcile creates its successor once it is gone).
+        Err(e) if is_status(&e, 422) => {
+            tracing::warn!(
+                job,
+                "a suspended Job that ran before cannot take a new token: replacing it"
+            );
+            let dp = DeleteParams {
+                propagation_policy: Some(PropagationPolicy::Foreground),
+                ..Default::default()
+            };
+            match api.delete(job, &dp).await {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 404) => {}
+                Err(e) => return Err(api_err("delete Job", job)(e)),
+            }
+            s.jobs.update_if_present(&s.job_key(job), |j| JobView {
+                terminating: true,
+                ..j.clone()
+            });
+            return Ok(());
+        }
         Err(e) => return Err(api_err("resume Job", job)(e)),
     }
     s.jobs.update_if_present(&s.job_key(job), |j| JobView {
