@@ -869,7 +869,7 @@ fn plugin_user_role_grants_only_the_tenants_own_namespace_what_the_plugin_uses()
             ),
             (vec!["podmotion.io"], vec!["runnerpools"], vec!["list"]),
             (vec![""], vec!["pods"], vec!["get"]),
-            (vec![""], vec!["pods/portforward"], vec!["create"]),
+            (vec![""], vec!["pods/portforward"], vec!["get", "create"]),
             (vec![""], vec!["secrets"], vec!["get"]),
             (vec!["coordination.k8s.io"], vec!["leases"], vec!["patch"]),
         ]
