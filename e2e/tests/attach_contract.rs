@@ -122,9 +122,40 @@ fn what_the_operator_renders_is_what_the_executor_reads() {
     );
     // Every path the executor is told is a mount of the Job.
     assert_eq!(vars[env::AGENT_CRI_SOCKET_DIR], mount_path(&job, "cri"));
+    // The token's verifier comes from the pod annotation the resumption writes (the
+    // token itself stays in the attachment's namespace); the control API's loopback
+    // port is the installer's.
+    let verifier = job
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == env::AGENT_TOKEN_SHA256)
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
     assert_eq!(
-        vars[env::AGENT_CREDENTIALS_DIR],
-        mount_path(&job, "credentials")
+        verifier,
+        Some(format!(
+            "metadata.annotations['{}']",
+            render::TOKEN_VERIFIER_ANNOTATION
+        ))
+    );
+    let patch = render::resume_patch(b"token-bytes");
+    assert_eq!(
+        patch["spec"]["template"]["metadata"]["annotations"][render::TOKEN_VERIFIER_ANNOTATION],
+        jobenv::token_verifier(&render::token_text(b"token-bytes")),
+        "the agent's verifier is the token's, as the plugin sends it"
+    );
+    assert_eq!(
+        vars[env::AGENT_CONTROL_PORT].parse::<u16>().ok(),
+        Some(render::DEFAULT_CONTROL_PORT as u16)
     );
     assert_eq!(vars[env::EXPORTS_DIR], mount_path(&job, "exports"));
     assert_eq!(vars[env::AGENT_TARGET_POD], "web-0");

@@ -49,6 +49,7 @@ impl Operator {
             image_pull_secrets: Vec::new(),
             pod_annotations: BTreeMap::new(),
             metrics_port: 9090,
+            control_port: 15000,
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };
@@ -305,8 +306,11 @@ async fn one_job_per_ready_replica_follows_scaling_restarts_and_container_change
         .unwrap();
     let jobs = jobs_follow(&agents, &app.name, &pods, "one Job per replica").await;
 
-    // Every Job has its credential Secret, owned by it; one policy denies ingress.
-    let secrets: Api<Secret> = agents.api();
+    // Every Job's token is a Secret in the attachment's namespace, owned by the target
+    // pod, whose SHA-256 the Job's pod carries; none in the agents' namespace. One
+    // policy denies ingress.
+    let secrets: Api<Secret> = app.api();
+    let agents_secrets: Api<Secret> = agents.api();
     for j in &jobs {
         let s = wait_for(&secrets, &j.name_any(), TIMEOUT, "the Job's Secret", |s| {
             s.is_some()
@@ -317,7 +321,29 @@ async fn one_job_per_ready_replica_follows_scaling_restarts_and_container_change
         let owner = &s.owner_references()[0];
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str()),
-            ("Job", j.uid().unwrap().as_str())
+            ("Pod", j.labels()[labels::TARGET_POD_UID].as_str())
+        );
+        let j = wait_for(
+            &agents.api::<Job>(),
+            &j.name_any(),
+            TIMEOUT,
+            "resumed",
+            |j| j.is_some_and(|j| j.spec.as_ref().and_then(|s| s.suspend) == Some(false)),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            verifier_of(&j),
+            Some(token_verifier_of(&s)),
+            "the Job holds the token's verifier"
+        );
+        assert!(
+            agents_secrets
+                .get_opt(&j.name_any())
+                .await
+                .unwrap()
+                .is_none()
         );
         let ps = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
         assert_eq!(ps.host_pid, Some(true));
@@ -732,10 +758,30 @@ async fn reap_all_removes_every_agent_job_and_releases_the_attachments() {
     );
 }
 
+/// The token's verifier on a Job's pod template.
+fn verifier_of(j: &Job) -> Option<String> {
+    j.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(podmotion_operator::attachment::render::TOKEN_VERIFIER_ANNOTATION)
+        .cloned()
+}
+
+/// The SHA-256 of the token in a credential Secret, as the agent checks it.
+fn token_verifier_of(s: &Secret) -> String {
+    let token = String::from_utf8(s.data.as_ref().unwrap()["token"].0.clone()).unwrap();
+    podmotion_attach::jobenv::token_verifier(&token)
+}
+
 /// Agent Jobs are created suspended and resumed once their credential Secret exists
-/// (owned by the Job). A Job left suspended, its Secret missing (the operator stopped
-/// between the two), is resumed with a Secret after a restart; the operator never reads
-/// Secrets to find out.
+/// (in the attachment's namespace) with the token's verifier. A Job left suspended, its
+/// Secret missing (the operator stopped between the two), gets a new token after a
+/// restart: a Secret and a running Job that agree; the operator never reads Secrets to
+/// find out.
 #[tokio::test]
 async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
     let Some((app, agents, op)) = setup("naa-creds", PodSecurity::Restricted).await else {
@@ -743,12 +789,8 @@ async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
     };
     attached_web(&app, &agents).await;
     let jobs: Api<Job> = agents.api();
-    let secrets: Api<Secret> = agents.api();
+    let secrets: Api<Secret> = app.api();
     let sel = format!("{}={}", labels::TARGET_NAMESPACE, app.name);
-    let owned_by = |s: Option<&Secret>, j: &Job| {
-        s.and_then(|s| s.metadata.owner_references.as_ref())
-            .is_some_and(|o| o.iter().any(|r| Some(&r.uid) == j.metadata.uid.as_ref()))
-    };
     let resumed = |j: &Job| j.spec.as_ref().and_then(|s| s.suspend) == Some(false);
     let all = wait_list(&jobs, &sel, TIMEOUT, "every Job resumed", |js| {
         js.len() == 3 && js.iter().all(resumed)
@@ -756,8 +798,17 @@ async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     for j in &all {
-        let s = secrets.get_opt(&j.name_any()).await.unwrap();
-        assert!(owned_by(s.as_ref(), j), "Secret of {}", j.name_any());
+        let s = secrets
+            .get_opt(&j.name_any())
+            .await
+            .unwrap()
+            .expect("its Secret");
+        assert_eq!(
+            verifier_of(j),
+            Some(token_verifier_of(&s)),
+            "{}",
+            j.name_any()
+        );
     }
 
     // The state a crash between creating a Job and resuming it leaves.
@@ -781,26 +832,34 @@ async fn a_job_left_suspended_without_its_secret_is_resumed_after_a_restart() {
     .unwrap();
 
     let op = Operator::start(&app.client, &agents.name, &app.name).await;
-    wait_for(&jobs, &first.name_any(), TIMEOUT, "Job resumed", |j| {
-        j.is_some_and(resumed)
+    // Resumed with a new token (or, as this Job already ran once and its template is
+    // immutable, replaced by one that has it): the Secret and the running Job agree.
+    let now = wait_for(
+        &jobs,
+        &first.name_any(),
+        TIMEOUT,
+        "Job running again",
+        |j| j.is_some_and(|j| resumed(j) && j.metadata.deletion_timestamp.is_none()),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap();
+    let s = wait_for(&secrets, &first.name_any(), TIMEOUT, "its Secret", |s| {
+        s.is_some()
     })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
-    let s = secrets.get_opt(&first.name_any()).await.unwrap();
-    assert!(
-        owned_by(s.as_ref(), first),
-        "the Secret is in place before the Job is resumed"
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        verifier_of(&now),
+        Some(token_verifier_of(&s)),
+        "the Secret is in place, with the Job's token"
     );
     let left = jobs
         .list(&ListParams::default().labels(&sel))
         .await
         .unwrap();
-    let uids = |js: &[Job]| js.iter().map(|j| j.uid()).collect::<BTreeSet<_>>();
-    assert_eq!(
-        uids(&left.items),
-        uids(&all),
-        "the Jobs themselves are kept"
-    );
+    assert_eq!(left.items.len(), 3, "one Job per replica");
     op.stop().await;
 }
 

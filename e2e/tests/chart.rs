@@ -745,9 +745,12 @@ fn helm_template_twice_is_byte_identical() {
 }
 
 /// Every rule of every Role and ClusterRole of a rendering: (kind/name, namespace, rule).
+/// The rules of the Roles and ClusterRoles PodMotion's own components hold (not the
+/// plugin-user ClusterRole, which is for tenants to bind: `plugin_user_role_*`).
 fn rules(docs: &[Value]) -> Vec<(String, String, Value)> {
     docs.iter()
         .filter(|d| matches!(d["kind"].as_str(), Some("Role" | "ClusterRole")))
+        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] != "plugin-user")
         .flat_map(|d| {
             let who = format!("{}/{}", d["kind"].as_str().unwrap(), name(d));
             let ns = d["metadata"]["namespace"]
@@ -834,6 +837,50 @@ fn rbac_has_no_wildcards_and_reads_no_secrets_outside_the_agents_namespace() {
     };
     assert!(grants("events", "create") && grants("events", "patch"));
     assert!(grants("leases", "update"));
+}
+
+#[test]
+fn plugin_user_role_grants_only_the_tenants_own_namespace_what_the_plugin_uses() {
+    let docs = render(&[]);
+    let role = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterRole" && name(d) == "pm-podmotion-plugin-user")
+        .expect("the plugin-user ClusterRole");
+    let got: Vec<(Vec<&str>, Vec<&str>, Vec<&str>)> = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                strs(&r["apiGroups"]),
+                strs(&r["resources"]),
+                strs(&r["verbs"]),
+            )
+        })
+        .collect();
+    // docs/plugin.md "Rights" lists exactly these.
+    assert_eq!(
+        got,
+        vec![
+            (
+                vec!["podmotion.io"],
+                vec!["podmigrations", "nodeagentattachments"],
+                vec!["get", "list", "watch", "create", "delete"]
+            ),
+            (vec!["podmotion.io"], vec!["runnerpools"], vec!["list"]),
+            (vec![""], vec!["pods"], vec!["get"]),
+            (vec![""], vec!["pods/portforward"], vec!["get", "create"]),
+            (vec![""], vec!["secrets"], vec!["get"]),
+            (vec!["coordination.k8s.io"], vec!["leases"], vec!["patch"]),
+        ]
+    );
+    // Bound by tenants, never by the chart: no binding names it.
+    assert!(!docs.iter().any(|d| {
+        matches!(
+            d["kind"].as_str(),
+            Some("RoleBinding" | "ClusterRoleBinding")
+        ) && d["roleRef"]["name"] == "pm-podmotion-plugin-user"
+    }));
 }
 
 #[test]

@@ -1,35 +1,62 @@
 //! A client of one attach agent's control API (`docs/attach-executor.md`), reached as a
-//! user reaches it: a port-forward to the agent Job's pod through the API server (kube's
-//! websocket Portforwarder, the user's kubeconfig and RBAC) and the Job's bearer token
-//! from its Secret. Every call opens its own port-forward: a plain call is one HTTP/1.1
+//! user reaches it: a port-forward through the API server (kube's websocket
+//! Portforwarder, the user's kubeconfig and RBAC) to the *target pod* — the agent
+//! serves its API on that pod's loopback — and the bearer token from the agent's
+//! credential Secret beside it, in the attachment's namespace. A user needs no right
+//! in the agents' namespace and can reach only the agents of namespaces whose pods they
+//! may port-forward to and whose Secrets they may read. Every call opens its own
+//! port-forward: a plain call is one HTTP/1.1
 //! request with `Connection: close`; an accept stream is an HTTP upgrade that, once a
 //! connection is intercepted, carries a JSON line and then that connection's bytes.
 
 use anyhow::{Context, bail};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::Api;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, DuplexStream};
 
-/// The agent's control port when its pod declares none (`render.rs` CONTROL_PORT).
-pub const DEFAULT_CONTROL_PORT: u16 = 8400;
+/// The agent's control port on the target pod's loopback when its credential names
+/// none (the operator's `--attachment-control-port` default, `render.rs`).
+pub const DEFAULT_CONTROL_PORT: u16 = 15000;
 /// The upgrade protocol of the agent's client streams.
 pub const UPGRADE_PROTO: &str = "podmotion-stream";
 /// Longest response head or JSON line the plugin reads from an agent.
 const MAX_HEAD: usize = 64 * 1024;
 
-/// One agent: the Job's pod in the agents' namespace and what it serves.
+/// One agent: the target pod whose loopback it serves on, and its credential.
 #[derive(Clone)]
 pub struct Agent {
     pub pods: Api<Pod>,
-    /// The agents' namespace.
+    /// The attachment's (the target pod's) namespace.
     pub namespace: String,
-    /// The agent Job's pod.
+    /// The pod port-forwarded to: the target pod.
     pub pod: String,
     pub control_port: u16,
     pub token: String,
     /// The target pod (the workload's replica) and its node, for messages.
     pub target: String,
     pub node: String,
+}
+
+/// The bearer token and the control port of an agent's credential Secret (`token`:
+/// hex text; `port`: decimal, the default when absent).
+pub fn credential(secret: &Secret) -> anyhow::Result<(String, u16)> {
+    let data = secret.data.as_ref();
+    let text = |k: &str| {
+        data.and_then(|d| d.get(k))
+            .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
+    };
+    let token = text("token")
+        .filter(|t| !t.is_empty())
+        .context("it has no token")?;
+    let port = match text("port") {
+        None => DEFAULT_CONTROL_PORT,
+        Some(p) => p
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .with_context(|| format!("its port {p:?} is not a port number"))?,
+    };
+    Ok((token, port))
 }
 
 /// The status code and `Content-Length` of an HTTP/1.1 response head (the bytes up to
@@ -238,5 +265,34 @@ mod tests {
         let u = request("GET", "/v1/intercepts/8080/accept", "t0k", "", true);
         assert!(u.contains("\r\nUpgrade: podmotion-stream\r\n"), "{u}");
         assert!(u.ends_with("Content-Length: 0\r\n\r\n"), "{u}");
+    }
+
+    #[test]
+    fn a_credential_gives_the_token_and_the_loopback_port() {
+        let secret = |pairs: &[(&str, &str)]| Secret {
+            data: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.to_string(),
+                            k8s_openapi::ByteString(v.as_bytes().to_vec()),
+                        )
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        assert_eq!(
+            credential(&secret(&[("token", "ab12\n"), ("port", "15123")])).unwrap(),
+            ("ab12".to_string(), 15123)
+        );
+        assert_eq!(
+            credential(&secret(&[("token", "ab12")])).unwrap(),
+            ("ab12".to_string(), DEFAULT_CONTROL_PORT)
+        );
+        assert!(credential(&secret(&[("port", "15000")])).is_err());
+        assert!(credential(&secret(&[("token", "ab12"), ("port", "0")])).is_err());
+        assert!(credential(&secret(&[("token", "ab12"), ("port", "70000")])).is_err());
     }
 }

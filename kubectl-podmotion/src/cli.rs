@@ -58,8 +58,8 @@ pub struct OneAgent {
     /// The container (default: the pod's first).
     #[arg(long, short = 'c')]
     pub container: Option<String>,
-    /// Namespace of the agent Jobs (see `intercept --help`).
-    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    /// Ignored, kept for scripts that pass it (see `intercept`).
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE", hide = true)]
     pub agents_namespace: Option<String>,
     /// Give up when the agent is not ready after this long.
     #[arg(long, default_value = "3m", value_parser = parse_duration)]
@@ -90,8 +90,8 @@ pub struct Wiretap {
     /// The pcapng file to write (Wireshark, tshark).
     #[arg(short = 'w', long = "write")]
     pub write: PathBuf,
-    /// Namespace of the agent Jobs (see `intercept --help`).
-    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    /// Ignored, kept for scripts that pass it (see `intercept`).
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE", hide = true)]
     pub agents_namespace: Option<String>,
     /// Name of the NodeAgentAttachment to create (default: `wiretap-<workload>-<random>`).
     #[arg(long)]
@@ -162,10 +162,9 @@ pub struct Intercept {
     /// Repeat to require several headers.
     #[arg(long = "header", value_parser = parse_header)]
     pub headers: Vec<(String, String)>,
-    /// Namespace of the agent Jobs (the chart's `agents.namespace`, by default
-    /// `<release namespace>-agents`). Default: found from the Jobs' pods, which needs
-    /// `list pods` in all namespaces.
-    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE")]
+    /// Ignored, kept for scripts that pass it: agents are reached through their
+    /// target pods, in the workload's namespace, and nothing is read in the agents'.
+    #[arg(long, env = "PODMOTION_AGENTS_NAMESPACE", hide = true)]
     pub agents_namespace: Option<String>,
     /// Name of the NodeAgentAttachment to create (default: `intercept-<workload>-<random>`).
     /// An existing Intercept attachment of the workload that covers the port is reused.

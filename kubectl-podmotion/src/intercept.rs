@@ -2,8 +2,9 @@
 //! a local port. Creates (or reuses) an `Intercept` NodeAgentAttachment for the port,
 //! follows it with a watch until every target's agent is ready (a line per change; a
 //! `Stalled=True` condition ends it with its message), then for each agent (one per
-//! replica, a Job pod in the agents' namespace) starts the intercept through its control
-//! API and keeps a few accept streams open; every intercepted connection is bridged to
+//! replica, serving on its target pod's loopback, reached by a port-forward to that pod
+//! in the attachment's namespace) starts the intercept through its control API and
+//! keeps a few accept streams open; every intercepted connection is bridged to
 //! `localhost:LOCAL`. With `--header`, the agent intercepts only the HTTP/1.1 requests
 //! carrying the headers; the application answers the others. Ctrl-C stops the intercept
 //! on every agent and deletes the attachment if this command created it, waiting until
@@ -33,7 +34,7 @@ use podmotion_api::attachment::{
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::agent::{Agent, DEFAULT_CONTROL_PORT};
+use crate::agent::Agent;
 use crate::cli::{Intercept, Workload};
 use crate::explain::{Attempt, code, kube_error, watch_refused};
 
@@ -676,12 +677,16 @@ fn attachment_in(
     }
 }
 
-/// The agent of each target: its Job's ready pod, control port and token.
+/// The agent of each target: reached through the target pod itself (its loopback, in
+/// the attachment's namespace), with the token from the Secret the operator keeps
+/// beside it. `_agents_namespace` (`--agents-namespace`) is no longer needed: nothing
+/// is read or port-forwarded in the agents' namespace.
 pub(crate) async fn agents_of(
     client: &Client,
     a: &NodeAgentAttachment,
-    agents_namespace: Option<&str>,
+    _agents_namespace: Option<&str>,
 ) -> anyhow::Result<Vec<Agent>> {
+    let ns = a.namespace().unwrap_or_default();
     let targets = a
         .status
         .as_ref()
@@ -689,7 +694,7 @@ pub(crate) async fn agents_of(
         .unwrap_or_default();
     let mut out = vec![];
     for t in &targets {
-        out.push(agent_of(client, t, agents_namespace).await?);
+        out.push(agent_of(client, &ns, t).await?);
     }
     if out.is_empty() {
         bail!("the attachment has no targets");
@@ -697,100 +702,33 @@ pub(crate) async fn agents_of(
     Ok(out)
 }
 
-/// The agent of one target: the ready pod of its Job, the pod's control port, the
-/// token in the Job's Secret.
-async fn agent_of(
-    client: &Client,
-    t: &TargetStatus,
-    agents_namespace: Option<&str>,
-) -> anyhow::Result<Agent> {
-    let (ns, pods) = agent_job_pods(client, t, agents_namespace).await?;
-    let pod = pods
-        .iter()
-        .find(|p| crate::intercept::pod_ready(p))
-        .with_context(|| {
-            format!(
-                "no ready pod of agent Job {ns}/{} (target {} on {}): no agent on the node yet",
-                t.job, t.pod, t.node
-            )
-        })?;
-    let token = agent_token(client, &ns, &t.job).await?;
+/// The agent of one target: a port-forward to the target pod (in `ns`, the
+/// attachment's namespace) on the port and with the token of the agent's credential
+/// Secret there (named like the agent Job).
+async fn agent_of(client: &Client, ns: &str, t: &TargetStatus) -> anyhow::Result<Agent> {
+    if t.state != TargetState::Running {
+        bail!(
+            "the agent for {} on {} is not running yet ({:?}): no agent on the node yet",
+            t.pod,
+            t.node,
+            t.state
+        );
+    }
+    let (token, control_port) = agent_credential(client, ns, &t.job).await?;
     Ok(Agent {
-        pods: Api::namespaced(client.clone(), &ns),
-        namespace: ns.clone(),
-        pod: pod.name_any(),
-        control_port: control_port(pod),
+        pods: Api::namespaced(client.clone(), ns),
+        namespace: ns.to_string(),
+        pod: t.pod.clone(),
+        control_port,
         token,
         target: t.pod.clone(),
         node: t.node.clone(),
     })
 }
 
-/// The agents' namespace and the pods of the target's agent Job: in `agents_namespace`
-/// when given, else found in every namespace (which needs `list pods` there).
-async fn agent_job_pods(
-    client: &Client,
-    t: &TargetStatus,
-    agents_namespace: Option<&str>,
-) -> anyhow::Result<(String, Vec<Pod>)> {
-    let selector = format!("batch.kubernetes.io/job-name={}", t.job);
-    let list = ListParams::default().labels(&selector);
-    if let Some(ns) = agents_namespace {
-        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-        let l = api.list(&list).await.map_err(|e| {
-            anyhow::anyhow!(kube_error(
-                Attempt {
-                    verb: "list",
-                    resource: "pods",
-                    namespace: Some(ns),
-                    name: None
-                },
-                &e
-            ))
-        })?;
-        return Ok((ns.to_string(), l.items));
-    }
-    let api: Api<Pod> = Api::all(client.clone());
-    let l = api.list(&list).await.map_err(|e| {
-        anyhow::anyhow!(
-            "{} — or pass --agents-namespace (the chart's agents.namespace, by default <release namespace>-agents)",
-            kube_error(
-                Attempt {
-                    verb: "list",
-                    resource: "pods",
-                    namespace: None,
-                    name: None
-                },
-                &e
-            )
-        )
-    })?;
-    let ns = l
-        .items
-        .first()
-        .and_then(|p| p.namespace())
-        .with_context(|| {
-            format!(
-                "no pod of agent Job {} (target {} on {}) found in any namespace",
-                t.job, t.pod, t.node
-            )
-        })?;
-    Ok((ns, l.items))
-}
-
-/// The agent's control port: its first container's first port, else the default.
-fn control_port(pod: &Pod) -> u16 {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.containers.first())
-        .and_then(|c| c.ports.as_ref())
-        .and_then(|ps| ps.first())
-        .and_then(|p| u16::try_from(p.container_port).ok())
-        .unwrap_or(DEFAULT_CONTROL_PORT)
-}
-
-/// The control API token of the agent Job `job`, from the Secret of the same name.
-async fn agent_token(client: &Client, ns: &str, job: &str) -> anyhow::Result<String> {
+/// The token and the control port of the agent Job `job`, from its credential Secret
+/// (same name) in the attachment's namespace.
+async fn agent_credential(client: &Client, ns: &str, job: &str) -> anyhow::Result<(String, u16)> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let secret = secrets.get(job).await.map_err(|e| {
         anyhow::anyhow!(kube_error(
@@ -803,12 +741,7 @@ async fn agent_token(client: &Client, ns: &str, job: &str) -> anyhow::Result<Str
             &e
         ))
     })?;
-    secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get("token"))
-        .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
-        .with_context(|| format!("Secret {ns}/{job} has no token"))
+    crate::agent::credential(&secret).with_context(|| format!("Secret {ns}/{job}"))
 }
 
 /// Running, not terminating, and `Ready=True`.

@@ -178,6 +178,8 @@ app.kubernetes.io/component: node-agent
   value: {{ .Values.attachment.backoffLimit | quote }}
 - name: PODMOTION_ATTACHMENT_METRICS_PORT
   value: {{ .Values.attachment.metricsPort | quote }}
+- name: PODMOTION_ATTACHMENT_CONTROL_PORT
+  value: {{ .Values.attachment.controlPort | quote }}
 {{- with .Values.imagePullSecrets }}
 {{- $names := list }}
 {{- range . }}{{ $names = append $names .name }}{{ end }}

@@ -160,7 +160,8 @@ async fn main() -> anyhow::Result<()> {
         replicas,
         plain_api: Api::namespaced(client.clone(), &plain_ns),
         agent_jobs: Api::namespaced(client.clone(), &agents_ns),
-        agent_secrets: Api::namespaced(client.clone(), &agents_ns),
+        // The agents' tokens live beside the workload (docs/attachment.md, "Credentials").
+        agent_secrets: Api::namespaced(client.clone(), &app_ns),
         naas: Api::namespaced(client.clone(), &app_ns),
         sel: format!("{}={app_ns}", labels::TARGET_NAMESPACE),
         metrics,
@@ -271,6 +272,7 @@ fn start_controller(
         image_pull_secrets: Vec::new(),
         pod_annotations: Default::default(),
         metrics_port: 9090,
+        control_port: 15000,
         jobs_namespace: None,
         watch_namespace: Some(app_ns.to_string()),
     };

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 /// Environment variable names of the agent container.
 pub mod env {
@@ -18,8 +19,17 @@ pub mod env {
     pub const AGENT_CRI_SOCKET_DIR: &str = "AGENT_CRI_SOCKET_DIR";
     /// Where the runtime socket itself is mounted (when the installer named a socket).
     pub const CRI_SOCKET: &str = "PODMOTION_CRI_SOCKET";
-    /// Directory holding `token`, the control API's bearer token.
+    /// Directory holding `token`, the control API's bearer token (manual runs; the
+    /// controller gives [`AGENT_TOKEN_SHA256`] instead).
     pub const AGENT_CREDENTIALS_DIR: &str = "AGENT_CREDENTIALS_DIR";
+    /// The control API's token verifier: [`token_verifier`](super::token_verifier) of
+    /// the bearer token, which itself lives only in a Secret of the attachment's own
+    /// namespace. Set but empty is an error (the agent never serves without one).
+    pub const AGENT_TOKEN_SHA256: &str = "AGENT_TOKEN_SHA256";
+    /// Port of the control API on the target pod's loopback (`127.0.0.1:<port>` in the
+    /// target's network namespace): a client reaches it by port-forwarding to its own
+    /// pod. The installer chooses it (chart value `attachment.controlPort`).
+    pub const AGENT_CONTROL_PORT: &str = "AGENT_CONTROL_PORT";
     /// Where the export symlinks are created (a writable emptyDir).
     pub const EXPORTS_DIR: &str = "PODMOTION_EXPORTS_DIR";
     /// The target, for the agent's logs and its clients (informational).
@@ -36,12 +46,13 @@ pub mod env {
     pub const LOG_FORMAT: &str = "PODMOTION_LOG_FORMAT";
 
     /// Every name the controller may set.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         AGENT_CONFIG,
         AGENT_CONTAINER_IDS,
         AGENT_CRI_SOCKET_DIR,
         CRI_SOCKET,
-        AGENT_CREDENTIALS_DIR,
+        AGENT_TOKEN_SHA256,
+        AGENT_CONTROL_PORT,
         EXPORTS_DIR,
         AGENT_TARGET_NAMESPACE,
         AGENT_TARGET_POD,
@@ -121,6 +132,24 @@ impl AgentConfig {
     }
 }
 
+/// The verifier of a control API bearer token: lower-case hex of its SHA-256. The agent
+/// holds only this; the token itself (256 random bits, so the verifier cannot be
+/// inverted) is in the attachment's namespace, readable by that namespace's users only.
+pub fn token_verifier(token: &str) -> String {
+    Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Whether `presented` is the token of `verifier`, in time independent of where they
+/// differ.
+pub fn token_matches(verifier: &str, presented: &str) -> bool {
+    let got = token_verifier(presented);
+    let (a, b) = (got.as_bytes(), verifier.trim().as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// `AGENT_CONTAINER_IDS` as the controller writes it.
 pub fn container_ids_json(ids: &BTreeMap<String, String>) -> String {
     serde_json::to_string(ids).expect("a string map serializes")
@@ -184,6 +213,23 @@ mod tests {
             ]
         );
         assert!(AgentConfig::parse("{\"ports\":[70000]}").is_err());
+    }
+
+    #[test]
+    fn only_the_token_matches_its_verifier() {
+        let v = token_verifier("ff009a");
+        assert_eq!(v.len(), 64);
+        assert!(token_matches(&v, "ff009a"));
+        assert!(!token_matches(&v, "ff009b"));
+        assert!(!token_matches(&v, ""));
+        assert!(
+            !token_matches(&v, &v),
+            "the verifier itself is not a credential"
+        );
+        assert_eq!(
+            token_verifier("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 
     #[test]

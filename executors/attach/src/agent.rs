@@ -34,11 +34,18 @@ pub struct Config {
     pub exports_dir: PathBuf,
     pub export_paths: Vec<String>,
     pub env_filter: EnvFilter,
+    /// The Job pod's own control address: `/healthz` only when
+    /// [`Config::target_control_port`] is set, else the whole control API.
     pub listen: SocketAddr,
+    /// Serve the control API on `127.0.0.1:<port>` inside the target's network
+    /// namespace: a client reaches it by port-forwarding to the target pod, in its own
+    /// namespace, and the agents' namespace needs no client at all.
+    pub target_control_port: Option<u16>,
     pub claim_timeout: Duration,
     pub intercept_wait: Duration,
-    /// Bearer token the control API requires (all routes but /healthz).
-    pub token: Option<String>,
+    /// SHA-256 (hex) of the bearer token the control API requires (all routes but
+    /// /healthz); the agent never holds the token.
+    pub token_verifier: Option<String>,
     /// Most concurrent wiretaps, all ports together (the installer's choice).
     pub max_wiretaps: usize,
 }
@@ -75,6 +82,14 @@ pub enum AttachError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error(
+        "binding the control API on 127.0.0.1:{port} in the target pod: {source} (the port is the installer's, chart value attachment.controlPort; choose one the workload does not use)"
+    )]
+    TargetListen { port: u16, source: std::io::Error },
+    #[error(
+        "the control port {0} is also a forwarder port of AGENT_CONFIG: choose another agentPort (or the installer another attachment.controlPort)"
+    )]
+    ControlPortTaken(u16),
     #[error("no container IDs and no pid given")]
     NoTarget,
 }
@@ -92,7 +107,8 @@ impl AttachError {
             AttachError::Netns(_) => "NetnsFailed",
             AttachError::Bind { .. } => "ForwarderBindFailed",
             AttachError::Nft(e) => e.category(),
-            AttachError::Listen { .. } => "ControlListenFailed",
+            AttachError::Listen { .. } | AttachError::TargetListen { .. } => "ControlListenFailed",
+            AttachError::ControlPortTaken(_) => "ControlPortTaken",
             AttachError::NoTarget => "NoTarget",
         }
     }
@@ -171,6 +187,11 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
             actual: egid,
         });
     }
+    if let Some(port) = cfg.target_control_port
+        && cfg.redirects.iter().any(|r| r.to == port || r.port == port)
+    {
+        return Err(AttachError::ControlPortTaken(port));
+    }
     let (targets, cri_socket) = resolve(cfg).await?;
     let pid = targets[0].1;
     // Pinned first: from here on nothing is read through a PID.
@@ -201,7 +222,8 @@ pub async fn attach(cfg: &Config) -> Result<Running, AttachError> {
         ports,
         ruleset,
         cri_socket,
-        token: cfg.token.clone(),
+        // The verifier (`api::authorized` compares the token's SHA-256 with it).
+        token: cfg.token_verifier.clone(),
     });
     let (tasks, control_addr) = serve(cfg, &attached, listeners, &netns).await?;
     Ok(Running {
@@ -345,8 +367,44 @@ async fn serve(
         addr: cfg.listen,
         source,
     })?;
-    tasks.push(tokio::spawn(crate::api::serve(control, attached.clone())));
+    match cfg.target_control_port {
+        Some(port) => {
+            let api = claim(
+                cfg.claim_timeout,
+                "binding the control API in the target pod",
+                |e: &std::io::Error| e.kind() == std::io::ErrorKind::AddrInUse,
+                || bind_loopback(netns, port),
+            )
+            .await
+            .map_err(|source| AttachError::TargetListen { port, source })?;
+            tasks.push(tokio::spawn(crate::api::serve(api, attached.clone())));
+            tasks.push(tokio::spawn(crate::api::serve_health(
+                control,
+                attached.clone(),
+            )));
+        }
+        None => tasks.push(tokio::spawn(crate::api::serve(control, attached.clone()))),
+    }
     Ok((tasks, control_addr))
+}
+
+/// A listener on `127.0.0.1:<port>` inside the target's network namespace. The kubelet's
+/// port-forward (containerd: a dial of `localhost:<port>` from inside the pod's network
+/// namespace) reaches it; nothing outside the pod does (loopback is not routed, and no
+/// NetworkPolicy is involved). A predecessor agent may still hold it for a moment.
+async fn bind_loopback(
+    netns: &NetnsExecutor,
+    port: u16,
+) -> std::io::Result<tokio::net::TcpListener> {
+    let l = netns
+        .run(move || std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)))
+        .await
+        .map_err(|e| match e {
+            netns::NetnsError::Op(e) => e,
+            e => std::io::Error::other(e.to_string()),
+        })?;
+    l.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(l)
 }
 
 impl Running {

@@ -1,8 +1,13 @@
-//! Control API, served in the Job pod's own network namespace (what a client reaches
-//! with `kubectl port-forward` to the Job's pod). HTTP/1.1 with JSON bodies; client
-//! streams are HTTP upgrades (`Upgrade: podmotion-stream`) so one port serves
-//! everything. With a token configured (the Job's credentials Secret), every route
-//! but `/healthz` requires `Authorization: Bearer <token>`.
+//! Control API. With the controller's layout it is served on the target pod's loopback
+//! (`127.0.0.1:<AGENT_CONTROL_PORT>` inside the target's network namespace), so a client
+//! reaches it by port-forwarding to its *own* pod (`pods/portforward` in the workload's
+//! namespace), never into the agents' namespace; the Job pod's own port answers
+//! `/healthz` only (the readiness probe). Without a target port (manual runs) the whole
+//! API is on the Job pod's port. HTTP/1.1 with JSON bodies; client streams are HTTP
+//! upgrades (`Upgrade: podmotion-stream`) so one port serves everything. With a token
+//! verifier configured, every route but `/healthz` requires
+//! `Authorization: Bearer <token>` whose SHA-256 is the verifier
+//! (`podmotion_attach_job::token_verifier`): the agent never holds the token itself.
 //!
 //! | method + path | |
 //! |---|---|
@@ -30,7 +35,25 @@ use tokio::net::TcpListener;
 
 pub const UPGRADE_PROTO: &str = "podmotion-stream";
 
+/// Serves the whole control API on `listener`.
 pub async fn serve(listener: TcpListener, state: Arc<Attached>) {
+    serve_with(listener, state, Scope::Full).await
+}
+
+/// Serves `/healthz` only on `listener` (the Job pod's port, for its readiness probe,
+/// when the API itself is on the target pod's loopback).
+pub async fn serve_health(listener: TcpListener, state: Arc<Attached>) {
+    serve_with(listener, state, Scope::HealthOnly).await
+}
+
+/// What one listener answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scope {
+    Full,
+    HealthOnly,
+}
+
+async fn serve_with(listener: TcpListener, state: Arc<Attached>, scope: Scope) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
@@ -39,7 +62,12 @@ pub async fn serve(listener: TcpListener, state: Arc<Attached>) {
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(state, req).await) }
+                async move {
+                    Ok::<_, std::convert::Infallible>(match scope {
+                        Scope::Full => route(state, req).await,
+                        Scope::HealthOnly => health_only(&state, &req),
+                    })
+                }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -89,9 +117,23 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
         .is_some_and(|v| v.eq_ignore_ascii_case(UPGRADE_PROTO))
 }
 
-/// Constant-time comparison of the presented bearer token with ours.
+/// `/healthz`, and for every other path a 404 that says where the API is.
+fn health_only(state: &Attached, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    if req.uri().path() == "/healthz" {
+        return json(StatusCode::OK, state.health());
+    }
+    crate::metrics::global().api_request("unknown", 404);
+    error(
+        StatusCode::NOT_FOUND,
+        "this port serves /healthz only: the control API is on the target pod's loopback \
+         (port-forward to the target pod, with the token from the attachment's namespace)",
+    )
+}
+
+/// Whether the presented bearer token is the one whose verifier we hold
+/// (`Attached::token` is that verifier, the SHA-256 of the token, never the token).
 fn authorized(state: &Attached, req: &Request<Incoming>) -> bool {
-    let Some(want) = &state.token else {
+    let Some(verifier) = &state.token else {
         return true;
     };
     let Some(got) = req
@@ -102,8 +144,7 @@ fn authorized(state: &Attached, req: &Request<Incoming>) -> bool {
     else {
         return false;
     };
-    let (a, b) = (got.as_bytes(), want.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    podmotion_attach_job::token_matches(verifier, got)
 }
 
 /// The `route` label of a request path (one of [`crate::metrics::API_ROUTES`]).
@@ -562,7 +603,8 @@ mod tests {
                 }],
             },
             cri_socket: None,
-            token: token.map(str::to_owned),
+            // The agent holds the verifier, never the token.
+            token: token.map(podmotion_attach_job::token_verifier),
         })
     }
 
@@ -882,5 +924,45 @@ mod tests {
                 .await
                 .starts_with("HTTP/1.1 200")
         );
+    }
+
+    #[tokio::test]
+    async fn the_verifier_the_agent_holds_is_not_a_token() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, with_token(Some("s3cret"))));
+        let verifier = podmotion_attach_job::token_verifier("s3cret");
+        let req = format!(
+            "GET /v1/env HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {verifier}\r\n\r\n"
+        );
+        let answer = raw(addr, &req).await;
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn the_job_pods_port_answers_health_and_nothing_else_even_with_the_token() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve_health(l, with_token(Some("s3cret"))));
+        let req = |path: &str| {
+            format!(
+                "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret\r\n\r\n"
+            )
+        };
+        assert!(
+            raw(addr, &req("/healthz"))
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        for path in [
+            "/v1/env",
+            "/v1/exports",
+            "/v1/files?path=%2F",
+            "/v1/intercepts/8080",
+        ] {
+            let answer = raw(addr, &req(path)).await;
+            assert!(answer.starts_with("HTTP/1.1 404"), "{path}: {answer}");
+            assert!(answer.contains("loopback"), "{path}: {answer}");
+        }
     }
 }

@@ -3,11 +3,15 @@
 //! The controller renders the agent Job with the sidecar-compatible `AGENT_CONFIG`
 //! JSON, `AGENT_CONTAINER_IDS` (a JSON object container name → CRI ID),
 //! `AGENT_CRI_SOCKET_DIR` (where the node's runtime socket, or its directory, is
-//! mounted) and `AGENT_CREDENTIALS_DIR` (the per-Job token). Explicit flags and
+//! mounted), `AGENT_TOKEN_SHA256` (the verifier of the control API's token; the token
+//! itself is in the attachment's namespace) and `AGENT_CONTROL_PORT` (the control API's
+//! port on the target pod's loopback). Explicit flags and
 //! `PODMOTION_*` variables take precedence; these fill what is left unset.
 
 use crate::nft::Redirect;
-pub use podmotion_attach_job::{AgentConfig, PortEntry, config_keys, container_ids, env};
+pub use podmotion_attach_job::{
+    AgentConfig, PortEntry, config_keys, container_ids, env, token_verifier,
+};
 
 /// First forwarder port handed out when the config does not name one.
 pub const AGENT_PORT_BASE: u16 = 15001;

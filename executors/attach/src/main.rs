@@ -111,9 +111,19 @@ struct ControllerArgs {
     #[arg(long, env = env::AGENT_CRI_SOCKET_DIR)]
     cri_socket_dir: Option<PathBuf>,
     /// Directory holding `token`: when set, the control API requires
-    /// `Authorization: Bearer <token>` (all but /healthz).
+    /// `Authorization: Bearer <token>` (all but /healthz). Manual runs; the controller
+    /// gives --token-sha256.
     #[arg(long, env = env::AGENT_CREDENTIALS_DIR)]
     credentials_dir: Option<PathBuf>,
+    /// SHA-256 (hex) of the control API's bearer token: the agent holds only this.
+    /// Given but empty is an error.
+    #[arg(long, env = env::AGENT_TOKEN_SHA256, hide_env_values = true)]
+    token_sha256: Option<String>,
+    /// Serve the control API on 127.0.0.1:<port> inside the target pod's network
+    /// namespace (reached by port-forwarding to the target pod); --listen then answers
+    /// /healthz only.
+    #[arg(long, env = env::AGENT_CONTROL_PORT, value_parser = clap::value_parser!(u16).range(1..))]
+    control_port: Option<u16>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -192,10 +202,7 @@ fn config(cli: &Cli) -> Result<Config, String> {
         cli.net.ports.clone()
     };
     let env_filter = env_filter(cli, &agent_config);
-    let token = match &c.credentials_dir {
-        Some(dir) => Some(read_token(dir)?),
-        None => None,
-    };
+    let token_verifier = token_verifier(c)?;
     Ok(Config {
         container_ids,
         pids: cli.target.pid.clone(),
@@ -214,9 +221,10 @@ fn config(cli: &Cli) -> Result<Config, String> {
         export_paths: cli.files.exports.clone(),
         env_filter,
         listen: cli.listen,
+        target_control_port: c.control_port,
         claim_timeout: Duration::from_secs(cli.net.claim_timeout_secs),
         intercept_wait: Duration::from_secs(cli.net.intercept_wait_secs),
-        token,
+        token_verifier,
         max_wiretaps: cli.max_wiretaps,
     })
 }
@@ -257,6 +265,26 @@ fn env_filter(cli: &Cli, agent_config: &jobenv::AgentConfig) -> EnvFilter {
             .collect();
     }
     EnvFilter { prefix, exclude }
+}
+
+/// The control API's token verifier: the controller's `AGENT_TOKEN_SHA256`, else the
+/// SHA-256 of the token in `--credentials-dir`; none means no token is required.
+fn token_verifier(c: &ControllerArgs) -> Result<Option<String>, String> {
+    if let Some(v) = &c.token_sha256 {
+        let v = v.trim();
+        if v.len() != 64 || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "{} must be the 64 hex digits of a SHA-256 (the Job's pod annotation is missing?): \
+                 refusing to serve the control API without a credential",
+                env::AGENT_TOKEN_SHA256
+            ));
+        }
+        return Ok(Some(v.to_ascii_lowercase()));
+    }
+    match &c.credentials_dir {
+        Some(dir) => Ok(Some(jobenv::token_verifier(&read_token(dir)?))),
+        None => Ok(None),
+    }
 }
 
 /// The control API's bearer token from the credential Secret mounted at `dir`.
@@ -374,7 +402,11 @@ mod tests {
         assert_eq!(cfg.host_run, PathBuf::from("/host/cri"));
         assert_eq!(cfg.env_filter.prefix, "T_");
         assert_eq!(cfg.env_filter.exclude, vec!["HOME", "KUBERNETES_*"]);
-        assert_eq!(cfg.token.as_deref(), Some("s3cret"));
+        assert_eq!(
+            cfg.token_verifier,
+            Some(jobenv::token_verifier("s3cret")),
+            "the agent keeps the verifier, not the token"
+        );
     }
 
     #[test]
@@ -399,7 +431,33 @@ mod tests {
             }]
         );
         assert_eq!(cfg.host_run, PathBuf::from("/run"));
-        assert!(cfg.token.is_none());
+        assert!(cfg.token_verifier.is_none());
+        assert_eq!(cfg.target_control_port, None);
+    }
+
+    #[test]
+    fn the_controllers_verifier_and_loopback_port_configure_the_control_api() {
+        let verifier = jobenv::token_verifier("t0k3n");
+        let c = cli(&[
+            "node-agent",
+            "--pid",
+            "1",
+            "--agent-gid",
+            "7",
+            "--token-sha256",
+            &verifier.to_ascii_uppercase(),
+            "--control-port",
+            "15000",
+        ]);
+        let cfg = config(&c).unwrap();
+        assert_eq!(cfg.token_verifier, Some(verifier));
+        assert_eq!(cfg.target_control_port, Some(15000));
+        // The Job's annotation missing gives an empty variable: never serve open.
+        for bad in ["", "abc", &"z".repeat(64)] {
+            let c = cli(&["--pid", "1", "--agent-gid", "7", "--token-sha256", bad]);
+            let e = config(&c).unwrap_err();
+            assert!(e.contains("AGENT_TOKEN_SHA256"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

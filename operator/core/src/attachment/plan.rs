@@ -45,12 +45,29 @@ pub struct Deletion {
     pub fate: JobFate,
 }
 
-/// A Job to resume: its credential Secret is created (owned by it; one that exists
-/// already is fine), then the Job is unsuspended and its pod starts.
+/// A Job to resume: a fresh token's Secret is created in the target's namespace
+/// (replacing one a previous attempt left), then the Job is unsuspended with the
+/// token's verifier and its pod starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resume {
     pub job: String,
     pub job_uid: String,
+    pub target_namespace: String,
+    pub target_pod: String,
+    pub target_pod_uid: String,
+}
+
+impl Resume {
+    /// The resumption of the Job `j`.
+    pub fn of(j: &JobView) -> Resume {
+        Resume {
+            job: j.name.clone(),
+            job_uid: j.uid.clone(),
+            target_namespace: j.target_namespace.clone(),
+            target_pod: j.target_pod.clone(),
+            target_pod_uid: j.target_pod_uid.clone(),
+        }
+    }
 }
 
 /// An Event about one attachment, beyond the Job created/replaced/reaped ones the
@@ -83,8 +100,15 @@ impl Notice {
 /// Why an attachment is not accepted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Rejection {
-    AgentConflict { with: String },
-    PortConflict { with: String },
+    AgentConflict {
+        with: String,
+    },
+    PortConflict {
+        with: String,
+    },
+    /// The workload is in a namespace PodMotion never attaches to
+    /// ([`Settings::protected_namespaces`]).
+    ProtectedNamespace,
 }
 
 /// Everything one reconcile of a workload must do.
@@ -126,7 +150,7 @@ fn same_agent(a: &AttachmentView, b: &AttachmentView) -> bool {
 /// Plans one workload. Pure: same input, same output.
 pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
     let mut out = Plan::default();
-    let co = Coexistence::of(obs);
+    let co = Coexistence::of(obs, settings);
     out.wake_at = co.wake_at;
     let sel = Selection::of(obs, co.accepted.first().copied());
     let claimed = Claimed::of(obs, settings, &co, &sel);
@@ -152,14 +176,24 @@ struct Coexistence<'a> {
 }
 
 impl<'a> Coexistence<'a> {
-    fn of(obs: &'a ObservedGroup) -> Self {
+    fn of(obs: &'a ObservedGroup, settings: &Settings) -> Self {
         let mut live: Vec<&AttachmentView> =
             obs.attachments.iter().filter(|a| !a.deleting).collect();
         live.sort_by(|a, b| (a.created, &a.name).cmp(&(b.created, &b.name)));
         let mut accepted: Vec<&AttachmentView> = vec![];
         let mut rejected: BTreeMap<&str, Rejection> = BTreeMap::new();
+        // The operator's and the agents' namespaces hold the operator's token, the
+        // master key and every tenant's checkpoints: no agent ever enters their pods.
+        let protected = settings
+            .protected_namespaces()
+            .contains(&obs.namespace.as_str());
         for a in &live {
-            match rejection(&accepted, a) {
+            let r = if protected {
+                Some(Rejection::ProtectedNamespace)
+            } else {
+                rejection(&accepted, a)
+            };
+            match r {
                 Some(r) => {
                     rejected.insert(&a.name, r);
                 }
@@ -433,10 +467,7 @@ fn judge_jobs<'a>(
         if f == JobFate::Keep {
             out.kept_jobs += 1;
             if j.suspended && !j.terminating {
-                out.resume.push(Resume {
-                    job: j.name.clone(),
-                    job_uid: j.uid.clone(),
-                });
+                out.resume.push(Resume::of(j));
             }
         } else {
             // Any Job of a pod that is not kept blocks that pod's successor until it is gone.
@@ -630,6 +661,17 @@ fn blocked(
                 reasons::PORT_CONFLICT,
                 format!(
                     "{with} already intercepts the same port(s) of {workload}; concurrent intercepts of one port conflict"
+                ),
+            ));
+        }
+        Some(Rejection::ProtectedNamespace) => {
+            return Some(Health::stalled(
+                reasons::PROTECTED_NAMESPACE,
+                format!(
+                    "{workload} is in {}, a namespace PodMotion never attaches agents to (the cluster's \
+                     system namespace, or the operator's or its agents' own: their pods hold the \
+                     operator's credentials, the master key and other tenants' checkpoints)",
+                    obs.namespace
                 ),
             ));
         }

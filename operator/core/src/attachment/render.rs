@@ -1,6 +1,12 @@
 //! The objects an attachment needs, rendered from plain inputs: the node-pinned agent
-//! Job for one target pod, its credential Secret (owned by the Job) and the one
-//! NetworkPolicy that denies all ingress to agent pods.
+//! Job for one target pod, its credential Secret (in the *attachment's* namespace, owned
+//! by the target pod; the Job gets only the token's verifier) and the one NetworkPolicy
+//! that denies all ingress to agent pods.
+//!
+//! Tenancy: the agent serves its control API on the target pod's loopback
+//! ([`Settings::control_port`]), so a client reaches it by port-forwarding to the target
+//! pod in its own namespace with the token from its own namespace. Nothing of a tenant's
+//! agent is usable with rights in the agents' namespace, and a tenant needs none there.
 //!
 //! The agent pod is privileged in the seed's sense, and no more: `hostPID`, the node's
 //! container-runtime socket directory mounted read-only, capabilities SYS_ADMIN,
@@ -15,9 +21,9 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource,
-    LocalObjectReference, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
-    Secret, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    HostPathVolumeSource, LocalObjectReference, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, SeccompProfile, Secret, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -36,13 +42,30 @@ use super::observed::{PodView, lease_duration_seconds, workload_key};
 pub const COMPONENT: &str = "node-agent";
 /// Name of the NetworkPolicy that denies all ingress to agent pods.
 pub const NETWORK_POLICY: &str = "podmotion-node-agent-deny-ingress";
-/// Where the agent finds its credentials.
-pub const CREDENTIALS_DIR: &str = "/var/run/podmotion/credentials";
+/// Pod-template annotation of an agent Job holding the verifier (SHA-256, hex) of its
+/// control API token; the agent reads it through the downward API. Written when the Job
+/// is resumed (a suspended Job's template annotations are mutable), together with the
+/// token's Secret in the attachment's namespace.
+pub const TOKEN_VERIFIER_ANNOTATION: &str = "podmotion.io/token-sha256";
+/// Default port of the agent's control API on the target pod's loopback (installer's
+/// choice, `--attachment-control-port`): below the forwarders' first port (15001).
+pub const DEFAULT_CONTROL_PORT: i32 = 15000;
+/// Keys of the credential Secret in the attachment's namespace.
+pub mod credential_keys {
+    /// The bearer token (hex text).
+    pub const TOKEN: &str = "token";
+    /// The control API's port on the target pod's loopback (decimal).
+    pub const PORT: &str = "port";
+}
+/// Namespaces whose pods are never attached to: the cluster's system namespace (in
+/// addition to the operator's and the agents', see [`Settings::protected_namespaces`]).
+pub const SYSTEM_NAMESPACE: &str = "kube-system";
 /// Where the node's container-runtime socket (or its directory) is mounted.
 pub const CRI_MOUNT: &str = "/host/cri";
 /// The executor's export symlinks (an emptyDir: the root filesystem is read-only).
 pub const EXPORTS_DIR: &str = "/var/run/podmotion/exports";
-/// The executor's control API port (reached by `kubectl port-forward`).
+/// The agent's `/healthz` port in its Job pod (the readiness probe). The control API
+/// itself is on the target pod's loopback ([`Settings::control_port`]).
 pub const CONTROL_PORT: i32 = 8400;
 /// Default port of the executor's `GET /metrics` (container port `metrics`), the
 /// migration agent's default too (the Job pod has its own network namespace).
@@ -78,6 +101,25 @@ pub struct Settings {
     pub metrics_port: i32,
     /// The agent's log format: the operator's own (`--log-format`).
     pub log_format: podmotion_log::LogFormat,
+    /// Port of the agent's control API on the target pod's loopback (installer's
+    /// choice; a workload listening on it cannot be attached to).
+    pub control_port: i32,
+    /// The operator's own namespace. With [`Settings::namespace`] and
+    /// [`SYSTEM_NAMESPACE`], a namespace whose workloads are never attached to: an
+    /// agent there would read the operator's token, the master key or the migration
+    /// agents' checkpoints.
+    pub operator_namespace: String,
+}
+
+impl Settings {
+    /// Namespaces whose workloads are never attached to.
+    pub fn protected_namespaces(&self) -> [&str; 3] {
+        [
+            SYSTEM_NAMESPACE,
+            self.operator_namespace.as_str(),
+            self.namespace.as_str(),
+        ]
+    }
 }
 
 impl Default for Settings {
@@ -92,6 +134,8 @@ impl Default for Settings {
             image_pull_secrets: Vec::new(),
             metrics_port: DEFAULT_METRICS_PORT,
             log_format: podmotion_log::LogFormat::Json,
+            control_port: DEFAULT_CONTROL_PORT,
+            operator_namespace: "podmotion-system".into(),
         }
     }
 }
@@ -166,7 +210,7 @@ pub fn job(
                 annotations: Some(pod_annotations(settings)),
                 ..Default::default()
             }),
-            spec: Some(agent_pod_spec(settings, pod, container, name)),
+            spec: Some(agent_pod_spec(settings, pod, container)),
         },
         ..Default::default()
     };
@@ -357,7 +401,23 @@ fn agent_env_vars(
         } else {
             env(agent_env::AGENT_CRI_SOCKET_DIR, CRI_MOUNT.into())
         },
-        env(agent_env::AGENT_CREDENTIALS_DIR, CREDENTIALS_DIR.into()),
+        // The verifier arrives with the resumption (`resume_patch`), as an annotation of
+        // the pod; the token itself never enters the agents' namespace.
+        EnvVar {
+            name: agent_env::AGENT_TOKEN_SHA256.into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: format!("metadata.annotations['{TOKEN_VERIFIER_ANNOTATION}']"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        env(
+            agent_env::AGENT_CONTROL_PORT,
+            settings.control_port.to_string(),
+        ),
         env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
         env(agent_env::NODE_NAME, pod.node.clone().unwrap_or_default()),
         env(
@@ -384,18 +444,12 @@ fn agent_security_context(gid: i64) -> SecurityContext {
     }
 }
 
-/// The runtime socket and the credentials read-only; the exports writable.
+/// The runtime socket read-only; the exports writable.
 fn agent_volume_mounts() -> Vec<VolumeMount> {
     vec![
         VolumeMount {
             name: "cri".into(),
             mount_path: CRI_MOUNT.into(),
-            read_only: Some(true),
-            ..Default::default()
-        },
-        VolumeMount {
-            name: "credentials".into(),
-            mount_path: CREDENTIALS_DIR.into(),
             read_only: Some(true),
             ..Default::default()
         },
@@ -409,7 +463,7 @@ fn agent_volume_mounts() -> Vec<VolumeMount> {
 
 /// The agent pod: on the target's node, in its PID namespace, never restarted in
 /// place, without a service-account token.
-fn agent_pod_spec(settings: &Settings, pod: &PodView, container: Container, name: &str) -> PodSpec {
+fn agent_pod_spec(settings: &Settings, pod: &PodView, container: Container) -> PodSpec {
     PodSpec {
         node_name: Some(pod.node.clone().unwrap_or_default()),
         // Left out when empty, so Jobs made before this setting keep their hash.
@@ -439,14 +493,13 @@ fn agent_pod_spec(settings: &Settings, pod: &PodView, container: Container, name
             ..Default::default()
         }),
         containers: vec![container],
-        volumes: Some(agent_volumes(settings, name)),
+        volumes: Some(agent_volumes(settings)),
         ..Default::default()
     }
 }
 
-/// The node's runtime socket (or its directory), the exports' emptyDir, and the
-/// credential Secret named like the Job (owner-read only).
-fn agent_volumes(settings: &Settings, secret_name: &str) -> Vec<Volume> {
+/// The node's runtime socket (or its directory) and the exports' emptyDir.
+fn agent_volumes(settings: &Settings) -> Vec<Volume> {
     vec![
         Volume {
             name: "cri".into(),
@@ -466,15 +519,6 @@ fn agent_volumes(settings: &Settings, secret_name: &str) -> Vec<Volume> {
         Volume {
             name: "exports".into(),
             empty_dir: Some(Default::default()),
-            ..Default::default()
-        },
-        Volume {
-            name: "credentials".into(),
-            secret: Some(SecretVolumeSource {
-                secret_name: Some(secret_name.into()),
-                default_mode: Some(0o400),
-                ..Default::default()
-            }),
             ..Default::default()
         },
     ]
@@ -501,33 +545,73 @@ pub fn spec_hash(spec: &JobSpec) -> String {
     sha256_hex(&json, 16)
 }
 
-/// The Job's credential Secret: same name and namespace, owned by the Job (deleted with
-/// it, and foreground deletion of the Job waits for it). `token` is random.
-pub fn credentials(namespace: &str, job: &str, job_uid: &str, token: &[u8]) -> Secret {
+/// The target of one agent Job's credential: the Job, and the pod it attaches to.
+#[derive(Clone, Copy, Debug)]
+pub struct CredentialOf<'a> {
+    pub job: &'a str,
+    pub target_namespace: &'a str,
+    pub target_pod: &'a str,
+    pub target_pod_uid: &'a str,
+}
+
+/// The credential of an agent Job, in the *attachment's* namespace (the target pod's),
+/// named like the Job: the bearer token (hex text, as a client sends it) and the control
+/// API's port on the target pod's loopback. Owned by the target pod, so it never
+/// outlives it; the operator deletes it with the Job. Whoever may read Secrets of that
+/// namespace may use its agents, and nobody else: the agents' namespace holds only the
+/// verifier (`resume_patch`).
+pub fn credentials(settings: &Settings, of: CredentialOf<'_>, token: &[u8]) -> Secret {
+    let mut l = agent_selector_labels();
+    l.insert(labels::TARGET_POD_UID.into(), of.target_pod_uid.into());
     Secret {
         metadata: ObjectMeta {
-            name: Some(job.into()),
-            namespace: Some(namespace.into()),
-            labels: Some(agent_selector_labels()),
+            name: Some(of.job.into()),
+            namespace: Some(of.target_namespace.into()),
+            labels: Some(l),
             owner_references: Some(vec![OwnerReference {
-                api_version: "batch/v1".into(),
-                kind: "Job".into(),
-                name: job.into(),
-                uid: job_uid.into(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name: of.target_pod.into(),
+                uid: of.target_pod_uid.into(),
+                // Not the pod's controller, and it must not hold up the pod's deletion.
+                controller: None,
+                block_owner_deletion: None,
             }]),
             ..Default::default()
         },
         type_: Some("Opaque".into()),
-        // Text (hex), as the agent reads it and as a client sends it in a header.
-        data: Some(BTreeMap::from([(
-            "token".to_string(),
-            ByteString(crate::meta::hex(token).into_bytes()),
-        )])),
+        data: Some(BTreeMap::from([
+            (
+                credential_keys::TOKEN.to_string(),
+                ByteString(token_text(token).into_bytes()),
+            ),
+            (
+                credential_keys::PORT.to_string(),
+                ByteString(settings.control_port.to_string().into_bytes()),
+            ),
+        ])),
         immutable: Some(true),
         ..Default::default()
     }
+}
+
+/// The token as a client sends it: hex text.
+pub fn token_text(token: &[u8]) -> String {
+    crate::meta::hex(token)
+}
+
+/// The merge patch that resumes a suspended agent Job whose credential (for `token`)
+/// is in place: the token's verifier on the pod template (what the agent reads) and
+/// `suspend: false`, in one write, so the agent never starts without its verifier.
+pub fn resume_patch(token: &[u8]) -> serde_json::Value {
+    serde_json::json!({
+        "spec": {
+            "suspend": false,
+            "template": {"metadata": {"annotations": {
+                TOKEN_VERIFIER_ANNOTATION: agent_job::token_verifier(&token_text(token)),
+            }}},
+        }
+    })
 }
 
 /// The ingest session Lease of attachment `a` (named `name`, owned by the
@@ -592,12 +676,82 @@ mod tests {
         render_with(&Settings::default(), agent, &p)
     }
 
+    fn credential_of<'a>(job: &'a str) -> CredentialOf<'a> {
+        CredentialOf {
+            job,
+            target_namespace: "shop",
+            target_pod: "web-0",
+            target_pod_uid: "pod-uid",
+        }
+    }
+
     #[test]
-    fn the_credential_token_is_text_the_agent_can_read() {
-        let s = credentials("agents", "job", "uid", &[0xff, 0x00, 0x9a]);
+    fn the_credential_token_is_text_a_client_can_send() {
+        let s = credentials(
+            &Settings::default(),
+            credential_of("job"),
+            &[0xff, 0x00, 0x9a],
+        );
         let data = s.data.unwrap();
-        let token = std::str::from_utf8(&data["token"].0).expect("UTF-8, as the agent reads it");
+        let token = std::str::from_utf8(&data["token"].0).expect("UTF-8, as a client sends it");
         assert_eq!(token, "ff009a");
+        assert_eq!(&data["port"].0, b"15000");
+    }
+
+    #[test]
+    fn the_token_lives_in_the_attachments_namespace_and_the_agents_namespace_holds_only_its_verifier()
+     {
+        let settings = Settings {
+            control_port: 15123,
+            ..Settings::default()
+        };
+        let p = pod("web-0").on_node("n1").ready().build();
+        let j = render_with(&settings, &AgentSettings::default(), &p);
+        let token = [7u8; 32];
+        let s = credentials(&settings, credential_of("podmotion-agent-1234"), &token);
+        // The Secret is the tenant's: its namespace, owned by its pod.
+        assert_eq!(s.metadata.namespace.as_deref(), Some("shop"));
+        assert_ne!(s.metadata.namespace, j.metadata.namespace);
+        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("Pod", "web-0", "pod-uid")
+        );
+        assert_eq!(&s.data.as_ref().unwrap()["port"].0, b"15123");
+        // The Job mounts no Secret and names no token: it reads the verifier from its
+        // own pod's annotation, which the resumption writes.
+        let ps = pod_spec(&j);
+        assert!(
+            ps.volumes.iter().flatten().all(|v| v.secret.is_none()),
+            "no Secret volume in the agents' namespace"
+        );
+        let env = ps.containers[0].env.as_ref().unwrap();
+        let verifier = env
+            .iter()
+            .find(|e| e.name == "AGENT_TOKEN_SHA256")
+            .expect("the verifier variable");
+        assert_eq!(
+            verifier
+                .value_from
+                .as_ref()
+                .and_then(|v| v.field_ref.as_ref())
+                .map(|f| f.field_path.as_str()),
+            Some("metadata.annotations['podmotion.io/token-sha256']")
+        );
+        assert!(!env.iter().any(|e| e.name == "AGENT_CREDENTIALS_DIR"));
+        let port = env.iter().find(|e| e.name == "AGENT_CONTROL_PORT").unwrap();
+        assert_eq!(port.value.as_deref(), Some("15123"));
+        let patch = resume_patch(&token);
+        let text = token_text(&token);
+        assert_eq!(patch["spec"]["suspend"], false);
+        assert_eq!(
+            patch["spec"]["template"]["metadata"]["annotations"][TOKEN_VERIFIER_ANNOTATION],
+            agent_job::token_verifier(&text)
+        );
+        assert!(
+            !patch.to_string().contains(&text),
+            "the token never reaches the Job"
+        );
     }
 
     #[test]
@@ -948,20 +1102,8 @@ mod tests {
     }
 
     #[test]
-    fn secret_is_owned_by_its_job_and_policy_denies_all_ingress() {
+    fn policy_denies_all_ingress_to_the_agent_pods() {
         let j = render(&AgentSettings::default());
-        let s = credentials(
-            "podmotion-system",
-            j.metadata.name.as_deref().unwrap(),
-            "job-uid",
-            b"t0k3n",
-        );
-        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!(
-            (owner.kind.as_str(), owner.uid.as_str()),
-            ("Job", "job-uid")
-        );
-        assert_eq!(s.metadata.name, j.metadata.name);
         let np = network_policy(&Settings::default());
         let spec = np.spec.unwrap();
         assert_eq!(spec.policy_types.unwrap(), vec!["Ingress".to_string()]);

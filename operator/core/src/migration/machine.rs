@@ -1812,3 +1812,116 @@ fn phase_reason(p: MigrationPhase) -> &'static str {
         MigrationPhase::Failed | MigrationPhase::Aborted => reasons::ROLLED_BACK,
     }
 }
+
+/// The name of the target pod this migration may observe, hand over or delete, once
+/// its status says it made one: the name only it makes (`render::target_pod_name` of
+/// its source pod and its UID), never `status.targetPod` itself — whoever may write
+/// `podmigrations/status` could name any pod of the namespace there, and the next
+/// rollback would delete it.
+pub fn target_pod_of_record(
+    source_pod: &str,
+    migration_uid: &str,
+    status: &PodMigrationStatus,
+) -> Option<String> {
+    status
+        .target_pod
+        .as_ref()
+        .map(|_| super::render::target_pod_name(source_pod, migration_uid))
+}
+
+/// Whether `pod` is the target pod of the migration `name`/`uid`: it records the
+/// migration (`podmotion.io/migration`), and a PodMigration that controls it (until
+/// the hand-over) is this one. A pod that merely took the name is not acted on.
+pub fn is_target_pod_of(pod: &k8s_openapi::api::core::v1::Pod, name: &str, uid: &str) -> bool {
+    let meta = &pod.metadata;
+    let records_us = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(podmotion_api::names::annotations::MIGRATION))
+        .is_some_and(|m| m == name);
+    let other_owner = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "PodMigration" && o.uid != uid);
+    records_us && !other_owner
+}
+
+#[cfg(test)]
+mod target_of_record_tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+    fn pod(name: &str, migration: Option<&str>, owner_uid: Option<&str>) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                annotations: migration.map(|m| {
+                    [(
+                        podmotion_api::names::annotations::MIGRATION.to_string(),
+                        m.to_string(),
+                    )]
+                    .into()
+                }),
+                owner_references: owner_uid.map(|uid| {
+                    vec![OwnerReference {
+                        api_version: "podmotion.io/v1alpha1".into(),
+                        kind: "PodMigration".into(),
+                        name: "m".into(),
+                        uid: uid.into(),
+                        controller: Some(true),
+                        ..Default::default()
+                    }]
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_forged_status_target_pod_names_no_pod_a_rollback_deletes() {
+        let forged = PodMigrationStatus {
+            target_pod: Some("payments-db-0".into()),
+            ..Default::default()
+        };
+        let name = target_pod_of_record("web-abc", "uid-1", &forged).unwrap();
+        assert_ne!(
+            name, "payments-db-0",
+            "status names the pod, and is not trusted"
+        );
+        assert_eq!(
+            name,
+            super::super::render::target_pod_name("web-abc", "uid-1")
+        );
+        assert_eq!(
+            target_pod_of_record("web-abc", "uid-1", &PodMigrationStatus::default()),
+            None,
+            "no target pod made yet"
+        );
+    }
+
+    #[test]
+    fn only_a_pod_that_records_this_migration_is_its_target() {
+        assert!(is_target_pod_of(
+            &pod("t", Some("m"), Some("uid-1")),
+            "m",
+            "uid-1"
+        ));
+        // Handed over: no PodMigration owner, the annotation stays.
+        assert!(is_target_pod_of(&pod("t", Some("m"), None), "m", "uid-1"));
+        // Squatting the deterministic name, or another migration's.
+        assert!(!is_target_pod_of(&pod("t", None, None), "m", "uid-1"));
+        assert!(!is_target_pod_of(
+            &pod("t", Some("other"), None),
+            "m",
+            "uid-1"
+        ));
+        assert!(!is_target_pod_of(
+            &pod("t", Some("m"), Some("uid-2")),
+            "m",
+            "uid-1"
+        ));
+    }
+}

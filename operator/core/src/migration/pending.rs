@@ -125,6 +125,8 @@ fn created(m: &PodMigration) -> Timestamp {
 #[derive(Clone, Copy, Debug)]
 pub struct Installation<'a> {
     pub namespace: &'a str,
+    /// The agents' namespace (migration agents, attach Jobs): its pods never move either.
+    pub agents_namespace: &'a str,
     pub exec_probes: bool,
 }
 
@@ -156,6 +158,7 @@ pub fn evaluate(
         uid: pm.uid().unwrap_or_default(),
         created: created(pm),
         operator_namespace: operator.namespace.to_string(),
+        agents_namespace: operator.agents_namespace.to_string(),
         exec_probes: operator.exec_probes,
     };
     let facts = source.map(|p| PodFacts::from_pod(p).with_claims(claims));
@@ -292,6 +295,7 @@ mod tests {
                 limits,
                 Installation {
                     namespace: operator_ns,
+                    agents_namespace: "podmotion-agents",
                     exec_probes: false,
                 },
             )

@@ -458,6 +458,9 @@ pub struct Me {
     pub uid: String,
     pub created: Timestamp,
     pub operator_namespace: String,
+    /// The agents' namespace (migration agents and attach Jobs, with every tenant's
+    /// checkpoints): its pods are never moved, and no exec probe runs there.
+    pub agents_namespace: String,
     /// The installer enabled exec probes (`migration.execProbes.enabled`, the
     /// operator's `--migration-exec-probes`; it grants `pods/exec`).
     pub exec_probes: bool,
@@ -650,9 +653,14 @@ fn source_agent_ready(source: &str, nodes: &[NodeFacts]) -> Result<(), Refusal> 
 /// the operator's own, and static pods.
 fn protected_or_static(me: &Me, pod: &PodFacts) -> Option<Refusal> {
     let name = &pod.name;
-    if pod.namespace == "kube-system" || pod.namespace == me.operator_namespace {
+    if pod.namespace == "kube-system"
+        || pod.namespace == me.operator_namespace
+        || pod.namespace == me.agents_namespace
+    {
         let whose = if pod.namespace == "kube-system" {
             "the cluster's system namespace"
+        } else if pod.namespace == me.agents_namespace {
+            "PodMotion's agents' namespace"
         } else {
             "PodMotion's own namespace"
         };
@@ -1103,6 +1111,7 @@ mod tests {
             uid: "0c5b5e52-0000-4000-8000-000000000001".into(),
             created: ts(100),
             operator_namespace: "podmotion-system".into(),
+            agents_namespace: "podmotion-system-agents".into(),
             exec_probes: false,
         }
     }
@@ -1265,6 +1274,12 @@ mod tests {
             (
                 "pod in the operator's namespace",
                 k8s(json!({"metadata": {"namespace": "podmotion-system"}})),
+                s.clone(),
+                reasons::PROTECTED_NAMESPACE,
+            ),
+            (
+                "pod in the agents' namespace",
+                k8s(json!({"metadata": {"namespace": "podmotion-system-agents"}})),
                 s.clone(),
                 reasons::PROTECTED_NAMESPACE,
             ),
@@ -1613,6 +1628,39 @@ mod tests {
         assert_eq!(reason, EXEC_PROBE_DISABLED);
         assert!(m.starts_with("the pod's readiness probe"), "{m}");
         assert_migratable("tcp probe over exec readiness", &exec_ready, &s);
+    }
+
+    #[test]
+    fn exec_probes_never_run_in_the_operators_or_the_agents_namespace_even_when_enabled() {
+        use podmotion_api::migration::{ApplicationProbe, ExecProbe};
+        let on = Me {
+            exec_probes: true,
+            ..me()
+        };
+        let mut s = spec("web-0").build();
+        s.probe = Some(ApplicationProbe {
+            http_get: None,
+            tcp_socket: None,
+            grpc: None,
+            exec: Some(ExecProbe {
+                command: vec!["/bin/cat".into(), "/var/run/secrets/master-key".into()],
+                container: None,
+            }),
+            timeout_seconds: 2,
+            failure_threshold: 3,
+        });
+        for ns in ["podmotion-system", "podmotion-system-agents"] {
+            let p = k8s(json!({"metadata": {"namespace": ns}}));
+            let v = preflight(&s, &on, Some(&p), &three_nodes(), &[]);
+            assert_eq!(
+                verdict_reason(&v),
+                reasons::PROTECTED_NAMESPACE,
+                "{ns}: {v:?}"
+            );
+        }
+        let tenant = k8s(json!({}));
+        let v = preflight(&s, &on, Some(&tenant), &three_nodes(), &[]);
+        assert_eq!(verdict_reason(&v), reasons::MIGRATABLE, "{v:?}");
     }
 
     #[test]

@@ -78,7 +78,18 @@ pub struct AttachmentConfig {
         value_parser = clap::value_parser!(i32).range(1..=65535)
     )]
     pub metrics_port: i32,
-    /// Namespace of the agent Jobs (and their Secrets and NetworkPolicy). Their pods
+    /// Port of every agent's control API on its target pod's loopback (127.0.0.1
+    /// inside the target's network namespace), reached by port-forwarding to the target
+    /// pod. A workload that listens on it itself cannot be attached to. The chart
+    /// passes `attachment.controlPort`.
+    #[arg(
+        long = "attachment-control-port",
+        env = "PODMOTION_ATTACHMENT_CONTROL_PORT",
+        default_value_t = crate::attachment::render::DEFAULT_CONTROL_PORT,
+        value_parser = clap::value_parser!(i32).range(1..=65535)
+    )]
+    pub control_port: i32,
+    /// Namespace of the agent Jobs (and their NetworkPolicy). Their pods
     /// use hostPID and capabilities, so it must enforce the `privileged` PodSecurity
     /// level. Unset: the operator's own namespace.
     #[arg(long = "attachment-namespace", env = "PODMOTION_ATTACHMENT_NAMESPACE")]
@@ -125,6 +136,8 @@ impl AttachmentConfig {
     ) -> Settings {
         Settings {
             metrics_port: self.metrics_port,
+            control_port: self.control_port,
+            operator_namespace: operator_namespace.into(),
             log_format,
             namespace: self.jobs_namespace_or(operator_namespace),
             job_prefix: self.job_prefix.clone(),

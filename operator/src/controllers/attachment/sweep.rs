@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, ListParams, PropagationPolicy};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, ResourceExt};
@@ -78,7 +79,8 @@ async fn sweep(s: &Shared) -> Result<usize, ReconcileError> {
     Ok(reaped)
 }
 
-/// `reap-all`: deletes every agent Job in `namespace` (foreground), waits until they are
+/// `reap-all`: deletes every agent Job in `namespace` (foreground) and its credential
+/// Secret in the target's namespace, waits until the Jobs are
 /// gone (bounded by `timeout`), and removes the attachment finalizer from every
 /// NodeAgentAttachment so that uninstalling the operator cannot leave them stuck.
 /// Returns the number of Jobs deleted. Run it with the controllers stopped (the Helm
@@ -110,6 +112,21 @@ async fn delete_agent_jobs(api: &Api<Job>) -> anyhow::Result<Vec<(String, String
             Ok(_) => deleted.push((j.name_any(), j.uid().unwrap_or_default())),
             Err(e) if is_status(&e, 404) => {}
             Err(e) => return Err(e.into()),
+        }
+        // Its credential, in the target's namespace.
+        if let Some(ns) = j
+            .labels()
+            .get(podmotion_api::names::labels::TARGET_NAMESPACE)
+        {
+            let secrets: Api<Secret> = Api::namespaced(api.clone().into_client(), ns);
+            match secrets
+                .delete(&j.name_any(), &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 404) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     Ok(deleted)

@@ -1,6 +1,7 @@
 //! The attachment controller's writes: it carries out a plan (Job deletions, always
-//! foreground; Job creations, suspended, then each Job's credential Secret and its
-//! resumption), creates ingest Leases and the agents' NetworkPolicy. Every write checks
+//! foreground, with their credential Secrets; Job creations, suspended, then each Job's
+//! credential Secret in the target's namespace and its resumption with the token's
+//! verifier), creates ingest Leases and the agents' NetworkPolicy. Every write checks
 //! the lease first and is recorded in the Job cache at once (read your writes).
 
 use std::sync::atomic::Ordering;
@@ -16,7 +17,6 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, PropagationPo
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::names::managers;
 use rand::RngCore;
-use serde_json::json;
 
 use super::state::{Mode, Shared};
 use crate::attachment::plan::{Deletion, Plan, Resume};
@@ -133,9 +133,9 @@ async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, ReconcileError>
 }
 
 /// Resumes the Jobs just `created` and the kept ones left suspended,
-/// `write_parallelism` at a time: each gets its credential Secret (owned by it, random
-/// token; one that exists already is kept), then is unsuspended, so its pod starts with
-/// the Secret in place.
+/// `write_parallelism` at a time: each gets a fresh token, its Secret in the target's
+/// namespace, then is unsuspended with the token's verifier, so its pod starts with
+/// the credential in place and the agents' namespace never holds the token.
 async fn resume_all(s: &Shared, created: &[Job], left: &[Resume]) -> Result<(), ReconcileError> {
     if !left.is_empty() {
         let names: Vec<String> = left.iter().map(|r| r.job.clone()).collect();
@@ -143,16 +143,16 @@ async fn resume_all(s: &Shared, created: &[Job], left: &[Resume]) -> Result<(), 
     }
     let jobs = created
         .iter()
-        .map(|j| Resume {
-            job: j.name_any(),
-            job_uid: j.uid().unwrap_or_default(),
-        })
+        .filter_map(JobView::from_job)
+        .map(|j| Resume::of(&j))
         .chain(left.iter().cloned())
         .collect::<Vec<_>>();
     stream::iter(jobs)
         .map(|r| async move {
-            create_secret(s, &r).await?;
-            unsuspend(s, &r.job).await
+            let mut token = [0u8; 32];
+            rand::rng().fill_bytes(&mut token);
+            create_secret(s, &r, &token).await?;
+            resume(s, &r.job, &token).await
         })
         .buffer_unordered(s.cfg.write_parallelism.max(1))
         .try_collect::<Vec<()>>()
@@ -160,38 +160,92 @@ async fn resume_all(s: &Shared, created: &[Job], left: &[Resume]) -> Result<(), 
         .map(|_| ())
 }
 
-async fn create_secret(s: &Shared, r: &Resume) -> Result<(), ReconcileError> {
+/// The Job's credential Secret in the target's namespace, for `token`. One left by an
+/// earlier attempt (the operator stopped before resuming) holds a token whose verifier
+/// no Job has: it is replaced. Secrets are never read, only created and deleted.
+async fn create_secret(s: &Shared, r: &Resume, token: &[u8]) -> Result<(), ReconcileError> {
     s.ctx.ensure_leader()?;
-    let mut token = [0u8; 32];
-    rand::rng().fill_bytes(&mut token);
-    let secret = render::credentials(&s.settings.namespace, &r.job, &r.job_uid, &token);
-    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
+    let secret = render::credentials(
+        &s.settings,
+        render::CredentialOf {
+            job: &r.job,
+            target_namespace: &r.target_namespace,
+            target_pod: &r.target_pod,
+            target_pod_uid: &r.target_pod_uid,
+        },
+        token,
+    );
+    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &r.target_namespace);
     let pp = PostParams {
         field_manager: Some(managers::ATTACHMENT.into()),
         ..Default::default()
     };
-    match secrets.create(&pp, &secret).await {
+    for _ in 0..3 {
+        match secrets.create(&pp, &secret).await {
+            Ok(_) => return Ok(()),
+            // Only an existing Secret counts (the chaos run's proxy answers creates 409
+            // Conflict too): it is an earlier attempt's, with another token.
+            Err(e) if is_already_exists(&e) => {
+                delete_secret(s, &r.target_namespace, &r.job).await?
+            }
+            Err(e) => return Err(api_err("create Secret", &r.job)(e)),
+        }
+    }
+    Err(ReconcileError::wait(
+        "the agent's credential Secret keeps coming back",
+        std::time::Duration::from_secs(1),
+    ))
+}
+
+/// Deletes the credential Secret `job` of the target's namespace `ns` (gone is fine).
+async fn delete_secret(s: &Shared, ns: &str, job: &str) -> Result<(), ReconcileError> {
+    s.ctx.ensure_leader()?;
+    let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), ns);
+    match secrets.delete(job, &DeleteParams::default()).await {
         Ok(_) => Ok(()),
-        // Only an existing Secret counts: on any other 409 the Job would be resumed
-        // without its Secret, and nothing reads Secrets to notice (found by the chaos
-        // run, whose proxy answers creates 409 Conflict).
-        Err(e) if is_already_exists(&e) => Ok(()),
-        Err(e) => Err(api_err("create Secret", &r.job)(e)),
+        Err(e) if is_status(&e, 404) => Ok(()),
+        Err(e) => Err(api_err("delete Secret", job)(e)),
     }
 }
 
-async fn unsuspend(s: &Shared, job: &str) -> Result<(), ReconcileError> {
+/// Unsuspends the Job with the verifier of `token` on its pod template (one write).
+async fn resume(s: &Shared, job: &str, token: &[u8]) -> Result<(), ReconcileError> {
     s.ctx.ensure_leader()?;
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    let patch = json!({"spec": {"suspend": false}});
     let pp = PatchParams {
         field_manager: Some(managers::ATTACHMENT.into()),
         ..Default::default()
     };
-    match api.patch(job, &pp, &Patch::Merge(&patch)).await {
+    match api
+        .patch(job, &pp, &Patch::Merge(&render::resume_patch(token)))
+        .await
+    {
         Ok(_) => {}
         // Deleted meanwhile: nothing to resume.
         Err(e) if is_status(&e, 404) => {}
+        // A Job that ran once and was suspended again (by hand) has an immutable pod
+        // template: it cannot take the new verifier, so it is replaced (foreground; the
+        // next reconcile creates its successor once it is gone).
+        Err(e) if is_status(&e, 422) => {
+            tracing::warn!(
+                job,
+                "a suspended Job that ran before cannot take a new token: replacing it"
+            );
+            let dp = DeleteParams {
+                propagation_policy: Some(PropagationPolicy::Foreground),
+                ..Default::default()
+            };
+            match api.delete(job, &dp).await {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 404) => {}
+                Err(e) => return Err(api_err("delete Job", job)(e)),
+            }
+            s.jobs.update_if_present(&s.job_key(job), |j| JobView {
+                terminating: true,
+                ..j.clone()
+            });
+            return Ok(());
+        }
         Err(e) => return Err(api_err("resume Job", job)(e)),
     }
     s.jobs.update_if_present(&s.job_key(job), |j| JobView {
@@ -218,6 +272,14 @@ async fn delete_job(s: &Shared, d: &Deletion) -> Result<bool, ReconcileError> {
         terminating: true,
         ..j.clone()
     });
+    // Its credential goes with it (the target pod owns it too, for a pod that goes first).
+    if let Some(ns) = s
+        .jobs
+        .get(&s.job_key(&d.job))
+        .map(|j| j.target_namespace.clone())
+    {
+        delete_secret(s, &ns, &d.job).await?;
+    }
     let outcome = match d.fate {
         JobFate::Replace(_) => "Replaced",
         JobFate::Reap(_) => "Reaped",

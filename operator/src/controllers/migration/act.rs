@@ -94,7 +94,7 @@ async fn pod_action<A: AgentClient>(
         (Action::DeleteSourcePod { grace_seconds }, _, _) => {
             delete_source_pod(&pods, pm, &d.status, *grace_seconds).await
         }
-        (Action::DeleteTargetPod, _, _) => delete_target_pod(&pods, &d.status).await,
+        (Action::DeleteTargetPod, _, target) => delete_target_pod(&pods, target.as_ref()).await,
         // Nothing to act on (the pod is gone), or not a pod action.
         _ => Ok(()),
     }
@@ -151,19 +151,25 @@ async fn delete_source_pod(
         .map_err(api_err("delete", format!("pod {name}")))
 }
 
-/// Deletes the target pod recorded in the status, if any.
-async fn delete_target_pod(
-    pods: &Api<Pod>,
-    status: &PodMigrationStatus,
-) -> Result<(), ReconcileError> {
-    let Some(t) = &status.target_pod else {
+/// Deletes the target pod as observed (`observe`: the name only this migration makes,
+/// recording this migration), if any, by its UID: never a pod named by the status.
+async fn delete_target_pod(pods: &Api<Pod>, target: Option<&Pod>) -> Result<(), ReconcileError> {
+    let Some(t) = target else {
         return Ok(());
     };
-    pods.delete(t, &DeleteParams::default())
+    let name = t.name_any();
+    let dp = DeleteParams {
+        preconditions: t.uid().map(|uid| kube::api::Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    pods.delete(&name, &dp)
         .await
         .map(|_| ())
-        .or_else(|e| ignore(e, &[404]))
-        .map_err(api_err("delete", format!("pod {t}")))
+        .or_else(|e| ignore(e, &[404, 409]))
+        .map_err(api_err("delete", format!("pod {name}")))
 }
 
 /// Starts `step` on the agent of `side`'s node.

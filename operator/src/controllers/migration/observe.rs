@@ -22,7 +22,7 @@ use podmotion_api::names::finalizers;
 use super::state::Shared;
 use crate::controllers::shell::{ReconcileError, api_err};
 use crate::migration::agent::{AgentClient, AgentEndpoint, AgentView};
-use crate::migration::machine::{Knobs, Observed, Preflight};
+use crate::migration::machine::{self, Knobs, Observed, Preflight};
 use crate::migration::pending;
 use crate::migration::preflight::{self, Limits};
 use crate::migration::render;
@@ -47,11 +47,14 @@ pub(super) async fn observe<A: AgentClient>(
         .get_opt(&pm.spec.pod_name)
         .await
         .map_err(api_err("get", "source pod"))?;
-    let target = match &status.target_pod {
+    // The pod this migration made, by the name only it makes, and only if it records
+    // this migration: never the name in the status (writable by others).
+    let target = match machine::target_pod_of_record(&pm.spec.pod_name, &uid, &status) {
         Some(t) => pods
-            .get_opt(t)
+            .get_opt(&t)
             .await
-            .map_err(api_err("get", "target pod"))?,
+            .map_err(api_err("get", "target pod"))?
+            .filter(|p| machine::is_target_pod_of(p, &pm.name_any(), &uid)),
         None => None,
     };
     let deleting = pm.meta().deletion_timestamp.is_some();
@@ -133,6 +136,7 @@ async fn evaluate_pending<A: AgentClient>(
         limits,
         pending::Installation {
             namespace: &s.ctx.config.namespace,
+            agents_namespace: &s.cfg.agent_namespace,
             exec_probes: s.cfg.exec_probes,
         },
     ))

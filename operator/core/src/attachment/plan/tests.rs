@@ -648,6 +648,9 @@ fn kept_jobs_still_suspended_are_resumed_and_others_are_not() {
         vec![Resume {
             job: web2.name.clone(),
             job_uid: web2.uid.clone(),
+            target_namespace: web2.target_namespace.clone(),
+            target_pod: "web-2".into(),
+            target_pod_uid: web2.target_pod_uid.clone(),
         }]
     );
     assert!(p.create.is_empty() && p.delete.is_empty());
@@ -714,4 +717,41 @@ fn a_renewal_stamped_far_in_the_future_is_no_renewal() {
         .lease_renewed(120, 60)
         .build();
     assert_eq!(ahead.lease_expiry(t(100)), t(180));
+}
+
+#[test]
+fn workloads_of_the_operators_the_agents_and_the_system_namespace_are_never_attached_to() {
+    let s = Settings {
+        namespace: "podmotion-agents".into(),
+        operator_namespace: "podmotion".into(),
+        ..settings()
+    };
+    // Converged Jobs of the same workload, as if they had been made before the rule.
+    let jobs = converged(vec![attachment("a").build()], five_ready());
+    for ns in ["podmotion", "podmotion-agents", "kube-system"] {
+        let mut g = group(vec![attachment("a").build()], five_ready(), jobs.clone());
+        g.namespace = ns.into();
+        let p = plan(&g, &s);
+        assert!(p.create.is_empty(), "{ns}: no agent Job");
+        assert_eq!(reason_of(&p, "a"), reasons::PROTECTED_NAMESPACE, "{ns}");
+        let st = &p.statuses["a"];
+        assert!(is_true(&st.conditions, condition_types::STALLED), "{ns}");
+        let stalled = find(&st.conditions, condition_types::STALLED).unwrap();
+        assert!(
+            stalled.message.contains(ns) && stalled.message.contains("never attaches"),
+            "{ns}: {}",
+            stalled.message
+        );
+        assert_eq!(
+            p.delete.len(),
+            jobs.len(),
+            "{ns}: Jobs made before are reaped"
+        );
+    }
+    // Any other namespace is attached to as before.
+    let p = plan(
+        &group(vec![attachment("a").build()], five_ready(), vec![]),
+        &s,
+    );
+    assert_eq!(p.create.len(), 5);
 }
