@@ -30,9 +30,9 @@
 //!
 //! The first migration runs before any fault and must commit (the control: a run whose
 //! migrations all roll back under the faults proves the rollback and never the commit).
-//! A committed pod is adopted (a PodMigration refuses it, `AdoptedPod`), so after a
-//! commit the Deployment is scaled to 0 and back to 1: the next migrations move a fresh
-//! pod (a new lineage, its own Service reader).
+//! A committed pod is adopted; after a commit the Deployment is scaled to 0 and back to
+//! 1, so the next migrations move a fresh pod (a new lineage, its own Service reader):
+//! moving an adopted pod again is proven by `real_migration.rs`, not here.
 //!
 //! **After the last fault** (convergence, 60 s): every PodMigration finished; one Ready
 //! pod of the app; no transfer-key Secret and no checkpoint image left on either node; a

@@ -1064,8 +1064,9 @@ async fn mig_round(
         |ps| ps.len() == 1 && ps[0].name_any() == target,
     )
     .await?;
-    // An adopted pod cannot be migrated again (the operator refuses it: `AdoptedPod`):
-    // the next round migrates a fresh pod of the same Deployment.
+    // Every round starts from an ordinary pod, so rounds compare alike (an adopted pod
+    // can move again, but its tree is the holder's child): the next round migrates a
+    // fresh pod of the same Deployment.
     delete_now(pods, &target).await?;
     let [dumped, restored] =
         agent_log_lines(agents_ns, &uid, ["dumped; source left stopped", "restored"]);

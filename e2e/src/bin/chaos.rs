@@ -899,9 +899,9 @@ async fn live_round(
     if live.fresh.load(Ordering::Relaxed) {
         live.watching.store(false, Ordering::Relaxed);
         // The pod the last migration handed over is adopted (PID 1 of its container
-        // is PodMotion's holder): a PodMigration of it is refused (`AdoptedPod`) and
-        // would stay Pending to its deadline. As docs/migration-controller.md tells
-        // users: delete it, and its ReplicaSet makes an ordinary pod.
+        // is PodMotion's holder). It could move again (docs/migration-controller.md,
+        // "Moving a pod again"), but each round starts from an ordinary pod so that
+        // rounds compare alike: delete it, and its ReplicaSet makes a new one.
         pods.delete(&pod.name_any(), &DeleteParams::default().grace_period(0))
             .await
             .with_context(|| format!("deleting the adopted pod {}", pod.name_any()))?;
