@@ -19,6 +19,7 @@ pub mod config;
 pub mod context;
 pub mod controllers;
 pub mod events;
+pub mod eviction;
 pub mod leader;
 pub mod meta;
 pub mod metrics;
