@@ -29,3 +29,4 @@ pub mod pki;
 pub mod release;
 pub mod runner_pool;
 pub mod server;
+pub mod webhook;

@@ -53,7 +53,7 @@ impl LoadedCa {
     pub fn bundle(&self) -> String {
         plan::bundle(&self.state)
     }
-    fn signing_not_after(&self) -> i64 {
+    pub fn signing_not_after(&self) -> i64 {
         self.state.current.as_ref().map_or(0, |c| c.not_after)
     }
 }
@@ -226,6 +226,11 @@ impl Pki {
     /// The operator's client identity for the agents (renewed in place).
     pub fn operator_tls(&self) -> TlsFiles {
         self.tls.clone()
+    }
+
+    /// The lifetimes leaves are issued with.
+    pub fn life(&self) -> Lifetimes {
+        self.settings.life
     }
 
     /// The CA as last read.
