@@ -270,7 +270,7 @@ impl Webhook {
             watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.configuration)),
         )
         .boxed();
-        let mut acquired = Box::pin(self.ctx.leader.on_acquire());
+        let mut acquired = Box::pin(self.ctx.leader.on_acquire().fuse());
         let mut ca = pki.ca();
         let mut seen: Option<ValidatingWebhookConfiguration> = None;
         loop {

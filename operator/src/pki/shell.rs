@@ -257,7 +257,7 @@ impl Pki {
             watcher::Config::default().fields(&format!("metadata.name={}", s.ca_secret)),
         )
         .boxed();
-        let mut acquired = Box::pin(self.leader.on_acquire());
+        let mut acquired = Box::pin(self.leader.on_acquire().fuse());
         let mut seen: Option<Secret> = None;
         let mut synced = false;
         let mut published: Option<String> = None;
