@@ -33,6 +33,11 @@ pub mod labels {
     pub const MIGRATION: &str = "podmotion.io/migration";
     /// Default node label selecting Runner nodes (the chart and samples use it).
     pub const RUNNER_NODE: &str = "podmotion.io/runner-node";
+    /// On a PodMigration the eviction webhook created: the UID of the pod it moves
+    /// (`app.kubernetes.io/component` is then [`EVICTION_COMPONENT`]).
+    pub const EVICTED_POD_UID: &str = "podmotion.io/evicted-pod-uid";
+    /// `app.kubernetes.io/component` of PodMigrations started by an eviction.
+    pub const EVICTION_COMPONENT: &str = "eviction";
 }
 
 /// Annotations PodMotion reads or writes.
@@ -68,6 +73,22 @@ pub mod annotations {
     pub const CONFIG_MIRROR: &str = "kubernetes.io/config.mirror";
     /// Default annotation that marks a pod as carrying an injected traffic-agent sidecar.
     pub const INJECTED_AGENT: &str = "telepresence.io/agent-injected";
+    /// On a pod (set on its template): what an eviction of it does —
+    /// [`super::eviction_strategies`]. Unset: the installer's namespace default, else a
+    /// plain eviction.
+    pub const EVICTION_STRATEGY: &str = "podmotion.io/eviction-strategy";
+}
+
+/// Values of [`annotations::EVICTION_STRATEGY`].
+pub mod eviction_strategies {
+    /// The eviction waits for a live migration; a pod that cannot move blocks it.
+    pub const LIVE_MIGRATE: &str = "LiveMigrate";
+    /// Live-migrate when the pod can move, evict it as usual when it cannot.
+    pub const LIVE_MIGRATE_IF_POSSIBLE: &str = "LiveMigrateIfPossible";
+    /// A plain eviction (opts a pod out of its namespace's default).
+    pub const EVICT: &str = "Evict";
+    /// Every accepted value, in the order error messages list them.
+    pub const ALL: [&str; 3] = [LIVE_MIGRATE, LIVE_MIGRATE_IF_POSSIBLE, EVICT];
 }
 
 /// Finalizers, domain-qualified with a path (Kubernetes 1.29+ warns otherwise).
@@ -82,6 +103,8 @@ pub mod managers {
     pub const MIGRATION: &str = "podmotion.io/migration-controller";
     pub const ATTACHMENT: &str = "podmotion.io/attachment-controller";
     pub const RUNNER_POOL: &str = "podmotion.io/runner-pool-controller";
+    /// The eviction webhook (it creates PodMigrations; it never applies).
+    pub const EVICTION: &str = "podmotion.io/eviction-webhook";
 }
 
 /// Condition types. `Ready`, `Reconciling` and `Stalled` are kstatus's; the rest are
@@ -159,6 +182,18 @@ pub mod reasons {
     /// Data on the source node (emptyDir, hostPath, ephemeral volumes) or a claim
     /// that cannot be mounted on another node.
     pub const LOCAL_DATA: &str = "LocalData";
+
+    // Evictions (the `pods/eviction` webhook): Event reasons on the evicted pod.
+    /// The eviction was answered 429 while the pod live-migrates.
+    pub const EVICTION_MIGRATING: &str = "EvictionMigrating";
+    /// A `LiveMigrate` pod cannot move: its eviction is refused with the reason.
+    pub const EVICTION_BLOCKED: &str = "EvictionBlocked";
+    /// A `LiveMigrateIfPossible` pod cannot move: it is evicted as usual.
+    pub const EVICTED_WITHOUT_MIGRATION: &str = "EvictedWithoutMigration";
+    /// The pod's `podmotion.io/eviction-strategy` annotation has an unknown value.
+    pub const INVALID_EVICTION_STRATEGY: &str = "InvalidEvictionStrategy";
+    /// The PodMigration the eviction started failed or was aborted.
+    pub const EVICTION_MIGRATION_FAILED: &str = "EvictionMigrationFailed";
 
     // NodeAgentAttachment.
     pub const NO_ADMISSIBLE_TARGET: &str = "NoAdmissibleTarget";

@@ -129,7 +129,7 @@ fn every_toggle_on() -> Vec<&'static str> {
         "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,\
          metrics.podMonitor.enabled=true,\
          metrics.dashboard.enabled=true,argocd.resourceCustomizations.enabled=true,\
-         operator.replicas=2,\
+         operator.replicas=2,eviction.enabled=true,\
          operator.topologySpreadConstraints[0].maxSkew=1,\
          operator.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone,\
          operator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway,\
@@ -2053,6 +2053,155 @@ fn argocd_customizations_are_the_tested_health_scripts_under_argocd_cm_keys() {
         want.insert(key);
     }
     assert_eq!(data.keys().cloned().collect::<BTreeSet<_>>(), want);
+}
+
+#[test]
+fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_for_system_namespaces()
+ {
+    let off = render(&[]);
+    assert!(of_kind(&off, "ValidatingWebhookConfiguration").is_empty());
+    let on = render(&[
+        "--set",
+        "eviction.enabled=true,eviction.excludeNamespaces={batch},eviction.failurePolicy=Ignore",
+    ]);
+    let vwc = of_kind(&on, "ValidatingWebhookConfiguration");
+    assert_eq!(vwc.len(), 1);
+    let hooks = vwc[0]["webhooks"].as_array().unwrap();
+    assert_eq!(hooks.len(), 1);
+    let w = &hooks[0];
+    assert!(
+        w["clientConfig"].get("caBundle").is_none(),
+        "the operator writes the caBundle at run time: {w}"
+    );
+    assert_eq!(w["failurePolicy"], "Ignore");
+    assert_eq!(w["sideEffects"], "NoneOnDryRun");
+    let t = w["timeoutSeconds"].as_i64().unwrap();
+    assert!((1..=10).contains(&t), "{t}");
+    assert_eq!(w["rules"][0]["resources"], json!(["pods/eviction"]));
+    assert_eq!(w["rules"][0]["operations"], json!(["CREATE"]));
+    let expr = &w["namespaceSelector"]["matchExpressions"][0];
+    assert_eq!(expr["key"], "kubernetes.io/metadata.name");
+    assert_eq!(expr["operator"], "NotIn");
+    let excluded = strs(&expr["values"]);
+    for ns in [
+        "kube-system",
+        "podmotion-system",
+        "podmotion-system-agents",
+        "batch",
+    ] {
+        assert!(excluded.contains(&ns), "{ns} not excluded: {excluded:?}");
+    }
+    // The Service reaches every replica (not only the leader) on the webhook port.
+    let svc_name = w["clientConfig"]["service"]["name"].as_str().unwrap();
+    let svc = of_kind(&on, "Service")
+        .into_iter()
+        .find(|s| name(s) == svc_name)
+        .expect("the webhook's Service");
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], 9443);
+    let deploy = of_kind(&on, "Deployment")[0];
+    let env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap();
+    let get = |n: &str| {
+        env.iter()
+            .find(|e| e["name"] == n)
+            .map(|e| e["value"].clone())
+    };
+    assert_eq!(get("PODMOTION_EVICTION_WEBHOOK"), Some(json!("true")));
+    assert_eq!(
+        get("PODMOTION_EVICTION_WEBHOOK_CONFIGURATION"),
+        Some(json!(name(vwc[0])))
+    );
+    let names = get("PODMOTION_EVICTION_WEBHOOK_NAMES").unwrap();
+    assert!(
+        names
+            .as_str()
+            .unwrap()
+            .split(',')
+            .any(|n| n == format!("{svc_name}.podmotion-system.svc")),
+        "{names}"
+    );
+    // The API server reaches the webhook through the operator's NetworkPolicy.
+    let np = of_kind(&on, "NetworkPolicy")
+        .into_iter()
+        .find(|p| name(p).ends_with("-operator"))
+        .unwrap();
+    let ports: Vec<i64> = np["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r["ports"].as_array().unwrap().iter())
+        .filter_map(|p| p["port"].as_i64())
+        .collect();
+    assert!(ports.contains(&9443), "{ports:?}");
+}
+
+#[test]
+fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configuration() {
+    let find = |docs: &[Value], group: &str, resource: &str| -> Vec<Value> {
+        rules(docs)
+            .into_iter()
+            .filter(|(_, _, r)| {
+                strs(&r["apiGroups"]).contains(&group) && strs(&r["resources"]).contains(&resource)
+            })
+            .map(|(_, _, r)| r)
+            .collect()
+    };
+    let off = render(&[]);
+    assert!(
+        find(
+            &off,
+            "admissionregistration.k8s.io",
+            "validatingwebhookconfigurations"
+        )
+        .is_empty()
+    );
+    let creates = |docs: &[Value]| {
+        find(docs, "podmotion.io", "podmigrations")
+            .iter()
+            .any(|r| strs(&r["verbs"]).contains(&"create"))
+    };
+    assert!(
+        !creates(&off),
+        "no create of PodMigrations without the webhook"
+    );
+    let on = render(&["--set", "eviction.enabled=true"]);
+    assert!(creates(&on));
+    let vwc = find(
+        &on,
+        "admissionregistration.k8s.io",
+        "validatingwebhookconfigurations",
+    );
+    assert_eq!(vwc.len(), 1);
+    assert_eq!(
+        strs(&vwc[0]["resourceNames"]),
+        vec!["pm-podmotion-eviction"]
+    );
+    assert_eq!(
+        strs(&vwc[0]["verbs"]),
+        vec!["get", "list", "watch", "patch"]
+    );
+    // Without the migration controller and the agents' CA there is nothing to serve with.
+    let e = try_render(
+        "pm",
+        "podmotion-system",
+        &[
+            "--set",
+            "eviction.enabled=true,migrationAgent.enabled=false",
+        ],
+    )
+    .unwrap_err();
+    assert!(e.contains("eviction.enabled=true needs"), "{e}");
+    let e = try_render(
+        "pm",
+        "podmotion-system",
+        &[
+            "--set",
+            "eviction.enabled=true,eviction.namespaceDefault.strategy=Always",
+        ],
+    )
+    .unwrap_err();
+    assert!(e.contains("strategy"), "{e}");
 }
 
 #[test]

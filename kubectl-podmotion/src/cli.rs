@@ -50,6 +50,16 @@ pub enum Command {
     Wiretap(Wiretap),
     /// Copy a file or a directory out of a replica's container.
     Cp(Cp),
+    /// Cordon a node and evict its pods like `kubectl drain`; the pods that ask for it
+    /// are live-migrated by PodMotion's eviction webhook. One line per pod until the
+    /// node is empty.
+    Drain(Drain),
+}
+
+#[derive(Args, Debug)]
+pub struct Drain {
+    /// The node to drain.
+    pub node: String,
 }
 
 /// The flags of the commands that work through one replica's agent (`env`, `cp`).

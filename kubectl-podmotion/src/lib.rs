@@ -17,6 +17,7 @@
 pub mod agent;
 pub mod cli;
 pub mod cp;
+pub mod drain;
 pub mod env;
 pub mod explain;
 pub mod intercept;

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kubectl_podmotion::cli::{Cli, Command};
-use kubectl_podmotion::{client, cp, env, intercept, migrate, status, wiretap};
+use kubectl_podmotion::{client, cp, drain, env, intercept, migrate, status, wiretap};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -35,6 +35,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Env(args) => env::run(client, &namespace, args).await,
         Command::Wiretap(args) => wiretap::run(client, &namespace, args).await,
         Command::Cp(args) => cp::run(client, &namespace, args).await,
+        Command::Drain(args) => drain::run(client, args).await,
         Command::Status(args) => {
             let ns = (!args.all_namespaces).then_some(namespace.as_str());
             let (table, problems) = status::run(client, ns).await;

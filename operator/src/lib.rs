@@ -24,5 +24,6 @@ pub mod metrics;
 pub mod pki;
 pub mod release;
 pub mod server;
+pub mod webhook;
 
-pub use podmotion_core::{attachment, meta, migration, note, runner_pool};
+pub use podmotion_core::{attachment, eviction, meta, migration, note, runner_pool};

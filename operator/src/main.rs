@@ -24,6 +24,7 @@ use podmotion_operator::metrics::Metrics;
 use podmotion_operator::pki::plan::{AgentPolicy, Lifetimes};
 use podmotion_operator::pki::{Pki, PkiSettings};
 use podmotion_operator::server;
+use podmotion_operator::webhook::{Webhook, WebhookConfig};
 use tokio::sync::watch;
 
 #[derive(Parser, Debug)]
@@ -39,6 +40,8 @@ struct Cli {
     migration: MigrationConfig,
     #[command(flatten)]
     pki: PkiConfig,
+    #[command(flatten)]
+    eviction: WebhookConfig,
 }
 
 #[derive(Subcommand, Debug)]
@@ -71,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
                     attachment: cli.attachment,
                     migration: cli.migration,
                     pki: cli.pki,
+                    eviction: cli.eviction,
                 },
             )
             .await
@@ -99,6 +103,7 @@ struct Controllers {
     attachment: AttachmentConfig,
     migration: MigrationConfig,
     pki: PkiConfig,
+    eviction: WebhookConfig,
 }
 
 /// Waits until the three CRDs are Established.
@@ -144,6 +149,29 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         )?),
         None => None,
     };
+    // The eviction webhook: served by every replica, its certificate from the CA.
+    let webhook = match (settings.eviction.enabled, &pki) {
+        (false, _) => None,
+        (true, None) => anyhow::bail!(
+            "--eviction-webhook needs the run-time PKI (--pki-ca-secret): its serving \
+             certificate comes from the operator's CA"
+        ),
+        (true, Some(pki)) => Some((
+            Arc::new(Webhook::new(
+                ctx.clone(),
+                settings.eviction.clone(),
+                settings.migration.exec_probes,
+                settings.migration.agent_namespace.clone(),
+            )?),
+            pki.clone(),
+        )),
+    };
+    let webhook_task = async move {
+        match webhook {
+            Some((w, pki)) => w.run(pki).await,
+            None => std::future::pending().await,
+        }
+    };
     let pki_task = run_pki(pki.clone());
     let mut tasks = spawn_controllers(&config, &ctx, settings, pki);
     let identity = config.identity.clone();
@@ -154,6 +182,10 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
     tokio::select! {
         res = election => {
             res.context("leader election")?;
+        }
+        res = webhook_task => {
+            res.context("eviction webhook")?;
+            anyhow::bail!("eviction webhook stopped");
         }
         res = pki_task => {
             res.context("run-time key material")?;

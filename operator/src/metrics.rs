@@ -82,6 +82,18 @@ pub const PREFLIGHT_CHECKS: [&str; 9] = [
     "verdict",
 ];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    /// `Evicted`, `Migrating` or `Blocked`.
+    pub answer: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BlockLabels {
+    /// A reason of `crate::eviction::BLOCK_CAUSES`, or `Other`.
+    pub reason: &'static str,
+}
+
 /// What the metrics keep of one RunnerPool's last status (never its name as a label).
 #[derive(Clone, Debug, Default)]
 struct PoolFacts {
@@ -120,6 +132,12 @@ pub struct Metrics {
     pub runner_pool_preflight_failures: Family<CheckLabels, Gauge>,
     /// Reconciles that found a Runner DaemonSet drifted from its rendered shape.
     pub runner_pool_shape_drift: Counter,
+    /// Evictions the `pods/eviction` webhook answered, by answer.
+    pub evictions: Family<EvictionLabels, Counter>,
+    /// PodMigrations an eviction created.
+    pub eviction_migrations_started: Counter,
+    /// Evictions refused (drains blocked), by reason.
+    pub evictions_blocked: Family<BlockLabels, Counter>,
     pools: Mutex<BTreeMap<String, PoolFacts>>,
 }
 
@@ -157,6 +175,9 @@ impl Metrics {
             runner_pool_nodes: registered(reg, "runner_pool_nodes", "Runner nodes of every RunnerPool, by state (desired, ready, updated)", Family::default()),
             runner_pool_preflight_failures: registered(reg, "runner_pool_preflight_failures", "Nodes whose Runner preflight failed, by failing check, over every RunnerPool", Family::default()),
             runner_pool_shape_drift: registered(reg, "runner_pool_shape_drift", "RunnerPool reconciles that found the Runner DaemonSet drifted from its rendered shape (and repaired it)", Counter::default()),
+            evictions: registered(reg, "evictions", "Evictions answered by the pods/eviction webhook, by answer (Evicted, Migrating, Blocked)", Family::default()),
+            eviction_migrations_started: registered(reg, "eviction_migrations_started", "PodMigrations created by an eviction", Counter::default()),
+            evictions_blocked: registered(reg, "evictions_blocked", "Evictions refused because the pod cannot move, by reason", Family::default()),
             pools: Mutex::new(BTreeMap::new()),
             registry: r,
         };
@@ -189,6 +210,9 @@ impl Metrics {
         }
         for outcome in ["Succeeded", "Failed", "Aborted"] {
             let _ = self.migrations.get_or_create(&OutcomeLabels { outcome });
+        }
+        for answer in ["Evicted", "Migrating", "Blocked"] {
+            let _ = self.evictions.get_or_create(&EvictionLabels { answer });
         }
         for outcome in ["Created", "Replaced", "Reaped"] {
             let _ = self

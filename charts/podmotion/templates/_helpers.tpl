@@ -190,6 +190,8 @@ app.kubernetes.io/component: node-agent
 - name: PODMOTION_ATTACHMENT_WATCH_NAMESPACE
   value: {{ . | quote }}
 {{- end }}
+{{- /* The pods/eviction webhook (templates/eviction-webhook.yaml). */}}
+{{ include "podmotion.evictionEnv" . }}
 {{- end -}}
 
 {{/* Secret in the release namespace holding the agents' CA (made and rotated by the

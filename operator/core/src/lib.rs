@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attachment;
+pub mod eviction;
 pub mod meta;
 pub mod migration;
 pub mod note;

@@ -53,7 +53,7 @@ impl LoadedCa {
     pub fn bundle(&self) -> String {
         plan::bundle(&self.state)
     }
-    fn signing_not_after(&self) -> i64 {
+    pub fn signing_not_after(&self) -> i64 {
         self.state.current.as_ref().map_or(0, |c| c.not_after)
     }
 }
@@ -228,6 +228,11 @@ impl Pki {
         self.tls.clone()
     }
 
+    /// The lifetimes leaves are issued with.
+    pub fn life(&self) -> Lifetimes {
+        self.settings.life
+    }
+
     /// The CA as last read.
     pub fn ca(&self) -> watch::Receiver<Option<Arc<LoadedCa>>> {
         self.ca.subscribe()
@@ -252,7 +257,7 @@ impl Pki {
             watcher::Config::default().fields(&format!("metadata.name={}", s.ca_secret)),
         )
         .boxed();
-        let mut acquired = Box::pin(self.leader.on_acquire());
+        let mut acquired = Box::pin(self.leader.on_acquire().fuse());
         let mut seen: Option<Secret> = None;
         let mut synced = false;
         let mut published: Option<String> = None;

@@ -163,6 +163,41 @@ pub fn operator_cert(
     Ok((cert.pem(), key.serialize_pem()))
 }
 
+/// A fresh key and serving certificate for the operator's admission webhook (the API
+/// server trusts the CA bundle written into the webhook configuration): `(cert PEM,
+/// key PEM)`. `names` are the Service's DNS names; those that parse as IP addresses
+/// become IP SANs (a webhook reached by URL in tests).
+pub fn webhook_serving_cert(
+    ca: &CaPem,
+    ca_not_after: i64,
+    names: &[String],
+    now: i64,
+    life: &Lifetimes,
+) -> Result<(String, String), IssueError> {
+    let (ips, dns): (Vec<&String>, Vec<&String>) = names
+        .iter()
+        .partition(|n| n.parse::<std::net::IpAddr>().is_ok());
+    let want = Requested {
+        common_name: names.first().cloned(),
+        dns: dns.into_iter().cloned().collect(),
+        ..Default::default()
+    };
+    let mut params = leaf_params(
+        &want,
+        vec![ExtendedKeyUsagePurpose::ServerAuth],
+        ca_not_after,
+        now,
+        life,
+    )?;
+    for ip in ips {
+        let addr = ip.parse().expect("partitioned as an IP address");
+        params.subject_alt_names.push(SanType::IpAddress(addr));
+    }
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, &issuer(ca)?)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
 /// The identity a request asks for, after checking its signature.
 pub fn requested(request_pem: &str) -> Result<Requested, String> {
     let csr = CertificateSigningRequestParams::from_pem(request_pem).map_err(|e| e.to_string())?;
