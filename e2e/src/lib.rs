@@ -122,13 +122,25 @@ pub fn kubectl_path() -> anyhow::Result<PathBuf> {
 
 /// A client for the local control plane; fails with an explanation when it is unreachable.
 pub async fn connect() -> anyhow::Result<Client> {
+    connect_with(true).await
+}
+
+/// As [`connect`], without kube's default retry of 429 and 503 answers: for tests that
+/// read such an answer (an eviction a webhook answers 429 would otherwise be retried,
+/// with backoff, for a minute).
+pub async fn connect_without_retry() -> anyhow::Result<Client> {
+    connect_with(false).await
+}
+
+async fn connect_with(retry: bool) -> anyhow::Result<Client> {
     let path = kubeconfig_path();
     let hint = "start it with `hack/cluster.sh up` (or set PODMOTION_E2E=0 to skip cluster tests)";
     let kubeconfig = Kubeconfig::read_from(&path)
         .with_context(|| format!("reading kubeconfig {}; {hint}", path.display()))?;
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+    let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+    config.default_retry = retry;
     let server = config.cluster_url.to_string();
     let client = Client::try_from(config)?;
     tokio::time::timeout(Duration::from_secs(10), client.apiserver_version())

@@ -156,6 +156,36 @@ struct ReviewRequest {
     sub_resource: Option<String>,
     #[serde(default)]
     dry_run: bool,
+    /// The Eviction: its `deleteOptions.dryRun` makes a dry run too (the API server
+    /// sets the request's `dryRun` only from the query's options).
+    #[serde(default)]
+    object: Option<EvictionObject>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EvictionObject {
+    #[serde(default)]
+    delete_options: Option<EvictionDeleteOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EvictionDeleteOptions {
+    #[serde(default)]
+    dry_run: Vec<String>,
+}
+
+impl ReviewRequest {
+    /// A dry run by the request's options or by the Eviction's own delete options.
+    fn is_dry_run(&self) -> bool {
+        self.dry_run
+            || self
+                .object
+                .as_ref()
+                .and_then(|o| o.delete_options.as_ref())
+                .is_some_and(|d| !d.dry_run.is_empty())
+    }
 }
 
 /// The answer as an AdmissionReview: allowed, or refused with `code` and `reason`.
@@ -443,7 +473,7 @@ impl Webhook {
             Some(&facts.verdict),
             &facts.migrations,
         );
-        self.carry_out(&facts.object, answer, r.dry_run).await
+        self.carry_out(&facts.object, answer, r.is_dry_run()).await
     }
 
     /// Creates what the answer asks for, counts it, records it on the pod.
@@ -708,6 +738,23 @@ mod tests {
             (r.name.as_str(), r.sub_resource.as_deref(), r.dry_run),
             ("web", Some("eviction"), true)
         );
+    }
+
+    #[test]
+    fn an_eviction_whose_delete_options_are_a_dry_run_is_a_dry_run() {
+        let r: Review = serde_json::from_value(json!({
+            "request": {"uid": "x", "name": "web", "namespace": "shop", "dryRun": false,
+                "object": {"apiVersion": "policy/v1", "kind": "Eviction",
+                    "deleteOptions": {"dryRun": ["All"]}}},
+        }))
+        .unwrap();
+        assert!(r.request.unwrap().is_dry_run());
+        let r: Review = serde_json::from_value(json!({
+            "request": {"uid": "x", "name": "web", "namespace": "shop",
+                "object": {"apiVersion": "policy/v1", "kind": "Eviction"}},
+        }))
+        .unwrap();
+        assert!(!r.request.unwrap().is_dry_run());
     }
 
     #[test]
