@@ -767,13 +767,18 @@ async fn a_real_pod_moves_again_and_again_and_a_rollback_keeps_the_second_copy()
     for (n, (to, mode, end)) in plan.into_iter().enumerate() {
         let name = format!("again-{}", n + 1);
         let port = if end == AgainEnd::RolledBack { 9 } else { 8080 };
+        let mut spec = json!({"podName": pod.name_any(), "targetNode": to, "mode": mode,
+            "freezeBudgetMillis": 20000,
+            "probe": {"tcpSocket": {"port": port}, "failureThreshold": 1,
+                "timeoutSeconds": 1}});
+        if mode == "PreCopy" {
+            // The CRD admits preCopy settings only with mode PreCopy.
+            spec["preCopy"] = json!({"maxRounds": 3});
+        }
         let pm: PodMigration = from_json(json!({
             "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
             "metadata": {"name": name},
-            "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode,
-                "freezeBudgetMillis": 20000, "preCopy": {"maxRounds": 3},
-                "probe": {"tcpSocket": {"port": port}, "failureThreshold": 1,
-                    "timeoutSeconds": 1}}
+            "spec": spec
         }));
         pms.create(&PostParams::default(), &pm).await.unwrap();
         let st = ended(&pms, &name).await;
