@@ -391,6 +391,12 @@ impl AgentClient for ProcAgents {
 
 // --------------------------------------------------------------- harness
 
+/// The agents' namespace the in-process operator is given for workloads in `ns`: never
+/// `ns` itself, since the pre-flight refuses every pod of the agents' namespace.
+fn agents_namespace_of(ns: &str) -> String {
+    format!("{ns}-agents")
+}
+
 /// The migration controller, in this process, for one namespace.
 fn start_controller(client: &Client, ns: &str, agents: &ProcAgents) -> JoinHandle<()> {
     start_controller_with(client, ns, agents, true, &[])
@@ -417,13 +423,14 @@ fn start_controller_with(
         .map(|n| format!("{n}=proc://{n}"))
         .collect::<Vec<_>>()
         .join(",");
+    let agents_ns = agents_namespace_of(ns);
     let mut args = vec![
         "podmotion-operator",
         "--no-leader-election",
         "--migration-namespace",
         ns,
         "--migration-agent-namespace",
-        ns,
+        agents_ns.as_str(),
     ];
     if overrides {
         args.extend(["--migration-agent-endpoint", endpoints.as_str()]);
@@ -1012,20 +1019,35 @@ async fn agents_are_found_through_their_ready_pods_on_each_node() {
         .await
         .unwrap();
 
-    // One Ready agent pod per node (what the agent DaemonSet provides).
+    // One Ready agent pod per node (what the agent DaemonSet provides), in the agents'
+    // own namespace.
+    let agents_ns = agents_namespace_of(&s.ns.name);
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(s.ns.client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &from_json(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": agents_ns, "labels": {"podmotion.io/e2e": "true"}}})),
+        )
+        .await
+        .unwrap();
+    let agent_pods: Api<Pod> = Api::namespaced(s.ns.client.clone(), &agents_ns);
     for node in NODES {
         let agent: Pod = from_json(json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": format!("agent-{node}"), "labels": {"app.kubernetes.io/name": "podmotion-agent"}},
             "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "registry.example/agent:1"}]}
         }));
-        s.ns.api::<Pod>()
-            .create(&PostParams::default(), &agent)
-            .await
-            .unwrap();
+        // The namespace's default ServiceAccount may not exist yet: pods wait for it.
+        let mut tries = 0;
+        while let Err(e) = agent_pods.create(&PostParams::default(), &agent).await {
+            tries += 1;
+            assert!(tries < 60, "creating agent pod on {node}: {e}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
     wait_list(
-        &s.ns.api::<Pod>(),
+        &agent_pods,
         "app.kubernetes.io/name=podmotion-agent",
         TIMEOUT,
         "agents Ready",
@@ -1042,6 +1064,9 @@ async fn agents_are_found_through_their_ready_pods_on_each_node() {
             .any(|c| c.type_ == "Migratable" && c.status == "True"),
         "{st:?}"
     );
+    let _ = namespaces
+        .delete(&agents_ns, &DeleteParams::default())
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

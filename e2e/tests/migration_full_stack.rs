@@ -52,13 +52,15 @@ fn start_controller(client: &Client, ns: &str, agents: &KwokAgents) -> JoinHandl
         #[command(flatten)]
         mig: MigrationConfig,
     }
+    // Not the workload's namespace: the pre-flight refuses every pod of the agents' one.
+    let agents_ns = format!("{ns}-agents");
     let mut args: Vec<String> = [
         "podmotion-operator",
         "--no-leader-election",
         "--migration-namespace",
         ns,
         "--migration-agent-namespace",
-        ns,
+        agents_ns.as_str(),
     ]
     .map(String::from)
     .to_vec();

@@ -1556,7 +1556,9 @@ async fn converged(
             "agent Jobs target {have:?}, the attached pods are {want:?} (orphaned, missing or duplicate Jobs)"
         );
     }
-    let secrets = Api::<Secret>::namespaced(app(client), &n.sys);
+    // Each Job's credential lives in the attachment's namespace (the tenant's), named
+    // like the Job and owned by its target pod; the agents' namespace holds none.
+    let secrets = Api::<Secret>::namespaced(app(client), &n.app);
     for j in &jobs {
         *checks += 1;
         if j.metadata.deletion_timestamp.is_some()
@@ -1568,27 +1570,31 @@ async fn converged(
             );
         }
         let s = secrets.get_opt(&j.name_any()).await?;
+        let target = label(j, labels::TARGET_POD_UID);
         let owned = s.as_ref().is_some_and(|s| {
             s.owner_references()
                 .iter()
-                .any(|o| Some(&o.uid) == j.metadata.uid.as_ref())
+                .any(|o| o.kind == "Pod" && o.uid == target)
         });
         if !owned {
-            bail!("agent Job {} has no Secret of its own", j.name_any());
+            bail!(
+                "agent Job {} has no credential Secret of its own in {} (owned by its target pod)",
+                j.name_any(),
+                n.app
+            );
         }
     }
-    let agent_secrets = secrets.list(&ListParams::default()).await?.items;
+    let agent_secrets = secrets
+        .list(&ListParams::default().labels(labels::TARGET_POD_UID))
+        .await?
+        .items;
     for s in &agent_secrets {
-        let owner = s
-            .owner_references()
-            .iter()
-            .find(|o| o.kind == "Job")
-            .map(|o| o.uid.clone());
-        if let Some(uid) = owner {
-            *checks += 1;
-            if !jobs.iter().any(|j| j.metadata.uid.as_ref() == Some(&uid)) {
-                bail!("agent Secret {} is orphaned", s.name_any());
-            }
+        *checks += 1;
+        if !jobs.iter().any(|j| j.name_any() == s.name_any()) {
+            bail!(
+                "agent Secret {} is orphaned (no Job of its name)",
+                s.name_any()
+            );
         }
     }
     *checks += 1;
