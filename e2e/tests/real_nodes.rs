@@ -431,7 +431,7 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         let (app_ip, _) = before
             .get(target_uid)
             .unwrap_or_else(|| panic!("no app pod with uid {target_uid}: {before:?}"));
-        let pid = exercise_agent(&op.client, &agents, agent, app_ip, &mark, &testload).await;
+        let pid = exercise_agent(&op.client, &app.name, agent, app_ip, &mark, &testload).await;
         target_pids.push(pid);
     }
     assert_eq!(
@@ -624,7 +624,7 @@ fn ask(ip: &str, line: &str) -> String {
 /// application still answers.
 async fn exercise_agent(
     client: &kube::Client,
-    agents: &str,
+    app_ns: &str,
     agent: &Pod,
     app_ip: &str,
     mark: &str,
@@ -633,12 +633,31 @@ async fn exercise_agent(
     use std::io::{BufRead, Read, Write};
     let name = agent.name_any();
     let job = &agent.labels()["batch.kubernetes.io/job-name"];
-    let secret = Api::<Secret>::namespaced(client.clone(), agents)
+    // As a tenant reaches it: the credential in the workload's own namespace (named like
+    // the Job), the control API on the target pod's loopback through a port-forward to
+    // that pod.
+    let secret = Api::<Secret>::namespaced(client.clone(), app_ns)
         .get(job)
         .await
         .unwrap();
-    let token = String::from_utf8(secret.data.unwrap()["token"].0.clone()).unwrap();
-    let pf = PortForward::start(agents, &name, 8400).unwrap_or_else(|e| panic!("{e:#}"));
+    let data = secret.data.unwrap();
+    let token = String::from_utf8(data["token"].0.clone()).unwrap();
+    let control: u16 = String::from_utf8(data["port"].0.clone())
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let target_uid = &agent.labels()[labels::TARGET_POD_UID];
+    let target = Api::<Pod>::namespaced(client.clone(), app_ns)
+        .list(&ListParams::default().labels("app=web"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.uid().as_deref() == Some(target_uid.as_str()))
+        .unwrap_or_else(|| panic!("{name}: no app pod with uid {target_uid}"))
+        .name_any();
+    let pf = PortForward::start(app_ns, &target, control).unwrap_or_else(|e| panic!("{e:#}"));
     let port = pf.local_port;
     // Wait until /healthz answers through the fresh port-forward.
     let mut tries = 0;
@@ -683,11 +702,13 @@ async fn exercise_agent(
         .iter()
         .find(|e| e["container_path"] == "/")
         .unwrap_or_else(|| panic!("{exports}"));
+    // Through the agent's pin of its target (an open /proc/<pid> directory), never a
+    // re-resolved PID: /proc/<agent pid>/fd/<n>/root.
+    let target = root["target"].as_str().unwrap();
+    let parts: Vec<&str> = target.split('/').collect();
     assert!(
-        root["target"]
-            .as_str()
-            .unwrap()
-            .starts_with(&format!("/proc/{pid}/root")),
+        matches!(parts.as_slice(), ["", "proc", a, "fd", n, "root"]
+            if a.parse::<u32>().is_ok() && n.parse::<u32>().is_ok()),
         "{exports}"
     );
     let program = entrypoint(testload).unwrap();
