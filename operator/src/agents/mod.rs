@@ -203,6 +203,7 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         // Both sides: the source checks it can serve lazy pages, the target admits the
         // source's page stream.
         post_copy: r.mode == MigrationMode::PostCopy,
+        containers: vec![],
     }
 }
 
