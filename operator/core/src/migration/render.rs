@@ -417,6 +417,39 @@ pub fn container_ids(pod: Option<&Pod>) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `pod`'s containers that move, by name with their container IDs: its native
+/// sidecars (init containers with `restartPolicy: Always`) in spec order, then its
+/// containers in spec order, each with the ID its status reports (the status lists
+/// are not in spec order). Finished init containers, and containers the kubelet has
+/// not reported an ID for, are left out.
+pub fn named_containers(pod: Option<&Pod>) -> Vec<(String, String)> {
+    let (Some(spec), Some(st)) = (
+        pod.and_then(|p| p.spec.as_ref()),
+        pod.and_then(|p| p.status.as_ref()),
+    ) else {
+        return vec![];
+    };
+    let id_in = |statuses: Option<&Vec<k8s_openapi::api::core::v1::ContainerStatus>>,
+                 name: &str| {
+        statuses?
+            .iter()
+            .find(|c| c.name == name)
+            .and_then(|c| c.container_id.clone())
+    };
+    let sidecars = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+        .filter_map(|c| {
+            id_in(st.init_container_statuses.as_ref(), &c.name).map(|id| (c.name.clone(), id))
+        });
+    let regular = spec.containers.iter().filter_map(|c| {
+        id_in(st.container_statuses.as_ref(), &c.name).map(|id| (c.name.clone(), id))
+    });
+    sidecars.chain(regular).collect()
+}
+
 /// What the agent on `side` needs to run `step` of `pm`, whose status is `status`.
 /// `source`, `target`: the pods as observed; `target_agent_url`: where the target
 /// agent is reached.
@@ -443,6 +476,10 @@ pub fn step_request(
         probe: source.and_then(|src| effective_probe(pm.spec.probe.as_ref(), src)),
         target_agent_url,
         container_ids: container_ids(match side {
+            Side::Source => source,
+            Side::Target => target,
+        }),
+        containers: named_containers(match side {
             Side::Source => source,
             Side::Target => target,
         }),
@@ -518,6 +555,51 @@ mod tests {
         ContainerState, ContainerStateRunning, ContainerStatus, PodStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    #[test]
+    fn containers_go_by_name_sidecars_first_and_finished_init_containers_never() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-0"},
+            "spec": {
+                "initContainers": [
+                    {"name": "setup", "image": "setup:1"},
+                    {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}
+                ],
+                "containers": [
+                    {"name": "app", "image": "app:1"},
+                    {"name": "logs", "image": "logs:1"},
+                    {"name": "late", "image": "late:1"}
+                ]
+            },
+            "status": {
+                "initContainerStatuses": [
+                    {"name": "setup", "containerID": "containerd://s", "image": "", "imageID": "", "ready": false, "restartCount": 0},
+                    {"name": "proxy", "containerID": "containerd://p", "image": "", "imageID": "", "ready": true, "restartCount": 0}
+                ],
+                // Not in spec order, and one container not started yet.
+                "containerStatuses": [
+                    {"name": "logs", "containerID": "containerd://l", "image": "", "imageID": "", "ready": true, "restartCount": 0},
+                    {"name": "late", "image": "", "imageID": "", "ready": false, "restartCount": 0},
+                    {"name": "app", "containerID": "containerd://a", "image": "", "imageID": "", "ready": true, "restartCount": 0}
+                ]
+            }
+        }))
+        .unwrap();
+        let named = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(n, i)| ((*n).to_string(), (*i).to_string()))
+                .collect()
+        };
+        assert_eq!(
+            named_containers(Some(&pod)),
+            named(&[
+                ("proxy", "containerd://p"),
+                ("app", "containerd://a"),
+                ("logs", "containerd://l")
+            ])
+        );
+        assert!(named_containers(None).is_empty());
+    }
 
     #[test]
     fn the_source_pod_is_deleted_with_the_machine_s_grace_period_and_only_by_its_uid() {
