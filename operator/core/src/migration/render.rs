@@ -114,8 +114,24 @@ pub fn target_pod(
     let spec = PodSpec {
         node_name: Some(target_node.to_string()),
         containers: src.containers.iter().map(holder_container).collect(),
-        // The source's init containers never run again; the only one copies the holder.
-        init_containers: Some(vec![holder_installer(holder)]),
+        // The source's finished init containers never run again; the first init
+        // container copies the holder, and each native sidecar gets a holder of its
+        // own, still a sidecar (`restartPolicy: Always`), after it: its tree is
+        // restored there as the regular containers' are into theirs.
+        init_containers: Some(
+            std::iter::once(holder_installer(holder))
+                .chain(
+                    src.init_containers
+                        .iter()
+                        .flatten()
+                        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+                        .map(|c| Container {
+                            restart_policy: Some("Always".into()),
+                            ..holder_container(c)
+                        }),
+                )
+                .collect(),
+        ),
         volumes: Some(volumes),
         ephemeral_containers: None,
         // The restored process keeps the source's hostname through its UTS namespace
@@ -646,6 +662,39 @@ mod tests {
         ]));
         let target = target_pod(&m, &source, "n1", &Holder::default());
         (m, source, target)
+    }
+
+    #[test]
+    fn a_native_sidecar_gets_a_holder_that_is_still_a_sidecar_and_finished_inits_none() {
+        let m = migration("move-web", "web-abc-1");
+        let mut source = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
+        source.spec.as_mut().unwrap().init_containers = Some(vec![
+            Container {
+                name: "setup".into(),
+                image: Some("setup:1".into()),
+                ..Default::default()
+            },
+            Container {
+                name: "proxy".into(),
+                image: Some("proxy:1".into()),
+                restart_policy: Some("Always".into()),
+                ..Default::default()
+            },
+        ]);
+        let target = target_pod(&m, &source, "n1", &Holder::default());
+        let init = target.spec.unwrap().init_containers.unwrap_or_default();
+        assert_eq!(
+            init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            [HOLDER_INSTALLER, "proxy"],
+            "the installer first, then the sidecar's holder; the finished init container never again"
+        );
+        let proxy = &init[1];
+        assert_eq!(proxy.restart_policy.as_deref(), Some("Always"));
+        assert_eq!(proxy.image.as_deref(), Some("proxy:1"));
+        assert_eq!(
+            proxy.command.as_deref(),
+            Some(&[HOLDER_BIN.to_string(), "hold".to_string()][..])
+        );
     }
 
     #[test]
