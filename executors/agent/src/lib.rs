@@ -19,6 +19,7 @@ pub mod lazy;
 pub mod metrics;
 pub mod mounts;
 pub mod pidns;
+pub mod pod;
 pub mod service;
 /// The test harness (feature `testbed`, off by default: not in the shipped agent).
 #[cfg(feature = "testbed")]

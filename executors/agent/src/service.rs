@@ -11,6 +11,7 @@ use crate::creds;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::images;
 use crate::mounts;
+use crate::pod::PodPlan;
 use futures::Stream;
 use podmotion_broker::client::BrokerClient;
 use podmotion_broker::procfs;
@@ -30,6 +31,7 @@ use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 mod dump;
 pub mod leader_term;
+mod parts;
 mod post_copy;
 mod receive;
 mod restore;
@@ -112,6 +114,9 @@ struct Freeze {
     /// Every thaw ends its session first ([`end_lazy_session`]), and the freeze
     /// watchdog kills nothing it still serves from.
     lazy: StdMutex<Option<Arc<post_copy::Source>>>,
+    /// The pod's other containers ([`parts`]): every thaw, fence and kill of the
+    /// source acts on them too.
+    others: StdMutex<Vec<parts::Lease>>,
 }
 
 impl Default for Freeze {
@@ -120,6 +125,7 @@ impl Default for Freeze {
             state: std::sync::atomic::AtomicU8::new(NOT_FROZEN),
             given_up: std::sync::atomic::AtomicBool::new(false),
             lazy: StdMutex::new(None),
+            others: StdMutex::new(Vec::new()),
         }
     }
 }
@@ -152,6 +158,10 @@ impl Freeze {
     fn held(&self) -> bool {
         matches!(self.get(), FROZEN | FENCING | FENCED)
             && !self.given_up.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// The leases of the pod's other containers.
+    fn others(&self) -> Vec<parts::Lease> {
+        self.others.lock().expect("others").clone()
     }
     /// PostCopy: the lazy dump holding this source still serves pages.
     fn serving_pages(&self) -> bool {
@@ -224,6 +234,9 @@ struct Migration {
     lazy_source: Option<Arc<post_copy::Source>>,
     /// PostCopy, target: the session with the source and its daemon's socket.
     lazy_target: Option<Arc<post_copy::Target>>,
+    /// The pod's containers after the first ([`parts`]); empty for a one-container
+    /// pod.
+    parts: Vec<parts::Part>,
 }
 
 impl Migration {
@@ -343,6 +356,7 @@ impl Migration {
             post_copy: r.post_copy,
             lazy_source: None,
             lazy_target: None,
+            parts: Vec::new(),
         }
     }
 
@@ -400,7 +414,7 @@ impl Migration {
             THAWED => {}
             // No final dump (Prepared, a pre-copy round, a failed dump): the
             // calls are no-ops unless something was left locked.
-            _ => thaw_source(&self.broker, &self.uid).await?,
+            _ => thaw_source(&self.freeze, &self.broker, &self.uid).await?,
         }
         Ok(())
     }
@@ -422,12 +436,23 @@ impl Migration {
             self.freeze.set(FENCED);
             return Err(e);
         }
+        if let Err(e) = parts::unfence_all(&self.freeze.others()).await {
+            // The first container is unfenced, another is not: fenced again, so the
+            // watchdog and a retry see one state.
+            let _ = self
+                .broker(Request::Fence {
+                    uid: self.uid.clone(),
+                })
+                .await;
+            self.freeze.set(FENCED);
+            return Err(e);
+        }
         self.fenced = false;
         if let Err(e) = end_lazy_session(&self.freeze).await {
             self.freeze.set(FROZEN);
             return Err(e);
         }
-        if let Err(e) = thaw_source(&self.broker, &self.uid).await {
+        if let Err(e) = thaw_source(&self.freeze, &self.broker, &self.uid).await {
             // Unfenced: the watchdog resumes it if no retry does.
             self.freeze.set(FROZEN);
             return Err(e);
@@ -461,6 +486,7 @@ impl Migration {
             t.stop_daemon();
         }
         self.release_adopted().await;
+        self.kill_restored_parts().await?;
         let root = self.restored;
         let holder = self.fs.is_some().then_some(self.process);
         if root.is_some() || holder.is_some() {
@@ -474,6 +500,31 @@ impl Migration {
             .await?;
         }
         self.restored = None;
+        Ok(())
+    }
+}
+
+impl Migration {
+    /// Target: kills what was restored into the pod's other containers (below their
+    /// holders), confirmed dead, or fails.
+    async fn kill_restored_parts(&mut self) -> Result<(), Status> {
+        for p in &mut self.parts {
+            let root = p.restored;
+            let holder = p.fs.is_some().then_some(p.lease.process);
+            if root.is_none() && holder.is_none() {
+                continue;
+            }
+            let name = p.name.clone();
+            blocking(move || {
+                kill_restored(root, holder).map_err(|e| {
+                    Status::unavailable(format!(
+                        "container {name}: the restored copy could not be confirmed killed: {e}"
+                    ))
+                })
+            })
+            .await?;
+            p.restored = None;
+        }
         Ok(())
     }
 }
@@ -544,7 +595,7 @@ async fn thaw_frozen(
         freeze.set(FROZEN);
         return Err(e);
     }
-    match thaw_source(b, uid).await {
+    match thaw_source(freeze, b, uid).await {
         Ok(()) => {
             freeze.set(THAWED);
             Ok(true)
@@ -583,7 +634,7 @@ async fn kill_fenced(
     if !freeze.claim_from(FENCED, KILLING) {
         return Ok(false);
     }
-    match kill_source(b, uid, process).await {
+    match kill_source(freeze, b, uid, process).await {
         Ok(()) => {
             freeze.set(KILLED);
             Ok(true)
@@ -599,6 +650,21 @@ async fn kill_fenced(
 /// gone. A root already gone counts as killed (a commit whose call was cut off after
 /// its kill is asked again, and the broker refuses a process that is gone).
 async fn kill_source(
+    freeze: &Freeze,
+    b: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+    process: ProcRef,
+) -> Result<(), Status> {
+    // The pod's other containers first: the first container's registration is the
+    // one whose end (a lost lease) the operator's view follows.
+    for o in freeze.others() {
+        kill_one(&o.broker, &o.uid, o.process).await?;
+    }
+    kill_one(b, uid, process).await
+}
+
+/// [`kill_source`] of one registered tree.
+async fn kill_one(
     b: &Arc<StdMutex<BrokerClient>>,
     uid: &MigrationUid,
     process: ProcRef,
@@ -622,10 +688,25 @@ async fn kill_source(
 }
 
 /// Resumes a source: out of TCP repair, network back, then run, in that order so the
-/// resumed workload's sockets work from its first instruction.
-async fn thaw_source(b: &Arc<StdMutex<BrokerClient>>, uid: &MigrationUid) -> Result<(), Status> {
+/// resumed workload's sockets work from its first instruction; every container of the
+/// pod (`freeze`'s other containers) at each step.
+async fn thaw_source(
+    freeze: &Freeze,
+    b: &Arc<StdMutex<BrokerClient>>,
+    uid: &MigrationUid,
+) -> Result<(), Status> {
+    let others = freeze.others();
+    for o in &others {
+        o.call(Request::ReleaseTcpRepair { uid: o.uid.clone() })
+            .await?;
+    }
     broker_call(b, Request::ReleaseTcpRepair { uid: uid.clone() }).await?;
     broker_call(b, Request::UnlockNetwork { uid: uid.clone() }).await?;
+    for o in &others {
+        o.call(Request::UnlockNetwork { uid: o.uid.clone() })
+            .await?;
+        o.call(Request::Resume { uid: o.uid.clone() }).await?;
+    }
     broker_call(b, Request::Resume { uid: uid.clone() }).await?;
     Ok(())
 }
@@ -650,6 +731,11 @@ async fn fence_locked(
         ));
     }
     if let Err(e) = m.broker(Request::Fence { uid: m.uid.clone() }).await {
+        m.freeze.set(FROZEN);
+        return Err(e);
+    }
+    if let Err(e) = parts::fence_all(&m.freeze.others()).await {
+        let _ = m.broker(Request::Unfence { uid: m.uid.clone() }).await;
         m.freeze.set(FROZEN);
         return Err(e);
     }
@@ -1026,9 +1112,25 @@ impl Agent {
             }
             .map_err(Status::failed_precondition)?;
         }
+        // The pod's containers, by name (the single-container wire is the
+        // one-element case): the first as a one-container pod's, the others as its
+        // parts (see `parts`).
+        let plan = PodPlan::from_request(&r)?;
+        if plan.is_multi() && r.post_copy {
+            // Refused before anything is resolved or frozen.
+            return Err(Status::failed_precondition(format!(
+                "PostCopy moves one container's memory lazily, and the pod has the \
+                 containers {}: use PreCopy or Cold",
+                plan.names()
+            )));
+        }
         // No PID on the wire: the containers the operator names are resolved here,
         // through the node's container runtime (a malformed ID is InvalidArgument).
-        let Resolved { container, pid, fs } = self.cfg.containers.resolve(&r.container_ids).await?;
+        let Resolved { container, pid, fs } = self
+            .cfg
+            .containers
+            .resolve(std::slice::from_ref(&plan.first().id))
+            .await?;
         // A pod PodMotion moved before: the source container's PID 1 is the holder,
         // and the tree to dump is the workload it holds.
         let (pid, held_by) = match role {
@@ -1062,7 +1164,7 @@ impl Agent {
             fs,
             dir: dir.clone(),
         };
-        let m = match self
+        let mut m = match self
             .connect_and_register(&uid, role, r, placed, &mut lease)
             .await
         {
@@ -1072,6 +1174,30 @@ impl Agent {
                 return Err(e);
             }
         };
+        if plan.is_multi() {
+            let mut prepared = Vec::new();
+            let res = parts::prepare(
+                &self.cfg.containers,
+                self.cfg.broker_socket.clone(),
+                self.cfg.broker_call_timeout,
+                &plan,
+                &uid,
+                role,
+                &mut prepared,
+            )
+            .await;
+            if let Err(e) = res {
+                parts::forget_all(&prepared).await;
+                undo_prepare(&uid, &dir, lease).await;
+                return Err(e);
+            }
+            if role == Role::Source {
+                *m.freeze.others.lock().expect("others") =
+                    prepared.iter().map(|p| p.lease.clone()).collect();
+            }
+            m.parts = prepared;
+            tracing::info!(%uid, ?role, containers = %plan.names(), "prepared the pod's other containers");
+        }
         let st = m.status();
         match m.held_by {
             Some(h) => {
@@ -1138,15 +1264,7 @@ impl Agent {
     /// The mount points a container's dump declares external (none for a process in
     /// the node's mount namespace).
     fn external_mounts(&self, m: &Migration) -> Result<Vec<String>, Status> {
-        let Some(fs) = &m.fs else {
-            return Ok(vec![]);
-        };
-        let path = format!("/proc/{}/mountinfo", m.process.pid);
-        let mi = std::fs::read_to_string(&path).map_err(|e| io_status("read", &path, &e))?;
-        Ok(mounts::dump_externals(
-            &fs.spec,
-            &mounts::parse_mountinfo(&mi),
-        ))
+        parts::external_mounts(m.fs.as_ref(), m.process.pid)
     }
 
     async fn pre_dump_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
@@ -1176,12 +1294,22 @@ impl Agent {
         // even if the caller goes away (a dropped gRPC call drops its handler's
         // future, not CRIU): otherwise the next round or the final dump would take
         // the migration while this CRIU still has the tree seized.
+        let others = m
+            .parts
+            .iter()
+            .map(|p| {
+                let dir = m.dir.join(p.layout.pre_dir(m.iteration + 1));
+                let parent = self.cfg.track_mem.then_some(m.iteration);
+                parts::dump_of(p, dir, "pre-dump.log", self.cfg.track_mem, parent, false)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let round = PreDumpRound {
             kind,
             opts,
             dir,
             criu: self.cfg.criu.clone(),
             owner,
+            parts: others,
         };
         tokio::spawn(pre_dump_locked(m, round))
             .await
@@ -1222,11 +1350,21 @@ impl Agent {
         // drops its handler's future): a dump cut off after CRIU stopped the tree
         // would leave the source stopped and its network locked with no record of the
         // freeze, so no watchdog would resume it.
+        let others = m
+            .parts
+            .iter()
+            .map(|p| {
+                let dir = m.dir.join(p.layout.final_dir());
+                let parent = self.cfg.track_mem.then_some(m.iteration);
+                parts::dump_of(p, dir, "dump.log", self.cfg.track_mem, parent, true)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let dumped = DumpOutcome {
             dir,
             opts,
             external_mounts,
             stdio_pipes,
+            parts: others,
             criu: self.cfg.criu.clone(),
             frozen: Arc::clone(&self.frozen),
             margin: self.cfg.freeze_watchdog.margin,
@@ -1435,8 +1573,14 @@ impl Agent {
                 .await?;
             m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
                 .await?;
+            for o in m.freeze.others() {
+                o.call(Request::ReleaseTcpRepair { uid: o.uid.clone() })
+                    .await?;
+                o.call(Request::UnlockNetwork { uid: o.uid.clone() })
+                    .await?;
+            }
         }
-        kill_source(&m.broker, &m.uid, m.process).await?;
+        kill_source(&m.freeze, &m.broker, &m.uid, m.process).await?;
         let _ = images::zeroize(&m.dir);
         m.image_bytes = 0;
         m.phase = Phase::Committed;
@@ -1490,6 +1634,7 @@ impl Agent {
             t.stop_daemon();
         }
         images::zeroize(&m.dir).map_err(|e| Status::internal(e.to_string()))?;
+        parts::forget_all(&m.parts).await;
         let _ = m.broker(Request::Forget { uid: m.uid.clone() }).await;
         m.phase = Phase::CleanedUp;
         m.image_bytes = 0;

@@ -507,6 +507,7 @@ impl Testbed {
             peer_node: self.tls.nodes[1 - node].clone(),
             freeze_budget_ms: 0,
             post_copy: false,
+            containers: vec![],
         }
     }
 

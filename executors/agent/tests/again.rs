@@ -104,6 +104,7 @@ fn request(
         peer_node: tb.tls.nodes[1 - node].clone(),
         freeze_budget_ms: 0,
         post_copy: mode == Mode::PostCopy,
+        containers: vec![],
     }
 }
 

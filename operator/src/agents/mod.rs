@@ -17,7 +17,7 @@ use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use podmotion_api::migration::{ApplicationProbe, ExecProbe, MigrationMode, TcpPreservation};
-use podmotion_wire::agent::{MigrationStatus, PrepareRequest, Role, SendRequest};
+use podmotion_wire::agent::{ContainerRef, MigrationStatus, PrepareRequest, Role, SendRequest};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
 mod probe;
@@ -203,6 +203,14 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
         // Both sides: the source checks it can serve lazy pages, the target admits the
         // source's page stream.
         post_copy: r.mode == MigrationMode::PostCopy,
+        containers: r
+            .containers
+            .iter()
+            .map(|(name, id)| ContainerRef {
+                name: name.clone(),
+                id: id.clone(),
+            })
+            .collect(),
     }
 }
 
@@ -460,6 +468,7 @@ mod tests {
             probe: None,
             target_agent_url: Some("https://10.0.0.2:7443".into()),
             container_ids: vec!["containerd://abc".into()],
+            containers: vec![("app".into(), "containerd://abc".into())],
             close_connections: false,
             freeze_budget_millis: 5000,
             step,
@@ -549,6 +558,14 @@ mod tests {
             "the target takes images from the source's"
         );
         assert_eq!(tgt.container_ids, vec!["containerd://abc".to_string()]);
+        assert_eq!(
+            tgt.containers,
+            vec![ContainerRef {
+                name: "app".into(),
+                id: "containerd://abc".into()
+            }],
+            "the containers go by name too"
+        );
         assert_eq!(tgt.transfer_key, vec![7; 32]);
         assert!(!src.post_copy && !tgt.post_copy);
     }

@@ -3,6 +3,7 @@
 //!
 //! `podmotion-testload serve <port> [ballast MiB] [dirty KiB/s]`
 //! `podmotion-testload get <host:port>` (client: prints the server's counter and exits 0)
+//! `podmotion-testload forward <port> <upstream port>` (a sidecar: see [`forward_command`])
 //! * a counter incremented every 10 ms by a thread (proves execution continues);
 //! * every connection is line based: `get` → current counter, `echo <x>` → `<x>`,
 //!   `total` → how many requests this connection served (per-connection state),
@@ -81,9 +82,10 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("get") => get_command(args.get(2)),
         Some("serve") => serve_command(&args),
+        Some("forward") => forward_command(&args),
         _ => {
             eprintln!(
-                "usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s] | get <host:port>"
+                "usage: podmotion-testload serve <port> [ballast MiB] [dirty KiB/s] | get <host:port> | forward <port> <upstream port>"
             );
             std::process::exit(2);
         }
@@ -123,6 +125,54 @@ fn serve_command(args: &[String]) {
         let c = Arc::clone(&counter);
         std::thread::spawn(move || serve_conn(s, c));
     }
+}
+
+/// `forward <port> <upstream port>`: a sidecar of a `serve` in the same pod. Each line
+/// a client sends is forwarded to `127.0.0.1:<upstream port>` (over localhost, the pod's
+/// shared network namespace) on a connection of its own, and the answer relayed back;
+/// `forwarded` answers how many lines this sidecar forwarded so far (its own state,
+/// in memory only: what proves the sidecar's memory moved with the pod).
+fn forward_command(args: &[String]) {
+    let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8081);
+    let upstream: u16 = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(8080);
+    let forwarded = Arc::new(AtomicU64::new(0));
+    let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
+    println!("ready");
+    for s in l.incoming().flatten() {
+        let f = Arc::clone(&forwarded);
+        std::thread::spawn(move || forward_conn(s, upstream, f));
+    }
+}
+
+fn forward_conn(s: TcpStream, upstream: u16, forwarded: Arc<AtomicU64>) {
+    let mut w = s.try_clone().expect("clone");
+    for line in BufReader::new(s).lines() {
+        let Ok(line) = line else { break };
+        let reply = if line == "forwarded" {
+            forwarded.load(Ordering::SeqCst).to_string()
+        } else {
+            match ask_upstream(upstream, &line) {
+                Ok(r) => {
+                    forwarded.fetch_add(1, Ordering::SeqCst);
+                    r
+                }
+                Err(e) => format!("upstream: {e}"),
+            }
+        };
+        if writeln!(w, "{reply}").is_err() {
+            break;
+        }
+    }
+}
+
+fn ask_upstream(port: u16, line: &str) -> std::io::Result<String> {
+    let s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut w = s.try_clone()?;
+    writeln!(w, "{line}")?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply)?;
+    Ok(reply.trim().to_owned())
 }
 
 /// The counter, incremented every 10 ms by a thread of its own.

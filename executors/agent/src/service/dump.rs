@@ -2,9 +2,10 @@
 //! freeze recorded and watched (see [`super::FreezeWatchdog`]), and the manifest the
 //! target restores from.
 
+use super::parts::PartDump;
 use super::{
     FENCED, FENCING, FROZEN, Freeze, FrozenSource, KILLING, Migration, Phase, THAWING, blocking,
-    io_internal, kill_fenced, now_us, run_criu, thaw_frozen,
+    io_internal, kill_fenced, now_us, run_criu, thaw_frozen, thaw_source,
 };
 use crate::criu::{self, Criu, Opts};
 use crate::images;
@@ -34,6 +35,8 @@ pub(super) struct DumpOutcome {
     pub(super) lazy: bool,
     /// Who CRIU runs as: the tree's owner ([`crate::creds`]).
     pub(super) owner: crate::creds::Owner,
+    /// The final dumps of the pod's other containers, in the order of `m.parts`.
+    pub(super) parts: Vec<PartDump>,
 }
 
 /// One pre-copy round (see [`super::Agent::pre_dump_impl`]).
@@ -46,15 +49,33 @@ pub(super) struct PreDumpRound {
     pub(super) criu: Criu,
     /// Who CRIU runs as: the tree's owner ([`crate::creds`]).
     pub(super) owner: crate::creds::Owner,
+    /// The same round of the pod's other containers.
+    pub(super) parts: Vec<PartDump>,
 }
 
-/// A pre-copy round, run by a task that owns the migration until CRIU is done.
+/// A pre-copy round, run by a task that owns the migration until CRIU is done: every
+/// container of the pod at once, each by a CRIU of its own.
 pub(super) async fn pre_dump_locked(
     mut m: tokio::sync::OwnedMutexGuard<Migration>,
     r: PreDumpRound,
 ) -> Result<MigrationStatus, Status> {
     let t = Instant::now();
-    run_criu(r.criu, r.kind, r.opts, r.dir.join("pre-dump.log"), r.owner).await?;
+    let others = futures::future::join_all(r.parts.into_iter().map(|p| {
+        let log = p.dir.join("pre-dump.log");
+        run_criu(r.criu.clone(), r.kind, p.opts, log, p.owner)
+    }));
+    let first = run_criu(
+        r.criu.clone(),
+        r.kind,
+        r.opts,
+        r.dir.join("pre-dump.log"),
+        r.owner,
+    );
+    let (first, others) = tokio::join!(first, others);
+    first?;
+    for (o, p) in others.into_iter().zip(&m.parts) {
+        o.map_err(|e| Status::new(e.code(), format!("container {}: {}", p.name, e.message())))?;
+    }
     m.timings.last_round_us = t.elapsed().as_micros() as u64;
     m.timings.pre_dump_total_us += m.timings.last_round_us;
     m.timings.last_pre_dump_us = now_us();
@@ -76,37 +97,108 @@ pub(super) async fn dump_locked(
         let _ = images::zeroize(&d.dir);
         return Err(e);
     }
+    let DumpOutcome {
+        dir,
+        opts,
+        external_mounts,
+        stdio_pipes,
+        criu,
+        frozen,
+        margin,
+        lazy,
+        owner,
+        parts,
+    } = d;
+    let part_dirs: Vec<PathBuf> = parts.iter().map(|p| p.dir.clone()).collect();
+    let zeroize_parts = || {
+        for p in &part_dirs {
+            let _ = images::zeroize(p);
+        }
+    };
     m.timings.freeze_started_us = now_us();
     let t = Instant::now();
-    let sockets = lock_network(&m).await?;
-    let dir = d.dir;
-    let dumped = if d.lazy {
-        super::post_copy::Source::dump(d.criu, d.opts, &dir, dir.join("dump.log"))
-            .await
-            .map(Some)
-    } else {
-        run_criu(
-            d.criu,
-            criu::REQ_DUMP,
-            d.opts,
-            dir.join("dump.log"),
-            d.owner,
-        )
-        .await
-        .map(|_| None)
-    };
-    let lazy = match dumped {
-        Ok(lazy) => lazy,
+    let sockets = match lock_network(&m).await {
+        Ok(s) => s,
         Err(e) => {
-            // CRIU resumed the tree and its sockets on failure; reopen the network.
+            zeroize_parts();
+            return Err(e);
+        }
+    };
+    // The pod's other containers: locked after the first (the pod's links are down
+    // already), their sockets listed.
+    let leases: Vec<_> = m.parts.iter().map(|p| p.lease.clone()).collect();
+    let part_sockets = match super::parts::lock_all(&leases).await {
+        Ok(s) => s,
+        Err(e) => {
             let _ = m
                 .broker(Request::UnlockNetwork { uid: m.uid.clone() })
                 .await;
-            let _ = images::zeroize(&dir);
+            zeroize_parts();
             m.timings.freeze_started_us = 0;
             return Err(e);
         }
     };
+    // Every container at once, each by a CRIU of its own: the pod is cut as nearly at
+    // one instant as separate trees allow, and the freeze lasts as long as the
+    // longest dump, not their sum.
+    let others = futures::future::join_all(parts.iter().map(|p| {
+        run_criu(
+            criu.clone(),
+            criu::REQ_DUMP,
+            p.opts.clone(),
+            p.dir.join("dump.log"),
+            p.owner,
+        )
+    }));
+    let first = async {
+        if lazy {
+            super::post_copy::Source::dump(criu.clone(), opts, &dir, dir.join("dump.log"))
+                .await
+                .map(Some)
+        } else {
+            run_criu(
+                criu.clone(),
+                criu::REQ_DUMP,
+                opts,
+                dir.join("dump.log"),
+                owner,
+            )
+            .await
+            .map(|_| None)
+        }
+    };
+    let (dumped, others) = tokio::join!(first, others);
+    let part_failure = others.iter().enumerate().find_map(|(i, r)| {
+        r.as_ref().err().map(|e| {
+            Status::new(
+                e.code(),
+                format!("container {}: {}", m.parts[i].name, e.message()),
+            )
+        })
+    });
+    let failed = match &dumped {
+        Err(e) => Some(e.clone()),
+        Ok(_) => part_failure,
+    };
+    if let Some(e) = failed {
+        // CRIU resumed a tree whose dump failed; with several containers, the trees
+        // whose dumps succeeded are stopped, their sockets in repair: every container
+        // resumes and the network reopens (each step a no-op where there is nothing to
+        // undo).
+        if m.parts.is_empty() {
+            // One container: CRIU resumed it and its sockets; reopen the network.
+            let _ = m
+                .broker(Request::UnlockNetwork { uid: m.uid.clone() })
+                .await;
+        } else if let Err(t) = thaw_source(&m.freeze, &m.broker, &m.uid).await {
+            tracing::error!(uid = %m.uid, error = %t.message(), "a failed dump of the pod could not resume every container; the broker resumes them when this migration's lease ends");
+        }
+        let _ = images::zeroize(&dir);
+        zeroize_parts();
+        m.timings.freeze_started_us = 0;
+        return Err(e);
+    }
+    let lazy = dumped.expect("checked");
     m.timings.dump_us = t.elapsed().as_micros() as u64;
     m.timings.dump_finished_us = now_us();
     // The tree is stopped (PostCopy: held by the lazy dump): the freeze is recorded and
@@ -116,11 +208,26 @@ pub(super) async fn dump_locked(
         m.lazy_source = Some(src);
     }
     m.freeze.set(FROZEN);
-    start_freeze_watchdog(&d.frozen, d.margin, &m);
-    let manifest = dump_manifest(&m, &sockets, d.external_mounts, d.stdio_pipes);
+    start_freeze_watchdog(&frozen, margin, &m);
+    let mut all_sockets = sockets.clone();
+    for ((p, pd), found) in m.parts.iter().zip(parts).zip(part_sockets) {
+        let found: Vec<SocketReport> = found.iter().map(socket_report).collect();
+        let manifest = Manifest {
+            final_dir: p.layout.final_dir(),
+            sockets: manifest_sockets(&found),
+            tcp: m.tcp as i32,
+            external_mounts: pd.external_mounts,
+            stdio_pipes: pd.stdio_pipes,
+            workload: workload_of(&m.uid, p.held_by, p.fs.as_ref()),
+        };
+        write_manifest_as(&m.dir, &p.layout.manifest(), &manifest)?;
+        all_sockets.extend(found);
+    }
+    let manifest = dump_manifest(&m, &sockets, external_mounts, stdio_pipes);
     write_manifest(&m.dir, &manifest)?;
-    m.sockets = sockets;
-    m.final_dump_bytes = images::size(&dir);
+    m.sockets = all_sockets;
+    m.final_dump_bytes =
+        images::size(&dir) + part_dirs.iter().map(|p| images::size(p)).sum::<u64>();
     m.image_bytes = images::size(&m.dir);
     m.phase = Phase::Dumped;
     tracing::info!(
@@ -291,19 +398,23 @@ fn dump_manifest(
 ) -> Manifest {
     Manifest {
         final_dir: "final".into(),
-        sockets: sockets
-            .iter()
-            .map(|s| ManifestSocket {
-                local: s.local.clone(),
-                remote: s.remote.clone(),
-                listening: s.listening,
-            })
-            .collect(),
+        sockets: manifest_sockets(sockets),
         tcp: m.tcp as i32,
         external_mounts,
         stdio_pipes,
-        workload: workload(m),
+        workload: workload_of(&m.uid, m.held_by, m.fs.as_ref()),
     }
+}
+
+fn manifest_sockets(sockets: &[SocketReport]) -> Vec<ManifestSocket> {
+    sockets
+        .iter()
+        .map(|s| ManifestSocket {
+            local: s.local.clone(),
+            remote: s.remote.clone(),
+            listening: s.listening,
+        })
+        .collect()
 }
 
 /// The process the target's holder executes if the adopted container is started
@@ -311,9 +422,13 @@ fn dump_manifest(
 /// itself a holder, the one its restart file names (the spec's would be the holder,
 /// which would then execute itself). A restart file that cannot be read is logged and
 /// left out: a restart of the adopted container then holds, as the holder does.
-fn workload(m: &Migration) -> Option<podmotion_wire::agent::Workload> {
-    let Some(holder) = m.held_by else {
-        return m.fs.as_ref().and_then(|fs| fs.workload.clone());
+fn workload_of(
+    uid: &MigrationUid,
+    held_by: Option<ProcRef>,
+    fs: Option<&crate::containers::ContainerFs>,
+) -> Option<podmotion_wire::agent::Workload> {
+    let Some(holder) = held_by else {
+        return fs.and_then(|fs| fs.workload.clone());
     };
     let root = PathBuf::from(format!("/proc/{}/root", holder.pid));
     match procfs::check_live(holder)
@@ -322,15 +437,19 @@ fn workload(m: &Migration) -> Option<podmotion_wire::agent::Workload> {
     {
         Ok(w) => w,
         Err(e) => {
-            tracing::warn!(uid = %m.uid, holder = holder.pid, error = %e, "the holder's restart file was not read: a restart of the adopted container will not start the workload");
+            tracing::warn!(%uid, holder = holder.pid, error = %e, "the holder's restart file was not read: a restart of the adopted container will not start the workload");
             None
         }
     }
 }
 
 fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), Status> {
+    write_manifest_as(dir, "manifest.json", manifest)
+}
+
+fn write_manifest_as(dir: &Path, name: &str, manifest: &Manifest) -> Result<(), Status> {
     std::fs::write(
-        dir.join("manifest.json"),
+        dir.join(name),
         serde_json::to_vec(manifest).expect("manifest"),
     )
     .map_err(io_internal)

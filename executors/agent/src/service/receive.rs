@@ -240,17 +240,31 @@ fn has_parent_link(dir: &Path) -> Result<bool, Status> {
     Ok(false)
 }
 
-/// `../pre-<n>`: a sibling round's directory, the only link target CRIU writes.
+/// `../pre-<n>`, or `../pre-<n>.<container>` for the pod's other containers
+/// (`crate::pod`): a sibling round's directory, the only link target CRIU writes.
 fn parent_link_ok(path: &str, target: &str) -> bool {
     let Some((_, name)) = path.split_once('/') else {
         // A top-level link would resolve `../x` next to this migration's dir: into
         // another migration's.
         return false;
     };
+    let Some(round) = target.strip_prefix("../pre-") else {
+        return false;
+    };
+    let (n, container) = match round.split_once('.') {
+        Some((n, c)) => (n, Some(c)),
+        None => (round, None),
+    };
     name == "parent"
-        && target
-            .strip_prefix("../pre-")
-            .is_some_and(|n| !n.is_empty() && n.len() <= 9 && n.bytes().all(|b| b.is_ascii_digit()))
+        && !n.is_empty()
+        && n.len() <= 9
+        && n.bytes().all(|b| b.is_ascii_digit())
+        && container.is_none_or(|c| {
+            !c.is_empty()
+                && c.len() <= 63
+                && c.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
 }
 
 impl<'a> Store<'a> {
@@ -687,6 +701,34 @@ impl Written {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parent_link_names_a_sibling_round_of_some_container_and_nothing_else() {
+        for ok in [
+            "../pre-1",
+            "../pre-12",
+            "../pre-3.side",
+            "../pre-3.log-shipper",
+        ] {
+            assert!(parent_link_ok("pre-2/parent", ok), "{ok}");
+        }
+        for bad in [
+            "../pre-",
+            "../pre-x",
+            "../pre-1.",
+            "../pre-1.Side",
+            "../pre-1.a/b",
+            "../pre-1..",
+            "../final",
+            "../../pre-1",
+            "/pre-1",
+            "pre-1",
+        ] {
+            assert!(!parent_link_ok("pre-2/parent", bad), "{bad}");
+        }
+        assert!(!parent_link_ok("pre-2/other", "../pre-1"));
+        assert!(!parent_link_ok("parent", "../pre-1"));
+    }
 
     fn sealer() -> Sealer {
         Sealer::new(

@@ -6,6 +6,7 @@ use super::{
     Config, Migration, NETNS_KEY, Phase, blocking, broker_call_blocking, criu_status, now_us,
 };
 use crate::admission::{Admission, Step, admit};
+use crate::containers::ContainerFs;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::{images, mounts};
 use podmotion_broker::client::BrokerClient;
@@ -33,13 +34,24 @@ pub(super) async fn restore_locked(
         return Ok(m.status());
     }
     let manifest = read_manifest(&m.dir)?;
+    // The pod's other containers' manifests; the connections of every container
+    // decide whether they are kept (one network namespace, one decision).
+    let part_manifests = m
+        .parts
+        .iter()
+        .map(|p| read_manifest_named(&m.dir, &p.layout.manifest()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut pod_manifest = manifest.clone();
+    for pm in &part_manifests {
+        pod_manifest.sockets.extend(pm.sockets.iter().cloned());
+    }
     let Reply::Addrs { mut addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
     else {
         return Err(Status::internal("unexpected broker reply"));
     };
     let tcp = effective_tcp(&manifest, m.tcp);
-    adopt_addresses(&mut m, &manifest, tcp, &mut addrs).await;
-    let run = match tcp_preserved(&manifest, tcp, &addrs).and_then(|preserve| {
+    adopt_addresses(&mut m, &pod_manifest, tcp, &mut addrs).await;
+    let run = match tcp_preserved(&pod_manifest, tcp, &addrs).and_then(|preserve| {
         let dir = final_dir(&m.dir, &manifest)?;
         Ok((
             restore_run(&cfg, &m, &manifest, &dir, preserve)?,
@@ -93,8 +105,11 @@ pub(super) async fn restore_locked(
     {
         return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
     }
+    if let Err(e) = restore_parts(&cfg, &mut m, &part_manifests, preserve).await {
+        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
+    }
     write_restart_file(&m, &manifest);
-    m.sockets = restored_sockets(&manifest.sockets, preserve);
+    m.sockets = restored_sockets(&pod_manifest.sockets, preserve);
     match (daemon, m.lazy_target.clone()) {
         // PostCopy: the daemon reads the images until every page is in; it zeroizes
         // them when it is done.
@@ -142,9 +157,13 @@ pub(super) fn final_images(dir: &Path) -> Result<PathBuf, Status> {
 }
 
 fn read_manifest(dir: &Path) -> Result<Manifest, Status> {
-    let bytes = std::fs::read(dir.join("manifest.json"))
-        .map_err(|e| Status::data_loss(format!("manifest: {e}")))?;
-    serde_json::from_slice(&bytes).map_err(|e| Status::data_loss(format!("manifest: {e}")))
+    read_manifest_named(dir, "manifest.json")
+}
+
+fn read_manifest_named(dir: &Path, name: &str) -> Result<Manifest, Status> {
+    let bytes =
+        std::fs::read(dir.join(name)).map_err(|e| Status::data_loss(format!("{name}: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| Status::data_loss(format!("{name}: {e}")))
 }
 
 /// The preservation the restore runs under: the manifest's (what the source dumped
@@ -249,6 +268,27 @@ fn restore_run(
     dir: &Path,
     preserve: bool,
 ) -> Result<RestoreRun, Status> {
+    restore_run_into(
+        cfg,
+        m,
+        m.process.pid,
+        m.fs.as_ref(),
+        manifest,
+        dir,
+        preserve,
+    )
+}
+
+/// [`restore_run`] into the container whose PID 1 is `holder_pid` (its mounts `fs`).
+fn restore_run_into(
+    cfg: &Config,
+    m: &Migration,
+    holder_pid: i32,
+    fs: Option<&ContainerFs>,
+    manifest: &Manifest,
+    dir: &Path,
+    preserve: bool,
+) -> Result<RestoreRun, Status> {
     let netns = m
         .netns_path
         .clone()
@@ -268,7 +308,7 @@ fn restore_run(
     // A container: its mounts bound to the holder's, its root the holder's root
     // filesystem, its pipes to the runtime the holder's own, and CRIU run inside
     // the holder's PID namespace (crate::pidns).
-    let container = container_restore(cfg, m, manifest, &mut o)?;
+    let container = container_restore(cfg, holder_pid, fs, manifest, &mut o)?;
     if preserve {
         o.tcp_established = Some(true);
     } else {
@@ -279,6 +319,67 @@ fn restore_run(
         ns_fd,
         container,
     })
+}
+
+/// The pod's other containers, restored after the first, each into the target
+/// container of its name (inside its holder), in the same network namespace, moved
+/// into its holder's cgroups and charged to its pod. The first failure is returned;
+/// the caller undoes every restore ([`undo_restore`]). The freeze lasts until the last
+/// one runs: `resumed_us` and `restore_us` cover them all.
+async fn restore_parts(
+    cfg: &Arc<Config>,
+    m: &mut Migration,
+    manifests: &[Manifest],
+    preserve: bool,
+) -> Result<(), Status> {
+    if m.parts.is_empty() {
+        return Ok(());
+    }
+    let started = Instant::now();
+    for (i, manifest) in manifests.iter().enumerate() {
+        let (name, lease, fs) = {
+            let p = &m.parts[i];
+            (p.name.clone(), p.lease.clone(), p.fs.clone())
+        };
+        let named = |e: Status| Status::new(e.code(), format!("container {name}: {}", e.message()));
+        let dir = final_dir(&m.dir, manifest).map_err(named)?;
+        let run = restore_run_into(
+            cfg,
+            m,
+            lease.process.pid,
+            fs.as_ref(),
+            manifest,
+            &dir,
+            preserve,
+        )
+        .map_err(named)?;
+        let holder_pid = run.container.is_some().then_some(lease.process.pid);
+        tracing::info!(uid = %m.uid, container = %name, holder = ?holder_pid, "restoring the pod's container");
+        let charge = holder_pid.map(|_| (Arc::clone(&lease.broker), lease.uid.clone()));
+        let resp = run_restore(
+            cfg.criu.clone(),
+            dir.join("restore.log"),
+            run,
+            holder_pid,
+            charge,
+        )
+        .await
+        .map_err(named)?;
+        let criu_pid = resp.restore.map(|r| r.pid).unwrap_or(0);
+        let restored = find_restored(criu_pid, holder_pid).map_err(named)?;
+        m.parts[i].restored = Some(restored);
+        lease
+            .call(Request::MoveCgroup {
+                uid: lease.uid.clone(),
+                process: restored,
+            })
+            .await
+            .map_err(named)?;
+        write_restart_file_of(&m.uid, lease.process.pid, fs.as_ref(), manifest);
+    }
+    m.timings.resumed_us = now_us();
+    m.timings.restore_us += started.elapsed().as_micros() as u64;
+    Ok(())
 }
 
 /// Runs the restore and finds its root; a restore that fails leaves no process of it
@@ -401,16 +502,26 @@ fn find_restored(criu_pid: i32, holder_pid: Option<i32>) -> Result<ProcRef, Stat
 /// What the holder executes if the adopted container is started again (a container
 /// whose manifest names its workload); only warned about if it cannot be written.
 fn write_restart_file(m: &Migration, manifest: &Manifest) {
-    if let (Some(_), Some(w)) = (&m.fs, &manifest.workload) {
-        let path = format!("/proc/{}/root{HOLDER_RESTART}", m.process.pid);
+    write_restart_file_of(&m.uid, m.process.pid, m.fs.as_ref(), manifest)
+}
+
+/// [`write_restart_file`] for the container whose PID 1 is the holder `holder_pid`.
+fn write_restart_file_of(
+    uid: &MigrationUid,
+    holder_pid: i32,
+    fs: Option<&ContainerFs>,
+    manifest: &Manifest,
+) {
+    if let (Some(_), Some(w)) = (fs, &manifest.workload) {
+        let path = format!("/proc/{holder_pid}/root{HOLDER_RESTART}");
         let body = serde_json::to_vec(w).expect("workload");
         // Reached as the holder's user (crate::creds), with the agent's capabilities.
-        let written = crate::creds::owner_of(m.process.pid)
+        let written = crate::creds::owner_of(holder_pid)
             .map_err(std::io::Error::other)
             .and_then(|o| crate::creds::as_owner(o, || std::fs::write(&path, &body)))
             .and_then(|r| r);
         if let Err(e) = written {
-            tracing::warn!(uid = %m.uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
+            tracing::warn!(%uid, path, error = %e, "restart file not written: a restart of the adopted container will not start the workload");
         }
     }
 }
@@ -441,6 +552,17 @@ fn restored_sockets(sockets: &[ManifestSocket], preserve: bool) -> Vec<SocketRep
 /// while it cannot confirm it: the operator then never thaws the source).
 async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
     m.release_adopted().await;
+    if let Err(k) = m.kill_restored_parts().await {
+        tracing::error!(uid = %m.uid, error = %e.message(), kill = %k.message(), "restore failed and a container's copy could not be confirmed killed");
+        return Status::new(
+            e.code(),
+            format!(
+                "{}; a restored copy may still run: {}",
+                e.message(),
+                k.message()
+            ),
+        );
+    }
     let root = m.restored;
     let holder = holder.then_some(m.process);
     match blocking(move || kill_restored(root, holder).map_err(Status::internal)).await {
@@ -525,19 +647,19 @@ pub(super) fn kill_restored(root: Option<ProcRef>, holder: Option<ProcRef>) -> R
 /// stay open until the restore has run.
 fn container_restore(
     cfg: &Config,
-    m: &Migration,
+    holder_pid: i32,
+    fs: Option<&ContainerFs>,
     manifest: &Manifest,
     o: &mut Opts,
 ) -> Result<Option<Vec<OwnedFd>>, Status> {
-    if manifest.external_mounts.is_empty() && m.fs.is_none() {
+    if manifest.external_mounts.is_empty() && fs.is_none() {
         return Ok(None);
     }
-    let Some(fs) = &m.fs else {
+    let Some(fs) = fs else {
         return Err(Status::failed_precondition(
             "the source is a container but the target holder was not resolved through the container runtime",
         ));
     };
-    let holder_pid = m.process.pid;
     let path = format!("/proc/{holder_pid}/mountinfo");
     let mi = std::fs::read_to_string(&path).map_err(|e| super::io_status("read", &path, &e))?;
     // The holder runs as the container's user: its fds are opened as that user.

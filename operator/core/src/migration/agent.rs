@@ -195,6 +195,12 @@ pub struct StepRequest {
     /// for source steps, the target pod's holders for target steps. The agent resolves
     /// them to host PIDs through CRI; the operator never sees host PIDs.
     pub container_ids: Vec<String>,
+    /// The same pod's containers by name, `(name, container ID)`, in the pod's order:
+    /// native sidecars (init containers with `restartPolicy: Always`), then the
+    /// regular containers; finished init containers and containers without an ID yet
+    /// are left out. The agents pair a source container with the target container of
+    /// its name.
+    pub containers: Vec<(String, String)>,
     /// The target closed (did not preserve) established connections: at commit the
     /// source sends FIN on them before it dies.
     pub close_connections: bool,

@@ -114,8 +114,24 @@ pub fn target_pod(
     let spec = PodSpec {
         node_name: Some(target_node.to_string()),
         containers: src.containers.iter().map(holder_container).collect(),
-        // The source's init containers never run again; the only one copies the holder.
-        init_containers: Some(vec![holder_installer(holder)]),
+        // The source's finished init containers never run again; the first init
+        // container copies the holder, and each native sidecar gets a holder of its
+        // own, still a sidecar (`restartPolicy: Always`), after it: its tree is
+        // restored there as the regular containers' are into theirs.
+        init_containers: Some(
+            std::iter::once(holder_installer(holder))
+                .chain(
+                    src.init_containers
+                        .iter()
+                        .flatten()
+                        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+                        .map(|c| Container {
+                            restart_policy: Some("Always".into()),
+                            ..holder_container(c)
+                        }),
+                )
+                .collect(),
+        ),
         volumes: Some(volumes),
         ephemeral_containers: None,
         // The restored process keeps the source's hostname through its UTS namespace
@@ -417,6 +433,39 @@ pub fn container_ids(pod: Option<&Pod>) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `pod`'s containers that move, by name with their container IDs: its native
+/// sidecars (init containers with `restartPolicy: Always`) in spec order, then its
+/// containers in spec order, each with the ID its status reports (the status lists
+/// are not in spec order). Finished init containers, and containers the kubelet has
+/// not reported an ID for, are left out.
+pub fn named_containers(pod: Option<&Pod>) -> Vec<(String, String)> {
+    let (Some(spec), Some(st)) = (
+        pod.and_then(|p| p.spec.as_ref()),
+        pod.and_then(|p| p.status.as_ref()),
+    ) else {
+        return vec![];
+    };
+    let id_in = |statuses: Option<&Vec<k8s_openapi::api::core::v1::ContainerStatus>>,
+                 name: &str| {
+        statuses?
+            .iter()
+            .find(|c| c.name == name)
+            .and_then(|c| c.container_id.clone())
+    };
+    let sidecars = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+        .filter_map(|c| {
+            id_in(st.init_container_statuses.as_ref(), &c.name).map(|id| (c.name.clone(), id))
+        });
+    let regular = spec.containers.iter().filter_map(|c| {
+        id_in(st.container_statuses.as_ref(), &c.name).map(|id| (c.name.clone(), id))
+    });
+    sidecars.chain(regular).collect()
+}
+
 /// What the agent on `side` needs to run `step` of `pm`, whose status is `status`.
 /// `source`, `target`: the pods as observed; `target_agent_url`: where the target
 /// agent is reached.
@@ -443,6 +492,10 @@ pub fn step_request(
         probe: source.and_then(|src| effective_probe(pm.spec.probe.as_ref(), src)),
         target_agent_url,
         container_ids: container_ids(match side {
+            Side::Source => source,
+            Side::Target => target,
+        }),
+        containers: named_containers(match side {
             Side::Source => source,
             Side::Target => target,
         }),
@@ -520,6 +573,51 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     #[test]
+    fn containers_go_by_name_sidecars_first_and_finished_init_containers_never() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-0"},
+            "spec": {
+                "initContainers": [
+                    {"name": "setup", "image": "setup:1"},
+                    {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}
+                ],
+                "containers": [
+                    {"name": "app", "image": "app:1"},
+                    {"name": "logs", "image": "logs:1"},
+                    {"name": "late", "image": "late:1"}
+                ]
+            },
+            "status": {
+                "initContainerStatuses": [
+                    {"name": "setup", "containerID": "containerd://s", "image": "", "imageID": "", "ready": false, "restartCount": 0},
+                    {"name": "proxy", "containerID": "containerd://p", "image": "", "imageID": "", "ready": true, "restartCount": 0}
+                ],
+                // Not in spec order, and one container not started yet.
+                "containerStatuses": [
+                    {"name": "logs", "containerID": "containerd://l", "image": "", "imageID": "", "ready": true, "restartCount": 0},
+                    {"name": "late", "image": "", "imageID": "", "ready": false, "restartCount": 0},
+                    {"name": "app", "containerID": "containerd://a", "image": "", "imageID": "", "ready": true, "restartCount": 0}
+                ]
+            }
+        }))
+        .unwrap();
+        let named = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(n, i)| ((*n).to_string(), (*i).to_string()))
+                .collect()
+        };
+        assert_eq!(
+            named_containers(Some(&pod)),
+            named(&[
+                ("proxy", "containerd://p"),
+                ("app", "containerd://a"),
+                ("logs", "containerd://l")
+            ])
+        );
+        assert!(named_containers(None).is_empty());
+    }
+
+    #[test]
     fn the_source_pod_is_deleted_with_the_machine_s_grace_period_and_only_by_its_uid() {
         for grace in [0, 150] {
             let dp = source_pod_deletion(Some("uid-1".into()), grace);
@@ -564,6 +662,39 @@ mod tests {
         ]));
         let target = target_pod(&m, &source, "n1", &Holder::default());
         (m, source, target)
+    }
+
+    #[test]
+    fn a_native_sidecar_gets_a_holder_that_is_still_a_sidecar_and_finished_inits_none() {
+        let m = migration("move-web", "web-abc-1");
+        let mut source = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
+        source.spec.as_mut().unwrap().init_containers = Some(vec![
+            Container {
+                name: "setup".into(),
+                image: Some("setup:1".into()),
+                ..Default::default()
+            },
+            Container {
+                name: "proxy".into(),
+                image: Some("proxy:1".into()),
+                restart_policy: Some("Always".into()),
+                ..Default::default()
+            },
+        ]);
+        let target = target_pod(&m, &source, "n1", &Holder::default());
+        let init = target.spec.unwrap().init_containers.unwrap_or_default();
+        assert_eq!(
+            init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            [HOLDER_INSTALLER, "proxy"],
+            "the installer first, then the sidecar's holder; the finished init container never again"
+        );
+        let proxy = &init[1];
+        assert_eq!(proxy.restart_policy.as_deref(), Some("Always"));
+        assert_eq!(proxy.image.as_deref(), Some("proxy:1"));
+        assert_eq!(
+            proxy.command.as_deref(),
+            Some(&[HOLDER_BIN.to_string(), "hold".to_string()][..])
+        );
     }
 
     #[test]
