@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use crate::config::OperatorConfig;
 use crate::leader::{Leadership, NotLeader};
 use crate::metrics::Metrics;
+use crate::writer::Writer;
 
 /// Shared state of the running operator.
 pub struct Context {
@@ -18,6 +19,8 @@ pub struct Context {
     pub config: OperatorConfig,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
+    /// Every API write goes through it; it holds the leader's fence.
+    pub writer: Writer,
     pub leader: Leadership,
     pub readiness: Readiness,
     shutdown: watch::Receiver<bool>,
@@ -36,7 +39,8 @@ impl Context {
             instance: Some(config.identity.clone()),
         };
         Context {
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder: Recorder::new(client.clone(), reporter.clone()),
+            writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             config,
             metrics,

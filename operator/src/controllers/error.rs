@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::children::ChildError;
 use crate::leader::NotLeader;
 use crate::migration::agent::AgentCallError;
+use crate::writer::WriteError;
 
 /// The error of one reconcile, whatever stage failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +52,24 @@ impl From<ChildError> for ReconcileError {
         match e {
             ChildError::NotLeader(e) => ReconcileError::NotLeader(e),
             ChildError::Api {
+                verb,
+                kind,
+                name,
+                source,
+            } => ReconcileError::Api {
+                verb,
+                what: format!("{kind} {name}"),
+                source,
+            },
+        }
+    }
+}
+
+impl From<WriteError> for ReconcileError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::NotLeader(e) => ReconcileError::NotLeader(e),
+            WriteError::Api {
                 verb,
                 kind,
                 name,
