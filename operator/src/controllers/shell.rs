@@ -7,13 +7,15 @@
 //! 1. leader guard (followers keep their caches warm but never reconcile);
 //! 2. deserialize guard (an object that does not deserialize gets a Warning Event and
 //!    waits for a change, so it cannot wedge the controller);
-//! 3. finalizer, through kube-runtime's helper: added before anything else happens;
-//!    a deleted object runs the same steps with `cleanup = true`, and the finalizer
-//!    goes once the step reports everything cleaned up;
+//! 3. finalizer, through kube-runtime's helper behind the writer's fence: added before
+//!    anything else happens; a deleted object runs the same steps with `cleanup = true`,
+//!    and the finalizer goes once the step reports everything cleaned up;
 //! 4. observe → apply → status → Events → after_status. The status is written by
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
-//!    removed (a merge patch would keep it). The Events are the core's notes;
+//!    removed (a merge patch would keep it). The write carries the resourceVersion the
+//!    round read, so a round decided on a stale read (a cache behind the API server)
+//!    gets a conflict, writes nothing and reads again. The Events are the core's notes;
 //! 5. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
 //!    for metrics and logs) and one error policy.
 
@@ -23,7 +25,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -185,18 +187,19 @@ pub async fn reconcile<R: Reconciler>(
 
 async fn finalized<R: Reconciler>(r: &R, obj: Arc<R::Object>) -> Result<Action, ReconcileError> {
     let ctx = r.context();
-    // The helper's finalizer patches are writes too.
-    ctx.ensure_leader()?;
     let name = obj.name_any();
     let api: Api<R::Object> =
         Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let res = finalizer::finalizer(&api, R::FINALIZER, obj, |event| async move {
-        match event {
-            Finalizer::Apply(obj) => round(r, &obj, false).await,
-            Finalizer::Cleanup(obj) => round(r, &obj, true).await,
-        }
-    })
-    .await;
+    // The helper's finalizer patches are writes too: through the writer's fence.
+    let res = ctx
+        .writer
+        .finalizer(&api, R::FINALIZER, obj, |event| async move {
+            match event {
+                Finalizer::Apply(obj) => round(r, &obj, false).await,
+                Finalizer::Cleanup(obj) => round(r, &obj, true).await,
+            }
+        })
+        .await?;
     match res {
         Ok(action) => Ok(action),
         Err(finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e)) => Err(e),
@@ -237,7 +240,8 @@ async fn round<R: Reconciler>(
 }
 
 /// The one status writer: server-side apply of `new` on `/status` as `manager`, when
-/// it differs from `old`. Fields `new` leaves out are removed (they were ours).
+/// it differs from `old`, with `obj`'s resourceVersion as a precondition (the
+/// writer's `apply_status`). Fields `new` leaves out are removed (they were ours).
 pub async fn write_status<K, S>(
     ctx: &Context,
     obj: &K,
@@ -256,26 +260,26 @@ where
     if old.map(|o| serde_json::to_value(o).unwrap_or_default()) == Some(new.clone()) {
         return Ok(());
     }
-    ctx.ensure_leader()?;
-    let name = obj.name_any();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let body = status_apply_body(obj, new);
-    match api
-        .patch_status(
-            &name,
-            &PatchParams::apply(manager).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
+    match ctx.writer.apply_status(&api, obj, manager, body).await {
         Ok(_) => Ok(()),
         // Gone meanwhile: act on nothing more (the store drops it, so no retry comes).
-        Err(e) if is_status(&e, 404) => {
+        Err(e) if e.is_status(404) => {
             Err(ReconcileError::wait("object gone", Duration::from_secs(5)))
         }
-        Err(e) => Err(api_err("apply status of", name)(e)),
+        // The status was decided from a read the object has moved past (a cache that
+        // lags behind): nothing was written, and nothing that waits for the status
+        // (`after_status`) runs; the object is read and decided again.
+        Err(e) if e.is_conflict() => {
+            Err(ReconcileError::wait(STALE_READ, Duration::from_millis(500)))
+        }
+        Err(e) => Err(e.into()),
     }
 }
+
+/// Why a round ended without writing its status: it was decided on a stale read.
+pub const STALE_READ: &str = "the status was decided on a stale read; reading again";
 
 /// The applied object of a status write: type, name and the status alone, without
 /// nulls (an unset field is left out, and so released).
