@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use crate::children::ChildError;
 use crate::leader::NotLeader;
 use crate::migration::agent::AgentCallError;
 use crate::writer::WriteError;
@@ -44,24 +43,6 @@ impl ReconcileError {
 
     pub fn wait(why: &'static str, retry: Duration) -> ReconcileError {
         ReconcileError::Wait { why, retry }
-    }
-}
-
-impl From<ChildError> for ReconcileError {
-    fn from(e: ChildError) -> Self {
-        match e {
-            ChildError::NotLeader(e) => ReconcileError::NotLeader(e),
-            ChildError::Api {
-                verb,
-                kind,
-                name,
-                source,
-            } => ReconcileError::Api {
-                verb,
-                what: format!("{kind} {name}"),
-                source,
-            },
-        }
     }
 }
 
