@@ -315,7 +315,7 @@ async fn master_key_file(
         &ctx.client,
         &ctx.config.namespace,
         secret,
-        &ctx.leader,
+        &ctx.writer,
     )
     .await
     .with_context(|| format!("migration master key Secret {secret}"))?;

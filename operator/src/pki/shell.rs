@@ -13,6 +13,7 @@ use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use podmotion_wire::client::{TlsFiles, TlsMaterial, cert_validity};
@@ -24,6 +25,7 @@ use super::plan::{
     self, AgentPolicy, CaCert, CaState, CaStep, CsrFacts, Lifetimes, PodFacts, Verdict,
 };
 use crate::leader::Leadership;
+use crate::writer::{WriteError, Writer};
 
 /// Field manager of everything this module writes.
 pub const MANAGER: &str = "podmotion.io/pki";
@@ -206,6 +208,8 @@ pub struct Pki {
     client: Client,
     settings: Arc<PkiSettings>,
     leader: Leadership,
+    /// Every write of this module, fenced by `leader`.
+    writer: Writer,
     ca: watch::Sender<Option<Arc<LoadedCa>>>,
     tls: TlsFiles,
 }
@@ -214,7 +218,12 @@ impl Pki {
     pub fn new(client: Client, settings: PkiSettings, leader: Leadership) -> anyhow::Result<Self> {
         settings.life.validate().map_err(anyhow::Error::msg)?;
         let (ca, _) = watch::channel(None);
+        let reporter = Reporter {
+            controller: "podmotion-operator".into(),
+            instance: None,
+        };
         Ok(Pki {
+            writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             settings: Arc::new(settings),
             leader,
@@ -291,7 +300,7 @@ impl Pki {
                 Some(l) => plan::ca_step(&l.state, &s.life, t),
                 None => CaStep::Create,
             };
-            if step != CaStep::Nothing && self.leader.is_leader() {
+            if step != CaStep::Nothing && self.writer.leads() {
                 self.take_ca_step(&secrets, seen.as_ref(), loaded.as_ref(), &step, t)
                     .await?;
                 // The watch brings the new version (or the winner's).
@@ -330,7 +339,7 @@ impl Pki {
     /// looking again (the CA's next event, sooner while the bundle is unpublished).
     async fn serve_ca(&self, l: LoadedCa, t: i64, published: &mut Option<String>) -> Duration {
         let bundle = l.bundle();
-        if self.leader.is_leader() && published.as_deref() != Some(bundle.as_str()) {
+        if self.writer.leads() && published.as_deref() != Some(bundle.as_str()) {
             match self.publish_bundle(&bundle).await {
                 Ok(()) => *published = Some(bundle),
                 Err(e) => tracing::warn!(error = %e, "CA bundle not published; retrying"),
@@ -338,7 +347,7 @@ impl Pki {
         }
         let due = plan::ca_next_event(&l.state, &self.settings.life).unwrap_or(t + 3600);
         let mut wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
-        if published.is_none() && self.leader.is_leader() {
+        if published.is_none() && self.writer.leads() {
             wait = wait.min(Duration::from_secs(5));
         }
         let changed = self
@@ -358,7 +367,6 @@ impl Pki {
         old: Option<&Secret>,
         ca: &LoadedCa,
     ) -> anyhow::Result<()> {
-        self.leader.ensure()?;
         let s = &self.settings;
         let meta = ObjectMeta {
             name: Some(s.ca_secret.clone()),
@@ -381,21 +389,21 @@ impl Pki {
         };
         // Optimistic concurrency: a replace carries the resourceVersion we read, so two
         // replicas that both believe they lead cannot both rotate.
+        let pp = PostParams::default();
         match old {
-            None => api
-                .create(&PostParams::default(), &secret)
-                .await
-                .map(|_| ())?,
-            Some(_) => api
-                .replace(&s.ca_secret, &PostParams::default(), &secret)
-                .await
-                .map(|_| ())?,
+            None => self.writer.create(api, &pp, &secret).await.map(|_| ())?,
+            Some(_) => {
+                let name = &s.ca_secret;
+                self.writer
+                    .replace(api, name, &pp, &secret)
+                    .await
+                    .map(|_| ())?
+            }
         }
         Ok(())
     }
 
     async fn publish_bundle(&self, bundle: &str) -> anyhow::Result<()> {
-        self.leader.ensure()?;
         let s = &self.settings;
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &s.bundle_namespace);
         let cm = json!({
@@ -410,12 +418,10 @@ impl Pki {
             },
             "data": { "ca.crt": bundle },
         });
-        api.patch(
-            &s.bundle_configmap,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&cm),
-        )
-        .await?;
+        let pp = PatchParams::apply(MANAGER).force();
+        self.writer
+            .patch(&api, &s.bundle_configmap, &pp, &Patch::Apply(&cm))
+            .await?;
         tracing::info!(configmap = %s.bundle_configmap, "CA bundle published");
         Ok(())
     }
@@ -497,7 +503,7 @@ impl Pki {
         if status.certificate.is_some() || has("Denied") || has("Failed") {
             return Ok(Action::await_change());
         }
-        if !self.leader.is_leader() {
+        if !self.writer.leads() {
             return Ok(Action::await_change());
         }
         let ca = self.ca.borrow().clone();
@@ -515,20 +521,18 @@ impl Pki {
             pod.as_ref(),
         );
         let api: Api<CertificateSigningRequest> = Api::all(self.client.clone());
-        self.leader
-            .ensure()
-            .map_err(|e| SignError::Other(e.to_string()))?;
+        let writer = &self.writer;
         match verdict {
             Verdict::NotOurs { requester } => {
                 tracing::debug!(csr = %name, %requester, "not a request of this installation's agents");
             }
             Verdict::Deny { reason, message } => {
                 tracing::warn!(csr = %name, reason, %message, "agent certificate request denied");
-                refuse(&api, &name, has("Approved"), reason, &message).await?;
+                refuse(writer, &api, &name, has("Approved"), reason, &message).await?;
             }
             Verdict::Approve { node } => {
                 if !has("Approved") {
-                    approve(&api, &name, &node).await?;
+                    approve(writer, &api, &name, &node).await?;
                 }
                 let cert = issue::sign_agent(
                     &ca.signing,
@@ -540,7 +544,9 @@ impl Pki {
                 )
                 .map_err(|e| SignError::Other(e.to_string()))?;
                 let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
-                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                let pp = PatchParams::default();
+                writer
+                    .patch_status(&api, &name, &pp, &Patch::Merge(&patch))
                     .await?;
                 tracing::info!(csr = %name, %node, "agent certificate issued");
             }
@@ -591,6 +597,7 @@ fn csr_facts(csr: &CertificateSigningRequest) -> CsrFacts {
 /// Refuses a request: Denied, or Failed when someone else approved it already (not
 /// acceptable to the signer all the same).
 async fn refuse(
+    writer: &Writer,
     api: &Api<CertificateSigningRequest>,
     name: &str,
     approved: bool,
@@ -599,11 +606,14 @@ async fn refuse(
 ) -> Result<(), SignError> {
     let type_ = if approved { "Failed" } else { "Denied" };
     let patch = json!({"status": {"conditions": [condition(type_, reason, message)]}});
+    let pp = PatchParams::default();
     if approved {
-        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        writer
+            .patch_status(api, name, &pp, &Patch::Merge(&patch))
             .await?;
     } else {
-        api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
+        writer
+            .patch_approval(api, name, &pp, &Patch::Merge(&patch))
             .await?;
     }
     Ok(())
@@ -611,6 +621,7 @@ async fn refuse(
 
 /// Approves the request of the agent pod on `node`.
 async fn approve(
+    writer: &Writer,
     api: &Api<CertificateSigningRequest>,
     name: &str,
     node: &str,
@@ -620,7 +631,9 @@ async fn approve(
         "AgentOfNode",
         &format!("the agent pod on node {node}, requesting its own identity"),
     )]}});
-    api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
+    let pp = PatchParams::default();
+    writer
+        .patch_approval(api, name, &pp, &Patch::Merge(&patch))
         .await?;
     Ok(())
 }
@@ -639,17 +652,20 @@ fn condition(type_: &str, reason: &str, message: &str) -> serde_json::Value {
 pub enum SignError {
     #[error(transparent)]
     Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Write(#[from] WriteError),
     #[error("{0}")]
     Other(String),
 }
 
 /// The migration master key from `name` in `namespace`, created (64 random characters)
-/// by the leader when absent. Followers wait for the leader's.
+/// by the leader when absent (through `writer`, fenced). Followers wait for the
+/// leader's.
 pub async fn master_key(
     client: &Client,
     namespace: &str,
     name: &str,
-    leader: &Leadership,
+    writer: &Writer,
 ) -> anyhow::Result<Vec<u8>> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     loop {
@@ -662,7 +678,7 @@ pub async fn master_key(
                 .ok_or_else(|| anyhow::anyhow!("Secret {namespace}/{name} has no `key` entry"))?;
             return Ok(key);
         }
-        if leader.is_leader() {
+        if writer.leads() {
             let secret = Secret {
                 metadata: ObjectMeta {
                     name: Some(name.into()),
@@ -683,9 +699,9 @@ pub async fn master_key(
                 )])),
                 ..Default::default()
             };
-            match api.create(&PostParams::default(), &secret).await {
+            match writer.create(&api, &PostParams::default(), &secret).await {
                 Ok(_) => tracing::info!(secret = %name, "migration master key created"),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) if e.is_status(409) => {}
                 Err(e) => return Err(e.into()),
             }
             continue;
