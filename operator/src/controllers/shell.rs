@@ -9,7 +9,8 @@
 //!    waits for a change, so it cannot wedge the controller);
 //! 3. finalizer, through kube-runtime's helper behind the writer's fence: added before
 //!    anything else happens; a deleted object runs the same steps with `cleanup = true`,
-//!    and the finalizer goes once the step reports everything cleaned up;
+//!    and the finalizer goes once the step reports everything cleaned up (a controller
+//!    without one, the CSR signer, leaves deleted objects alone);
 //! 4. observe → apply → status → Events → after_status. The status is written by
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
@@ -24,13 +25,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{self, Event as Finalizer};
-use kube::{Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use podmotion_api::names::reasons;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -70,7 +71,7 @@ impl<S, T: Default> Outcome<S, T> {
 
 /// A controller: its object kind, names, and its observe and apply steps.
 pub trait Reconciler: Send + Sync + Sized + 'static {
-    type Object: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    type Object: Resource<DynamicType = (), Scope: ObjectScope>
         + Clone
         + DeserializeOwned
         + Serialize
@@ -84,7 +85,9 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
 
     /// Metric and log name.
     const NAME: &'static str;
-    const FINALIZER: &'static str;
+    /// The finalizer that guards the cleanup (`None`: nothing to clean up; a deleted
+    /// object is left alone).
+    const FINALIZER: Option<&'static str>;
     /// Field manager of the status (and the children).
     const MANAGER: &'static str;
 
@@ -188,12 +191,17 @@ pub async fn reconcile<R: Reconciler>(
 async fn finalized<R: Reconciler>(r: &R, obj: Arc<R::Object>) -> Result<Action, ReconcileError> {
     let ctx = r.context();
     let name = obj.name_any();
-    let api: Api<R::Object> =
-        Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let Some(finalizer_name) = R::FINALIZER else {
+        if obj.meta().deletion_timestamp.is_some() {
+            return Ok(Action::await_change());
+        }
+        return round(r, &obj, false).await;
+    };
+    let api = api_of(&ctx.client, obj.as_ref());
     // The helper's finalizer patches are writes too: through the writer's fence.
     let res = ctx
         .writer
-        .finalizer(&api, R::FINALIZER, obj, |event| async move {
+        .finalizer(&api, finalizer_name, obj, |event| async move {
             match event {
                 Finalizer::Apply(obj) => round(r, &obj, false).await,
                 Finalizer::Cleanup(obj) => round(r, &obj, true).await,
@@ -250,17 +258,14 @@ pub async fn write_status<K, S>(
     new: &S,
 ) -> Result<(), ReconcileError>
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + Debug,
+    K: Resource<DynamicType = (), Scope: ObjectScope> + Clone + DeserializeOwned + Debug,
     S: Serialize,
 {
     let new = serde_json::to_value(new).unwrap_or_default();
     if old.map(|o| serde_json::to_value(o).unwrap_or_default()) == Some(new.clone()) {
         return Ok(());
     }
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let api = api_of(&ctx.client, obj);
     let body = status_apply_body(obj, new);
     match ctx.writer.apply_status(&api, obj, manager, body).await {
         Ok(_) => Ok(()),
@@ -280,6 +285,29 @@ where
 
 /// Why a round ended without writing its status: it was decided on a stale read.
 pub const STALE_READ: &str = "the status was decided on a stale read; reading again";
+
+/// How the shell reaches an object of a namespaced or a cluster-scoped kind (the CSR
+/// signer's CertificateSigningRequests are cluster-scoped).
+pub trait ObjectScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, obj: &K) -> Api<K>;
+}
+
+impl ObjectScope for NamespaceResourceScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, obj: &K) -> Api<K> {
+        Api::namespaced(client.clone(), &obj.namespace().unwrap_or_default())
+    }
+}
+
+impl ObjectScope for ClusterResourceScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, _obj: &K) -> Api<K> {
+        Api::all(client.clone())
+    }
+}
+
+/// The API of `obj`'s kind where `obj` lives.
+fn api_of<K: Resource<DynamicType = (), Scope: ObjectScope>>(client: &Client, obj: &K) -> Api<K> {
+    <K::Scope as ObjectScope>::api(client, obj)
+}
 
 /// The applied object of a status write: type, name and the status alone, without
 /// nulls (an unset field is left out, and so released).

@@ -173,7 +173,7 @@ impl Reconciler for Shared {
     type Observed = Option<observe::Observation>;
     type Then = ();
     const NAME: &'static str = NAME;
-    const FINALIZER: &'static str = finalizers::RUNNER_POOL_CLEANUP;
+    const FINALIZER: Option<&'static str> = Some(finalizers::RUNNER_POOL_CLEANUP);
     const MANAGER: &'static str = managers::RUNNER_POOL;
 
     fn context(&self) -> &Arc<Context> {
