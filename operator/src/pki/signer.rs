@@ -54,12 +54,16 @@ pub struct Signer {
 pub enum Observed {
     /// Issued, denied or failed already: nothing to do.
     Done,
-    Review {
-        ca: Arc<LoadedCa>,
-        facts: CsrFacts,
-        pod: Option<PodFacts>,
-        approved: bool,
-    },
+    Review(Box<Review>),
+}
+
+/// A request to review: the CA to sign with, what the review reads of the request and
+/// of the requesting pod, and whether someone approved it already.
+pub struct Review {
+    ca: Arc<LoadedCa>,
+    facts: CsrFacts,
+    pod: Option<PodFacts>,
+    approved: bool,
 }
 
 /// Whether the request has the condition `type_` set to True.
@@ -106,12 +110,12 @@ impl Reconciler for Signer {
         let pod = requesting_pod(&self.ctx.client, self.pki.settings(), &facts)
             .await
             .map_err(api_err("get", "the requesting agent pod"))?;
-        Ok(Observed::Review {
+        Ok(Observed::Review(Box::new(Review {
             ca,
             facts,
             pod,
             approved: has(csr, "Approved"),
-        })
+        })))
     }
 
     async fn apply(
@@ -121,15 +125,15 @@ impl Reconciler for Signer {
         _cleanup: bool,
     ) -> Result<Outcome<()>, ReconcileError> {
         let mut out = Outcome::new(None);
-        let Observed::Review {
+        let Observed::Review(review) = observed else {
+            return Ok(out);
+        };
+        let Review {
             ca,
             facts,
             pod,
             approved,
-        } = observed
-        else {
-            return Ok(out);
-        };
+        } = *review;
         let name = csr.name_any();
         let request_pem = String::from_utf8_lossy(&facts.request).into_owned();
         let requested = issue::requested(&request_pem);
