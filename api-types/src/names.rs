@@ -133,6 +133,14 @@ pub mod reasons {
     pub const API_ERROR: &str = "ApiError";
     pub const DELETING: &str = "Deleting";
 
+    // Agent certificates (CertificateSigningRequests of `podmotion.io/agent-serving`):
+    // Event reasons on the request.
+    /// The agent pod of the node it names got its certificate.
+    pub const AGENT_CERTIFICATE_ISSUED: &str = "AgentCertificateIssued";
+    /// The request was Denied (or Failed, when someone else approved it); the message
+    /// says why.
+    pub const AGENT_CERTIFICATE_REFUSED: &str = "AgentCertificateRefused";
+
     // PodMigration.
     pub const PENDING: &str = "Pending";
     pub const SOURCE_POD_NOT_FOUND: &str = "SourcePodNotFound";

@@ -1,23 +1,26 @@
-//! What every controller is handed: the client, settings, metrics, the event
-//! recorder, leadership, readiness and the shutdown signal.
+//! What every controller is handed: the client (for reads), the writer (every write,
+//! Events included, behind the leader's fence), settings, metrics, leadership (its
+//! term fences agent calls), readiness and the shutdown signal.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use kube::Client;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use tokio::sync::watch;
 
 use crate::config::OperatorConfig;
-use crate::leader::{Leadership, NotLeader};
+use crate::leader::Leadership;
 use crate::metrics::Metrics;
+use crate::writer::Writer;
 
 /// Shared state of the running operator.
 pub struct Context {
     pub client: Client,
     pub config: OperatorConfig,
     pub metrics: Arc<Metrics>,
-    pub recorder: Recorder,
+    /// Every API write goes through it; it holds the leader's fence.
+    pub writer: Writer,
     pub leader: Leadership,
     pub readiness: Readiness,
     shutdown: watch::Receiver<bool>,
@@ -36,7 +39,7 @@ impl Context {
             instance: Some(config.identity.clone()),
         };
         Context {
-            recorder: Recorder::new(client.clone(), reporter),
+            writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             config,
             metrics,
@@ -44,12 +47,6 @@ impl Context {
             readiness: Readiness::default(),
             shutdown,
         }
-    }
-
-    /// `Ok` only while this replica holds a current lease. Every write path calls it
-    /// (the helpers in [`crate::children`] and [`crate::events`] already do).
-    pub fn ensure_leader(&self) -> Result<(), NotLeader> {
-        self.leader.ensure()
     }
 
     /// Resolves when the operator is asked to stop (SIGTERM, SIGINT). Pass it to

@@ -7,7 +7,7 @@ use kube::runtime::events::{Event, EventType};
 
 use crate::context::Context;
 
-/// Records an Event about `obj` (only the leader records).
+/// Records an Event about `obj` (only the leader records: the writer's fence).
 pub async fn publish<K: Resource<DynamicType = ()>>(
     ctx: &Context,
     obj: &K,
@@ -16,9 +16,6 @@ pub async fn publish<K: Resource<DynamicType = ()>>(
     action: &str,
     note: impl Into<String>,
 ) {
-    if ctx.ensure_leader().is_err() {
-        return;
-    }
     let mut note: String = note.into();
     if note.len() > 1000 {
         let mut cut = 1000;
@@ -34,7 +31,5 @@ pub async fn publish<K: Resource<DynamicType = ()>>(
         action: action.into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
-        tracing::warn!(error = %e, %reason, "could not record event");
-    }
+    ctx.writer.publish(&event, &obj.object_ref(&())).await;
 }

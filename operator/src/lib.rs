@@ -1,8 +1,8 @@
 //! The PodMotion operator's runtime: the thin controllers that feed the pure cores
 //! observed state and apply what they return (`controllers`), the adapters to the node
 //! agents (`agents`) and the PKI's API side (`pki::shell`), and what every controller
-//! shares (`client`, `context`, `cache`, `children`, `events`, `leader`, `metrics`,
-//! `release`, `server`).
+//! shares (`client`, `context`, `cache`, `events`, `leader`, `metrics`,
+//! `release`, `server`), and [`writer`], the one door every API write goes through.
 //!
 //! The pure cores (`runner_pool`, `attachment`, `migration`, the PKI's `plan` and
 //! `issue`, `meta`, `note`) live in the `podmotion-core` crate, whose dependencies
@@ -13,7 +13,6 @@
 
 pub mod agents;
 pub mod cache;
-pub mod children;
 pub mod client;
 pub mod config;
 pub mod context;
@@ -25,5 +24,6 @@ pub mod pki;
 pub mod release;
 pub mod server;
 pub mod webhook;
+pub mod writer;
 
 pub use podmotion_core::{attachment, eviction, meta, migration, note, runner_pool};

@@ -172,7 +172,7 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
             None => std::future::pending().await,
         }
     };
-    let pki_task = run_pki(pki.clone());
+    let pki_task = run_pki(ctx.clone(), pki.clone());
     let mut tasks = spawn_controllers(&config, &ctx, settings, pki);
     let identity = config.identity.clone();
     let leader_cfg = config.leader.clone();
@@ -208,10 +208,14 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
     Ok(())
 }
 
-/// The run-time key material's task; never ends when there is none to keep.
-async fn run_pki(pki: Option<Pki>) -> anyhow::Result<()> {
+/// The run-time key material's task and the agents' certificate signer (a controller
+/// through the shell); never ends when there is no key material to keep.
+async fn run_pki(ctx: Arc<Context>, pki: Option<Pki>) -> anyhow::Result<()> {
     match pki {
-        Some(p) => p.run().await,
+        Some(p) => tokio::select! {
+            r = p.clone().run() => r,
+            r = podmotion_operator::pki::signer::run(ctx, p) => r,
+        },
         None => std::future::pending().await,
     }
 }
@@ -315,7 +319,7 @@ async fn master_key_file(
         &ctx.client,
         &ctx.config.namespace,
         secret,
-        &ctx.leader,
+        &ctx.writer,
     )
     .await
     .with_context(|| format!("migration master key Secret {secret}"))?;

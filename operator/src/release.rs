@@ -13,6 +13,8 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
+use crate::writer::Writer;
+
 /// Conflicts retried per object before giving up (each one a fresh read).
 const CONFLICT_RETRIES: usize = 5;
 
@@ -38,6 +40,8 @@ where
         + Debug,
 {
     let kind = K::kind(&());
+    // Run without a controller (hooks): no lease to fence with.
+    let writer = Writer::hook(client.clone());
     let api: Api<K> = crate::client::scoped(client, scope);
     let list = api
         .list_metadata(&ListParams::default())
@@ -56,16 +60,17 @@ where
                 "finalizers": keep,
                 "resourceVersion": current.resource_version(),
             }});
-            match ns_api
-                .patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            let patch = Patch::Merge(&patch);
+            match writer
+                .patch_metadata(&ns_api, &name, &PatchParams::default(), &patch)
                 .await
             {
                 Ok(_) => {
                     n += 1;
                     break;
                 }
-                Err(e) if is_status(&e, 404) => break,
-                Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
+                Err(e) if e.is_status(404) => break,
+                Err(e) if e.is_status(409) && attempt < CONFLICT_RETRIES => {
                     match ns_api.get_metadata_opt(&name).await? {
                         Some(fresh) => current = fresh,
                         None => break,
@@ -79,10 +84,6 @@ where
         }
     }
     Ok(n)
-}
-
-fn is_status(e: &kube::Error, code: u16) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use podmotion_operator::config::ControllerKind;
 use podmotion_operator::controllers::attachment;
 use podmotion_operator::release::release_all;
+use podmotion_operator::writer::Writer;
 use serde_json::json;
 
 /// How long the operator gets to roll back the in-flight PodMigrations the hook deleted.
@@ -72,10 +73,6 @@ where
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     }
-}
-
-fn is_status(e: &kube::Error, code: u16) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
 impl Uninstall {
@@ -135,15 +132,14 @@ impl Uninstall {
             .await
             .context("list PodMigrations")?;
         let mut deleted = vec![];
+        // The hook runs with the controllers stopped and holds no lease: unfenced.
+        let writer = Writer::hook(client.clone());
         for pm in list.items.iter().filter(|pm| in_flight(pm)) {
             let (ns, name) = (pm.namespace().unwrap_or_default(), pm.name_any());
             let ns_api: Api<PodMigration> = Api::namespaced(client.clone(), &ns);
-            match ns_api.delete(&name, &DeleteParams::default()).await {
-                Ok(_) => deleted.push((ns, name, pm.uid().unwrap_or_default())),
-                Err(e) if is_status(&e, 404) => {}
-                Err(e) => {
-                    return Err(e).with_context(|| format!("delete PodMigration {ns}/{name}"));
-                }
+            let dp = DeleteParams::default();
+            if writer.delete(&ns_api, &name, &dp).await? {
+                deleted.push((ns, name, pm.uid().unwrap_or_default()));
             }
         }
         if deleted.is_empty() {
@@ -190,17 +186,15 @@ impl Uninstall {
     /// Scales the operator Deployment to zero and waits until none of its pods is left.
     async fn stop_operator(&self, client: &Client, deployment: &str) -> anyhow::Result<()> {
         let deployments: Api<Deployment> = Api::namespaced(client.clone(), &self.namespace);
-        let scale = match deployments
-            .patch_scale(
-                deployment,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"replicas": 0}})),
-            )
+        let patch = Patch::Merge(json!({"spec": {"replicas": 0}}));
+        let writer = Writer::hook(client.clone());
+        let scale = match writer
+            .patch_scale(&deployments, deployment, &PatchParams::default(), &patch)
             .await
         {
             Ok(s) => s,
             // Already gone: nothing runs it.
-            Err(e) if is_status(&e, 404) => return Ok(()),
+            Err(e) if e.is_status(404) => return Ok(()),
             Err(e) => {
                 return Err(e).with_context(|| {
                     format!("scale Deployment {}/{deployment} to 0", self.namespace)

@@ -51,6 +51,7 @@ use crate::eviction::{
 use crate::migration::preflight::{ClaimFacts, PodFacts, claim_names};
 use crate::pki::plan::leaf_renewal_due;
 use crate::pki::{Pki, issue};
+use crate::writer::WriteError;
 
 /// Readiness part of the webhook: ready once a serving certificate is in place.
 pub const READINESS: &str = "eviction-webhook";
@@ -333,7 +334,7 @@ impl Webhook {
                 continue;
             };
             let Some(vwc) = &seen else { continue };
-            if !self.ctx.leader.is_leader() || !needs_bundle(vwc, &bundle) {
+            if !self.ctx.writer.leads() || !needs_bundle(vwc, &bundle) {
                 continue;
             }
             match self.write_bundle(&api, vwc, &bundle).await {
@@ -353,7 +354,6 @@ impl Webhook {
         vwc: &ValidatingWebhookConfiguration,
         bundle: &str,
     ) -> anyhow::Result<()> {
-        self.ctx.ensure_leader()?;
         let encoded = k8s_openapi::ByteString(bundle.as_bytes().to_vec());
         let webhooks: Vec<serde_json::Value> = vwc
             .webhooks
@@ -362,12 +362,11 @@ impl Webhook {
             .map(|w| json!({"name": w.name, "clientConfig": {"caBundle": encoded}}))
             .collect();
         // A strategic merge keyed by webhook name: only caBundle changes.
-        api.patch(
-            &vwc.name_any(),
-            &PatchParams::default(),
-            &Patch::Strategic(json!({ "webhooks": webhooks })),
-        )
-        .await?;
+        let patch = Patch::Strategic(json!({ "webhooks": webhooks }));
+        self.ctx
+            .writer
+            .patch(api, &vwc.name_any(), &PatchParams::default(), &patch)
+            .await?;
         Ok(())
     }
 
@@ -540,14 +539,15 @@ impl Webhook {
         }
     }
 
-    async fn create(&self, pod: &Pod, new: &PodMigration) -> Result<(), kube::Error> {
+    async fn create(&self, pod: &Pod, new: &PodMigration) -> Result<(), WriteError> {
         let ns = pod.namespace().unwrap_or_default();
         let api: Api<PodMigration> = Api::namespaced(self.ctx.client.clone(), &ns);
         let pp = PostParams {
             field_manager: Some(managers::EVICTION.into()),
             ..Default::default()
         };
-        match api.create(&pp, new).await {
+        // Unfenced: every replica creates it (see the module documentation).
+        match self.ctx.writer.unfenced().create(&api, &pp, new).await {
             Ok(_) => {
                 self.ctx.metrics.eviction_migrations_started.inc();
                 let note = format!(
@@ -559,7 +559,7 @@ impl Webhook {
                 Ok(())
             }
             // Another retry or replica created it first.
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+            Err(e) if e.is_status(409) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -574,14 +574,9 @@ impl Webhook {
             action: "Evict".into(),
             secondary: None,
         };
-        if let Err(e) = self
-            .ctx
-            .recorder
-            .publish(&event, &pod.object_ref(&()))
-            .await
-        {
-            tracing::warn!(error = %e, %reason, "could not record event");
-        }
+        // Unfenced: the replica that answered records its own act.
+        let writer = self.ctx.writer.unfenced();
+        writer.publish(&event, &pod.object_ref(&())).await;
     }
 
     /// What the decision needs; `None` when the pod does not exist.

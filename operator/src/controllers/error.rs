@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use crate::children::ChildError;
 use crate::leader::NotLeader;
 use crate::migration::agent::AgentCallError;
+use crate::writer::WriteError;
 
 /// The error of one reconcile, whatever stage failed.
 #[derive(Debug, thiserror::Error)]
@@ -46,11 +46,11 @@ impl ReconcileError {
     }
 }
 
-impl From<ChildError> for ReconcileError {
-    fn from(e: ChildError) -> Self {
+impl From<WriteError> for ReconcileError {
+    fn from(e: WriteError) -> Self {
         match e {
-            ChildError::NotLeader(e) => ReconcileError::NotLeader(e),
-            ChildError::Api {
+            WriteError::NotLeader(e) => ReconcileError::NotLeader(e),
+            WriteError::Api {
                 verb,
                 kind,
                 name,

@@ -29,7 +29,7 @@ pub fn controller_config(ctx: &Context) -> Config {
 /// object is looked at again after a lease period, and `Leadership::on_acquire` makes
 /// the controller reconcile everything once this replica wins the lease.
 pub fn reconcile_guard(ctx: &Context) -> Option<Action> {
-    (!ctx.leader.is_leader()).then(|| Action::requeue(ctx.config.leader.lease_duration()))
+    (!ctx.writer.leads()).then(|| Action::requeue(ctx.config.leader.lease_duration()))
 }
 
 /// Marks `name` ready on `/readyz` once `store` has its first complete list.

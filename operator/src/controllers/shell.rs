@@ -7,13 +7,16 @@
 //! 1. leader guard (followers keep their caches warm but never reconcile);
 //! 2. deserialize guard (an object that does not deserialize gets a Warning Event and
 //!    waits for a change, so it cannot wedge the controller);
-//! 3. finalizer, through kube-runtime's helper: added before anything else happens;
-//!    a deleted object runs the same steps with `cleanup = true`, and the finalizer
-//!    goes once the step reports everything cleaned up;
+//! 3. finalizer, through kube-runtime's helper behind the writer's fence: added before
+//!    anything else happens; a deleted object runs the same steps with `cleanup = true`,
+//!    and the finalizer goes once the step reports everything cleaned up (a controller
+//!    without one, the CSR signer, leaves deleted objects alone);
 //! 4. observe → apply → status → Events → after_status. The status is written by
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
-//!    removed (a merge patch would keep it). The Events are the core's notes;
+//!    removed (a merge patch would keep it). The write carries the resourceVersion the
+//!    round read, so a round decided on a stale read (a cache behind the API server)
+//!    gets a conflict, writes nothing and reads again. The Events are the core's notes;
 //! 5. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
 //!    for metrics and logs) and one error policy.
 
@@ -22,13 +25,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::NamespaceResourceScope;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
+use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{self, Event as Finalizer};
-use kube::{Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use podmotion_api::names::reasons;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -68,7 +71,7 @@ impl<S, T: Default> Outcome<S, T> {
 
 /// A controller: its object kind, names, and its observe and apply steps.
 pub trait Reconciler: Send + Sync + Sized + 'static {
-    type Object: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    type Object: Resource<DynamicType = (), Scope: ObjectScope>
         + Clone
         + DeserializeOwned
         + Serialize
@@ -82,7 +85,9 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
 
     /// Metric and log name.
     const NAME: &'static str;
-    const FINALIZER: &'static str;
+    /// The finalizer that guards the cleanup (`None`: nothing to clean up; a deleted
+    /// object is left alone).
+    const FINALIZER: Option<&'static str>;
     /// Field manager of the status (and the children).
     const MANAGER: &'static str;
 
@@ -185,18 +190,24 @@ pub async fn reconcile<R: Reconciler>(
 
 async fn finalized<R: Reconciler>(r: &R, obj: Arc<R::Object>) -> Result<Action, ReconcileError> {
     let ctx = r.context();
-    // The helper's finalizer patches are writes too.
-    ctx.ensure_leader()?;
     let name = obj.name_any();
-    let api: Api<R::Object> =
-        Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let res = finalizer::finalizer(&api, R::FINALIZER, obj, |event| async move {
-        match event {
-            Finalizer::Apply(obj) => round(r, &obj, false).await,
-            Finalizer::Cleanup(obj) => round(r, &obj, true).await,
+    let Some(finalizer_name) = R::FINALIZER else {
+        if obj.meta().deletion_timestamp.is_some() {
+            return Ok(Action::await_change());
         }
-    })
-    .await;
+        return round(r, &obj, false).await;
+    };
+    let api = api_of(&ctx.client, obj.as_ref());
+    // The helper's finalizer patches are writes too: through the writer's fence.
+    let res = ctx
+        .writer
+        .finalizer(&api, finalizer_name, obj, |event| async move {
+            match event {
+                Finalizer::Apply(obj) => round(r, &obj, false).await,
+                Finalizer::Cleanup(obj) => round(r, &obj, true).await,
+            }
+        })
+        .await?;
     match res {
         Ok(action) => Ok(action),
         Err(finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e)) => Err(e),
@@ -237,7 +248,8 @@ async fn round<R: Reconciler>(
 }
 
 /// The one status writer: server-side apply of `new` on `/status` as `manager`, when
-/// it differs from `old`. Fields `new` leaves out are removed (they were ours).
+/// it differs from `old`, with `obj`'s resourceVersion as a precondition (the
+/// writer's `apply_status`). Fields `new` leaves out are removed (they were ours).
 pub async fn write_status<K, S>(
     ctx: &Context,
     obj: &K,
@@ -246,35 +258,55 @@ pub async fn write_status<K, S>(
     new: &S,
 ) -> Result<(), ReconcileError>
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + Debug,
+    K: Resource<DynamicType = (), Scope: ObjectScope> + Clone + DeserializeOwned + Debug,
     S: Serialize,
 {
     let new = serde_json::to_value(new).unwrap_or_default();
     if old.map(|o| serde_json::to_value(o).unwrap_or_default()) == Some(new.clone()) {
         return Ok(());
     }
-    ctx.ensure_leader()?;
-    let name = obj.name_any();
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let api = api_of(&ctx.client, obj);
     let body = status_apply_body(obj, new);
-    match api
-        .patch_status(
-            &name,
-            &PatchParams::apply(manager).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
+    match ctx.writer.apply_status(&api, obj, manager, body).await {
         Ok(_) => Ok(()),
         // Gone meanwhile: act on nothing more (the store drops it, so no retry comes).
-        Err(e) if is_status(&e, 404) => {
+        Err(e) if e.is_status(404) => {
             Err(ReconcileError::wait("object gone", Duration::from_secs(5)))
         }
-        Err(e) => Err(api_err("apply status of", name)(e)),
+        // The status was decided from a read the object has moved past (a cache that
+        // lags behind): nothing was written, and nothing that waits for the status
+        // (`after_status`) runs; the object is read and decided again.
+        Err(e) if e.is_conflict() => {
+            Err(ReconcileError::wait(STALE_READ, Duration::from_millis(500)))
+        }
+        Err(e) => Err(e.into()),
     }
+}
+
+/// Why a round ended without writing its status: it was decided on a stale read.
+pub const STALE_READ: &str = "the status was decided on a stale read; reading again";
+
+/// How the shell reaches an object of a namespaced or a cluster-scoped kind (the CSR
+/// signer's CertificateSigningRequests are cluster-scoped).
+pub trait ObjectScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, obj: &K) -> Api<K>;
+}
+
+impl ObjectScope for NamespaceResourceScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, obj: &K) -> Api<K> {
+        Api::namespaced(client.clone(), &obj.namespace().unwrap_or_default())
+    }
+}
+
+impl ObjectScope for ClusterResourceScope {
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: &Client, _obj: &K) -> Api<K> {
+        Api::all(client.clone())
+    }
+}
+
+/// The API of `obj`'s kind where `obj` lives.
+fn api_of<K: Resource<DynamicType = (), Scope: ObjectScope>>(client: &Client, obj: &K) -> Api<K> {
+    <K::Scope as ObjectScope>::api(client, obj)
 }
 
 /// The applied object of a status write: type, name and the status alone, without

@@ -7,9 +7,11 @@
 //! identity is asked for), and the migration master key (a Secret, created once).
 //!
 //! [`plan`] holds every decision (pure, unit-tested) and [`issue`] makes certificates,
-//! both in `podmotion-core`; [`shell`] reads and writes the API, the leader alone writing.
+//! both in `podmotion-core`; [`shell`] reads and writes the API, the leader alone writing;
+//! [`signer`] signs the agents' requests, a controller through the controllers' shell.
 
 pub mod shell;
+pub mod signer;
 
 // The pure part, in the core crate, under its old paths.
 pub use podmotion_core::pki::{issue, plan};

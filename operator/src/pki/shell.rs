@@ -1,7 +1,7 @@
 //! The I/O around [`super::plan`]: the CA Secret (read by every replica, written by the
 //! leader only), the CA bundle ConfigMap the agents read, the migration master key
-//! Secret, the operator's own client certificate (in memory, per replica), and the
-//! signer of node agents' CertificateSigningRequests.
+//! Secret and the operator's own client certificate (in memory, per replica). The signer
+//! of node agents' CertificateSigningRequests is [`super::signer`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,21 +9,19 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::ByteString;
-use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::Client;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
 use podmotion_wire::client::{TlsFiles, TlsMaterial, cert_validity};
 use serde_json::json;
 use tokio::sync::watch;
 
 use super::issue::{self, CaPem};
-use super::plan::{
-    self, AgentPolicy, CaCert, CaState, CaStep, CsrFacts, Lifetimes, PodFacts, Verdict,
-};
+use super::plan::{self, AgentPolicy, CaCert, CaState, CaStep, Lifetimes};
 use crate::leader::Leadership;
+use crate::writer::Writer;
 
 /// Field manager of everything this module writes.
 pub const MANAGER: &str = "podmotion.io/pki";
@@ -58,7 +56,7 @@ impl LoadedCa {
     }
 }
 
-fn now() -> i64 {
+pub(super) fn now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64)
@@ -206,6 +204,8 @@ pub struct Pki {
     client: Client,
     settings: Arc<PkiSettings>,
     leader: Leadership,
+    /// Every write of this module, fenced by `leader`.
+    writer: Writer,
     ca: watch::Sender<Option<Arc<LoadedCa>>>,
     tls: TlsFiles,
 }
@@ -214,7 +214,12 @@ impl Pki {
     pub fn new(client: Client, settings: PkiSettings, leader: Leadership) -> anyhow::Result<Self> {
         settings.life.validate().map_err(anyhow::Error::msg)?;
         let (ca, _) = watch::channel(None);
+        let reporter = Reporter {
+            controller: "podmotion-operator".into(),
+            instance: None,
+        };
         Ok(Pki {
+            writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             settings: Arc::new(settings),
             leader,
@@ -238,13 +243,17 @@ impl Pki {
         self.ca.subscribe()
     }
 
-    /// Runs the CA keeper, the operator certificate and the agents' signer until one
-    /// fails.
+    /// The settings: where the key material lives, who may ask for it.
+    pub fn settings(&self) -> &PkiSettings {
+        &self.settings
+    }
+
+    /// Runs the CA keeper and the operator certificate until one fails. The agents'
+    /// signer is a controller of its own ([`super::signer::run`]).
     pub async fn run(self) -> anyhow::Result<()> {
         tokio::select! {
             r = self.clone().keep_ca() => r,
             r = self.clone().keep_operator_cert() => r,
-            r = self.clone().sign_agents() => r,
         }
     }
 
@@ -291,7 +300,7 @@ impl Pki {
                 Some(l) => plan::ca_step(&l.state, &s.life, t),
                 None => CaStep::Create,
             };
-            if step != CaStep::Nothing && self.leader.is_leader() {
+            if step != CaStep::Nothing && self.writer.leads() {
                 self.take_ca_step(&secrets, seen.as_ref(), loaded.as_ref(), &step, t)
                     .await?;
                 // The watch brings the new version (or the winner's).
@@ -330,7 +339,7 @@ impl Pki {
     /// looking again (the CA's next event, sooner while the bundle is unpublished).
     async fn serve_ca(&self, l: LoadedCa, t: i64, published: &mut Option<String>) -> Duration {
         let bundle = l.bundle();
-        if self.leader.is_leader() && published.as_deref() != Some(bundle.as_str()) {
+        if self.writer.leads() && published.as_deref() != Some(bundle.as_str()) {
             match self.publish_bundle(&bundle).await {
                 Ok(()) => *published = Some(bundle),
                 Err(e) => tracing::warn!(error = %e, "CA bundle not published; retrying"),
@@ -338,7 +347,7 @@ impl Pki {
         }
         let due = plan::ca_next_event(&l.state, &self.settings.life).unwrap_or(t + 3600);
         let mut wait = Duration::from_secs((due - t).clamp(1, 3600) as u64);
-        if published.is_none() && self.leader.is_leader() {
+        if published.is_none() && self.writer.leads() {
             wait = wait.min(Duration::from_secs(5));
         }
         let changed = self
@@ -358,7 +367,6 @@ impl Pki {
         old: Option<&Secret>,
         ca: &LoadedCa,
     ) -> anyhow::Result<()> {
-        self.leader.ensure()?;
         let s = &self.settings;
         let meta = ObjectMeta {
             name: Some(s.ca_secret.clone()),
@@ -381,21 +389,21 @@ impl Pki {
         };
         // Optimistic concurrency: a replace carries the resourceVersion we read, so two
         // replicas that both believe they lead cannot both rotate.
+        let pp = PostParams::default();
         match old {
-            None => api
-                .create(&PostParams::default(), &secret)
-                .await
-                .map(|_| ())?,
-            Some(_) => api
-                .replace(&s.ca_secret, &PostParams::default(), &secret)
-                .await
-                .map(|_| ())?,
+            None => self.writer.create(api, &pp, &secret).await.map(|_| ())?,
+            Some(_) => {
+                let name = &s.ca_secret;
+                self.writer
+                    .replace(api, name, &pp, &secret)
+                    .await
+                    .map(|_| ())?
+            }
         }
         Ok(())
     }
 
     async fn publish_bundle(&self, bundle: &str) -> anyhow::Result<()> {
-        self.leader.ensure()?;
         let s = &self.settings;
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &s.bundle_namespace);
         let cm = json!({
@@ -410,12 +418,10 @@ impl Pki {
             },
             "data": { "ca.crt": bundle },
         });
-        api.patch(
-            &s.bundle_configmap,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&cm),
-        )
-        .await?;
+        let pp = PatchParams::apply(MANAGER).force();
+        self.writer
+            .patch(&api, &s.bundle_configmap, &pp, &Patch::Apply(&cm))
+            .await?;
         tracing::info!(configmap = %s.bundle_configmap, "CA bundle published");
         Ok(())
     }
@@ -466,190 +472,16 @@ impl Pki {
             }
         }
     }
-
-    /// The signer of `podmotion.io/agent-serving` requests: leader only.
-    async fn sign_agents(self) -> anyhow::Result<()> {
-        let csrs: Api<CertificateSigningRequest> = Api::all(self.client.clone());
-        let cfg =
-            watcher::Config::default().fields(&format!("spec.signerName={}", plan::AGENT_SIGNER));
-        let ctx = Arc::new(self.clone());
-        Controller::new(csrs, cfg)
-            .reconcile_all_on(self.leader.on_acquire())
-            .with_config(kube::runtime::controller::Config::default().concurrency(4))
-            .run(
-                |csr, ctx: Arc<Pki>| async move { ctx.reconcile_csr(&csr).await },
-                |_, e: &SignError, _| {
-                    tracing::warn!(error = %e, "signing an agent certificate");
-                    Action::requeue(Duration::from_secs(5))
-                },
-                ctx,
-            )
-            .for_each(|_| async {})
-            .await;
-        anyhow::bail!("the agent certificate signer stopped")
-    }
-
-    async fn reconcile_csr(&self, csr: &CertificateSigningRequest) -> Result<Action, SignError> {
-        let name = csr.name_any();
-        let status = csr.status.clone().unwrap_or_default();
-        let conds = status.conditions.unwrap_or_default();
-        let has = |t: &str| conds.iter().any(|c| c.type_ == t && c.status == "True");
-        if status.certificate.is_some() || has("Denied") || has("Failed") {
-            return Ok(Action::await_change());
-        }
-        if !self.leader.is_leader() {
-            return Ok(Action::await_change());
-        }
-        let ca = self.ca.borrow().clone();
-        let Some(ca) = ca else {
-            return Ok(Action::requeue(Duration::from_secs(2)));
-        };
-        let facts = csr_facts(csr);
-        let pod = self.requesting_pod(&facts).await?;
-        let request_pem = String::from_utf8_lossy(&facts.request).into_owned();
-        let requested = issue::requested(&request_pem);
-        let verdict = plan::review(
-            &facts,
-            &self.settings.agents,
-            requested.as_ref().map_err(String::as_str),
-            pod.as_ref(),
-        );
-        let api: Api<CertificateSigningRequest> = Api::all(self.client.clone());
-        self.leader
-            .ensure()
-            .map_err(|e| SignError::Other(e.to_string()))?;
-        match verdict {
-            Verdict::NotOurs { requester } => {
-                tracing::debug!(csr = %name, %requester, "not a request of this installation's agents");
-            }
-            Verdict::Deny { reason, message } => {
-                tracing::warn!(csr = %name, reason, %message, "agent certificate request denied");
-                refuse(&api, &name, has("Approved"), reason, &message).await?;
-            }
-            Verdict::Approve { node } => {
-                if !has("Approved") {
-                    approve(&api, &name, &node).await?;
-                }
-                let cert = issue::sign_agent(
-                    &ca.signing,
-                    ca.signing_not_after(),
-                    &node,
-                    &request_pem,
-                    now(),
-                    &self.settings.life,
-                )
-                .map_err(|e| SignError::Other(e.to_string()))?;
-                let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
-                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await?;
-                tracing::info!(csr = %name, %node, "agent certificate issued");
-            }
-        }
-        Ok(Action::await_change())
-    }
-
-    /// The agent pod a request names, read only when the requester is the agents'
-    /// ServiceAccount (the only requester whose pod the review looks at).
-    async fn requesting_pod(&self, facts: &CsrFacts) -> Result<Option<PodFacts>, SignError> {
-        let agents = &self.settings.agents;
-        let agents_sa = format!(
-            "system:serviceaccount:{}:{}",
-            agents.namespace, agents.service_account
-        );
-        let Some(p) = facts
-            .extra
-            .get(plan::EXTRA_POD_NAME)
-            .and_then(|v| v.first())
-            .filter(|_| facts.username == agents_sa)
-        else {
-            return Ok(None);
-        };
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &agents.namespace);
-        Ok(pods.get_opt(p).await?.map(|p| PodFacts {
-            namespace: p.namespace().unwrap_or_default(),
-            name: p.name_any(),
-            uid: p.uid().unwrap_or_default(),
-            node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()),
-            service_account: p.spec.as_ref().and_then(|s| s.service_account_name.clone()),
-            labels: p.labels().clone(),
-            terminating: p.metadata.deletion_timestamp.is_some(),
-        }))
-    }
-}
-
-/// What the review reads of a request.
-fn csr_facts(csr: &CertificateSigningRequest) -> CsrFacts {
-    CsrFacts {
-        signer_name: csr.spec.signer_name.clone(),
-        username: csr.spec.username.clone().unwrap_or_default(),
-        extra: csr.spec.extra.clone().unwrap_or_default(),
-        usages: csr.spec.usages.clone().unwrap_or_default(),
-        request: csr.spec.request.0.clone(),
-    }
-}
-
-/// Refuses a request: Denied, or Failed when someone else approved it already (not
-/// acceptable to the signer all the same).
-async fn refuse(
-    api: &Api<CertificateSigningRequest>,
-    name: &str,
-    approved: bool,
-    reason: &str,
-    message: &str,
-) -> Result<(), SignError> {
-    let type_ = if approved { "Failed" } else { "Denied" };
-    let patch = json!({"status": {"conditions": [condition(type_, reason, message)]}});
-    if approved {
-        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
-    } else {
-        api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
-    }
-    Ok(())
-}
-
-/// Approves the request of the agent pod on `node`.
-async fn approve(
-    api: &Api<CertificateSigningRequest>,
-    name: &str,
-    node: &str,
-) -> Result<(), SignError> {
-    let patch = json!({"status": {"conditions": [condition(
-        "Approved",
-        "AgentOfNode",
-        &format!("the agent pod on node {node}, requesting its own identity"),
-    )]}});
-    api.patch_approval(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
-}
-
-fn condition(type_: &str, reason: &str, message: &str) -> serde_json::Value {
-    json!({
-        "type": type_,
-        "status": "True",
-        "reason": reason,
-        "message": message,
-        "lastUpdateTime": k8s_openapi::jiff::Timestamp::now().to_string(),
-    })
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SignError {
-    #[error(transparent)]
-    Kube(#[from] kube::Error),
-    #[error("{0}")]
-    Other(String),
 }
 
 /// The migration master key from `name` in `namespace`, created (64 random characters)
-/// by the leader when absent. Followers wait for the leader's.
+/// by the leader when absent (through `writer`, fenced). Followers wait for the
+/// leader's.
 pub async fn master_key(
     client: &Client,
     namespace: &str,
     name: &str,
-    leader: &Leadership,
+    writer: &Writer,
 ) -> anyhow::Result<Vec<u8>> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     loop {
@@ -662,7 +494,7 @@ pub async fn master_key(
                 .ok_or_else(|| anyhow::anyhow!("Secret {namespace}/{name} has no `key` entry"))?;
             return Ok(key);
         }
-        if leader.is_leader() {
+        if writer.leads() {
             let secret = Secret {
                 metadata: ObjectMeta {
                     name: Some(name.into()),
@@ -683,9 +515,9 @@ pub async fn master_key(
                 )])),
                 ..Default::default()
             };
-            match api.create(&PostParams::default(), &secret).await {
+            match writer.create(&api, &PostParams::default(), &secret).await {
                 Ok(_) => tracing::info!(secret = %name, "migration master key created"),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) if e.is_status(409) => {}
                 Err(e) => return Err(e.into()),
             }
             continue;

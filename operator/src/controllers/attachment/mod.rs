@@ -165,7 +165,7 @@ impl Reconciler for Shared {
     type Observed = ObservedGroup;
     type Then = ();
     const NAME: &'static str = NAME;
-    const FINALIZER: &'static str = finalizers::ATTACHMENT_CLEANUP;
+    const FINALIZER: Option<&'static str> = Some(finalizers::ATTACHMENT_CLEANUP);
     const MANAGER: &'static str = managers::ATTACHMENT;
 
     fn context(&self) -> &Arc<Context> {

@@ -19,7 +19,8 @@ use super::state::{Mode, NAME, Shared};
 use super::{observe, writes};
 use crate::attachment::observed::parse_workload_key;
 use crate::attachment::render;
-use crate::controllers::shell::{ReconcileError, is_status};
+use crate::controllers::shell::ReconcileError;
+use crate::writer::Writer;
 
 /// Sweeps once every cache is synced (reaping what was orphaned while the operator was
 /// down), then every `sweep_seconds`, while this replica leads.
@@ -38,7 +39,7 @@ pub(super) async fn every_period(s: Arc<Shared>) {
             _ = &mut stop => return,
             _ = tick.tick() => {}
         }
-        if !s.ctx.leader.is_leader() {
+        if !s.ctx.writer.leads() {
             continue;
         }
         match sweep(&s).await {
@@ -87,7 +88,9 @@ async fn sweep(s: &Shared) -> Result<usize, ReconcileError> {
 /// pre-delete hook), or live attachments get their Jobs back.
 pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> anyhow::Result<usize> {
     let api: Api<Job> = Api::namespaced(client.clone(), namespace);
-    let deleted = delete_agent_jobs(&api).await?;
+    // The hook runs with the controllers stopped and holds no lease: unfenced.
+    let writer = Writer::hook(client.clone());
+    let deleted = delete_agent_jobs(&writer, &api).await?;
     await_deleted(&api, &deleted, timeout).await?;
     crate::release::release_all::<NodeAgentAttachment>(
         &client,
@@ -99,7 +102,10 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
 }
 
 /// Deletes every agent Job (foreground); returns the name and UID of each one deleted.
-async fn delete_agent_jobs(api: &Api<Job>) -> anyhow::Result<Vec<(String, String)>> {
+async fn delete_agent_jobs(
+    writer: &Writer,
+    api: &Api<Job>,
+) -> anyhow::Result<Vec<(String, String)>> {
     let lp = ListParams::default().labels(&render::agent_selector());
     let jobs = api.list_metadata(&lp).await?;
     let dp = DeleteParams {
@@ -108,10 +114,8 @@ async fn delete_agent_jobs(api: &Api<Job>) -> anyhow::Result<Vec<(String, String
     };
     let mut deleted = vec![];
     for j in &jobs.items {
-        match api.delete(&j.name_any(), &dp).await {
-            Ok(_) => deleted.push((j.name_any(), j.uid().unwrap_or_default())),
-            Err(e) if is_status(&e, 404) => {}
-            Err(e) => return Err(e.into()),
+        if writer.delete(api, &j.name_any(), &dp).await? {
+            deleted.push((j.name_any(), j.uid().unwrap_or_default()));
         }
         // Its credential, in the target's namespace.
         if let Some(ns) = j
@@ -119,14 +123,9 @@ async fn delete_agent_jobs(api: &Api<Job>) -> anyhow::Result<Vec<(String, String
             .get(podmotion_api::names::labels::TARGET_NAMESPACE)
         {
             let secrets: Api<Secret> = Api::namespaced(api.clone().into_client(), ns);
-            match secrets
-                .delete(&j.name_any(), &DeleteParams::default())
-                .await
-            {
-                Ok(_) => {}
-                Err(e) if is_status(&e, 404) => {}
-                Err(e) => return Err(e.into()),
-            }
+            writer
+                .delete(&secrets, &j.name_any(), &DeleteParams::default())
+                .await?;
         }
     }
     Ok(deleted)

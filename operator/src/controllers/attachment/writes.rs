@@ -1,8 +1,9 @@
 //! The attachment controller's writes: it carries out a plan (Job deletions, always
 //! foreground, with their credential Secrets; Job creations, suspended, then each Job's
 //! credential Secret in the target's namespace and its resumption with the token's
-//! verifier), creates ingest Leases and the agents' NetworkPolicy. Every write checks
-//! the lease first and is recorded in the Job cache at once (read your writes).
+//! verifier), creates ingest Leases and the agents' NetworkPolicy. Every write goes
+//! through the context's writer (which holds the leader's fence) and is recorded in the
+//! Job cache at once (read your writes).
 
 use std::sync::atomic::Ordering;
 
@@ -21,7 +22,7 @@ use rand::RngCore;
 use super::state::{Mode, Shared};
 use crate::attachment::plan::{Deletion, Plan, Resume};
 use crate::attachment::{AttachmentView, JobFate, JobView, ObservedGroup, notes, plan, render};
-use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
+use crate::controllers::shell::{ReconcileError, api_err};
 use crate::note::{Note, some_names};
 
 /// Plans an observed workload and carries out the plan's Job deletions and (in
@@ -81,15 +82,19 @@ pub(super) async fn ingest_lease(
     if mode != Mode::Full || a.metadata.deletion_timestamp.is_some() {
         return Ok(None);
     }
-    s.ctx.ensure_leader()?;
     let lease = render::ingest_lease(a, &name, Timestamp::now());
-    match api.create(&PostParams::default(), &lease).await {
+    match s
+        .ctx
+        .writer
+        .create(&api, &PostParams::default(), &lease)
+        .await
+    {
         Ok(l) => Ok(Some(l)),
-        Err(e) if is_already_exists(&e) => api
+        Err(e) if e.is_already_exists() => api
             .get_opt(&name)
             .await
             .map_err(api_err("get Lease", &name)),
-        Err(e) => Err(api_err("create Lease", &name)(e)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -97,39 +102,26 @@ async fn ensure_network_policy(s: &Shared) -> Result<(), ReconcileError> {
     if s.policy_applied.load(Ordering::Relaxed) {
         return Ok(());
     }
-    s.ctx.ensure_leader()?;
     let np = render::network_policy(&s.settings);
     let api: Api<NetworkPolicy> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    api.patch(
-        render::NETWORK_POLICY,
-        &PatchParams::apply(managers::ATTACHMENT).force(),
-        &Patch::Apply(&np),
-    )
-    .await
-    .map_err(api_err("apply NetworkPolicy", render::NETWORK_POLICY))?;
+    s.ctx.writer.apply(&api, &np, managers::ATTACHMENT).await?;
     s.policy_applied.store(true, Ordering::Relaxed);
     Ok(())
 }
 
 /// Creates one agent Job; `None` when another reconcile created it first.
 async fn create_job(s: &Shared, job: Job) -> Result<Option<Job>, ReconcileError> {
-    s.ctx.ensure_leader()?;
     let name = job.name_any();
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
-    let pp = PostParams {
-        field_manager: Some(managers::ATTACHMENT.into()),
-        ..Default::default()
-    };
-    match api.create(&pp, &job).await {
-        Ok(j) => {
-            if let Some(v) = JobView::from_job(&j) {
-                s.jobs.insert_if_absent(s.job_key(&name), v);
-            }
-            Ok(Some(j))
-        }
-        Err(e) if is_already_exists(&e) => Ok(None),
-        Err(e) => Err(api_err("create Job", &name)(e)),
+    let created = s
+        .ctx
+        .writer
+        .create_if_absent(&api, &job, managers::ATTACHMENT)
+        .await?;
+    if let Some(v) = created.as_ref().and_then(JobView::from_job) {
+        s.jobs.insert_if_absent(s.job_key(&name), v);
     }
+    Ok(created)
 }
 
 /// Resumes the Jobs just `created` and the kept ones left suspended,
@@ -164,7 +156,6 @@ async fn resume_all(s: &Shared, created: &[Job], left: &[Resume]) -> Result<(), 
 /// earlier attempt (the operator stopped before resuming) holds a token whose verifier
 /// no Job has: it is replaced. Secrets are never read, only created and deleted.
 async fn create_secret(s: &Shared, r: &Resume, token: &[u8]) -> Result<(), ReconcileError> {
-    s.ctx.ensure_leader()?;
     let secret = render::credentials(
         &s.settings,
         render::CredentialOf {
@@ -181,14 +172,14 @@ async fn create_secret(s: &Shared, r: &Resume, token: &[u8]) -> Result<(), Recon
         ..Default::default()
     };
     for _ in 0..3 {
-        match secrets.create(&pp, &secret).await {
+        match s.ctx.writer.create(&secrets, &pp, &secret).await {
             Ok(_) => return Ok(()),
             // Only an existing Secret counts (the chaos run's proxy answers creates 409
             // Conflict too): it is an earlier attempt's, with another token.
-            Err(e) if is_already_exists(&e) => {
+            Err(e) if e.is_already_exists() => {
                 delete_secret(s, &r.target_namespace, &r.job).await?
             }
-            Err(e) => return Err(api_err("create Secret", &r.job)(e)),
+            Err(e) => return Err(e.into()),
         }
     }
     Err(ReconcileError::wait(
@@ -199,34 +190,30 @@ async fn create_secret(s: &Shared, r: &Resume, token: &[u8]) -> Result<(), Recon
 
 /// Deletes the credential Secret `job` of the target's namespace `ns` (gone is fine).
 async fn delete_secret(s: &Shared, ns: &str, job: &str) -> Result<(), ReconcileError> {
-    s.ctx.ensure_leader()?;
     let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), ns);
-    match secrets.delete(job, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_status(&e, 404) => Ok(()),
-        Err(e) => Err(api_err("delete Secret", job)(e)),
-    }
+    s.ctx
+        .writer
+        .delete(&secrets, job, &DeleteParams::default())
+        .await?;
+    Ok(())
 }
 
 /// Unsuspends the Job with the verifier of `token` on its pod template (one write).
 async fn resume(s: &Shared, job: &str, token: &[u8]) -> Result<(), ReconcileError> {
-    s.ctx.ensure_leader()?;
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
     let pp = PatchParams {
         field_manager: Some(managers::ATTACHMENT.into()),
         ..Default::default()
     };
-    match api
-        .patch(job, &pp, &Patch::Merge(&render::resume_patch(token)))
-        .await
-    {
+    let patch = Patch::Merge(render::resume_patch(token));
+    match s.ctx.writer.patch(&api, job, &pp, &patch).await {
         Ok(_) => {}
         // Deleted meanwhile: nothing to resume.
-        Err(e) if is_status(&e, 404) => {}
+        Err(e) if e.is_status(404) => {}
         // A Job that ran once and was suspended again (by hand) has an immutable pod
         // template: it cannot take the new verifier, so it is replaced (foreground; the
         // next reconcile creates its successor once it is gone).
-        Err(e) if is_status(&e, 422) => {
+        Err(e) if e.is_status(422) => {
             tracing::warn!(
                 job,
                 "a suspended Job that ran before cannot take a new token: replacing it"
@@ -235,18 +222,14 @@ async fn resume(s: &Shared, job: &str, token: &[u8]) -> Result<(), ReconcileErro
                 propagation_policy: Some(PropagationPolicy::Foreground),
                 ..Default::default()
             };
-            match api.delete(job, &dp).await {
-                Ok(_) => {}
-                Err(e) if is_status(&e, 404) => {}
-                Err(e) => return Err(api_err("delete Job", job)(e)),
-            }
+            s.ctx.writer.delete(&api, job, &dp).await?;
             s.jobs.update_if_present(&s.job_key(job), |j| JobView {
                 terminating: true,
                 ..j.clone()
             });
             return Ok(());
         }
-        Err(e) => return Err(api_err("resume Job", job)(e)),
+        Err(e) => return Err(e.into()),
     }
     s.jobs.update_if_present(&s.job_key(job), |j| JobView {
         suspended: false,
@@ -257,16 +240,13 @@ async fn resume(s: &Shared, job: &str, token: &[u8]) -> Result<(), ReconcileErro
 
 /// Deletes one agent Job with foreground propagation; `false` if it was already gone.
 async fn delete_job(s: &Shared, d: &Deletion) -> Result<bool, ReconcileError> {
-    s.ctx.ensure_leader()?;
     let api: Api<Job> = Api::namespaced(s.ctx.client.clone(), &s.settings.namespace);
     let dp = DeleteParams {
         propagation_policy: Some(PropagationPolicy::Foreground),
         ..Default::default()
     };
-    match api.delete(&d.job, &dp).await {
-        Ok(_) => {}
-        Err(e) if is_status(&e, 404) => return Ok(false),
-        Err(e) => return Err(api_err("delete Job", &d.job)(e)),
+    if !s.ctx.writer.delete(&api, &d.job, &dp).await? {
+        return Ok(false);
     }
     s.jobs.update_if_present(&s.job_key(&d.job), |j| JobView {
         terminating: true,

@@ -5,16 +5,17 @@
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use podmotion_api::names::managers;
 use podmotion_api::{PodMigration, PodMigrationStatus};
 
 use super::observe::endpoint_of;
 use super::state::Shared;
-use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
+use crate::controllers::shell::ReconcileError;
 use crate::migration::agent::{AgentCallError, AgentClient, Side, Step};
 use crate::migration::machine::Action;
 use crate::migration::render;
+use crate::writer::WriteError;
 
 /// What the machine decided that must follow the status write.
 #[derive(Default)]
@@ -31,7 +32,6 @@ pub(super) async fn execute<A: AgentClient>(
     action: &Action,
     d: &Deferred,
 ) -> Result<(), ReconcileError> {
-    s.ctx.ensure_leader()?;
     let ns = pm.namespace().unwrap_or_default();
     let secrets: Api<Secret> = Api::namespaced(s.ctx.client.clone(), &ns);
     match action {
@@ -43,18 +43,17 @@ pub(super) async fn execute<A: AgentClient>(
         Action::EnsureTransferKey => {
             let key = s.master_key.transfer_key(&pm.uid().unwrap_or_default());
             let secret = render::transfer_key_secret(pm, &key.0);
-            create_if_absent(&secrets, &secret, "transfer key").await?;
+            create_if_absent(s, &secrets, &secret).await?;
             s.remember_key_secret(pm, Some(true));
             Ok(())
         }
         Action::Agent(side, step) => start_step(s, pm, d, (*side, *step)).await,
         Action::DeleteTransferKey => {
-            secrets
-                .delete(&render::transfer_key_name(pm), &DeleteParams::default())
-                .await
-                .map(|_| ())
-                .or_else(|e| ignore(e, &[404]))
-                .map_err(api_err("delete", "transfer key"))?;
+            let name = render::transfer_key_name(pm);
+            s.ctx
+                .writer
+                .delete(&secrets, &name, &DeleteParams::default())
+                .await?;
             s.remember_key_secret(pm, Some(false));
             Ok(())
         }
@@ -80,21 +79,20 @@ async fn pod_action<A: AgentClient>(
         }
         (Action::LowerSourceDeletionCost, Some(src), _) => {
             let name = src.name_any();
-            merge_patch(&pods, &name, &render::deletion_cost_patch())
+            merge_patch(s, &pods, &name, &render::deletion_cost_patch())
                 .await
                 .or_else(|e| ignore(e, &[404]))
-                .map_err(api_err("patch deletion cost of", format!("pod {name}")))
         }
         (Action::HandOverTargetPod, _, Some(t)) => {
             let name = t.name_any();
-            merge_patch(&pods, &name, &render::hand_over_patch(t))
+            merge_patch(s, &pods, &name, &render::hand_over_patch(t))
                 .await
-                .map_err(api_err("hand over", format!("pod {name}")))
+                .map_err(ReconcileError::from)
         }
         (Action::DeleteSourcePod { grace_seconds }, _, _) => {
-            delete_source_pod(&pods, pm, &d.status, *grace_seconds).await
+            delete_source_pod(s, &pods, pm, &d.status, *grace_seconds).await
         }
-        (Action::DeleteTargetPod, _, target) => delete_target_pod(&pods, target.as_ref()).await,
+        (Action::DeleteTargetPod, _, target) => delete_target_pod(s, &pods, target.as_ref()).await,
         // Nothing to act on (the pod is gone), or not a pod action.
         _ => Ok(()),
     }
@@ -119,16 +117,19 @@ async fn ensure_target_pod<A: AgentClient>(
         ));
     };
     let pod = render::target_pod(pm, src, node, &s.cfg.holder());
-    create_if_absent(pods, &pod, "target pod").await
+    create_if_absent(s, pods, &pod).await
 }
 
 /// A merge patch of the pod `name`.
-async fn merge_patch(
+async fn merge_patch<A: AgentClient>(
+    s: &Shared<A>,
     pods: &Api<Pod>,
     name: &str,
     patch: &serde_json::Value,
-) -> Result<(), kube::Error> {
-    pods.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+) -> Result<(), WriteError> {
+    s.ctx
+        .writer
+        .patch(pods, name, &PatchParams::default(), &Patch::Merge(patch))
         .await
         .map(|_| ())
 }
@@ -136,7 +137,8 @@ async fn merge_patch(
 /// Deletes the source pod (see `render::source_pod_deletion`: its UID, the machine's
 /// grace period). A pod already terminating takes a shorter grace period, never a
 /// longer one (the API server's rule), which is what the machine relies on.
-async fn delete_source_pod(
+async fn delete_source_pod<A: AgentClient>(
+    s: &Shared<A>,
     pods: &Api<Pod>,
     pm: &PodMigration,
     status: &PodMigrationStatus,
@@ -144,16 +146,21 @@ async fn delete_source_pod(
 ) -> Result<(), ReconcileError> {
     let dp = render::source_pod_deletion(status.source_pod_uid.clone(), grace_seconds);
     let name = &pm.spec.pod_name;
-    pods.delete(name, &dp)
+    s.ctx
+        .writer
+        .delete(pods, name, &dp)
         .await
         .map(|_| ())
         .or_else(|e| ignore(e, &[404, 409]))
-        .map_err(api_err("delete", format!("pod {name}")))
 }
 
 /// Deletes the target pod as observed (`observe`: the name only this migration makes,
 /// recording this migration), if any, by its UID: never a pod named by the status.
-async fn delete_target_pod(pods: &Api<Pod>, target: Option<&Pod>) -> Result<(), ReconcileError> {
+async fn delete_target_pod<A: AgentClient>(
+    s: &Shared<A>,
+    pods: &Api<Pod>,
+    target: Option<&Pod>,
+) -> Result<(), ReconcileError> {
     let Some(t) = target else {
         return Ok(());
     };
@@ -165,11 +172,12 @@ async fn delete_target_pod(pods: &Api<Pod>, target: Option<&Pod>) -> Result<(), 
         }),
         ..Default::default()
     };
-    pods.delete(&name, &dp)
+    s.ctx
+        .writer
+        .delete(pods, &name, &dp)
         .await
         .map(|_| ())
         .or_else(|e| ignore(e, &[404, 409]))
-        .map_err(api_err("delete", format!("pod {name}")))
 }
 
 /// Starts `step` on the agent of `side`'s node.
@@ -218,25 +226,29 @@ async fn start_step<A: AgentClient>(
 }
 
 /// `Ok` for the API server's answers in `codes` (the write's effect is already there).
-fn ignore(e: kube::Error, codes: &[u16]) -> Result<(), kube::Error> {
+fn ignore(e: WriteError, codes: &[u16]) -> Result<(), ReconcileError> {
     match e {
-        e if codes.iter().any(|c| is_status(&e, *c)) => Ok(()),
-        e => Err(e),
+        e if codes.iter().any(|c| e.is_status(*c)) => Ok(()),
+        e => Err(e.into()),
     }
 }
 
 /// Creates `obj` as the migration controller; one that exists already is fine.
-async fn create_if_absent<K>(api: &Api<K>, obj: &K, what: &str) -> Result<(), ReconcileError>
+async fn create_if_absent<A: AgentClient, K>(
+    s: &Shared<A>,
+    api: &Api<K>,
+    obj: &K,
+) -> Result<(), ReconcileError>
 where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
 {
-    let pp = PostParams {
-        field_manager: Some(managers::MIGRATION.into()),
-        ..Default::default()
-    };
-    match api.create(&pp, obj).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_already_exists(&e) => Ok(()),
-        Err(e) => Err(api_err("create", what.to_string())(e)),
-    }
+    s.ctx
+        .writer
+        .create_if_absent(api, obj, managers::MIGRATION)
+        .await?;
+    Ok(())
 }

@@ -280,7 +280,7 @@ impl<A: AgentClient> Reconciler for Shared<A> {
     type Observed = observe::Observation;
     type Then = Deferred;
     const NAME: &'static str = NAME;
-    const FINALIZER: &'static str = finalizers::MIGRATION_CLEANUP;
+    const FINALIZER: Option<&'static str> = Some(finalizers::MIGRATION_CLEANUP);
     const MANAGER: &'static str = managers::MIGRATION;
 
     fn context(&self) -> &Arc<Context> {

@@ -16,9 +16,8 @@ use rand::RngCore;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::children;
 use crate::context::Context;
-use crate::controllers::shell::{ReconcileError, api_err, is_already_exists, is_status};
+use crate::controllers::shell::{ReconcileError, api_err};
 use crate::meta::{owner_selector, short_hash};
 use crate::runner_pool::{Applied, Desired, Inputs, drift, render};
 
@@ -85,14 +84,14 @@ pub(super) async fn ensure_credential_secret(
             apply_if_changed(ctx, &api, secret).await?;
         }
         let keep: BTreeSet<String> = want.iter().cloned().collect();
-        children::delete_orphans(
-            ctx,
-            &api,
-            &owner_selector(pool),
-            &keep,
-            PropagationPolicy::Background,
-        )
-        .await?;
+        ctx.writer
+            .delete_orphans(
+                &api,
+                &owner_selector(pool),
+                &keep,
+                PropagationPolicy::Background,
+            )
+            .await?;
         return Ok(want);
     }
     let recorded = pool
@@ -100,20 +99,21 @@ pub(super) async fn ensure_credential_secret(
         .as_ref()
         .and_then(|st| st.credential_secret.clone());
     if let Some(old) = recorded.as_ref().filter(|old| want.as_ref() != Some(*old)) {
-        children::delete(ctx, &api, old, PropagationPolicy::Background).await?;
+        ctx.writer
+            .delete_with(&api, old, PropagationPolicy::Background)
+            .await?;
     }
     if let Some(secret) = desired.secret.as_ref().filter(|_| recorded != want) {
-        ctx.ensure_leader()?;
         let (secret, _) = stamp(secret.clone());
-        match api.create(&PostParams::default(), &secret).await {
+        // A 409 Conflict (contention, a proxy) is not "it exists": only AlreadyExists is.
+        match ctx
+            .writer
+            .create(&api, &PostParams::default(), &secret)
+            .await
+        {
             Ok(_) => {}
-            // A 409 Conflict (contention, a proxy) is not "it exists": only AlreadyExists is.
-            Err(e) if is_already_exists(&e) => {}
-            Err(e) => {
-                return Err(api_err("create", format!("Secret {}", secret.name_any()))(
-                    e,
-                ));
-            }
+            Err(e) if e.is_already_exists() => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(want)
@@ -156,7 +156,7 @@ where
     {
         return Ok(());
     }
-    children::apply(ctx, api, &obj, managers::RUNNER_POOL).await?;
+    ctx.writer.apply(api, &obj, managers::RUNNER_POOL).await?;
     Ok(())
 }
 
@@ -182,7 +182,9 @@ pub(super) async fn apply_priority_class(
             )));
         }
         if live.value != pc.value {
-            children::delete(ctx, &api, &name, PropagationPolicy::Background).await?;
+            ctx.writer
+                .delete_with(&api, &name, PropagationPolicy::Background)
+                .await?;
         }
     }
     apply_if_changed(ctx, &api, pc).await?;
@@ -196,14 +198,14 @@ pub(super) async fn delete_priority_classes(
     keep: &BTreeSet<String>,
 ) -> Result<(), ReconcileError> {
     let api: Api<PriorityClass> = Api::all(ctx.client.clone());
-    children::delete_orphans(
-        ctx,
-        &api,
-        &owner_selector(pool),
-        keep,
-        PropagationPolicy::Background,
-    )
-    .await?;
+    ctx.writer
+        .delete_orphans(
+            &api,
+            &owner_selector(pool),
+            keep,
+            PropagationPolicy::Background,
+        )
+        .await?;
     Ok(())
 }
 
@@ -246,7 +248,7 @@ pub(super) async fn apply_daemonset(
     if let Some(live) = live.filter(|_| drift.is_empty() && hash_matches) {
         return Ok((live, drift));
     }
-    let applied = children::apply(ctx, &api, &ds, managers::RUNNER_POOL).await?;
+    let applied = ctx.writer.apply(&api, &ds, managers::RUNNER_POOL).await?;
     // A forced apply restores every field we own, but cannot remove what another
     // manager added (an extra volume, a capability). Then replace the whole spec.
     if drift::shape_drift(&ds, &applied).is_empty() {
@@ -271,19 +273,18 @@ async fn replace_daemonset(
     };
     let mut attempts = 0;
     loop {
-        ctx.ensure_leader()?;
         let mut replacement = ds.clone();
         replacement.metadata.resource_version = current.resource_version();
-        match api.replace(&name, &pp, &replacement).await {
+        match ctx.writer.replace(api, &name, &pp, &replacement).await {
             Ok(r) => return Ok(r),
-            Err(e) if is_status(&e, 409) && attempts < 5 => {
+            Err(e) if e.is_status(409) && attempts < 5 => {
                 attempts += 1;
                 current = api
                     .get(&name)
                     .await
                     .map_err(api_err("get", format!("DaemonSet {name}")))?;
             }
-            Err(e) => return Err(api_err("replace", format!("DaemonSet {name}"))(e)),
+            Err(e) => return Err(e.into()),
         }
     }
 }

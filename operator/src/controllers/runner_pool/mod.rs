@@ -29,6 +29,7 @@ mod caches;
 mod children;
 mod observe;
 mod settings;
+mod state;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -59,30 +60,13 @@ use crate::runner_pool::priority;
 use crate::runner_pool::status;
 
 pub use settings::{DEFAULT_PREFLIGHT_IMAGE, RunnerPoolConfig};
+use state::Shared;
 
 const NAME: &str = "runner-pool";
 
 /// Resync period: picks up changes of things not watched (the Server's Service, the
 /// namespace's PodSecurity labels, the referenced PriorityClass).
 const RESYNC: Duration = Duration::from_secs(300);
-
-struct Shared {
-    ctx: Arc<Context>,
-    cfg: RunnerPoolConfig,
-    daemonsets: Arc<Projection<DaemonSet>>,
-    pods: Arc<Projection<Pod>>,
-    policies: Arc<Projection<NetworkPolicy>>,
-    nodes: Arc<Projection<caches::NodeLabels>>,
-}
-
-impl Shared {
-    fn caches_ready(&self) -> bool {
-        self.daemonsets.is_ready()
-            && self.pods.is_ready()
-            && self.policies.is_ready()
-            && self.nodes.is_ready()
-    }
-}
 
 /// Runs the controller with the settings from the environment.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
@@ -189,7 +173,7 @@ impl Reconciler for Shared {
     type Observed = Option<observe::Observation>;
     type Then = ();
     const NAME: &'static str = NAME;
-    const FINALIZER: &'static str = finalizers::RUNNER_POOL_CLEANUP;
+    const FINALIZER: Option<&'static str> = Some(finalizers::RUNNER_POOL_CLEANUP);
     const MANAGER: &'static str = managers::RUNNER_POOL;
 
     fn context(&self) -> &Arc<Context> {

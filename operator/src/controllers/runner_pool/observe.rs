@@ -11,7 +11,8 @@ use kube::api::Api;
 use podmotion_api::RunnerPool;
 
 use super::settings::RunnerPoolConfig;
-use super::{Shared, caches, children};
+use super::state::Shared;
+use super::{caches, children};
 use crate::context::Context;
 use crate::controllers::shell::{ReconcileError, api_err};
 use crate::runner_pool::priority::Referenced;

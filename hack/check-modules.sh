@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The shape of the code as a checked fact (issue 44): no module cycle in any crate and
+# no source file over $MAX_LINES lines outside tests and generated code. Fails naming
+# each offender; the allow-lists below hold what was there when the check came, each
+# with the issue that removes it, and shrink as the splits land (an allow-listed file
+# that is back under the limit, or a cycle that is gone, is reported so its line can go).
+#
+#   bash hack/check-modules.sh      # .ci/run runs it after hack/check-layers.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MAX_LINES=800
+fail=0
+
+# Known cycles, "crate: a -> b -> ... -> a" as hack/lib/modules.pl prints them.
+known_cycles=(
+  # issue 44: the agent's migration state below its step modules; being split now.
+  "executors/agent: service -> service::dump -> service::post_copy -> service::restore -> service -> service::receive -> service -> service::post_copy -> service::send -> service"
+  # issue 44: the migration machine as stage-specific handlers (render names the
+  # machine's Action, the machine renders).
+  "operator/core: migration::machine -> migration::render -> migration::machine"
+)
+
+# Files over the limit (lines before the first `#[cfg(test)]`).
+known_large=(
+  # issue 44: other engineers are editing these now; split after their changes land.
+  executors/agent/src/service.rs
+  executors/agent/src/testbed.rs
+  kubectl-podmotion/src/drain.rs
+  operator/src/webhook.rs
+  operator/core/src/migration/preflight.rs
+  # issue 44: the hubs the issue names (machine as stage handlers, the broker's fake
+  # behind a feature or its own crate, chaos as a driver over named steps).
+  operator/core/src/migration/machine.rs
+  executors/broker/src/lib.rs
+  executors/broker/src/fake.rs
+  e2e/src/bin/chaos.rs
+  # issue 44: over the limit when the check came; to be split.
+  executors/broker/src/handover.rs
+  kubectl-podmotion/src/intercept.rs
+  e2e/src/bin/bench_real_migration.rs
+)
+
+srcs=()
+for manifest in $(git ls-files '*Cargo.toml'); do
+  dir=$(dirname "$manifest")
+  [ -d "$dir/src" ] && srcs+=("$dir/src")
+done
+if ! printf '%s\n' "${known_cycles[@]}" | perl hack/lib/modules.pl "${srcs[@]}"; then
+  echo "check-modules: module cycle (above): move what both sides use below them (a" >&2
+  echo "  state/types module the others import), or pass it in; see hack/lib/modules.pl" >&2
+  fail=1
+fi
+
+is_known_large() {
+  local f
+  for f in "${known_large[@]}"; do [ "$f" = "$1" ] && return 0; done
+  return 1
+}
+# Tests (tests/ directories, *tests.rs, testkit) and generated code are not counted.
+while read -r f; do
+  case "$f" in
+    */tests/*|*tests.rs|*/testkit.rs|*/generated/*|*/fuzz/*) continue ;;
+  esac
+  [ -f "$f" ] || continue
+  n=$(awk '/^[[:space:]]*#\[cfg\(test\)\]/{exit} {n++} END{print n+0}' "$f")
+  if [ "$n" -gt "$MAX_LINES" ]; then
+    if is_known_large "$f"; then
+      echo "check-modules: $f has $n lines (allow-listed, issue 44)"
+    else
+      echo "check-modules: $f has $n lines outside its tests, over $MAX_LINES: split it along its seams" >&2
+      fail=1
+    fi
+  elif is_known_large "$f"; then
+    echo "check-modules: $f is under the limit ($n lines): take it off known_large in $0 once its edits land"
+  fi
+done < <(git ls-files --cached --others --exclude-standard '*.rs')
+
+if [ "$fail" -ne 0 ]; then
+  exit 1
+fi
+echo "check-modules: no module cycle (but the allow-listed), no file over $MAX_LINES lines (but the allow-listed)"
