@@ -2226,6 +2226,27 @@ fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configurati
 }
 
 #[test]
+fn bad_eviction_values_are_refused_with_the_value_named() {
+    for (set, names) in [
+        ("eviction.failurePolicy=Never", "failurePolicy"),
+        ("eviction.timeoutSeconds=30", "timeoutSeconds"),
+        ("eviction.timeoutSeconds=0", "timeoutSeconds"),
+        ("eviction.port=443", "port"),
+        ("eviction.namespaceDefault.label=a\\,b", "label"),
+        ("eviction.excludeNamespaces[0]=", "excludeNamespaces"),
+        ("eviction.colour=blue", "colour"),
+    ] {
+        let e = try_render(
+            "pm",
+            "podmotion-system",
+            &["--set", &format!("eviction.enabled=true,{set}")],
+        )
+        .expect_err(set);
+        assert!(e.contains(names), "{set}: {e}");
+    }
+}
+
+#[test]
 fn more_than_one_replica_needs_leader_election_and_gets_a_disruption_budget() {
     let err = try_render(
         "pm",
