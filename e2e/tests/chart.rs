@@ -2137,6 +2137,27 @@ fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_
 }
 
 #[test]
+fn a_scoped_release_s_eviction_webhook_selects_only_its_watched_namespace() {
+    // A PodMigration made in a namespace the release's controller does not watch would
+    // never run, and the eviction it answered would wait forever (429 on every retry).
+    let on = render(&[
+        "--set",
+        "eviction.enabled=true,migration.watchNamespace=shop",
+    ]);
+    let vwc = of_kind(&on, "ValidatingWebhookConfiguration");
+    let exprs = vwc[0]["webhooks"][0]["namespaceSelector"]["matchExpressions"]
+        .as_array()
+        .unwrap();
+    assert_eq!(exprs.len(), 2, "{exprs:?}");
+    assert_eq!(exprs[0]["key"], "kubernetes.io/metadata.name");
+    assert_eq!(exprs[0]["operator"], "In");
+    assert_eq!(exprs[0]["values"], json!(["shop"]));
+    // The system namespaces stay excluded (the expressions are ANDed).
+    assert_eq!(exprs[1]["operator"], "NotIn");
+    assert!(strs(&exprs[1]["values"]).contains(&"kube-system"));
+}
+
+#[test]
 fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configuration() {
     let find = |docs: &[Value], group: &str, resource: &str| -> Vec<Value> {
         rules(docs)
@@ -2202,6 +2223,27 @@ fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configurati
     )
     .unwrap_err();
     assert!(e.contains("strategy"), "{e}");
+}
+
+#[test]
+fn bad_eviction_values_are_refused_with_the_value_named() {
+    for (set, names) in [
+        ("eviction.failurePolicy=Never", "failurePolicy"),
+        ("eviction.timeoutSeconds=30", "timeoutSeconds"),
+        ("eviction.timeoutSeconds=0", "timeoutSeconds"),
+        ("eviction.port=443", "port"),
+        ("eviction.namespaceDefault.label=a\\,b", "label"),
+        ("eviction.excludeNamespaces[0]=", "excludeNamespaces"),
+        ("eviction.colour=blue", "colour"),
+    ] {
+        let e = try_render(
+            "pm",
+            "podmotion-system",
+            &["--set", &format!("eviction.enabled=true,{set}")],
+        )
+        .expect_err(set);
+        assert!(e.contains(names), "{set}: {e}");
+    }
 }
 
 #[test]
