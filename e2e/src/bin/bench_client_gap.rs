@@ -245,8 +245,20 @@ async fn main() -> anyhow::Result<()> {
                 pms.create(&PostParams::default(), &pm).await?;
                 let st = ended(&pms, &name).await;
                 if st.phase != MigrationPhase::Succeeded {
-                    w.app.dump();
-                    bail!("{name}: {st:?}");
+                    // Rolled back: the source serves on; the round is reported, not
+                    // counted, and the next one moves the same pod.
+                    for w in watches {
+                        w.abort();
+                    }
+                    clients.fresh.finish();
+                    clients.held.finish();
+                    println!(
+                        "| {config} | {mode} | {round} | {:?}: {} | | | | | |",
+                        st.phase,
+                        st.failure_reason.clone().unwrap_or_default()
+                    );
+                    eprintln!("  {name}: {:?}", st.failure_message);
+                    continue;
                 }
                 let target = st.target_pod.clone().context("status.targetPod")?;
                 wait_list(
