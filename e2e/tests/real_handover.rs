@@ -17,7 +17,7 @@ use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
-use podmotion_e2e::real::copies::workload_processes;
+use podmotion_e2e::real::copies::{Clients, HANDOVER_BOUND, assert_clients, workload_processes};
 use podmotion_e2e::real::testload::{
     POD_TIMEOUT, World, counter, counter_when_reachable, ended, node_of, pod_ip, restart_count,
     target_pods_of,
@@ -161,6 +161,9 @@ async fn with_the_hand_over_the_held_connection_follows_the_pod() {
             "tcpPreservation": "Strict", "freezeBudgetMillis": 20000,
             "probe": {"tcpSocket": {"port": 8080}}}
     }));
+    // Two clients of the Service watch the move (issue 39): fresh connections every
+    // 10 ms, and one held connection, which goes on.
+    let clients = Clients::start(&svc_addr);
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "handover-move").await;
     if st.phase != MigrationPhase::Succeeded {
@@ -179,6 +182,13 @@ async fn with_the_hand_over_the_held_connection_follows_the_pod() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_clients(
+        clients,
+        &st,
+        HANDOVER_BOUND,
+        "Cold, the address hand-over on",
+    )
+    .await;
 
     // The same connection goes on, now served by the target: the counter continued.
     let moved = held.get("after the migration");

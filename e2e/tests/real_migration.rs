@@ -18,7 +18,9 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
-use podmotion_e2e::real::copies::{jump_back, workload_processes};
+use podmotion_e2e::real::copies::{
+    Clients, DEFAULTS_BOUND, assert_clients, jump_back, workload_processes,
+};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable, ended,
     node_of, pod_ip, restart_count, source_serves_alone,
@@ -182,6 +184,9 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
             "freezeBudgetMillis": 20000, "probe": {"tcpSocket": {"port": 8080}}}
     }));
+    // Two clients of the Service watch the move (issue 39): fresh connections every
+    // 10 ms, and one held connection.
+    let clients = Clients::start(&svc_addr);
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "move-mover").await;
     if st.phase != MigrationPhase::Succeeded {
@@ -189,8 +194,19 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         panic!("migration failed: {st:?}");
     }
 
-    // The target pod: on the target node, owned by the ReplicaSet, the only replica.
     let target_name = st.target_pod.clone().expect("status.targetPod");
+    wait_list(
+        &pods,
+        "app=mover",
+        POD_TIMEOUT,
+        "the source pod gone",
+        |ps| ps.len() == 1 && ps[0].name_any() == target_name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_clients(clients, &st, DEFAULTS_BOUND, "Cold, the chart's defaults").await;
+
+    // The target pod: on the target node, owned by the ReplicaSet, the only replica.
     let target = pods.get(&target_name).await.unwrap();
     assert_eq!(node_of(&target), target_node);
     let owner = target
@@ -316,6 +332,13 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         .clone();
     let pre_target = nodes.iter().find(|n| **n != node_of(&pre)).unwrap().clone();
     let pre_before = counter(&format!("{}:8080", pod_ip(&pre)));
+    let pre_svc = app
+        .api::<Service>()
+        .create(&PostParams::default(), &testload::service("pre"))
+        .await
+        .unwrap();
+    let pre_svc = format!("{}:8080", pre_svc.spec.unwrap().cluster_ip.unwrap());
+    counter_when_reachable(&pre_svc, "the pre Service");
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": "move-pre"},
@@ -323,6 +346,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
             "freezeBudgetMillis": 20000, "preCopy": {"maxRounds": 3},
             "probe": {"tcpSocket": {"port": 8080}}}
     }));
+    let clients = Clients::start(&pre_svc);
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "move-pre").await;
     if st.phase != MigrationPhase::Succeeded {
@@ -330,6 +354,22 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         panic!("PreCopy migration did not succeed: {st:?}");
     }
     let moved = pods.get(st.target_pod.as_deref().unwrap()).await.unwrap();
+    wait_list(
+        &pods,
+        "app=pre",
+        POD_TIMEOUT,
+        "the pre source pod gone",
+        |ps| ps.len() == 1 && ps[0].uid() == moved.uid(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_clients(
+        clients,
+        &st,
+        DEFAULTS_BOUND,
+        "PreCopy, the chart's defaults",
+    )
+    .await;
     assert_eq!(node_of(&moved), pre_target);
     let pre_after = counter(&format!("{}:8080", pod_ip(&moved)));
     assert!(pre_after > pre_before, "{pre_before} then {pre_after}");

@@ -4,9 +4,12 @@
 //!
 //! - `adopt_address` (target) adds one of the source's addresses to the target holder's
 //!   network namespace (`/32`, or `/128` with `nodad`, on the link of that family's
-//!   default route) and announces it from there (gratuitous ARP, unsolicited Neighbour
-//!   Advertisement with Override: the same sends as `unlock_network`'s). The source's
-//!   links are down by then (`lock_network`), so it no longer answers for it.
+//!   default route). The source's links are down by then (`lock_network`), so it no
+//!   longer answers for it. The address is announced (gratuitous ARP, unsolicited
+//!   Neighbour Advertisement with Override: the same sends as `unlock_network`'s) only
+//!   once the restored tree runs (`move_cgroup`): announced before the restore, the
+//!   node would send the clients' SYNs to a namespace where nothing listens yet, and
+//!   each would be refused (issue 39).
 //! - `release_address` (target, rollback) withdraws it again.
 //! - A successful `move_cgroup` marks the migration's adoptions **restored**: from then on
 //!   they outlive the migration's registration (after a commit the agent forgets it while
@@ -14,6 +17,25 @@
 //!   connection using them, or their deadline (`--address-linger-seconds` after the
 //!   adoption) passes. Adoptions not yet restored end with the registration (`forget`,
 //!   the lease's end, a broker restart).
+//!
+//! **Held neighbours** (issue 39). With the hand-over on, `lock_network` (source) first
+//! sets the node's neighbour entries for the source's addresses in the hand-over
+//! CIDRs to `INCOMPLETE` (`ip neigh replace <a> dev <d> nud incomplete` in the node's
+//! network namespace, `<d>` the device the node routes `<a>` through), then takes the
+//! pod's links down. A packet the node sends to a held address waits in that entry's
+//! queue (the kernel's `unres_qlen_bytes`, about 200 KiB by default; past it the
+//! oldest go) instead of being dropped at the pod's dead link: a client's SYN sent
+//! during the freeze is not lost and retransmitted a second later, it is delivered
+//! the moment an announcement names the address's place again — the target's, once
+//! its restored tree runs, or the source's at `unlock_network` (a rollback). An entry
+//! set `INCOMPLETE` by hand has no resolution timer, so nothing else ends the wait:
+//! whatever is still `INCOMPLETE` when the lock ends (`unlock_network`) or the
+//! registration does (a commit: the source's kill, `forget`, the lease's end) is
+//! deleted, and the node resolves it afresh. Only the node the source runs on holds
+//! (clients elsewhere on the segment still retransmit); best effort throughout: a
+//! failure is logged and the lock goes on as before. Not journalled: a broker that
+//! restarts during a freeze rolls the lock back, and the unlock's announcements end
+//! the wait.
 //!
 //! Every adoption is recorded in the journal `<run>/netns/.handover/<uid>` (0600, one file
 //! per migration, its path computed from the UID) before it is reported done, and taken
@@ -302,9 +324,9 @@ fn dev_of(words: &[&str]) -> Option<String> {
     words.get(i + 1).map(|s| (*s).to_owned())
 }
 
-/// Adds `a` to `link` as a host address and announces it there (best effort, as the
-/// unlock's announcements: a failure is logged).
-fn add_and_announce(ip: &mut dyn Ip, link: &Link, a: IpAddr) -> std::io::Result<()> {
+/// Adds `a` to `link` as a host address, unannounced (see the module docs: the
+/// announcement waits for the restored tree, [`Broker::mark_restored`]).
+fn add(ip: &mut dyn Ip, link: &Link, a: IpAddr) -> std::io::Result<()> {
     match a {
         IpAddr::V4(_) => ip.ip(&["-4", "addr", "add", &format!("{a}/32"), "dev", &link.name])?,
         // nodad: the address was in use a moment ago (on the source); no duplicate
@@ -319,10 +341,85 @@ fn add_and_announce(ip: &mut dyn Ip, link: &Link, a: IpAddr) -> std::io::Result<
             "nodad",
         ])?,
     };
-    if link.mac.is_none() {
-        tracing::warn!(link = %link.name, address = %a, "adopted address not announced: the link has no MAC");
-    } else if let Err(e) = ip.announce(link, a) {
-        tracing::warn!(error = %e, link = %link.name, address = %a, "adopted address not announced");
+    Ok(())
+}
+
+/// Announces each of `adopted` (address, link name) from its link, in the holder's
+/// namespace (best effort, as the unlock's announcements: a failure is logged).
+fn announce_adopted(ip: &mut dyn Ip, adopted: &[(IpAddr, String)]) -> std::io::Result<()> {
+    let links = parse_links(&ip.ip(&["-o", "link", "show"])?);
+    for (a, name) in adopted {
+        match links.iter().find(|l| l.name == *name && l.mac.is_some()) {
+            None => {
+                tracing::warn!(link = %name, address = %a, "adopted address not announced: no such link with a MAC");
+            }
+            Some(link) => {
+                if let Err(e) = ip.announce(link, *a) {
+                    tracing::warn!(error = %e, link = %name, address = %a, "adopted address not announced");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A node neighbour entry `lock_network` holds (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub address: IpAddr,
+    /// The node's device the entry is on.
+    pub dev: String,
+}
+
+/// The `-4` / `-6` flag of `a`'s family.
+fn family(a: IpAddr) -> &'static str {
+    if a.is_ipv4() { "-4" } else { "-6" }
+}
+
+/// In the node's namespace: sets the entry of each of `addrs` `INCOMPLETE` on the
+/// device the node routes it through; what it held.
+fn hold(ip: &mut dyn Ip, addrs: &[IpAddr]) -> Vec<Held> {
+    let mut held = Vec::new();
+    for a in addrs {
+        let a_s = a.to_string();
+        let dev = match ip.ip(&[family(*a), "route", "get", &a_s]) {
+            Ok(out) => dev_of(&out.split_whitespace().collect::<Vec<_>>()),
+            Err(e) => {
+                tracing::warn!(error = %e, address = %a, "lock: no node route to the address, not held");
+                continue;
+            }
+        };
+        let Some(dev) = dev.filter(|d| link_name_ok(d)) else {
+            continue;
+        };
+        match ip.ip(&[
+            family(*a),
+            "neigh",
+            "replace",
+            &a_s,
+            "dev",
+            &dev,
+            "nud",
+            "incomplete",
+        ]) {
+            Ok(_) => held.push(Held { address: *a, dev }),
+            Err(e) => {
+                tracing::warn!(error = %e, address = %a, %dev, "lock: the node's neighbour entry not held");
+            }
+        }
+    }
+    held
+}
+
+/// In the node's namespace: deletes each of `held` that is still `INCOMPLETE` (no
+/// announcement reached it); a resolved one is left as it is.
+fn release(ip: &mut dyn Ip, held: &[Held]) -> std::io::Result<()> {
+    for h in held {
+        let a = h.address.to_string();
+        let out = ip.ip(&[family(h.address), "neigh", "show", &a, "dev", &h.dev])?;
+        if out.contains("INCOMPLETE") {
+            ip.ip(&[family(h.address), "neigh", "del", &a, "dev", &h.dev])?;
+        }
     }
     Ok(())
 }
@@ -527,7 +624,7 @@ impl<K: Kernel> Broker<K> {
         self.set_adoptions(uid, l, next)?;
         if let Err(k) = self
             .kernel
-            .in_netns(holder.pid, move |ip| add_and_announce(ip, &link, a))
+            .in_netns(holder.pid, move |ip| add(ip, &link, a))
         {
             // Not added: the record goes again (if the journal cannot drop it, it stays,
             // and its withdrawal later finds nothing to remove).
@@ -553,7 +650,7 @@ impl<K: Kernel> Broker<K> {
             .map_err(kerr)?;
         if let Plan::Onto(link) = plan {
             self.kernel
-                .in_netns(holder.pid, move |ip| add_and_announce(ip, &link, a))
+                .in_netns(holder.pid, move |ip| add(ip, &link, a))
                 .map_err(kerr)?;
         }
         Ok(Reply::Done)
@@ -592,7 +689,9 @@ impl<K: Kernel> Broker<K> {
     }
 
     /// After a successful `move_cgroup`: the adoptions of `uid` for `holder` are
-    /// restored (journal first). They now outlive the registration.
+    /// restored (journal first). They now outlive the registration, and are announced:
+    /// the restored tree listens, the node's held entries (and every neighbour) may
+    /// send to it now.
     pub(crate) fn mark_restored(
         &self,
         uid: &MigrationUid,
@@ -603,9 +702,79 @@ impl<K: Kernel> Broker<K> {
             for r in next.iter_mut().filter(|r| r.holder == holder) {
                 r.restored = true;
             }
-            self.set_adoptions(uid, l, next)
+            self.set_adoptions(uid, l, next)?;
+            let adopted: Vec<(IpAddr, String)> = l
+                .records
+                .iter()
+                .filter(|r| r.holder == holder)
+                .map(|r| (r.address, r.link.clone()))
+                .collect();
+            if !adopted.is_empty()
+                && let Err(e) = self
+                    .kernel
+                    .in_netns(holder.pid, move |ip| announce_adopted(ip, &adopted))
+            {
+                tracing::warn!(%uid, error = %e, "adopted addresses not announced");
+            }
+            Ok(())
         })
         .unwrap_or(Ok(()))
+    }
+
+    /// `lock_network`, the hand-over on: holds the node's neighbour entries for the
+    /// addresses of `pid`'s namespace in the hand-over CIDRs (see the module docs).
+    /// Best effort: what could not be held is logged and left as it was.
+    pub(crate) fn hold_neighbours(&self, pid: i32) -> Vec<Held> {
+        if self.cfg.handover_cidrs.is_empty() {
+            return Vec::new();
+        }
+        let cidrs = self.cfg.handover_cidrs.clone();
+        let addrs = match self.kernel.in_netns(pid, |ip| {
+            Ok(addr_lines(&ip.ip(&["-o", "addr", "show"])?)
+                .into_iter()
+                .filter(|l| !l.v6 || l.global)
+                .filter_map(|l| l.address().parse::<IpAddr>().ok())
+                .collect::<Vec<_>>())
+        }) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "lock: the pod's addresses not listed, nothing held");
+                return Vec::new();
+            }
+        };
+        let addrs: Vec<IpAddr> = addrs
+            .into_iter()
+            .filter(|a| check_address(&cidrs, *a).is_ok())
+            .collect();
+        if addrs.is_empty() {
+            return Vec::new();
+        }
+        match self.kernel.in_node_netns(move |ip| Ok(hold(ip, &addrs))) {
+            Ok(held) => {
+                if !held.is_empty() {
+                    tracing::info!(
+                        ?held,
+                        "lock: the node holds what it sends to the pod's addresses"
+                    );
+                }
+                held
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "lock: the node's namespace not entered, nothing held");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Ends what [`Broker::hold_neighbours`] held: an entry still `INCOMPLETE` is
+    /// deleted (best effort, logged).
+    pub(crate) fn release_neighbours(&self, held: Vec<Held>) {
+        if held.is_empty() {
+            return;
+        }
+        if let Err(e) = self.kernel.in_node_netns(move |ip| release(ip, &held)) {
+            tracing::warn!(error = %e, "the node's held neighbour entries not released");
+        }
     }
 
     /// The registration of `uid` ends (`forget`, the lease's end): its adoptions not yet

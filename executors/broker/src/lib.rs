@@ -127,6 +127,9 @@ struct State {
     /// The restore fence (`fence`): never resumed; killed, not rolled back, when the
     /// lease is lost (and, through the journal, when the broker restarts).
     fenced: bool,
+    /// The node's neighbour entries `lock_network` holds for the source's addresses
+    /// (the hand-over on): see [`handover`]'s "Held neighbours".
+    held: Vec<handover::Held>,
 }
 
 #[derive(Debug, Clone)]
@@ -412,6 +415,7 @@ impl<K: Kernel> Broker<K> {
     /// gone, out of the map (unless the map already holds a newer one).
     fn remove(&self, uid: &MigrationUid, e: &Arc<Entry>, s: &mut State) {
         self.journal_remove(uid);
+        self.release_neighbours(std::mem::take(&mut s.held));
         s.gone = true;
         let mut m = self.map();
         if m.get(uid).is_some_and(|x| Arc::ptr_eq(x, e)) {
@@ -737,7 +741,18 @@ impl<K: Kernel> Broker<K> {
         s: &mut State,
     ) -> Result<Reply, BrokerError> {
         if s.locked.is_none() {
-            let l = lock(&self.kernel, e.process.pid)?;
+            // Before the links go down: from here the node holds what it sends to the
+            // pod (a client's SYN waits, it is not dropped) until an announcement
+            // names the address's new place.
+            let held = self.hold_neighbours(e.process.pid);
+            let l = match lock(&self.kernel, e.process.pid) {
+                Ok(l) => l,
+                Err(k) => {
+                    self.release_neighbours(held);
+                    return Err(k);
+                }
+            };
+            s.held.extend(held);
             if let Err(j) = self.journal_write(uid, e.process, &l, s.fenced) {
                 // Never report a lock that a broker restart could not undo. If
                 // the undo fails too, the lock stays known in memory, so that
@@ -768,6 +783,8 @@ impl<K: Kernel> Broker<K> {
             unlock(&self.kernel, e.process.pid, l)?;
             s.locked = None;
         }
+        // The unlock announced the addresses: what the node held goes to the source.
+        self.release_neighbours(std::mem::take(&mut s.held));
         self.journal_remove(uid);
         Ok(Reply::Done)
     }

@@ -70,6 +70,14 @@ pub trait Kernel: Send + Sync + 'static {
         pid: i32,
         f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
     ) -> std::io::Result<T>;
+    /// Runs `f` inside the node's own network namespace (init's: the broker runs with
+    /// the node's PID namespace).
+    fn in_node_netns<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
+    ) -> std::io::Result<T> {
+        self.in_netns(1, f)
+    }
     /// Writes every pid of `tree` into the cgroups of `holder` (v1 hierarchies and the
     /// v2 path `cgroup_v2`).
     fn move_into_cgroups_of(

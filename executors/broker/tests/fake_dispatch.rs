@@ -418,7 +418,12 @@ fn a_planted_symlink_is_refused_and_nothing_is_mounted() {
 
 #[test]
 fn a_lock_that_fails_half_way_leaves_no_link_down() {
-    let mut h = Harness::new();
+    // The hand-over off: only the lock's own `ip` calls (with it on, the hold of the
+    // node's neighbour entries lists and routes the pod's addresses first).
+    let mut h = Harness::with_config(podmotion_broker::Config {
+        handover_cidrs: Vec::new(),
+        ..podmotion_broker::fake::config()
+    });
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     // The 6th ip call of the lock (the second link's `set down`) fails.
     ev(&mut h, Op::Fault(Fault::Ip(5)));
@@ -470,7 +475,11 @@ fn the_fuzz_targets_seed_corpus_replays_without_a_violation() {
 
 #[test]
 fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
-    let mut h = Harness::new();
+    // The hand-over off: only the lock's own `ip` calls (see above).
+    let mut h = Harness::with_config(podmotion_broker::Config {
+        handover_cidrs: Vec::new(),
+        ..podmotion_broker::fake::config()
+    });
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     // The journal directory is a planted symlink and the undo of the lock fails too
     // (the 6th ip call: the first of the undo).
@@ -834,22 +843,18 @@ fn only_the_agent_holding_a_target_adopts_for_it() {
 }
 
 #[test]
-fn an_adoption_is_added_announced_journalled_and_idempotent() {
+fn an_adoption_is_added_journalled_idempotent_and_announced_once_restored() {
     let mut h = Harness::new();
     target(&mut h);
     assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.10.5"), Ok(Reply::Done));
     assert_eq!(
         addr_effects(&h),
         [
+            // Not announced yet: nothing listens there before the restore.
             Effect::AddrAdded {
                 netns: 20,
                 link: "eth0".into(),
                 addr: ip("10.0.10.5")
-            },
-            Effect::Announced {
-                netns: 20,
-                link: "eth0".into(),
-                addr: "10.0.10.5".into()
             },
         ]
     );
@@ -880,6 +885,35 @@ fn an_adoption_is_added_announced_journalled_and_idempotent() {
         [
             ("10.0.10.5/32".to_owned(), "eth0".to_owned()),
             ("2001:db8:10::5/128".to_owned(), "eth0".to_owned())
+        ]
+    );
+    // The restored tree moved into the holder's cgroup: now every adoption is
+    // announced from its link.
+    let process = pin(&h, 201);
+    assert_eq!(
+        req(
+            &mut h,
+            1,
+            Request::MoveCgroup {
+                uid: uid("mig-c"),
+                process
+            }
+        ),
+        Ok(Reply::Moved { pids: 2 })
+    );
+    assert_eq!(
+        addr_effects(&h),
+        [
+            Effect::Announced {
+                netns: 20,
+                link: "eth0".into(),
+                addr: "10.0.10.5".into()
+            },
+            Effect::Announced {
+                netns: 20,
+                link: "eth0".into(),
+                addr: "2001:db8:10::5".into()
+            },
         ]
     );
 }

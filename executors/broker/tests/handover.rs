@@ -311,11 +311,13 @@ impl Connection {
     }
 }
 
-/// adopt → the address is on the pod's link, and the host's neighbour entry for it,
-/// which named the source's MAC, names the pod's (the gratuitous ARP arrived); it is
-/// journalled (0600); asked again, nothing more; release → gone, record gone.
+/// adopt → the address is on the pod's link, unannounced: the host's neighbour entry
+/// for it still names the source's MAC (nothing listens in the pod before the restore);
+/// once the restored tree is moved into the holder's cgroup, the entry names the pod's
+/// (the gratuitous ARP arrived). It is journalled (0600); asked again, nothing more;
+/// release → gone, record gone.
 #[test]
-fn an_adopted_address_is_on_the_pods_link_and_announced_then_released() {
+fn an_adopted_address_is_on_the_pods_link_announced_once_restored_then_released() {
     if !require_root() {
         return;
     }
@@ -327,9 +329,38 @@ fn an_adopted_address_is_on_the_pods_link_and_announced_then_released() {
     let mac = n.pod_mac();
     let entry = n.host_neigh(ADOPTED);
     assert!(
+        entry.contains(SOURCE_MAC),
+        "announced before the restore: the host's entry for {ADOPTED}: {entry:?}"
+    );
+    // The restored tree: a process of the pod's namespace, moved into its cgroup.
+    let tree = KillOnDrop(
+        Command::new("nsenter")
+            .args(["-t", &n.pod_pid().to_string(), "-n", "sleep", "600"])
+            .spawn()
+            .unwrap(),
+    );
+    let pid = tree.0.id() as i32;
+    wait_for("the tree in the pod's namespace", || {
+        procfs::netns_inode(pid).ok() == procfs::netns_inode(n.pod_pid()).ok()
+    });
+    let process = ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    };
+    assert_eq!(
+        c.call(&Request::MoveCgroup {
+            uid: uid("m-adopt"),
+            process
+        })
+        .unwrap(),
+        Reply::Moved { pids: 1 }
+    );
+    let entry = n.host_neigh(ADOPTED);
+    assert!(
         entry.contains(&format!("lladdr {mac}")),
         "the host's entry for {ADOPTED}: {entry:?} (the pod's MAC is {mac})"
     );
+    drop(tree);
     use std::os::unix::fs::PermissionsExt;
     let j = journal(&f, "m-adopt");
     let mode = std::fs::metadata(&j).unwrap().permissions().mode() & 0o777;
@@ -339,7 +370,7 @@ fn an_adopted_address_is_on_the_pods_link_and_announced_then_released() {
         format!(r#""address":"{ADOPTED}""#),
         r#""link":"eth0""#.to_owned(),
         format!(r#""pid":{}"#, n.pod_pid()),
-        r#""restored":false"#.to_owned(),
+        r#""restored":true"#.to_owned(),
     ] {
         assert!(record.contains(&part), "{part} not in {record}");
     }

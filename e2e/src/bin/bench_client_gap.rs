@@ -1,0 +1,335 @@
+//! Benchmark (not a test): what the clients of a migrated pod see (issue 39, item 4),
+//! beside the migration's `status.downtime`, on the real nodes through the chart.
+//!
+//!     eval "$(hack/cluster.sh env)"       # the cluster with real nodes, images pushed
+//!     cargo build -p podmotion-e2e --bin bench_client_gap
+//!     PODMOTION_IMAGES_VALUES=… PODMOTION_IMAGES_LIST=… \
+//!       target/debug/bench_client_gap [--rounds 10] [--ballast 16] [--configs defaults,handover]
+//!
+//! For each configuration — `defaults` (the chart's defaults) and `handover` (the
+//! chart with `migrationAgent.broker.addressHandover.cidrs={198.18.0.0/16}`, the real
+//! nodes' shared L2 segment) — it installs the chart from our images with the
+//! real-node tests' fixture ([`World`]: one testload replica, `--ballast` MiB, uid 0,
+//! readiness probe, behind a ClusterIP Service), then, each round, moves that pod to
+//! the other real node with a Cold and then a PreCopy PodMigration (the pod moves again
+//! and again: A → B → A …). Around each migration two clients of the Service run on this
+//! machine ([`Clients`]): one opening a fresh connection every 10 ms (3 s connect
+//! timeout, 3 s answer timeout), one holding a connection and asking on it every 10 ms
+//! (a new connection through the Service when it ends). They start before the
+//! PodMigration is created and stop once both answer again after it succeeded.
+//! Per migration it prints `status.downtimeMillis` and, for each client, the gap (the
+//! longest time without an answer), gap − downtime, the failed reads and how held
+//! connections ended; then per configuration and mode the medians and the largest
+//! gap − downtime.
+#![forbid(unsafe_code)]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher::{self, Event};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::from_json;
+use podmotion_e2e::real::copies::{ClientView, Clients};
+use podmotion_e2e::real::testload::{POD_TIMEOUT, World, ended, node_of};
+use podmotion_e2e::wait_list;
+use serde_json::json;
+
+const APP: &str = "gapped";
+
+struct Args {
+    rounds: usize,
+    ballast: u32,
+    configs: Vec<String>,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        rounds: 10,
+        ballast: 16,
+        configs: vec!["defaults".into(), "handover".into()],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().context("a value after the flag");
+        match arg.as_str() {
+            "--rounds" => a.rounds = value()?.parse()?,
+            "--ballast" => a.ballast = value()?.parse()?,
+            "--configs" => a.configs = value()?.split(',').map(str::to_owned).collect(),
+            other => bail!(
+                "unknown argument {other}; usage: bench_client_gap [--rounds N] [--ballast MiB] [--configs defaults,handover]"
+            ),
+        }
+    }
+    Ok(a)
+}
+
+/// What happened around one migration, on the clients' clock (ms from their start): the
+/// PodMigration's phases and the Service's EndpointSlice (each endpoint's address and
+/// whether it is ready/serving/terminating), as the watches delivered them.
+type Timeline = Arc<Mutex<Vec<(u128, String)>>>;
+
+fn endpoints(s: &EndpointSlice) -> String {
+    let mut out: Vec<String> = s
+        .endpoints
+        .iter()
+        .flatten()
+        .map(|e| {
+            let c = e.conditions.clone().unwrap_or_default();
+            let flag = |b: Option<bool>, t: &'static str| if b == Some(true) { t } else { "" };
+            format!(
+                "{}[{}{}{}]",
+                e.addresses.first().cloned().unwrap_or_default(),
+                flag(c.ready, "R"),
+                flag(c.serving, "S"),
+                flag(c.terminating, "T")
+            )
+        })
+        .collect();
+    out.sort();
+    format!("endpoints {}", out.join(" "))
+}
+
+/// Watches the PodMigration `name` and the Service `APP`'s EndpointSlices into a
+/// timeline counted from `t0`, until the returned task is aborted.
+fn watch_timeline(
+    client: kube::Client,
+    ns: &str,
+    name: &str,
+    t0: Instant,
+) -> (Timeline, Vec<tokio::task::JoinHandle<()>>) {
+    let tl: Timeline = Arc::new(Mutex::new(vec![]));
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
+    let pms: Api<PodMigration> = Api::namespaced(client, ns);
+    let cfg = watcher::Config::default().labels(&format!("kubernetes.io/service-name={APP}"));
+    let t = tl.clone();
+    let a = tokio::spawn(async move {
+        let mut last = String::new();
+        let mut st = watcher::watcher(slices, cfg).boxed();
+        while let Some(Ok(ev)) = st.next().await {
+            if let Event::Apply(s) | Event::InitApply(s) = ev {
+                let now = endpoints(&s);
+                if now != last {
+                    t.lock()
+                        .unwrap()
+                        .push((t0.elapsed().as_millis(), now.clone()));
+                    last = now;
+                }
+            }
+        }
+    });
+    let t = tl.clone();
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let b = tokio::spawn(async move {
+        let mut last = String::new();
+        let mut st = watcher::watcher(pms, cfg).boxed();
+        while let Some(Ok(ev)) = st.next().await {
+            if let Event::Apply(m) | Event::InitApply(m) = ev {
+                let phase = m
+                    .status
+                    .map(|s| format!("phase {:?}", s.phase))
+                    .unwrap_or_default();
+                if !phase.is_empty() && phase != last {
+                    t.lock()
+                        .unwrap()
+                        .push((t0.elapsed().as_millis(), phase.clone()));
+                    last = phase;
+                }
+            }
+        }
+    });
+    (tl, vec![a, b])
+}
+
+/// One migration's figures.
+struct Row {
+    config: String,
+    mode: &'static str,
+    round: usize,
+    downtime: u64,
+    fresh: ClientView,
+    held: ClientView,
+}
+
+fn over(v: &ClientView, downtime: u64) -> i64 {
+    v.gap_ms() as i64 - downtime as i64
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "| {} | {} | {} | {} | {} ({:+}) | {} | {} ({:+}) | {} | {} |",
+        r.config,
+        r.mode,
+        r.round,
+        r.downtime,
+        r.fresh.gap_ms(),
+        over(&r.fresh, r.downtime),
+        r.fresh.failures.len(),
+        r.held.gap_ms(),
+        over(&r.held, r.downtime),
+        r.held.failures.len(),
+        if r.held.ends.is_empty() {
+            "continued".to_string()
+        } else {
+            r.held
+                .ends
+                .iter()
+                .map(|(_, why)| why.clone())
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+    );
+    eprintln!("  fresh: {}", r.fresh.summary());
+    eprintln!("  held:  {}", r.held.summary());
+}
+
+fn median(mut v: Vec<i64>) -> i64 {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let mut rows: Vec<Row> = vec![];
+    println!(
+        "| config | mode | round | downtime ms | fresh gap ms (− downtime) | fresh failed | held gap ms (− downtime) | held failed | held connection |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---|");
+    for config in &args.configs {
+        let extra: &[&str] = match config.as_str() {
+            "defaults" => &[],
+            "handover" => &[
+                "--set",
+                "migrationAgent.broker.addressHandover.cidrs={198.18.0.0/16}",
+            ],
+            other => bail!("unknown configuration {other}: defaults or handover"),
+        };
+        let Some(w) = World::new(&format!("gap-{config}"), APP, args.ballast, extra).await else {
+            bail!("no real nodes (PODMOTION_REAL_NODES=0?)");
+        };
+        let svc = w.service(APP).await;
+        let pods: Api<Pod> = w.app.api();
+        let pms: Api<PodMigration> = w.app.api();
+        let mut pod = w.source.clone();
+        for round in 1..=args.rounds {
+            for mode in ["Cold", "PreCopy"] {
+                let to = w
+                    .nodes
+                    .iter()
+                    .find(|n| **n != node_of(&pod))
+                    .context("a second real node")?
+                    .clone();
+                let name = format!("gap-{round}-{}", mode.to_lowercase());
+                let mut spec = json!({"podName": pod.name_any(), "targetNode": to,
+                    "mode": mode, "freezeBudgetMillis": 20000,
+                    "probe": {"tcpSocket": {"port": 8080}}});
+                if mode == "PreCopy" {
+                    spec["preCopy"] = json!({"maxRounds": 3});
+                }
+                let pm: PodMigration = from_json(json!({
+                    "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+                    "metadata": {"name": name}, "spec": spec
+                }));
+                let clients = Clients::start(&svc);
+                let (timeline, watches) =
+                    watch_timeline(w.app.client.clone(), &w.app.name, &name, clients.t0);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let created = clients.t0.elapsed().as_millis();
+                pms.create(&PostParams::default(), &pm).await?;
+                let st = ended(&pms, &name).await;
+                if st.phase != MigrationPhase::Succeeded {
+                    // Rolled back: the source serves on; the round is reported, not
+                    // counted, and the next one moves the same pod.
+                    for w in watches {
+                        w.abort();
+                    }
+                    clients.fresh.finish();
+                    clients.held.finish();
+                    println!(
+                        "| {config} | {mode} | {round} | {:?}: {} | | | | | |",
+                        st.phase,
+                        st.failure_reason.clone().unwrap_or_default()
+                    );
+                    eprintln!("  {name}: {:?}", st.failure_message);
+                    continue;
+                }
+                let target = st.target_pod.clone().context("status.targetPod")?;
+                wait_list(
+                    &pods,
+                    &format!("app={APP}"),
+                    POD_TIMEOUT,
+                    "only the target pod left",
+                    |ps| ps.len() == 1 && ps[0].name_any() == target,
+                )
+                .await?;
+                let (fresh, held) = tokio::task::spawn_blocking(move || {
+                    clients.finish_after(Duration::from_millis(500))
+                })
+                .await?;
+                let row = Row {
+                    config: config.clone(),
+                    mode,
+                    round,
+                    downtime: st.downtime_millis.unwrap_or(0).max(0) as u64,
+                    fresh,
+                    held,
+                };
+                for w in watches {
+                    w.abort();
+                }
+                print_row(&row);
+                eprintln!(
+                    "  timeline (ms on the clients' clock): created {created}; fresh gap {}..{}; held gap {}..{}",
+                    row.fresh.gap_from.as_millis(),
+                    (row.fresh.gap_from + row.fresh.gap).as_millis(),
+                    row.held.gap_from.as_millis(),
+                    (row.held.gap_from + row.held.gap).as_millis(),
+                );
+                for (at, what) in timeline.lock().unwrap().iter() {
+                    eprintln!("    {at:>6} {what}");
+                }
+                rows.push(row);
+                pod = pods.get(&target).await?;
+            }
+        }
+        drop(w);
+    }
+    println!();
+    println!(
+        "| config | mode | n | downtime ms p50 | fresh gap − downtime p50 / max | fresh failed (sum) | held gap − downtime p50 / max | held failed (sum) | held continued |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for config in &args.configs {
+        for mode in ["Cold", "PreCopy"] {
+            let rs: Vec<&Row> = rows
+                .iter()
+                .filter(|r| &r.config == config && r.mode == mode)
+                .collect();
+            if rs.is_empty() {
+                continue;
+            }
+            let f: Vec<i64> = rs.iter().map(|r| over(&r.fresh, r.downtime)).collect();
+            let h: Vec<i64> = rs.iter().map(|r| over(&r.held, r.downtime)).collect();
+            println!(
+                "| {config} | {mode} | {} | {} | {} / {} | {} | {} / {} | {} | {} |",
+                rs.len(),
+                median(rs.iter().map(|r| r.downtime as i64).collect()),
+                median(f.clone()),
+                f.iter().max().unwrap(),
+                rs.iter().map(|r| r.fresh.failures.len()).sum::<usize>(),
+                median(h.clone()),
+                h.iter().max().unwrap(),
+                rs.iter().map(|r| r.held.failures.len()).sum::<usize>(),
+                rs.iter().filter(|r| r.held.ends.is_empty()).count(),
+            );
+        }
+    }
+    Ok(())
+}
