@@ -208,6 +208,9 @@ pub struct Pki {
     leader: Leadership,
     ca: watch::Sender<Option<Arc<LoadedCa>>>,
     tls: TlsFiles,
+    /// The ValidatingAdmissionPolicyBinding letting only the operator write the key
+    /// material (`--pki-key-material-policy`); `None`: no provenance check.
+    protection: Option<String>,
 }
 
 impl Pki {
@@ -220,7 +223,15 @@ impl Pki {
             leader,
             ca,
             tls: TlsFiles::from_pem(vec![], vec![], vec![]),
+            protection: None,
         })
+    }
+
+    /// Adopts only key material created while the policy binding `binding` let only
+    /// the operator write it ([`plan::provenance`]).
+    pub fn with_protection(mut self, binding: Option<String>) -> Self {
+        self.protection = binding.filter(|b| !b.is_empty());
+        self
     }
 
     /// The operator's client identity for the agents (renewed in place).
@@ -281,6 +292,24 @@ impl Pki {
             }
             if !synced {
                 continue;
+            }
+            if let Some(planted) = seen.as_ref() {
+                match untrusted(&self.client, self.protection.as_deref(), planted).await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => {
+                        tracing::error!(secret = %s.ca_secret, error = %why, "the CA Secret is not used");
+                        if self.leader.is_leader() {
+                            replace_untrusted(&secrets, planted).await;
+                        }
+                        wait = Duration::from_secs(10);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the key material's admission policy binding");
+                        wait = Duration::from_secs(5);
+                        continue;
+                    }
+                }
             }
             let Ok(loaded) = usable_ca(seen.as_ref(), &s.ca_secret) else {
                 wait = Duration::from_secs(60);
@@ -643,17 +672,72 @@ pub enum SignError {
     Other(String),
 }
 
+/// Why `obj` must not be adopted as key material (`Ok(None)`: it may), given the
+/// policy binding `protection` (`None`: no check).
+async fn untrusted<K: ResourceExt>(
+    client: &Client,
+    protection: Option<&str>,
+    obj: &K,
+) -> Result<Option<plan::Untrusted>, kube::Error> {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
+    let Some(binding) = protection else {
+        return Ok(None);
+    };
+    let since = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .get_opt(binding)
+        .await?
+        .and_then(|b| b.metadata.creation_timestamp)
+        .map(|t| t.0.as_second());
+    let created = obj
+        .meta()
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_second());
+    Ok(plan::provenance(binding, created, since).err())
+}
+
+/// Deletes key material that is not trusted (that very object: uid and version as
+/// read), so that the leader makes its own in its place.
+async fn replace_untrusted(api: &Api<Secret>, s: &Secret) {
+    let dp = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: s.metadata.uid.clone(),
+            resource_version: s.metadata.resource_version.clone(),
+        }),
+        ..Default::default()
+    };
+    match api.delete(&s.name_any(), &dp).await {
+        Ok(_) => {
+            tracing::warn!(secret = %s.name_any(), "untrusted key material deleted; the leader makes its own")
+        }
+        Err(e) => {
+            tracing::warn!(secret = %s.name_any(), error = %e, "untrusted key material not deleted")
+        }
+    }
+}
+
 /// The migration master key from `name` in `namespace`, created (64 random characters)
-/// by the leader when absent. Followers wait for the leader's.
+/// by the leader when absent. Followers wait for the leader's. With `protection` (the
+/// key material's policy binding), a Secret created before that binding is not used:
+/// the leader replaces it.
 pub async fn master_key(
     client: &Client,
     namespace: &str,
     name: &str,
     leader: &Leadership,
+    protection: Option<&str>,
 ) -> anyhow::Result<Vec<u8>> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     loop {
         if let Some(s) = api.get_opt(name).await? {
+            if let Some(why) = untrusted(client, protection, &s).await? {
+                tracing::error!(secret = %name, error = %why, "the master key Secret is not used");
+                if leader.is_leader() {
+                    replace_untrusted(&api, &s).await;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
             let key = s
                 .data
                 .as_ref()
