@@ -50,6 +50,7 @@ impl Operator {
             pod_annotations: BTreeMap::new(),
             metrics_port: 9090,
             control_port: 15000,
+            max_wiretaps: 4,
             jobs_namespace: None,
             watch_namespace: Some(watch_ns.into()),
         };

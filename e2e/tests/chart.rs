@@ -907,9 +907,29 @@ fn disabled_controllers_lose_their_permissions() {
         !grants("persistentvolumeclaims", "get"),
         "claims are read by the migration pre-flight only"
     );
+    // RunnerPool creates its credential once; it applies (patches) it only where it
+    // may read Secrets anyway: a no-op PATCH answers with the whole Secret (issue 41).
     assert!(
-        grants("secrets", "patch"),
-        "RunnerPool applies its credential"
+        !grants("secrets", "patch"),
+        "patch on Secrets without runnerPool.watchNamespace"
+    );
+    let docs = render(&[
+        "--set",
+        "operator.controllers={runner-pool},runnerPool.watchNamespace=runners",
+    ]);
+    let scoped: Vec<(String, String)> = rules(&docs)
+        .into_iter()
+        .filter(|(_, _, r)| {
+            strs(&r["resources"]).contains(&"secrets") && strs(&r["verbs"]).contains(&"patch")
+        })
+        .map(|(who, ns, _)| (who, ns))
+        .collect();
+    assert_eq!(
+        scoped,
+        vec![(
+            "Role/pm-podmotion-runner-pool-secrets".to_string(),
+            "runners".to_string()
+        )]
     );
 
     // The migration controller writes Secrets with create and delete only (the
@@ -2824,7 +2844,6 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["update", "daemonsets.apps", "-n", "default"],
         vec!["delete", "daemonsets.apps", "-n", "default"],
         vec!["create", "secrets", "-n", "default"],
-        vec!["patch", "secrets", "-n", "default"],
         vec!["delete", "secrets", "-n", "default"],
         vec!["watch", "leases.coordination.k8s.io", "-A"],
         vec!["create", "leases.coordination.k8s.io", "-n", "default"],
@@ -2863,6 +2882,7 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["get", "secrets", "-n", "kube-system"],
         // An application namespace (where PodMigrations create transfer-key Secrets).
         vec!["get", "secrets", "-n", "default"],
+        vec!["patch", "secrets", "-n", "default"],
         vec!["list", "secrets", "-n", "default"],
         vec!["watch", "secrets", "-n", "default"],
         vec!["list", "secrets", "-n", op],

@@ -149,6 +149,15 @@ pub struct PkiConfig {
     /// file under `--key-material-dir`. Ignored when `--migration-key-file` is given.
     #[arg(long = "migration-key-secret", env = "PODMOTION_MIGRATION_KEY_SECRET")]
     pub migration_key_secret: Option<String>,
+    /// ValidatingAdmissionPolicyBinding (the chart's `<release>-podmotion-key-material`)
+    /// that lets only the operator's ServiceAccount write the CA and master key
+    /// Secrets: key material created before it existed, or while it is missing, is
+    /// not used, and the leader replaces it. Unset: no such check.
+    #[arg(
+        long = "pki-key-material-policy",
+        env = "PODMOTION_PKI_KEY_MATERIAL_POLICY"
+    )]
+    pub key_material_policy: Option<String>,
     /// Private directory (a memory-backed volume) where key material read through the
     /// API is written for the controllers that read files.
     #[arg(

@@ -142,11 +142,14 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
     wait_for_crds(&client).await?;
 
     let pki = match &settings.pki.ca_secret {
-        Some(secret) => Some(Pki::new(
-            client.clone(),
-            pki_settings(&config, &settings, secret),
-            leader.clone(),
-        )?),
+        Some(secret) => Some(
+            Pki::new(
+                client.clone(),
+                pki_settings(&config, &settings, secret),
+                leader.clone(),
+            )?
+            .with_protection(settings.pki.key_material_policy.clone()),
+        ),
         None => None,
     };
     // The eviction webhook: served by every replica, its certificate from the CA.
@@ -320,6 +323,7 @@ async fn master_key_file(
         &ctx.config.namespace,
         secret,
         &ctx.writer,
+        pki.key_material_policy.as_deref(),
     )
     .await
     .with_context(|| format!("migration master key Secret {secret}"))?;

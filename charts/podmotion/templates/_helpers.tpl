@@ -104,6 +104,7 @@ app.kubernetes.io/component: node-agent
 - --pki-ca-seconds={{ mul (int $pki.caValidityDays) 86400 }}
 - --pki-leaf-seconds={{ mul (int $pki.leafValidityHours) 3600 }}
 - --pki-propagation-seconds={{ $pki.propagationSeconds }}
+- --pki-key-material-policy={{ include "podmotion.fullname" . }}-key-material
 {{- end }}
 {{- end -}}
 
@@ -180,6 +181,8 @@ app.kubernetes.io/component: node-agent
   value: {{ .Values.attachment.metricsPort | quote }}
 - name: PODMOTION_ATTACHMENT_CONTROL_PORT
   value: {{ .Values.attachment.controlPort | quote }}
+- name: PODMOTION_ATTACHMENT_MAX_WIRETAPS
+  value: {{ .Values.attachment.maxWiretaps | quote }}
 {{- with .Values.imagePullSecrets }}
 {{- $names := list }}
 {{- range . }}{{ $names = append $names .name }}{{ end }}

@@ -273,6 +273,7 @@ fn start_controller(
         pod_annotations: Default::default(),
         metrics_port: 9090,
         control_port: 15000,
+        max_wiretaps: 4,
         jobs_namespace: None,
         watch_namespace: Some(app_ns.to_string()),
     };

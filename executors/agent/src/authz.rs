@@ -16,7 +16,11 @@
 //! is on (`podmotion_wire::agent::LeaderTerm`: the Lease's creation time, then its
 //! transition count): a term older than the newest
 //! this agent has seen is refused ([`admit_term`]), so a replica that still believes it
-//! leads after another took over commands nothing. `Status` is never refused for it.
+//! leads after another took over commands nothing. A commanding call without a term is
+//! accepted only while this agent has never seen one (leader election off): once a term
+//! was seen, a termless call (a replica run with election off beside a leader, or a
+//! client that left the metadata out) is refused like a stale one.
+//! `Status` is never refused for it.
 //! The highest term is also recorded on the node before a call that raised it is
 //! admitted, so a restarted agent starts from it (`crate::service::leader_term`).
 //!
@@ -126,12 +130,17 @@ pub enum Denied {
         presented: LeaderTerm,
         highest: LeaderTerm,
     },
+    #[error(
+        "{rpc}: the call carries no leader term, and this agent has seen {highest}: a leader elected operator commands this node (is a second operator running with leader election off?)"
+    )]
+    NoTerm { rpc: Rpc, highest: LeaderTerm },
 }
 
 /// The leader-term fence of a commanding call: `presented` (the term the operator sent,
 /// `None` with leader election off) against `highest`, the newest term this agent saw
-/// before the call. An older term is refused; a call without a term is not fenced. Reads
-/// (`Status`) change nothing and are never refused for their term.
+/// before the call. An older term is refused; a call without a term only while no term
+/// was ever seen (leader election off everywhere). Reads (`Status`) change nothing and
+/// are never refused for their term.
 pub fn admit_term(
     rpc: Rpc,
     presented: Option<LeaderTerm>,
@@ -143,6 +152,9 @@ pub fn admit_term(
             presented: t,
             highest,
         }),
+        None if highest != LeaderTerm::default() && rpc.commands() => {
+            Err(Denied::NoTerm { rpc, highest })
+        }
         _ => Ok(()),
     }
 }
@@ -363,9 +375,16 @@ mod tests {
                 "{rpc}: a newer term"
             );
             assert!(
-                admit_term(rpc, None, t(6)).is_ok(),
-                "{rpc}: no election, no fence"
+                admit_term(rpc, None, LeaderTerm::default()).is_ok(),
+                "{rpc}: no election anywhere, no fence"
             );
+            let d = admit_term(rpc, None, t(6)).unwrap_err();
+            assert_eq!(
+                d,
+                Denied::NoTerm { rpc, highest: t(6) },
+                "{rpc}: termless after a term"
+            );
+            assert!(d.to_string().contains("no leader term"), "{d}");
             let d = admit_term(rpc, Some(t(5)), t(6)).unwrap_err();
             assert_eq!(
                 d,
@@ -378,6 +397,7 @@ mod tests {
             assert!(d.to_string().contains("term 6"), "{d}");
         }
         assert!(admit_term(Rpc::Status, Some(t(1)), t(6)).is_ok());
+        assert!(admit_term(Rpc::Status, None, t(6)).is_ok());
         assert!(admit_term(Rpc::ReceiveImages, Some(t(1)), t(6)).is_ok());
     }
 

@@ -120,6 +120,83 @@ pub fn ps_socket_config(dir: &Path) -> std::io::Result<PathBuf> {
     Ok(path)
 }
 
+/// The TCP ports `pid` listens on (IPv4 and IPv6), read from its network namespace's
+/// `/proc/<pid>/net/tcp{,6}` and its own descriptors: a socket in state LISTEN whose
+/// inode is one of `pid`'s open sockets. Used after a lazy dump wrote its images: its
+/// CRIU must serve pages on the socket the agent gave it, never on a TCP port (the
+/// configuration file is what makes it so; a CRIU that ignored it would serve the
+/// frozen tree's memory to whoever connects).
+pub fn tcp_listen_ports(pid: u32) -> std::io::Result<Vec<u16>> {
+    let mut inodes = std::collections::BTreeSet::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(target) = std::fs::read_link(fd?.path()) else {
+            continue; // closed meanwhile
+        };
+        let t = target.to_string_lossy();
+        if let Some(inode) = t
+            .strip_prefix("socket:[")
+            .and_then(|r| r.strip_suffix(']'))
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            inodes.insert(inode);
+        }
+    }
+    let mut ports = vec![];
+    for table in ["tcp", "tcp6"] {
+        let text = match std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // no IPv6
+            Err(e) => return Err(e),
+        };
+        ports.extend(
+            listening(&text)
+                .into_iter()
+                .filter(|(_, inode)| inodes.contains(inode))
+                .map(|(port, _)| port),
+        );
+    }
+    Ok(ports)
+}
+
+/// The (local port, inode) of every LISTEN socket in a `/proc/net/tcp{,6}` table.
+fn listening(table: &str) -> Vec<(u16, u64)> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            if f.len() < 10 || f[3] != "0A" {
+                return None;
+            }
+            let port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            Some((port, f[9].parse().ok()?))
+        })
+        .collect()
+}
+
+/// The children of this process whose command is `criu` (a lazy dump's `criu swrk`).
+pub fn criu_children() -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            // pid (comm) state ppid …: comm may hold spaces, so split at the last ')'.
+            let Some((head, tail)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let comm = head.split_once('(').map(|(_, c)| c);
+            let ppid = tail.split_whitespace().nth(1).and_then(|p| p.parse().ok());
+            comm == Some("criu") && ppid == Some(me)
+        })
+        .collect()
+}
+
 /// `criu lazy-pages` for the images in `dir`, its page-server socket its standard
 /// input (the caller sets it), its log `dir/<log>`.
 pub fn daemon_command(criu: &Path, dir: &Path, log: &str) -> Command {
@@ -261,6 +338,30 @@ mod tests {
             );
             assert_eq!(r.close_now(), None);
         }
+    }
+
+    #[test]
+    fn listen_sockets_are_found_by_state_and_inode() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0
+   1: 0100007F:3A98 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0000000000000000 20 4 30 10 -1
+";
+        assert_eq!(listening(table), vec![(8080, 4242)]);
+    }
+
+    #[test]
+    fn a_process_listening_on_tcp_is_seen_and_one_that_is_not_is_not() {
+        let me = std::process::id();
+        let before = tcp_listen_ports(me).unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(!before.contains(&port));
+        assert!(tcp_listen_ports(me).unwrap().contains(&port), "{port}");
+        // A connected (not listening) socket is no listener.
+        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let local = c.local_addr().unwrap().port();
+        drop(l);
+        assert!(!tcp_listen_ports(me).unwrap().contains(&local));
     }
 
     #[test]

@@ -430,9 +430,10 @@ fn a_prepare_must_name_a_known_container_and_another_node_as_the_peer() {
 /// A replica that still believes it leads after another took over commands nothing
 /// (issue 16, finding 9's fence): once the agent has seen the operator's leader term 6,
 /// every commanding call with term 5 is refused — on the new leader's migration and on
-/// one of its own — while `Status` still answers it; a call with no term (leader
-/// election off) is not fenced. The source keeps running, the new leader's migration
-/// stays as it left it, the stale one's was never created.
+/// one of its own — while `Status` still answers it; a commanding call with no term is
+/// refused too once a term was seen (issue 41: termless calls were never fenced), its
+/// `Status` answered. The source keeps running, the new leader's migration stays as it
+/// left it, the stale one's was never created.
 #[test]
 fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -442,7 +443,7 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
     let uid = "authz-term-new";
     let newer = tb.prepare_request(uid, 0, &container, TcpPreservation::BestEffort);
     let stale = tb.prepare_request("authz-term-old", 0, &container, TcpPreservation::BestEffort);
-    let (refusals, stale_reads, mine, theirs) = tb.operator(move |tls| async move {
+    let (refusals, stale_reads, mine, theirs, termless) = tb.operator(move |tls| async move {
         let mut new = tls.agent(0).await.with_leader_term(term(6));
         assert_eq!(new.prepare(newer).await.unwrap().phase(), Phase::Prepared);
         let mut old = tls.agent(0).await.with_leader_term(term(5));
@@ -451,14 +452,21 @@ fn a_stale_leader_commands_nothing_once_a_newer_term_was_seen() {
             refusals.extend(every_commanding_call_is_denied(&mut old, u, p).await);
         }
         let stale_reads = old.status(uid).await.map(|s| s.phase());
-        // No term: not fenced (and it sees the same migration).
+        // No term: reads are answered (and see the same migration), commands refused.
         let mut unfenced = tls.agent(0).await;
         let mine = unfenced.status(uid).await.unwrap();
+        let termless = unfenced
+            .abort(uid)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string());
         let theirs = new.status("authz-term-old").await.unwrap_err().category();
         new.abort(uid).await.unwrap();
         new.cleanup(uid).await.unwrap();
-        (refusals, stale_reads, mine, theirs)
+        (refusals, stale_reads, mine, theirs, termless)
     });
+    let termless = termless.expect_err("a termless Abort after term 6 was admitted");
+    assert!(termless.contains("no leader term"), "{termless}");
     assert_eq!(refusals.len(), 18);
     for m in &refusals {
         assert!(m.contains("leader term 5") && m.contains("term 6"), "{m}");

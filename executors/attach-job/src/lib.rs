@@ -30,6 +30,9 @@ pub mod env {
     /// target's network namespace): a client reaches it by port-forwarding to its own
     /// pod. The installer chooses it (chart value `attachment.controlPort`).
     pub const AGENT_CONTROL_PORT: &str = "AGENT_CONTROL_PORT";
+    /// Most concurrent wiretaps of the agent, all ports together (chart value
+    /// `attachment.maxWiretaps`; the agent's own default when unset).
+    pub const MAX_WIRETAPS: &str = "PODMOTION_MAX_WIRETAPS";
     /// Where the export symlinks are created (a writable emptyDir).
     pub const EXPORTS_DIR: &str = "PODMOTION_EXPORTS_DIR";
     /// The target, for the agent's logs and its clients (informational).

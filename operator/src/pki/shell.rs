@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::Client;
+use kube::{Client, ResourceExt};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
@@ -208,6 +208,9 @@ pub struct Pki {
     writer: Writer,
     ca: watch::Sender<Option<Arc<LoadedCa>>>,
     tls: TlsFiles,
+    /// The ValidatingAdmissionPolicyBinding letting only the operator write the key
+    /// material (`--pki-key-material-policy`); `None`: no provenance check.
+    protection: Option<String>,
 }
 
 impl Pki {
@@ -225,7 +228,15 @@ impl Pki {
             leader,
             ca,
             tls: TlsFiles::from_pem(vec![], vec![], vec![]),
+            protection: None,
         })
+    }
+
+    /// Adopts only key material created while the policy binding `binding` let only
+    /// the operator write it ([`plan::provenance`]).
+    pub fn with_protection(mut self, binding: Option<String>) -> Self {
+        self.protection = binding.filter(|b| !b.is_empty());
+        self
     }
 
     /// The operator's client identity for the agents (renewed in place).
@@ -290,6 +301,24 @@ impl Pki {
             }
             if !synced {
                 continue;
+            }
+            if let Some(planted) = seen.as_ref() {
+                match untrusted(&self.client, self.protection.as_deref(), planted).await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => {
+                        tracing::error!(secret = %s.ca_secret, error = %why, "the CA Secret is not used");
+                        if self.writer.leads() {
+                            replace_untrusted(&self.writer, &secrets, planted).await;
+                        }
+                        wait = Duration::from_secs(10);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the key material's admission policy binding");
+                        wait = Duration::from_secs(5);
+                        continue;
+                    }
+                }
             }
             let Ok(loaded) = usable_ca(seen.as_ref(), &s.ca_secret) else {
                 wait = Duration::from_secs(60);
@@ -474,6 +503,50 @@ impl Pki {
     }
 }
 
+/// Why `obj` must not be adopted as key material (`Ok(None)`: it may), given the
+/// policy binding `protection` (`None`: no check).
+async fn untrusted<K: ResourceExt>(
+    client: &Client,
+    protection: Option<&str>,
+    obj: &K,
+) -> Result<Option<plan::Untrusted>, kube::Error> {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
+    let Some(binding) = protection else {
+        return Ok(None);
+    };
+    let since = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .get_opt(binding)
+        .await?
+        .and_then(|b| b.metadata.creation_timestamp)
+        .map(|t| t.0.as_second());
+    let created = obj
+        .meta()
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_second());
+    Ok(plan::provenance(binding, created, since).err())
+}
+
+/// Deletes key material that is not trusted (that very object: uid and version as
+/// read), through the fenced writer, so that the leader makes its own in its place.
+async fn replace_untrusted(writer: &Writer, api: &Api<Secret>, s: &Secret) {
+    let dp = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: s.metadata.uid.clone(),
+            resource_version: s.metadata.resource_version.clone(),
+        }),
+        ..Default::default()
+    };
+    match writer.delete(api, &s.name_any(), &dp).await {
+        Ok(_) => {
+            tracing::warn!(secret = %s.name_any(), "untrusted key material deleted; the leader makes its own")
+        }
+        Err(e) => {
+            tracing::warn!(secret = %s.name_any(), error = %e, "untrusted key material not deleted")
+        }
+    }
+}
+
 /// The migration master key from `name` in `namespace`, created (64 random characters)
 /// by the leader when absent (through `writer`, fenced). Followers wait for the
 /// leader's.
@@ -482,10 +555,19 @@ pub async fn master_key(
     namespace: &str,
     name: &str,
     writer: &Writer,
+    protection: Option<&str>,
 ) -> anyhow::Result<Vec<u8>> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     loop {
         if let Some(s) = api.get_opt(name).await? {
+            if let Some(why) = untrusted(client, protection, &s).await? {
+                tracing::error!(secret = %name, error = %why, "the master key Secret is not used");
+                if writer.leads() {
+                    replace_untrusted(writer, &api, &s).await;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
             let key = s
                 .data
                 .as_ref()

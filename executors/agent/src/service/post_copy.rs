@@ -148,6 +148,23 @@ impl Source {
                 "criu dump ended before its images were written".into()
             })));
         }
+        // Serving now: on the socket the agent gave it, never on a TCP port of the node
+        // (a CRIU that ignored `ps-socket 0` would serve the frozen tree's memory to
+        // whoever connects). Checked before a byte is served; a listener ends the
+        // session at once (the dump then fails and CRIU resumes the tree, the migration
+        // rolls back).
+        let listeners: Vec<(u32, Vec<u16>)> = lazy::criu_children()
+            .into_iter()
+            .map(|pid| (pid, lazy::tcp_listen_ports(pid).unwrap_or_default()))
+            .filter(|(_, ports)| !ports.is_empty())
+            .collect();
+        if !listeners.is_empty() {
+            drop(ours);
+            let _ = tokio::time::timeout(END_WAIT, outcome.wait_for(Option::is_some)).await;
+            return Err(Status::internal(format!(
+                "criu's lazy page server listens on TCP ({listeners:?}: pid, ports) instead                  of the agent's socket: refused, the dump is ended and the tree resumed                  (this CRIU ignores `ps-socket` in its configuration file)"
+            )));
+        }
         ours.set_nonblocking(true)
             .map_err(|e| Status::internal(e.to_string()))?;
         let (r, w) = tokio::net::UnixStream::from_std(ours)

@@ -50,6 +50,8 @@ pub const TOKEN_VERIFIER_ANNOTATION: &str = "podmotion.io/token-sha256";
 /// Default port of the agent's control API on the target pod's loopback (installer's
 /// choice, `--attachment-control-port`): below the forwarders' first port (15001).
 pub const DEFAULT_CONTROL_PORT: i32 = 15000;
+/// Default of [`Settings::max_wiretaps`]: the attach agent's own default.
+pub const DEFAULT_MAX_WIRETAPS: u32 = 4;
 /// Keys of the credential Secret in the attachment's namespace.
 pub mod credential_keys {
     /// The bearer token (hex text).
@@ -104,6 +106,9 @@ pub struct Settings {
     /// Port of the agent's control API on the target pod's loopback (installer's
     /// choice; a workload listening on it cannot be attached to).
     pub control_port: i32,
+    /// Most concurrent wiretaps of each agent (installer's choice; each queues up to
+    /// about 16 MiB in the agent).
+    pub max_wiretaps: u32,
     /// The operator's own namespace. With [`Settings::namespace`] and
     /// [`SYSTEM_NAMESPACE`], a namespace whose workloads are never attached to: an
     /// agent there would read the operator's token, the master key or the migration
@@ -135,6 +140,7 @@ impl Default for Settings {
             metrics_port: DEFAULT_METRICS_PORT,
             log_format: podmotion_log::LogFormat::Json,
             control_port: DEFAULT_CONTROL_PORT,
+            max_wiretaps: DEFAULT_MAX_WIRETAPS,
             operator_namespace: "podmotion-system".into(),
         }
     }
@@ -418,6 +424,7 @@ fn agent_env_vars(
             agent_env::AGENT_CONTROL_PORT,
             settings.control_port.to_string(),
         ),
+        env(agent_env::MAX_WIRETAPS, settings.max_wiretaps.to_string()),
         env(agent_env::EXPORTS_DIR, EXPORTS_DIR.into()),
         env(agent_env::NODE_NAME, pod.node.clone().unwrap_or_default()),
         env(
@@ -696,6 +703,25 @@ mod tests {
         let token = std::str::from_utf8(&data["token"].0).expect("UTF-8, as a client sends it");
         assert_eq!(token, "ff009a");
         assert_eq!(&data["port"].0, b"15000");
+    }
+
+    #[test]
+    fn the_installers_wiretap_limit_reaches_every_agent() {
+        let p = pod("web-0").on_node("n1").ready().build();
+        for (limit, want) in [(None, "4"), (Some(9), "9")] {
+            let mut settings = Settings::default();
+            if let Some(l) = limit {
+                settings.max_wiretaps = l;
+            }
+            let j = render_with(&settings, &AgentSettings::default(), &p);
+            let env = pod_spec(&j).containers[0].env.clone().unwrap();
+            let got = env.iter().find(|e| e.name == "PODMOTION_MAX_WIRETAPS");
+            assert_eq!(
+                got.and_then(|e| e.value.as_deref()),
+                Some(want),
+                "{limit:?}"
+            );
+        }
     }
 
     #[test]

@@ -438,6 +438,47 @@ pub fn agent_server_name(node: &str) -> String {
     format!("podmotion-agent.{node}")
 }
 
+/// Why key material found in the API is not adopted ([`provenance`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Untrusted {
+    #[error(
+        "the admission policy binding {0} that lets only the operator write the key material is missing: \
+         key material anyone may have written is not used (reinstall the chart's policies)"
+    )]
+    Unprotected(String),
+    #[error(
+        "it was created at {created} (Unix seconds), before the admission policy binding {binding} that \
+         lets only the operator write it existed ({since}): the operator did not necessarily make it"
+    )]
+    OlderThanProtection {
+        binding: String,
+        created: i64,
+        since: i64,
+    },
+}
+
+/// Whether a key-material object (the CA Secret, the master key Secret) created at
+/// `created` may be adopted, given the creation time of the policy binding that lets
+/// only the operator's ServiceAccount create it (`None`: the binding is missing). The
+/// API server records no creator, but an object created while that binding was in
+/// force can only be the operator's: anything older was made when anyone with Secret
+/// rights in the namespace could plant it.
+pub fn provenance(
+    binding: &str,
+    created: i64,
+    protected_since: Option<i64>,
+) -> Result<(), Untrusted> {
+    match protected_since {
+        None => Err(Untrusted::Unprotected(binding.to_string())),
+        Some(since) if created < since => Err(Untrusted::OlderThanProtection {
+            binding: binding.to_string(),
+            created,
+            since,
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;

@@ -376,3 +376,26 @@ fn requests_with_other_usages_signers_or_bad_pem_are_denied() {
         "BadRequest"
     );
 }
+
+#[test]
+fn key_material_older_than_its_protection_or_unprotected_is_not_adopted() {
+    let b = "pm-podmotion-key-material";
+    assert_eq!(provenance(b, 1_000, Some(1_000)), Ok(()));
+    assert_eq!(provenance(b, 5_000, Some(1_000)), Ok(()));
+    let planted = provenance(b, 999, Some(1_000)).unwrap_err();
+    assert_eq!(
+        planted,
+        Untrusted::OlderThanProtection {
+            binding: b.into(),
+            created: 999,
+            since: 1_000
+        }
+    );
+    assert!(
+        planted.to_string().contains("did not necessarily make it"),
+        "{planted}"
+    );
+    let open = provenance(b, 5_000, None).unwrap_err();
+    assert_eq!(open, Untrusted::Unprotected(b.into()));
+    assert!(open.to_string().contains(b), "{open}");
+}

@@ -89,6 +89,15 @@ pub struct AttachmentConfig {
         value_parser = clap::value_parser!(i32).range(1..=65535)
     )]
     pub control_port: i32,
+    /// Most concurrent wiretaps of each agent, all its ports together (each queues up to
+    /// about 16 MiB in the agent pod). The chart passes `attachment.maxWiretaps`.
+    #[arg(
+        long = "attachment-max-wiretaps",
+        env = "PODMOTION_ATTACHMENT_MAX_WIRETAPS",
+        default_value_t = crate::attachment::render::DEFAULT_MAX_WIRETAPS,
+        value_parser = clap::value_parser!(u32).range(1..=64)
+    )]
+    pub max_wiretaps: u32,
     /// Namespace of the agent Jobs (and their NetworkPolicy). Their pods
     /// use hostPID and capabilities, so it must enforce the `privileged` PodSecurity
     /// level. Unset: the operator's own namespace.
@@ -137,6 +146,7 @@ impl AttachmentConfig {
         Settings {
             metrics_port: self.metrics_port,
             control_port: self.control_port,
+            max_wiretaps: self.max_wiretaps,
             operator_namespace: operator_namespace.into(),
             log_format,
             namespace: self.jobs_namespace_or(operator_namespace),
