@@ -135,10 +135,24 @@ mod tests {
         assert!(p.alive());
         assert!(p.root().is_ok());
         assert!(p.read("environ").is_ok());
-        // The path through our descriptor table reaches the same process.
+        // The path through our descriptor table reaches the same process: same pid and
+        // start time (the rest of the line moves while the child is still exec-ing).
+        let identity = |stat: Vec<u8>| {
+            let close = stat.iter().rposition(|b| *b == b')').unwrap();
+            let pid = String::from_utf8_lossy(&stat[..close])
+                .split(' ')
+                .next()
+                .unwrap()
+                .to_string();
+            // Field 22 (start time) is the 20th after the command's closing parenthesis.
+            let rest = String::from_utf8_lossy(&stat[close + 2..]).into_owned();
+            (pid, rest.split(' ').nth(19).unwrap().to_string())
+        };
+        let ours = identity(std::fs::read(p.path().join("stat")).unwrap());
+        assert_eq!(ours.0, child.id().to_string());
         assert_eq!(
-            std::fs::read(p.path().join("stat")).unwrap(),
-            std::fs::read(format!("/proc/{}/stat", child.id())).unwrap()
+            ours,
+            identity(std::fs::read(format!("/proc/{}/stat", child.id())).unwrap())
         );
         child.kill().unwrap();
         child.wait().unwrap();
