@@ -49,13 +49,14 @@ pub mod env {
     pub const LOG_FORMAT: &str = "PODMOTION_LOG_FORMAT";
 
     /// Every name the controller may set.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         AGENT_CONFIG,
         AGENT_CONTAINER_IDS,
         AGENT_CRI_SOCKET_DIR,
         CRI_SOCKET,
         AGENT_TOKEN_SHA256,
         AGENT_CONTROL_PORT,
+        MAX_WIRETAPS,
         EXPORTS_DIR,
         AGENT_TARGET_NAMESPACE,
         AGENT_TARGET_POD,
