@@ -149,7 +149,7 @@ impl WorkloadMarker {
             out.push(WorkloadProcess {
                 pid,
                 side,
-                running: !matches!(state, 'T' | 't'),
+                running: !matches!(state, 'T' | 't') && !being_killed(pid),
             });
         }
         out
@@ -349,6 +349,32 @@ impl KwokAgents {
 }
 
 /// The one-letter state of `pid` from `/proc/<pid>/stat`.
+/// A SIGKILL is pending for `pid` (its thread's or its group's set), or it is already
+/// exiting (PF_EXITING): it never runs its own code again. A stopped source being
+/// killed passes through R or D on its way to a zombie, and a sampler that read only
+/// the state letter counted that as a second running copy (the short chaos run of
+/// 2026-12-05, after a fenced source's kill).
+fn being_killed(pid: i32) -> bool {
+    const SIGKILL_BIT: u64 = 1 << (9 - 1);
+    const PF_EXITING: u64 = 0x4;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let pending = status.lines().any(|l| {
+        l.strip_prefix("SigPnd:")
+            .or_else(|| l.strip_prefix("ShdPnd:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|m| m & SIGKILL_BIT != 0)
+    });
+    // Field 9 of stat is the flags; fields are counted after the command's ")".
+    let exiting = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            let rest = st.rsplit_once(") ")?.1.to_string();
+            rest.split(' ').nth(6)?.parse::<u64>().ok()
+        })
+        .is_some_and(|f| f & PF_EXITING != 0);
+    pending || exiting
+}
+
 fn process_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(") ")?.1.chars().next()
