@@ -208,12 +208,7 @@ impl Writer {
         self.fence()?;
         api.replace(name, pp, obj)
             .await
-            .map_err(|source| WriteError::Api {
-                verb: "replace",
-                kind: kind_of::<K>(),
-                name: name.into(),
-                source,
-            })
+            .map_err(api_error::<K>("replace", name))
     }
 
     /// Patches the object `name`.
@@ -231,12 +226,7 @@ impl Writer {
         self.fence()?;
         api.patch(name, pp, patch)
             .await
-            .map_err(|source| WriteError::Api {
-                verb: "patch",
-                kind: kind_of::<K>(),
-                name: name.into(),
-                source,
-            })
+            .map_err(api_error::<K>("patch", name))
     }
 
     /// Patches the metadata of the object `name` (finalizers, by the uninstall hook).
@@ -255,12 +245,7 @@ impl Writer {
         api.patch_metadata(name, pp, patch)
             .await
             .map(|_| ())
-            .map_err(|source| WriteError::Api {
-                verb: "patch metadata of",
-                kind: kind_of::<K>(),
-                name: name.into(),
-                source,
-            })
+            .map_err(api_error::<K>("patch metadata of", name))
     }
 
     /// Patches the `/status` of the object `name`.
@@ -278,12 +263,7 @@ impl Writer {
         self.fence()?;
         api.patch_status(name, pp, patch)
             .await
-            .map_err(|source| WriteError::Api {
-                verb: "patch status of",
-                kind: kind_of::<K>(),
-                name: name.into(),
-                source,
-            })
+            .map_err(api_error::<K>("patch status of", name))
     }
 
     /// Patches the `/scale` of the object `name`.
@@ -301,12 +281,7 @@ impl Writer {
         self.fence()?;
         api.patch_scale(name, pp, patch)
             .await
-            .map_err(|source| WriteError::Api {
-                verb: "scale",
-                kind: kind_of::<K>(),
-                name: name.into(),
-                source,
-            })
+            .map_err(api_error::<K>("scale", name))
     }
 
     /// Patches the `/approval` of a CertificateSigningRequest (Approved, Denied).
@@ -480,6 +455,20 @@ impl WriteError {
             },
             e => e,
         }
+    }
+}
+
+/// The error of a write `verb` on the object `name` of kind `K`, for `map_err`.
+fn api_error<K: Resource<DynamicType = ()>>(
+    verb: &'static str,
+    name: &str,
+) -> impl FnOnce(kube::Error) -> WriteError {
+    let name = name.to_string();
+    move |source| WriteError::Api {
+        verb,
+        kind: kind_of::<K>(),
+        name,
+        source,
     }
 }
 
