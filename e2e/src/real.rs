@@ -24,6 +24,7 @@ use crate::run_dir;
 pub mod agents;
 pub mod copies;
 pub mod testload;
+pub mod timeline;
 
 /// Taint every real node carries, so that only pods asking for them land there.
 pub const REAL_NODE_TAINT: &str = "podmotion.io/real-node";

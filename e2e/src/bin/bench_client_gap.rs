@@ -23,16 +23,12 @@
 //! gap − downtime.
 #![forbid(unsafe_code)]
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
-use kube::runtime::watcher::{self, Event};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::from_json;
@@ -68,83 +64,6 @@ fn parse_args() -> anyhow::Result<Args> {
         }
     }
     Ok(a)
-}
-
-/// What happened around one migration, on the clients' clock (ms from their start): the
-/// PodMigration's phases and the Service's EndpointSlice (each endpoint's address and
-/// whether it is ready/serving/terminating), as the watches delivered them.
-type Timeline = Arc<Mutex<Vec<(u128, String)>>>;
-
-fn endpoints(s: &EndpointSlice) -> String {
-    let mut out: Vec<String> = s
-        .endpoints
-        .iter()
-        .flatten()
-        .map(|e| {
-            let c = e.conditions.clone().unwrap_or_default();
-            let flag = |b: Option<bool>, t: &'static str| if b == Some(true) { t } else { "" };
-            format!(
-                "{}[{}{}{}]",
-                e.addresses.first().cloned().unwrap_or_default(),
-                flag(c.ready, "R"),
-                flag(c.serving, "S"),
-                flag(c.terminating, "T")
-            )
-        })
-        .collect();
-    out.sort();
-    format!("endpoints {}", out.join(" "))
-}
-
-/// Watches the PodMigration `name` and the Service `APP`'s EndpointSlices into a
-/// timeline counted from `t0`, until the returned task is aborted.
-fn watch_timeline(
-    client: kube::Client,
-    ns: &str,
-    name: &str,
-    t0: Instant,
-) -> (Timeline, Vec<tokio::task::JoinHandle<()>>) {
-    let tl: Timeline = Arc::new(Mutex::new(vec![]));
-    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
-    let pms: Api<PodMigration> = Api::namespaced(client, ns);
-    let cfg = watcher::Config::default().labels(&format!("kubernetes.io/service-name={APP}"));
-    let t = tl.clone();
-    let a = tokio::spawn(async move {
-        let mut last = String::new();
-        let mut st = watcher::watcher(slices, cfg).boxed();
-        while let Some(Ok(ev)) = st.next().await {
-            if let Event::Apply(s) | Event::InitApply(s) = ev {
-                let now = endpoints(&s);
-                if now != last {
-                    t.lock()
-                        .unwrap()
-                        .push((t0.elapsed().as_millis(), now.clone()));
-                    last = now;
-                }
-            }
-        }
-    });
-    let t = tl.clone();
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let b = tokio::spawn(async move {
-        let mut last = String::new();
-        let mut st = watcher::watcher(pms, cfg).boxed();
-        while let Some(Ok(ev)) = st.next().await {
-            if let Event::Apply(m) | Event::InitApply(m) = ev {
-                let phase = m
-                    .status
-                    .map(|s| format!("phase {:?}", s.phase))
-                    .unwrap_or_default();
-                if !phase.is_empty() && phase != last {
-                    t.lock()
-                        .unwrap()
-                        .push((t0.elapsed().as_millis(), phase.clone()));
-                    last = phase;
-                }
-            }
-        }
-    });
-    (tl, vec![a, b])
 }
 
 /// One migration's figures.
@@ -237,9 +156,9 @@ async fn main() -> anyhow::Result<()> {
                     "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
                     "metadata": {"name": name}, "spec": spec
                 }));
-                let clients = Clients::start(&svc);
-                let (timeline, watches) =
-                    watch_timeline(w.app.client.clone(), &w.app.name, &name, clients.t0);
+                let mut clients =
+                    Clients::start(&svc).watching(w.app.client.clone(), &w.app.name, APP, &name);
+                let timeline = clients.timeline.take().context("the timeline")?;
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let created = clients.t0.elapsed().as_millis();
                 pms.create(&PostParams::default(), &pm).await?;
@@ -247,9 +166,7 @@ async fn main() -> anyhow::Result<()> {
                 if st.phase != MigrationPhase::Succeeded {
                     // Rolled back: the source serves on; the round is reported, not
                     // counted, and the next one moves the same pod.
-                    for w in watches {
-                        w.abort();
-                    }
+                    drop(timeline);
                     clients.fresh.finish();
                     clients.held.finish();
                     println!(
@@ -281,9 +198,6 @@ async fn main() -> anyhow::Result<()> {
                     fresh,
                     held,
                 };
-                for w in watches {
-                    w.abort();
-                }
                 print_row(&row);
                 eprintln!(
                     "  timeline (ms on the clients' clock): created {created}; fresh gap {}..{}; held gap {}..{}",
@@ -292,9 +206,7 @@ async fn main() -> anyhow::Result<()> {
                     row.held.gap_from.as_millis(),
                     (row.held.gap_from + row.held.gap).as_millis(),
                 );
-                for (at, what) in timeline.lock().unwrap().iter() {
-                    eprintln!("    {at:>6} {what}");
-                }
+                eprint!("{}", timeline.render());
                 rows.push(row);
                 pod = pods.get(&target).await?;
             }

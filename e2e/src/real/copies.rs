@@ -362,6 +362,8 @@ pub async fn assert_clients(
     bound: ClientBound,
     what: &str,
 ) {
+    let mut clients = clients;
+    let timeline = clients.timeline.take();
     let (fresh, held) =
         tokio::task::spawn_blocking(move || clients.finish_after(Duration::from_millis(500)))
             .await
@@ -373,6 +375,12 @@ pub async fn assert_clients(
         fresh.summary(),
         held.summary()
     );
+    if let Some(t) = timeline {
+        eprintln!(
+            "{what}: the timeline (ms on the clients' clock):\n{}",
+            t.render()
+        );
+    }
     if let Err(e) = fresh.within_failing(downtime, bound.slack, bound.failures) {
         panic!("{what}: the client on fresh connections: {e}");
     }
@@ -691,6 +699,8 @@ pub struct Clients {
     pub held: HeldClient,
     /// What both clients' times count from.
     pub t0: Instant,
+    /// The migration's phases, endpoints and pods on the same clock, once watched.
+    pub timeline: Option<super::timeline::Timeline>,
 }
 
 impl Clients {
@@ -702,7 +712,23 @@ impl Clients {
             held: HeldClient::start_from(svc.to_string(), pause, t0),
             fresh: ServicePoller::every_from(svc.to_string(), pause, t0),
             t0,
+            timeline: None,
         }
+    }
+
+    /// Also records the timeline of the PodMigration `migration` and the Service
+    /// `service` in namespace `ns` on the clients' clock (printed by [`assert_clients`]).
+    pub fn watching(
+        mut self,
+        client: kube::Client,
+        ns: &str,
+        service: &str,
+        migration: &str,
+    ) -> Clients {
+        self.timeline = Some(super::timeline::Timeline::watch(
+            client, ns, service, migration, self.t0,
+        ));
+        self
     }
 
     /// Lets them run past the end of a migration until both answer again (20 s at
@@ -713,7 +739,9 @@ impl Clients {
         let within = Duration::from_millis(200);
         while t.elapsed() < Duration::from_secs(20)
             && !(self.fresh.answering(within) && self.held.answering(within))
-        {}
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         std::thread::sleep(settle);
         (self.fresh.finish_view(), self.held.finish())
     }
