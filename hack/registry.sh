@@ -153,8 +153,16 @@ cmd_up() {
     write_config
     : >"$LOGS/registry.log"
     # setsid: own session, so the process outlives this script and its caller's job
-    # control; the lock descriptors are not inherited.
-    setsid "$BIN" serve "$CONFIG" >>"$LOGS/registry.log" 2>&1 </dev/null 8>&- 9>&- &
+    # control. Only stdio is passed on: a daemon that inherits a descriptor holds it
+    # forever, and a caller's lock with it (`flock F hack/cluster.sh up` hung every
+    # later `flock F`).
+    (
+      for fd in /proc/"$BASHPID"/fd/*; do
+        fd=${fd##*/}
+        if ((fd > 2)); then eval "exec $fd>&-"; fi
+      done
+      exec setsid "$BIN" serve "$CONFIG" >>"$LOGS/registry.log" 2>&1 </dev/null
+    ) &
     echo $! >"$PIDS/registry.pid"
   fi
   local deadline=$((SECONDS + TIMEOUT))
