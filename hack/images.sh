@@ -49,8 +49,8 @@
 #     x86_64-unknown-linux-musl (static: no base image and no libc to match), with the
 #     workspace, the cargo home and the target dir remapped to fixed paths, so that the
 #     clone's location does not leak into the binaries;
-#   * Debian packages (CRIU, tar, gzip and dash from forky for the agent, iproute2 from bookworm for the
-#     broker) are resolved once and cached as .debs under $PODMOTION_CACHE/images/debs:
+#   * Debian packages (CRIU, tar, gzip and dash from forky for the agent, iproute2 and conntrack from bookworm for
+#     the broker) are resolved once and cached as .debs under $PODMOTION_CACHE/images/debs:
 #     back-to-back builds use the same files. forky is Debian testing, a moving suite:
 #     the same commit built on a fresh machine (empty cache) or after
 #     IMAGES_REFRESH_DEBS=1 gets the suite's packages of that day, so the agent's (and,
@@ -311,7 +311,8 @@ stage() { # name bindir ctx
       ;;
     broker)
       # debconf (and perl with it) only matters to maintainer scripts, which never run.
-      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2)
+      # conntrack: an unlock makes the node forget unanswered connections to the pod.
+      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2 conntrack)
       debian_root "$debs" "$ctx/rootfs"
       ;;
   esac
@@ -467,7 +468,8 @@ verify_image() { # name digest -> 0 if every check passed
       ;;
     broker)
       v=$(in_root "$tmp/root" 0:0 ip -o link show lo 2>&1) || { log "broker: ip -o link show lo failed: $v"; fail=1; }
-      out="ip: ${v:0:40}"
+      c=$(in_root "$tmp/root" 0:0 conntrack --version 2>&1) || { log "broker: conntrack --version failed: $c"; fail=1; }
+      out="ip: ${v:0:40}; ${c:0:40}"
       ;;
   esac
   out=${out%%$'\n'*}

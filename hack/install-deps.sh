@@ -30,8 +30,10 @@ missing=()
 command -v ipset >/dev/null || missing+=(ipset)
 command -v iptables-restore >/dev/null || missing+=(iptables)
 command -v tshark >/dev/null || missing+=(tshark)
+# conntrack: the broker's root test of forgetting unanswered connections (its image has its own).
+command -v conntrack >/dev/null || missing+=(conntrack)
 if ((${#missing[@]})); then
-  echo "== apt-get install ${missing[*]} (NetworkPolicy enforcement on the real nodes; tshark for the wiretap test)"
+  echo "== apt-get install ${missing[*]} (NetworkPolicy enforcement on the real nodes; tshark for the wiretap test; conntrack for the broker's)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}" ||
     { apt-get -o DPkg::Lock::Timeout=300 update -qq &&

@@ -149,6 +149,10 @@ pub enum Effect {
         link: String,
         addr: IpAddr,
     },
+    /// The node told to forget unanswered connections to `addrs`.
+    Swept {
+        addrs: Vec<IpAddr>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1003,6 +1007,10 @@ impl Kernel for FakeKernel {
 
     /// The sockets of every live process in `pid`'s namespace: a listener is LISTEN,
     /// any other socket ESTABLISHED.
+    fn sweep_unanswered(&self, addrs: Vec<IpAddr>, _for: Duration, _every: Duration) {
+        self.world().effects.push(Effect::Swept { addrs });
+    }
+
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(IpAddr, u8)>> {
         let w = self.world();
         let Some(ns) = w.live(pid).map(|p| p.netns) else {
@@ -1482,6 +1490,7 @@ impl Harness {
                 a.roots.extend(src.map(|r| (r.process, r.netns)));
             }
             Request::LockNetwork { .. } => a.may_lock = src.map(|r| r.netns),
+            Request::UnlockNetwork { .. } => a.may_sweep = src.map(|r| r.netns),
             Request::BindNetns { .. } => {
                 a.may_mount = tgt.map(|r| (Self::netns_path(&uid), r.netns))
             }
@@ -2275,6 +2284,9 @@ struct Allowed {
     sigs: &'static [Signal],
     /// The netns whose links may go down.
     may_lock: Option<u32>,
+    /// The source's network namespace, whose addresses an unlock may have the node
+    /// forget unanswered connections to.
+    may_sweep: Option<u32>,
     /// The one netns bind mount allowed: path and netns.
     may_mount: Option<(PathBuf, u32)>,
     /// The restored root that may move, its netns, the cgroup it may move to, and the
@@ -2337,6 +2349,19 @@ impl Allowed {
                                 .chain(&n.addrs6)
                                 .any(|(a, l)| l == link && same_addr(a, addr))
                         }))
+            }
+            // Only the addresses of the source an unlock names, from the node.
+            Effect::Swept { addrs } => {
+                self.may_sweep
+                    .and_then(|ns| nets.get(&ns))
+                    .is_some_and(|n| {
+                        addrs.iter().all(|a| {
+                            n.addrs4
+                                .iter()
+                                .chain(&n.addrs6)
+                                .any(|(x, _)| same_addr(x, &a.to_string()))
+                        })
+                    })
             }
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node

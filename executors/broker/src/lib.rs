@@ -19,6 +19,7 @@
 //! and swept by a background thread until no moved connection uses it.
 #![deny(unsafe_code)]
 
+pub mod conntrack;
 pub mod fake;
 pub mod handover;
 #[allow(unsafe_code)]
@@ -782,6 +783,9 @@ impl<K: Kernel> Broker<K> {
         if let Some(l) = &s.locked {
             unlock(&self.kernel, e.process.pid, l)?;
             s.locked = None;
+            // What clients sent to the pod while it was locked, through a Service:
+            // their next SYN goes where the Service points now.
+            self.forget_unanswered(e.process.pid);
         }
         // The unlock announced the addresses: what the node held goes to the source.
         self.release_neighbours(std::mem::take(&mut s.held));

@@ -106,6 +106,10 @@ pub trait Kernel: Send + Sync + 'static {
     /// The local address and state (`/proc/net/tcp`'s `st`) of every TCP socket in the
     /// network namespace of `pid`.
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(std::net::IpAddr, u8)>>;
+    /// Deletes, in the node's network namespace, the TCP connections to `addrs` that
+    /// never got an answer, every `every` for `for_`, in the background
+    /// ([`crate::conntrack`]); returns at once.
+    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, for_: Duration, every: Duration);
     fn now(&self) -> Instant;
     /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
     /// deadlines, which must survive a broker restart).
@@ -237,6 +241,13 @@ impl Kernel for RealKernel {
         kernel::in_netns(pid, move || f(&mut RealIp))
     }
 
+    fn in_node_netns<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Ip) -> std::io::Result<T> + Send + 'static,
+    ) -> std::io::Result<T> {
+        kernel::in_netns(procfs::node_netns_pid()?, move || f(&mut RealIp))
+    }
+
     fn move_into_cgroups_of(
         &self,
         holder: i32,
@@ -356,6 +367,44 @@ impl Kernel for RealKernel {
 
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(std::net::IpAddr, u8)>> {
         procfs::tcp_states(pid)
+    }
+
+    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, for_: Duration, every: Duration) {
+        let (k, addrs_of_log) = (*self, addrs.clone());
+        std::thread::spawn(move || {
+            // One entry into the node's namespace for the whole sweep.
+            let r = k.in_node_netns(move |_| {
+                let (t, mut forgotten) = (Instant::now(), 0u32);
+                while t.elapsed() < for_ {
+                    for a in &addrs {
+                        let out = Command::new("conntrack")
+                            .args(crate::conntrack::delete_args(*a))
+                            .output()?;
+                        // 1 with nothing deleted; anything else is a failure.
+                        if !out.status.success() && out.status.code() != Some(1) {
+                            return Err(std::io::Error::other(format!(
+                                "conntrack -D (after {forgotten} forgotten): {}",
+                                String::from_utf8_lossy(&out.stderr).trim()
+                            )));
+                        }
+                        forgotten +=
+                            crate::conntrack::deleted_count(&String::from_utf8_lossy(&out.stderr));
+                    }
+                    std::thread::sleep(every);
+                }
+                Ok(forgotten)
+            });
+            match r {
+                Ok(forgotten) => tracing::info!(
+                    ?addrs_of_log,
+                    forgotten,
+                    "unlock: the node forgot the unanswered connections to the pod's addresses"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "unlock: unanswered connections not forgotten")
+                }
+            }
+        });
     }
 
     fn now(&self) -> Instant {

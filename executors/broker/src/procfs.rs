@@ -137,6 +137,32 @@ pub fn node_netns() -> String {
     netns_inode(1).unwrap_or_else(|_| format!("net:[{}]", 0xEFFF_FFF9u32))
 }
 
+/// A process whose network namespace is the node's ([`node_netns`]) and can be
+/// entered by this one: init if it can, else the first such process in /proc (where
+/// init is not dumpable — a sandboxed machine's init, as on this project's own
+/// machines — the node's kubelet, containerd or a shim).
+pub fn node_netns_pid() -> std::io::Result<i32> {
+    let node = node_netns();
+    let enterable = |pid: i32| {
+        netns_inode(pid).is_ok_and(|n| n == node)
+            && std::fs::File::open(format!("/proc/{pid}/ns/net")).is_ok()
+    };
+    if enterable(1) {
+        return Ok(1);
+    }
+    for e in std::fs::read_dir("/proc")?.flatten() {
+        if let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>()
+            && pid > 1
+            && enterable(pid)
+        {
+            return Ok(pid);
+        }
+    }
+    Err(std::io::Error::other(format!(
+        "no process in the node's network namespace ({node}) can be entered"
+    )))
+}
+
 pub fn tracer_pid(pid: i32) -> Option<i32> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
@@ -303,9 +329,83 @@ pub fn parse_net_tcp(text: &str) -> Vec<(std::net::IpAddr, u8)> {
         .collect()
 }
 
+/// How many TCP sockets of `/proc/net/tcp` or `tcp6` text carry a connection in
+/// flight: a connection the kernel accepted that the workload has not (a listener's
+/// accept queue, `rx_queue` there), a handshake under way (`SYN_RECV`), or a connection
+/// with bytes not yet read by the workload or not yet acknowledged by its peer. An
+/// idle connection (a client holding it between requests) is not in flight. Lines
+/// that do not parse are skipped.
+pub fn in_flight(text: &str) -> usize {
+    const SYN_RECV: u8 = 0x03;
+    text.lines()
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (Some(st), Some(queues)) = (f.get(3), f.get(4)) else {
+                return false;
+            };
+            let (Ok(st), Some((tx, rx))) = (u8::from_str_radix(st, 16), queues.split_once(':'))
+            else {
+                return false;
+            };
+            let (Ok(tx), Ok(rx)) = (u64::from_str_radix(tx, 16), u64::from_str_radix(rx, 16))
+            else {
+                return false;
+            };
+            match st {
+                // A listener's tx_queue is its backlog's size, not data.
+                TCP_LISTEN => rx > 0,
+                SYN_RECV => true,
+                TCP_TIME_WAIT | TCP_CLOSE => false,
+                _ => tx > 0 || rx > 0,
+            }
+        })
+        .count()
+}
+
+/// [`in_flight`] of the network namespace of `pid` (IPv4 and IPv6).
+pub fn in_flight_of(pid: i32) -> std::io::Result<usize> {
+    let mut n = in_flight(&std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))?);
+    match std::fs::read_to_string(format!("/proc/{pid}/net/tcp6")) {
+        Ok(s) => n += in_flight(&s),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connections_in_flight_are_counted_and_idle_ones_are_not() {
+        let head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let line = |st: &str, q: &str| {
+            format!(
+                "   0: 0100007F:1F90 0200007F:D2F0 {st} {q} 00:00000000 00000000     0        0 1 1 0 20 4 30 10 -1\n"
+            )
+        };
+        // A listener with an empty accept queue (tx_queue is its backlog: 4096), an
+        // idle held connection, a closing one, a TIME_WAIT: nothing in flight.
+        let idle = [
+            line("0A", "00001000:00000000"),
+            line("01", "00000000:00000000"),
+            line("06", "00000000:00000000"),
+        ]
+        .concat();
+        assert_eq!(in_flight(&format!("{head}{idle}")), 0);
+        // A connection accepted by the kernel only, a handshake, a request unread, an
+        // answer unacknowledged: four.
+        let busy = [
+            line("0A", "00001000:00000001"),
+            line("03", "00000000:00000000"),
+            line("01", "00000000:00000004"),
+            line("01", "00000017:00000000"),
+        ]
+        .concat();
+        assert_eq!(in_flight(&format!("{head}{idle}{busy}")), 4);
+        assert_eq!(in_flight("garbage\n0: x y z\n"), 0);
+    }
 
     #[test]
     fn ns_pids_are_read_from_status() {

@@ -1237,3 +1237,78 @@ fn adopting_again_after_a_release_the_journal_kept_puts_the_address_back() {
     assert_eq!(adopt(&mut h, 1, "mig-c", "10.0.99.7"), Ok(Reply::Done));
     assert_eq!(host_addrs(&h, 20).len(), 2, "back");
 }
+
+fn swept(h: &Harness) -> Vec<Vec<std::net::IpAddr>> {
+    h.kernel()
+        .world()
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Swept { addrs } => Some(addrs.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// An unlock makes the node forget the unanswered connections to the pod's addresses
+/// that stay (docs/broker-ops.md, `unlock_network`): every one without the hand-over,
+/// only those outside its CIDRs with it; nothing while locked, nothing for an unlock
+/// with nothing locked.
+#[test]
+fn an_unlock_forgets_unanswered_connections_to_the_addresses_that_stay() {
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+    let mut off = podmotion_broker::fake::config();
+    off.handover_cidrs = Vec::new();
+    let mut h = Harness::with_config(off);
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(
+        swept(&h),
+        Vec::<Vec<std::net::IpAddr>>::new(),
+        "nothing while locked"
+    );
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    let all = vec![
+        ip("10.0.10.5"),
+        ip("10.1.10.5"),
+        ip("2001:db8:10::5"),
+        ip("2001:db8:10:1::5"),
+    ];
+    let mut got = swept(&h);
+    got.iter_mut().for_each(|a| a.sort());
+    assert_eq!(
+        got,
+        vec![{
+            let mut a = all.clone();
+            a.sort();
+            a
+        }]
+    );
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    // (Each step's effects are its own.)
+    assert!(
+        swept(&h).is_empty(),
+        "an unlock with nothing locked forgets nothing"
+    );
+
+    // The hand-over on for the IPv4 pod network only: the IPv6 addresses stay.
+    let mut v4 = podmotion_broker::fake::config();
+    v4.handover_cidrs = podmotion_broker::handover::parse_cidrs("10.0.0.0/15").unwrap();
+    let mut h = Harness::with_config(v4);
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    let mut got = swept(&h);
+    got.iter_mut().for_each(|a| a.sort());
+    assert_eq!(
+        got,
+        vec![vec![ip("2001:db8:10::5"), ip("2001:db8:10:1::5")]]
+    );
+
+    // All of them moving (the harness's default CIDRs): nothing to forget.
+    let mut h = Harness::new();
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(swept(&h), Vec::<Vec<std::net::IpAddr>>::new());
+}

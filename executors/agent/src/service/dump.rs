@@ -115,6 +115,7 @@ pub(super) async fn dump_locked(
             let _ = images::zeroize(p);
         }
     };
+    quiesce(&m).await;
     m.timings.freeze_started_us = now_us();
     let t = Instant::now();
     let sockets = match lock_network(&m).await {
@@ -369,6 +370,39 @@ fn status_kib(status: &str, key: &str) -> u64 {
         .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// The longest the final dump waits for the pod's connections in flight to settle.
+const QUIESCE_LIMIT: std::time::Duration = std::time::Duration::from_millis(150);
+
+/// Waits, before the lock ([`QUIESCE_LIMIT`] at most, the workload still running), until
+/// no connection of the pod is in flight ([`procfs::in_flight`]): a request the kernel
+/// accepted but the workload had not answered when the links went down is lost where
+/// the address does not move (the source is killed at the commit with it unread: the
+/// client sees a reset). A client's next SYN may still come between the last look and
+/// the lock; a workload that is never quiet (a stream) is frozen at the limit.
+async fn quiesce(m: &Migration) {
+    let (pid, t) = (m.process.pid, Instant::now());
+    let mut busy;
+    loop {
+        busy = match procfs::in_flight_of(pid) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(uid = %m.uid, pid, error = %e, "connections in flight not read; freezing without waiting");
+                return;
+            }
+        };
+        if busy == 0 || t.elapsed() >= QUIESCE_LIMIT {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    tracing::info!(
+        uid = %m.uid,
+        waited_ms = t.elapsed().as_millis() as u64,
+        in_flight = busy,
+        "connections in flight before the freeze"
+    );
 }
 
 /// Locks the pod's network and lists its sockets. Network first: from here nothing
