@@ -419,7 +419,9 @@ fn a_source_frozen_past_its_budget_is_resumed_by_the_agent_watchdog() {
     let before = counter(&mut conn);
     let uid = "freeze-watchdog";
     let mut prep = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
-    prep.freeze_budget_ms = 1000;
+    // Long enough that a dump slowed by a loaded machine still returns before the
+    // watchdog resumes the source (1 s + 500 ms failed once under a parallel build).
+    prep.freeze_budget_ms = 3000;
     let dumped = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         a.prepare(prep).await.unwrap();
