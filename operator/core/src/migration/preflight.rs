@@ -381,11 +381,7 @@ fn non_root_containers(pod: &Pod, spec: &PodSpec, init: &[Container]) -> Vec<(St
 
 /// The running containers whose status does not say they run (see
 /// [`PodFacts::not_running_containers`]), each with what its status says instead.
-fn not_running_containers(
-    pod: &Pod,
-    spec: &PodSpec,
-    init: &[Container],
-) -> Vec<(String, String)> {
+fn not_running_containers(pod: &Pod, spec: &PodSpec, init: &[Container]) -> Vec<(String, String)> {
     let st = pod.status.as_ref();
     let sidecars = st.and_then(|s| s.init_container_statuses.as_ref());
     let regular = st.and_then(|s| s.container_statuses.as_ref());
@@ -400,12 +396,14 @@ fn not_running_containers(
                 return Some((c.name.clone(), "no status reported yet".to_string()));
             };
             let state = status.state.as_ref();
-            if state.and_then(|s| s.running.as_ref()).is_some() && status.container_id.is_some()
-            {
+            if state.and_then(|s| s.running.as_ref()).is_some() && status.container_id.is_some() {
                 return None;
             }
             let why = if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
-                format!("waiting: {}", w.reason.as_deref().unwrap_or("no reason given"))
+                format!(
+                    "waiting: {}",
+                    w.reason.as_deref().unwrap_or("no reason given")
+                )
             } else if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
                 format!(
                     "terminated: {} (exit code {})",
@@ -1877,7 +1875,10 @@ mod tests {
             {"name": "app", "image": "app:1"}, {"name": "log", "image": "log:1"}]},
             "status": {"containerStatuses": [running("app")]}}));
         let (_, m) = refusal(&unreported, &cold);
-        assert!(m.contains("container log is not running (no status reported yet)"), "{m}");
+        assert!(
+            m.contains("container log is not running (no status reported yet)"),
+            "{m}"
+        );
         // More containers than the agents move at once.
         let many: Vec<Value> = (0..=MAX_CONTAINERS)
             .map(|i| json!({"name": format!("c{i}"), "image": "app:1"}))
@@ -1891,7 +1892,10 @@ mod tests {
             &pre_copy,
         );
         assert_eq!(r, reasons::MULTIPLE_CONTAINERS);
-        assert!(m.contains("17 containers") && m.contains("at most 16"), "{m}");
+        assert!(
+            m.contains("17 containers") && m.contains("at most 16"),
+            "{m}"
+        );
         // One container: its status is the agent's to check, as before.
         assert_migratable("one container, no status", &k8s(json!({})), &pre_copy);
     }
