@@ -5,8 +5,8 @@
 //! from the pod, its claims, the nodes and the other PodMigrations
 //! (`PodFacts::from_pod`, `ClaimFacts::from_objects`, `NodeFacts::from_node`), so every
 //! rule is tested without a cluster. What cannot move at all (host namespaces, data on
-//! the node, devices, static pods, protected namespaces, several containers, a pod
-//! PodMotion already restored) is refused here, each with its own reason.
+//! the node, devices, static pods, protected namespaces, a container that cannot move
+//! with the pod's others) is refused here, each with its own reason.
 
 use std::collections::BTreeMap;
 
