@@ -179,7 +179,8 @@ pub mod reasons {
     pub const STATIC_POD: &str = "StaticPod";
     /// The pod shares the node's network, PID or IPC namespace.
     pub const HOST_NAMESPACES: &str = "HostNamespaces";
-    /// More than one container (native sidecars count): only one tree is migrated.
+    /// A pod of several containers (native sidecars count) that cannot move as one:
+    /// PostCopy, more than 16 containers, or a container that is not running.
     pub const MULTIPLE_CONTAINERS: &str = "MultipleContainers";
     /// A container requests a device or other extended resource (`nvidia.com/gpu`…).
     pub const EXTENDED_RESOURCES: &str = "ExtendedResources";

@@ -1314,8 +1314,9 @@ async fn a_source_thaw_that_always_fails_still_releases_the_deletion_saying_the_
 /// create it: the migration is refused before anything is frozen (Pending, `Stalled` and
 /// `Migratable=False` with the class's reason), no target pod is made, and deleting the
 /// migration leaves nothing. One case per class of the hostile corpus (issue 21): a
-/// hostNetwork pod, a DaemonSet's pod, a native sidecar, two containers, an emptyDir, a
-/// GPU (extended resource), and a target that only the pod's own scheduling rules
+/// hostNetwork pod, a DaemonSet's pod, a native sidecar and two containers in PostCopy
+/// (which moves one process tree; PreCopy and Cold move every container), an emptyDir,
+/// a GPU (extended resource), and a target that only the pod's own scheduling rules
 /// exclude. (kube-system: the next test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_that_must_never_move_are_refused_with_their_reason_before_anything_freezes() {
@@ -1353,7 +1354,7 @@ async fn pods_that_must_never_move_are_refused_with_their_reason_before_anything
                 "sidecar",
                 json!({"initContainers": [{"name": "mesh", "image": "registry.example/mesh:1", "restartPolicy": "Always"}]}),
             )),
-            json!({}),
+            json!({"mode": "PostCopy"}),
             reasons::MULTIPLE_CONTAINERS,
         ),
         (
@@ -1362,7 +1363,7 @@ async fn pods_that_must_never_move_are_refused_with_their_reason_before_anything
                 "two",
                 json!({"containers": [container("app"), container("log-shipper")]}),
             )),
-            json!({}),
+            json!({"mode": "PostCopy"}),
             reasons::MULTIPLE_CONTAINERS,
         ),
         (

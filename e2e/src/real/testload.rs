@@ -51,6 +51,46 @@ pub fn deployment(name: &str, image: &str, ballast_mib: u32) -> Deployment {
     }))
 }
 
+/// The port of the `forward` sidecar [`with_forwarder`] adds.
+pub const FORWARD_PORT: u16 = 8081;
+
+/// `deploy` (a [`deployment`]) with a second container `forward`: the testload image's
+/// `forward` mode on [`FORWARD_PORT`], which relays each line to the server over
+/// localhost and counts what it relayed (`forwarded`). `native`: as a native sidecar
+/// (an init container with `restartPolicy: Always`, started before `app`), else as a
+/// second regular container.
+pub fn with_forwarder(deploy: Deployment, native: bool) -> Deployment {
+    let mut d = serde_json::to_value(deploy).unwrap();
+    let spec = &mut d["spec"]["template"]["spec"];
+    let app = spec["containers"][0].clone();
+    let mut fwd = json!({"name": "forward", "image": app["image"],
+        "args": ["forward", FORWARD_PORT.to_string(), PORT.to_string()],
+        "securityContext": app["securityContext"],
+        "ports": [{"containerPort": FORWARD_PORT}]});
+    if native {
+        fwd["restartPolicy"] = json!("Always");
+        spec["initContainers"] = json!([fwd]);
+    } else {
+        spec["containers"].as_array_mut().unwrap().push(fwd);
+    }
+    from_json(d)
+}
+
+/// Every container's restart count (native sidecars included), by name.
+pub fn restart_counts(p: &Pod) -> Vec<(String, i32)> {
+    let st = p.status.as_ref();
+    st.and_then(|s| s.init_container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .chain(
+            st.and_then(|s| s.container_statuses.as_ref())
+                .into_iter()
+                .flatten(),
+        )
+        .map(|c| (c.name.clone(), c.restart_count))
+        .collect()
+}
+
 /// A ClusterIP Service `name` in front of `app=<name>`.
 pub fn service(name: &str) -> Service {
     from_json(json!({
@@ -263,6 +303,20 @@ impl World {
     /// Deployment `app` of one testload replica with `ballast_mib` MiB. `None` where
     /// there are no real nodes.
     pub async fn new(prefix: &str, app: &str, ballast_mib: u32, extra: &[&str]) -> Option<World> {
+        World::with_deployment(prefix, extra, |images| {
+            deployment(app, &images.testload().unwrap(), ballast_mib)
+        })
+        .await
+    }
+
+    /// As [`World::new`], with the Deployment `deploy` makes from the images (a
+    /// [`deployment`], changed: its name is its `app` label, its first container the
+    /// testload server).
+    pub async fn with_deployment(
+        prefix: &str,
+        extra: &[&str],
+        deploy: impl FnOnce(&Images) -> Deployment,
+    ) -> Option<World> {
         let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
         let nodes = real_nodes(&op.client).await?;
         assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
@@ -276,7 +330,8 @@ impl World {
             &format!("podmotion-e2e-{prefix}"),
             extra,
         );
-        let deploy = deployment(app, &images.testload().unwrap(), ballast_mib);
+        let deploy = deploy(&images);
+        let app = deploy.name_any();
         app_ns
             .api::<Deployment>()
             .create(&PostParams::default(), &deploy)

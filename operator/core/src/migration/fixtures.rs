@@ -65,6 +65,7 @@ pub fn pod(name: &str) -> PodB {
         claims: vec![],
         readiness_exec_probe: false,
         non_root_containers: vec![],
+        not_running_containers: vec![],
     })
 }
 impl PodB {

@@ -5,8 +5,8 @@
 //! from the pod, its claims, the nodes and the other PodMigrations
 //! (`PodFacts::from_pod`, `ClaimFacts::from_objects`, `NodeFacts::from_node`), so every
 //! rule is tested without a cluster. What cannot move at all (host namespaces, data on
-//! the node, devices, static pods, protected namespaces, several containers, a pod
-//! PodMotion already restored) is refused here, each with its own reason.
+//! the node, devices, static pods, protected namespaces, a container that cannot move
+//! with the pod's others) is refused here, each with its own reason.
 
 use std::collections::BTreeMap;
 
@@ -93,6 +93,10 @@ pub struct PodFacts {
     /// neither tells (an image's `USER` on a runtime that does not report it) is not
     /// listed: its agent checks the process itself at `Prepare`, before any freeze.
     pub non_root_containers: Vec<(String, i64)>,
+    /// `(container, why)` for each container of [`PodFacts::containers`] whose status
+    /// does not report it running (waiting, terminated, or not reported yet): it has
+    /// no process to dump, so a pod of several containers would lose it.
+    pub not_running_containers: Vec<(String, String)>,
 }
 
 /// A claim mounted by the pod.
@@ -331,6 +335,7 @@ impl PodFacts {
             readiness_exec_probe: super::render::effective_probe(None, pod)
                 .is_some_and(|p| p.exec.is_some()),
             non_root_containers: non_root_containers(pod, &spec, init),
+            not_running_containers: not_running_containers(pod, &spec, init),
         }
     }
 
@@ -370,6 +375,45 @@ fn non_root_containers(pod: &Pod, spec: &PodSpec, init: &[Container]) -> Vec<(St
                 .or(pod_user);
             let uid = reported.or(declared)?;
             (uid != 0).then(|| (c.name.clone(), uid))
+        })
+        .collect()
+}
+
+/// The running containers whose status does not say they run (see
+/// [`PodFacts::not_running_containers`]), each with what its status says instead.
+fn not_running_containers(pod: &Pod, spec: &PodSpec, init: &[Container]) -> Vec<(String, String)> {
+    let st = pod.status.as_ref();
+    let sidecars = st.and_then(|s| s.init_container_statuses.as_ref());
+    let regular = st.and_then(|s| s.container_statuses.as_ref());
+    running_containers(&spec.containers, init)
+        .filter_map(|c| {
+            let list = if spec.containers.iter().any(|r| r.name == c.name) {
+                regular
+            } else {
+                sidecars
+            };
+            let Some(status) = list.into_iter().flatten().find(|s| s.name == c.name) else {
+                return Some((c.name.clone(), "no status reported yet".to_string()));
+            };
+            let state = status.state.as_ref();
+            if state.and_then(|s| s.running.as_ref()).is_some() && status.container_id.is_some() {
+                return None;
+            }
+            let why = if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+                format!(
+                    "waiting: {}",
+                    w.reason.as_deref().unwrap_or("no reason given")
+                )
+            } else if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+                format!(
+                    "terminated: {} (exit code {})",
+                    t.reason.as_deref().unwrap_or("no reason given"),
+                    t.exit_code
+                )
+            } else {
+                "its status reports no running process".to_string()
+            };
+            Some((c.name.clone(), why))
         })
         .collect()
 }
@@ -703,18 +747,8 @@ fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
             ),
         ));
     }
-    if pod.containers.len() > 1 {
-        return Some((
-            reasons::MULTIPLE_CONTAINERS,
-            format!(
-                "pod {name} has {} containers ({}; native sidecars count): PodMotion migrates \
-                 the process tree of one container only and would replace the others by \
-                 holders, losing their state; migrate single-container pods, or reschedule \
-                 this one",
-                pod.containers.len(),
-                pod.containers.join(", ")
-            ),
-        ));
+    if let Some(r) = containers_refused(spec, pod) {
+        return Some(r);
     }
     if !pod.extended_resources.is_empty() {
         let list: Vec<String> = pod
@@ -736,6 +770,54 @@ fn cannot_move(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
         return Some(r);
     }
     local_data(spec, pod).map(|m| (reasons::LOCAL_DATA, m))
+}
+
+/// The most containers one migration moves: the agents' bound
+/// (`executors/agent/src/pod.rs`, `MAX_CONTAINERS`), refused here before any freeze.
+pub const MAX_CONTAINERS: usize = 16;
+
+/// What keeps a pod of several containers (native sidecars count) from moving as one,
+/// naming the container concerned. Every container that runs is frozen, dumped and
+/// restored into its own container of the target pod (finished init containers are
+/// not restored: they ran to completion), except where the agents cannot:
+/// PostCopy's lazy dump serves the pages of one process tree; a container with no
+/// running process has nothing to dump, and its target container would start empty.
+fn containers_refused(spec: &PodMigrationSpec, pod: &PodFacts) -> Option<Refusal> {
+    let (name, n) = (&pod.name, pod.containers.len());
+    if n < 2 {
+        return None;
+    }
+    if spec.mode == MigrationMode::PostCopy {
+        return Some((
+            reasons::MULTIPLE_CONTAINERS,
+            format!(
+                "pod {name} has {n} containers ({}; native sidecars count) and mode PostCopy \
+                 moves one: its lazy dump serves the memory of a single process tree, and \
+                 each container is a tree of its own; use mode PreCopy or Cold, which move \
+                 every container of the pod together",
+                pod.containers.join(", ")
+            ),
+        ));
+    }
+    if n > MAX_CONTAINERS {
+        return Some((
+            reasons::MULTIPLE_CONTAINERS,
+            format!(
+                "pod {name} has {n} containers ({}; native sidecars count): at most \
+                 {MAX_CONTAINERS} move with one migration; reschedule it instead",
+                pod.containers.join(", ")
+            ),
+        ));
+    }
+    let (container, why) = pod.not_running_containers.first()?;
+    Some((
+        reasons::MULTIPLE_CONTAINERS,
+        format!(
+            "pod {name}: container {container} is not running ({why}), so it has no process \
+             to move with the pod's other containers and its copy on the target would start \
+             afresh; wait until it runs (or fix it), then migrate"
+        ),
+    ))
 }
 
 /// A non-root container in a mode whose dump needs root privileges the agents lack.
@@ -1315,16 +1397,25 @@ mod tests {
                 reasons::HOST_NAMESPACES,
             ),
             (
-                "two containers",
-                k8s(json!({"spec": {"containers": [
+                "two containers in PostCopy",
+                two_running(json!({"spec": {"containers": [
                     {"name": "app", "image": "app:1"}, {"name": "proxy", "image": "proxy:1"}]}})),
-                s.clone(),
+                spec("web-0").post_copy().build(),
                 reasons::MULTIPLE_CONTAINERS,
             ),
             (
-                "native sidecar",
-                k8s(json!({"spec": {"initContainers": [
+                "native sidecar in PostCopy",
+                two_running(json!({"spec": {"initContainers": [
                     {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}]}})),
+                spec("web-0").post_copy().build(),
+                reasons::MULTIPLE_CONTAINERS,
+            ),
+            (
+                "a second container not running",
+                k8s(json!({"spec": {"containers": [
+                    {"name": "app", "image": "app:1"}, {"name": "proxy", "image": "proxy:1"}]},
+                    "status": {"containerStatuses": [running("app"), json!({"name": "proxy",
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}}})]}})),
                 s.clone(),
                 reasons::MULTIPLE_CONTAINERS,
             ),
@@ -1479,6 +1570,30 @@ mod tests {
             })
             .collect()
     }
+    /// A container's status as the kubelet reports a running one.
+    fn running(name: &str) -> Value {
+        json!({"name": name, "containerID": format!("containerd://{name}"),
+            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}})
+    }
+    /// `k8s(patch)` with every container of `app` and `proxy` (regular or native
+    /// sidecar) reported running.
+    fn two_running(mut patch: Value) -> PodFacts {
+        let sidecar = patch["spec"]["initContainers"].is_array();
+        let status = if sidecar {
+            json!({"containerStatuses": [running("app")],
+                "initContainerStatuses": [running("proxy")]})
+        } else {
+            let names: Vec<Value> = patch["spec"]["containers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| running(c["name"].as_str().unwrap()))
+                .collect();
+            json!({"containerStatuses": names})
+        };
+        merge(&mut patch, json!({"status": status}));
+        k8s(patch)
+    }
     fn with_claim(p: PodFacts, c: &BTreeMap<String, ClaimFacts>) -> PodFacts {
         p.with_claims(c)
     }
@@ -1536,10 +1651,13 @@ mod tests {
             "{m}"
         );
         let (_, m) = refusal(
-            &k8s(json!({"spec": {"containers": [{"name": "app"}, {"name": "envoy"}]}})),
-            &s,
+            &two_running(json!({"spec": {"containers": [{"name": "app"}, {"name": "envoy"}]}})),
+            &spec("web-0").post_copy().build(),
         );
-        assert!(m.contains("2 containers (app, envoy"), "{m}");
+        assert!(
+            m.contains("2 containers (app, envoy") && m.contains("PreCopy or Cold"),
+            "{m}"
+        );
         let (_, m) = refusal(&k8s(json!({"metadata": {"namespace": "kube-system"}})), &s);
         assert!(m.contains("kube-system"), "{m}");
     }
@@ -1715,6 +1833,71 @@ mod tests {
             {"name": "data", "persistentVolumeClaim": {"claimName": "shared-data"}}]}}))
         .with_claims(&claims(&[("shared-data", &["ReadWriteMany"])]));
         assert_migratable("volumes that follow", &p, &spec("web-0").build());
+    }
+
+    #[test]
+    fn a_pod_of_several_containers_moves_unless_one_cannot_and_the_refusal_names_it() {
+        let pre_copy = spec("web-0").build();
+        let cold = spec("web-0").cold().build();
+        let two = two_running(json!({"spec": {"containers": [
+            {"name": "app", "image": "app:1"}, {"name": "proxy", "image": "proxy:1"}]}}));
+        assert_eq!(two.containers, vec!["app", "proxy"]);
+        assert_migratable("two containers, PreCopy", &two, &pre_copy);
+        assert_migratable("two containers, Cold", &two, &cold);
+        // A native sidecar, and a finished ordinary init container beside it.
+        let sidecar = two_running(json!({"spec": {"initContainers": [
+            {"name": "setup", "image": "app:1"},
+            {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}]}}));
+        assert_eq!(sidecar.containers, vec!["app", "proxy"]);
+        assert!(
+            sidecar.not_running_containers.is_empty(),
+            "{:?}",
+            sidecar.not_running_containers
+        );
+        assert_migratable("native sidecar, PreCopy", &sidecar, &pre_copy);
+        // PostCopy: every container is named, and what to use instead.
+        let (r, m) = refusal(&sidecar, &spec("web-0").post_copy().build());
+        assert_eq!(r, reasons::MULTIPLE_CONTAINERS);
+        assert!(m.contains("(app, proxy") && m.contains("PostCopy"), "{m}");
+        // A container that does not run is named with what its status says.
+        let waiting = k8s(json!({"spec": {"initContainers": [
+            {"name": "proxy", "image": "proxy:1", "restartPolicy": "Always"}]},
+            "status": {"containerStatuses": [running("app")],
+                "initContainerStatuses": [{"name": "proxy",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}}));
+        let (r, m) = refusal(&waiting, &pre_copy);
+        assert_eq!(r, reasons::MULTIPLE_CONTAINERS);
+        assert!(
+            m.contains("container proxy is not running (waiting: CrashLoopBackOff)"),
+            "{m}"
+        );
+        let unreported = k8s(json!({"spec": {"containers": [
+            {"name": "app", "image": "app:1"}, {"name": "log", "image": "log:1"}]},
+            "status": {"containerStatuses": [running("app")]}}));
+        let (_, m) = refusal(&unreported, &cold);
+        assert!(
+            m.contains("container log is not running (no status reported yet)"),
+            "{m}"
+        );
+        // More containers than the agents move at once.
+        let many: Vec<Value> = (0..=MAX_CONTAINERS)
+            .map(|i| json!({"name": format!("c{i}"), "image": "app:1"}))
+            .collect();
+        let statuses: Vec<Value> = (0..=MAX_CONTAINERS)
+            .map(|i| running(&format!("c{i}")))
+            .collect();
+        let (r, m) = refusal(
+            &k8s(json!({"spec": {"containers": many},
+                "status": {"containerStatuses": statuses}})),
+            &pre_copy,
+        );
+        assert_eq!(r, reasons::MULTIPLE_CONTAINERS);
+        assert!(
+            m.contains("17 containers") && m.contains("at most 16"),
+            "{m}"
+        );
+        // One container: its status is the agent's to check, as before.
+        assert_migratable("one container, no status", &k8s(json!({})), &pre_copy);
     }
 
     #[test]
