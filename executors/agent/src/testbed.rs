@@ -315,6 +315,7 @@ fn start_broker(dir: &Path, p: &str, i: usize) -> Arc<Broker> {
         handover_cidrs: Vec::new(),
         address_linger: std::time::Duration::from_secs(3600),
         sweep_interval: std::time::Duration::from_secs(2),
+        hold_neighbours: false,
     });
     let l = b.bind(&run.join("broker.sock")).expect("broker socket");
     let b2 = Arc::clone(&b);

@@ -1231,6 +1231,7 @@ pub fn config() -> Config {
         handover_cidrs: parse_cidrs(HANDOVER_CIDRS).expect("valid CIDRs"),
         address_linger: Duration::from_secs(LINGER_SECS),
         sweep_interval: Duration::from_secs(2),
+        hold_neighbours: true,
     }
 }
 

@@ -725,7 +725,7 @@ impl<K: Kernel> Broker<K> {
     /// addresses of `pid`'s namespace in the hand-over CIDRs (see the module docs).
     /// Best effort: what could not be held is logged and left as it was.
     pub(crate) fn hold_neighbours(&self, pid: i32) -> Vec<Held> {
-        if self.cfg.handover_cidrs.is_empty() {
+        if self.cfg.handover_cidrs.is_empty() || !self.cfg.hold_neighbours {
             return Vec::new();
         }
         let cidrs = self.cfg.handover_cidrs.clone();

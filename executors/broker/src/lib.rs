@@ -71,6 +71,12 @@ pub struct Config {
     /// How often the background sweep of adopted addresses runs
     /// ([`Broker::spawn_sweeper`], started by [`Broker::serve`]; 2 s in the binary).
     pub sweep_interval: Duration,
+    /// Whether `lock_network` holds the node's neighbour entries for the source's
+    /// handed-over addresses (`--address-handover-hold-neighbours`, off by default):
+    /// measured on the real nodes, the target answers the node's ARP probes for an
+    /// adopted address before its restore, and a held segment of a moved connection
+    /// reached it then and was reset (docs/broker-ops.md, `lock_network`).
+    pub hold_neighbours: bool,
 }
 
 /// The registrations, by migration UID.
@@ -1773,6 +1779,7 @@ mod tests {
                 handover_cidrs: Vec::new(),
                 address_linger: Duration::from_secs(3600),
                 sweep_interval: Duration::from_secs(2),
+                hold_neighbours: false,
             },
             k.clone(),
         );

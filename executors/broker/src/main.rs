@@ -53,6 +53,11 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..=86400)
     )]
     address_linger_seconds: u64,
+    /// With the hand-over on, hold the node's neighbour entries for the source's
+    /// addresses during the lock (off: measured on the real nodes, a held segment of
+    /// a moved connection reached the target before its restore and was reset).
+    #[arg(long, env = "PODMOTION_ADDRESS_HANDOVER_HOLD_NEIGHBOURS")]
+    address_handover_hold_neighbours: bool,
     /// Log format: `json` (one object per line) or `text`.
     #[arg(long, env = podmotion_log::ENV, default_value = "json")]
     log_format: podmotion_log::LogFormat,
@@ -70,6 +75,7 @@ fn main() -> anyhow::Result<()> {
         handover_cidrs: a.address_handover_cidrs.0.clone(),
         address_linger: Duration::from_secs(a.address_linger_seconds),
         sweep_interval: Duration::from_secs(2),
+        hold_neighbours: a.address_handover_hold_neighbours,
     });
     let cidrs: Vec<String> = a
         .address_handover_cidrs

@@ -31,6 +31,7 @@ fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
         handover_cidrs: Vec::new(),
         address_linger: std::time::Duration::from_secs(3600),
         sweep_interval: std::time::Duration::from_secs(2),
+        hold_neighbours: false,
     };
     (k.clone(), Broker::with_kernel(cfg, k))
 }
