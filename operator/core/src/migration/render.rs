@@ -147,11 +147,30 @@ pub fn target_pod(
     }
 }
 
-/// What the target pod records of its migration and its source: the source's labels
-/// (put on at hand-over), the source pod (name/uid), and the source's controller that
-/// must adopt it (kind/name/uid).
+/// The source's annotations a target pod does not take over: what PodMotion records of
+/// one migration (a source moved before carries its own move's), and the deletion cost
+/// a commit lowers on a source.
+const NOT_CARRIED: [&str; 5] = [
+    annotations::MIGRATION,
+    annotations::SOURCE_LABELS,
+    annotations::SOURCE_POD,
+    annotations::EXPECTED_OWNER,
+    annotations::POD_DELETION_COST,
+];
+
+/// The target pod's annotations: the source's own (what its template and its users put
+/// there — its eviction strategy, scrape settings — so that the moved pod is asked
+/// the same of, by the next drain too), and what it records of its migration and its
+/// source: the source's labels (put on at hand-over), the source pod (name/uid), and
+/// the source's controller that must adopt it (kind/name/uid).
 fn target_annotations(migration: &PodMigration, source: &Pod) -> BTreeMap<String, String> {
-    let mut ann = BTreeMap::from([
+    let mut ann: BTreeMap<String, String> = source
+        .annotations()
+        .iter()
+        .filter(|(k, _)| !NOT_CARRIED.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    ann.extend([
         (annotations::MIGRATION.to_string(), migration.name_any()),
         (
             annotations::SOURCE_LABELS.to_string(),
@@ -792,6 +811,49 @@ mod tests {
         }
         let init = spec.init_containers.as_deref().unwrap_or_default();
         assert_eq!(init.len(), 1, "one installer");
+    }
+
+    #[test]
+    fn the_target_keeps_the_sources_own_annotations_and_records_only_this_move() {
+        let m = migration("move-web", "web-abc-1");
+        let mut source = k8s_pod("web-abc-1", "n0", "ReplicaSet", "web-abc");
+        source.metadata.annotations = Some(BTreeMap::from([
+            (
+                annotations::EVICTION_STRATEGY.to_string(),
+                "LiveMigrate".to_string(),
+            ),
+            ("prometheus.io/scrape".to_string(), "true".to_string()),
+            // Moved before: its own move's records, and a commit's deletion cost.
+            (
+                annotations::MIGRATION.to_string(),
+                "an-earlier-move".to_string(),
+            ),
+            (
+                annotations::SOURCE_POD.to_string(),
+                "web-abc-0/u0".to_string(),
+            ),
+            (
+                annotations::POD_DELETION_COST.to_string(),
+                "-1000".to_string(),
+            ),
+        ]));
+        let target = target_pod(&m, &source, "n1", &Holder::default());
+        let a = target.annotations();
+        assert_eq!(
+            a.get(annotations::EVICTION_STRATEGY).map(String::as_str),
+            Some("LiveMigrate")
+        );
+        assert_eq!(
+            a.get("prometheus.io/scrape").map(String::as_str),
+            Some("true")
+        );
+        assert_eq!(a.get(annotations::MIGRATION), Some(&m.name_any()));
+        assert_eq!(
+            a.get(annotations::SOURCE_POD)
+                .map(|s| s.starts_with("web-abc-1/")),
+            Some(true)
+        );
+        assert!(!a.contains_key(annotations::POD_DELETION_COST), "{a:?}");
     }
 
     #[test]
