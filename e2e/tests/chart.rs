@@ -2245,6 +2245,45 @@ fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configurati
     assert!(e.contains("strategy"), "{e}");
 }
 
+/// A replica evicted by a drain keeps answering through its propagation period, then
+/// up to 10 s for the reviews under way (operator/src/graceful.rs): the pod's grace
+/// period covers both, so the kubelet's SIGKILL never cuts an answer.
+#[test]
+fn the_operator_s_grace_period_covers_the_webhook_s_graceful_stop() {
+    let grace_and_env = |set: &str| {
+        let out = render(&["--set", set]);
+        let deploy = of_kind(&out, "Deployment")
+            .into_iter()
+            .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator")
+            .expect("the operator Deployment")
+            .clone();
+        let spec = &deploy["spec"]["template"]["spec"];
+        let env = spec["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "PODMOTION_EVICTION_WEBHOOK_SHUTDOWN_PROPAGATION_SECONDS")
+            .map(|e| e["value"].clone());
+        (spec["terminationGracePeriodSeconds"].as_i64().unwrap(), env)
+    };
+    assert_eq!(
+        grace_and_env("eviction.enabled=false"),
+        (30, Some(json!("10")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true"),
+        (30, Some(json!("10")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true,eviction.shutdownPropagationSeconds=25"),
+        (45, Some(json!("25")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true,eviction.shutdownPropagationSeconds=0"),
+        (30, Some(json!("0")))
+    );
+}
+
 #[test]
 fn bad_eviction_values_are_refused_with_the_value_named() {
     for (set, names) in [
@@ -2255,6 +2294,10 @@ fn bad_eviction_values_are_refused_with_the_value_named() {
         ("eviction.namespaceDefault.label=a\\,b", "label"),
         ("eviction.excludeNamespaces[0]=", "excludeNamespaces"),
         ("eviction.colour=blue", "colour"),
+        (
+            "eviction.shutdownPropagationSeconds=90",
+            "shutdownPropagationSeconds",
+        ),
     ] {
         let e = try_render(
             "pm",
