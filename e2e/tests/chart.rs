@@ -2128,6 +2128,11 @@ fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_
             .map(|e| e["value"].clone())
     };
     assert_eq!(get("PODMOTION_EVICTION_WEBHOOK"), Some(json!("true")));
+    // An eviction's PodMigration gets the installer's freeze budget (5 s by default).
+    assert_eq!(
+        get("PODMOTION_EVICTION_FREEZE_BUDGET_MILLIS"),
+        Some(json!("5000"))
+    );
     assert_eq!(
         get("PODMOTION_EVICTION_WEBHOOK_CONFIGURATION"),
         Some(json!(name(vwc[0])))
@@ -2298,6 +2303,8 @@ fn bad_eviction_values_are_refused_with_the_value_named() {
             "eviction.shutdownPropagationSeconds=90",
             "shutdownPropagationSeconds",
         ),
+        ("eviction.freezeBudgetMillis=5", "freezeBudgetMillis"),
+        ("eviction.freezeBudgetMillis=700000", "freezeBudgetMillis"),
     ] {
         let e = try_render(
             "pm",

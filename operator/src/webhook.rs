@@ -124,6 +124,14 @@ pub struct WebhookConfig {
         default_value_t = 10
     )]
     pub shutdown_propagation_seconds: u64,
+    /// `freezeBudgetMillis` of the PodMigrations evictions start (10-600000): the
+    /// node is going away, so a longer freeze beats an aborted move.
+    #[arg(
+        long = "eviction-freeze-budget-millis",
+        env = "PODMOTION_EVICTION_FREEZE_BUDGET_MILLIS",
+        default_value_t = 5000
+    )]
+    pub freeze_budget_millis: i64,
 }
 
 impl WebhookConfig {
@@ -150,9 +158,16 @@ impl WebhookConfig {
             }
             _ => None,
         };
+        if !(10..=600_000).contains(&self.freeze_budget_millis) {
+            return Err(format!(
+                "--eviction-freeze-budget-millis {}: must be between 10 and 600000",
+                self.freeze_budget_millis
+            ));
+        }
         Ok(Settings {
             protected_namespaces: protected,
             namespace_default,
+            freeze_budget_millis: Some(self.freeze_budget_millis),
         })
     }
 }
@@ -821,14 +836,21 @@ mod tests {
             default_namespace_label: Some("team=a".into()),
             default_strategy: "LiveMigrate".into(),
             shutdown_propagation_seconds: 10,
+            freeze_budget_millis: 5000,
         };
         let s = cfg.settings("podmotion-system").unwrap();
         assert_eq!(s.protected_namespaces, vec!["podmotion-system", "agents"]);
         assert!(s.namespace_default.is_some());
         let bad = WebhookConfig {
             default_strategy: "Always".into(),
-            ..cfg
+            ..cfg.clone()
         };
         assert!(bad.settings("ns").is_err());
+        let bad = WebhookConfig {
+            freeze_budget_millis: 5,
+            ..cfg.clone()
+        };
+        assert!(bad.settings("ns").is_err());
+        assert_eq!(cfg.settings("ns").unwrap().freeze_budget_millis, Some(5000));
     }
 }
