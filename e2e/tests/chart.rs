@@ -2161,6 +2161,59 @@ fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_
     assert!(ports.contains(&9443), "{ports:?}");
 }
 
+/// The eviction-strategy policy renders with the webhook only, checks pods and every
+/// kind of pod template, and selects exactly the webhook's namespaces.
+#[test]
+fn the_eviction_strategy_policy_follows_the_webhook() {
+    let policy = |out: &[Value]| {
+        of_kind(out, "ValidatingAdmissionPolicy")
+            .into_iter()
+            .find(|p| name(p).ends_with("-eviction-strategy"))
+            .cloned()
+    };
+    assert!(policy(&render(&[])).is_none());
+    for set in [
+        "eviction.enabled=true",
+        "eviction.enabled=true,migration.watchNamespace=shop,eviction.excludeNamespaces={batch}",
+    ] {
+        let out = render(&["--set", set]);
+        let p = policy(&out).expect(set);
+        let vwc = of_kind(&out, "ValidatingWebhookConfiguration")[0];
+        assert_eq!(
+            p["spec"]["matchConstraints"]["namespaceSelector"],
+            vwc["webhooks"][0]["namespaceSelector"],
+            "{set}"
+        );
+        let resources: BTreeSet<String> = p["spec"]["matchConstraints"]["resourceRules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| strs(&r["resources"]))
+            .map(str::to_string)
+            .collect();
+        for r in [
+            "pods",
+            "deployments",
+            "statefulsets",
+            "replicasets",
+            "daemonsets",
+            "jobs",
+            "cronjobs",
+        ] {
+            assert!(resources.contains(r), "{set}: {r} not checked");
+        }
+        let expr = p["spec"]["validations"][0]["expression"].as_str().unwrap();
+        for v in ["'LiveMigrate'", "'LiveMigrateIfPossible'", "'Evict'"] {
+            assert!(expr.contains(v), "{expr}");
+        }
+        let binding = of_kind(&out, "ValidatingAdmissionPolicyBinding")
+            .into_iter()
+            .find(|b| b["spec"]["policyName"] == p["metadata"]["name"])
+            .expect("bound");
+        assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+    }
+}
+
 #[test]
 fn a_scoped_release_s_eviction_webhook_selects_only_its_watched_namespace() {
     // A PodMigration made in a namespace the release's controller does not watch would
