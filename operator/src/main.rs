@@ -212,10 +212,8 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
             ctx.readiness.set_stopping();
             let _ = stop_tx.send(true);
             let webhook_done = async {
-                if serves_webhook {
-                    if let Err(e) = webhook_task.await {
-                        tracing::warn!(error = %e, "eviction webhook ended with an error");
-                    }
+                if serves_webhook && let Err(e) = webhook_task.await {
+                    tracing::warn!(error = %e, "eviction webhook ended with an error");
                 }
             };
             tokio::join!(drain(&mut tasks), webhook_done);
