@@ -9,23 +9,31 @@
 //! politely. From the moment it is asked to stop ([`serve`]'s `stop`):
 //!
 //! 1. **Propagation** (`Grace::propagation`): it keeps accepting and answering, with
-//!    keep-alive off (each response says `Connection: close`, and idle connections
-//!    are closed at once), while the endpoint's removal reaches kube-proxy and the API
-//!    server (readiness already reports not-ready; the EndpointSlice marks a
-//!    terminating pod not ready at once). A request that still lands here is answered,
-//!    and its connection closed after the answer, so the API server's next request
-//!    opens a new connection, which goes to another replica.
-//! 2. **In flight** (`Grace::in_flight`): it stops accepting and waits for the
-//!    requests under way to be answered (hyper's graceful shutdown), then returns.
-//!    Whatever is still running after that bound is dropped.
+//!    keep-alive off: every answer says `Connection: close` and its connection is closed
+//!    after it, so the API server's next call opens a new connection, which kube-proxy
+//!    sends to another replica once the endpoint's removal has propagated (readiness
+//!    already reports not-ready; the EndpointSlice marks a terminating pod not ready at
+//!    once). A connection accepted now serves one request. An idle kept-alive
+//!    connection is *not* closed at the stop: the drain's own evictions are calling at
+//!    that very moment, and closing a connection the API server is just writing a
+//!    request on fails that call with `EOF` (HTTP/1.1 has no way to refuse it cleanly);
+//!    its next request is answered, with `Connection: close`.
+//! 2. **In flight** (`Grace::in_flight`): it stops accepting, closes the connections
+//!    still idle, and waits for the requests under way to be answered (hyper's graceful
+//!    shutdown), then returns. Whatever is still running after that bound is dropped.
 
 use std::future::Future;
 use std::time::Duration;
 
+use std::convert::Infallible;
+use std::sync::Arc;
+
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONNECTION, HeaderValue};
 use hyper::server::conn::http1;
-use hyper::service::HttpService;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
@@ -41,9 +49,19 @@ pub struct Grace {
     pub in_flight: Duration,
 }
 
-/// What a connection is told: whether the listener is stopping. A connection accepted
-/// while stopping serves with keep-alive off from its first request.
-pub type Closing = watch::Receiver<bool>;
+/// Where a stopping listener is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Serving,
+    /// Answering with `Connection: close`.
+    Propagating,
+    /// No longer accepting: idle connections close, answers under way finish.
+    Closed,
+}
+
+/// What a connection is told: the listener's [`Phase`]. A connection accepted while
+/// propagating serves one request.
+pub type Closing = watch::Receiver<Phase>;
 
 /// Accepts on `listener` and hands every connection to `conn` on its own task, until
 /// `stop` resolves and `grace` has run out (module documentation). Returns `Ok` after
@@ -58,7 +76,7 @@ where
     C: Fn(TcpStream, Closing) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let (closing_tx, closing) = watch::channel(false);
+    let (closing_tx, closing) = watch::channel(Phase::Serving);
     let mut conns = JoinSet::new();
     tokio::pin!(stop);
     let propagation_over = tokio::time::sleep(Duration::MAX / 4);
@@ -68,7 +86,7 @@ where
         tokio::select! {
             () = &mut stop, if !stopping => {
                 stopping = true;
-                let _ = closing_tx.send(true);
+                let _ = closing_tx.send(Phase::Propagating);
                 propagation_over.as_mut().reset(tokio::time::Instant::now() + grace.propagation);
                 tracing::info!(
                     propagation_ms = grace.propagation.as_millis() as u64,
@@ -85,6 +103,7 @@ where
         }
     }
     drop(listener);
+    let _ = closing_tx.send(Phase::Closed);
     let open = conns.len();
     let finished = tokio::time::timeout(grace.in_flight, async {
         while conns.join_next().await.is_some() {}
@@ -102,25 +121,41 @@ where
     Ok(())
 }
 
-/// Serves HTTP/1.1 on `io` with `svc`, keep-alive off once `closing` says so: a
-/// request under way is answered (with `Connection: close`), an idle connection
-/// closed.
-pub async fn http1_connection<I, S>(io: I, svc: S, mut closing: Closing) -> hyper::Result<()>
+/// Serves HTTP/1.1 on `io`, each request answered by `handle`: with `Connection:
+/// close` (and the connection closed after it) once the listener propagates its stop;
+/// once it is closed, an idle connection is closed and one under way closes after
+/// its answer.
+pub async fn http1_connection<I, H, Fut>(
+    io: I,
+    handle: H,
+    mut closing: Closing,
+) -> hyper::Result<()>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: HttpService<Incoming, ResBody = Full<Bytes>>,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    H: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
-    let keep_alive = !*closing.borrow_and_update();
+    let keep_alive = *closing.borrow_and_update() == Phase::Serving;
+    let phase = closing.clone();
+    let handle = Arc::new(handle);
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let answer = handle(req);
+        let phase = phase.clone();
+        async move {
+            let mut resp = answer.await;
+            if *phase.borrow() != Phase::Serving {
+                resp.headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(resp)
+        }
+    });
     let conn = http1::Builder::new()
         .keep_alive(keep_alive)
         .serve_connection(TokioIo::new(io), svc);
     tokio::pin!(conn);
-    if !keep_alive {
-        return conn.await;
-    }
     let closed = async move {
-        let _ = closing.wait_for(|c| *c).await;
+        let _ = closing.wait_for(|p| *p == Phase::Closed).await;
     };
     tokio::select! {
         r = conn.as_mut() => r,
@@ -134,12 +169,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::convert::Infallible;
     use std::net::SocketAddr;
-    use std::sync::Arc;
 
-    use hyper::service::service_fn;
-    use hyper::{Request, Response};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::sync::Notify;
 
@@ -161,13 +192,13 @@ mod tests {
             async move { s.notified().await },
             grace,
             move |tcp, closing| async move {
-                let svc = service_fn(move |req: Request<Incoming>| async move {
+                let handle = move |req: Request<Incoming>| async move {
                     if req.uri().path() == "/slow" {
                         tokio::time::sleep(slow).await;
                     }
-                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("answered"))))
-                });
-                let _ = http1_connection(tcp, svc, closing).await;
+                    Response::new(Full::new(Bytes::from("answered")))
+                };
+                let _ = http1_connection(tcp, handle, closing).await;
             },
         ));
         (addr, stop, task)
@@ -190,11 +221,11 @@ mod tests {
         Some(String::from_utf8(got).unwrap().to_ascii_lowercase())
     }
 
-    /// Whether the peer closed the connection (EOF, or a reset).
-    async fn closed(s: &mut TcpStream) -> bool {
+    /// Whether the peer closed the connection (EOF, or a reset) within `within`.
+    async fn closed(s: &mut TcpStream, within: Duration) -> bool {
         let mut buf = [0u8; 16];
         matches!(
-            tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await,
+            tokio::time::timeout(within, s.read(&mut buf)).await,
             Ok(Ok(0) | Err(_))
         )
     }
@@ -221,7 +252,7 @@ mod tests {
         assert!(answer.starts_with("http/1.1 200"), "{answer}");
         assert!(answer.contains("connection: close"), "{answer}");
         assert!(
-            closed(&mut c).await,
+            closed(&mut c, Duration::from_secs(5)).await,
             "the connection is closed after the answer"
         );
         task.await.unwrap().unwrap();
@@ -232,19 +263,35 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_new_connection_during_the_propagation_is_served_once() {
+    async fn during_the_propagation_kept_alive_and_new_connections_are_answered_once() {
         let grace = Grace {
-            propagation: Duration::from_secs(2),
+            propagation: Duration::from_secs(3),
             in_flight: Duration::from_secs(5),
         };
         let (addr, stop, task) = server(grace, Duration::ZERO).await;
-        // An idle kept-alive connection is closed at the stop.
-        let mut idle = TcpStream::connect(addr).await.unwrap();
-        idle.write_all(request("/").as_bytes()).await.unwrap();
-        response(&mut idle).await.expect("an answer");
+        // Two kept-alive connections, idle when the stop comes.
+        let mut used = TcpStream::connect(addr).await.unwrap();
+        let mut untouched = TcpStream::connect(addr).await.unwrap();
+        for c in [&mut used, &mut untouched] {
+            c.write_all(request("/").as_bytes()).await.unwrap();
+            response(c).await.expect("an answer");
+        }
         stop.notify_one();
-        assert!(closed(&mut idle).await, "the idle connection is closed");
-        // A new one is still accepted and answered, then closed.
+        // Not closed at the stop: a request the caller is writing now is not lost.
+        assert!(
+            !closed(&mut used, Duration::from_millis(300)).await,
+            "an idle connection closed at the stop"
+        );
+        used.write_all(request("/").as_bytes()).await.unwrap();
+        let answer = response(&mut used)
+            .await
+            .expect("answered while propagating");
+        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(
+            closed(&mut used, Duration::from_secs(1)).await,
+            "closed after its answer, before the propagation ends"
+        );
+        // A new connection is still accepted and answered, once.
         let mut c = TcpStream::connect(addr).await.unwrap();
         c.write_all(request("/").as_bytes()).await.unwrap();
         let answer = response(&mut c)
@@ -253,11 +300,16 @@ mod tests {
         assert!(answer.starts_with("http/1.1 200"), "{answer}");
         assert!(answer.contains("connection: close"), "{answer}");
         assert!(
-            closed(&mut c).await,
+            closed(&mut c, Duration::from_secs(1)).await,
             "one request per connection while stopping"
         );
         assert!(!task.is_finished(), "still within the propagation period");
         task.await.unwrap().unwrap();
+        // The connection never used again is closed when the listener closes.
+        assert!(
+            closed(&mut untouched, Duration::from_secs(1)).await,
+            "an idle connection left open after the stop"
+        );
     }
 
     #[tokio::test]

@@ -18,7 +18,6 @@
 //! kill a pod that asked to be kept) nor refused (which would end the drain).
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -27,7 +26,6 @@ use clap::Args;
 use futures::StreamExt;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
-use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
@@ -454,11 +452,11 @@ impl Webhook {
             Err(_) => return tracing::info!(?peer, "webhook TLS handshake timed out"),
         };
         let this = self.clone();
-        let svc = service_fn(move |req: Request<Incoming>| {
+        let handle = move |req: Request<Incoming>| {
             let this = this.clone();
-            async move { Ok::<_, Infallible>(this.route(req).await) }
-        });
-        if let Err(e) = graceful::http1_connection(stream, svc, closing).await {
+            async move { this.route(req).await }
+        };
+        if let Err(e) = graceful::http1_connection(stream, handle, closing).await {
             tracing::debug!(error = %e, "webhook connection ended");
         }
     }
