@@ -296,8 +296,13 @@ fn asking(kind: &str, ns: &str, strategy: &str) -> Value {
     let name = format!("w-{}", random_suffix());
     let meta = json!({"labels": {"app": name},
                       "annotations": {"podmotion.io/eviction-strategy": strategy}});
+    // Restricted Pod Security (the app namespace's) admits it.
     let pod_spec = json!({"restartPolicy": if kind == "CronJob" { "Never" } else { "Always" },
-                          "containers": [{"name": "c", "image": "example.invalid/app:1"}]});
+        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{"name": "c", "image": "example.invalid/app:1",
+            "securityContext": {"allowPrivilegeEscalation": false,
+                                "capabilities": {"drop": ["ALL"]}}}]});
     let template = json!({"metadata": meta, "spec": pod_spec});
     let mut obj = match kind {
         "Pod" => json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}),
