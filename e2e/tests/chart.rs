@@ -2128,6 +2128,11 @@ fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_
             .map(|e| e["value"].clone())
     };
     assert_eq!(get("PODMOTION_EVICTION_WEBHOOK"), Some(json!("true")));
+    // An eviction's PodMigration gets the installer's freeze budget (5 s by default).
+    assert_eq!(
+        get("PODMOTION_EVICTION_FREEZE_BUDGET_MILLIS"),
+        Some(json!("5000"))
+    );
     assert_eq!(
         get("PODMOTION_EVICTION_WEBHOOK_CONFIGURATION"),
         Some(json!(name(vwc[0])))
@@ -2154,6 +2159,59 @@ fn the_eviction_webhook_renders_only_when_enabled_without_a_ca_bundle_and_never_
         .filter_map(|p| p["port"].as_i64())
         .collect();
     assert!(ports.contains(&9443), "{ports:?}");
+}
+
+/// The eviction-strategy policy renders with the webhook only, checks pods and every
+/// kind of pod template, and selects exactly the webhook's namespaces.
+#[test]
+fn the_eviction_strategy_policy_follows_the_webhook() {
+    let policy = |out: &[Value]| {
+        of_kind(out, "ValidatingAdmissionPolicy")
+            .into_iter()
+            .find(|p| name(p).ends_with("-eviction-strategy"))
+            .cloned()
+    };
+    assert!(policy(&render(&[])).is_none());
+    for set in [
+        "eviction.enabled=true",
+        "eviction.enabled=true,migration.watchNamespace=shop,eviction.excludeNamespaces={batch}",
+    ] {
+        let out = render(&["--set", set]);
+        let p = policy(&out).expect(set);
+        let vwc = of_kind(&out, "ValidatingWebhookConfiguration")[0];
+        assert_eq!(
+            p["spec"]["matchConstraints"]["namespaceSelector"],
+            vwc["webhooks"][0]["namespaceSelector"],
+            "{set}"
+        );
+        let resources: BTreeSet<String> = p["spec"]["matchConstraints"]["resourceRules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| strs(&r["resources"]))
+            .map(str::to_string)
+            .collect();
+        for r in [
+            "pods",
+            "deployments",
+            "statefulsets",
+            "replicasets",
+            "daemonsets",
+            "jobs",
+            "cronjobs",
+        ] {
+            assert!(resources.contains(r), "{set}: {r} not checked");
+        }
+        let expr = p["spec"]["validations"][0]["expression"].as_str().unwrap();
+        for v in ["'LiveMigrate'", "'LiveMigrateIfPossible'", "'Evict'"] {
+            assert!(expr.contains(v), "{expr}");
+        }
+        let binding = of_kind(&out, "ValidatingAdmissionPolicyBinding")
+            .into_iter()
+            .find(|b| b["spec"]["policyName"] == p["metadata"]["name"])
+            .expect("bound");
+        assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+    }
 }
 
 #[test]
@@ -2245,6 +2303,45 @@ fn the_eviction_webhook_may_create_migrations_and_patch_only_its_own_configurati
     assert!(e.contains("strategy"), "{e}");
 }
 
+/// A replica evicted by a drain keeps answering through its propagation period, then
+/// up to 10 s for the reviews under way (operator/src/graceful.rs): the pod's grace
+/// period covers both, so the kubelet's SIGKILL never cuts an answer.
+#[test]
+fn the_operator_s_grace_period_covers_the_webhook_s_graceful_stop() {
+    let grace_and_env = |set: &str| {
+        let out = render(&["--set", set]);
+        let deploy = of_kind(&out, "Deployment")
+            .into_iter()
+            .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator")
+            .expect("the operator Deployment")
+            .clone();
+        let spec = &deploy["spec"]["template"]["spec"];
+        let env = spec["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "PODMOTION_EVICTION_WEBHOOK_SHUTDOWN_PROPAGATION_SECONDS")
+            .map(|e| e["value"].clone());
+        (spec["terminationGracePeriodSeconds"].as_i64().unwrap(), env)
+    };
+    assert_eq!(
+        grace_and_env("eviction.enabled=false"),
+        (30, Some(json!("10")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true"),
+        (30, Some(json!("10")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true,eviction.shutdownPropagationSeconds=25"),
+        (45, Some(json!("25")))
+    );
+    assert_eq!(
+        grace_and_env("eviction.enabled=true,eviction.shutdownPropagationSeconds=0"),
+        (30, Some(json!("0")))
+    );
+}
+
 #[test]
 fn bad_eviction_values_are_refused_with_the_value_named() {
     for (set, names) in [
@@ -2255,6 +2352,12 @@ fn bad_eviction_values_are_refused_with_the_value_named() {
         ("eviction.namespaceDefault.label=a\\,b", "label"),
         ("eviction.excludeNamespaces[0]=", "excludeNamespaces"),
         ("eviction.colour=blue", "colour"),
+        (
+            "eviction.shutdownPropagationSeconds=90",
+            "shutdownPropagationSeconds",
+        ),
+        ("eviction.freezeBudgetMillis=5", "freezeBudgetMillis"),
+        ("eviction.freezeBudgetMillis=700000", "freezeBudgetMillis"),
     ] {
         let e = try_render(
             "pm",

@@ -9,6 +9,8 @@
 //! - A PodMigration with an exec probe is admitted only when its creator may
 //!   `create pods/exec` on the pod.
 //! - A RunnerPool's host paths lie under the installer's roots.
+//! - A pod, or a workload's pod template, asks only an eviction strategy the eviction
+//!   webhook knows (`podmotion.io/eviction-strategy`, with `eviction.enabled`).
 //! - The operator cannot read a Secret by a no-op PATCH: it holds no cluster-wide
 //!   `patch secrets` (the answer to a PATCH is the whole Secret).
 
@@ -286,6 +288,77 @@ fn migration(ns: &str, probe: Value) -> Value {
     json!({"apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
            "metadata": {"name": format!("m-{}", random_suffix()), "namespace": ns},
            "spec": {"podName": "web-0", "probe": probe}})
+}
+
+/// A workload of `kind` (a bare Pod, a Deployment, a CronJob) in `ns` whose pod asks
+/// `strategy`.
+fn asking(kind: &str, ns: &str, strategy: &str) -> Value {
+    let name = format!("w-{}", random_suffix());
+    let meta = json!({"labels": {"app": name},
+                      "annotations": {"podmotion.io/eviction-strategy": strategy}});
+    // Restricted Pod Security (the app namespace's) admits it.
+    let pod_spec = json!({"restartPolicy": if kind == "CronJob" { "Never" } else { "Always" },
+        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{"name": "c", "image": "example.invalid/app:1",
+            "securityContext": {"allowPrivilegeEscalation": false,
+                                "capabilities": {"drop": ["ALL"]}}}]});
+    let template = json!({"metadata": meta, "spec": pod_spec});
+    let mut obj = match kind {
+        "Pod" => json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}),
+        "Deployment" => json!({"apiVersion": "apps/v1", "kind": "Deployment", "spec": {
+            "selector": {"matchLabels": {"app": name}}, "template": template}}),
+        "CronJob" => json!({"apiVersion": "batch/v1", "kind": "CronJob", "spec": {
+            "schedule": "0 0 * * *", "jobTemplate": {"spec": {"template": template}}}}),
+        _ => unreachable!("{kind}"),
+    };
+    obj["metadata"]["name"] = json!(name);
+    obj["metadata"]["namespace"] = json!(ns);
+    obj
+}
+
+#[tokio::test]
+async fn an_unknown_eviction_strategy_is_refused_when_the_workload_is_written() {
+    let Some(rel) = install("evstrategy", "eviction.enabled=true").await else {
+        return;
+    };
+    let app = &rel.app_ns.name;
+    let create = |obj: &Value| {
+        kubectl(
+            &["create", "--dry-run=server", "-f", "-"],
+            Some(&obj.to_string()),
+        )
+    };
+    for (kind, field) in [
+        ("Pod", "metadata.annotations"),
+        ("Deployment", "spec.template.metadata.annotations"),
+        (
+            "CronJob",
+            "spec.jobTemplate.spec.template.metadata.annotations",
+        ),
+    ] {
+        let text = refused_with(kind, "is not an eviction strategy", || {
+            create(&asking(kind, app, "LiveMigrateNow"))
+        })
+        .await;
+        assert!(
+            text.contains(&format!(
+                "{field}[podmotion.io/eviction-strategy]: LiveMigrateNow is not"
+            )),
+            "{kind}: {text}"
+        );
+        for good in ["LiveMigrate", "LiveMigrateIfPossible", "Evict"] {
+            let out = create(&asking(kind, app, good));
+            assert!(out.status.success(), "{kind} {good}: {}", output_text(&out));
+        }
+    }
+    // The release's own namespace is not the webhook's: not checked there either.
+    let out = create(&asking(
+        "Deployment",
+        &rel.operator_ns.name,
+        "LiveMigrateNow",
+    ));
+    assert!(out.status.success(), "{}", output_text(&out));
 }
 
 #[tokio::test]

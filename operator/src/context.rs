@@ -49,6 +49,11 @@ impl Context {
         }
     }
 
+    /// Whether the operator has been asked to stop.
+    pub fn stopping(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
     /// Resolves when the operator is asked to stop (SIGTERM, SIGINT). Pass it to
     /// `Controller::graceful_shutdown_on`.
     pub fn shutdown(&self) -> impl Future<Output = ()> + Send + 'static {
@@ -63,7 +68,11 @@ impl Context {
 #[derive(Default)]
 pub struct Readiness {
     parts: Mutex<BTreeMap<&'static str, bool>>,
+    stopping: std::sync::atomic::AtomicBool,
 }
+
+/// The part [`Readiness::pending`] names once the operator is stopping.
+pub const STOPPING: &str = "stopping";
 
 impl Readiness {
     /// Registers a part that is not ready yet.
@@ -91,14 +100,25 @@ impl Readiness {
             .copied()
             .unwrap_or(false)
     }
-    /// Names of the parts not ready yet; empty means ready.
+    /// Not ready from now on, whatever the parts say: the operator is stopping, and
+    /// its endpoints (the eviction webhook's) should be dropped before it exits.
+    pub fn set_stopping(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    /// Names of the parts not ready yet (and [`STOPPING`] once stopping); empty means
+    /// ready.
     pub fn pending(&self) -> Vec<&'static str> {
         let parts = self.parts.lock().expect("readiness lock");
-        parts
+        let mut pending: Vec<&'static str> = parts
             .iter()
             .filter(|(_, ready)| !**ready)
             .map(|(n, _)| *n)
-            .collect()
+            .collect();
+        if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            pending.push(STOPPING);
+        }
+        pending
     }
 }
 
@@ -115,5 +135,7 @@ mod tests {
         assert_eq!(r.pending(), vec!["b"]);
         r.set_ready("b");
         assert!(r.pending().is_empty());
+        r.set_stopping();
+        assert_eq!(r.pending(), vec![STOPPING]);
     }
 }

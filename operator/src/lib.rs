@@ -18,6 +18,7 @@ pub mod config;
 pub mod context;
 pub mod controllers;
 pub mod events;
+pub mod graceful;
 pub mod leader;
 pub mod metrics;
 pub mod pki;

@@ -169,12 +169,14 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
             pki.clone(),
         )),
     };
+    let serves_webhook = webhook.is_some();
     let webhook_task = async move {
         match webhook {
             Some((w, pki)) => w.run(pki).await,
             None => std::future::pending().await,
         }
     };
+    tokio::pin!(webhook_task);
     let pki_task = run_pki(ctx.clone(), pki.clone());
     let mut tasks = spawn_controllers(&config, &ctx, settings, pki);
     let identity = config.identity.clone();
@@ -186,7 +188,7 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         res = election => {
             res.context("leader election")?;
         }
-        res = webhook_task => {
+        res = &mut webhook_task => {
             res.context("eviction webhook")?;
             anyhow::bail!("eviction webhook stopped");
         }
@@ -204,8 +206,17 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         }
         _ = shutdown_signal() => {
             tracing::info!("shutting down");
+            // Not ready first, so that the endpoints drop this replica; the webhook
+            // keeps answering through its grace (crate::graceful) while the
+            // controllers stop.
+            ctx.readiness.set_stopping();
             let _ = stop_tx.send(true);
-            drain(&mut tasks).await;
+            let webhook_done = async {
+                if serves_webhook && let Err(e) = webhook_task.await {
+                    tracing::warn!(error = %e, "eviction webhook ended with an error");
+                }
+            };
+            tokio::join!(drain(&mut tasks), webhook_done);
         }
     }
     Ok(())

@@ -36,7 +36,7 @@ pub fn route(ctx: &Context, method: &Method, path: &str) -> (StatusCode, &'stati
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
                     TEXT,
-                    format!("caches not synced: {}\n", pending.join(", ")),
+                    format!("not ready: {}\n", pending.join(", ")),
                 )
             }
         }

@@ -18,7 +18,6 @@
 //! kill a pod that asked to be kept) nor refused (which would end the drain).
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -27,10 +26,7 @@ use clap::Args;
 use futures::StreamExt;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -48,6 +44,7 @@ use crate::context::Context;
 use crate::eviction::{
     self, Answer, EvictWhy, EvictedPod, KnownMigration, NamespaceDefault, Settings, Verdict,
 };
+use crate::graceful;
 use crate::migration::preflight::{ClaimFacts, PodFacts, claim_names};
 use crate::pki::plan::leaf_renewal_due;
 use crate::pki::{Pki, issue};
@@ -55,6 +52,10 @@ use crate::writer::WriteError;
 
 /// Readiness part of the webhook: ready once a serving certificate is in place.
 pub const READINESS: &str = "eviction-webhook";
+
+/// The longest a stopping replica waits for the reviews under way: the API server
+/// gives up on a webhook after its `timeoutSeconds`, at most 10.
+pub const IN_FLIGHT_BOUND: Duration = Duration::from_secs(10);
 
 /// The eviction webhook's settings (`eviction.*` in the chart's values).
 #[derive(Args, Clone, Debug)]
@@ -110,9 +111,36 @@ pub struct WebhookConfig {
         default_value = "LiveMigrateIfPossible"
     )]
     pub default_strategy: String,
+    /// Seconds a stopping replica keeps accepting and answering (keep-alive off)
+    /// while its endpoint's removal reaches kube-proxy and the API server; then it
+    /// stops accepting and answers what is under way (at most 10 s more: the API
+    /// server's own timeout is at most 10 s). The pod's termination grace period must
+    /// cover both.
+    #[arg(
+        long = "eviction-webhook-shutdown-propagation-seconds",
+        env = "PODMOTION_EVICTION_WEBHOOK_SHUTDOWN_PROPAGATION_SECONDS",
+        default_value_t = 10
+    )]
+    pub shutdown_propagation_seconds: u64,
+    /// `freezeBudgetMillis` of the PodMigrations evictions start (10-600000): the
+    /// node is going away, so a longer freeze beats an aborted move.
+    #[arg(
+        long = "eviction-freeze-budget-millis",
+        env = "PODMOTION_EVICTION_FREEZE_BUDGET_MILLIS",
+        default_value_t = 5000
+    )]
+    pub freeze_budget_millis: i64,
 }
 
 impl WebhookConfig {
+    /// How long a stopping replica keeps serving ([`crate::graceful`]).
+    pub fn grace(&self) -> graceful::Grace {
+        graceful::Grace {
+            propagation: Duration::from_secs(self.shutdown_propagation_seconds),
+            in_flight: IN_FLIGHT_BOUND,
+        }
+    }
+
     /// The decision's settings; `Err` on a default that does not parse.
     pub fn settings(&self, operator_namespace: &str) -> Result<Settings, String> {
         let mut protected = vec![operator_namespace.to_string()];
@@ -128,9 +156,16 @@ impl WebhookConfig {
             }
             _ => None,
         };
+        if !(10..=600_000).contains(&self.freeze_budget_millis) {
+            return Err(format!(
+                "--eviction-freeze-budget-millis {}: must be between 10 and 600000",
+                self.freeze_budget_millis
+            ));
+        }
         Ok(Settings {
             protected_namespaces: protected,
             namespace_default,
+            freeze_budget_millis: Some(self.freeze_budget_millis),
         })
     }
 }
@@ -252,11 +287,26 @@ impl Webhook {
 
     /// Serves until an error: the certificate keeper, the CA bundle writer and the
     /// listener.
+    /// Once the operator is stopping, the listener's graceful stop decides when this
+    /// ends: a keeper that fails then does not cut the answers under way.
     pub async fn run(self: Arc<Self>, pki: Pki) -> anyhow::Result<()> {
+        let serve = self.clone().serve();
+        tokio::pin!(serve);
+        let keepers = async {
+            tokio::select! {
+                r = self.clone().keep_serving_cert(pki.clone()) => r,
+                r = self.clone().keep_ca_bundle(pki) => r,
+            }
+        };
         tokio::select! {
-            r = self.clone().keep_serving_cert(pki.clone()) => r,
-            r = self.clone().keep_ca_bundle(pki) => r,
-            r = self.clone().serve() => r,
+            r = &mut serve => r,
+            r = keepers => match r {
+                Err(e) if self.ctx.stopping() => {
+                    tracing::warn!(error = %e, "eviction webhook: a keeper ended while stopping");
+                    serve.await
+                }
+                r => r,
+            },
         }
     }
 
@@ -370,36 +420,44 @@ impl Webhook {
         Ok(())
     }
 
+    /// Accepts until the operator is asked to stop, then shuts down gracefully
+    /// ([`crate::graceful`]): a replica evicted by a drain must not fail the API
+    /// server's calls under the drain's other evictions.
     async fn serve(self: Arc<Self>) -> anyhow::Result<()> {
         let listener = TcpListener::bind(self.cfg.addr).await?;
         tracing::info!(addr = %self.cfg.addr, "serving the pods/eviction webhook");
-        loop {
-            let (tcp, peer) = listener.accept().await?;
-            let Some(cfg) = self.tls.read().expect("webhook tls").clone() else {
-                tracing::debug!(%peer, "no serving certificate yet; connection dropped");
-                continue;
-            };
-            let this = self.clone();
-            tokio::spawn(async move {
-                let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp);
-                let stream = match tokio::time::timeout(Duration::from_secs(10), accept).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        return tracing::info!(error = %e, %peer, "webhook TLS handshake refused");
-                    }
-                    Err(_) => return tracing::info!(%peer, "webhook TLS handshake timed out"),
-                };
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let this = this.clone();
-                    async move { Ok::<_, Infallible>(this.route(req).await) }
-                });
-                if let Err(e) = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await
-                {
-                    tracing::debug!(error = %e, "webhook connection ended");
-                }
-            });
+        let grace = self.cfg.grace();
+        let this = self.clone();
+        graceful::serve(listener, self.ctx.shutdown(), grace, move |tcp, closing| {
+            let this = this.clone();
+            async move { this.connection(tcp, closing).await }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// One connection: the TLS handshake, then HTTP/1.1 until the caller or the
+    /// shutdown closes it.
+    async fn connection(self: Arc<Self>, tcp: tokio::net::TcpStream, closing: graceful::Closing) {
+        let peer = tcp.peer_addr().ok();
+        let Some(cfg) = self.tls.read().expect("webhook tls").clone() else {
+            return tracing::debug!(?peer, "no serving certificate yet; connection dropped");
+        };
+        let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp);
+        let stream = match tokio::time::timeout(Duration::from_secs(10), accept).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                return tracing::info!(error = %e, ?peer, "webhook TLS handshake refused");
+            }
+            Err(_) => return tracing::info!(?peer, "webhook TLS handshake timed out"),
+        };
+        let this = self.clone();
+        let handle = move |req: Request<Incoming>| {
+            let this = this.clone();
+            async move { this.route(req).await }
+        };
+        if let Err(e) = graceful::http1_connection(stream, handle, closing).await {
+            tracing::debug!(error = %e, "webhook connection ended");
         }
     }
 
@@ -775,14 +833,22 @@ mod tests {
             protected_namespaces: vec!["agents".into(), " ".into()],
             default_namespace_label: Some("team=a".into()),
             default_strategy: "LiveMigrate".into(),
+            shutdown_propagation_seconds: 10,
+            freeze_budget_millis: 5000,
         };
         let s = cfg.settings("podmotion-system").unwrap();
         assert_eq!(s.protected_namespaces, vec!["podmotion-system", "agents"]);
         assert!(s.namespace_default.is_some());
         let bad = WebhookConfig {
             default_strategy: "Always".into(),
-            ..cfg
+            ..cfg.clone()
         };
         assert!(bad.settings("ns").is_err());
+        let bad = WebhookConfig {
+            freeze_budget_millis: 5,
+            ..cfg.clone()
+        };
+        assert!(bad.settings("ns").is_err());
+        assert_eq!(cfg.settings("ns").unwrap().freeze_budget_millis, Some(5000));
     }
 }

@@ -67,6 +67,7 @@ fn settings() -> Settings {
     Settings {
         protected_namespaces: vec!["podmotion-system".into(), "podmotion-agents".into()],
         namespace_default: None,
+        freeze_budget_millis: None,
     }
 }
 
@@ -125,6 +126,29 @@ fn an_opted_in_pod_is_answered_429_and_its_migration_is_created() {
         assert_eq!(m.metadata.namespace.as_deref(), Some("shop"));
         assert!(message.contains(name), "{message}");
     }
+}
+
+#[test]
+fn an_eviction_s_migration_has_the_installer_s_freeze_budget() {
+    let p = pod("web").asking("LiveMigrate");
+    let created = |settings: &Settings| match decide(
+        &p,
+        &no_labels(),
+        settings,
+        Some(&Verdict::Movable),
+        &[],
+    ) {
+        Answer::Migrating {
+            create: Some(m), ..
+        } => m.spec.freeze_budget_millis,
+        a => panic!("{a:?}"),
+    };
+    assert_eq!(created(&settings()), 500, "the PodMigration's default");
+    let s = Settings {
+        freeze_budget_millis: Some(5000),
+        ..settings()
+    };
+    assert_eq!(created(&s), 5000);
 }
 
 #[test]
