@@ -327,12 +327,14 @@ pub struct ClientBound {
 }
 
 /// With the chart's defaults (the pod address does not move). Not the bound
-/// (no failure, downtime + 700 ms), which these nodes do not meet: the connection the
-/// client opens during the freeze is bound by the node's conntrack to the source's
-/// address, where nothing answers again, and fails at its connect timeout; the next
-/// one reaches the target. Measured (docs/benchmarks.md, "What a client sees"): one
-/// failure in every round, gaps of 2.1–3.04 s, at most downtime + 2.54 s. So: at most
-/// one failed request, and a gap of at most downtime + the connect timeout.
+/// (no failure, downtime + 700 ms), which these nodes do not always meet: a connection
+/// the client opens during the freeze is bound by the node's conntrack to the source's
+/// address; the broker has the node forget it after the unlock (docs/broker-ops.md,
+/// `unlock_network`), so its SYN retransmission (1 s after) reaches the target when the
+/// commit and kube-proxy's switch came before it, and times out at the connect timeout
+/// when they did not (a slower PreCopy freeze, a loaded machine). Measured
+/// (docs/benchmarks.md, "What a client sees", run 2). So: at most one failed request,
+/// and a gap of at most downtime + the connect timeout.
 pub const DEFAULTS_BOUND: ClientBound = ClientBound {
     slack: CONNECT_TIMEOUT,
     failures: 1,
