@@ -293,14 +293,6 @@ async fn operator_replicas_on(op_pods: &Api<Pod>, node: &str) -> usize {
         .count()
 }
 
-// Not yet passing on the real nodes (issue 40). Measured 2026-12-05 with the graceful
-// stop of operator/src/graceful.rs: `kubectl drain pm-real-0` passed (20.3 s, two
-// pods migrated, downtimes 316 and 433 ms, one evicted, one operator replica evicted,
-// no webhook error), and `kubectl drain pm-real-1` completed (16.8 s, both operator
-// replicas evicted, no webhook error) but *evicted* the two moved pods
-// (`<pod>-pm-<hash>`) instead of moving them back: their counters restarted. The
-// second move of a moved pod (its eviction strategy on the target pod) is next.
-#[ignore = "issue 40: a moved pod is evicted, not moved back, by the second drain"]
 #[tokio::test]
 async fn kubectl_drain_live_migrates_the_pods_that_ask_and_evicts_the_rest() {
     let Some(op) = TestNamespace::new("drain-op", PodSecurity::Restricted).await else {

@@ -76,6 +76,10 @@ pub async fn client(g: &cli::Global) -> anyhow::Result<Client> {
     if let Some(user) = &g.as_user {
         config.auth_info.impersonate = Some(user.clone());
     }
+    // A 429 is an answer here, as for kubectl: `drain` shows the PodMigration an
+    // eviction waits on. kube's default retry would repeat the eviction until it went
+    // through, and the plugin would report a moved pod as evicted.
+    config.default_retry = false;
     Ok(Client::try_from(config)?)
 }
 
