@@ -137,6 +137,9 @@ async fn serve(client: &Client, operator_ns: &str, workloads: &str) -> Served {
         protected_namespaces: vec![],
         default_namespace_label: None,
         default_strategy: "LiveMigrateIfPossible".into(),
+        // The flags' defaults.
+        shutdown_propagation_seconds: 10,
+        freeze_budget_millis: 5000,
     };
     let webhook = Arc::new(
         Webhook::new(ctx, cfg, false, "podmotion-e2e-agents".into()).expect("webhook settings"),
