@@ -39,7 +39,7 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::{annotations, labels};
 use podmotion_e2e::real::testload::{
-    self, POD_TIMEOUT, addr, counter_when_reachable, node_of, restart_count, wait_ballast,
+    self, POD_TIMEOUT, addr, counter_when_reachable, ended, node_of, restart_count, wait_ballast,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
@@ -215,7 +215,9 @@ async fn moved(
             1,
             "{what}: one PodMigration for {app}: {started:?}"
         );
-        let st = started[0].status.clone().expect("status");
+        // The drain ends once the source is gone; the commit's last steps (the phase
+        // written) may still be under way: wait for the end.
+        let st = ended(&pms, &started[0].name_any()).await;
         if st.phase != MigrationPhase::Succeeded {
             app_ns.dump();
             panic!("{what}: {app}: {st:?}");

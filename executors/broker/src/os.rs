@@ -378,7 +378,7 @@ impl Kernel for RealKernel {
                 while t.elapsed() < for_ {
                     for a in &addrs {
                         let out = Command::new("conntrack")
-                            .args(crate::conntrack::delete_args(*a))
+                            .args(conntrack_delete_args(*a))
                             .output()?;
                         // 1 with nothing deleted; anything else is a failure.
                         if !out.status.success() && out.status.code() != Some(1) {
@@ -387,8 +387,7 @@ impl Kernel for RealKernel {
                                 String::from_utf8_lossy(&out.stderr).trim()
                             )));
                         }
-                        forgotten +=
-                            crate::conntrack::deleted_count(&String::from_utf8_lossy(&out.stderr));
+                        forgotten += conntrack_deleted_count(&String::from_utf8_lossy(&out.stderr));
                     }
                     std::thread::sleep(every);
                 }
@@ -529,4 +528,69 @@ fn write_into_cgroups_of(
         std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
     }
     Ok(())
+}
+
+/// `conntrack` arguments deleting the TCP connections to `addr` that never got an
+/// answer (the reply direction's source is the DNAT target, `addr`).
+pub fn conntrack_delete_args(addr: std::net::IpAddr) -> Vec<String> {
+    let family = if addr.is_ipv4() { "ipv4" } else { "ipv6" };
+    [
+        "-D",
+        "-f",
+        family,
+        "-p",
+        "tcp",
+        "--reply-src",
+        &addr.to_string(),
+        "--state",
+        "SYN_SENT",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The count `conntrack -D` reports on stderr (`… 3 flow entries have been deleted.`).
+pub fn conntrack_deleted_count(stderr: &str) -> u32 {
+    stderr
+        .lines()
+        .find_map(|l| {
+            let rest = l.strip_suffix(" flow entries have been deleted.")?;
+            rest.rsplit(' ').next()?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_delete_names_the_family_the_reply_source_and_syn_sent() {
+        assert_eq!(
+            conntrack_delete_args("198.18.0.5".parse().unwrap()).join(" "),
+            "-D -f ipv4 -p tcp --reply-src 198.18.0.5 --state SYN_SENT"
+        );
+        assert_eq!(
+            conntrack_delete_args("2001:db8::5".parse().unwrap()).join(" "),
+            "-D -f ipv6 -p tcp --reply-src 2001:db8::5 --state SYN_SENT"
+        );
+    }
+
+    #[test]
+    fn the_deleted_count_is_read_from_conntracks_report() {
+        assert_eq!(
+            conntrack_deleted_count(
+                "conntrack v1.4.7 (conntrack-tools): 2 flow entries have been deleted.\n"
+            ),
+            2
+        );
+        assert_eq!(
+            conntrack_deleted_count(
+                "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n"
+            ),
+            0
+        );
+        assert_eq!(conntrack_deleted_count("conntrack: something else\n"), 0);
+    }
 }
