@@ -372,7 +372,7 @@ declare -A BASE_OF=(
   [runner-standin]="scratch, static musl binary"
   [pause]="scratch, static glibc binary (gcc -Os -static)"
   [agent]="Debian forky criu + library closure (.debs), static musl binary"
-  [broker]="Debian bookworm iproute2 + library closure (.debs), static musl binary"
+  [broker]="Debian bookworm iproute2 and conntrack + library closure (.debs), static musl binary"
 )
 declare -A USER_OF=(
   [operator]=65532:65532 [preflight]=65532:65532 [testload]=65532:65532 [pause]=65535:65535
