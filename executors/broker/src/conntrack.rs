@@ -37,13 +37,7 @@ impl<K: Kernel> Broker<K> {
     /// connections to the addresses of `pid`'s network namespace that do not move.
     /// Failures are logged, never returned: the unlock itself succeeded.
     pub(crate) fn forget_unanswered(&self, pid: i32) {
-        let addrs = match self.kernel.in_netns(pid, |ip| {
-            Ok(crate::addr_lines(&ip.ip(&["-o", "addr", "show"])?)
-                .into_iter()
-                .filter(|l| !l.v6 || l.global)
-                .filter_map(|l| l.address().parse::<IpAddr>().ok())
-                .collect::<Vec<_>>())
-        }) {
+        let addrs = match self.pod_addresses(pid) {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!(pid, error = %e, "unlock: the pod's addresses not listed, no unanswered connection forgotten");

@@ -724,18 +724,24 @@ impl<K: Kernel> Broker<K> {
     /// `lock_network`, the hand-over on: holds the node's neighbour entries for the
     /// addresses of `pid`'s namespace in the hand-over CIDRs (see the module docs).
     /// Best effort: what could not be held is logged and left as it was.
-    pub(crate) fn hold_neighbours(&self, pid: i32) -> Vec<Held> {
-        if self.cfg.handover_cidrs.is_empty() || !self.cfg.hold_neighbours {
-            return Vec::new();
-        }
-        let cidrs = self.cfg.handover_cidrs.clone();
-        let addrs = match self.kernel.in_netns(pid, |ip| {
+    /// The addresses of `pid`'s network namespace a client can reach: IPv4, and global
+    /// IPv6 (what the lock's hold and the unlock's sweep act on).
+    pub(crate) fn pod_addresses(&self, pid: i32) -> std::io::Result<Vec<IpAddr>> {
+        self.kernel.in_netns(pid, |ip| {
             Ok(addr_lines(&ip.ip(&["-o", "addr", "show"])?)
                 .into_iter()
                 .filter(|l| !l.v6 || l.global)
                 .filter_map(|l| l.address().parse::<IpAddr>().ok())
                 .collect::<Vec<_>>())
-        }) {
+        })
+    }
+
+    pub(crate) fn hold_neighbours(&self, pid: i32) -> Vec<Held> {
+        if self.cfg.handover_cidrs.is_empty() || !self.cfg.hold_neighbours {
+            return Vec::new();
+        }
+        let cidrs = self.cfg.handover_cidrs.clone();
+        let addrs = match self.pod_addresses(pid) {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!(error = %e, "lock: the pod's addresses not listed, nothing held");
