@@ -9,12 +9,11 @@
 mod support;
 
 use podmotion_broker::client::BrokerClient;
-use podmotion_broker::procfs;
 use podmotion_wire::broker::*;
-use podmotion_wire::ids::{MigrationUid, ProcRef};
+use podmotion_wire::ids::MigrationUid;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{KillOnDrop, container, fixture, require_root, sh};
+use support::{container, fixture, holder_in_netns, require_root, sh};
 
 const POD: &str = "198.18.200.30";
 /// An address on the same link that nothing answers: not the pod's, never forgotten.
@@ -86,24 +85,8 @@ fn an_unlock_makes_the_node_forget_unanswered_connections_to_the_pods_address() 
     sh(&format!(
         "nft add table inet {TABLE} && nft add chain inet {TABLE} out '{{ type filter hook output priority 0; }}' && nft add rule inet {TABLE} out ct state new accept"
     ));
-    let holder = KillOnDrop(
-        Command::new("unshare")
-            .args(["-n", "sh", "-c"])
-            .arg(format!("echo $$ > {}; exec sleep 600", f.procs().display()))
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = holder.0.id() as i32;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep") {
-        assert!(Instant::now() < deadline, "the holder did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let process = ProcRef {
-        pid,
-        start_time: procfs::start_time(pid).unwrap(),
-    };
+    let (_holder, process) = holder_in_netns(&f);
+    let pid = process.pid;
     sh(&format!(
         "ip link add {HOST_LINK} type veth peer name eth0 netns {pid} && ip addr add 198.18.200.1/24 dev {HOST_LINK} && ip link set {HOST_LINK} up"
     ));

@@ -15,7 +15,7 @@ use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Fixture, KillOnDrop, container, fixture_with, require_root, sh};
+use support::{Fixture, KillOnDrop, container, fixture_with, holder_in_netns, require_root, sh};
 
 const POD: &str = "198.18.1.10";
 const HOST: &str = "198.18.0.1";
@@ -96,22 +96,7 @@ impl Net {
 /// [`ADOPTED`] is the source pod's ([`SOURCE_MAC`], stale), as on a node that talked to
 /// the source.
 fn net(f: &Fixture) -> Net {
-    let holder = KillOnDrop(
-        Command::new("unshare")
-            .args(["-n", "sh", "-c"])
-            .arg(format!("echo $$ > {}; exec sleep 600", f.procs().display()))
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = holder.0.id() as i32;
-    wait_for("the holder in its cgroup", || {
-        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep")
-    });
-    let process = ProcRef {
-        pid,
-        start_time: procfs::start_time(pid).unwrap(),
-    };
+    let (holder, process) = holder_in_netns(f);
     let host = KillOnDrop(
         Command::new("unshare")
             .args(["-n", "sleep", "600"])

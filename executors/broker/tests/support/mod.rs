@@ -105,6 +105,33 @@ impl Drop for Fixture {
     }
 }
 
+/// A pod's holder: `sleep` in a fresh network namespace, in the fixture's container
+/// cgroup, pinned once it runs (10 s at most).
+pub fn holder_in_netns(f: &Fixture) -> (KillOnDrop, podmotion_wire::ids::ProcRef) {
+    let holder = KillOnDrop(
+        std::process::Command::new("unshare")
+            .args(["-n", "sh", "-c"])
+            .arg(format!("echo $$ > {}; exec sleep 600", f.procs().display()))
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = holder.0.id() as i32;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the holder did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let process = podmotion_wire::ids::ProcRef {
+        pid,
+        start_time: procfs::start_time(pid).unwrap(),
+    };
+    (holder, process)
+}
+
 /// Kills (SIGKILL also ends a stopped process) and reaps a child however the test ends.
 pub struct KillOnDrop(pub Child);
 
