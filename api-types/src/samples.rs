@@ -67,9 +67,23 @@ impl Sample {
     }
 }
 
+/// The repository's root: the parent of the running package's directory.
+///
+/// Read at run time first (cargo sets `CARGO_MANIFEST_DIR` for `cargo test` and
+/// `cargo run`), the compiled-in path only as a fallback: cargo reuses a crate built in
+/// another checkout of the same tree (one shared target directory, paths compared
+/// relative to the package), and the compiled-in path then names that other checkout,
+/// which may be gone.
+pub fn repo_root() -> PathBuf {
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    dir.parent().map(Path::to_path_buf).unwrap_or(dir)
+}
+
 /// The repository's `examples/` directory.
 pub fn examples_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples")
+    repo_root().join("examples")
 }
 
 /// Every `*.yaml` sample in `dir`, sorted by file name.

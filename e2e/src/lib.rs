@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -56,10 +56,7 @@ impl PodSecurity {
 
 /// Root of the repository (parent of this crate).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e crate has a parent directory")
-        .to_path_buf()
+    podmotion_api::samples::repo_root()
 }
 
 /// The cluster's runtime directory (`hack/cluster.sh`'s `PODMOTION_RUN`).

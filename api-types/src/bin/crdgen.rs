@@ -8,7 +8,7 @@ use std::path::PathBuf;
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let check = args.iter().any(|a| a == "--check");
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = podmotion_api::samples::repo_root();
     let dirs: Vec<PathBuf> = match args.iter().find(|a| !a.starts_with("--")) {
         Some(dir) => vec![PathBuf::from(dir)],
         None => vec![root.join("crds"), root.join("charts/podmotion/files/crds")],

@@ -56,7 +56,12 @@ struct Args {
     /// With the hand-over on, hold the node's neighbour entries for the source's
     /// addresses during the lock (off: measured on the real nodes, a held segment of
     /// a moved connection reached the target before its restore and was reset).
-    #[arg(long, env = "PODMOTION_ADDRESS_HANDOVER_HOLD_NEIGHBOURS")]
+    #[arg(
+        long,
+        env = "PODMOTION_ADDRESS_HANDOVER_HOLD_NEIGHBOURS",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
     address_handover_hold_neighbours: bool,
     /// Log format: `json` (one object per line) or `text`.
     #[arg(long, env = podmotion_log::ENV, default_value = "json")]
