@@ -18,6 +18,7 @@ use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use podmotion_api::samples::{Sample, examples_dir, load_dir};
 use podmotion_e2e::real::output_text;
 use podmotion_e2e::{
     PodSecurity, TestNamespace, grant_user, kubeconfig_path, kubectl_path, random_suffix, repo_root,
@@ -359,6 +360,42 @@ async fn an_unknown_eviction_strategy_is_refused_when_the_workload_is_written() 
         "LiveMigrateNow",
     ));
     assert!(out.status.success(), "{}", output_text(&out));
+
+    // The manifest corpus's cases for this policy (`examples/*/with-eviction/`, beside
+    // the CRD cases examples.rs sends without the chart), in the app namespace.
+    let in_app = |s: &Sample| {
+        let mut obj = s.object.clone();
+        obj["metadata"]["namespace"] = json!(app);
+        obj
+    };
+    let dir = examples_dir();
+    let valid = load_dir(&dir.join("valid/with-eviction")).unwrap();
+    let invalid = load_dir(&dir.join("invalid/with-eviction")).unwrap();
+    assert!(
+        !valid.is_empty() && !invalid.is_empty(),
+        "no with-eviction samples"
+    );
+    for s in &valid {
+        let out = create(&in_app(s));
+        assert!(
+            out.status.success(),
+            "valid/with-eviction/{}: {}",
+            s.name(),
+            output_text(&out)
+        );
+    }
+    for s in &invalid {
+        let expect = s
+            .expect
+            .as_deref()
+            .unwrap_or_else(|| panic!("{}: no `# expect:`", s.name()));
+        refused_with(
+            &format!("invalid/with-eviction/{}", s.name()),
+            expect,
+            || create(&in_app(s)),
+        )
+        .await;
+    }
 }
 
 #[tokio::test]
