@@ -177,6 +177,8 @@ pub struct World {
     /// Paths where a symlink was planted (the mount point or a directory).
     pub symlinks: BTreeSet<PathBuf>,
     pub effects: Vec<Effect>,
+    /// Every sweep of unanswered connections started, on while its lock holds.
+    pub sweeps: Vec<crate::conntrack::SweepFlag>,
     pub fault: Option<Fault>,
     pub clock: Duration,
     /// CRIU detaches from every tree the first time the broker waits for it.
@@ -240,6 +242,7 @@ impl World {
             files: BTreeMap::new(),
             symlinks: BTreeSet::new(),
             effects: Vec::new(),
+            sweeps: Vec::new(),
             fault: None,
             clock: Duration::ZERO,
             detach_on_sleep: false,
@@ -1007,8 +1010,15 @@ impl Kernel for FakeKernel {
 
     /// The sockets of every live process in `pid`'s namespace: a listener is LISTEN,
     /// any other socket ESTABLISHED.
-    fn sweep_unanswered(&self, addrs: Vec<IpAddr>, _for: Duration, _every: Duration) {
-        self.world().effects.push(Effect::Swept { addrs });
+    fn sweep_unanswered(
+        &self,
+        addrs: Vec<IpAddr>,
+        flag: crate::conntrack::SweepFlag,
+        _every: Duration,
+    ) {
+        let mut w = self.world();
+        w.effects.push(Effect::Swept { addrs });
+        w.sweeps.push(flag);
     }
 
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(IpAddr, u8)>> {
@@ -1490,8 +1500,19 @@ impl Harness {
             Request::ListSockets { .. } | Request::ReleaseTcpRepair { .. } => {
                 a.roots.extend(src.map(|r| (r.process, r.netns)));
             }
-            Request::LockNetwork { .. } => a.may_lock = src.map(|r| r.netns),
-            Request::UnlockNetwork { .. } => a.may_sweep = src.map(|r| r.netns),
+            Request::LockNetwork { .. } => {
+                a.may_lock = src.map(|r| r.netns);
+                // The addresses it has before the lock (which drops IPv6 ones).
+                a.may_sweep = a.may_lock.map(|ns| {
+                    self.k.world().nets.get(&ns).map_or_else(Vec::new, |n| {
+                        n.addrs4
+                            .iter()
+                            .chain(&n.addrs6)
+                            .map(|(x, _)| x.clone())
+                            .collect()
+                    })
+                });
+            }
             Request::BindNetns { .. } => {
                 a.may_mount = tgt.map(|r| (Self::netns_path(&uid), r.netns))
             }
@@ -2285,9 +2306,9 @@ struct Allowed {
     sigs: &'static [Signal],
     /// The netns whose links may go down.
     may_lock: Option<u32>,
-    /// The source's network namespace, whose addresses an unlock may have the node
-    /// forget unanswered connections to.
-    may_sweep: Option<u32>,
+    /// The addresses of the source's network namespace (before the step) that a lock
+    /// may have the node forget unanswered connections to.
+    may_sweep: Option<Vec<String>>,
     /// The one netns bind mount allowed: path and netns.
     may_mount: Option<(PathBuf, u32)>,
     /// The restored root that may move, its netns, the cgroup it may move to, and the
@@ -2351,19 +2372,12 @@ impl Allowed {
                                 .any(|(a, l)| l == link && same_addr(a, addr))
                         }))
             }
-            // Only the addresses of the source an unlock names, from the node.
-            Effect::Swept { addrs } => {
-                self.may_sweep
-                    .and_then(|ns| nets.get(&ns))
-                    .is_some_and(|n| {
-                        addrs.iter().all(|a| {
-                            n.addrs4
-                                .iter()
-                                .chain(&n.addrs6)
-                                .any(|(x, _)| same_addr(x, &a.to_string()))
-                        })
-                    })
-            }
+            // Only the addresses of the source a lock names, from the node.
+            Effect::Swept { addrs } => self.may_sweep.as_ref().is_some_and(|had| {
+                addrs
+                    .iter()
+                    .all(|a| had.iter().any(|x| same_addr(x, &a.to_string())))
+            }),
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
             }

@@ -137,6 +137,9 @@ struct State {
     /// The node's neighbour entries `lock_network` holds for the source's addresses
     /// (the hand-over on): see [`handover`]'s "Held neighbours".
     held: Vec<handover::Held>,
+    /// The node forgetting unanswered connections to the locked source
+    /// ([`conntrack`]): from the lock to the unlock or the registration's end.
+    sweep: Option<conntrack::Sweep>,
 }
 
 #[derive(Debug, Clone)]
@@ -423,6 +426,7 @@ impl<K: Kernel> Broker<K> {
     fn remove(&self, uid: &MigrationUid, e: &Arc<Entry>, s: &mut State) {
         self.journal_remove(uid);
         self.release_neighbours(std::mem::take(&mut s.held));
+        s.sweep = None;
         s.gone = true;
         let mut m = self.map();
         if m.get(uid).is_some_and(|x| Arc::ptr_eq(x, e)) {
@@ -752,6 +756,11 @@ impl<K: Kernel> Broker<K> {
             // pod (a client's SYN waits, it is not dropped) until an announcement
             // names the address's new place.
             let held = self.hold_neighbours(e.process.pid);
+            // What clients send to the pod through a Service while it is locked: their
+            // next SYN goes where the Service points then. Its addresses are read
+            // before the links go down (the kernel drops IPv6 ones with the link), the
+            // sweep starts once they are down (nothing of the pod answers then).
+            let staying = self.addresses_that_stay(e.process.pid);
             let l = match lock(&self.kernel, e.process.pid) {
                 Ok(l) => l,
                 Err(k) => {
@@ -770,6 +779,7 @@ impl<K: Kernel> Broker<K> {
                 return Err(j);
             }
             s.locked = Some(l);
+            s.sweep = self.forget_unanswered(staying);
         } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
             // failed): done only once the journal holds it.
@@ -789,9 +799,8 @@ impl<K: Kernel> Broker<K> {
         if let Some(l) = &s.locked {
             unlock(&self.kernel, e.process.pid, l)?;
             s.locked = None;
-            // What clients sent to the pod while it was locked, through a Service:
-            // their next SYN goes where the Service points now.
-            self.forget_unanswered(e.process.pid);
+            // The pod answers again (a rollback), or is about to be killed (a commit).
+            s.sweep = None;
         }
         // The unlock announced the addresses: what the node held goes to the source.
         self.release_neighbours(std::mem::take(&mut s.held));

@@ -109,7 +109,15 @@ pub trait Kernel: Send + Sync + 'static {
     /// Deletes, in the node's network namespace, the TCP connections to `addrs` that
     /// never got an answer, every `every` for `for_`, in the background
     /// ([`crate::conntrack`]); returns at once.
-    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, for_: Duration, every: Duration);
+    /// Deletes, every `every` while `flag` is on (and at most
+    /// [`crate::conntrack::SWEEP_AT_MOST`]), the node's conntrack entries of TCP
+    /// connections to `addrs` that never got an answer; in the background.
+    fn sweep_unanswered(
+        &self,
+        addrs: Vec<std::net::IpAddr>,
+        flag: crate::conntrack::SweepFlag,
+        every: Duration,
+    );
     fn now(&self) -> Instant;
     /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
     /// deadlines, which must survive a broker restart).
@@ -369,13 +377,18 @@ impl Kernel for RealKernel {
         procfs::tcp_states(pid)
     }
 
-    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, for_: Duration, every: Duration) {
+    fn sweep_unanswered(
+        &self,
+        addrs: Vec<std::net::IpAddr>,
+        flag: crate::conntrack::SweepFlag,
+        every: Duration,
+    ) {
         let (k, addrs_of_log) = (*self, addrs.clone());
         std::thread::spawn(move || {
             // One entry into the node's namespace for the whole sweep.
             let r = k.in_node_netns(move |_| {
                 let (t, mut forgotten) = (Instant::now(), 0u32);
-                while t.elapsed() < for_ {
+                while flag.on() && t.elapsed() < crate::conntrack::SWEEP_AT_MOST {
                     for a in &addrs {
                         let out = Command::new("conntrack")
                             .args(conntrack_delete_args(*a))
@@ -397,10 +410,10 @@ impl Kernel for RealKernel {
                 Ok(forgotten) => tracing::info!(
                     ?addrs_of_log,
                     forgotten,
-                    "unlock: the node forgot the unanswered connections to the pod's addresses"
+                    "lock: the node forgot the unanswered connections to the locked pod's addresses"
                 ),
                 Err(e) => {
-                    tracing::warn!(error = %e, "unlock: unanswered connections not forgotten")
+                    tracing::warn!(error = %e, "lock: unanswered connections not forgotten")
                 }
             }
         });

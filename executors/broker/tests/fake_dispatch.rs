@@ -482,7 +482,8 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
     });
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     // The journal directory is a planted symlink and the undo of the lock fails too
-    // (the 6th ip call: the first of the undo).
+    // (the 7th ip call: the first of the undo, after the listing of the pod's
+    // addresses and the lock's five).
     ev(
         &mut h,
         Op::Symlink {
@@ -491,7 +492,7 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
             handover: false,
         },
     );
-    ev(&mut h, Op::Fault(Fault::Ip(6)));
+    ev(&mut h, Op::Fault(Fault::Ip(7)));
     assert_eq!(
         req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
         Err(ErrorKind::UnsafePath)
@@ -1250,24 +1251,23 @@ fn swept(h: &Harness) -> Vec<Vec<std::net::IpAddr>> {
         .collect()
 }
 
-/// An unlock makes the node forget the unanswered connections to the pod's addresses
-/// that stay (docs/broker-ops.md, `unlock_network`): every one without the hand-over,
-/// only those outside its CIDRs with it; nothing while locked, nothing for an unlock
-/// with nothing locked.
+/// Whether each sweep started so far is still on.
+fn sweeps_on(h: &Harness) -> Vec<bool> {
+    h.kernel().world().sweeps.iter().map(|f| f.on()).collect()
+}
+
+/// A lock has the node forget the unanswered connections to the pod's addresses that
+/// stay (docs/broker-ops.md, `lock_network`) until the unlock: every one without the
+/// hand-over, only those outside its CIDRs with it; a second lock starts no second
+/// sweep; the unlock, or the registration's end, stops it.
 #[test]
-fn an_unlock_forgets_unanswered_connections_to_the_addresses_that_stay() {
+fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_unlock() {
     let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
     let mut off = podmotion_broker::fake::config();
     off.handover_cidrs = Vec::new();
-    let mut h = Harness::with_config(off);
+    let mut h = Harness::with_config(off.clone());
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
-    assert_eq!(
-        swept(&h),
-        Vec::<Vec<std::net::IpAddr>>::new(),
-        "nothing while locked"
-    );
-    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     let all = vec![
         ip("10.0.10.5"),
         ip("10.1.10.5"),
@@ -1284,12 +1284,22 @@ fn an_unlock_forgets_unanswered_connections_to_the_addresses_that_stay() {
             a
         }]
     );
-    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(sweeps_on(&h), [true], "on while locked");
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
     // (Each step's effects are its own.)
-    assert!(
-        swept(&h).is_empty(),
-        "an unlock with nothing locked forgets nothing"
-    );
+    assert!(swept(&h).is_empty(), "a second lock starts no second sweep");
+    assert_eq!(sweeps_on(&h), [true]);
+    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
+    assert!(swept(&h).is_empty(), "an unlock starts none");
+    assert_eq!(sweeps_on(&h), [false], "the unlock stops it");
+
+    // A registration that ends locked (forgotten) stops its sweep too.
+    let mut h = Harness::with_config(off);
+    register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
+    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    assert_eq!(sweeps_on(&h), [true]);
+    req(&mut h, 1, Request::Forget { uid: uid("mig-a") }).unwrap();
+    assert_eq!(sweeps_on(&h), [false], "the registration's end stops it");
 
     // The hand-over on for the IPv4 pod network only: the IPv6 addresses stay.
     let mut v4 = podmotion_broker::fake::config();
@@ -1297,7 +1307,6 @@ fn an_unlock_forgets_unanswered_connections_to_the_addresses_that_stay() {
     let mut h = Harness::with_config(v4);
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
-    req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     let mut got = swept(&h);
     got.iter_mut().for_each(|a| a.sort());
     assert_eq!(
@@ -1311,4 +1320,5 @@ fn an_unlock_forgets_unanswered_connections_to_the_addresses_that_stay() {
     req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(swept(&h), Vec::<Vec<std::net::IpAddr>>::new());
+    assert!(sweeps_on(&h).is_empty());
 }
