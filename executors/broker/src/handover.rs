@@ -725,7 +725,7 @@ impl<K: Kernel> Broker<K> {
     /// addresses of `pid`'s namespace in the hand-over CIDRs (see the module docs).
     /// Best effort: what could not be held is logged and left as it was.
     /// The addresses of `pid`'s network namespace a client can reach: IPv4, and global
-    /// IPv6 (what the lock's hold and the unlock's sweep act on).
+    /// IPv6 (what the lock's hold and its sweep act on).
     pub(crate) fn pod_addresses(&self, pid: i32) -> std::io::Result<Vec<IpAddr>> {
         self.kernel.in_netns(pid, |ip| {
             Ok(addr_lines(&ip.ip(&["-o", "addr", "show"])?)
