@@ -86,6 +86,8 @@ pub struct Net {
     pub routes6: Vec<String>,
     pub addrs4: BTreeSet<(String, String)>,
     pub addrs6: BTreeSet<(String, String)>,
+    /// `arp_ignore` of each link that was set (0, the kernel's default, otherwise).
+    pub arp_ignore: BTreeMap<String, u8>,
 }
 
 impl Net {
@@ -591,12 +593,32 @@ impl Ip for FakeIp<'_> {
                 link.name
             )));
         }
+        if addr.is_ipv4() && n.arp_ignore.get(&link.name).is_some_and(|v| *v >= 8) {
+            // The neighbours would learn the address and then get no answer to their
+            // next ARP request: an announcement comes after the link answers again.
+            return Err(std::io::Error::other(format!(
+                "announce of {addr} on {}, which answers no ARP request",
+                link.name
+            )));
+        }
         self.w.effects.push(Effect::Announced {
             netns: ns,
             link: link.name.clone(),
             addr: addr.to_string(),
         });
         Ok(())
+    }
+
+    fn arp_ignore(&mut self, link: &str, value: u8) -> std::io::Result<u8> {
+        let n = self.w.nets.get_mut(&self.ns).expect("netns of a process");
+        if !n.links.contains_key(link) {
+            return Err(std::io::Error::other(format!("no such link {link}")));
+        }
+        let was = n.arp_ignore.insert(link.to_owned(), value).unwrap_or(0);
+        if value == 0 {
+            n.arp_ignore.remove(link);
+        }
+        Ok(was)
     }
 }
 

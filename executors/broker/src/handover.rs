@@ -266,7 +266,14 @@ pub(crate) struct List {
 pub(crate) struct Table {
     lists: Mutex<BTreeMap<MigrationUid, Arc<Mutex<List>>>>,
     claims: Mutex<BTreeMap<IpAddr, MigrationUid>>,
+    /// The holders' links made to answer no ARP request until their restored tree runs
+    /// (see [`silence`]), with the `arp_ignore` each had: (holder pid, link).
+    silenced: Mutex<BTreeMap<(i32, String), u8>>,
 }
+
+/// `arp_ignore` that makes a link answer no ARP request ("do not reply for all local
+/// addresses").
+const ARP_SILENT: u8 = 8;
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -609,6 +616,7 @@ impl<K: Kernel> Broker<K> {
             Plan::Present => return Ok(Reply::Done),
             Plan::Onto(link) => link,
         };
+        let rec_link = link.name.clone();
         let rec = Adoption {
             holder,
             address: a,
@@ -637,8 +645,84 @@ impl<K: Kernel> Broker<K> {
             let _ = self.set_adoptions(uid, l, next);
             return Err(kerr(k));
         }
+        self.silence(holder, &rec_link, a);
         tracing::info!(%uid, address = %a, holder = holder.pid, "address adopted");
         Ok(Reply::Done)
+    }
+
+    /// An adopted IPv4 address is not answered for before the restored tree runs: the
+    /// holder's link answers no ARP request until [`Broker::mark_restored`] announces
+    /// it. Otherwise the node, probing for the address the locked source no longer
+    /// answers (or holding its entry, `--address-handover-hold-neighbours`), learns the
+    /// target's MAC at once, and a moved connection's segment reaches the target before
+    /// CRIU restored its socket and is reset (measured on the real nodes: CRIU's
+    /// restore then failed). Best effort: logged. IPv6 has no such switch here; its
+    /// neighbours are not held (see [`Broker::hold_neighbours`]).
+    fn silence(&self, holder: ProcRef, link: &str, a: IpAddr) {
+        if !a.is_ipv4() {
+            return;
+        }
+        let key = (holder.pid, link.to_owned());
+        let mut silenced = locked(&self.handover.silenced);
+        if silenced.contains_key(&key) {
+            return;
+        }
+        let name = link.to_owned();
+        match self
+            .kernel
+            .in_netns(holder.pid, move |ip| ip.arp_ignore(&name, ARP_SILENT))
+        {
+            Ok(was) => {
+                silenced.insert(key, was);
+            }
+            Err(e) => {
+                tracing::warn!(address = %a, link, error = %e, "the holder's link still answers ARP before the restore");
+            }
+        }
+    }
+
+    /// When an adoption not yet restored is withdrawn: its link answers ARP again — with
+    /// the `arp_ignore` it had, or, if this broker did not silence it (it restarted
+    /// since), with the kernel's default 0. Best effort: logged.
+    fn unsilence_withdrawn(&self, r: &Adoption) {
+        if r.restored || !r.address.is_ipv4() {
+            return;
+        }
+        let was = locked(&self.handover.silenced)
+            .remove(&(r.holder.pid, r.link.clone()))
+            .unwrap_or(0);
+        let name = r.link.clone();
+        if let Err(e) = self
+            .kernel
+            .in_netns(r.holder.pid, move |ip| ip.arp_ignore(&name, was).map(|_| ()))
+        {
+            tracing::warn!(link = %r.link, error = %e, "the holder's link not given back its arp_ignore");
+        }
+    }
+
+    /// The holder's links silenced by [`Broker::silence`] answer ARP again (before the
+    /// announcement). Best effort: logged.
+    fn unsilence(&self, holder: ProcRef) {
+        let links: Vec<(String, u8)> = {
+            let mut silenced = locked(&self.handover.silenced);
+            let keys: Vec<(i32, String)> = silenced
+                .keys()
+                .filter(|(pid, _)| *pid == holder.pid)
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| silenced.remove(&k).map(|v| (k.1, v)))
+                .collect()
+        };
+        for (link, was) in links {
+            let name = link.clone();
+            if let Err(e) = self
+                .kernel
+                .in_netns(holder.pid, move |ip| ip.arp_ignore(&name, was).map(|_| ()))
+            {
+                tracing::warn!(link, error = %e, "the holder's link not given back its arp_ignore");
+            }
+        }
     }
 
     /// `adopt_address` of an address this registration adopted already: done once it is
@@ -681,6 +765,9 @@ impl<K: Kernel> Broker<K> {
                 .filter(|r| !(r.address == a && r.holder == holder))
                 .cloned()
                 .collect();
+            if let Some(r) = l.records.iter().find(|r| r.address == a && r.holder == holder) {
+                self.unsilence_withdrawn(r);
+            }
             self.set_adoptions(uid, l, next)?;
             tracing::info!(%uid, address = %a, "adopted address released");
             Ok(Reply::Done)
@@ -709,6 +796,8 @@ impl<K: Kernel> Broker<K> {
                 .filter(|r| r.holder == holder)
                 .map(|r| (r.address, r.link.clone()))
                 .collect();
+            // The restored tree listens: the link answers again, then says so.
+            self.unsilence(holder);
             if !adopted.is_empty()
                 && let Err(e) = self
                     .kernel
@@ -748,9 +837,12 @@ impl<K: Kernel> Broker<K> {
                 return Vec::new();
             }
         };
+        // IPv4 only: a target answers no ARP request for an adopted IPv4 address until
+        // its restored tree runs (see `silence`); for IPv6 nothing keeps it from
+        // answering the node's solicitations early, so its SYNs are dropped as before.
         let addrs: Vec<IpAddr> = addrs
             .into_iter()
-            .filter(|a| check_address(&cidrs, *a).is_ok())
+            .filter(|a| a.is_ipv4() && check_address(&cidrs, *a).is_ok())
             .collect();
         if addrs.is_empty() {
             return Vec::new();
@@ -802,6 +894,7 @@ impl<K: Kernel> Broker<K> {
                 let a = r.address;
                 match self.kernel.in_netns(r.holder.pid, move |ip| withdraw(ip, a)) {
                     Ok(()) => {
+                        self.unsilence_withdrawn(r);
                         tracing::info!(%uid, address = %a, "adopted address withdrawn: its migration ended before the restored tree was moved");
                     }
                     Err(e) => {
@@ -891,6 +984,7 @@ impl<K: Kernel> Broker<K> {
                     next.push(r.clone());
                     continue;
                 }
+                self.unsilence_withdrawn(r);
                 match why {
                     Why::Deadline => {
                         tracing::warn!(%uid, address = %a, restored = r.restored, "adopted address withdrawn: its linger deadline passed (connections still using it lose it)")

@@ -35,6 +35,9 @@ pub trait Ip {
     /// Tells the neighbours on `link` (which has a MAC) that `addr` is there: a
     /// gratuitous ARP request for IPv4, an unsolicited Neighbour Advertisement for IPv6.
     fn announce(&mut self, link: &Link, addr: std::net::IpAddr) -> std::io::Result<()>;
+    /// Sets `link`'s `arp_ignore` (`net.ipv4.conf.<link>.arp_ignore`, this namespace's)
+    /// to `value`; returns the value it had.
+    fn arp_ignore(&mut self, link: &str, value: u8) -> std::io::Result<u8>;
 }
 
 /// What the broker needs from the node. Errors are the broker's typed errors where the
@@ -177,6 +180,21 @@ impl Ip for RealIp {
             std::net::IpAddr::V4(a) => kernel::announce_ipv4(link.index, mac, a),
             std::net::IpAddr::V6(a) => kernel::announce_ipv6(link.index, mac, a),
         }
+    }
+
+    fn arp_ignore(&mut self, link: &str, value: u8) -> std::io::Result<u8> {
+        // A link name from `ip link`; never a path.
+        if link.is_empty() || link.contains('/') || link.starts_with('.') {
+            return Err(std::io::Error::other(format!("not a link name: {link:?}")));
+        }
+        // /proc/sys/net is the namespace of the thread that opens it: this one.
+        let path = format!("/proc/sys/net/ipv4/conf/{link}/arp_ignore");
+        let was = std::fs::read_to_string(&path)?
+            .trim()
+            .parse::<u8>()
+            .map_err(|e| std::io::Error::other(format!("{path}: {e}")))?;
+        std::fs::write(&path, value.to_string())?;
+        Ok(was)
     }
 }
 

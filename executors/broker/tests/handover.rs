@@ -83,6 +83,13 @@ impl Net {
             .to_owned()
     }
 
+    /// The pod's eth0's `arp_ignore` (/proc/sys/net is the opener's namespace).
+    fn arp_ignore(&self) -> String {
+        self.in_pod("cat /proc/sys/net/ipv4/conf/eth0/arp_ignore")
+            .trim()
+            .to_owned()
+    }
+
     /// The host's neighbour entry for `a`.
     fn host_neigh(&self, a: &str) -> String {
         self.in_host(&format!("ip neigh show {a} dev eth0"))
@@ -296,9 +303,10 @@ impl Connection {
     }
 }
 
-/// adopt → the address is on the pod's link, unannounced: the host's neighbour entry
-/// for it still names the source's MAC (nothing listens in the pod before the restore);
-/// once the restored tree is moved into the holder's cgroup, the entry names the pod's
+/// adopt → the address is on the pod's link, unannounced and not answered for (the
+/// link's `arp_ignore` 8): the host's neighbour entry for it still names the source's
+/// MAC (nothing listens in the pod before the restore); once the restored tree is moved
+/// into the holder's cgroup, the link answers again and the entry names the pod's
 /// (the gratuitous ARP arrived). It is journalled (0600); asked again, nothing more;
 /// release → gone, record gone.
 #[test]
@@ -317,6 +325,8 @@ fn an_adopted_address_is_on_the_pods_link_announced_once_restored_then_released(
         entry.contains(SOURCE_MAC),
         "announced before the restore: the host's entry for {ADOPTED}: {entry:?}"
     );
+    // Nor answered for: the pod's link answers no ARP request before the restore.
+    assert_eq!(n.arp_ignore(), "8", "the pod's eth0 answers ARP before the restore");
     // The restored tree: a process of the pod's namespace, moved into its cgroup.
     let tree = KillOnDrop(
         Command::new("nsenter")
@@ -340,6 +350,7 @@ fn an_adopted_address_is_on_the_pods_link_announced_once_restored_then_released(
         .unwrap(),
         Reply::Moved { pids: 1 }
     );
+    assert_eq!(n.arp_ignore(), "0", "the pod's eth0 not given back its arp_ignore");
     let entry = n.host_neigh(ADOPTED);
     assert!(
         entry.contains(&format!("lladdr {mac}")),
