@@ -33,24 +33,10 @@ use std::time::Duration;
 use crate::Broker;
 use crate::handover::check_address;
 use crate::os::Kernel;
+pub use crate::os::{SWEEP_AT_MOST, SweepFlag};
 
 /// How often the locked source's unanswered connections are forgotten.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(50);
-
-/// The longest one sweep runs, whatever the lock: a lock outliving it (a PostCopy
-/// source serving pages for that long) leaves its later clients to their retransmissions.
-pub const SWEEP_AT_MOST: Duration = Duration::from_secs(600);
-
-/// Whether a sweep is to go on: shared by the lock's [`Sweep`] and the thread doing it.
-#[derive(Clone, Debug)]
-pub struct SweepFlag(Arc<AtomicBool>);
-
-impl SweepFlag {
-    /// Whether the lock it belongs to still holds.
-    pub fn on(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
-    }
-}
 
 /// A running sweep of a locked source: it stops when this is dropped (the unlock, the
 /// registration's end).

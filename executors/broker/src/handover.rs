@@ -692,10 +692,9 @@ impl<K: Kernel> Broker<K> {
             .remove(&(r.holder.pid, r.link.clone()))
             .unwrap_or(0);
         let name = r.link.clone();
-        if let Err(e) = self
-            .kernel
-            .in_netns(r.holder.pid, move |ip| ip.arp_ignore(&name, was).map(|_| ()))
-        {
+        if let Err(e) = self.kernel.in_netns(r.holder.pid, move |ip| {
+            ip.arp_ignore(&name, was).map(|_| ())
+        }) {
             tracing::warn!(link = %r.link, error = %e, "the holder's link not given back its arp_ignore");
         }
     }
@@ -765,7 +764,11 @@ impl<K: Kernel> Broker<K> {
                 .filter(|r| !(r.address == a && r.holder == holder))
                 .cloned()
                 .collect();
-            if let Some(r) = l.records.iter().find(|r| r.address == a && r.holder == holder) {
+            if let Some(r) = l
+                .records
+                .iter()
+                .find(|r| r.address == a && r.holder == holder)
+            {
                 self.unsilence_withdrawn(r);
             }
             self.set_adoptions(uid, l, next)?;

@@ -40,6 +40,22 @@ pub trait Ip {
     fn arp_ignore(&mut self, link: &str, value: u8) -> std::io::Result<u8>;
 }
 
+/// The longest one sweep runs, whatever the lock: a lock outliving it (a PostCopy
+/// source serving pages for that long) leaves its later clients to their retransmissions.
+pub const SWEEP_AT_MOST: Duration = Duration::from_secs(600);
+
+/// Whether a sweep of unanswered connections is to go on: shared by the lock's
+/// [`crate::conntrack::Sweep`] and the thread doing it.
+#[derive(Clone, Debug)]
+pub struct SweepFlag(pub(crate) std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl SweepFlag {
+    /// Whether the lock it belongs to still holds.
+    pub fn on(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// What the broker needs from the node. Errors are the broker's typed errors where the
 /// broker forwards them, `io::Error` where it maps them itself (as before the trait).
 pub trait Kernel: Send + Sync + 'static {
@@ -113,14 +129,9 @@ pub trait Kernel: Send + Sync + 'static {
     /// never got an answer, every `every` for `for_`, in the background
     /// ([`crate::conntrack`]); returns at once.
     /// Deletes, every `every` while `flag` is on (and at most
-    /// [`crate::conntrack::SWEEP_AT_MOST`]), the node's conntrack entries of TCP
+    /// [`SWEEP_AT_MOST`]), the node's conntrack entries of TCP
     /// connections to `addrs` that never got an answer; in the background.
-    fn sweep_unanswered(
-        &self,
-        addrs: Vec<std::net::IpAddr>,
-        flag: crate::conntrack::SweepFlag,
-        every: Duration,
-    );
+    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, flag: SweepFlag, every: Duration);
     fn now(&self) -> Instant;
     /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
     /// deadlines, which must survive a broker restart).
@@ -395,18 +406,13 @@ impl Kernel for RealKernel {
         procfs::tcp_states(pid)
     }
 
-    fn sweep_unanswered(
-        &self,
-        addrs: Vec<std::net::IpAddr>,
-        flag: crate::conntrack::SweepFlag,
-        every: Duration,
-    ) {
+    fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, flag: SweepFlag, every: Duration) {
         let (k, addrs_of_log) = (*self, addrs.clone());
         std::thread::spawn(move || {
             // One entry into the node's namespace for the whole sweep.
             let r = k.in_node_netns(move |_| {
                 let (t, mut forgotten) = (Instant::now(), 0u32);
-                while flag.on() && t.elapsed() < crate::conntrack::SWEEP_AT_MOST {
+                while flag.on() && t.elapsed() < SWEEP_AT_MOST {
                     for a in &addrs {
                         let out = Command::new("conntrack")
                             .args(conntrack_delete_args(*a))

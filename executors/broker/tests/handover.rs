@@ -326,7 +326,11 @@ fn an_adopted_address_is_on_the_pods_link_announced_once_restored_then_released(
         "announced before the restore: the host's entry for {ADOPTED}: {entry:?}"
     );
     // Nor answered for: the pod's link answers no ARP request before the restore.
-    assert_eq!(n.arp_ignore(), "8", "the pod's eth0 answers ARP before the restore");
+    assert_eq!(
+        n.arp_ignore(),
+        "8",
+        "the pod's eth0 answers ARP before the restore"
+    );
     // The restored tree: a process of the pod's namespace, moved into its cgroup.
     let tree = KillOnDrop(
         Command::new("nsenter")
@@ -350,7 +354,11 @@ fn an_adopted_address_is_on_the_pods_link_announced_once_restored_then_released(
         .unwrap(),
         Reply::Moved { pids: 1 }
     );
-    assert_eq!(n.arp_ignore(), "0", "the pod's eth0 not given back its arp_ignore");
+    assert_eq!(
+        n.arp_ignore(),
+        "0",
+        "the pod's eth0 not given back its arp_ignore"
+    );
     let entry = n.host_neigh(ADOPTED);
     assert!(
         entry.contains(&format!("lladdr {mac}")),
