@@ -283,6 +283,23 @@ async fn key_material_is_written_by_the_operators_service_account_only() {
         Some(&current.to_string()),
     );
     assert!(out.status.success(), "operator: {}", output_text(&out));
+
+    // A copy Helm made (an earlier chart rendered the master key; the upgrade deletes
+    // it, perhaps after this policy took effect) may be deleted by whoever Helm runs as.
+    let key = format!("{}-podmotion-migration-key", rel.name);
+    let mut helms = secret(&key, &op.name);
+    helms["metadata"]["annotations"] = json!({"meta.helm.sh/release-name": rel.name});
+    let out = create_as(&sa, &helms, false);
+    assert!(out.status.success(), "operator: {}", output_text(&out));
+    let out = kubectl(
+        &["-n", &op.name, "delete", "secret", &key, "--as", &admin],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{admin} could not delete the Helm-made master key:\n{}",
+        output_text(&out)
+    );
 }
 
 fn migration(ns: &str, probe: Value) -> Value {
