@@ -203,8 +203,10 @@ async fn with_the_hand_over_the_held_connection_follows_the_pod() {
     let addrs = addresses_of(pid);
     assert!(addrs.contains(&source_ip), "{addrs:?}");
     assert!(addrs.contains(&pod_ip(&target)), "{addrs:?}");
+    // The same process (its counter, ticking every 10 ms, never goes back; two reads
+    // within one tick may see one value).
     let own = counter(&format!("{}:8080", pod_ip(&target)));
-    assert!(own > moved, "{own} <= {moved}");
+    assert!(own >= moved, "{own} < {moved}");
     let via_service = counter_when_reachable(&svc_addr, "through the Service");
     assert!(via_service >= own, "{via_service} < {own}");
     no_checkpoint_files_left("after the commit", &w.op.client, &w.agents(), w.nodes.len()).await;
