@@ -1,6 +1,6 @@
 //! What every controller is handed: the client (for reads), the writer (every write,
 //! Events included, behind the leader's fence), settings, metrics, leadership (its
-//! term fences agent calls), readiness and the shutdown signal.
+//! term fences agent calls), the release's claims, readiness and the shutdown signal.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -10,6 +10,7 @@ use kube::runtime::events::Reporter;
 use tokio::sync::watch;
 
 use crate::config::OperatorConfig;
+use crate::controllers::claim::Claims;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::writer::Writer;
@@ -22,6 +23,8 @@ pub struct Context {
     /// Every API write goes through it; it holds the leader's fence.
     pub writer: Writer,
     pub leader: Leadership,
+    /// This release's identity (`<namespace>/<lease name>`) and its claim notices.
+    pub claims: Claims,
     pub readiness: Readiness,
     shutdown: watch::Receiver<bool>,
 }
@@ -38,7 +41,9 @@ impl Context {
             controller: "podmotion-operator".into(),
             instance: Some(config.identity.clone()),
         };
+        let me = crate::claim::release_identity(&config.namespace, &config.leader.lease_name);
         Context {
+            claims: Claims::new(me),
             writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             config,

@@ -7,17 +7,20 @@
 //! 1. leader guard (followers keep their caches warm but never reconcile);
 //! 2. deserialize guard (an object that does not deserialize gets a Warning Event and
 //!    waits for a change, so it cannot wedge the controller);
-//! 3. finalizer, through kube-runtime's helper behind the writer's fence: added before
+//! 3. claim gate, for the kinds one release owns ([`Reconciler::CLAIMS`], `super::claim`):
+//!    an object another PodMotion release holds is left alone from here on, an
+//!    unclaimed one is claimed for this release first;
+//! 4. finalizer, through kube-runtime's helper behind the writer's fence: added before
 //!    anything else happens; a deleted object runs the same steps with `cleanup = true`,
 //!    and the finalizer goes once the step reports everything cleaned up (a controller
 //!    without one, the CSR signer, leaves deleted objects alone);
-//! 4. observe → apply → status → Events → after_status. The status is written by
+//! 5. observe → apply → status → Events → after_status. The status is written by
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
 //!    removed (a merge patch would keep it). The write carries the resourceVersion the
 //!    round read, so a round decided on a stale read (a cache behind the API server)
 //!    gets a conflict, writes nothing and reads again. The Events are the core's notes;
-//! 5. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
+//! 6. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
 //!    for metrics and logs) and one error policy.
 
 use std::fmt::Debug;
@@ -37,6 +40,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+use super::claim::{self, Gate};
 pub use super::error::{ReconcileError, api_err, is_already_exists, is_status};
 use super::reconcile_guard;
 use crate::context::Context;
@@ -90,6 +94,11 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
     const FINALIZER: Option<&'static str>;
     /// Field manager of the status (and the children).
     const MANAGER: &'static str;
+    /// Whether one PodMotion release owns each object of the kind (the claim gate,
+    /// `super::claim`): the namespaced kinds two releases' watches may share. Off for
+    /// kinds a release serves by other means (the CSR signer signs only its own
+    /// agents' requests).
+    const CLAIMS: bool = false;
 
     fn context(&self) -> &Arc<Context>;
     /// The object's current status, to skip writes that change nothing.
@@ -168,6 +177,14 @@ pub async fn reconcile<R: Reconciler>(
             announce(&ctx, guard.as_ref(), &[note]).await;
             return Ok(Action::await_change());
         }
+    };
+    let obj = if R::CLAIMS {
+        match claim::gate::<R>(&ctx, obj).await? {
+            Gate::Proceed(obj) => obj,
+            Gate::Stop(action) => return Ok(action),
+        }
+    } else {
+        obj
     };
     let timer = ctx.metrics.reconcile(R::NAME);
     let name = obj.name_any();
@@ -305,7 +322,10 @@ impl ObjectScope for ClusterResourceScope {
 }
 
 /// The API of `obj`'s kind where `obj` lives.
-fn api_of<K: Resource<DynamicType = (), Scope: ObjectScope>>(client: &Client, obj: &K) -> Api<K> {
+pub(super) fn api_of<K: Resource<DynamicType = (), Scope: ObjectScope>>(
+    client: &Client,
+    obj: &K,
+) -> Api<K> {
     <K::Scope as ObjectScope>::api(client, obj)
 }
 
