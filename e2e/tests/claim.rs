@@ -9,8 +9,8 @@
 //!
 //! - the race (both running before the objects exist): every object gets exactly one
 //!   claim (`podmotion.io/controller`), the claims won add up to the objects (a claim
-//!   without the resourceVersion precondition lets both win), and the release that
-//!   lost each one says why: one `ClaimedElsewhere` Event from its reporting instance
+//!   without the resourceVersion precondition lets both win), the release that lost
+//!   the first one never reconciles it, and the release that lost each one says why: one `ClaimedElsewhere` Event from its reporting instance
 //!   and nothing else from it about that object, a log line naming both releases, and
 //!   `podmotion_claims_total{outcome="LeftAlone"}`;
 //! - an object one release holds is never reconciled by a release started later (its
@@ -299,7 +299,25 @@ async fn two_releases_racing_for_new_migrations_claim_each_exactly_once() {
     let api: Api<PodMigration> = app.api();
     const N: usize = 4;
     let names: Vec<String> = (0..N).map(|i| format!("move-{i}")).collect();
-    for n in &names {
+    // The first alone: the release that loses it holds nothing, so any round of its
+    // own (a reconcile past the claim gate) would be a round on the other's object.
+    api.create(&PostParams::default(), &migration_of(&names[0]))
+        .await
+        .unwrap();
+    let first = holder_of(&claimed_and_reconciled(&api, &names[0]).await).unwrap();
+    let first_loser = if first == a.identity { &b } else { &a };
+    eventually("the first object's loser has left it alone", async || {
+        first_loser.claims("migration", "LeftAlone") == 1
+    })
+    .await;
+    assert_eq!(
+        first_loser.reconciles("migration"),
+        0,
+        "{} reconciled a migration {first} holds",
+        first_loser.identity
+    );
+    // Then the others at once.
+    for n in &names[1..] {
         api.create(&PostParams::default(), &migration_of(n))
             .await
             .unwrap();
@@ -319,8 +337,11 @@ async fn two_releases_racing_for_new_migrations_claim_each_exactly_once() {
     }
     let held_by_b = N - held_by_a;
     println!(
-        "claims: {} held {held_by_a}, {} held {held_by_b}",
-        a.identity, b.identity
+        "claims: {} held {held_by_a}, {} held {held_by_b}; races lost: {} and {}",
+        a.identity,
+        b.identity,
+        a.claims("migration", "Lost"),
+        b.claims("migration", "Lost")
     );
     // Exactly one claim won per object: with an unconditional claim both would win
     // (and both would count `Claimed`).

@@ -14,7 +14,7 @@
 //! derived from settings the operator has anyway, so nobody has to set it.
 //!
 //! The decision is here and pure ([`step`]); the write, the log line and the Event
-//! are the runtime's (`controllers::claim`).
+//! are the runtime's (the controller shell's claim gate).
 
 use std::collections::BTreeMap;
 

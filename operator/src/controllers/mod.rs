@@ -4,7 +4,7 @@
 //! What every controller does the same way has one home:
 //! - [`shell`]: the reconcile itself (deserialize guard, finalizer, status by
 //!   server-side apply, Events from the core's notes, one error policy), and
-//!   [`error`], the one error type, and [`claim`], the gate that makes one PodMotion
+//!   [`error`], the one error type; the shell's claim gate makes one PodMotion
 //!   release own each object;
 //! - [`controller_config`]: explicit concurrency (kube-rs's default is unlimited);
 //! - [`reconcile_guard`]: followers keep their caches warm but never reconcile;
@@ -61,7 +61,6 @@ where
 }
 
 pub mod attachment;
-pub mod claim;
 pub mod error;
 pub mod migration;
 pub mod runner_pool;
