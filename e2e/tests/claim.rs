@@ -17,8 +17,9 @@
 //!   reconcile count stays 0), the other release's uninstall hook does not strip its
 //!   finalizer, and a hand-over by `kubectl annotate --overwrite` moves it: the new
 //!   holder runs its cleanup on deletion while the old one leaves it alone;
-//! - the same for a RunnerPool: one release renders its children, the other never
-//!   reconciles it.
+//! - the same for a RunnerPool and a NodeAgentAttachment: one release renders the
+//!   children (the DaemonSet; the agent Jobs, in its own namespace), the other never
+//!   reconciles it and has no Job.
 //!
 //! Needs `hack/cluster.sh up`; fails without a cluster unless PODMOTION_E2E=0.
 
@@ -27,18 +28,22 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
-use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Service};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::{annotations, finalizers, reasons};
-use podmotion_api::{PodMigration, RunnerPool};
+use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use podmotion_e2e::operator::{InProcessController, install_crds, test_config};
-use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, wait_for};
+use podmotion_e2e::{
+    PodSecurity, TIMEOUT, TestNamespace, deployment_on_nodes, from_json, pod_running_ready,
+    wait_for, wait_list,
+};
 use podmotion_operator::claim::release_identity;
 use podmotion_operator::config::ControllerKind;
-use podmotion_operator::controllers::{migration, runner_pool};
+use podmotion_operator::controllers::{attachment, migration, runner_pool};
 use podmotion_operator::metrics::{ClaimLabels, Metrics, ReconcileResult, ResultLabels};
 use serde_json::json;
 
@@ -89,8 +94,8 @@ fn log_lines_with(needles: &[&str]) -> Vec<String> {
 
 /// One release: its namespace (a real one), identity and running controller.
 struct Release {
-    /// The release namespace: kept for the test's length, deleted with the release.
-    _ns: TestNamespace,
+    /// The release namespace (its attachment Jobs are there), deleted with the release.
+    ns: TestNamespace,
     identity: String,
     /// The Events' reporting instance (`--identity`, the pod name in a cluster).
     instance: String,
@@ -99,7 +104,8 @@ struct Release {
 
 impl Release {
     async fn new(prefix: &str, kind: ControllerKind, app_ns: &str) -> Option<Release> {
-        let ns = TestNamespace::new(prefix, PodSecurity::Restricted).await?;
+        // Privileged: the attachment Jobs run in the release namespace here.
+        let ns = TestNamespace::new(prefix, PodSecurity::Privileged).await?;
         let mut config = test_config(&ns.name, kind);
         config.leader.lease_name = LEASE.into();
         config.identity = format!("{}-0", ns.name);
@@ -136,10 +142,27 @@ impl Release {
                     runner_pool::run_with(ctx, cfg)
                 })
             }
-            ControllerKind::Attachment => unreachable!("not used here"),
+            ControllerKind::Attachment => {
+                let cfg = attachment::AttachmentConfig {
+                    job_prefix: "pm-agent".into(),
+                    agent_image: "registry.example/podmotion/attach:e2e".into(),
+                    cri_socket_path: "/run".into(),
+                    sweep_seconds: 5,
+                    write_parallelism: 16,
+                    backoff_limit: 3,
+                    image_pull_secrets: Vec::new(),
+                    pod_annotations: Default::default(),
+                    metrics_port: 9090,
+                    control_port: 15000,
+                    max_wiretaps: 4,
+                    jobs_namespace: None,
+                    watch_namespace: Some(app_ns.into()),
+                };
+                InProcessController::spawn(&ns.client, config, |ctx| attachment::run_with(ctx, cfg))
+            }
         };
         Some(Release {
-            _ns: ns,
+            ns,
             identity,
             instance,
             op,
@@ -544,6 +567,92 @@ async fn two_releases_racing_for_a_runner_pool_leave_its_children_to_one() {
     .await
     .unwrap();
     assert_eq!(loser.reconciles("runner-pool"), 0);
+    a.op.stop().await;
+    b.op.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_releases_racing_for_an_attachment_leave_its_agent_jobs_to_one() {
+    logs();
+    let Some(app) = TestNamespace::new("claim-naa", PodSecurity::Baseline).await else {
+        return;
+    };
+    install_crds(&app.client).await;
+    let a = Release::new("claim-rel-a", ControllerKind::Attachment, &app.name)
+        .await
+        .unwrap();
+    let b = Release::new("claim-rel-b", ControllerKind::Attachment, &app.name)
+        .await
+        .unwrap();
+    app.api::<Deployment>()
+        .create(
+            &PostParams::default(),
+            &deployment_on_nodes("web", 2, &["pm-node-0", "pm-node-1"]),
+        )
+        .await
+        .unwrap();
+    wait_list(
+        &app.api::<Pod>(),
+        "app=web",
+        TIMEOUT,
+        "2 ready pods",
+        |ps| ps.len() == 2 && ps.iter().all(pod_running_ready),
+    )
+    .await
+    .unwrap();
+    let naa: NodeAgentAttachment = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
+        "metadata": {"name": "web"},
+        "spec": {"workloadRef": {"kind": "Deployment", "name": "web"}, "mode": "Intercept"}
+    }));
+    let naas: Api<NodeAgentAttachment> = app.api();
+    naas.create(&PostParams::default(), &naa).await.unwrap();
+    let got = wait_for(&naas, "web", TIMEOUT, "claimed", |n| {
+        n.is_some_and(|n| holder_of(n).is_some())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let holder = holder_of(&got).unwrap();
+    let (winner, loser) = if holder == a.identity {
+        (&a, &b)
+    } else {
+        assert_eq!(holder, b.identity);
+        (&b, &a)
+    };
+    println!("NodeAgentAttachment claimed by {holder}");
+    let agent_jobs = "app.kubernetes.io/component=node-agent";
+    wait_list(
+        &winner.ns.api::<Job>(),
+        agent_jobs,
+        TIMEOUT,
+        "one agent Job per replica, in the holder's namespace",
+        |js| js.len() == 2,
+    )
+    .await
+    .unwrap();
+    eventually(
+        "the other release counts the attachment it leaves alone",
+        async || loser.claims("attachment", "LeftAlone") == 1,
+    )
+    .await;
+    assert_eq!(
+        loser.reconciles("attachment"),
+        0,
+        "{} reconciled it",
+        loser.identity
+    );
+    let theirs = loser
+        .ns
+        .api::<Job>()
+        .list(&ListParams::default().labels(agent_jobs))
+        .await
+        .unwrap();
+    assert!(
+        theirs.items.is_empty(),
+        "{} made agent Jobs for an attachment it does not hold",
+        loser.identity
+    );
     a.op.stop().await;
     b.op.stop().await;
 }
