@@ -77,6 +77,11 @@ pub mod annotations {
     /// [`super::eviction_strategies`]. Unset: the installer's namespace default, else a
     /// plain eviction.
     pub const EVICTION_STRATEGY: &str = "podmotion.io/eviction-strategy";
+    /// On a PodMigration, NodeAgentAttachment or RunnerPool: the release that reconciles
+    /// it, `<release namespace>/<leader lease name>` (`podmotion_core::claim`). Put by
+    /// the first release that sees the object; every other release leaves the object
+    /// alone. Removed or overwritten by hand to hand the object over.
+    pub const CONTROLLER: &str = "podmotion.io/controller";
 }
 
 /// Values of [`annotations::EVICTION_STRATEGY`].
@@ -132,6 +137,9 @@ pub mod reasons {
     pub const INVALID_SPEC: &str = "InvalidSpec";
     pub const API_ERROR: &str = "ApiError";
     pub const DELETING: &str = "Deleting";
+    /// Event on an object another PodMotion release has claimed
+    /// (`annotations::CONTROLLER`): this release leaves it alone.
+    pub const CLAIMED_ELSEWHERE: &str = "ClaimedElsewhere";
 
     // Agent certificates (CertificateSigningRequests of `podmotion.io/agent-serving`):
     // Event reasons on the request.

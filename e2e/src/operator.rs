@@ -71,6 +71,8 @@ pub fn test_config(namespace: &str, kind: ControllerKind) -> OperatorConfig {
 
 /// A controller running in this test process.
 pub struct InProcessController {
+    /// Its metrics, as `/metrics` would serve them.
+    pub metrics: Arc<Metrics>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -84,11 +86,12 @@ impl InProcessController {
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
         let (stop, rx) = watch::channel(false);
+        let metrics = Arc::new(Metrics::new());
         let ctx = Arc::new(Context::new(
             client.clone(),
             config,
             Leadership::always(),
-            Arc::new(Metrics::new()),
+            metrics.clone(),
             rx,
         ));
         let fut = run(ctx);
@@ -97,7 +100,11 @@ impl InProcessController {
                 eprintln!("controller ended: {e:#}");
             }
         });
-        InProcessController { stop, task }
+        InProcessController {
+            metrics,
+            stop,
+            task,
+        }
     }
 
     /// Asks the controller to shut down gracefully; aborts it after 10 s.

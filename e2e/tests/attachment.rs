@@ -736,9 +736,14 @@ async fn reap_all_removes_every_agent_job_and_releases_the_attachments() {
     let naas: Api<NodeAgentAttachment> = app.api();
     // As the Helm pre-delete hook runs it: the controllers are stopped first.
     op.stop().await;
+    // The hook's release is the operator's: its namespace and lease name.
+    let config = test_config(&agents.name, ControllerKind::Attachment);
+    let release =
+        podmotion_operator::claim::release_identity(&config.namespace, &config.leader.lease_name);
     let n = podmotion_operator::controllers::attachment::reap_all(
         app.client.clone(),
         &agents.name,
+        &release,
         TIMEOUT,
     )
     .await

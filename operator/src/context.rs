@@ -1,8 +1,8 @@
 //! What every controller is handed: the client (for reads), the writer (every write,
 //! Events included, behind the leader's fence), settings, metrics, leadership (its
-//! term fences agent calls), readiness and the shutdown signal.
+//! term fences agent calls), the release's claims, readiness and the shutdown signal.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use kube::Client;
@@ -22,6 +22,8 @@ pub struct Context {
     /// Every API write goes through it; it holds the leader's fence.
     pub writer: Writer,
     pub leader: Leadership,
+    /// This release's identity (`<namespace>/<lease name>`) and its claim notices.
+    pub claims: Claims,
     pub readiness: Readiness,
     shutdown: watch::Receiver<bool>,
 }
@@ -38,7 +40,9 @@ impl Context {
             controller: "podmotion-operator".into(),
             instance: Some(config.identity.clone()),
         };
+        let me = crate::claim::release_identity(&config.namespace, &config.leader.lease_name);
         Context {
+            claims: Claims::new(me),
             writer: Writer::fenced(client.clone(), leader.clone(), reporter),
             client,
             config,
@@ -61,6 +65,50 @@ impl Context {
         async move {
             let _ = rx.wait_for(|stop| *stop).await;
         }
+    }
+}
+
+/// Leave-alone notices remembered before the memory starts over (a bound: another
+/// release's objects are never reconciled here, so their deletion never removes their
+/// entry).
+const TOLD_MAX: usize = 10_000;
+
+/// This release's identity and what it has said about the objects it leaves alone
+/// (the claim gate, `controllers::shell::claim_gate`).
+pub struct Claims {
+    me: String,
+    /// uid → (generation, holder) last told about.
+    told: Mutex<HashMap<String, (i64, String)>>,
+}
+
+impl Claims {
+    pub fn new(me: String) -> Claims {
+        Claims {
+            me,
+            told: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The identity this release claims objects under.
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// Whether leaving the object `uid` at `generation` to `holder` is news (and
+    /// remembers it): once per generation and holder.
+    pub(crate) fn first_time(&self, uid: &str, generation: i64, holder: &str) -> bool {
+        let mut told = self.told.lock().expect("claims lock");
+        if told
+            .get(uid)
+            .is_some_and(|(g, h)| *g == generation && h == holder)
+        {
+            return false;
+        }
+        if told.len() >= TOLD_MAX {
+            told.clear();
+        }
+        told.insert(uid.to_string(), (generation, holder.to_string()));
+        true
     }
 }
 
@@ -137,5 +185,24 @@ mod tests {
         assert!(r.pending().is_empty());
         r.set_stopping();
         assert_eq!(r.pending(), vec![STOPPING]);
+    }
+
+    #[test]
+    fn a_left_alone_object_is_told_about_once_per_generation_and_holder() {
+        let c = Claims::new("a/lease".into());
+        assert!(c.first_time("uid-1", 1, "b/lease"));
+        assert!(!c.first_time("uid-1", 1, "b/lease"), "same generation");
+        assert!(c.first_time("uid-1", 2, "b/lease"), "spec changed");
+        assert!(c.first_time("uid-1", 2, "c/lease"), "handed to another");
+        assert!(c.first_time("uid-2", 2, "c/lease"), "another object");
+    }
+
+    #[test]
+    fn the_memory_of_notices_is_bounded() {
+        let c = Claims::new("a/lease".into());
+        for i in 0..TOLD_MAX + 5 {
+            c.first_time(&format!("uid-{i}"), 1, "b/lease");
+        }
+        assert!(c.told.lock().unwrap().len() <= TOLD_MAX);
     }
 }

@@ -27,4 +27,4 @@ pub mod server;
 pub mod webhook;
 pub mod writer;
 
-pub use podmotion_core::{attachment, eviction, meta, migration, note, runner_pool};
+pub use podmotion_core::{attachment, claim, eviction, meta, migration, note, runner_pool};

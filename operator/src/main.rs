@@ -82,6 +82,10 @@ async fn main() -> anyhow::Result<()> {
         Command::ReapAll {
             operator_deployment,
         } => {
+            let release = podmotion_operator::claim::release_identity(
+                &cli.operator.namespace,
+                &cli.operator.leader.lease_name,
+            );
             let hook = uninstall::Uninstall {
                 jobs_namespace: cli.attachment.jobs_namespace_or(&cli.operator.namespace),
                 namespace: cli.operator.namespace,
@@ -90,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
                 migration_scope: cli.migration.watch_namespace,
                 attachment_scope: cli.attachment.watch_namespace,
                 runner_pool_scope: runner_pool::RunnerPoolConfig::from_env()?.watch_namespace,
+                release,
             };
             hook.run(&client).await?;
             tracing::info!("every PodMotion object released");

@@ -44,6 +44,14 @@ pub struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    pub controller: &'static str,
+    /// `Claimed`, `LeftAlone` (held by another release; once per object generation)
+    /// or `Lost` (another release claimed it first).
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     /// Terminal phase or reason: a fixed CamelCase word.
     pub outcome: &'static str,
@@ -114,6 +122,8 @@ pub struct Metrics {
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
     pub reconciles_in_flight: Family<ControllerLabels, Gauge>,
+    /// Objects claimed for this release, left to another, or lost in a race.
+    pub claims: Family<ClaimLabels, Counter>,
     /// PodMigrations that reached a terminal phase, by phase.
     pub migrations: Family<OutcomeLabels, Counter>,
     /// Measured freeze of committed migrations.
@@ -166,6 +176,7 @@ impl Metrics {
             reconcile_errors: registered(reg, "reconcile_errors", "Reconcile errors by controller and error category", Family::default()),
             reconcile_duration: registered(reg, "reconcile_duration_seconds", "Time spent in one reconcile", Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 15)))),
             reconciles_in_flight: registered(reg, "reconciles_in_flight", "Reconciles running now (the controller's work queue in service)", Family::default()),
+            claims: registered(reg, "claims", "Objects this release claimed (Claimed), left to the release that holds them (LeftAlone, once per object generation) or lost to another release's claim (Lost), by controller", Family::default()),
             migrations: registered(reg, "migrations", "PodMigrations finished, by terminal phase", Family::default()),
             migration_downtime: registered(reg, "migration_downtime_seconds", "Measured freeze of committed migrations", Histogram::new(exponential_buckets(0.01, 2.0, 12))),
             migration_bytes: registered(reg, "migration_bytes", "Checkpoint bytes moved between nodes", Counter::default()),
@@ -207,6 +218,12 @@ impl Metrics {
             let _ = self
                 .reconciles_in_flight
                 .get_or_create(&ControllerLabels { controller });
+            for outcome in ["Claimed", "LeftAlone", "Lost"] {
+                let _ = self.claims.get_or_create(&ClaimLabels {
+                    controller,
+                    outcome,
+                });
+            }
         }
         for outcome in ["Succeeded", "Failed", "Aborted"] {
             let _ = self.migrations.get_or_create(&OutcomeLabels { outcome });

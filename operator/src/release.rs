@@ -2,7 +2,10 @@
 //! attachment Jobs' hook step) and the uninstall hook remove the finalizers a stopped
 //! operator can no longer remove. One function serves both, and it never overwrites a
 //! concurrent change of the finalizer list: each patch carries the resourceVersion it
-//! was computed from, and a conflict is answered by reading the object again.
+//! was computed from, and a conflict is answered by reading the object again. It
+//! releases only the objects of its own release (or nobody's): an object another
+//! PodMotion release holds (`podmotion_core::claim`) keeps its finalizer, which that
+//! release's operator still needs.
 
 use std::fmt::Debug;
 
@@ -13,6 +16,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
+use crate::claim::may_act;
 use crate::writer::Writer;
 
 /// Conflicts retried per object before giving up (each one a fresh read).
@@ -27,11 +31,12 @@ pub fn released(finalizers: &[String], ours: &str) -> Option<Vec<String>> {
 }
 
 /// Removes `ours` from every object of kind `K` in `scope` (`None`: all namespaces)
-/// that carries it; returns how many were released.
+/// that carries it and that no release but `me` holds; returns how many were released.
 pub async fn release_all<K>(
     client: &Client,
     scope: Option<&str>,
     ours: &str,
+    me: &str,
 ) -> anyhow::Result<usize>
 where
     K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
@@ -53,6 +58,9 @@ where
         let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
         let mut current = obj;
         for attempt in 0.. {
+            if !may_act(current.annotations(), me) {
+                break;
+            }
             let Some(keep) = released(current.finalizers(), ours) else {
                 break;
             };

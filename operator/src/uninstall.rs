@@ -6,7 +6,9 @@
 //! operator puts back every finalizer it sees removed), (3) remove the PodMotion
 //! finalizer of every PodMigration, RunnerPool and NodeAgentAttachment in the
 //! namespaces the controllers watch, and (4) reap the attachment Jobs as before. The
-//! objects themselves and the CRDs are kept. The decisions are the pure functions at
+//! objects themselves and the CRDs are kept. Steps (1) and (3) touch only the objects
+//! this release holds (or nobody does): another PodMotion release watching the same
+//! namespaces keeps its migrations running and its finalizers (`podmotion_core::claim`). The decisions are the pure functions at
 //! the top (`in_flight`; `released` with `release_all`, shared with `reap-all`, is in
 //! `podmotion_operator::release`); the rest is I/O.
 
@@ -22,6 +24,7 @@ use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, Resource, ResourceExt};
 use podmotion_api::names::finalizers;
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
+use podmotion_operator::claim::may_act;
 use podmotion_operator::config::ControllerKind;
 use podmotion_operator::controllers::attachment;
 use podmotion_operator::release::release_all;
@@ -57,12 +60,20 @@ pub struct Uninstall {
     pub runner_pool_scope: Option<String>,
     /// Where the attachment Jobs are.
     pub jobs_namespace: String,
+    /// This release's identity (`claim::release_identity`): the objects it may touch.
+    pub release: String,
 }
 
 /// Whether a PodMigration is still moving a pod (or waiting to): not terminal. Those are
 /// deleted first so that the operator rolls them back before it stops.
 pub fn in_flight(pm: &PodMigration) -> bool {
     !pm.status.as_ref().is_some_and(|s| s.phase.is_terminal())
+}
+
+/// Whether the hook of the release `me` rolls back `pm`: in flight, and not held by
+/// another release (whose operator keeps driving it).
+pub fn to_roll_back(pm: &PodMigration, me: &str) -> bool {
+    in_flight(pm) && may_act(pm.annotations(), me)
 }
 
 fn api_in<K>(client: &Client, scope: Option<&str>) -> Api<K>
@@ -94,6 +105,7 @@ impl Uninstall {
                 client,
                 self.migration_scope.as_deref(),
                 finalizers::MIGRATION_CLEANUP,
+                &self.release,
             )
             .await?;
             tracing::info!(released = n, "PodMigration finalizers removed");
@@ -103,6 +115,7 @@ impl Uninstall {
                 client,
                 self.runner_pool_scope.as_deref(),
                 finalizers::RUNNER_POOL_CLEANUP,
+                &self.release,
             )
             .await?;
             tracing::info!(released = n, "RunnerPool finalizers removed");
@@ -112,11 +125,17 @@ impl Uninstall {
                 client,
                 self.attachment_scope.as_deref(),
                 finalizers::ATTACHMENT_CLEANUP,
+                &self.release,
             )
             .await?;
             tracing::info!(released = n, "NodeAgentAttachment finalizers removed");
-            let jobs =
-                attachment::reap_all(client.clone(), &self.jobs_namespace, JOBS_TIMEOUT).await?;
+            let jobs = attachment::reap_all(
+                client.clone(),
+                &self.jobs_namespace,
+                &self.release,
+                JOBS_TIMEOUT,
+            )
+            .await?;
             tracing::info!(jobs, namespace = %self.jobs_namespace, "reaped every attachment Job");
         }
         Ok(())
@@ -134,7 +153,11 @@ impl Uninstall {
         let mut deleted = vec![];
         // The hook runs with the controllers stopped and holds no lease: unfenced.
         let writer = Writer::hook(client.clone());
-        for pm in list.items.iter().filter(|pm| in_flight(pm)) {
+        for pm in list
+            .items
+            .iter()
+            .filter(|pm| to_roll_back(pm, &self.release))
+        {
             let (ns, name) = (pm.namespace().unwrap_or_default(), pm.name_any());
             let ns_api: Api<PodMigration> = Api::namespaced(client.clone(), &ns);
             let dp = DeleteParams::default();
@@ -257,6 +280,28 @@ mod tests {
             v["status"] = json!({"phase": phase});
         }
         serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_hook_rolls_back_only_its_own_release_s_migrations_or_nobody_s() {
+        let me = "podmotion-a/podmotion-operator";
+        let claimed = |by: &str| {
+            let mut m = pm(Some(MigrationPhase::Transferring));
+            m.annotations_mut().insert(
+                podmotion_api::names::annotations::CONTROLLER.into(),
+                by.into(),
+            );
+            m
+        };
+        assert!(to_roll_back(&pm(None), me), "unclaimed");
+        assert!(to_roll_back(&claimed(me), me));
+        assert!(!to_roll_back(
+            &claimed("podmotion-b/podmotion-operator"),
+            me
+        ));
+        let mut done = claimed(me);
+        done.status.as_mut().unwrap().phase = MigrationPhase::Succeeded;
+        assert!(!to_roll_back(&done, me), "finished");
     }
 
     #[test]

@@ -13,9 +13,10 @@
 //! The verbs are the shapes the controllers use (stackable's `ClusterResources` is the
 //! model): server-side apply of an object we own, create-if-absent, create, replace
 //! (carrying the resourceVersion read), patch, delete-ignoring-absent, the orphan sweep
-//! by label, and the status write by server-side apply with the resourceVersion of the
+//! by label, the status write by server-side apply with the resourceVersion of the
 //! read it was decided from as a precondition (a decision made on a stale read gets a
-//! conflict, never a write). `hack/check-layers.sh` fails on an API write call outside
+//! conflict, never a write), and the claim of an object for this release (an
+//! annotation, with the same precondition). `hack/check-layers.sh` fails on an API write call outside
 //! this module.
 
 use std::collections::BTreeSet;
@@ -410,6 +411,36 @@ impl Writer {
         .map_err(|e| e.verb("apply status of"))
     }
 
+    /// Claims `obj` for a release: sets its annotation `key` to `value` by a merge
+    /// patch that carries the resourceVersion `obj` was read at, so of two writers that
+    /// read the same version only the first wins and the other gets 409 `Conflict`
+    /// ([`WriteError::is_conflict`]): it reads again and sees the winner's claim.
+    /// Returns the object as written (its new resourceVersion is what the round's
+    /// status write must carry).
+    pub async fn claim<K>(
+        &self,
+        api: &Api<K>,
+        obj: &K,
+        key: &str,
+        value: &str,
+        manager: &str,
+    ) -> Result<K, WriteError>
+    where
+        K: Resource<DynamicType = ()> + DeserializeOwned + Clone + Debug,
+    {
+        let patch = serde_json::json!({"metadata": {
+            "resourceVersion": obj.resource_version(),
+            "annotations": { key: value },
+        }});
+        let pp = PatchParams {
+            field_manager: Some(manager.into()),
+            ..Default::default()
+        };
+        self.patch(api, &obj.name_any(), &pp, &Patch::Merge(&patch))
+            .await
+            .map_err(|e| e.verb("claim"))
+    }
+
     /// Runs kube-runtime's finalizer helper (which adds and removes `name` on `obj`
     /// by patches) behind the fence.
     pub async fn finalizer<K, F, Fut, E>(
@@ -523,6 +554,11 @@ mod tests {
         ));
         assert!(not_leader(
             w.delete_with(&api, "x", PropagationPolicy::Foreground)
+                .await
+                .unwrap_err()
+        ));
+        assert!(not_leader(
+            w.claim(&api, &cm(), "podmotion.io/controller", "ns/lease", "m")
                 .await
                 .unwrap_err()
         ));

@@ -79,8 +79,10 @@ app.kubernetes.io/component: node-agent
 - --http-addr=0.0.0.0:{{ .Values.operator.httpPort }}
 - --concurrency={{ .Values.operator.concurrency }}
 - --log-format={{ include "podmotion.operatorLogFormat" . }}
-{{- if .Values.operator.leaderElection.enabled }}
+{{- /* Always: with the namespace it names the release that objects are claimed for
+     (the `podmotion.io/controller` annotation), leader election or not. */}}
 - --leader-lease-name={{ .Values.operator.leaderElection.leaseName }}
+{{- if .Values.operator.leaderElection.enabled }}
 - --leader-lease-seconds={{ .Values.operator.leaderElection.leaseSeconds }}
 {{- else }}
 - --no-leader-election

@@ -1,7 +1,7 @@
 //! PodMotion's pure cores: `migration`, `attachment` and `runner_pool` (one per custom
-//! resource), the PKI's decisions and certificate making (`pki`), the object metadata
-//! the cores and the runtime share (`meta`) and what a core wants said as an Event
-//! (`note`).
+//! resource), which release reconciles an object (`claim`), the PKI's decisions and
+//! certificate making (`pki`), the object metadata the cores and the runtime share
+//! (`meta`) and what a core wants said as an Event (`note`).
 //!
 //! They take plain structs and return desired objects, next steps and status. This
 //! crate has no API client, async runtime, wire protocol or clock among its
@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attachment;
+pub mod claim;
 pub mod eviction;
 pub mod meta;
 pub mod migration;

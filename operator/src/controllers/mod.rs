@@ -4,7 +4,8 @@
 //! What every controller does the same way has one home:
 //! - [`shell`]: the reconcile itself (deserialize guard, finalizer, status by
 //!   server-side apply, Events from the core's notes, one error policy), and
-//!   [`error`], the one error type;
+//!   [`error`], the one error type; the shell's claim gate makes one PodMotion
+//!   release own each object;
 //! - [`controller_config`]: explicit concurrency (kube-rs's default is unlimited);
 //! - [`reconcile_guard`]: followers keep their caches warm but never reconcile;
 //! - [`mark_ready_when_synced`]: `/readyz` once the controller's store has listed;

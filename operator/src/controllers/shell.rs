@@ -7,17 +7,20 @@
 //! 1. leader guard (followers keep their caches warm but never reconcile);
 //! 2. deserialize guard (an object that does not deserialize gets a Warning Event and
 //!    waits for a change, so it cannot wedge the controller);
-//! 3. finalizer, through kube-runtime's helper behind the writer's fence: added before
+//! 3. claim gate, for the kinds one release owns ([`Reconciler::CLAIMS`], [`claim_gate`]):
+//!    an object another PodMotion release holds is left alone from here on, an
+//!    unclaimed one is claimed for this release first;
+//! 4. finalizer, through kube-runtime's helper behind the writer's fence: added before
 //!    anything else happens; a deleted object runs the same steps with `cleanup = true`,
 //!    and the finalizer goes once the step reports everything cleaned up (a controller
 //!    without one, the CSR signer, leaves deleted objects alone);
-//! 4. observe → apply → status → Events → after_status. The status is written by
+//! 5. observe → apply → status → Events → after_status. The status is written by
 //!    server-side apply on `/status` under the controller's field manager, only when it
 //!    changed; a field the core no longer sets is left out of the applied object and so
 //!    removed (a merge patch would keep it). The write carries the resourceVersion the
 //!    round read, so a round decided on a stale read (a cache behind the API server)
 //!    gets a conflict, writes nothing and reads again. The Events are the core's notes;
-//! 5. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
+//! 6. one error type ([`ReconcileError`] in `super::error`, with a bounded `category()`
 //!    for metrics and logs) and one error policy.
 
 use std::fmt::Debug;
@@ -32,15 +35,17 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{self, Event as Finalizer};
 use kube::{Client, Resource, ResourceExt};
-use podmotion_api::names::reasons;
+use podmotion_api::names::{annotations, reasons};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 pub use super::error::{ReconcileError, api_err, is_already_exists, is_status};
 use super::reconcile_guard;
+use crate::claim::{Seen, Step, step};
 use crate::context::Context;
 use crate::events::publish;
+use crate::metrics::ClaimLabels;
 use crate::note::{EventKind, Note};
 
 /// What one round of a controller produced, for the shell to finish.
@@ -90,6 +95,11 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
     const FINALIZER: Option<&'static str>;
     /// Field manager of the status (and the children).
     const MANAGER: &'static str;
+    /// Whether one PodMotion release owns each object of the kind (the claim gate,
+    /// [`claim_gate`]): the namespaced kinds two releases' watches may share. Off for
+    /// kinds a release serves by other means (the CSR signer signs only its own
+    /// agents' requests).
+    const CLAIMS: bool = false;
 
     fn context(&self) -> &Arc<Context>;
     /// The object's current status, to skip writes that change nothing.
@@ -169,6 +179,14 @@ pub async fn reconcile<R: Reconciler>(
             return Ok(Action::await_change());
         }
     };
+    let obj = if R::CLAIMS {
+        match claim_gate::<R>(&ctx, obj).await? {
+            Gate::Proceed(obj) => obj,
+            Gate::Stop(action) => return Ok(action),
+        }
+    } else {
+        obj
+    };
     let timer = ctx.metrics.reconcile(R::NAME);
     let name = obj.name_any();
     let started = std::time::Instant::now();
@@ -186,6 +204,118 @@ pub async fn reconcile<R: Reconciler>(
         Err(e) => Err(e.category()),
     });
     res
+}
+
+/// Why a round ended without a claim: another release claimed the object first.
+pub const CLAIM_LOST: &str = "another release claimed the object first; reading again";
+
+/// What the shell does after the gate.
+enum Gate<K> {
+    /// Reconcile this object (the claimed one when the gate just claimed it: its
+    /// resourceVersion is the one the status write must carry).
+    Proceed(Arc<K>),
+    /// Leave it: end the round with this action.
+    Stop(Action),
+}
+
+/// The claim gate for `obj` in controller `R`: one PodMotion release owns each object
+/// (`podmotion_core::claim` decides; this writes, logs and counts). An object another
+/// release holds gets nothing from this one but one info line, one `ClaimedElsewhere`
+/// Event and one count of `podmotion_claims_total{outcome="LeftAlone"}` per object
+/// generation and holder (not per round: the holder's status writes wake this
+/// controller too). An unclaimed one is claimed by a write that carries the
+/// resourceVersion read (`Writer::claim`): of two releases racing, the loser gets a
+/// conflict and waits for its cache to show the winner's claim. Nothing takes over
+/// another release's claim by itself (a release whose Lease looks expired may be
+/// restarting, scaled to zero or partitioned, and would come back to an object
+/// someone else drives): a user hands an object over by overwriting or removing the
+/// annotation (docs/security.md, "Two releases over the same namespaces").
+async fn claim_gate<R: Reconciler>(
+    ctx: &Context,
+    obj: Arc<R::Object>,
+) -> Result<Gate<R::Object>, ReconcileError> {
+    let me = ctx.claims.me();
+    let seen = Seen {
+        annotations: obj.annotations(),
+        finalizers: obj.finalizers(),
+        deleting: obj.meta().deletion_timestamp.is_some(),
+    };
+    let count = |outcome: &'static str| {
+        ctx.metrics
+            .claims
+            .get_or_create(&ClaimLabels {
+                controller: R::NAME,
+                outcome,
+            })
+            .inc();
+    };
+    match step(seen, R::FINALIZER, me) {
+        Step::Reconcile => Ok(Gate::Proceed(obj)),
+        Step::Nothing => Ok(Gate::Stop(Action::await_change())),
+        Step::LeaveAlone { holder } => {
+            let uid = obj.uid().unwrap_or_default();
+            let generation = obj.meta().generation.unwrap_or_default();
+            if ctx.claims.first_time(&uid, generation, &holder) {
+                count("LeftAlone");
+                tracing::info!(
+                    controller = R::NAME,
+                    name = %obj.name_any(),
+                    namespace = obj.namespace().as_deref().unwrap_or_default(),
+                    %uid,
+                    generation,
+                    holder = %holder,
+                    release = %me,
+                    "claimed by another PodMotion release: left alone (overwrite or remove the {} annotation to hand it over)",
+                    annotations::CONTROLLER,
+                );
+                let note = format!(
+                    "Reconciled by PodMotion release {holder}, not by {me}: this release leaves it alone. To hand it over: kubectl annotate --overwrite {kind} {name} {key}=<release namespace>/<lease name> (or remove the annotation: the first release that sees it claims it).",
+                    kind = R::Object::kind(&()).to_lowercase(),
+                    name = obj.name_any(),
+                    key = annotations::CONTROLLER,
+                );
+                publish(
+                    ctx,
+                    obj.as_ref(),
+                    EventType::Normal,
+                    reasons::CLAIMED_ELSEWHERE,
+                    "Reconcile",
+                    note,
+                )
+                .await;
+            }
+            Ok(Gate::Stop(Action::await_change()))
+        }
+        Step::Claim => {
+            let api = api_of(&ctx.client, obj.as_ref());
+            match ctx
+                .writer
+                .claim(&api, obj.as_ref(), annotations::CONTROLLER, me, R::MANAGER)
+                .await
+            {
+                Ok(claimed) => {
+                    count("Claimed");
+                    tracing::info!(
+                        controller = R::NAME,
+                        name = %obj.name_any(),
+                        namespace = obj.namespace().as_deref().unwrap_or_default(),
+                        uid = obj.uid().as_deref().unwrap_or_default(),
+                        release = %me,
+                        "claimed for this PodMotion release"
+                    );
+                    Ok(Gate::Proceed(Arc::new(claimed)))
+                }
+                // Another release claimed it (or anything else changed it) since the
+                // read: nothing was written; decide again on a fresher read.
+                Err(e) if e.is_conflict() => {
+                    count("Lost");
+                    Err(ReconcileError::wait(CLAIM_LOST, Duration::from_millis(500)))
+                }
+                Err(e) if e.is_status(404) => Ok(Gate::Stop(Action::await_change())),
+                Err(e) => Err(e.into()),
+            }
+        }
+    }
 }
 
 async fn finalized<R: Reconciler>(r: &R, obj: Arc<R::Object>) -> Result<Action, ReconcileError> {

@@ -167,6 +167,7 @@ impl Reconciler for Shared {
     const NAME: &'static str = NAME;
     const FINALIZER: Option<&'static str> = Some(finalizers::ATTACHMENT_CLEANUP);
     const MANAGER: &'static str = managers::ATTACHMENT;
+    const CLAIMS: bool = true;
 
     fn context(&self) -> &Arc<Context> {
         &self.ctx

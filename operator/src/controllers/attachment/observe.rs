@@ -17,7 +17,8 @@ use crate::attachment::{AttachmentView, JobView, ObservedGroup, PodView};
 use crate::controllers::shell::{ReconcileError, api_err};
 
 /// One workload's state: the workload (read, for its selector), its pods, its agent
-/// Jobs, and the attachments claiming it (from the caches), with the ingest Leases of
+/// Jobs, and the attachments claiming it (from the caches; those another PodMotion
+/// release holds left out), with the ingest Leases of
 /// those attachments (read; created when missing in `Mode::Full`). `about` is the
 /// reconciled attachment as the watch delivered it (fresher than the store).
 pub(super) async fn workload(
@@ -49,6 +50,9 @@ pub(super) async fn workload(
         .iter()
         .filter_map(|g| g.0.as_ref().ok())
         .filter(|a| a.namespace().as_deref() == Some(ns) && a.spec.workload_ref == *workload)
+        // Another release's attachments are its own: their Jobs are planned there
+        // (in that release's namespace), never here.
+        .filter(|a| crate::claim::may_act(a.annotations(), s.ctx.claims.me()))
         .collect();
     let mut attachments = vec![];
     for m in members {

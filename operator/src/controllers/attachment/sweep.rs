@@ -83,10 +83,16 @@ async fn sweep(s: &Shared) -> Result<usize, ReconcileError> {
 /// `reap-all`: deletes every agent Job in `namespace` (foreground) and its credential
 /// Secret in the target's namespace, waits until the Jobs are
 /// gone (bounded by `timeout`), and removes the attachment finalizer from every
-/// NodeAgentAttachment so that uninstalling the operator cannot leave them stuck.
+/// NodeAgentAttachment of the release `me` (or of none) so that uninstalling the
+/// operator cannot leave them stuck; another release's keep theirs.
 /// Returns the number of Jobs deleted. Run it with the controllers stopped (the Helm
 /// pre-delete hook), or live attachments get their Jobs back.
-pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> anyhow::Result<usize> {
+pub async fn reap_all(
+    client: Client,
+    namespace: &str,
+    me: &str,
+    timeout: Duration,
+) -> anyhow::Result<usize> {
     let api: Api<Job> = Api::namespaced(client.clone(), namespace);
     // The hook runs with the controllers stopped and holds no lease: unfenced.
     let writer = Writer::hook(client.clone());
@@ -96,6 +102,7 @@ pub async fn reap_all(client: Client, namespace: &str, timeout: Duration) -> any
         &client,
         None,
         finalizers::ATTACHMENT_CLEANUP,
+        me,
     )
     .await?;
     Ok(deleted.len())

@@ -282,6 +282,7 @@ impl<A: AgentClient> Reconciler for Shared<A> {
     const NAME: &'static str = NAME;
     const FINALIZER: Option<&'static str> = Some(finalizers::MIGRATION_CLEANUP);
     const MANAGER: &'static str = managers::MIGRATION;
+    const CLAIMS: bool = true;
 
     fn context(&self) -> &Arc<Context> {
         &self.ctx

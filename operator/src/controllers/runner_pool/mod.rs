@@ -175,6 +175,7 @@ impl Reconciler for Shared {
     const NAME: &'static str = NAME;
     const FINALIZER: Option<&'static str> = Some(finalizers::RUNNER_POOL_CLEANUP);
     const MANAGER: &'static str = managers::RUNNER_POOL;
+    const CLAIMS: bool = true;
 
     fn context(&self) -> &Arc<Context> {
         &self.ctx
