@@ -752,23 +752,18 @@ impl<K: Kernel> Broker<K> {
         s: &mut State,
     ) -> Result<Reply, BrokerError> {
         if s.locked.is_none() {
-            // Before the links go down: from here the node holds what it sends to the
-            // pod (a client's SYN waits, it is not dropped) until an announcement
-            // names the address's new place.
-            let held = self.hold_neighbours(e.process.pid);
             // What clients send to the pod through a Service while it is locked: their
             // next SYN goes where the Service points then. Its addresses are read
             // before the links go down (the kernel drops IPv6 ones with the link), the
             // sweep starts once they are down (nothing of the pod answers then).
             let staying = self.addresses_that_stay(e.process.pid);
-            let l = match lock(&self.kernel, e.process.pid) {
-                Ok(l) => l,
-                Err(k) => {
-                    self.release_neighbours(held);
-                    return Err(k);
-                }
-            };
-            s.held.extend(held);
+            let l = lock(&self.kernel, e.process.pid)?;
+            // Once the links are down (before, the source itself would answer the
+            // node's probe and take the held SYN, which its freeze then strands): from
+            // here the node holds what it sends to the pod (a client's SYN waits, it
+            // is not dropped) until an announcement names the address's new place. A
+            // SYN sent between the two is dropped at the dead link and retransmitted.
+            s.held.extend(self.hold_neighbours(e.process.pid));
             if let Err(j) = self.journal_write(uid, e.process, &l, s.fenced) {
                 // Never report a lock that a broker restart could not undo. If
                 // the undo fails too, the lock stays known in memory, so that
