@@ -346,11 +346,10 @@ pub const DEFAULTS_BOUND: ClientBound = ClientBound {
 
 /// With the address hand-over on (`migrationAgent.broker.addressHandover.cidrs`): no
 /// failed request and the held connection goes on, as the issue asks. The gap is not
-/// yet the issue's (downtime + 300 ms): on the real nodes, with the broker holding the
-/// node's SYNs (neighbour entries INCOMPLETE until the restored copy announces), the
-/// client on fresh connections still waited for its first SYN retransmission (1 s):
-/// downtime 414 ms, gap 1,035 ms (docs/benchmarks.md). So: the retransmission plus the
-/// issue's 300 ms.
+/// yet the issue's (downtime + 300 ms): the client on fresh connections waits for its
+/// first SYN retransmission (1 s) — the neighbour hold that removes that wait is off by
+/// default (docs/benchmarks.md, "What a client sees", runs 2 and 4). So: the
+/// retransmission plus the issue's 300 ms.
 pub const HANDOVER_BOUND: ClientBound = ClientBound {
     slack: Duration::from_millis(1300),
     failures: 0,
