@@ -2305,6 +2305,11 @@ impl Harness {
                     set.remove(&(cidr, link));
                 }
             }
+            // A link silenced for an adoption stays so exactly when the adoption's
+            // address may stay (its holder died before the broker could undo either).
+            if !adopted.is_empty() {
+                stripped.arp_ignore = base.arp_ignore.clone();
+            }
             let held = self.model.values().any(|r| r.netns == *n);
             let exempt = *n != node && (held || self.killed_netns.contains(n));
             if !exempt && stripped != *base {
