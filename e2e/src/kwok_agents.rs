@@ -70,12 +70,25 @@ pub fn check_requirements() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `N` distinct free loopback ports: all are held until all are picked (picked one at
-/// a time, the kernel may hand out a just-released port twice).
+/// `N` distinct free loopback ports for servers started later, below the kernel's
+/// ephemeral range (32768 and up by default): a port the kernel handed out for `:0`
+/// and was given back is soon handed out again — to another test's listener, or as the
+/// local port of any outgoing connection — before the server binds it (a rehearsal's
+/// agent failed with "Address already in use"). Picked at random in 20000–32767, each
+/// checked free by a bind, all held until all are picked.
 pub fn free_ports<const N: usize>() -> [u16; N] {
-    let held: Vec<std::net::TcpListener> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("free port"))
-        .collect();
+    let mut held: Vec<std::net::TcpListener> = Vec::new();
+    for _ in 0..10_000 {
+        if held.len() == N {
+            break;
+        }
+        let r = u32::from_str_radix(&crate::random_suffix(), 16).expect("hex");
+        let port = 20_000 + (r % 12_768) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(l);
+        }
+    }
+    assert_eq!(held.len(), N, "no {N} free ports in 20000-32767");
     std::array::from_fn(|i| held[i].local_addr().expect("bound").port())
 }
 

@@ -64,10 +64,7 @@ impl Drop for Served {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free local port")
-        .port()
+    podmotion_e2e::kwok_agents::free_ports::<1>()[0]
 }
 
 /// Starts the CA keeper and the webhook for evictions in `workloads`, with the
