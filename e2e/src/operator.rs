@@ -52,6 +52,29 @@ pub async fn install_crds(client: &Client) -> Vec<ApiResource> {
     out
 }
 
+/// The attachment controller's configuration the in-process e2e operators use: the
+/// chart's defaults, a placeholder agent image (kwok runs no container), Jobs in the
+/// operator's namespace, watching `watch_ns`.
+pub fn test_attachment_config(
+    watch_ns: &str,
+) -> podmotion_operator::controllers::attachment::AttachmentConfig {
+    podmotion_operator::controllers::attachment::AttachmentConfig {
+        job_prefix: "pm-agent".into(),
+        agent_image: "registry.example/podmotion/attach:e2e".into(),
+        cri_socket_path: "/run".into(),
+        sweep_seconds: 5,
+        write_parallelism: 16,
+        backoff_limit: 3,
+        image_pull_secrets: Vec::new(),
+        pod_annotations: Default::default(),
+        metrics_port: 9090,
+        control_port: 15000,
+        max_wiretaps: 4,
+        jobs_namespace: None,
+        watch_namespace: Some(watch_ns.into()),
+    }
+}
+
 /// Operator settings for a test: `namespace` as the operator's, leader election off.
 pub fn test_config(namespace: &str, kind: ControllerKind) -> OperatorConfig {
     OperatorConfig {

@@ -31,7 +31,7 @@ use podmotion_e2e::{
     wait_for, wait_list,
 };
 use podmotion_operator::config::ControllerKind;
-use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
+use podmotion_operator::controllers::attachment::run_with;
 use serde_json::{Value, json};
 
 /// The attachment controller, running in this test process.
@@ -39,21 +39,7 @@ struct Operator;
 
 impl Operator {
     async fn start(client: &Client, agents_ns: &str, watch_ns: &str) -> InProcessController {
-        let cfg = AttachmentConfig {
-            job_prefix: "pm-agent".into(),
-            agent_image: "registry.example/podmotion/attach:e2e".into(),
-            cri_socket_path: "/run".into(),
-            sweep_seconds: 5,
-            write_parallelism: 16,
-            backoff_limit: 3,
-            image_pull_secrets: Vec::new(),
-            pod_annotations: BTreeMap::new(),
-            metrics_port: 9090,
-            control_port: 15000,
-            max_wiretaps: 4,
-            jobs_namespace: None,
-            watch_namespace: Some(watch_ns.into()),
-        };
+        let cfg = podmotion_e2e::operator::test_attachment_config(watch_ns);
         let mut config = test_config(agents_ns, ControllerKind::Attachment);
         config.identity = format!("e2e-{watch_ns}");
         InProcessController::spawn(client, config, |ctx| run_with(ctx, cfg))

@@ -143,21 +143,7 @@ impl Release {
                 })
             }
             ControllerKind::Attachment => {
-                let cfg = attachment::AttachmentConfig {
-                    job_prefix: "pm-agent".into(),
-                    agent_image: "registry.example/podmotion/attach:e2e".into(),
-                    cri_socket_path: "/run".into(),
-                    sweep_seconds: 5,
-                    write_parallelism: 16,
-                    backoff_limit: 3,
-                    image_pull_secrets: Vec::new(),
-                    pod_annotations: Default::default(),
-                    metrics_port: 9090,
-                    control_port: 15000,
-                    max_wiretaps: 4,
-                    jobs_namespace: None,
-                    watch_namespace: Some(app_ns.into()),
-                };
+                let cfg = podmotion_e2e::operator::test_attachment_config(app_ns);
                 InProcessController::spawn(&ns.client, config, |ctx| attachment::run_with(ctx, cfg))
             }
         };
