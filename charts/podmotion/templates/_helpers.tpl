@@ -145,6 +145,8 @@ app.kubernetes.io/component: node-agent
   value: {{ .Values.migration.maxPerNode | quote }}
 - name: PODMOTION_MIGRATION_AGENT_CALL_TIMEOUT_SECONDS
   value: {{ .Values.migration.agentCallTimeoutSeconds | quote }}
+- name: PODMOTION_MIGRATION_SERVICE_SYNC_MILLIS
+  value: {{ .Values.migration.serviceSyncMillis | int64 | quote }}
 {{- /* --migration-exec-probes: the RBAC grants pods/exec only when it is true. */}}
 - name: PODMOTION_MIGRATION_EXEC_PROBES
   value: {{ .Values.migration.execProbes.enabled | quote }}

@@ -17,9 +17,7 @@ use podmotion_api::migration::{
 };
 
 use super::agent::{AgentProgress, AgentReport, AgentView, Step, StepState};
-use super::machine::{
-    KUBELET_SETTLE, Knobs, Observed, Plan, Preflight, SourcePodFacts, TargetPodFacts,
-};
+use super::machine::{Knobs, Observed, Plan, Preflight, SourcePodFacts, TargetPodFacts};
 use super::preflight::{NodeFacts, OwnerFacts, PodFacts, Resources};
 
 pub const SOURCE_UID: &str = "5a1c0000-0000-4000-8000-000000000001";
@@ -461,8 +459,8 @@ pub trait ObservedExt {
     fn adopted(self) -> Self;
     /// The source pod terminating, deleted with this grace period.
     fn source_terminating(self, grace_seconds: i64) -> Self;
-    /// [`KUBELET_SETTLE`] later: the source's kubelet has had the time to see its pod's
-    /// deletion.
+    /// [`Knobs::kill_settle`] later: the source's kubelet has had the time to see its
+    /// pod's deletion, and the Services to let it go.
     fn kubelet_settled(self) -> Self;
 }
 impl ObservedExt for Observed {
@@ -513,7 +511,7 @@ impl ObservedExt for Observed {
         self
     }
     fn kubelet_settled(mut self) -> Self {
-        self.now += KUBELET_SETTLE;
+        self.now += self.knobs.kill_settle();
         self
     }
 }

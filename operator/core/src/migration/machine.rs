@@ -39,7 +39,8 @@ use podmotion_api::names::{condition_types as ct, reasons};
 use super::agent::{AgentReport, AgentView, Side, Step};
 pub use super::stage::{Active, Forward, Reason, Stage};
 
-/// The spec settings the machine needs, with defaults applied.
+/// The spec settings the machine needs, with defaults applied, and the one cluster
+/// setting it needs (the Services' sync period, from the operator's flags).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Knobs {
     pub mode: MigrationMode,
@@ -49,6 +50,10 @@ pub struct Knobs {
     pub dirty_threshold_bytes: u64,
     pub deadline: Duration,
     pub progress_timeout: Duration,
+    /// How long the Services' data plane may wait before it programs an endpoint
+    /// change (kube-proxy's `minSyncPeriod`, [`DEFAULT_SERVICE_SYNC`] unless the
+    /// operator is told otherwise).
+    pub service_sync: Duration,
 }
 
 impl Knobs {
@@ -62,7 +67,28 @@ impl Knobs {
             dirty_threshold_bytes: pre.map_or(4 << 20, |p| p.dirty_threshold_bytes.max(0) as u64),
             deadline: Duration::from_secs(spec.deadline_seconds.max(1) as u64),
             progress_timeout: Duration::from_secs(spec.progress_timeout_seconds.max(1) as u64),
+            service_sync: DEFAULT_SERVICE_SYNC,
         }
+    }
+
+    /// The same knobs for a cluster whose Services program endpoint changes at most
+    /// `service_sync` late.
+    pub fn with_service_sync(self, service_sync: Duration) -> Knobs {
+        Knobs {
+            service_sync,
+            ..self
+        }
+    }
+
+    /// How long after the source pod's deletion was accepted (to the second, so up to
+    /// [`API_TIME_UNIT`] early) its agent's kill waits: until its kubelet has seen the
+    /// deletion ([`KUBELET_SETTLE`]) and the Services have programmed the source out
+    /// (`service_sync` + [`SERVICE_SYNC_MARGIN`] after the true instant). Until the
+    /// kill, a connection the Services still send to the source meets its locked
+    /// network (a dropped SYN, retried by the client, which the broker's sweep lets
+    /// reach the next rules); after the kill it would be refused.
+    pub fn kill_settle(&self) -> Duration {
+        KUBELET_SETTLE.max(API_TIME_UNIT + self.service_sync + SERVICE_SYNC_MARGIN)
     }
 }
 
@@ -202,6 +228,15 @@ pub const FROZEN_POLL: Duration = Duration::from_millis(50);
 /// early: the true wait is between 0.5 and 1.5 s. It does not count as downtime (the
 /// target serves from its resume on); it is time the source's memory is held longer.
 pub const KUBELET_SETTLE: Duration = Duration::from_millis(1500);
+/// The unit of the API's timestamps: an instant read from one is up to this early.
+pub const API_TIME_UNIT: Duration = Duration::from_secs(1);
+/// kube-proxy's `minSyncPeriod` default: it programs an endpoint change at most this
+/// long after its previous sync. Here the commit's two changes (the target in, then
+/// the source out, tens of milliseconds apart) were programmed one second apart.
+pub const DEFAULT_SERVICE_SYNC: Duration = Duration::from_secs(1);
+/// What a Service's change takes beyond the sync period: the EndpointSlice
+/// controller's write and the data plane's own sync (tens to ~150 ms measured here).
+pub const SERVICE_SYNC_MARGIN: Duration = Duration::from_millis(500);
 /// Re-check interval while waiting for a slot or for the cluster to become migratable.
 pub const IDLE_RECHECK: Duration = Duration::from_secs(10);
 
@@ -1232,7 +1267,7 @@ impl<'a> Machine<'a> {
                 return;
             }
             (_, SourceKill::NotAsked) => {
-                if let Some(wait) = source.and_then(|s| self.kubelet_settling(s)) {
+                if let Some(wait) = source.and_then(|s| self.kill_settling(s)) {
                     self.requeue_within(wait);
                     return;
                 }
@@ -1268,10 +1303,12 @@ impl<'a> Machine<'a> {
     }
 
     /// How much longer the source's kill waits for its kubelet to have seen the pod's
-    /// deletion ([`KUBELET_SETTLE`]), if at all.
-    fn kubelet_settling(&self, s: &SourcePodFacts) -> Option<Duration> {
+    /// deletion and the Services to have let it go ([`Knobs::kill_settle`]), if at all.
+    fn kill_settling(&self, s: &SourcePodFacts) -> Option<Duration> {
         let accepted = s.deletion_accepted?;
-        KUBELET_SETTLE
+        self.o
+            .knobs
+            .kill_settle()
             .checked_sub(self.elapsed_since(accepted))
             .filter(|w| !w.is_zero())
     }

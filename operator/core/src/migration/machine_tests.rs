@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use k8s_openapi::jiff::Timestamp;
+
 use podmotion_api::conditions::is_true;
 use podmotion_api::migration::{MigrationPhase as P, MigrationProgress, PodMigrationStatus};
 use podmotion_api::names::{condition_types as ct, reasons};
@@ -834,45 +836,59 @@ fn no_commit_is_asked_before_the_source_pod_is_terminating() {
     assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
 }
 
-/// (a') The kill waits [`KUBELET_SETTLE`] from the accepted deletion (the kubelet sees
-/// it through its watch; a container that dies before that is restarted), and asks
-/// to be reconciled again when that wait ends, not a poll later.
+/// (a') The kill waits [`Knobs::kill_settle`] from the accepted deletion: the kubelet
+/// sees it through its watch (a container that dies before that is restarted), and
+/// the Services program the source out (a connection still sent to it after the kill
+/// is refused). It asks to be reconciled again when that wait ends, not a poll later.
+/// With the default sync period the Services decide (2.5 s); with none, the kubelet
+/// (1.5 s).
 #[test]
-fn the_kill_waits_for_the_kubelet_to_have_seen_the_deletion() {
+fn the_kill_waits_for_the_kubelet_and_the_services_to_let_the_source_go() {
+    for (sync_ms, settle_ms) in [(1_000, 2_500), (0, 1_500), (3_000, 4_500)] {
+        let mut deleted = at(P::Committing).adopted().source_terminating(150);
+        deleted.knobs = deleted
+            .knobs
+            .clone()
+            .with_service_sync(Duration::from_millis(sync_ms));
+        assert_eq!(
+            deleted.knobs.kill_settle(),
+            Duration::from_millis(settle_ms)
+        );
+        let accepted = deleted
+            .source_pod
+            .as_ref()
+            .unwrap()
+            .deletion_accepted
+            .unwrap();
+        for after_ms in [0, 100, 1_000, settle_ms - 1] {
+            let mut o = deleted.clone();
+            o.now = accepted + Duration::from_millis(after_ms);
+            let t = next(&o);
+            assert!(
+                !has(&t, &COMMIT),
+                "sync {sync_ms} ms: killed {after_ms} ms after: {:?}",
+                t.actions
+            );
+            assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+            let wait = t.requeue_after.expect("a requeue");
+            assert!(
+                wait <= Duration::from_millis(settle_ms - after_ms),
+                "sync {sync_ms} ms, {after_ms} ms after: requeue in {wait:?}"
+            );
+            assert_eq!(t.status.phase, P::Committing);
+        }
+        for after_ms in [settle_ms, settle_ms + 1, 60_000] {
+            let mut o = deleted.clone();
+            o.now = accepted + Duration::from_millis(after_ms);
+            let t = next(&o);
+            assert!(
+                has(&t, &COMMIT),
+                "sync {sync_ms} ms: not killed {after_ms} ms after: {:?}",
+                t.actions
+            );
+        }
+    }
     let deleted = at(P::Committing).adopted().source_terminating(150);
-    let accepted = deleted
-        .source_pod
-        .as_ref()
-        .unwrap()
-        .deletion_accepted
-        .unwrap();
-    for after_ms in [0, 100, 1_000, 1_499] {
-        let mut o = deleted.clone();
-        o.now = accepted + Duration::from_millis(after_ms);
-        let t = next(&o);
-        assert!(
-            !has(&t, &COMMIT),
-            "killed {after_ms} ms after: {:?}",
-            t.actions
-        );
-        assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
-        let wait = t.requeue_after.expect("a requeue");
-        assert!(
-            wait <= KUBELET_SETTLE - Duration::from_millis(after_ms),
-            "{after_ms} ms after: requeue in {wait:?}"
-        );
-        assert_eq!(t.status.phase, P::Committing);
-    }
-    for after_ms in [1_500, 1_501, 60_000] {
-        let mut o = deleted.clone();
-        o.now = accepted + Duration::from_millis(after_ms);
-        let t = next(&o);
-        assert!(
-            has(&t, &COMMIT),
-            "not killed {after_ms} ms after: {:?}",
-            t.actions
-        );
-    }
     // A pod already gone (its kubelet ended it, or a deletion with grace 0): nothing to
     // wait for.
     let mut gone = deleted.clone();
@@ -1106,6 +1122,13 @@ struct World {
     /// could have seen the deletion ([`KUBELET_SETTLE`]): its kubelet would restart the
     /// container from its image beside the restored copy.
     killed_before_its_pod_terminated: bool,
+    /// The true instant of the source pod's (latest) deletion: the API's
+    /// `deletionTimestamp` is to the second, this is not.
+    source_deleted_at: Option<Timestamp>,
+    /// The source was killed before the Services could have programmed it out
+    /// ([`Knobs::service_sync`] + [`SERVICE_SYNC_MARGIN`] after its deletion): a
+    /// connection they still send to it is refused.
+    killed_while_the_services_may_send: bool,
 }
 
 impl World {
@@ -1116,6 +1139,7 @@ impl World {
         );
         let target_running = o.status.phase == P::Committing;
         let source_fenced = matches!(o.status.phase, P::Restoring | P::Committing);
+        let source_deleted_at = o.source_pod.as_ref().and_then(|s| s.deletion_accepted);
         World {
             o,
             source_frozen,
@@ -1130,6 +1154,8 @@ impl World {
             adopt_next_tick: false,
             replicaset_deletes_source: false,
             killed_before_its_pod_terminated: false,
+            source_deleted_at,
+            killed_while_the_services_may_send: false,
         }
     }
 
@@ -1151,6 +1177,7 @@ impl World {
                 s.terminating = true;
                 s.deletion_grace_seconds = Some(30);
                 s.deletion_accepted = Some(whole_second(self.o.now));
+                self.source_deleted_at = Some(self.o.now);
             }
             self.adopt_next_tick = false;
         }
@@ -1234,6 +1261,7 @@ impl World {
                     if *grace_seconds < g {
                         s.deletion_grace_seconds = Some(*grace_seconds);
                         s.deletion_accepted = Some(whole_second(now));
+                        self.source_deleted_at = Some(now);
                     }
                 }
             }
@@ -1266,6 +1294,14 @@ impl World {
                                     now.duration_since(d) < KUBELET_SETTLE.try_into().unwrap()
                                 })
                         };
+                        let settle = self.o.knobs.service_sync + SERVICE_SYNC_MARGIN;
+                        if self.o.source_pod.is_some()
+                            && self
+                                .source_deleted_at
+                                .is_none_or(|d| now.duration_since(d) < settle.try_into().unwrap())
+                        {
+                            self.killed_while_the_services_may_send = true;
+                        }
                         match &self.o.source_pod {
                             Some(s) if unseen(s) => self.killed_before_its_pod_terminated = true,
                             // The container exited: the kubelet ends the terminating pod.
@@ -1368,6 +1404,10 @@ fn walks_every_phase_to_succeeded(mut w: World) {
     assert!(
         !w.killed_before_its_pod_terminated,
         "the source was killed before its pod terminated: its container restarts afresh"
+    );
+    assert!(
+        !w.killed_while_the_services_may_send,
+        "the source was killed before the Services programmed it out"
     );
     assert_eq!(w.o.status.failure_message, None, "{:?}", w.o.status);
     let s = &w.o.status;

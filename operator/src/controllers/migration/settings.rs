@@ -88,6 +88,19 @@ pub struct MigrationConfig {
     )]
     pub agent_call_timeout_seconds: u64,
 
+    /// How late, in milliseconds, the cluster's Service data plane may program an
+    /// endpoint change (kube-proxy's `minSyncPeriod`, 1 s by default; 0 for one that
+    /// programs changes as they come). A moved pod's source is killed only once the
+    /// Services can have stopped sending it new connections (this, plus a margin,
+    /// after its deletion); a connection sent to it after its kill is refused.
+    #[arg(
+        long = "migration-service-sync-millis",
+        env = "PODMOTION_MIGRATION_SERVICE_SYNC_MILLIS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(0..=60_000)
+    )]
+    pub service_sync_millis: u64,
+
     /// Run exec application probes (`spec.probe.exec`) through the API server's
     /// pods/exec subresource; the operator's ServiceAccount must hold pods/exec create
     /// (Helm: `migration.execProbes.enabled`). Off: a PodMigration with an exec probe
@@ -128,6 +141,11 @@ impl MigrationConfig {
         std::time::Duration::from_secs(self.agent_call_timeout_seconds)
     }
 
+    /// How late the Services may program an endpoint change.
+    pub fn service_sync(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.service_sync_millis)
+    }
+
     pub(super) fn holder(&self) -> Holder {
         match &self.holder_image {
             Some(i) if !i.is_empty() => Holder {
@@ -162,6 +180,7 @@ mod tests {
         let c = Only::try_parse_from(["x"]).unwrap().m;
         assert_eq!((c.max_parallel, c.max_per_node), (5, 2));
         assert_eq!(c.agent_call_timeout(), std::time::Duration::from_secs(10));
+        assert_eq!(c.service_sync(), std::time::Duration::from_secs(1));
         assert!(
             Only::try_parse_from(["x", "--migration-agent-call-timeout-seconds", "0"]).is_err(),
             "a call without a deadline is refused"
