@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use podmotion_api::PodMigration;
-use podmotion_api::names::reasons;
+use podmotion_api::names::{annotations, reasons};
 use podmotion_e2e::operator::{install_crds, test_config};
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, pod_phase, wait_for};
 use podmotion_operator::config::ControllerKind;
@@ -255,6 +255,16 @@ async fn evictions_of_opted_in_pods_start_one_migration_and_the_rest_follow_thei
     assert!(message.contains(&m.name_any()), "{message}");
     assert_eq!(m.spec.pod_name, "web");
     assert_eq!(m.spec.pod_uid, web.uid());
+    // Created claimed by the release whose webhook answered: no other release's
+    // operator races it for the claim.
+    let cfg = test_config(&op.name, ControllerKind::Migration);
+    let me = podmotion_operator::claim::release_identity(&cfg.namespace, &cfg.leader.lease_name);
+    assert_eq!(
+        m.annotations().get(annotations::CONTROLLER),
+        Some(&me),
+        "{:?}",
+        m.annotations()
+    );
     for _ in 0..2 {
         let (code, _, again) = refused(&evictor, "web").await;
         assert_eq!(code, 429, "{again}");

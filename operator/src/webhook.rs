@@ -604,8 +604,16 @@ impl Webhook {
             field_manager: Some(managers::EVICTION.into()),
             ..Default::default()
         };
+        // Created claimed by this release (`podmotion_core::claim`): the eviction this
+        // release's webhook answered is its to carry out, and no other release's
+        // operator races it for the claim.
+        let mut new = new.clone();
+        new.annotations_mut().insert(
+            podmotion_api::names::annotations::CONTROLLER.into(),
+            self.ctx.claims.me().into(),
+        );
         // Unfenced: every replica creates it (see the module documentation).
-        match self.ctx.writer.unfenced().create(&api, &pp, new).await {
+        match self.ctx.writer.unfenced().create(&api, &pp, &new).await {
             Ok(_) => {
                 self.ctx.metrics.eviction_migrations_started.inc();
                 let note = format!(
