@@ -336,16 +336,16 @@ pub struct ClientBound {
 /// target in and source out, at most `minSyncPeriod` after the first): the first
 /// retransmission reaches the target or the locked source about evenly, the second the
 /// target. Measured (docs/benchmarks.md, "What a client sees", run 3): 20 migrations,
-/// no failure, gaps of downtime + 0.6–0.8 s (9) or + 1.7–1.8 s (11). But a rehearsal
-/// saw a burst of 12 refused connections in 0.3 s: the commit killed the source (its
-/// kill waits `KUBELET_SETTLE`, 0.5–1.5 s after the deletion) before kube-proxy's
-/// deferred second sync took the source out of the Service, so new connections that
-/// went to the source in between were refused at once and retried every 10 ms. Until
-/// the kill waits for that sync (issue 39), the bound allows such a burst: at most 30
-/// failed requests (0.3 s of them) and a gap of at most downtime + the connect timeout.
+/// no failure, gaps of downtime + 0.6–0.8 s (9) or + 1.7–1.8 s (11). A later
+/// rehearsal saw a burst of 12 refused connections in 0.3 s: the commit killed the
+/// source (then 0.5–1.5 s after its deletion) before kube-proxy's deferred second sync
+/// took it out of the Service. The kill now waits for that sync too
+/// (`Knobs::kill_settle`, 1.5–2.5 s after the deletion with the chart's
+/// `migration.serviceSyncMillis`). So: no failed request, and a gap of at most
+/// downtime + two retransmissions and 500 ms.
 pub const DEFAULTS_BOUND: ClientBound = ClientBound {
-    slack: CONNECT_TIMEOUT,
-    failures: 30,
+    slack: Duration::from_millis(2500),
+    failures: 0,
     held_continues: false,
 };
 
