@@ -907,10 +907,50 @@ pub struct Agent {
     preparing: StdMutex<HashSet<String>>,
     /// Every source this agent left frozen after a final dump (claimed or not).
     frozen: Arc<StdMutex<Vec<FrozenSource>>>,
+    /// Per migration, raised by its `Abort` before it waits for the migration: a
+    /// `Send` or an image stream under way holds the migration for its whole length
+    /// (minutes when paced), and is cut short by it, so that the Abort, and the
+    /// rollback waiting on it, do not wait for the transfer to end.
+    aborts: StdMutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
     /// The highest operator leader term seen, and recorded on the node when the agent
     /// has a [`leader_term::TermRecord`] (the fence against a replica that still
     /// believes it leads; [`authz::admit_term`]).
     term_fence: leader_term::TermFence,
+}
+
+impl Agent {
+    /// The Abort signal of migration `uid` (see [`Agent::aborts`]), raised already if
+    /// its Abort came.
+    fn abort_signal(&self, uid: &str) -> tokio::sync::watch::Receiver<bool> {
+        let mut all = self.aborts.lock().expect("aborts");
+        all.entry(uid.to_string())
+            .or_insert_with(|| tokio::sync::watch::channel(false).0)
+            .subscribe()
+    }
+
+    /// Raises the Abort signal of `uid`: its transfers under way end.
+    fn raise_abort(&self, uid: &str) {
+        let mut all = self.aborts.lock().expect("aborts");
+        all.entry(uid.to_string())
+            .or_insert_with(|| tokio::sync::watch::channel(false).0)
+            .send_replace(true);
+    }
+}
+
+/// Runs `transfer` unless and until `aborted` is raised: then it is dropped (its
+/// stream closed) and the answer is `aborted`.
+pub(crate) async fn cut_by_abort<T>(
+    mut aborted: tokio::sync::watch::Receiver<bool>,
+    transfer: impl std::future::Future<Output = Result<T, Status>>,
+    what: &str,
+) -> Result<T, Status> {
+    tokio::select! {
+        r = transfer => r,
+        _ = aborted.wait_for(|a| *a) => {
+            tracing::warn!(what, "cut short by the migration's Abort");
+            Err(Status::aborted(format!("{what} was cut short by the migration's Abort")))
+        }
+    }
 }
 
 /// A `Prepare` under way, marked in [`Agent::preparing`] until dropped (on every way
@@ -970,6 +1010,7 @@ impl Agent {
             own,
             migrations: StdMutex::new(HashMap::new()),
             preparing: StdMutex::new(HashSet::new()),
+            aborts: StdMutex::new(HashMap::new()),
             frozen: Arc::new(StdMutex::new(Vec::new())),
             term_fence: leader_term::TermFence::default(),
         })
@@ -1383,6 +1424,9 @@ impl Agent {
 
     async fn send_impl(&self, r: SendRequest) -> Result<MigrationStatus, Status> {
         let mm = self.get(&r.migration_uid)?;
+        // Watched from before the wait for the migration: an Abort that comes while
+        // this waits, or while it streams, ends it.
+        let aborted = self.abort_signal(&r.migration_uid);
         let mut m = mm.lock().await;
         m.sync_freeze();
         if admit(m.role, m.phase, Step::Send)? == Admission::Done {
@@ -1391,8 +1435,12 @@ impl Agent {
         let t = Instant::now();
         let channel = send::connect_target(&self.cfg, &m.peer, &r).await?;
         let delta = !self.cfg.track_mem;
-        let (sent, paths) =
-            send::stream_images(channel.clone(), &m, delta, r.bandwidth_limit).await?;
+        let (sent, paths) = cut_by_abort(
+            aborted,
+            send::stream_images(channel.clone(), &m, delta, r.bandwidth_limit),
+            "the send",
+        )
+        .await?;
         m.record_sent(sent, paths, t);
         // PostCopy: with the images there, the source's pages follow on demand.
         if m.phase == Phase::Sent
@@ -1504,7 +1552,8 @@ impl Agent {
             )
             .await?;
         admit(m.role, m.phase, Step::Receive)?;
-        tokio::spawn(receive_locked(m, first, s))
+        let aborted = self.abort_signal(&first.migration_uid);
+        tokio::spawn(receive_locked(m, first, s, aborted))
             .await
             .map_err(|e| Status::internal(format!("receive task: {e}")))?
     }
@@ -1609,6 +1658,7 @@ impl Agent {
         // source's thaw left the freeze claimed (THAWING) with nothing to finish or give
         // it back, so every later Abort answered "ask again", the freeze watchdog waited
         // on it for ever and Cleanup refused the source as frozen: it stayed stopped.
+        self.raise_abort(uid);
         let m = m.lock_owned().await;
         tokio::spawn(abort_locked(m))
             .await
@@ -1646,6 +1696,7 @@ impl Agent {
         let st = m.status();
         drop(m);
         self.migrations.lock().expect("migrations").remove(uid);
+        self.aborts.lock().expect("aborts").remove(uid);
         self.frozen
             .lock()
             .expect("frozen")

@@ -809,6 +809,78 @@ fn a_send_abandoned_mid_stream_is_sent_again_whole() {
     assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
 }
 
+/// An Abort does not wait for a paced transfer to end: a `Send` and its image stream
+/// hold their migration on both agents for their whole length (a minute and a half for
+/// 96 MiB at 1 MiB/s: seen on the real nodes, where a `helm uninstall`'s rollback ran
+/// out of time behind one and left the source stopped). The target's Abort cuts the
+/// stream it receives, the source's the send; the send answers "aborted" instead of
+/// completing, the target keeps no image, and the source resumes.
+#[test]
+fn an_abort_cuts_a_paced_transfer_short_and_resumes_the_source() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !podmotion_agent::testbed::root_tests_enabled() {
+        return;
+    }
+    let mut tb = testbed("cut");
+    let src = tb.start_workload(32, 0);
+    let holder = tb.start_holder();
+    let mut conn = tb.connect_timeout(Duration::from_secs(2)).unwrap();
+    let before = counter(&mut conn);
+    let uid = "abort-cuts-send";
+    let prep_src = prepare(&tb, uid, 0, src.pid, TcpPreservation::BestEffort);
+    let prep_tgt = prepare(&tb, uid, 1, holder.pid, TcpPreservation::BestEffort);
+    let (send, target, source) = tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.prepare(prep_src.clone()).await.unwrap();
+        b.prepare(prep_tgt.clone()).await.unwrap();
+        a.dump(uid).await.unwrap();
+        // Over 32 MiB at 1 MiB/s: half a minute of stream, unless cut.
+        let slow = SendRequest {
+            migration_uid: uid.into(),
+            target_endpoint: Testbed::endpoint(1),
+            target_server_name: "agent-b".into(),
+            bandwidth_limit: 1 << 20,
+        };
+        let mut sender = tls.agent(0).await;
+        let send = tokio::spawn(async move {
+            sender
+                .raw()
+                .send(slow)
+                .await
+                .map(|r| r.into_inner().phase())
+        });
+        // Let the stream start (the target is then receiving, holding its migration).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // The operator's rollback order: the target's kill first, then the source.
+        let target = b.abort(uid).await.map(|s| s.phase());
+        let source = a.abort(uid).await.map(|s| s.phase());
+        (send.await.unwrap(), target, source)
+    });
+    assert_eq!(target.as_ref().ok(), Some(&Phase::Aborted), "{target:?}");
+    assert_eq!(source.as_ref().ok(), Some(&Phase::Aborted), "{source:?}");
+    assert!(
+        send.is_err(),
+        "the paced send ran to its end before the aborts were served: {send:?}"
+    );
+    assert!(
+        tb.checkpoint_files(1).is_empty(),
+        "images left on the target after its abort: {:?}",
+        tb.checkpoint_files(1)
+    );
+    assert!(
+        resumes(src.pid, &mut conn, before, 50),
+        "the source resumed"
+    );
+    tb.operator(move |tls| async move {
+        let mut a = tls.agent(0).await;
+        let mut b = tls.agent(1).await;
+        a.cleanup(uid).await.unwrap();
+        b.cleanup(uid).await.unwrap();
+    });
+    assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
+}
+
 /// Prepares both agents for `uid`, dumps the source, sends its images to the target and
 /// takes the restore fence on the source (what the operator does before it asks the
 /// target to restore); the source agent's answer to `Fence`.

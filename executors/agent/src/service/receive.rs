@@ -31,6 +31,7 @@ pub(super) async fn receive_locked(
     mut m: tokio::sync::OwnedMutexGuard<Migration>,
     first: ImageChunk,
     mut s: Streaming<ImageChunk>,
+    aborted: tokio::sync::watch::Receiver<bool>,
 ) -> Result<ReceiveSummary, Status> {
     // The stream's header (its first chunk) carries the stream id.
     let sealer = Arc::new(
@@ -46,7 +47,12 @@ pub(super) async fn receive_locked(
     let writer = spawn_writer(dir.clone(), Arc::clone(&sealer), wrx);
     let mut seq = 0u64;
     let uid = m.uid.to_string();
-    let read = read_chunks(first, &mut s, &uid, &wtx, &mut seq).await;
+    let read = super::cut_by_abort(
+        aborted,
+        read_chunks(first, &mut s, &uid, &wtx, &mut seq),
+        "the image stream",
+    )
+    .await;
     drop(wtx);
     drop(s);
     let (written, stored) = match writer.await {
