@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
@@ -169,6 +170,10 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
     let mut max_instances = 0usize;
     let mut source_gone_at_sample = 0usize;
     let mut restored: Option<Proc> = None;
+    // Wall-clock instants (this machine's clock, the API server's too) of the restored
+    // copy seen and of the gate's opening, against the status's own timestamps.
+    let mut restored_seen_at: Option<Timestamp> = None;
+    let mut gate_opened_at: Option<Timestamp> = None;
     // The first running workload process that is no copy (a fresh container).
     let mut other: Option<(usize, Stage, Proc)> = None;
     let start = Instant::now();
@@ -245,6 +250,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
                         "the source died before its agent was killed: {procs:?}"
                     );
                     restored = Some(in_target[0].clone());
+                    restored_seen_at = Some(Timestamp::now());
                     let victim = agent_pods.list(&on_source).await.unwrap().items;
                     assert_eq!(victim.len(), 1, "one agent pod on {source_node}");
                     force_delete_pod(&agents, &victim[0].name_any());
@@ -277,6 +283,7 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
             Stage::SourceGone if samples >= source_gone_at_sample + 10 => {
                 let pid = restored.as_ref().unwrap().pid;
                 gate = Some(Gate::open(pid, &testload_bin));
+                gate_opened_at = Some(Timestamp::now());
                 eprintln!("sample {samples}: gate opened in the restored pod's netns");
                 stage = Stage::GateOpen;
             }
@@ -317,6 +324,36 @@ async fn the_source_agent_killed_after_the_restore_never_leaves_two_copies() {
         panic!("the fenced migration did not commit: {st:?}");
     }
     assert_eq!(stage, Stage::GateOpen, "committed before the gate opened");
+    // The status's timestamps tell the same story (they are to the second, and
+    // truncation keeps the order): in order, Restoring before the restored copy was
+    // seen, Committing only once the gate had opened (the probe could pass), then
+    // Succeeded.
+    let ts = &st.phase_transition_timestamps;
+    let phases: Vec<MigrationPhase> = ts.iter().map(|t| t.phase).collect();
+    assert!(
+        phases.ends_with(&[
+            MigrationPhase::Restoring,
+            MigrationPhase::Committing,
+            MigrationPhase::Succeeded
+        ]),
+        "phases {phases:?}"
+    );
+    assert!(
+        ts.windows(2).all(|w| w[0].time.0 <= w[1].time.0),
+        "the phase timestamps go back: {ts:?}"
+    );
+    let at = |p: MigrationPhase| ts.iter().find(|t| t.phase == p).unwrap().time.0.as_second();
+    let (seen, opened) = (restored_seen_at.unwrap(), gate_opened_at.unwrap());
+    assert!(
+        at(MigrationPhase::Restoring) <= seen.as_second(),
+        "Restoring entered at {}s, after the restored copy was seen at {seen}",
+        at(MigrationPhase::Restoring)
+    );
+    assert!(
+        at(MigrationPhase::Committing) >= opened.as_second(),
+        "Committing entered at {}s, before the gate opened at {opened}: the probe did not hold it",
+        at(MigrationPhase::Committing)
+    );
 
     // The target: adopted by the ReplicaSet, the only pod of the app, never restarted.
     let target_name = st.target_pod.clone().expect("status.targetPod");
