@@ -33,7 +33,7 @@ use serde_json::json;
 
 use super::agent::{Side, Step, StepRequest};
 use super::key::TransferKey;
-use super::machine::{SourcePodFacts, TargetPodFacts};
+use super::observed::{SourcePodFacts, TargetPodFacts};
 use crate::meta::{child_meta, short_hash};
 
 /// Component label of a migration's target pod.
