@@ -23,9 +23,8 @@ known_large=(
   executors/agent/src/service.rs
   executors/agent/src/testbed.rs
   operator/core/src/migration/preflight.rs
-  # issue 44: the hubs the issue names (machine as stage handlers, the broker's fake
-  # behind a feature or its own crate, chaos as a driver over named steps).
-  operator/core/src/migration/machine.rs
+  # issue 44: the hubs the issue names (the broker's fake behind a feature or its own
+  # crate, chaos as a driver over named steps).
   executors/broker/src/lib.rs
   executors/broker/src/fake.rs
   e2e/src/bin/chaos.rs
