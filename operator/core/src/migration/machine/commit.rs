@@ -35,7 +35,7 @@ impl<'a> Machine<'a> {
     ///    workload's controller and its adoption awaited (bounded: at the progress
     ///    timeout the migration ends `Failed`, see `owner_never_adopted`);
     /// 2. the source pod is deleted with the commit's grace period
-    ///    ([`Machine::commit_grace_seconds`]). Its ReplicaSet, which has two active pods
+    ///    (`Machine::commit_grace_seconds`). Its ReplicaSet, which has two active pods
     ///    once it adopted the target, may have deleted it already (chosen by the lowered
     ///    deletion cost): a terminating source pod counts as deleted;
     /// 3. only once the source pod is seen terminating (read back from the API server, at
@@ -157,7 +157,7 @@ impl<'a> Machine<'a> {
     }
 
     /// How much longer the source's kill waits for its kubelet to have seen the pod's
-    /// deletion and the Services to have let it go ([`Knobs::kill_settle`]), if at all.
+    /// deletion and the Services to have let it go (`Knobs::kill_settle`), if at all.
     fn kill_settling(&self, s: &SourcePodFacts) -> Option<Duration> {
         let accepted = s.deletion_accepted?;
         self.o

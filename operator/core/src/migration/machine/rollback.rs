@@ -5,11 +5,12 @@
 use podmotion_api::conditions::Health;
 use podmotion_api::migration::MigrationPhase;
 
-use super::report::{KILLED_UNDER_FENCE, SOURCE_STATE_UNKNOWN};
+use super::report::{ACTION, KILLED_UNDER_FENCE, SOURCE_STATE_UNKNOWN};
 use super::state::{Machine, rank};
 use crate::migration::agent::{AgentView, Side, Step};
 use crate::migration::observed::Action;
 use crate::migration::stage::Reason;
+use crate::note::Note;
 
 impl<'a> Machine<'a> {
     /// A failure before commit: records it (once) and rolls back in this round. Every
@@ -18,6 +19,22 @@ impl<'a> Machine<'a> {
     pub(super) fn start_rollback(&mut self, reason: Reason, message: String) {
         self.fail(reason, message);
         self.rollback(reason);
+    }
+
+    /// Records a failure (once): from now the status says the migration rolls back
+    /// (`Stage::RollingBack`).
+    fn fail(&mut self, reason: Reason, message: String) {
+        if self.status.failure_reason.is_some() {
+            return;
+        }
+        self.status.failure_reason = Some(reason.as_str().to_string());
+        self.status.failure_message = Some(message.clone());
+        self.notes.push(Note::warning(
+            reason.as_str(),
+            ACTION,
+            format!("{message}; rolling back"),
+        ));
+        self.bump_progress_time();
     }
 
     /// Undo everything before commit, in the order that keeps one running copy.

@@ -9,10 +9,9 @@ use k8s_openapi::jiff::Timestamp;
 use podmotion_api::conditions::{Health, set_health};
 use podmotion_api::migration::{MigrationPhase, PhaseTransition, PodMigrationStatus};
 
-use super::report::{ACTION, default_health};
+use super::report::default_health;
 use crate::migration::agent::{AgentReport, Side, Step};
 use crate::migration::observed::{Action, Observed, Transition};
-use crate::migration::stage::Reason;
 use crate::note::Note;
 
 /// One call of the machine: the facts, and what it decided so far.
@@ -153,21 +152,6 @@ impl<'a> Machine<'a> {
     pub(super) fn bump_progress_time(&mut self) {
         let p = self.status.progress.get_or_insert_with(Default::default);
         p.last_progress_time = Some(Time(self.o.now));
-    }
-
-    /// Records a failure (once) and switches to rollback.
-    pub(super) fn fail(&mut self, reason: Reason, message: String) {
-        if self.status.failure_reason.is_some() {
-            return;
-        }
-        self.status.failure_reason = Some(reason.as_str().to_string());
-        self.status.failure_message = Some(message.clone());
-        self.notes.push(Note::warning(
-            reason.as_str(),
-            ACTION,
-            format!("{message}; rolling back"),
-        ));
-        self.bump_progress_time();
     }
 
     fn last_progress(&self) -> Timestamp {
