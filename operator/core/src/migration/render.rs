@@ -33,7 +33,7 @@ use serde_json::json;
 
 use super::agent::{Side, Step, StepRequest};
 use super::key::TransferKey;
-use super::machine::{SourcePodFacts, TargetPodFacts};
+use super::observed::{SourcePodFacts, TargetPodFacts};
 use crate::meta::{child_meta, short_hash};
 
 /// Component label of a migration's target pod.
@@ -99,39 +99,11 @@ pub fn target_pod(
     meta.annotations = Some(target_annotations(migration, source));
 
     let src = source.spec.clone().unwrap_or_default();
-    let mut volumes = src.volumes.clone().unwrap_or_default();
-    // A source PodMotion restored already has it (moved again): a fresh one in its
-    // place, the restart file it held goes with the images.
-    volumes.retain(|v| v.name != HOLDER_INSTALLER);
-    volumes.push(Volume {
-        name: HOLDER_INSTALLER.into(),
-        empty_dir: Some(EmptyDirVolumeSource {
-            size_limit: Some(Quantity("64Mi".into())),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let volumes = target_volumes(&src);
     let spec = PodSpec {
         node_name: Some(target_node.to_string()),
         containers: src.containers.iter().map(holder_container).collect(),
-        // The source's finished init containers never run again; the first init
-        // container copies the holder, and each native sidecar gets a holder of its
-        // own, still a sidecar (`restartPolicy: Always`), after it: its tree is
-        // restored there as the regular containers' are into theirs.
-        init_containers: Some(
-            std::iter::once(holder_installer(holder))
-                .chain(
-                    src.init_containers
-                        .iter()
-                        .flatten()
-                        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
-                        .map(|c| Container {
-                            restart_policy: Some("Always".into()),
-                            ..holder_container(c)
-                        }),
-                )
-                .collect(),
-        ),
+        init_containers: Some(target_init_containers(&src, holder)),
         volumes: Some(volumes),
         ephemeral_containers: None,
         // The restored process keeps the source's hostname through its UTS namespace
@@ -145,6 +117,42 @@ pub fn target_pod(
         spec: Some(spec),
         status: None,
     }
+}
+
+/// The source's volumes, and a fresh holder installer's.
+fn target_volumes(src: &PodSpec) -> Vec<Volume> {
+    let mut volumes = src.volumes.clone().unwrap_or_default();
+    // A source PodMotion restored already has it (moved again): a fresh one in its
+    // place, the restart file it held goes with the images.
+    volumes.retain(|v| v.name != HOLDER_INSTALLER);
+    volumes.push(Volume {
+        name: HOLDER_INSTALLER.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            size_limit: Some(Quantity("64Mi".into())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    volumes
+}
+
+/// The source's finished init containers never run again; the first init container
+/// copies the holder, and each native sidecar gets a holder of its own, still a
+/// sidecar (`restartPolicy: Always`), after it: its tree is restored there as the
+/// regular containers' are into theirs.
+fn target_init_containers(src: &PodSpec, holder: &Holder) -> Vec<Container> {
+    std::iter::once(holder_installer(holder))
+        .chain(
+            src.init_containers
+                .iter()
+                .flatten()
+                .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+                .map(|c| Container {
+                    restart_policy: Some("Always".into()),
+                    ..holder_container(c)
+                }),
+        )
+        .collect()
 }
 
 /// The source's annotations a target pod does not take over: what PodMotion records of
