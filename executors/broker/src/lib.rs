@@ -20,6 +20,7 @@
 #![deny(unsafe_code)]
 
 pub mod conntrack;
+#[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod handover;
 #[allow(unsafe_code)]
@@ -156,7 +157,7 @@ struct Lock {
 }
 
 /// The dispatcher over a kernel layer: [`RealKernel`] in the binary (the default),
-/// [`fake::FakeKernel`] in tests and the fuzzer.
+/// `fake::FakeKernel` in tests and the fuzzer (feature `fake`).
 pub struct Broker<K: Kernel = RealKernel> {
     cfg: Config,
     kernel: K,
@@ -232,7 +233,7 @@ impl Entry {
 }
 
 impl<K: Kernel> Broker<K> {
-    /// The broker over any kernel layer (tests and the fuzzer: [`fake::FakeKernel`]).
+    /// The broker over any kernel layer (tests and the fuzzer: `fake::FakeKernel`, feature `fake`).
     pub fn with_kernel(cfg: Config, kernel: K) -> Arc<Self> {
         Arc::new(Self {
             cfg,
