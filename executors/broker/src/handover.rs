@@ -49,8 +49,9 @@
 //! once) or the registrations' map; never two lists at once. The sweep takes a list only
 //! if it is free (`try_lock`), so one migration's slow `ip` call never holds it up.
 
+use crate::netlock::{addr_lines, ipv6_optional, parse_links};
 use crate::os::{Ip, Kernel, Link};
-use crate::{Broker, Entry, addr_lines, err, ipv6_optional, kerr, parse_links};
+use crate::{Broker, Entry, err, kerr};
 use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::collections::BTreeMap;
