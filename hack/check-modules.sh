@@ -29,7 +29,6 @@ known_large=(
   # issue 44: the hubs the issue names (machine as stage handlers, the broker's fake
   # behind a feature or its own crate, chaos as a driver over named steps).
   operator/core/src/migration/machine.rs
-  executors/broker/src/fake.rs
   e2e/src/bin/chaos.rs
   # issue 44: over the limit when the check came; to be split.
   executors/broker/src/handover.rs
