@@ -31,7 +31,6 @@ known_large=(
   operator/core/src/migration/machine.rs
   e2e/src/bin/chaos.rs
   # issue 44: over the limit when the check came; to be split.
-  executors/broker/src/handover.rs
   kubectl-podmotion/src/intercept.rs
   e2e/src/bin/bench_real_migration.rs
 )
