@@ -23,13 +23,9 @@ known_large=(
   executors/agent/src/service.rs
   executors/agent/src/testbed.rs
   operator/core/src/migration/preflight.rs
-  # issue 44: the hubs the issue names (the broker's fake behind a feature or its own
-  # crate, chaos as a driver over named steps).
-  executors/broker/src/lib.rs
-  executors/broker/src/fake.rs
+  # issue 44: the hubs the issue names (chaos as a driver over named steps).
   e2e/src/bin/chaos.rs
   # issue 44: over the limit when the check came; to be split.
-  executors/broker/src/handover.rs
   kubectl-podmotion/src/intercept.rs
   e2e/src/bin/bench_real_migration.rs
 )

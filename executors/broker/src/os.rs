@@ -3,7 +3,7 @@
 //! namespace, bind mounts, cgroup writes, the journal files, a namespace's TCP table
 //! and the clocks — behind one
 //! trait, [`Kernel`]. The binary uses [`RealKernel`] (the calls it always made, moved
-//! here unchanged); tests and the fuzzer use [`crate::fake::FakeKernel`], a small
+//! here unchanged); tests and the fuzzer use `crate::fake::FakeKernel` (feature `fake`), a small
 //! simulated node, so that the dispatcher can be driven hard without touching a real
 //! process. No `unsafe` here: the raw calls are in [`crate::kernel`].
 
