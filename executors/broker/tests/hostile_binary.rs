@@ -1329,6 +1329,13 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
         .unwrap();
         c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
+        // A signal is delivered when the process next runs: under load that is later
+        // than this thread's next read of its state (seen once at load 6.5).
+        let stopped_by = Instant::now() + Duration::from_secs(10);
+        while proc_state(pid) != "T" {
+            assert!(Instant::now() < stopped_by, "the source never stopped");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert_eq!(
             c.call(&Request::Fence { uid: uid.clone() }).unwrap(),
             Reply::Done
