@@ -912,6 +912,9 @@ pub struct Agent {
     /// (minutes when paced), and is cut short by it, so that the Abort, and the
     /// rollback waiting on it, do not wait for the transfer to end.
     aborts: StdMutex<HashMap<String, tokio::sync::watch::Sender<bool>>>,
+    /// The status of each migration a transfer holds (see [`Transferring`]), answered
+    /// by `Status` instead of waiting for the transfer's end.
+    transferring: Transfers,
     /// The highest operator leader term seen, and recorded on the node when the agent
     /// has a [`leader_term::TermRecord`] (the fence against a replica that still
     /// believes it leads; [`authz::admit_term`]).
@@ -950,6 +953,35 @@ pub(crate) async fn cut_by_abort<T>(
             tracing::warn!(what, "cut short by the migration's Abort");
             Err(Status::aborted(format!("{what} was cut short by the migration's Abort")))
         }
+    }
+}
+
+/// Statuses of the migrations whose transfer is under way, by UID.
+pub(crate) type Transfers = Arc<StdMutex<HashMap<String, MigrationStatus>>>;
+
+/// A transfer under way (a `Send`, an image stream): it holds its migration for its
+/// whole length, so its status at the start is kept in [`Agent::transferring`] for
+/// `Status` to answer, until dropped.
+pub(crate) struct Transferring {
+    all: Transfers,
+    uid: String,
+}
+
+impl Transferring {
+    pub(crate) fn mark(all: &Transfers, uid: &str, st: MigrationStatus) -> Transferring {
+        all.lock()
+            .expect("transferring")
+            .insert(uid.to_string(), st);
+        Transferring {
+            all: Arc::clone(all),
+            uid: uid.to_string(),
+        }
+    }
+}
+
+impl Drop for Transferring {
+    fn drop(&mut self) {
+        self.all.lock().expect("transferring").remove(&self.uid);
     }
 }
 
@@ -1011,6 +1043,7 @@ impl Agent {
             migrations: StdMutex::new(HashMap::new()),
             preparing: StdMutex::new(HashSet::new()),
             aborts: StdMutex::new(HashMap::new()),
+            transferring: Arc::new(StdMutex::new(HashMap::new())),
             frozen: Arc::new(StdMutex::new(Vec::new())),
             term_fence: leader_term::TermFence::default(),
         })
@@ -1433,6 +1466,7 @@ impl Agent {
             return Ok(m.status());
         }
         let t = Instant::now();
+        let _transferring = Transferring::mark(&self.transferring, &r.migration_uid, m.status());
         let channel = send::connect_target(&self.cfg, &m.peer, &r).await?;
         let delta = !self.cfg.track_mem;
         let (sent, paths) = cut_by_abort(
@@ -1553,7 +1587,8 @@ impl Agent {
             .await?;
         admit(m.role, m.phase, Step::Receive)?;
         let aborted = self.abort_signal(&first.migration_uid);
-        tokio::spawn(receive_locked(m, first, s, aborted))
+        let transfers = Arc::clone(&self.transferring);
+        tokio::spawn(receive_locked(m, first, s, aborted, transfers))
             .await
             .map_err(|e| Status::internal(format!("receive task: {e}")))?
     }
@@ -1784,7 +1819,22 @@ impl MigrationAgent for Agent {
         self.authorize_control(&r, Rpc::Status)?;
         let uid = r.into_inner().migration_uid;
         let m = self.get(&uid)?;
-        Ok(Response::new(m.lock().await.status()))
+        // A transfer under way holds the migration for minutes when paced: its status
+        // is the one it started with, answered at once (a report that waited held the
+        // operator's reconcile, a deletion's rollback included, until the end).
+        if let Ok(g) = m.try_lock() {
+            return Ok(Response::new(g.status()));
+        }
+        let kept = self
+            .transferring
+            .lock()
+            .expect("transferring")
+            .get(&uid)
+            .cloned();
+        match kept {
+            Some(st) => Ok(Response::new(st)),
+            None => Ok(Response::new(m.lock().await.status())),
+        }
     }
 }
 

@@ -809,8 +809,8 @@ fn a_send_abandoned_mid_stream_is_sent_again_whole() {
     assert!(tb.checkpoint_files(0).is_empty() && tb.checkpoint_files(1).is_empty());
 }
 
-/// An Abort does not wait for a paced transfer to end: a `Send` and its image stream
-/// hold their migration on both agents for their whole length (a minute and a half for
+/// Neither a Status nor an Abort waits for a paced transfer to end: a `Send` and its
+/// image stream hold their migration on both agents for their whole length (a minute and a half for
 /// 96 MiB at 1 MiB/s: seen on the real nodes, where a `helm uninstall`'s rollback ran
 /// out of time behind one and left the source stopped). The target's Abort cuts the
 /// stream it receives, the source's the send; the send answers "aborted" instead of
@@ -852,6 +852,16 @@ fn an_abort_cuts_a_paced_transfer_short_and_resumes_the_source() {
         });
         // Let the stream start (the target is then receiving, holding its migration).
         tokio::time::sleep(Duration::from_secs(1)).await;
+        // Both agents answer a status while the transfer holds their migrations (the
+        // operator's reports, which carried a deletion's rollback, waited for its end).
+        let receiving = b.status(uid).await.unwrap().phase();
+        let sending = a.status(uid).await.unwrap().phase();
+        assert!(
+            !send.is_finished(),
+            "the statuses were answered only once the send had ended"
+        );
+        assert_eq!(receiving, Phase::Receiving);
+        assert_eq!(sending, Phase::Dumped);
         // The operator's rollback order: the target's kill first, then the source.
         let target = b.abort(uid).await.map(|s| s.phase());
         let source = a.abort(uid).await.map(|s| s.phase());

@@ -331,6 +331,10 @@ fn probe_target<'a>(
         .ok_or_else(|| failed("the target pod has no IP".to_string()))
 }
 
+/// How long a report waits for the progress of a step in flight (see
+/// [`WireAgents::report`]): it says more when it comes, nothing is lost without it.
+const PROGRESS_READ: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl AgentClient for WireAgents {
     async fn report(&self, e: &AgentEndpoint, uid: &str) -> Result<AgentReport, AgentCallError> {
         let key = (e.node.clone(), uid.to_string());
@@ -346,8 +350,12 @@ impl AgentClient for WireAgents {
                 last: Some((step, state)),
                 ..Default::default()
             };
+            // Only the progress is read, and only if the agent answers at once: a step
+            // under way may hold the migration on the agent (a Send or an image stream,
+            // minutes when paced), and a report that waited for it held the whole
+            // reconcile, a deletion's rollback included, until the transfer ended.
             if let Ok(mut c) = self.connect(e).await
-                && let Ok(st) = c.status(uid).await
+                && let Ok(Ok(st)) = tokio::time::timeout(PROGRESS_READ, c.status(uid)).await
             {
                 r.progress = report_from_status(&st).progress;
             }

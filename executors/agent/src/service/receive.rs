@@ -32,6 +32,7 @@ pub(super) async fn receive_locked(
     first: ImageChunk,
     mut s: Streaming<ImageChunk>,
     aborted: tokio::sync::watch::Receiver<bool>,
+    transfers: super::Transfers,
 ) -> Result<ReceiveSummary, Status> {
     // The stream's header (its first chunk) carries the stream id.
     let sealer = Arc::new(
@@ -40,6 +41,7 @@ pub(super) async fn receive_locked(
     );
     let before = m.phase;
     m.phase = Phase::Receiving;
+    let _transferring = super::Transferring::mark(&transfers, m.uid.as_str(), m.status());
     let dir = m.dir.clone();
     // This task takes chunks off the connection; a blocking thread opens and
     // writes them, so the network side never waits for the decryption or tmpfs.
