@@ -5,17 +5,25 @@
 //! Jobs. Afterwards no PodMotion finalizer is left and the namespaces that held the
 //! objects delete instead of hanging in `Terminating`.
 //!
+//! The in-flight PodMigration is a real one: a Cold move of a testload replica, paced
+//! so that its source is frozen in `Transferring` when the uninstall starts. The
+//! uninstall must roll it back: the very source process runs again, no target pod is
+//! left, the counter goes on.
+//!
 //! The hook must really run (it is a Job of the chart's operator image), so this runs
 //! on the real nodes with the images of `hack/images.sh`, under the real-node lock.
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
+use podmotion_e2e::real::copies::workload_processes;
+use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, counter_when_reachable};
 use podmotion_e2e::real::{Images, Uninstall, chart_args, helm, output_text, real_nodes};
-use podmotion_e2e::{PodSecurity, TestNamespace, from_json, random_suffix, wait_for};
+use podmotion_e2e::{PodSecurity, TestNamespace, from_json, random_suffix, wait_for, wait_list};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
@@ -67,7 +75,7 @@ async fn helm_uninstall_releases_every_podmotion_object_and_no_namespace_hangs()
     let Some(op) = TestNamespace::new("unin", PodSecurity::Restricted).await else {
         return;
     };
-    let Some(_nodes) = real_nodes(&op.client).await else {
+    let Some(nodes) = real_nodes(&op.client).await else {
         return;
     };
     let Some(app) = TestNamespace::new("unin-app", PodSecurity::Baseline).await else {
@@ -95,26 +103,72 @@ async fn helm_uninstall_releases_every_podmotion_object_and_no_namespace_hangs()
 
     // One of each kind, each holding its finalizer before the uninstall:
     // - a finished PodMigration (a dry run of a pod that does not exist ends Failed),
-    // - an in-flight one (a real run of that pod waits in Pending, Stalled),
+    // - an in-flight one: a testload replica's Cold move, its 96 MiB sent at 1 MiB/s,
+    //   so that its source is frozen in Transferring for a minute and a half,
     // - a RunnerPool and a NodeAgentAttachment (whose workloads do not exist: the
     //   finalizer is put on before anything else).
+    let pods: Api<Pod> = app.api();
+    app.api::<Deployment>()
+        .create(
+            &PostParams::default(),
+            &testload::deployment("frozen", &images.testload().unwrap(), 96),
+        )
+        .await
+        .unwrap();
+    let source = testload::ready_replica(&pods, "frozen").await;
+    let source_uid = source.uid().unwrap();
+    let source_proc = workload_processes(std::slice::from_ref(&source_uid))
+        .pop()
+        .expect("the source's workload process");
+    let before = counter_when_reachable(&addr(&source), "the source");
+    let target_node = testload::other_node(&nodes, &source);
     let pms: Api<PodMigration> = app.api();
-    for (name, dry_run) in [("finished", true), ("in-flight", false)] {
-        let pm: PodMigration = from_json(json!({
-            "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
-            "metadata": {"name": name},
-            "spec": {"podName": "no-such-pod", "dryRun": dry_run}
-        }));
-        pms.create(&PostParams::default(), &pm).await.unwrap();
-    }
+    let finished: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "finished"},
+        "spec": {"podName": "no-such-pod", "dryRun": true}
+    }));
+    pms.create(&PostParams::default(), &finished).await.unwrap();
+    let in_flight: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": "in-flight"},
+        "spec": {"podName": source.name_any(), "targetNode": target_node, "mode": "Cold",
+            "freezeBudgetMillis": 600000, "progressTimeoutSeconds": 600,
+            "deadlineSeconds": 3600, "bandwidthLimitBytesPerSecond": 1 << 20}
+    }));
+    pms.create(&PostParams::default(), &in_flight)
+        .await
+        .unwrap();
     await_finalized(&pms, "finished", "a finished PodMigration", |pm| {
         phase(pm) == "Failed"
     })
     .await;
     await_finalized(&pms, "in-flight", "an in-flight PodMigration", |pm| {
-        phase(pm) == "Pending"
+        phase(pm) == "Transferring"
     })
     .await;
+    let frozen = || {
+        workload_processes(std::slice::from_ref(&source_uid))
+            .into_iter()
+            .find(|p| p.same(&source_proc))
+    };
+    let deadline = std::time::Instant::now() + ACT_TIMEOUT;
+    while frozen().is_none_or(|p| p.runs()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the source was never frozen: {:?} ({:?})",
+            frozen(),
+            pms.get("in-flight").await.unwrap().status
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let target_pod = pms
+        .get("in-flight")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.target_pod);
+    eprintln!("in-flight: source {source_proc:?} frozen, target pod {target_pod:?}");
     let pools: Api<RunnerPool> = app.api();
     let pool: RunnerPool = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool",
@@ -187,6 +241,30 @@ async fn helm_uninstall_releases_every_podmotion_object_and_no_namespace_hangs()
         left[0].1.is_some() && left[2].1.is_some() && left[3].1.is_some(),
         "the hook deletes only in-flight migrations; the rest stay (CRDs and objects are kept)"
     );
+    // Rolled back, not abandoned: the very source process runs again (not a restart
+    // from its image), the target pod is gone, and the counter goes on from the source.
+    let now = frozen();
+    assert!(
+        now.as_ref().is_some_and(|p| p.runs()),
+        "the in-flight migration's source does not run after the uninstall: {now:?} (was {source_proc:?})"
+    );
+    wait_list(
+        &pods,
+        "app=frozen",
+        POD_TIMEOUT,
+        "only the source pod",
+        |ps| ps.len() == 1 && ps[0].uid().as_deref() == Some(source_uid.as_str()),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    if let Some(t) = &target_pod {
+        assert!(
+            pods.get_opt(t).await.unwrap().is_none(),
+            "the target pod {t} outlived the rollback"
+        );
+    }
+    let after = counter_when_reachable(&addr(&source), "the thawed source");
+    assert!(after > before, "the counter went from {before} to {after}");
 
     // The hook's own permissions existed only while it ran.
     let selector =

@@ -281,6 +281,32 @@ pub fn wait_ballast(p: &Pod) {
     }
 }
 
+/// The one replica of the testload app `app`, once Ready with its ballast written.
+pub async fn ready_replica(pods: &Api<Pod>, app: &str) -> Pod {
+    let replica = wait_list(
+        pods,
+        &format!("app={app}"),
+        POD_TIMEOUT,
+        "the replica Ready",
+        |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))[0]
+        .clone();
+    wait_ballast(&replica);
+    replica
+}
+
+/// A real node of `nodes` other than `pod`'s.
+pub fn other_node(nodes: &[String], pod: &Pod) -> String {
+    let on = node_of(pod);
+    nodes
+        .iter()
+        .find(|n| **n != on)
+        .expect("a second real node")
+        .clone()
+}
+
 /// What a real-node migration test runs against: the operator's and the application's
 /// namespaces (deleted on drop), the real nodes, the chart release (uninstalled on
 /// drop, before the namespaces go) and one testload replica, Ready on a real node with
@@ -337,17 +363,7 @@ impl World {
             .create(&PostParams::default(), &deploy)
             .await
             .unwrap();
-        let source = wait_list(
-            &app_ns.api::<Pod>(),
-            &format!("app={app}"),
-            POD_TIMEOUT,
-            "the replica Ready",
-            |ps| ps.len() == 1 && pod_running_ready(&ps[0]),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"))[0]
-            .clone();
-        wait_ballast(&source);
+        let source = ready_replica(&app_ns.api::<Pod>(), &app).await;
         Some(World {
             _uninstall: uninstall,
             app: app_ns,
@@ -365,12 +381,7 @@ impl World {
 
     /// A real node other than the source's.
     pub fn target_node(&self) -> String {
-        let source = node_of(&self.source);
-        self.nodes
-            .iter()
-            .find(|n| **n != source)
-            .expect("a second real node")
-            .clone()
+        other_node(&self.nodes, &self.source)
     }
 
     /// A ClusterIP Service in front of the app `app`; its `ClusterIP:port`.
