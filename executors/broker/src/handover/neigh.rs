@@ -85,7 +85,23 @@ pub(crate) fn announce_adopted(
     adopted: &[(IpAddr, String)],
 ) -> std::io::Result<()> {
     let links = parse_links(&ip.ip(&["-o", "link", "show"])?);
+    // Only what the link still holds: a release whose withdrawal was done but whose
+    // journal write failed leaves its record in memory (found by the fuzzer), and
+    // announcing an address the pod no longer has would draw its traffic to it.
+    let held = addr_lines(&ip.ip(&["-o", "addr", "show"])?);
     for (a, name) in adopted {
+        let on_link = held.iter().any(|l| {
+            l.link == *name
+                && l.cidr
+                    .split('/')
+                    .next()
+                    .and_then(|x| x.parse::<IpAddr>().ok())
+                    == Some(*a)
+        });
+        if !on_link {
+            tracing::warn!(link = %name, address = %a, "adopted address not announced: not on its link any more");
+            continue;
+        }
         match links.iter().find(|l| l.name == *name && l.mac.is_some()) {
             None => {
                 tracing::warn!(link = %name, address = %a, "adopted address not announced: no such link with a MAC");
