@@ -925,18 +925,24 @@ impl Agent {
     /// The Abort signal of migration `uid` (see [`Agent::aborts`]), raised already if
     /// its Abort came.
     fn abort_signal(&self, uid: &str) -> tokio::sync::watch::Receiver<bool> {
-        let mut all = self.aborts.lock().expect("aborts");
-        all.entry(uid.to_string())
-            .or_insert_with(|| tokio::sync::watch::channel(false).0)
-            .subscribe()
+        self.with_abort(uid, |tx| tx.subscribe())
     }
 
     /// Raises the Abort signal of `uid`: its transfers under way end.
     fn raise_abort(&self, uid: &str) {
+        self.with_abort(uid, |tx| tx.send_replace(true));
+    }
+
+    /// `f` on the Abort signal of `uid`, made (lowered) if it has none yet.
+    fn with_abort<T>(
+        &self,
+        uid: &str,
+        f: impl FnOnce(&tokio::sync::watch::Sender<bool>) -> T,
+    ) -> T {
         let mut all = self.aborts.lock().expect("aborts");
-        all.entry(uid.to_string())
-            .or_insert_with(|| tokio::sync::watch::channel(false).0)
-            .send_replace(true);
+        f(all
+            .entry(uid.to_string())
+            .or_insert_with(|| tokio::sync::watch::channel(false).0))
     }
 }
 
