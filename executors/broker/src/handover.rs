@@ -64,7 +64,7 @@ use crate::os::Kernel;
 use crate::{Broker, Entry, err, kerr};
 use podmotion_wire::broker::{BrokerError, BrokerRole, ErrorKind, Reply};
 use podmotion_wire::ids::{MigrationUid, ProcRef};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -82,9 +82,19 @@ pub(crate) struct List {
 pub(crate) struct Table {
     lists: Mutex<BTreeMap<MigrationUid, Arc<Mutex<List>>>>,
     claims: Mutex<BTreeMap<IpAddr, MigrationUid>>,
-    /// The holders' links made to answer no ARP request until their restored tree runs
-    /// (see [`silence`]), with the `arp_ignore` each had: (holder pid, link).
-    silenced: Mutex<BTreeMap<(i32, String), u8>>,
+    /// The links made to answer no ARP request until their restored trees run (see
+    /// [`silence`]), by (network namespace inode, link): one entry per link however
+    /// many adoptions silenced it, so the `arp_ignore` it had is read once and given
+    /// back once, when the last of them is restored or withdrawn.
+    silenced: Mutex<BTreeMap<(String, String), Silenced>>,
+}
+
+/// A link silenced by [`Broker::silence`]: the `arp_ignore` it had, and the adoptions
+/// (holder pid, address) still waiting for their restored tree.
+#[derive(Debug)]
+struct Silenced {
+    was: u8,
+    waiting: BTreeSet<(i32, IpAddr)>,
 }
 
 /// `arp_ignore` that makes a link answer no ARP request ("do not reply for all local
@@ -309,9 +319,18 @@ impl<K: Kernel> Broker<K> {
         if !a.is_ipv4() {
             return;
         }
-        let key = (holder.pid, link.to_owned());
+        // Keyed by namespace, not holder: two holders in one namespace silencing one
+        // link must not record each other's silence as the value to give back.
+        let ns = match self.kernel.netns_inode(holder.pid) {
+            Ok(ns) => ns,
+            Err(e) => {
+                tracing::warn!(address = %a, link, error = %e, "the holder's link still answers ARP before the restore");
+                return;
+            }
+        };
         let mut silenced = locked(&self.handover.silenced);
-        if silenced.contains_key(&key) {
+        if let Some(s) = silenced.get_mut(&(ns.clone(), link.to_owned())) {
+            s.waiting.insert((holder.pid, a));
             return;
         }
         let name = link.to_owned();
@@ -320,7 +339,8 @@ impl<K: Kernel> Broker<K> {
             .in_netns(holder.pid, move |ip| ip.arp_ignore(&name, ARP_SILENT))
         {
             Ok(was) => {
-                silenced.insert(key, was);
+                let waiting = BTreeSet::from([(holder.pid, a)]);
+                silenced.insert((ns, link.to_owned()), Silenced { was, waiting });
             }
             Err(e) => {
                 tracing::warn!(address = %a, link, error = %e, "the holder's link still answers ARP before the restore");
@@ -328,47 +348,59 @@ impl<K: Kernel> Broker<K> {
         }
     }
 
-    /// When an adoption not yet restored is withdrawn: its link answers ARP again — with
-    /// the `arp_ignore` it had, or, if this broker did not silence it (it restarted
-    /// since), with the kernel's default 0. Best effort: logged.
+    /// The adoptions `gone` picks stop waiting; a link none waits on any more answers ARP
+    /// again with the `arp_ignore` it had (set from `pid`'s namespace). Whether any
+    /// adoption `gone` picked was waiting.
+    fn stop_waiting(&self, pid: i32, gone: impl Fn(&(i32, IpAddr)) -> bool) -> bool {
+        let (found, emptied) = {
+            let mut silenced = locked(&self.handover.silenced);
+            let mut found = false;
+            for s in silenced.values_mut() {
+                let before = s.waiting.len();
+                s.waiting.retain(|w| !gone(w));
+                found |= s.waiting.len() != before;
+            }
+            let emptied: Vec<(String, u8)> = silenced
+                .iter()
+                .filter(|(_, s)| s.waiting.is_empty())
+                .map(|((_, link), s)| (link.clone(), s.was))
+                .collect();
+            silenced.retain(|_, s| !s.waiting.is_empty());
+            (found, emptied)
+        };
+        for (link, was) in emptied {
+            self.give_back_arp(pid, link, was);
+        }
+        found
+    }
+
+    fn give_back_arp(&self, pid: i32, link: String, was: u8) {
+        let name = link.clone();
+        if let Err(e) = self
+            .kernel
+            .in_netns(pid, move |ip| ip.arp_ignore(&name, was).map(|_| ()))
+        {
+            tracing::warn!(link, error = %e, "the holder's link not given back its arp_ignore");
+        }
+    }
+
+    /// When an adoption not yet restored is withdrawn: it stops waiting (see
+    /// [`Broker::stop_waiting`]); if it was not waiting (this broker restarted since it
+    /// silenced the link), the link gets the kernel's default 0. Best effort: logged.
     fn unsilence_withdrawn(&self, r: &Adoption) {
         if r.restored || !r.address.is_ipv4() {
             return;
         }
-        let was = locked(&self.handover.silenced)
-            .remove(&(r.holder.pid, r.link.clone()))
-            .unwrap_or(0);
-        let name = r.link.clone();
-        if let Err(e) = self.kernel.in_netns(r.holder.pid, move |ip| {
-            ip.arp_ignore(&name, was).map(|_| ())
-        }) {
-            tracing::warn!(link = %r.link, error = %e, "the holder's link not given back its arp_ignore");
+        let key = (r.holder.pid, r.address);
+        if !self.stop_waiting(r.holder.pid, |w| *w == key) {
+            self.give_back_arp(r.holder.pid, r.link.clone(), 0);
         }
     }
 
-    /// The holder's links silenced by [`Broker::silence`] answer ARP again (before the
+    /// The holder's restored tree runs: none of its adoptions waits any more (before the
     /// announcement). Best effort: logged.
     fn unsilence(&self, holder: ProcRef) {
-        let links: Vec<(String, u8)> = {
-            let mut silenced = locked(&self.handover.silenced);
-            let keys: Vec<(i32, String)> = silenced
-                .keys()
-                .filter(|(pid, _)| *pid == holder.pid)
-                .cloned()
-                .collect();
-            keys.into_iter()
-                .filter_map(|k| silenced.remove(&k).map(|v| (k.1, v)))
-                .collect()
-        };
-        for (link, was) in links {
-            let name = link.clone();
-            if let Err(e) = self
-                .kernel
-                .in_netns(holder.pid, move |ip| ip.arp_ignore(&name, was).map(|_| ()))
-            {
-                tracing::warn!(link, error = %e, "the holder's link not given back its arp_ignore");
-            }
-        }
+        self.stop_waiting(holder.pid, |(pid, _)| *pid == holder.pid);
     }
 
     /// `adopt_address` of an address this registration adopted already: done once it is
@@ -539,6 +571,7 @@ impl<K: Kernel> Broker<K> {
                     continue;
                 }
                 if self.kernel.check_live(r.holder).is_err() {
+                    self.stop_waiting(r.holder.pid, |w| *w == (r.holder.pid, r.address));
                     continue;
                 }
                 let a = r.address;
@@ -611,6 +644,7 @@ impl<K: Kernel> Broker<K> {
                 let a = r.address;
                 if self.kernel.check_live(r.holder).is_err() {
                     tracing::info!(%uid, address = %a, holder = r.holder.pid, "adopted address forgotten: its holder is gone, and its network namespace with it");
+                    self.stop_waiting(r.holder.pid, |w| *w == (r.holder.pid, a));
                     continue;
                 }
                 let why = if now >= r.deadline {

@@ -1322,3 +1322,44 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     assert_eq!(swept(&h), Vec::<Vec<std::net::IpAddr>>::new());
     assert!(sweeps_on(&h).is_empty());
 }
+
+fn arp_ignore(h: &Harness, n: u32, link: &str) -> u8 {
+    h.kernel().world().nets[&n]
+        .arp_ignore
+        .get(link)
+        .copied()
+        .unwrap_or(0)
+}
+
+#[test]
+fn two_holders_silencing_one_link_give_it_back_its_arp_ignore_in_either_order() {
+    // Holders 200 and 201 share netns 20. The second silence once recorded the first's
+    // 8 as the link's own value, so withdrawing them first-then-second left the link
+    // silent for good (the fuzzer found it through a lost lease, which withdraws in
+    // map order).
+    for first_released in ["mig-c", "mig-a"] {
+        let mut h = Harness::new();
+        register(&mut h, 1, "mig-c", BrokerRole::Target, 200).unwrap();
+        register(&mut h, 1, "mig-a", BrokerRole::Target, 201).unwrap();
+        adopt(&mut h, 1, "mig-c", "10.0.10.5").unwrap();
+        adopt(&mut h, 1, "mig-a", "10.0.99.7").unwrap();
+        assert_eq!(arp_ignore(&h, 20, "eth0"), 8, "silenced before the restore");
+        let (second_released, a1, a2) = if first_released == "mig-c" {
+            ("mig-a", "10.0.10.5", "10.0.99.7")
+        } else {
+            ("mig-c", "10.0.99.7", "10.0.10.5")
+        };
+        release(&mut h, 1, first_released, a1).unwrap();
+        assert_eq!(
+            arp_ignore(&h, 20, "eth0"),
+            8,
+            "{second_released}'s adoption still waits for its restore"
+        );
+        release(&mut h, 1, second_released, a2).unwrap();
+        assert_eq!(
+            arp_ignore(&h, 20, "eth0"),
+            0,
+            "released {first_released} first: the link answers ARP as before"
+        );
+    }
+}
