@@ -93,6 +93,7 @@ pub fn helm_install(
     lease: &str,
     extra: &[&str],
 ) -> Uninstall {
+    refuse_beside_a_cluster_wide_release();
     let mut args = vec!["install".to_string(), release.to_string()];
     args.extend(chart_args(images, operator_ns, app_ns, lease));
     args.extend(extra.iter().map(|a| a.to_string()));
@@ -113,6 +114,66 @@ pub fn helm_install(
     };
     assert!(out.status.success(), "helm install: {}", output_text(&out));
     guard
+}
+
+/// The PodMotion operators that watch every namespace for migrations or attachments
+/// (no `PODMOTION_MIGRATION_NAMESPACE` or no `PODMOTION_ATTACHMENT_WATCH_NAMESPACE`), as
+/// `namespace/name`.
+pub fn cluster_wide_operators() -> Vec<String> {
+    let out = kubectl(&[
+        "get",
+        "deployments",
+        "--all-namespaces",
+        "-l",
+        "app.kubernetes.io/name=podmotion,app.kubernetes.io/component=operator",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "listing operators: {}",
+        output_text(&out)
+    );
+    let list: Value = serde_json::from_slice(&out.stdout).expect("kubectl's JSON");
+    let empty = vec![];
+    list["items"]
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .filter(|d| {
+            let names: Vec<&str> = d["spec"]["template"]["spec"]["containers"]
+                .as_array()
+                .unwrap_or(&empty)
+                .iter()
+                .flat_map(|c| c["env"].as_array().unwrap_or(&empty))
+                .filter_map(|e| e["name"].as_str())
+                .collect();
+            !names.contains(&"PODMOTION_MIGRATION_NAMESPACE")
+                || !names.contains(&"PODMOTION_ATTACHMENT_WATCH_NAMESPACE")
+        })
+        .map(|d| {
+            format!(
+                "{}/{}",
+                d["metadata"]["namespace"].as_str().unwrap_or(""),
+                d["metadata"]["name"].as_str().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+/// A test's release is scoped to its namespaces; a release that watches every namespace
+/// would race it for the test's objects (the claim goes to whichever operator sees an
+/// object first), so the test could pass on that release's images, stale ones included.
+/// Such a test fails here instead, naming the release to uninstall.
+fn refuse_beside_a_cluster_wide_release() {
+    let wide = cluster_wide_operators();
+    assert!(
+        wide.is_empty(),
+        "a PodMotion release watching every namespace is installed ({}): it would race \
+         this test's own release for the test's objects; uninstall it (helm uninstall -n \
+         <namespace> <release>) and run again",
+        wide.join(", ")
+    );
 }
 
 /// Places a pod spec on `node`: `nodeName` and the toleration of the real nodes' taint.

@@ -28,8 +28,11 @@
 //!   before the migration, on a new connection;
 //! - every migration ends (terminal phase, or gone after its deletion) within 300 s.
 //!
-//! The first migration runs before any fault and must commit (the control: a run whose
-//! migrations all roll back under the faults proves the rollback and never the commit).
+//! The first migration runs before any fault and must commit (the control), and at least
+//! one migration started under faults must commit too: a run whose migrations all roll
+//! back under the faults proves the rollback and never the commit. When the window ends
+//! with none committed, faults go on for another 60 s (three times at most) before the
+//! test fails.
 //! A committed pod is adopted; after a commit the Deployment is scaled to 0 and back to
 //! 1, so the next migrations move a fresh pod (a new lineage, its own Service reader):
 //! moving an adopted pod again is proven by `real_migration.rs`, not here.
@@ -70,6 +73,10 @@ const PREFIX: &str = "rchaos";
 const LEASE_SECONDS: u32 = 6;
 /// Everything settles within this after the last fault.
 const CONVERGENCE: Duration = Duration::from_secs(60);
+/// How much longer faults go on when none of the migrations under them committed yet,
+/// and how many times at most.
+const EXTENSION: Duration = Duration::from_secs(60);
+const MAX_EXTENSIONS: u32 = 3;
 
 /// A small deterministic generator (xorshift64*), seeded and printed, so a run can be
 /// repeated with `PODMOTION_REAL_CHAOS_SEED`.
@@ -97,6 +104,8 @@ struct Tally {
     api_restarts: u32,
     deletions: u32,
     committed: u32,
+    /// Commits of migrations started while faults were injected.
+    committed_under_faults: u32,
     rolled_back: u32,
     process_samples: u64,
     checks: u64,
@@ -134,6 +143,8 @@ struct Faults {
     restart: Option<tokio::task::JoinHandle<Result<Duration, String>>>,
     restarted: bool,
     last_fault: Option<Instant>,
+    /// Times the window was extended for want of a commit under faults.
+    extensions: u32,
 }
 
 impl Faults {
@@ -149,11 +160,18 @@ impl Faults {
             restart: None,
             restarted: false,
             last_fault: None,
+            extensions: 0,
         }
     }
 
     fn active(&self) -> bool {
         Instant::now() < self.until
+    }
+
+    /// Injects faults `by` longer (leader kills; the one API restart stays one).
+    fn extend(&mut self, by: Duration) {
+        self.until = Instant::now() + by;
+        self.extensions += 1;
     }
 
     /// Injects what is due.
@@ -467,10 +485,20 @@ async fn leader_kills_and_an_api_server_restart_never_lose_or_double_a_migrating
     let mut round = 0u32;
     let mut control_committed = false;
     loop {
-        if let Some(f) = &faults
+        if let Some(f) = faults.as_mut()
             && !f.active()
         {
-            break;
+            // A run whose migrations under faults all rolled back proved the rollback
+            // only: faults go on (bounded) until one commits; the assertion below fails
+            // a run where none did.
+            if tally.committed_under_faults > 0 || f.extensions >= MAX_EXTENSIONS {
+                break;
+            }
+            eprintln!(
+                "[real-chaos] no migration committed under faults yet: {} s more of faults",
+                EXTENSION.as_secs()
+            );
+            f.extend(EXTENSION);
         }
         let source_node = node_of(&source);
         let target_node = w
@@ -595,6 +623,8 @@ async fn leader_kills_and_an_api_server_restart_never_lose_or_double_a_migrating
             tally.committed += 1;
             if faults.is_none() {
                 control_committed = true;
+            } else {
+                tally.committed_under_faults += 1;
             }
         } else {
             tally.rolled_back += 1;
@@ -647,15 +677,16 @@ async fn leader_kills_and_an_api_server_restart_never_lose_or_double_a_migrating
 
     eprintln!(
         "[real-chaos] summary (seed {seed}):\n\
-         | Faults (leader kills / API restarts / deletions) | Migrations (committed / rolled back) | Process samples | Checks | API unanswered | Violations | Converged after the last fault | Source containers restarted afresh |\n\
+         | Faults (leader kills / API restarts / deletions) | Migrations (committed, under faults / rolled back) | Process samples | Checks | API unanswered | Violations | Converged after the last fault | Source containers restarted afresh |\n\
          |---|---|---|---|---|---|---|---|\n\
-         | {} ({} / {} / {}) | {} ({} / {}) | {} | {} | {} | {} | {} | {} |",
+         | {} ({} / {} / {}) | {} ({}, {} / {}) | {} | {} | {} | {} | {} | {} |",
         tally.faults(),
         tally.leader_kills,
         tally.api_restarts,
         tally.deletions,
         round,
         tally.committed,
+        tally.committed_under_faults,
         tally.rolled_back,
         tally.process_samples,
         tally.checks,
@@ -665,6 +696,13 @@ async fn leader_kills_and_an_api_server_restart_never_lose_or_double_a_migrating
         watch.fresh.len(),
     );
     assert!(control_committed, "the control migration did not commit");
+    assert!(
+        tally.committed_under_faults >= 1,
+        "no migration committed under faults ({} rolled back, the window extended {} times): \
+         the run proved the rollback, never the commit under faults",
+        tally.rolled_back,
+        faults.extensions
+    );
     assert!(
         tally.leader_kills >= 1 && tally.api_restarts == 1,
         "faults were not injected: {} leader kills, {} API restarts",

@@ -7,11 +7,11 @@
 //! takes `kubectl-podmotion` from the target directory it runs from and refuses it when
 //! it is older than the plugin's sources. `PODMOTION_PLUGIN_BIN` overrides the path.
 //!
-//! The operator: when a PodMotion release that watches every namespace is already
-//! installed (the lead's `hack/install.sh`/demo release), the test uses it — a second
-//! release scoped to the test's namespace would make two operators reconcile the same
-//! PodMigration. Otherwise it helm-installs its own release from our images, scoped to
-//! the test's namespace, as `tests/real_migration.rs` does, and uninstalls it after.
+//! The operator: each test helm-installs its own release from our images, scoped to the
+//! test's namespace, as `tests/real_migration.rs` does, and uninstalls it after. Next to
+//! a release that watches every namespace (`hack/install.sh`'s, the demo's) it fails,
+//! naming that release: the two would race for the test's objects, and the test could
+//! pass on the other release's images (`podmotion_e2e::real::helm_install`).
 //!
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`).
@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::{NodeAgentAttachment, PodMigration};
 use podmotion_e2e::real::{
@@ -98,44 +98,13 @@ fn run(bin: &std::path::Path, args: &[&str]) -> Output {
         .expect("running kubectl podmotion")
 }
 
-/// A PodMotion operator Deployment that is ready and watches every namespace (its
-/// migration controller has no `PODMOTION_MIGRATION_NAMESPACE`).
-async fn cluster_wide_operator(client: &Client) -> Option<String> {
-    let deps: Api<Deployment> = Api::all(client.clone());
-    let list = deps
-        .list(
-            &ListParams::default()
-                .labels("app.kubernetes.io/name=podmotion,app.kubernetes.io/component=operator"),
-        )
-        .await
-        .ok()?;
-    list.items.iter().find_map(|d| {
-        let ready = d
-            .status
-            .as_ref()
-            .and_then(|s| s.ready_replicas)
-            .unwrap_or(0)
-            > 0;
-        let scoped = d.spec.template.spec.as_ref().is_some_and(|p| {
-            p.containers.iter().any(|c| {
-                c.env
-                    .iter()
-                    .flatten()
-                    .any(|e| e.name == "PODMOTION_MIGRATION_NAMESPACE")
-            })
-        });
-        (ready && !scoped)
-            .then(|| format!("{}/{}", d.namespace().unwrap_or_default(), d.name_any()))
-    })
-}
-
 /// The test's world: the app namespace with one Ready testload pod on a real node, the
 /// real nodes, and the guards that clean up. Fields drop in declaration order: the
 /// release goes first, so its operator cannot re-add finalizers the app namespace's
 /// cleanup strips.
 struct World {
-    _uninstall: Option<Uninstall>,
-    _op: Option<TestNamespace>,
+    _uninstall: Uninstall,
+    _op: TestNamespace,
     app: TestNamespace,
     nodes: Vec<String>,
     pod: Pod,
@@ -143,31 +112,20 @@ struct World {
 
 impl World {
     async fn new(prefix: &str) -> Option<World> {
-        let mut app = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
+        let app = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
         let nodes = real_nodes(&app.client).await?;
         assert!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
         let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-        let (op, uninstall) = match cluster_wide_operator(&app.client).await {
-            Some(existing) => {
-                eprintln!("using the installed cluster-wide operator {existing}");
-                // That operator outlives the namespace and runs its own cleanup.
-                app.keep_finalizers_on_cleanup();
-                (None, None)
-            }
-            None => {
-                let op = TestNamespace::new("plugin-op", PodSecurity::Restricted).await?;
-                let release = format!("pm{}", random_suffix());
-                let guard = helm_install(
-                    &release,
-                    &images,
-                    &op.name,
-                    &app.name,
-                    "podmotion-e2e-plugin",
-                    &[],
-                );
-                (Some(op), Some(guard))
-            }
-        };
+        let op = TestNamespace::new("plugin-op", PodSecurity::Restricted).await?;
+        let release = format!("pm{}", random_suffix());
+        let uninstall = helm_install(
+            &release,
+            &images,
+            &op.name,
+            &app.name,
+            "podmotion-e2e-plugin",
+            &[],
+        );
         // A testload server on the first real node (preferred, not required, so the
         // target pod may be placed elsewhere), as uid 0: see docs/migration-controller.md.
         let testload = images.testload().unwrap();

@@ -7,9 +7,10 @@
 //! server with a clear error, and even a cluster administrator who port-forwards into
 //! the agents' namespace finds no control API and no token there.
 //!
-//! The plugin binary and the operator are found as in `tests/real_plugin.rs`: the
-//! installed cluster-wide release when there is one, else one release per tenant
-//! namespace, helm-installed from our images (`hack/images.sh`) and uninstalled after.
+//! The plugin binary is found as in `tests/real_plugin.rs`; the operator is one release
+//! per tenant namespace, helm-installed from our images (`hack/images.sh`) and
+//! uninstalled after (the test fails next to a release that watches every namespace:
+//! `podmotion_e2e::real::helm_install`).
 //!
 //! ```console
 //! $ cargo build -p kubectl-podmotion
@@ -27,8 +28,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::rbac::v1::{ClusterRole, RoleBinding};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
@@ -110,42 +111,12 @@ fn kubectl_as(user: &str, args: &[&str]) -> Output {
         .expect("running kubectl")
 }
 
-/// A ready PodMotion operator that watches every namespace, if one is installed.
-async fn cluster_wide_operator(client: &Client) -> Option<String> {
-    let deps: Api<Deployment> = Api::all(client.clone());
-    let list = deps
-        .list(
-            &ListParams::default()
-                .labels("app.kubernetes.io/name=podmotion,app.kubernetes.io/component=operator"),
-        )
-        .await
-        .ok()?;
-    list.items.iter().find_map(|d| {
-        let ready = d
-            .status
-            .as_ref()
-            .and_then(|s| s.ready_replicas)
-            .unwrap_or(0)
-            > 0;
-        let scoped = d.spec.template.spec.as_ref().is_some_and(|p| {
-            p.containers.iter().any(|c| {
-                c.env
-                    .iter()
-                    .flatten()
-                    .any(|e| e.name == "PODMOTION_ATTACHMENT_WATCH_NAMESPACE")
-            })
-        });
-        (ready && !scoped)
-            .then(|| format!("{}/{}", d.namespace().unwrap_or_default(), d.name_any()))
-    })
-}
-
 /// One tenant: a namespace with one Ready testload replica carrying a value only this
 /// tenant should ever see, a Service, and a user bound to the plugin-user ClusterRole
 /// in this namespace only.
 struct Tenant {
-    _uninstall: Option<Uninstall>,
-    _op: Option<TestNamespace>,
+    _uninstall: Uninstall,
+    _op: TestNamespace,
     ns: TestNamespace,
     user: String,
     mark: String,
@@ -154,25 +125,19 @@ struct Tenant {
 }
 
 impl Tenant {
-    async fn new(prefix: &str, images: &Images, shared_operator: bool) -> Option<Tenant> {
-        let mut ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
+    async fn new(prefix: &str, images: &Images) -> Option<Tenant> {
+        let ns = TestNamespace::new(prefix, PodSecurity::Baseline).await?;
         let nodes = real_nodes(&ns.client).await?;
-        let (op, uninstall) = if shared_operator {
-            ns.keep_finalizers_on_cleanup();
-            (None, None)
-        } else {
-            let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
-            let release = format!("pm{}", random_suffix());
-            let guard = helm_install(
-                &release,
-                images,
-                &op.name,
-                &ns.name,
-                &format!("podmotion-e2e-{prefix}"),
-                &[],
-            );
-            (Some(op), Some(guard))
-        };
+        let op = TestNamespace::new(&format!("{prefix}-op"), PodSecurity::Restricted).await?;
+        let release = format!("pm{}", random_suffix());
+        let uninstall = helm_install(
+            &release,
+            images,
+            &op.name,
+            &ns.name,
+            &format!("podmotion-e2e-{prefix}"),
+            &[],
+        );
         let mark = format!("{prefix}-secret-{}", random_suffix());
         let d: Deployment = from_json(json!({
             "apiVersion": "apps/v1", "kind": "Deployment",
@@ -388,19 +353,11 @@ fn assert_cannot(user: &str, verb: &str, resource: &str, sub: Option<&str>, ns: 
 /// documented rights; every way into the other tenant's agent is refused.
 #[tokio::test]
 async fn each_tenant_uses_its_own_agents_and_cannot_reach_the_others() {
-    let Some(probe) = TestNamespace::new("tenants-probe", PodSecurity::Baseline).await else {
-        return;
-    };
-    let shared = cluster_wide_operator(&probe.client).await;
-    if let Some(op) = &shared {
-        eprintln!("using the installed cluster-wide operator {op}");
-    }
-    drop(probe);
     let images = Images::load().unwrap_or_else(|e| panic!("{e:#}"));
-    let Some(a) = Tenant::new("tenant-a", &images, shared.is_some()).await else {
+    let Some(a) = Tenant::new("tenant-a", &images).await else {
         return;
     };
-    let Some(b) = Tenant::new("tenant-b", &images, shared.is_some()).await else {
+    let Some(b) = Tenant::new("tenant-b", &images).await else {
         return;
     };
     let bin = plugin_bin();
