@@ -395,7 +395,8 @@ async fn ctrl_c_on_a_stalled_migration_leaves_it_and_migrate_cancel_rolls_it_bac
         .unwrap();
     assert!(kill.success());
     let status = child.wait().unwrap();
-    seen.extend(rx.try_iter());
+    // Every line up to the end of its stdout (the reader thread ends there).
+    seen.extend(rx.iter());
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(130), "{seen:#?}\n{err}");
