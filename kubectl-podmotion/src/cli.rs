@@ -38,8 +38,12 @@ pub struct Global {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Live-migrate a pod to another node and follow it to the end.
+    /// Live-migrate a pod to another node and follow it to the end (`--wait=false`:
+    /// start it and return).
     Migrate(Migrate),
+    /// Cancel a migration: delete its PodMigration, whose finalizer rolls it back and
+    /// resumes the source pod; waits until it is gone unless `--wait=false`.
+    MigrateCancel(MigrateCancel),
     /// One table of every PodMigration, NodeAgentAttachment and RunnerPool you can see.
     Status(Status),
     /// Send a workload's incoming traffic on one port to a local port, until Ctrl-C.
@@ -54,6 +58,42 @@ pub enum Command {
     /// are live-migrated by PodMotion's eviction webhook. One line per pod until the
     /// node is empty.
     Drain(Drain),
+    /// Print a shell completion script for `kubectl-podmotion` (bash or zsh).
+    Completion(Completion),
+}
+
+#[derive(Args, Debug)]
+pub struct Completion {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: Shell,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Shell {
+    Bash,
+    Zsh,
+}
+
+/// `-o json|yaml`: the objects as the API server returns them, as `kubectl get -o`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Json,
+    Yaml,
+}
+
+#[derive(Args, Debug)]
+pub struct MigrateCancel {
+    /// The PodMigration to cancel (the name `migrate` printed).
+    pub name: String,
+    /// Wait until the PodMigration is gone (rolled back); `--wait=false` returns once
+    /// the deletion is accepted.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true")]
+    pub wait: bool,
+    /// With `--wait`: give up waiting (the rollback goes on) after this long.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -155,6 +195,15 @@ pub struct Migrate {
     /// Longest freeze you accept, in milliseconds (spec.freezeBudgetMillis).
     #[arg(long)]
     pub freeze_budget_millis: Option<i64>,
+    /// Follow the migration until it ends (the default); `--wait=false` creates the
+    /// PodMigration, prints its name and returns.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true")]
+    pub wait: bool,
+    /// Print the PodMigration as JSON or YAML on stdout instead of its name (with
+    /// `--wait`, as it ended; progress then goes to stderr).
+    #[arg(short = 'o', long, value_enum)]
+    pub output: Option<Output>,
 }
 
 #[derive(Args, Debug)]
@@ -272,6 +321,9 @@ pub struct Status {
     /// All namespaces.
     #[arg(short = 'A', long)]
     pub all_namespaces: bool,
+    /// Print the objects as a JSON or YAML `List` instead of the table.
+    #[arg(short = 'o', long, value_enum)]
+    pub output: Option<Output>,
 }
 
 /// `<workload>:<path>`: the workload (as for the other commands) and an absolute path.
@@ -287,19 +339,106 @@ pub fn parse_remote(s: &str) -> Result<(Workload, String), String> {
     Ok((parse_workload(w)?, path.to_string()))
 }
 
-/// `90`, `90s`, `15m`, `1h`.
+/// A duration as kubectl takes one (Go's `time.ParseDuration`): decimal numbers, each
+/// with an optional fraction and a unit, in a row — `90s`, `1m30s`, `500ms`, `1.5h`,
+/// `2h45m`; units `ns`, `us` (`µs`), `ms`, `s`, `m`, `h`. A plain number is seconds (as
+/// kubectl's `--request-timeout`), kept for scripts written before. No sign: a
+/// negative duration means nothing here.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, 's')) => (&s[..i], 1),
-        Some((i, 'm')) => (&s[..i], 60),
-        Some((i, 'h')) => (&s[..i], 3600),
-        _ => (s, 1),
+    let bad = |why: &str| {
+        format!(
+            "{s:?} is not a duration ({why}): use a number and a unit, repeated, as kubectl does: 90s, 1m30s, 500ms, 1.5h (units ns, us, ms, s, m, h)"
+        )
     };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration such as 90s, 15m or 1h"))?;
-    Ok(Duration::from_secs(n * mult))
+    let t = s.trim();
+    if t.is_empty() {
+        return Err(bad("empty"));
+    }
+    if t.bytes().all(|b| b.is_ascii_digit()) {
+        return t
+            .parse::<u64>()
+            .map(Duration::from_secs)
+            .map_err(|_| bad("too long"));
+    }
+    if t.starts_with(['-', '+']) {
+        return Err(bad("no sign allowed"));
+    }
+    let mut rest = t;
+    let mut nanos: u128 = 0;
+    while !rest.is_empty() {
+        let int_len = rest.bytes().take_while(u8::is_ascii_digit).count();
+        let (int, after) = rest.split_at(int_len);
+        let (frac, after) = match after.strip_prefix('.') {
+            Some(a) => {
+                let n = a.bytes().take_while(u8::is_ascii_digit).count();
+                a.split_at(n)
+            }
+            None => ("", after),
+        };
+        if int.is_empty() && frac.is_empty() {
+            return Err(bad("a unit without a number"));
+        }
+        let unit_len = after
+            .char_indices()
+            .find(|(_, c)| c.is_ascii_digit() || *c == '.')
+            .map_or(after.len(), |(i, _)| i);
+        let (unit, after) = after.split_at(unit_len);
+        let per: u128 = match unit {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            "" => return Err(bad("a number without a unit")),
+            u => return Err(bad(&format!("unknown unit {u:?}"))),
+        };
+        let too_big = || bad("too large");
+        let whole: u128 = if int.is_empty() {
+            0
+        } else {
+            int.parse().map_err(|_| too_big())?
+        };
+        let mut part = whole.checked_mul(per).ok_or_else(too_big)?;
+        // The fraction, exact to the nanosecond (digits past it are dropped, as Go does).
+        let mut scale = per;
+        for d in frac.bytes() {
+            if scale < 10 {
+                break;
+            }
+            scale /= 10;
+            part += u128::from(d - b'0') * scale;
+        }
+        nanos = nanos.checked_add(part).ok_or_else(too_big)?;
+        rest = after;
+    }
+    let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| bad("too large"))?;
+    Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
+}
+
+/// The completion script for `kubectl-podmotion` (clap_complete): subcommands, flags
+/// and the values of enumerated flags.
+pub fn completion(shell: Shell) -> String {
+    use clap::CommandFactory;
+    // The binary's own name: a shell completes a command word, and `kubectl podmotion`
+    // is two (kubectl completes a plugin's arguments only through its own
+    // `kubectl_complete-<plugin>` protocol).
+    let bin = "kubectl-podmotion";
+    let mut cmd = Cli::command();
+    let mut out = Vec::new();
+    match shell {
+        Shell::Bash => clap_complete::generate(clap_complete::Shell::Bash, &mut cmd, bin, &mut out),
+        Shell::Zsh => clap_complete::generate(clap_complete::Shell::Zsh, &mut cmd, bin, &mut out),
+    }
+    let script = String::from_utf8(out).expect("clap_complete writes UTF-8");
+    match shell {
+        // clap_complete 4.6's bash script names a subcommand's state from the binary's
+        // name with `-` turned into `__` where its loop sets it, and into `__subcmd__`
+        // where it is matched: with a `-` in the name (ours) nothing after the
+        // subcommand completed. One name for both (the bash test below runs it).
+        Shell::Bash => script.replace("kubectl__subcmd__podmotion", "kubectl__podmotion"),
+        Shell::Zsh => script,
+    }
 }
 
 #[cfg(test)]
@@ -313,12 +452,65 @@ mod tests {
     }
 
     #[test]
-    fn durations_parse_with_units() {
-        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("15m"), Ok(Duration::from_secs(900)));
-        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
-        assert!(parse_duration("soon").is_err());
+    fn durations_parse_as_kubectl_and_go_write_them() {
+        let ok = |s: &str| parse_duration(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(ok("90"), Duration::from_secs(90));
+        assert_eq!(ok("90s"), Duration::from_secs(90));
+        assert_eq!(ok("30s"), Duration::from_secs(30));
+        assert_eq!(ok("15m"), Duration::from_secs(900));
+        assert_eq!(ok("1h"), Duration::from_secs(3600));
+        assert_eq!(ok("1m30s"), Duration::from_secs(90));
+        assert_eq!(ok("2h45m"), Duration::from_secs(2 * 3600 + 45 * 60));
+        assert_eq!(ok("500ms"), Duration::from_millis(500));
+        assert_eq!(ok("1.5s"), Duration::from_millis(1500));
+        assert_eq!(ok("1.5h"), Duration::from_secs(5400));
+        assert_eq!(ok(".5m"), Duration::from_secs(30));
+        assert_eq!(ok("1h2m3s4ms5us6ns"), Duration::new(3723, 4_005_006));
+        assert_eq!(ok("10µs"), Duration::from_micros(10));
+        assert_eq!(ok("0"), Duration::ZERO);
+        assert_eq!(ok("0s"), Duration::ZERO);
+        // Digits past the nanosecond are dropped, as Go does.
+        assert_eq!(ok("1.0000000019s"), Duration::new(1, 1));
+    }
+
+    #[test]
+    fn durations_that_are_not_go_durations_are_refused_with_the_accepted_form() {
+        for bad in [
+            "",
+            "soon",
+            "1x",
+            "1d",
+            "s",
+            "1.5",
+            "1m30",
+            "-1s",
+            "+1s",
+            "1 m",
+            "1..5s",
+            "m30s",
+            "1s-",
+            "99999999999999999999h",
+            "1e3s",
+        ] {
+            let e = parse_duration(bad).expect_err(bad);
+            assert!(e.contains("1m30s, 500ms"), "{bad:?}: {e}");
+            assert!(e.starts_with(&format!("{bad:?} is not a duration")), "{e}");
+        }
+        assert!(
+            parse_duration("1d")
+                .unwrap_err()
+                .contains("unknown unit \"d\"")
+        );
+        assert!(
+            parse_duration("1m30")
+                .unwrap_err()
+                .contains("without a unit")
+        );
+        // Through clap, the message reaches the user.
+        let e = Cli::try_parse_from(["kubectl-podmotion", "migrate", "web-0", "--timeout", "1d"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("units ns, us, ms, s, m, h"), "{e}");
     }
 
     #[test]
@@ -375,6 +567,140 @@ mod tests {
         };
         assert_eq!(i.port.local, 18080);
         assert_eq!(i.headers, vec![("x-dev".to_string(), "me".to_string())]);
+    }
+
+    #[test]
+    fn completion_scripts_name_every_subcommand_and_the_new_flags() {
+        for shell in [Shell::Bash, Shell::Zsh] {
+            let script = completion(shell);
+            for word in [
+                "migrate",
+                "migrate-cancel",
+                "status",
+                "intercept",
+                "env",
+                "wiretap",
+                "cp",
+                "drain",
+                "completion",
+                "--wait",
+                "--output",
+                "--timeout",
+            ] {
+                assert!(script.contains(word), "{shell:?} script lacks {word}");
+            }
+        }
+        assert!(completion(Shell::Bash).contains("kubectl-podmotion\n"));
+        assert!(completion(Shell::Zsh).starts_with("#compdef kubectl-podmotion"));
+        let c = Cli::try_parse_from(["kubectl-podmotion", "completion", "zsh"]).unwrap();
+        assert!(matches!(
+            c.command,
+            Command::Completion(Completion { shell: Shell::Zsh })
+        ));
+        assert!(Cli::try_parse_from(["kubectl-podmotion", "completion", "fish"]).is_err());
+    }
+
+    /// The bash script run by bash, as a shell does on <TAB>: what it offers.
+    fn bash_completes(words: &[&str]) -> Vec<String> {
+        let script = std::env::temp_dir().join(format!(
+            "kubectl-podmotion-completion-{}.bash",
+            std::process::id()
+        ));
+        std::fs::write(&script, completion(Shell::Bash)).unwrap();
+        let cword = words.len() - 1;
+        let prev = if cword > 0 { words[cword - 1] } else { "" };
+        let quoted: Vec<String> = words.iter().map(|w| format!("'{w}'")).collect();
+        let prog = format!(
+            "source '{}'; COMP_WORDS=({}); COMP_CWORD={cword}; \
+             f=$(complete -p kubectl-podmotion | sed -E 's/.*-F ([^ ]+).*/\\1/'); \
+             $f kubectl-podmotion '{}' '{prev}'; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            script.display(),
+            quoted.join(" "),
+            words[cword],
+        );
+        let out = std::process::Command::new("bash")
+            .args(["-c", &prog])
+            .output()
+            .expect("bash");
+        let _ = std::fs::remove_file(&script);
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    #[test]
+    fn the_bash_script_completes_subcommands_flags_and_values_in_bash() {
+        assert_eq!(
+            bash_completes(&["kubectl-podmotion", "mig"]),
+            ["migrate", "migrate-cancel"]
+        );
+        assert_eq!(
+            bash_completes(&["kubectl-podmotion", "migrate", "web-0", "--wa"]),
+            ["--wait"]
+        );
+        assert_eq!(
+            bash_completes(&["kubectl-podmotion", "migrate", "web-0", "--mode", ""]),
+            ["PreCopy", "Cold", "PostCopy"]
+        );
+        assert_eq!(
+            bash_completes(&["kubectl-podmotion", "status", "-o", ""]),
+            ["json", "yaml"]
+        );
+        // At a positional, clap offers the flags too; the shells are among them.
+        let shells = bash_completes(&["kubectl-podmotion", "completion", ""]);
+        assert!(
+            shells.contains(&"bash".to_string()) && shells.contains(&"zsh".to_string()),
+            "{shells:?}"
+        );
+        assert!(!shells.contains(&"fish".to_string()), "{shells:?}");
+    }
+
+    #[test]
+    fn wait_and_output_read_as_kubectl_flags() {
+        let migrate = |extra: &[&str]| {
+            let mut a = vec!["kubectl-podmotion", "migrate", "web-0"];
+            a.extend_from_slice(extra);
+            match Cli::try_parse_from(a).map(|c| c.command) {
+                Ok(Command::Migrate(m)) => Ok((m.wait, m.output)),
+                Ok(other) => panic!("{other:?}"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(migrate(&[]), Ok((true, None)));
+        assert_eq!(migrate(&["--wait"]), Ok((true, None)));
+        assert_eq!(migrate(&["--wait=false"]), Ok((false, None)));
+        assert_eq!(
+            migrate(&["--wait=true", "-o", "json"]),
+            Ok((true, Some(Output::Json)))
+        );
+        assert_eq!(
+            migrate(&["--wait=false", "--output", "yaml"]),
+            Ok((false, Some(Output::Yaml)))
+        );
+        // `--wait false` would read `false` as a second pod: refused, as kubectl's bools.
+        assert!(migrate(&["--wait", "false"]).is_err());
+        assert!(migrate(&["-o", "wide"]).is_err());
+        let c = Cli::try_parse_from([
+            "kubectl-podmotion",
+            "migrate-cancel",
+            "web-0-ab12c",
+            "--wait=false",
+        ])
+        .unwrap();
+        let Command::MigrateCancel(m) = c.command else {
+            panic!()
+        };
+        assert_eq!((m.name.as_str(), m.wait), ("web-0-ab12c", false));
+        assert_eq!(m.timeout, Duration::from_secs(300));
+        let c = Cli::try_parse_from(["kubectl-podmotion", "status", "-A", "-o", "yaml"]).unwrap();
+        let Command::Status(s) = c.command else {
+            panic!()
+        };
+        assert_eq!(s.output, Some(Output::Yaml));
     }
 
     #[test]

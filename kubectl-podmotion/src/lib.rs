@@ -2,7 +2,9 @@
 //!
 //! `migrate` creates a PodMigration, follows it with a watch and prints its progress
 //! (a rewritten line on a terminal, plain lines otherwise), then the measured downtime
-//! and the network outcome; Ctrl-C deletes it, which rolls it back. `status` prints one
+//! and the network outcome (`--wait=false`: it returns once the PodMigration exists);
+//! Ctrl-C stops following and leaves the migration running, and `migrate-cancel`
+//! deletes the PodMigration, which rolls it back. `status` prints one
 //! table of every PodMigration, NodeAgentAttachment and RunnerPool the user may list,
 //! with what needs attention. `intercept` sends a workload's connections on one port
 //! (or, with `--header`, only the matching HTTP requests) to a local port through the
@@ -22,6 +24,7 @@ pub mod env;
 pub mod explain;
 pub mod intercept;
 pub mod migrate;
+pub mod output;
 pub mod pcapng;
 pub mod progress;
 pub mod status;

@@ -23,6 +23,11 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<u8> {
+    if let Command::Completion(args) = &cli.command {
+        // Needs no cluster: written before any kubeconfig is read.
+        print!("{}", kubectl_podmotion::cli::completion(args.shell));
+        return Ok(0);
+    }
     let client = client(&cli.global).await?;
     let namespace = cli
         .global
@@ -31,6 +36,8 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         .unwrap_or_else(|| client.default_namespace().to_string());
     match &cli.command {
         Command::Migrate(args) => migrate::run(client, &namespace, args).await,
+        Command::MigrateCancel(args) => migrate::cancel(client, &namespace, args).await,
+        Command::Completion(_) => unreachable!("answered above"),
         Command::Intercept(args) => intercept::run(client, &namespace, args).await,
         Command::Env(args) => env::run(client, &namespace, args).await,
         Command::Wiretap(args) => wiretap::run(client, &namespace, args).await,
@@ -38,7 +45,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Drain(args) => drain::run(client, args).await,
         Command::Status(args) => {
             let ns = (!args.all_namespaces).then_some(namespace.as_str());
-            let (table, problems) = status::run(client, ns).await;
+            let (table, problems) = status::run(client, ns, args.output).await?;
             print!("{table}");
             for p in &problems {
                 eprintln!("warning: {p}");

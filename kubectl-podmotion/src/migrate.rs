@@ -1,6 +1,9 @@
 //! `kubectl podmotion migrate`: create the PodMigration, follow it with a watch (no
-//! polling) and print what changes until it ends; Ctrl-C deletes it — its finalizer
-//! rolls the migration back and resumes the source pod — and waits until it is gone.
+//! polling) and print what changes until it ends (`--wait=false`: print its name and
+//! return). Ctrl-C stops following and leaves the migration running, as `virtctl
+//! migrate` does, and names the command that cancels it: `migrate-cancel`, which
+//! deletes the PodMigration — its finalizer rolls the migration back and resumes the
+//! source pod — and waits until it is gone.
 
 use std::io::{IsTerminal, Write};
 use std::pin::pin;
@@ -15,9 +18,9 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationMode, PodMigrationSpec};
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
-use crate::cli::{Migrate, Mode};
+use crate::cli::{Migrate, MigrateCancel, Mode};
 use crate::explain::{Attempt, code, kube_error, watch_refused};
 use crate::progress::{Snapshot, changes, final_report, live_line, transfer_summary};
 
@@ -72,17 +75,40 @@ pub fn build(args: &Migrate, name: &str, pod_uid: Option<String>) -> PodMigratio
 }
 
 /// Prints progress lines; on a terminal the last line is a live line rewritten in place.
+/// On stderr when stdout is for the object (`-o`).
 struct Printer {
     tty: bool,
     live: bool,
     start: Instant,
+    stderr: bool,
 }
 
 impl Printer {
+    fn new(stderr: bool) -> Printer {
+        Printer {
+            tty: if stderr {
+                std::io::stderr().is_terminal()
+            } else {
+                std::io::stdout().is_terminal()
+            },
+            live: false,
+            start: Instant::now(),
+            stderr,
+        }
+    }
+
+    fn out(&self) -> Box<dyn Write> {
+        if self.stderr {
+            Box::new(std::io::stderr().lock())
+        } else {
+            Box::new(std::io::stdout().lock())
+        }
+    }
+
     /// Prints a progress line; its text (from the migration's status) is sanitised.
     fn line(&mut self, text: &str) {
         let text = crate::sanitize(text);
-        let mut out = std::io::stdout().lock();
+        let mut out = self.out();
         if self.live {
             let _ = write!(out, "\r\x1b[2K");
             self.live = false;
@@ -100,7 +126,7 @@ impl Printer {
             return;
         }
         let text = crate::sanitize(text);
-        let mut out = std::io::stdout().lock();
+        let mut out = self.out();
         let _ = write!(
             out,
             "\r\x1b[2K{text} {:.0}s",
@@ -112,7 +138,7 @@ impl Printer {
 
     fn end_live(&mut self) {
         if self.live {
-            println!();
+            let _ = writeln!(self.out());
             self.live = false;
         }
     }
@@ -137,7 +163,7 @@ pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Res
         .unwrap_or_else(|| migration_name(&args.pod, &random_suffix()));
     let pms: Api<PodMigration> = Api::namespaced(client.clone(), namespace);
     let pm = build(args, &name, pod.metadata.uid.clone());
-    pms.create(&PostParams::default(), &pm).await.map_err(|e| {
+    let created = pms.create(&PostParams::default(), &pm).await.map_err(|e| {
         anyhow::anyhow!(kube_error(
             Attempt {
                 verb: "create",
@@ -148,11 +174,21 @@ pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Res
             &e
         ))
     })?;
-    let mut p = Printer {
-        tty: std::io::stdout().is_terminal(),
-        live: false,
-        start: Instant::now(),
-    };
+    if !args.wait {
+        // As `kubectl create`: the name, or the object with `-o`.
+        match args.output {
+            Some(format) => print!(
+                "{}",
+                crate::output::render(&crate::output::object(&created)?, format)?
+            ),
+            None => println!("podmigration.podmotion.io/{name} created"),
+        }
+        return Ok(0);
+    }
+    // Before the first line: a Ctrl-C from then on is this command's, not the default
+    // action's (which would end the process without saying the migration goes on).
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
+    let mut p = Printer::new(args.output.is_some());
     p.line(&format!(
         "podmigration.podmotion.io/{name} created in namespace {namespace}: pod {} ({:?}{}{})",
         args.pod,
@@ -163,14 +199,89 @@ pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Res
             .unwrap_or_default(),
         if args.dry_run { ", dry run" } else { "" }
     ));
-    follow(
+    let (exit, last) = follow(
         &pms,
         namespace,
         &name,
-        args.timeout + DEADLINE_GRACE,
+        Watching::Migration {
+            give_up_after: args.timeout + DEADLINE_GRACE,
+        },
+        &mut sigint,
         &mut p,
     )
-    .await
+    .await?;
+    if let (Some(format), Some(m)) = (args.output, last) {
+        print!(
+            "{}",
+            crate::output::render(&crate::output::object(&m)?, format)?
+        );
+    }
+    Ok(exit)
+}
+
+/// `migrate-cancel NAME`: the abort `migrate`'s Ctrl-C used to do, on its own. Deletes
+/// the PodMigration (foreground): its finalizer rolls the migration back and resumes
+/// the source pod. A migration that already ended has nothing to cancel and is left as
+/// it is. With `--wait`, follows the rollback until the object is gone.
+pub async fn cancel(client: Client, namespace: &str, args: &MigrateCancel) -> anyhow::Result<u8> {
+    let name = args.name.as_str();
+    let pms: Api<PodMigration> = Api::namespaced(client, namespace);
+    let pm = pms.get(name).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "get",
+                resource: PODMIGRATIONS,
+                namespace: Some(namespace),
+                name: Some(name),
+            },
+            &e
+        ))
+    })?;
+    if let Some(phase) = pm.status.as_ref().map(|s| &s.phase)
+        && final_report(&pm).is_some()
+    {
+        bail!(
+            "PodMigration {namespace}/{name} already ended {phase:?}: nothing to cancel (kubectl delete podmigration {name} -n {namespace} removes the record)"
+        );
+    }
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
+    let mut p = Printer::new(false);
+    if pm.metadata.deletion_timestamp.is_some() {
+        p.line(&format!(
+            "PodMigration {name} is already being cancelled (rolling back)"
+        ));
+    } else {
+        delete(&pms, namespace, name).await?;
+        p.line(&format!(
+            "podmigration.podmotion.io/{name} cancelled: its finalizer rolls the migration back and resumes the source pod"
+        ));
+    }
+    if !args.wait {
+        return Ok(0);
+    }
+    let (exit, _) = follow(
+        &pms,
+        namespace,
+        name,
+        Watching::Cancel {
+            give_up_after: args.timeout,
+        },
+        &mut sigint,
+        &mut p,
+    )
+    .await?;
+    Ok(exit)
+}
+
+/// What [`follow`] waits for.
+#[derive(Clone, Copy)]
+enum Watching {
+    /// The migration's end; after `give_up_after` this command deletes it (the
+    /// server-side deadline should have ended it first).
+    Migration { give_up_after: Duration },
+    /// The deletion `migrate-cancel` asked for: until the object is gone, or
+    /// `give_up_after` (the rollback goes on without the plugin).
+    Cancel { give_up_after: Duration },
 }
 
 /// What [`follow`] knows of the migration between events.
@@ -184,31 +295,45 @@ struct Following {
     seen: bool,
     /// The final report was printed.
     reported: bool,
+    /// The object as last seen (printed with `-o`).
+    last: Option<PodMigration>,
+    /// This is `migrate-cancel`: the migration being gone is its success.
+    cancelling: bool,
 }
 
+/// Follows the PodMigration; the exit code and the object as last seen.
 async fn follow(
     pms: &Api<PodMigration>,
     namespace: &str,
     name: &str,
-    give_up_after: Duration,
+    watching: Watching,
+    sigint: &mut Signal,
     p: &mut Printer,
-) -> anyhow::Result<u8> {
+) -> anyhow::Result<(u8, Option<PodMigration>)> {
     let stream = watcher::watcher(
         pms.clone(),
         watcher::Config::default().fields(&format!("metadata.name={name}")),
     )
     .default_backoff();
     let mut stream = pin!(stream);
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the Ctrl-C handler")?;
+    let (give_up_after, cancelling) = match watching {
+        Watching::Migration { give_up_after } => (give_up_after, false),
+        Watching::Cancel { give_up_after } => (give_up_after, true),
+    };
     let give_up = tokio::time::sleep(give_up_after);
     let mut give_up = pin!(give_up);
-    let mut f = Following::default();
+    let mut give_up_armed = true;
+    let mut f = Following {
+        aborting: cancelling,
+        cancelling,
+        ..Following::default()
+    };
     loop {
         tokio::select! {
             ev = stream.next() => {
                 let Some(ev) = watch_event(ev, p, namespace, name)? else { continue };
                 if let Some(exit) = f.on_event(ev, p, namespace, name)? {
-                    return Ok(exit);
+                    return Ok((exit, f.last));
                 }
             }
             _ = sigint.recv() => {
@@ -217,16 +342,27 @@ async fn follow(
                     p.line(&format!(
                         "not waiting any longer; PodMigration {namespace}/{name} is being deleted and rolls back on its own"
                     ));
-                    return Ok(INTERRUPTED);
+                } else {
+                    // As virtctl: Ctrl-C ends the watching, never the migration.
+                    for l in interrupted_lines(namespace, name) {
+                        p.line(&l);
+                    }
                 }
-                f.aborting = true;
-                p.line(&format!(
-                    "interrupted: deleting PodMigration {name}; its finalizer rolls the migration back and resumes the source pod (Ctrl-C again to stop waiting)"
-                ));
-                delete(pms, namespace, name).await?;
+                return Ok((INTERRUPTED, f.last));
             }
-            _ = &mut give_up, if !f.aborting => {
+            _ = &mut give_up, if give_up_armed => {
+                give_up_armed = false;
                 p.end_live();
+                if cancelling {
+                    p.line(&format!(
+                        "PodMigration {namespace}/{name} is still rolling back after {}: not waiting any longer (it goes on without the plugin)",
+                        humanize(give_up_after)
+                    ));
+                    return Ok((1, f.last));
+                }
+                if f.aborting {
+                    continue;
+                }
                 p.line(&format!(
                     "PodMigration {name} did not end within its deadline and {}s of grace: deleting it (rolls back)",
                     DEADLINE_GRACE.as_secs()
@@ -235,6 +371,26 @@ async fn follow(
                 delete(pms, namespace, name).await?;
             }
         }
+    }
+}
+
+/// What `migrate` prints on Ctrl-C: the migration goes on, and how to cancel it.
+pub fn interrupted_lines(namespace: &str, name: &str) -> Vec<String> {
+    vec![
+        format!(
+            "interrupted: no longer watching; PodMigration {namespace}/{name} goes on (kubectl podmotion status -n {namespace})"
+        ),
+        format!("to cancel it: kubectl podmotion migrate-cancel {name} -n {namespace}"),
+    ]
+}
+
+/// `90s`, `5m`, `1m30s`: a duration as the user wrote it.
+fn humanize(d: Duration) -> String {
+    let s = d.as_secs();
+    match (s / 60, s % 60) {
+        (0, s) => format!("{s}s"),
+        (m, 0) => format!("{m}m"),
+        (m, s) => format!("{m}m{s}s"),
     }
 }
 
@@ -274,7 +430,9 @@ impl Following {
             Event::InitDone => {}
             Event::Apply(m) | Event::InitApply(m) => {
                 self.seen = true;
-                return Ok(self.on_update(&m, p));
+                let exit = self.on_update(&m, p);
+                self.last = Some(m);
+                return Ok(exit);
             }
             Event::Delete(_) => {
                 p.end_live();
@@ -317,7 +475,7 @@ impl Following {
             p.line(&format!(
                 "PodMigration {name} is gone; the source pod runs where it was"
             ));
-            return Ok(INTERRUPTED);
+            return Ok(if self.cancelling { 0 } else { INTERRUPTED });
         }
         bail!("PodMigration {namespace}/{name} was deleted by someone else before it ended");
     }
@@ -352,6 +510,23 @@ mod tests {
         assert!(n.len() <= 63, "{n}");
         assert!(!n.contains("--"), "{n}");
         assert!(n.ends_with("-ab12c"));
+    }
+
+    #[test]
+    fn ctrl_c_says_the_migration_goes_on_and_names_the_cancel_command() {
+        let lines = interrupted_lines("shop", "web-0-ab12c");
+        assert!(
+            lines[0].contains("PodMigration shop/web-0-ab12c goes on"),
+            "{lines:?}"
+        );
+        assert_eq!(
+            lines[1],
+            "to cancel it: kubectl podmotion migrate-cancel web-0-ab12c -n shop"
+        );
+        assert!(!lines.iter().any(|l| l.contains("delet")), "{lines:?}");
+        assert_eq!(humanize(Duration::from_secs(300)), "5m");
+        assert_eq!(humanize(Duration::from_secs(90)), "1m30s");
+        assert_eq!(humanize(Duration::from_secs(45)), "45s");
     }
 
     #[test]

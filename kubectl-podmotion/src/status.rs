@@ -1,12 +1,14 @@
 //! `kubectl podmotion status`: lists the three PodMotion kinds in one namespace or all,
 //! and prints one table. A kind the user may not list is reported under the table (with
-//! the verb and resource to ask for) instead of failing the whole command.
+//! the verb and resource to ask for) instead of failing the whole command. With
+//! `-o json|yaml`, the objects themselves, as one `List` (as `kubectl get -o`).
 
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
 use serde::de::DeserializeOwned;
 
+use crate::cli::Output;
 use crate::explain::{Attempt, kube_error};
 use crate::table::{Row, attachment_row, migration_row, render, runner_pool_row};
 
@@ -15,12 +17,12 @@ async fn list<K>(
     namespace: Option<&str>,
     resource: &'static str,
     row: fn(&K) -> Row,
-    rows: &mut Vec<Row>,
-    problems: &mut Vec<String>,
+    found: &mut Found,
 ) where
     K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
         + DeserializeOwned
+        + serde::Serialize
         + std::fmt::Debug,
     K::DynamicType: Default,
 {
@@ -29,8 +31,16 @@ async fn list<K>(
         None => Api::all(client.clone()),
     };
     match api.list(&ListParams::default()).await {
-        Ok(l) => rows.extend(l.items.iter().map(row)),
-        Err(e) => problems.push(kube_error(
+        Ok(l) => {
+            found.rows.extend(l.items.iter().map(row));
+            for k in &l.items {
+                // Only fails for a type that cannot be JSON: ours all can.
+                if let Ok(v) = crate::output::object(k) {
+                    found.objects.push(v);
+                }
+            }
+        }
+        Err(e) => found.problems.push(kube_error(
             Attempt {
                 verb: "list",
                 resource,
@@ -42,17 +52,27 @@ async fn list<K>(
     }
 }
 
-/// The table (or a line saying there is nothing) and the kinds that could not be listed.
-pub async fn run(client: Client, namespace: Option<&str>) -> (String, Vec<String>) {
-    let mut rows = vec![];
-    let mut problems = vec![];
+#[derive(Default)]
+struct Found {
+    rows: Vec<Row>,
+    objects: Vec<serde_json::Value>,
+    problems: Vec<String>,
+}
+
+/// The table (or a line saying there is nothing), or with `output` the objects as a
+/// `List`; and the kinds that could not be listed.
+pub async fn run(
+    client: Client,
+    namespace: Option<&str>,
+    output: Option<Output>,
+) -> anyhow::Result<(String, Vec<String>)> {
+    let mut found = Found::default();
     list::<PodMigration>(
         &client,
         namespace,
         "podmigrations.podmotion.io",
         migration_row,
-        &mut rows,
-        &mut problems,
+        &mut found,
     )
     .await;
     list::<NodeAgentAttachment>(
@@ -60,8 +80,7 @@ pub async fn run(client: Client, namespace: Option<&str>) -> (String, Vec<String
         namespace,
         "nodeagentattachments.podmotion.io",
         attachment_row,
-        &mut rows,
-        &mut problems,
+        &mut found,
     )
     .await;
     list::<RunnerPool>(
@@ -69,10 +88,20 @@ pub async fn run(client: Client, namespace: Option<&str>) -> (String, Vec<String
         namespace,
         "runnerpools.podmotion.io",
         runner_pool_row,
-        &mut rows,
-        &mut problems,
+        &mut found,
     )
     .await;
+    let Found {
+        rows,
+        objects,
+        problems,
+    } = found;
+    if let Some(format) = output {
+        return Ok((
+            crate::output::render(&crate::output::list(objects), format)?,
+            problems,
+        ));
+    }
     let text = if rows.is_empty() {
         match namespace {
             Some(ns) => format!("No PodMotion resources in namespace {ns}.\n"),
@@ -81,5 +110,5 @@ pub async fn run(client: Client, namespace: Option<&str>) -> (String, Vec<String
     } else {
         render(&rows)
     };
-    (text, problems)
+    Ok((text, problems))
 }
