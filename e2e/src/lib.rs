@@ -30,6 +30,7 @@ use serde::de::DeserializeOwned;
 pub mod chaos;
 pub mod kwok_agents;
 pub mod operator;
+pub mod plugin;
 pub mod real;
 
 /// Default bound of every wait in these tests.

@@ -13,7 +13,7 @@
 //! PODMOTION_E2E=0.
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -23,61 +23,12 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_e2e::operator::install_crds;
-use podmotion_e2e::{
-    PodSecurity, TIMEOUT, TestNamespace, from_json, kubeconfig_path, kubectl_path, random_suffix,
-    wait_for,
-};
+use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin};
+use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, random_suffix, wait_for};
 use serde_json::{Value, json};
 
 /// The test's own finalizer: stands for the operator's rollback, which the plugin waits on.
 const HOLD: &str = "e2e.podmotion.io/hold";
-
-/// The plugin of this tree (see the module header; the same rule as `real_plugin.rs`).
-fn plugin_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("PODMOTION_PLUGIN_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("the test's path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the target directory")
-        .join("kubectl-podmotion");
-    let hint = "build it first: cargo build -p kubectl-podmotion (same CARGO_TARGET_DIR), or set PODMOTION_PLUGIN_BIN";
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-    let mut stack = vec![podmotion_e2e::repo_root().join("kubectl-podmotion")];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
-                assert!(
-                    t <= built,
-                    "{} is older than {}: {hint}",
-                    bin.display(),
-                    p.display()
-                );
-            }
-        }
-    }
-    bin
-}
-
-/// `kubectl podmotion …` with the plugin's directory first on `$PATH`, as a user runs it.
-fn kubectl_podmotion(bin: &Path, args: &[&str]) -> Command {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![bin.parent().expect("plugin directory").to_path_buf()];
-    paths.extend(std::env::split_paths(&path));
-    let mut cmd = Command::new(kubectl_path().expect("kubectl"));
-    cmd.env("PATH", std::env::join_paths(paths).unwrap())
-        .env("KUBECONFIG", kubeconfig_path())
-        .arg("podmotion")
-        .args(args);
-    cmd
-}
 
 fn run(bin: &Path, args: &[&str]) -> Output {
     kubectl_podmotion(bin, args)

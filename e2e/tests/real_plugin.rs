@@ -28,69 +28,16 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::{NodeAgentAttachment, PodMigration};
+use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin};
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
 };
 use podmotion_e2e::{
-    PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
-    random_suffix, wait_for, wait_list,
+    PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
 };
 use serde_json::json;
 
 const POD_TIMEOUT: Duration = Duration::from_secs(240);
-
-/// The plugin binary of this tree (see the module header): `PODMOTION_PLUGIN_BIN`, or
-/// `kubectl-podmotion` in the target directory this test runs from, refused when it is
-/// older than the plugin's sources.
-fn plugin_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("PODMOTION_PLUGIN_BIN") {
-        return PathBuf::from(p);
-    }
-    // <target>/debug/deps/real_plugin-<hash> -> <target>/debug/kubectl-podmotion
-    let exe = std::env::current_exe().expect("the test's path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the target directory")
-        .join("kubectl-podmotion");
-    let hint = "build it first: cargo build -p kubectl-podmotion (same CARGO_TARGET_DIR), or set PODMOTION_PLUGIN_BIN";
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-    let src = podmotion_e2e::repo_root().join("kubectl-podmotion");
-    let mut stack = vec![src];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
-                assert!(
-                    t <= built,
-                    "{} is older than {}: {hint}",
-                    bin.display(),
-                    p.display()
-                );
-            }
-        }
-    }
-    bin
-}
-
-/// `kubectl` with the plugin's directory first on `$PATH`, as a user who installed it.
-fn kubectl_podmotion(bin: &std::path::Path, args: &[&str]) -> Command {
-    let dir = bin.parent().expect("plugin directory");
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![dir.to_path_buf()];
-    paths.extend(std::env::split_paths(&path));
-    let mut cmd = Command::new(kubectl_path().expect("kubectl"));
-    // kubectl takes no flags before a plugin's name: the kubeconfig comes from the env.
-    cmd.env("PATH", std::env::join_paths(paths).unwrap())
-        .env("KUBECONFIG", kubeconfig_path())
-        .arg("podmotion")
-        .args(args);
-    cmd
-}
 
 fn run(bin: &std::path::Path, args: &[&str]) -> Output {
     kubectl_podmotion(bin, args)

@@ -19,7 +19,7 @@
 //! ```
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -31,6 +31,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, RoleBinding};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::NodeAgentAttachment;
+use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin};
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
 };
@@ -43,55 +44,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POD_TIMEOUT: Duration = Duration::from_secs(240);
 
-/// The plugin binary of this tree: `PODMOTION_PLUGIN_BIN`, or `kubectl-podmotion` in the
-/// target directory this test runs from (build it first: `cargo build -p
-/// kubectl-podmotion`), refused when older than the plugin's sources.
-fn plugin_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("PODMOTION_PLUGIN_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("the test's path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the target directory")
-        .join("kubectl-podmotion");
-    let hint = "build it first: cargo build -p kubectl-podmotion (same CARGO_TARGET_DIR), or set PODMOTION_PLUGIN_BIN";
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-    let mut stack = vec![podmotion_e2e::repo_root().join("kubectl-podmotion")];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
-                assert!(
-                    t <= built,
-                    "{} is older than {}: {hint}",
-                    bin.display(),
-                    p.display()
-                );
-            }
-        }
-    }
-    bin
-}
-
 /// `kubectl podmotion <args> --as <user>` with the plugin first on `$PATH`.
 fn plugin_as(bin: &Path, user: &str, args: &[&str]) -> Command {
-    let dir = bin.parent().expect("plugin directory");
-    let mut paths = vec![dir.to_path_buf()];
-    paths.extend(std::env::split_paths(
-        &std::env::var_os("PATH").unwrap_or_default(),
-    ));
-    let mut cmd = Command::new(kubectl_path().expect("kubectl"));
-    cmd.env("PATH", std::env::join_paths(paths).unwrap())
-        .env("KUBECONFIG", kubeconfig_path())
-        .arg("podmotion")
-        .args(args)
-        .args(["--as", user]);
+    let mut cmd = kubectl_podmotion(bin, args);
+    cmd.args(["--as", user]);
     cmd
 }
 
