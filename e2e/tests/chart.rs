@@ -10,7 +10,7 @@
 //! Needs `helm` (hack/build-helm.sh, called by hack/install-deps.sh): the tests fail
 //! without it. The cluster tests need `hack/cluster.sh up` (or `PODMOTION_E2E=0`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -1349,11 +1349,103 @@ fn every_operator_flag_has_a_value_in_the_chart() {
     );
 }
 
+/// `logLevel` sets every component's `RUST_LOG`; each component's own `logLevel`
+/// overrides it, and `operator.logFilter` replaces the operator's whole filter.
+#[test]
+fn log_level_is_one_value_with_an_override_per_component() {
+    // (workload/container, RUST_LOG) of every container the chart runs.
+    let levels = |args: &[&str]| -> BTreeMap<String, String> {
+        let mut all = vec!["--set", "reapOnUninstall.enabled=true"];
+        all.extend_from_slice(args);
+        let mut out = BTreeMap::new();
+        for d in render(&all) {
+            let spec = &d["spec"]["template"]["spec"];
+            for c in spec["containers"].as_array().into_iter().flatten() {
+                let rust_log = c["env"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|e| e["name"] == "RUST_LOG")
+                    .map(|e| e["value"].as_str().unwrap().to_string())
+                    .collect::<Vec<_>>();
+                assert_eq!(rust_log.len(), 1, "{}: {rust_log:?}", name(&d));
+                let component = match c["name"].as_str().unwrap() {
+                    "netns-broker" => "broker",
+                    "agent" | "operator" => c["name"].as_str().unwrap(),
+                    _ if is_hook(&d) => "hook",
+                    other => panic!("a container the test does not know: {other}"),
+                };
+                out.insert(component.to_string(), rust_log[0].clone());
+            }
+        }
+        out
+    };
+    let expect = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(c, l)| (c.to_string(), l.to_string()))
+            .collect()
+    };
+    // The defaults: what the binaries default to without RUST_LOG.
+    assert_eq!(
+        levels(&[]),
+        expect(&[
+            ("agent", "info"),
+            ("broker", "info"),
+            ("operator", "info,kube=warn"),
+            ("hook", "info,kube=warn"),
+        ])
+    );
+    assert_eq!(
+        levels(&["--set", "logLevel=debug"]),
+        expect(&[
+            ("agent", "debug"),
+            ("broker", "debug"),
+            ("operator", "debug,kube=warn"),
+            ("hook", "debug,kube=warn"),
+        ])
+    );
+    assert_eq!(
+        levels(&[
+            "--set",
+            "logLevel=warn",
+            "--set",
+            "migrationAgent.agent.logLevel=trace",
+            "--set",
+            "operator.logLevel=error",
+        ]),
+        expect(&[
+            ("agent", "trace"),
+            ("broker", "warn"),
+            ("operator", "error"),
+            ("hook", "error"),
+        ])
+    );
+    assert_eq!(
+        levels(&[
+            "--set",
+            "migrationAgent.broker.logLevel=debug",
+            "--set",
+            "operator.logFilter=info\\,podmotion_operator=debug",
+        ]),
+        expect(&[
+            ("agent", "info"),
+            ("broker", "debug"),
+            ("operator", "info,podmotion_operator=debug"),
+            ("hook", "info,podmotion_operator=debug"),
+        ])
+    );
+}
+
 #[test]
 fn values_schema_rejects_bad_values() {
     assert!(try_render("pm", "ns", &[]).is_ok());
     for bad in [
         "operator.logFormat=xml",
+        "logLevel=verbose",
+        "operator.logLevel=INFO",
+        "migrationAgent.agent.logLevel=loud",
+        "migrationAgent.broker.logLevel=off",
         "operator.controllers={migration,ingest}",
         "operator.httpPort=0",
         "operator.leaderElection.leaseSeconds=1",
@@ -1565,6 +1657,7 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an
     let alerts: BTreeSet<&str> = rules.iter().filter_map(|r| r["alert"].as_str()).collect();
     for want in [
         "PodMotionOperatorDown",
+        "PodMotionAgentDown",
         "PodMotionReconcileErrors",
         "PodMotionReconcileQueueSaturated",
         "PodMotionMigrationsFailing",
@@ -1710,6 +1803,60 @@ fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_s
         scrape["from"],
         json!([{"namespaceSelector": {"matchLabels": {"podmotion.io/metrics-scraper": "true"}}}])
     );
+}
+
+/// PodMotionAgentDown watches the job the agents' PodMonitor makes
+/// (`<namespace>/<PodMonitor name>`, prometheus-operator's naming), one series per agent
+/// pod, and is left out when nothing scrapes the agents.
+#[test]
+fn the_agent_down_alert_watches_the_job_of_the_agents_pod_monitor() {
+    // "auto" with the API: the PodMonitor and the rules render.
+    let docs = render(&["--api-versions", "monitoring.coreos.com/v1"]);
+    let pm = of_kind(&docs, "PodMonitor")
+        .into_iter()
+        .find(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent")
+        .expect("the migration agents' PodMonitor");
+    let ns = pm["metadata"]["namespace"].as_str().unwrap();
+    let down = alert_rules(&docs)
+        .into_iter()
+        .find(|r| r["alert"] == "PodMotionAgentDown")
+        .expect("PodMotionAgentDown");
+    assert_eq!(
+        down["expr"],
+        format!("up{{job=\"{ns}/{}\", namespace=\"{ns}\"}} == 0", name(pm)),
+        "{down}"
+    );
+    assert_eq!(down["for"], "10m");
+    assert_eq!(down["labels"]["severity"], "warning");
+    let summary = down["annotations"]["summary"].as_str().unwrap();
+    assert!(summary.contains("{{ $labels.pod }}"), "{summary}");
+    assert!(
+        down["annotations"]["runbook_url"]
+            .as_str()
+            .unwrap()
+            .ends_with("docs/metrics.md#podmotionagentdown"),
+        "{down}"
+    );
+    // Its runbook section exists.
+    let metrics_md = std::fs::read_to_string(repo_root().join("docs/metrics.md")).unwrap();
+    assert!(metrics_md.contains("### PodMotionAgentDown"));
+
+    // No PodMonitor (turned off, or no agents): no alert on a job nothing fills.
+    for off in [
+        "metrics.prometheusRule.enabled=true,metrics.podMonitor.enabled=false",
+        "metrics.prometheusRule.enabled=true,migrationAgent.enabled=false,operator.controllers={runner-pool}",
+    ] {
+        let docs = render(&["--set", off]);
+        let alerts: Vec<Value> = alert_rules(&docs)
+            .into_iter()
+            .map(|r| r["alert"].clone())
+            .collect();
+        assert!(!alerts.is_empty(), "{off}: no rules at all");
+        assert!(
+            !alerts.contains(&json!("PodMotionAgentDown")),
+            "{off}: {alerts:?}"
+        );
+    }
 }
 
 /// An attachment Job as the operator renders it with `settings`, as JSON.

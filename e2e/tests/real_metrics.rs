@@ -10,6 +10,9 @@
 //! operator's own format, overriding the chart-wide `logFormat`, default json): the
 //! migration agents and brokers log JSON lines, the operator text, and the attach Job —
 //! which the operator renders — text too, which it can only have from the operator.
+//! The agents are installed at `migrationAgent.agent.logLevel=debug`: idle throughout,
+//! each logs the kubelet's TCP probes of its TLS port at debug only and repeats no line
+//! at info, nor does its broker.
 //!
 //! Needs the cluster with real nodes and the images (`hack/images.sh`).
 
@@ -145,6 +148,88 @@ fn logs_are_text(namespace: &str, pod: &str, container: &str) {
     );
 }
 
+/// The JSON lines a container logged so far.
+fn json_lines(namespace: &str, pod: &str, container: &str) -> Vec<Value> {
+    let out = kubectl(&["logs", "-n", namespace, pod, "-c", container]);
+    assert!(out.status.success(), "{}", output_text(&out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("{pod}/{container}: not JSON ({e}): {l}"))
+        })
+        .collect()
+}
+
+/// The messages a container logged at info or above more than once, with their count.
+fn repeated_info(lines: &[Value]) -> Vec<(String, usize)> {
+    let mut seen = std::collections::BTreeMap::<String, usize>::new();
+    for v in lines {
+        if ["INFO", "WARN", "ERROR"].contains(&v["level"].as_str().unwrap_or("")) {
+            *seen.entry(v["message"].to_string()).or_default() += 1;
+        }
+    }
+    seen.into_iter().filter(|(_, n)| *n > 1).collect()
+}
+
+/// An idle migration agent (installed at `debug`) repeats no line at info: the
+/// kubelet's TCP readiness probe of its TLS port, every 10 s, shows only at debug —
+/// waited for until two have been logged, so the check is never vacuous — and nothing
+/// else comes back periodically. Its broker (at the default `info`) neither.
+fn idle_agent_repeats_no_info_line(namespace: &str, pod: &str) {
+    let probe = |v: &Value| v["message"] == "connection closed before any TLS byte";
+    let mut lines = Vec::new();
+    for _ in 0..40 {
+        lines = json_lines(namespace, pod, "agent");
+        if lines.iter().filter(|v| probe(v)).count() >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let probes: Vec<&Value> = lines.iter().filter(|v| probe(v)).collect();
+    println!(
+        "{pod}: {} lines, {} TCP probes logged (at {:?})",
+        lines.len(),
+        probes.len(),
+        probes
+            .iter()
+            .filter_map(|v| v["level"].as_str())
+            .collect::<BTreeSet<_>>()
+    );
+    assert!(
+        probes.len() >= 2,
+        "{pod}: the chart's migrationAgent.agent.logLevel=debug did not reach the agent, \
+         or the kubelet's probes are not seen"
+    );
+    assert!(probes.iter().all(|v| v["level"] == "DEBUG"), "{probes:?}");
+    let refused: Vec<&Value> = lines
+        .iter()
+        .filter(|v| v["level"] != "DEBUG" && v["level"] != "TRACE")
+        .filter(|v| {
+            v["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("TLS handshake")
+        })
+        .collect();
+    assert!(refused.is_empty(), "{pod}: {refused:?}");
+    let repeated = repeated_info(&lines);
+    assert!(
+        repeated.is_empty(),
+        "{pod}/agent repeats at info: {repeated:?}"
+    );
+    let broker = json_lines(namespace, pod, "netns-broker");
+    assert!(
+        broker.iter().all(|v| v["level"] != "DEBUG"),
+        "the broker's level is its own (info)"
+    );
+    let repeated = repeated_info(&broker);
+    assert!(
+        repeated.is_empty(),
+        "{pod}/netns-broker repeats at info: {repeated:?}"
+    );
+}
+
 /// The first pod of `selector` Running and Ready, waiting for one.
 async fn first_ready(api: &Api<Pod>, selector: &str, what: &str) -> Pod {
     wait_list(api, selector, POD_TIMEOUT, what, |ps| {
@@ -185,7 +270,14 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         &op.name,
         &app.name,
         "podmotion-e2e-metrics",
-        &["--set", "operator.logFormat=text"],
+        // The agents at debug (the chart's per-component level): their TCP probes
+        // show, at debug only.
+        &[
+            "--set",
+            "operator.logFormat=text",
+            "--set",
+            "migrationAgent.agent.logLevel=debug",
+        ],
     );
     let instance = format!("app.kubernetes.io/instance={release}");
 
@@ -346,4 +438,9 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
         missing.is_empty(),
         "used by an alert or the dashboard, served by no component: {missing:?}\nscraped: {scraped:?}"
     );
+
+    // The migration agents took part in nothing: idle since the install.
+    for (ns, pod, _) in &agents {
+        idle_agent_repeats_no_info_line(ns, pod);
+    }
 }

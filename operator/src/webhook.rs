@@ -439,17 +439,17 @@ impl Webhook {
     /// One connection: the TLS handshake, then HTTP/1.1 until the caller or the
     /// shutdown closes it.
     async fn connection(self: Arc<Self>, tcp: tokio::net::TcpStream, closing: graceful::Closing) {
-        let peer = tcp.peer_addr().ok();
-        let Some(cfg) = self.tls.read().expect("webhook tls").clone() else {
-            return tracing::debug!(?peer, "no serving certificate yet; connection dropped");
+        let Ok(peer) = tcp.peer_addr() else {
+            return tracing::debug!("connection gone before its TLS handshake");
         };
-        let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp);
-        let stream = match tokio::time::timeout(Duration::from_secs(10), accept).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                return tracing::info!(error = %e, ?peer, "webhook TLS handshake refused");
-            }
-            Err(_) => return tracing::info!(?peer, "webhook TLS handshake timed out"),
+        let Some(cfg) = self.tls.read().expect("webhook tls").clone() else {
+            return tracing::debug!(%peer, "no serving certificate yet; connection dropped");
+        };
+        // The agents' acceptor: a TCP probe (closed before any byte) is debug, a
+        // refused handshake info, with the peer.
+        let Some(stream) = podmotion_wire::client::accept_tls(cfg, tcp, peer, "webhook").await
+        else {
+            return;
         };
         let this = self.clone();
         let handle = move |req: Request<Incoming>| {

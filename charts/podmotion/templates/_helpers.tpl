@@ -123,7 +123,7 @@ app.kubernetes.io/component: node-agent
     fieldRef:
       fieldPath: metadata.name
 - name: RUST_LOG
-  value: {{ .Values.operator.logFilter | quote }}
+  value: {{ include "podmotion.operatorLogFilter" . | quote }}
 {{- /* PodMigration (--migration-*) */}}
 - name: PODMOTION_AGENT_NAMESPACE
   value: {{ include "podmotion.agentNamespace" . | quote }}
@@ -236,6 +236,24 @@ app.kubernetes.io/component: node-agent
 {{- if .root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
 {{- else -}}
 {{- fail (printf "metrics: enabled must be true, false or \"auto\", not %v" $v) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A component's log level: its own `logLevel` (`own`) when set, else the
+     chart-wide `logLevel`. */}}
+{{- define "podmotion.logLevel" -}}
+{{- default .root.Values.logLevel .own -}}
+{{- end -}}
+
+{{/* The operator's tracing filter (`RUST_LOG`): `operator.logFilter` when set, else
+     its level with the kube client at `warn` (its `info` is a line per request), or
+     `error` alone. */}}
+{{- define "podmotion.operatorLogFilter" -}}
+{{- if .Values.operator.logFilter -}}
+{{- .Values.operator.logFilter -}}
+{{- else -}}
+{{- $level := include "podmotion.logLevel" (dict "own" .Values.operator.logLevel "root" .) -}}
+{{- if eq $level "error" }}error{{ else }}{{ $level }},kube=warn{{ end -}}
 {{- end -}}
 {{- end -}}
 

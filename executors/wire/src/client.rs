@@ -281,18 +281,8 @@ pub fn tls_incoming(
             }
             let tx = tx.clone();
             tokio::spawn(async move {
-                let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp);
-                match tokio::time::timeout(Duration::from_secs(10), accept).await {
-                    Ok(Ok(s)) => {
-                        let _ = tx.send(Ok(s)).await;
-                    }
-                    // A peer that closes before a handshake (the kubelet's TCP readiness
-                    // probe, every period) is no news: debug. Anything else is.
-                    Ok(Err(e)) if closed_early(&e) => {
-                        tracing::debug!(error = %e, %peer, "connection closed before a TLS handshake")
-                    }
-                    Ok(Err(e)) => tracing::info!(error = %e, %peer, "TLS handshake refused"),
-                    Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
+                if let Some(s) = accept_tls(cfg, tcp, peer, "agent").await {
+                    let _ = tx.send(Ok(s)).await;
                 }
             });
         }
@@ -300,13 +290,65 @@ pub fn tls_incoming(
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
 }
 
-/// Whether a failed TLS accept is a peer that went away before saying anything (a TCP
-/// probe): end of stream or reset, as opposed to a refused certificate or protocol.
+/// How long a TLS handshake may take before its connection is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The server side of one connection's TLS handshake, within [`HANDSHAKE_TIMEOUT`];
+/// `None` once it failed, which is logged here (`server` names the listener in the
+/// line: "agent", "webhook"). A peer that closes or resets before sending a single
+/// byte is a TCP probe (the kubelet's probe of the TLS port, every period): debug, so
+/// an idle server logs nothing at info. A handshake that started and failed (an
+/// unknown certificate, a client speaking plain HTTP, a stalled peer) is news: info,
+/// with the peer and the error.
+pub async fn accept_tls(
+    cfg: Arc<rustls::ServerConfig>,
+    tcp: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    server: &'static str,
+) -> Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+    enum Failed {
+        /// Closed (or reset) before its first byte.
+        Probe(Option<std::io::Error>),
+        Refused(std::io::Error),
+    }
+    let handshake = async {
+        // Waits for the first byte without taking it (the ClientHello stays whole).
+        match tcp.peek(&mut [0u8; 1]).await {
+            Ok(0) => return Err(Failed::Probe(None)),
+            Err(e) if closed_early(&e) => return Err(Failed::Probe(Some(e))),
+            _ => {}
+        }
+        tokio_rustls::TlsAcceptor::from(cfg)
+            .accept(tcp)
+            .await
+            .map_err(Failed::Refused)
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+        Ok(Ok(s)) => Some(s),
+        Ok(Err(Failed::Probe(e))) => {
+            let error = e.map(|e| e.to_string()).unwrap_or_else(|| "closed".into());
+            tracing::debug!(%error, %peer, server, "connection closed before any TLS byte");
+            None
+        }
+        Ok(Err(Failed::Refused(e))) => {
+            tracing::info!(error = %e, %peer, server, "TLS handshake refused");
+            None
+        }
+        Err(_) => {
+            tracing::info!(%peer, server, "TLS handshake timed out");
+            None
+        }
+    }
+}
+
+/// Whether reading a connection failed because the peer went away (a probe that
+/// resets rather than closes), not because of what it sent.
 fn closed_early(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
         std::io::ErrorKind::UnexpectedEof
             | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted
             | std::io::ErrorKind::BrokenPipe
     )
 }

@@ -408,6 +408,7 @@ pub fn at(phase: MigrationPhase) -> Observed {
     let mut knobs = Knobs::from_spec(&spec("web-0").build());
     knobs.freeze_budget_millis = 24 * 3600 * 1000;
     Observed {
+        pod_name: "web-0".into(),
         now: ts(NOW),
         created: ts(CREATED),
         generation: Some(1),

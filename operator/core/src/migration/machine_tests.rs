@@ -2245,3 +2245,26 @@ fn a_broken_lazy_phase_fails_clearly_and_never_waits_or_commits() {
     let t = next(&at(P::Restoring).target(done(Step::Probe).lazy_failed("x")));
     assert_eq!(t.status.phase, P::Committing);
 }
+
+#[test]
+fn the_preparing_event_names_the_pod_of_the_spec_and_both_nodes() {
+    // Once read "migrating pod ? from pm-real-1 to pm-real-0": it printed a name the
+    // status did not have. The spec's pod is always known.
+    for pod in ["web-0", "shop.api-7f9c"] {
+        let mut o = at(P::Pending);
+        o.pod_name = pod.into();
+        let t = next(&o);
+        assert_eq!(t.status.phase, P::Preparing);
+        let n = t
+            .notes
+            .iter()
+            .find(|n| n.reason == reasons::MIGRATABLE)
+            .expect("an Event of entering Preparing");
+        assert_eq!(
+            n.message,
+            format!("migrating pod {pod} from node n0 to node n1"),
+            "{n:?}"
+        );
+        assert!(!n.message.contains('?'), "{n:?}");
+    }
+}

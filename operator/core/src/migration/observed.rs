@@ -119,6 +119,9 @@ pub struct Plan {
 /// Everything the machine decides from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Observed {
+    /// The pod to migrate, as the spec names it (`spec.podName`, never empty): what
+    /// the Events name, since the target pod has no name before `Preparing`.
+    pub pod_name: String,
     pub now: Timestamp,
     pub created: Timestamp,
     pub generation: Option<i64>,

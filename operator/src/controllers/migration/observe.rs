@@ -66,6 +66,7 @@ pub(super) async fn observe<A: AgentClient>(
         _ => (None, true),
     };
     let machine = Observed {
+        pod_name: pm.spec.pod_name.clone(),
         now,
         created: pm.meta().creation_timestamp.as_ref().map_or(now, |t| t.0),
         generation: pm.meta().generation,

@@ -18,10 +18,11 @@ impl<'a> Machine<'a> {
             MigrationPhase::Preparing => (
                 EventKind::Normal,
                 reasons::MIGRATABLE,
-                // The Event is on the PodMigration, whose spec names the pod; the target
-                // pod has no name yet when this phase is entered.
+                // The pod of the spec (always set): the status' target pod is a
+                // different pod, which once printed as "migrating pod ? from ...".
                 format!(
-                    "migrating the pod from node {} to node {}",
+                    "migrating pod {} from node {} to node {}",
+                    self.o.pod_name,
                     self.status.source_node.as_deref().unwrap_or("(unknown)"),
                     self.status.target_node.as_deref().unwrap_or("(unknown)")
                 ),
