@@ -244,6 +244,11 @@ pub(super) fn dump_of(
     } else if !track_mem {
         o.leave_running = Some(true);
         o.tcp_close = Some(true);
+        // As the one-container warm round (`Service::pre_dump_impl`): a connection the
+        // kernel accepted and the workload has not yet is the final dump's to decide,
+        // never a reason to fail the round (a rehearsal's native-sidecar PreCopy failed
+        // its first round on one: "In-flight connection (l)").
+        o.tcp_skip_in_flight = Some(true);
     }
     Ok(PartDump {
         opts: o,
