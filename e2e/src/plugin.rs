@@ -1,8 +1,10 @@
 //! Running `kubectl podmotion` as a user does: the plugin binary of this tree, first on
 //! `$PATH`, behind `kubectl` with the test cluster's kubeconfig.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 
 use crate::{kubeconfig_path, kubectl_path, repo_root};
 
@@ -57,4 +59,24 @@ pub fn kubectl_podmotion(bin: &Path, args: &[&str]) -> Command {
         .arg("podmotion")
         .args(args);
     cmd
+}
+
+/// `kubectl podmotion <args>` started, with its stdout's lines on a channel (stderr
+/// piped, read by whoever waits on the child).
+pub fn spawn_lines(bin: &Path, args: &[&str]) -> (Child, mpsc::Receiver<String>) {
+    let mut child = kubectl_podmotion(bin, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning kubectl podmotion");
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
 }

@@ -12,9 +12,9 @@
 //! (`PODMOTION_PLUGIN_BIN` overrides the path). Fails without a cluster unless
 //! PODMOTION_E2E=0.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_e2e::operator::install_crds;
-use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin};
+use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin, spawn_lines as spawn};
 use podmotion_e2e::{PodSecurity, TIMEOUT, TestNamespace, from_json, random_suffix, wait_for};
 use serde_json::{Value, json};
 
@@ -38,25 +38,6 @@ fn run(bin: &Path, args: &[&str]) -> Output {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// A child with its stdout lines on a channel.
-fn spawn(bin: &Path, args: &[&str]) -> (Child, mpsc::Receiver<String>) {
-    let mut child = kubectl_podmotion(bin, args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning kubectl podmotion");
-    let (tx, rx) = mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    (child, rx)
 }
 
 /// Waits for a line containing `want`; kills the child and fails otherwise.

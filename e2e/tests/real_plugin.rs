@@ -28,7 +28,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::{NodeAgentAttachment, PodMigration};
-use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin};
+use podmotion_e2e::plugin::{kubectl_podmotion, plugin_bin, spawn_lines};
 use podmotion_e2e::real::{
     Images, REAL_NODE_TAINT, Uninstall, helm_install, output_text, real_nodes,
 };
@@ -237,7 +237,7 @@ async fn ctrl_c_on_a_stalled_migration_leaves_it_and_migrate_cancel_rolls_it_bac
         .expect("a kwok node (hack/cluster.sh starts pm-node-*)");
     let name = format!("plugin-{}", random_suffix());
     let pod = w.pod.name_any();
-    let mut child = kubectl_podmotion(
+    let (mut child, rx) = spawn_lines(
         &bin,
         &[
             "migrate",
@@ -251,20 +251,7 @@ async fn ctrl_c_on_a_stalled_migration_leaves_it_and_migrate_cancel_rolls_it_bac
             "--name",
             &name,
         ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawning kubectl podmotion");
-    let (tx, rx) = mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
+    );
     let mut seen = vec![];
     let stalled = loop {
         match rx.recv_timeout(Duration::from_secs(120)) {
