@@ -627,8 +627,18 @@ EOF
   log "wrote $values"
   # shellcheck source=lib/chart.sh
   source "$here/lib/chart.sh"
-  chart=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$RUN/chart.txt") || die "pushing the chart failed"
+  chart=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$RUN/chart.txt" "$SOURCE_DATE_EPOCH") ||
+    die "pushing the chart failed"
   log "pushed the chart: $chart"
+  if ((check)); then
+    # Packaged and pushed again, a second later: the same digest, or a GitOps repository
+    # that pins it could not verify a rebuild.
+    sleep 1
+    chart2=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$scratch/chart.txt" "$SOURCE_DATE_EPOCH") ||
+      die "pushing the chart again failed"
+    [[ $chart2 == "$chart" ]] || die "the chart is NOT reproducible: first $chart, second $chart2"
+    log "chart: reproducible, ${chart##*@}"
+  fi
   # shellcheck source=lib/plugin.sh
   source "$here/lib/plugin.sh"
   rm -rf "$RUN/plugin"
