@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use crate::run_dir;
 
 pub mod agents;
+pub mod bounds;
 pub mod copies;
 pub mod testload;
 pub mod timeline;

@@ -15,7 +15,8 @@ use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
-use podmotion_e2e::real::copies::{Clients, DEFAULTS_BOUND, assert_clients};
+use podmotion_e2e::real::bounds::{DEFAULTS_BOUND, assert_clients};
+use podmotion_e2e::real::copies::Clients;
 use podmotion_e2e::real::testload::{
     self, FORWARD_PORT, POD_TIMEOUT, PORT, World, ask, counter, counter_when_reachable, ended,
     node_of, pod_ip, restart_counts, source_serves_alone, with_forwarder,
