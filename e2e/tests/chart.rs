@@ -4602,3 +4602,95 @@ fn pods_exec_is_granted_only_when_the_installer_enables_exec_probes() {
     ]);
     assert_eq!(exec_rules(&docs), vec![]);
 }
+
+/// Every image the chart runs, and every one it has the operator run (its `*_IMAGE`
+/// settings): (where, reference).
+fn every_image(docs: &[Value]) -> Vec<(String, String)> {
+    let mut out = vec![];
+    for (workload, _, spec) in pod_specs(docs) {
+        for c in containers(&spec) {
+            let image = c["image"].as_str().unwrap_or_default().to_string();
+            let name = c["name"].as_str().unwrap_or_default();
+            out.push((format!("{workload} {name}"), image));
+            for e in c["env"].as_array().into_iter().flatten() {
+                let var = e["name"].as_str().unwrap_or_default();
+                if var.ends_with("_IMAGE") {
+                    let v = e["value"].as_str().unwrap_or_default().to_string();
+                    out.push((format!("{workload} {var}"), v));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn one_value_moves_every_image_to_a_mirror_in_one_naming_scheme() {
+    let as_named = every_image(&render(&every_toggle_on()));
+    let vars: BTreeSet<&str> = as_named
+        .iter()
+        .filter_map(|(w, _)| w.rsplit(' ').next().filter(|v| v.ends_with("_IMAGE")))
+        .collect();
+    // The operator, the hook, the agent and broker, and the holder, attachment and
+    // preflight images the operator (and the hook) are given.
+    assert_eq!(
+        vars,
+        BTreeSet::from([
+            "PODMOTION_ATTACHMENT_AGENT_IMAGE",
+            "PODMOTION_HOLDER_IMAGE",
+            "PODMOTION_PREFLIGHT_IMAGE"
+        ]),
+        "{as_named:#?}"
+    );
+    assert!(as_named.len() >= 10, "{as_named:#?}");
+    for (w, i) in &as_named {
+        assert!(
+            i.starts_with("ghcr.io/podmotion/podmotion-"),
+            "{w}: {i} is not ghcr.io/podmotion/podmotion-<name>"
+        );
+    }
+    let mut args = every_toggle_on();
+    args.extend(["--set", "global.imageRegistry=mirror.example:5000/"]);
+    let mirrored = every_image(&render(&args));
+    assert_eq!(mirrored.len(), as_named.len());
+    for ((w, named), (_, m)) in as_named.iter().zip(&mirrored) {
+        let path = named.strip_prefix("ghcr.io/").unwrap();
+        assert_eq!(m, &format!("mirror.example:5000/{path}"), "{w}");
+    }
+    // A reference set in full (a digest pinned by hack/images.sh, a local registry) is
+    // moved too, keeping its path and digest; one without a registry gets it prepended.
+    let digest = format!("sha256:{}", "a".repeat(64));
+    let pinned = format!(
+        "image.repository=127.0.0.1:15000/podmotion/operator,image.digest={digest},\
+         attachment.agentImage=localhost/podmotion/podmotion-attach:1,\
+         runnerPool.preflightImage=podmotion/podmotion-preflight:2,\
+         global.imageRegistry=mirror.example"
+    );
+    let imgs = every_image(&render(&["--set", &pinned]));
+    let find = |suffix: &str| {
+        imgs.iter()
+            .find(|(w, _)| w.ends_with(suffix))
+            .map(|(_, i)| i.as_str())
+            .unwrap_or_else(|| panic!("no {suffix}: {imgs:#?}"))
+    };
+    assert_eq!(
+        find("operator"),
+        format!("mirror.example/podmotion/operator@{digest}")
+    );
+    assert_eq!(
+        find("PODMOTION_ATTACHMENT_AGENT_IMAGE"),
+        "mirror.example/podmotion/podmotion-attach:1"
+    );
+    assert_eq!(
+        find("PODMOTION_PREFLIGHT_IMAGE"),
+        "mirror.example/podmotion/podmotion-preflight:2"
+    );
+    // Not a registry: refused at install with the value's name.
+    let e = try_render(
+        "pm",
+        "podmotion-system",
+        &["--set", "global.imageRegistry=https://x"],
+    )
+    .unwrap_err();
+    assert!(e.contains("imageRegistry"), "{e}");
+}

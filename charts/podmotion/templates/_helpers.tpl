@@ -63,10 +63,32 @@ app.kubernetes.io/component: node-agent
 {{/* repository:tag or repository@digest. Argument: dict "image" <image values> "root" $ */}}
 {{- define "podmotion.image" -}}
 {{- $img := .image -}}
+{{- $ref := "" -}}
 {{- if $img.digest -}}
-{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- $ref = printf "%s@%s" $img.repository $img.digest -}}
 {{- else -}}
-{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) -}}
+{{- $ref = printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- include "podmotion.fromRegistry" (dict "ref" $ref "root" .root) -}}
+{{- end -}}
+
+{{/* An image reference (`ref`) pulled from `global.imageRegistry` when that is set:
+     the registry the reference names (its first path element when that has a `.` or
+     a `:` or is `localhost`) replaced, or prepended when it names none. One rule for
+     every image PodMotion runs or has the operator run (attachment Jobs, the
+     preflight, the holder), so a mirror needs one value. */}}
+{{- define "podmotion.fromRegistry" -}}
+{{- $registry := trimSuffix "/" (((.root.Values.global | default dict).imageRegistry) | default "") -}}
+{{- if $registry -}}
+{{- $parts := splitList "/" .ref -}}
+{{- $first := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- printf "%s/%s" $registry (join "/" (rest $parts)) -}}
+{{- else -}}
+{{- printf "%s/%s" $registry .ref -}}
+{{- end -}}
+{{- else -}}
+{{- .ref -}}
 {{- end -}}
 {{- end -}}
 
@@ -151,12 +173,10 @@ app.kubernetes.io/component: node-agent
 - name: PODMOTION_MIGRATION_EXEC_PROBES
   value: {{ .Values.migration.execProbes.enabled | quote }}
 - name: PODMOTION_HOLDER_IMAGE
-  value: {{ .Values.migration.holderImage | default (include "podmotion.image" (dict "image" .Values.migrationAgent.agent.image "root" $)) | quote }}
+  value: {{ with .Values.migration.holderImage }}{{ include "podmotion.fromRegistry" (dict "ref" . "root" $) | quote }}{{ else }}{{ include "podmotion.image" (dict "image" .Values.migrationAgent.agent.image "root" $) | quote }}{{ end }}
 {{- /* RunnerPool (environment only) */}}
-{{- with .Values.runnerPool.preflightImage }}
 - name: PODMOTION_PREFLIGHT_IMAGE
-  value: {{ . | quote }}
-{{- end }}
+  value: {{ include "podmotion.fromRegistry" (dict "ref" (.Values.runnerPool.preflightImage | default (printf "ghcr.io/podmotion/podmotion-preflight:%s" .Chart.AppVersion)) "root" $) | quote }}
 - name: PODMOTION_RUNNER_POOL_MAX_PRIORITY
   value: {{ .Values.runnerPool.maxPriority | int64 | quote }}
 {{- with .Values.runnerPool.watchNamespace }}
@@ -170,7 +190,7 @@ app.kubernetes.io/component: node-agent
 - name: PODMOTION_ATTACHMENT_JOB_PREFIX
   value: {{ .Values.attachment.jobPrefix | quote }}
 - name: PODMOTION_ATTACHMENT_AGENT_IMAGE
-  value: {{ .Values.attachment.agentImage | quote }}
+  value: {{ include "podmotion.fromRegistry" (dict "ref" (.Values.attachment.agentImage | default (printf "ghcr.io/podmotion/podmotion-attach:%s" .Chart.AppVersion)) "root" $) | quote }}
 - name: PODMOTION_ATTACHMENT_CRI_SOCKET_PATH
   value: {{ .Values.attachment.criSocketPath | quote }}
 - name: PODMOTION_ATTACHMENT_POD_ANNOTATIONS

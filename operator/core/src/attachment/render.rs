@@ -132,7 +132,10 @@ impl Default for Settings {
         Settings {
             namespace: "podmotion-system".into(),
             job_prefix: "podmotion-agent".into(),
-            image: "ghcr.io/podmotion/attach:0.1.0".into(),
+            image: format!(
+                "ghcr.io/podmotion/podmotion-attach:{}",
+                env!("CARGO_PKG_VERSION")
+            ),
             cri_socket_path: "/run".into(),
             pod_annotations: BTreeMap::new(),
             backoff_limit: 3,
@@ -1028,7 +1031,10 @@ mod tests {
         let ps = pod_spec(&j);
         assert_eq!(
             ps.containers[0].image.as_deref(),
-            Some("ghcr.io/podmotion/attach:0.1.0")
+            Some(concat!(
+                "ghcr.io/podmotion/podmotion-attach:",
+                env!("CARGO_PKG_VERSION")
+            ))
         );
         let host_paths: Vec<&str> = ps
             .volumes

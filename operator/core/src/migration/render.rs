@@ -58,7 +58,10 @@ pub struct Holder {
 impl Default for Holder {
     fn default() -> Self {
         Holder {
-            installer_image: format!("ghcr.io/podmotion/agent:{}", env!("CARGO_PKG_VERSION")),
+            installer_image: format!(
+                "ghcr.io/podmotion/podmotion-agent:{}",
+                env!("CARGO_PKG_VERSION")
+            ),
         }
     }
 }

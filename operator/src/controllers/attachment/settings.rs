@@ -20,7 +20,7 @@ pub struct AttachmentConfig {
     #[arg(
         long = "attachment-agent-image",
         env = "PODMOTION_ATTACHMENT_AGENT_IMAGE",
-        default_value = "ghcr.io/podmotion/attach:0.1.0"
+        default_value = concat!("ghcr.io/podmotion/podmotion-attach:", env!("CARGO_PKG_VERSION"))
     )]
     pub agent_image: String,
     /// Host path mounted read-only into every agent as the container-runtime socket, or
