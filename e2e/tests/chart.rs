@@ -1095,7 +1095,10 @@ fn the_uninstall_hook_job_takes_its_values_and_falls_back_to_the_operators_place
     assert_eq!(spec["activeDeadlineSeconds"], json!(300));
     assert_eq!(spec["ttlSecondsAfterFinished"], json!(600));
     let pod = &spec["template"]["spec"];
-    assert_eq!(pod["nodeSelector"], json!({"pool": "system"}));
+    assert_eq!(
+        pod["nodeSelector"],
+        json!({"pool": "system", "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"})
+    );
     assert_eq!(
         pod["tolerations"],
         json!([{"key": "dedicated", "operator": "Exists"}])
@@ -1151,7 +1154,10 @@ fn the_uninstall_hook_job_takes_its_values_and_falls_back_to_the_operators_place
     assert_eq!(spec["activeDeadlineSeconds"], json!(900));
     assert_eq!(spec["ttlSecondsAfterFinished"], json!(3600));
     let pod = &spec["template"]["spec"];
-    assert_eq!(pod["nodeSelector"], json!({"pool": "cleanup"}));
+    assert_eq!(
+        pod["nodeSelector"],
+        json!({"pool": "cleanup", "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"})
+    );
     assert_eq!(pod["tolerations"], json!([{"operator": "Exists"}]));
     assert!(
         pod["affinity"].get("nodeAffinity").is_none(),
@@ -4693,4 +4699,34 @@ fn one_value_moves_every_image_to_a_mirror_in_one_naming_scheme() {
     )
     .unwrap_err();
     assert!(e.contains("imageRegistry"), "{e}");
+}
+
+#[test]
+fn every_pod_selects_linux_nodes_of_the_images_architecture_beside_its_own_selector() {
+    let selectors = |args: &[&str]| -> Vec<(String, Value)> {
+        pod_specs(&render(args))
+            .into_iter()
+            .map(|(w, _, spec)| (w, spec["nodeSelector"].clone()))
+            .collect()
+    };
+    let defaults = selectors(&every_toggle_on());
+    assert!(defaults.len() >= 3, "{defaults:#?}");
+    for (w, sel) in &defaults {
+        assert_eq!(sel["kubernetes.io/os"], "linux", "{w}: {sel}");
+        assert_eq!(sel["kubernetes.io/arch"], "amd64", "{w}: {sel}");
+    }
+    // The values' own selectors are kept beside the platform's.
+    let own = selectors(&[
+        "--set",
+        "operator.nodeSelector.role=control,migrationAgent.nodeSelector.role=workers",
+    ]);
+    for (w, sel) in &own {
+        assert!(sel["role"].is_string(), "{w}: {sel}");
+        assert_eq!(sel["kubernetes.io/os"], "linux", "{w}: {sel}");
+    }
+    // Multi-architecture images: no architecture, still Linux only.
+    for (w, sel) in selectors(&["--set", "global.nodeArch="]) {
+        assert!(sel.get("kubernetes.io/arch").is_none(), "{w}: {sel}");
+        assert_eq!(sel["kubernetes.io/os"], "linux", "{w}: {sel}");
+    }
 }

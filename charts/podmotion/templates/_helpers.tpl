@@ -72,6 +72,18 @@ app.kubernetes.io/component: node-agent
 {{- include "podmotion.fromRegistry" (dict "ref" $ref "root" .root) -}}
 {{- end -}}
 
+{{/* A pod's nodeSelector: the `selector` the values give, and the platform PodMotion's
+     images are built for (`kubernetes.io/os: linux`, `kubernetes.io/arch:
+     global.nodeArch`), so no pod lands on a node its image cannot run on (a Windows or
+     arm64 node would crash-loop it). The values' own keys win. */}}
+{{- define "podmotion.nodeSelector" -}}
+{{- $platform := dict "kubernetes.io/os" "linux" -}}
+{{- with ((.root.Values.global | default dict).nodeArch) -}}
+{{- $_ := set $platform "kubernetes.io/arch" . -}}
+{{- end -}}
+{{- toYaml (merge (deepCopy (.selector | default dict)) $platform) -}}
+{{- end -}}
+
 {{/* An image reference (`ref`) pulled from `global.imageRegistry` when that is set:
      the registry the reference names (its first path element when that has a `.` or
      a `:` or is `localhost`) replaced, or prepended when it names none. One rule for
