@@ -15,10 +15,11 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::{
     MigrationMode, MigrationPhase, PhaseTransition, PodMigrationSpec, PodMigrationStatus, PreCopy,
 };
+use serde_json::{Value, json};
 
 use super::agent::{AgentProgress, AgentReport, AgentView, Step, StepState};
 use super::machine::{Knobs, Observed, Plan, Preflight, SourcePodFacts, TargetPodFacts};
-use super::preflight::{NodeFacts, OwnerFacts, PodFacts, Resources};
+use super::preflight::{ClaimFacts, Me, NodeFacts, OwnerFacts, PodFacts, Resources};
 
 pub const SOURCE_UID: &str = "5a1c0000-0000-4000-8000-000000000001";
 
@@ -280,6 +281,69 @@ pub fn migration(name: &str, pod: &str) -> PodMigration {
     m.metadata.namespace = Some("apps".into());
     m.metadata.uid = Some("9e3f0000-0000-4000-8000-00000000abcd".into());
     m
+}
+
+/// The PodMigration deciding in the pre-flight tests (`move-web`, created at 100), exec
+/// probes off.
+pub fn me() -> Me {
+    Me {
+        name: "move-web".into(),
+        uid: "0c5b5e52-0000-4000-8000-000000000001".into(),
+        created: ts(100),
+        operator_namespace: "podmotion-system".into(),
+        agents_namespace: "podmotion-system-agents".into(),
+        exec_probes: false,
+    }
+}
+
+/// A running ReplicaSet pod `web-0` on n0 in `apps` with one container (100m/64Mi,
+/// no volumes), with `patch` merged into its manifest (objects merged, everything
+/// else replaced), read as the controller reads it.
+pub fn k8s(patch: Value) -> PodFacts {
+    let mut pod = json!({
+        "metadata": {"name": "web-0", "namespace": "apps",
+            "uid": SOURCE_UID,
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "name": "web-abc", "uid": "rs-uid", "controller": true}]},
+        "spec": {"nodeName": "n0", "containers": [{"name": "app", "image": "app:1",
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]},
+        "status": {"phase": "Running"}
+    });
+    merge(&mut pod, patch);
+    PodFacts::from_pod(&serde_json::from_value(pod).unwrap())
+}
+
+pub fn merge(into: &mut Value, patch: Value) {
+    match (into, patch) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+/// A pod patch mounting claim `claim` as volume `data`.
+pub fn claim_volume(claim: &str) -> Value {
+    json!({"spec": {"volumes": [{"name": "data",
+        "persistentVolumeClaim": {"claimName": claim}}]}})
+}
+
+/// Bound claims with these access modes, on network volumes.
+pub fn claims(list: &[(&str, &[&str])]) -> BTreeMap<String, ClaimFacts> {
+    list.iter()
+        .map(|(name, modes)| {
+            (
+                name.to_string(),
+                ClaimFacts {
+                    access_modes: modes.iter().map(|m| m.to_string()).collect(),
+                    volume_name: Some(format!("pv-{name}")),
+                    ..Default::default()
+                },
+            )
+        })
+        .collect()
 }
 
 // -------------------------------------------------------------------- machine
