@@ -130,13 +130,25 @@ pub fn restore_external_args(
                 return Ok(format!("mnt[{k}]:{}", host.path(&s.source).display()));
             }
             // A cgroup mount shows the holder's own cgroup (its root in the
-            // hierarchy); the node mounts every hierarchy at the same point.
+            // hierarchy: `/kubepods/<qos>/pod<uid>/<id>` with the cgroupfs driver,
+            // `/kubepods.slice/…/cri-containerd-<id>.scope` with systemd's); the node
+            // mounts every hierarchy at the same point.
             if let Some(m) = holder
                 .mountinfo
                 .iter()
                 .rev()
                 .find(|m| m.mount_point == *k && is_cgroup(&m.fstype))
             {
+                // The kernel prints the root relative to the *reader's* cgroup
+                // namespace: read from a private one (a cgroup v2 node, where the
+                // runtime gives a container its own) it climbs (`/../…`) and names no
+                // node path. Refused, never joined.
+                if m.root.split('/').any(|c| c == "..") {
+                    return Err(format!(
+                        "the target pod's cgroup mount at {k} is seen from another cgroup namespace ({}): the agent must read it from the node's",
+                        m.root
+                    ));
+                }
                 let p = host.path(k).join(m.root.trim_start_matches('/'));
                 return Ok(format!("mnt[{k}]:{}", p.display()));
             }
@@ -266,6 +278,59 @@ mod tests {
                 "mnt[/mnt/my data]:/host/var/lib/kubelet/pods/B/data dir",
             ]
         );
+    }
+
+    #[test]
+    fn a_systemd_scopes_cgroup_mounts_bind_the_holders_scope_v1_and_unified() {
+        let scope = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6fecc63a_68d4.slice/cri-containerd-3d359f10a9c1.scope";
+        let host = HostView {
+            host_root: "/host".into(),
+        };
+        // A hybrid node: one bind per v1 hierarchy, each of the scope.
+        let hybrid = SOURCE_MOUNTINFO.replace("/pm-real-0/kubepods/besteffort/podA/c1", scope);
+        let keys = dump_externals(&spec_mounts(&spec("A")), &parse_mountinfo(&hybrid));
+        let holder = Holder {
+            spec: spec_mounts(&spec("B")),
+            mountinfo: parse_mountinfo(&hybrid),
+            rootfs: "/r".into(),
+        };
+        let args = restore_external_args(&keys[..2], &holder, &host).unwrap();
+        assert_eq!(
+            args,
+            [
+                format!("mnt[/sys/fs/cgroup/cpu]:/host/sys/fs/cgroup/cpu{scope}"),
+                format!("mnt[/sys/fs/cgroup/systemd]:/host/sys/fs/cgroup/systemd{scope}"),
+            ]
+        );
+        // A unified node: the container's cgroup2 mount, read from the node's cgroup
+        // namespace, has the scope as its root.
+        let unified = format!(
+            "246 177 0:69 / / rw - overlay overlay rw\n253 252 0:26 {scope} /sys/fs/cgroup ro,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+        );
+        let keys = dump_externals(&[], &parse_mountinfo(&unified));
+        assert_eq!(keys, ["/sys/fs/cgroup"]);
+        let holder = Holder {
+            spec: vec![],
+            mountinfo: parse_mountinfo(&unified),
+            rootfs: "/r".into(),
+        };
+        assert_eq!(
+            restore_external_args(&keys, &holder, &host).unwrap(),
+            [format!("mnt[/sys/fs/cgroup]:/host/sys/fs/cgroup{scope}")]
+        );
+        // The same mount read from inside another (private) cgroup namespace climbs:
+        // refused with what went wrong, never bound to a wrong directory.
+        let climbing = unified.replace(
+            scope,
+            "/../../kubepods-burstable-pod6fecc63a_68d4.slice/cri-containerd-3d359f10a9c1.scope",
+        );
+        let holder = Holder {
+            spec: vec![],
+            mountinfo: parse_mountinfo(&climbing),
+            rootfs: "/r".into(),
+        };
+        let e = restore_external_args(&keys, &holder, &host).unwrap_err();
+        assert!(e.contains("another cgroup namespace"), "{e}");
     }
 
     #[test]

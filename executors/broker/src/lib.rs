@@ -49,8 +49,11 @@ use std::time::Duration;
 pub struct Config {
     /// Runtime dir; netns bind mounts go to `<run_dir>/netns/<uid>`.
     pub run_dir: PathBuf,
-    /// Only processes in cgroups under this cgroup v2 path may be registered
-    /// (e.g. `/kubepods`): the agent can never pin a host daemon.
+    /// Only processes in cgroups strictly below one of these paths (comma-separated;
+    /// [`DEFAULT_PODS_ROOTS`]: `/kubepods` for the kubelet's cgroupfs driver,
+    /// `/kubepods.slice` for its systemd driver) may be registered: the agent can
+    /// never pin a host daemon. Matched against a process's cgroup v2 path, or its v1
+    /// path on a legacy v1 host ([`procfs::cgroup_path`]).
     pub pods_cgroup_root: String,
     /// The uid the agent runs as.
     pub allowed_uid: u32,
@@ -170,18 +173,33 @@ pub struct Broker<K: Kernel = RealKernel> {
     handover: handover::Table,
 }
 
-/// Whether cgroup path `cgroup` lies under one of `roots` (comma-separated: nodes that
-/// share one hierarchy, as the local cluster's do, have one pods root each).
-pub fn under_pods_root(cgroup: &str, roots: &str) -> bool {
+/// The pods cgroup roots of a node when the installer names none: the kubelet's with
+/// the cgroupfs driver (`/kubepods`) and with the systemd driver (`/kubepods.slice`).
+/// Only one exists on a node; the other names nothing there.
+pub const DEFAULT_PODS_ROOTS: &str = "/kubepods,/kubepods.slice";
+
+/// The path of `cgroup` below one of `roots` (comma-separated: nodes that share one
+/// hierarchy, as the local cluster's do, have one pods root each), starting with `/`:
+/// `None` when it lies under none, is a root itself, or has an empty, `.` or `..`
+/// component (the kernel never prints one; a path that has one is not trusted).
+fn below_pods_root<'a>(cgroup: &'a str, roots: &str) -> Option<&'a str> {
     roots
         .split(',')
         .map(|r| r.trim().trim_end_matches('/'))
-        .any(|root| {
-            !root.is_empty()
-                && cgroup
-                    .strip_prefix(root)
-                    .is_some_and(|r| r.starts_with('/'))
+        .filter(|root| !root.is_empty())
+        .filter_map(|root| cgroup.strip_prefix(root))
+        .find(|below| {
+            below.starts_with('/') && below[1..].split('/').all(|c| !matches!(c, "" | "." | ".."))
         })
+}
+
+/// Whether cgroup path `cgroup` lies strictly below one of `roots` (see
+/// [`below_pods_root`]): the kubelet's cgroupfs layout
+/// (`/kubepods/<qos>/pod<uid>/<id>`) and its systemd layout
+/// (`/kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_>.slice/cri-containerd-<id>.scope`)
+/// alike; never a root itself.
+pub fn under_pods_root(cgroup: &str, roots: &str) -> bool {
+    below_pods_root(cgroup, roots).is_some()
 }
 
 /// The runtimes' names for a container's cgroup other than its bare ID:
@@ -205,13 +223,7 @@ pub fn names_container(cgroup: &str, roots: &str, id: &ContainerId) -> bool {
                     .is_some_and(|r| r == id || r.strip_suffix(".scope") == Some(id))
             })
     };
-    roots
-        .split(',')
-        .map(|r| r.trim().trim_end_matches('/'))
-        .filter(|root| !root.is_empty())
-        .filter_map(|root| cgroup.strip_prefix(root))
-        .filter(|below| below.starts_with('/'))
-        .any(|below| below.split('/').any(is_the_container))
+    below_pods_root(cgroup, roots).is_some_and(|below| below[1..].split('/').any(is_the_container))
 }
 
 fn err(kind: ErrorKind, m: impl Into<String>) -> BrokerError {
@@ -523,6 +535,90 @@ mod tests {
             "/kubepods.slice",
             ID
         ));
+    }
+
+    /// The kubelet's pod and container cgroups in every QoS class, with each driver
+    /// (the pod UID with `_` for `-` in the systemd slice's name).
+    fn kubelet_layouts(id: &str) -> Vec<String> {
+        let uid = "6fecc63a-68d4-4995-b8ec-5091216a6244";
+        let uid_ = uid.replace('-', "_");
+        let mut out = Vec::new();
+        for qos in ["besteffort/", "burstable/", ""] {
+            out.push(format!("/kubepods/{qos}pod{uid}/{id}"));
+            out.push(format!("/kubepods/{qos}pod{uid}/crio-{id}"));
+        }
+        for runtime in ["cri-containerd", "crio", "docker"] {
+            for qos in ["besteffort", "burstable"] {
+                out.push(format!(
+                    "/kubepods.slice/kubepods-{qos}.slice/kubepods-{qos}-pod{uid_}.slice/{runtime}-{id}.scope"
+                ));
+            }
+            out.push(format!(
+                "/kubepods.slice/kubepods-pod{uid_}.slice/{runtime}-{id}.scope"
+            ));
+        }
+        out
+    }
+
+    #[test]
+    fn the_default_roots_accept_the_containers_of_both_drivers() {
+        for cg in kubelet_layouts(ID) {
+            assert!(under_pods_root(&cg, DEFAULT_PODS_ROOTS), "{cg}");
+            assert!(names(&cg, DEFAULT_PODS_ROOTS, ID), "{cg}");
+            assert!(!names(&cg, DEFAULT_PODS_ROOTS, "9a8b7c6d5e4f"), "{cg}");
+            // Each driver's path only under its own root.
+            let own = if cg.starts_with("/kubepods.slice/") {
+                "/kubepods.slice"
+            } else {
+                "/kubepods"
+            };
+            let other = if own == "/kubepods" {
+                "/kubepods.slice"
+            } else {
+                "/kubepods"
+            };
+            assert!(names(&cg, own, ID), "{cg}");
+            assert!(!under_pods_root(&cg, other), "{cg} under {other}");
+        }
+        // Spaces around the roots, as a values file may have them.
+        let spaced = " /kubepods , /kubepods.slice ";
+        assert!(kubelet_layouts(ID).iter().all(|cg| names(cg, spaced, ID)));
+    }
+
+    #[test]
+    fn a_root_itself_and_what_is_not_strictly_below_one_is_no_pods_cgroup() {
+        for cg in [
+            "/kubepods",
+            "/kubepods/",
+            "/kubepods.slice",
+            "/kubepods.slice/",
+            "/",
+            "",
+            "/kubepods-besteffort.slice",
+            "/kubepods.slicex/kubepods-pod1.slice/x",
+            "/kubepodsx/pod1/x",
+            "/system.slice/containerd.service",
+            "/init.scope",
+        ] {
+            assert!(!under_pods_root(cg, DEFAULT_PODS_ROOTS), "{cg:?}");
+        }
+        // No empty, `.` or `..` component below the root, whatever follows.
+        for cg in [
+            format!("/kubepods/../system.slice/{ID}"),
+            format!("/kubepods.slice/../{ID}"),
+            format!("/kubepods/besteffort/./pod1/{ID}"),
+            format!("/kubepods//pod1/{ID}"),
+            format!("/kubepods/pod1/{ID}/"),
+        ] {
+            assert!(!under_pods_root(&cg, DEFAULT_PODS_ROOTS), "{cg}");
+            assert!(!names(&cg, DEFAULT_PODS_ROOTS, ID), "{cg}");
+        }
+        // The local cluster's roots (hack/install-values.yaml) keep working.
+        let local = "/pm-real-0/kubepods,/pm-real-1/kubepods";
+        let cg = format!("/pm-real-0/kubepods/besteffort/{POD}/{ID}");
+        assert!(names(&cg, local, ID));
+        assert!(!under_pods_root("/pm-real-0/kubepods", local));
+        assert!(!under_pods_root(&cg, DEFAULT_PODS_ROOTS));
     }
 
     #[test]

@@ -28,8 +28,10 @@ struct Args {
     /// Runtime directory for netns bind mounts.
     #[arg(long, env = "PODMOTION_RUN_DIR", default_value = "/run/podmotion")]
     run_dir: PathBuf,
-    /// cgroup v2 path under which every registered process must live.
-    #[arg(long, env = "PODMOTION_PODS_CGROUP", default_value = "/kubepods")]
+    /// The pods cgroup roots (comma-separated): every registered process must live
+    /// strictly below one. The default covers the kubelet's cgroupfs driver
+    /// (`/kubepods`) and its systemd driver (`/kubepods.slice`).
+    #[arg(long, env = "PODMOTION_PODS_CGROUP", default_value = podmotion_broker::DEFAULT_PODS_ROOTS)]
     pods_cgroup_root: String,
     /// The agent's uid (SO_PEERCRED).
     #[arg(long, env = "PODMOTION_AGENT_UID", default_value_t = 0)]

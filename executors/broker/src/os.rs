@@ -529,42 +529,98 @@ fn mount_point(path: &Path) -> Result<std::fs::File, BrokerError> {
 }
 
 /// Writes every pid of `tree` into the cgroups of `holder`: the v1 hierarchies whose
-/// controllers `accept` accepts, and the v2 path `cgroup_v2`.
+/// controllers `accept` accepts, and the v2 path `cgroup_v2` (see [`cgroup_targets`]).
 fn write_into_cgroups_of(
     holder: i32,
     cgroup_v2: &str,
     tree: &[i32],
     accept: impl Fn(&str) -> bool,
 ) -> Result<(), BrokerError> {
-    // On a hybrid host the v2 hierarchy may lack the pod's directory; then the v1
-    // moves are what counts.
-    let v1: Vec<_> = procfs::cgroup_v1_of(holder)?
-        .into_iter()
-        .filter(|(ctrls, _)| accept(ctrls))
-        .collect();
+    let text = std::fs::read_to_string(format!("/proc/{holder}/cgroup"))
+        .map_err(|_| err(ErrorKind::NoSuchProcess, format!("pid {holder} is gone")))?;
     let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(kerr)?;
-    for (ctrls, path) in &v1 {
-        let mp = procfs::cgroup_v1_mount(&mi, ctrls).ok_or_else(|| {
-            err(
-                ErrorKind::Kernel,
-                format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
-            )
-        })?;
-        let procs = mp.join(path.trim_start_matches('/')).join("cgroup.procs");
+    let targets = cgroup_targets(&text, &mi, cgroup_v2, accept)?;
+    // A v2 directory the v1 moves make optional: written only where it exists.
+    for t in targets {
+        if t.optional && !t.dir.is_dir() {
+            continue;
+        }
+        let procs = t.dir.join("cgroup.procs");
         for pid in tree {
             std::fs::write(&procs, pid.to_string())
                 .map_err(|e| kerr(format!("{}: {e}", procs.display())))?;
         }
     }
-    let dir = procfs::cgroup2_mount()?.join(cgroup_v2.trim_start_matches('/'));
-    if !v1.is_empty() && !dir.is_dir() {
-        return Ok(());
-    }
-    let procs = dir.join("cgroup.procs");
-    for pid in tree {
-        std::fs::write(&procs, pid.to_string()).map_err(kerr)?;
-    }
     Ok(())
+}
+
+/// A cgroup directory a move writes into (its `cgroup.procs`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct CgroupTarget {
+    pub dir: std::path::PathBuf,
+    /// Skipped when the directory does not exist (the v2 one on a hybrid host).
+    pub optional: bool,
+}
+
+/// Where a move into the cgroups of a holder writes, from the holder's
+/// `/proc/<pid>/cgroup` text and the broker's mountinfo: the holder's directory in
+/// each v1 hierarchy whose controllers `accept` accepts, then `cgroup_v2` (the v2 path
+/// pinned at registration) in the cgroup2 mount.
+/// - Unified host (no v1 membership): the v2 directory only, required.
+/// - Hybrid host (v1 controllers, the v2 hierarchy in use: the holder's v2 path is
+///   `cgroup_v2`): the v1 directories, then the v2 one where it exists (the runtime may
+///   not have made it).
+/// - Legacy v1 host (the holder at the v2 root, or no cgroup2 mounted): the v1
+///   directories only; the pinned path is then the holder's v1 path
+///   ([`procfs::cgroup_path`]).
+pub fn cgroup_targets(
+    proc_cgroup: &str,
+    mountinfo: &str,
+    cgroup_v2: &str,
+    accept: impl Fn(&str) -> bool,
+) -> Result<Vec<CgroupTarget>, BrokerError> {
+    let v1: Vec<_> = procfs::parse_cgroup_v1(proc_cgroup)
+        .into_iter()
+        .filter(|(ctrls, _)| accept(ctrls))
+        .collect();
+    let rel = |p: &str| {
+        let p = p.trim_start_matches('/');
+        // The kernel prints no `..`; a path with one is refused, never joined.
+        if p.split('/').any(|c| c == "..") {
+            return Err(err(
+                ErrorKind::Kernel,
+                format!("cgroup path {p} climbs out of its hierarchy"),
+            ));
+        }
+        Ok(p.to_owned())
+    };
+    let mut out = Vec::new();
+    for (ctrls, path) in &v1 {
+        let mp = procfs::cgroup_v1_mount(mountinfo, ctrls).ok_or_else(|| {
+            err(
+                ErrorKind::Kernel,
+                format!("cgroup v1 hierarchy {ctrls} is not mounted in the broker"),
+            )
+        })?;
+        out.push(CgroupTarget {
+            dir: mp.join(rel(path)?),
+            optional: false,
+        });
+    }
+    let holder_v2 = proc_cgroup.lines().find_map(|l| l.strip_prefix("0::"));
+    if !v1.is_empty() && holder_v2 != Some(cgroup_v2) {
+        return Ok(out);
+    }
+    let mount = match procfs::cgroup2_mount_in(mountinfo) {
+        Some(m) => m,
+        None if !v1.is_empty() => return Ok(out),
+        None => return Err(err(ErrorKind::Kernel, "cgroup2 is not mounted")),
+    };
+    out.push(CgroupTarget {
+        dir: mount.join(rel(cgroup_v2)?),
+        optional: !v1.is_empty(),
+    });
+    Ok(out)
 }
 
 /// `conntrack` arguments deleting the TCP connections to `addr` that never got an
@@ -629,5 +685,96 @@ mod tests {
             0
         );
         assert_eq!(conntrack_deleted_count("conntrack: something else\n"), 0);
+    }
+
+    const SCOPE: &str = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6fecc63a_68d4.slice/cri-containerd-3d359f10a9c1.scope";
+    const LEAF: &str = "/kubepods/burstable/pod6fecc63a-68d4/3d359f10a9c1";
+
+    fn dirs(t: &[CgroupTarget]) -> Vec<(String, bool)> {
+        t.iter()
+            .map(|t| (t.dir.display().to_string(), t.optional))
+            .collect()
+    }
+
+    #[test]
+    fn a_unified_hosts_move_writes_the_v2_directory_only() {
+        let mi = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        let cg = format!("0::{SCOPE}\n");
+        let t = cgroup_targets(&cg, mi, SCOPE, |_| true).unwrap();
+        assert_eq!(dirs(&t), [(format!("/sys/fs/cgroup{SCOPE}"), false)]);
+        // No cgroup2 mounted and no v1 hierarchy: nowhere to move, an error.
+        assert!(cgroup_targets(&cg, "", SCOPE, |_| true).is_err());
+    }
+
+    const HYBRID_MI: &str = "\
+32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu
+35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory
+40 31 0:37 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
+";
+
+    #[test]
+    fn a_hybrid_hosts_move_writes_every_v1_hierarchy_then_v2_where_it_exists() {
+        for path in [SCOPE, LEAF] {
+            let cg = format!("9:name=systemd:{path}\n4:memory:{path}\n1:cpu:{path}\n0::{path}\n");
+            let t = cgroup_targets(&cg, HYBRID_MI, path, |_| true).unwrap();
+            assert_eq!(
+                dirs(&t),
+                [
+                    (format!("/sys/fs/cgroup/systemd{path}"), false),
+                    (format!("/sys/fs/cgroup/memory{path}"), false),
+                    (format!("/sys/fs/cgroup/cpu{path}"), false),
+                    (format!("/sys/fs/cgroup/unified{path}"), true),
+                ]
+            );
+            // The memory charge: the memory hierarchy and v2 only.
+            let t = cgroup_targets(&cg, HYBRID_MI, path, |c| {
+                c.split(',').any(|c| c == "memory")
+            })
+            .unwrap();
+            assert_eq!(
+                dirs(&t),
+                [
+                    (format!("/sys/fs/cgroup/memory{path}"), false),
+                    (format!("/sys/fs/cgroup/unified{path}"), true),
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn a_legacy_v1_hosts_move_writes_the_v1_hierarchies_only() {
+        // The holder at the v2 root (the hierarchy unused): its pinned path is its v1
+        // one, never joined to the cgroup2 mount.
+        let cg = format!("9:name=systemd:{LEAF}\n1:cpu:{LEAF}\n0::/\n");
+        assert_eq!(procfs::cgroup_path(&cg).as_deref(), Some(LEAF));
+        let t = cgroup_targets(&cg, HYBRID_MI, LEAF, |_| true).unwrap();
+        assert_eq!(
+            dirs(&t),
+            [
+                (format!("/sys/fs/cgroup/systemd{LEAF}"), false),
+                (format!("/sys/fs/cgroup/cpu{LEAF}"), false),
+            ]
+        );
+        // No cgroup2 mounted at all.
+        let mi: String = HYBRID_MI
+            .lines()
+            .take(3)
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let t = cgroup_targets(&cg, &mi, LEAF, |_| true).unwrap();
+        assert_eq!(t.len(), 2);
+        // A hierarchy the holder is in but the broker has not mounted: an error.
+        let cg = format!("5:pids:{LEAF}\n0::/\n");
+        assert!(cgroup_targets(&cg, HYBRID_MI, LEAF, |_| true).is_err());
+    }
+
+    #[test]
+    fn a_path_that_climbs_is_never_joined_to_a_mount() {
+        let cg = "1:cpu:/kubepods/../../etc\n0::/kubepods/../x\n";
+        assert!(cgroup_targets(cg, HYBRID_MI, "/kubepods/../x", |_| true).is_err());
+        let cg = "0::/kubepods/../x\n";
+        let mi = "30 25 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert!(cgroup_targets(cg, mi, "/kubepods/../x", |_| true).is_err());
     }
 }

@@ -48,36 +48,61 @@ pub fn check_live(p: ProcRef) -> Result<(), BrokerError> {
     Ok(())
 }
 
-/// The cgroup v2 path of a process ("0::/a/b" → "/a/b").
+/// The cgroup path of a process, by which the broker knows whose it is (a pod's, which
+/// container's): its cgroup v2 path ("0::/a/b" → "/a/b") on unified and hybrid hosts;
+/// on a legacy cgroup v1 host, where the v2 hierarchy is unused (the process sits at
+/// its root, `0::/`, or the line is absent), its path in the v1 hierarchies (see
+/// [`cgroup_path`]).
 pub fn cgroup_of(pid: i32) -> Result<String, BrokerError> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|_| no_such(pid))?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .map(str::to_owned)
-        .ok_or_else(|| {
-            BrokerError::new(
-                ErrorKind::Kernel,
-                format!("pid {pid} has no cgroup v2 membership"),
-            )
-        })
+    cgroup_path(&s).ok_or_else(|| {
+        BrokerError::new(
+            ErrorKind::Kernel,
+            format!("pid {pid} has no cgroup v2 membership and no cgroup v1 one"),
+        )
+    })
+}
+
+/// The path [`cgroup_of`] reads from the text of `/proc/<pid>/cgroup`: the v2 path
+/// unless it is the root and v1 memberships exist; then the `name=systemd`
+/// hierarchy's path (systemd tracks every process there, and the runtimes place a
+/// container there as in the controllers), else the `memory` hierarchy's, else the
+/// first listed (the kubelet and the runtimes use one path in every hierarchy).
+pub fn cgroup_path(text: &str) -> Option<String> {
+    let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
+    if let Some(p) = v2
+        && p != "/"
+    {
+        return Some(p.to_owned());
+    }
+    let v1 = parse_cgroup_v1(text);
+    let of = |c: &str| {
+        v1.iter()
+            .find(|(ctrls, _)| ctrls.split(',').any(|x| x == c))
+    };
+    of("name=systemd")
+        .or_else(|| of("memory"))
+        .or_else(|| v1.first())
+        .map(|(_, p)| p.clone())
+        .or_else(|| v2.map(str::to_owned))
 }
 
 /// Where cgroup2 is mounted (/sys/fs/cgroup on unified hosts, /sys/fs/cgroup/unified on hybrid).
 pub fn cgroup2_mount() -> Result<PathBuf, BrokerError> {
     let mi = std::fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| BrokerError::new(ErrorKind::Kernel, e.to_string()))?;
-    for l in mi.lines() {
+    cgroup2_mount_in(&mi)
+        .ok_or_else(|| BrokerError::new(ErrorKind::Kernel, "cgroup2 is not mounted"))
+}
+
+/// The first cgroup2 mount point in `mountinfo`.
+pub fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|l| {
         let (pre, post) = l.split_once(" - ").unwrap_or((l, ""));
-        if post.split_whitespace().next() == Some("cgroup2")
-            && let Some(mp) = pre.split_whitespace().nth(4)
-        {
-            return Ok(PathBuf::from(mp));
-        }
-    }
-    Err(BrokerError::new(
-        ErrorKind::Kernel,
-        "cgroup2 is not mounted",
-    ))
+        (post.split_whitespace().next() == Some("cgroup2"))
+            .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+            .flatten()
+    })
 }
 
 /// `pid`'s cgroup v1 memberships: `(controllers, path)` per hierarchy (`cpu,cpuacct`,
@@ -430,6 +455,34 @@ mod tests {
         assert_eq!(child_by_ns_pid(me, c + 1_000_000), None);
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_process_is_known_by_its_v2_path_or_on_a_legacy_v1_host_by_its_v1_one() {
+        let scope = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1_2.slice/cri-containerd-ab.scope";
+        // Unified: the only line.
+        assert_eq!(
+            cgroup_path(&format!("0::{scope}\n")).as_deref(),
+            Some(scope)
+        );
+        // Hybrid: the v2 path, whatever the v1 ones say.
+        let hybrid = format!("9:name=systemd:/x\n4:memory:/y\n0::{scope}\n");
+        assert_eq!(cgroup_path(&hybrid).as_deref(), Some(scope));
+        // Legacy v1 (the v2 hierarchy unused or absent): name=systemd, else memory,
+        // else the first hierarchy listed.
+        let leaf = "/kubepods/besteffort/pod1-2/ab";
+        for text in [
+            format!("9:name=systemd:{leaf}\n4:memory:/other\n0::/\n"),
+            format!("4:memory:/other\n9:name=systemd:{leaf}\n"),
+            format!("3:cpu,cpuacct:/other\n4:memory:{leaf}\n0::/\n"),
+            format!("3:cpu,cpuacct:{leaf}\n5:pids:/other\n0::/\n"),
+        ] {
+            assert_eq!(cgroup_path(&text).as_deref(), Some(leaf), "{text}");
+        }
+        // A process at every root: "/", which is under no pods root.
+        assert_eq!(cgroup_path("1:cpu:/\n0::/\n").as_deref(), Some("/"));
+        assert_eq!(cgroup_path("0::/\n").as_deref(), Some("/"));
+        assert_eq!(cgroup_path(""), None);
     }
 
     #[test]
