@@ -103,7 +103,12 @@ pub fn syn_times() -> impl Iterator<Item = Duration> {
 /// completes between the final dump's last look for connections in flight and the
 /// network lock is never answered, and the client's read times out. Run 5 of "What a
 /// client sees" saw it once in each of 6 of 20 migrations (a client connecting every
-/// 10 ms). So: at most that one failed request, not the issue's none, plus that
+/// 10 ms); the agent now locks again when a connection came in that window
+/// (`lock_settled` in the same file). A second way to one failed request remains: the
+/// connection opened at the freeze whose SYN at 1 s finds the Service still holding both
+/// pods, and whose SYN at 3 s loses the race with the 3 s connect timeout (run 6: 6 of
+/// 20 migrations, each "connection timed out"). So: at most one failed request, not the
+/// issue's none, plus that
 /// request's timeout ([`FAILED_REQUEST_WAIT`](super::copies::FAILED_REQUEST_WAIT)) when it happened (a rehearsal saw a gap
 /// of downtime + 3,073 ms with it: 3 s of it the client waiting on the unanswered
 /// read). The gap is counted in SYNs ([`GapRule::SynAfterSwitch`]), not past the
