@@ -36,7 +36,8 @@
 # (oci://$PODMOTION_REGISTRY/podmotion/charts/podmotion, hack/lib/chart.sh), its pinned
 # reference in $PODMOTION_RUN/chart.txt, and beside it the kubectl plugin: the static
 # `kubectl-podmotion` binary (built with the images' binaries) as a reproducible
-# tarball with its .sha256 in $PODMOTION_RUN/plugin/, pushed as an OCI artifact to
+# tarball with its .sha256 and its krew manifest (podmotion.yaml, for the release
+# download URL PODMOTION_RELEASE_URL) in $PODMOTION_RUN/plugin/, pushed as an OCI artifact to
 # $PODMOTION_REGISTRY/podmotion/kubectl-podmotion:<version> (hack/lib/plugin.sh), its
 # pinned reference in $PODMOTION_RUN/plugin.txt (with --verify: fetched back, checked
 # against its digests and run with --version).
@@ -63,6 +64,8 @@
 #   PODMOTION_CACHE      default ~/.cache/podmotion (buildah storage, .debs, staged contexts)
 #   CARGO_TARGET_DIR     default $PODMOTION_CACHE/cargo-target (shared with .ci/run)
 #   IMAGES_REFRESH_DEBS  1: resolve and download the Debian packages again
+#   PODMOTION_RELEASE_URL where the plugin's tarball is published, for its krew manifest
+#                        (default the GitHub release of this version)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -646,6 +649,8 @@ EOF
   plugin=$(plugin_push "$plugin_tgz" "$REGISTRY" "$REVISION" "$SOURCE_DATE_EPOCH" "$RUN/plugin.txt") ||
     die "pushing the kubectl plugin failed"
   log "pushed the kubectl plugin: $plugin (tarball sha256 $(cut -d' ' -f1 "$plugin_tgz.sha256"))"
+  plugin_krew_manifest "$plugin_tgz" "${PODMOTION_RELEASE_URL:-https://github.com/podmotion/podmotion/releases/download/v$VERSION}" \
+    "$RUN/plugin/podmotion.yaml" >/dev/null
   if ((verify)); then
     ptmp=$(mktemp -d)
     got=$(plugin_fetch "$plugin" "$ptmp") || die "fetching the kubectl plugin back failed"

@@ -55,6 +55,8 @@ step "cargo test --workspace"
 rc=0
 cargo test --workspace --locked "$@" || rc=$?
 
+step "the plugin's krew manifest (hack/krew-check.sh: krew's own validator, then krew install from the release tarball)"
+bash hack/krew-check.sh "$run/plugin" || rc=1
 step "the quickstart, word for word (hack/quickstart-check.sh runs docs/quickstart.md's blocks on the real nodes)"
 bash hack/quickstart-check.sh || rc=1
 step "NetworkPolicy enforcement on the real nodes (kube-router; e2e/tests/real_network_policy.rs)"

@@ -3,9 +3,16 @@
 # (sourced by hack/images.sh; the functions can be used on their own).
 #
 # plugin_tarball BIN VERSION EPOCH OUTDIR: a reproducible tarball of the static
-# `kubectl-podmotion` binary BIN (tar sorted by name, every mtime EPOCH, owner 0:0,
-# gzip without name or time), `kubectl-podmotion-VERSION-linux-amd64.tar.gz`, and its
-# `.sha256` (sha256sum format) in OUTDIR. Prints the tarball's path.
+# `kubectl-podmotion` binary BIN and the project's LICENSE (tar sorted by name, every
+# mtime EPOCH, owner 0:0, gzip without name or time),
+# `kubectl-podmotion-VERSION-linux-amd64.tar.gz`, and its `.sha256` (sha256sum format)
+# in OUTDIR. Prints the tarball's path.
+#
+# plugin_krew_manifest TARBALL URL_BASE OUT: the krew manifest (`podmotion.yaml`, the
+# file krew-index holds as `plugins/podmotion.yaml`) of TARBALL as published at
+# URL_BASE/<its name>: version, sha256, the files to install (binary and LICENSE) and
+# the one platform it is built for. hack/krew-check.sh validates it with krew's own
+# tools and installs the plugin from it.
 #
 # plugin_push TARBALL REGISTRY REVISION EPOCH OUT: pushes TARBALL to
 # REGISTRY/podmotion/kubectl-podmotion:<version> as an OCI artifact (OCI image manifest,
@@ -20,6 +27,7 @@
 
 PLUGIN_ARTIFACT_TYPE=application/vnd.podmotion.kubectl-plugin.v1
 PLUGIN_REPO=podmotion/kubectl-podmotion
+PLUGIN_LICENSE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/LICENSE
 
 plugin_tarball() {
   local bin=$1 version=$2 epoch=$3 out=$4 stage name
@@ -28,9 +36,11 @@ plugin_tarball() {
   # shellcheck disable=SC2064 # expand now: stage is local
   trap "rm -rf '$stage'" RETURN
   install -m 0755 "$bin" "$stage/kubectl-podmotion"
+  # krew installs only what a manifest's `files` names and wants a license among it.
+  install -m 0644 "$PLUGIN_LICENSE" "$stage/LICENSE"
   mkdir -p "$out"
   tar --sort=name --mtime="@$epoch" --owner=0 --group=0 --numeric-owner --format=gnu \
-    -C "$stage" -cf - kubectl-podmotion | gzip -9 -n >"$out/$name"
+    -C "$stage" -cf - LICENSE kubectl-podmotion | gzip -9 -n >"$out/$name"
   (cd "$out" && sha256sum "$name" >"$name.sha256")
   echo "$out/$name"
 }
@@ -94,4 +104,41 @@ plugin_fetch() {
   [[ sha256:$(sha256sum "$dir/$name" | cut -d' ' -f1) == "$layer" ]] ||
     { echo "the tarball of $ref does not match its digest" >&2; return 1; }
   echo "$dir/$name"
+}
+
+plugin_krew_manifest() {
+  local tgz=$1 base=$2 out=$3 name version sha
+  name=$(basename "$tgz")
+  version=${name#kubectl-podmotion-}
+  version=${version%-linux-amd64.tar.gz}
+  sha=$(sha256sum "$tgz" | cut -d' ' -f1)
+  cat >"$out" <<YAML
+apiVersion: krew.googlecontainertools.github.com/v1alpha2
+kind: Plugin
+metadata:
+  name: podmotion
+spec:
+  version: v$version
+  homepage: https://github.com/podmotion/podmotion
+  shortDescription: Live-migrate pods and attach node agents to workloads
+  description: |
+    The client of the PodMotion operator: live-migrate a running pod to another
+    node (migrate, migrate-cancel, drain), attach a node-hosted agent to every
+    replica of a workload without restarting it (intercept, wiretap, env, cp),
+    and list what runs (status). Needs the PodMotion operator in the cluster.
+  platforms:
+    - selector:
+        matchLabels:
+          os: linux
+          arch: amd64
+      uri: ${base%/}/$name
+      sha256: $sha
+      files:
+        - from: kubectl-podmotion
+          to: .
+        - from: LICENSE
+          to: .
+      bin: kubectl-podmotion
+YAML
+  echo "$out"
 }
