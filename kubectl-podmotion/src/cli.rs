@@ -366,54 +366,62 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let mut rest = t;
     let mut nanos: u128 = 0;
     while !rest.is_empty() {
-        let int_len = rest.bytes().take_while(u8::is_ascii_digit).count();
-        let (int, after) = rest.split_at(int_len);
-        let (frac, after) = match after.strip_prefix('.') {
-            Some(a) => {
-                let n = a.bytes().take_while(u8::is_ascii_digit).count();
-                a.split_at(n)
-            }
-            None => ("", after),
-        };
-        if int.is_empty() && frac.is_empty() {
-            return Err(bad("a unit without a number"));
-        }
-        let unit_len = after
-            .char_indices()
-            .find(|(_, c)| c.is_ascii_digit() || *c == '.')
-            .map_or(after.len(), |(i, _)| i);
-        let (unit, after) = after.split_at(unit_len);
-        let per: u128 = match unit {
-            "ns" => 1,
-            "us" | "µs" | "μs" => 1_000,
-            "ms" => 1_000_000,
-            "s" => 1_000_000_000,
-            "m" => 60_000_000_000,
-            "h" => 3_600_000_000_000,
-            "" => return Err(bad("a number without a unit")),
-            u => return Err(bad(&format!("unknown unit {u:?}"))),
-        };
-        let too_big = || bad("too large");
-        let whole: u128 = if int.is_empty() {
-            0
-        } else {
-            int.parse().map_err(|_| too_big())?
-        };
-        let mut part = whole.checked_mul(per).ok_or_else(too_big)?;
-        // The fraction, exact to the nanosecond (digits past it are dropped, as Go does).
-        let mut scale = per;
-        for d in frac.bytes() {
-            if scale < 10 {
-                break;
-            }
-            scale /= 10;
-            part += u128::from(d - b'0') * scale;
-        }
-        nanos = nanos.checked_add(part).ok_or_else(too_big)?;
+        let (part, after) = duration_term(rest).map_err(|why| bad(&why))?;
+        nanos = nanos.checked_add(part).ok_or_else(|| bad("too large"))?;
         rest = after;
     }
     let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| bad("too large"))?;
     Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
+}
+
+/// The term of a duration at the start of `rest`, a number with an optional fraction
+/// and its unit (`90s`, `1.5h`): its nanoseconds and what follows it; else why it is
+/// not one.
+fn duration_term(rest: &str) -> Result<(u128, &str), String> {
+    let int_len = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let (int, after) = rest.split_at(int_len);
+    let (frac, after) = match after.strip_prefix('.') {
+        Some(a) => {
+            let n = a.bytes().take_while(u8::is_ascii_digit).count();
+            a.split_at(n)
+        }
+        None => ("", after),
+    };
+    if int.is_empty() && frac.is_empty() {
+        return Err("a unit without a number".into());
+    }
+    let unit_len = after
+        .char_indices()
+        .find(|(_, c)| c.is_ascii_digit() || *c == '.')
+        .map_or(after.len(), |(i, _)| i);
+    let (unit, after) = after.split_at(unit_len);
+    let per: u128 = match unit {
+        "ns" => 1,
+        "us" | "µs" | "μs" => 1_000,
+        "ms" => 1_000_000,
+        "s" => 1_000_000_000,
+        "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
+        "" => return Err("a number without a unit".into()),
+        u => return Err(format!("unknown unit {u:?}")),
+    };
+    let too_big = || "too large".to_string();
+    let whole: u128 = if int.is_empty() {
+        0
+    } else {
+        int.parse().map_err(|_| too_big())?
+    };
+    let mut part = whole.checked_mul(per).ok_or_else(too_big)?;
+    // The fraction, exact to the nanosecond (digits past it are dropped, as Go does).
+    let mut scale = per;
+    for d in frac.bytes() {
+        if scale < 10 {
+            break;
+        }
+        scale /= 10;
+        part += u128::from(d - b'0') * scale;
+    }
+    Ok((part, after))
 }
 
 /// The completion script for `kubectl-podmotion` (clap_complete): subcommands, flags

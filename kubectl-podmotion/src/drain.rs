@@ -9,7 +9,7 @@
 //! pod is and what to print; [`run`] does the I/O. Evictions are retried every few
 //! seconds, as `kubectl drain` retries a 429.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -134,16 +134,7 @@ const ROUND: Duration = Duration::from_secs(3);
 /// Cordons `NODE`, then evicts until every pod left or is blocked. Exit code: 0 when
 /// the node is empty of evictable pods, 1 when some are blocked, 130 after Ctrl-C.
 pub async fn run(client: Client, args: &Drain) -> anyhow::Result<u8> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    nodes
-        .patch(
-            &args.node,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"spec": {"unschedulable": true}})),
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("cordoning node {}: {e}", args.node))?;
-    println!("node/{} cordoned", args.node);
+    cordon(&client, &args.node).await?;
     let mut interrupt = signal(SignalKind::interrupt())?;
     let pods: Api<Pod> = Api::all(client.clone());
     let on_node = ListParams::default().fields(&format!("spec.nodeName={}", args.node));
@@ -152,62 +143,11 @@ pub async fn run(client: Client, args: &Drain) -> anyhow::Result<u8> {
     let mut migrations: BTreeMap<String, (String, String)> = BTreeMap::new();
     loop {
         let listed = pods.list(&on_node).await?.items;
-        let mut present = std::collections::BTreeSet::new();
-        for pod in &listed {
-            let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-            present.insert(key.clone());
-            if shown.get(&key).is_some_and(settled) {
-                continue;
-            }
-            // Evicted, or a migrated source PodMotion is removing: wait until it is gone.
-            if shown.contains_key(&key) && pod.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
-            let state = match skip_reason(pod) {
-                Some(why) => PodState::Skipped(why),
-                None => evict_once(&client, pod, &mut migrations, &key).await?,
-            };
-            show(&mut shown, &key, state);
-        }
+        let present = evict_listed(&client, &listed, &mut shown, &mut migrations).await?;
         // Pods that left the node: migrated or evicted.
-        let gone: Vec<String> = shown
-            .iter()
-            .filter(|(k, s)| !present.contains(*k) && !settled(s))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in gone {
-            let state = match migrations.get(&key) {
-                Some((ns, name)) => {
-                    let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
-                    match api.get_opt(name).await? {
-                        Some(m) => migrating_state("", Some(&m)),
-                        None => PodState::Evicted,
-                    }
-                }
-                None => PodState::Evicted,
-            };
-            let state = match state {
-                // Its source is gone: the migration's end is a matter of moments.
-                PodState::Migrating(..) | PodState::Waiting(_) => continue,
-                s => s,
-            };
-            show(&mut shown, &key, state);
-        }
-        let unsettled = shown.values().filter(|s| !settled(s)).count();
-        if unsettled == 0 {
-            let blocked = shown
-                .values()
-                .filter(|s| matches!(s, PodState::Blocked(_)))
-                .count();
-            if blocked > 0 {
-                println!(
-                    "node/{} cordoned; {blocked} pod(s) blocked the drain (see above)",
-                    args.node
-                );
-                return Ok(1);
-            }
-            println!("node/{} drained", args.node);
-            return Ok(0);
+        show_gone(&client, &present, &mut shown, &migrations).await?;
+        if let Some(code) = finished(&shown, &args.node) {
+            return Ok(code);
         }
         tokio::select! {
             _ = tokio::time::sleep(ROUND) => {}
@@ -225,6 +165,104 @@ pub async fn run(client: Client, args: &Drain) -> anyhow::Result<u8> {
             }
         }
     }
+}
+
+/// Marks `node` unschedulable, as `kubectl cordon` does.
+async fn cordon(client: &Client, node: &str) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("cordoning node {node}: {e}"))?;
+    println!("node/{node} cordoned");
+    Ok(())
+}
+
+/// Tries once more to evict each pod listed on the node that is not settled yet (or
+/// skips it), showing what changed; returns the keys (`namespace/name`) of the pods
+/// listed.
+async fn evict_listed(
+    client: &Client,
+    listed: &[Pod],
+    shown: &mut BTreeMap<String, PodState>,
+    migrations: &mut BTreeMap<String, (String, String)>,
+) -> anyhow::Result<BTreeSet<String>> {
+    let mut present = BTreeSet::new();
+    for pod in listed {
+        let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        present.insert(key.clone());
+        if shown.get(&key).is_some_and(settled) {
+            continue;
+        }
+        // Evicted, or a migrated source PodMotion is removing: wait until it is gone.
+        if shown.contains_key(&key) && pod.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let state = match skip_reason(pod) {
+            Some(why) => PodState::Skipped(why),
+            None => evict_once(client, pod, migrations, &key).await?,
+        };
+        show(shown, &key, state);
+    }
+    Ok(present)
+}
+
+/// Shows where each unsettled pod that is no longer `present` on the node went:
+/// migrated (from its PodMigration) or evicted. One whose migration has not ended yet
+/// is looked at again next round.
+async fn show_gone(
+    client: &Client,
+    present: &BTreeSet<String>,
+    shown: &mut BTreeMap<String, PodState>,
+    migrations: &BTreeMap<String, (String, String)>,
+) -> anyhow::Result<()> {
+    let gone: Vec<String> = shown
+        .iter()
+        .filter(|(k, s)| !present.contains(*k) && !settled(s))
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in gone {
+        let state = match migrations.get(&key) {
+            Some((ns, name)) => {
+                let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
+                match api.get_opt(name).await? {
+                    Some(m) => migrating_state("", Some(&m)),
+                    None => PodState::Evicted,
+                }
+            }
+            None => PodState::Evicted,
+        };
+        let state = match state {
+            // Its source is gone: the migration's end is a matter of moments.
+            PodState::Migrating(..) | PodState::Waiting(_) => continue,
+            s => s,
+        };
+        show(shown, &key, state);
+    }
+    Ok(())
+}
+
+/// The exit code once every pod shown is settled, saying how the drain ended: 0 when
+/// the node is drained, 1 when some pods blocked it; `None` while some are not.
+fn finished(shown: &BTreeMap<String, PodState>, node: &str) -> Option<u8> {
+    let unsettled = shown.values().filter(|s| !settled(s)).count();
+    if unsettled != 0 {
+        return None;
+    }
+    let blocked = shown
+        .values()
+        .filter(|s| matches!(s, PodState::Blocked(_)))
+        .count();
+    if blocked > 0 {
+        println!("node/{node} cordoned; {blocked} pod(s) blocked the drain (see above)");
+        return Some(1);
+    }
+    println!("node/{node} drained");
+    Some(0)
 }
 
 fn show(shown: &mut BTreeMap<String, PodState>, key: &str, state: PodState) {

@@ -26,12 +26,12 @@ use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, IngestSession, NodeAgentAttachmentSpec, WorkloadRef};
 
 use crate::agent::Agent;
-use crate::cli::{Env, Workload};
-use crate::explain::{Attempt, code, kube_error};
-use crate::intercept::{
+use crate::attachment::{
     Readiness, agents_of, create_attachment, delete_and_wait, list_attachments, readiness,
     wait_ready,
 };
+use crate::cli::{Env, Workload};
+use crate::explain::{Attempt, code, kube_error};
 
 /// How often the ingest's session Lease is renewed while waiting (its default
 /// duration is 60 s).
@@ -175,7 +175,7 @@ where
             (a.clone(), None, None)
         }
         None => {
-            let name = crate::intercept::named(command, &w.name, &crate::migrate::random_suffix());
+            let name = crate::attachment::named(command, &w.name, &crate::migrate::random_suffix());
             create_attachment(&naas, namespace, &build_ingest(&name, w)).await?;
             progress(&format!(
                 "nodeagentattachment.podmotion.io/{name} created in namespace {namespace}: Ingest of {}/{}",

@@ -12,11 +12,13 @@
 //! and files through an agent. The plugin uses the user's kubeconfig and RBAC only.
 //!
 //! The pure parts (what to print, the table, the wording of API errors) live in
-//! [`progress`], [`table`], [`explain`] and the top of [`intercept`]; [`migrate`],
-//! [`status`], [`intercept::run`] and [`agent`] do the I/O.
+//! [`progress`], [`table`], [`explain`] and the tops of [`attachment`] and
+//! [`intercept`]; [`migrate`], [`status`], [`intercept::run`], [`attachment`] and
+//! [`agent`] do the I/O.
 #![forbid(unsafe_code)]
 
 pub mod agent;
+pub mod attachment;
 pub mod cli;
 pub mod cp;
 pub mod drain;

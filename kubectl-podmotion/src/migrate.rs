@@ -145,35 +145,14 @@ impl Printer {
 }
 
 pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Result<u8> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let pod = pods.get(&args.pod).await.map_err(|e| {
-        anyhow::anyhow!(kube_error(
-            Attempt {
-                verb: "get",
-                resource: "pods",
-                namespace: Some(namespace),
-                name: Some(&args.pod),
-            },
-            &e
-        ))
-    })?;
+    let pod = get_pod(&client, namespace, &args.pod).await?;
     let name = args
         .name
         .clone()
         .unwrap_or_else(|| migration_name(&args.pod, &random_suffix()));
     let pms: Api<PodMigration> = Api::namespaced(client.clone(), namespace);
     let pm = build(args, &name, pod.metadata.uid.clone());
-    let created = pms.create(&PostParams::default(), &pm).await.map_err(|e| {
-        anyhow::anyhow!(kube_error(
-            Attempt {
-                verb: "create",
-                resource: PODMIGRATIONS,
-                namespace: Some(namespace),
-                name: (code(&e) == Some(409)).then_some(name.as_str()),
-            },
-            &e
-        ))
-    })?;
+    let created = create(&pms, namespace, &name, &pm).await?;
     if !args.wait {
         // As `kubectl create`: the name, or the object with `-o`.
         match args.output {
@@ -217,6 +196,43 @@ pub async fn run(client: Client, namespace: &str, args: &Migrate) -> anyhow::Res
         );
     }
     Ok(exit)
+}
+
+/// The pod to migrate; a failure said as kubectl says it.
+async fn get_pod(client: &Client, namespace: &str, pod: &str) -> anyhow::Result<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    pods.get(pod).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "get",
+                resource: "pods",
+                namespace: Some(namespace),
+                name: Some(pod),
+            },
+            &e
+        ))
+    })
+}
+
+/// Creates the PodMigration `pm` (named `name`); a failure said as kubectl says it (a
+/// conflict names the migration that exists).
+async fn create(
+    pms: &Api<PodMigration>,
+    namespace: &str,
+    name: &str,
+    pm: &PodMigration,
+) -> anyhow::Result<PodMigration> {
+    pms.create(&PostParams::default(), pm).await.map_err(|e| {
+        anyhow::anyhow!(kube_error(
+            Attempt {
+                verb: "create",
+                resource: PODMIGRATIONS,
+                namespace: Some(namespace),
+                name: (code(&e) == Some(409)).then_some(name),
+            },
+            &e
+        ))
+    })
 }
 
 /// `migrate-cancel NAME`: the abort `migrate`'s Ctrl-C used to do, on its own. Deletes
@@ -337,39 +353,30 @@ async fn follow(
                 }
             }
             _ = sigint.recv() => {
-                p.end_live();
-                if f.aborting {
-                    p.line(&format!(
-                        "not waiting any longer; PodMigration {namespace}/{name} is being deleted and rolls back on its own"
-                    ));
-                } else {
-                    // As virtctl: Ctrl-C ends the watching, never the migration.
-                    for l in interrupted_lines(namespace, name) {
-                        p.line(&l);
-                    }
-                }
+                say_interrupted(&f, p, namespace, name);
                 return Ok((INTERRUPTED, f.last));
             }
             _ = &mut give_up, if give_up_armed => {
                 give_up_armed = false;
-                p.end_live();
-                if cancelling {
-                    p.line(&format!(
-                        "PodMigration {namespace}/{name} is still rolling back after {}: not waiting any longer (it goes on without the plugin)",
-                        humanize(give_up_after)
-                    ));
-                    return Ok((1, f.last));
+                if let Some(exit) = f.give_up(pms, namespace, name, give_up_after, p).await? {
+                    return Ok((exit, f.last));
                 }
-                if f.aborting {
-                    continue;
-                }
-                p.line(&format!(
-                    "PodMigration {name} did not end within its deadline and {}s of grace: deleting it (rolls back)",
-                    DEADLINE_GRACE.as_secs()
-                ));
-                f.aborting = true;
-                delete(pms, namespace, name).await?;
             }
+        }
+    }
+}
+
+/// What `follow` prints on Ctrl-C: the watching ends, never the migration.
+fn say_interrupted(f: &Following, p: &mut Printer, namespace: &str, name: &str) {
+    p.end_live();
+    if f.aborting {
+        p.line(&format!(
+            "not waiting any longer; PodMigration {namespace}/{name} is being deleted and rolls back on its own"
+        ));
+    } else {
+        // As virtctl: Ctrl-C ends the watching, never the migration.
+        for l in interrupted_lines(namespace, name) {
+            p.line(&l);
         }
     }
 }
@@ -416,6 +423,38 @@ fn watch_event(
 }
 
 impl Following {
+    /// `give_up_after` passed without the end [`follow`] waits for: `migrate-cancel`
+    /// stops waiting (exit code 1); `migrate` deletes the migration (it rolls back) and
+    /// follows its rollback, unless it is being deleted already. The exit code when the
+    /// command ends here.
+    async fn give_up(
+        &mut self,
+        pms: &Api<PodMigration>,
+        namespace: &str,
+        name: &str,
+        give_up_after: Duration,
+        p: &mut Printer,
+    ) -> anyhow::Result<Option<u8>> {
+        p.end_live();
+        if self.cancelling {
+            p.line(&format!(
+                "PodMigration {namespace}/{name} is still rolling back after {}: not waiting any longer (it goes on without the plugin)",
+                humanize(give_up_after)
+            ));
+            return Ok(Some(1));
+        }
+        if self.aborting {
+            return Ok(None);
+        }
+        p.line(&format!(
+            "PodMigration {name} did not end within its deadline and {}s of grace: deleting it (rolls back)",
+            DEADLINE_GRACE.as_secs()
+        ));
+        self.aborting = true;
+        delete(pms, namespace, name).await?;
+        Ok(None)
+    }
+
     /// Prints what the event changed; `Some(exit code)` when following is over.
     fn on_event(
         &mut self,

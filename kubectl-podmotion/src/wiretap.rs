@@ -18,8 +18,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
 use crate::agent::Agent;
+use crate::attachment::{agents_of, delete_and_wait, reuse_or_create, say, wait_ready};
 use crate::cli::Wiretap;
-use crate::intercept::{agents_of, delete_and_wait, reuse_or_create, say, wait_ready};
 use crate::pcapng::{Writer, header, parse_frame};
 
 pub async fn run(client: Client, namespace: &str, args: &Wiretap) -> anyhow::Result<u8> {

@@ -146,19 +146,45 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
 
     wait_for_crds(&client).await?;
 
+    let pki = build_pki(&client, &config, &settings, &leader)?;
+    let webhook = build_webhook(&ctx, &settings, pki.as_ref())?;
+    let pki_task = run_pki(ctx.clone(), pki.clone());
+    let tasks = spawn_controllers(&config, &ctx, settings, pki);
+    let identity = config.identity.clone();
+    let leader_cfg = config.leader.clone();
+    let namespace = config.namespace.clone();
+    let election = async move { leader.run(client, &namespace, &identity, &leader_cfg).await };
+    supervise(ctx, stop_tx, http, webhook, pki_task, tasks, election).await
+}
+
+/// The run-time key material, when `--pki-ca-secret` names its CA Secret.
+fn build_pki(
+    client: &Client,
+    config: &OperatorConfig,
+    settings: &Controllers,
+    leader: &Leadership,
+) -> anyhow::Result<Option<Pki>> {
     let pki = match &settings.pki.ca_secret {
         Some(secret) => Some(
             Pki::new(
                 client.clone(),
-                pki_settings(&config, &settings, secret),
+                pki_settings(config, settings, secret),
                 leader.clone(),
             )?
             .with_protection(settings.pki.key_material_policy.clone()),
         ),
         None => None,
     };
-    // The eviction webhook: served by every replica, its certificate from the CA.
-    let webhook = match (settings.eviction.enabled, &pki) {
+    Ok(pki)
+}
+
+/// The eviction webhook: served by every replica, its certificate from the CA.
+fn build_webhook(
+    ctx: &Arc<Context>,
+    settings: &Controllers,
+    pki: Option<&Pki>,
+) -> anyhow::Result<Option<(Arc<Webhook>, Pki)>> {
+    let webhook = match (settings.eviction.enabled, pki) {
         (false, _) => None,
         (true, None) => anyhow::bail!(
             "--eviction-webhook needs the run-time PKI (--pki-ca-secret): its serving \
@@ -174,20 +200,24 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
             pki.clone(),
         )),
     };
+    Ok(webhook)
+}
+
+/// Runs until the first of the leader election, the eviction webhook, the run-time key
+/// material, a controller or the HTTP server stops (an error), or until the shutdown
+/// signal, which stops the replica gracefully.
+async fn supervise(
+    ctx: Arc<Context>,
+    stop_tx: watch::Sender<bool>,
+    http: tokio::task::JoinHandle<anyhow::Result<()>>,
+    webhook: Option<(Arc<Webhook>, Pki)>,
+    pki_task: impl std::future::Future<Output = anyhow::Result<()>>,
+    mut tasks: ControllerTasks,
+    election: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
     let serves_webhook = webhook.is_some();
-    let webhook_task = async move {
-        match webhook {
-            Some((w, pki)) => w.run(pki).await,
-            None => std::future::pending().await,
-        }
-    };
+    let webhook_task = serve_webhook(webhook);
     tokio::pin!(webhook_task);
-    let pki_task = run_pki(ctx.clone(), pki.clone());
-    let mut tasks = spawn_controllers(&config, &ctx, settings, pki);
-    let identity = config.identity.clone();
-    let leader_cfg = config.leader.clone();
-    let namespace = config.namespace.clone();
-    let election = async move { leader.run(client, &namespace, &identity, &leader_cfg).await };
 
     tokio::select! {
         res = election => {
@@ -225,6 +255,14 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         }
     }
     Ok(())
+}
+
+/// The eviction webhook's task; never ends when the webhook is not served.
+async fn serve_webhook(webhook: Option<(Arc<Webhook>, Pki)>) -> anyhow::Result<()> {
+    match webhook {
+        Some((w, pki)) => w.run(pki).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The run-time key material's task and the agents' certificate signer (a controller

@@ -11,7 +11,7 @@ use std::fmt::Debug;
 
 use anyhow::Context as _;
 use k8s_openapi::NamespaceResourceScope;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, PartialObjectMeta, Patch, PatchParams};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -54,44 +54,63 @@ where
         .with_context(|| format!("list {kind}"))?;
     let mut n = 0;
     for obj in list.items {
-        let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
-        let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
-        let mut current = obj;
-        for attempt in 0.. {
-            if !may_act(current.annotations(), me) {
-                break;
-            }
-            let Some(keep) = released(current.finalizers(), ours) else {
-                break;
-            };
-            let patch = json!({"metadata": {
-                "finalizers": keep,
-                "resourceVersion": current.resource_version(),
-            }});
-            let patch = Patch::Merge(&patch);
-            match writer
-                .patch_metadata(&ns_api, &name, &PatchParams::default(), &patch)
-                .await
-            {
-                Ok(_) => {
-                    n += 1;
-                    break;
-                }
-                Err(e) if e.is_status(404) => break,
-                Err(e) if e.is_status(409) && attempt < CONFLICT_RETRIES => {
-                    match ns_api.get_metadata_opt(&name).await? {
-                        Some(fresh) => current = fresh,
-                        None => break,
-                    }
-                }
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("remove {ours} from {kind} {ns}/{name}"));
-                }
-            }
+        if release_one(&writer, client, obj, ours, me, &kind).await? {
+            n += 1;
         }
     }
     Ok(n)
+}
+
+/// Removes `ours` from one object (listed as `obj`) unless another release holds it,
+/// reading it again on a conflict (up to [`CONFLICT_RETRIES`] times); whether it was
+/// released (`false`: not ours to release, nothing to remove, or gone).
+async fn release_one<K>(
+    writer: &Writer,
+    client: &Client,
+    obj: PartialObjectMeta<K>,
+    ours: &str,
+    me: &str,
+    kind: &str,
+) -> anyhow::Result<bool>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let ns_api: Api<K> = Api::namespaced(client.clone(), &ns);
+    let mut current = obj;
+    for attempt in 0.. {
+        if !may_act(current.annotations(), me) {
+            break;
+        }
+        let Some(keep) = released(current.finalizers(), ours) else {
+            break;
+        };
+        let patch = json!({"metadata": {
+            "finalizers": keep,
+            "resourceVersion": current.resource_version(),
+        }});
+        let patch = Patch::Merge(&patch);
+        match writer
+            .patch_metadata(&ns_api, &name, &PatchParams::default(), &patch)
+            .await
+        {
+            Ok(_) => return Ok(true),
+            Err(e) if e.is_status(404) => break,
+            Err(e) if e.is_status(409) && attempt < CONFLICT_RETRIES => {
+                match ns_api.get_metadata_opt(&name).await? {
+                    Some(fresh) => current = fresh,
+                    None => break,
+                }
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("remove {ours} from {kind} {ns}/{name}"));
+            }
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]

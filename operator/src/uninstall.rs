@@ -145,6 +145,23 @@ impl Uninstall {
     /// rolled each back and released it. A migration past its probe rolls forward to
     /// its commit instead (deletion waits for it), which is just as final.
     async fn roll_back_in_flight_migrations(&self, client: &Client) -> anyhow::Result<()> {
+        let deleted = self.delete_in_flight_migrations(client).await?;
+        if deleted.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(
+            migrations = deleted.len(),
+            "deleted in-flight PodMigrations; waiting for their rollback"
+        );
+        wait_for_rollback(client, &deleted).await
+    }
+
+    /// Deletes every PodMigration of this release still to roll back; the deleted ones
+    /// as (namespace, name, uid).
+    async fn delete_in_flight_migrations(
+        &self,
+        client: &Client,
+    ) -> anyhow::Result<Vec<(String, String, String)>> {
         let api: Api<PodMigration> = api_in(client, self.migration_scope.as_deref());
         let list = api
             .list(&ListParams::default())
@@ -165,45 +182,7 @@ impl Uninstall {
                 deleted.push((ns, name, pm.uid().unwrap_or_default()));
             }
         }
-        if deleted.is_empty() {
-            return Ok(());
-        }
-        tracing::info!(
-            migrations = deleted.len(),
-            "deleted in-flight PodMigrations; waiting for their rollback"
-        );
-        let gone = stream::iter(deleted.iter())
-            .map(|(ns, name, uid)| {
-                let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
-                await_condition(api, name, conditions::is_deleted(uid))
-            })
-            .buffer_unordered(16)
-            .try_collect::<Vec<_>>();
-        match tokio::time::timeout(MIGRATION_ROLLBACK_TIMEOUT, gone).await {
-            Ok(r) => {
-                r.context("watch PodMigrations")?;
-            }
-            Err(_) => {
-                let left = stream::iter(deleted.iter())
-                    .filter_map(|(ns, name, _)| {
-                        let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
-                        async move {
-                            api.get_opt(name)
-                                .await
-                                .ok()
-                                .flatten()
-                                .map(|_| format!("{ns}/{name}"))
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .await;
-                tracing::warn!(
-                    ?left,
-                    "PodMigrations not rolled back in {MIGRATION_ROLLBACK_TIMEOUT:?}: released anyway (their sources are resumed by the agents' watchdog or on the agents' SIGTERM)"
-                );
-            }
-        }
-        Ok(())
+        Ok(deleted)
     }
 
     /// Scales the operator Deployment to zero and waits until none of its pods is left.
@@ -263,6 +242,46 @@ impl Uninstall {
         tracing::info!(%deployment, "operator stopped");
         Ok(())
     }
+}
+
+/// Waits (up to [`MIGRATION_ROLLBACK_TIMEOUT`]) until every deleted PodMigration
+/// (namespace, name, uid) is gone; past the timeout, logs those left and goes on.
+async fn wait_for_rollback(
+    client: &Client,
+    deleted: &[(String, String, String)],
+) -> anyhow::Result<()> {
+    let gone = stream::iter(deleted.iter())
+        .map(|(ns, name, uid)| {
+            let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
+            await_condition(api, name, conditions::is_deleted(uid))
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<_>>();
+    match tokio::time::timeout(MIGRATION_ROLLBACK_TIMEOUT, gone).await {
+        Ok(r) => {
+            r.context("watch PodMigrations")?;
+        }
+        Err(_) => {
+            let left = stream::iter(deleted.iter())
+                .filter_map(|(ns, name, _)| {
+                    let api: Api<PodMigration> = Api::namespaced(client.clone(), ns);
+                    async move {
+                        api.get_opt(name)
+                            .await
+                            .ok()
+                            .flatten()
+                            .map(|_| format!("{ns}/{name}"))
+                    }
+                })
+                .collect::<Vec<_>>()
+                .await;
+            tracing::warn!(
+                ?left,
+                "PodMigrations not rolled back in {MIGRATION_ROLLBACK_TIMEOUT:?}: released anyway (their sources are resumed by the agents' watchdog or on the agents' SIGTERM)"
+            );
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -540,15 +540,9 @@ impl Webhook {
         answer: Answer,
         dry_run: bool,
     ) -> Option<(u16, &'static str, String)> {
-        let m = &self.ctx.metrics;
-        let count = |a: &'static str| {
-            m.evictions
-                .get_or_create(&crate::metrics::EvictionLabels { answer: a })
-                .inc();
-        };
         match answer {
             Answer::Evict(why) => {
-                count("Evicted");
+                self.count_answer("Evicted");
                 if let EvictWhy::CannotMove { reason } = &why {
                     let note = format!(
                         "evicted without live migration (LiveMigrateIfPossible): the pod cannot move ({reason})"
@@ -575,26 +569,41 @@ impl Webhook {
                         "PodMotion could not start PodMigration {migration} ({e}); retry"
                     ));
                 }
-                count("Migrating");
+                self.count_answer("Migrating");
                 too_many_requests(&message)
             }
-            Answer::Blocked { cause, message } => {
-                count("Blocked");
-                m.evictions_blocked
-                    .get_or_create(&crate::metrics::BlockLabels {
-                        reason: eviction::bounded_cause(&cause),
-                    })
-                    .inc();
-                self.record(
-                    pod,
-                    EventType::Warning,
-                    reasons::EVICTION_BLOCKED,
-                    message.clone(),
-                )
-                .await;
-                Some((403, "Forbidden", message))
-            }
+            Answer::Blocked { cause, message } => Some(self.block(pod, &cause, message).await),
         }
+    }
+
+    /// Counts one answer of the webhook (Evicted, Migrating, Blocked).
+    fn count_answer(&self, answer: &'static str) {
+        self.ctx
+            .metrics
+            .evictions
+            .get_or_create(&crate::metrics::EvictionLabels { answer })
+            .inc();
+    }
+
+    /// A blocked eviction: counted (with its bounded cause), recorded on the pod as a
+    /// Warning, refused with 403.
+    async fn block(&self, pod: &Pod, cause: &str, message: String) -> (u16, &'static str, String) {
+        self.count_answer("Blocked");
+        self.ctx
+            .metrics
+            .evictions_blocked
+            .get_or_create(&crate::metrics::BlockLabels {
+                reason: eviction::bounded_cause(cause),
+            })
+            .inc();
+        self.record(
+            pod,
+            EventType::Warning,
+            reasons::EVICTION_BLOCKED,
+            message.clone(),
+        )
+        .await;
+        (403, "Forbidden", message)
     }
 
     async fn create(&self, pod: &Pod, new: &PodMigration) -> Result<(), WriteError> {

@@ -118,27 +118,9 @@ impl WireAgents {
 
     async fn call(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
         let fail = |c: &ClientError| (c.category().to_string(), c.to_string());
-        // Connecting gets the call deadline; the step's own work (a transfer may take
-        // minutes) is bounded by the machine's progress timeout instead.
-        let mut c = tokio::time::timeout(self.call_timeout, self.connect(e))
-            .await
-            .map_err(|_| {
-                (
-                    "AgentUnreachable".to_string(),
-                    format!(
-                        "no connection to the agent on {} within {}s (--migration-agent-call-timeout-seconds)",
-                        e.node,
-                        self.call_timeout.as_secs()
-                    ),
-                )
-            })?
-            .map_err(|x| ("AgentUnreachable".to_string(), x.message))?;
+        let mut c = self.connect_within_deadline(e).await?;
         let uid = r.migration_uid.as_str();
-        let tcp = match r.tcp_preservation {
-            TcpPreservation::Strict => podmotion_wire::agent::TcpPreservation::Strict,
-            TcpPreservation::BestEffort => podmotion_wire::agent::TcpPreservation::BestEffort,
-            TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
-        };
+        let tcp = wire_tcp(r.tcp_preservation);
         let res = match r.step {
             // A Prepare of the same migration under way on the agent (a retry racing
             // the first call, or two replicas across a leader change) is answered
@@ -178,6 +160,37 @@ impl WireAgents {
             Step::Cleanup => c.cleanup(uid).await,
         };
         res.map(|_| ()).map_err(|e| fail(&e))
+    }
+
+    /// Connects to the agent at `e` within the call deadline: connecting gets the call
+    /// deadline; the step's own work (a transfer may take minutes) is bounded by the
+    /// machine's progress timeout instead.
+    async fn connect_within_deadline(
+        &self,
+        e: &AgentEndpoint,
+    ) -> Result<WireClient, (String, String)> {
+        tokio::time::timeout(self.call_timeout, self.connect(e))
+            .await
+            .map_err(|_| {
+                (
+                    "AgentUnreachable".to_string(),
+                    format!(
+                        "no connection to the agent on {} within {}s (--migration-agent-call-timeout-seconds)",
+                        e.node,
+                        self.call_timeout.as_secs()
+                    ),
+                )
+            })?
+            .map_err(|x| ("AgentUnreachable".to_string(), x.message))
+    }
+}
+
+/// The wire's form of a migration's TCP preservation.
+fn wire_tcp(tcp: TcpPreservation) -> podmotion_wire::agent::TcpPreservation {
+    match tcp {
+        TcpPreservation::Strict => podmotion_wire::agent::TcpPreservation::Strict,
+        TcpPreservation::BestEffort => podmotion_wire::agent::TcpPreservation::BestEffort,
+        TcpPreservation::None => podmotion_wire::agent::TcpPreservation::None,
     }
 }
 

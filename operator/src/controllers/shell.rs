@@ -240,81 +240,100 @@ async fn claim_gate<R: Reconciler>(
         finalizers: obj.finalizers(),
         deleting: obj.meta().deletion_timestamp.is_some(),
     };
-    let count = |outcome: &'static str| {
-        ctx.metrics
-            .claims
-            .get_or_create(&ClaimLabels {
-                controller: R::NAME,
-                outcome,
-            })
-            .inc();
-    };
     match step(seen, R::FINALIZER, me) {
         Step::Reconcile => Ok(Gate::Proceed(obj)),
         Step::Nothing => Ok(Gate::Stop(Action::await_change())),
         Step::LeaveAlone { holder } => {
-            let uid = obj.uid().unwrap_or_default();
-            let generation = obj.meta().generation.unwrap_or_default();
-            if ctx.claims.first_time(&uid, generation, &holder) {
-                count("LeftAlone");
-                tracing::info!(
-                    controller = R::NAME,
-                    name = %obj.name_any(),
-                    namespace = obj.namespace().as_deref().unwrap_or_default(),
-                    %uid,
-                    generation,
-                    holder = %holder,
-                    release = %me,
-                    "claimed by another PodMotion release: left alone (overwrite or remove the {} annotation to hand it over)",
-                    annotations::CONTROLLER,
-                );
-                let note = format!(
-                    "Reconciled by PodMotion release {holder}, not by {me}: this release leaves it alone. To hand it over: kubectl annotate --overwrite {kind} {name} {key}=<release namespace>/<lease name> (or remove the annotation: the first release that sees it claims it).",
-                    kind = R::Object::kind(&()).to_lowercase(),
-                    name = obj.name_any(),
-                    key = annotations::CONTROLLER,
-                );
-                publish(
-                    ctx,
-                    obj.as_ref(),
-                    EventType::Normal,
-                    reasons::CLAIMED_ELSEWHERE,
-                    "Reconcile",
-                    note,
-                )
-                .await;
-            }
+            leave_alone::<R>(ctx, &obj, &holder).await;
             Ok(Gate::Stop(Action::await_change()))
         }
-        Step::Claim => {
-            let api = api_of(&ctx.client, obj.as_ref());
-            match ctx
-                .writer
-                .claim(&api, obj.as_ref(), annotations::CONTROLLER, me, R::MANAGER)
-                .await
-            {
-                Ok(claimed) => {
-                    count("Claimed");
-                    tracing::info!(
-                        controller = R::NAME,
-                        name = %obj.name_any(),
-                        namespace = obj.namespace().as_deref().unwrap_or_default(),
-                        uid = obj.uid().as_deref().unwrap_or_default(),
-                        release = %me,
-                        "claimed for this PodMotion release"
-                    );
-                    Ok(Gate::Proceed(Arc::new(claimed)))
-                }
-                // Another release claimed it (or anything else changed it) since the
-                // read: nothing was written; decide again on a fresher read.
-                Err(e) if e.is_conflict() => {
-                    count("Lost");
-                    Err(ReconcileError::wait(CLAIM_LOST, Duration::from_millis(500)))
-                }
-                Err(e) if e.is_status(404) => Ok(Gate::Stop(Action::await_change())),
-                Err(e) => Err(e.into()),
-            }
+        Step::Claim => claim::<R>(ctx, &obj).await,
+    }
+}
+
+/// Counts one outcome of controller `R`'s claim gate in `podmotion_claims_total`.
+fn count_claim<R: Reconciler>(ctx: &Context, outcome: &'static str) {
+    ctx.metrics
+        .claims
+        .get_or_create(&ClaimLabels {
+            controller: R::NAME,
+            outcome,
+        })
+        .inc();
+}
+
+/// An object `holder` (another release) holds: the info line, the `ClaimedElsewhere`
+/// Event and the `LeftAlone` count, once per object generation and holder.
+async fn leave_alone<R: Reconciler>(ctx: &Context, obj: &R::Object, holder: &str) {
+    let me = ctx.claims.me();
+    let uid = obj.uid().unwrap_or_default();
+    let generation = obj.meta().generation.unwrap_or_default();
+    if !ctx.claims.first_time(&uid, generation, holder) {
+        return;
+    }
+    count_claim::<R>(ctx, "LeftAlone");
+    tracing::info!(
+        controller = R::NAME,
+        name = %obj.name_any(),
+        namespace = obj.namespace().as_deref().unwrap_or_default(),
+        %uid,
+        generation,
+        holder = %holder,
+        release = %me,
+        "claimed by another PodMotion release: left alone (overwrite or remove the {} annotation to hand it over)",
+        annotations::CONTROLLER,
+    );
+    let note = format!(
+        "Reconciled by PodMotion release {holder}, not by {me}: this release leaves it alone. To hand it over: kubectl annotate --overwrite {kind} {name} {key}=<release namespace>/<lease name> (or remove the annotation: the first release that sees it claims it).",
+        kind = R::Object::kind(&()).to_lowercase(),
+        name = obj.name_any(),
+        key = annotations::CONTROLLER,
+    );
+    publish(
+        ctx,
+        obj,
+        EventType::Normal,
+        reasons::CLAIMED_ELSEWHERE,
+        "Reconcile",
+        note,
+    )
+    .await;
+}
+
+/// Claims an unclaimed object for this release, by a write that carries the
+/// resourceVersion read: the claimed object to reconcile, or, when another release
+/// (or anything else) changed it since the read, a short wait to read again.
+async fn claim<R: Reconciler>(
+    ctx: &Context,
+    obj: &R::Object,
+) -> Result<Gate<R::Object>, ReconcileError> {
+    let me = ctx.claims.me();
+    let api = api_of(&ctx.client, obj);
+    match ctx
+        .writer
+        .claim(&api, obj, annotations::CONTROLLER, me, R::MANAGER)
+        .await
+    {
+        Ok(claimed) => {
+            count_claim::<R>(ctx, "Claimed");
+            tracing::info!(
+                controller = R::NAME,
+                name = %obj.name_any(),
+                namespace = obj.namespace().as_deref().unwrap_or_default(),
+                uid = obj.uid().as_deref().unwrap_or_default(),
+                release = %me,
+                "claimed for this PodMotion release"
+            );
+            Ok(Gate::Proceed(Arc::new(claimed)))
         }
+        // Another release claimed it (or anything else changed it) since the
+        // read: nothing was written; decide again on a fresher read.
+        Err(e) if e.is_conflict() => {
+            count_claim::<R>(ctx, "Lost");
+            Err(ReconcileError::wait(CLAIM_LOST, Duration::from_millis(500)))
+        }
+        Err(e) if e.is_status(404) => Ok(Gate::Stop(Action::await_change())),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -302,45 +302,66 @@ impl Pki {
             if !synced {
                 continue;
             }
-            if let Some(planted) = seen.as_ref() {
-                match untrusted(&self.client, self.protection.as_deref(), planted).await {
-                    Ok(None) => {}
-                    Ok(Some(why)) => {
-                        tracing::error!(secret = %s.ca_secret, error = %why, "the CA Secret is not used");
-                        if self.writer.leads() {
-                            replace_untrusted(&self.writer, &secrets, planted).await;
-                        }
-                        wait = Duration::from_secs(10);
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "reading the key material's admission policy binding");
-                        wait = Duration::from_secs(5);
-                        continue;
-                    }
+            wait = self
+                .ca_round(&secrets, seen.as_ref(), &mut published)
+                .await?;
+        }
+    }
+
+    /// One look at the CA Secret seen, once the watch has synced: unless it is not to be
+    /// trusted or cannot be used, the leader creates or rotates it, or this replica puts
+    /// it in use. Returns how long to wait before looking again (the watch may wake us
+    /// sooner).
+    async fn ca_round(
+        &self,
+        secrets: &Api<Secret>,
+        seen: Option<&Secret>,
+        published: &mut Option<String>,
+    ) -> anyhow::Result<Duration> {
+        let s = &self.settings;
+        if let Some(planted) = seen
+            && let Some(wait) = self.distrusted(secrets, planted).await
+        {
+            return Ok(wait);
+        }
+        let Ok(loaded) = usable_ca(seen, &s.ca_secret) else {
+            return Ok(Duration::from_secs(60));
+        };
+        let t = now();
+        let step = match &loaded {
+            Some(l) => plan::ca_step(&l.state, &s.life, t),
+            None => CaStep::Create,
+        };
+        if step != CaStep::Nothing && self.writer.leads() {
+            self.take_ca_step(secrets, seen, loaded.as_ref(), &step, t)
+                .await?;
+            // The watch brings the new version (or the winner's).
+            return Ok(Duration::from_secs(2));
+        }
+        Ok(match loaded {
+            Some(l) => self.serve_ca(l, t, published).await,
+            // No CA and not the leader: the leader makes it; its write wakes us.
+            None => Duration::from_secs(3600),
+        })
+    }
+
+    /// Whether the CA Secret seen is not to be trusted ([`untrusted`]): `None` when it
+    /// may be used, else how long to wait before looking again (the leader deletes an
+    /// untrusted one, to create its own).
+    async fn distrusted(&self, secrets: &Api<Secret>, planted: &Secret) -> Option<Duration> {
+        match untrusted(&self.client, self.protection.as_deref(), planted).await {
+            Ok(None) => None,
+            Ok(Some(why)) => {
+                tracing::error!(secret = %self.settings.ca_secret, error = %why, "the CA Secret is not used");
+                if self.writer.leads() {
+                    replace_untrusted(&self.writer, secrets, planted).await;
                 }
+                Some(Duration::from_secs(10))
             }
-            let Ok(loaded) = usable_ca(seen.as_ref(), &s.ca_secret) else {
-                wait = Duration::from_secs(60);
-                continue;
-            };
-            let t = now();
-            let step = match &loaded {
-                Some(l) => plan::ca_step(&l.state, &s.life, t),
-                None => CaStep::Create,
-            };
-            if step != CaStep::Nothing && self.writer.leads() {
-                self.take_ca_step(&secrets, seen.as_ref(), loaded.as_ref(), &step, t)
-                    .await?;
-                // The watch brings the new version (or the winner's).
-                wait = Duration::from_secs(2);
-                continue;
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the key material's admission policy binding");
+                Some(Duration::from_secs(5))
             }
-            wait = match loaded {
-                Some(l) => self.serve_ca(l, t, &mut published).await,
-                // No CA and not the leader: the leader makes it; its write wakes us.
-                None => Duration::from_secs(3600),
-            };
         }
     }
 

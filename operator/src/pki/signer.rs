@@ -160,32 +160,52 @@ impl Reconciler for Signer {
                 ));
             }
             Verdict::Approve { node } => {
-                if !approved {
-                    approve(writer, &api, &name, &node).await?;
-                }
-                let cert = issue::sign_agent(
-                    &ca.signing,
-                    ca.signing_not_after(),
-                    &node,
-                    &request_pem,
-                    now(),
-                    &settings.life,
-                )
-                .map_err(|e| ReconcileError::Inconsistent(e.to_string()))?;
-                let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
-                let pp = PatchParams::default();
-                writer
-                    .patch_status(&api, &name, &pp, &Patch::Merge(&patch))
+                let note = self
+                    .issue(&api, &name, approved, &node, &ca, &request_pem)
                     .await?;
-                tracing::info!(csr = %name, %node, "agent certificate issued");
-                out.notes.push(Note::normal(
-                    reasons::AGENT_CERTIFICATE_ISSUED,
-                    "Sign",
-                    format!("certificate issued to the agent pod on node {node}"),
-                ));
+                out.notes.push(note);
             }
         }
         Ok(out)
+    }
+}
+
+impl Signer {
+    /// Approves the request (unless someone did already), signs it for `node` with the
+    /// CA and writes the certificate to its status; returns the Event that says so.
+    async fn issue(
+        &self,
+        api: &Api<CertificateSigningRequest>,
+        name: &str,
+        approved: bool,
+        node: &str,
+        ca: &LoadedCa,
+        request_pem: &str,
+    ) -> Result<Note, ReconcileError> {
+        let writer = &self.ctx.writer;
+        if !approved {
+            approve(writer, api, name, node).await?;
+        }
+        let cert = issue::sign_agent(
+            &ca.signing,
+            ca.signing_not_after(),
+            node,
+            request_pem,
+            now(),
+            &self.pki.settings().life,
+        )
+        .map_err(|e| ReconcileError::Inconsistent(e.to_string()))?;
+        let patch = json!({"status": {"certificate": ByteString(cert.into_bytes())}});
+        let pp = PatchParams::default();
+        writer
+            .patch_status(api, name, &pp, &Patch::Merge(&patch))
+            .await?;
+        tracing::info!(csr = %name, %node, "agent certificate issued");
+        Ok(Note::normal(
+            reasons::AGENT_CERTIFICATE_ISSUED,
+            "Sign",
+            format!("certificate issued to the agent pod on node {node}"),
+        ))
     }
 }
 

@@ -11,9 +11,29 @@ use crate::migration::stage::Reason;
 use crate::note::{EventKind, Note};
 
 impl<'a> Machine<'a> {
-    /// The Event of entering `phase` (a table: one line per phase).
+    /// The Event of entering `phase`: its words ([`Self::entry_words`]), under the action
+    /// of a step or of an ending.
     pub(super) fn entry_note(&self, phase: MigrationPhase) -> Note {
-        let (kind, reason, message) = match phase {
+        let (kind, reason, message) = self.entry_words(phase);
+        // The end of a rollback is its own Event: with the failure's action it would
+        // carry the same reason, type and action as the failure's Event ("rolling
+        // back"), and the recorder folds such a repeat into that Event's series,
+        // dropping this message (what was resumed, or what may be left).
+        let action = match phase {
+            MigrationPhase::Failed | MigrationPhase::Aborted => END_ACTION,
+            _ => ACTION,
+        };
+        Note {
+            kind,
+            reason: reason.into(),
+            action,
+            message,
+        }
+    }
+
+    /// Kind, reason and message of entering `phase` (a table: one line per phase).
+    fn entry_words(&self, phase: MigrationPhase) -> (EventKind, &'static str, String) {
+        match phase {
             MigrationPhase::Pending => (EventKind::Normal, reasons::PENDING, "pending".to_string()),
             MigrationPhase::Preparing => (
                 EventKind::Normal,
@@ -59,20 +79,6 @@ impl<'a> Machine<'a> {
                     .as_str(),
                 self.stopped_message(),
             ),
-        };
-        // The end of a rollback is its own Event: with the failure's action it would
-        // carry the same reason, type and action as the failure's Event ("rolling
-        // back"), and the recorder folds such a repeat into that Event's series,
-        // dropping this message (what was resumed, or what may be left).
-        let action = match phase {
-            MigrationPhase::Failed | MigrationPhase::Aborted => END_ACTION,
-            _ => ACTION,
-        };
-        Note {
-            kind,
-            reason: reason.into(),
-            action,
-            message,
         }
     }
 
