@@ -27,7 +27,6 @@ known_large=(
   # issue 44: the hubs the issue names (chaos as a driver over named steps).
   e2e/src/bin/chaos.rs
   # issue 44: over the limit when the check came; to be split.
-  kubectl-podmotion/src/intercept.rs
   e2e/src/bin/bench_real_migration.rs
 )
 
@@ -63,19 +62,6 @@ known_long_fns=(
   "executors/broker/src/fake/lease.rs fn update_adoptions"
   "executors/broker/src/handover.rs fn sweep"
   "executors/broker/src/ops.rs fn handle"
-  "kubectl-podmotion/src/cli.rs fn parse_duration"
-  "kubectl-podmotion/src/drain.rs fn run"
-  "kubectl-podmotion/src/migrate.rs fn run"
-  "kubectl-podmotion/src/migrate.rs fn follow"
-  "operator/core/src/migration/machine/events.rs fn entry_note"
-  "operator/src/agents/mod.rs fn call"
-  "operator/src/controllers/shell.rs fn claim_gate"
-  "operator/src/main.rs fn run"
-  "operator/src/pki/shell.rs fn keep_ca"
-  "operator/src/pki/signer.rs fn apply"
-  "operator/src/release.rs fn release_all"
-  "operator/src/uninstall.rs fn roll_back_in_flight_migrations"
-  "operator/src/webhook.rs fn carry_out"
 )
 
 srcs=()
