@@ -1,5 +1,7 @@
-//! Parts of the chaos run (`src/bin/chaos.rs`) that stand on their own: a fault-injecting
-//! proxy in front of the API server and a small seeded random source.
+//! The chaos run (`src/bin/chaos.rs`, which drives [`scenario`]'s steps in order): a
+//! fault-injecting proxy in front of the API server and a small seeded random source
+//! (here), the run's options, objects, replicas, churn, live migrations, invariants,
+//! convergence, teardown and summary (the modules below).
 //!
 //! The proxy listens on loopback (plain HTTP) and forwards every request through a
 //! [`kube::Client`] built from the admin kubeconfig, so TLS and the client certificate
@@ -8,6 +10,9 @@
 //! with `409 Conflict` or `429 Too Many Requests` (`Retry-After: 1`) and never reaches the
 //! API server. Writes to `coordination.k8s.io` Leases are never faulted: a 409 on its own
 //! Lease makes a leader exit by design, which the run covers by killing leaders instead.
+
+// As the binary it serves (`src/bin/chaos.rs`).
+#![forbid(unsafe_code)]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -19,6 +24,18 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode, header};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
+
+mod churn;
+mod converge;
+mod invariants;
+mod live;
+pub mod opts;
+mod replicas;
+pub mod scenario;
+mod setup;
+mod state;
+pub mod summary;
+mod teardown;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -167,14 +184,22 @@ async fn handle(
 ) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let share = st.share_per_mille.load(Ordering::Relaxed);
-    match decide(req.method(), &path, st.roll(), share) {
+    if let Some(injected) = inject(st, decide(req.method(), &path, st.roll(), share)) {
+        return injected;
+    }
+    forward(client, st, req).await
+}
+
+/// The proxy's own answer to a faulted write (counted), or `None` to forward it.
+fn inject(st: &ProxyStats, decision: Decision) -> Option<Response<ProxyBody>> {
+    match decision {
         Decision::Conflict => {
             st.conflicts.fetch_add(1, Ordering::Relaxed);
-            return status(
+            Some(status(
                 StatusCode::CONFLICT,
                 "Conflict",
                 "chaos: injected conflict, the object has been modified; please apply your changes to the latest version and try again",
-            );
+            ))
         }
         Decision::Throttle => {
             st.throttles.fetch_add(1, Ordering::Relaxed);
@@ -185,10 +210,19 @@ async fn handle(
             );
             r.headers_mut()
                 .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            return r;
+            Some(r)
         }
-        Decision::Forward => {}
+        Decision::Forward => None,
     }
+}
+
+/// Forwards `req` to the API server through `client` (counted as a read or a write)
+/// and streams its answer back; 503 if the API server cannot be reached.
+async fn forward(
+    client: kube::Client,
+    st: &ProxyStats,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
     if *req.method() != Method::GET {
         st.writes_forwarded.fetch_add(1, Ordering::Relaxed);
     } else {

@@ -257,17 +257,7 @@ fn uptime() -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    let Some(op) = TestNamespace::new("bench-real-op", PodSecurity::Restricted).await else {
-        bail!("PODMOTION_E2E=0");
-    };
-    let Some(nodes) = real_nodes(&op.client).await else {
-        bail!("PODMOTION_REAL_NODES=0");
-    };
-    ensure!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
-    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
-    let Some(app) = TestNamespace::new("bench-real-app", PodSecurity::Baseline).await else {
-        bail!("PODMOTION_E2E=0");
-    };
+    let (op, nodes, app) = namespaces_and_nodes().await?;
     let images = Images::load()?;
     let testload_image = images.testload()?;
     eprintln!(
@@ -277,24 +267,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let release = format!("pm{}", random_suffix());
     let agents_ns = format!("{}-agents", op.name);
-    let (checkpoint_mib, agent_limit_mib) = agent_memory_mib(&args.sizes);
-    eprintln!("agents: checkpointSizeLimit {checkpoint_mib}Mi, memory limit {agent_limit_mib}Mi");
-    let mut values = vec![
-        "--set-string".to_owned(),
-        format!(
-            "migrationAgent.checkpointSizeLimit={checkpoint_mib}Mi,\
-             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi"
-        ),
-        "--set".to_owned(),
-        "migrationAgent.postCopy.enabled=true".to_owned(),
-    ];
-    if args.timeline {
-        // The timeline shows each reconcile of the migration (its start and length).
-        values.extend([
-            "--set".to_owned(),
-            r"operator.logFilter=info\,podmotion_operator=debug\,kube=warn".to_owned(),
-        ]);
-    }
+    let values = chart_values(&args);
     let _uninstall = helm_install(
         &release,
         &images,
@@ -323,6 +296,47 @@ async fn main() -> anyhow::Result<()> {
     };
     print_table(&rows, &loads);
     Ok(())
+}
+
+/// The operator's namespace, the real nodes (two at least), and the workload's
+/// namespace.
+async fn namespaces_and_nodes() -> anyhow::Result<(TestNamespace, Vec<String>, TestNamespace)> {
+    let Some(op) = TestNamespace::new("bench-real-op", PodSecurity::Restricted).await else {
+        bail!("PODMOTION_E2E=0");
+    };
+    let Some(nodes) = real_nodes(&op.client).await else {
+        bail!("PODMOTION_REAL_NODES=0");
+    };
+    ensure!(nodes.len() >= 2, "two real nodes needed: {nodes:?}");
+    // The workload runs as uid 0: see docs/migration-controller.md, "Container user".
+    let Some(app) = TestNamespace::new("bench-real-app", PodSecurity::Baseline).await else {
+        bail!("PODMOTION_E2E=0");
+    };
+    Ok((op, nodes, app))
+}
+
+/// The chart's values for the run: the agents' checkpoint size and memory limits for
+/// the pods' sizes, post-copy on, and (`--timeline`) the operator's debug log.
+fn chart_values(args: &Args) -> Vec<String> {
+    let (checkpoint_mib, agent_limit_mib) = agent_memory_mib(&args.sizes);
+    eprintln!("agents: checkpointSizeLimit {checkpoint_mib}Mi, memory limit {agent_limit_mib}Mi");
+    let mut values = vec![
+        "--set-string".to_owned(),
+        format!(
+            "migrationAgent.checkpointSizeLimit={checkpoint_mib}Mi,\
+             migrationAgent.agent.resources.limits.memory={agent_limit_mib}Mi"
+        ),
+        "--set".to_owned(),
+        "migrationAgent.postCopy.enabled=true".to_owned(),
+    ];
+    if args.timeline {
+        // The timeline shows each reconcile of the migration (its start and length).
+        values.extend([
+            "--set".to_owned(),
+            r"operator.logFilter=info\,podmotion_operator=debug\,kube=warn".to_owned(),
+        ]);
+    }
+    values
 }
 
 /// The chart's `migrationAgent.checkpointSizeLimit` and the agent container's memory
@@ -1015,7 +1029,7 @@ async fn mig_round(
     mode: Mode,
     agents: &mut AgentPeaks,
 ) -> anyhow::Result<Mig> {
-    let (pods, pms, nodes, agents_ns) = (&b.pods, &b.pms, &b.nodes, b.agents_ns.as_str());
+    let (pods, nodes, agents_ns) = (&b.pods, &b.nodes, b.agents_ns.as_str());
     let pod = ready_pod(pods, app).await?;
     let from = node_of(&pod);
     let to = nodes
@@ -1024,30 +1038,8 @@ async fn mig_round(
         .find(|n| **n != from)
         .context("another real node")?
         .clone();
-    let pm: PodMigration = from_json(json!({
-        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
-        "metadata": {"name": name},
-        "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode.name(),
-            "freezeBudgetMillis": 600000, "deadlineSeconds": DEADLINE_S,
-            "progressTimeoutSeconds": PROGRESS_TIMEOUT_S,
-            "probe": {"tcpSocket": {"port": 8080}}}
-    }));
-    let mut watches = b.watch_agents([&from, &to]).await;
-    let created = pms.create(&PostParams::default(), &pm).await?;
-    let ended = wait_for(pms, name, MIGRATION_WAIT, "the PodMigration to end", |m| {
-        m.and_then(|m| m.status.as_ref())
-            .is_some_and(|s| s.phase.is_terminal())
-    })
-    .await;
-    *agents = b.agent_peaks(&mut watches);
-    let st = ended?
-        .and_then(|m| m.status)
-        .context("the PodMigration's status")?;
-    let uid = created.uid().unwrap_or_default();
-    if b.args.timeline {
-        // Also of a migration that failed: where it stopped.
-        print_timeline(agents_ns, name, &uid);
-    }
+    let pm = migration(name, &pod, &to, mode);
+    let (st, uid) = migrate(b, name, &pm, [&from, &to], agents).await?;
     ensure!(
         st.phase == MigrationPhase::Succeeded,
         "{name} ended {:?}: {:?} {:?}",
@@ -1070,6 +1062,60 @@ async fn mig_round(
     delete_now(pods, &target).await?;
     let [dumped, restored] =
         agent_log_lines(agents_ns, &uid, ["dumped; source left stopped", "restored"]);
+    mig_of(from, to, &st, dumped, restored)
+}
+
+/// The PodMigration `name` of `pod` to the node `to` in `mode`.
+fn migration(name: &str, pod: &Pod, to: &str, mode: Mode) -> PodMigration {
+    from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name},
+        "spec": {"podName": pod.name_any(), "targetNode": to, "mode": mode.name(),
+            "freezeBudgetMillis": 600000, "deadlineSeconds": DEADLINE_S,
+            "progressTimeoutSeconds": PROGRESS_TIMEOUT_S,
+            "probe": {"tcpSocket": {"port": 8080}}}
+    }))
+}
+
+/// Creates `pm` (the PodMigration `name`) and waits for its end, the peaks of the
+/// agents on `nodes` over it going to `agents`; its final status and UID. With
+/// `--timeline`, prints where it went (also when it failed: where it stopped).
+async fn migrate(
+    b: &Bench,
+    name: &str,
+    pm: &PodMigration,
+    nodes: [&str; 2],
+    agents: &mut AgentPeaks,
+) -> anyhow::Result<(PodMigrationStatus, String)> {
+    let pms = &b.pms;
+    let mut watches = b.watch_agents(nodes).await;
+    let created = pms.create(&PostParams::default(), pm).await?;
+    let ended = wait_for(pms, name, MIGRATION_WAIT, "the PodMigration to end", |m| {
+        m.and_then(|m| m.status.as_ref())
+            .is_some_and(|s| s.phase.is_terminal())
+    })
+    .await;
+    *agents = b.agent_peaks(&mut watches);
+    let st = ended?
+        .and_then(|m| m.status)
+        .context("the PodMigration's status")?;
+    let uid = created.uid().unwrap_or_default();
+    if b.args.timeline {
+        // Also of a migration that failed: where it stopped.
+        print_timeline(&b.agents_ns, name, &uid);
+    }
+    Ok((st, uid))
+}
+
+/// The migration's figures from its status and the agents' log lines of its final
+/// dump and its restore.
+fn mig_of(
+    from: String,
+    to: String,
+    st: &PodMigrationStatus,
+    dumped: Option<String>,
+    restored: Option<String>,
+) -> anyhow::Result<Mig> {
     let progress = st.progress.clone().unwrap_or_default();
     Ok(Mig {
         from,
@@ -1081,7 +1127,7 @@ async fn mig_round(
         final_dump_ms: dumped.as_deref().and_then(|l| log_field(l, "dump_ms")),
         final_dump_bytes: dumped.as_deref().and_then(|l| log_field(l, "bytes")),
         restore_ms: restored.as_deref().and_then(|l| log_field(l, "restore_ms")),
-        total_s: whole_migration_s(&st),
+        total_s: whole_migration_s(st),
     })
 }
 

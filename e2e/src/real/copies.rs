@@ -546,35 +546,14 @@ impl HeldClient {
                         continue;
                     }
                 };
-                let _ = conn.set_read_timeout(Some(ANSWER_TIMEOUT));
-                let mut w = conn.try_clone().expect("clone");
-                let mut r = BufReader::new(conn);
-                let mut line = String::new();
-                let end = loop {
-                    if s.load(Ordering::SeqCst) {
-                        break None;
-                    }
-                    line.clear();
-                    if let Err(err) = writeln!(w, "get") {
-                        break Some(format!("write: {err}"));
-                    }
-                    match r.read_line(&mut line) {
-                        Ok(0) => break Some("EOF".to_string()),
-                        Ok(_) => match line.trim().parse::<u64>() {
-                            Ok(n) => {
-                                v.lock().unwrap().push(n);
-                                l.lock().unwrap().answers.push(t0.elapsed());
-                                if let Some(tx) = ready.take() {
-                                    let _ = tx.send(());
-                                }
-                            }
-                            Err(_) => break Some(format!("not a counter: {line:?}")),
-                        },
-                        Err(err) => break Some(format!("read: {err}")),
-                    }
-                    std::thread::sleep(pause);
+                let held = Held {
+                    stop: &s,
+                    seen: &v,
+                    log: &l,
+                    pause,
+                    t0,
                 };
-                if let Some(end) = end {
+                if let Some(end) = held.ask(conn, &mut ready) {
                     e.lock().unwrap().push((t0.elapsed(), end));
                 }
             }
@@ -618,6 +597,56 @@ impl HeldClient {
 impl Drop for HeldClient {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The held client's thread, on one connection: what it stops on, where it records,
+/// how often it asks, and what its times count from.
+struct Held<'a> {
+    stop: &'a AtomicBool,
+    seen: &'a Mutex<Vec<u64>>,
+    log: &'a Mutex<Reads>,
+    pause: Duration,
+    t0: Instant,
+}
+
+impl Held<'_> {
+    /// Asks `get` on `conn` every `pause`, recording each value (the first also tells
+    /// `ready`), until stopped (`None`) or the connection ends (why).
+    fn ask(
+        &self,
+        conn: TcpStream,
+        ready: &mut Option<std::sync::mpsc::Sender<()>>,
+    ) -> Option<String> {
+        let (s, v, l, pause, t0) = (self.stop, self.seen, self.log, self.pause, self.t0);
+        let _ = conn.set_read_timeout(Some(ANSWER_TIMEOUT));
+        let mut w = conn.try_clone().expect("clone");
+        let mut r = BufReader::new(conn);
+        let mut line = String::new();
+        loop {
+            if s.load(Ordering::SeqCst) {
+                break None;
+            }
+            line.clear();
+            if let Err(err) = writeln!(w, "get") {
+                break Some(format!("write: {err}"));
+            }
+            match r.read_line(&mut line) {
+                Ok(0) => break Some("EOF".to_string()),
+                Ok(_) => match line.trim().parse::<u64>() {
+                    Ok(n) => {
+                        v.lock().unwrap().push(n);
+                        l.lock().unwrap().answers.push(t0.elapsed());
+                        if let Some(tx) = ready.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Err(_) => break Some(format!("not a counter: {line:?}")),
+                },
+                Err(err) => break Some(format!("read: {err}")),
+            }
+            std::thread::sleep(pause);
+        }
     }
 }
 
