@@ -24,8 +24,6 @@ known_large=(
   # issue 44: other engineers are editing these now; split after their changes land.
   executors/agent/src/service.rs
   executors/agent/src/testbed.rs
-  # issue 44: the hubs the issue names (chaos as a driver over named steps).
-  e2e/src/bin/chaos.rs
   # issue 44: over the limit when the check came; to be split.
   e2e/src/bin/bench_real_migration.rs
 )
@@ -34,20 +32,6 @@ known_large=(
 # that maps each case to its value and does nothing else) may stay, said so here.
 known_long_fns=(
   # issue 44: to be split along their steps.
-  "e2e/src/bin/bench_client_gap.rs fn main"
-  "e2e/src/bin/bench_real_migration.rs fn mig_round"
-  "e2e/src/bin/bench_real_migration.rs fn main"
-  "e2e/src/bin/chaos.rs fn check_live_round"
-  "e2e/src/bin/chaos.rs fn sample"
-  "e2e/src/bin/chaos.rs fn parse_opts"
-  "e2e/src/bin/chaos.rs fn converged"
-  "e2e/src/bin/chaos.rs fn teardown"
-  "e2e/src/bin/chaos.rs fn run"
-  "e2e/src/bin/chaos.rs fn run_replicas"
-  "e2e/src/bin/chaos.rs fn churn"
-  "e2e/src/bin/chaos.rs fn live_round"
-  "e2e/src/chaos.rs fn handle"
-  "e2e/src/real/copies.rs fn start_from"
   "executors/agent/src/service.rs fn prepare_impl"
   "executors/agent/src/service/dump.rs fn dump_locked"
   "executors/agent/src/service/post_copy.rs fn dump"
