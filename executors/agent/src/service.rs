@@ -4,12 +4,13 @@
 //! from the caller's certificate ([`crate::authz`]): control calls are the operator's,
 //! the image stream is the peer agent's the operator named at `Prepare`.
 //!
-//! The layers below it, each naming only what is below itself: `helpers` (statuses,
-//! blocking calls, the broker's calls), `parts` and `post_copy` (the pod's other
-//! containers, the lazy session), `freeze` (a frozen source's owner, its thaw and kill),
-//! `state` (the configuration and one migration), then the steps that act on a
-//! migration (`prepare`, `dump`, `send`, `receive`, `restore`, `fence`). This file
-//! holds the gRPC service that calls them.
+//! The layers below it, each naming only what is below itself (no module cycle,
+//! `hack/check-modules.sh`): `helpers` (statuses, blocking calls, the broker's calls),
+//! `pace` and `manifest`, `parts` and `post_copy` (the pod's other containers, the lazy
+//! session), `freeze` (a frozen source's owner, its thaw and kill), `state` (the
+//! configuration and one migration), then the steps that act on a migration
+//! (`prepare`, `dump` with `room`, `send`, `receive`, `restore`, `fence`,
+//! `post_copy::target`). This file holds the gRPC service that calls them.
 
 use crate::admission::{Admission, Step, admit};
 use crate::authz::{self, Prepared, Rpc};
