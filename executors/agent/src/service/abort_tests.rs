@@ -3,9 +3,11 @@
 //! the operator's leader killed, drops its handler's future), so the source is resumed
 //! and the next `Abort` (the next leader's) answers that it is; the same for `Fence`.
 
+use super::freeze::{FENCED, FROZEN, Freeze, THAWED, THAWING};
 use super::prepare_tests::{UID, agent, prepare_target, registers_then};
 use super::testkit::{Answer, FakeBroker, Scratch};
 use super::*;
+use podmotion_wire::broker::Reply;
 use std::time::Duration;
 
 /// An agent whose broker holds the first request `held` matches until the returned

@@ -23,13 +23,14 @@
 //! and the fence of the source act on every container, in each path that ends a
 //! freeze (commit, abort, the watchdog, shutdown).
 
-use super::{Role, blocking, broker_call, held_source, io_status, netns_ino};
+use super::helpers::{NETNS_KEY, blocking, broker_call, held_source, io_status, netns_ino};
 use crate::containers::{ContainerFs, Containers, Resolved};
 use crate::criu::Opts;
 use crate::pod::{Layout, PodPlan};
 use crate::{creds, mounts};
 use podmotion_broker::client::BrokerClient;
 use podmotion_broker::procfs;
+use podmotion_wire::agent::Role;
 use podmotion_wire::broker::{BrokerRole, Reply, Request};
 use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::path::PathBuf;
@@ -216,11 +217,7 @@ pub(super) fn dump_of(
     let external_mounts = external_mounts(p.fs.as_ref(), pid)?;
     let mut o = Opts::new(&dir, log);
     o.pid = Some(pid);
-    o.external = vec![format!(
-        "net[{}]:{}",
-        netns_ino(pid, owner)?,
-        super::NETNS_KEY
-    )];
+    o.external = vec![format!("net[{}]:{}", netns_ino(pid, owner)?, NETNS_KEY)];
     o.external
         .extend(mounts::dump_external_args(&external_mounts));
     if track_mem {

@@ -18,11 +18,9 @@
 //!   ([`Source::end`]); the freeze watchdog never kills a source that still serves
 //!   pages.
 
-use super::send::Pace;
-use super::{Migration, blocking};
+use super::pace::Pace;
 use crate::criu::{self, Criu, Opts, Req};
 use crate::lazy::{self, Requests};
-use podmotion_broker::procfs;
 use podmotion_wire::agent::LazyFrame;
 use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
 use podmotion_wire::transfer::{self, Sealer};
@@ -36,6 +34,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Mutex;
 use tonic::Status;
 use tonic::transport::Channel;
+
+pub(super) mod target;
 
 /// The sealed direction of the target's page requests.
 const REQUESTS: &str = "lazy/requests";
@@ -118,28 +118,7 @@ impl Source {
             .map_err(|e| Status::internal(format!("lazy-pages configuration: {e}")))?;
         opts.lazy_pages = Some(true);
         opts.config_file = Some(conf.to_string_lossy().into_owned());
-        let (written_tx, written_rx) = tokio::sync::oneshot::channel();
-        let (outcome_tx, mut outcome) = tokio::sync::watch::channel::<Outcome>(None);
-        tokio::task::spawn_blocking(move || {
-            let mut written_tx = Some(written_tx);
-            let mut told = |script: &str| {
-                if script == "post-dump"
-                    && let Some(tx) = written_tx.take()
-                {
-                    let _ = tx.send(());
-                }
-            };
-            let r = criu.call_notified(
-                Req {
-                    r#type: criu::REQ_DUMP,
-                    opts: Some(opts),
-                },
-                Some(&log),
-                Some(OwnedFd::from(theirs)),
-                &mut told,
-            );
-            let _ = outcome_tx.send(Some(r.map(|_| ()).map_err(|e| e.to_string())));
-        });
+        let (written_rx, mut outcome) = spawn_lazy_dump(criu, opts, log, theirs);
         if written_rx.await.is_err() {
             // CRIU returned before the images were written: its answer says why.
             let _ = outcome.wait_for(Option::is_some).await;
@@ -217,6 +196,43 @@ impl Source {
             )),
         }
     }
+}
+
+/// Starts CRIU's lazy dump on a blocking thread, on `theirs` (its end of the session's
+/// socket): told once every image but the lazy pages is written (its `post-dump`
+/// notification), and watched for its return.
+fn spawn_lazy_dump(
+    criu: Criu,
+    opts: Opts,
+    log: PathBuf,
+    theirs: std::os::unix::net::UnixStream,
+) -> (
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::sync::watch::Receiver<Outcome>,
+) {
+    let (written_tx, written_rx) = tokio::sync::oneshot::channel();
+    let (outcome_tx, outcome) = tokio::sync::watch::channel::<Outcome>(None);
+    tokio::task::spawn_blocking(move || {
+        let mut written_tx = Some(written_tx);
+        let mut told = |script: &str| {
+            if script == "post-dump"
+                && let Some(tx) = written_tx.take()
+            {
+                let _ = tx.send(());
+            }
+        };
+        let r = criu.call_notified(
+            Req {
+                r#type: criu::REQ_DUMP,
+                opts: Some(opts),
+            },
+            Some(&log),
+            Some(OwnedFd::from(theirs)),
+            &mut told,
+        );
+        let _ = outcome_tx.send(Some(r.map(|_| ()).map_err(|e| e.to_string())));
+    });
+    (written_rx, outcome)
 }
 
 /// Seals one direction of a session.
@@ -353,7 +369,7 @@ async fn carry_source(
     key: &[u8],
     bandwidth_limit: u64,
 ) -> Result<(), String> {
-    let mut reader = src
+    let reader = src
         .reader
         .lock()
         .expect("reader")
@@ -366,26 +382,9 @@ async fn carry_source(
         .max_encoding_message_size(4 << 20)
         .max_decoding_message_size(4 << 20);
     // The first frame opens the call: the target admits it on it.
-    let mut buf = vec![0u8; FRAME];
     tx.send(out.frame(&[])).await.map_err(|_| "stream closed")?;
     let call = client.lazy_pages(up);
-    let state = Arc::clone(&src.state);
-    let pages = async move {
-        let pace = Pace::new(bandwidth_limit);
-        loop {
-            let n = reader.read(&mut buf).await.map_err(|e| e.to_string())?;
-            if n == 0 {
-                return Ok::<(), String>(());
-            }
-            if let Some(wait) = pace.ahead(n as u64) {
-                tokio::time::sleep(wait).await;
-            }
-            tx.send(out.frame(&buf[..n]))
-                .await
-                .map_err(|_| "the target closed the session".to_string())?;
-            state.bytes.fetch_add(n as u64, Ordering::SeqCst);
-        }
-    };
+    let pages = send_pages(reader, out, tx, bandwidth_limit, Arc::clone(&src.state));
     let requests = async {
         let mut down = call.await.map_err(|e| e.message().to_owned())?.into_inner();
         let mut opened = Incoming::new(key, uid, REQUESTS);
@@ -406,6 +405,31 @@ async fn carry_source(
     // at the close. Either erring ends both.
     let (a, b) = tokio::join!(pages, requests);
     b.and(a)
+}
+
+/// CRIU's answers up, sealed and paced, until CRIU closes its socket.
+async fn send_pages(
+    mut reader: OwnedReadHalf,
+    mut out: Outgoing,
+    tx: tokio::sync::mpsc::Sender<LazyFrame>,
+    bandwidth_limit: u64,
+    state: Arc<LazyState>,
+) -> Result<(), String> {
+    let pace = Pace::new(bandwidth_limit);
+    let mut buf = vec![0u8; FRAME];
+    loop {
+        let n = reader.read(&mut buf).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok::<(), String>(());
+        }
+        if let Some(wait) = pace.ahead(n as u64) {
+            tokio::time::sleep(wait).await;
+        }
+        tx.send(out.frame(&buf[..n]))
+            .await
+            .map_err(|_| "the target closed the session".to_string())?;
+        state.bytes.fetch_add(n as u64, Ordering::SeqCst);
+    }
 }
 
 /// The target's side: the daemon's end of its socket until `Restore` starts it, and
@@ -444,101 +468,6 @@ impl Drop for Target {
 pub(super) type FrameStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<LazyFrame, Status>> + Send>>;
 
-/// Opens the target's side of a session (the caller admitted it): a socket pair whose
-/// one end the daemon's (started here, see [`spawn_daemon`]), the other carried here
-/// until either side ends.
-/// Returns the stream of the daemon's requests, sealed.
-pub(super) fn accept_session(
-    criu: &Criu,
-    m: &mut Migration,
-    mm: Arc<Mutex<Migration>>,
-    first: LazyFrame,
-    rest: tonic::Streaming<LazyFrame>,
-) -> Result<FrameStream, Status> {
-    let dir = super::restore::final_images(&m.dir)?;
-    let (ours, theirs) = std::os::unix::net::UnixStream::pair()
-        .map_err(|e| Status::internal(format!("lazy-pages socket: {e}")))?;
-    // The daemon starts now, on the final images, while the source is frozen but
-    // before `Restore` is asked for: its start (CRIU's kernel-feature probe, ≈ 50 ms)
-    // is then mostly over when the restore needs it.
-    let daemon = spawn_daemon(criu, &dir, OwnedFd::from(theirs))?;
-    ours.set_nonblocking(true)
-        .map_err(|e| Status::internal(e.to_string()))?;
-    let (mut reader, mut writer) = tokio::net::UnixStream::from_std(ours)
-        .map_err(|e| Status::internal(e.to_string()))?
-        .into_split();
-    let target = Arc::new(Target {
-        state: Arc::default(),
-        daemon: StdMutex::new(Some(daemon)),
-        requests: StdMutex::new(Requests::default()),
-    });
-    m.lazy_target = Some(Arc::clone(&target));
-    let uid = m.uid.to_string();
-    let mut out = Outgoing::new(&m.key, &uid, REQUESTS)?;
-    let mut opened = Incoming::new(&m.key, &uid, PAGES);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<LazyFrame, Status>>(8);
-    // The daemon's requests, sealed, down the answer stream.
-    let t = Arc::clone(&target);
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; FRAME];
-        loop {
-            let n = match reader.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            let _ = t.requests.lock().expect("requests").take(&buf[..n]);
-            if tx.send(Ok(out.frame(&buf[..n]))).await.is_err() {
-                break;
-            }
-        }
-    });
-    // The source's pages, opened, to the daemon; then how the session ended.
-    tokio::spawn(async move {
-        let mut rest = rest;
-        let carried = async {
-            let mut next = Some(first);
-            loop {
-                let f = match next.take() {
-                    Some(f) => f,
-                    None => match rest.message().await.map_err(|e| e.message().to_owned())? {
-                        Some(f) => f,
-                        None => return Ok::<(), String>(()),
-                    },
-                };
-                let plain = opened.open(f)?;
-                writer.write_all(&plain).await.map_err(|e| e.to_string())?;
-                target
-                    .state
-                    .bytes
-                    .fetch_add(plain.len() as u64, Ordering::SeqCst);
-            }
-        }
-        .await;
-        if target.requests.lock().expect("requests").closed() {
-            // The daemon asked for the end: its own exit says how it went
-            // ([`watch_daemon`]).
-            return;
-        }
-        // The source is lost: the copy dies before the daemon learns it (dropping
-        // `writer` tells it).
-        let why = carried
-            .err()
-            .unwrap_or_else(|| "the source ended the session early".into());
-        let mut m = mm.lock().await;
-        target.state.fail(format!(
-            "the source was lost during PostCopy's lazy phase ({why}): the restored copy was killed, the pod is lost"
-        ));
-        if let Err(e) = m.kill_restored_copy().await {
-            tracing::error!(uid = %m.uid, error = %e.message(), "PostCopy: the restored copy could not be confirmed killed");
-        }
-        drop(writer);
-        tracing::warn!(uid = %m.uid, error = %target.state.error(), "PostCopy: lazy phase failed on the target");
-    });
-    let stream =
-        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
-    Ok(Box::pin(stream))
-}
-
 /// Starts the target's `criu lazy-pages` for the images in `dir` on the session's
 /// socket (without waiting: [`daemon_listening`] does, at the restore).
 fn spawn_daemon(criu: &Criu, dir: &Path, socket: OwnedFd) -> Result<std::process::Child, Status> {
@@ -572,49 +501,4 @@ pub(super) async fn daemon_listening(
     let _ = child.kill();
     let _ = child.wait();
     Err(Status::internal("criu lazy-pages did not start listening"))
-}
-
-/// Watches the target's daemon after a restore: its good exit ends the lazy phase
-/// (the images are then zeroized); a bad one kills the restored copy first.
-pub(super) fn watch_daemon(
-    mut child: std::process::Child,
-    target: Arc<Target>,
-    mm: Arc<Mutex<Migration>>,
-    dir: PathBuf,
-) {
-    tokio::spawn(async move {
-        let st = blocking(move || child.wait().map_err(|e| Status::internal(e.to_string()))).await;
-        let mut m = mm.lock().await;
-        match st {
-            // The daemon also ends well when every process it served exited (an abort
-            // killed the copy, or the workload ended): done only with the copy alive.
-            Ok(s) if s.success() && m.restored.is_some_and(|p| procfs::check_live(p).is_ok()) => {
-                target.state.finish();
-                tracing::info!(uid = %m.uid, bytes = target.state.bytes(), "PostCopy: every page is in");
-            }
-            Ok(s) if s.success() => {
-                target.state.fail(
-                    "the restored copy ended before every page came in (aborted, or the workload exited)".into(),
-                );
-            }
-            other => {
-                let why = match other {
-                    Ok(s) => format!(
-                        "criu lazy-pages exited ({s}): {}",
-                        criu::log_tail(&dir.join("lazy.log"))
-                    ),
-                    Err(e) => e.message().to_owned(),
-                };
-                target.state.fail(format!(
-                    "the lazy phase failed ({why}): the restored copy was killed, the pod is lost"
-                ));
-                if let Err(e) = m.kill_restored_copy().await {
-                    tracing::error!(uid = %m.uid, error = %e.message(), "PostCopy: the restored copy could not be confirmed killed");
-                }
-                tracing::warn!(uid = %m.uid, error = %target.state.error(), "PostCopy: lazy phase failed on the target");
-            }
-        }
-        let _ = crate::images::zeroize(&m.dir);
-        m.image_bytes = 0;
-    });
 }

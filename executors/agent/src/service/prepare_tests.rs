@@ -3,7 +3,12 @@
 
 use super::testkit::{Answer, FakeBroker, Scratch};
 use super::*;
-use podmotion_wire::broker::ErrorKind;
+use crate::containers::Containers;
+use crate::criu::Criu;
+use podmotion_wire::broker::{ErrorKind, Reply};
+use podmotion_wire::client::TlsFiles;
+use podmotion_wire::transfer;
+use std::path::PathBuf;
 
 pub(super) const UID: &str = "5f0c2a9e-1b7d-4c3e-8a6f-0d9e8c7b6a51";
 

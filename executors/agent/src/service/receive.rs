@@ -3,9 +3,10 @@
 //! the migration's checkpoint dir, and a stream that does not end verified leaves
 //! nothing of itself behind.
 
-use super::{Migration, Phase, blocking, io_internal};
+use super::helpers::{Transferring, Transfers, blocking, cut_by_abort, io_internal};
+use super::state::Migration;
 use crate::images;
-use podmotion_wire::agent::{ImageChunk, ReceiveSummary};
+use podmotion_wire::agent::{ImageChunk, Phase, ReceiveSummary};
 use podmotion_wire::transfer::{self, Sealer};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -32,7 +33,7 @@ pub(super) async fn receive_locked(
     first: ImageChunk,
     mut s: Streaming<ImageChunk>,
     aborted: tokio::sync::watch::Receiver<bool>,
-    transfers: super::Transfers,
+    transfers: Transfers,
 ) -> Result<ReceiveSummary, Status> {
     // The stream's header (its first chunk) carries the stream id.
     let sealer = Arc::new(
@@ -41,7 +42,7 @@ pub(super) async fn receive_locked(
     );
     let before = m.phase;
     m.phase = Phase::Receiving;
-    let _transferring = super::Transferring::mark(&transfers, m.uid.as_str(), m.status());
+    let _transferring = Transferring::mark(&transfers, m.uid.as_str(), m.status());
     let dir = m.dir.clone();
     // This task takes chunks off the connection; a blocking thread opens and
     // writes them, so the network side never waits for the decryption or tmpfs.
@@ -49,7 +50,7 @@ pub(super) async fn receive_locked(
     let writer = spawn_writer(dir.clone(), Arc::clone(&sealer), wrx);
     let mut seq = 0u64;
     let uid = m.uid.to_string();
-    let read = super::cut_by_abort(
+    let read = cut_by_abort(
         aborted,
         read_chunks(first, &mut s, &uid, &wtx, &mut seq),
         "the image stream",

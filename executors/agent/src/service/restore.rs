@@ -1,10 +1,11 @@
 //! `Restore` on the target: the received tree restored by CRIU into the pod's network
 //! namespace (a container's inside its holder), and never a process of it left
-//! running after a restore that failed (see [`kill_restored`]).
+//! running after a restore that failed (see [`super::state::kill_restored`]).
 
-use super::{
-    Config, Migration, NETNS_KEY, Phase, blocking, broker_call_blocking, criu_status, now_us,
-};
+use super::helpers::{NETNS_KEY, blocking, broker_call_blocking, criu_status, io_status, now_us};
+use super::manifest::{final_dir, read_manifest, read_manifest_named};
+use super::post_copy;
+use super::state::{Config, Migration, kill_restored};
 use crate::admission::{Admission, Step, admit};
 use crate::containers::ContainerFs;
 use crate::criu::{self, Criu, Opts, Req};
@@ -12,7 +13,7 @@ use crate::{images, mounts};
 use podmotion_broker::client::BrokerClient;
 use podmotion_broker::procfs;
 use podmotion_wire::agent::{
-    HOLDER_RESTART, Manifest, ManifestSocket, MigrationStatus, SocketOutcome, SocketReport,
+    HOLDER_RESTART, Manifest, ManifestSocket, MigrationStatus, Phase, SocketOutcome, SocketReport,
     TcpPreservation,
 };
 use podmotion_wire::broker::{Reply, Request};
@@ -33,39 +34,8 @@ pub(super) async fn restore_locked(
     if admit(m.role, m.phase, Step::Restore)? == Admission::Done {
         return Ok(m.status());
     }
-    let manifest = read_manifest(&m.dir)?;
-    // The pod's other containers' manifests; the connections of every container
-    // decide whether they are kept (one network namespace, one decision).
-    let part_manifests = m
-        .parts
-        .iter()
-        .map(|p| read_manifest_named(&m.dir, &p.layout.manifest()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut pod_manifest = manifest.clone();
-    for pm in &part_manifests {
-        pod_manifest.sockets.extend(pm.sockets.iter().cloned());
-    }
-    let Reply::Addrs { mut addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
-    else {
-        return Err(Status::internal("unexpected broker reply"));
-    };
-    let tcp = effective_tcp(&manifest, m.tcp);
-    adopt_addresses(&mut m, &pod_manifest, tcp, &mut addrs).await;
-    let run = match tcp_preserved(&pod_manifest, tcp, &addrs).and_then(|preserve| {
-        let dir = final_dir(&m.dir, &manifest)?;
-        Ok((
-            restore_run(&cfg, &m, &manifest, &dir, preserve)?,
-            dir,
-            preserve,
-        ))
-    }) {
-        Ok(run) => run,
-        Err(e) => {
-            m.release_adopted().await;
-            return Err(e);
-        }
-    };
-    let (mut run, dir, preserve) = run;
+    let (manifest, part_manifests, pod_manifest) = read_manifests(&m)?;
+    let (mut run, dir, preserve) = plan_run(&cfg, &mut m, &manifest, &pod_manifest).await?;
     // PostCopy: the daemon that fills the restored memory from the source, on the
     // session the source opened, listening before CRIU starts.
     let daemon = match lazy_daemon(&m, &dir).await {
@@ -94,32 +64,11 @@ pub(super) async fn restore_locked(
             return Err(e);
         }
     };
-    // From here the copy runs: every failure below kills it before answering.
-    m.restored = Some(restored);
-    if let Err(e) = m
-        .broker(Request::MoveCgroup {
-            uid: m.uid.clone(),
-            process: restored,
-        })
-        .await
-    {
-        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
-    }
-    if let Err(e) = restore_parts(&cfg, &mut m, &part_manifests, preserve).await {
-        return Err(undo_restore(&mut m, holder_pid.is_some(), e).await);
-    }
+    let holder = holder_pid.is_some();
+    place_copy(&cfg, &mut m, restored, holder, &part_manifests, preserve).await?;
     write_restart_file(&m, &manifest);
     m.sockets = restored_sockets(&pod_manifest.sockets, preserve);
-    match (daemon, m.lazy_target.clone()) {
-        // PostCopy: the daemon reads the images until every page is in; it zeroizes
-        // them when it is done.
-        (Some(d), Some(t)) => super::post_copy::watch_daemon(d, t, mm, dir.clone()),
-        _ => {
-            // The images are no longer needed: do not keep the workload's memory around.
-            let _ = images::zeroize(&m.dir);
-            m.image_bytes = 0;
-        }
-    }
+    release_images(&mut m, daemon, mm, dir);
     m.phase = Phase::Restored;
     tracing::info!(
         uid = %m.uid,
@@ -128,6 +77,98 @@ pub(super) async fn restore_locked(
         "restored"
     );
     Ok(m.status())
+}
+
+/// The first container's manifest, the pod's other containers' and the pod's (the
+/// first's with every container's sockets): the connections of every container decide
+/// whether they are kept (one network namespace, one decision).
+fn read_manifests(m: &Migration) -> Result<(Manifest, Vec<Manifest>, Manifest), Status> {
+    let manifest = read_manifest(&m.dir)?;
+    let part_manifests = m
+        .parts
+        .iter()
+        .map(|p| read_manifest_named(&m.dir, &p.layout.manifest()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut pod_manifest = manifest.clone();
+    for pm in &part_manifests {
+        pod_manifest.sockets.extend(pm.sockets.iter().cloned());
+    }
+    Ok((manifest, part_manifests, pod_manifest))
+}
+
+/// The restore's run, its final image dir and whether connections are preserved: the
+/// addresses of the pod's namespace, those taken over for it (given back if the run
+/// cannot be made).
+async fn plan_run(
+    cfg: &Config,
+    m: &mut Migration,
+    manifest: &Manifest,
+    pod_manifest: &Manifest,
+) -> Result<(RestoreRun, PathBuf, bool), Status> {
+    let Reply::Addrs { mut addrs } = m.broker(Request::NetnsAddrs { uid: m.uid.clone() }).await?
+    else {
+        return Err(Status::internal("unexpected broker reply"));
+    };
+    let tcp = effective_tcp(manifest, m.tcp);
+    adopt_addresses(m, pod_manifest, tcp, &mut addrs).await;
+    let run = tcp_preserved(pod_manifest, tcp, &addrs).and_then(|preserve| {
+        let dir = final_dir(&m.dir, manifest)?;
+        Ok((
+            restore_run(cfg, m, manifest, &dir, preserve)?,
+            dir,
+            preserve,
+        ))
+    });
+    if run.is_err() {
+        m.release_adopted().await;
+    }
+    run
+}
+
+/// The restored copy runs: recorded, moved into the pod's cgroup, and the pod's other
+/// containers restored beside it. From here every failure kills it before answering.
+async fn place_copy(
+    cfg: &Arc<Config>,
+    m: &mut Migration,
+    restored: ProcRef,
+    holder: bool,
+    part_manifests: &[Manifest],
+    preserve: bool,
+) -> Result<(), Status> {
+    m.restored = Some(restored);
+    if let Err(e) = m
+        .broker(Request::MoveCgroup {
+            uid: m.uid.clone(),
+            process: restored,
+        })
+        .await
+    {
+        return Err(undo_restore(m, holder, e).await);
+    }
+    if let Err(e) = restore_parts(cfg, m, part_manifests, preserve).await {
+        return Err(undo_restore(m, holder, e).await);
+    }
+    Ok(())
+}
+
+/// The images once the copy runs: PostCopy's daemon reads them until every page is
+/// in (and zeroizes them when it is done); otherwise they go now.
+fn release_images(
+    m: &mut Migration,
+    daemon: Option<std::process::Child>,
+    mm: Arc<tokio::sync::Mutex<Migration>>,
+    dir: PathBuf,
+) {
+    match (daemon, m.lazy_target.clone()) {
+        // PostCopy: the daemon reads the images until every page is in; it zeroizes
+        // them when it is done.
+        (Some(d), Some(t)) => post_copy::target::watch_daemon(d, t, mm, dir),
+        _ => {
+            // The images are no longer needed: do not keep the workload's memory around.
+            let _ = images::zeroize(&m.dir);
+            m.image_bytes = 0;
+        }
+    }
 }
 
 /// PostCopy: `criu lazy-pages` for the images in `dir`, started when the source opened its
@@ -145,25 +186,7 @@ async fn lazy_daemon(m: &Migration, dir: &Path) -> Result<Option<std::process::C
                 "PostCopy: the source has not opened its lazy-pages session (or a restore already used it)",
             )
         })?;
-    super::post_copy::daemon_listening(daemon, dir)
-        .await
-        .map(Some)
-}
-
-/// The directory of the final images of the checkpoint in `dir`, as its manifest
-/// names it.
-pub(super) fn final_images(dir: &Path) -> Result<PathBuf, Status> {
-    final_dir(dir, &read_manifest(dir)?)
-}
-
-fn read_manifest(dir: &Path) -> Result<Manifest, Status> {
-    read_manifest_named(dir, "manifest.json")
-}
-
-fn read_manifest_named(dir: &Path, name: &str) -> Result<Manifest, Status> {
-    let bytes =
-        std::fs::read(dir.join(name)).map_err(|e| Status::data_loss(format!("{name}: {e}")))?;
-    serde_json::from_slice(&bytes).map_err(|e| Status::data_loss(format!("{name}: {e}")))
+    post_copy::daemon_listening(daemon, dir).await.map(Some)
 }
 
 /// The preservation the restore runs under: the manifest's (what the source dumped
@@ -588,60 +611,6 @@ async fn undo_restore(m: &mut Migration, holder: bool, e: Status) -> Status {
     }
 }
 
-/// Kills a restored process tree and waits (bounded) until none of it runs: the tree
-/// of `root` (the restored root as pinned after the restore; all of its PID namespace
-/// with it if it is that namespace's init), and in a holder's PID namespace everything
-/// below the holder (CRIU ran there, so whatever it forked and left ends up there,
-/// pinned or not). The holder itself stays. Every process is pinned (pid and start
-/// time) before it is signalled, so a reused pid is never killed.
-pub(super) fn kill_restored(root: Option<ProcRef>, holder: Option<ProcRef>) -> Result<(), String> {
-    let live = || {
-        let mut pids = Vec::new();
-        if let Some(r) = root
-            && procfs::check_live(r).is_ok()
-        {
-            pids.extend(procfs::tree(r.pid));
-        }
-        // The holder as pinned at `Prepare`: a holder that exited (its container
-        // restarted) has nothing of this restore below it, and its pid may be reused.
-        if let Some(h) = holder
-            && procfs::check_live(h).is_ok()
-        {
-            pids.extend(procfs::tree(h.pid).into_iter().filter(|p| *p != h.pid));
-        }
-        pids.sort_unstable();
-        pids.dedup();
-        pids.into_iter()
-            .filter_map(|pid| {
-                let p = ProcRef {
-                    pid,
-                    start_time: procfs::start_time(pid).ok()?,
-                };
-                procfs::check_live(p).is_ok().then_some(p)
-            })
-            .collect::<Vec<_>>()
-    };
-    for _ in 0..500 {
-        let procs = live();
-        if procs.is_empty() {
-            return Ok(());
-        }
-        for p in procs {
-            if procfs::check_live(p).is_ok() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(p.pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let left: Vec<i32> = live().iter().map(|p| p.pid).collect();
-    Err(format!(
-        "restored processes {left:?} still run 5 s after SIGKILL"
-    ))
-}
-
 /// Restore options for a container's dump (`None`: a process of the node's mount
 /// namespace, restored as it was). Returns the descriptors CRIU inherits; they must
 /// stay open until the restore has run.
@@ -661,7 +630,7 @@ fn container_restore(
         ));
     };
     let path = format!("/proc/{holder_pid}/mountinfo");
-    let mi = std::fs::read_to_string(&path).map_err(|e| super::io_status("read", &path, &e))?;
+    let mi = std::fs::read_to_string(&path).map_err(|e| io_status("read", &path, &e))?;
     // The holder runs as the container's user: its fds are opened as that user.
     let owner = crate::creds::owner_of(holder_pid).map_err(Status::failed_precondition)?;
     let holder = mounts::Holder {
@@ -688,7 +657,7 @@ fn container_restore(
                 .map_err(std::io::Error::from)
         })
         .and_then(|r| r)
-        .map_err(|e| super::io_status("open", &path, &e))?;
+        .map_err(|e| io_status("open", &path, &e))?;
         o.inherit_fd.push(criu::InheritFd {
             key: key.clone(),
             fd: f.as_raw_fd(),
@@ -696,24 +665,6 @@ fn container_restore(
         fds.push(f);
     }
     Ok(Some(fds))
-}
-
-/// The final image dir a manifest names: one plain directory inside the checkpoint
-/// dir (never a link, never a path out of it).
-pub(super) fn final_dir(dir: &Path, manifest: &Manifest) -> Result<PathBuf, Status> {
-    let name = &manifest.final_dir;
-    if podmotion_wire::transfer::check_image_path(name).is_err() || name.contains('/') {
-        return Err(Status::data_loss(format!(
-            "manifest names final dir {name:?}: not a directory of the checkpoint"
-        )));
-    }
-    let p = dir.join(name);
-    match std::fs::symlink_metadata(&p) {
-        Ok(md) if md.is_dir() => Ok(p),
-        _ => Err(Status::data_loss(format!(
-            "manifest names final dir {name:?}: not a directory of the checkpoint"
-        ))),
-    }
 }
 
 #[cfg(test)]

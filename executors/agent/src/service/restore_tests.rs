@@ -8,7 +8,8 @@ use super::prepare_tests::{UID, agent, prepare_target, registers_then};
 use super::testkit::{Answer, FakeBroker, Scratch, manifest};
 use super::*;
 use podmotion_wire::agent::ManifestSocket;
-use podmotion_wire::broker::ErrorKind;
+use podmotion_wire::broker::{ErrorKind, Reply};
+use std::path::PathBuf;
 
 /// The source's address (where its connection was) and the target's own.
 const SOURCE_IP: &str = "198.18.0.7";

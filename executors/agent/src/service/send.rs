@@ -2,8 +2,10 @@
 //! and [`produce`], which reads the checkpoint dir and seals, paces and queues what the
 //! target does not hold yet.
 
-use super::{Config, Migration, Phase, error_chain, io_internal, now_us};
-use podmotion_wire::agent::{ImageChunk, ReceiveSummary, SendRequest};
+use super::helpers::{error_chain, io_internal, now_us};
+use super::pace::Pace;
+use super::state::{Config, Migration};
+use podmotion_wire::agent::{ImageChunk, Phase, ReceiveSummary, SendRequest};
 use podmotion_wire::identity::{Peer, PeerVerifier};
 use podmotion_wire::proto::migration_agent_client::MigrationAgentClient;
 use podmotion_wire::transfer::{self, Sealer};
@@ -442,46 +444,6 @@ impl Outgoing<'_> {
             base: String::new(),
             stream_id: self.header(),
         })
-    }
-}
-
-/// The PodMigration's bandwidth limit: the stream never runs ahead of `limit` bytes
-/// per second since it started (0 = unlimited).
-pub(super) struct Pace {
-    limit: u64,
-    started: Instant,
-    sent: std::sync::atomic::AtomicU64,
-}
-
-impl Pace {
-    pub(super) fn new(limit: u64) -> Pace {
-        Pace {
-            limit,
-            started: Instant::now(),
-            sent: Default::default(),
-        }
-    }
-
-    /// Charges `bytes` that are about to go out: how long to wait before they may
-    /// (`None`: at once). The one pacing rule of every stream the agent sends, the
-    /// images' (blocking, [`Pace::wait`]) and PostCopy's pages (async).
-    pub(super) fn ahead(&self, bytes: u64) -> Option<std::time::Duration> {
-        if self.limit == 0 {
-            return None;
-        }
-        let before = self
-            .sent
-            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-        let due = std::time::Duration::from_secs_f64(before as f64 / self.limit as f64);
-        due.checked_sub(self.started.elapsed())
-            .filter(|d| !d.is_zero())
-    }
-
-    /// Blocks until `bytes` more may go out.
-    fn wait(&self, bytes: u64) {
-        if let Some(ahead) = self.ahead(bytes) {
-            std::thread::sleep(ahead);
-        }
     }
 }
 

@@ -1,9 +1,10 @@
 //! The image stream through the real sealing and storing code: no (key, nonce) pair
 //! is ever used twice, and a hostile stream cannot write outside its migration.
 
+use super::manifest::final_dir;
+use super::pace::Pace;
 use super::receive::Store;
-use super::restore::final_dir;
-use super::send::{BLOCK, Pace, collect, produce, stream_sealer};
+use super::send::{BLOCK, collect, produce, stream_sealer};
 use super::testkit::Scratch;
 use super::*;
 use podmotion_wire::transfer::{NonceLog, Sealer};

@@ -3,9 +3,12 @@
 //! only where no retry can succeed, saying so.
 
 use super::dump::{Backoff, watch_freeze};
+use super::freeze::{COMMITTING, FROZEN, Freeze, THAWED};
 use super::testkit::{Answer, FakeBroker, Scratch};
 use super::*;
-use podmotion_wire::broker::ErrorKind;
+use podmotion_broker::client::BrokerClient;
+use podmotion_wire::broker::{ErrorKind, Reply};
+use podmotion_wire::ids::ProcRef;
 use std::time::Duration;
 
 const UID: &str = "2d4e6f80-9a1b-4c3d-8e5f-60718293a4b5";
