@@ -63,21 +63,22 @@ fn sandbox_config(name: &str) -> v1::PodSandboxConfig {
         }),
         hostname: name.into(),
         log_directory: String::new(),
+        ..Default::default()
     }
 }
 
 /// RunPodSandbox, the kubelet's first call for a pod.
 async fn run_sandbox(cri: &CriClient, name: &str) -> (String, v1::PodSandboxConfig) {
     let config = sandbox_config(name);
-    let sandbox: v1::RunPodSandboxResponse = cri
-        .unary(
-            "RunPodSandbox",
-            &v1::RunPodSandboxRequest {
-                config: Some(config.clone()),
-            },
-        )
+    let sandbox = cri
+        .runtime()
+        .run_pod_sandbox(v1::RunPodSandboxRequest {
+            config: Some(config.clone()),
+            ..Default::default()
+        })
         .await
-        .expect("RunPodSandbox");
+        .expect("RunPodSandbox")
+        .into_inner();
     (sandbox.pod_sandbox_id, config)
 }
 
@@ -89,43 +90,41 @@ async fn run_container(
     argv: &[&str],
     env: &[(&str, &str)],
 ) -> String {
-    let created: v1::CreateContainerResponse = cri
-        .unary(
-            "CreateContainer",
-            &v1::CreateContainerRequest {
-                pod_sandbox_id: sandbox.0.clone(),
-                config: Some(v1::ContainerConfig {
-                    metadata: Some(v1::ContainerMetadata {
-                        name: name.into(),
-                        attempt: 0,
-                    }),
-                    image: Some(v1::ImageSpec {
-                        image: "podmotion.test/busybox:1".into(),
-                    }),
-                    command: vec![argv[0].into()],
-                    args: argv[1..].iter().map(|a| (*a).into()).collect(),
-                    working_dir: "/".into(),
-                    envs: env
-                        .iter()
-                        .map(|(k, v)| v1::KeyValue {
-                            key: (*k).into(),
-                            value: (*v).into(),
-                        })
-                        .collect(),
-                    log_path: String::new(),
+    let created = cri
+        .runtime()
+        .create_container(v1::CreateContainerRequest {
+            pod_sandbox_id: sandbox.0.clone(),
+            config: Some(v1::ContainerConfig {
+                metadata: Some(v1::ContainerMetadata {
+                    name: name.into(),
+                    attempt: 0,
                 }),
-                sandbox_config: Some(sandbox.1.clone()),
-            },
-        )
+                image: Some(v1::ImageSpec {
+                    image: "podmotion.test/busybox:1".into(),
+                    ..Default::default()
+                }),
+                command: vec![argv[0].into()],
+                args: argv[1..].iter().map(|a| (*a).into()).collect(),
+                working_dir: "/".into(),
+                envs: env
+                    .iter()
+                    .map(|(k, v)| v1::KeyValue {
+                        key: (*k).into(),
+                        value: (*v).into(),
+                    })
+                    .collect(),
+                log_path: String::new(),
+                ..Default::default()
+            }),
+            sandbox_config: Some(sandbox.1.clone()),
+        })
         .await
-        .expect("CreateContainer");
-    let _: v1::Empty = cri
-        .unary(
-            "StartContainer",
-            &v1::ContainerIdRequest {
-                container_id: created.container_id.clone(),
-            },
-        )
+        .expect("CreateContainer")
+        .into_inner();
+    cri.runtime()
+        .start_container(v1::StartContainerRequest {
+            container_id: created.container_id.clone(),
+        })
         .await
         .expect("StartContainer");
     created.container_id
@@ -396,20 +395,16 @@ async fn agent_resolves_a_containerd_container_over_cri_and_attaches() {
     });
     assert!(gone.is_ok(), "table removed on SIGTERM");
 
-    let _: Result<v1::Empty, _> = cri
-        .unary(
-            "StopPodSandbox",
-            &v1::PodSandboxIdRequest {
-                pod_sandbox_id: sandbox.clone(),
-            },
-        )
+    let _ = cri
+        .runtime()
+        .stop_pod_sandbox(v1::StopPodSandboxRequest {
+            pod_sandbox_id: sandbox.clone(),
+        })
         .await;
-    let _: Result<v1::Empty, _> = cri
-        .unary(
-            "RemovePodSandbox",
-            &v1::PodSandboxIdRequest {
-                pod_sandbox_id: sandbox,
-            },
-        )
+    let _ = cri
+        .runtime()
+        .remove_pod_sandbox(v1::RemovePodSandboxRequest {
+            pod_sandbox_id: sandbox,
+        })
         .await;
 }

@@ -3,164 +3,39 @@
 //! The kubelet reports CRI container IDs (`containerd://<id>`); the runtime knows
 //! which host PID runs each of them and says so in `ContainerStatus` with
 //! `verbose = true` (containerd, CRI-O and cri-dockerd all put a JSON document under
-//! the `info` key of the response's info map, with a top-level `pid`). We speak the
-//! minimum of gRPC needed for unary calls, over one HTTP/2 connection on the unix
-//! socket, dialed once and reused for every container. The protobuf messages below
-//! are hand-written and wire-compatible with `runtime.v1` for the fields we read or
-//! set; everything else is skipped by prost as unknown fields.
+//! the `info` key of the response's info map, with a top-level `pid`). The client is
+//! generated from the upstream CRI contract (`proto/runtime/v1/api.proto`, vendored
+//! from k8s.io/cri-api; see `proto/README.md`) and runs over one HTTP/2 connection on
+//! the unix socket, dialed once and reused for every container.
 
 #![forbid(unsafe_code)]
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use hyper_util::rt::TokioIo;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
 
-/// Messages of `runtime.v1` that the attach executor (and its tests) use. Field
-/// numbers follow the CRI API; only the listed fields exist here.
 pub mod mountinfo;
 
+/// `runtime.v1` as generated from the upstream contract: every message and the
+/// `RuntimeService` client ([`v1::runtime_service_client::RuntimeServiceClient`]).
+/// The executors read container status; the runtime-path tests also create pods
+/// through it ([`CriClient::runtime`]).
+// The upstream comments become the docs as written; their lists are not Markdown's.
+#[allow(
+    clippy::doc_lazy_continuation,
+    clippy::doc_overindented_list_items,
+    rustdoc::bare_urls,
+    rustdoc::invalid_html_tags
+)]
 pub mod v1 {
-    use std::collections::HashMap;
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct VersionRequest {
-        #[prost(string, tag = "1")]
-        pub version: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct VersionResponse {
-        #[prost(string, tag = "1")]
-        pub version: String,
-        #[prost(string, tag = "2")]
-        pub runtime_name: String,
-        #[prost(string, tag = "3")]
-        pub runtime_version: String,
-        #[prost(string, tag = "4")]
-        pub runtime_api_version: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerStatusRequest {
-        #[prost(string, tag = "1")]
-        pub container_id: String,
-        #[prost(bool, tag = "2")]
-        pub verbose: bool,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerStatusResponse {
-        #[prost(message, optional, tag = "1")]
-        pub status: Option<ContainerStatus>,
-        #[prost(map = "string, string", tag = "2")]
-        pub info: HashMap<String, String>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerStatus {
-        #[prost(string, tag = "1")]
-        pub id: String,
-        #[prost(message, optional, tag = "2")]
-        pub metadata: Option<ContainerMetadata>,
-        /// CONTAINER_CREATED = 0, CONTAINER_RUNNING = 1, CONTAINER_EXITED = 2, CONTAINER_UNKNOWN = 3
-        #[prost(int32, tag = "3")]
-        pub state: i32,
-    }
-    pub const CONTAINER_RUNNING: i32 = 1;
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerMetadata {
-        #[prost(string, tag = "1")]
-        pub name: String,
-        #[prost(uint32, tag = "2")]
-        pub attempt: u32,
-    }
-
-    // --- Pod/container lifecycle: used by the runtime-path tests to create a real
-    // CRI pod; the executor itself never creates anything.
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct PodSandboxMetadata {
-        #[prost(string, tag = "1")]
-        pub name: String,
-        #[prost(string, tag = "2")]
-        pub uid: String,
-        #[prost(string, tag = "3")]
-        pub namespace: String,
-        #[prost(uint32, tag = "4")]
-        pub attempt: u32,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct PodSandboxConfig {
-        #[prost(message, optional, tag = "1")]
-        pub metadata: Option<PodSandboxMetadata>,
-        #[prost(string, tag = "2")]
-        pub hostname: String,
-        #[prost(string, tag = "3")]
-        pub log_directory: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct RunPodSandboxRequest {
-        #[prost(message, optional, tag = "1")]
-        pub config: Option<PodSandboxConfig>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct RunPodSandboxResponse {
-        #[prost(string, tag = "1")]
-        pub pod_sandbox_id: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct PodSandboxIdRequest {
-        #[prost(string, tag = "1")]
-        pub pod_sandbox_id: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Empty {}
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ImageSpec {
-        #[prost(string, tag = "1")]
-        pub image: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct KeyValue {
-        #[prost(string, tag = "1")]
-        pub key: String,
-        #[prost(string, tag = "2")]
-        pub value: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerConfig {
-        #[prost(message, optional, tag = "1")]
-        pub metadata: Option<ContainerMetadata>,
-        #[prost(message, optional, tag = "2")]
-        pub image: Option<ImageSpec>,
-        #[prost(string, repeated, tag = "3")]
-        pub command: Vec<String>,
-        #[prost(string, repeated, tag = "4")]
-        pub args: Vec<String>,
-        #[prost(string, tag = "5")]
-        pub working_dir: String,
-        #[prost(message, repeated, tag = "6")]
-        pub envs: Vec<KeyValue>,
-        #[prost(string, tag = "11")]
-        pub log_path: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct CreateContainerRequest {
-        #[prost(string, tag = "1")]
-        pub pod_sandbox_id: String,
-        #[prost(message, optional, tag = "2")]
-        pub config: Option<ContainerConfig>,
-        #[prost(message, optional, tag = "3")]
-        pub sandbox_config: Option<PodSandboxConfig>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct CreateContainerResponse {
-        #[prost(string, tag = "1")]
-        pub container_id: String,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ContainerIdRequest {
-        #[prost(string, tag = "1")]
-        pub container_id: String,
-    }
+    include!(concat!(env!("OUT_DIR"), "/runtime.v1.rs"));
 }
+
+/// The generated client of the runtime service, over the CRI socket's channel.
+pub type RuntimeClient = v1::runtime_service_client::RuntimeServiceClient<Channel>;
 
 pub const RUNTIME_SERVICE: &str = "/runtime.v1.RuntimeService";
 
@@ -171,16 +46,18 @@ pub enum CriError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("HTTP/2 to CRI socket: {0}")]
-    Transport(#[from] h2::Error),
+    /// The connection failed under a call (or its HTTP/2 handshake did): the error is
+    /// the transport's, not an answer of the runtime.
+    #[error("HTTP/2 to CRI socket: {}", error_chain(.0.as_ref()))]
+    Transport(Box<dyn std::error::Error + Send + Sync>),
+    /// The runtime answered the call with a non-OK gRPC status (`code` is the gRPC
+    /// code: 5 NotFound for an unknown container, ...).
     #[error("CRI call {method} failed: grpc-status {code}: {message}")]
     Status {
         method: String,
         code: u32,
         message: String,
     },
-    #[error("CRI call {method}: malformed response: {detail}")]
-    Malformed { method: String, detail: String },
     #[error("CRI call {method} timed out")]
     Timeout { method: String },
     #[error("container {id} is not running (state {state})")]
@@ -205,24 +82,52 @@ impl CriError {
             CriError::Connect { .. } => "CriConnect",
             CriError::Transport(_) => "CriTransport",
             CriError::Status { .. } => "CriStatus",
-            CriError::Malformed { .. } => "CriMalformed",
             CriError::Timeout { .. } => "CriTimeout",
             CriError::NotRunning { .. } => "ContainerNotRunning",
             CriError::NoPid { .. } => "NoPid",
             CriError::NoSocket { .. } => "NoCriSocket",
         }
     }
+
+    /// The error of a failed call. tonic reports both the runtime's answers and the
+    /// failures of the connection as a `Status`; the ones it made itself from a
+    /// transport error carry that error as their source, the runtime's never do.
+    fn of_call(method: &str, status: tonic::Status) -> CriError {
+        if std::error::Error::source(&status).is_some() {
+            return CriError::Transport(Box::new(status));
+        }
+        CriError::Status {
+            method: method.to_owned(),
+            code: status.code() as u32,
+            message: status.message().to_owned(),
+        }
+    }
+}
+
+/// `error: source: source's source...` (the transport's errors say little at the top).
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
 }
 
 /// One HTTP/2 connection to a CRI endpoint; cheap to clone (clones share it).
 #[derive(Clone)]
 pub struct CriClient {
     path: PathBuf,
-    send: h2::client::SendRequest<Bytes>,
+    runtime: RuntimeClient,
     timeout: Duration,
 }
 
 impl CriClient {
+    /// Dials the socket (a dead one is refused here, as [`CriError::Connect`]) and
+    /// runs the channel over that connection; should it end, the channel dials the
+    /// socket again.
     pub async fn connect(path: &Path) -> Result<Self, CriError> {
         let stream = UnixStream::connect(path)
             .await
@@ -230,15 +135,30 @@ impl CriClient {
                 path: path.to_owned(),
                 source,
             })?;
-        let (send, conn) = h2::client::handshake(stream).await?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "CRI connection ended");
+        let first = Arc::new(Mutex::new(Some(stream)));
+        let socket = path.to_owned();
+        let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+            let first = first.lock().ok().and_then(|mut s| s.take());
+            let socket = socket.clone();
+            async move {
+                let stream = match first {
+                    Some(stream) => stream,
+                    None => {
+                        tracing::debug!(socket = %socket.display(), "CRI connection re-dialed");
+                        UnixStream::connect(&socket).await?
+                    }
+                };
+                Ok::<_, std::io::Error>(TokioIo::new(stream))
             }
         });
+        // The URI only names the HTTP/2 authority; the connector ignores it.
+        let channel = Endpoint::from_static("http://localhost")
+            .connect_with_connector(connector)
+            .await
+            .map_err(|e| CriError::Transport(Box::new(e)))?;
         Ok(CriClient {
             path: path.to_owned(),
-            send,
+            runtime: RuntimeClient::new(channel),
             timeout: Duration::from_secs(10),
         })
     }
@@ -247,84 +167,32 @@ impl CriClient {
         &self.path
     }
 
-    /// A unary gRPC call: length-prefixed protobuf request, one response message,
-    /// status from the trailers (or from the headers for trailers-only errors).
-    pub async fn unary<Req: prost::Message, Resp: prost::Message + Default>(
+    /// The generated `RuntimeService` client on this connection, for calls this
+    /// crate has no method for (the runtime-path tests create pods with it).
+    pub fn runtime(&self) -> RuntimeClient {
+        self.runtime.clone()
+    }
+
+    /// A unary call of the runtime service, bounded by the client's timeout.
+    async fn call<T>(
         &self,
         method: &str,
-        req: &Req,
-    ) -> Result<Resp, CriError> {
+        call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, CriError> {
         let path = format!("{RUNTIME_SERVICE}/{method}");
-        let fut = self.unary_inner(&path, req);
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(r) => r,
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(CriError::of_call(&path, status)),
             Err(_) => Err(CriError::Timeout { method: path }),
         }
     }
 
-    async fn unary_inner<Req: prost::Message, Resp: prost::Message + Default>(
-        &self,
-        path: &str,
-        req: &Req,
-    ) -> Result<Resp, CriError> {
-        let malformed = |detail: String| CriError::Malformed {
-            method: path.to_owned(),
-            detail,
-        };
-        let request = http::Request::builder()
-            .method("POST")
-            .uri(format!("http://localhost{path}"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .map_err(|e| malformed(e.to_string()))?;
-        let mut send = self.send.clone().ready().await?;
-        let (response, mut body) = send.send_request(request, false)?;
-        let msg = req.encode_to_vec();
-        let mut frame = BytesMut::with_capacity(5 + msg.len());
-        frame.put_u8(0);
-        frame.put_u32(msg.len() as u32);
-        frame.put_slice(&msg);
-        body.send_data(frame.freeze(), true)?;
-
-        let response = response.await?;
-        let (parts, mut recv) = response.into_parts();
-        if let Some(err) = grpc_status(path, &parts.headers) {
-            return Err(err);
-        }
-        let mut data = BytesMut::new();
-        while let Some(chunk) = recv.data().await {
-            let chunk = chunk?;
-            let _ = recv.flow_control().release_capacity(chunk.len());
-            data.extend_from_slice(&chunk);
-        }
-        let trailers = recv.trailers().await?;
-        if let Some(err) = trailers.as_ref().and_then(|t| grpc_status(path, t)) {
-            return Err(err);
-        }
-        if trailers.is_none() && !parts.headers.contains_key("grpc-status") {
-            return Err(malformed("no grpc-status".into()));
-        }
-        if data.len() < 5 {
-            return Err(malformed(format!("{} body bytes", data.len())));
-        }
-        let mut buf = data.freeze();
-        let compressed = buf.get_u8();
-        let len = buf.get_u32() as usize;
-        if compressed != 0 || buf.len() < len {
-            return Err(malformed("compressed or truncated message".into()));
-        }
-        Resp::decode(buf.slice(..len)).map_err(|e| malformed(e.to_string()))
-    }
-
     pub async fn version(&self) -> Result<v1::VersionResponse, CriError> {
-        self.unary(
-            "Version",
-            &v1::VersionRequest {
-                version: "v1".into(),
-            },
-        )
-        .await
+        let mut runtime = self.runtime();
+        let request = v1::VersionRequest {
+            version: "v1".into(),
+        };
+        self.call("Version", runtime.version(request)).await
     }
 
     /// Host PID of a running container.
@@ -336,17 +204,16 @@ impl CriClient {
     /// runtime reports it: containerd and CRI-O do) of a running container.
     pub async fn running_container(&self, id: &str) -> Result<RunningContainer, CriError> {
         let id = strip_runtime_prefix(id);
-        let resp: v1::ContainerStatusResponse = self
-            .unary(
-                "ContainerStatus",
-                &v1::ContainerStatusRequest {
-                    container_id: id.to_owned(),
-                    verbose: true,
-                },
-            )
+        let mut runtime = self.runtime();
+        let request = v1::ContainerStatusRequest {
+            container_id: id.to_owned(),
+            verbose: true,
+        };
+        let resp = self
+            .call("ContainerStatus", runtime.container_status(request))
             .await?;
         let state = resp.status.as_ref().map(|s| s.state).unwrap_or(-1);
-        if state != v1::CONTAINER_RUNNING {
+        if state != v1::ContainerState::ContainerRunning as i32 {
             return Err(CriError::NotRunning {
                 id: id.to_owned(),
                 state,
@@ -378,23 +245,6 @@ pub fn runtime_spec_from_info(
 ) -> Option<serde_json::Value> {
     let doc: serde_json::Value = serde_json::from_str(info.get("info")?).ok()?;
     doc.get("runtimeSpec").filter(|s| s.is_object()).cloned()
-}
-
-fn grpc_status(method: &str, headers: &http::HeaderMap) -> Option<CriError> {
-    let code: u32 = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
-    if code == 0 {
-        return None;
-    }
-    let message = headers
-        .get("grpc-message")
-        .and_then(|m| m.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    Some(CriError::Status {
-        method: method.to_owned(),
-        code,
-        message,
-    })
 }
 
 /// `containerd://abc` → `abc` (the kubelet's containerID form).
@@ -491,6 +341,42 @@ mod tests {
         assert_eq!(strip_runtime_prefix("containerd://abc"), "abc");
         assert_eq!(strip_runtime_prefix("cri-o://def"), "def");
         assert_eq!(strip_runtime_prefix("abc"), "abc");
+    }
+
+    #[test]
+    fn the_runtimes_answer_is_a_status_with_its_grpc_code() {
+        let err = CriError::of_call(
+            "/runtime.v1.RuntimeService/ContainerStatus",
+            tonic::Status::not_found("an error occurred when try to find container"),
+        );
+        assert!(
+            matches!(&err, CriError::Status { code, .. } if *code == tonic::Code::NotFound as u32),
+            "{err:?}"
+        );
+        assert_eq!(err.category(), "CriStatus");
+        assert!(err.to_string().contains("grpc-status 5"), "{err}");
+    }
+
+    #[test]
+    fn a_status_tonic_made_from_a_broken_connection_is_the_transports() {
+        let broken = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let mut status = tonic::Status::unavailable("connection error");
+        status.set_source(Arc::new(broken));
+        let err = CriError::of_call("/runtime.v1.RuntimeService/Version", status);
+        assert_eq!(err.category(), "CriTransport");
+        assert!(err.to_string().contains("connection reset"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_dead_socket_is_refused_at_connect() {
+        let dir = std::env::temp_dir().join(format!("podmotion-cri-dead-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("containerd.sock");
+        let _ = std::fs::remove_file(&socket);
+        drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+        let err = CriClient::connect(&socket).await.err().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(err.category(), "CriConnect", "{err}");
     }
 
     #[test]
