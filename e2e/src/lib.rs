@@ -27,6 +27,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+pub mod bench_migration;
 pub mod chaos;
 pub mod kwok_agents;
 pub mod operator;
