@@ -19,8 +19,6 @@ known_cycles=(
 
 # Files over the limit (lines before the first `#[cfg(test)]`).
 known_large=(
-  # issue 44: over the limit when the check came; to be split.
-  e2e/src/bin/bench_real_migration.rs
 )
 
 # Functions over the limit, "file fn name" (hack/lib/fn-lengths.pl). A table (a match
