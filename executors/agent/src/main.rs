@@ -184,11 +184,11 @@ async fn serve() -> anyhow::Result<()> {
     })?
     .with_leader_term_record(term_record)?;
     let agent = std::sync::Arc::new(agent);
-    let metrics = tokio::net::TcpListener::bind(a.metrics_listen).await?;
     let scraped = std::sync::Arc::clone(&agent);
-    tokio::spawn(podmotion_agent::metrics::serve(metrics, move || {
-        scraped.frozen_sources()
-    }));
+    podmotion_metrics::start(a.metrics_listen, move || {
+        podmotion_agent::metrics::global().encode(&scraped.frozen_sources())
+    })
+    .await?;
     tracing::info!(listen = %a.listen, metrics = %a.metrics_listen, "agent serving");
     let signal = serve_until_terminated(a.listen, tls, &agent).await?;
     // Every source this agent froze is resumed before it exits (no freeze outlives its

@@ -1,6 +1,7 @@
 //! The agent's Prometheus metrics, served as text on `/metrics` of a plain HTTP port
-//! (no TLS, no secrets: counts only). What the agent knows about its migrations it
-//! learns from the answers of its own RPCs: [`Observed`] wraps the gRPC service and
+//! (no TLS, no secrets: counts only), by the server the executors share (the
+//! podmotion-metrics crate). What the agent knows about its migrations it learns from
+//! the answers of its own RPCs: [`Observed`] wraps the gRPC service and
 //! feeds every returned `MigrationStatus` to [`AgentMetrics::observe`], so the service
 //! itself only calls in for what no answer shows (broker ops, watchdog resumes, the
 //! frozen sources read at scrape time). Every label value comes from a fixed set
@@ -13,6 +14,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use podmotion_metrics::registered;
 use podmotion_wire::agent::{
     CommitRequest, ImageChunk, LazyFrame, MigrationRef, MigrationStatus, Phase, PrepareRequest,
     ReceiveSummary, Role, SendRequest,
@@ -24,8 +26,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::{Metric, Registry};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use prometheus_client::registry::Registry;
 use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -192,13 +193,6 @@ fn now_us() -> u64 {
 pub struct FrozenAge {
     pub frozen_for: Duration,
     pub budget: Duration,
-}
-
-/// Registers `metric` under `name` with `help` and hands it back (a clone shares its
-/// values with the registered one).
-fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
-    registry.register(name, help, metric.clone());
-    metric
 }
 
 impl Default for AgentMetrics {
@@ -404,10 +398,7 @@ impl AgentMetrics {
             }
             self.idle_seconds.set(idle.as_secs_f64());
         }
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
-        out
+        podmotion_metrics::encode(&self.registry)
     }
 }
 
@@ -472,55 +463,6 @@ impl<A: MigrationAgent> MigrationAgent for Observed<A> {
     }
     async fn status(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         timed("Status", self.agent.status(r)).await
-    }
-}
-
-/// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends;
-/// `frozen` is called at each scrape for the sources frozen now. One request per
-/// connection; no TLS and no secrets — the port carries counts only.
-pub async fn serve<F>(listener: tokio::net::TcpListener, frozen: F)
-where
-    F: Fn() -> Vec<FrozenAge> + Send + Sync + 'static,
-{
-    let frozen = Arc::new(frozen);
-    loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
-        };
-        let frozen = Arc::clone(&frozen);
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            // The request head only; a scrape sends no body.
-            while n < buf.len() {
-                match tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf[n..])).await
-                {
-                    Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
-                    Ok(Ok(k)) => n += k,
-                }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let target = head.split_whitespace().nth(1).unwrap_or("");
-            let path = target.split('?').next().unwrap_or("");
-            let (status, ctype, body) = if head.starts_with("GET ") && path == "/metrics" {
-                (
-                    "200 OK",
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    global().encode(&frozen()),
-                )
-            } else {
-                ("404 Not Found", "text/plain", "not found\n".to_owned())
-            };
-            let reply = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(reply.as_bytes()).await;
-            let _ = conn.shutdown().await;
-        });
     }
 }
 

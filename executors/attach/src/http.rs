@@ -359,11 +359,7 @@ impl BodyCursor {
     fn advance_chunk(c: &mut Chunk, rest: &[u8]) -> Result<usize, HttpError> {
         match c {
             Chunk::Size(line) => {
-                let Some(nl) = rest.iter().position(|b| *b == b'\n') else {
-                    line.extend_from_slice(rest);
-                    if line.len() > MAX_LINE {
-                        return Err(HttpError::Framing("chunk size line too long".into()));
-                    }
+                let Some(nl) = up_to_lf(line, rest, "chunk size line too long")? else {
                     return Ok(rest.len());
                 };
                 line.extend_from_slice(&rest[..nl]);
@@ -396,35 +392,53 @@ impl BodyCursor {
                 Ok(take)
             }
             Chunk::Trailer(line) => {
-                let Some(nl) = rest.iter().position(|b| *b == b'\n') else {
-                    line.extend_from_slice(rest);
-                    if line.len() > MAX_LINE {
-                        return Err(HttpError::Framing("trailer line too long".into()));
-                    }
+                let Some(nl) = up_to_lf(line, rest, "trailer line too long")? else {
                     return Ok(rest.len());
                 };
                 line.extend_from_slice(&rest[..=nl]);
-                if !line.ends_with(b"\r\n") {
-                    return Err(HttpError::Framing(
-                        "a trailer line ends in a bare LF".into(),
-                    ));
-                }
-                if line.as_slice() != b"\r\n" {
-                    if !trailer_field(&line[..line.len() - 2]) {
-                        return Err(HttpError::Framing(format!(
-                            "trailer line {:?} is not a header field",
-                            String::from_utf8_lossy(line)
-                        )));
-                    }
-                    line.clear();
-                } else {
-                    // Normalised so the caller can tell the end.
-                    *line = b"\r\n".to_vec();
-                }
+                end_trailer_line(line)?;
                 Ok(nl + 1)
             }
         }
     }
+}
+
+/// Where a line of the chunked framing ends in `rest`: the index of its LF, or `None`
+/// when `rest` holds no LF (then all of it is added to `line`, refused as `too_long`
+/// past [`MAX_LINE`]).
+fn up_to_lf(line: &mut Vec<u8>, rest: &[u8], too_long: &str) -> Result<Option<usize>, HttpError> {
+    let nl = rest.iter().position(|b| *b == b'\n');
+    if nl.is_none() {
+        line.extend_from_slice(rest);
+        if line.len() > MAX_LINE {
+            return Err(HttpError::Framing(too_long.into()));
+        }
+    }
+    Ok(nl)
+}
+
+/// Checks a whole trailer line (with its line end): CRLF-terminated, and a header
+/// field unless it is the empty line that ends the body. A field's line is cleared
+/// for the next one; the last line is left as CRLF alone.
+fn end_trailer_line(line: &mut Vec<u8>) -> Result<(), HttpError> {
+    if !line.ends_with(b"\r\n") {
+        return Err(HttpError::Framing(
+            "a trailer line ends in a bare LF".into(),
+        ));
+    }
+    if line.as_slice() != b"\r\n" {
+        if !trailer_field(&line[..line.len() - 2]) {
+            return Err(HttpError::Framing(format!(
+                "trailer line {:?} is not a header field",
+                String::from_utf8_lossy(line)
+            )));
+        }
+        line.clear();
+    } else {
+        // Normalised so the caller can tell the end.
+        *line = b"\r\n".to_vec();
+    }
+    Ok(())
 }
 
 /// A trailer line (without its CRLF) that is a header field: a token, `:`, and a

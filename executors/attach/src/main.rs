@@ -306,19 +306,18 @@ async fn run(cli: &Cli) -> Result<(), (&'static str, String)> {
     let mut int = signal(SignalKind::interrupt()).map_err(|e| ("Signal", e.to_string()))?;
     // Metrics first: a scrape while the agent waits for a predecessor's table shows
     // the ruleset not installed yet.
-    let metrics = tokio::net::TcpListener::bind(cli.metrics_listen)
-        .await
-        .map_err(|e| {
-            (
-                "MetricsListenFailed",
-                format!("{}: {e}", cli.metrics_listen),
-            )
-        })?;
     let attached: Arc<OnceLock<Arc<Attached>>> = Arc::new(OnceLock::new());
     let scraped = attached.clone();
-    tokio::spawn(podmotion_attach::metrics::serve(metrics, move || {
-        scraped.get().map(|a| a.port_gauges())
-    }));
+    podmotion_metrics::start(cli.metrics_listen, move || {
+        podmotion_attach::metrics::global().encode(scraped.get().map(|a| a.port_gauges()))
+    })
+    .await
+    .map_err(|e| {
+        (
+            "MetricsListenFailed",
+            format!("{}: {e}", cli.metrics_listen),
+        )
+    })?;
     let running = tokio::select! {
         r = agent::attach(&cfg) => r.map_err(|e| (e.category(), e.to_string()))?,
         _ = term.recv() => return Ok(()),

@@ -1,11 +1,11 @@
 //! The attach agent's Prometheus metrics, served as text on `GET /metrics` of a plain
 //! HTTP port of its own (`--metrics-listen`, in the Job pod's network namespace; no
 //! TLS and no token: counts only — the control API keeps its bearer token). Like the
-//! migration agent's (executors/agent/src/metrics.rs), with the same library and the
-//! same rule: every label value comes from a fixed set (modes, outcomes, directions,
-//! routes, results, error categories, control API routes and status codes), never a
-//! peer address, a port number, a header or a path, so one agent's series are a fixed
-//! number however much traffic it sees.
+//! migration agent's (executors/agent/src/metrics.rs), with the same library, the same
+//! server (podmotion-metrics) and the same rule: every label value comes from a fixed
+//! set (modes, outcomes, directions, routes, results, error categories, control API
+//! routes and status codes), never a peer address, a port number, a header or a path,
+//! so one agent's series are a fixed number however much traffic it sees.
 //!
 //! Connections are labelled by the port's mode when the forwarder accepted them:
 //! `intercept` (handed to a client stream), `filtered` (a filtered HTTP intercept,
@@ -16,11 +16,12 @@ use std::pin::Pin;
 use std::sync::LazyLock;
 use std::task::{Context, Poll};
 
+use podmotion_metrics::registered;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::{Metric, Registry};
+use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// How a port treated a connection when the forwarder accepted it.
@@ -297,13 +298,6 @@ pub fn global() -> &'static AttachMetrics {
     &GLOBAL
 }
 
-/// Registers `metric` under `name` with `help` and hands it back (a clone shares its
-/// values with the registered one).
-fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
-    registry.register(name, help, metric.clone());
-    metric
-}
-
 impl Default for AttachMetrics {
     fn default() -> Self {
         Self::new()
@@ -447,10 +441,7 @@ impl AttachMetrics {
             .get_or_create(&InterceptLabels { kind: "filtered" })
             .set(ports.filtered);
         self.wiretaps.set(ports.wiretaps);
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
-        out
+        podmotion_metrics::encode(&self.registry)
     }
 }
 
@@ -564,61 +555,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// Serves `GET /metrics` (anything else: 404) on `listener` until the process ends;
-/// `ports` is called at each scrape for the intercept and wiretap gauges (`None` until
-/// the agent is attached). One request per connection; no TLS and no token — the port
-/// carries counts only.
-pub async fn serve<F>(listener: tokio::net::TcpListener, ports: F)
-where
-    F: Fn() -> Option<PortGauges> + Send + Sync + 'static,
-{
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let ports = std::sync::Arc::new(ports);
-    loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
-        };
-        let ports = ports.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            // The request head only; a scrape sends no body.
-            while n < buf.len() {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(10),
-                    conn.read(&mut buf[n..]),
-                )
-                .await
-                {
-                    Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
-                    Ok(Ok(k)) => n += k,
-                }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let target = head.split_whitespace().nth(1).unwrap_or("");
-            let path = target.split('?').next().unwrap_or("");
-            let (status, ctype, body) = if head.starts_with("GET ") && path == "/metrics" {
-                (
-                    "200 OK",
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    global().encode(ports()),
-                )
-            } else {
-                ("404 Not Found", "text/plain", "not found\n".to_owned())
-            };
-            let reply = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(reply.as_bytes()).await;
-            let _ = conn.shutdown().await;
-        });
     }
 }
 

@@ -641,50 +641,63 @@ impl<K: Kernel> Broker<K> {
             }
             let mut next = Vec::new();
             for r in &l.records {
-                let a = r.address;
-                if self.kernel.check_live(r.holder).is_err() {
-                    tracing::info!(%uid, address = %a, holder = r.holder.pid, "adopted address forgotten: its holder is gone, and its network namespace with it");
-                    self.stop_waiting(r.holder.pid, |w| *w == (r.holder.pid, a));
-                    continue;
-                }
-                let why = if now >= r.deadline {
-                    Some(Why::Deadline)
-                } else if !r.restored && !self.registered_for(&uid, r.holder) {
-                    Some(Why::LeaseEnded)
-                } else if r.restored && !self.in_use(r.holder, a) {
-                    Some(Why::ConnectionsEnded)
-                } else {
-                    None
-                };
-                let Some(why) = why else {
+                if self.sweep_keeps(&uid, now, r) {
                     next.push(r.clone());
-                    continue;
-                };
-                if let Err(e) = self
-                    .kernel
-                    .in_netns(r.holder.pid, move |ip| withdraw(ip, a))
-                {
-                    tracing::warn!(%uid, address = %a, error = %e, "adopted address not withdrawn; next sweep");
-                    next.push(r.clone());
-                    continue;
-                }
-                self.unsilence_withdrawn(r);
-                match why {
-                    Why::Deadline => {
-                        tracing::warn!(%uid, address = %a, restored = r.restored, "adopted address withdrawn: its linger deadline passed (connections still using it lose it)")
-                    }
-                    Why::LeaseEnded => {
-                        tracing::info!(%uid, address = %a, "adopted address withdrawn: its migration ended before the restored tree was moved")
-                    }
-                    Why::ConnectionsEnded => {
-                        tracing::info!(%uid, address = %a, "adopted address withdrawn: moved connections ended")
-                    }
                 }
             }
             if let Err(e) = self.set_adoptions(&uid, &mut l, next) {
                 tracing::warn!(%uid, error = %e, "hand-over journal not updated; next sweep");
             }
             self.retire_if_empty(&uid, &arc, &mut l);
+        }
+    }
+
+    /// The sweep of one adoption of `uid` at unix time `now`: whether its record stays
+    /// (nothing to withdraw yet, or the withdrawal failed and the next sweep retries).
+    fn sweep_keeps(&self, uid: &MigrationUid, now: u64, r: &Adoption) -> bool {
+        let a = r.address;
+        if self.kernel.check_live(r.holder).is_err() {
+            tracing::info!(%uid, address = %a, holder = r.holder.pid, "adopted address forgotten: its holder is gone, and its network namespace with it");
+            self.stop_waiting(r.holder.pid, |w| *w == (r.holder.pid, a));
+            return false;
+        }
+        let Some(why) = self.why_withdrawn(uid, now, r) else {
+            return true;
+        };
+        if let Err(e) = self
+            .kernel
+            .in_netns(r.holder.pid, move |ip| withdraw(ip, a))
+        {
+            tracing::warn!(%uid, address = %a, error = %e, "adopted address not withdrawn; next sweep");
+            return true;
+        }
+        self.unsilence_withdrawn(r);
+        match why {
+            Why::Deadline => {
+                tracing::warn!(%uid, address = %a, restored = r.restored, "adopted address withdrawn: its linger deadline passed (connections still using it lose it)")
+            }
+            Why::LeaseEnded => {
+                tracing::info!(%uid, address = %a, "adopted address withdrawn: its migration ended before the restored tree was moved")
+            }
+            Why::ConnectionsEnded => {
+                tracing::info!(%uid, address = %a, "adopted address withdrawn: moved connections ended")
+            }
+        }
+        false
+    }
+
+    /// Why the sweep withdraws the live holder's adoption `r` of `uid` at `now`: past
+    /// its deadline, not restored and no longer registered, or restored with no
+    /// connection using it any more; `None`: it stays.
+    fn why_withdrawn(&self, uid: &MigrationUid, now: u64, r: &Adoption) -> Option<Why> {
+        if now >= r.deadline {
+            Some(Why::Deadline)
+        } else if !r.restored && !self.registered_for(uid, r.holder) {
+            Some(Why::LeaseEnded)
+        } else if r.restored && !self.in_use(r.holder, r.address) {
+            Some(Why::ConnectionsEnded)
+        } else {
+            None
         }
     }
 

@@ -71,24 +71,7 @@ impl Harness {
         let conn = 1 + u64::from(a >> 7);
         let req = |req| Op::Req { conn, req };
         match kind % 29 {
-            0 => {
-                let pid = self.pick(b);
-                let container = if b & 0x80 != 0 {
-                    self.k.world().other_container(pid)
-                } else {
-                    self.k.world().container_of(pid)
-                };
-                req(Request::Register {
-                    uid,
-                    role: if a & 4 != 0 {
-                        BrokerRole::Target
-                    } else {
-                        BrokerRole::Source
-                    },
-                    process: self.pin(pid, b & 0x40 != 0),
-                    container,
-                })
-            }
+            0 => req(self.register_from_bytes(uid, a, b)),
             1 => req(Request::BindNetns { uid }),
             2 => req(Request::UnbindNetns { uid }),
             3 => req(Request::NetnsAddrs { uid }),
@@ -103,6 +86,50 @@ impl Harness {
             9 => req(Request::Resume { uid }),
             10 => req(Request::Kill { uid }),
             11 => req(Request::Forget { uid }),
+            22 => req(Request::Fence { uid }),
+            23 => req(Request::Unfence { uid }),
+            24 => req(Request::AdoptAddress {
+                uid,
+                address: address(b),
+            }),
+            25 => req(Request::ReleaseAddress {
+                uid,
+                address: address(b),
+            }),
+            28 => req(Request::ChargeRestore {
+                uid,
+                process: self.pin(self.pick(b), b & 0x40 != 0),
+            }),
+            event => self.event_from_bytes(event, a, b),
+        }
+    }
+
+    /// The `register` of [`Harness::op_from_bytes`]: of a pinned process (its start
+    /// time wrong when `b & 0x40`), naming its own container unless `b & 0x80`, as a
+    /// target when `a & 4`.
+    fn register_from_bytes(&self, uid: MigrationUid, a: u8, b: u8) -> Request {
+        let pid = self.pick(b);
+        let container = if b & 0x80 != 0 {
+            self.k.world().other_container(pid)
+        } else {
+            self.k.world().container_of(pid)
+        };
+        Request::Register {
+            uid,
+            role: if a & 4 != 0 {
+                BrokerRole::Target
+            } else {
+                BrokerRole::Source
+            },
+            process: self.pin(pid, b & 0x40 != 0),
+            container,
+        }
+    }
+
+    /// The node events of [`Harness::op_from_bytes`] (`kind`, already taken modulo 29,
+    /// is none of the requests').
+    fn event_from_bytes(&self, kind: u8, a: u8, b: u8) -> Op {
+        match kind {
             12 => Op::LeaseLost {
                 conn: 1 + u64::from(a & 1),
             },
@@ -130,23 +157,9 @@ impl Harness {
             },
             20 => Op::Restart,
             21 => Op::DetachOnSleep(a & 1 != 0),
-            22 => req(Request::Fence { uid }),
-            23 => req(Request::Unfence { uid }),
-            24 => req(Request::AdoptAddress {
-                uid,
-                address: address(b),
-            }),
-            25 => req(Request::ReleaseAddress {
-                uid,
-                address: address(b),
-            }),
             26 => Op::Sweep {
                 secs: [0, 1, 60, LINGER_SECS + 1][usize::from(b % 4)],
             },
-            28 => req(Request::ChargeRestore {
-                uid,
-                process: self.pin(self.pick(b), b & 0x40 != 0),
-            }),
             _ => Op::Connect {
                 pid: self.pick(b),
                 address: address(a),
@@ -244,15 +257,7 @@ impl Harness {
             Request::LockNetwork { .. } => {
                 a.may_lock = src.map(|r| r.netns);
                 // The addresses it has before the lock (which drops IPv6 ones).
-                a.may_sweep = a.may_lock.map(|ns| {
-                    self.k.world().nets.get(&ns).map_or_else(Vec::new, |n| {
-                        n.addrs4
-                            .iter()
-                            .chain(&n.addrs6)
-                            .map(|(x, _)| x.clone())
-                            .collect()
-                    })
-                });
+                a.may_sweep = a.may_lock.map(|ns| self.addresses_of(ns));
             }
             Request::BindNetns { .. } => {
                 a.may_mount = tgt.map(|r| (Self::netns_path(&uid), r.netns))
@@ -269,25 +274,45 @@ impl Harness {
                 a.adopt_into = tgt.map(|r| (r.netns, *address))
             }
             Request::ReleaseAddress { address, .. } => {
-                a.may_withdraw = self
-                    .adopted
-                    .get(&(uid.clone(), *address))
-                    .filter(|x| tgt.as_ref().is_some_and(|r| r.process == x.holder))
-                    .map(|x| (x.netns, *address))
-                    .into_iter()
-                    .collect();
+                a.may_withdraw = self.adopted_by(&uid, *address, tgt.as_ref())
             }
             Request::Forget { .. } if mine.is_some() => {
-                a.may_withdraw = self
-                    .adopted
-                    .iter()
-                    .filter(|((u, _), x)| *u == uid && !x.restored)
-                    .map(|((_, addr), x)| (x.netns, *addr))
-                    .collect();
+                a.may_withdraw = self.unrestored_adoptions(&uid)
             }
             _ => {}
         }
         a
+    }
+
+    /// Every address (IPv4 and IPv6, with its prefix) of network namespace `ns` now.
+    fn addresses_of(&self, ns: u32) -> Vec<String> {
+        self.k.world().nets.get(&ns).map_or_else(Vec::new, |n| {
+            n.addrs4
+                .iter()
+                .chain(&n.addrs6)
+                .map(|(x, _)| x.clone())
+                .collect()
+        })
+    }
+
+    /// `address` as `uid` adopted it (netns, address), when `tgt`'s holder is the one
+    /// it was adopted for.
+    fn adopted_by(&self, uid: &str, address: IpAddr, tgt: Option<&Reg>) -> BTreeSet<(u32, IpAddr)> {
+        self.adopted
+            .get(&(uid.to_owned(), address))
+            .filter(|x| tgt.is_some_and(|r| r.process == x.holder))
+            .map(|x| (x.netns, address))
+            .into_iter()
+            .collect()
+    }
+
+    /// The adoptions of `uid` not restored yet (netns, address).
+    fn unrestored_adoptions(&self, uid: &str) -> BTreeSet<(u32, IpAddr)> {
+        self.adopted
+            .iter()
+            .filter(|((u, _), x)| u == uid && !x.restored)
+            .map(|((_, addr), x)| (x.netns, *addr))
+            .collect()
     }
 
     /// Sends `req` to the broker and checks the answer (a reply that fits the request,

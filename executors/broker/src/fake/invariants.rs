@@ -241,17 +241,7 @@ impl Allowed {
             Effect::LinkDown { netns, .. } => self.may_lock == Some(*netns) && *netns != node,
             // Only a pod's own address, on its own link, never from the node.
             Effect::Announced { netns, link, addr } => {
-                let gone_adoption = addr
-                    .parse()
-                    .is_ok_and(|a| self.announced_adoptions.contains(&(*netns, a)));
-                *netns != node
-                    && (gone_adoption
-                        || nets.get(netns).is_some_and(|n| {
-                            n.addrs4
-                                .iter()
-                                .chain(&n.addrs6)
-                                .any(|(a, l)| l == link && same_addr(a, addr))
-                        }))
+                *netns != node && self.may_announce(nets, *netns, link, addr)
             }
             // Only the addresses of the source a lock names, from the node.
             Effect::Swept { addrs } => self.may_sweep.as_ref().is_some_and(|had| {
@@ -271,36 +261,62 @@ impl Allowed {
             Effect::AddrRemoved { netns, addr, .. } => {
                 *netns != node && self.may_withdraw.contains(&(*netns, *addr))
             }
-            Effect::Charged { pid, to } => {
-                self.may_charge
-                    .as_ref()
-                    .is_some_and(|(p, cg, broker, broker_netns)| {
-                        pre.get(pid).is_some_and(|x| {
-                            !x.zombie && x.start_time == p.start_time && x.netns == *broker_netns
-                        }) && p.pid == *pid
-                            && *pid != *broker
-                            && to == cg
-                            && under_pods_root(to, PODS_ROOT)
-                    })
-            }
-            Effect::Moved { pid, to } => {
-                self.may_move
-                    .as_ref()
-                    .is_some_and(|(root, ns, cg, holder)| {
-                        let root_ok = pre.get(&root.pid).is_some_and(|x| {
-                            !x.zombie
-                                && x.start_time == root.start_time
-                                && x.netns == *ns
-                                && x.netns != node
-                        });
-                        root_ok
-                            && root.pid != *holder
-                            && tree_in(pre, root.pid).contains(pid)
-                            && to == cg
-                            && under_pods_root(to, PODS_ROOT)
-                    })
-            }
+            Effect::Charged { pid, to } => self.may_charge_to(pre, *pid, to),
+            Effect::Moved { pid, to } => self.may_move_to(pre, node, *pid, to),
         }
+    }
+
+    /// Whether `addr` may be announced on `link` of `netns`: an address the pod has on
+    /// that link, or an adoption gone by the step's end (see
+    /// [`Allowed::announced_adoptions`]).
+    fn may_announce(&self, nets: &BTreeMap<u32, Net>, netns: u32, link: &str, addr: &str) -> bool {
+        let gone_adoption = addr
+            .parse()
+            .is_ok_and(|a| self.announced_adoptions.contains(&(netns, a)));
+        gone_adoption
+            || nets.get(&netns).is_some_and(|n| {
+                n.addrs4
+                    .iter()
+                    .chain(&n.addrs6)
+                    .any(|(a, l)| l == link && same_addr(a, addr))
+            })
+    }
+
+    /// Whether `pid`'s memory may be charged to cgroup `to`: the one process allowed,
+    /// alive as pinned in the broker's network namespace but not the broker, to the
+    /// holder's cgroup under the pods' root.
+    fn may_charge_to(&self, pre: &BTreeMap<i32, Proc>, pid: i32, to: &str) -> bool {
+        self.may_charge
+            .as_ref()
+            .is_some_and(|(p, cg, broker, broker_netns)| {
+                pre.get(&pid).is_some_and(|x| {
+                    !x.zombie && x.start_time == p.start_time && x.netns == *broker_netns
+                }) && p.pid == pid
+                    && pid != *broker
+                    && to == cg
+                    && under_pods_root(to, PODS_ROOT)
+            })
+    }
+
+    /// Whether `pid` may move to cgroup `to`: in the tree of the restored root allowed
+    /// (alive as pinned, in its pod's namespace, not the node's), not the holder, to
+    /// the holder's cgroup under the pods' root.
+    fn may_move_to(&self, pre: &BTreeMap<i32, Proc>, node: u32, pid: i32, to: &str) -> bool {
+        self.may_move
+            .as_ref()
+            .is_some_and(|(root, ns, cg, holder)| {
+                let root_ok = pre.get(&root.pid).is_some_and(|x| {
+                    !x.zombie
+                        && x.start_time == root.start_time
+                        && x.netns == *ns
+                        && x.netns != node
+                });
+                root_ok
+                    && root.pid != *holder
+                    && tree_in(pre, root.pid).contains(&pid)
+                    && to == cg
+                    && under_pods_root(to, PODS_ROOT)
+            })
     }
 }
 

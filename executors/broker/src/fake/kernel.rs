@@ -92,17 +92,34 @@ pub(super) fn dev_of(words: &[&str]) -> Option<String> {
         .map(|s| (*s).to_owned())
 }
 
+impl FakeIp<'_> {
+    /// An injected `ip` failure (`Fault::Ip(n)`): the `n`th command from now fails
+    /// (this one when `n` is 0, which ends the fault).
+    fn ip_fault_fires(&mut self) -> bool {
+        let Some(Fault::Ip(n)) = self.w.fault else {
+            return false;
+        };
+        self.w.fault = n.checked_sub(1).map(Fault::Ip);
+        n == 0
+    }
+}
+
+/// The effect of an address added to (`add`) or removed from `link` of `netns`.
+fn addr_effect(add: bool, netns: u32, link: String, addr: IpAddr) -> Effect {
+    if add {
+        Effect::AddrAdded { netns, link, addr }
+    } else {
+        Effect::AddrRemoved { netns, link, addr }
+    }
+}
+
 impl Ip for FakeIp<'_> {
     /// The few `ip` commands the broker runs, over the process's [`Net`]; anything
     /// else fails as unsupported.
     fn ip(&mut self, args: &[&str]) -> std::io::Result<String> {
         let fail = |m: &str| Err(std::io::Error::other(format!("ip {}: {m}", args.join(" "))));
-        if let Some(Fault::Ip(n)) = self.w.fault {
-            if n == 0 {
-                self.w.fault = None;
-                return fail("injected failure");
-            }
-            self.w.fault = Some(Fault::Ip(n - 1));
+        if self.ip_fault_fires() {
+            return fail("injected failure");
         }
         let ns = self.ns;
         let n = self.w.nets.get_mut(&ns).expect("netns of a process");
@@ -135,19 +152,7 @@ impl Ip for FakeIp<'_> {
                 let r = n.host_addr(v4, add, cidr, link);
                 if let Ok(addr) = &r {
                     let (netns, link) = (ns, (*link).to_owned());
-                    self.w.effects.push(if add {
-                        Effect::AddrAdded {
-                            netns,
-                            link,
-                            addr: *addr,
-                        }
-                    } else {
-                        Effect::AddrRemoved {
-                            netns,
-                            link,
-                            addr: *addr,
-                        }
-                    });
+                    self.w.effects.push(addr_effect(add, netns, link, *addr));
                 }
                 done(r.map(|_| ()))
             }

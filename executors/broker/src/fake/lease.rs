@@ -39,50 +39,9 @@ impl Harness {
         };
         match req {
             Request::AdoptAddress { address, .. } => {
-                if !may_adopt(*address) {
-                    return Err(format!("{req:?} done: an address it must refuse"));
-                }
-                let there = |nets: &BTreeMap<u32, Net>| net_has(&nets[&r.netns], *address);
-                if !there(&self.k.world().nets) {
-                    return Err(format!(
-                        "{req:?} done, the address is not in netns {}",
-                        r.netns
-                    ));
-                }
-                match self.adopted.get(&(uid.clone(), *address)) {
-                    Some(x) if x.holder != r.process => {
-                        return Err(format!("{req:?} done for another holder: {x:?}"));
-                    }
-                    Some(_) => {}
-                    // There before (the pod's own): nothing recorded.
-                    None if there(pre_nets) => {}
-                    None => {
-                        let deadline = self.k.unix_now() + self.cfg.address_linger.as_secs();
-                        self.adopted.insert(
-                            (uid, *address),
-                            Adopted {
-                                netns: r.netns,
-                                holder: r.process,
-                                restored: false,
-                                deadline,
-                            },
-                        );
-                    }
-                }
+                self.adopted_now(req, uid, r, *address, pre_nets)?
             }
-            Request::ReleaseAddress { address, .. } => {
-                let key = (uid, *address);
-                if self
-                    .adopted
-                    .get(&key)
-                    .is_some_and(|x| x.holder == r.process)
-                {
-                    self.adopted.remove(&key);
-                    if net_has(&self.k.world().nets[&r.netns], *address) {
-                        return Err(format!("{req:?} done, the address is still there"));
-                    }
-                }
-            }
+            Request::ReleaseAddress { address, .. } => self.released_now(req, uid, r, *address)?,
             Request::MoveCgroup { .. } => {
                 for ((u, _), x) in self.adopted.iter_mut() {
                     if *u == uid && x.holder == r.process {
@@ -92,6 +51,73 @@ impl Harness {
             }
             Request::Forget { .. } => self.end_adoptions(&uid),
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// `req` adopted `address` for `r` (its target holder): an address the hand-over
+    /// allows, in the holder's namespace now; recorded unless it was the pod's own, and
+    /// never for another holder.
+    fn adopted_now(
+        &mut self,
+        req: &Request,
+        uid: String,
+        r: &Reg,
+        address: IpAddr,
+        pre_nets: &BTreeMap<u32, Net>,
+    ) -> Result<(), String> {
+        if !may_adopt(address) {
+            return Err(format!("{req:?} done: an address it must refuse"));
+        }
+        let there = |nets: &BTreeMap<u32, Net>| net_has(&nets[&r.netns], address);
+        if !there(&self.k.world().nets) {
+            return Err(format!(
+                "{req:?} done, the address is not in netns {}",
+                r.netns
+            ));
+        }
+        match self.adopted.get(&(uid.clone(), address)) {
+            Some(x) if x.holder != r.process => {
+                return Err(format!("{req:?} done for another holder: {x:?}"));
+            }
+            Some(_) => {}
+            // There before (the pod's own): nothing recorded.
+            None if there(pre_nets) => {}
+            None => {
+                let deadline = self.k.unix_now() + self.cfg.address_linger.as_secs();
+                self.adopted.insert(
+                    (uid, address),
+                    Adopted {
+                        netns: r.netns,
+                        holder: r.process,
+                        restored: false,
+                        deadline,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `req` released `address` of `r` (its target holder): an adoption recorded for
+    /// that holder is gone, from the model and from the holder's namespace.
+    fn released_now(
+        &mut self,
+        req: &Request,
+        uid: String,
+        r: &Reg,
+        address: IpAddr,
+    ) -> Result<(), String> {
+        let key = (uid, address);
+        if self
+            .adopted
+            .get(&key)
+            .is_some_and(|x| x.holder == r.process)
+        {
+            self.adopted.remove(&key);
+            if net_has(&self.k.world().nets[&r.netns], address) {
+                return Err(format!("{req:?} done, the address is still there"));
+            }
         }
         Ok(())
     }
