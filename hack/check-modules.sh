@@ -24,14 +24,7 @@ known_large=(
 # Functions over the limit, "file fn name" (hack/lib/fn-lengths.pl). A table (a match
 # that maps each case to its value and does nothing else) may stay, said so here.
 known_long_fns=(
-  # issue 44: to be split along their steps.
-  "executors/attach/src/http.rs fn advance_chunk"
-  "executors/broker/src/fake/harness.rs fn allowed_by"
-  "executors/broker/src/fake/harness.rs fn op_from_bytes"
-  "executors/broker/src/fake/invariants.rs fn permits"
-  "executors/broker/src/fake/kernel.rs fn ip"
-  "executors/broker/src/fake/lease.rs fn update_adoptions"
-  "executors/broker/src/handover.rs fn sweep"
+  # A table: each arm maps one broker request to its op and the role that op needs.
   "executors/broker/src/ops.rs fn handle"
 )
 
@@ -68,7 +61,7 @@ while read -r f; do
   n=$(awk '/^[[:space:]]*#\[cfg\(test\)\]/{exit} {n++} END{print n+0}' "$f")
   if [ "$n" -gt "$MAX_LINES" ]; then
     if is_known_large "$f"; then
-      echo "check-modules: $f has $n lines (allow-listed, issue 44)"
+      echo "check-modules: $f has $n lines (allow-listed)"
     else
       echo "check-modules: $f has $n lines outside its tests, over $MAX_LINES: split it along its seams" >&2
       fail=1
@@ -83,7 +76,7 @@ while read -r loc fn name rest; do
   key="${loc%%:*} fn ${name%:}"
   long_now+=("$key")
   if is_known_long_fn "$key"; then
-    echo "check-modules: $loc fn ${name%:} $rest (allow-listed, issue 44)"
+    echo "check-modules: $loc fn ${name%:} $rest (allow-listed)"
   else
     echo "check-modules: $loc fn ${name%:} has $rest, over $MAX_FN_LINES: split it into named steps" >&2
     fail=1
