@@ -750,7 +750,14 @@ fn helm_template_twice_is_byte_identical() {
 fn rules(docs: &[Value]) -> Vec<(String, String, Value)> {
     docs.iter()
         .filter(|d| matches!(d["kind"].as_str(), Some("Role" | "ClusterRole")))
-        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] != "plugin-user")
+        // The operator's own rules: the roles for people (the plugin user's, and the
+        // ones aggregated into view/edit/admin) have tests of their own.
+        .filter(|d| {
+            !matches!(
+                d["metadata"]["labels"]["app.kubernetes.io/component"].as_str(),
+                Some("plugin-user" | "user-roles")
+            )
+        })
         .flat_map(|d| {
             let who = format!("{}/{}", d["kind"].as_str().unwrap(), name(d));
             let ns = d["metadata"]["namespace"]
@@ -881,6 +888,73 @@ fn plugin_user_role_grants_only_the_tenants_own_namespace_what_the_plugin_uses()
             Some("RoleBinding" | "ClusterRoleBinding")
         ) && d["roleRef"]["name"] == "pm-podmotion-plugin-user"
     }));
+}
+
+#[test]
+fn user_roles_extend_view_edit_and_admin_by_aggregation_only_when_asked() {
+    // (role, the built-in role it aggregates to, its rules as (resources, verbs)).
+    type Rules = Vec<(Vec<String>, Vec<String>)>;
+    let aggregated = |docs: &[Value]| -> Vec<(String, String, Rules)> {
+        docs.iter()
+            .filter(|d| d["kind"] == "ClusterRole")
+            .filter_map(|d| {
+                let labels = d["metadata"]["labels"].as_object()?;
+                let to = labels
+                    .keys()
+                    .find_map(|k| k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-"))?;
+                let rules = d["rules"]
+                    .as_array()?
+                    .iter()
+                    .map(|r| {
+                        let own = |v: &Value| strs(v).into_iter().map(String::from).collect();
+                        (own(&r["resources"]), own(&r["verbs"]))
+                    })
+                    .collect();
+                Some((name(d).to_owned(), to.to_owned(), rules))
+            })
+            .collect()
+    };
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        aggregated(&render(&[])),
+        vec![
+            (
+                "pm-podmotion-view".to_owned(),
+                "view".to_owned(),
+                vec![(
+                    s(&[
+                        "podmigrations",
+                        "nodeagentattachments",
+                        "runnerpools",
+                        "podmigrations/status",
+                        "nodeagentattachments/status",
+                        "runnerpools/status"
+                    ]),
+                    s(&["get", "list", "watch"])
+                )]
+            ),
+            (
+                "pm-podmotion-edit".to_owned(),
+                "edit".to_owned(),
+                vec![(
+                    s(&["podmigrations", "nodeagentattachments"]),
+                    s(&["create", "update", "patch", "delete"])
+                )]
+            ),
+            (
+                "pm-podmotion-admin".to_owned(),
+                "admin".to_owned(),
+                vec![(
+                    s(&["runnerpools"]),
+                    s(&["create", "update", "patch", "delete"])
+                )]
+            ),
+        ]
+    );
+    assert_eq!(
+        aggregated(&render(&["--set", "userRoles.aggregate=false"])),
+        vec![]
+    );
 }
 
 #[test]

@@ -11,6 +11,8 @@
 //! - A RunnerPool's host paths lie under the installer's roots.
 //! - A pod, or a workload's pod template, asks only an eviction strategy the eviction
 //!   webhook knows (`podmotion.io/eviction-strategy`, with `eviction.enabled`).
+//! - Kubernetes' own `view`, `edit` and `admin` roles carry the three kinds (the
+//!   chart's aggregated ClusterRoles, `userRoles.aggregate`).
 //! - The operator cannot read a Secret by a no-op PATCH: it holds no cluster-wide
 //!   `patch secrets` (the answer to a PATCH is the whole Secret).
 
@@ -538,6 +540,96 @@ async fn a_runner_pools_runtime_dir_must_lie_under_the_installers_roots() {
         );
         assert!(out.status.success(), "{dir}: {}", output_text(&out));
     }
+}
+
+/// What `user` may do, per `kubectl auth can-i` in `ns` (impersonated).
+fn can_i(user: &str, ns: &str, verb: &str, resource: &str) -> bool {
+    let out = kubectl(
+        &["auth", "can-i", verb, resource, "-n", ns, "--as", user],
+        None,
+    );
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "yes" => true,
+        "no" => false,
+        _ => panic!(
+            "kubectl auth can-i {verb} {resource}: {}",
+            output_text(&out)
+        ),
+    }
+}
+
+#[tokio::test]
+async fn kubernetes_own_view_edit_and_admin_roles_carry_the_three_kinds() {
+    let Some(rel) = install("uroles", "").await else {
+        return;
+    };
+    let ns = &rel.app_ns.name;
+    let suffix = random_suffix();
+    // One user per built-in role, bound in the tenant's namespace only.
+    for role in ["view", "edit", "admin"] {
+        let user = format!("uroles-{role}-{suffix}");
+        let out = kubectl(
+            &[
+                "-n",
+                ns,
+                "create",
+                "rolebinding",
+                &user,
+                &format!("--clusterrole={role}"),
+                &format!("--user={user}"),
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{}", output_text(&out));
+    }
+    // (role, verb, resource, allowed): view reads the three kinds, edit also writes
+    // migrations and attachments, admin also RunnerPools; nobody more than that.
+    let expected = [
+        ("view", "list", "podmigrations.podmotion.io", true),
+        ("view", "watch", "nodeagentattachments.podmotion.io", true),
+        ("view", "get", "runnerpools.podmotion.io", true),
+        ("view", "create", "podmigrations.podmotion.io", false),
+        ("view", "delete", "nodeagentattachments.podmotion.io", false),
+        ("edit", "create", "podmigrations.podmotion.io", true),
+        ("edit", "delete", "podmigrations.podmotion.io", true),
+        ("edit", "create", "nodeagentattachments.podmotion.io", true),
+        ("edit", "list", "runnerpools.podmotion.io", true),
+        ("edit", "create", "runnerpools.podmotion.io", false),
+        ("admin", "create", "runnerpools.podmotion.io", true),
+        ("admin", "delete", "podmigrations.podmotion.io", true),
+        (
+            "admin",
+            "deletecollection",
+            "podmigrations.podmotion.io",
+            false,
+        ),
+    ];
+    // The aggregation controller and the authorizer's caches follow the new
+    // ClusterRoles a moment later: wait (at most 60 s) until every answer is expected.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let wrong: Vec<_> = expected
+            .iter()
+            .filter(|(role, verb, res, allowed)| {
+                can_i(&format!("uroles-{role}-{suffix}"), ns, verb, res) != *allowed
+            })
+            .collect();
+        if wrong.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "after 60 s these answers are not the expected ones (role, verb, resource, expected): {wrong:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // Only in the namespace they were bound in.
+    assert!(!can_i(
+        &format!("uroles-edit-{suffix}"),
+        &rel.operator_ns.name,
+        "list",
+        "podmigrations.podmotion.io"
+    ));
 }
 
 #[tokio::test]
