@@ -309,7 +309,12 @@ fn killed_source_agent_mid_dump_leaves_the_workload_running() {
     }
     assert!(
         ok,
-        "workload did not keep running after its agent died mid-dump"
+        "workload did not keep running after its agent died mid-dump: {:?}",
+        std::fs::read_to_string(format!("/proc/{}/status", src.pid)).map(|s| s
+            .lines()
+            .filter(|l| l.starts_with("State") || l.starts_with("TracerPid"))
+            .collect::<Vec<_>>()
+            .join(" "))
     );
     assert!(tb.connect_timeout(Duration::from_secs(3)).is_ok());
     // A restarted agent sweeps what the dead one left on tmpfs.
