@@ -28,6 +28,21 @@ exec setsid "$@" </dev/null >/dev/null 2>&1
 "#;
 
 impl Testbed {
+    /// Starts `sh -c script` with no inherited stdio (kept as a child of the testbed,
+    /// reaped at its teardown) and returns its PID.
+    fn spawn_quiet(&mut self, script: &str, what: &str) -> i32 {
+        let child = Command::new("sh")
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let outer = child.id() as i32;
+        self.children.push(child);
+        outer
+    }
+
     pub fn container_table(&self) -> PathBuf {
         self.dir.join("containers")
     }
@@ -82,15 +97,7 @@ impl Testbed {
         );
         // No inherited files: CRIU restores open files by path and size, so a log
         // that grew between dump and restore would (rightly) fail the restore.
-        let child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("workload");
-        let outer = child.id() as i32;
-        self.children.push(child);
+        let outer = self.spawn_quiet(&script, "workload");
         for _ in 0..1200 {
             if let Some(root) = procfs::tree(outer).into_iter().find(|p| {
                 std::fs::read_to_string(format!("/proc/{p}/status"))
@@ -171,15 +178,7 @@ impl Testbed {
             rootfs = rootfs.display(),
             argv = quoted.join(" "),
         );
-        let child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("container");
-        let outer = child.id() as i32;
-        self.children.push(child);
+        let outer = self.spawn_quiet(&script, "container");
         let want: Vec<u8> = argv
             .iter()
             .flat_map(|a| [a.as_bytes(), b"\0"].concat())
