@@ -1262,7 +1262,11 @@ fn the_release_artifact_is_fetched_from_the_registry_and_runs_as_a_kubectl_plugi
         "the fetched tarball is not the one whose sha256 was published"
     );
     let list = Command::new("tar").arg("-tzf").arg(&tgz).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&list.stdout), "kubectl-podmotion\n");
+    // The binary and the licence it is shipped under (krew's manifest names both).
+    assert_eq!(
+        String::from_utf8_lossy(&list.stdout),
+        "LICENSE\nkubectl-podmotion\n"
+    );
     let x = Command::new("tar")
         .arg("-xzf")
         .arg(&tgz)
