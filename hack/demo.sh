@@ -93,7 +93,7 @@ step "chart: pushed to the registry as an OCI artifact, helm upgrade --install f
 run_logged "$run.install.log" bash hack/install.sh || { echo "hack/install.sh failed (log: $run.install.log)"; exit 1; }
 
 step "workload: demo/web, two replicas of the testload counter server, one on each real node; demo/mover, one replica"
-testload=$(grep '/podmotion/testload@sha256:' "$run/images.txt")
+testload=$(grep '/podmotion/podmotion-testload@sha256:' "$run/images.txt")
 sed "s|TESTLOAD_IMAGE|$testload|" hack/demo/workload.yaml | kubectl apply -f -
 kubectl -n demo rollout status deployment/web --timeout=180s
 kubectl -n demo rollout status deployment/mover --timeout=180s
@@ -107,7 +107,7 @@ counter() { # pod-ip
 }
 
 step "samples: a NodeAgentAttachment, a real PodMigration, a PodMigration dry run and a RunnerPool"
-runner=$(grep '/podmotion/runner-standin@sha256:' "$run/images.txt")
+runner=$(grep '/podmotion/podmotion-runner-standin@sha256:' "$run/images.txt")
 pod=$(kubectl -n demo get pods -l app=web -o jsonpath='{.items[0].metadata.name}')
 mover=$(kubectl -n demo get pods -l app=mover -o jsonpath='{.items[0].metadata.name}')
 mover_node=$(kubectl -n demo get pod "$mover" -o jsonpath='{.spec.nodeName}')
@@ -167,7 +167,7 @@ cat <<TXT
 == What you are looking at ($((SECONDS - t0))s)
 - Nodes: pm-real-0 and pm-real-1 are real kubelets, each with its own containerd, runc
   and CNI (type=real, tainted podmotion.io/real-node); pm-node-* are kwok nodes (type=kwok).
-- podmotion-system: the operator, from our image ($PODMOTION_REGISTRY/podmotion/operator),
+- podmotion-system: the operator, from our image ($PODMOTION_REGISTRY/podmotion/podmotion-operator),
   installed by the chart; podmotion-system-agents: a migration agent + netns broker per real
   node, and one attach Job per ready demo/web replica (the NodeAgentAttachment), Running
   our attach image next to the replica it serves.

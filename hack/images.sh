@@ -18,7 +18,8 @@
 #                                          the agent's `criu --version` and, as root,
 #                                          `criu check`; the broker's `ip`)
 #
-# Images (images/<name>/Containerfile), pushed to $PODMOTION_REGISTRY/podmotion/<name>:
+# Images (images/<name>/Containerfile), pushed to $PODMOTION_REGISTRY/podmotion/podmotion-<name>
+# (the naming of the chart's defaults and of hack/release.sh):
 #   operator agent broker attach preflight   shipped by the chart
 #   testload                                 test workload only, never in the chart
 #   runner-standin                           test stand-in for the Compass Runner (RunnerPool
@@ -29,7 +30,8 @@
 # broker, attach, preflight) over IMAGE_SIZE_LIMIT_MIB (default 20) MiB compressed fails
 # it, naming the image; each image's compressed size is logged.
 #
-# stdout: exactly one line per image, `$PODMOTION_REGISTRY/podmotion/<name>@sha256:<digest>`.
+# stdout: exactly one line per image,
+# `$PODMOTION_REGISTRY/podmotion/podmotion-<name>@sha256:<digest>`.
 # Everything else goes to stderr. Also writes $PODMOTION_RUN/images-values.yaml (the
 # chart's image keys pinned by digest; hack/install.sh passes it to helm) and, with every
 # image built, pushes the chart itself as an OCI artifact
@@ -67,6 +69,15 @@
 #   PODMOTION_RELEASE_URL where the plugin's tarball is published, for its krew manifest
 #                        (default the GitHub release of this version)
 set -euo pipefail
+
+# Run under a cargo process (an e2e test runs hack/release.sh, which runs this), the
+# environment carries what cargo set for that crate (CARGO_MANIFEST_DIR, CARGO_PKG_*,
+# OUT_DIR, ...). Build scripts declare some of them (ring: rerun-if-env-changed=
+# CARGO_MANIFEST_DIR) and cargo compares its own environment: left set, ring's build
+# reruns and every binary is rebuilt and relinked (19 min here), and the next run from a
+# shell does it all again. None of them means anything to this build.
+while read -r v; do unset "$v"; done < <(compgen -e |
+  grep -E '^(CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|PRIMARY_PACKAGE|TARGET_TMPDIR|CFG_)|OUT_DIR$)' || true)
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -356,7 +367,7 @@ build_push() { # name ctx store dest...
 registry_has() { # name digest
   [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 5 \
     -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
-    -I "http://$REGISTRY/v2/podmotion/$1/manifests/$2") == 200 ]]
+    -I "http://$REGISTRY/v2/podmotion/podmotion-$1/manifests/$2") == 200 ]]
 }
 
 ctx_hash() { # name ctx
@@ -385,7 +396,7 @@ declare -A USER_OF=(
 
 reg_get() { # name path (manifests/<ref> or blobs/<digest>)
   curl -fsS --max-time 60 -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
-    "http://$REGISTRY/v2/podmotion/$1/$2"
+    "http://$REGISTRY/v2/podmotion/podmotion-$1/$2"
 }
 
 # Runs (execs: call it in a subshell) a command chrooted into an unpacked image root, with /proc mounted in a private
@@ -508,8 +519,8 @@ for n in "${names[@]}"; do
     DIGEST[$n]=$(cat "$memo")
     log "$n: unchanged, ${DIGEST[$n]}"
   else
-    dests=("docker://$REGISTRY/podmotion/$n:$TAG")
-    [[ $n == pause ]] && dests+=("docker://$REGISTRY/podmotion/$n:$PAUSE_TAG")
+    dests=("docker://$REGISTRY/podmotion/podmotion-$n:$TAG")
+    [[ $n == pause ]] && dests+=("docker://$REGISTRY/podmotion/podmotion-$n:$PAUSE_TAG")
     start=$SECONDS
     DIGEST[$n]=$(build_push "$n" "$ctx" "$STORE" "${dests[@]}")
     mkdir -p "$WORK/built"
@@ -602,7 +613,7 @@ if ((verify)); then
 fi
 
 # One line per image on stdout.
-for n in "${names[@]}"; do echo "$REGISTRY/podmotion/$n@${DIGEST[$n]}"; done
+for n in "${names[@]}"; do echo "$REGISTRY/podmotion/podmotion-$n@${DIGEST[$n]}"; done
 
 if ((${#names[@]} == ${#ALL_IMAGES[@]})); then
   values=$RUN/images-values.yaml
@@ -610,21 +621,21 @@ if ((${#names[@]} == ${#ALL_IMAGES[@]})); then
 # Written by hack/images.sh: PodMotion's images from $REGISTRY, pinned by digest.
 # Revision $REVISION. Pass to helm with -f.
 image:
-  repository: $REGISTRY/podmotion/operator
+  repository: $REGISTRY/podmotion/podmotion-operator
   digest: ${DIGEST[operator]}
 migrationAgent:
   agent:
     image:
-      repository: $REGISTRY/podmotion/agent
+      repository: $REGISTRY/podmotion/podmotion-agent
       digest: ${DIGEST[agent]}
   broker:
     image:
-      repository: $REGISTRY/podmotion/broker
+      repository: $REGISTRY/podmotion/podmotion-broker
       digest: ${DIGEST[broker]}
 attachment:
-  agentImage: $REGISTRY/podmotion/attach@${DIGEST[attach]}
+  agentImage: $REGISTRY/podmotion/podmotion-attach@${DIGEST[attach]}
 runnerPool:
-  preflightImage: $REGISTRY/podmotion/preflight@${DIGEST[preflight]}
+  preflightImage: $REGISTRY/podmotion/podmotion-preflight@${DIGEST[preflight]}
 EOF
   mv "$values.tmp" "$values"
   log "wrote $values"
@@ -634,10 +645,13 @@ EOF
     die "pushing the chart failed"
   log "pushed the chart: $chart"
   if ((check)); then
-    # Packaged and pushed again, a second later: the same digest, or a GitOps repository
-    # that pins it could not verify a rebuild.
+    # Packaged and pushed again, a second later, from a copy whose files are newer (as a
+    # fresh checkout's are): the same digest, or a GitOps repository that pins it could
+    # not verify a rebuild.
     sleep 1
-    chart2=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$scratch/chart.txt" "$SOURCE_DATE_EPOCH") ||
+    cp -RL "$repo/charts/podmotion" "$scratch/chart-copy"
+    chart2=$(chart_push "$(bash "$here/build-helm.sh")" "$REGISTRY" "$scratch/chart.txt" "$SOURCE_DATE_EPOCH" \
+      "$scratch/chart-copy") ||
       die "pushing the chart again failed"
     [[ $chart2 == "$chart" ]] || die "the chart is NOT reproducible: first $chart, second $chart2"
     log "chart: reproducible, ${chart##*@}"

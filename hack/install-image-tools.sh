@@ -9,13 +9,14 @@
 #   gcc, libc6-dev  the pause binary (gcc -Os -static, glibc)
 #   the linter  (shellcheck, lint of the hack/ scripts; optional)
 #   curl, jq     registry checks
+#   skopeo       copies released artifacts between registries by digest (hack/release.sh)
 #   rustup target x86_64-unknown-linux-musl
 # Go (for the registry and the pause source) is expected on PATH, as for hack/build-k8s.sh.
 set -euo pipefail
 
 log() { echo "[install-image-tools] $*" >&2; }
 
-pkgs=(buildah musl-tools gcc libc6-dev shellcheck curl jq)
+pkgs=(buildah skopeo musl-tools gcc libc6-dev shellcheck curl jq)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -61,6 +61,35 @@ pub fn repo_root() -> PathBuf {
     podmotion_api::samples::repo_root()
 }
 
+/// Removes from `cmd`'s environment what cargo set for this test's own crate
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, `CARGO_CRATE_NAME`, `OUT_DIR`, …), for a build
+/// nested in a test (a `cargo build`, or `hack/release.sh` and `hack/images.sh`). Build
+/// scripts declare some of them (ring: `rerun-if-env-changed=CARGO_MANIFEST_DIR`) and
+/// cargo compares its own environment: left set, ring's build reruns and everything above
+/// it is rebuilt (19 min for the image binaries here), and the next build from a shell
+/// does it all again.
+pub fn without_crate_env(cmd: &mut Command) -> &mut Command {
+    for (k, _) in std::env::vars_os() {
+        let Some(k) = k.to_str() else { continue };
+        let set_for_crate = [
+            "CARGO_MANIFEST_",
+            "CARGO_PKG_",
+            "CARGO_CRATE_",
+            "CARGO_BIN_",
+            "CARGO_PRIMARY_PACKAGE",
+            "CARGO_TARGET_TMPDIR",
+            "CARGO_CFG_",
+        ]
+        .iter()
+        .any(|p| k.starts_with(p))
+            || k == "OUT_DIR";
+        if set_for_crate {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
 /// The cluster's runtime directory (`hack/cluster.sh`'s `PODMOTION_RUN`).
 pub fn run_dir() -> PathBuf {
     std::env::var_os("PODMOTION_RUN")

@@ -166,7 +166,7 @@ pub fn cluster_wide_operators() -> Vec<String> {
 /// would race it for the test's objects (the claim goes to whichever operator sees an
 /// object first), so the test could pass on that release's images, stale ones included.
 /// Such a test fails here instead, naming the release to uninstall.
-fn refuse_beside_a_cluster_wide_release() {
+pub fn refuse_beside_a_cluster_wide_release() {
     let wide = cluster_wide_operators();
     assert!(
         wide.is_empty(),
@@ -256,9 +256,14 @@ impl Images {
             .with_context(|| format!("reading {} (bash hack/images.sh > it)", list.display()))?;
         text.lines()
             .map(str::trim)
-            .find(|l| l.contains("/podmotion/testload@sha256:"))
+            .find(|l| l.contains("/podmotion/podmotion-testload@sha256:"))
             .map(str::to_owned)
-            .with_context(|| format!("no podmotion/testload image in {}", list.display()))
+            .with_context(|| {
+                format!(
+                    "no podmotion/podmotion-testload image in {}",
+                    list.display()
+                )
+            })
     }
 }
 

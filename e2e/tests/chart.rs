@@ -3665,7 +3665,7 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
 /// build lock) and returns its path.
 fn operator_binary() -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
+    let out = podmotion_e2e::without_crate_env(&mut Command::new(cargo))
         .current_dir(repo_root())
         .args([
             "build",
@@ -4681,6 +4681,109 @@ fn pods_exec_is_granted_only_when_the_installer_enables_exec_probes() {
         "migration.execProbes.enabled=true,operator.controllers={attachment}",
     ]);
     assert_eq!(exec_rules(&docs), vec![]);
+}
+
+/// hack/release.sh's chart (`chart_pin` of hack/lib/chart.sh): its defaults name each
+/// released digest, so with `global.imageRegistry` alone every image the chart runs or
+/// hands the operator is `<registry>/podmotion/podmotion-<name>@<that name's digest>`
+/// (the holder is the agent's image). Comments of values.yaml are kept, and a copy the
+/// pinning cannot find its keys in is refused and left as it was.
+#[test]
+fn a_release_s_pinned_defaults_install_with_the_registry_as_the_only_value() {
+    let names = ["operator", "agent", "broker", "attach", "preflight"];
+    let digest: BTreeMap<&str, String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            (
+                *n,
+                format!(
+                    "sha256:{}",
+                    char::from(b'a' + i as u8).to_string().repeat(64)
+                ),
+            )
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("podmotion-pinned-{}", random_suffix()));
+    // -L: the chart's files/ link into the repository, as for hack/release.sh's copy.
+    let copy = Command::new("cp")
+        .args(["-RL"])
+        .arg(chart_dir())
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let pin = |chart: &Path| {
+        Command::new("bash")
+            .arg("-c")
+            .arg(r#"source "$1"; chart_pin "${@:2}""#)
+            .arg("pin")
+            .arg(repo_root().join("hack/lib/chart.sh"))
+            .arg(chart)
+            .args(names.map(|n| digest[n].as_str()))
+            .output()
+            .unwrap()
+    };
+    let out = pin(&dir);
+    assert!(out.status.success(), "chart_pin: {}", output_text(&out));
+    let source = std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap();
+    let pinned = std::fs::read_to_string(dir.join("values.yaml")).unwrap();
+    let comments = |t: &str| {
+        t.lines()
+            .filter(|l| l.trim_start().starts_with('#'))
+            .count()
+    };
+    assert_eq!(comments(&pinned), comments(&source), "comments lost");
+    assert_eq!(pinned.lines().count(), source.lines().count());
+
+    let mut args = every_toggle_on();
+    args.extend(["--set", "global.imageRegistry=registry.example:5000/team"]);
+    let out = Command::new(helm())
+        .args(["template", "pm"])
+        .arg(&dir)
+        .args(["--namespace", "podmotion-system"])
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "helm template: {}", output_text(&out));
+    let images = every_image(&parse_docs(&String::from_utf8_lossy(&out.stdout)));
+    assert!(images.len() >= 10, "{images:#?}");
+    let mut seen = BTreeSet::new();
+    for (w, i) in &images {
+        let rest = i
+            .strip_prefix("registry.example:5000/team/podmotion/podmotion-")
+            .unwrap_or_else(|| panic!("{w}: {i} is not from the release's registry"));
+        let (name, d) = rest
+            .split_once('@')
+            .unwrap_or_else(|| panic!("{w}: {i} is not pinned by digest"));
+        assert_eq!(Some(&d.to_owned()), digest.get(name), "{w}: {i}");
+        seen.insert(name.to_owned());
+    }
+    assert_eq!(
+        seen,
+        names.iter().map(|n| n.to_string()).collect(),
+        "{images:#?}"
+    );
+
+    // A values.yaml without one of the keys: refused, naming it, file untouched.
+    let broken = std::env::temp_dir().join(format!("podmotion-pinned-{}", random_suffix()));
+    std::fs::create_dir_all(&broken).unwrap();
+    let without = source.replace("  preflightImage: \"\"", "  preflightImageX: \"\"");
+    assert_ne!(without, source);
+    std::fs::write(broken.join("values.yaml"), &without).unwrap();
+    let out = pin(&broken);
+    assert!(!out.status.success());
+    assert!(
+        output_text(&out).contains("runnerPool.preflightImage: found 0 times"),
+        "{}",
+        output_text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(broken.join("values.yaml")).unwrap(),
+        without
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&broken);
 }
 
 /// Every image the chart runs, and every one it has the operator run (its `*_IMAGE`

@@ -56,8 +56,13 @@ fn standin_image() -> String {
         .unwrap_or_else(|e| panic!("reading {} (bash hack/images.sh > it): {e}", list.display()));
     text.lines()
         .map(str::trim)
-        .find(|l| l.contains("/podmotion/runner-standin@sha256:"))
-        .unwrap_or_else(|| panic!("no podmotion/runner-standin image in {}", list.display()))
+        .find(|l| l.contains("/podmotion/podmotion-runner-standin@sha256:"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no podmotion/podmotion-runner-standin image in {}",
+                list.display()
+            )
+        })
         .to_owned()
 }
 

@@ -433,7 +433,7 @@ state = "/run/containerd"
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
-    sandbox = "$registry/podmotion/pause:3.10"
+    sandbox = "$registry/podmotion/podmotion-pause:3.10"
   [plugins.'io.containerd.cri.v1.images'.registry]
     config_path = "/etc/containerd/certs.d"
 EOF
