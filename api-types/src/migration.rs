@@ -31,6 +31,13 @@ use serde::{Deserialize, Serialize};
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Downtime", type_ = "string", json_path = ".status.downtime"),
     printcolumn(
+        name = "Frozen",
+        type_ = "string",
+        json_path = ".status.totalFrozen",
+        description = "Every freeze of the pod: the pre-copy rounds' and the downtime",
+        priority = "1"
+    ),
+    printcolumn(
         name = "Ready",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].status"
@@ -381,6 +388,48 @@ pub struct MigrationProgress {
     pub last_progress_time: Option<Time>,
 }
 
+/// One freeze of the source pod's process trees (`status.freezes`): a pre-copy
+/// round's or the final dump's. Without memory tracking in the node's kernel
+/// (soft-dirty), a pre-copy round is a full dump that stops the pod while CRIU collects
+/// its memory, then resumes it: the pod stalls for `frozenMillis`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationFreeze {
+    /// The pre-copy round (1-based); for the final dump, the round after the last
+    /// pre-copy round.
+    pub round: i32,
+    /// The final dump: the pod stays frozen from it to the restore on the target
+    /// (`downtimeMillis`), of which `frozenMillis` is the part CRIU itself held it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub final_dump: bool,
+    /// How long the pod was frozen, in milliseconds, rounded up: from CRIU seizing its
+    /// first task to the pod's resume (the final dump: to CRIU leaving it stopped).
+    /// With several containers, the longest one's.
+    pub frozen_millis: i64,
+    /// Memory pages CRIU wrote in this dump, where it said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_written: Option<i64>,
+    /// Bytes of memory images CRIU wrote in this dump.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_written: Option<i64>,
+    /// How `frozenMillis` was measured.
+    pub measured_by: FreezeMeasure,
+}
+
+/// How a freeze was measured.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum FreezeMeasure {
+    /// CRIU's own statistics of the dump (its freezing and frozen times).
+    #[default]
+    #[serde(rename = "CRIU")]
+    Criu,
+    /// The node agent's clock around the dump, where CRIU left no statistics: an
+    /// upper bound (it includes CRIU's start and exit, while the pod runs).
+    AgentClock,
+}
+
 /// What happened to the pod's sockets.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -441,6 +490,19 @@ pub struct PodMigrationStatus {
     /// `downtimeMillis` for humans (`183ms`), shown by `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downtime: Option<String>,
+    /// Every freeze of the source pod, in order: each pre-copy round's (the pod
+    /// stalled while CRIU collected its memory), then the final dump's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub freezes: Vec<MigrationFreeze>,
+    /// All the time the pod was frozen, in milliseconds: the pre-copy rounds'
+    /// freezes plus the final freeze (`downtimeMillis` once measured; before, or if
+    /// it never is, the final dump's own freeze). Grows with each round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_frozen_millis: Option<i64>,
+    /// `totalFrozenMillis` for humans (`640ms`), shown by `kubectl get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_frozen: Option<String>,
     /// What happened to the pod's sockets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkOutcome>,

@@ -209,6 +209,9 @@ fn succeeded_lines(pod: &str, s: &PodMigrationStatus) -> Vec<String> {
         (None, Some(ms)) => format!("downtime: {ms}ms"),
         (None, None) => "downtime: not measured".to_string(),
     });
+    if let Some(line) = frozen_line(s) {
+        out.push(line);
+    }
     let t = transfer_summary(s);
     if !t.is_empty() {
         out.push(format!("transfer: {t}"));
@@ -217,6 +220,27 @@ fn succeeded_lines(pod: &str, s: &PodMigrationStatus) -> Vec<String> {
         out.push(format!("network: {}", network_line(n)));
     }
     out
+}
+
+/// Every freeze of a migration whose pre-copy rounds also froze the pod (without
+/// memory tracking each round stops it while CRIU collects its memory): the total and
+/// each round's; `None` where the downtime was the only freeze.
+fn frozen_line(s: &PodMigrationStatus) -> Option<String> {
+    let warm: Vec<String> = s
+        .freezes
+        .iter()
+        .filter(|f| !f.final_dump)
+        .map(|f| format!("{}ms", f.frozen_millis))
+        .collect();
+    let total = s.total_frozen_millis?;
+    (!warm.is_empty()).then(|| {
+        format!(
+            "frozen in all: {total}ms (the downtime and {} pre-copy round{}: {})",
+            warm.len(),
+            if warm.len() == 1 { "" } else { "s" },
+            warm.join(", ")
+        )
+    })
 }
 
 /// The report of a migration in a terminal phase, or `None` while it runs.
@@ -446,6 +470,40 @@ mod tests {
                 "network: 1 listener restored, 0 connections preserved, 2 closed, 0 reset",
             ]
         );
+    }
+
+    #[test]
+    fn a_pre_copy_migration_reports_the_freezes_of_its_rounds_beside_the_downtime() {
+        use podmotion_api::migration::{FreezeMeasure, MigrationFreeze};
+        let freeze = |round, ms, final_dump| MigrationFreeze {
+            round,
+            final_dump,
+            frozen_millis: ms,
+            pages_written: None,
+            bytes_written: None,
+            measured_by: FreezeMeasure::Criu,
+        };
+        let mut s = status(MigrationPhase::Succeeded);
+        s.downtime_millis = Some(612);
+        s.freezes = vec![
+            freeze(1, 450, false),
+            freeze(2, 430, false),
+            freeze(3, 380, true),
+        ];
+        s.total_frozen_millis = Some(1492);
+        let (_, lines) = final_report(&migration(s.clone(), false)).unwrap();
+        assert!(
+            lines.contains(
+                &"frozen in all: 1492ms (the downtime and 2 pre-copy rounds: 450ms, 430ms)"
+                    .to_string()
+            ),
+            "{lines:?}"
+        );
+        // Cold: the downtime was the only freeze, said once.
+        s.freezes = vec![freeze(1, 90, true)];
+        s.total_frozen_millis = Some(612);
+        let (_, lines) = final_report(&migration(s, false)).unwrap();
+        assert!(!lines.iter().any(|l| l.starts_with("frozen")), "{lines:?}");
     }
 
     #[test]

@@ -48,6 +48,14 @@ pub fn migration_row(m: &PodMigration) -> Row {
     if let Some(d) = &s.downtime {
         detail.push_str(&format!(", downtime {d}"));
     }
+    // Pre-copy rounds froze the pod too: their freezes and the downtime together.
+    if let Some(t) = s
+        .total_frozen
+        .as_ref()
+        .filter(|_| s.freezes.iter().any(|f| !f.final_dump))
+    {
+        detail.push_str(&format!(", frozen {t} in all"));
+    }
     if m.spec.dry_run {
         detail.push_str(" (dry run)");
     }
@@ -195,6 +203,28 @@ mod tests {
         assert_eq!(r.state, "Succeeded");
         assert_eq!(r.detail, "pod web-0 pm-real-0 -> pm-real-1, downtime 620ms");
         assert_eq!(r.attention, "");
+    }
+
+    #[test]
+    fn a_pre_copy_migration_shows_all_its_freezes_beside_the_downtime() {
+        let freezes = json!([
+            {"round": 1, "frozenMillis": 450, "measuredBy": "CRIU"},
+            {"round": 2, "finalDump": true, "frozenMillis": 90, "measuredBy": "CRIU"}
+        ]);
+        let r = migration_row(&pmig(json!({
+            "phase": "Succeeded", "downtime": "620ms", "freezes": freezes,
+            "totalFrozenMillis": 1070, "totalFrozen": "1070ms"
+        })));
+        assert_eq!(r.detail, "pod web-0, downtime 620ms, frozen 1070ms in all");
+        let cold = migration_row(&pmig(json!({
+            "phase": "Succeeded", "downtime": "620ms",
+            "freezes": [{"round": 1, "finalDump": true, "frozenMillis": 90, "measuredBy": "CRIU"}],
+            "totalFrozenMillis": 620, "totalFrozen": "620ms"
+        })));
+        assert_eq!(
+            cold.detail, "pod web-0, downtime 620ms",
+            "the downtime was the only freeze"
+        );
     }
 
     #[test]

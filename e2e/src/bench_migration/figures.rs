@@ -59,6 +59,12 @@ pub(super) struct Mig {
     pub(super) from: String,
     pub(super) to: String,
     pub(super) downtime_ms: i64,
+    /// The pre-copy rounds' freezes (`status.freezes` but the final dump's): without
+    /// memory tracking each round stops the pod while CRIU collects its memory.
+    pub(super) warm: WarmStalls,
+    /// Every freeze of the pod, the warm rounds' and the downtime
+    /// (`status.totalFrozenMillis`).
+    pub(super) total_frozen_ms: i64,
     pub(super) bytes_sent: i64,
     /// PostCopy: the memory the restored copy fetched after its resume.
     pub(super) lazy_bytes: Option<i64>,
@@ -69,6 +75,28 @@ pub(super) struct Mig {
     /// Creation of the PodMigration to its final phase, as `phaseTransitionTimestamps`
     /// say (second resolution).
     pub(super) total_s: i64,
+}
+
+/// The pre-copy rounds' freezes of one PodMigration.
+#[derive(Debug, Default)]
+pub(super) struct WarmStalls {
+    pub(super) count: usize,
+    pub(super) sum_ms: i64,
+    /// Some were measured by the agent's clock (CRIU left no statistics), an upper
+    /// bound, rather than by CRIU.
+    pub(super) agent_clock: bool,
+}
+
+impl WarmStalls {
+    /// `count / sum ms`, marked where the agent's clock stood in for CRIU's.
+    pub(super) fn cell(&self) -> String {
+        let mark = if self.agent_clock {
+            " (agent clock)"
+        } else {
+            ""
+        };
+        format!("{} / {}{mark}", self.count, self.sum_ms)
+    }
 }
 
 pub(super) struct Row {

@@ -7,10 +7,10 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use podmotion_api::PodMigration;
-use podmotion_api::migration::PodMigrationStatus;
+use podmotion_api::migration::{FreezeMeasure, PodMigrationStatus};
 use serde_json::json;
 
-use super::figures::{Mig, Mode};
+use super::figures::{Mig, Mode, WarmStalls};
 use crate::from_json;
 use crate::real::kubectl;
 
@@ -58,10 +58,14 @@ pub(super) fn mig_of(
     restored: Option<String>,
 ) -> anyhow::Result<Mig> {
     let progress = st.progress.clone().unwrap_or_default();
+    let downtime_ms = st.downtime_millis.context("status.downtimeMillis")?;
+    let warm = warm_stalls(st);
     Ok(Mig {
         from,
         to,
-        downtime_ms: st.downtime_millis.context("status.downtimeMillis")?,
+        downtime_ms,
+        total_frozen_ms: st.total_frozen_millis.unwrap_or(downtime_ms + warm.sum_ms),
+        warm,
         bytes_sent: progress.bytes_sent,
         lazy_bytes: progress.lazy_bytes,
         iterations: progress.iteration,
@@ -70,6 +74,19 @@ pub(super) fn mig_of(
         restore_ms: restored.as_deref().and_then(|l| log_field(l, "restore_ms")),
         total_s: whole_migration_s(st),
     })
+}
+
+/// The pre-copy rounds' freezes the status records (the final dump's is part of the
+/// downtime).
+fn warm_stalls(st: &PodMigrationStatus) -> WarmStalls {
+    let warm = st.freezes.iter().filter(|f| !f.final_dump);
+    WarmStalls {
+        count: warm.clone().count(),
+        sum_ms: warm.clone().map(|f| f.frozen_millis).sum(),
+        agent_clock: warm
+            .clone()
+            .any(|f| f.measured_by == FreezeMeasure::AgentClock),
+    }
 }
 
 /// Creation of the PodMigration to its final phase, as `phaseTransitionTimestamps` say.

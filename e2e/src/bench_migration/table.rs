@@ -24,17 +24,19 @@ pub(super) fn print_table(rows: &[Row], loads: &[String]) {
     println!("load (1/5/15 min): {}", loads.join("; "));
     println!();
     println!(
-        "| size | mode | round | raw node | raw dump / cp / restore ms | raw ms | raw bytes | PodMotion from → to | PodMotion downtime ms | ÷ raw | final dump ms / bytes | restore ms | bytes sent | rounds | whole migration s | agent VmHWM src / tgt | agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
+        "| size | mode | round | raw node | raw dump / cp / restore ms | raw ms | raw bytes | PodMotion from → to | PodMotion downtime ms | warm-round stalls n / sum ms | total frozen ms | ÷ raw | final dump ms / bytes | restore ms | bytes sent | rounds | whole migration s | agent VmHWM src / tgt | agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
     );
-    println!("|---|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|");
+    println!(
+        "|---|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"
+    );
     for r in rows {
         println!("{}", round_line(r));
     }
     println!();
     println!(
-        "| size | mode | rounds ok | median raw ms | median PodMotion downtime ms | median of per-round ÷ raw | max agent VmHWM src / tgt | max agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
+        "| size | mode | rounds ok | median raw ms | median PodMotion downtime ms | median warm-round stalls n / sum ms | median total frozen ms | median of per-round ÷ raw | max agent VmHWM src / tgt | max agent container memory-cgroup peak incl. checkpoint tmpfs, src / tgt |"
     );
-    println!("|---|---|---:|---:|---:|---:|---|---|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---|---|");
     let mut sizes: Vec<u32> = rows.iter().map(|r| r.size).collect();
     sizes.dedup();
     for &size in &sizes {
@@ -60,10 +62,12 @@ fn round_line(r: &Row) -> String {
     };
     let mig = match &r.mig {
         Ok(m) => format!(
-            "{} → {} | {} | {} | {} / {} | {} | {} | {} | {}",
+            "{} → {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {}",
             m.from,
             m.to,
             m.downtime_ms,
+            m.warm.cell(),
+            m.total_frozen_ms,
             match &r.raw {
                 Ok(x) => format!("{:.2}", m.downtime_ms as f64 / x.downtime_ms()),
                 Err(_) => "–".into(),
@@ -82,7 +86,7 @@ fn round_line(r: &Row) -> String {
             m.iterations,
             m.total_s
         ),
-        Err(e) => format!("failed: {e} | – | – | – | – | – | – | –"),
+        Err(e) => format!("failed: {e} | – | – | – | – | – | – | – | – | –"),
     };
     format!(
         "| {} MiB | {} | {} | {raw_node} | {raw_parts} | {raw_ms} | {raw_bytes} | {mig} | {} | {} |",
@@ -115,15 +119,16 @@ fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
         };
         format!("{} / {}", side(0), side(1))
     };
+    let of_mig = |pick: fn(&Mig) -> f64| f(median(ok.iter().map(|(_, m)| pick(m)).collect()), 0);
     format!(
-        "| {size} MiB | {} | {} | {} | {} | {} | {} | {} |",
+        "| {size} MiB | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} |",
         mode.name(),
         ok.len(),
         f(median(ok.iter().map(|(r, _)| r.downtime_ms()).collect()), 0),
-        f(
-            median(ok.iter().map(|(_, m)| m.downtime_ms as f64).collect()),
-            0
-        ),
+        of_mig(|m| m.downtime_ms as f64),
+        of_mig(|m| m.warm.count as f64),
+        of_mig(|m| m.warm.sum_ms as f64),
+        of_mig(|m| m.total_frozen_ms as f64),
         f(
             median(
                 ok.iter()
@@ -137,24 +142,34 @@ fn median_line(rows: &[Row], size: u32, mode: Mode) -> String {
     )
 }
 
-/// `mode` ÷ Cold of the same round (PodMotion downtimes), for `size`.
+/// `mode` ÷ Cold of the same round, for `size`: of the downtimes, and of every
+/// freeze (the warm rounds' stalls counted).
 fn over_cold_line(rows: &[Row], size: u32, mode: Mode) -> String {
-    let ratios: Vec<f64> = rows
+    let pairs: Vec<(&Mig, &Mig)> = rows
         .iter()
         .filter(|r| r.size == size && r.mode == mode)
         .filter_map(|p| {
             let c = rows
                 .iter()
                 .find(|c| c.size == size && c.mode == Mode::Cold && c.round == p.round)?;
-            Some(p.mig.as_ref().ok()?.downtime_ms as f64 / c.mig.as_ref().ok()?.downtime_ms as f64)
+            Some((p.mig.as_ref().ok()?, c.mig.as_ref().ok()?))
         })
         .collect();
+    let ratio = |of: fn(&Mig) -> i64| {
+        median(
+            pairs
+                .iter()
+                .map(|(p, c)| of(p) as f64 / of(c) as f64)
+                .collect(),
+        )
+        .map(|v| format!("{v:.2}"))
+        .unwrap_or_else(|| "–".into())
+    };
     format!(
-        "| {size} MiB | {} ÷ Cold (PodMotion, same round) | {} | | | {} | | |",
+        "| {size} MiB | {} ÷ Cold (PodMotion, same round) | {} | | {} | | {} | | | |",
         mode.name(),
-        ratios.len(),
-        median(ratios.clone())
-            .map(|v| format!("{v:.2}"))
-            .unwrap_or_else(|| "–".into())
+        pairs.len(),
+        ratio(|m| m.downtime_ms),
+        ratio(|m| m.total_frozen_ms),
     )
 }

@@ -28,7 +28,11 @@
 //! * **PodMotion**: `status.downtimeMillis` as the operator reports it (the source agent's
 //!   freeze start — before it locks the pod's network — to the target agent's CRIU
 //!   restore returning), `status.progress.bytesSent`, and the agents' own log lines of
-//!   that migration (final dump ms and bytes, restore ms).
+//!   that migration (final dump ms and bytes, restore ms). **Warm-round stalls**: the
+//!   pre-copy rounds' freezes of `status.freezes` (the final dump's left out: it is in
+//!   the downtime), their count and sum, each CRIU's own frozen time (marked
+//!   `agent clock` where the agent's clock stood in); **total frozen** =
+//!   `status.totalFrozenMillis`, the warm stalls plus the downtime.
 //! * **Agent memory**, of the source's and the target's migration agent over each
 //!   PodMigration (its creation to its final phase; the agents' pods are found in the
 //!   release's agents namespace by node, their `podmotion-agent` process by pod UID in
@@ -56,7 +60,7 @@
 //! Printed: one row per round and mode (both sides, and both agents' VmHWM and cgroup
 //! peak, source / target), then per size and mode the medians, the median ratio and
 //! the largest VmHWM and cgroup peak over the rounds, plus PreCopy ÷ Cold and
-//! PostCopy ÷ Cold. A PostCopy round's downtime is the same measure (freeze to the
+//! PostCopy ÷ Cold of the downtime and of the total frozen time. A PostCopy round's downtime is the same measure (freeze to the
 //! restored copy running); its memory then comes over `LazyPages`, shown as
 //! `+ … lazy` beside the bytes sent, and its total time includes that phase.
 #![forbid(unsafe_code)]

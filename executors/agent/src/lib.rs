@@ -9,6 +9,7 @@ pub mod authz;
 pub mod containers;
 pub mod creds;
 pub mod criu;
+pub mod criu_stats;
 pub mod csr;
 pub mod holder;
 pub mod images;

@@ -46,10 +46,11 @@ mod restore;
 mod room;
 mod send;
 mod state;
+mod warm;
 
 pub use state::{Config, FreezeWatchdog};
 
-use dump::{DumpOutcome, PreDumpRound, dump_locked, pre_dump_locked};
+use dump::{DumpOutcome, dump_locked};
 use fence::{abort_locked, commit_locked, fence_locked};
 use freeze::{FrozenSource, kill_fenced, thaw_frozen};
 use helpers::{NETNS_KEY, Transferring, Transfers, cut_by_abort, io_status, netns_ino};
@@ -57,6 +58,7 @@ use prepare::Preparing;
 use receive::receive_locked;
 use restore::restore_locked;
 use state::{Migration, source_owner};
+use warm::{PreDumpRound, pre_dump_locked};
 
 pub struct Agent {
     cfg: Arc<Config>,

@@ -94,6 +94,36 @@ fn status_post_copy() -> MigrationStatus {
     }
 }
 
+/// Every freeze of the source's trees (field 20 of `MigrationStatus`, `FreezeRecord`,
+/// `FreezeClock`): added with the warm rounds' stalls, never part of the hand-written
+/// structs; the golden bytes were encoded by hand from the contract.
+fn status_freezes() -> MigrationStatus {
+    MigrationStatus {
+        migration_uid: UID.into(),
+        freezes: vec![
+            FreezeRecord {
+                round: 1,
+                final_dump: false,
+                frozen_us: 451_000,
+                freezing_us: 1_200,
+                pages_written: 131_000,
+                bytes_written: 536_576_000,
+                clock: FreezeClock::Criu as i32,
+            },
+            FreezeRecord {
+                round: 2,
+                final_dump: true,
+                frozen_us: 380_000,
+                freezing_us: 0,
+                pages_written: 0,
+                bytes_written: 4096,
+                clock: FreezeClock::Agent as i32,
+            },
+        ],
+        ..Default::default()
+    }
+}
+
 fn send() -> SendRequest {
     SendRequest {
         migration_uid: UID.into(),
@@ -185,6 +215,8 @@ fn status() -> MigrationStatus {
         lazy_done: false,
         lazy_error: String::new(),
         lazy_bytes: 0,
+        // Field 20 is in "MigrationStatus/freezes" (`status_freezes`).
+        freezes: vec![],
     }
 }
 
@@ -290,6 +322,11 @@ const GOLDEN: &[(&str, &str)] = &[
          180b",
     ),
     (
+        "MigrationStatus/freezes",
+        "0a2430623565396633632d366431612d346532622d396337662d326138643465366631623363a20115080118b8c3\
+         1b20b00928b8ff07308080eeff013801a2010d0802100118e098173080203802",
+    ),
+    (
         "PrepareRequest/containers",
         "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233635a160a03617070120f636f6e7461696e6572643a2f2f61615a180a0570726f7879120f636f6e7461696e6572643a2f2f6262",
     ),
@@ -343,6 +380,7 @@ fn every_message_encodes_to_the_bytes_of_the_hand_written_structs() {
     assert_wire("PrepareRequest/containers", prepare_containers());
     assert_wire("LazyFrame", lazy_frame());
     assert_wire("MigrationStatus/post_copy", status_post_copy());
+    assert_wire("MigrationStatus/freezes", status_freezes());
 
     let want = golden("MigrationStatus/phases");
     let mut phases = Vec::new();
@@ -389,6 +427,15 @@ fn enum_values_are_the_wire_numbers() {
     for (o, n) in outcomes {
         assert_eq!(o as i32, n, "{o:?}");
         assert_eq!(SocketOutcome::try_from(n), Ok(o));
+    }
+    let clocks = [
+        (FreezeClock::Unspecified, 0),
+        (FreezeClock::Criu, 1),
+        (FreezeClock::Agent, 2),
+    ];
+    for (c, n) in clocks {
+        assert_eq!(c as i32, n, "{c:?}");
+        assert_eq!(FreezeClock::try_from(n), Ok(c));
     }
     for (i, p) in enum_corner_cases().iter().enumerate() {
         assert_eq!(p.phase, i as i32);

@@ -5,9 +5,11 @@
 
 use k8s_openapi::jiff::Timestamp;
 use podmotion_api::migration::NetworkOutcome;
-use podmotion_wire::agent::{MigrationStatus, Phase, Role, SocketOutcome};
+use podmotion_wire::agent::{
+    FreezeClock, FreezeRecord, MigrationStatus, Phase, Role, SocketOutcome,
+};
 
-use crate::migration::agent::{AgentProgress, AgentReport, Step, StepState};
+use crate::migration::agent::{AgentFreeze, AgentProgress, AgentReport, Step, StepState};
 
 /// The agent's status as the phase machine's report. Pure.
 pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
@@ -40,7 +42,22 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
             lazy_done: st.lazy_done,
             lazy_error: (!st.lazy_error.is_empty()).then(|| st.lazy_error.clone()),
             lazy_bytes: st.lazy_bytes,
+            freezes: st.freezes.iter().map(freeze).collect(),
         },
+    }
+}
+
+/// One freeze of the source's trees: CRIU's freezing and frozen times together (its
+/// tasks stop within the freezing), or the agent's clock around the dump.
+fn freeze(f: &FreezeRecord) -> AgentFreeze {
+    let by_criu = f.clock() == FreezeClock::Criu;
+    AgentFreeze {
+        round: f.round,
+        final_dump: f.final_dump,
+        micros: f.frozen_us.saturating_add(f.freezing_us),
+        pages_written: (by_criu || f.pages_written > 0).then_some(f.pages_written),
+        bytes_written: (f.bytes_written > 0).then_some(f.bytes_written),
+        by_criu,
     }
 }
 
@@ -211,6 +228,51 @@ mod tests {
         assert_eq!(
             report_from_status(&st).progress.rate_bytes_per_second,
             Some(200_000_000)
+        );
+    }
+
+    #[test]
+    fn each_freeze_counts_criu_s_seizing_and_frozen_time_and_says_how_it_was_measured() {
+        let mut st = status(Role::Source, Phase::Dumped);
+        st.freezes = vec![
+            FreezeRecord {
+                round: 1,
+                frozen_us: 450_000,
+                freezing_us: 1_200,
+                pages_written: 131_000,
+                bytes_written: 536_576_000,
+                clock: FreezeClock::Criu as i32,
+                ..Default::default()
+            },
+            FreezeRecord {
+                round: 2,
+                final_dump: true,
+                frozen_us: 380_000,
+                clock: FreezeClock::Agent as i32,
+                ..Default::default()
+            },
+        ];
+        let f = report_from_status(&st).progress.freezes;
+        assert_eq!(
+            f,
+            vec![
+                AgentFreeze {
+                    round: 1,
+                    final_dump: false,
+                    micros: 451_200,
+                    pages_written: Some(131_000),
+                    bytes_written: Some(536_576_000),
+                    by_criu: true,
+                },
+                AgentFreeze {
+                    round: 2,
+                    final_dump: true,
+                    micros: 380_000,
+                    pages_written: None,
+                    bytes_written: None,
+                    by_criu: false,
+                },
+            ]
         );
     }
 

@@ -41,53 +41,6 @@ pub(super) struct DumpOutcome {
     pub(super) parts: Vec<PartDump>,
 }
 
-/// One pre-copy round (see [`super::Agent::pre_dump_impl`]).
-pub(super) struct PreDumpRound {
-    /// A CRIU pre-dump (memory tracking), or a full dump leaving the tree running.
-    pub(super) kind: i32,
-    pub(super) opts: Opts,
-    /// The round's directory (`pre-<n>`).
-    pub(super) dir: PathBuf,
-    pub(super) criu: Criu,
-    /// Who CRIU runs as: the tree's owner ([`crate::creds`]).
-    pub(super) owner: crate::creds::Owner,
-    /// The same round of the pod's other containers.
-    pub(super) parts: Vec<PartDump>,
-}
-
-/// A pre-copy round, run by a task that owns the migration until CRIU is done: every
-/// container of the pod at once, each by a CRIU of its own.
-pub(super) async fn pre_dump_locked(
-    mut m: tokio::sync::OwnedMutexGuard<Migration>,
-    r: PreDumpRound,
-) -> Result<MigrationStatus, Status> {
-    let t = Instant::now();
-    let others = futures::future::join_all(r.parts.into_iter().map(|p| {
-        let log = p.dir.join("pre-dump.log");
-        run_criu(r.criu.clone(), r.kind, p.opts, log, p.owner)
-    }));
-    let first = run_criu(
-        r.criu.clone(),
-        r.kind,
-        r.opts,
-        r.dir.join("pre-dump.log"),
-        r.owner,
-    );
-    let (first, others) = tokio::join!(first, others);
-    first?;
-    for (o, p) in others.into_iter().zip(&m.parts) {
-        o.map_err(|e| Status::new(e.code(), format!("container {}: {}", p.name, e.message())))?;
-    }
-    m.timings.last_round_us = t.elapsed().as_micros() as u64;
-    m.timings.pre_dump_total_us += m.timings.last_round_us;
-    m.timings.last_pre_dump_us = now_us();
-    m.iteration += 1;
-    m.phase = Phase::PreDumping;
-    m.last_round_bytes = images::size(&r.dir);
-    m.image_bytes = images::size(&m.dir);
-    Ok(m.status())
-}
-
 /// The final dump from the network lock on, run by a task that owns the migration.
 /// First, before anything is locked or frozen, the checkpoint volume must have room
 /// for it ([`super::room::check_room`]).
@@ -130,6 +83,7 @@ pub(super) async fn dump_locked(
     m.timings.dump_us = t.elapsed().as_micros() as u64;
     m.timings.dump_finished_us = now_us();
     hold_freeze(&mut m, lazy, &frozen, margin);
+    super::warm::record_final_freeze(&mut m, &dir, &part_dirs);
     let mut all_sockets = sockets.clone();
     all_sockets.extend(write_part_manifests(&m, parts, part_sockets)?);
     let manifest = dump_manifest(&m, &sockets, external_mounts, stdio_pipes);

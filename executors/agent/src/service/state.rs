@@ -122,6 +122,9 @@ pub(super) struct Migration {
     /// The pod's containers after the first ([`parts`]); empty for a one-container
     /// pod.
     pub(super) parts: Vec<parts::Part>,
+    /// Source: every freeze of the tree so far (pre-copy rounds, then the final
+    /// dump), see [`super::warm`].
+    pub(super) freezes: Vec<FreezeRecord>,
 }
 
 impl Migration {
@@ -154,6 +157,7 @@ impl Migration {
             lazy_done: self.lazy_state().is_some_and(|s| s.done()),
             lazy_error: self.lazy_state().map(|s| s.error()).unwrap_or_default(),
             lazy_bytes: self.lazy_state().map(|s| s.bytes()).unwrap_or(0),
+            freezes: self.freezes.clone(),
         }
     }
 
@@ -242,6 +246,7 @@ impl Migration {
             lazy_source: None,
             lazy_target: None,
             parts: Vec::new(),
+            freezes: Vec::new(),
         }
     }
 

@@ -120,6 +120,25 @@ pub struct AgentProgress {
     pub lazy_error: Option<String>,
     /// PostCopy: page bytes sent (source) or received (target) after the resume.
     pub lazy_bytes: u64,
+    /// Source: every freeze of the pod's trees so far, in order (the pre-copy
+    /// rounds', then the final dump's).
+    pub freezes: Vec<AgentFreeze>,
+}
+
+/// One freeze of the source pod's process trees, as its agent measured it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentFreeze {
+    /// The pre-copy round (1-based); for the final dump, the round after the last.
+    pub round: u32,
+    pub final_dump: bool,
+    /// How long the trees were frozen, in microseconds, seizing included.
+    pub micros: u64,
+    /// Memory pages CRIU wrote, where it said.
+    pub pages_written: Option<u64>,
+    /// Bytes of memory images written, where known.
+    pub bytes_written: Option<u64>,
+    /// Measured by CRIU's own statistics; else by the agent's clock around the dump.
+    pub by_criu: bool,
 }
 
 /// An agent's report for one migration.
@@ -159,10 +178,15 @@ pub enum AgentView {
     Missing,
     /// The agent did not answer.
     Unreachable(String),
-    Reported(AgentReport),
+    /// Boxed: a report is many times the size of the other variants.
+    Reported(Box<AgentReport>),
 }
 
 impl AgentView {
+    pub fn reported(r: AgentReport) -> Self {
+        AgentView::Reported(Box::new(r))
+    }
+
     pub fn report(&self) -> Option<&AgentReport> {
         match self {
             AgentView::Reported(r) => Some(r),

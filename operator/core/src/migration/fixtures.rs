@@ -505,8 +505,8 @@ pub fn at(phase: MigrationPhase) -> Observed {
             awaiting_adoption: false,
         }),
         transfer_key_present: (1..=5).contains(&rank),
-        source_agent: AgentView::Reported(source),
-        target_agent: AgentView::Reported(target),
+        source_agent: AgentView::reported(source),
+        target_agent: AgentView::reported(target),
     }
 }
 
@@ -530,11 +530,11 @@ pub trait ObservedExt {
 }
 impl ObservedExt for Observed {
     fn source(mut self, r: AgentReport) -> Self {
-        self.source_agent = AgentView::Reported(r);
+        self.source_agent = AgentView::reported(r);
         self
     }
     fn target(mut self, r: AgentReport) -> Self {
-        self.target_agent = AgentView::Reported(r);
+        self.target_agent = AgentView::reported(r);
         self
     }
     fn source_view(mut self, v: AgentView) -> Self {

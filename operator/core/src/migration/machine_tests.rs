@@ -141,8 +141,8 @@ fn abort_reasons_end_aborted_and_failures_end_failed() {
         // Preparing with nothing started on the agents: rollback finishes at once.
         let mut o = edit(at(P::Preparing));
         o.target_pod = None;
-        o.source_agent = AgentView::Reported(blank());
-        o.target_agent = AgentView::Reported(blank());
+        o.source_agent = AgentView::reported(blank());
+        o.target_agent = AgentView::reported(blank());
         if reason == reasons::AGENT_ERROR || reason == reasons::PROBE_FAILED {
             continue; // these need an agent that ran a step
         }
@@ -919,8 +919,8 @@ fn the_source_pod_is_deleted_with_grace_period_zero_when_the_kill_is_unconfirmed
     let unconfirmed = [
         AgentView::Unreachable("connection refused".into()),
         AgentView::Missing,
-        AgentView::Reported(blank()),
-        AgentView::Reported(failed(Step::Commit, "KillFailed")),
+        AgentView::reported(blank()),
+        AgentView::reported(failed(Step::Commit, "KillFailed")),
     ];
     for view in unconfirmed {
         let o = at(P::Committing).adopted().source_view(view.clone());
@@ -1201,7 +1201,7 @@ impl World {
             Side::Target => &mut self.o.target_agent,
         };
         if !matches!(view, AgentView::Reported(_)) {
-            *view = AgentView::Reported(blank());
+            *view = AgentView::reported(blank());
         }
         match view {
             AgentView::Reported(r) => r,
@@ -1673,8 +1673,8 @@ fn a_source_kill_its_agent_does_not_confirm_is_never_reported_as_done() {
     let unconfirmed = [
         AgentView::Unreachable("connection refused".into()),
         AgentView::Missing,
-        AgentView::Reported(blank()),
-        AgentView::Reported(failed(Step::Commit, "MigrationUnknown")),
+        AgentView::reported(blank()),
+        AgentView::reported(failed(Step::Commit, "MigrationUnknown")),
     ];
     for view in unconfirmed {
         let o = at(P::Committing).source_view(view.clone());
@@ -1832,8 +1832,8 @@ fn the_end_of_a_rollback_is_an_event_of_its_own() {
         .expect("rollback event")
         .clone();
     o.status = start.status;
-    o.source_agent = AgentView::Reported(done(Step::Abort));
-    o.target_agent = AgentView::Reported(done(Step::Abort));
+    o.source_agent = AgentView::reported(done(Step::Abort));
+    o.target_agent = AgentView::reported(done(Step::Abort));
     o.target_pod = None;
     let end = next(&o);
     assert_eq!(end.status.phase, P::Aborted);

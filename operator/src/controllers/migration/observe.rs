@@ -257,7 +257,7 @@ pub(super) async fn report_within<A: AgentClient>(
     limit: Duration,
 ) -> AgentView {
     match tokio::time::timeout(limit, agents.report(endpoint, uid)).await {
-        Ok(Ok(r)) => AgentView::Reported(r),
+        Ok(Ok(r)) => AgentView::reported(r),
         Ok(Err(e)) => AgentView::Unreachable(e.message),
         Err(_) => AgentView::Unreachable(format!(
             "no answer within {}s (--migration-agent-call-timeout-seconds)",

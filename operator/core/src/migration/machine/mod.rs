@@ -31,7 +31,8 @@
 //! rounds and the final dump), `restore` (restore and probe), `commit`, `rollback`
 //! (the one handler that undoes a failure before commit), and `terminal` (cleanup).
 //! `failure` decides whether a forward migration must roll back, `progress` merges
-//! the agents' counters, `events` and `report` word what happens. The facts it
+//! the agents' counters, `freezes` every freeze of the pod and their total, `events`
+//! and `report` word what happens. The facts it
 //! decides from and the actions it returns are in [`super::observed`], below this
 //! module and `render`, both of which use them.
 
@@ -40,6 +41,7 @@ mod commit;
 mod events;
 mod failure;
 mod forward;
+mod freezes;
 mod pending;
 mod progress;
 mod report;
@@ -57,6 +59,7 @@ pub use super::observed::{
 pub use super::stage::{Active, Forward, Reason, Stage};
 pub use crate::note::{EventKind, Note};
 pub use checkpoint::{PreCopyDecision, freeze_estimate_millis, pre_copy_decision};
+pub use freezes::{merge_freezes, total_frozen_millis};
 pub use state::{FROZEN_POLL, IDLE_RECHECK, POLL, rank};
 
 use state::Machine;
@@ -77,7 +80,9 @@ pub fn next(o: &Observed) -> Transition {
 impl Machine<'_> {
     fn run(&mut self) {
         self.merge_agent_progress();
+        self.merge_freezes();
         self.resume();
+        self.count_frozen();
     }
 
     /// Runs the handler of the stage the status is in now.
