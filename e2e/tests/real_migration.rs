@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
-use podmotion_api::migration::MigrationPhase;
+use podmotion_api::migration::{FreezeMeasure, MigrationPhase};
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
 use podmotion_e2e::real::bounds::{DEFAULTS_BOUND, assert_clients};
 use podmotion_e2e::real::copies::{Clients, jump_back, workload_processes};
@@ -377,6 +377,26 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     assert!(
         st.progress.as_ref().map(|p| p.bytes_sent).unwrap_or(0) > 64 << 20,
         "the 64 MiB ballast moved: {st:?}"
+    );
+    // Every freeze is counted (issue 42): each warm round stopped the pod too, as
+    // measured by CRIU's own statistics, and the total is the rounds plus the downtime.
+    let warm: Vec<_> = st.freezes.iter().filter(|f| !f.final_dump).collect();
+    assert!(!warm.is_empty(), "no warm round in status.freezes: {st:?}");
+    for f in &warm {
+        assert_eq!(f.measured_by, FreezeMeasure::Criu, "{f:?}");
+        assert!(f.frozen_millis > 0, "{f:?}");
+        assert!(f.pages_written.unwrap_or(0) > 0, "{f:?}");
+    }
+    let warm_sum: i64 = warm.iter().map(|f| f.frozen_millis).sum();
+    assert_eq!(
+        st.total_frozen_millis,
+        Some(warm_sum + st.downtime_millis.expect("downtimeMillis")),
+        "{st:?}"
+    );
+    eprintln!(
+        "PreCopy freezes: {} warm round(s), {warm_sum} ms, then {} ms of downtime",
+        warm.len(),
+        st.downtime_millis.unwrap_or(0)
     );
     // The restored memory is charged to the target pod's container, not to the agent
     // that restored it (a charge stays where memory was first touched).
