@@ -456,6 +456,11 @@ pub enum SkipReason {
     InjectedSidecar,
     /// The pod runs in its own user namespace (`hostUsers: false`); not supported yet.
     UserNamespace,
+    /// The pod's node runs another operating system or CPU architecture than the agent
+    /// image is built for (its `kubernetes.io/os` or `kubernetes.io/arch` label against
+    /// the operator's `--node-arch`, chart value `global.nodeArch`): an agent Job there
+    /// could not start.
+    UnsupportedPlatform,
     /// The pod is not Running and Ready yet (or is terminating or has failed); it gets
     /// its Job once it is Running and Ready.
     NotReady,

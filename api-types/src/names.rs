@@ -246,6 +246,9 @@ pub mod reasons {
     pub const PRIORITY_CLASS_REFUSED: &str = "PriorityClassRefused";
     /// A Runner pod cannot be scheduled on its node (it does not fit, usually).
     pub const RUNNER_UNSCHEDULABLE: &str = "RunnerUnschedulable";
+    /// The pool's node label names `kubernetes.io/os` or `kubernetes.io/arch` with
+    /// another value than the platform PodMotion's preflight image is built for.
+    pub const PLATFORM_CONFLICT: &str = "PlatformConflict";
 }
 
 /// The holder of a migration target pod, named by both the operator (which renders the

@@ -89,6 +89,7 @@ pub fn test_config(namespace: &str, kind: ControllerKind) -> OperatorConfig {
         },
         concurrency: 4,
         log_format: Default::default(),
+        node_arch: podmotion_operator::platform::DEFAULT_ARCH.into(),
     }
 }
 

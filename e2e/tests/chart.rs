@@ -4907,3 +4907,60 @@ fn every_pod_selects_linux_nodes_of_the_images_architecture_beside_its_own_selec
         assert_eq!(sel["kubernetes.io/os"], "linux", "{w}: {sel}");
     }
 }
+
+/// The operator gets `global.nodeArch` (`--node-arch`) for the pods it renders that
+/// run PodMotion's images, and, as the attachment controller reads the nodes' platform
+/// labels, the right to read nodes whichever controllers run.
+#[test]
+fn the_operator_gives_the_pods_it_renders_the_same_platform_as_the_charts() {
+    let node_arch = |args: &[&str]| -> String {
+        let docs = render(args);
+        let deploy = of_kind(&docs, "Deployment")[0];
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        let found: Vec<&str> = strs(&c["args"])
+            .into_iter()
+            .filter_map(|a| a.strip_prefix("--node-arch="))
+            .collect();
+        assert_eq!(found.len(), 1, "{args:?}: {}", c["args"]);
+        found[0].to_string()
+    };
+    assert_eq!(node_arch(&[]), "amd64");
+    assert_eq!(node_arch(&["--set", "global.nodeArch=arm64"]), "arm64");
+    assert_eq!(node_arch(&["--set", "global.nodeArch="]), "");
+    // What the operator renders from it is the chart's own selector: an attachment
+    // Job, rendered by the operator's core with the setting the chart passes, selects
+    // exactly what the chart's own pods select.
+    for (set, chart_pods) in [
+        (vec![], "amd64"),
+        (vec!["--set", "global.nodeArch=arm64"], "arm64"),
+        (vec!["--set", "global.nodeArch="], ""),
+    ] {
+        let arch = node_arch(&set);
+        let job = attach_job(podmotion_operator::attachment::render::Settings {
+            platform: podmotion_operator::platform::Platform::linux(&arch),
+            ..Default::default()
+        });
+        let sel = &job["spec"]["template"]["spec"]["nodeSelector"];
+        let own = pod_specs(&render(&set))
+            .into_iter()
+            .map(|(_, _, spec)| spec["nodeSelector"].clone())
+            .find(|s| s.get("kubernetes.io/os").is_some())
+            .expect("a chart pod with the platform selector");
+        assert_eq!(sel["kubernetes.io/os"], "linux", "{set:?}: {sel}");
+        assert_eq!(sel.get("kubernetes.io/arch"), own.get("kubernetes.io/arch"));
+        match chart_pods {
+            "" => assert!(sel.get("kubernetes.io/arch").is_none(), "{sel}"),
+            a => assert_eq!(sel["kubernetes.io/arch"], a, "{sel}"),
+        }
+    }
+    // The attachment controller alone reads nodes (their platform labels).
+    let docs = render(&["--set", "operator.controllers={attachment}"]);
+    let reads_nodes = rules(&docs).iter().any(|(who, _, r)| {
+        who == "ClusterRole/pm-podmotion-operator"
+            && strs(&r["resources"]).contains(&"nodes")
+            && ["get", "list", "watch"]
+                .iter()
+                .all(|v| strs(&r["verbs"]).contains(v))
+    });
+    assert!(reads_nodes, "{:#?}", rules(&docs));
+}

@@ -64,6 +64,40 @@ pub struct OperatorConfig {
     /// renders (attachment Jobs, RunnerPool preflight init containers) log in it too.
     #[arg(long, env = podmotion_log::ENV, default_value = "json", global = true)]
     pub log_format: podmotion_log::LogFormat,
+
+    /// CPU architecture PodMotion's images are built for (`kubernetes.io/arch`; empty:
+    /// any, for multi-architecture images). The pods the operator renders that run
+    /// them (attachment Jobs, RunnerPool preflights) select Linux nodes of it, and an
+    /// attachment skips pods on nodes of another platform. The chart passes
+    /// `global.nodeArch`.
+    #[arg(
+        long,
+        env = "PODMOTION_NODE_ARCH",
+        default_value = crate::platform::DEFAULT_ARCH,
+        value_parser = parse_arch
+    )]
+    pub node_arch: String,
+}
+
+impl OperatorConfig {
+    /// The platform of PodMotion's images: Linux on `--node-arch`.
+    pub fn platform(&self) -> crate::platform::Platform {
+        crate::platform::Platform::linux(&self.node_arch)
+    }
+}
+
+/// `--node-arch`: a `kubernetes.io/arch` value (`amd64`, `arm64`, …) or empty.
+fn parse_arch(s: &str) -> Result<String, String> {
+    if s.bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "expected a kubernetes.io/arch value such as amd64 or arm64 (lowercase letters and \
+             digits), or empty for any architecture, not {s:?}"
+        ))
+    }
 }
 
 /// Leader election with a coordination.k8s.io Lease.

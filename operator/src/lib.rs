@@ -27,4 +27,6 @@ pub mod server;
 pub mod webhook;
 pub mod writer;
 
-pub use podmotion_core::{attachment, claim, eviction, meta, migration, note, runner_pool};
+pub use podmotion_core::{
+    attachment, claim, eviction, meta, migration, note, platform, runner_pool,
+};

@@ -413,6 +413,21 @@ mod tests {
     use clap::CommandFactory;
 
     #[test]
+    fn node_arch_names_one_architecture_or_none() {
+        let arch = |args: &[&str]| {
+            let mut all = vec!["podmotion-operator"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).map(|c| c.operator.platform())
+        };
+        assert_eq!(arch(&[]).unwrap().arch(), Some("amd64"));
+        assert_eq!(arch(&["--node-arch=arm64"]).unwrap().arch(), Some("arm64"));
+        // Empty, as the chart passes `global.nodeArch: ""`: any architecture.
+        assert_eq!(arch(&["--node-arch="]).unwrap().arch(), None);
+        let e = arch(&["--node-arch=ARM 64"]).unwrap_err().to_string();
+        assert!(e.contains("kubernetes.io/arch"), "{e}");
+    }
+
+    #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
     }
@@ -448,6 +463,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.operator.log_format, podmotion_log::LogFormat::Text);
+        assert_eq!(cli.operator.node_arch, "amd64");
+        assert_eq!(cli.operator.platform().to_string(), "linux/amd64");
         let cli = Cli::try_parse_from(["podmotion-operator", "reap-all", "pm-podmotion"]).unwrap();
         assert!(matches!(
             cli.command,

@@ -113,6 +113,10 @@ app.kubernetes.io/component: node-agent
 - --http-addr=0.0.0.0:{{ .Values.operator.httpPort }}
 - --concurrency={{ .Values.operator.concurrency }}
 - --log-format={{ include "podmotion.operatorLogFormat" . }}
+{{- /* The platform of the pods the operator renders (attachment Jobs, RunnerPool
+     preflights), as `podmotion.nodeSelector` gives the chart's own; empty: any
+     architecture. */}}
+- --node-arch={{ (.Values.global | default dict).nodeArch | default "" }}
 {{- /* Always: with the namespace it names the release that objects are claimed for
      (the `podmotion.io/controller` annotation), leader election or not. */}}
 - --leader-lease-name={{ .Values.operator.leaderElection.leaseName }}

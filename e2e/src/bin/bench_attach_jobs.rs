@@ -253,6 +253,7 @@ fn start_controller(
         },
         concurrency: 8,
         log_format: Default::default(),
+        node_arch: podmotion_operator::platform::DEFAULT_ARCH.into(),
     };
     let (stop, rx) = tokio::sync::watch::channel(false);
     let ctx = Arc::new(Context::new(
@@ -300,6 +301,7 @@ fn rendered_jobs(app_ns: &str, plain_ns: &str, pods: &[Pod]) -> Vec<Job> {
         attachments: vec![AttachmentView::from_object(&naa, None)],
         pods: pods.iter().map(PodView::from_pod).collect(),
         jobs: vec![],
+        node_labels: Default::default(),
         now: k8s_openapi::jiff::Timestamp::now(),
     };
     plan(&group, &settings)

@@ -1,6 +1,6 @@
 //! PodMotion's pure cores: `migration`, `attachment` and `runner_pool` (one per custom
 //! resource), which release reconciles an object (`claim`), the PKI's decisions and
-//! certificate making (`pki`), the object metadata the cores and the runtime share
+//! certificate making (`pki`), the platform of PodMotion's own images (`platform`), the object metadata the cores and the runtime share
 //! (`meta`) and what a core wants said as an Event (`note`).
 //!
 //! They take plain structs and return desired objects, next steps and status. This
@@ -18,4 +18,5 @@ pub mod meta;
 pub mod migration;
 pub mod note;
 pub mod pki;
+pub mod platform;
 pub mod runner_pool;

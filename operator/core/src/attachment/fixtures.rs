@@ -216,6 +216,7 @@ pub fn group(
         attachments,
         pods,
         jobs,
+        node_labels: BTreeMap::new(),
         now: t(100),
     }
 }

@@ -27,6 +27,10 @@ pub struct ObservedGroup {
     pub pods: Vec<PodView>,
     /// Agent Jobs made for pods of this workload (in the operator's namespace).
     pub jobs: Vec<JobView>,
+    /// Platform labels (`kubernetes.io/os`, `kubernetes.io/arch`) of the nodes the pods
+    /// are on, by node name. A node missing here is not known yet and is not held
+    /// against its pods (the Job's own nodeSelector still guards it).
+    pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
     /// The clock, for lease expiry.
     pub now: Timestamp,
 }

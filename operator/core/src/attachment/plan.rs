@@ -152,7 +152,7 @@ pub fn plan(obs: &ObservedGroup, settings: &Settings) -> Plan {
     let mut out = Plan::default();
     let co = Coexistence::of(obs, settings);
     out.wake_at = co.wake_at;
-    let sel = Selection::of(obs, co.accepted.first().copied());
+    let sel = Selection::of(obs, settings, co.accepted.first().copied());
     let claimed = Claimed::of(obs, settings, &co, &sel);
     let fates = judge_jobs(obs, &claimed, &sel.pods, &mut out);
     for a in &co.live {
@@ -261,7 +261,11 @@ struct Selection<'a> {
 }
 
 impl<'a> Selection<'a> {
-    fn of(obs: &'a ObservedGroup, primary: Option<&'a AttachmentView>) -> Self {
+    fn of(
+        obs: &'a ObservedGroup,
+        settings: &Settings,
+        primary: Option<&'a AttachmentView>,
+    ) -> Self {
         let sidecar = primary.map(|p| p.spec.sidecar.clone()).unwrap_or_default();
         let containers: &[String] = primary.map(|p| &p.spec.containers[..]).unwrap_or(&[]);
         let mut pods: Vec<&PodView> = obs.pods.iter().collect();
@@ -271,9 +275,14 @@ impl<'a> Selection<'a> {
                 .iter()
                 .any(|j| j.target_pod == p.name && j.target_pod_uid == p.uid)
         };
+        // Why a pod's node cannot run the agent image, when its labels are known.
+        let unfit = |p: &PodView| {
+            let labels = obs.node_labels.get(p.node.as_deref()?)?;
+            settings.platform.mismatch(labels)
+        };
         let classes: Vec<(&PodView, PodClass)> = pods
             .iter()
-            .map(|p| (*p, classify(p, &sidecar, has_job(p))))
+            .map(|p| (*p, classify(p, &sidecar, has_job(p), unfit(p).as_deref())))
             .collect();
         let of_class = |keep: fn(&PodClass) -> bool| -> Vec<&'a PodView> {
             classes
@@ -717,10 +726,11 @@ fn without_targets(workload: &str, st: &NodeAgentAttachmentStatus) -> Health {
         reasons::NO_ADMISSIBLE_TARGET,
         format!(
             "no pod of {workload} can host a node agent ({} on the host network, {} with an injected sidecar, \
-             {} in a user namespace); see status.skipped",
+             {} in a user namespace, {} on a node the agent image is not built for); see status.skipped",
             count(SkipReason::HostNetwork),
             count(SkipReason::InjectedSidecar),
-            count(SkipReason::UserNamespace)
+            count(SkipReason::UserNamespace),
+            count(SkipReason::UnsupportedPlatform)
         ),
     )
 }

@@ -37,6 +37,7 @@ use podmotion_api::names::{annotations, labels};
 use podmotion_attach_job::{self as agent_job, AgentConfig, PortEntry, env as agent_env};
 
 use super::observed::{PodView, lease_duration_seconds, workload_key};
+use crate::platform::Platform;
 
 /// `app.kubernetes.io/component` (and `name`) of agent Jobs and their pods.
 pub const COMPONENT: &str = "node-agent";
@@ -114,6 +115,10 @@ pub struct Settings {
     /// agent there would read the operator's token, the master key or the migration
     /// agents' checkpoints.
     pub operator_namespace: String,
+    /// The platform the agent image is built for (the operator's `--node-arch`): the
+    /// agent pod's nodeSelector, and the nodes whose pods are skipped
+    /// (`UnsupportedPlatform`).
+    pub platform: Platform,
 }
 
 impl Settings {
@@ -145,6 +150,7 @@ impl Default for Settings {
             control_port: DEFAULT_CONTROL_PORT,
             max_wiretaps: DEFAULT_MAX_WIRETAPS,
             operator_namespace: "podmotion-system".into(),
+            platform: Platform::default(),
         }
     }
 }
@@ -224,6 +230,13 @@ pub fn job(
         ..Default::default()
     };
     let hash = spec_hash(&spec);
+    // Only where the agent image runs. Not part of the hash either: a Job made before
+    // this setting stays (its pod runs, so its node is of the right platform), and the
+    // plan, not a replacement, handles a node of another platform (the pod is skipped
+    // and its Job reaped).
+    if let Some(ps) = spec.template.spec.as_mut() {
+        ps.node_selector = Some(settings.platform.node_selector());
+    }
     // Created suspended: the operator resumes it once its credential Secret exists, so
     // its pod never waits on a missing Secret, and a Job still suspended is one whose
     // Secret is not confirmed (an operator stopped between the two resumes it). Like
@@ -943,6 +956,44 @@ mod tests {
         assert_ne!(hash(&base), hash(&j));
         assert_ne!(hash(&base), hash(&gid));
         assert_eq!(hash(&base), hash(&render(&AgentSettings::default())));
+    }
+
+    #[test]
+    fn the_agent_pod_selects_the_images_platform_without_changing_the_jobs_hash() {
+        let p = pod("web-0").on_node("n1").ready().build();
+        let selector = |settings: &Settings| {
+            let j = render_with(settings, &AgentSettings::default(), &p);
+            let hash = j.metadata.annotations.as_ref().unwrap()[annotations::SPEC_HASH].clone();
+            (pod_spec(&j).node_selector.clone().unwrap(), hash)
+        };
+        let (amd, amd_hash) = selector(&Settings::default());
+        assert_eq!(
+            amd,
+            BTreeMap::from([
+                ("kubernetes.io/arch".to_string(), "amd64".to_string()),
+                ("kubernetes.io/os".to_string(), "linux".to_string()),
+            ])
+        );
+        let arm = Settings {
+            platform: Platform::linux("arm64"),
+            ..Settings::default()
+        };
+        let (sel, arm_hash) = selector(&arm);
+        assert_eq!(sel["kubernetes.io/arch"], "arm64");
+        let any = Settings {
+            platform: Platform::linux(""),
+            ..Settings::default()
+        };
+        let (sel, any_hash) = selector(&any);
+        assert_eq!(
+            sel,
+            BTreeMap::from([("kubernetes.io/os".to_string(), "linux".to_string())])
+        );
+        // The hash is the one a Job made before the setting carries: an upgrade, or a
+        // change of the setting, replaces no running agent (the plan reaps a Job whose
+        // node is of another platform instead).
+        assert_eq!(amd_hash, arm_hash);
+        assert_eq!(amd_hash, any_hash);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! others are skipped.
 //!
 //! A pod is *admissible* when it is Running and Ready on a node and can host a node
-//! agent. Pods on the host network, pods with an injected traffic-agent sidecar and pods
-//! in their own user namespace can never host one. A pod that already has its Job and
+//! agent. Pods on the host network, pods with an injected traffic-agent sidecar, pods
+//! in their own user namespace and pods on a node of another platform than the agent
+//! image's (`crate::platform`) can never host one. A pod that already has its Job and
 //! merely turned un-Ready (or is terminating but not gone yet) is *held*: it keeps its
 //! Job. Everything else waits as `NotReady`.
 
@@ -36,30 +37,16 @@ pub fn has_sidecar(pod: &PodView, sidecar: &SidecarRecognition) -> bool {
 }
 
 /// Classifies one pod. `has_job`: an agent Job made for this very pod (same UID) exists.
-pub fn classify(pod: &PodView, sidecar: &SidecarRecognition, has_job: bool) -> PodClass {
-    if pod.host_network {
-        return PodClass::Skipped(
-            SkipReason::HostNetwork,
-            "the pod uses the host network; its network namespace is the node's".into(),
-        );
-    }
-    if has_sidecar(pod, sidecar) {
-        return PodClass::Skipped(
-            SkipReason::InjectedSidecar,
-            format!(
-                "the pod carries an injected traffic-agent sidecar (container {:?} or annotation {:?}); \
-                 a node agent would program the same nftables table and bind the same ports",
-                sidecar.container_name, sidecar.annotation
-            ),
-        );
-    }
-    if pod.host_users == Some(false) {
-        return PodClass::Skipped(
-            SkipReason::UserNamespace,
-            "the pod runs in its own user namespace (hostUsers: false), which needs a packet-mark \
-             discriminator the agent does not support yet"
-                .into(),
-        );
+/// `unfit_node`: why the pod's node cannot run the agent image, if it cannot
+/// ([`crate::platform::Platform::mismatch`] of its labels).
+pub fn classify(
+    pod: &PodView,
+    sidecar: &SidecarRecognition,
+    has_job: bool,
+    unfit_node: Option<&str>,
+) -> PodClass {
+    if let Some(skip) = never_admissible(pod, sidecar, unfit_node) {
+        return skip;
     }
     match pod.phase {
         PodPhase::Failed => {
@@ -89,6 +76,45 @@ pub fn classify(pod: &PodView, sidecar: &SidecarRecognition, has_job: bool) -> P
         SkipReason::NotReady,
         format!("{why}; it gets its agent once Running and Ready"),
     )
+}
+
+/// Why `pod` can never host an agent, whatever its phase (`None`: it can, once Running
+/// and Ready): the host network, an injected sidecar, a user namespace, a node of
+/// another platform.
+fn never_admissible(
+    pod: &PodView,
+    sidecar: &SidecarRecognition,
+    unfit_node: Option<&str>,
+) -> Option<PodClass> {
+    if pod.host_network {
+        return Some(PodClass::Skipped(
+            SkipReason::HostNetwork,
+            "the pod uses the host network; its network namespace is the node's".into(),
+        ));
+    }
+    if has_sidecar(pod, sidecar) {
+        return Some(PodClass::Skipped(
+            SkipReason::InjectedSidecar,
+            format!(
+                "the pod carries an injected traffic-agent sidecar (container {:?} or annotation {:?}); \
+                 a node agent would program the same nftables table and bind the same ports",
+                sidecar.container_name, sidecar.annotation
+            ),
+        ));
+    }
+    if pod.host_users == Some(false) {
+        return Some(PodClass::Skipped(
+            SkipReason::UserNamespace,
+            "the pod runs in its own user namespace (hostUsers: false), which needs a packet-mark \
+             discriminator the agent does not support yet"
+                .into(),
+        ));
+    }
+    let (node, why) = (pod.node.as_ref()?, unfit_node?);
+    Some(PodClass::Skipped(
+        SkipReason::UnsupportedPlatform,
+        format!("the pod's node {node} cannot run the agent: {why}"),
+    ))
 }
 
 /// The container IDs handed to the agent for `pod`: those of `wanted` containers (empty:
@@ -179,7 +205,7 @@ mod tests {
     use crate::attachment::fixtures::pod;
 
     fn class(p: PodView, has_job: bool) -> PodClass {
-        classify(&p, &SidecarRecognition::default(), has_job)
+        classify(&p, &SidecarRecognition::default(), has_job, None)
     }
     fn reason(c: PodClass) -> Option<SkipReason> {
         match c {
@@ -308,6 +334,36 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_on_a_node_of_another_platform_is_skipped_with_the_reason_and_loses_its_job() {
+        let sc = SidecarRecognition::default();
+        let why =
+            "the node is kubernetes.io/arch=arm64; PodMotion's images are built for linux/amd64";
+        let ready = pod("a").on_node("n1").ready().build();
+        for has_job in [false, true] {
+            match classify(&ready, &sc, has_job, Some(why)) {
+                PodClass::Skipped(SkipReason::UnsupportedPlatform, msg) => {
+                    assert!(msg.contains("node n1"), "{msg}");
+                    assert!(msg.contains("kubernetes.io/arch=arm64"), "{msg}");
+                }
+                other => panic!("has_job {has_job}: {other:?}"),
+            }
+        }
+        // Not Ready yet: the node is known, so is the verdict; it will never get a Job.
+        let pending = pod("a").on_node("n1").pending().build();
+        assert_eq!(
+            reason(classify(&pending, &sc, false, Some(why))),
+            Some(SkipReason::UnsupportedPlatform)
+        );
+        // Not scheduled yet: no node to judge.
+        assert_eq!(
+            reason(classify(&pod("a").build(), &sc, false, Some(why))),
+            Some(SkipReason::NotReady)
+        );
+        // A node of the right platform changes nothing.
+        assert_eq!(classify(&ready, &sc, false, None), PodClass::Admissible);
+    }
+
+    #[test]
     fn sidecar_recognition_is_configurable() {
         let custom = SidecarRecognition {
             container_name: "mesh-agent".into(),
@@ -319,19 +375,19 @@ mod tests {
             .with_container("mesh-agent")
             .build();
         assert_eq!(
-            reason(classify(&p, &custom, false)),
+            reason(classify(&p, &custom, false, None)),
             Some(SkipReason::InjectedSidecar)
         );
         // The default name means nothing under a custom recognition.
         let p = pod("a").on_node("n1").ready().with_sidecar().build();
-        assert_eq!(classify(&p, &custom, false), PodClass::Admissible);
+        assert_eq!(classify(&p, &custom, false, None), PodClass::Admissible);
         let p = pod("a")
             .on_node("n1")
             .ready()
             .annotated("example.com/agent", "true")
             .build();
         assert_eq!(
-            reason(classify(&p, &custom, false)),
+            reason(classify(&p, &custom, false, None)),
             Some(SkipReason::InjectedSidecar)
         );
     }

@@ -109,6 +109,7 @@ pub fn inputs() -> Inputs {
     Inputs {
         preflight_image: PREFLIGHT_IMAGE.into(),
         log_format: podmotion_log::LogFormat::Json,
+        platform: crate::platform::Platform::default(),
         eligible_nodes: 3,
         server: Some(ServerEndpoint {
             namespace: "compass".into(),

@@ -27,6 +27,8 @@ pub mod status;
 #[cfg(test)]
 mod fixtures;
 #[cfg(test)]
+mod platform_tests;
+#[cfg(test)]
 mod tests;
 
 pub use render::{Desired, Inputs, render};
@@ -87,6 +89,11 @@ pub fn status_inputs(
             .pods
             .iter()
             .filter_map(status::unschedulable)
+            .collect(),
+        platform_conflicts: render::node_selector(pool, &inputs.platform)
+            .1
+            .iter()
+            .map(ToString::to_string)
             .collect(),
         credential_secret: applied.credential_secret,
     }

@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 use super::server::ServerEndpoint;
 use super::sizing::{pod_size, termination_grace_seconds};
 use crate::meta::child_meta;
+use crate::platform::{Clash, Platform};
 
 /// Name of the Runner container.
 pub const RUNNER_CONTAINER: &str = "runner";
@@ -113,6 +114,40 @@ pub fn pdb_min_available(pool: &RunnerPool, eligible_nodes: usize) -> i32 {
     (nodes - down).max(0)
 }
 
+/// The platform the Runner pod needs: Linux always (user namespaces, KVM), and the
+/// operator's architecture while the pod runs PodMotion's own preflight image. A pool
+/// that names its own preflight image runs nothing of PodMotion's, and chooses its
+/// nodes' architecture with its own label.
+pub fn pod_platform(pool: &RunnerPool, platform: &Platform) -> Platform {
+    match pool.spec.preflight.image {
+        Some(_) => Platform::linux(""),
+        None => platform.clone(),
+    }
+}
+
+/// The Runner pod's nodeSelector: the pool's node label and the keys of
+/// [`pod_platform`]. The pool's label wins where it names one of those keys (as the
+/// chart's own values do over `global.nodeArch`): the pool's choice of nodes is never
+/// silently replaced. Each such key with another value is returned too, and reported
+/// (`PlatformConflict`) instead of leaving the pool's pods failing unexplained.
+pub fn node_selector(
+    pool: &RunnerPool,
+    platform: &Platform,
+) -> (BTreeMap<String, String>, Vec<Clash>) {
+    let nodes = &pool.spec.nodes;
+    let own = BTreeMap::from([(nodes.label_key.clone(), nodes.label_value.clone())]);
+    pod_platform(pool, platform).merge(&own)
+}
+
+/// Whether a node with `labels` runs a Runner of `pool`: it matches every key of the
+/// pod's [`node_selector`], as the DaemonSet controller decides.
+pub fn eligible(pool: &RunnerPool, platform: &Platform, labels: &BTreeMap<String, String>) -> bool {
+    node_selector(pool, platform)
+        .0
+        .iter()
+        .all(|(k, v)| labels.get(k) == Some(v))
+}
+
 /// Observed facts the rendering needs besides the RunnerPool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Inputs {
@@ -120,6 +155,9 @@ pub struct Inputs {
     pub preflight_image: String,
     /// The preflight's log format: the operator's own (`--log-format`).
     pub log_format: podmotion_log::LogFormat,
+    /// The platform PodMotion's images (the default preflight) are built for: the
+    /// operator's `--node-arch` ([`node_selector`]).
+    pub platform: Platform,
     /// Nodes carrying the pool's node label; caps `maxUnavailable` below all of them.
     pub eligible_nodes: usize,
     /// The Server's Service; `None` when it is missing or has no selector.
@@ -302,9 +340,9 @@ fn runner_pod_labels(pool: &RunnerPool, name: &str, ns: &str) -> serde_json::Map
     pod_labels
 }
 
-/// The Runner pod: on the pool's nodes (tolerating their taint), in a user namespace,
-/// none of the host's namespaces, the preflight before the Runner, the two hostPath
-/// volumes and the credential Secret.
+/// The Runner pod: on the pool's nodes of its platform (tolerating their taint), in a
+/// user namespace, none of the host's namespaces, the preflight before the Runner, the
+/// two hostPath volumes and the credential Secret.
 fn runner_pod_spec(pool: &RunnerPool, inputs: &Inputs, name: &str) -> Value {
     let spec = &pool.spec;
     let nodes = &spec.nodes;
@@ -327,7 +365,7 @@ fn runner_pod_spec(pool: &RunnerPool, inputs: &Inputs, name: &str) -> Value {
         "hostIPC": false,
         "priorityClassName": spec.priority_class.name,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "nodeSelector": {nodes.label_key.as_str(): nodes.label_value},
+        "nodeSelector": node_selector(pool, &inputs.platform).0,
         "tolerations": [{
             "key": taint_key, "operator": "Equal", "value": taint_value,
             "effect": nodes.taint_effect.as_str(),

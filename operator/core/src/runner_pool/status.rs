@@ -35,6 +35,10 @@ pub struct Observed {
     pub conflicts: Vec<String>,
     /// Runner pods the scheduler cannot place, with its message.
     pub unschedulable: Vec<String>,
+    /// The pool's node label against the platform of PodMotion's images
+    /// ([`super::render::node_selector`]): every key it sets to another value, said in
+    /// words (empty: none).
+    pub platform_conflicts: Vec<String>,
     /// The credential Secret the operator generated (recorded in the status, so that
     /// an operator without Secret read access creates it only once).
     pub credential_secret: Option<String>,
@@ -264,7 +268,7 @@ fn condition_table(pool: &RunnerPool, observed: &Observed, f: &Summary) -> Vec<C
             ps.message(),
         ),
         degraded_condition(observed, f),
-        available_condition(pool, f),
+        available_condition(pool, observed, f),
         (ct::PROGRESSING, c.rolling, progressing, f.nodes.clone()),
     ]
 }
@@ -313,11 +317,15 @@ fn degraded_condition(observed: &Observed, f: &Summary) -> ConditionRow {
 }
 
 /// `Available`: some node, and no more than the rollout may take down, short of ready.
-fn available_condition(pool: &RunnerPool, f: &Summary) -> ConditionRow {
+fn available_condition(pool: &RunnerPool, observed: &Observed, f: &Summary) -> ConditionRow {
     let c = &f.c;
     let allowed_down = max_unavailable_count(&pool.spec.rollout.max_unavailable, c.desired);
     let (status, reason, message) = if c.desired == 0 {
-        (false, reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool))
+        (
+            false,
+            reasons::NO_ELIGIBLE_NODES,
+            no_nodes_message(pool, observed),
+        )
     } else if c.ready > 0 && c.ready >= c.desired - allowed_down {
         (true, reasons::MINIMUM_NODES_AVAILABLE, f.nodes.clone())
     } else {
@@ -338,6 +346,9 @@ fn degraded(observed: &Observed, f: &Summary) -> Vec<(&'static str, String)> {
     }
     if let Err(why) = &observed.server {
         out.push((reasons::SERVER_UNRESOLVED, why.clone()));
+    }
+    if let Some(msg) = platform_message(observed) {
+        out.push((reasons::PLATFORM_CONFLICT, msg));
     }
     if !observed.conflicts.is_empty() {
         out.push((
@@ -369,6 +380,9 @@ fn health(pool: &RunnerPool, observed: &Observed, f: &Summary) -> Health {
     let c = &f.c;
     if !ps.admitted() {
         Health::stalled(reasons::POD_SECURITY_REJECTS, ps.message())
+    } else if let Some(msg) = platform_message(observed) {
+        // Before the preflight failures: it is why those nodes' preflights fail.
+        Health::stalled(reasons::PLATFORM_CONFLICT, msg)
     } else if f.failed_nodes > 0 {
         Health::stalled(
             reasons::PREFLIGHT_FAILED,
@@ -391,7 +405,7 @@ fn health(pool: &RunnerPool, observed: &Observed, f: &Summary) -> Health {
     } else if let Err(why) = &observed.server {
         Health::stalled(reasons::SERVER_UNRESOLVED, why.clone())
     } else if observed.daemonset.is_some() && c.desired == 0 && !c.rolling {
-        Health::stalled(reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool))
+        Health::stalled(reasons::NO_ELIGIBLE_NODES, no_nodes_message(pool, observed))
     } else if !observed.drift.is_empty() {
         Health::reconciling(
             reasons::SHAPE_DRIFT,
@@ -420,14 +434,47 @@ fn describe_size(pool: &RunnerPool) -> String {
     )
 }
 
-fn no_nodes_message(pool: &RunnerPool) -> String {
+/// Why no node runs a Runner: none carries every label of the pod's nodeSelector (the
+/// pool's label and the platform's, as the DaemonSet applied them).
+fn no_nodes_message(pool: &RunnerPool, observed: &Observed) -> String {
     let n = &pool.spec.nodes;
+    let platform: Vec<String> = observed
+        .daemonset
+        .as_ref()
+        .and_then(|ds| ds.spec.template.spec.as_ref()?.node_selector.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| *k != n.label_key)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let platform = if platform.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " on {} (the platform PodMotion's preflight image is built for)",
+            platform.join(", ")
+        )
+    };
     format!(
-        "no node of the cluster is labelled {}={} (RunnerPool {}): label the Runner nodes",
+        "no node of the cluster is labelled {}={}{platform} (RunnerPool {}): label the Runner nodes",
         n.label_key,
         n.label_value,
         pool.name_any()
     )
+}
+
+/// The `PlatformConflict` message, when the pool's node label clashes with the
+/// platform PodMotion's preflight image is built for.
+fn platform_message(observed: &Observed) -> Option<String> {
+    (!observed.platform_conflicts.is_empty()).then(|| {
+        format!(
+            "the pool's node label sets {}; the pool's label is kept, so its Runner pods \
+             go to those nodes, where PodMotion's preflight image cannot run: name a \
+             preflight image built for them (spec.preflight.image), or select nodes of \
+             PodMotion's platform",
+            observed.platform_conflicts.join("; ")
+        )
+    })
 }
 
 #[cfg(test)]
@@ -469,6 +516,7 @@ mod tests {
             foreign_policies: vec![],
             conflicts: vec![],
             unschedulable: vec![],
+            platform_conflicts: vec![],
             credential_secret: Some("rp-credentials".into()),
         }
     }

@@ -11,11 +11,13 @@
 //! paths go through the one reaping predicate.
 //!
 //! Reads come from caches, not from lists: the attachments (the controller's store),
-//! and projection caches ([`crate::cache`]) of all pods (a `PodView` each) and the
-//! agent Jobs (a `JobView` each). Only the workload itself (for its selector) and
-//! ingest Leases are read per reconcile. A change of a cached projection wakes the
-//! attachments it concerns (a pod: those of its namespace; a Job: those of its
-//! workload); updates the core cannot see wake nothing.
+//! and projection caches ([`crate::cache`]) of all pods (a `PodView` each), the agent
+//! Jobs (a `JobView` each) and the nodes' platform labels ([`nodes`]: a pod on a node
+//! the agent image cannot run on is skipped). Only the workload itself (for its
+//! selector) and ingest Leases are read per reconcile. A change of a cached projection
+//! wakes the attachments it concerns (a pod: those of its namespace; a Job: those of
+//! its workload; a node: those of the namespaces with pods on it); updates the core
+//! cannot see wake nothing.
 //!
 //! A Job is created suspended; its credential Secret (owned by the Job) is created
 //! next, then the Job is resumed. Secrets are never read: a Job still suspended is one
@@ -25,6 +27,7 @@
 //! controller records its own writes in the caches at once. Nothing polls the API
 //! server except the orphan sweep, by design.
 
+mod nodes;
 mod observe;
 mod settings;
 mod state;
@@ -37,11 +40,11 @@ use std::time::Duration;
 
 use futures::stream;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
+use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
@@ -53,14 +56,14 @@ use super::shell::{self, Outcome, ReconcileError, Reconciler};
 use crate::attachment::observed::workload_key;
 use crate::attachment::render;
 use crate::attachment::{JobView, ObservedGroup, PodView};
-use crate::cache::{self, Projection};
+use crate::cache::{self, Change, Projection};
 use crate::client::scoped;
 use crate::context::Context;
 
 pub use settings::AttachmentConfig;
 pub use sweep::reap_all;
 
-use state::{Mode, NAME, Shared};
+use state::{Mode, NAME, PlatformLabels, Shared};
 
 /// Runs the controller with the settings from the environment.
 pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
@@ -71,47 +74,26 @@ pub async fn run(ctx: Arc<Context>) -> anyhow::Result<()> {
 /// Runs the controller (and its orphan sweep) with explicit settings.
 pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Result<()> {
     let client = ctx.client.clone();
-    let settings = cfg.settings(&ctx.config.namespace, ctx.config.log_format);
+    let settings = cfg.settings(
+        &ctx.config.namespace,
+        ctx.config.log_format,
+        ctx.config.platform(),
+    );
     let attachments: Api<DeserializeGuard<NodeAgentAttachment>> =
         scoped(&client, cfg.watch_namespace.as_deref());
-    let pods: Api<Pod> = scoped(&client, cfg.watch_namespace.as_deref());
     let controller = Controller::new(attachments, watcher::Config::default().any_semantic());
     let shared = Arc::new(Shared {
         ctx: ctx.clone(),
         store: controller.store(),
         pods: Arc::new(Projection::new()),
         jobs: Arc::new(Projection::new()),
+        nodes: Arc::new(Projection::new()),
         policy_applied: AtomicBool::new(false),
         cfg,
         settings,
     });
-    let s = shared.clone();
-    let pod_triggers = cache::feed(
-        &ctx,
-        "attachment-pods",
-        watcher(pods, cache::paged()),
-        shared.pods.clone(),
-        |p: &Pod| Some(PodView::from_pod(p)),
-        move |c| attachments_in_namespace(&s.store, &c.key.0),
-    );
-    let s = shared.clone();
-    let job_triggers = cache::feed(
-        &ctx,
-        "attachment-jobs",
-        watcher(
-            Api::<Job>::namespaced(client.clone(), &shared.settings.namespace),
-            cache::paged().labels(&render::agent_selector()),
-        ),
-        shared.jobs.clone(),
-        JobView::from_job,
-        move |c| {
-            c.latest()
-                .map(|j| attachments_of_job(&s.store, j))
-                .unwrap_or_default()
-        },
-    );
     let controller = controller
-        .reconcile_on(stream::select(pod_triggers, job_triggers))
+        .reconcile_on(triggers(&ctx, &shared))
         .reconcile_all_on(ctx.leader.on_acquire())
         // No debounce: a new attachment gets its Jobs at once. A reconcile reads caches
         // (one GET), triggers that arrive while it runs are coalesced into one rerun by
@@ -126,6 +108,73 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
 }
 
 type AttachmentRef = ObjectRef<DeserializeGuard<NodeAgentAttachment>>;
+
+/// The reconcile triggers: the changes of the caches of the watched pods, the agent
+/// Jobs and the nodes' platform labels, each mapped to the attachments it concerns.
+fn triggers(
+    ctx: &Arc<Context>,
+    shared: &Arc<Shared>,
+) -> impl futures::Stream<Item = AttachmentRef> + Send + 'static {
+    let client = ctx.client.clone();
+    let pods: Api<Pod> = scoped(&client, shared.cfg.watch_namespace.as_deref());
+    let s = shared.clone();
+    let pod_triggers = cache::feed(
+        ctx,
+        "attachment-pods",
+        watcher(pods, cache::paged()),
+        shared.pods.clone(),
+        |p: &Pod| Some(PodView::from_pod(p)),
+        move |c| attachments_in_namespace(&s.store, &c.key.0),
+    );
+    let s = shared.clone();
+    let job_triggers = cache::feed(
+        ctx,
+        "attachment-jobs",
+        watcher(
+            Api::<Job>::namespaced(client.clone(), &shared.settings.namespace),
+            cache::paged().labels(&render::agent_selector()),
+        ),
+        shared.jobs.clone(),
+        JobView::from_job,
+        move |c| {
+            c.latest()
+                .map(|j| attachments_of_job(&s.store, j))
+                .unwrap_or_default()
+        },
+    );
+    let s = shared.clone();
+    let node_triggers = cache::feed(
+        ctx,
+        "attachment-nodes",
+        // Only the labels are kept (kube 5 still lists the nodes in full, see
+        // `runner_pool`), and only a change of the platform labels wakes anything.
+        watcher(
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            cache::paged(),
+        ),
+        shared.nodes.clone(),
+        nodes::platform_labels,
+        move |c| attachments_of_node(&s, c),
+    );
+    stream::select(stream::select(pod_triggers, job_triggers), node_triggers)
+}
+
+/// A node's platform labels changed (or it appeared): the attachments of the
+/// namespaces that have pods on it.
+fn attachments_of_node(s: &Shared, c: &Change<PlatformLabels>) -> Vec<AttachmentRef> {
+    let node = c.key.1.as_str();
+    s.store
+        .state()
+        .iter()
+        .filter(|g| {
+            let ns = g.namespace().unwrap_or_default();
+            !s.pods
+                .select(|(pod_ns, _), p| *pod_ns == ns && p.node.as_deref() == Some(node))
+                .is_empty()
+        })
+        .map(|g| ObjectRef::from_obj(g.as_ref()))
+        .collect()
+}
 
 /// A Job wakes every attachment of the workload it was made for.
 fn attachments_of_job(

@@ -1,5 +1,6 @@
 //! The attachment controller's reads: one workload's state, from its selector (read)
-//! and the caches, with the ingest Leases of the attachments that claim it.
+//! and the caches (its pods' nodes' platform labels too), with the ingest Leases of
+//! the attachments that claim it.
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -10,6 +11,7 @@ use kube::{Client, Resource, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::attachment::{AttachMode, WorkloadKind, WorkloadRef};
 
+use super::nodes;
 use super::state::{Mode, Shared};
 use super::writes;
 use crate::attachment::observed::workload_key;
@@ -45,6 +47,7 @@ pub(super) async fn workload(
         .iter()
         .map(|j| j.as_ref().clone())
         .collect();
+    let node_labels = nodes::labels_of(s, pods.iter().filter_map(|p| p.node.as_deref()));
     let stored = s.store.state();
     let members: Vec<&NodeAgentAttachment> = stored
         .iter()
@@ -74,6 +77,7 @@ pub(super) async fn workload(
         attachments,
         pods,
         jobs,
+        node_labels,
         now: Timestamp::now(),
     })
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use clap::{Args, Parser};
 
 use crate::attachment::render::Settings;
+use crate::platform::Platform;
 
 /// Settings of the attachment controller (flags with environment fallbacks).
 #[derive(Args, Clone, Debug)]
@@ -137,13 +138,16 @@ impl AttachmentConfig {
             .unwrap_or_else(|| operator_namespace.into())
     }
 
-    /// The render settings; the agents log in `log_format` (the operator's own).
+    /// The render settings; the agents log in `log_format` and run on `platform` (the
+    /// operator's own).
     pub fn settings(
         &self,
         operator_namespace: &str,
         log_format: podmotion_log::LogFormat,
+        platform: Platform,
     ) -> Settings {
         Settings {
+            platform,
             metrics_port: self.metrics_port,
             control_port: self.control_port,
             max_wiretaps: self.max_wiretaps,

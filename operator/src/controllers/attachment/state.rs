@@ -1,5 +1,5 @@
 //! The attachment controller's state, shared by its steps: settings, the projection
-//! caches of pods and agent Jobs, and the attachments' store; and whether a step may
+//! caches of pods, agent Jobs and nodes' platform labels, and the attachments' store; and whether a step may
 //! create or only delete.
 
 use std::sync::Arc;
@@ -17,6 +17,9 @@ use crate::context::Context;
 
 pub(super) const NAME: &str = "attachment";
 
+/// A node's platform labels (`kubernetes.io/os`, `kubernetes.io/arch`).
+pub(super) type PlatformLabels = std::collections::BTreeMap<String, String>;
+
 /// The controller: settings, caches and the attachments' store.
 pub(super) struct Shared {
     pub(super) ctx: Arc<Context>,
@@ -25,6 +28,7 @@ pub(super) struct Shared {
     pub(super) store: Store<DeserializeGuard<NodeAgentAttachment>>,
     pub(super) pods: Arc<Projection<PodView>>,
     pub(super) jobs: Arc<Projection<JobView>>,
+    pub(super) nodes: Arc<Projection<PlatformLabels>>,
     pub(super) policy_applied: AtomicBool,
 }
 
@@ -32,7 +36,7 @@ impl Shared {
     /// Whether every cache has its first complete list (the attachments' store is
     /// waited for by the controller runtime itself).
     pub(super) fn caches_ready(&self) -> bool {
-        self.pods.is_ready() && self.jobs.is_ready()
+        self.pods.is_ready() && self.jobs.is_ready() && self.nodes.is_ready()
     }
 
     pub(super) fn job_key(&self, name: &str) -> Key {

@@ -18,6 +18,7 @@ use podmotion_api::RunnerPool;
 use podmotion_api::names::labels;
 
 use crate::cache::Change;
+use crate::platform::Platform;
 
 pub(super) type PoolRef = ObjectRef<DeserializeGuard<RunnerPool>>;
 pub(super) type Pools = Store<DeserializeGuard<RunnerPool>>;
@@ -73,10 +74,10 @@ pub(super) fn node_labels(n: &PartialObjectMeta<Node>) -> Option<NodeLabels> {
     Some(n.labels().clone())
 }
 
-/// Whether a node with `labels` is eligible for `pool`.
-pub(super) fn eligible(pool: &RunnerPool, labels: &NodeLabels) -> bool {
-    let nodes = &pool.spec.nodes;
-    labels.get(&nodes.label_key) == Some(&nodes.label_value)
+/// Whether a node with `labels` is eligible for `pool`: it carries the pool's label
+/// and the platform's (the Runner pod's whole nodeSelector).
+pub(super) fn eligible(pool: &RunnerPool, platform: &Platform, labels: &NodeLabels) -> bool {
+    crate::runner_pool::render::eligible(pool, platform, labels)
 }
 
 fn refs(pools: &Pools, keep: impl Fn(&RunnerPool) -> bool) -> Vec<PoolRef> {
@@ -89,10 +90,14 @@ fn refs(pools: &Pools, keep: impl Fn(&RunnerPool) -> bool) -> Vec<PoolRef> {
 }
 
 /// A node's labels changed: the pools whose eligible count it changes.
-pub(super) fn pools_of_node(pools: &Pools, c: &Change<NodeLabels>) -> Vec<PoolRef> {
+pub(super) fn pools_of_node(
+    pools: &Pools,
+    platform: &Platform,
+    c: &Change<NodeLabels>,
+) -> Vec<PoolRef> {
     refs(pools, |p| {
-        c.old.as_deref().is_some_and(|l| eligible(p, l))
-            != c.new.as_deref().is_some_and(|l| eligible(p, l))
+        c.old.as_deref().is_some_and(|l| eligible(p, platform, l))
+            != c.new.as_deref().is_some_and(|l| eligible(p, platform, l))
     })
 }
 
@@ -180,22 +185,30 @@ mod tests {
             pool("a", "gpu", "role", "gpu"),
             pool("a", "web", "role", "web"),
         ]);
-        let gpu = labels(&[("role", "gpu")]);
-        let web = labels(&[("role", "web")]);
-        let other = labels(&[("role", "gpu"), ("zone", "z1")]);
-        assert_eq!(
-            names(pools_of_node(&store, &node_change(None, gpu.clone()))),
-            ["gpu"]
-        );
-        assert_eq!(
-            names(pools_of_node(&store, &node_change(gpu.clone(), web))),
-            ["gpu", "web"]
-        );
-        assert!(pools_of_node(&store, &node_change(gpu.clone(), other)).is_empty());
-        assert_eq!(
-            names(pools_of_node(&store, &node_change(gpu, None))),
-            ["gpu"]
-        );
+        let amd = Platform::default();
+        let linux = |role: &str, arch: &str| {
+            labels(&[
+                ("role", role),
+                ("kubernetes.io/os", "linux"),
+                ("kubernetes.io/arch", arch),
+            ])
+        };
+        let gpu = linux("gpu", "amd64");
+        let web = linux("web", "amd64");
+        let other = labels(&[
+            ("role", "gpu"),
+            ("zone", "z1"),
+            ("kubernetes.io/os", "linux"),
+            ("kubernetes.io/arch", "amd64"),
+        ]);
+        let changed = |old, new| names(pools_of_node(&store, &amd, &node_change(old, new)));
+        assert_eq!(changed(None, gpu.clone()), ["gpu"]);
+        assert_eq!(changed(gpu.clone(), web), ["gpu", "web"]);
+        assert!(changed(gpu.clone(), other).is_empty());
+        // A node of another architecture runs no Runner of PodMotion's preflight.
+        assert_eq!(changed(gpu.clone(), linux("gpu", "arm64")), ["gpu"]);
+        assert!(changed(None, linux("gpu", "arm64")).is_empty());
+        assert_eq!(changed(gpu, None), ["gpu"]);
     }
 
     #[test]

@@ -152,13 +152,14 @@ fn wakes(
         move |c| caches::pools_in_namespace(&s, c),
     );
     let s = store.clone();
+    let platform = ctx.config.platform();
     let node_triggers = cache::feed(
         ctx,
         "runner-pool-nodes",
         watcher(Api::<PartialObjectMeta<Node>>::all(client), cache::paged()),
         shared.nodes.clone(),
         caches::node_labels,
-        move |c| caches::pools_of_node(&s, c),
+        move |c| caches::pools_of_node(&s, &platform, c),
     );
     stream::select(
         stream::select(daemonset_triggers, pod_triggers),

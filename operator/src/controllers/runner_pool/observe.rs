@@ -47,7 +47,11 @@ pub(super) async fn observation(
 async fn inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, ReconcileError> {
     let (ctx, cfg) = (&s.ctx, &s.cfg);
     let client = ctx.client.clone();
-    let eligible = s.nodes.select(|_, l| caches::eligible(pool, l)).len();
+    let platform = ctx.config.platform();
+    let eligible = s
+        .nodes
+        .select(|_, l| caches::eligible(pool, &platform, l))
+        .len();
     let server_ns = server_namespace(pool);
     let service = Api::<Service>::namespaced(client.clone(), &server_ns)
         .get_opt(&pool.spec.server.service_name)
@@ -56,6 +60,7 @@ async fn inputs(s: &Shared, pool: &RunnerPool) -> Result<Inputs, ReconcileError>
     Ok(Inputs {
         preflight_image: cfg.preflight_image.clone(),
         log_format: ctx.config.log_format,
+        platform,
         eligible_nodes: eligible,
         server: ServerEndpoint::resolve(pool, &server_ns, service),
         credential_token: credential_token(ctx, cfg, pool).await?,

@@ -755,3 +755,123 @@ fn workloads_of_the_operators_the_agents_and_the_system_namespace_are_never_atta
     );
     assert_eq!(p.create.len(), 5);
 }
+
+/// `kubernetes.io/os` and `kubernetes.io/arch` labels of a node.
+fn platform_labels(os: &str, arch: &str) -> std::collections::BTreeMap<String, String> {
+    [
+        (crate::platform::OS_LABEL.to_string(), os.to_string()),
+        (crate::platform::ARCH_LABEL.to_string(), arch.to_string()),
+    ]
+    .into()
+}
+
+#[test]
+fn pods_on_nodes_the_agent_image_cannot_run_on_get_no_job_and_say_why() {
+    // n0 amd64 Linux, n1 arm64, n2 Windows; n3 not known to the node cache (yet).
+    let pods: Vec<PodView> = (0..4)
+        .map(|i| {
+            pod(&format!("web-{i}"))
+                .on_node(&format!("n{i}"))
+                .ready()
+                .build()
+        })
+        .collect();
+    let mut g = group(vec![attachment("a").build()], pods, vec![]);
+    g.node_labels = [
+        ("n0".to_string(), platform_labels("linux", "amd64")),
+        ("n1".to_string(), platform_labels("linux", "arm64")),
+        ("n2".to_string(), platform_labels("windows", "amd64")),
+    ]
+    .into();
+    let p = plan(&g, &settings());
+    assert_eq!(
+        p.create.iter().map(|c| c.pod.as_str()).collect::<Vec<_>>(),
+        vec!["web-0", "web-3"],
+        "an unknown node is not held against its pod"
+    );
+    // Every Job selects the agent image's platform, beside its node pin.
+    for c in &p.create {
+        let ps = c.job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_eq!(
+            ps.node_selector,
+            Some(platform_labels("linux", "amd64")),
+            "{}",
+            c.pod
+        );
+    }
+    let st = &p.statuses["a"];
+    let skipped: Vec<(&str, SkipReason)> = st
+        .skipped
+        .iter()
+        .map(|s| (s.pod.as_str(), s.reason))
+        .collect();
+    assert_eq!(
+        skipped,
+        vec![
+            ("web-1", SkipReason::UnsupportedPlatform),
+            ("web-2", SkipReason::UnsupportedPlatform),
+        ]
+    );
+    assert!(
+        st.skipped[0].message.contains("kubernetes.io/arch=arm64")
+            && st.skipped[0].message.contains("linux/amd64"),
+        "{:?}",
+        st.skipped[0]
+    );
+    assert!(
+        st.skipped[1].message.contains("kubernetes.io/os=windows"),
+        "{:?}",
+        st.skipped[1]
+    );
+    assert_eq!(reason_of(&p, "a"), reasons::JOBS_PENDING);
+
+    // The installer's multi-architecture images: only the OS counts.
+    let mut any = settings();
+    any.platform = crate::platform::Platform::linux("");
+    let p = plan(&g, &any);
+    assert_eq!(
+        p.create.iter().map(|c| c.pod.as_str()).collect::<Vec<_>>(),
+        vec!["web-0", "web-1", "web-3"]
+    );
+    let ps = p.create[0]
+        .job
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref();
+    let sel = ps.unwrap().node_selector.clone().unwrap();
+    assert_eq!(sel.get(crate::platform::ARCH_LABEL), None);
+    assert_eq!(sel[crate::platform::OS_LABEL], "linux");
+}
+
+#[test]
+fn a_job_on_a_node_found_to_be_of_another_platform_is_reaped() {
+    let pods = vec![pod("web-0").on_node("n1").ready().build()];
+    let jobs = converged(vec![attachment("a").build()], pods.clone());
+    let mut g = group(vec![attachment("a").build()], pods, jobs.clone());
+    let p = plan(&g, &settings());
+    assert!(p.create.is_empty() && p.delete.is_empty(), "{:?}", p.delete);
+    // Once the node is known to be arm64, the Job (which cannot run there) goes.
+    g.node_labels = [("n1".to_string(), platform_labels("linux", "arm64"))].into();
+    let p = plan(&g, &settings());
+    assert_eq!(
+        deleted(&p),
+        vec![(
+            "web-0".to_string(),
+            JobFate::Reap(ReapReason::TargetNotAdmissible)
+        )]
+    );
+    assert!(p.create.is_empty());
+    // Nothing left to attach to: stalled, and the message counts the platform skips.
+    let health = find(&p.statuses["a"].conditions, condition_types::STALLED).unwrap();
+    assert_eq!(health.reason, reasons::NO_ADMISSIBLE_TARGET);
+    assert!(
+        health
+            .message
+            .contains("1 on a node the agent image is not built for"),
+        "{}",
+        health.message
+    );
+}
