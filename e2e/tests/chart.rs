@@ -2901,7 +2901,10 @@ impl Drop for ReleaseCleanup {
         let _ = kubectl(
             &[
                 "delete",
-                "clusterrole,clusterrolebinding",
+                // Every cluster-scoped kind the chart renders but the CRDs (kept): a
+                // policy left behind would go on judging writes in later tests.
+                "clusterrole,clusterrolebinding,validatingadmissionpolicy,\
+                 validatingadmissionpolicybinding,validatingwebhookconfiguration",
                 "-l",
                 &selector,
                 "--wait=false",

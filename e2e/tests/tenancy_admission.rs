@@ -205,7 +205,7 @@ async fn key_material_is_written_by_the_operators_service_account_only() {
     // A namespace admin of both namespaces, as far as Secrets and ConfigMaps go.
     let admin = format!("keymat-admin-{}", random_suffix());
     let rules = json!([{"apiGroups": [""], "resources": ["secrets", "configmaps"],
-                        "verbs": ["create", "get", "update", "patch", "delete"]}]);
+                        "verbs": ["create", "get", "update", "patch", "delete", "deletecollection"]}]);
     grant_user(op, &admin, rules.clone()).await.unwrap();
     grant_user(ag, &admin, rules).await.unwrap();
 
@@ -302,6 +302,48 @@ async fn key_material_is_written_by_the_operators_service_account_only() {
         "{admin} could not delete the Helm-made master key:\n{}",
         output_text(&out)
     );
+
+    // With the policy in force and key material in both namespaces, deleting them (a
+    // user's `kubectl delete namespace`, Argo CD's prune) ends: the namespace controller
+    // empties them by collection, which names no object in the request.
+    let bundle = json!({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": ca, "namespace": ag.name},
+                        "data": {"ca.crt": "the operator's"}});
+    let out = create_as(&sa, &bundle, false);
+    assert!(out.status.success(), "operator: {}", output_text(&out));
+    // ... while a collection deletion by anyone else still leaves the key material.
+    let collection = format!("/api/v1/namespaces/{}/configmaps", ag.name);
+    let out = kubectl(&["delete", "--raw", &collection, "--as", &admin], None);
+    let text = output_text(&out);
+    assert!(
+        !out.status.success() && text.contains("only the PodMotion operator"),
+        "{admin} deleted the CA bundle by collection:\n{text}"
+    );
+    let out = kubectl(&["-n", &ag.name, "get", "configmap", &ca, "-o", "name"], None);
+    assert!(out.status.success(), "the CA bundle is gone: {}", output_text(&out));
+    let out = kubectl(
+        &["delete", "namespace", &op.name, &ag.name, "--wait=false"],
+        None,
+    );
+    assert!(out.status.success(), "{}", output_text(&out));
+    for ns in [&op.name, &ag.name] {
+        let mut gone = false;
+        for _ in 0..120 {
+            let out = kubectl(&["get", "namespace", ns, "-o", "name"], None);
+            if !out.status.success() && output_text(&out).contains("NotFound") {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        if !gone {
+            let out = kubectl(&["get", "namespace", ns, "-o", "jsonpath={.status}"], None);
+            panic!(
+                "namespace {ns} is still there 60 s after its deletion: {}",
+                output_text(&out)
+            );
+        }
+    }
 }
 
 fn migration(ns: &str, probe: Value) -> Value {
