@@ -374,6 +374,11 @@ impl World {
         })
     }
 
+    /// The chart release's name (in the operator's namespace).
+    pub fn release(&self) -> &str {
+        &self._uninstall.release
+    }
+
     /// The namespace of the release's node agents.
     pub fn agents(&self) -> String {
         format!("{}-agents", self.op.name)

@@ -1,0 +1,538 @@
+//! Issue 43: an upgrade does not break what runs. On the real nodes, through the chart
+//! installed from our images, with a testload replica (64 MiB of ballast) moving between
+//! the two real nodes:
+//!
+//! 1. **The operator upgraded in flight.** A Cold PodMigration limited to 8 MiB/s (about
+//!    8 s of transfer, the source frozen) is under way when `helm upgrade` to the next
+//!    build starts, with `migrationAgent.updateStrategy.type=OnDelete`: the operator's
+//!    Deployment rolls (a new leader takes the migration over), the agents stay. The
+//!    migration ends Succeeded, or rolled back with the source serving alone.
+//! 2. **Two agent versions together.** The agent pod of the replica's node is deleted,
+//!    so that node runs the next build's agent while the other still runs the installed
+//!    one: a migration from the upgraded node to the other, and one back, both succeed.
+//! 3. **The agents upgraded in flight.** A second `helm upgrade`, to a third build with
+//!    the chart's default strategy (RollingUpdate), starts while another limited
+//!    migration is frozen in its transfer: both agents roll, the migration ends
+//!    Succeeded or rolled back with the source serving alone, and once the rollout is
+//!    done a migration succeeds.
+//!
+//! Sampled every 200 ms through every migration: never two running copies of the state.
+//! Each move carries the counter on.
+//!
+//! **What "the next build" is here:** the installed operator, agent and broker images
+//! with their `org.opencontainers.image.version` label bumped (rebuilt by buildah, so
+//! new digests: the pods are replaced as by a release), and the chart's copy with its
+//! version bumped. The binaries are the installed ones: no test here runs two different
+//! codes of the agent together. That they interoperate across code changes rests on the
+//! wire contract (`executors/wire/tests/proto_contract.rs`: the proto only grows, older
+//! encodings decode) and on the transfer's sealing label naming its scheme, not the
+//! release (`executors/wire/src/transfer.rs`).
+//!
+//! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
+//! (`hack/images.sh`); `hack/test.sh` does both.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use podmotion_api::PodMigration;
+use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
+use podmotion_e2e::real::copies::{sample, workload_processes};
+use podmotion_e2e::real::testload::{
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, counter_when_reachable, node_of,
+    other_node, restart_count, source_serves_alone,
+};
+use podmotion_e2e::real::{Images, chart_args, helm, output_text};
+use podmotion_e2e::{from_json, pod_running_ready, random_suffix, repo_root, wait_list};
+use serde_json::json;
+
+const APP: &str = "upgraded";
+/// The images a build replaces in an upgrade, by their name in the values file.
+const REPLACED: [&str; 3] = ["operator", "agent", "broker"];
+const AGENT_PODS: &str = "app.kubernetes.io/component=migration-agent";
+
+/// A next build of the installed one (see the module's doc): its chart copy and values.
+struct NextBuild {
+    dir: PathBuf,
+    chart: PathBuf,
+    values: PathBuf,
+    /// The new image references, by name.
+    refs: BTreeMap<&'static str, String>,
+}
+
+impl Drop for NextBuild {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn run(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(out.status.success(), "{what}: {}", output_text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+impl NextBuild {
+    fn make(images: &Images, version: &str) -> NextBuild {
+        let dir = std::env::temp_dir().join(format!("pm-upgrade-{}", random_suffix()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let buildah = |args: &[&str]| {
+            let mut c = Command::new("buildah");
+            c.arg("--root")
+                .arg(dir.join("root"))
+                .arg("--runroot")
+                .arg(dir.join("runroot"))
+                .args(["--storage-driver", "vfs"])
+                .args(args);
+            c
+        };
+        let mut values = std::fs::read_to_string(&images.path).unwrap();
+        let mut refs = BTreeMap::new();
+        for name in REPLACED {
+            let old = match name {
+                "operator" => images.operator(),
+                "agent" => images.agent(),
+                _ => images.broker(),
+            }
+            .unwrap();
+            let (repo, old_digest) = old.split_once('@').expect("a pinned image");
+            let ctr = format!("next-{name}");
+            let local = format!("localhost/{ctr}:{version}");
+            let from = format!("docker://{old}");
+            run(
+                &mut buildah(&[
+                    "from",
+                    "--quiet",
+                    "--tls-verify=false",
+                    "--name",
+                    &ctr,
+                    &from,
+                ]),
+                &format!("buildah from {old}"),
+            );
+            let label = format!("org.opencontainers.image.version={version}");
+            run(
+                &mut buildah(&["config", "--label", &label, &ctr]),
+                "buildah config",
+            );
+            run(
+                &mut buildah(&["commit", "--quiet", "--format", "oci", &ctr, &local]),
+                "buildah commit",
+            );
+            let digest_file = dir.join(format!("{name}.digest"));
+            let dest = format!("docker://{repo}:{version}");
+            run(
+                buildah(&["push", "--quiet", "--tls-verify=false", "--digestfile"])
+                    .arg(&digest_file)
+                    .args([&local, &dest]),
+                &format!("buildah push {dest}"),
+            );
+            let digest = std::fs::read_to_string(&digest_file)
+                .unwrap()
+                .trim()
+                .to_owned();
+            assert_ne!(
+                digest, old_digest,
+                "{name}: the relabelled image has a new digest"
+            );
+            assert_eq!(
+                values.matches(old_digest).count(),
+                1,
+                "{name}'s digest in the values"
+            );
+            values = values.replace(old_digest, &digest);
+            refs.insert(name, format!("{repo}@{digest}"));
+        }
+        let values_path = dir.join("values.yaml");
+        std::fs::write(&values_path, values).unwrap();
+        let chart = dir.join("podmotion");
+        run(
+            Command::new("cp")
+                .arg("-RL")
+                .arg(repo_root().join("charts/podmotion"))
+                .arg(&chart),
+            "copying the chart",
+        );
+        let meta = chart.join("Chart.yaml");
+        let text = std::fs::read_to_string(&meta).unwrap();
+        let bumped: String = text
+            .lines()
+            .map(|l| match l {
+                l if l.starts_with("version:") => format!("version: {version}\n"),
+                l if l.starts_with("appVersion:") => format!("appVersion: \"{version}\"\n"),
+                l => format!("{l}\n"),
+            })
+            .collect();
+        assert_ne!(bumped, text, "the chart's version was bumped");
+        std::fs::write(&meta, bumped).unwrap();
+        NextBuild {
+            dir,
+            chart,
+            values: values_path,
+            refs,
+        }
+    }
+
+    /// `helm upgrade` arguments that take the world's release to this build, with
+    /// `extra` ones.
+    fn upgrade_args(&self, w: &World, extra: &[&str]) -> Vec<String> {
+        let mut args = vec!["upgrade".to_owned(), w.release().to_owned()];
+        let mut rest = chart_args(&w.images, &w.op.name, &w.app.name, "podmotion-e2e-upgrade");
+        rest[0] = self.chart.to_string_lossy().into_owned();
+        args.extend(rest);
+        args.extend([
+            "--values".to_owned(),
+            self.values.to_string_lossy().into_owned(),
+        ]);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args.extend(["--wait", "--timeout", "5m"].map(String::from));
+        args
+    }
+
+    /// A call that starts `helm upgrade` to this build (on a thread: it waits for the
+    /// rollout) and keeps its handle in `slot`.
+    fn starter(&self, w: &World, extra: &[&str], slot: &Upgrade) -> Box<dyn FnOnce() + Send> {
+        let (args, slot) = (self.upgrade_args(w, extra), slot.clone());
+        Box::new(move || {
+            let handle = std::thread::spawn(move || {
+                let out = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+                assert!(out.status.success(), "helm upgrade: {}", output_text(&out));
+            });
+            *slot.lock().unwrap() = Some(handle);
+        })
+    }
+}
+
+/// The chart (`podmotion-<version>`) the world's release was last upgraded to.
+fn release_chart(w: &World) -> String {
+    let out = helm(&["list", "-n", &w.op.name, "-o", "json"]);
+    assert!(out.status.success(), "helm list: {}", output_text(&out));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["name"] == w.release())
+        .and_then(|r| r["chart"].as_str())
+        .unwrap_or_else(|| panic!("release {} not listed: {list}", w.release()))
+        .to_owned()
+}
+
+/// Where a `helm upgrade` started in flight keeps its thread.
+type Upgrade = std::sync::Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>;
+
+/// Waits for the upgrade started in `slot` to finish; fails if it was never started or
+/// failed.
+fn upgraded(slot: &Upgrade, what: &str) {
+    let handle = slot.lock().unwrap().take();
+    handle
+        .unwrap_or_else(|| panic!("{what}: the upgrade never started"))
+        .join()
+        .unwrap_or_else(|_| panic!("{what}: the upgrade failed"));
+}
+
+/// The image of container `container` of each Ready pod matching `selector` in `ns`, by
+/// node, once there is exactly one such pod per node in `nodes` and `ok` holds for
+/// their images.
+async fn images_by_node(
+    client: &kube::Client,
+    ns: &str,
+    selector: &str,
+    container: &str,
+    nodes: &[String],
+    what: &str,
+    ok: impl Fn(&BTreeMap<String, String>) -> bool,
+) -> BTreeMap<String, String> {
+    let by_node = |ps: &[Pod]| -> BTreeMap<String, String> {
+        ps.iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none() && pod_running_ready(p))
+            .filter(|p| nodes.contains(&node_of(p)))
+            .map(|p| {
+                let spec = p.spec.as_ref().unwrap();
+                let c = spec.containers.iter().find(|c| c.name == container);
+                (
+                    node_of(p),
+                    c.and_then(|c| c.image.clone()).unwrap_or_default(),
+                )
+            })
+            .collect()
+    };
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let ps = wait_list(&api, selector, POD_TIMEOUT, what, |ps| {
+        let m = by_node(ps);
+        m.len() == nodes.len() && ok(&m)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    by_node(&ps)
+}
+
+/// A Cold PodMigration of `source` to `to`, limited to `rate` bytes/s when given.
+async fn start(pms: &Api<PodMigration>, name: &str, source: &Pod, to: &str, rate: Option<i64>) {
+    let mut spec = json!({"podName": source.name_any(), "targetNode": to, "mode": "Cold",
+        "freezeBudgetMillis": 60000,
+        "probe": {"tcpSocket": {"port": testload::PORT}}});
+    if let Some(rate) = rate {
+        spec["bandwidthLimitBytesPerSecond"] = json!(rate);
+    }
+    let pm: PodMigration = from_json(json!({
+        "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
+        "metadata": {"name": name}, "spec": spec
+    }));
+    pms.create(&PostParams::default(), &pm).await.unwrap();
+}
+
+/// Follows migration `name` of `source` to its end, sampling the copies of the state
+/// every 200 ms (never two running); `at_freeze` is called once, when the source is seen
+/// stopped in the checkpoint or the transfer (the migration must get there).
+async fn follow(
+    pms: &Api<PodMigration>,
+    pods: &Api<Pod>,
+    name: &str,
+    source: &Pod,
+    mut at_freeze: Option<Box<dyn FnOnce() + Send>>,
+) -> PodMigrationStatus {
+    let found = workload_processes(&[source.uid().unwrap()]);
+    assert_eq!(
+        found.len(),
+        1,
+        "{name}: one workload process in the source pod"
+    );
+    let source_proc = found[0].clone();
+    let start = Instant::now();
+    loop {
+        let st = pms
+            .get_opt(name)
+            .await
+            .unwrap()
+            .and_then(|m| m.status)
+            .unwrap_or_default();
+        let (procs, copies, _) = sample(pods, &source_proc, st.target_pod.as_deref()).await;
+        assert!(
+            copies.len() <= 1,
+            "{name}: two copies run (phase {:?}): {copies:?}",
+            st.phase
+        );
+        let frozen = procs.iter().any(|p| p.same(&source_proc) && !p.runs());
+        if frozen
+            && matches!(
+                st.phase,
+                MigrationPhase::Checkpointing | MigrationPhase::Transferring
+            )
+            && let Some(f) = at_freeze.take()
+        {
+            eprintln!("{name}: the source is frozen in {:?}: upgrading", st.phase);
+            f();
+        }
+        if st.phase.is_terminal() {
+            assert!(
+                at_freeze.is_none(),
+                "{name} ended ({:?}) before the upgrade could start in flight: {st:?}",
+                st.phase
+            );
+            return st;
+        }
+        assert!(
+            start.elapsed() < MIGRATION_TIMEOUT,
+            "{name} did not end in {MIGRATION_TIMEOUT:?}: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// After migration `name` of `source` (counter `before`): moved (Succeeded: the target
+/// pod on the other node, Ready, never restarted, its counter past `before`) or, where
+/// `rollback_ok`, rolled back with the source serving alone. Returns the pod that serves.
+async fn whole(
+    pods: &Api<Pod>,
+    name: &str,
+    st: &PodMigrationStatus,
+    source: &Pod,
+    before: u64,
+    rollback_ok: bool,
+) -> Pod {
+    if st.phase != MigrationPhase::Succeeded {
+        assert!(
+            rollback_ok && matches!(st.phase, MigrationPhase::Failed | MigrationPhase::Aborted),
+            "{name} ended {:?}: {st:?}",
+            st.phase
+        );
+        eprintln!(
+            "{name}: rolled back ({:?}: {:?})",
+            st.failure_reason, st.failure_message
+        );
+        source_serves_alone(pods, APP, source, before, name).await;
+        return pods.get(&source.name_any()).await.unwrap();
+    }
+    let target = st.target_pod.clone().expect("a target pod");
+    let moved = wait_list(pods, &format!("app={APP}"), POD_TIMEOUT, name, |ps| {
+        ps.len() == 1 && ps[0].name_any() == target && pod_running_ready(&ps[0])
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))[0]
+        .clone();
+    assert_ne!(
+        node_of(&moved),
+        node_of(source),
+        "{name}: moved to the other node"
+    );
+    assert_eq!(restart_count(&moved), 0, "{name}: the moved pod restarted");
+    let after = counter_when_reachable(&addr(&moved), name);
+    assert!(
+        after > before,
+        "{name}: the counter went on: {before} then {after}"
+    );
+    eprintln!(
+        "{name}: moved {} -> {} (downtime {:?} ms), counter {before} -> {after}",
+        node_of(source),
+        node_of(&moved),
+        st.downtime_millis
+    );
+    moved
+}
+
+/// Migrates `pod` to the other real node and follows it; `at_freeze` as in [`follow`].
+async fn migrate(
+    w: &World,
+    name: &str,
+    pod: &Pod,
+    rate: Option<i64>,
+    at_freeze: Option<Box<dyn FnOnce() + Send>>,
+) -> (PodMigrationStatus, u64) {
+    let pms: Api<PodMigration> = w.app.api();
+    let pods: Api<Pod> = w.app.api();
+    let before = counter(&addr(pod));
+    start(&pms, name, pod, &other_node(&w.nodes, pod), rate).await;
+    (follow(&pms, &pods, name, pod, at_freeze).await, before)
+}
+
+#[tokio::test]
+async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_versions_move_pods() {
+    let Some(w) = World::new("upgrade", APP, 64, &[]).await else {
+        return;
+    };
+    let pods: Api<Pod> = w.app.api();
+    let client = w.op.client.clone();
+    let agents = w.agents();
+    let installed = images_by_node(
+        &client,
+        &agents,
+        AGENT_PODS,
+        "agent",
+        &w.nodes,
+        "agents",
+        |_| true,
+    )
+    .await;
+    let old_agent = w.images.agent().unwrap();
+    assert!(installed.values().all(|i| *i == old_agent), "{installed:?}");
+    // 64 MiB at 8 MiB/s: the frozen source waits about 8 s for its transfer.
+    let slow = Some(8 << 20);
+
+    // 1. The operator upgraded while a migration is frozen; the agents stay (OnDelete).
+    let next = NextBuild::make(&w.images, "0.1.1");
+    let slot = Upgrade::default();
+    let on_delete = ["--set", "migrationAgent.updateStrategy.type=OnDelete"];
+    let start_next = next.starter(&w, &on_delete, &slot);
+    let source = w.source.clone();
+    let (st, before) = migrate(
+        &w,
+        "during-operator-upgrade",
+        &source,
+        slow,
+        Some(start_next),
+    )
+    .await;
+    let here = whole(&pods, "during-operator-upgrade", &st, &source, before, true).await;
+    upgraded(&slot, "to the next build");
+    assert_eq!(release_chart(&w), "podmotion-0.1.1");
+    let ops: Api<Pod> = w.op.api();
+    wait_list(
+        &ops,
+        "app.kubernetes.io/component=operator",
+        POD_TIMEOUT,
+        "the next operator",
+        |ps| {
+            !ps.is_empty()
+                && ps.iter().all(|p| {
+                    p.spec.as_ref().unwrap().containers[0].image.as_deref()
+                        == Some(next.refs["operator"].as_str())
+                        && pod_running_ready(p)
+                })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let still = images_by_node(
+        &client,
+        &agents,
+        AGENT_PODS,
+        "agent",
+        &w.nodes,
+        "agents",
+        |_| true,
+    )
+    .await;
+    assert_eq!(
+        still, installed,
+        "OnDelete: no agent was replaced by the upgrade"
+    );
+
+    // 2. The replica's node gets the next agent; the other keeps the installed one.
+    let upgraded_node = node_of(&here);
+    let agent_api: Api<Pod> = Api::namespaced(client.clone(), &agents);
+    let on_node = ListParams::default()
+        .labels(AGENT_PODS)
+        .fields(&format!("spec.nodeName={upgraded_node}"));
+    for p in agent_api.list(&on_node).await.unwrap() {
+        agent_api
+            .delete(&p.name_any(), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    let next_agent = next.refs["agent"].clone();
+    let mixed = images_by_node(
+        &client,
+        &agents,
+        AGENT_PODS,
+        "agent",
+        &w.nodes,
+        "one agent upgraded",
+        |m| m.get(&upgraded_node) == Some(&next_agent),
+    )
+    .await;
+    let other = other_node(&w.nodes, &here);
+    assert_eq!(
+        mixed[&other], old_agent,
+        "the other node keeps the installed agent"
+    );
+    let (st, before) = migrate(&w, "upgraded-to-installed", &here, None, None).await;
+    let there = whole(&pods, "upgraded-to-installed", &st, &here, before, false).await;
+    let (st, before) = migrate(&w, "installed-to-upgraded", &there, None, None).await;
+    let back = whole(&pods, "installed-to-upgraded", &st, &there, before, false).await;
+
+    // 3. A third build with the chart's default strategy, while a migration is frozen.
+    let third = NextBuild::make(&w.images, "0.1.2");
+    let slot = Upgrade::default();
+    let start_third = third.starter(&w, &[], &slot);
+    let (st, before) = migrate(&w, "during-agent-rollout", &back, slow, Some(start_third)).await;
+    let now = whole(&pods, "during-agent-rollout", &st, &back, before, true).await;
+    upgraded(&slot, "to the third build");
+    assert_eq!(release_chart(&w), "podmotion-0.1.2");
+    let third_agent = third.refs["agent"].clone();
+    images_by_node(
+        &client,
+        &agents,
+        AGENT_PODS,
+        "agent",
+        &w.nodes,
+        "every agent rolled",
+        |m| m.values().all(|i| *i == third_agent),
+    )
+    .await;
+    let (st, before) = migrate(&w, "after-the-rollout", &now, None, None).await;
+    whole(&pods, "after-the-rollout", &st, &now, before, false).await;
+}
