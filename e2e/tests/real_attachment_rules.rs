@@ -17,10 +17,13 @@
 //! * skipped pods, each in `status.skipped` with its reason, and no Job for any: on the
 //!   host network, with an injected sidecar, in a user namespace (`hostUsers: false`),
 //!   Running but never Ready, never Running (its image cannot be pulled) — and a pod
-//!   that turns Ready gets its Job (kwok: `host_network_replicas_are_skipped_with_their_reason`).
-//!
-//! Coexistence (attachments sharing Jobs, ingest leases) is not here: kwok's
-//! attachment.rs claims only the ingest's lease expiry, not sharing.
+//!   that turns Ready gets its Job (kwok: `host_network_replicas_are_skipped_with_their_reason`);
+//!   on a node of another architecture than the chart's `global.nodeArch`
+//!   (`UnsupportedPlatform`; kwok has no such test);
+//! * coexistence, beyond the kwok mirror (kwok's attachment.rs claims none of it): a
+//!   Wiretap shares an Intercept's Jobs and keeps them when the Intercept goes, a
+//!   second Intercept of the same port is `PortConflict`. The ingest's lease (kwok:
+//!   `ingest_holds_one_job_until_its_lease_expires`) is not repeated here.
 //!
 //! The harness (a release per test, the Jobs matched against their pods, a Job name's
 //! history) is `podmotion_e2e::real::attach`.
@@ -34,7 +37,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use podmotion_api::NodeAgentAttachment;
@@ -122,7 +125,7 @@ async fn agent_jobs_are_named_by_their_target_and_replaced_never_reused() {
         .unwrap();
     let (name, old_uid) = (job.name_any(), job.uid().unwrap());
     let old_ids = container_ids(&victim);
-    let history = JobHistory::start(s.jobs(), &name);
+    let history = JobHistory::start(s.jobs(), &name).await;
     let procs = workload_processes(&[victim.uid().unwrap()]);
     assert_eq!(procs.len(), 1, "the replica's server: {procs:?}");
     let out = std::process::Command::new("kill")
@@ -518,4 +521,160 @@ async fn pods_that_cannot_have_an_agent_are_listed_with_their_reason_and_get_no_
     })
     .await;
     assert_eq!(st.targets[0].pod, fixed[0].name_any(), "{st:?}");
+}
+
+/// The chart installed for another CPU architecture than the real nodes' (the
+/// operator's `--node-arch`, `global.nodeArch`; the operator's and the migration
+/// agents' own pods kept on the nodes' architecture by their `nodeSelector`): a
+/// Running, Ready replica on a real node is listed in `status.skipped` as
+/// `UnsupportedPlatform`, the message naming the node's `kubernetes.io/arch` and the
+/// images' platform, the attachment is `Stalled/NoAdmissibleTarget`, and no Job is
+/// made (it could not start there).
+#[tokio::test]
+async fn a_pod_on_a_node_of_another_platform_is_skipped_and_gets_no_job() {
+    // The real nodes are kubelets on this machine: its architecture is theirs.
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => panic!("no Kubernetes name known for {other}"),
+    };
+    let other = if arch == "arm64" { "amd64" } else { "arm64" };
+    let keep = format!("kubernetes\\.io/arch={arch}");
+    let extra = [
+        "--set".to_string(),
+        format!("global.nodeArch={other}"),
+        "--set-string".to_string(),
+        format!("operator.nodeSelector.{keep}"),
+        "--set-string".to_string(),
+        format!("migrationAgent.nodeSelector.{keep}"),
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let Some(s) = AttachWorld::new("naa-arch", PodSecurity::Baseline, &extra).await else {
+        return;
+    };
+    s.deploy("web", 1, |_| {}).await;
+    let pods = s.settled_pods("web", 1).await;
+    let node = pods[0].spec.as_ref().unwrap().node_name.clone().unwrap();
+    let labels = Api::<Node>::all(s.app.client.clone())
+        .get(&node)
+        .await
+        .unwrap()
+        .labels()
+        .clone();
+    assert_eq!(
+        labels.get("kubernetes.io/arch").map(String::as_str),
+        Some(arch)
+    );
+    s.attach("web", "web").await;
+    let st = status_when(&s, "web", "UnsupportedPlatform, NoAdmissibleTarget", |st| {
+        st.skipped.len() == 1
+            && st.skipped[0].reason == SkipReason::UnsupportedPlatform
+            && stalled_for(st).as_deref() == Some(reasons::NO_ADMISSIBLE_TARGET)
+    })
+    .await;
+    let skip = &st.skipped[0];
+    assert_eq!(skip.pod, pods[0].name_any(), "{st:?}");
+    for word in [
+        format!("kubernetes.io/arch={arch}"),
+        format!("linux/{other}"),
+    ] {
+        assert!(skip.message.contains(&word), "{word}: {}", skip.message);
+    }
+    assert!(st.targets.is_empty(), "{st:?}");
+    // A negative check needs time to fail in: a few reconciles, then still no Job.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let jobs = s
+        .jobs()
+        .list(&ListParams::default().labels(&s.job_selector()))
+        .await
+        .unwrap();
+    assert!(jobs.items.is_empty(), "a Job was made for another platform");
+}
+
+/// (name, UID) of every agent Job of the workloads' namespace, as listed now.
+async fn job_ids(s: &AttachWorld) -> BTreeSet<(String, String)> {
+    s.jobs()
+        .list(&ListParams::default().labels(&s.job_selector()))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|j| (j.name_any(), j.uid().unwrap_or_default()))
+        .collect()
+}
+
+/// Deletes attachment `name` and waits until it is gone (its finalizer released).
+async fn detach(s: &AttachWorld, name: &str) {
+    podmotion_e2e::delete_and_wait(
+        &s.app.api::<NodeAgentAttachment>(),
+        name,
+        &DeleteParams::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+}
+
+/// Coexistence (docs/attachment.md, "Coexistence"; beyond the kwok mirror: kwok's
+/// attachment.rs proves none of it). Beside an Intercept of every port of `web`, a
+/// Wiretap of port 8080 shares its Jobs — Ready, its targets naming the same Jobs, not
+/// one Job made or remade; a second Intercept of port 8080 is `Stalled/PortConflict`
+/// and claims nothing. Deleting the first Intercept (after the refused one) keeps the
+/// Jobs, the same objects, wanted by the Wiretap; deleting the Wiretap removes them.
+#[tokio::test]
+async fn attachments_of_one_workload_share_its_jobs_and_overlapping_intercepts_conflict() {
+    let Some(s) = AttachWorld::new("naa-share", PodSecurity::Baseline, &[]).await else {
+        return;
+    };
+    s.deploy("web", 2, |_| {}).await;
+    let pods = s.settled_pods("web", 2).await;
+    s.attach("web", "web").await;
+    s.jobs_follow(&pods, "one Job per replica").await;
+    let jobs = job_ids(&s).await;
+
+    let port = json!([{"port": testload::PORT}]);
+    s.attach_with("tap", "web", json!({"mode": "Wiretap", "ports": port}))
+        .await;
+    kubectl_wait(&s.app.name, "nodeagentattachment/tap", "Ready", POD_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let tap = status_when(&s, "tap", "two targets", |st| st.targets.len() == 2).await;
+    let tap_jobs: BTreeSet<String> = tap.targets.iter().map(|t| t.job.clone()).collect();
+    let names: BTreeSet<String> = jobs.iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(
+        tap_jobs, names,
+        "the Wiretap's targets are the Intercept's Jobs"
+    );
+
+    s.attach_with("again", "web", json!({"ports": port})).await;
+    let again = status_when(&s, "again", "PortConflict", |st| {
+        stalled_for(st).as_deref() == Some(reasons::PORT_CONFLICT)
+    })
+    .await;
+    assert!(again.targets.is_empty(), "{again:?}");
+    // A negative check needs time to fail in: a few reconciles, then the same Jobs.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(job_ids(&s).await, jobs, "Jobs made or remade by sharing");
+
+    detach(&s, "again").await;
+    detach(&s, "web").await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        job_ids(&s).await,
+        jobs,
+        "the Wiretap's Jobs went with the Intercept"
+    );
+    kubectl_wait(&s.app.name, "nodeagentattachment/tap", "Ready", POD_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+
+    detach(&s, "tap").await;
+    wait_list(
+        &s.jobs(),
+        &s.job_selector(),
+        POD_TIMEOUT,
+        "no Job left",
+        |js| js.is_empty(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
 }

@@ -378,8 +378,9 @@ async fn a_host_network_pod_is_refused_in_pending_before_anything_freezes() {
     assert!(message.contains("hostNetwork"), "{message}");
     // Refused is final: a few reconciles later it is still Pending, nothing started.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let st = pms.get("edge").await.unwrap().status.unwrap();
-    assert!(refused(Some(&pms.get("edge").await.unwrap())), "{st:?}");
+    let now = pms.get("edge").await.unwrap();
+    assert!(refused(Some(&now)), "{:?}", now.status);
+    let st = now.status.unwrap();
     assert!(
         st.phase_transition_timestamps
             .iter()
@@ -453,7 +454,7 @@ async fn waits_queued_behind(w: &World, queued: &str, source: &Pod, running: &st
     let st = wait_for(&pms, queued, MIGRATION_TIMEOUT, "Queued", |m| {
         m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
             st.phase == MigrationPhase::Pending
-                && condition(st, ct::RECONCILING).is_some_and(|c| c.1 == reasons::QUEUED)
+                && condition(st, ct::RECONCILING) == Some(("True".into(), reasons::QUEUED.into()))
         })
     })
     .await

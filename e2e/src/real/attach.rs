@@ -101,12 +101,22 @@ impl AttachWorld {
             .unwrap();
     }
 
-    /// An Intercept attachment `name` of Deployment `workload`, created.
+    /// An Intercept attachment `name` of Deployment `workload` (every port), created.
     pub async fn attach(&self, name: &str, workload: &str) {
+        self.attach_with(name, workload, json!({})).await
+    }
+
+    /// An attachment `name` of Deployment `workload`, Intercept unless `spec` (merged
+    /// over it) says otherwise, created.
+    pub async fn attach_with(&self, name: &str, workload: &str, spec: Value) {
+        let mut s =
+            json!({"workloadRef": {"kind": "Deployment", "name": workload}, "mode": "Intercept"});
+        for (k, v) in spec.as_object().expect("an object") {
+            s[k] = v.clone();
+        }
         let a: NodeAgentAttachment = from_json(json!({
             "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
-            "metadata": {"name": name},
-            "spec": {"workloadRef": {"kind": "Deployment", "name": workload}, "mode": "Intercept"}
+            "metadata": {"name": name}, "spec": s
         }));
         self.app
             .api::<NodeAgentAttachment>()
@@ -282,54 +292,70 @@ pub fn jobs_match(jobs: &[Job], pods: &[Pod], ns: &str) -> Result<(), String> {
 }
 
 /// Every version of the Jobs named `name`, in the order the watch saw them: (UID,
-/// deleted).
+/// gone). A version is gone once its object is removed (a foreground deletion first
+/// marks it, then removes it after its pods).
 pub struct JobHistory {
     seen: Arc<Mutex<Vec<(String, bool)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl JobHistory {
-    pub fn start(jobs: Api<Job>, name: &str) -> JobHistory {
+    /// Starts the watch and returns once it has listed what exists now.
+    pub async fn start(jobs: Api<Job>, name: &str) -> JobHistory {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let out = seen.clone();
         let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let (synced, ready) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
+            let mut synced = Some(synced);
             let mut stream = watcher::watcher(jobs, config).boxed();
             let mut listed = vec![];
             while let Ok(Some(ev)) = stream.try_next().await {
                 let mut seen = out.lock().unwrap();
                 match ev {
                     Event::Init => listed.clear(),
-                    Event::InitApply(j) | Event::Apply(j) => {
+                    Event::InitApply(j) => {
                         let uid = j.uid().unwrap_or_default();
                         listed.push(uid.clone());
-                        seen.push((uid, j.metadata.deletion_timestamp.is_some()));
+                        seen.push((uid, false));
                     }
+                    Event::Apply(j) => seen.push((j.uid().unwrap_or_default(), false)),
                     Event::Delete(j) => seen.push((j.uid().unwrap_or_default(), true)),
                     // A re-list that no longer holds a version: it went meanwhile.
                     Event::InitDone => {
-                        let gone: Vec<String> = seen
+                        let gone: BTreeSet<String> = seen
                             .iter()
                             .map(|(u, _)| u.clone())
                             .filter(|u| !listed.contains(u))
                             .collect();
                         seen.extend(gone.into_iter().map(|u| (u, true)));
+                        if let Some(s) = synced.take() {
+                            let _ = s.send(());
+                        }
                     }
                 }
             }
         });
+        tokio::time::timeout(Duration::from_secs(30), ready)
+            .await
+            .expect("the Job watch listed in time")
+            .expect("the Job watch runs");
         JobHistory { seen, task }
     }
 
-    /// Asserts that no version other than `old` appeared before `old` was deleted.
+    /// Asserts that `old` was seen, then gone, and that no other version appeared
+    /// before it was gone.
     pub fn assert_successor_after(self, old: &str) {
         self.task.abort();
         let seen = self.seen.lock().unwrap().clone();
-        let deleted = seen.iter().position(|(u, d)| u == old && *d);
+        let present = seen.iter().position(|(u, gone)| u == old && !*gone);
+        let gone = seen.iter().position(|(u, gone)| u == old && *gone);
         let successor = seen.iter().position(|(u, _)| u != old);
-        match (deleted, successor) {
-            (Some(d), Some(s)) => assert!(d < s, "a successor existed beside {old}: {seen:?}"),
-            _ => panic!("no deletion of {old} then successor in {seen:?}"),
+        match (present, gone, successor) {
+            (Some(_), Some(g), Some(s)) => {
+                assert!(g < s, "a successor existed beside {old}: {seen:?}")
+            }
+            _ => panic!("not {old} present, gone, then a successor: {seen:?}"),
         }
     }
 }
