@@ -141,11 +141,49 @@ impl PodsSeen {
     }
 }
 
+/// Samples the state letter of process `pid` every 5 ms on a thread, so that a stop
+/// (SIGSTOP: `T`; a ptrace stop, as CRIU holds a task while it dumps: `t`) that a
+/// later look would miss is seen.
+struct StateSampler {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, BTreeSet<char>)>,
+}
+
+impl StateSampler {
+    fn start(pid: u32) -> StateSampler {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (mut samples, mut states) = (0, BTreeSet::new());
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                if let Some(state) = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim_start().chars().next())
+                {
+                    states.insert(state);
+                    samples += 1;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (samples, states)
+        });
+        StateSampler { stop, thread }
+    }
+
+    /// How many samples were taken, and every state seen.
+    fn finish(self) -> (usize, BTreeSet<char>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the sampler")
+    }
+}
+
 /// A migration whose deadline passes while its checkpoint streams (96 MiB at 1 MiB/s
 /// against a 30 s deadline) ends `Aborted` with `DeadlineExceeded`, after it had
-/// reached `Transferring`; the source — the same process, thawed, never restarted —
-/// serves its counter on, a connection it held before the freeze still answers, no
-/// target pod is left, and no checkpoint image stays on either node.
+/// reached `Transferring` with the source stopped (its state sampled every 5 ms); the
+/// source — the same process, thawed, never restarted — serves its counter on, a
+/// connection it held before the freeze still answers, no target pod is left, and no
+/// checkpoint image stays on either node.
 #[tokio::test]
 async fn a_migration_past_its_deadline_is_aborted_and_the_source_serves_on() {
     let Some(w) = World::new("mig-deadline", "late", 96, &[]).await else {
@@ -163,6 +201,7 @@ async fn a_migration_past_its_deadline_is_aborted_and_the_source_serves_on() {
     held_reader.read_line(&mut line).unwrap();
     let before: u64 = line.trim().parse().unwrap();
 
+    let states = StateSampler::start(before_proc.pid);
     let mut spec = slow_move(&w.target_node());
     spec["deadlineSeconds"] = json!(30);
     spec["progressTimeoutSeconds"] = json!(300);
@@ -173,6 +212,7 @@ async fn a_migration_past_its_deadline_is_aborted_and_the_source_serves_on() {
     .await
     .unwrap();
     let st = ended(&pms, "late").await;
+    let (samples, seen) = states.finish();
     assert_eq!(st.phase, MigrationPhase::Aborted, "{st:?}");
     assert_eq!(
         st.failure_reason.as_deref(),
@@ -189,6 +229,11 @@ async fn a_migration_past_its_deadline_is_aborted_and_the_source_serves_on() {
         "the transfer finished before the deadline: {st:?}"
     );
 
+    // Frozen when the deadline struck (CRIU leaves it stopped from the dump on).
+    assert!(
+        seen.iter().any(|s| matches!(s, 'T' | 't')),
+        "the source was never seen stopped: states {seen:?} in {samples} samples"
+    );
     source_serves_alone(&pods, "late", &w.source, before, "after the deadline").await;
     let now = server_process(&w.source);
     assert!(
@@ -216,8 +261,9 @@ async fn a_migration_past_its_deadline_is_aborted_and_the_source_serves_on() {
 /// A dry run runs every check and ends `Succeeded` with `Ready`/`DryRunPassed` and
 /// `Migratable=True`, the target it would use in its status, and does nothing: no
 /// target pod ever appears, no transfer key is made, no freeze is recorded, no
-/// downtime; the source's server is the same process (pid and start time), running,
-/// its container never restarted, and it serves on.
+/// downtime; the source's server is the same process (pid and start time), never seen
+/// stopped while the dry run ran (its state sampled every 5 ms), its container never
+/// restarted, and it serves on.
 #[tokio::test]
 async fn a_dry_run_checks_everything_and_freezes_nothing() {
     let Some(w) = World::new("mig-dry", "dry", 16, &[]).await else {
@@ -228,6 +274,7 @@ async fn a_dry_run_checks_everything_and_freezes_nothing() {
     let before_proc = server_process(&w.source);
     let before = counter(&addr(&w.source));
     let seen = PodsSeen::start(pods.clone()).await;
+    let states = StateSampler::start(before_proc.pid);
     let target = w.target_node();
     let spec = json!({"targetNode": target, "mode": "Cold", "dryRun": true,
         "probe": {"tcpSocket": {"port": testload::PORT}}});
@@ -238,6 +285,12 @@ async fn a_dry_run_checks_everything_and_freezes_nothing() {
     .await
     .unwrap();
     let st = ended(&pms, "rehearsal").await;
+    let (samples, states) = states.finish();
+    assert!(samples > 0, "the source's state was never sampled");
+    assert!(
+        !states.iter().any(|s| matches!(s, 'T' | 't')),
+        "the source's process was stopped during the dry run: states {states:?} in {samples} samples"
+    );
     assert_eq!(st.phase, MigrationPhase::Succeeded, "{st:?}");
     assert_eq!(
         condition(&st, ct::READY),
@@ -451,16 +504,20 @@ async fn started(pms: &Api<PodMigration>, name: &str) -> PodMigrationStatus {
 /// process runs, unfrozen.
 async fn waits_queued_behind(w: &World, queued: &str, source: &Pod, running: &str) {
     let pms: Api<PodMigration> = w.app.api();
+    let is_queued = |st: &PodMigrationStatus| {
+        st.phase == MigrationPhase::Pending
+            && condition(st, ct::RECONCILING) == Some(("True".into(), reasons::QUEUED.into()))
+    };
+    // Queued, or started anyway (then it fails at once, not at the timeout).
     let st = wait_for(&pms, queued, MIGRATION_TIMEOUT, "Queued", |m| {
-        m.and_then(|m| m.status.as_ref()).is_some_and(|st| {
-            st.phase == MigrationPhase::Pending
-                && condition(st, ct::RECONCILING) == Some(("True".into(), reasons::QUEUED.into()))
-        })
+        m.and_then(|m| m.status.as_ref())
+            .is_some_and(|st| is_queued(st) || st.phase != MigrationPhase::Pending)
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}"))
     .and_then(|m| m.status)
     .unwrap();
+    assert!(is_queued(&st), "{queued} was not held by the limit: {st:?}");
     let first = pms.get(running).await.unwrap().status.unwrap();
     assert!(
         !first.phase.is_terminal(),
