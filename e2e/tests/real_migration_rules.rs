@@ -358,8 +358,8 @@ async fn a_dry_run_checks_everything_and_freezes_nothing() {
 /// A Running, Ready `hostNetwork: true` pod of a Deployment on a real node: its
 /// migration is refused in `Pending` — `Stalled` and `Migratable=False` with
 /// `HostNamespaces`, the message naming `hostNetwork` — and stays there; no target pod
-/// ever appears, the pod's server is the same process, running, never restarted, and
-/// serves on; deleting the migration leaves the pod as it was.
+/// ever appears, the pod's server is the same process, never seen stopped, never
+/// restarted, and serves on; deleting the migration leaves the pod as it was.
 #[tokio::test]
 async fn a_host_network_pod_is_refused_in_pending_before_anything_freezes() {
     let Some(op) = TestNamespace::new("mig-hostnet-op", PodSecurity::Restricted).await else {
@@ -404,6 +404,7 @@ async fn a_host_network_pod_is_refused_in_pending_before_anything_freezes() {
     let before_proc = host_server_process(&source, port);
 
     let seen = PodsSeen::start(pods.clone()).await;
+    let states = StateSampler::start(before_proc.pid);
     let pms: Api<PodMigration> = app.api();
     let spec = json!({"targetNode": other_node(&nodes, &source), "mode": "Cold",
         "freezeBudgetMillis": 20000});
@@ -450,6 +451,11 @@ async fn a_host_network_pod_is_refused_in_pending_before_anything_freezes() {
         names.into_iter().collect::<Vec<_>>(),
         vec![source.name_any()],
         "only the source pod ever existed"
+    );
+    let (samples, states) = states.finish();
+    assert!(
+        samples > 0 && !states.iter().any(|s| matches!(s, 'T' | 't')),
+        "the pod's process was stopped: states {states:?} in {samples} samples"
     );
     let now = pods.get(&source.name_any()).await.unwrap();
     assert_eq!(now.uid(), source.uid());
