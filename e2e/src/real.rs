@@ -22,8 +22,10 @@ use serde_json::{Value, json};
 use crate::run_dir;
 
 pub mod agents;
+pub mod attach;
 pub mod bounds;
 pub mod copies;
+pub mod runner;
 pub mod testload;
 pub mod timeline;
 
@@ -478,6 +480,22 @@ pub fn force_delete_pod(namespace: &str, name: &str) {
         "--wait=false",
     ]);
     assert!(out.status.success(), "{}", output_text(&out));
+}
+
+/// The nftables tables in the network namespace of host PID `pid` (an attach agent's
+/// redirect table is `podmotion_agent`).
+pub fn nft_tables(pid: u32) -> String {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(["nft", "list", "tables"])
+        .output()
+        .expect("nsenter nft");
+    assert!(
+        out.status.success(),
+        "nft list tables in {pid}: {}",
+        output_text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// `helm` (the one `hack/build-helm.sh` built) against the local cluster.

@@ -19,7 +19,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::names::labels;
 use podmotion_e2e::real::{
     Images, PortForward, Uninstall, agent_call, agent_stream, chart_args, entrypoint, helm,
-    kubectl, output_text, pin, real_nodes,
+    kubectl, nft_tables, output_text, pin, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, kubeconfig_path, kubectl_path, pod_running_ready,
@@ -622,21 +622,6 @@ async fn app_containers(pods: &Api<Pod>) -> BTreeMap<String, (String, Vec<(Strin
             )
         })
         .collect()
-}
-
-/// The nftables tables in the network namespace of host PID `pid`.
-fn nft_tables(pid: u32) -> String {
-    let out = Command::new("nsenter")
-        .arg(format!("--net=/proc/{pid}/ns/net"))
-        .args(["nft", "list", "tables"])
-        .output()
-        .expect("nsenter nft");
-    assert!(
-        out.status.success(),
-        "nft list tables in {pid}: {}",
-        output_text(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// One line to the testload server at `ip:8080` and its answer.

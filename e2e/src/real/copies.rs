@@ -94,7 +94,14 @@ pub fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
 /// The testload server processes (port 8080) in the cgroups of the pods `pod_uids`.
 /// Another listener a test starts (in its own cgroup, on another port) never counts.
 pub fn workload_processes(pod_uids: &[String]) -> Vec<Proc> {
-    let port = PORT.to_string();
+    server_processes(pod_uids, PORT)
+}
+
+/// The testload server processes serving `port` (`serve <port>`) in the cgroups of the
+/// pods `pod_uids`: [`workload_processes`] for a server on another port (a pod on the
+/// host network, which shares the machine's ports).
+pub fn server_processes(pod_uids: &[String], port: u16) -> Vec<Proc> {
+    let port = port.to_string();
     let mut out = vec![];
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {

@@ -51,6 +51,26 @@ pub fn deployment(name: &str, image: &str, ballast_mib: u32) -> Deployment {
     }))
 }
 
+/// `deploy` (a [`deployment`]) on the host network of its node, its server (readiness
+/// probe and container port too) on `port` instead of [`PORT`]: the real nodes share
+/// this machine's network namespace, so a test picks a port nothing else uses. (The
+/// namespace must admit `hostNetwork`: PodSecurity `privileged`.)
+pub fn on_host_network(deploy: Deployment, port: u16) -> Deployment {
+    let mut d = serde_json::to_value(deploy).unwrap();
+    let spec = &mut d["spec"]["template"]["spec"];
+    spec["hostNetwork"] = json!(true);
+    let c = &mut spec["containers"][0];
+    c["args"][1] = json!(port.to_string());
+    c["ports"] = json!([{"containerPort": port}]);
+    c["readinessProbe"]["tcpSocket"]["port"] = json!(port);
+    from_json(d)
+}
+
+/// A port in 20000–29999 for a server on the host network, drawn at random.
+pub fn random_host_port() -> u16 {
+    20000 + u16::from_str_radix(&random_suffix()[..4], 16).unwrap() % 10000
+}
+
 /// The port of the `forward` sidecar [`with_forwarder`] adds.
 pub const FORWARD_PORT: u16 = 8081;
 
