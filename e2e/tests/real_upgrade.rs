@@ -189,7 +189,7 @@ impl NextBuild {
             self.values.to_string_lossy().into_owned(),
         ]);
         args.extend(extra.iter().map(|a| a.to_string()));
-        args.extend(["--wait", "--timeout", "5m"].map(String::from));
+        args.extend(["--timeout", "5m"].map(String::from));
         args
     }
 
@@ -435,7 +435,13 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
     // 1. The operator upgraded while a migration is frozen; the agents stay (OnDelete).
     let next = NextBuild::make(&w.images, "0.1.1");
     let slot = Upgrade::default();
-    let on_delete = ["--set", "migrationAgent.updateStrategy.type=OnDelete"];
+    // helm's default `--wait` (kstatus) would wait for agent pods OnDelete never
+    // replaces; `legacy` waits for the operator and counts such a DaemonSet ready.
+    let on_delete = [
+        "--set",
+        "migrationAgent.updateStrategy.type=OnDelete",
+        "--wait=legacy",
+    ];
     let start_next = next.starter(&w, &on_delete, &slot);
     let source = w.source.clone();
     let (st, before) = migrate(
@@ -517,7 +523,7 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
     // 3. A third build with the chart's default strategy, while a migration is frozen.
     let third = NextBuild::make(&w.images, "0.1.2");
     let slot = Upgrade::default();
-    let start_third = third.starter(&w, &[], &slot);
+    let start_third = third.starter(&w, &["--wait"], &slot);
     let (st, before) = migrate(&w, "during-agent-rollout", &back, slow, Some(start_third)).await;
     let now = whole(&pods, "during-agent-rollout", &st, &back, before, true).await;
     upgraded(&slot, "to the third build");

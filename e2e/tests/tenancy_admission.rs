@@ -319,8 +319,15 @@ async fn key_material_is_written_by_the_operators_service_account_only() {
         !out.status.success() && text.contains("only the PodMotion operator"),
         "{admin} deleted the CA bundle by collection:\n{text}"
     );
-    let out = kubectl(&["-n", &ag.name, "get", "configmap", &ca, "-o", "name"], None);
-    assert!(out.status.success(), "the CA bundle is gone: {}", output_text(&out));
+    let out = kubectl(
+        &["-n", &ag.name, "get", "configmap", &ca, "-o", "name"],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "the CA bundle is gone: {}",
+        output_text(&out)
+    );
     let out = kubectl(
         &["delete", "namespace", &op.name, &ag.name, "--wait=false"],
         None,
