@@ -478,11 +478,15 @@ fn host_server_process(p: &Pod, port: u16) -> Proc {
 }
 
 /// One more testload replica `name` (1 MiB of ballast) on real node `node`; the pod,
-/// once Ready.
+/// once Ready. Placed by a preferred node affinity: a required one (or a nodeSelector)
+/// would rightly keep it from moving (`TargetDoesNotFit`).
 async fn replica_on(w: &World, name: &str, node: &str) -> Pod {
     let mut d =
         serde_json::to_value(testload::deployment(name, &w.images.testload().unwrap(), 1)).unwrap();
-    d["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/hostname"] = json!(node);
+    d["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": {
+            "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                  "values": [node]}]}}]}});
     w.app
         .api::<Deployment>()
         .create(&PostParams::default(), &from_json(d))
