@@ -608,21 +608,7 @@ async fn intercept_delivers_service_traffic_to_a_local_port_and_ctrl_c_leaves_no
 /// `404 not found` otherwise, each answer with `Connection: close`), from the list of
 /// images hack/images.sh printed.
 fn http_app_image() -> String {
-    let list = std::env::var_os("PODMOTION_IMAGES_LIST")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| podmotion_e2e::run_dir().join("images.txt"));
-    let text = std::fs::read_to_string(&list)
-        .unwrap_or_else(|e| panic!("{}: {e} (bash hack/images.sh > it)", list.display()));
-    text.lines()
-        .map(str::trim)
-        .find(|l| l.contains("/podmotion/podmotion-runner-standin@sha256:"))
-        .unwrap_or_else(|| {
-            panic!(
-                "no podmotion/podmotion-runner-standin image in {}",
-                list.display()
-            )
-        })
-        .to_owned()
+    podmotion_e2e::real::runner::standin_image()
 }
 
 /// A local keep-alive HTTP server standing in for the developer's process: answers

@@ -11,7 +11,6 @@
 //! and the images pushed (`hack/images.sh`, whose list of printed images is
 //! `$PODMOTION_IMAGES_LIST`, default `$PODMOTION_RUN/images.txt`).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Pod, Service};
@@ -20,52 +19,18 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use podmotion_api::RunnerPool;
 use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types as ct, labels, reasons};
-use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, ready_nodes};
+use podmotion_e2e::real::runner::{
+    KVM, PROFILE, RUNNER_KEY, RUNNER_VALUE, RUNTIME, SESSIONS, runner_nodes, standin_image,
+};
+use podmotion_e2e::real::{Images, helm_install, kubectl, output_text};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, delete_and_wait, from_json, kubectl_wait, pod_running_ready,
-    random_suffix, run_dir, wait_for, wait_list,
+    random_suffix, wait_for, wait_list,
 };
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(300);
 /// Label (and taint) of the real runner nodes (hack/lib/real-nodes.sh).
-const RUNNER_KEY: &str = "podmotion.io/runner-node";
-const RUNNER_VALUE: &str = "real";
-const KVM: &str = "devices.kubevirt.io/kvm";
-const PROFILE: &str = "podmotion/compass-runner.json";
-const SESSIONS: &str = "/var/lib/compass/sessions";
-const RUNTIME: &str = "/run/compass";
-
-/// The Ready runner nodes, sorted; `None` when real-node tests are disabled.
-async fn runner_nodes(client: &kube::Client) -> Option<Vec<String>> {
-    ready_nodes(
-        client,
-        &format!("{RUNNER_KEY}={RUNNER_VALUE}"),
-        "start the cluster with a runner node (REAL_RUNNER_NODES, default 1) or run \
-         hack/cluster.sh add-runner-nodes",
-    )
-    .await
-}
-
-/// The Runner stand-in image from the list of every image hack/images.sh printed.
-fn standin_image() -> String {
-    let list = std::env::var_os("PODMOTION_IMAGES_LIST")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| run_dir().join("images.txt"));
-    let text = std::fs::read_to_string(&list)
-        .unwrap_or_else(|e| panic!("reading {} (bash hack/images.sh > it): {e}", list.display()));
-    text.lines()
-        .map(str::trim)
-        .find(|l| l.contains("/podmotion/podmotion-runner-standin@sha256:"))
-        .unwrap_or_else(|| {
-            panic!(
-                "no podmotion/podmotion-runner-standin image in {}",
-                list.display()
-            )
-        })
-        .to_owned()
-}
-
 /// The stand-in's report: the first JSON line of its log (or of `report`'s output).
 fn report_of(log: &str) -> Value {
     log.lines()

@@ -4,9 +4,6 @@
 //! what a RunnerPool test on them starts from: the Runner stand-in image, a pool of
 //! the seed's shape for those nodes, and the limits the kubelet gave a container (its
 //! cgroup, read on this machine).
-//!
-//! (`tests/real_runner_pool.rs` predates this module and keeps its own copies of the
-//! node and pool helpers.)
 
 use std::path::PathBuf;
 
