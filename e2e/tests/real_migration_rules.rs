@@ -85,6 +85,12 @@ fn slow_move(to: &str) -> Value {
         "probe": {"tcpSocket": {"port": testload::PORT}}})
 }
 
+/// An unpaced Cold move to `to`.
+fn quick_move(to: &str) -> Value {
+    json!({"targetNode": to, "mode": "Cold", "freezeBudgetMillis": 20000,
+        "probe": {"tcpSocket": {"port": testload::PORT}}})
+}
+
 /// When the migration entered `phase`, if it did.
 fn entered(st: &PodMigrationStatus, phase: MigrationPhase) -> Option<Time> {
     st.phase_transition_timestamps
@@ -597,16 +603,14 @@ async fn with_one_slot_per_node_a_second_migration_out_of_the_node_waits_queued(
     .unwrap();
     let st = started(&pms, "move-first").await;
     assert!(!st.phase.is_terminal(), "move-first ended at once: {st:?}");
-    let quick = json!({"targetNode": b, "mode": "Cold", "freezeBudgetMillis": 20000,
-        "probe": {"tcpSocket": {"port": testload::PORT}}});
+    let quick = quick_move(&b);
     pms.create(&pp, &migration("move-second", &second.name_any(), quick))
         .await
         .unwrap();
     waits_queued_behind(&w, "move-second", &second, "move-first").await;
 
     // Out of the other node: not held by node A's slot.
-    let quick = json!({"targetNode": a, "mode": "Cold", "freezeBudgetMillis": 20000,
-        "probe": {"tcpSocket": {"port": testload::PORT}}});
+    let quick = quick_move(&a);
     pms.create(&pp, &migration("move-other", &other.name_any(), quick))
         .await
         .unwrap();
@@ -648,8 +652,7 @@ async fn with_one_slot_in_the_cluster_a_migration_out_of_another_node_waits_queu
     .unwrap();
     let st = started(&pms, "move-first").await;
     assert!(!st.phase.is_terminal(), "move-first ended at once: {st:?}");
-    let quick = json!({"targetNode": a, "mode": "Cold", "freezeBudgetMillis": 20000,
-        "probe": {"tcpSocket": {"port": testload::PORT}}});
+    let quick = quick_move(&a);
     pms.create(&pp, &migration("move-second", &second.name_any(), quick))
         .await
         .unwrap();

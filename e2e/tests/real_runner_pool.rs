@@ -20,7 +20,8 @@ use podmotion_api::RunnerPool;
 use podmotion_api::conditions::{find, is_true};
 use podmotion_api::names::{condition_types as ct, labels, reasons};
 use podmotion_e2e::real::runner::{
-    KVM, PROFILE, RUNNER_KEY, RUNNER_VALUE, RUNTIME, SESSIONS, runner_nodes, standin_image,
+    KVM, PROFILE, RUNNER_KEY, RUNNER_VALUE, RUNTIME, SESSIONS, pool_manifest, runner_nodes,
+    standin_image,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text};
 use podmotion_e2e::{
@@ -53,28 +54,6 @@ fn logs(ns: &str, pod: &str, container: &str) -> String {
     let out = kubectl(&["-n", ns, "logs", pod, "-c", container]);
     assert!(out.status.success(), "kubectl logs: {}", output_text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn pool_manifest(name: &str, ns: &str, image: &str, require_quota: bool) -> RunnerPool {
-    from_json(json!({
-        "apiVersion": "podmotion.io/v1alpha1", "kind": "RunnerPool",
-        "metadata": {"name": name},
-        "spec": {
-            "image": image,
-            "sessionsPerNode": 1,
-            "session": {"memoryMiB": 512, "milliCPU": 500},
-            "nodes": {"labelKey": RUNNER_KEY, "labelValue": RUNNER_VALUE, "taintEffect": "NoSchedule"},
-            "seccompProfile": PROFILE,
-            "kvmResourceName": KVM,
-            "hostPaths": {"sessionVolume": SESSIONS, "runtimeDir": RUNTIME},
-            "preflight": {"requireProjectQuota": require_quota},
-            "priorityClass": {"name": format!("{ns}-runner"), "create": true, "value": 100000},
-            "server": {"serviceName": "compass-server", "port": 8443},
-            "metrics": {"port": 9090, "path": "/metrics", "scrapeNamespace": ns},
-            "probes": {"readiness": {"path": "/readyz", "periodSeconds": 2}},
-            "reapBudgetSeconds": 5,
-        }
-    }))
 }
 
 /// The live Runner pod's shape, field by field, against the seed's §Privilege shape.
@@ -288,7 +267,12 @@ async fn a_runner_pool_runs_the_seed_shape_on_the_real_runner_node() {
     pools
         .create(
             &PostParams::default(),
-            &pool_manifest(name, &app.name, &standin, true),
+            &pool_manifest(
+                name,
+                &app.name,
+                &standin,
+                json!({"preflight": {"requireProjectQuota": true}}),
+            ),
         )
         .await
         .unwrap();
