@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, anyhow, bail};
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -418,8 +418,9 @@ where
     let mut stream = watcher::watcher(api.clone(), config).boxed();
     let mut init: Option<K> = None;
     let mut synced = false;
+    let mut away: Option<String> = None;
     let res = tokio::time::timeout(timeout, async {
-        while let Some(ev) = stream.try_next().await? {
+        while let Some(ev) = next_event(&mut stream, &mut away).await? {
             match ev {
                 Event::Init => init = None,
                 Event::InitApply(o) => init = Some(o),
@@ -442,8 +443,9 @@ where
         Ok(Ok(())) => Ok(last),
         Ok(Err(e)) => Err(e.context(format!("waiting for {what} ({name})"))),
         Err(_) => Err(anyhow!(
-            "timed out after {timeout:?} waiting for {what} ({name}); last seen: {}",
-            describe(last.as_ref())
+            "timed out after {timeout:?} waiting for {what} ({name}); last seen: {}{}",
+            describe(last.as_ref()),
+            last_away(&away)
         )),
     }
 }
@@ -465,8 +467,9 @@ where
     let mut objects: BTreeMap<String, K> = BTreeMap::new();
     let mut init: BTreeMap<String, K> = BTreeMap::new();
     let mut synced = false;
+    let mut away: Option<String> = None;
     let res = tokio::time::timeout(timeout, async {
-        while let Some(ev) = stream.try_next().await? {
+        while let Some(ev) = next_event(&mut stream, &mut away).await? {
             match ev {
                 Event::Init => init.clear(),
                 Event::InitApply(o) => {
@@ -496,15 +499,57 @@ where
     match res {
         Ok(r) => r.map_err(|e| e.context(format!("waiting for {what} ({label_selector})"))),
         Err(_) => Err(anyhow!(
-            "timed out after {timeout:?} waiting for {what} ({label_selector}); last seen {} object(s): {}",
+            "timed out after {timeout:?} waiting for {what} ({label_selector}); last seen {} object(s): {}{}",
             objects.len(),
             objects
                 .values()
                 .map(|o| describe(Some(o)))
                 .collect::<Vec<_>>()
-                .join("; ")
+                .join("; "),
+            last_away(&away)
         )),
     }
+}
+
+/// The next event of a watch, riding out an API server that is away for a while (a
+/// restart in a chaos test, a leader election of etcd): connection errors, 5xx, 429
+/// and 410 are retried after a pause, and the last one is kept for the timeout's
+/// message. An answer that will not change by waiting (403, 404, 422 …) ends the wait.
+async fn next_event<K>(
+    stream: &mut (impl futures::Stream<Item = Result<Event<K>, watcher::Error>> + Unpin),
+    away: &mut Option<String>,
+) -> anyhow::Result<Option<Event<K>>> {
+    loop {
+        match stream.next().await {
+            None => return Ok(None),
+            Some(Ok(ev)) => return Ok(Some(ev)),
+            Some(Err(e)) if watch_error_passes(&e) => {
+                *away = Some(e.to_string());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Some(Err(e)) => return Err(e.into()),
+        }
+    }
+}
+
+fn watch_error_passes(e: &watcher::Error) -> bool {
+    let passes = |code: u16| code >= 500 || code == 429 || code == 410;
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => passes(status.code),
+            _ => true,
+        },
+        watcher::Error::WatchError(status) => passes(status.code),
+        watcher::Error::NoResourceVersion => false,
+    }
+}
+
+fn last_away(away: &Option<String>) -> String {
+    away.as_ref()
+        .map(|e| format!("; the watch last failed with: {e}"))
+        .unwrap_or_default()
 }
 
 fn describe<K: Resource + Debug>(obj: Option<&K>) -> String {
@@ -722,5 +767,31 @@ pub async fn wait_until_allowed(
             bail!("{user} is still not allowed to {verb} {resource}.{group} after 30 s");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> Box<kube::core::Status> {
+        Box::new(serde_json::from_value(serde_json::json!({ "code": code })).unwrap())
+    }
+
+    #[test]
+    fn a_watch_rides_out_an_api_server_away_but_not_a_refusal() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let connect = kube::Error::Service(Box::new(refused));
+        assert!(watch_error_passes(&watcher::Error::WatchStartFailed(connect)));
+        for code in [500, 503, 429, 410] {
+            let e = watcher::Error::InitialListFailed(kube::Error::Api(status(code)));
+            assert!(watch_error_passes(&e), "{code} should be retried");
+            assert!(watch_error_passes(&watcher::Error::WatchError(status(code))));
+        }
+        for code in [401, 403, 404, 422] {
+            let e = watcher::Error::InitialListFailed(kube::Error::Api(status(code)));
+            assert!(!watch_error_passes(&e), "{code} should end the wait");
+        }
+        assert!(!watch_error_passes(&watcher::Error::NoResourceVersion));
     }
 }

@@ -404,10 +404,24 @@ async fn ready_pod(pods: &Api<Pod>) -> Pod {
 
 async fn scale(deploys: &Api<Deployment>, replicas: i32) {
     let patch = json!({"spec": {"replicas": replicas}});
-    deploys
-        .patch(APP, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap_or_else(|e| panic!("scale {APP} to {replicas}: {e}"));
+    // The API server may be restarting (a fault of this test): retry until it is back.
+    let began = Instant::now();
+    loop {
+        match deploys
+            .patch(APP, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return,
+            Err(kube::Error::Api(e)) if e.code < 500 => panic!("scale {APP} to {replicas}: {e}"),
+            Err(e) => {
+                assert!(
+                    began.elapsed() < Duration::from_secs(60),
+                    "scale {APP} to {replicas}: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
 }
 
 /// A new lineage: the adopted pod is replaced by a fresh replica (scaled to 0, gone, then
