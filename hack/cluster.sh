@@ -20,6 +20,10 @@
 #   hack/cluster.sh restart-component <component>
 #                               stop one control-plane component (e.g. kube-apiserver) and
 #                               start it again with the arguments it ran with (chaos runs)
+#   hack/cluster.sh netpol-up | netpol-down
+#                               NetworkPolicy enforcement on the real nodes (kube-router,
+#                               hack/lib/netpol.sh), for the one test that needs it; kube-router
+#                               is built by netpol-up on first use, not by `up`
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
@@ -424,8 +428,6 @@ cmd_up() {
   fi
   BIN=$("$here/build-k8s.sh")
   ((REAL_NODES > 0)) && NODE_BIN=$(node_bin)
-  # NetworkPolicy enforcement on the real nodes (kube-router; hack/lib/netpol.sh).
-  if ((REAL_NODES > 0)); then netpol_build >/dev/null; fi
   mkdir -p "$RUN" "$LOGS" "$PIDS" "$RUN/kwok"
   local p
   for p in $ETCD_PORT $ETCD_PEER_PORT $APISERVER_PORT $KCM_PORT $SCHED_PORT $KWOK_PORT; do
