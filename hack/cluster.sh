@@ -24,6 +24,7 @@
 #                               NetworkPolicy enforcement on the real nodes (kube-router,
 #                               hack/lib/netpol.sh), for the one test that needs it; kube-router
 #                               is built by netpol-up on first use, not by `up`
+#   hack/cluster.sh netpol-build  only build kube-router (hack/prebuild.sh), print its path
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
@@ -642,5 +643,7 @@ case ${1:-} in
     lock
     BIN=$(bin_dir)
     netpol_down ;;
-  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>|netpol-up|netpol-down" >&2; exit 2 ;;
+  netpol-build) # only build kube-router (hack/prebuild.sh); prints its path
+    netpol_build ;;
+  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>|netpol-up|netpol-down|netpol-build" >&2; exit 2 ;;
 esac

@@ -11,6 +11,9 @@
 #                                          fail naming every image whose digest differs
 #                                          (and the kubectl plugin's tarball, compared
 #                                          byte for byte)
+#   hack/images.sh --binaries              only compile the Rust binaries of every image
+#                                          (no registry, no image): the demo runs it in the
+#                                          background while the cluster's Go builds run
 #   hack/images.sh --verify [NAME...]      build and push, then pull each manifest back from
 #                                          the registry and check it: labels, user, size
 #                                          (printed as a table on stderr), and that its
@@ -98,11 +101,13 @@ die() { echo "[images] ERROR: $*" >&2; exit 1; }
 
 check=0
 verify=0
+binaries=0
 names=()
 for a in "$@"; do
   case $a in
     --check-reproducible) check=1 ;;
     --verify) verify=1 ;;
+    --binaries) binaries=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 0 ;;
     -*) die "unknown option $a" ;;
     *)
@@ -494,6 +499,11 @@ verify_image() { # name digest -> 0 if every check passed
 }
 
 # ---------------------------------------------------------------- main
+
+if ((binaries)); then
+  build_rust "$CARGO_TARGET_DIR" >/dev/null
+  exit 0
+fi
 
 if [[ -z ${PODMOTION_REGISTRY:-} ]]; then
   # 7>&-: the registry daemon must not inherit (and hold) our lock.
