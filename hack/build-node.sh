@@ -44,6 +44,10 @@ dp_bin=$cache/device-plugin-$dp_key/kvm-device-plugin
 build_device_plugin() {
   [[ -x $dp_bin ]] && { echo "$dp_bin"; return 0; }
   mkdir -p "${dp_bin%/*}"
+  # One build at a time (hack/prebuild.sh may be building it); the second finds it built.
+  exec 9>"${dp_bin%/*}/.lock"
+  flock -n 9 || { log "another build holds ${dp_bin%/*}/.lock; waiting"; flock 9; }
+  [[ -x $dp_bin ]] && { echo "$dp_bin"; return 0; }
   log "building the KVM device plugin (hack/device-plugin)"
   (cd "$dp_src" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
     go build -trimpath -ldflags "-s -w" -o "$dp_bin.tmp" .) >&2

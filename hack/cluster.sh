@@ -20,6 +20,11 @@
 #   hack/cluster.sh restart-component <component>
 #                               stop one control-plane component (e.g. kube-apiserver) and
 #                               start it again with the arguments it ran with (chaos runs)
+#   hack/cluster.sh netpol-up | netpol-down
+#                               NetworkPolicy enforcement on the real nodes (kube-router,
+#                               hack/lib/netpol.sh), for the one test that needs it; kube-router
+#                               is built by netpol-up on first use, not by `up`
+#   hack/cluster.sh netpol-build  only build kube-router (hack/prebuild.sh), print its path
 #
 # Environment:
 #   PODMOTION_RUN    runtime directory (default /tmp/podmotion-cluster): admin.kubeconfig,
@@ -424,8 +429,6 @@ cmd_up() {
   fi
   BIN=$("$here/build-k8s.sh")
   ((REAL_NODES > 0)) && NODE_BIN=$(node_bin)
-  # NetworkPolicy enforcement on the real nodes (kube-router; hack/lib/netpol.sh).
-  if ((REAL_NODES > 0)); then netpol_build >/dev/null; fi
   mkdir -p "$RUN" "$LOGS" "$PIDS" "$RUN/kwok"
   local p
   for p in $ETCD_PORT $ETCD_PEER_PORT $APISERVER_PORT $KCM_PORT $SCHED_PORT $KWOK_PORT; do
@@ -640,5 +643,7 @@ case ${1:-} in
     lock
     BIN=$(bin_dir)
     netpol_down ;;
-  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>|netpol-up|netpol-down" >&2; exit 2 ;;
+  netpol-build) # only build kube-router (hack/prebuild.sh); prints its path
+    netpol_build ;;
+  *) echo "usage: $0 up|down|status|env|leftovers|add-runner-nodes|restart-component <component>|netpol-up|netpol-down|netpol-build" >&2; exit 2 ;;
 esac

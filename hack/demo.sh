@@ -74,6 +74,13 @@ step "dependencies: CRIU, nftables, helm, image builder (first run: a few minute
 run_logged --quiet "$run.deps.log" bash hack/install-deps.sh || { tail -n 30 "$run.deps.log"; exit 1; }
 echo "ok (log: $run.deps.log)"
 
+# The images' Rust binaries compile meanwhile, at nice 19: on a cold machine they take
+# the CPU the cluster's Go builds leave idle, and the images step finds them built (or
+# waits for that build's lock). Its own process group, ended if the demo stops first.
+setsid nice -n 19 bash hack/images.sh --binaries >"$run.binaries.log" 2>&1 </dev/null &
+binaries=$!
+trap 'kill -- -"$binaries" 2>/dev/null || true' EXIT
+
 step "cluster: control plane, registry, kwok nodes, real nodes (first run builds Kubernetes, containerd, runc and CNI from source: ~15-25 min on 2 cores)"
 run_logged "$run.cluster.log" hack/cluster.sh up || { echo "hack/cluster.sh up failed (log: $run.cluster.log)"; exit 1; }
 eval "$(hack/cluster.sh env)"

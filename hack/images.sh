@@ -11,6 +11,9 @@
 #                                          fail naming every image whose digest differs
 #                                          (and the kubectl plugin's tarball, compared
 #                                          byte for byte)
+#   hack/images.sh --binaries              only compile the Rust binaries of every image
+#                                          (no registry, no image): the demo runs it in the
+#                                          background while the cluster's Go builds run
 #   hack/images.sh --verify [NAME...]      build and push, then pull each manifest back from
 #                                          the registry and check it: labels, user, size
 #                                          (printed as a table on stderr), and that its
@@ -48,7 +51,8 @@
 #   * every timestamp is SOURCE_DATE_EPOCH, the commit time of HEAD (buildah --timestamp
 #     sets the image's created time, its history and every file's mtime in the layers);
 #     COPY makes every file root-owned; buildah writes layers in path order;
-#   * Rust binaries: release profile plus `strip = "symbols"`, built for
+#   * Rust binaries: Cargo.toml's profile "images" (release without LTO, symbols
+#     stripped; "images-lto" with LTO for hack/release.sh), built for
 #     x86_64-unknown-linux-musl (static: no base image and no libc to match), with the
 #     workspace, the cargo home and the target dir remapped to fixed paths, so that the
 #     clone's location does not leak into the binaries;
@@ -66,6 +70,8 @@
 #   PODMOTION_CACHE      default ~/.cache/podmotion (buildah storage, .debs, staged contexts)
 #   CARGO_TARGET_DIR     default $PODMOTION_CACHE/cargo-target (shared with .ci/run)
 #   IMAGES_REFRESH_DEBS  1: resolve and download the Debian packages again
+#   IMAGES_CARGO_PROFILE images (default: no LTO, what the tests and the demo run) or
+#                        images-lto (thin LTO: hack/release.sh's default)
 #   PODMOTION_RELEASE_URL where the plugin's tarball is published, for its krew manifest
 #                        (default the GitHub release of this version)
 set -euo pipefail
@@ -87,6 +93,9 @@ source "$here/versions.env"
 ALL_IMAGES=(operator agent broker attach preflight testload runner-standin pause)
 PAUSE_TAG=3.10
 RUST_TARGET=x86_64-unknown-linux-musl
+CARGO_PROFILE=${IMAGES_CARGO_PROFILE:-images}
+[[ $CARGO_PROFILE == images || $CARGO_PROFILE == images-lto ]] ||
+  { echo "[images] ERROR: IMAGES_CARGO_PROFILE is images or images-lto, not '$CARGO_PROFILE'" >&2; exit 2; }
 
 CACHE=${PODMOTION_CACHE:-$HOME/.cache/podmotion}
 RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
@@ -98,11 +107,13 @@ die() { echo "[images] ERROR: $*" >&2; exit 1; }
 
 check=0
 verify=0
+binaries=0
 names=()
 for a in "$@"; do
   case $a in
     --check-reproducible) check=1 ;;
     --verify) verify=1 ;;
+    --binaries) binaries=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 0 ;;
     -*) die "unknown option $a" ;;
     *)
@@ -165,9 +176,9 @@ build_rust() { # target-dir
   local -a sel=()
   for b in "${!PKG_OF[@]}"; do sel+=(-p "${PKG_OF[$b]}" --bin "$b"); done
   local start=$SECONDS
-  log "cargo build (release, $RUST_TARGET, strip symbols) into $target_dir"
-  # A profile of our own ("images" = release + strip symbols), given on the command line:
-  # Cargo.toml stays as it is and other release builds in the same target dir are untouched.
+  log "cargo build (profile $CARGO_PROFILE, $RUST_TARGET) into $target_dir"
+  # Cargo.toml's profiles: "images" (release without LTO, symbols stripped) for the
+  # tests and the demo, "images-lto" (with release's thin LTO) for hack/release.sh.
   # RUSTFLAGS for the target only (build scripts and proc macros are not affected).
   # SOURCE_DATE_EPOCH is pinned for cargo: the cc crate (ring, psm) reruns its build
   # script when it changes, and with it every crate above them; the C objects do not
@@ -176,12 +187,10 @@ build_rust() { # target-dir
     CARGO_TARGET_X86_64_UNKNOWN_LINUX_MUSL_RUSTFLAGS="$remap" \
     CC_x86_64_unknown_linux_musl=musl-gcc \
     CFLAGS_x86_64_unknown_linux_musl="${remap//--remap-path-prefix=/-ffile-prefix-map=}" \
-    cargo build --locked --target "$RUST_TARGET" --profile images \
-    --config 'profile.images.inherits="release"' --config 'profile.images.strip="symbols"' \
-    "${sel[@]}" >&2 ||
+    cargo build --locked --target "$RUST_TARGET" --profile "$CARGO_PROFILE" "${sel[@]}" >&2 ||
     die "cargo build of the image binaries failed"
   log "cargo build done in $((SECONDS - start))s"
-  echo "$target_dir/$RUST_TARGET/images"
+  echo "$target_dir/$RUST_TARGET/$CARGO_PROFILE"
 }
 
 # ---------------------------------------------------------------- pause
@@ -494,6 +503,11 @@ verify_image() { # name digest -> 0 if every check passed
 }
 
 # ---------------------------------------------------------------- main
+
+if ((binaries)); then
+  build_rust "$CARGO_TARGET_DIR" >/dev/null
+  exit 0
+fi
 
 if [[ -z ${PODMOTION_REGISTRY:-} ]]; then
   # 7>&-: the registry daemon must not inherit (and hold) our lock.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The local OCI registry the real nodes pull PodMotion's images from: distribution's
-# `registry` (github.com/distribution/distribution/v3/cmd/registry), built from its Go
-# module into ${PODMOTION_CACHE:-$HOME/.cache/podmotion}/registry-<version>/registry and
+# `registry`, built from the wrapper module hack/registry (its main is upstream's
+# cmd/registry with the filesystem storage driver alone; the module pins the version)
+# into ${PODMOTION_CACHE:-$HOME/.cache/podmotion}/registry-<version>-<hash>/registry and
 # run as a plain process, plain HTTP on loopback only.
 #
 #   hack/registry.sh up       build if needed, start, wait until /v2/ answers (idempotent)
@@ -16,18 +17,16 @@
 #   PODMOTION_CACHE        binary cache root; the blobs live in $PODMOTION_CACHE/registry-data
 #                          so that pushed images survive cluster restarts
 #   PODMOTION_PORT_OFFSET  added to the port 15000 (as for hack/cluster.sh)
-#   REGISTRY_VERSION       module version (default below: the newest v3 on the proxy when pinned)
 #   CLUSTER_UP_TIMEOUT     seconds to wait for /v2/ (default 90)
 set -euo pipefail
 
-REGISTRY_VERSION=${REGISTRY_VERSION:-v3.1.2}
 MODULE=github.com/distribution/distribution/v3
+SRC=$(cd "$(dirname "$0")" && pwd)/registry
+# The version hack/registry/go.mod requires (v3.1.2: the newest v3 on the proxy when pinned).
+REGISTRY_VERSION=$(sed -n "s|^require $MODULE \(v[^ ]*\)\$|\1|p" "$SRC/go.mod")
 
 RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 CACHE=${PODMOTION_CACHE:-$HOME/.cache/podmotion}
-ROOT=$CACHE/registry-$REGISTRY_VERSION
-BIN=$ROOT/registry
-STAMP=$ROOT/.stamp
 DATA=$CACHE/registry-data
 LOGS=$RUN/logs
 PIDS=$RUN/pids
@@ -45,9 +44,14 @@ die() { echo "[registry] ERROR: $*" >&2; exit 1; }
 # ---------------------------------------------------------------- build
 
 inputs_hash() {
-  printf '%s\n' "$MODULE/cmd/registry@$REGISTRY_VERSION" "CGO_ENABLED=0 -trimpath ldflags-v1" \
-    "$(go env GOVERSION 2>/dev/null)" | sha256sum | cut -d' ' -f1
+  {
+    cat "$SRC/go.mod" "$SRC/go.sum" "$SRC"/*.go
+    printf '%s\n' "CGO_ENABLED=0 -trimpath ldflags-v1" "$(go env GOVERSION 2>/dev/null)"
+  } | sha256sum | cut -d' ' -f1
 }
+ROOT=$CACHE/registry-$REGISTRY_VERSION-$(inputs_hash | cut -c1-12)
+BIN=$ROOT/registry
+STAMP=$ROOT/.stamp
 
 built() {
   [[ -x $BIN && -f $STAMP && "$(cat "$STAMP")" == "$(inputs_hash)" ]]
@@ -63,15 +67,15 @@ build() {
     flock 9
   fi
   if built; then exec 9>&-; return 0; fi
-  log "building $MODULE/cmd/registry@$REGISTRY_VERSION"
+  [[ -n $REGISTRY_VERSION ]] || die "hack/registry/go.mod requires no $MODULE"
+  log "building $MODULE $REGISTRY_VERSION (hack/registry: the filesystem storage driver only)"
   local tmp start=$SECONDS
   tmp=$(mktemp -d "$ROOT/.build.XXXXXX")
-  # `go install pkg@version` builds in module mode from the proxy, ignoring any go.mod
-  # around us. The version is stamped the way distribution's Makefile does it.
-  if ! (cd "$tmp" && GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS=-buildvcs=false \
-    go install -trimpath \
+  # The version is stamped the way distribution's Makefile does it.
+  if ! (cd "$SRC" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false" \
+    go build -trimpath \
     -ldflags "-s -w -X github.com/distribution/distribution/v3/version.version=$REGISTRY_VERSION" \
-    "$MODULE/cmd/registry@$REGISTRY_VERSION" >&2); then
+    -o "$tmp/registry" . >&2); then
     rm -rf "$tmp"
     die "building the registry failed"
   fi

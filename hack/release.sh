@@ -38,6 +38,9 @@
 #   RELEASE_REPLACE      1: move a version tag that names other content
 #   RELEASE_ALLOW_DIRTY  1: release a working tree with uncommitted changes (the images'
 #                        revision label then ends in -dirty)
+#   IMAGES_CARGO_PROFILE images-lto (default: Cargo.toml's release LTO) or images (the
+#                        profile of the images the tests run; e2e/tests/real_release.rs
+#                        publishes those, already built, instead of compiling again)
 #   PODMOTION_RUN, PODMOTION_CACHE, CARGO_TARGET_DIR   as for hack/images.sh
 set -euo pipefail
 
@@ -45,6 +48,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 SHIPPED=(operator agent broker attach preflight)
+# Published binaries are built with thin LTO (Cargo.toml's profile images-lto); the
+# images the tests and the demo run use the cheaper "images" profile (no LTO).
+export IMAGES_CARGO_PROFILE=${IMAGES_CARGO_PROFILE:-images-lto}
 
 log() { echo "[release] $*" >&2; }
 die() { echo "[release] ERROR: $*" >&2; exit 1; }
@@ -111,7 +117,7 @@ copy() { # source-reference repo digest
 
 # ---------------------------------------------------------------- build and stage
 
-log "building (or finding unchanged) every image into the local registry: hack/images.sh"
+log "building (or finding unchanged) every image into the local registry: hack/images.sh (cargo profile $IMAGES_CARGO_PROFILE)"
 bash "$here/images.sh" >"$WORK/images.txt"
 LOCAL=$(head -n1 "$WORK/images.txt" | cut -d/ -f1)
 declare -A DIGEST=()

@@ -45,8 +45,11 @@ bash hack/images.sh >"$run/images.txt"
 cat "$run/images.txt"
 export PODMOTION_IMAGES_VALUES=$run/images-values.yaml PODMOTION_IMAGES_LIST=$run/images.txt
 
-step "kubectl-podmotion (the plugin binary e2e/tests/real_plugin.rs drives)"
-cargo build --locked -p kubectl-podmotion
+# Every cargo command below keeps `cargo test --workspace`'s feature set: a `-p X`
+# selection resolves features for X alone and rebuilds kube, k8s-openapi, tokio and what
+# sits on them (.ci/run says more).
+step "every binary and test of the workspace (cargo build --workspace --all-targets: the plugin e2e/tests/real_plugin.rs drives, the operator e2e/tests/chart.rs runs, chaos)"
+cargo build --workspace --all-targets --locked
 
 step "Argo CD health evaluator (hack/build-argocd-health.sh; e2e/tests/argocd_health.rs runs it; a cold build takes a few minutes)"
 bash hack/build-argocd-health.sh >/dev/null
@@ -63,13 +66,12 @@ step "NetworkPolicy enforcement on the real nodes (kube-router; e2e/tests/real_n
 # Enforcement is on only for this test: the rest of the suite runs as before.
 if hack/cluster.sh netpol-up; then
   # Ignored in the workspace run (it needs kube-router): run here, and only here.
-  cargo test --locked -p podmotion-e2e --test real_network_policy -- --ignored || rc=1
+  cargo test --locked --workspace --test real_network_policy -- --ignored || rc=1
 else
   rc=1
 fi
 hack/cluster.sh netpol-down || rc=1
 step "chaos run, short (e2e/src/bin/chaos.rs, docs/reliability.md): two operator replicas, leader SIGKILLed every 4-8 s, 20 % of writes answered 409/429, the API server restarted once, churn of the three kinds; fails on any invariant violation"
-cargo build --locked -q -p podmotion-operator -p podmotion-agent -p podmotion-e2e --bin podmotion-operator --bin podmotion-agent --bin podmotion-testload --bin chaos || rc=1
 # With live migrations (process-level agents on the kwok nodes: root and CRIU, the agent
 # and testload binaries next to chaos). Run under `flock -o` if at all: a lock
 # descriptor the workload inherits makes CRIU refuse the dump (docs/reliability.md).

@@ -3665,7 +3665,10 @@ fn migration_agent_and_broker_get_exactly_the_flags_their_binaries_declare() {
 // ---------------------------------------------------------------- the operator as the chart's ServiceAccount
 
 /// Builds the operator binary (nested cargo; the outer test run no longer holds the
-/// build lock) and returns its path.
+/// build lock) and returns its path. `--workspace --tests` resolves features as `cargo
+/// test --workspace` does, so after hack/test.sh's build this compiles nothing; `-p
+/// podmotion-operator` would resolve them for the operator alone and rebuild about a
+/// hundred crates (kube, k8s-openapi, tokio, ...) in the middle of the test run.
 fn operator_binary() -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = podmotion_e2e::without_crate_env(&mut Command::new(cargo))
@@ -3673,8 +3676,8 @@ fn operator_binary() -> PathBuf {
         .args([
             "build",
             "-q",
-            "-p",
-            "podmotion-operator",
+            "--workspace",
+            "--tests",
             "--bin",
             "podmotion-operator",
         ])

@@ -188,7 +188,11 @@ fn release(reg: &TlsRegistry, extra_env: &[(&str, &str)]) -> Output {
         .env("RELEASE_CA_FILE", reg.ca())
         // The test may run on a working tree with changes; the release script's own
         // refusal of those is its default, not what this test is about.
-        .env("RELEASE_ALLOW_DIRTY", "1");
+        .env("RELEASE_ALLOW_DIRTY", "1")
+        // The images hack/test.sh built (cargo profile `images`), not a second, cold
+        // compilation with LTO (the release's default, `images-lto`): the publishing is
+        // under test here, and it is the same for either profile.
+        .env("IMAGES_CARGO_PROFILE", "images");
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
