@@ -34,6 +34,7 @@ impl Harness {
             abandoned: BTreeSet::new(),
             ever_locked: BTreeSet::new(),
             ever_adopted: BTreeSet::new(),
+            stranded_forwards: BTreeSet::new(),
         }
     }
 
@@ -227,6 +228,9 @@ impl Harness {
             .filter(|(n, _)| self.ever_locked.contains(n) && self.ever_adopted.contains(n))
             .collect();
         self.exempt_networks_of_dead_locked_sources(&pre_model, &pre);
+        if fault_pending {
+            self.strand_forwards();
+        }
         self.check(&pre, &allowed)
             .map_err(|e| format!("after {op:?}: {e}"))?;
         Ok(outcome)
@@ -496,6 +500,7 @@ impl Harness {
                 maybe_locked: false,
                 killed: false,
                 fenced: false,
+                forwarding: false,
             },
         );
         Ok(())
@@ -538,11 +543,22 @@ impl Harness {
                     Request::BindNetns { .. } => r.bound = true,
                     Request::UnbindNetns { .. } => r.bound = false,
                     Request::LockNetwork { .. } => r.locked = true,
-                    Request::UnlockNetwork { .. } => r.locked = false,
+                    Request::UnlockNetwork { .. } => {
+                        r.locked = false;
+                        r.forwarding = false;
+                    }
                     Request::Kill { .. } => {
                         r.killed = true;
+                        r.forwarding = false;
                         self.killed_netns.insert(r.netns);
                     }
+                    Request::ForwardConnections { .. } => {
+                        if (!r.locked && !r.maybe_locked) || r.killed {
+                            return Err(format!("{req:?} done on a source not locked"));
+                        }
+                        r.forwarding = true;
+                    }
+                    Request::StopForwarding { .. } => r.forwarding = false,
                     Request::Fence { .. } => {
                         if !r.locked && !r.maybe_locked {
                             return Err(format!("{req:?} done on a source never locked"));

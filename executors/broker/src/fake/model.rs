@@ -86,6 +86,9 @@ pub(super) struct Reg {
     /// `fence` succeeded (and no `unfence` since): never resumed, killed on a lost
     /// lease or (while locked: the journal holds it) a restart.
     pub(super) fenced: bool,
+    /// `forward_connections` succeeded (and no `stop_forwarding`, unlock or kill
+    /// since): the only state in which the node may hold the migration's forward.
+    pub(super) forwarding: bool,
 }
 
 /// One broker over a [`FakeKernel`] on [`World::standard`], a model of what the
@@ -110,6 +113,9 @@ pub struct Harness {
     /// takes the IPv6 adoptions down with its links, and the unlock puts them back.
     pub(super) ever_locked: BTreeSet<u32>,
     pub(super) ever_adopted: BTreeSet<u32>,
+    /// Forward tables (by UID) whose removal an injected `nft` failure stopped after
+    /// their registration ended: they stay, journalled, until a restart removes them.
+    pub(super) stranded_forwards: BTreeSet<String>,
 }
 
 /// One adoption as the harness expects the broker to hold it.
@@ -140,6 +146,7 @@ pub fn config() -> Config {
         address_linger: Duration::from_secs(LINGER_SECS),
         sweep_interval: Duration::from_secs(2),
         hold_neighbours: true,
+        forward_new_connections: true,
     }
 }
 
@@ -163,6 +170,8 @@ pub(super) fn reply_fits(req: &Request, r: &Reply) -> bool {
                     | Request::Unfence { .. }
                     | Request::AdoptAddress { .. }
                     | Request::ReleaseAddress { .. }
+                    | Request::ForwardConnections { .. }
+                    | Request::StopForwarding { .. }
                     | Request::Forget { .. },
                 Reply::Done
             )
