@@ -138,6 +138,17 @@ fn ask(pid: Option<u32>, to: &str, connect: Duration) -> Result<String, String> 
     .unwrap()
 }
 
+/// kube-proxy's DNAT of the Service to the source (its endpoint), for the node's own
+/// processes (output) and its pods' and other nodes' traffic (prerouting), written
+/// afresh (as a kube-proxy that starts does). Of two NAT chains at one priority the
+/// kernel consults the one registered last first: writing it after the forward shows
+/// the forward's priority, not its age, puts it ahead.
+fn kube_proxy() {
+    sh(&format!(
+        "nft -f - <<'EOF'\ntable ip {KUBE_PROXY}\ndelete table ip {KUBE_PROXY}\ntable ip {KUBE_PROXY} {{\n\tchain pre {{ type nat hook prerouting priority -100; ip daddr {VIP} tcp dport 80 dnat to {SOURCE}:8080; }}\n\tchain out {{ type nat hook output priority -100; ip daddr {VIP} tcp dport 80 dnat to {SOURCE}:8080; }}\n}}\nEOF"
+    ));
+}
+
 fn table_exists() -> bool {
     let t = table_name(&MigrationUid::parse(UID).unwrap());
     Command::new("nft")
@@ -188,13 +199,9 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         mac.trim(),
         LINKS[0]
     ));
-    // kube-proxy's DNAT of the Service to the source (its endpoint), for the node's
-    // own processes (output) and its pods and other nodes' traffic (prerouting); the
-    // node routes the Service's address somewhere (here: the target's link).
-    sh(&format!(
-        "ip route add {VIP}/32 dev {} && nft -f - <<'EOF'\ntable ip {KUBE_PROXY} {{\n\tchain pre {{ type nat hook prerouting priority -100; ip daddr {VIP} tcp dport 80 dnat to {SOURCE}:8080; }}\n\tchain out {{ type nat hook output priority -100; ip daddr {VIP} tcp dport 80 dnat to {SOURCE}:8080; }}\n}}\nEOF",
-        LINKS[1]
-    ));
+    // The node routes the Service's address somewhere (here: the target's link).
+    sh(&format!("ip route add {VIP}/32 dev {}", LINKS[1]));
+    kube_proxy();
     let (src, vip) = (format!("{SOURCE}:8080"), format!("{VIP}:80"));
     assert_eq!(
         ask(Some(client.0.id()), &format!("{TARGET}:8080"), SHORT).as_deref(),
@@ -243,6 +250,8 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         "a retransmitted SYN of the node's own client of the Service"
     );
 
+    // kube-proxy starts again: its chains are newer than the forward's.
+    kube_proxy();
     // New connections: to the source's address from another node (masqueraded: the
     // target answers the node, whose conntrack answers the client as the source), to
     // the Service from a pod of the node and from the node itself.
