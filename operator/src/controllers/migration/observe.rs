@@ -70,7 +70,9 @@ pub(super) async fn observe<A: AgentClient>(
         now,
         created: pm.meta().creation_timestamp.as_ref().map_or(now, |t| t.0),
         generation: pm.meta().generation,
-        knobs: Knobs::from_spec(&pm.spec).with_service_sync(s.cfg.service_sync()),
+        knobs: Knobs::from_spec(&pm.spec)
+            .with_service_sync(s.cfg.service_sync())
+            .with_forward_new_connections(s.cfg.forward_new_connections),
         has_finalizer: pm
             .finalizers()
             .iter()
