@@ -486,23 +486,8 @@ impl Harness {
         if self.model.values().any(|r| r.process.pid == process.pid) {
             return Err(format!("pid {} pinned by two migrations", process.pid));
         }
-        self.model.insert(
-            uid,
-            Reg {
-                conn,
-                role,
-                process,
-                container: container.clone(),
-                netns: p.netns,
-                cgroup: cgroup.to_owned(),
-                bound: false,
-                locked: false,
-                maybe_locked: false,
-                killed: false,
-                fenced: false,
-                forwarding: false,
-            },
-        );
+        let reg = Reg::new(conn, (role, process, container), p.netns, cgroup);
+        self.model.insert(uid, reg);
         Ok(())
     }
 
@@ -539,37 +524,7 @@ impl Harness {
                 let Some(r) = self.model.get_mut(&uid) else {
                     return Err(format!("{req:?} succeeded on an unregistered migration"));
                 };
-                match req {
-                    Request::BindNetns { .. } => r.bound = true,
-                    Request::UnbindNetns { .. } => r.bound = false,
-                    Request::LockNetwork { .. } => r.locked = true,
-                    Request::UnlockNetwork { .. } => {
-                        r.locked = false;
-                        r.forwarding = false;
-                    }
-                    Request::Kill { .. } => {
-                        r.killed = true;
-                        r.forwarding = false;
-                        self.killed_netns.insert(r.netns);
-                    }
-                    Request::ForwardConnections { .. } => {
-                        if (!r.locked && !r.maybe_locked) || r.killed {
-                            return Err(format!("{req:?} done on a source not locked"));
-                        }
-                        r.forwarding = true;
-                    }
-                    Request::StopForwarding { .. } => r.forwarding = false,
-                    Request::Fence { .. } => {
-                        if !r.locked && !r.maybe_locked {
-                            return Err(format!("{req:?} done on a source never locked"));
-                        }
-                        // Done proves the broker holds the lock (and journals it).
-                        r.locked = true;
-                        r.fenced = true;
-                    }
-                    Request::Unfence { .. } => r.fenced = false,
-                    _ => {}
-                }
+                r.apply(req, &mut self.killed_netns)?;
             }
         }
         Ok(())

@@ -91,6 +91,75 @@ pub(super) struct Reg {
     pub(super) forwarding: bool,
 }
 
+impl Reg {
+    /// A registration the broker accepted: `pin` is (role, process, container).
+    pub(super) fn new(
+        conn: u64,
+        pin: (BrokerRole, ProcRef, &ContainerId),
+        netns: u32,
+        cgroup: &str,
+    ) -> Reg {
+        let (role, process, container) = pin;
+        Reg {
+            conn,
+            role,
+            process,
+            container: container.clone(),
+            netns,
+            cgroup: cgroup.to_owned(),
+            bound: false,
+            locked: false,
+            maybe_locked: false,
+            killed: false,
+            fenced: false,
+            forwarding: false,
+        }
+    }
+
+    /// What a request that succeeded on this registration tells the agents' model
+    /// (`killed_netns`: the namespaces left locked by a kill); an answer it cannot
+    /// have given is the violation.
+    pub(super) fn apply(
+        &mut self,
+        req: &Request,
+        killed_netns: &mut BTreeSet<u32>,
+    ) -> Result<(), String> {
+        let r = self;
+        match req {
+            Request::BindNetns { .. } => r.bound = true,
+            Request::UnbindNetns { .. } => r.bound = false,
+            Request::LockNetwork { .. } => r.locked = true,
+            Request::UnlockNetwork { .. } => {
+                r.locked = false;
+                r.forwarding = false;
+            }
+            Request::Kill { .. } => {
+                r.killed = true;
+                r.forwarding = false;
+                killed_netns.insert(r.netns);
+            }
+            Request::ForwardConnections { .. } => {
+                if (!r.locked && !r.maybe_locked) || r.killed {
+                    return Err(format!("{req:?} done on a source not locked"));
+                }
+                r.forwarding = true;
+            }
+            Request::StopForwarding { .. } => r.forwarding = false,
+            Request::Fence { .. } => {
+                if !r.locked && !r.maybe_locked {
+                    return Err(format!("{req:?} done on a source never locked"));
+                }
+                // Done proves the broker holds the lock (and journals it).
+                r.locked = true;
+                r.fenced = true;
+            }
+            Request::Unfence { .. } => r.fenced = false,
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
 /// One broker over a [`FakeKernel`] on [`World::standard`], a model of what the
 /// agents were told, and the invariants checked after every step.
 pub struct Harness {
