@@ -300,3 +300,62 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         "nothing forwards any more"
     );
 }
+
+/// The ruleset of a dual-stack forward (IPv4 and IPv6 sources, targets and Services)
+/// is one this machine's `nft` accepts (checked, `nft -c`, nothing applied): the
+/// IPv6 rules are not exercised end to end above.
+#[test]
+fn a_dual_stack_forward_is_a_ruleset_nft_accepts() {
+    if !require_root() {
+        return;
+    }
+    use podmotion_broker::forward::{Forward, ruleset};
+    let f = Forward {
+        sources: vec![
+            "198.18.211.30".parse().unwrap(),
+            "2001:db8:211::30".parse().unwrap(),
+        ],
+        targets: vec![
+            "198.18.212.30".parse().unwrap(),
+            "2001:db8:212::30".parse().unwrap(),
+        ],
+        services: vec![
+            ForwardedService {
+                address: VIP.parse().unwrap(),
+                port: 80,
+                target_port: 8080,
+            },
+            ForwardedService {
+                address: "fd00:214::10".parse().unwrap(),
+                port: 443,
+                target_port: 8443,
+            },
+        ],
+    };
+    let script = ruleset("podmotion-fwd-dual-stack-check", &f);
+    for want in [
+        "ip6 daddr 2001:db8:211::30 meta l4proto tcp ct state new dnat ip6 to 2001:db8:212::30",
+        "ip6 daddr fd00:214::10 tcp dport 443 ct state new dnat ip6 to [2001:db8:212::30]:8443",
+        "ct original ip6 daddr 2001:db8:211::30 ip6 daddr 2001:db8:212::30 meta l4proto tcp masquerade",
+    ] {
+        assert!(script.contains(want), "{want} missing from {script}");
+    }
+    let mut child = Command::new("nft")
+        .args(["-c", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "nft -c refused {script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
