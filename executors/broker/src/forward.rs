@@ -202,10 +202,12 @@ impl<K: Kernel> Broker<K> {
                 "forwarding new connections is off on this node (--forward-new-connections)",
             ));
         }
-        if s.locked.is_none() || s.killed {
+        // Only a source whose copy the target was asked to restore (the fence): the
+        // operator asks once that copy passed its probe.
+        if s.locked.is_none() || s.killed || !s.fenced {
             return Err(err(
                 ErrorKind::NotLocked,
-                format!("{uid}: no locked source whose connections to forward"),
+                format!("{uid}: no locked, fenced source whose connections to forward"),
             ));
         }
         check(targets, services, &s.staying)?;

@@ -304,6 +304,8 @@ impl<K: Kernel> Broker<K> {
             if s.gone {
                 continue;
             }
+            // Before a rollback lets the source answer again.
+            self.end_forward_logged(&uid, &mut s);
             if s.netns_bound {
                 let _ = self.unbind(&uid);
             }

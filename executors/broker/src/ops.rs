@@ -429,6 +429,8 @@ impl<K: Kernel> Broker<K> {
             self.unbind(uid)?;
             s.netns_bound = false;
         }
+        // Before the unlock lets the source answer again.
+        self.end_forward_logged(uid, &mut s);
         if let (Some(l), false) = (&s.locked, s.killed)
             && self.kernel.check_live(e.process).is_ok()
         {

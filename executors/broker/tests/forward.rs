@@ -220,6 +220,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     .expect("the holder registers as a source");
     c.call(&Request::LockNetwork { uid: uid.clone() })
         .expect("lock");
+    c.call(&Request::Fence { uid: uid.clone() }).expect("fence");
     // Locked and not forwarded: nothing answers, through the Service or not.
     assert!(ask(Some(client.0.id()), &src, SHORT).is_err());
     assert!(ask(None, &vip, SHORT).is_err());
@@ -273,6 +274,8 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     // Forget ends it too.
     c.call(&Request::LockNetwork { uid: uid.clone() })
         .expect("lock again");
+    c.call(&Request::Fence { uid: uid.clone() })
+        .expect("fence again");
     c.call(&forward()).expect("forward again");
     assert!(table_exists());
     c.call(&Request::Forget { uid: uid.clone() })
@@ -290,6 +293,8 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     .expect("register again");
     c.call(&Request::LockNetwork { uid: uid.clone() })
         .expect("lock a third time");
+    c.call(&Request::Fence { uid: uid.clone() })
+        .expect("fence a third time");
     c.call(&forward()).expect("forward a third time");
     assert!(table_exists());
     let next = Broker::new(support::config(f.run_dir.clone(), f.cgroup_rel.clone(), 0));

@@ -70,6 +70,7 @@ fn locked_source(h: &mut Harness) {
         req(h, 1, Request::LockNetwork { uid: uid() }),
         Ok(Reply::Done)
     );
+    assert_eq!(req(h, 1, Request::Fence { uid: uid() }), Ok(Reply::Done));
 }
 
 /// The node's forward table of the migration, if any.
@@ -168,7 +169,7 @@ fn a_restarted_broker_removes_the_forwards_its_predecessor_left() {
 }
 
 #[test]
-fn a_forward_the_node_refused_leaves_nothing_and_a_stranded_one_goes_at_restart() {
+fn a_forward_the_node_refused_leaves_nothing_and_a_failed_removal_is_tried_again() {
     let mut h = harness();
     locked_source(&mut h);
     ev(&mut h, Op::Fault(Fault::Nft));
@@ -176,16 +177,21 @@ fn a_forward_the_node_refused_leaves_nothing_and_a_stranded_one_goes_at_restart(
     assert_eq!(table(&h), None);
     assert!(!journalled(&h), "a refused forward is not journalled");
 
-    // A forward whose removal fails when the registration ends stays journalled, and
-    // the next broker removes it.
+    // `stop_forwarding` answers the failure, and the forward stays (journalled).
     assert_eq!(req(&mut h, 1, forward(&[TARGET])), Ok(Reply::Done));
+    ev(&mut h, Op::Fault(Fault::Nft));
+    assert_eq!(
+        req(&mut h, 1, Request::StopForwarding { uid: uid() }),
+        Err(ErrorKind::Kernel)
+    );
+    assert!(table(&h).is_some() && journalled(&h));
+    // `forget`'s first removal (before the unlock) fails: the registration's end
+    // tries again, and nothing is left.
     ev(&mut h, Op::Fault(Fault::Nft));
     assert_eq!(
         req(&mut h, 1, Request::Forget { uid: uid() }),
         Ok(Reply::Done)
     );
-    assert!(table(&h).is_some() && journalled(&h));
-    ev(&mut h, Op::Restart);
     assert_eq!(table(&h), None);
     assert!(!journalled(&h));
 }
@@ -262,4 +268,20 @@ fn with_the_hand_over_only_the_services_are_forwarded() {
     let t = table(&h).unwrap();
     assert!(t.contains("ip daddr 10.96.0.10 tcp dport 80"), "{t}");
     assert!(!t.contains("10.0.10.5") && !t.contains("masquerade"), "{t}");
+}
+
+/// Locked but not fenced (the target was never asked to restore): nothing forwarded.
+#[test]
+fn a_source_not_fenced_is_not_forwarded() {
+    let mut h = harness();
+    locked_source(&mut h);
+    assert_eq!(
+        req(&mut h, 1, Request::Unfence { uid: uid() }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(
+        req(&mut h, 1, forward(&[TARGET])),
+        Err(ErrorKind::NotLocked)
+    );
+    assert_eq!(table(&h), None);
 }

@@ -135,7 +135,7 @@ pub enum Request {
     Unfence {
         uid: MigrationUid,
     },
-    /// Source, locked: the node sends NEW TCP connections that would reach the locked
+    /// Source, locked and fenced: the node sends NEW TCP connections that would reach the locked
     /// source to the restored target instead (the operator asks once the target's probe
     /// passed), until `stop_forwarding`, the unlock, the kill or the registration's end.
     /// The broker adds, in the node's network namespace, one nftables table of this
@@ -145,7 +145,7 @@ pub enum Request {
     /// and port in `services` (the Services whose endpoints list the source) are DNATed
     /// to the target's address and `target_port` ahead of kube-proxy's rules. Setting it
     /// again replaces it. Needs the installer's `--forward-new-connections`
-    /// (`ForwardOff` otherwise) and the network locked (`NotLocked`).
+    /// (`ForwardOff` otherwise) and the network locked and fenced (`NotLocked`).
     ForwardConnections {
         uid: MigrationUid,
         /// The target pod's addresses, at most one per family.

@@ -139,8 +139,8 @@ impl Reg {
                 killed_netns.insert(r.netns);
             }
             Request::ForwardConnections { .. } => {
-                if (!r.locked && !r.maybe_locked) || r.killed {
-                    return Err(format!("{req:?} done on a source not locked"));
+                if (!r.locked && !r.maybe_locked) || r.killed || !r.fenced {
+                    return Err(format!("{req:?} done on a source not locked and fenced"));
                 }
                 r.forwarding = true;
             }
