@@ -335,7 +335,9 @@ stage() { # name bindir ctx
     broker)
       # debconf (and perl with it) only matters to maintainer scripts, which never run.
       # conntrack: an unlock makes the node forget unanswered connections to the pod.
-      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2 conntrack)
+      # nftables: forward_connections sends a locked source's new connections to its
+      # target (an nft table of the migration's in the node's namespace).
+      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2 conntrack nftables)
       debian_root "$debs" "$ctx/rootfs"
       ;;
   esac
@@ -395,7 +397,7 @@ declare -A BASE_OF=(
   [runner-standin]="scratch, static musl binary"
   [pause]="scratch, static glibc binary (gcc -Os -static)"
   [agent]="Debian forky criu + library closure (.debs), static musl binary"
-  [broker]="Debian bookworm iproute2 and conntrack + library closure (.debs), static musl binary"
+  [broker]="Debian bookworm iproute2, conntrack and nftables + library closure (.debs), static musl binary"
 )
 declare -A USER_OF=(
   [operator]=65532:65532 [preflight]=65532:65532 [testload]=65532:65532 [pause]=65535:65535
@@ -492,7 +494,8 @@ verify_image() { # name digest -> 0 if every check passed
     broker)
       v=$(in_root "$tmp/root" 0:0 ip -o link show lo 2>&1) || { log "broker: ip -o link show lo failed: $v"; fail=1; }
       c=$(in_root "$tmp/root" 0:0 conntrack --version 2>&1) || { log "broker: conntrack --version failed: $c"; fail=1; }
-      out="ip: ${v:0:40}; ${c:0:40}"
+      t=$(in_root "$tmp/root" 0:0 nft --version 2>&1) || { log "broker: nft --version failed: $t"; fail=1; }
+      out="ip: ${v:0:30}; ${c:0:30}; ${t:0:30}"
       ;;
   esac
   out=${out%%$'\n'*}

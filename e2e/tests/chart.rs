@@ -3182,6 +3182,8 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
         vec!["create", "leases.coordination.k8s.io", "-n", "default"],
         vec!["get", "namespaces"],
         vec!["get", "services", "-n", "default"],
+        // The forward of a committing source's new connections: which Services list it.
+        vec!["list", "endpointslices.discovery.k8s.io", "-A"],
         vec!["create", "serviceaccounts", "-n", "default"],
         vec![
             "create",
@@ -3249,6 +3251,10 @@ async fn rbac_allows_what_the_controllers_use_and_denies_the_rest() {
             "-n",
             "default",
         ],
+        // EndpointSlices and Services are read, never written or watched.
+        vec!["create", "endpointslices.discovery.k8s.io", "-n", "default"],
+        vec!["patch", "endpointslices.discovery.k8s.io", "-n", "default"],
+        vec!["watch", "endpointslices.discovery.k8s.io", "-A"],
         // Storage is read one claim at a time, never listed or written.
         vec!["list", "persistentvolumeclaims", "-A"],
         vec!["patch", "persistentvolumeclaims", "-n", "default"],

@@ -300,8 +300,9 @@ impl ProcAgents {
                 m.progress.resumed_at = Some(Timestamp::now());
             }
             // The stand-in's fence is a no-op: its source is only ever resumed by Abort
-            // (or, like a real agent's broker, when the stand-in agent is killed).
-            Step::Fence => {}
+            // (or, like a real agent's broker, when the stand-in agent is killed). It
+            // has no network to forward (`start` answers the forward at once).
+            Step::Fence | Step::Forward => {}
             Step::Commit => {
                 if let Some(mut p) = w.containers.remove(&key) {
                     p.kill();
@@ -351,6 +352,12 @@ impl AgentClient for ProcAgents {
                 });
             }
             let m = w.migs.entry(key.clone()).or_default();
+            if r.step == Step::Forward {
+                // Reported apart from the steps, as the wire adapter does; nothing
+                // to forward in a stand-in.
+                m.progress.forward = Some(StepState::Done);
+                return Ok(());
+            }
             if m.last.as_ref().is_some_and(|(s, _)| *s == r.step) {
                 return Ok(()); // idempotent
             }

@@ -185,6 +185,8 @@ app.kubernetes.io/component: node-agent
   value: {{ .Values.migration.agentCallTimeoutSeconds | quote }}
 - name: PODMOTION_MIGRATION_SERVICE_SYNC_MILLIS
   value: {{ .Values.migration.serviceSyncMillis | int64 | quote }}
+- name: PODMOTION_MIGRATION_FORWARD_NEW_CONNECTIONS
+  value: {{ .Values.migration.forwardNewConnections | quote }}
 {{- /* --migration-exec-probes: the RBAC grants pods/exec only when it is true. */}}
 - name: PODMOTION_MIGRATION_EXEC_PROBES
   value: {{ .Values.migration.execProbes.enabled | quote }}

@@ -51,13 +51,15 @@ pub enum Rpc {
     LazyPages,
     Restore,
     Commit,
+    /// The source's node forwards new connections to the restored target.
+    Forward,
     Abort,
     Cleanup,
     Status,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 12] = [
+    pub const ALL: [Rpc; 13] = [
         Rpc::Prepare,
         Rpc::PreDump,
         Rpc::Dump,
@@ -67,6 +69,7 @@ impl Rpc {
         Rpc::LazyPages,
         Rpc::Restore,
         Rpc::Commit,
+        Rpc::Forward,
         Rpc::Abort,
         Rpc::Cleanup,
         Rpc::Status,

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use podmotion_metrics::registered;
 use podmotion_wire::agent::{
-    CommitRequest, ImageChunk, LazyFrame, MigrationRef, MigrationStatus, Phase, PrepareRequest,
-    ReceiveSummary, Role, SendRequest,
+    CommitRequest, ForwardRequest, ImageChunk, LazyFrame, MigrationRef, MigrationStatus, Phase,
+    PrepareRequest, ReceiveSummary, Role, SendRequest,
 };
 use podmotion_wire::broker::ErrorKind;
 use podmotion_wire::proto::migration_agent_server::MigrationAgent;
@@ -112,7 +112,7 @@ pub fn global() -> &'static AgentMetrics {
 }
 
 /// The agent's RPCs, as the `rpc` label names them.
-const RPCS: [&str; 11] = [
+const RPCS: [&str; 12] = [
     "Prepare",
     "PreDump",
     "Dump",
@@ -121,6 +121,7 @@ const RPCS: [&str; 11] = [
     "ReceiveImages",
     "Restore",
     "Commit",
+    "Forward",
     "Abort",
     "Cleanup",
     "Status",
@@ -454,6 +455,9 @@ impl<A: MigrationAgent> MigrationAgent for Observed<A> {
     }
     async fn commit(&self, r: GrpcRequest<CommitRequest>) -> Res<MigrationStatus> {
         timed("Commit", self.agent.commit(r)).await
+    }
+    async fn forward(&self, r: GrpcRequest<ForwardRequest>) -> Res<MigrationStatus> {
+        timed("Forward", self.agent.forward(r)).await
     }
     async fn abort(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         timed("Abort", self.agent.abort(r)).await

@@ -33,6 +33,7 @@ use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 
 mod dump;
 mod fence;
+mod forward;
 mod freeze;
 mod helpers;
 pub mod leader_term;
@@ -586,6 +587,12 @@ impl Agent {
         commit_locked(&mut m, &r).await
     }
 
+    async fn forward_impl(&self, r: ForwardRequest) -> Result<MigrationStatus, Status> {
+        let m = self.get(&r.migration_uid)?;
+        let mut m = m.lock().await;
+        forward::forward_locked(&mut m, &r).await
+    }
+
     async fn abort_impl(&self, uid: &str) -> Result<MigrationStatus, Status> {
         let Ok(m) = self.get(uid) else {
             // Unknown here (never prepared, or lost in an agent restart). This agent
@@ -715,6 +722,12 @@ impl MigrationAgent for Agent {
         let uid = r.migration_uid.clone();
         logged(Rpc::Commit, &uid, self.commit_impl(r).await).map(Response::new)
     }
+    async fn forward(&self, r: GrpcRequest<ForwardRequest>) -> Res<MigrationStatus> {
+        self.authorize_control(&r, Rpc::Forward)?;
+        let r = r.into_inner();
+        let uid = r.migration_uid.clone();
+        logged(Rpc::Forward, &uid, self.forward_impl(r).await).map(Response::new)
+    }
     async fn abort(&self, r: GrpcRequest<MigrationRef>) -> Res<MigrationStatus> {
         self.authorize_control(&r, Rpc::Abort)?;
         let uid = r.into_inner().migration_uid;
@@ -750,6 +763,8 @@ impl MigrationAgent for Agent {
 
 #[cfg(test)]
 mod abort_tests;
+#[cfg(test)]
+mod forward_tests;
 #[cfg(test)]
 mod prepare_tests;
 #[cfg(test)]

@@ -55,6 +55,9 @@ impl<K: Kernel> Broker<K> {
     /// stay while a moved connection uses them. Returns the migration UIDs rolled back
     /// or killed.
     pub fn recover(&self) -> Vec<String> {
+        // First: a source rolled back below answers its clients again, and none of
+        // its new connections may still go to the target.
+        self.recover_forwards();
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
         for (name, path) in self.kernel.read_dir(&dir) {

@@ -23,6 +23,7 @@ pub mod client;
 pub mod conntrack;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
+pub mod forward;
 mod frame;
 pub mod handover;
 mod journal;
@@ -84,6 +85,9 @@ pub struct Config {
     /// adopted address before its restore, and a held segment of a moved connection
     /// reached it then and was reset (docs/broker-ops.md, `lock_network`).
     pub hold_neighbours: bool,
+    /// Whether `forward_connections` may forward a locked source's new connections to
+    /// its target (`--forward-new-connections`; see [`forward`]). Off: `ForwardOff`.
+    pub forward_new_connections: bool,
 }
 
 /// The registrations, by migration UID.
@@ -147,6 +151,11 @@ struct State {
     /// The node forgetting unanswered connections to the locked source
     /// ([`conntrack`]): from the lock to the unlock or the registration's end.
     sweep: Option<conntrack::Sweep>,
+    /// The source's addresses that stay (read at the lock, before its links went
+    /// down): those the conntrack sweep forgets and `forward_connections` forwards.
+    staying: Vec<std::net::IpAddr>,
+    /// `forward_connections`' table is in the node (journalled).
+    forwarding: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -295,6 +304,8 @@ impl<K: Kernel> Broker<K> {
             if s.gone {
                 continue;
             }
+            // Before a rollback lets the source answer again.
+            self.end_forward_logged(&uid, &mut s);
             if s.netns_bound {
                 let _ = self.unbind(&uid);
             }
@@ -321,6 +332,7 @@ impl<K: Kernel> Broker<K> {
     /// Ends registration `e` of `uid`, its `state` held: journal record removed, marked
     /// gone, out of the map (unless the map already holds a newer one).
     fn remove(&self, uid: &MigrationUid, e: &Arc<Entry>, s: &mut State) {
+        self.end_forward_logged(uid, s);
         self.journal_remove(uid);
         self.release_neighbours(std::mem::take(&mut s.held));
         s.sweep = None;
@@ -806,6 +818,7 @@ mod tests {
                 address_linger: Duration::from_secs(3600),
                 sweep_interval: Duration::from_secs(2),
                 hold_neighbours: false,
+                forward_new_connections: false,
             },
             k.clone(),
         );

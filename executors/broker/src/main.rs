@@ -65,6 +65,17 @@ struct Args {
         action = clap::ArgAction::Set
     )]
     address_handover_hold_neighbours: bool,
+    /// Forward a locked source's new TCP connections to its restored target once the
+    /// operator asks (`forward_connections`: an nftables table of the migration's in
+    /// the node's network namespace, see docs/broker-ops.md). Off (the binary's
+    /// default): `forward_connections` answers `forward_off`.
+    #[arg(
+        long,
+        env = "PODMOTION_FORWARD_NEW_CONNECTIONS",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    forward_new_connections: bool,
     /// Log format: `json` (one object per line) or `text`.
     #[arg(long, env = podmotion_log::ENV, default_value = "json")]
     log_format: podmotion_log::LogFormat,
@@ -83,6 +94,7 @@ fn main() -> anyhow::Result<()> {
         address_linger: Duration::from_secs(a.address_linger_seconds),
         sweep_interval: Duration::from_secs(2),
         hold_neighbours: a.address_handover_hold_neighbours,
+        forward_new_connections: a.forward_new_connections,
     });
     let cidrs: Vec<String> = a
         .address_handover_cidrs
@@ -94,6 +106,7 @@ fn main() -> anyhow::Result<()> {
         socket = %a.socket.display(),
         address_handover_cidrs = %cidrs.join(","),
         address_linger_seconds = a.address_linger_seconds,
+        forward_new_connections = a.forward_new_connections,
         "broker serving"
     );
     broker.serve(&a.socket)?;

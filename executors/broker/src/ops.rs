@@ -72,6 +72,16 @@ impl<K: Kernel> Broker<K> {
             Request::Unfence { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.unfence(uid, e, s))
             }
+            Request::ForwardConnections {
+                uid,
+                targets,
+                services,
+            } => self.with_entry(uid, conn, SOURCE, |_, s| {
+                self.forward_connections(uid, s, targets, services)
+            }),
+            Request::StopForwarding { uid } => self.with_entry(uid, conn, SOURCE, |_, s| {
+                self.end_forward(uid, s).map(|()| Reply::Done)
+            }),
         }
     }
 
@@ -221,6 +231,7 @@ impl<K: Kernel> Broker<K> {
                 return Err(j);
             }
             s.locked = Some(l);
+            s.staying = staying.clone();
             s.sweep = self.forget_unanswered(staying);
         } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
@@ -236,6 +247,9 @@ impl<K: Kernel> Broker<K> {
         e: &Entry,
         s: &mut State,
     ) -> Result<Reply, BrokerError> {
+        // New connections go to the source again before it can answer them (a
+        // rollback), or it is about to be killed (a commit).
+        self.end_forward_logged(uid, s);
         // The saved lock is dropped only once it is restored: after a failed
         // unlock, a retry, `forget` or the lease rollback still knows what to undo.
         if let Some(l) = &s.locked {
@@ -389,6 +403,8 @@ impl<K: Kernel> Broker<K> {
     fn kill(&self, uid: &MigrationUid, e: &Entry, s: &mut State) -> Result<Reply, BrokerError> {
         signal_tree(&self.kernel, e.process.pid, Signal::SIGKILL)?;
         s.killed = true;
+        // The commit's kill: the Service no longer lists the source.
+        self.end_forward_logged(uid, s);
         self.journal_remove(uid);
         Ok(Reply::Done)
     }
@@ -413,6 +429,8 @@ impl<K: Kernel> Broker<K> {
             self.unbind(uid)?;
             s.netns_bound = false;
         }
+        // Before the unlock lets the source answer again.
+        self.end_forward_logged(uid, &mut s);
         if let (Some(l), false) = (&s.locked, s.killed)
             && self.kernel.check_live(e.process).is_ok()
         {

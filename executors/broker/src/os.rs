@@ -38,6 +38,8 @@ pub trait Ip {
     /// Sets `link`'s `arp_ignore` (`net.ipv4.conf.<link>.arp_ignore`, this namespace's)
     /// to `value`; returns the value it had.
     fn arp_ignore(&mut self, link: &str, value: u8) -> std::io::Result<u8>;
+    /// Runs `script` with `nft -f -` (nftables, one transaction) in this namespace.
+    fn nft(&mut self, script: &str) -> std::io::Result<()>;
 }
 
 /// The longest one sweep runs, whatever the lock: a lock outliving it (a PostCopy
@@ -206,6 +208,27 @@ impl Ip for RealIp {
             .map_err(|e| std::io::Error::other(format!("{path}: {e}")))?;
         std::fs::write(&path, value.to_string())?;
         Ok(was)
+    }
+
+    fn nft(&mut self, script: &str) -> std::io::Result<()> {
+        use std::process::Stdio;
+        let mut child = Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(script.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "nft -f -: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -27,13 +27,18 @@ use std::time::{Duration, Instant};
 use support::{CONTAINER, require_root};
 
 /// The ops whose request is the migration UID alone: every op of the one list
-/// (`podmotion_wire::broker::OPS`) but the three that carry a process and the two that
-/// carry an address.
+/// (`podmotion_wire::broker::OPS`) but the three that carry a process and the three that
+/// carry addresses.
 fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
     OPS.iter().copied().filter(|op| {
         !matches!(
             *op,
-            "register" | "move_cgroup" | "charge_restore" | "adopt_address" | "release_address"
+            "register"
+                | "move_cgroup"
+                | "charge_restore"
+                | "adopt_address"
+                | "release_address"
+                | "forward_connections"
         )
     })
 }
@@ -41,11 +46,17 @@ fn ops_with_uid_only() -> impl Iterator<Item = &'static str> {
 /// The address hand-over's ops (their request: the UID and an address).
 const ADDRESS_OPS: [&str; 2] = ["adopt_address", "release_address"];
 
+/// The ops whose request names addresses besides the UID: the hand-over's and
+/// `forward_connections` (its target addresses).
+const NAMING_OPS: [&str; 3] = ["adopt_address", "release_address", "forward_connections"];
+
 /// A well-formed request of `op` on migration `uid`: the UID, and an address for the
 /// address ops (not for the three that carry a process).
 fn well_formed(op: &str, uid: &str) -> serde_json::Value {
     if ADDRESS_OPS.contains(&op) {
         serde_json::json!({"op": op, "uid": uid, "address": "198.18.2.20"})
+    } else if op == "forward_connections" {
+        serde_json::json!({"op": op, "uid": uid, "targets": ["198.18.2.20"]})
     } else {
         serde_json::json!({"op": op, "uid": uid})
     }
@@ -459,7 +470,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
     }
     // Unknown fields on every op (but the three that carry a process, which have a class
     // of their own).
-    for op in ops_with_uid_only().chain(ADDRESS_OPS) {
+    for op in ops_with_uid_only().chain(NAMING_OPS) {
         for field in ["path", "target", "netns", "pid", "cgroup", "signal", "Uid"] {
             let mut body = well_formed(op, "m-1");
             body[field] = "/etc".into();
@@ -598,7 +609,7 @@ fn broker_binary_rejects_a_thousand_hostile_inputs_and_changes_nothing() {
     // not registered is idempotent, answered Done, and changes nothing).
     for i in 0..12 {
         for op in ops_with_uid_only()
-            .chain(ADDRESS_OPS)
+            .chain(NAMING_OPS)
             .filter(|op| *op != "forget")
         {
             let body = well_formed(op, &format!("never-{i}")).to_string();

@@ -32,6 +32,7 @@ fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
         address_linger: std::time::Duration::from_secs(3600),
         sweep_interval: std::time::Duration::from_secs(2),
         hold_neighbours: false,
+        forward_new_connections: false,
     };
     (k.clone(), Broker::with_kernel(cfg, k))
 }

@@ -135,6 +135,29 @@ pub enum Request {
     Unfence {
         uid: MigrationUid,
     },
+    /// Source, locked and fenced: the node sends NEW TCP connections that would reach the locked
+    /// source to the restored target instead (the operator asks once the target's probe
+    /// passed), until `stop_forwarding`, the unlock, the kill or the registration's end.
+    /// The broker adds, in the node's network namespace, one nftables table of this
+    /// migration's (`podmotion-fwd-<uid>`): connections to the source pod's own
+    /// addresses (the broker reads them, never the client) are DNATed to the target's
+    /// address of the same family and masqueraded; connections to each Service address
+    /// and port in `services` (the Services whose endpoints list the source) are DNATed
+    /// to the target's address and `target_port` ahead of kube-proxy's rules. Setting it
+    /// again replaces it. Needs the installer's `--forward-new-connections`
+    /// (`ForwardOff` otherwise) and the network locked and fenced (`NotLocked`).
+    ForwardConnections {
+        uid: MigrationUid,
+        /// The target pod's addresses, at most one per family.
+        targets: Vec<IpAddr>,
+        /// At most [`MAX_FORWARDED_SERVICES`].
+        #[serde(default)]
+        services: Vec<ForwardedService>,
+    },
+    /// Source: ends `forward_connections` (done if there is none).
+    StopForwarding {
+        uid: MigrationUid,
+    },
     /// Drop the registration (unbinds, unlocks).
     Forget {
         uid: MigrationUid,
@@ -160,6 +183,8 @@ impl Request {
             | Request::Kill { uid }
             | Request::Fence { uid }
             | Request::Unfence { uid }
+            | Request::ForwardConnections { uid, .. }
+            | Request::StopForwarding { uid }
             | Request::Forget { uid } => uid,
         }
     }
@@ -182,9 +207,26 @@ impl Request {
             Request::Kill { .. } => "kill",
             Request::Fence { .. } => "fence",
             Request::Unfence { .. } => "unfence",
+            Request::ForwardConnections { .. } => "forward_connections",
+            Request::StopForwarding { .. } => "stop_forwarding",
             Request::Forget { .. } => "forget",
         }
     }
+}
+
+/// Services per `forward_connections`: more is refused (`Malformed`).
+pub const MAX_FORWARDED_SERVICES: usize = 64;
+
+/// One TCP port of a Service whose endpoints list the source: new connections to
+/// `address`:`port` go to the target's address, port `target_port`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForwardedService {
+    /// The Service's cluster IP.
+    pub address: IpAddr,
+    pub port: u16,
+    /// The endpoint's port (the pod's).
+    pub target_port: u16,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +274,9 @@ pub enum ErrorKind {
     /// IPv4-mapped), or one too many (eight per migration), or one another migration
     /// (or this one, for an earlier holder) still holds.
     AddressNotAllowed,
+    /// `forward_connections` on a node whose installer did not enable it (no
+    /// `--forward-new-connections`).
+    ForwardOff,
     Kernel,
 }
 
@@ -314,6 +359,8 @@ pub const OPS: &[&str] = &[
     "kill",
     "fence",
     "unfence",
+    "forward_connections",
+    "stop_forwarding",
     "forget",
 ];
 
@@ -358,6 +405,19 @@ pub fn decode_request(body: &[u8]) -> Result<Request, BrokerError> {
             Err(BrokerError::new(
                 ErrorKind::NoSuchProcess,
                 format!("pid {} is never a migration process", process.pid),
+            ))
+        }
+        Request::ForwardConnections {
+            targets, services, ..
+        } if targets.is_empty()
+            || targets.len() > 2
+            || (targets.len() == 2 && targets[0].is_ipv4() == targets[1].is_ipv4())
+            || services.len() > MAX_FORWARDED_SERVICES
+            || services.iter().any(|s| s.port == 0 || s.target_port == 0) =>
+        {
+            Err(BrokerError::new(
+                ErrorKind::Malformed,
+                "forward_connections: one target address per family (one or two), at most 64 services, no port 0",
             ))
         }
         _ => Ok(req),
@@ -407,6 +467,19 @@ mod tests {
                 uid: uid(),
                 address: "2001:db8::5".parse().unwrap(),
             },
+            Request::ForwardConnections {
+                uid: uid(),
+                targets: vec![
+                    "198.18.1.7".parse().unwrap(),
+                    "2001:db8::7".parse().unwrap(),
+                ],
+                services: vec![ForwardedService {
+                    address: "198.19.0.10".parse().unwrap(),
+                    port: 80,
+                    target_port: 8080,
+                }],
+            },
+            Request::StopForwarding { uid: uid() },
         ] {
             let f = encode_frame(&r);
             let len = check_len(f[..4].try_into().unwrap(), MAX_FRAME).unwrap();
@@ -447,11 +520,54 @@ mod tests {
             (br#"{"op":"adopt_address","uid":"a","address":"198.18.2.20","link":"eth0"}"#, ErrorKind::Malformed),
             (br#"{"op":"release_address","uid":"a","address":null}"#, ErrorKind::Malformed),
             (br#"{"op":"release_address","uid":"../a","address":"198.18.2.20"}"#, ErrorKind::InvalidUid),
+            // A forward names one target address per family, addresses only, and no
+            // port 0; nothing else (no table, chain or rule text) is accepted.
+            (br#"{"op":"forward_connections","uid":"a","targets":[]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a"}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7","198.18.1.8"]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7","2001:db8::7","198.18.1.8"]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7; flush ruleset"]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"services":[{"address":"198.19.0.10","port":0,"target_port":80}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"services":[{"address":"198.19.0.10","port":80,"target_port":0}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"services":[{"address":"198.19.0.10","port":80,"target_port":80,"protocol":"udp"}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"table":"nat"}"#, ErrorKind::Malformed),
+            (br#"{"op":"stop_forwarding","uid":"../a"}"#, ErrorKind::InvalidUid),
         ];
         for (body, kind) in cases {
             let err = decode_request(body).expect_err(&String::from_utf8_lossy(body));
             assert_eq!(err.kind, *kind, "{}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn a_forward_of_more_services_than_allowed_is_refused_and_the_most_fits_a_frame() {
+        let svc = |n: usize| ForwardedService {
+            address: std::net::Ipv6Addr::new(
+                0xfd00, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, n as u16,
+            )
+            .into(),
+            port: u16::MAX,
+            target_port: u16::MAX,
+        };
+        let req = |n: usize| Request::ForwardConnections {
+            uid: MigrationUid::parse(&"a".repeat(63)).unwrap(),
+            targets: vec![
+                "198.18.1.7".parse().unwrap(),
+                "2001:db8::7".parse().unwrap(),
+            ],
+            services: (0..n).map(svc).collect(),
+        };
+        let f = encode_frame(&req(MAX_FORWARDED_SERVICES));
+        let len = check_len(f[..4].try_into().unwrap(), MAX_FRAME).expect("fits a frame");
+        assert_eq!(
+            decode_request(&f[4..4 + len]),
+            Ok(req(MAX_FORWARDED_SERVICES))
+        );
+        let f = encode_frame(&req(MAX_FORWARDED_SERVICES + 1));
+        assert_eq!(
+            decode_request(&f[4..]).unwrap_err().kind,
+            ErrorKind::Malformed
+        );
     }
 
     #[test]

@@ -526,6 +526,12 @@ impl AgentClient {
         };
         Ok(self.inner.commit(self.request(req)).await?.into_inner())
     }
+    /// Source, fenced, once the target passed its probe: its node sends new
+    /// connections to the frozen source to the target until the source is killed,
+    /// resumed or forgotten.
+    pub async fn forward(&mut self, req: ForwardRequest) -> Result<MigrationStatus, ClientError> {
+        Ok(self.inner.forward(self.request(req)).await?.into_inner())
+    }
     /// Source: resume the tree; target: kill whatever was restored.
     pub async fn abort(&mut self, uid: &str) -> Result<MigrationStatus, ClientError> {
         Ok(self

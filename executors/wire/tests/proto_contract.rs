@@ -74,6 +74,27 @@ fn prepare_containers() -> PrepareRequest {
     }
 }
 
+/// `Forward`'s request (`ForwardRequest`, `ForwardedPort`): added with the forward of
+/// new connections (issue 39), never part of the hand-written structs.
+fn forward() -> ForwardRequest {
+    ForwardRequest {
+        migration_uid: UID.into(),
+        target_addresses: vec!["198.18.1.7".into(), "2001:db8::7".into()],
+        services: vec![
+            ForwardedPort {
+                address: "198.19.0.10".into(),
+                port: 80,
+                target_port: 8080,
+            },
+            ForwardedPort {
+                address: "fd00::10".into(),
+                port: 65535,
+                target_port: 1,
+            },
+        ],
+    }
+}
+
 fn lazy_frame() -> LazyFrame {
     LazyFrame {
         migration_uid: UID.into(),
@@ -327,6 +348,10 @@ const GOLDEN: &[(&str, &str)] = &[
          1b20b00928b8ff07308080eeff013801a2010d0802100118e098173080203802",
     ),
     (
+        "ForwardRequest",
+        "0a2430623565396633632d366431612d346532622d396337662d326138643465366631623363120a3139382e31382e312e37120b323030313a6462383a3a371a120a0b3139382e31392e302e3130105018903f1a100a08666430303a3a313010ffff031801",
+    ),
+    (
         "PrepareRequest/containers",
         "0a2430623565396633632d366431612d346532622d396337662d3261386434653666316233635a160a03617070120f636f6e7461696e6572643a2f2f61615a180a0570726f7879120f636f6e7461696e6572643a2f2f6262",
     ),
@@ -379,6 +404,7 @@ fn every_message_encodes_to_the_bytes_of_the_hand_written_structs() {
     assert_wire("PrepareRequest/post_copy", prepare_post_copy());
     assert_wire("PrepareRequest/containers", prepare_containers());
     assert_wire("LazyFrame", lazy_frame());
+    assert_wire("ForwardRequest", forward());
     assert_wire("MigrationStatus/post_copy", status_post_copy());
     assert_wire("MigrationStatus/freezes", status_freezes());
 
@@ -458,6 +484,7 @@ const METHODS: &[(&str, &str, &str, bool)] = &[
     ("Fence", "MigrationRef", "MigrationStatus", false),
     ("Restore", "MigrationRef", "MigrationStatus", false),
     ("Commit", "CommitRequest", "MigrationStatus", false),
+    ("Forward", "ForwardRequest", "MigrationStatus", false),
     ("Abort", "MigrationRef", "MigrationStatus", false),
     ("Cleanup", "MigrationRef", "MigrationStatus", false),
     ("Status", "MigrationRef", "MigrationStatus", false),
@@ -614,6 +641,9 @@ impl podmotion_wire::proto::migration_agent_server::MigrationAgent for Echo {
     }
     async fn commit(&self, r: tonic::Request<CommitRequest>) -> Res<MigrationStatus> {
         echo("Commit", &r.into_inner().migration_uid)
+    }
+    async fn forward(&self, r: tonic::Request<ForwardRequest>) -> Res<MigrationStatus> {
+        echo("Forward", &r.into_inner().migration_uid)
     }
     async fn abort(&self, r: tonic::Request<MigrationRef>) -> Res<MigrationStatus> {
         echo("Abort", &r.into_inner().migration_uid)

@@ -20,6 +20,7 @@ use podmotion_api::migration::{ApplicationProbe, ExecProbe, MigrationMode, TcpPr
 use podmotion_wire::agent::{ContainerRef, MigrationStatus, PrepareRequest, Role, SendRequest};
 use podmotion_wire::client::{AgentClient as WireClient, ClientError, TlsFiles};
 
+mod forward;
 mod probe;
 mod report;
 
@@ -41,6 +42,8 @@ pub struct WireAgents {
     client: kube::Client,
     tls: Option<TlsFiles>,
     inflight: Arc<Mutex<BTreeMap<Key, (Step, StepState)>>>,
+    /// How each `Step::Forward` stands (kept apart from `inflight`: see `forward`).
+    forwards: Arc<Mutex<BTreeMap<Key, StepState>>>,
     /// Exec probes may run (`--migration-exec-probes`: the installer granted
     /// `pods/exec`); otherwise they fail closed (the pre-flight refuses them first).
     exec_probes: bool,
@@ -62,6 +65,7 @@ impl WireAgents {
             client,
             tls,
             inflight: Default::default(),
+            forwards: Default::default(),
             exec_probes: false,
             call_timeout: Duration::from_secs(10),
             leader: None,
@@ -156,6 +160,8 @@ impl WireAgents {
             // closed), so nothing is committed without proof.
             Step::Probe => return self.probe(r).await,
             Step::Commit => c.commit_closing(uid, r.close_connections).await,
+            // Started apart (`start_forward`), never through here.
+            Step::Forward => return Err(("InvalidRequest".into(), "Forward".into())),
             Step::Abort => c.abort(uid).await,
             Step::Cleanup => c.cleanup(uid).await,
         };
@@ -350,6 +356,34 @@ const PROGRESS_READ: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl AgentClient for WireAgents {
     async fn report(&self, e: &AgentEndpoint, uid: &str) -> Result<AgentReport, AgentCallError> {
+        let mut r = self.step_report(e, uid).await?;
+        r.progress.forward = self.forward_state(&e.node, uid);
+        Ok(r)
+    }
+
+    async fn start(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
+        if r.step == Step::Forward {
+            return self.start_forward(e, r);
+        }
+        self.start_step(e, r)
+    }
+
+    fn step_ends(&self) -> impl futures::Stream<Item = String> + Send + 'static {
+        let taken = self.ends.lock().expect("step ends lock").take();
+        match taken {
+            Some(rx) => rx.left_stream(),
+            None => futures::stream::empty().right_stream(),
+        }
+    }
+}
+
+impl WireAgents {
+    /// The agent's report of its steps (all but the forward's).
+    async fn step_report(
+        &self,
+        e: &AgentEndpoint,
+        uid: &str,
+    ) -> Result<AgentReport, AgentCallError> {
         let key = (e.node.clone(), uid.to_string());
         let remembered = self
             .inflight
@@ -387,7 +421,8 @@ impl AgentClient for WireAgents {
         }
     }
 
-    async fn start(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
+    /// Starts a step (but the forward) on a task, remembering it in flight.
+    fn start_step(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
         let key = (e.node.clone(), r.migration_uid.clone());
         {
             let mut inflight = self.inflight.lock().expect("inflight lock");
@@ -411,14 +446,6 @@ impl AgentClient for WireAgents {
             let _ = this.ended.unbounded_send(r.migration_uid);
         });
         Ok(())
-    }
-
-    fn step_ends(&self) -> impl futures::Stream<Item = String> + Send + 'static {
-        let taken = self.ends.lock().expect("step ends lock").take();
-        match taken {
-            Some(rx) => rx.left_stream(),
-            None => futures::stream::empty().right_stream(),
-        }
     }
 }
 

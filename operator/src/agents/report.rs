@@ -43,6 +43,7 @@ pub fn report_from_status(st: &MigrationStatus) -> AgentReport {
             lazy_error: (!st.lazy_error.is_empty()).then(|| st.lazy_error.clone()),
             lazy_bytes: st.lazy_bytes,
             freezes: st.freezes.iter().map(freeze).collect(),
+            forward: None,
         },
     }
 }

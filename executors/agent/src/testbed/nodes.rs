@@ -37,6 +37,7 @@ fn start_broker(dir: &Path, p: &str, i: usize) -> Arc<Broker> {
         address_linger: std::time::Duration::from_secs(3600),
         sweep_interval: std::time::Duration::from_secs(2),
         hold_neighbours: false,
+        forward_new_connections: false,
     });
     let l = b.bind(&run.join("broker.sock")).expect("broker socket");
     let b2 = Arc::clone(&b);

@@ -34,6 +34,7 @@ impl Harness {
             abandoned: BTreeSet::new(),
             ever_locked: BTreeSet::new(),
             ever_adopted: BTreeSet::new(),
+            stranded_forwards: BTreeSet::new(),
         }
     }
 
@@ -227,6 +228,9 @@ impl Harness {
             .filter(|(n, _)| self.ever_locked.contains(n) && self.ever_adopted.contains(n))
             .collect();
         self.exempt_networks_of_dead_locked_sources(&pre_model, &pre);
+        if fault_pending {
+            self.strand_forwards();
+        }
         self.check(&pre, &allowed)
             .map_err(|e| format!("after {op:?}: {e}"))?;
         Ok(outcome)
@@ -482,22 +486,8 @@ impl Harness {
         if self.model.values().any(|r| r.process.pid == process.pid) {
             return Err(format!("pid {} pinned by two migrations", process.pid));
         }
-        self.model.insert(
-            uid,
-            Reg {
-                conn,
-                role,
-                process,
-                container: container.clone(),
-                netns: p.netns,
-                cgroup: cgroup.to_owned(),
-                bound: false,
-                locked: false,
-                maybe_locked: false,
-                killed: false,
-                fenced: false,
-            },
-        );
+        let reg = Reg::new(conn, (role, process, container), p.netns, cgroup);
+        self.model.insert(uid, reg);
         Ok(())
     }
 
@@ -534,26 +524,7 @@ impl Harness {
                 let Some(r) = self.model.get_mut(&uid) else {
                     return Err(format!("{req:?} succeeded on an unregistered migration"));
                 };
-                match req {
-                    Request::BindNetns { .. } => r.bound = true,
-                    Request::UnbindNetns { .. } => r.bound = false,
-                    Request::LockNetwork { .. } => r.locked = true,
-                    Request::UnlockNetwork { .. } => r.locked = false,
-                    Request::Kill { .. } => {
-                        r.killed = true;
-                        self.killed_netns.insert(r.netns);
-                    }
-                    Request::Fence { .. } => {
-                        if !r.locked && !r.maybe_locked {
-                            return Err(format!("{req:?} done on a source never locked"));
-                        }
-                        // Done proves the broker holds the lock (and journals it).
-                        r.locked = true;
-                        r.fenced = true;
-                    }
-                    Request::Unfence { .. } => r.fenced = false,
-                    _ => {}
-                }
+                r.apply(req, &mut self.killed_netns)?;
             }
         }
         Ok(())

@@ -34,7 +34,54 @@ impl Harness {
         check_killed(&w, pre, &allowed.killed)?;
         self.check_mounts_and_journal(&w)?;
         self.check_adoptions(&w)?;
+        self.check_forwards(&w)?;
         self.check_networks(&w)
+    }
+
+    /// The forward tables in the node, by UID (`podmotion-fwd-<uid>`; `None` for a
+    /// table of another name).
+    pub(super) fn forward_tables(w: &World) -> Vec<Option<String>> {
+        w.nets[&w.node_netns]
+            .nft
+            .keys()
+            .map(|t| t.strip_prefix("podmotion-fwd-").map(str::to_owned))
+            .collect()
+    }
+
+    /// After a step whose injected fault may have stopped a removal: the tables no
+    /// registration holds any more are known strays (until a restart).
+    pub(super) fn strand_forwards(&mut self) {
+        let w = self.k.world();
+        for u in Self::forward_tables(&w).into_iter().flatten() {
+            if !self.model.get(&u).is_some_and(|r| r.forwarding) {
+                self.stranded_forwards.insert(u);
+            }
+        }
+    }
+
+    /// Forwards: the node holds a migration's table only while its source is locked,
+    /// not killed, and the broker said `forward_connections` done (or a known stray of
+    /// an injected failure), never one of another name, and each one journalled.
+    pub(super) fn check_forwards(&self, w: &World) -> Result<(), String> {
+        let jdir = Path::new(RUN_DIR).join("netns").join(".forward");
+        for t in Self::forward_tables(w) {
+            let Some(u) = t else {
+                return Err("a table in the node that is no migration's forward".into());
+            };
+            let held = self
+                .model
+                .get(&u)
+                .is_some_and(|r| r.forwarding && r.locked && !r.killed);
+            if !held && !self.stranded_forwards.contains(&u) {
+                return Err(format!(
+                    "the node forwards for {u}, which is not forwarding"
+                ));
+            }
+            if !w.files.contains_key(&jdir.join(&u)) {
+                return Err(format!("the forward of {u} is not journalled"));
+            }
+        }
+        Ok(())
     }
 
     /// Adoptions: the hand-over journal holds exactly the adoptions the harness expects
@@ -140,6 +187,8 @@ impl Harness {
                 .collect();
             let base = &self.baseline[n];
             let mut stripped = net.canonical();
+            // The node's forward tables: see `check_forwards`.
+            stripped.nft = base.nft.clone();
             for set in [&mut stripped.addrs4, &mut stripped.addrs6] {
                 for (cidr, link) in set.clone() {
                     let extra = !base.addrs4.contains(&(cidr.clone(), link.clone()))

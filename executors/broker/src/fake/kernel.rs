@@ -204,6 +204,39 @@ impl Ip for FakeIp<'_> {
         }
         Ok(was)
     }
+
+    /// The few `nft -f` statements the broker writes, one transaction: `table inet
+    /// <t>` (declares it), `delete table inet <t>` (fails if absent), `table inet <t>
+    /// {` … `}` (its body, kept as written). Anything else fails the whole script.
+    fn nft(&mut self, script: &str) -> std::io::Result<()> {
+        if self.w.take_fault(|f| f == Fault::Nft) {
+            return Err(std::io::Error::other("nft: injected failure"));
+        }
+        let n = self.w.nets.get_mut(&self.ns).expect("netns of a process");
+        let mut tables = n.nft.clone();
+        let mut lines = script.lines();
+        while let Some(l) = lines.next() {
+            let fail = |m: &str| Err(std::io::Error::other(format!("nft: {l:?}: {m}")));
+            match l.split_whitespace().collect::<Vec<_>>()[..] {
+                [] => {}
+                ["table", "inet", t] => {
+                    tables.entry(t.to_owned()).or_default();
+                }
+                ["delete", "table", "inet", t] => {
+                    if tables.remove(t).is_none() {
+                        return fail("no such table");
+                    }
+                }
+                ["table", "inet", t, "{"] => {
+                    let body: Vec<&str> = lines.by_ref().take_while(|l| *l != "}").collect();
+                    tables.insert(t.to_owned(), body.join("\n"));
+                }
+                _ => return fail("unsupported by the fake"),
+            }
+        }
+        n.nft = tables;
+        Ok(())
+    }
 }
 
 /// Whether `cidr` (`<addr>/<len>`) is the address `addr`, however either is written.

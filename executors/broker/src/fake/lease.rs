@@ -355,6 +355,8 @@ impl Harness {
             .collect();
         self.broker = Broker::with_kernel(self.cfg.clone(), self.k.clone());
         self.broker.recover();
+        // Every forward its predecessor journalled is gone now.
+        self.stranded_forwards.clear();
         // Its registrations ended with the old broker; then one sweep (which drops
         // the records of holders that died, as the loading does).
         self.model.clear();

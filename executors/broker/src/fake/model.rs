@@ -86,6 +86,78 @@ pub(super) struct Reg {
     /// `fence` succeeded (and no `unfence` since): never resumed, killed on a lost
     /// lease or (while locked: the journal holds it) a restart.
     pub(super) fenced: bool,
+    /// `forward_connections` succeeded (and no `stop_forwarding`, unlock or kill
+    /// since): the only state in which the node may hold the migration's forward.
+    pub(super) forwarding: bool,
+}
+
+impl Reg {
+    /// A registration the broker accepted: `pin` is (role, process, container).
+    pub(super) fn new(
+        conn: u64,
+        pin: (BrokerRole, ProcRef, &ContainerId),
+        netns: u32,
+        cgroup: &str,
+    ) -> Reg {
+        let (role, process, container) = pin;
+        Reg {
+            conn,
+            role,
+            process,
+            container: container.clone(),
+            netns,
+            cgroup: cgroup.to_owned(),
+            bound: false,
+            locked: false,
+            maybe_locked: false,
+            killed: false,
+            fenced: false,
+            forwarding: false,
+        }
+    }
+
+    /// What a request that succeeded on this registration tells the agents' model
+    /// (`killed_netns`: the namespaces left locked by a kill); an answer it cannot
+    /// have given is the violation.
+    pub(super) fn apply(
+        &mut self,
+        req: &Request,
+        killed_netns: &mut BTreeSet<u32>,
+    ) -> Result<(), String> {
+        let r = self;
+        match req {
+            Request::BindNetns { .. } => r.bound = true,
+            Request::UnbindNetns { .. } => r.bound = false,
+            Request::LockNetwork { .. } => r.locked = true,
+            Request::UnlockNetwork { .. } => {
+                r.locked = false;
+                r.forwarding = false;
+            }
+            Request::Kill { .. } => {
+                r.killed = true;
+                r.forwarding = false;
+                killed_netns.insert(r.netns);
+            }
+            Request::ForwardConnections { .. } => {
+                if (!r.locked && !r.maybe_locked) || r.killed || !r.fenced {
+                    return Err(format!("{req:?} done on a source not locked and fenced"));
+                }
+                r.forwarding = true;
+            }
+            Request::StopForwarding { .. } => r.forwarding = false,
+            Request::Fence { .. } => {
+                if !r.locked && !r.maybe_locked {
+                    return Err(format!("{req:?} done on a source never locked"));
+                }
+                // Done proves the broker holds the lock (and journals it).
+                r.locked = true;
+                r.fenced = true;
+            }
+            Request::Unfence { .. } => r.fenced = false,
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// One broker over a [`FakeKernel`] on [`World::standard`], a model of what the
@@ -110,6 +182,9 @@ pub struct Harness {
     /// takes the IPv6 adoptions down with its links, and the unlock puts them back.
     pub(super) ever_locked: BTreeSet<u32>,
     pub(super) ever_adopted: BTreeSet<u32>,
+    /// Forward tables (by UID) whose removal an injected `nft` failure stopped after
+    /// their registration ended: they stay, journalled, until a restart removes them.
+    pub(super) stranded_forwards: BTreeSet<String>,
 }
 
 /// One adoption as the harness expects the broker to hold it.
@@ -140,6 +215,7 @@ pub fn config() -> Config {
         address_linger: Duration::from_secs(LINGER_SECS),
         sweep_interval: Duration::from_secs(2),
         hold_neighbours: true,
+        forward_new_connections: true,
     }
 }
 
@@ -163,6 +239,8 @@ pub(super) fn reply_fits(req: &Request, r: &Reply) -> bool {
                     | Request::Unfence { .. }
                     | Request::AdoptAddress { .. }
                     | Request::ReleaseAddress { .. }
+                    | Request::ForwardConnections { .. }
+                    | Request::StopForwarding { .. }
                     | Request::Forget { .. },
                 Reply::Done
             )

@@ -74,6 +74,8 @@ pub struct Net {
     pub addrs6: BTreeSet<(String, String)>,
     /// `arp_ignore` of each link that was set (0, the kernel's default, otherwise).
     pub arp_ignore: BTreeMap<String, u8>,
+    /// nftables tables (`inet` family) by name, each with its body as written.
+    pub nft: BTreeMap<String, String>,
 }
 
 impl Net {
@@ -152,6 +154,8 @@ pub enum Fault {
     Cgroup,
     /// The next gratuitous ARP cannot be sent.
     Announce,
+    /// The next `nft` transaction fails (nothing of it applied).
+    Nft,
 }
 
 #[derive(Debug)]

@@ -57,6 +57,7 @@ pub fn config(run_dir: PathBuf, cgroup_rel: String, allowed_uid: u32) -> Config 
         address_linger: Duration::from_secs(3600),
         sweep_interval: Duration::from_secs(2),
         hold_neighbours: false,
+        forward_new_connections: false,
     }
 }
 

@@ -56,6 +56,11 @@ pub enum Step {
     Restore,
     /// Target: run the application probe against the restored process.
     Probe,
+    /// Source, fenced, once the target's copy passed its probe: the source's node
+    /// sends new connections that would reach the frozen source to the target, until
+    /// the source is killed (issue 39). Its outcome is reported apart from the other
+    /// steps' ([`AgentProgress::forward`]): it neither replaces nor ends them.
+    Forward,
     /// Source: kill the frozen source process tree (the point of no return).
     Commit,
     /// Source: thaw and resume the source. Target: kill the restored tree.
@@ -123,6 +128,9 @@ pub struct AgentProgress {
     /// Source: every freeze of the pod's trees so far, in order (the pre-copy
     /// rounds', then the final dump's).
     pub freezes: Vec<AgentFreeze>,
+    /// Source: how `Step::Forward` stands, as far as the operator knows (`None`:
+    /// never asked, or forgotten in an operator restart; asking again is harmless).
+    pub forward: Option<StepState>,
 }
 
 /// One freeze of the source pod's process trees, as its agent measured it.

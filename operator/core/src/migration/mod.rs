@@ -17,4 +17,6 @@ pub mod stage;
 #[cfg(test)]
 mod fixtures;
 #[cfg(test)]
+mod machine_forward_tests;
+#[cfg(test)]
 mod machine_tests;

@@ -26,6 +26,9 @@ pub struct Knobs {
     /// change (kube-proxy's `minSyncPeriod`, [`DEFAULT_SERVICE_SYNC`] unless the
     /// operator is told otherwise).
     pub service_sync: Duration,
+    /// Whether the source's node forwards the frozen source's new connections to the
+    /// target once its probe passed (`--migration-forward-new-connections`).
+    pub forward_new_connections: bool,
 }
 
 impl Knobs {
@@ -40,6 +43,15 @@ impl Knobs {
             deadline: Duration::from_secs(spec.deadline_seconds.max(1) as u64),
             progress_timeout: Duration::from_secs(spec.progress_timeout_seconds.max(1) as u64),
             service_sync: DEFAULT_SERVICE_SYNC,
+            forward_new_connections: false,
+        }
+    }
+
+    /// The same knobs where the source's node forwards new connections (`on`).
+    pub fn with_forward_new_connections(self, on: bool) -> Knobs {
+        Knobs {
+            forward_new_connections: on,
+            ..self
         }
     }
 

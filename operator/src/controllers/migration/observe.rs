@@ -70,7 +70,7 @@ pub(super) async fn observe<A: AgentClient>(
         now,
         created: pm.meta().creation_timestamp.as_ref().map_or(now, |t| t.0),
         generation: pm.meta().generation,
-        knobs: Knobs::from_spec(&pm.spec).with_service_sync(s.cfg.service_sync()),
+        knobs: knobs(s, pm),
         has_finalizer: pm
             .finalizers()
             .iter()
@@ -92,6 +92,13 @@ pub(super) async fn observe<A: AgentClient>(
         source,
         target,
     })
+}
+
+/// The machine's knobs: the PodMigration's, with the installer's settings.
+fn knobs<A: AgentClient>(s: &Shared<A>, pm: &PodMigration) -> Knobs {
+    Knobs::from_spec(&pm.spec)
+        .with_service_sync(s.cfg.service_sync())
+        .with_forward_new_connections(s.cfg.forward_new_connections)
 }
 
 /// Pre-flight inputs (the source's claims, nodes, their load, agents, other

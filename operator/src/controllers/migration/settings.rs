@@ -101,6 +101,20 @@ pub struct MigrationConfig {
     )]
     pub service_sync_millis: u64,
 
+    /// Once a moved pod's target passed its probe, have the source's node send the new
+    /// TCP connections that would reach the frozen source to the target until the
+    /// source is killed (its broker's `--forward-new-connections` must be on too;
+    /// Helm: `migration.forwardNewConnections`). Needs list on EndpointSlices and get
+    /// on Services in the watched namespaces. Off: those connections wait for a SYN
+    /// retransmission until the Services let the source go.
+    #[arg(
+        long = "migration-forward-new-connections",
+        env = "PODMOTION_MIGRATION_FORWARD_NEW_CONNECTIONS",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub forward_new_connections: bool,
+
     /// Run exec application probes (`spec.probe.exec`) through the API server's
     /// pods/exec subresource; the operator's ServiceAccount must hold pods/exec create
     /// (Helm: `migration.execProbes.enabled`). Off: a PodMigration with an exec probe
@@ -181,6 +195,9 @@ mod tests {
         assert_eq!((c.max_parallel, c.max_per_node), (5, 2));
         assert_eq!(c.agent_call_timeout(), std::time::Duration::from_secs(10));
         assert_eq!(c.service_sync(), std::time::Duration::from_secs(1));
+        assert!(c.forward_new_connections, "the forward is on by default");
+        let off = Only::try_parse_from(["x", "--migration-forward-new-connections=false"]);
+        assert!(!off.unwrap().m.forward_new_connections);
         assert!(
             Only::try_parse_from(["x", "--migration-agent-call-timeout-seconds", "0"]).is_err(),
             "a call without a deadline is refused"

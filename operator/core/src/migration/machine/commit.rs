@@ -9,7 +9,7 @@ use podmotion_api::names::reasons;
 
 use super::report::{ACTION, KILL_UNCONFIRMED, SOURCE_GONE_FIRST, SOURCE_STATE_UNKNOWN};
 use super::state::Machine;
-use crate::migration::agent::{AgentView, Side, Step};
+use crate::migration::agent::{AgentView, Side, Step, StepState};
 use crate::migration::observed::{Action, Observed, SourcePodFacts};
 use crate::migration::stage::Reason;
 use crate::note::Note;
@@ -64,6 +64,9 @@ impl<'a> Machine<'a> {
         // `Committing` is only ever entered (and persisted) once the target's probe
         // passed, so the phase itself is the proof: an agent that cannot remember the
         // probe after an operator restart must not hold the commit back.
+        if self.forwarding_first() {
+            return;
+        }
         let source = self.source_of_record();
         if let Some(s) = source
             && !s.terminating
@@ -74,6 +77,35 @@ impl<'a> Machine<'a> {
         if self.target_adopted() && self.source_given_up(source) {
             self.enter(MigrationPhase::Succeeded);
             self.resume();
+        }
+    }
+
+    /// Step 0 (`Knobs::forward_new_connections`): the source's node forwards the frozen
+    /// source's new connections to the target, which passed its probe, before the
+    /// target pod is handed over: from then on a connection the Services still send to
+    /// the source (kube-proxy programs the hand-over's two endpoint changes up to its
+    /// `minSyncPeriod` apart) reaches the target instead of a dropped SYN. Whether the
+    /// commit waits for it: while it is asked and not answered. Its failure (a node
+    /// that does not forward, an agent without `Forward`) never holds the commit back,
+    /// and it is never asked once the source's kill was.
+    fn forwarding_first(&mut self) -> bool {
+        let Some(r) = self.o.source_agent.report() else {
+            return false;
+        };
+        let killing = r.done(Step::Commit)
+            || r.running(Step::Commit)
+            || r.progress.killed_under_fence
+            || !r.progress.fenced;
+        if !self.o.knobs.forward_new_connections || killing {
+            return false;
+        }
+        match r.progress.forward {
+            None => {
+                self.act(Action::Agent(Side::Source, Step::Forward));
+                true
+            }
+            Some(StepState::Running) => true,
+            Some(_) => false,
         }
     }
 
