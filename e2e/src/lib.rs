@@ -782,11 +782,15 @@ mod tests {
     fn a_watch_rides_out_an_api_server_away_but_not_a_refusal() {
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         let connect = kube::Error::Service(Box::new(refused));
-        assert!(watch_error_passes(&watcher::Error::WatchStartFailed(connect)));
+        assert!(watch_error_passes(&watcher::Error::WatchStartFailed(
+            connect
+        )));
         for code in [500, 503, 429, 410] {
             let e = watcher::Error::InitialListFailed(kube::Error::Api(status(code)));
             assert!(watch_error_passes(&e), "{code} should be retried");
-            assert!(watch_error_passes(&watcher::Error::WatchError(status(code))));
+            assert!(watch_error_passes(&watcher::Error::WatchError(status(
+                code
+            ))));
         }
         for code in [401, 403, 404, 422] {
             let e = watcher::Error::InitialListFailed(kube::Error::Api(status(code)));
