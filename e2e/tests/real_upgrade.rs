@@ -19,14 +19,18 @@
 //! Sampled every 200 ms through every migration: never two running copies of the state.
 //! Each move carries the counter on.
 //!
-//! **What "the next build" is here:** the installed operator, agent and broker images
-//! with their `org.opencontainers.image.version` label bumped (rebuilt by buildah, so
-//! new digests: the pods are replaced as by a release), and the chart's copy with its
-//! version bumped. The binaries are the installed ones: no test here runs two different
-//! codes of the agent together. That they interoperate across code changes rests on the
-//! wire contract (`executors/wire/tests/proto_contract.rs`: the proto only grows, older
-//! encodings decode) and on the transfer's sealing label naming its scheme, not the
-//! release (`executors/wire/src/transfer.rs`).
+//! **What the builds are.** "The next build" is compiled from this tree with the
+//! workspace's and the chart's versions bumped to 0.1.1 (a `git worktree` of HEAD,
+//! `hack/images.sh operator agent broker`): other binaries, new digests, a new chart.
+//! The test checks that the upgraded node's agent says it is 0.1.1 and the other one
+//! 0.1.0, so step 2 moves pods between two builds of the agent. The code of the two
+//! builds differs in its version only; that agents with other changes interoperate rests
+//! on the wire contract (`executors/wire/tests/proto_contract.rs`: the proto only grows,
+//! older encodings decode) and on the transfer's sealing label naming its scheme, not
+//! the release (`executors/wire/src/transfer.rs`). "The third build" is the next one's
+//! images with their `org.opencontainers.image.version` label set to 0.1.2 (rebuilt by
+//! buildah: new digests, so the pods are replaced as by a release) and its chart's
+//! version bumped: a rollout, not a third compile.
 //!
 //! Needs the cluster with real nodes (`hack/cluster.sh up`) and the images pushed
 //! (`hack/images.sh`); `hack/test.sh` does both.
@@ -55,9 +59,11 @@ const APP: &str = "upgraded";
 const REPLACED: [&str; 3] = ["operator", "agent", "broker"];
 const AGENT_PODS: &str = "app.kubernetes.io/component=migration-agent";
 
-/// A next build of the installed one (see the module's doc): its chart copy and values.
+/// A build to upgrade to (see the module's doc): its chart and values.
 struct NextBuild {
     dir: PathBuf,
+    /// The git worktree it was compiled from, if it was.
+    worktree: Option<PathBuf>,
     chart: PathBuf,
     values: PathBuf,
     /// The new image references, by name.
@@ -66,8 +72,43 @@ struct NextBuild {
 
 impl Drop for NextBuild {
     fn drop(&mut self) {
+        if let Some(wt) = &self.worktree {
+            let _ = Command::new("git")
+                .current_dir(repo_root())
+                .args(["worktree", "remove", "--force"])
+                .arg(wt)
+                .output();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `text` with the first `key: …` line of YAML (or `key = "…"` of TOML) set to `version`.
+fn bump(text: &str, key: &str, value: &str) -> String {
+    let mut done = false;
+    let out: String = text
+        .lines()
+        .map(|l| {
+            let hit =
+                !done && (l.starts_with(&format!("{key}:")) || l.starts_with(&format!("{key} =")));
+            done |= hit;
+            match l {
+                _ if hit && l.contains(':') => format!("{key}: {value}\n"),
+                _ if hit => format!("{key} = {value}\n"),
+                l => format!("{l}\n"),
+            }
+        })
+        .collect();
+    assert!(done, "no {key} to bump in {text:.200}");
+    out
+}
+
+fn bump_file(path: &std::path::Path, keys: &[(&str, &str)]) {
+    let mut text = std::fs::read_to_string(path).unwrap();
+    for (k, v) in keys {
+        text = bump(&text, k, v);
+    }
+    std::fs::write(path, text).unwrap();
 }
 
 fn run(cmd: &mut Command, what: &str) -> String {
@@ -77,7 +118,84 @@ fn run(cmd: &mut Command, what: &str) -> String {
 }
 
 impl NextBuild {
-    fn make(images: &Images, version: &str) -> NextBuild {
+    /// Compiles this tree with the workspace's and the chart's versions set to `version`
+    /// (a worktree of HEAD) and pushes its operator, agent and broker images; the other
+    /// images stay the installed ones.
+    fn from_source(images: &Images, version: &str) -> NextBuild {
+        let dir = std::env::temp_dir().join(format!("pm-upgrade-{}", random_suffix()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let wt = dir.join("tree");
+        run(
+            Command::new("git")
+                .current_dir(repo_root())
+                .args(["worktree", "add", "--detach", "--quiet"])
+                .arg(&wt)
+                .arg("HEAD"),
+            "git worktree add",
+        );
+        let quoted = format!("\"{version}\"");
+        bump_file(&wt.join("Cargo.toml"), &[("version", &quoted)]);
+        bump_file(
+            &wt.join("charts/podmotion/Chart.yaml"),
+            &[("version", version), ("appVersion", &quoted)],
+        );
+        run(
+            Command::new("cargo").current_dir(&wt).args([
+                "update",
+                "--workspace",
+                "--offline",
+                "--quiet",
+            ]),
+            "cargo update --workspace (the lock file's own versions)",
+        );
+        let started = Instant::now();
+        let mut build = Command::new("bash");
+        build
+            .current_dir(&wt)
+            .args(["hack/images.sh"])
+            .args(REPLACED)
+            .env("PODMOTION_RUN", dir.join("run"));
+        let lines = run(&mut build, "hack/images.sh in the bumped worktree");
+        eprintln!(
+            "[upgrade] built {version} from source in {:.0?}",
+            started.elapsed()
+        );
+        let mut values = std::fs::read_to_string(&images.path).unwrap();
+        let mut refs = BTreeMap::new();
+        for name in REPLACED {
+            let old = installed(images, name);
+            let (repo, old_digest) = old.split_once('@').expect("a pinned image");
+            let new = lines
+                .lines()
+                .find(|l| l.starts_with(&format!("{repo}@")))
+                .unwrap_or_else(|| panic!("hack/images.sh printed no {repo}: {lines}"));
+            let digest = new.split_once('@').unwrap().1;
+            assert_ne!(
+                digest, old_digest,
+                "{name}: the bumped build has a new digest"
+            );
+            assert_eq!(
+                values.matches(old_digest).count(),
+                1,
+                "{name}'s digest in the values"
+            );
+            values = values.replace(old_digest, digest);
+            refs.insert(name, new.to_owned());
+        }
+        let values_path = dir.join("values.yaml");
+        std::fs::write(&values_path, values).unwrap();
+        NextBuild {
+            chart: wt.join("charts/podmotion"),
+            worktree: Some(wt),
+            dir,
+            values: values_path,
+            refs,
+        }
+    }
+
+    /// `base`'s operator, agent and broker images relabelled `version` by buildah (new
+    /// digests, same binaries), with a copy of `base`'s chart bumped to `version`.
+    fn relabel(base: &NextBuild, version: &str) -> NextBuild {
         let dir = std::env::temp_dir().join(format!("pm-upgrade-{}", random_suffix()));
         std::fs::create_dir_all(&dir).unwrap();
         let buildah = |args: &[&str]| {
@@ -90,15 +208,10 @@ impl NextBuild {
                 .args(args);
             c
         };
-        let mut values = std::fs::read_to_string(&images.path).unwrap();
+        let mut values = std::fs::read_to_string(&base.values).unwrap();
         let mut refs = BTreeMap::new();
         for name in REPLACED {
-            let old = match name {
-                "operator" => images.operator(),
-                "agent" => images.agent(),
-                _ => images.broker(),
-            }
-            .unwrap();
+            let old = &base.refs[name];
             let (repo, old_digest) = old.split_once('@').expect("a pinned image");
             let ctr = format!("next-{name}");
             let local = format!("localhost/{ctr}:{version}");
@@ -151,26 +264,17 @@ impl NextBuild {
         std::fs::write(&values_path, values).unwrap();
         let chart = dir.join("podmotion");
         run(
-            Command::new("cp")
-                .arg("-RL")
-                .arg(repo_root().join("charts/podmotion"))
-                .arg(&chart),
+            Command::new("cp").arg("-RL").arg(&base.chart).arg(&chart),
             "copying the chart",
         );
-        let meta = chart.join("Chart.yaml");
-        let text = std::fs::read_to_string(&meta).unwrap();
-        let bumped: String = text
-            .lines()
-            .map(|l| match l {
-                l if l.starts_with("version:") => format!("version: {version}\n"),
-                l if l.starts_with("appVersion:") => format!("appVersion: \"{version}\"\n"),
-                l => format!("{l}\n"),
-            })
-            .collect();
-        assert_ne!(bumped, text, "the chart's version was bumped");
-        std::fs::write(&meta, bumped).unwrap();
+        let quoted = format!("\"{version}\"");
+        bump_file(
+            &chart.join("Chart.yaml"),
+            &[("version", version), ("appVersion", &quoted)],
+        );
         NextBuild {
             dir,
+            worktree: None,
             chart,
             values: values_path,
             refs,
@@ -205,6 +309,34 @@ impl NextBuild {
             *slot.lock().unwrap() = Some(handle);
         })
     }
+}
+
+/// The installed image `name` (one of [`REPLACED`]).
+fn installed(images: &Images, name: &str) -> String {
+    match name {
+        "operator" => images.operator(),
+        "agent" => images.agent(),
+        _ => images.broker(),
+    }
+    .unwrap()
+}
+
+/// The version an agent pod says it is, from its "agent serving" log line.
+async fn agent_version(agents: &Api<Pod>, pod: &str) -> String {
+    let log = agents
+        .logs(pod, &Default::default())
+        .await
+        .unwrap_or_else(|e| panic!("logs of agent {pod}: {e}"));
+    log.lines()
+        .filter(|l| l.contains("agent serving"))
+        .find_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            v.pointer("/version")
+                .or_else(|| v.pointer("/fields/version"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| panic!("agent {pod} logged no version: {log:.2000}"))
 }
 
 /// The chart (`podmotion-<version>`) the world's release was last upgraded to.
@@ -433,7 +565,7 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
     let slow = Some(8 << 20);
 
     // 1. The operator upgraded while a migration is frozen; the agents stay (OnDelete).
-    let next = NextBuild::make(&w.images, "0.1.1");
+    let next = NextBuild::from_source(&w.images, "0.1.1");
     let slot = Upgrade::default();
     // helm's default `--wait` (kstatus) would wait for agent pods OnDelete never
     // replaces; `legacy` waits for the operator and counts such a DaemonSet ready.
@@ -515,13 +647,35 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
         mixed[&other], old_agent,
         "the other node keeps the installed agent"
     );
+    // Two builds of the agent, not one relabelled: each says its own version.
+    for p in agent_api
+        .list(&ListParams::default().labels(AGENT_PODS))
+        .await
+        .unwrap()
+    {
+        let node = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        let want = if node == upgraded_node {
+            "0.1.1"
+        } else {
+            env!("CARGO_PKG_VERSION")
+        };
+        assert_eq!(
+            agent_version(&agent_api, &p.name_any()).await,
+            want,
+            "the agent on {node}"
+        );
+    }
     let (st, before) = migrate(&w, "upgraded-to-installed", &here, None, None).await;
     let there = whole(&pods, "upgraded-to-installed", &st, &here, before, false).await;
     let (st, before) = migrate(&w, "installed-to-upgraded", &there, None, None).await;
     let back = whole(&pods, "installed-to-upgraded", &st, &there, before, false).await;
 
     // 3. A third build with the chart's default strategy, while a migration is frozen.
-    let third = NextBuild::make(&w.images, "0.1.2");
+    let third = NextBuild::relabel(&next, "0.1.2");
     let slot = Upgrade::default();
     let start_third = third.starter(&w, &["--wait"], &slot);
     let (st, before) = migrate(&w, "during-agent-rollout", &back, slow, Some(start_third)).await;

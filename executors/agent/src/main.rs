@@ -189,7 +189,12 @@ async fn serve() -> anyhow::Result<()> {
         podmotion_agent::metrics::global().encode(&scraped.frozen_sources())
     })
     .await?;
-    tracing::info!(listen = %a.listen, metrics = %a.metrics_listen, "agent serving");
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        listen = %a.listen,
+        metrics = %a.metrics_listen,
+        "agent serving"
+    );
     let signal = serve_until_terminated(a.listen, tls, &agent).await?;
     // Every source this agent froze is resumed before it exits (no freeze outlives its
     // agent), every fenced one killed (never two copies).
