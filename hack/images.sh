@@ -74,6 +74,9 @@
 #                        images-lto (thin LTO: hack/release.sh's default)
 #   PODMOTION_RELEASE_URL where the plugin's tarball is published, for its krew manifest
 #                        (default the GitHub release of this version)
+#   IMAGES_REMAP_SOURCE  the source path remapped to /podmotion in the binaries (default
+#                        this tree; a test's copy of the tree names the original, see
+#                        build_rust)
 set -euo pipefail
 
 # Run under a cargo process (an e2e test runs hack/release.sh, which runs this), the
@@ -171,7 +174,11 @@ declare -A PKG_OF=(
 # asked for). Prints the directory holding the binaries.
 build_rust() { # target-dir
   local target_dir=$1 cargo_home=${CARGO_HOME:-$HOME/.cargo} b
-  local remap="--remap-path-prefix=$repo=/podmotion --remap-path-prefix=$cargo_home=/cargo"
+  # IMAGES_REMAP_SOURCE: a copy of the tree built for a test (real_upgrade's next build,
+  # a worktree with the version bumped) names the original here, so that its RUSTFLAGS,
+  # and with them every dependency compiled for the original, are the same: only the
+  # workspace's own crates compile again. Its binaries then keep the copy's paths.
+  local remap="--remap-path-prefix=${IMAGES_REMAP_SOURCE:-$repo}=/podmotion --remap-path-prefix=$cargo_home=/cargo"
   remap+=" --remap-path-prefix=$target_dir=/target"
   local -a sel=()
   for b in "${!PKG_OF[@]}"; do sel+=(-p "${PKG_OF[$b]}" --bin "$b"); done

@@ -154,7 +154,10 @@ impl NextBuild {
             .current_dir(&wt)
             .args(["hack/images.sh"])
             .args(REPLACED)
-            .env("PODMOTION_RUN", dir.join("run"));
+            .env("PODMOTION_RUN", dir.join("run"))
+            // The original's RUSTFLAGS: the dependencies compiled for the installed
+            // images are reused, only the workspace's crates compile (hack/images.sh).
+            .env("IMAGES_REMAP_SOURCE", repo_root());
         let lines = run(&mut build, "hack/images.sh in the bumped worktree");
         eprintln!(
             "[upgrade] built {version} from source in {:.0?}",
@@ -323,8 +326,12 @@ fn installed(images: &Images, name: &str) -> String {
 
 /// The version an agent pod says it is, from its "agent serving" log line.
 async fn agent_version(agents: &Api<Pod>, pod: &str) -> String {
+    let only_agent = kube::api::LogParams {
+        container: Some("agent".into()),
+        ..Default::default()
+    };
     let log = agents
-        .logs(pod, &Default::default())
+        .logs(pod, &only_agent)
         .await
         .unwrap_or_else(|e| panic!("logs of agent {pod}: {e}"));
     log.lines()
