@@ -169,23 +169,13 @@ impl NextBuild {
         let mut refs = BTreeMap::new();
         for name in REPLACED {
             let old = installed(images, name);
-            let (repo, old_digest) = old.split_once('@').expect("a pinned image");
+            let (repo, _) = old.split_once('@').expect("a pinned image");
             let new = lines
                 .lines()
                 .find(|l| l.starts_with(&format!("{repo}@")))
                 .unwrap_or_else(|| panic!("hack/images.sh printed no {repo}: {lines}"));
             let digest = new.split_once('@').unwrap().1;
-            assert_ne!(
-                digest, old_digest,
-                "{name}: the bumped build has a new digest"
-            );
-            assert_eq!(
-                values.matches(old_digest).count(),
-                1,
-                "{name}'s digest in the values"
-            );
-            values = values.replace(old_digest, digest);
-            refs.insert(name, new.to_owned());
+            repin(&mut values, &mut refs, name, &old, digest);
         }
         let values_path = dir.join("values.yaml");
         std::fs::write(&values_path, values).unwrap();
@@ -217,7 +207,7 @@ impl NextBuild {
         let mut refs = BTreeMap::new();
         for name in REPLACED {
             let old = &base.refs[name];
-            let (repo, old_digest) = old.split_once('@').expect("a pinned image");
+            let (repo, _) = old.split_once('@').expect("a pinned image");
             let ctr = format!("next-{name}");
             let local = format!("localhost/{ctr}:{version}");
             let from = format!("docker://{old}");
@@ -253,17 +243,7 @@ impl NextBuild {
                 .unwrap()
                 .trim()
                 .to_owned();
-            assert_ne!(
-                digest, old_digest,
-                "{name}: the relabelled image has a new digest"
-            );
-            assert_eq!(
-                values.matches(old_digest).count(),
-                1,
-                "{name}'s digest in the values"
-            );
-            values = values.replace(old_digest, &digest);
-            refs.insert(name, format!("{repo}@{digest}"));
+            repin(&mut values, &mut refs, name, old, &digest);
         }
         let values_path = dir.join("values.yaml");
         std::fs::write(&values_path, values).unwrap();
@@ -314,6 +294,26 @@ impl NextBuild {
             *slot.lock().unwrap() = Some(handle);
         })
     }
+}
+
+/// Re-pins image `name` in `values` from `old` (`repo@digest`) to `digest` of the same
+/// repository, and records the new reference in `refs`; the digest must be new.
+fn repin(
+    values: &mut String,
+    refs: &mut BTreeMap<&'static str, String>,
+    name: &'static str,
+    old: &str,
+    digest: &str,
+) {
+    let (repo, old_digest) = old.split_once('@').expect("a pinned image");
+    assert_ne!(digest, old_digest, "{name}: the new build has a new digest");
+    assert_eq!(
+        values.matches(old_digest).count(),
+        1,
+        "{name}'s digest in the values"
+    );
+    *values = values.replace(old_digest, digest);
+    refs.insert(name, format!("{repo}@{digest}"));
 }
 
 /// The installed image `name` (one of [`REPLACED`]).
@@ -558,16 +558,19 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
     let pods: Api<Pod> = w.app.api();
     let client = w.op.client.clone();
     let agents = w.agents();
-    let installed = images_by_node(
-        &client,
-        &agents,
-        AGENT_PODS,
-        "agent",
-        &w.nodes,
-        "agents",
-        |_| true,
-    )
-    .await;
+    // The agent image on each node, once there is one agent pod per node.
+    let all_agents = || {
+        images_by_node(
+            &client,
+            &agents,
+            AGENT_PODS,
+            "agent",
+            &w.nodes,
+            "agents",
+            |_| true,
+        )
+    };
+    let installed = all_agents().await;
     let old_agent = w.images.agent().unwrap();
     assert!(installed.values().all(|i| *i == old_agent), "{installed:?}");
     // 64 MiB at 8 MiB/s: the frozen source waits about 8 s for its transfer.
@@ -613,16 +616,7 @@ async fn an_upgrade_in_flight_leaves_every_migration_whole_and_two_agent_version
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
-    let still = images_by_node(
-        &client,
-        &agents,
-        AGENT_PODS,
-        "agent",
-        &w.nodes,
-        "agents",
-        |_| true,
-    )
-    .await;
+    let still = all_agents().await;
     assert_eq!(
         still, installed,
         "OnDelete: no agent was replaced by the upgrade"
