@@ -42,7 +42,11 @@ pub fn deployment(name: &str, image: &str, ballast_mib: u32) -> Deployment {
                 "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
                 "enableServiceLinks": false,
                 "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 2,
+                // Longer than the commit's wait for the Services (about 2.5 s): a
+                // ReplicaSet that deletes the frozen source first (its own grace
+                // period) must not have its kubelet kill it before the agent's kill
+                // sends its peers a FIN. The server exits at once on SIGTERM.
+                "terminationGracePeriodSeconds": 10,
                 "containers": [{"name": "app", "image": image,
                     "args": ["serve", PORT.to_string(), ballast_mib.to_string()],
                     "securityContext": {"runAsUser": 0, "runAsGroup": 0},

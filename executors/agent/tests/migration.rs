@@ -1167,14 +1167,33 @@ fn concurrent_prepares_of_one_migration_leave_it_whole() {
 /// commit is `Committed`, and the cleanup removes the images.
 #[test]
 fn a_commit_that_finds_the_fenced_source_dead_commits_and_cleans_up() {
+    commit_finds_the_source_dead("cdd", false);
+}
+
+/// The same when the commit closes the connections that do not move (the real nodes'
+/// default: the address stays): the tree died with its network locked (its kubelet's
+/// SIGKILL at the end of a grace period shorter than the commit's wait, 4 of 19 commits
+/// on the real nodes with a 2 s grace period), so there is nothing to take out of TCP
+/// repair or unlock, and the broker refuses both for a process that is gone. The
+/// commit used to fail on that refusal, and every `Cleanup` after it was refused.
+#[test]
+fn a_closing_commit_that_finds_the_source_dead_commits_and_cleans_up() {
+    commit_finds_the_source_dead("cdc", true);
+}
+
+fn commit_finds_the_source_dead(name: &str, closing: bool) {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !podmotion_agent::testbed::root_tests_enabled() {
         return;
     }
-    let mut tb = testbed("cdd");
+    let mut tb = testbed(name);
     let src = tb.start_workload(4, 0);
     let holder = tb.start_holder();
-    let uid = "commit-finds-dead";
+    let uid = if closing {
+        "closing-commit-finds-dead"
+    } else {
+        "commit-finds-dead"
+    };
     let f = fenced(&tb, uid, src.pid, holder.pid, 60_000);
     assert!(f.fenced);
     // The tree's root dies before the commit (here: SIGKILL from outside).
@@ -1187,7 +1206,7 @@ fn a_commit_that_finds_the_fenced_source_dead_commits_and_cleans_up() {
     let (committed, cleaned) = tb.operator(move |tls| async move {
         let mut a = tls.agent(0).await;
         let committed = a
-            .commit(uid)
+            .commit_closing(uid, closing)
             .await
             .map(|s| s.phase())
             .map_err(|e| e.to_string());

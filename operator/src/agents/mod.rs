@@ -42,6 +42,9 @@ pub struct WireAgents {
     client: kube::Client,
     tls: Option<TlsFiles>,
     inflight: Arc<Mutex<BTreeMap<Key, (Step, StepState)>>>,
+    /// When each migration's last failed step call ended, and which step it was: the
+    /// same step is not asked again sooner than [`STEP_RETRY_AFTER`].
+    failed_at: Arc<Mutex<BTreeMap<Key, (Step, std::time::Instant)>>>,
     /// How each `Step::Forward` stands (kept apart from `inflight`: see `forward`).
     forwards: Arc<Mutex<BTreeMap<Key, StepState>>>,
     /// Exec probes may run (`--migration-exec-probes`: the installer granted
@@ -65,6 +68,7 @@ impl WireAgents {
             client,
             tls,
             inflight: Default::default(),
+            failed_at: Default::default(),
             forwards: Default::default(),
             exec_probes: false,
             call_timeout: Duration::from_secs(10),
@@ -350,6 +354,12 @@ fn probe_target<'a>(
         .ok_or_else(|| failed("the target pod has no IP".to_string()))
 }
 
+/// The least time between a failed step call and the next call of the same step to
+/// the same agent for the same migration. Each call's end wakes the migration's
+/// reconcile, so without it a step that keeps failing (a Cleanup the agent refuses)
+/// was asked again at once, tens of times a second, for as long as it failed.
+const STEP_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long a report waits for the progress of a step in flight (see
 /// [`WireAgents::report`]): it says more when it comes, nothing is lost without it.
 const PROGRESS_READ: std::time::Duration = std::time::Duration::from_secs(1);
@@ -424,6 +434,17 @@ impl WireAgents {
     /// Starts a step (but the forward) on a task, remembering it in flight.
     fn start_step(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), AgentCallError> {
         let key = (e.node.clone(), r.migration_uid.clone());
+        if self
+            .failed_at
+            .lock()
+            .expect("failed_at lock")
+            .get(&key)
+            .is_some_and(|(s, at)| *s == r.step && at.elapsed() < STEP_RETRY_AFTER)
+        {
+            // Its failure is still what the report shows; the reconcile that asked
+            // polls and asks again.
+            return Ok(());
+        }
         {
             let mut inflight = self.inflight.lock().expect("inflight lock");
             if matches!(inflight.get(&key), Some((s, StepState::Running)) if *s == r.step) {
@@ -435,6 +456,14 @@ impl WireAgents {
         let (e, r) = (e.clone(), r.clone());
         tokio::spawn(async move {
             let res = this.call(&e, &r).await;
+            {
+                let mut failed_at = this.failed_at.lock().expect("failed_at lock");
+                if res.is_err() {
+                    failed_at.insert(key.clone(), (r.step, std::time::Instant::now()));
+                } else {
+                    failed_at.remove(&key);
+                }
+            }
             {
                 let mut inflight = this.inflight.lock().expect("inflight lock");
                 match remembered_outcome(r.step, res) {
@@ -550,6 +579,65 @@ mod tests {
         );
         // Handed out once: a second taker gets an ended stream.
         assert_eq!(agents.step_ends().next().await, None);
+    }
+
+    /// A step that failed is not asked again at once (each call's end wakes the
+    /// reconcile that asks it: a step that keeps failing was asked tens of times a
+    /// second), but is once [`STEP_RETRY_AFTER`] has passed; another step is asked.
+    #[tokio::test]
+    async fn a_failed_step_is_asked_again_only_after_a_pause() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let api = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let agents = WireAgents::new(kube::Client::try_from(api).unwrap(), None);
+        let mut ends = agents.step_ends();
+        let e = AgentEndpoint {
+            node: "node-b".into(),
+            url,
+        };
+        let last = |agents: &WireAgents| {
+            agents
+                .inflight
+                .lock()
+                .unwrap()
+                .get(&("node-b".to_string(), "u1".to_string()))
+                .cloned()
+        };
+        let ended = async |ends: &mut _| {
+            tokio::time::timeout(Duration::from_secs(60), futures::StreamExt::next(ends))
+                .await
+                .expect("the step's end was announced")
+        };
+        agents.start(&e, &request(Step::Cleanup)).await.unwrap();
+        ended(&mut ends).await;
+        assert!(matches!(
+            last(&agents),
+            Some((Step::Cleanup, StepState::Failed { .. }))
+        ));
+        // At once again: not asked (nothing runs), the failure stands.
+        agents.start(&e, &request(Step::Cleanup)).await.unwrap();
+        assert!(matches!(
+            last(&agents),
+            Some((Step::Cleanup, StepState::Failed { .. }))
+        ));
+        // Another step is asked at once.
+        agents.start(&e, &request(Step::Abort)).await.unwrap();
+        assert!(
+            matches!(last(&agents), Some((Step::Abort, _))),
+            "{:?}",
+            last(&agents)
+        );
+        ended(&mut ends).await;
+        // After the pause, the failed step is asked again.
+        tokio::time::sleep(STEP_RETRY_AFTER).await;
+        agents.start(&e, &request(Step::Abort)).await.unwrap();
+        assert!(
+            matches!(last(&agents), Some((Step::Abort, StepState::Running))),
+            "{:?}",
+            last(&agents)
+        );
+        ended(&mut ends).await;
     }
 
     /// A call answered `Unavailable` three times, then `answer`; returns what

@@ -77,6 +77,26 @@ fn get(addr: &str) -> std::io::Result<String> {
     Ok(line.trim().to_owned())
 }
 
+/// Exits at once on SIGTERM, as a server that shuts down when asked does (as PID 1 of
+/// its container it would otherwise ignore it and wait for the kubelet's SIGKILL at
+/// the end of the grace period). SIGTERM is blocked in every thread (those spawned
+/// after this inherit the mask) and taken by one waiting for it; a frozen copy's
+/// pending SIGTERM stays pending, as the kill it waits for.
+fn exit_on_sigterm() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.thread_block().expect("block SIGTERM");
+    std::thread::spawn(move || {
+        loop {
+            // Interrupted (a checkpoint's seize): wait again.
+            if set.wait() == Ok(Signal::SIGTERM) {
+                std::process::exit(0);
+            }
+        }
+    });
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -109,6 +129,7 @@ fn get_command(addr: Option<&String>) {
 
 /// `serve <port> [ballast MiB] [dirty KiB/s]` (`args` as the process got them).
 fn serve_command(args: &[String]) {
+    exit_on_sigterm();
     let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(8080);
     let mib: usize = args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
     let dirty_kib: usize = args.get(4).and_then(|p| p.parse().ok()).unwrap_or(0);

@@ -245,9 +245,16 @@ fn write_part_manifests(
 /// The longest the final dump waits for the pod's connections in flight to settle.
 const QUIESCE_LIMIT: std::time::Duration = std::time::Duration::from_millis(150);
 
+/// How long the quiesce after a lifted lock waits at most: the segments the brief lock
+/// dropped (an answer, a client's ACK) are sent again only at their retransmission
+/// timeout, 200 ms at least (Linux's `TCP_RTO_MIN`), so a wait shorter than that finds
+/// them still in flight and locks with them behind the link — a request lost (a
+/// client's read timing out, seen on real nodes at [`QUIESCE_LIMIT`]).
+const QUIESCE_AFTER_RELOCK: std::time::Duration = std::time::Duration::from_millis(450);
+
 /// How many times the lock is lifted and taken again when connections came in flight
 /// between the quiesce's last look and the lock ([`lock_settled`]).
-const RELOCKS: usize = 2;
+const RELOCKS: usize = 3;
 
 /// Quiesces the pod and locks its network with nothing in flight behind the lock, and
 /// returns the lock's sockets and when the lock was taken (the freeze's start, also in
@@ -264,7 +271,7 @@ const RELOCKS: usize = 2;
 /// again, at most [`RELOCKS`] times; the last lock stays, whatever it sees. A pod that
 /// is never quiet (a stream) is locked once, as before.
 async fn lock_settled(m: &mut Migration) -> Result<(Vec<SocketReport>, Instant), Status> {
-    let mut quiet = quiesce(m).await;
+    let mut quiet = quiesce(m, QUIESCE_LIMIT).await;
     let mut relocks = 0;
     loop {
         m.timings.freeze_started_us = now_us();
@@ -287,17 +294,17 @@ async fn lock_settled(m: &mut Migration) -> Result<(Vec<SocketReport>, Instant),
             return Err(e);
         }
         relocks += 1;
-        quiet = quiesce(m).await;
+        quiet = quiesce(m, QUIESCE_AFTER_RELOCK).await;
     }
 }
 
-/// Waits, before the lock ([`QUIESCE_LIMIT`] at most, the workload still running), until
+/// Waits, before the lock (`limit` at most, the workload still running), until
 /// no connection of the pod is in flight ([`procfs::in_flight`]): a request the kernel
 /// accepted but the workload had not answered when the links went down is lost where
 /// the address does not move (the source is killed at the commit with it unread: the
 /// client sees a reset). Returns whether it found the pod quiet; a workload that is
 /// never quiet (a stream) is frozen at the limit.
-async fn quiesce(m: &Migration) -> bool {
+async fn quiesce(m: &Migration, limit: std::time::Duration) -> bool {
     let (pid, t) = (m.process.pid, Instant::now());
     let mut busy;
     loop {
@@ -308,7 +315,7 @@ async fn quiesce(m: &Migration) -> bool {
                 return false;
             }
         };
-        if busy == 0 || t.elapsed() >= QUIESCE_LIMIT {
+        if busy == 0 || t.elapsed() >= limit {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;

@@ -3,7 +3,7 @@
 //! side (the source resumed, the target's copy killed).
 
 use super::freeze::{COMMITTING, FENCED, FENCING, FROZEN, KILLING, THAWED, kill_source};
-use super::helpers::now_us;
+use super::helpers::{broker_call, now_us};
 use super::parts;
 use super::state::Migration;
 use crate::admission::{Admission, Step, admit};
@@ -117,16 +117,26 @@ pub(super) async fn commit_locked(
         return Err(Status::failed_precondition("the source is not frozen"));
     }
     if r.close_connections || m.tcp == TcpPreservation::None {
-        // Out of repair mode and network back: killing the tree now sends FIN.
-        m.broker(Request::ReleaseTcpRepair { uid: m.uid.clone() })
-            .await?;
-        m.broker(Request::UnlockNetwork { uid: m.uid.clone() })
-            .await?;
+        // Out of repair mode and network back: killing the tree now sends FIN. A
+        // tree already dead (its kubelet's SIGKILL at the end of a grace period
+        // shorter than the commit's wait) has nothing to release or unlock: the
+        // broker refuses it, and the kill below counts it as killed.
+        let gone = |p| podmotion_broker::procfs::check_live(p).is_err();
+        let (process, uid) = (m.process, m.uid.clone());
+        if let Err(e) = release_and_unlock(&m.broker, &uid).await
+            && !gone(process)
+        {
+            return Err(e);
+        }
         for o in m.freeze.others() {
-            o.call(Request::ReleaseTcpRepair { uid: o.uid.clone() })
-                .await?;
-            o.call(Request::UnlockNetwork { uid: o.uid.clone() })
-                .await?;
+            if let Err(e) = release_and_unlock(&o.broker, &o.uid).await
+                && !gone(o.process)
+            {
+                return Err(e);
+            }
+        }
+        if gone(process) {
+            tracing::warn!(%uid, "the source was dead before its commit's kill (its kubelet killed it at the end of its grace period): its peers got no FIN");
         }
     }
     kill_source(&m.freeze, &m.broker, &m.uid, m.process).await?;
@@ -134,4 +144,14 @@ pub(super) async fn commit_locked(
     m.image_bytes = 0;
     m.phase = Phase::Committed;
     Ok(m.status())
+}
+
+/// Takes one registered tree out of TCP repair and unlocks its network.
+async fn release_and_unlock(
+    b: &std::sync::Arc<std::sync::Mutex<podmotion_broker::client::BrokerClient>>,
+    uid: &podmotion_wire::ids::MigrationUid,
+) -> Result<(), Status> {
+    broker_call(b, Request::ReleaseTcpRepair { uid: uid.clone() }).await?;
+    broker_call(b, Request::UnlockNetwork { uid: uid.clone() }).await?;
+    Ok(())
 }
