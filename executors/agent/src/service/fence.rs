@@ -117,27 +117,7 @@ pub(super) async fn commit_locked(
         return Err(Status::failed_precondition("the source is not frozen"));
     }
     if r.close_connections || m.tcp == TcpPreservation::None {
-        // Out of repair mode and network back: killing the tree now sends FIN. A
-        // tree already dead (its kubelet's SIGKILL at the end of a grace period
-        // shorter than the commit's wait) has nothing to release or unlock: the
-        // broker refuses it, and the kill below counts it as killed.
-        let gone = |p| podmotion_broker::procfs::check_live(p).is_err();
-        let (process, uid) = (m.process, m.uid.clone());
-        if let Err(e) = release_and_unlock(&m.broker, &uid).await
-            && !gone(process)
-        {
-            return Err(e);
-        }
-        for o in m.freeze.others() {
-            if let Err(e) = release_and_unlock(&o.broker, &o.uid).await
-                && !gone(o.process)
-            {
-                return Err(e);
-            }
-        }
-        if gone(process) {
-            tracing::warn!(%uid, "the source was dead before its commit's kill (its kubelet killed it at the end of its grace period): its peers got no FIN");
-        }
+        reopen_before_kill(m).await?;
     }
     kill_source(&m.freeze, &m.broker, &m.uid, m.process).await?;
     let _ = images::zeroize(&m.dir);
@@ -146,12 +126,36 @@ pub(super) async fn commit_locked(
     Ok(m.status())
 }
 
-/// Takes one registered tree out of TCP repair and unlocks its network.
+/// Takes the source's trees out of TCP repair and unlocks their network, so that
+/// killing them sends FIN. A tree already dead (its kubelet's SIGKILL at the end of a
+/// grace period shorter than the commit's wait) has nothing to release or unlock: the
+/// broker refuses it, and the kill counts it as killed.
+async fn reopen_before_kill(m: &Migration) -> Result<(), Status> {
+    release_and_unlock(&m.broker, &m.uid, m.process).await?;
+    for o in m.freeze.others() {
+        release_and_unlock(&o.broker, &o.uid, o.process).await?;
+    }
+    if podmotion_broker::procfs::check_live(m.process).is_err() {
+        tracing::warn!(uid = %m.uid, "the source was dead before its commit's kill (its kubelet killed it at the end of its grace period): its peers got no FIN");
+    }
+    Ok(())
+}
+
+/// Takes one registered tree out of TCP repair and unlocks its network; a refusal
+/// for a tree that is gone is no failure.
 async fn release_and_unlock(
     b: &std::sync::Arc<std::sync::Mutex<podmotion_broker::client::BrokerClient>>,
     uid: &podmotion_wire::ids::MigrationUid,
+    process: podmotion_wire::ids::ProcRef,
 ) -> Result<(), Status> {
-    broker_call(b, Request::ReleaseTcpRepair { uid: uid.clone() }).await?;
-    broker_call(b, Request::UnlockNetwork { uid: uid.clone() }).await?;
-    Ok(())
+    let r = async {
+        broker_call(b, Request::ReleaseTcpRepair { uid: uid.clone() }).await?;
+        broker_call(b, Request::UnlockNetwork { uid: uid.clone() }).await?;
+        Ok(())
+    }
+    .await;
+    match r {
+        Err(_) if podmotion_broker::procfs::check_live(process).is_err() => Ok(()),
+        r => r,
+    }
 }
