@@ -115,8 +115,50 @@ pub fn helm_install(
         release: release.to_string(),
         namespace: operator_ns.to_string(),
     };
+    if !out.status.success() {
+        print_release_pods(operator_ns);
+    }
     assert!(out.status.success(), "helm install: {}", output_text(&out));
     guard
+}
+
+/// Prints, for a release whose install did not become ready, the pods and events of
+/// its namespace and of its agents' (`<namespace>-agents`), and the last lines of
+/// every container's log (a CI run once saw one agent never ready, with nothing to
+/// say why).
+fn print_release_pods(operator_ns: &str) {
+    let agents_ns = format!("{operator_ns}-agents");
+    let mut out = String::new();
+    for ns in [operator_ns, agents_ns.as_str()] {
+        for args in [
+            vec!["-n", ns, "get", "pods", "-o", "wide"],
+            vec![
+                "-n",
+                ns,
+                "get",
+                "events",
+                "--sort-by=.metadata.creationTimestamp",
+            ],
+        ] {
+            out.push_str(&format!("----- kubectl {} -----\n", args.join(" ")));
+            out.push_str(&output_text(&kubectl(&args)));
+        }
+        let pods = kubectl(&["-n", ns, "get", "pods", "-o", "name"]);
+        for pod in String::from_utf8_lossy(&pods.stdout).lines() {
+            let args = [
+                "-n",
+                ns,
+                "logs",
+                pod,
+                "--all-containers",
+                "--tail=40",
+                "--prefix",
+            ];
+            out.push_str(&format!("----- kubectl {} -----\n", args.join(" ")));
+            out.push_str(&output_text(&kubectl(&args)));
+        }
+    }
+    eprintln!("===== the release's pods =====\n{out}===== end =====");
 }
 
 /// The PodMotion operators that watch every namespace for migrations or attachments
