@@ -91,9 +91,24 @@ node_bin() { "$here/build-node.sh"; }  # builds if needed
 
 # ---------------------------------------------------------------- host network
 
+# Deletes the brokers' forward tables (`inet podmotion-fwd-<uid>`, issue 39) left in this
+# machine's network namespace, which is every real node's: with no cluster running (or
+# before one starts) none is live. A broker killed while it forwarded leaves its table,
+# which DNATs new connections for the source pod's old address to the old target: a later
+# pod that gets that address is unreachable (two CI rehearsals failed on such leftovers).
+# Each one is named on stderr, as the leak it is.
+forward_tables_down() {
+  local t
+  for t in $(nft list tables inet 2>/dev/null | awk '$3 ~ /^podmotion-fwd-/ {print $3}'); do
+    echo "[cluster] a broker left nft table inet $t: deleted" >&2
+    nft delete table inet "$t" 2>/dev/null || true
+  done
+}
+
 net_up() {
   [[ $(id -u) == 0 ]] || die "real nodes need root (bridge, mount namespaces, cgroups); REAL_NODES=0 runs without"
   command -v nft >/dev/null || die "nft not found: bash hack/install-attach-deps.sh installs nftables"
+  forward_tables_down
   if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
     ip link add "$BRIDGE" type bridge
   fi
@@ -137,6 +152,7 @@ EOF
 }
 
 net_down() {
+  forward_tables_down
   nft delete table inet "$NFT_TABLE" 2>/dev/null || true
   nft delete table ip kube-proxy 2>/dev/null || true
   nft delete table ip6 kube-proxy 2>/dev/null || true
@@ -704,6 +720,6 @@ real_leftovers() {
     for n in "$h/$REAL_NODE_PREFIX"*; do [[ -d $n ]] && echo "cgroup $n"; done
   done
   ls /run/netns 2>/dev/null | grep -E '^cni-' | sed 's/^/netns /'
-  nft list tables 2>/dev/null | grep -E "inet $NFT_TABLE|ip6? kube-proxy" | sed 's/^table /nft table /'
+  nft list tables 2>/dev/null | grep -E "inet ($NFT_TABLE|podmotion-fwd-)|ip6? kube-proxy" | sed 's/^table /nft table /'
   return 0
 }
