@@ -552,20 +552,26 @@ mod tests {
         }
     }
 
-    /// A step that ends (here: its agent refuses the connection) announces its
-    /// migration after its outcome is remembered, so the reconcile it wakes sees it.
-    #[tokio::test]
-    async fn a_step_that_ends_announces_its_migration_once_its_outcome_is_reported() {
+    /// Agents whose one endpoint (`node-b`) refuses every connection, and that endpoint.
+    fn agents_of_a_closed_port() -> (WireAgents, AgentEndpoint) {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", closed.local_addr().unwrap());
         drop(closed);
         let api = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let agents = WireAgents::new(kube::Client::try_from(api).unwrap(), None);
-        let mut ends = agents.step_ends();
         let e = AgentEndpoint {
             node: "node-b".into(),
             url,
         };
+        (agents, e)
+    }
+
+    /// A step that ends (here: its agent refuses the connection) announces its
+    /// migration after its outcome is remembered, so the reconcile it wakes sees it.
+    #[tokio::test]
+    async fn a_step_that_ends_announces_its_migration_once_its_outcome_is_reported() {
+        let (agents, e) = agents_of_a_closed_port();
+        let mut ends = agents.step_ends();
         agents.start(&e, &request(Step::Prepare)).await.unwrap();
         let uid = tokio::time::timeout(Duration::from_secs(60), ends.next())
             .await
@@ -586,16 +592,8 @@ mod tests {
     /// second), but is once [`STEP_RETRY_AFTER`] has passed; another step is asked.
     #[tokio::test]
     async fn a_failed_step_is_asked_again_only_after_a_pause() {
-        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", closed.local_addr().unwrap());
-        drop(closed);
-        let api = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let agents = WireAgents::new(kube::Client::try_from(api).unwrap(), None);
+        let (agents, e) = agents_of_a_closed_port();
         let mut ends = agents.step_ends();
-        let e = AgentEndpoint {
-            node: "node-b".into(),
-            url,
-        };
         let last = |agents: &WireAgents| {
             agents
                 .inflight
