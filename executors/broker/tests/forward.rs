@@ -37,11 +37,27 @@ const LINKS: [&str; 3] = ["pmfw-s", "pmfw-t", "pmfw-c"];
 const KUBE_PROXY: &str = "pm_forward_test_kp";
 const UID: &str = "forward-root";
 
-/// Undoes what the test made in this machine's namespace, however it ends.
-struct Cleanup;
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+/// Undoes what the test made in this machine's namespace, however it ends: its links,
+/// its tables, and the node's IPv4 forwarding, which it turns on (a node routes between
+/// its pods; this machine's default is off, and the local cluster turns it on only
+/// while it is up) and gives back as it found it.
+struct Cleanup {
+    ip_forward: String,
+}
+
+impl Cleanup {
+    fn new() -> Cleanup {
+        let ip_forward = std::fs::read_to_string(IP_FORWARD).unwrap();
+        std::fs::write(IP_FORWARD, "1").unwrap();
+        Cleanup { ip_forward }
+    }
+}
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
+        let _ = std::fs::write(IP_FORWARD, self.ip_forward.trim());
         for l in LINKS {
             let _ = Command::new("ip")
                 .args(["link", "del", l])
@@ -180,7 +196,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         return;
     }
     let f = fixture_with("forward", 0, |c| c.forward_new_connections = true);
-    let _cleanup = Cleanup;
+    let _cleanup = Cleanup::new();
     let (_holder, process) = holder_in_netns(&f);
     let (target, client) = (netns(), netns());
     link(LINKS[0], process.pid as u32, 211);
