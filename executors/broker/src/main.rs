@@ -3,8 +3,11 @@
 #![forbid(unsafe_code)]
 
 use clap::Parser;
+use nix::sys::signal::{SigSet, Signal};
+use podmotion_broker::Broker;
 use podmotion_broker::handover::{Cidr, parse_cidrs};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// `--address-handover-cidrs`: a comma-separated list, empty for none.
@@ -65,6 +68,16 @@ struct Args {
         action = clap::ArgAction::Set
     )]
     address_handover_hold_neighbours: bool,
+    /// On SIGTERM, how long the broker serves on while registrations are left (its
+    /// agent resuming or killing the sources it froze) before it rolls back what is
+    /// left itself and exits. Keep it below the pod's termination grace period (60 s).
+    #[arg(
+        long,
+        env = "PODMOTION_BROKER_STOP_GRACE_SECONDS",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(0..=3600)
+    )]
+    stop_grace_seconds: u64,
     /// Forward a locked source's new TCP connections to its restored target once the
     /// operator asks (`forward_connections`: an nftables table of the migration's in
     /// the node's network namespace, see docs/broker-ops.md). Off (the binary's
@@ -83,8 +96,12 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    // Before any thread starts: every thread inherits the mask, so only the stopper
+    // takes these signals.
+    let stop_signals = SigSet::from_iter([Signal::SIGTERM, Signal::SIGINT]);
+    stop_signals.thread_block()?;
     podmotion_log::init(a.log_format, "info");
-    let broker = podmotion_broker::Broker::new(podmotion_broker::Config {
+    let broker = Broker::new(podmotion_broker::Config {
         run_dir: a.run_dir,
         pods_cgroup_root: a.pods_cgroup_root,
         allowed_uid: a.allowed_uid,
@@ -109,8 +126,38 @@ fn main() -> anyhow::Result<()> {
         forward_new_connections = a.forward_new_connections,
         "broker serving"
     );
+    spawn_stopper(
+        Arc::clone(&broker),
+        stop_signals,
+        Duration::from_secs(a.stop_grace_seconds),
+    );
     broker.serve(&a.socket)?;
     Ok(())
+}
+
+/// Waits for SIGTERM or SIGINT, then stops the broker ([`Broker::stop`]) and exits 0.
+fn spawn_stopper(broker: Arc<Broker>, signals: SigSet, grace: Duration) {
+    std::thread::spawn(move || {
+        let signal = match signals.wait() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot wait for SIGTERM: the broker stops only when killed");
+                return;
+            }
+        };
+        tracing::info!(
+            ?signal,
+            registrations = broker.registrations(),
+            grace_seconds = grace.as_secs(),
+            "stopping: serving the agent's last calls"
+        );
+        let left = broker.stop(grace);
+        tracing::info!(
+            rolled_back = left,
+            "stopped: the registrations left were ended as lost leases"
+        );
+        std::process::exit(0);
+    });
 }
 
 #[cfg(test)]

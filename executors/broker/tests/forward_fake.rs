@@ -1,7 +1,8 @@
 //! `forward_connections` over the simulated node (`podmotion_broker::fake`): when the
 //! node forwards a locked source's new connections to its target, and that every way a
 //! migration ends takes the forward with it (stop, unlock, kill, forget, a lost lease,
-//! a broker restart), with the harness's invariants after every step. No root needed.
+//! the broker's SIGTERM, a broker restart), with the harness's invariants after every
+//! step. No root needed.
 
 use podmotion_broker::fake::{Fault, Harness, Op, RUN_DIR, config};
 use podmotion_wire::broker::{BrokerRole, ErrorKind, ForwardedService, Reply, Request};
@@ -133,9 +134,9 @@ fn a_locked_source_forwards_to_its_target_until_its_unlock() {
 }
 
 #[test]
-fn stop_kill_forget_and_a_lost_lease_each_end_the_forward() {
+fn stop_kill_forget_a_lost_lease_and_sigterm_each_end_the_forward() {
     type End = (&'static str, fn(&mut Harness));
-    let ends: [End; 4] = [
+    let ends: [End; 5] = [
         ("stop_forwarding", |h| {
             assert_eq!(
                 req(h, 1, Request::StopForwarding { uid: uid() }),
@@ -149,6 +150,10 @@ fn stop_kill_forget_and_a_lost_lease_each_end_the_forward() {
             assert_eq!(req(h, 1, Request::Forget { uid: uid() }), Ok(Reply::Done));
         }),
         ("lease lost", |h| ev(h, Op::LeaseLost { conn: 1 })),
+        // SIGTERM, its grace over with the registration still held.
+        ("the broker's stop", |h| {
+            assert_eq!(h.broker().stop(std::time::Duration::ZERO), 1);
+        }),
     ];
     for (what, end) in ends {
         let mut h = harness();

@@ -1047,20 +1047,9 @@ fn proc_state(pid: i32) -> String {
         .unwrap_or_default()
 }
 
-/// The broker dies (SIGKILL) while a source it locked is frozen: its links are down
-/// and its tree stopped. A broker started again on the same run directory must roll the
-/// source back — links up, routes back, tree running — and leave nothing behind.
-#[test]
-fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
-    if !require_root() {
-        return;
-    }
-    let _serial = serial();
-    use podmotion_broker::client::BrokerClient;
-    use podmotion_wire::ids::MigrationUid;
-    let mut b = BrokerProcess::start("restart");
-    // A source with a link of its own (up, with IPv4 and IPv6 addresses and a route of
-    // each family through a gateway) in its netns.
+/// A source with a link of its own (`pm0`: up, with IPv4 and IPv6 addresses and a
+/// route of each family through a gateway) in its netns, in [`CONTAINER`]'s cgroup.
+fn linked_source(b: &BrokerProcess) -> (KillOnDrop, podmotion_wire::ids::ProcRef) {
     let procs = b.procs();
     let child = KillOnDrop(
         Command::new("unshare")
@@ -1086,22 +1075,42 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         pid,
         start_time: procfs::start_time(pid).unwrap(),
     };
-    let link_up = || {
-        let out = Command::new("nsenter")
-            .args([
-                "-t",
-                &pid.to_string(),
-                "-n",
-                "ip",
-                "-o",
-                "link",
-                "show",
-                "pm0",
-            ])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).contains(",UP")
-    };
+    (child, process)
+}
+
+/// Whether `pm0` is up in `pid`'s network namespace.
+fn link_up(pid: i32) -> bool {
+    let out = Command::new("nsenter")
+        .args([
+            "-t",
+            &pid.to_string(),
+            "-n",
+            "ip",
+            "-o",
+            "link",
+            "show",
+            "pm0",
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).contains(",UP")
+}
+
+/// The broker dies (SIGKILL) while a source it locked is frozen: its links are down
+/// and its tree stopped. A broker started again on the same run directory must roll the
+/// source back — links up, routes back, tree running — and leave nothing behind.
+#[test]
+fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_broker::client::BrokerClient;
+    use podmotion_wire::ids::MigrationUid;
+    let mut b = BrokerProcess::start("restart");
+    let (_source, process) = linked_source(&b);
+    let pid = process.pid;
+    let link_up = || link_up(pid);
     let has_route = || {
         let out = Command::new("nsenter")
             .args(["-t", &pid.to_string(), "-n", "ip", "-4", "route", "show"])
@@ -1182,6 +1191,108 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(journal.is_empty(), "journal left behind: {journal:?}");
+}
+
+/// A broker of `name` started with `args`, a source of its own registered, locked and
+/// stopped (as after a final dump) over the connection returned, then sent SIGTERM.
+fn terminated_with_a_source_locked(
+    name: &str,
+    args: &[&str],
+) -> (
+    BrokerProcess,
+    KillOnDrop,
+    podmotion_wire::ids::ProcRef,
+    podmotion_broker::client::BrokerClient,
+) {
+    use podmotion_wire::ids::MigrationUid;
+    let b = BrokerProcess::start_with(name, args);
+    let (source, process) = linked_source(&b);
+    let mut c = podmotion_broker::client::BrokerClient::connect(&b.socket).unwrap();
+    let uid = MigrationUid::parse("m-stop").unwrap();
+    c.call(&Request::Register {
+        uid: uid.clone(),
+        role: BrokerRole::Source,
+        process,
+        container: container(),
+    })
+    .unwrap();
+    c.call(&Request::LockNetwork { uid }).unwrap();
+    let pid = nix::unistd::Pid::from_raw(process.pid);
+    nix::sys::signal::kill(pid, nix::sys::signal::SIGSTOP).unwrap();
+    assert!(!link_up(process.pid), "lock_network left the link up");
+    let broker = nix::unistd::Pid::from_raw(b.child.id() as i32);
+    nix::sys::signal::kill(broker, nix::sys::signal::SIGTERM).unwrap();
+    (b, source, process, c)
+}
+
+/// Waits up to 20 s for the broker to exit: its exit status.
+fn exited(b: &mut BrokerProcess) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = b.child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The journal records left in `b`'s run directory.
+fn journal(b: &BrokerProcess) -> Vec<PathBuf> {
+    std::fs::read_dir(b.dir.join("run/netns/.journal"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// SIGTERM (the pod's deletion, a rollout) with a source locked: the broker serves on
+/// (its agent, stopping too, resumes the source through it) and exits 0 as soon as
+/// no registration is left, well before its grace ends.
+#[test]
+fn a_terminated_broker_serves_its_agents_last_calls_then_exits() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    use podmotion_wire::ids::MigrationUid;
+    let (mut b, _source, process, mut c) =
+        terminated_with_a_source_locked("stop-served", &["--stop-grace-seconds", "600"]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(b.alive(), "the broker exited with a registration held");
+    let uid = MigrationUid::parse("m-stop").unwrap();
+    c.call(&Request::UnlockNetwork { uid: uid.clone() })
+        .expect("the agent's unlock after SIGTERM");
+    c.call(&Request::Resume { uid: uid.clone() })
+        .expect("the agent's resume after SIGTERM");
+    assert!(link_up(process.pid));
+    assert_ne!(proc_state(process.pid), "T");
+    c.call(&Request::Forget { uid }).expect("forget");
+    let status = exited(&mut b);
+    assert!(status.success(), "{status}");
+    assert!(journal(&b).is_empty(), "{:?}", journal(&b));
+}
+
+/// SIGTERM with a source locked and an agent that never comes (it hangs, or died
+/// before the broker): once its grace ends the broker rolls the source back itself —
+/// link up, tree running, journal empty — and exits 0, where before it died at once
+/// and left the source locked and stopped until a next broker (none after an
+/// uninstall).
+#[test]
+fn a_terminated_broker_whose_agent_never_comes_rolls_back_and_exits() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    let (mut b, _source, process, c) =
+        terminated_with_a_source_locked("stop-alone", &["--stop-grace-seconds", "1"]);
+    let status = exited(&mut b);
+    assert!(status.success(), "{status}");
+    assert!(link_up(process.pid), "the source's link stayed down");
+    assert_ne!(proc_state(process.pid), "T", "the source stayed stopped");
+    assert!(journal(&b).is_empty(), "{:?}", journal(&b));
+    drop(c);
 }
 
 /// Kills (SIGKILL also ends a stopped process) and reaps a child however the test ends.

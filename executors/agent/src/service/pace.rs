@@ -84,7 +84,11 @@ mod tests {
         // schedule would let 10,000 bytes out at once.
         let now = t0 + Duration::from_secs(10);
         assert_eq!(pace.charge(100, now), None, "the burst goes at once");
-        assert_eq!(pace.charge(1000, now), None, "the schedule has caught up to now");
+        assert_eq!(
+            pace.charge(1000, now),
+            None,
+            "the schedule has caught up to now"
+        );
         assert_eq!(
             pace.charge(1000, now),
             Some(Duration::from_secs(1)),
