@@ -85,6 +85,35 @@ fn restore_paced(
     tb.operator(|tls| async move { tls.agent(1).await.restore(UID).await.unwrap() })
 }
 
+/// What the source's checkpoint directory holds (each file and its size) and CRIU's
+/// dump log lines about pages and laziness: printed when a lazy dump wrote the pages
+/// it should have left with the source (seen twice in full CI runs, never alone).
+fn explain_dump(tb: &Testbed) -> String {
+    let mut out = String::new();
+    for f in tb.checkpoint_files(0) {
+        let len = std::fs::metadata(&f).map(|m| m.len()).unwrap_or(0);
+        out.push_str(&format!("\n  {} ({len} bytes)", f.display()));
+        if f.file_name().is_some_and(|n| n == "dump.log") {
+            let log = std::fs::read_to_string(&f).unwrap_or_default();
+            for l in log
+                .lines()
+                .filter(|l| {
+                    let l = l.to_lowercase();
+                    l.contains("lazy")
+                        || l.contains("uffd")
+                        || l.contains("error")
+                        || l.contains("warn")
+                        || l.contains("pages")
+                })
+                .take(60)
+            {
+                out.push_str(&format!("\n    {l}"));
+            }
+        }
+    }
+    out
+}
+
 /// `pid` is gone (or a zombie: dead, its parent not yet told), waiting up to 5 s.
 fn gone(pid: i32) -> bool {
     for _ in 0..100 {
@@ -129,8 +158,9 @@ fn post_copy_resumes_the_target_first_and_brings_every_page_after() {
     assert_eq!(dumped.phase(), Phase::Dumped);
     assert!(
         dumped.final_dump_bytes < 16 << 20,
-        "the ballast stays with the frozen source: {} bytes dumped",
-        dumped.final_dump_bytes
+        "the ballast stays with the frozen source: {} bytes dumped{}",
+        dumped.final_dump_bytes,
+        explain_dump(&tb)
     );
     assert_eq!(sent.phase(), Phase::Sent);
     assert!(!sent.lazy_done, "nothing was asked for yet");
@@ -216,7 +246,11 @@ fn a_source_agent_lost_in_the_lazy_phase_ends_in_a_clear_failure_with_no_copy_le
     let rpid = restored.restored_pid;
     assert!(procfs::tree(rpid).contains(&rpid), "the copy runs");
     let mid = tb.operator(|tls| async move { tls.agent(1).await.status(UID).await.unwrap() });
-    assert!(!mid.lazy_done, "paced: the lazy phase is still on");
+    assert!(
+        !mid.lazy_done,
+        "paced: the lazy phase is still on{}",
+        explain_dump(&tb)
+    );
 
     tb.kill_agent(0);
     let t = until(&tb, 1, "lazy_error", |s| {
