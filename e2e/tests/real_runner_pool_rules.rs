@@ -396,6 +396,10 @@ async fn a_runner_pod_is_sized_as_documented_and_the_kubelet_enforces_it_through
         assert_sized(p, &spec);
     }
     let (most_on_a_node, most_down) = watch.finish();
+    eprintln!(
+        "rollout over {} runner pods: at most {most_down} node(s) without a ready Runner at once (maxUnavailable {cap}), at most {most_on_a_node} Runner on a node",
+        pods.len()
+    );
     assert_eq!(
         most_on_a_node, 1,
         "two Runners were live on one node at once"
