@@ -693,6 +693,11 @@ real_nodes_down() {
   if mountpoint -q "$RUN/ns" 2>/dev/null; then umount "$RUN/ns" 2>/dev/null || umount -l "$RUN/ns" || true; fi
   net_down
   rm -rf "$RUN/nodes"
+  # The runner-node count is remembered while the cluster is up (add-runner-nodes,
+  # env); the next `up` starts from the default (or the caller's REAL_RUNNER_NODES)
+  # again, never from a count an earlier run chose (a CI run after REAL_RUNNER_NODES=2
+  # would otherwise come up with two runner nodes).
+  rm -f "$RUN/real-runner-nodes"
 }
 
 real_node_count() { # how many real nodes this run directory has state for
