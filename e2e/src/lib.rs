@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -275,22 +275,7 @@ impl TestNamespace {
 
     /// Runs our kubectl with `args` and returns stdout+stderr (for dumps).
     pub fn kubectl(&self, args: &[&str]) -> String {
-        let Some(kubectl) = &self.kubectl else {
-            return "(kubectl not found in the binary cache)\n".into();
-        };
-        match Command::new(kubectl)
-            .arg("--kubeconfig")
-            .arg(kubeconfig_path())
-            .args(args)
-            .output()
-        {
-            Ok(out) => {
-                let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
-                s.push_str(&String::from_utf8_lossy(&out.stderr));
-                s
-            }
-            Err(e) => format!("(kubectl {args:?}: {e})\n"),
-        }
+        kubectl_text(self.kubectl.as_deref(), args)
     }
 
     /// Keep finalizers on PodMotion objects when the namespace is cleaned up (by default
@@ -323,56 +308,81 @@ impl TestNamespace {
         }
     }
 
-    /// Prints what is needed to understand a failure: the namespace's workload objects,
-    /// pods in detail, events in order, and the nodes.
+    /// Prints what is needed to understand a failure ([`dump_namespace`]).
     pub fn dump(&self) {
-        let ns = self.name.as_str();
-        let mut out = format!("===== e2e dump of namespace {ns} =====\n");
-        for (title, args) in [
-            (
-                "objects",
-                vec![
-                    "-n",
-                    ns,
-                    "get",
-                    "all,jobs,daemonsets,serviceaccounts",
-                    "-o",
-                    "wide",
-                ],
-            ),
-            ("pods (yaml)", vec!["-n", ns, "get", "pods", "-o", "yaml"]),
-            (
-                "workloads (yaml)",
-                vec![
-                    "-n",
-                    ns,
-                    "get",
-                    "deployments,replicasets,daemonsets,jobs",
-                    "-o",
-                    "yaml",
-                ],
-            ),
-            (
-                "events",
-                vec![
-                    "-n",
-                    ns,
-                    "get",
-                    "events",
-                    "--sort-by=.metadata.creationTimestamp",
-                ],
-            ),
-            ("nodes", vec!["get", "nodes", "-o", "wide", "--show-labels"]),
-        ] {
-            out.push_str(&format!("----- {title} -----\n"));
-            out.push_str(&self.kubectl(&args));
-        }
-        out.push_str(&format!(
-            "===== end of dump; control-plane logs in {} =====\n",
-            run_dir().join("logs").display()
-        ));
-        eprintln!("{out}");
+        eprintln!("{}", dump_namespace(&self.name, self.kubectl.as_deref()));
     }
+}
+
+/// Runs kubectl `kubectl` (None: not built) with `args` against the local cluster and
+/// returns stdout+stderr (for dumps).
+pub fn kubectl_text(kubectl: Option<&Path>, args: &[&str]) -> String {
+    let Some(kubectl) = kubectl else {
+        return "(kubectl not found in the binary cache)\n".into();
+    };
+    match Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+    {
+        Ok(out) => {
+            let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+            s.push_str(&String::from_utf8_lossy(&out.stderr));
+            s
+        }
+        Err(e) => format!("(kubectl {args:?}: {e})\n"),
+    }
+}
+
+/// What is needed to understand a failure in namespace `ns`: its workload objects, pods
+/// in detail, events in order, and the nodes (`kubectl`: as for [`kubectl_text`]).
+pub fn dump_namespace(ns: &str, kubectl: Option<&Path>) -> String {
+    let mut out = format!("===== e2e dump of namespace {ns} =====\n");
+    for (title, args) in [
+        (
+            "objects",
+            vec![
+                "-n",
+                ns,
+                "get",
+                "all,jobs,daemonsets,serviceaccounts",
+                "-o",
+                "wide",
+            ],
+        ),
+        ("pods (yaml)", vec!["-n", ns, "get", "pods", "-o", "yaml"]),
+        (
+            "workloads (yaml)",
+            vec![
+                "-n",
+                ns,
+                "get",
+                "deployments,replicasets,daemonsets,jobs",
+                "-o",
+                "yaml",
+            ],
+        ),
+        (
+            "events",
+            vec![
+                "-n",
+                ns,
+                "get",
+                "events",
+                "--sort-by=.metadata.creationTimestamp",
+            ],
+        ),
+        ("nodes", vec!["get", "nodes", "-o", "wide", "--show-labels"]),
+    ] {
+        out.push_str(&format!("----- {title} -----\n"));
+        out.push_str(&kubectl_text(kubectl, &args));
+    }
+    out.push_str(&format!(
+        "===== end of dump; control-plane logs in {} =====\n",
+        run_dir().join("logs").display()
+    ));
+    out
 }
 
 impl Drop for TestNamespace {

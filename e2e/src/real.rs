@@ -122,29 +122,19 @@ pub fn helm_install(
     guard
 }
 
-/// Prints, for a release whose install did not become ready, the pods and events of
-/// its namespace and of its agents' (`<namespace>-agents`), and the last lines of
-/// every container's log (a CI run once saw one agent never ready, with nothing to
-/// say why).
+/// Prints, for a release whose install did not become ready, its namespace and its
+/// agents' (`<namespace>-agents`) as a failed test's namespace is dumped
+/// ([`crate::dump_namespace`]), and the last lines of every container's log (a CI run
+/// once saw one agent never ready, with nothing to say why).
 fn print_release_pods(operator_ns: &str) {
     let agents_ns = format!("{operator_ns}-agents");
+    let kubectl = crate::kubectl_path().ok();
     let mut out = String::new();
     for ns in [operator_ns, agents_ns.as_str()] {
-        for args in [
-            vec!["-n", ns, "get", "pods", "-o", "wide"],
-            vec![
-                "-n",
-                ns,
-                "get",
-                "events",
-                "--sort-by=.metadata.creationTimestamp",
-            ],
-        ] {
-            out.push_str(&format!("----- kubectl {} -----\n", args.join(" ")));
-            out.push_str(&output_text(&kubectl(&args)));
-        }
-        let pods = kubectl(&["-n", ns, "get", "pods", "-o", "name"]);
-        for pod in String::from_utf8_lossy(&pods.stdout).lines() {
+        out.push_str(&crate::dump_namespace(ns, kubectl.as_deref()));
+        let pods =
+            crate::kubectl_text(kubectl.as_deref(), &["-n", ns, "get", "pods", "-o", "name"]);
+        for pod in pods.lines().filter(|l| l.starts_with("pod/")) {
             let args = [
                 "-n",
                 ns,
@@ -155,7 +145,7 @@ fn print_release_pods(operator_ns: &str) {
                 "--prefix",
             ];
             out.push_str(&format!("----- kubectl {} -----\n", args.join(" ")));
-            out.push_str(&output_text(&kubectl(&args)));
+            out.push_str(&crate::kubectl_text(kubectl.as_deref(), &args));
         }
     }
     eprintln!("===== the release's pods =====\n{out}===== end =====");
