@@ -946,6 +946,43 @@ fn the_source_pod_is_deleted_with_grace_period_zero_when_the_kill_is_unconfirmed
     assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
 }
 
+/// (c') The kill's bound counts from the source pod's deletion, not from entering
+/// `Committing`: an adoption slower than the progress timeout (the controller manager
+/// away with its API server, in a chaos run) once made the machine give the kill up
+/// before it asked for it, and the frozen source was left to the pod's deletion.
+#[test]
+fn a_slow_adoption_does_not_count_against_the_kill() {
+    let late = NOW + COMMIT_GRACE + 20;
+    let adopted_late = at(P::Committing).adopted().at_second(late);
+    let t = next(&adopted_late);
+    assert_eq!(source_deletion(&t), Some(COMMIT_GRACE), "{:?}", t.actions);
+    assert!(t.status.failure_message.is_none(), "{:?}", t.status);
+    // Deleted: the kill is asked once the kubelet had the time to see it.
+    let deleted = adopted_late
+        .clone()
+        .source_terminating(COMMIT_GRACE)
+        .kubelet_settled();
+    let t = next(&deleted);
+    assert!(has(&t, &COMMIT), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    // Asked and running: waited for, up to the bound from the deletion.
+    let asked = deleted.source(running(Step::Commit));
+    let t = next(&asked.clone().at_second(late + COMMIT_GRACE));
+    assert!(t.actions.is_empty(), "{:?}", t.actions);
+    assert_eq!(t.status.phase, P::Committing);
+    let t = next(&asked.clone().at_second(late + COMMIT_GRACE + 2));
+    assert_eq!(source_deletion(&t), Some(0), "{:?}", t.actions);
+    let msg = t.status.failure_message.clone().unwrap_or_default();
+    assert!(msg.contains("did not confirm the kill"), "{msg}");
+    // That grace-0 deletion is a later deletion: the decision stands.
+    let mut zero = asked
+        .at_second(late + COMMIT_GRACE + 3)
+        .source_terminating(0);
+    zero.status = t.status.clone();
+    let t = next(&zero);
+    assert_eq!(t.status.phase, P::Succeeded, "{:?}", t.status);
+}
+
 /// (d) An operator restart anywhere in the commit resumes it from what it observes:
 /// before the deletion it deletes, after it (the pod terminating, the kill not asked
 /// or not answered) it asks the kill, never another deletion.

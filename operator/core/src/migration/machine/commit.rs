@@ -55,7 +55,8 @@ impl<'a> Machine<'a> {
     ///    gone.
     ///
     /// A kill the source agent does not confirm (missing, unreachable, restarted, the
-    /// kill failed, no answer within the progress timeout from entering `Committing`)
+    /// kill failed, no answer within the progress timeout from the source pod's
+    /// deletion)
     /// is never counted as done: the source pod is deleted with grace period 0 (again,
     /// if it was terminating with a grace period), the deletion is the kill, and the
     /// outcome says that the agent did not confirm it.
@@ -200,10 +201,11 @@ impl<'a> Machine<'a> {
     }
 
     /// The grace period of the source pod's deletion when its agent's kill follows it:
-    /// the progress timeout, which bounds the wait for that kill from entering
-    /// `Committing`. The kubelet's own SIGKILL at its end (the source's network still
-    /// locked: no FIN) thus never comes before the machine has stopped waiting for the
-    /// agent's kill and made the deletion the kill itself (grace period 0). Normally the
+    /// the progress timeout, which bounds the wait for that kill from the same
+    /// deletion (`kill_stalled`). The kubelet's own SIGKILL at its end (the source's
+    /// network still locked: no FIN) thus comes no earlier than the machine stops
+    /// waiting for the agent's kill and makes the deletion the kill itself (grace
+    /// period 0). Normally the
     /// agent's kill follows within a poll and one call, and the pod goes with it.
     fn commit_grace_seconds(&self) -> i64 {
         i64::try_from(self.o.knobs.progress_timeout.as_secs()).unwrap_or(i64::MAX)
@@ -236,16 +238,32 @@ impl<'a> Machine<'a> {
                 "the source agent's {step} failed ({category}): {m}"
             ));
         }
-        if self.progress_stalled() {
+        // Decided once: the pod's deletion with grace period 0 that followed moved
+        // `deletion_accepted`, which must not restart the wait.
+        if self.noted(KILL_UNCONFIRMED) {
+            return SourceKill::ByPodDeletion("decided earlier".into());
+        }
+        if !r.running(Step::Commit) {
+            return SourceKill::NotAsked;
+        }
+        if self.kill_stalled() {
             return SourceKill::ByPodDeletion(format!(
                 "the source agent did not confirm the kill within {bound}s"
             ));
         }
-        if r.running(Step::Commit) {
-            SourceKill::Running
-        } else {
-            SourceKill::NotAsked
-        }
+        SourceKill::Running
+    }
+
+    /// Whether the kill asked of the source agent has had its time: the progress
+    /// timeout from the source pod's deletion (the kill follows it), or from the last
+    /// progress if that came later or the pod has no deletion. Time spent before the
+    /// deletion (the hand-over waiting for the pod's owner to adopt the target) is
+    /// never counted against the kill: a slow adoption once made the machine give up
+    /// on a kill it had not yet asked for.
+    fn kill_stalled(&self) -> bool {
+        let deleted = self.source_of_record().and_then(|s| s.deletion_accepted);
+        let from = self.last_progress().max(deleted.unwrap_or(self.o.created));
+        self.elapsed_since(from) > self.o.knobs.progress_timeout
     }
 
     /// The kill goes through the source pod's deletion; say so once (status and

@@ -154,7 +154,7 @@ impl<'a> Machine<'a> {
         p.last_progress_time = Some(Time(self.o.now));
     }
 
-    fn last_progress(&self) -> Timestamp {
+    pub(super) fn last_progress(&self) -> Timestamp {
         let from_progress = self
             .status
             .progress
