@@ -952,6 +952,20 @@ fn the_source_pod_is_deleted_with_grace_period_zero_when_the_kill_is_unconfirmed
 /// before it asked for it, and the frozen source was left to the pod's deletion.
 #[test]
 fn a_slow_adoption_does_not_count_against_the_kill() {
+    // The adoption's own bound counts from the hand-over, however late it came.
+    let late_hand_over = next(&at(P::Committing).at_second(NOW + COMMIT_GRACE + 20));
+    assert!(has(&late_hand_over, &Action::HandOverTargetPod));
+    let mut awaiting = at(P::Committing).at_second(NOW + COMMIT_GRACE + 21);
+    awaiting.status = late_hand_over.status.clone();
+    let tp = awaiting.target_pod.as_mut().unwrap();
+    tp.handed_over = true;
+    tp.awaiting_adoption = true;
+    let t = next(&awaiting);
+    assert_eq!(t.status.phase, P::Committing, "{:?}", t.status);
+    assert!(!has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
+    assert_eq!(source_deletion(&t), None, "{:?}", t.actions);
+    let t = next(&awaiting.at_second(NOW + 2 * COMMIT_GRACE + 22));
+    assert_eq!(t.status.phase, P::Failed, "{:?}", t.status);
     let late = NOW + COMMIT_GRACE + 20;
     let adopted_late = at(P::Committing).adopted().at_second(late);
     let t = next(&adopted_late);

@@ -123,8 +123,12 @@ impl<'a> Machine<'a> {
                 self.restored_pod_lost("the target pod was deleted during commit");
                 false
             }
+            // The adoption's wait counts from the hand-over (asked again each pass
+            // until it is seen), not from entering `Committing`: the passes before it
+            // may have waited out an API server away or a leader's failover.
             Some(tp) if !tp.handed_over => {
                 self.act(Action::HandOverTargetPod);
+                self.bump_progress_time();
                 false
             }
             Some(tp) if tp.awaiting_adoption => {
