@@ -34,6 +34,7 @@ mod ops;
 pub mod os;
 pub mod procfs;
 mod serve;
+pub mod synhold;
 
 use netlock::unlock;
 use nix::sys::signal::Signal;

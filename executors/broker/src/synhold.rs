@@ -1,0 +1,346 @@
+//! Holding a locked source's new connections in the kernel (issue 39, "what a client
+//! sees"): a queue of netfilter's (NFQUEUE) that the broker binds and never answers
+//! until the source's connections have a place to go.
+//!
+//! Without it a SYN sent to the locked source is dropped at its links, and the client
+//! retransmits it a second later (Linux's initial RTO): the client's gap is the
+//! downtime rounded up to that second. With it, a rule of the node's (raw table, before
+//! conntrack: the connection is not yet bound to any address) sends the SYNs to the
+//! source's staying addresses to queue `num`; the broker reads them (their metadata
+//! only: `NFQNL_COPY_META`) and holds their ids. At the forward (the DNAT to the target
+//! installed first) or at the unlock it removes the rule, then accepts every held SYN:
+//! each continues from the hook after the rule, meets conntrack and the node's NAT
+//! rules as they are then, and reaches the target (or the source again after a
+//! rollback) at once.
+//!
+//! The kernel fact this rests on, proven on this machine's kernel by
+//! `tests/synhold.rs`: a SYN queued in raw PREROUTING and accepted after a nat chain was
+//! added meets that chain (the connection answers from the target within the hold).
+//!
+//! Failure modes, all of them the behaviour without the hold: the queue is full
+//! (`NFQA_CFG_F_FAIL_OPEN`: the SYN goes on to the locked link), nobody is bound (the
+//! rule's `--queue-bypass`), the socket closes (the kernel drops what it held; the
+//! clients retransmit).
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
+    setsockopt, socket, sockopt,
+};
+
+const NFNL_SUBSYS_QUEUE: u16 = 3;
+const NFQNL_MSG_PACKET: u16 = 0;
+const NFQNL_MSG_VERDICT: u16 = 1;
+const NFQNL_MSG_CONFIG: u16 = 2;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLMSG_ERROR: u16 = 2;
+
+const NFQA_PACKET_HDR: u16 = 1;
+const NFQA_VERDICT_HDR: u16 = 2;
+const NFQA_CFG_CMD: u16 = 1;
+const NFQA_CFG_PARAMS: u16 = 2;
+const NFQA_CFG_MASK: u16 = 4;
+const NFQA_CFG_FLAGS: u16 = 5;
+const NFQNL_CFG_CMD_BIND: u8 = 1;
+const NFQNL_COPY_META: u8 = 1;
+const NFQA_CFG_F_FAIL_OPEN: u32 = 1;
+const NF_ACCEPT: u32 = 1;
+
+const NLMSG_HDRLEN: usize = 16;
+const NFGEN_HDRLEN: usize = 4;
+
+/// One netfilter attribute, padded to 4 bytes.
+fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
+    let len = 4 + payload.len();
+    let mut out = Vec::with_capacity(len.next_multiple_of(4));
+    out.extend_from_slice(&u16::try_from(len).expect("a small attribute").to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(payload);
+    out.resize(len.next_multiple_of(4), 0);
+    out
+}
+
+/// A queue message (`kind`: config or verdict) for queue `num`.
+fn message(kind: u16, flags: u16, num: u16, attrs: &[Vec<u8>]) -> Vec<u8> {
+    let body: Vec<u8> = attrs.concat();
+    let len = NLMSG_HDRLEN + NFGEN_HDRLEN + body.len();
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(&u32::try_from(len).expect("a small message").to_ne_bytes());
+    out.extend_from_slice(&((NFNL_SUBSYS_QUEUE << 8) | kind).to_ne_bytes());
+    out.extend_from_slice(&flags.to_ne_bytes());
+    out.extend_from_slice(&0u32.to_ne_bytes()); // sequence
+    out.extend_from_slice(&0u32.to_ne_bytes()); // port: the kernel
+    out.push(libc::AF_UNSPEC as u8);
+    out.push(0); // NFNETLINK_V0
+    out.extend_from_slice(&num.to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The configuration messages that bind queue `num` to this socket, copying the
+/// packets' metadata only, failing open when the queue is full.
+fn bind_messages(num: u16) -> [Vec<u8>; 2] {
+    // pf is ignored by kernels since 3.8; AF_INET for older ones.
+    let mut cmd = vec![NFQNL_CFG_CMD_BIND, 0];
+    cmd.extend_from_slice(&(libc::AF_INET as u16).to_be_bytes());
+    let mut params = 0u32.to_be_bytes().to_vec(); // copy range: none
+    params.push(NFQNL_COPY_META);
+    let flags = NFQA_CFG_F_FAIL_OPEN.to_be_bytes();
+    let ack = NLM_F_REQUEST | NLM_F_ACK;
+    [
+        message(NFQNL_MSG_CONFIG, ack, num, &[attr(NFQA_CFG_CMD, &cmd)]),
+        message(
+            NFQNL_MSG_CONFIG,
+            ack,
+            num,
+            &[
+                attr(NFQA_CFG_PARAMS, &params),
+                attr(NFQA_CFG_FLAGS, &flags),
+                attr(NFQA_CFG_MASK, &flags),
+            ],
+        ),
+    ]
+}
+
+/// The verdict that lets packet `id` of queue `num` go on.
+fn accept_message(num: u16, id: u32) -> Vec<u8> {
+    let mut v = NF_ACCEPT.to_be_bytes().to_vec();
+    v.extend_from_slice(&id.to_be_bytes());
+    message(
+        NFQNL_MSG_VERDICT,
+        NLM_F_REQUEST,
+        num,
+        &[attr(NFQA_VERDICT_HDR, &v)],
+    )
+}
+
+/// What one datagram from the kernel says, message by message.
+#[derive(Debug, PartialEq, Eq)]
+enum Incoming {
+    /// A queued packet's id.
+    Packet(u32),
+    /// An acknowledgement (0) or an error (a negative errno).
+    Ack(i32),
+    Other,
+}
+
+fn parse(mut buf: &[u8]) -> Vec<Incoming> {
+    let mut out = Vec::new();
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes(buf[0..4].try_into().expect("4 bytes")) as usize;
+        let kind = u16::from_ne_bytes(buf[4..6].try_into().expect("2 bytes"));
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            break;
+        }
+        let payload = &buf[NLMSG_HDRLEN..len];
+        out.push(if kind == NLMSG_ERROR && payload.len() >= 4 {
+            Incoming::Ack(i32::from_ne_bytes(
+                payload[0..4].try_into().expect("4 bytes"),
+            ))
+        } else if kind == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET
+            && payload.len() >= NFGEN_HDRLEN
+        {
+            packet_id(&payload[NFGEN_HDRLEN..]).map_or(Incoming::Other, Incoming::Packet)
+        } else {
+            Incoming::Other
+        });
+        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
+    }
+    out
+}
+
+/// The id in a packet message's `NFQA_PACKET_HDR` (id, hw protocol, hook).
+fn packet_id(mut attrs: &[u8]) -> Option<u32> {
+    while attrs.len() >= 4 {
+        let len = u16::from_ne_bytes(attrs[0..2].try_into().ok()?) as usize;
+        let kind = u16::from_ne_bytes(attrs[2..4].try_into().ok()?) & 0x7fff;
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if kind == NFQA_PACKET_HDR && len >= 8 {
+            return Some(u32::from_be_bytes(attrs[4..8].try_into().ok()?));
+        }
+        attrs = &attrs[len.next_multiple_of(4).min(attrs.len())..];
+    }
+    None
+}
+
+/// A bound queue and the packets it holds.
+#[derive(Debug)]
+pub struct Queue {
+    sock: OwnedFd,
+    num: u16,
+    held: Vec<u32>,
+}
+
+impl Queue {
+    /// Binds queue `num` (`EBUSY`: another process has it).
+    pub fn bind(num: u16) -> io::Result<Queue> {
+        let sock = socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkNetFilter,
+        )?;
+        bind(sock.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
+        // The kernel's answers to a burst of SYNs must not be lost to a small buffer.
+        setsockopt(&sock, sockopt::RcvBuf, &(1 << 20))?;
+        let q = Queue {
+            sock,
+            num,
+            held: Vec::new(),
+        };
+        for m in bind_messages(num) {
+            send(q.sock.as_raw_fd(), &m, MsgFlags::empty())?;
+            q.acked()?;
+        }
+        Ok(q)
+    }
+
+    pub fn num(&self) -> u16 {
+        self.num
+    }
+
+    /// How many packets it holds.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    fn acked(&self) -> io::Result<()> {
+        setsockopt(
+            &self.sock,
+            sockopt::ReceiveTimeout,
+            &timeval(Duration::from_secs(2)),
+        )?;
+        let mut buf = vec![0u8; 8192];
+        loop {
+            let n = recv(self.sock.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+            for m in parse(&buf[..n]) {
+                match m {
+                    Incoming::Ack(0) => return Ok(()),
+                    Incoming::Ack(e) => return Err(io::Error::from_raw_os_error(-e)),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Takes what the kernel queued within `wait` (at least one read), holding it.
+    pub fn take(&mut self, wait: Duration) -> io::Result<usize> {
+        let until = Instant::now() + wait;
+        let mut buf = vec![0u8; 65536];
+        let mut taken = 0;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let t = timeval(left.max(Duration::from_millis(1)));
+            setsockopt(&self.sock, sockopt::ReceiveTimeout, &t)?;
+            match recv(self.sock.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                Ok(n) => {
+                    for m in parse(&buf[..n]) {
+                        if let Incoming::Packet(id) = m {
+                            self.held.push(id);
+                            taken += 1;
+                        }
+                    }
+                }
+                Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+            if Instant::now() >= until {
+                return Ok(taken);
+            }
+        }
+    }
+
+    /// Lets every held packet go on, in the order they came. Returns how many.
+    pub fn release(&mut self) -> io::Result<usize> {
+        let ids = std::mem::take(&mut self.held);
+        for (i, id) in ids.iter().enumerate() {
+            if let Err(e) = send(
+                self.sock.as_raw_fd(),
+                &accept_message(self.num, *id),
+                MsgFlags::empty(),
+            ) {
+                self.held = ids[i..].to_vec();
+                return Err(e.into());
+            }
+        }
+        Ok(ids.len())
+    }
+}
+
+fn timeval(d: Duration) -> nix::sys::time::TimeVal {
+    nix::sys::time::TimeVal::new(
+        i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        i64::from(d.subsec_micros()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_names_the_queue_the_packet_and_accept() {
+        let m = accept_message(0x1234, 0xdead_beef);
+        assert_eq!(m.len(), 16 + 4 + 12);
+        assert_eq!(
+            u32::from_ne_bytes(m[0..4].try_into().unwrap()) as usize,
+            m.len()
+        );
+        assert_eq!(u16::from_ne_bytes(m[4..6].try_into().unwrap()), 0x0301);
+        assert_eq!(&m[18..20], &[0x12, 0x34], "the queue, big-endian");
+        assert_eq!(&m[24..28], &NF_ACCEPT.to_be_bytes());
+        assert_eq!(&m[28..32], &0xdead_beef_u32.to_be_bytes());
+    }
+
+    #[test]
+    fn binding_asks_for_metadata_only_and_fails_open() {
+        let [cmd, params] = bind_messages(7);
+        assert_eq!(cmd[20 + 4], NFQNL_CFG_CMD_BIND);
+        // Every message asks for an acknowledgement.
+        for m in [&cmd, &params] {
+            assert_eq!(
+                u16::from_ne_bytes(m[6..8].try_into().unwrap()),
+                NLM_F_REQUEST | NLM_F_ACK
+            );
+        }
+        // PARAMS: range 0, mode META (5 bytes, padded to 8, attribute 12).
+        assert_eq!(&params[24..29], &[0, 0, 0, 0, NFQNL_COPY_META]);
+        assert_eq!(&params[32 + 4..32 + 8], &NFQA_CFG_F_FAIL_OPEN.to_be_bytes());
+    }
+
+    fn packet_message(id: u32) -> Vec<u8> {
+        let mut hdr = id.to_be_bytes().to_vec();
+        hdr.extend_from_slice(&[0x08, 0x00, 0]);
+        message(
+            NFQNL_MSG_PACKET,
+            0,
+            7,
+            &[attr(9, b"x"), attr(NFQA_PACKET_HDR, &hdr)],
+        )
+    }
+
+    #[test]
+    fn a_datagram_of_packets_and_an_error_reads_as_such() {
+        let mut d = packet_message(5);
+        d.extend(packet_message(6));
+        let mut err = Vec::new();
+        err.extend_from_slice(&(NLMSG_HDRLEN as u32 + 4).to_ne_bytes());
+        err.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        err.extend_from_slice(&[0; 10]);
+        err.extend_from_slice(&(-16i32).to_ne_bytes());
+        d.extend(err);
+        assert_eq!(
+            parse(&d),
+            vec![Incoming::Packet(5), Incoming::Packet(6), Incoming::Ack(-16)]
+        );
+        // Truncated or garbage: nothing read past it, no panic.
+        assert_eq!(parse(&d[..10]), vec![]);
+        assert_eq!(parse(&[0xff; 40]), vec![]);
+    }
+}
