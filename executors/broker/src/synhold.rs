@@ -273,6 +273,96 @@ impl Queue {
     }
 }
 
+/// What a hold sends to its queue: new TCP connections (SYN without ACK) to these
+/// addresses, and to these Service addresses and ports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub addresses: Vec<std::net::IpAddr>,
+    pub services: Vec<(std::net::IpAddr, u16)>,
+}
+
+/// The raw table's chain of migration `uid`'s hold (iptables' names are at most 28
+/// characters; a migration UID's first 20 tell migrations apart on one node).
+pub fn chain_name(uid: &podmotion_wire::ids::MigrationUid) -> String {
+    let u: String = uid.as_str().chars().take(20).collect();
+    format!("pm-hold-{u}")
+}
+
+/// The iptables commands (program, arguments) that install a hold of `held` to queue
+/// `num` in chain `chain` of the raw table — before conntrack, so a released SYN is a
+/// new connection to the NAT rules as they are then — jumped to from PREROUTING (clients
+/// on other nodes, this node's pods) and OUTPUT (the node itself), per family.
+/// `--queue-bypass`: with nobody bound to the queue, the SYN goes on as without the hold.
+pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str, Vec<String>)> {
+    let mut out = Vec::new();
+    for (prog, v4) in [("iptables", true), ("ip6tables", false)] {
+        let addrs: Vec<_> = held
+            .addresses
+            .iter()
+            .filter(|a| a.is_ipv4() == v4)
+            .collect();
+        let svcs: Vec<_> = held
+            .services
+            .iter()
+            .filter(|(a, _)| a.is_ipv4() == v4)
+            .collect();
+        if addrs.is_empty() && svcs.is_empty() {
+            continue;
+        }
+        let args = |rest: &[&str]| -> Vec<String> {
+            ["-w", "-t", "raw"]
+                .iter()
+                .chain(rest)
+                .map(|s| s.to_string())
+                .collect()
+        };
+        let num = num.to_string();
+        let rule = |dest: String, port: Option<String>| {
+            let mut r = vec!["-A".to_string(), chain.into(), "-d".into(), dest];
+            r.extend(["-p", "tcp"].map(String::from));
+            if let Some(p) = port {
+                r.extend(["--dport".to_string(), p]);
+            }
+            r.extend(["--syn", "-j", "NFQUEUE", "--queue-bypass", "--queue-num"].map(String::from));
+            r.push(num.clone());
+            let refs: Vec<&str> = r.iter().map(String::as_str).collect();
+            args(&refs)
+        };
+        out.push((prog, args(&["-N", chain])));
+        for a in addrs {
+            out.push((prog, rule(a.to_string(), None)));
+        }
+        for (a, port) in svcs {
+            out.push((prog, rule(a.to_string(), Some(port.to_string()))));
+        }
+        for hook in ["PREROUTING", "OUTPUT"] {
+            out.push((prog, args(&["-I", hook, "-j", chain])));
+        }
+    }
+    out
+}
+
+/// The commands that remove chain `chain` from both families, each allowed to fail (a
+/// family it was never in, a second removal): the jumps first, then the chain.
+pub fn remove_commands(chain: &str) -> Vec<(&'static str, Vec<String>)> {
+    let mut out = Vec::new();
+    for prog in ["iptables", "ip6tables"] {
+        let args = |rest: &[&str]| -> Vec<String> {
+            ["-w", "-t", "raw"]
+                .iter()
+                .chain(rest)
+                .map(|s| s.to_string())
+                .collect()
+        };
+        for hook in ["PREROUTING", "OUTPUT"] {
+            out.push((prog, args(&["-D", hook, "-j", chain])));
+        }
+        out.push((prog, args(&["-F", chain])));
+        out.push((prog, args(&["-X", chain])));
+    }
+    out
+}
+
 fn timeval(d: Duration) -> nix::sys::time::TimeVal {
     nix::sys::time::TimeVal::new(
         i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
@@ -312,6 +402,52 @@ mod tests {
         // PARAMS: range 0, mode META (5 bytes, padded to 8, attribute 12).
         assert_eq!(&params[24..29], &[0, 0, 0, 0, NFQNL_COPY_META]);
         assert_eq!(&params[32 + 4..32 + 8], &NFQA_CFG_F_FAIL_OPEN.to_be_bytes());
+    }
+
+    fn joined(c: &[(&str, Vec<String>)]) -> Vec<String> {
+        c.iter()
+            .map(|(p, a)| format!("{p} {}", a.join(" ")))
+            .collect()
+    }
+
+    #[test]
+    fn a_hold_queues_syns_to_the_sources_addresses_and_services_before_conntrack() {
+        let held = Held {
+            addresses: vec!["198.18.1.5".parse().unwrap(), "fd00::5".parse().unwrap()],
+            services: vec![("198.19.0.10".parse().unwrap(), 80)],
+        };
+        let c = joined(&install_commands("pm-hold-x", &held, 7));
+        let q = "-p tcp --syn -j NFQUEUE --queue-bypass --queue-num 7";
+        assert_eq!(
+            c,
+            vec![
+                "iptables -w -t raw -N pm-hold-x".to_string(),
+                format!("iptables -w -t raw -A pm-hold-x -d 198.18.1.5 {q}"),
+                format!(
+                    "iptables -w -t raw -A pm-hold-x -d 198.19.0.10 -p tcp --dport 80 --syn -j NFQUEUE --queue-bypass --queue-num 7"
+                ),
+                "iptables -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
+                "iptables -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
+                "ip6tables -w -t raw -N pm-hold-x".to_string(),
+                format!("ip6tables -w -t raw -A pm-hold-x -d fd00::5 {q}"),
+                "ip6tables -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
+                "ip6tables -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
+            ]
+        );
+        // The jumps go before the chain, in both families.
+        let r = joined(&remove_commands("pm-hold-x"));
+        assert_eq!(r.len(), 8);
+        assert!(r[0].ends_with("-D PREROUTING -j pm-hold-x") && r[3].ends_with("-X pm-hold-x"));
+        assert!(r[4].starts_with("ip6tables"));
+    }
+
+    #[test]
+    fn a_hold_chain_is_an_iptables_name_of_its_migration() {
+        let uid = podmotion_wire::ids::MigrationUid::parse("226e6566-e9e9-43c3-ab93-e7d805a91b05")
+            .unwrap();
+        let c = chain_name(&uid);
+        assert_eq!(c, "pm-hold-226e6566-e9e9-43c3-a");
+        assert!(c.len() <= 28, "{c}");
     }
 
     fn packet_message(id: u32) -> Vec<u8> {

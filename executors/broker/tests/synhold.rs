@@ -27,13 +27,14 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use nix::sched::{CloneFlags, setns};
-use podmotion_broker::synhold::Queue;
+use podmotion_broker::synhold::{Held, Queue, install_commands, remove_commands};
 use support::{require_root, sh};
 
 const NETNS: [&str; 4] = ["pmsh-node", "pmsh-src", "pmsh-tgt", "pmsh-cli"];
 const SOURCE: &str = "198.18.241.30";
 const TARGET: &str = "198.18.242.30";
 const QUEUE: u16 = 0x5eed;
+const CHAIN: &str = "pm-hold-test";
 
 struct Namespaces;
 
@@ -95,11 +96,14 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
             .unwrap();
     });
     // Locked: the source's link is down. The hold: its new connections to the queue.
-    sh(&format!(
-        "ip -n pmsh-src link set eth0 down\n\
-         ip netns exec pmsh-node iptables-legacy -t raw -A PREROUTING -d {SOURCE} -p tcp --syn \
-         -j NFQUEUE --queue-num {QUEUE} --queue-bypass"
-    ));
+    sh("ip -n pmsh-src link set eth0 down");
+    let held = Held {
+        addresses: vec![SOURCE.parse().unwrap()],
+        services: vec![],
+    };
+    for (prog, args) in install_commands(CHAIN, &held, QUEUE) {
+        run_in_node(prog, &args, true);
+    }
     let (bound_tx, bound) = mpsc::channel();
     let node = in_netns("pmsh-node", move || {
         let mut q = Queue::bind(QUEUE).unwrap();
@@ -119,10 +123,10 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
                }}\n\
              }}\nEOF"
         ));
-        sh(&format!(
-            "ip netns exec pmsh-node iptables-legacy -t raw -D PREROUTING -d {SOURCE} -p tcp \
-             --syn -j NFQUEUE --queue-num {QUEUE} --queue-bypass"
-        ));
+        for (prog, args) in remove_commands(CHAIN) {
+            // ip6tables' half was never installed.
+            run_in_node(prog, &args, prog == "iptables");
+        }
         q.release().unwrap()
     });
     bound.recv().unwrap();
@@ -161,4 +165,19 @@ fn retrans_segs(snmp: &str) -> u64 {
         .position(|n| n == "RetransSegs")
         .unwrap();
     values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
+
+/// Runs `prog args` in the test's node namespace; `must`: its failure fails the test.
+fn run_in_node(prog: &str, args: &[String], must: bool) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", "pmsh-node", prog])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() || !must,
+        "{prog} {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
