@@ -45,6 +45,21 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use crate::os::Kernel;
+use crate::synhold::{self, End, Held, Hold};
+
+/// The Services a lock's hold names: unicast addresses of pods' or Services' kinds only
+/// (the forward's own check), refused before anything is locked.
+pub(crate) fn check_held_services(services: &[ForwardedService]) -> Result<(), BrokerError> {
+    for s in services {
+        if let Some(why) = never_a_pods(s.address) {
+            return Err(err(
+                ErrorKind::AddressNotAllowed,
+                format!("service address {} is {why}: never held", s.address),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Where the forwarding rules go relative to kube-proxy's (nat, dstnat = -100).
 pub const DNAT_PRIORITY: i32 = -110;
@@ -228,6 +243,8 @@ impl<K: Kernel> Broker<K> {
             return Err(kerr(e));
         }
         tracing::info!(%uid, rules = f.dnat_rules().len(), "new connections to the locked source go to its target");
+        // The DNAT is in: the SYNs held since the lock meet it.
+        self.end_hold(uid, s, End::Release);
         Ok(Reply::Done)
     }
 
@@ -253,6 +270,60 @@ impl<K: Kernel> Broker<K> {
     pub(crate) fn end_forward_logged(&self, uid: &MigrationUid, s: &mut State) {
         if let Err(e) = self.end_forward(uid, s) {
             tracing::warn!(%uid, error = %e, "forward of new connections not removed yet");
+        }
+    }
+
+    /// At the lock, with forwarding on: new connections to the source's staying
+    /// addresses and to `services` wait in a queue of the node's ([`crate::synhold`])
+    /// instead of being dropped at the locked links. A hold that cannot start is
+    /// logged and the lock goes on without it (the clients retransmit, as before).
+    pub(crate) fn hold_new_connections(
+        &self,
+        uid: &MigrationUid,
+        staying: &[IpAddr],
+        services: &[ForwardedService],
+    ) -> Option<Hold> {
+        if !self.cfg.forward_new_connections {
+            return None;
+        }
+        let held = Held {
+            addresses: staying.to_vec(),
+            services: services.iter().map(|s| (s.address, s.port)).collect(),
+        };
+        if held.addresses.is_empty() && held.services.is_empty() {
+            return None;
+        }
+        match self.kernel.hold_syns(synhold::chain_name(uid), held) {
+            Ok(h) => {
+                tracing::info!(%uid, "lock: new connections to the source wait in the node's queue");
+                Some(h)
+            }
+            Err(e) => {
+                tracing::warn!(%uid, error = %e, "lock: new connections not held (dropped at the lock, retransmitted)");
+                None
+            }
+        }
+    }
+
+    /// Ends the migration's hold, if any: its SYNs released or dropped.
+    pub(crate) fn end_hold(&self, uid: &MigrationUid, s: &mut State, how: End) {
+        let Some(h) = s.hold.take() else {
+            return;
+        };
+        match h.end(how) {
+            Ok(n) => tracing::info!(%uid, ?how, released = n, "hold of new connections ended"),
+            Err(e) => tracing::warn!(%uid, ?how, error = %e, "hold of new connections ended badly"),
+        }
+    }
+
+    /// At start: removes every hold a previous broker process left.
+    pub(crate) fn recover_holds(&self) {
+        match self.kernel.recover_holds() {
+            Ok(c) if c.is_empty() => {}
+            Ok(c) => {
+                tracing::warn!(chains = ?c, "a previous broker left these holds of new connections: removed")
+            }
+            Err(e) => tracing::warn!(error = %e, "holds of a previous broker not looked for"),
         }
     }
 

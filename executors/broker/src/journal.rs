@@ -58,6 +58,7 @@ impl<K: Kernel> Broker<K> {
         // First: a source rolled back below answers its clients again, and none of
         // its new connections may still go to the target.
         self.recover_forwards();
+        self.recover_holds();
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
         for (name, path) in self.kernel.read_dir(&dir) {

@@ -157,6 +157,10 @@ struct State {
     staying: Vec<std::net::IpAddr>,
     /// `forward_connections`' table is in the node (journalled).
     forwarding: bool,
+    /// The lock's hold of new connections ([`synhold`]), with forwarding on: until the
+    /// forward (released to it), the unlock (released to the source after a rollback,
+    /// dropped before a commit's kill) or the registration's end (dropped).
+    hold: Option<synhold::Hold>,
 }
 
 #[derive(Debug, Clone)]
@@ -334,6 +338,7 @@ impl<K: Kernel> Broker<K> {
     /// gone, out of the map (unless the map already holds a newer one).
     fn remove(&self, uid: &MigrationUid, e: &Arc<Entry>, s: &mut State) {
         self.end_forward_logged(uid, s);
+        self.end_hold(uid, s, synhold::End::Drop);
         self.journal_remove(uid);
         self.release_neighbours(std::mem::take(&mut s.held));
         s.sweep = None;
@@ -722,7 +727,10 @@ mod tests {
         let uid = MigrationUid::parse("2d4e6f80-9a1b-4c3d-8e5f-60718293a4b5").unwrap();
         let t = std::time::Instant::now();
         let e = c
-            .call(&Request::LockNetwork { uid: uid.clone() })
+            .call(&Request::LockNetwork {
+                uid: uid.clone(),
+                services: vec![],
+            })
             .unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         assert!(
@@ -735,7 +743,10 @@ mod tests {
         server.read_to_end(&mut req).unwrap();
         assert_eq!(
             req,
-            encode_frame(&Request::LockNetwork { uid: uid.clone() })
+            encode_frame(&Request::LockNetwork {
+                uid: uid.clone(),
+                services: vec![]
+            })
         );
         // Its late answer is not taken as the next call's.
         let _ = server.write_all(&encode_frame(&Response::Ok(Reply::Done)));

@@ -1,6 +1,7 @@
 //! The ops: `Broker::handle` and one method per request, each under its migration's
 //! lock (see `Entries` in the crate root for the locking).
 
+use crate::forward::check_held_services;
 use crate::netlock::{addr_lines, lock, unlock};
 use crate::{
     Broker, Entries, Entry, Kernel, State, err, kerr, names_container, release_repair, signal_tree,
@@ -50,9 +51,9 @@ impl<K: Kernel> Broker<K> {
                     self.release_address(uid, e, *address)
                 })
             }
-            Request::LockNetwork { uid } => {
-                self.with_entry(uid, conn, SOURCE, |e, s| self.lock_network(uid, e, s))
-            }
+            Request::LockNetwork { uid, services } => self.with_entry(uid, conn, SOURCE, |e, s| {
+                self.lock_network(uid, e, s, services)
+            }),
             Request::UnlockNetwork { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.unlock_network(uid, e, s))
             }
@@ -207,7 +208,9 @@ impl<K: Kernel> Broker<K> {
         uid: &MigrationUid,
         e: &Entry,
         s: &mut State,
+        services: &[ForwardedService],
     ) -> Result<Reply, BrokerError> {
+        check_held_services(services)?;
         if s.locked.is_none() {
             // What clients send to the pod through a Service while it is locked: their
             // next SYN goes where the Service points then. Its addresses are read
@@ -232,6 +235,7 @@ impl<K: Kernel> Broker<K> {
             }
             s.locked = Some(l);
             s.staying = staying.clone();
+            s.hold = self.hold_new_connections(uid, &staying, services);
             s.sweep = self.forget_unanswered(staying);
         } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
@@ -260,6 +264,14 @@ impl<K: Kernel> Broker<K> {
         }
         // The unlock announced the addresses: what the node held goes to the source.
         self.release_neighbours(std::mem::take(&mut s.held));
+        // The held SYNs: to the source again after a rollback; never to a source
+        // about to be killed (it would reset them; dropped, they are retransmitted).
+        let how = if s.fenced {
+            crate::synhold::End::Drop
+        } else {
+            crate::synhold::End::Release
+        };
+        self.end_hold(uid, s, how);
         self.journal_remove(uid);
         Ok(Reply::Done)
     }
@@ -405,6 +417,7 @@ impl<K: Kernel> Broker<K> {
         s.killed = true;
         // The commit's kill: the Service no longer lists the source.
         self.end_forward_logged(uid, s);
+        self.end_hold(uid, s, crate::synhold::End::Drop);
         self.journal_remove(uid);
         Ok(Reply::Done)
     }

@@ -134,6 +134,17 @@ pub trait Kernel: Send + Sync + 'static {
     /// [`SWEEP_AT_MOST`]), the node's conntrack entries of TCP
     /// connections to `addrs` that never got an answer; in the background.
     fn sweep_unanswered(&self, addrs: Vec<std::net::IpAddr>, flag: SweepFlag, every: Duration);
+    /// Starts holding, in the node's network namespace, the new TCP connections `held`
+    /// names in raw-table chain `chain` ([`crate::synhold`]); returns once the rules
+    /// are in, or fails leaving none.
+    fn hold_syns(
+        &self,
+        chain: String,
+        held: crate::synhold::Held,
+    ) -> std::io::Result<crate::synhold::Hold>;
+    /// Removes every hold chain of the node (a previous broker process's, at start);
+    /// their names.
+    fn recover_holds(&self) -> std::io::Result<Vec<String>>;
     fn now(&self) -> Instant;
     /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
     /// deadlines, which must survive a broker restart).
@@ -464,6 +475,18 @@ impl Kernel for RealKernel {
                 }
             }
         });
+    }
+
+    fn hold_syns(
+        &self,
+        chain: String,
+        held: crate::synhold::Held,
+    ) -> std::io::Result<crate::synhold::Hold> {
+        crate::synhold::start(procfs::node_netns_pid()?, chain, held)
+    }
+
+    fn recover_holds(&self) -> std::io::Result<Vec<String>> {
+        crate::synhold::recover(procfs::node_netns_pid()?)
     }
 
     fn now(&self) -> Instant {

@@ -363,6 +363,182 @@ pub fn remove_commands(chain: &str) -> Vec<(&'static str, Vec<String>)> {
     out
 }
 
+/// How a hold ends: its SYNs let go on (to the forward, or the source again after a
+/// rollback), or dropped (the clients retransmit, as without the hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    Release,
+    Drop,
+}
+
+type Ender = Box<dyn FnOnce(End) -> io::Result<usize> + Send>;
+
+/// A running hold. [`Hold::end`] ends it (its rule removed first, then the held SYNs
+/// released or dropped); dropping it is [`End::Drop`].
+pub struct Hold {
+    chain: String,
+    ender: Option<Ender>,
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hold").field("chain", &self.chain).finish()
+    }
+}
+
+impl Hold {
+    /// A hold of chain `chain` that `ender` ends (the kernel layer's).
+    pub fn new(
+        chain: String,
+        ender: impl FnOnce(End) -> io::Result<usize> + Send + 'static,
+    ) -> Hold {
+        Hold {
+            chain,
+            ender: Some(Box::new(ender)),
+        }
+    }
+
+    /// Ends the hold; the number of SYNs released.
+    pub fn end(mut self, how: End) -> io::Result<usize> {
+        let ender = self.ender.take().expect("a hold ends once");
+        ender(how)
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(ender) = self.ender.take()
+            && let Err(e) = ender(End::Drop)
+        {
+            tracing::warn!(chain = %self.chain, error = %e, "hold of new connections not ended cleanly");
+        }
+    }
+}
+
+/// The queue numbers the broker's holds use (one per held migration on a node).
+const QUEUE_BASE: u16 = 0x7a00;
+const QUEUES: u16 = 256;
+/// How often the holding thread looks whether it was told to end.
+const TAKE_EVERY: Duration = Duration::from_millis(20);
+/// A hold never outlives this (the lock's own sweep has the same bound): its SYNs are
+/// dropped then, as without it.
+pub const HOLD_AT_MOST: Duration = Duration::from_secs(600);
+
+/// Binds the first free queue of the broker's range.
+fn bind_free() -> io::Result<Queue> {
+    let mut last = None;
+    for n in QUEUE_BASE..QUEUE_BASE + QUEUES {
+        match Queue::bind(n) {
+            Ok(q) => return Ok(q),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("no free queue")))
+}
+
+/// Runs each command; `must`: the first failure is returned.
+fn run_all(cmds: &[(&'static str, Vec<String>)], must: bool) -> io::Result<()> {
+    for (prog, args) in cmds {
+        let out = std::process::Command::new(prog).args(args).output()?;
+        if must && !out.status.success() {
+            return Err(io::Error::other(format!(
+                "{prog} {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Starts holding `held` in the network namespace of `netns_pid` (the node's): a
+/// thread of its own enters it, binds a queue, installs the chain and takes what comes
+/// until the hold ends. Returns once the rules are in (or failed, leaving nothing).
+pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
+    let ns = std::fs::File::open(format!("/proc/{netns_pid}/ns/net"))?;
+    let (ready_tx, ready) = std::sync::mpsc::channel::<io::Result<()>>();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<End>();
+    let (done_tx, done) = std::sync::mpsc::channel::<io::Result<usize>>();
+    let c = chain.clone();
+    std::thread::spawn(move || {
+        let setup = || -> io::Result<Queue> {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let q = bind_free()?;
+            if let Err(e) = run_all(&install_commands(&c, &held, q.num()), true) {
+                let _ = run_all(&remove_commands(&c), false);
+                return Err(e);
+            }
+            Ok(q)
+        };
+        let mut q = match setup() {
+            Ok(q) => q,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = ready_tx.send(Ok(()));
+        let started = Instant::now();
+        let how = loop {
+            if let Err(e) = q.take(TAKE_EVERY) {
+                tracing::warn!(chain = %c, error = %e, "hold: reading the queue");
+            }
+            match end_rx.try_recv() {
+                Ok(how) => break how,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => break End::Drop,
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+            if started.elapsed() > HOLD_AT_MOST {
+                break End::Drop;
+            }
+        };
+        // The rule first (a SYN released past a rule still in place can meet it
+        // again), then what came meanwhile, then the verdicts.
+        let removed = run_all(&remove_commands(&c), false);
+        let _ = q.take(Duration::from_millis(1));
+        let r = removed.and_then(|()| match how {
+            End::Release => q.release(),
+            End::Drop => Ok(0),
+        });
+        drop(q);
+        let _ = done_tx.send(r);
+    });
+    ready
+        .recv()
+        .map_err(|_| io::Error::other("hold thread ended"))??;
+    Ok(Hold::new(chain, move |how| {
+        let _ = end_tx.send(how);
+        done.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| io::Error::other("hold thread did not answer"))?
+    }))
+}
+
+/// The hold chains the raw tables of the namespace of `netns_pid` hold (a previous
+/// broker's, at start), removed; their names.
+pub fn recover(netns_pid: i32) -> io::Result<Vec<String>> {
+    crate::kernel::in_netns(netns_pid, || {
+        let mut found = Vec::new();
+        for prog in ["iptables", "ip6tables"] {
+            let out = std::process::Command::new(prog)
+                .args(["-w", "-t", "raw", "-S"])
+                .output()?;
+            for l in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Some(c) = l.strip_prefix("-N ")
+                    && c.starts_with("pm-hold-")
+                    && !found.iter().any(|f| f == c)
+                {
+                    found.push(c.to_string());
+                }
+            }
+        }
+        for c in &found {
+            run_all(&remove_commands(c), false)?;
+        }
+        Ok(found)
+    })
+}
+
 fn timeval(d: Duration) -> nix::sys::time::TimeVal {
     nix::sys::time::TimeVal::new(
         i64::try_from(d.as_secs()).unwrap_or(i64::MAX),

@@ -104,8 +104,11 @@ fn a_locked_pod_s_unanswered_connections_are_forgotten_until_its_unlock() {
         container: container(),
     })
     .expect("the holder registers as a source");
-    c.call(&Request::LockNetwork { uid: uid.clone() })
-        .expect("lock");
+    c.call(&Request::LockNetwork {
+        uid: uid.clone(),
+        services: vec![],
+    })
+    .expect("lock");
 
     // Two clients nobody answers: one to the locked pod, one to an address nobody has.
     syn(POD);

@@ -62,7 +62,14 @@ fn a_committed_source_migration_locks_lists_releases_and_kills_only_its_tree() {
         })
     );
     assert_eq!(
-        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        req(
+            &mut h,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![]
+            }
+        ),
         Ok(Reply::Done)
     );
     assert_eq!(links_up(&h, 10), ["lo"]);
@@ -158,7 +165,15 @@ fn the_sources_sockets_are_listed_by_their_addresses_each_once() {
 fn an_agent_lost_mid_dump_leaves_the_source_running_and_its_network_as_it_was() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::Dump { pid: 101 });
     ev(&mut h, Op::DetachOnSleep(true));
     ev(&mut h, Op::LeaseLost { conn: 1 });
@@ -179,7 +194,15 @@ fn h_baseline(n: u32) -> podmotion_broker::fake::Net {
 fn a_restarted_broker_rolls_back_the_source_its_predecessor_left_locked() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::Dump { pid: 101 });
     ev(&mut h, Op::Detach { pid: 101 });
     ev(&mut h, Op::Restart);
@@ -279,7 +302,14 @@ fn a_process_is_registered_only_under_its_own_container() {
     );
     assert_eq!(h.broker().registrations(), 0);
     assert_eq!(
-        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        req(
+            &mut h,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![]
+            }
+        ),
         Err(ErrorKind::NotRegistered)
     );
     // Under its own container it registers; again with the same container is a no-op,
@@ -428,7 +458,14 @@ fn a_lock_that_fails_half_way_leaves_no_link_down() {
     // The 6th ip call of the lock (the second link's `set down`) fails.
     ev(&mut h, Op::Fault(Fault::Ip(5)));
     assert_eq!(
-        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        req(
+            &mut h,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![]
+            }
+        ),
         Err(ErrorKind::Kernel)
     );
     assert_eq!(links_up(&h, 10), ["eth0", "lo", "pm0"]);
@@ -440,7 +477,15 @@ fn a_lock_that_fails_half_way_leaves_no_link_down() {
 fn a_failed_unlock_or_forget_keeps_what_is_needed_to_undo_the_lock() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::Fault(Fault::Ip(0)));
     assert_eq!(
         req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
@@ -494,13 +539,27 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
     );
     ev(&mut h, Op::Fault(Fault::Ip(7)));
     assert_eq!(
-        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        req(
+            &mut h,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![]
+            }
+        ),
         Err(ErrorKind::UnsafePath)
     );
     assert_eq!(links_up(&h, 10), ["lo"], "the undo failed: still down");
     // Asking again does not turn the unrecorded lock into a reported one.
     assert_eq!(
-        req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }),
+        req(
+            &mut h,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![]
+            }
+        ),
         Err(ErrorKind::UnsafePath)
     );
     // The broker still knows the lock: forget restores the network.
@@ -514,7 +573,15 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
 /// A source the final dump left stopped and locked, fenced (CRIU detached).
 fn fenced_source(h: &mut Harness) {
     register(h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(h, Op::Dump { pid: 101 });
     ev(h, Op::Detach { pid: 101 });
     assert_eq!(
@@ -611,7 +678,15 @@ fn only_a_frozen_locked_source_can_be_fenced() {
         Err(ErrorKind::WrongRole)
     );
     // Not this connection's migration.
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     assert_eq!(
         req(&mut h, 2, Request::Fence { uid: uid("mig-a") }),
         Err(ErrorKind::Busy)
@@ -654,7 +729,15 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
     ];
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     assert_eq!(announced(&h), [], "nothing is announced while locked");
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(announced(&h), both);
@@ -662,13 +745,29 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(announced(&h), []);
 
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::LeaseLost { conn: 1 });
     assert_eq!(announced(&h), both);
 
     let mut h = Harness::new();
     register(&mut h, 1, "mig-b", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-b") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-b"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::Restart);
     assert_eq!(announced(&h), both);
 }
@@ -679,7 +778,15 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
 fn an_announcement_that_fails_never_fails_the_unlock() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     ev(&mut h, Op::Fault(Fault::Announce));
     assert_eq!(
         req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
@@ -1267,7 +1374,15 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     off.handover_cidrs = Vec::new();
     let mut h = Harness::with_config(off.clone());
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     let all = vec![
         ip("10.0.10.5"),
         ip("10.1.10.5"),
@@ -1285,7 +1400,15 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         }]
     );
     assert_eq!(sweeps_on(&h), [true], "on while locked");
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     // (Each step's effects are its own.)
     assert!(swept(&h).is_empty(), "a second lock starts no second sweep");
     assert_eq!(sweeps_on(&h), [true]);
@@ -1296,7 +1419,15 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     // A registration that ends locked (forgotten) stops its sweep too.
     let mut h = Harness::with_config(off);
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     assert_eq!(sweeps_on(&h), [true]);
     req(&mut h, 1, Request::Forget { uid: uid("mig-a") }).unwrap();
     assert_eq!(sweeps_on(&h), [false], "the registration's end stops it");
@@ -1306,7 +1437,15 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     v4.handover_cidrs = podmotion_broker::handover::parse_cidrs("10.0.0.0/15").unwrap();
     let mut h = Harness::with_config(v4);
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     let mut got = swept(&h);
     got.iter_mut().for_each(|a| a.sort());
     assert_eq!(
@@ -1317,7 +1456,15 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     // All of them moving (the harness's default CIDRs): nothing to forget.
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(&mut h, 1, Request::LockNetwork { uid: uid("mig-a") }).unwrap();
+    req(
+        &mut h,
+        1,
+        Request::LockNetwork {
+            uid: uid("mig-a"),
+            services: vec![],
+        },
+    )
+    .unwrap();
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(swept(&h), Vec::<Vec<std::net::IpAddr>>::new());
     assert!(sweeps_on(&h).is_empty());

@@ -234,8 +234,11 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         container: container(),
     })
     .expect("the holder registers as a source");
-    c.call(&Request::LockNetwork { uid: uid.clone() })
-        .expect("lock");
+    c.call(&Request::LockNetwork {
+        uid: uid.clone(),
+        services: vec![],
+    })
+    .expect("lock");
     c.call(&Request::Fence { uid: uid.clone() }).expect("fence");
     // Locked and not forwarded: nothing answers, through the Service or not.
     assert!(ask(Some(client.0.id()), &src, SHORT).is_err());
@@ -288,8 +291,11 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     assert!(!table_exists(), "the unlock left the forward");
 
     // Forget ends it too.
-    c.call(&Request::LockNetwork { uid: uid.clone() })
-        .expect("lock again");
+    c.call(&Request::LockNetwork {
+        uid: uid.clone(),
+        services: vec![],
+    })
+    .expect("lock again");
     c.call(&Request::Fence { uid: uid.clone() })
         .expect("fence again");
     c.call(&forward()).expect("forward again");
@@ -307,8 +313,11 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         container: container(),
     })
     .expect("register again");
-    c.call(&Request::LockNetwork { uid: uid.clone() })
-        .expect("lock a third time");
+    c.call(&Request::LockNetwork {
+        uid: uid.clone(),
+        services: vec![],
+    })
+    .expect("lock a third time");
     c.call(&Request::Fence { uid: uid.clone() })
         .expect("fence a third time");
     c.call(&forward()).expect("forward a third time");

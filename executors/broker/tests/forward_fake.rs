@@ -68,7 +68,14 @@ fn locked_source(h: &mut Harness) {
     );
     assert!(matches!(r, Ok(Reply::Registered { .. })), "{r:?}");
     assert_eq!(
-        req(h, 1, Request::LockNetwork { uid: uid() }),
+        req(
+            h,
+            1,
+            Request::LockNetwork {
+                uid: uid(),
+                services: vec![]
+            }
+        ),
         Ok(Reply::Done)
     );
     assert_eq!(req(h, 1, Request::Fence { uid: uid() }), Ok(Reply::Done));
@@ -289,4 +296,170 @@ fn a_source_not_fenced_is_not_forwarded() {
         Err(ErrorKind::NotLocked)
     );
     assert_eq!(table(&h), None);
+}
+
+// ---- The lock's hold of new connections (`synhold`): from the lock to the forward.
+
+const CHAIN: &str = "pm-hold-mig-a";
+
+fn lock_with(h: &mut Harness, services: Vec<ForwardedService>) -> Result<Reply, ErrorKind> {
+    req(
+        h,
+        1,
+        Request::LockNetwork {
+            uid: uid(),
+            services,
+        },
+    )
+}
+
+fn registered_source(h: &mut Harness) {
+    let start_time = h.kernel().world().procs[&101].start_time;
+    let container = h.kernel().world().container_of(101);
+    let r = req(
+        h,
+        1,
+        Request::Register {
+            uid: uid(),
+            role: BrokerRole::Source,
+            process: ProcRef {
+                pid: 101,
+                start_time,
+            },
+            container,
+        },
+    );
+    assert!(matches!(r, Ok(Reply::Registered { .. })), "{r:?}");
+}
+
+fn service() -> ForwardedService {
+    ForwardedService {
+        address: "10.96.0.10".parse().unwrap(),
+        port: 80,
+        target_port: 0,
+    }
+}
+
+/// How the hold of `CHAIN` ended, if it did.
+fn hold_end(h: &Harness) -> Option<podmotion_broker::synhold::End> {
+    h.kernel()
+        .world()
+        .effects
+        .iter()
+        .rev()
+        .find_map(|e| match e {
+            podmotion_broker::fake::Effect::HoldEnded { chain, how } if chain == CHAIN => {
+                Some(*how)
+            }
+            _ => None,
+        })
+}
+
+fn holding(h: &Harness) -> Option<podmotion_broker::synhold::Held> {
+    h.kernel().world().holds.get(CHAIN).cloned()
+}
+
+#[test]
+fn a_lock_holds_new_connections_until_the_forward_lets_them_meet_it() {
+    let mut h = harness();
+    registered_source(&mut h);
+    assert_eq!(lock_with(&mut h, vec![service()]), Ok(Reply::Done));
+    let held = holding(&h).expect("the lock holds new connections");
+    let ip = |a: &str| a.parse::<IpAddr>().unwrap();
+    assert!(held.addresses.contains(&ip("10.0.10.5")), "{held:?}");
+    assert_eq!(held.services, vec![(ip("10.96.0.10"), 80)]);
+    assert_eq!(hold_end(&h), None);
+    assert_eq!(
+        req(&mut h, 1, Request::Fence { uid: uid() }),
+        Ok(Reply::Done)
+    );
+    assert_eq!(req(&mut h, 1, forward(&[TARGET])), Ok(Reply::Done));
+    assert!(table(&h).is_some());
+    assert_eq!(holding(&h), None, "the forward ends the hold");
+    assert_eq!(hold_end(&h), Some(podmotion_broker::synhold::End::Release));
+}
+
+#[test]
+fn an_unlock_releases_the_held_to_a_rolled_back_source_and_drops_them_before_a_kill() {
+    use podmotion_broker::synhold::End;
+    for (fenced, expected) in [(false, End::Release), (true, End::Drop)] {
+        let mut h = harness();
+        registered_source(&mut h);
+        assert_eq!(lock_with(&mut h, vec![]), Ok(Reply::Done));
+        if fenced {
+            assert_eq!(
+                req(&mut h, 1, Request::Fence { uid: uid() }),
+                Ok(Reply::Done)
+            );
+        }
+        assert_eq!(
+            req(&mut h, 1, Request::UnlockNetwork { uid: uid() }),
+            Ok(Reply::Done)
+        );
+        assert_eq!(holding(&h), None, "fenced {fenced}");
+        assert_eq!(hold_end(&h), Some(expected), "fenced {fenced}");
+    }
+}
+
+#[test]
+fn kill_forget_a_lost_lease_sigterm_and_a_restart_each_drop_the_hold() {
+    type Ending = (&'static str, fn(&mut Harness));
+    let ends: [Ending; 5] = [
+        ("kill", |h| {
+            assert_eq!(req(h, 1, Request::Kill { uid: uid() }), Ok(Reply::Done));
+        }),
+        ("forget", |h| {
+            assert_eq!(req(h, 1, Request::Forget { uid: uid() }), Ok(Reply::Done));
+        }),
+        ("lease lost", |h| ev(h, Op::LeaseLost { conn: 1 })),
+        ("the broker's stop", |h| {
+            assert_eq!(h.broker().stop(std::time::Duration::ZERO), 1);
+        }),
+        ("a restart", |h| ev(h, Op::Restart)),
+    ];
+    for (what, end) in ends {
+        let mut h = harness();
+        locked_source(&mut h);
+        assert!(holding(&h).is_some(), "{what}");
+        end(&mut h);
+        assert_eq!(holding(&h), None, "{what} left the hold");
+        assert_eq!(
+            hold_end(&h),
+            Some(podmotion_broker::synhold::End::Drop),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn without_forwarding_nothing_is_held_and_a_hostile_service_locks_nothing() {
+    let mut cfg = config();
+    cfg.handover_cidrs = Vec::new();
+    cfg.forward_new_connections = false;
+    let mut h = Harness::with_config(cfg);
+    registered_source(&mut h);
+    assert_eq!(lock_with(&mut h, vec![service()]), Ok(Reply::Done));
+    assert_eq!(holding(&h), None);
+
+    let mut h = harness();
+    registered_source(&mut h);
+    for bad in ["127.0.0.1", "0.0.0.0", "224.0.0.1"] {
+        let s = ForwardedService {
+            address: bad.parse().unwrap(),
+            ..service()
+        };
+        assert_eq!(
+            lock_with(&mut h, vec![s]),
+            Err(ErrorKind::AddressNotAllowed),
+            "{bad}"
+        );
+        assert_eq!(holding(&h), None, "{bad}");
+        let w = h.kernel().world();
+        assert!(
+            !w.effects
+                .iter()
+                .any(|e| matches!(e, podmotion_broker::fake::Effect::LinkDown { .. })),
+            "{bad}: locked"
+        );
+    }
 }

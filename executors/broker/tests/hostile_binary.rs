@@ -1140,7 +1140,11 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         container: container(),
     })
     .unwrap();
-    c.call(&Request::LockNetwork { uid }).unwrap();
+    c.call(&Request::LockNetwork {
+        uid,
+        services: vec![],
+    })
+    .unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
     assert!(!link_up(), "lock_network left the link up");
 
@@ -1216,7 +1220,11 @@ fn terminated_with_a_source_locked(
         container: container(),
     })
     .unwrap();
-    c.call(&Request::LockNetwork { uid }).unwrap();
+    c.call(&Request::LockNetwork {
+        uid,
+        services: vec![],
+    })
+    .unwrap();
     let pid = nix::unistd::Pid::from_raw(process.pid);
     nix::sys::signal::kill(pid, nix::sys::signal::SIGSTOP).unwrap();
     assert!(!link_up(process.pid), "lock_network left the link up");
@@ -1449,7 +1457,11 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
             container: container(),
         })
         .unwrap();
-        c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
+        c.call(&Request::LockNetwork {
+            uid: uid.clone(),
+            services: vec![],
+        })
+        .unwrap();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
         // A signal is delivered when the process next runs: under load that is later
         // than this thread's next read of its state (seen once at load 6.5).
@@ -1626,7 +1638,11 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
         container: container(),
     })
     .unwrap();
-    c.call(&Request::LockNetwork { uid: uid.clone() }).unwrap();
+    c.call(&Request::LockNetwork {
+        uid: uid.clone(),
+        services: vec![],
+    })
+    .unwrap();
     // Traffic to the locked pod: the node's IPv4 entry fails, its IPv6 one is being
     // resolved.
     sh(&format!("ip neigh flush dev {host}"));

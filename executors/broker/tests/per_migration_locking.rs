@@ -106,7 +106,14 @@ fn a_lock_held(k: &FakeKernel, b: &Arc<Broker<FakeKernel>>) -> (Pause, Receiver<
     ));
     let pause = k.pause_in_netns(101);
     let lock = spawn(b, |b| {
-        call(b, 1, Request::LockNetwork { uid: uid("mig-a") })
+        call(
+            b,
+            1,
+            Request::LockNetwork {
+                uid: uid("mig-a"),
+                services: vec![],
+            },
+        )
     });
     assert!(
         pause.arrived(PATIENCE),
@@ -132,7 +139,14 @@ fn a_slow_lock_of_one_migration_does_not_hold_up_another_migrations_ops() {
             call(b, 2, Request::UnbindNetns { uid: t.clone() }),
             call(b, 2, Request::Forget { uid: t }),
             register(b, &k2, 2, "mig-c", BrokerRole::Source, 80),
-            call(b, 2, Request::LockNetwork { uid: c.clone() }),
+            call(
+                b,
+                2,
+                Request::LockNetwork {
+                    uid: c.clone(),
+                    services: vec![],
+                },
+            ),
             call(b, 2, Request::UnlockNetwork { uid: c.clone() }),
             call(b, 2, Request::Forget { uid: c }),
         ]

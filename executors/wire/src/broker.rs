@@ -61,6 +61,12 @@ pub enum Request {
     /// Source: isolate the pod's network (links down, routes saved) for the freeze.
     LockNetwork {
         uid: MigrationUid,
+        /// The Service ports whose endpoints list the source: with the broker's hold
+        /// of new connections on, their SYNs wait from the lock to the forward or the
+        /// unlock, beside those to the source's own addresses. At most
+        /// [`MAX_FORWARDED_SERVICES`]; `target_port` is not used.
+        #[serde(default)]
+        services: Vec<ForwardedService>,
     },
     UnlockNetwork {
         uid: MigrationUid,
@@ -171,7 +177,7 @@ impl Request {
             | Request::BindNetns { uid }
             | Request::UnbindNetns { uid }
             | Request::NetnsAddrs { uid }
-            | Request::LockNetwork { uid }
+            | Request::LockNetwork { uid, .. }
             | Request::UnlockNetwork { uid }
             | Request::ListSockets { uid }
             | Request::ReleaseTcpRepair { uid }
@@ -398,6 +404,11 @@ pub fn decode_request(body: &[u8]) -> Result<Request, BrokerError> {
     }
     let req: Request = serde_json::from_value(value)
         .map_err(|e| BrokerError::new(ErrorKind::Malformed, e.to_string()))?;
+    check_fields(req)
+}
+
+/// The checks of a decoded request's fields that need no kernel.
+fn check_fields(req: Request) -> Result<Request, BrokerError> {
     match &req {
         Request::Register { process, .. } | Request::MoveCgroup { process, .. }
             if process.pid <= 1 =>
@@ -418,6 +429,14 @@ pub fn decode_request(body: &[u8]) -> Result<Request, BrokerError> {
             Err(BrokerError::new(
                 ErrorKind::Malformed,
                 "forward_connections: one target address per family (one or two), at most 64 services, no port 0",
+            ))
+        }
+        Request::LockNetwork { services, .. }
+            if services.len() > MAX_FORWARDED_SERVICES || services.iter().any(|s| s.port == 0) =>
+        {
+            Err(BrokerError::new(
+                ErrorKind::Malformed,
+                "lock_network: at most 64 services, no port 0",
             ))
         }
         _ => Ok(req),
@@ -532,6 +551,8 @@ mod tests {
             (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"services":[{"address":"198.19.0.10","port":80,"target_port":80,"protocol":"udp"}]}"#, ErrorKind::Malformed),
             (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"table":"nat"}"#, ErrorKind::Malformed),
             (br#"{"op":"stop_forwarding","uid":"../a"}"#, ErrorKind::InvalidUid),
+            (br#"{"op":"lock_network","uid":"a","services":[{"address":"198.19.0.10","port":0,"target_port":80}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"lock_network","uid":"a","services":[{"address":"198.19.0.10; flush","port":80,"target_port":80}]}"#, ErrorKind::Malformed),
         ];
         for (body, kind) in cases {
             let err = decode_request(body).expect_err(&String::from_utf8_lossy(body));
@@ -567,6 +588,26 @@ mod tests {
         assert_eq!(
             decode_request(&f[4..]).unwrap_err().kind,
             ErrorKind::Malformed
+        );
+        // The lock's hold takes the same list, with the same bound.
+        let lock = |n: usize| Request::LockNetwork {
+            uid: MigrationUid::parse(&"a".repeat(63)).unwrap(),
+            services: (0..n).map(svc).collect(),
+        };
+        let f = encode_frame(&lock(MAX_FORWARDED_SERVICES));
+        assert_eq!(decode_request(&f[4..]), Ok(lock(MAX_FORWARDED_SERVICES)));
+        let f = encode_frame(&lock(MAX_FORWARDED_SERVICES + 1));
+        assert_eq!(
+            decode_request(&f[4..]).unwrap_err().kind,
+            ErrorKind::Malformed
+        );
+        // An agent of before the hold: no services.
+        assert_eq!(
+            decode_request(br#"{"op":"lock_network","uid":"a"}"#),
+            Ok(Request::LockNetwork {
+                uid: MigrationUid::parse("a").unwrap(),
+                services: vec![]
+            })
         );
     }
 

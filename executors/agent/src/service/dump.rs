@@ -333,8 +333,11 @@ async fn quiesce(m: &Migration, limit: std::time::Duration) -> bool {
 /// reaches or leaves the pod, so no segment is acknowledged after the socket state is
 /// captured. Sockets that cannot be listed reopen the network.
 async fn lock_network(m: &Migration) -> Result<Vec<SocketReport>, Status> {
-    m.broker(Request::LockNetwork { uid: m.uid.clone() })
-        .await?;
+    m.broker(Request::LockNetwork {
+        uid: m.uid.clone(),
+        services: vec![],
+    })
+    .await?;
     match inventory(m).await {
         Ok(s) => Ok(s),
         Err(e) => {

@@ -265,7 +265,11 @@ pub(super) async fn lock_all(
     let mut out = Vec::new();
     for (i, l) in leases.iter().enumerate() {
         let step = async {
-            l.call(Request::LockNetwork { uid: l.uid.clone() }).await?;
+            l.call(Request::LockNetwork {
+                uid: l.uid.clone(),
+                services: vec![],
+            })
+            .await?;
             match l.call(Request::ListSockets { uid: l.uid.clone() }).await? {
                 Reply::Sockets { sockets } => Ok(sockets),
                 other => Err(Status::internal(format!("broker replied {other:?}"))),

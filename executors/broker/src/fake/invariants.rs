@@ -298,6 +298,14 @@ impl Allowed {
                     .iter()
                     .all(|a| had.iter().any(|x| same_addr(x, &a.to_string())))
             }),
+            // A hold at a lock: the same source addresses a sweep may name; ending
+            // one only gives back what it held.
+            Effect::HoldStarted { held, .. } => self.may_sweep.as_ref().is_some_and(|had| {
+                held.addresses
+                    .iter()
+                    .all(|a| had.iter().any(|x| same_addr(x, &a.to_string())))
+            }),
+            Effect::HoldEnded { .. } => true,
             Effect::Mounted { path, netns } => {
                 self.may_mount.as_ref() == Some(&(path.clone(), *netns)) && *netns != node
             }

@@ -660,6 +660,42 @@ impl Kernel for FakeKernel {
         w.sweeps.push(flag);
     }
 
+    fn hold_syns(
+        &self,
+        chain: String,
+        held: crate::synhold::Held,
+    ) -> std::io::Result<crate::synhold::Hold> {
+        let mut w = self.world();
+        if w.holds.contains_key(&chain) {
+            return Err(std::io::Error::other(format!("chain {chain} exists")));
+        }
+        w.effects.push(Effect::HoldStarted {
+            chain: chain.clone(),
+            held: held.clone(),
+        });
+        w.holds.insert(chain.clone(), held);
+        let k = self.clone();
+        let c = chain.clone();
+        Ok(crate::synhold::Hold::new(chain, move |how| {
+            let mut w = k.world();
+            w.holds.remove(&c);
+            w.effects.push(Effect::HoldEnded { chain: c, how });
+            Ok(0)
+        }))
+    }
+
+    fn recover_holds(&self) -> std::io::Result<Vec<String>> {
+        let mut w = self.world();
+        let chains: Vec<String> = std::mem::take(&mut w.holds).into_keys().collect();
+        for chain in &chains {
+            w.effects.push(Effect::HoldEnded {
+                chain: chain.clone(),
+                how: crate::synhold::End::Drop,
+            });
+        }
+        Ok(chains)
+    }
+
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(IpAddr, u8)>> {
         let w = self.world();
         let Some(ns) = w.live(pid).map(|p| p.netns) else {

@@ -143,6 +143,16 @@ pub enum Effect {
     Swept {
         addrs: Vec<IpAddr>,
     },
+    /// A hold of new connections started in chain `chain`.
+    HoldStarted {
+        chain: String,
+        held: crate::synhold::Held,
+    },
+    /// The hold of `chain` ended, its SYNs released or dropped.
+    HoldEnded {
+        chain: String,
+        how: crate::synhold::End,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -171,6 +181,8 @@ pub struct World {
     pub effects: Vec<Effect>,
     /// Every sweep of unanswered connections started, on while its lock holds.
     pub sweeps: Vec<crate::conntrack::SweepFlag>,
+    /// The holds of new connections running, by chain.
+    pub holds: BTreeMap<String, crate::synhold::Held>,
     pub fault: Option<Fault>,
     pub clock: Duration,
     /// CRIU detaches from every tree the first time the broker waits for it.
@@ -235,6 +247,7 @@ impl World {
             symlinks: BTreeSet::new(),
             effects: Vec::new(),
             sweeps: Vec::new(),
+            holds: BTreeMap::new(),
             fault: None,
             clock: Duration::ZERO,
             detach_on_sleep: false,
