@@ -190,6 +190,18 @@ fn forward() -> Request {
 
 const SHORT: Duration = Duration::from_millis(1500);
 
+/// `Tcp: RetransSegs` of `pid`'s network namespace (the header line names the columns).
+fn retrans_segs(pid: u32) -> u64 {
+    let snmp = sh(&format!("nsenter -t {pid} -n cat /proc/net/snmp"));
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "RetransSegs")
+        .unwrap();
+    values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
+
 #[test]
 fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_then() {
     if !require_root() {
@@ -236,7 +248,11 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     .expect("the holder registers as a source");
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![],
+        services: vec![ForwardedService {
+            address: VIP.parse().unwrap(),
+            port: 80,
+            target_port: 0,
+        }],
     })
     .expect("lock");
     c.call(&Request::Fence { uid: uid.clone() }).expect("fence");
@@ -244,8 +260,10 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     assert!(ask(Some(client.0.id()), &src, SHORT).is_err());
     assert!(ask(None, &vip, SHORT).is_err());
 
-    // A client whose SYN was dropped before the forward: its retransmission (a new
-    // connection once the sweep forgot the first) goes to the target.
+    // A client whose SYN came before the forward: held by the node's queue from the
+    // lock on, it meets the forward once that is in — the first SYN itself, not a
+    // retransmission a second later (the client's own namespace counts them).
+    let retransmitted = retrans_segs(client.0.id());
     let early = {
         let (pid, src) = (client.0.id(), src.clone());
         std::thread::spawn(move || ask(Some(pid), &src, Duration::from_secs(6)))
@@ -260,14 +278,19 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     assert_eq!(
         early.join().unwrap().as_deref(),
         Ok(format!("target ping from {TARGET_NODE_SIDE}").as_str()),
-        "a retransmitted SYN to the source's address"
+        "a held SYN to the source's address"
+    );
+    assert_eq!(
+        retrans_segs(client.0.id()),
+        retransmitted,
+        "the client retransmitted: its first SYN was not held"
     );
     assert!(
         early_local
             .join()
             .unwrap()
             .is_ok_and(|a| a.starts_with("target ping from ")),
-        "a retransmitted SYN of the node's own client of the Service"
+        "a held SYN of the node's own client of the Service"
     );
 
     // kube-proxy starts again: its chains are newer than the forward's.
