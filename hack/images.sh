@@ -344,7 +344,10 @@ stage() { # name bindir ctx
       # conntrack: an unlock makes the node forget unanswered connections to the pod.
       # nftables: forward_connections sends a locked source's new connections to its
       # target (an nft table of the migration's in the node's namespace).
-      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2 conntrack nftables)
+      # iptables (its nf_tables variant, `iptables-nft`): the lock holds those
+      # connections' SYNs in a queue of the node's (xt NFQUEUE: kernels without nft's
+      # queue expression have it) until the forward or the unlock.
+      debs=$(fetch_debs broker-bookworm bookworm 'debconf' iproute2 conntrack nftables iptables)
       debian_root "$debs" "$ctx/rootfs"
       ;;
   esac
@@ -404,7 +407,7 @@ declare -A BASE_OF=(
   [runner-standin]="scratch, static musl binary"
   [pause]="scratch, static glibc binary (gcc -Os -static)"
   [agent]="Debian forky criu + library closure (.debs), static musl binary"
-  [broker]="Debian bookworm iproute2, conntrack and nftables + library closure (.debs), static musl binary"
+  [broker]="Debian bookworm iproute2, conntrack, nftables and iptables + library closure (.debs), static musl binary"
 )
 declare -A USER_OF=(
   [operator]=65532:65532 [preflight]=65532:65532 [testload]=65532:65532 [pause]=65535:65535
@@ -502,7 +505,8 @@ verify_image() { # name digest -> 0 if every check passed
       v=$(in_root "$tmp/root" 0:0 ip -o link show lo 2>&1) || { log "broker: ip -o link show lo failed: $v"; fail=1; }
       c=$(in_root "$tmp/root" 0:0 conntrack --version 2>&1) || { log "broker: conntrack --version failed: $c"; fail=1; }
       t=$(in_root "$tmp/root" 0:0 nft --version 2>&1) || { log "broker: nft --version failed: $t"; fail=1; }
-      out="ip: ${v:0:30}; ${c:0:30}; ${t:0:30}"
+      x=$(in_root "$tmp/root" 0:0 iptables-nft --version 2>&1) || { log "broker: iptables-nft --version failed: $x"; fail=1; }
+      out="ip: ${v:0:24}; ${c:0:24}; ${t:0:24}; ${x:0:24}"
       ;;
   esac
   out=${out%%$'\n'*}

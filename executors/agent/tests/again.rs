@@ -105,6 +105,7 @@ fn request(
         freeze_budget_ms: 0,
         post_copy: mode == Mode::PostCopy,
         containers: vec![],
+        hold_services: vec![],
     }
 }
 

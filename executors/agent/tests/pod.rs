@@ -77,6 +77,7 @@ fn request(tb: &Testbed, uid: &str, node: usize, role: Role, pod: &Pod) -> Prepa
         freeze_budget_ms: 0,
         post_copy: false,
         containers: refs(pod),
+        hold_services: vec![],
     }
 }
 

@@ -729,7 +729,7 @@ mod tests {
         let e = c
             .call(&Request::LockNetwork {
                 uid: uid.clone(),
-                services: vec![],
+                hold: None,
             })
             .unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
@@ -745,7 +745,7 @@ mod tests {
             req,
             encode_frame(&Request::LockNetwork {
                 uid: uid.clone(),
-                services: vec![]
+                hold: None
             })
         );
         // Its late answer is not taken as the next call's.

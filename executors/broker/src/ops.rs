@@ -51,8 +51,8 @@ impl<K: Kernel> Broker<K> {
                     self.release_address(uid, e, *address)
                 })
             }
-            Request::LockNetwork { uid, services } => self.with_entry(uid, conn, SOURCE, |e, s| {
-                self.lock_network(uid, e, s, services)
+            Request::LockNetwork { uid, hold } => self.with_entry(uid, conn, SOURCE, |e, s| {
+                self.lock_network(uid, e, s, hold.as_deref())
             }),
             Request::UnlockNetwork { uid } => {
                 self.with_entry(uid, conn, SOURCE, |e, s| self.unlock_network(uid, e, s))
@@ -208,9 +208,9 @@ impl<K: Kernel> Broker<K> {
         uid: &MigrationUid,
         e: &Entry,
         s: &mut State,
-        services: &[ForwardedService],
+        hold: Option<&[ForwardedService]>,
     ) -> Result<Reply, BrokerError> {
-        check_held_services(services)?;
+        check_held_services(hold.unwrap_or_default())?;
         if s.locked.is_none() {
             // What clients send to the pod through a Service while it is locked: their
             // next SYN goes where the Service points then. Its addresses are read
@@ -235,7 +235,7 @@ impl<K: Kernel> Broker<K> {
             }
             s.locked = Some(l);
             s.staying = staying.clone();
-            s.hold = self.hold_new_connections(uid, &staying, services);
+            s.hold = hold.and_then(|services| self.hold_new_connections(uid, &staying, services));
             s.sweep = self.forget_unanswered(staying);
         } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both

@@ -295,7 +295,7 @@ pub fn chain_name(uid: &podmotion_wire::ids::MigrationUid) -> String {
 /// `--queue-bypass`: with nobody bound to the queue, the SYN goes on as without the hold.
 pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str, Vec<String>)> {
     let mut out = Vec::new();
-    for (prog, v4) in [("iptables", true), ("ip6tables", false)] {
+    for (prog, v4) in [("iptables-nft", true), ("ip6tables-nft", false)] {
         let addrs: Vec<_> = held
             .addresses
             .iter()
@@ -346,7 +346,7 @@ pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str
 /// family it was never in, a second removal): the jumps first, then the chain.
 pub fn remove_commands(chain: &str) -> Vec<(&'static str, Vec<String>)> {
     let mut out = Vec::new();
-    for prog in ["iptables", "ip6tables"] {
+    for prog in ["iptables-nft", "ip6tables-nft"] {
         let args = |rest: &[&str]| -> Vec<String> {
             ["-w", "-t", "raw"]
                 .iter()
@@ -519,7 +519,7 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
 pub fn recover(netns_pid: i32) -> io::Result<Vec<String>> {
     crate::kernel::in_netns(netns_pid, || {
         let mut found = Vec::new();
-        for prog in ["iptables", "ip6tables"] {
+        for prog in ["iptables-nft", "ip6tables-nft"] {
             let out = std::process::Command::new(prog)
                 .args(["-w", "-t", "raw", "-S"])
                 .output()?;
@@ -597,24 +597,24 @@ mod tests {
         assert_eq!(
             c,
             vec![
-                "iptables -w -t raw -N pm-hold-x".to_string(),
-                format!("iptables -w -t raw -A pm-hold-x -d 198.18.1.5 {q}"),
+                "iptables-nft -w -t raw -N pm-hold-x".to_string(),
+                format!("iptables-nft -w -t raw -A pm-hold-x -d 198.18.1.5 {q}"),
                 format!(
-                    "iptables -w -t raw -A pm-hold-x -d 198.19.0.10 -p tcp --dport 80 --syn -j NFQUEUE --queue-bypass --queue-num 7"
+                    "iptables-nft -w -t raw -A pm-hold-x -d 198.19.0.10 -p tcp --dport 80 --syn -j NFQUEUE --queue-bypass --queue-num 7"
                 ),
-                "iptables -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
-                "iptables -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
-                "ip6tables -w -t raw -N pm-hold-x".to_string(),
-                format!("ip6tables -w -t raw -A pm-hold-x -d fd00::5 {q}"),
-                "ip6tables -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
-                "ip6tables -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
+                "iptables-nft -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
+                "iptables-nft -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
+                "ip6tables-nft -w -t raw -N pm-hold-x".to_string(),
+                format!("ip6tables-nft -w -t raw -A pm-hold-x -d fd00::5 {q}"),
+                "ip6tables-nft -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
+                "ip6tables-nft -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
             ]
         );
         // The jumps go before the chain, in both families.
         let r = joined(&remove_commands("pm-hold-x"));
         assert_eq!(r.len(), 8);
         assert!(r[0].ends_with("-D PREROUTING -j pm-hold-x") && r[3].ends_with("-X pm-hold-x"));
-        assert!(r[4].starts_with("ip6tables"));
+        assert!(r[4].starts_with("ip6tables-nft"));
     }
 
     #[test]

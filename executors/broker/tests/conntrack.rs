@@ -106,7 +106,7 @@ fn a_locked_pod_s_unanswered_connections_are_forgotten_until_its_unlock() {
     .expect("the holder registers as a source");
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![],
+        hold: None,
     })
     .expect("lock");
 

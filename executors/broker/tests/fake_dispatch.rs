@@ -67,7 +67,7 @@ fn a_committed_source_migration_locks_lists_releases_and_kills_only_its_tree() {
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![]
+                hold: None
             }
         ),
         Ok(Reply::Done)
@@ -170,7 +170,7 @@ fn an_agent_lost_mid_dump_leaves_the_source_running_and_its_network_as_it_was() 
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -199,7 +199,7 @@ fn a_restarted_broker_rolls_back_the_source_its_predecessor_left_locked() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -307,7 +307,7 @@ fn a_process_is_registered_only_under_its_own_container() {
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![]
+                hold: None
             }
         ),
         Err(ErrorKind::NotRegistered)
@@ -463,7 +463,7 @@ fn a_lock_that_fails_half_way_leaves_no_link_down() {
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![]
+                hold: None
             }
         ),
         Err(ErrorKind::Kernel)
@@ -482,7 +482,7 @@ fn a_failed_unlock_or_forget_keeps_what_is_needed_to_undo_the_lock() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -544,7 +544,7 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![]
+                hold: None
             }
         ),
         Err(ErrorKind::UnsafePath)
@@ -557,7 +557,7 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![]
+                hold: None
             }
         ),
         Err(ErrorKind::UnsafePath)
@@ -578,7 +578,7 @@ fn fenced_source(h: &mut Harness) {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -683,7 +683,7 @@ fn only_a_frozen_locked_source_can_be_fenced() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -734,7 +734,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -750,7 +750,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -764,7 +764,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
         1,
         Request::LockNetwork {
             uid: uid("mig-b"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -783,7 +783,7 @@ fn an_announcement_that_fails_never_fails_the_unlock() {
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -1379,7 +1379,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -1405,7 +1405,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -1424,7 +1424,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -1442,7 +1442,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();
@@ -1461,7 +1461,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         1,
         Request::LockNetwork {
             uid: uid("mig-a"),
-            services: vec![],
+            hold: None,
         },
     )
     .unwrap();

@@ -248,11 +248,11 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     .expect("the holder registers as a source");
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![ForwardedService {
+        hold: Some(vec![ForwardedService {
             address: VIP.parse().unwrap(),
             port: 80,
             target_port: 0,
-        }],
+        }]),
     })
     .expect("lock");
     c.call(&Request::Fence { uid: uid.clone() }).expect("fence");
@@ -316,7 +316,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     // Forget ends it too.
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![],
+        hold: None,
     })
     .expect("lock again");
     c.call(&Request::Fence { uid: uid.clone() })
@@ -338,7 +338,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     .expect("register again");
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![],
+        hold: None,
     })
     .expect("lock a third time");
     c.call(&Request::Fence { uid: uid.clone() })

@@ -73,7 +73,7 @@ fn locked_source(h: &mut Harness) {
             1,
             Request::LockNetwork {
                 uid: uid(),
-                services: vec![]
+                hold: Some(vec![])
             }
         ),
         Ok(Reply::Done)
@@ -308,7 +308,7 @@ fn lock_with(h: &mut Harness, services: Vec<ForwardedService>) -> Result<Reply, 
         1,
         Request::LockNetwork {
             uid: uid(),
-            services,
+            hold: Some(services),
         },
     )
 }

@@ -1140,11 +1140,7 @@ fn broker_binary_restarted_with_a_source_locked_rolls_it_back() {
         container: container(),
     })
     .unwrap();
-    c.call(&Request::LockNetwork {
-        uid,
-        services: vec![],
-    })
-    .unwrap();
+    c.call(&Request::LockNetwork { uid, hold: None }).unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
     assert!(!link_up(), "lock_network left the link up");
 
@@ -1220,11 +1216,7 @@ fn terminated_with_a_source_locked(
         container: container(),
     })
     .unwrap();
-    c.call(&Request::LockNetwork {
-        uid,
-        services: vec![],
-    })
-    .unwrap();
+    c.call(&Request::LockNetwork { uid, hold: None }).unwrap();
     let pid = nix::unistd::Pid::from_raw(process.pid);
     nix::sys::signal::kill(pid, nix::sys::signal::SIGSTOP).unwrap();
     assert!(!link_up(process.pid), "lock_network left the link up");
@@ -1459,7 +1451,7 @@ fn broker_binary_kills_a_fenced_source_on_a_lost_lease_and_after_a_restart() {
         .unwrap();
         c.call(&Request::LockNetwork {
             uid: uid.clone(),
-            services: vec![],
+            hold: None,
         })
         .unwrap();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP).unwrap();
@@ -1640,7 +1632,7 @@ fn broker_binary_unlock_announces_the_pods_address_to_the_node() {
     .unwrap();
     c.call(&Request::LockNetwork {
         uid: uid.clone(),
-        services: vec![],
+        hold: None,
     })
     .unwrap();
     // Traffic to the locked pod: the node's IPv4 entry fails, its IPv6 one is being

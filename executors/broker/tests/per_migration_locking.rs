@@ -111,7 +111,7 @@ fn a_lock_held(k: &FakeKernel, b: &Arc<Broker<FakeKernel>>) -> (Pause, Receiver<
             1,
             Request::LockNetwork {
                 uid: uid("mig-a"),
-                services: vec![],
+                hold: None,
             },
         )
     });
@@ -144,7 +144,7 @@ fn a_slow_lock_of_one_migration_does_not_hold_up_another_migrations_ops() {
                 2,
                 Request::LockNetwork {
                     uid: c.clone(),
-                    services: vec![],
+                    hold: None,
                 },
             ),
             call(b, 2, Request::UnlockNetwork { uid: c.clone() }),

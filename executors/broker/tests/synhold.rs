@@ -125,7 +125,7 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
         ));
         for (prog, args) in remove_commands(CHAIN) {
             // ip6tables' half was never installed.
-            run_in_node(prog, &args, prog == "iptables");
+            run_in_node(prog, &args, prog == "iptables-nft");
         }
         q.release().unwrap()
     });

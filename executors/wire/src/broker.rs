@@ -61,12 +61,14 @@ pub enum Request {
     /// Source: isolate the pod's network (links down, routes saved) for the freeze.
     LockNetwork {
         uid: MigrationUid,
-        /// The Service ports whose endpoints list the source: with the broker's hold
-        /// of new connections on, their SYNs wait from the lock to the forward or the
-        /// unlock, beside those to the source's own addresses. At most
-        /// [`MAX_FORWARDED_SERVICES`]; `target_port` is not used.
+        /// Hold the pod's new connections from the lock to the forward or the unlock
+        /// (the broker's `--forward-new-connections` on): those to the source's own
+        /// addresses and to these Service ports whose endpoints list the source (at
+        /// most [`MAX_FORWARDED_SERVICES`]; `target_port` is not used). `None` (an
+        /// agent's lock of a pod's further container, whose network is the first's,
+        /// or an agent of before the hold): nothing held.
         #[serde(default)]
-        services: Vec<ForwardedService>,
+        hold: Option<Vec<ForwardedService>>,
     },
     UnlockNetwork {
         uid: MigrationUid,
@@ -431,9 +433,10 @@ fn check_fields(req: Request) -> Result<Request, BrokerError> {
                 "forward_connections: one target address per family (one or two), at most 64 services, no port 0",
             ))
         }
-        Request::LockNetwork { services, .. }
-            if services.len() > MAX_FORWARDED_SERVICES || services.iter().any(|s| s.port == 0) =>
-        {
+        Request::LockNetwork {
+            hold: Some(services),
+            ..
+        } if services.len() > MAX_FORWARDED_SERVICES || services.iter().any(|s| s.port == 0) => {
             Err(BrokerError::new(
                 ErrorKind::Malformed,
                 "lock_network: at most 64 services, no port 0",
@@ -551,8 +554,8 @@ mod tests {
             (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"services":[{"address":"198.19.0.10","port":80,"target_port":80,"protocol":"udp"}]}"#, ErrorKind::Malformed),
             (br#"{"op":"forward_connections","uid":"a","targets":["198.18.1.7"],"table":"nat"}"#, ErrorKind::Malformed),
             (br#"{"op":"stop_forwarding","uid":"../a"}"#, ErrorKind::InvalidUid),
-            (br#"{"op":"lock_network","uid":"a","services":[{"address":"198.19.0.10","port":0,"target_port":80}]}"#, ErrorKind::Malformed),
-            (br#"{"op":"lock_network","uid":"a","services":[{"address":"198.19.0.10; flush","port":80,"target_port":80}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"lock_network","uid":"a","hold":[{"address":"198.19.0.10","port":0,"target_port":80}]}"#, ErrorKind::Malformed),
+            (br#"{"op":"lock_network","uid":"a","hold":[{"address":"198.19.0.10; flush","port":80,"target_port":80}]}"#, ErrorKind::Malformed),
         ];
         for (body, kind) in cases {
             let err = decode_request(body).expect_err(&String::from_utf8_lossy(body));
@@ -592,7 +595,7 @@ mod tests {
         // The lock's hold takes the same list, with the same bound.
         let lock = |n: usize| Request::LockNetwork {
             uid: MigrationUid::parse(&"a".repeat(63)).unwrap(),
-            services: (0..n).map(svc).collect(),
+            hold: Some((0..n).map(svc).collect()),
         };
         let f = encode_frame(&lock(MAX_FORWARDED_SERVICES));
         assert_eq!(decode_request(&f[4..]), Ok(lock(MAX_FORWARDED_SERVICES)));
@@ -606,7 +609,7 @@ mod tests {
             decode_request(br#"{"op":"lock_network","uid":"a"}"#),
             Ok(Request::LockNetwork {
                 uid: MigrationUid::parse("a").unwrap(),
-                services: vec![]
+                hold: None
             })
         );
     }

@@ -28,6 +28,7 @@ fn prepare_source() -> PrepareRequest {
         freeze_budget_ms: 4_000,
         post_copy: false,
         containers: vec![],
+        hold_services: vec![],
     }
 }
 
@@ -42,6 +43,7 @@ fn prepare_target() -> PrepareRequest {
         freeze_budget_ms: u64::MAX,
         post_copy: false,
         containers: vec![],
+        hold_services: vec![],
     }
 }
 

@@ -66,6 +66,20 @@ pub fn forward_request(
     if target_addresses.is_empty() {
         return Err("the target pod has no address".into());
     }
+    Ok(ForwardRequest {
+        migration_uid: migration_uid.into(),
+        target_addresses,
+        services: service_ports(source_uid, slices, services),
+    })
+}
+
+/// The TCP ports of `services` whose EndpointSlices (of `slices`) list the pod
+/// `source_uid`: what the source's node forwards, and what its lock holds. Pure.
+pub fn service_ports(
+    source_uid: &str,
+    slices: &[EndpointSlice],
+    services: &[Service],
+) -> Vec<ForwardedPort> {
     let mut ports = BTreeSet::new();
     for slice in slices.iter().filter(|s| lists(s, source_uid)) {
         let name = slice
@@ -78,18 +92,14 @@ pub fn forward_request(
         };
         ports.extend(slice_ports(slice, svc));
     }
-    Ok(ForwardRequest {
-        migration_uid: migration_uid.into(),
-        target_addresses,
-        services: ports
-            .into_iter()
-            .map(|(address, port, target_port)| ForwardedPort {
-                address,
-                port,
-                target_port,
-            })
-            .collect(),
-    })
+    ports
+        .into_iter()
+        .map(|(address, port, target_port)| ForwardedPort {
+            address,
+            port,
+            target_port,
+        })
+        .collect()
 }
 
 /// (cluster IP, Service port, endpoint port) of each TCP port of `slice` that `svc`
@@ -179,11 +189,13 @@ impl WireAgents {
             .cloned()
     }
 
-    /// Reads what to forward and asks the source agent.
-    async fn forward(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
+    /// The EndpointSlices of the migration's namespace and the Services of those that
+    /// list the source pod.
+    pub(super) async fn source_services(
+        &self,
+        r: &StepRequest,
+    ) -> Result<(Vec<EndpointSlice>, Vec<Service>), (String, String)> {
         let api = |m: kube::Error| ("ApiError".to_string(), m.to_string());
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
-        let target = pods.get_opt(&r.target_pod).await.map_err(api)?;
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &r.namespace);
         let slices = slices
             .list(&ListParams::default())
@@ -197,6 +209,15 @@ impl WireAgents {
                 services.push(s);
             }
         }
+        Ok((slices, services))
+    }
+
+    /// Reads what to forward and asks the source agent.
+    async fn forward(&self, e: &AgentEndpoint, r: &StepRequest) -> Result<(), (String, String)> {
+        let api = |m: kube::Error| ("ApiError".to_string(), m.to_string());
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &r.namespace);
+        let target = pods.get_opt(&r.target_pod).await.map_err(api)?;
+        let (slices, services) = self.source_services(r).await?;
         let req = forward_request(
             &r.migration_uid,
             target.as_ref(),

@@ -135,7 +135,10 @@ impl WireAgents {
             // `Unavailable`, "ask again": the call is idempotent, so it is asked again
             // within the call deadline rather than failing the migration.
             Step::Prepare | Step::Receive => {
-                let req = prepare_request(r, tcp);
+                let mut req = prepare_request(r, tcp);
+                if r.step == Step::Prepare {
+                    req.hold_services = self.hold_services(r).await;
+                }
                 asking_again(self.call_timeout, ASK_AGAIN_PAUSE, || {
                     let (mut c, req) = (c.clone(), req.clone());
                     async move { c.prepare(req).await }
@@ -170,6 +173,19 @@ impl WireAgents {
             Step::Cleanup => c.cleanup(uid).await,
         };
         res.map(|_| ()).map_err(|e| fail(&e))
+    }
+
+    /// What the source's lock holds beside its own addresses: the Service ports listing
+    /// it now (this node's clients reach it by those, before kube-proxy's DNAT). A read
+    /// that fails holds the source's own addresses only.
+    async fn hold_services(&self, r: &StepRequest) -> Vec<podmotion_wire::agent::ForwardedPort> {
+        match self.source_services(r).await {
+            Ok((slices, services)) => forward::service_ports(&r.source_pod_uid, &slices, &services),
+            Err((_, m)) => {
+                tracing::warn!(uid = %r.migration_uid, error = %m, "the Services listing the source not read: its lock holds its own addresses only");
+                Vec::new()
+            }
+        }
     }
 
     /// Connects to the agent at `e` within the call deadline: connecting gets the call
@@ -234,6 +250,8 @@ fn prepare_request(r: &StepRequest, tcp: podmotion_wire::agent::TcpPreservation)
                 id: id.clone(),
             })
             .collect(),
+        // The source's: filled in by the caller (it reads the Services).
+        hold_services: Vec::new(),
     }
 }
 

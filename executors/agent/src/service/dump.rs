@@ -335,7 +335,8 @@ async fn quiesce(m: &Migration, limit: std::time::Duration) -> bool {
 async fn lock_network(m: &Migration) -> Result<Vec<SocketReport>, Status> {
     m.broker(Request::LockNetwork {
         uid: m.uid.clone(),
-        services: vec![],
+        // Checked at `Prepare`.
+        hold: Some(super::forward::service_ports(&m.hold_services, false).unwrap_or_default()),
     })
     .await?;
     match inventory(m).await {

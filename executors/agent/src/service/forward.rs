@@ -7,7 +7,7 @@
 
 use super::freeze::FENCED;
 use super::state::Migration;
-use podmotion_wire::agent::{ForwardRequest, MigrationStatus, Role};
+use podmotion_wire::agent::{ForwardRequest, ForwardedPort, MigrationStatus, Role};
 use podmotion_wire::broker::{ForwardedService, MAX_FORWARDED_SERVICES, Request};
 use std::net::IpAddr;
 use tonic::Status;
@@ -30,36 +30,50 @@ pub(super) fn broker_request(m: &Migration, r: &ForwardRequest) -> Result<Reques
             r.target_addresses
         )));
     }
-    if r.services.len() > MAX_FORWARDED_SERVICES {
-        return Err(bad(format!(
-            "{} service ports, at most {MAX_FORWARDED_SERVICES}",
-            r.services.len()
-        )));
-    }
-    let port = |p: u32| u16::try_from(p).ok().filter(|p| *p != 0);
-    let services = r
-        .services
-        .iter()
-        .map(|s| {
-            let address = s.address.parse::<IpAddr>().ok();
-            match (address, port(s.port), port(s.target_port)) {
-                (Some(address), Some(port), Some(target_port)) => Ok(ForwardedService {
-                    address,
-                    port,
-                    target_port,
-                }),
-                _ => Err(bad(format!(
-                    "service port {}:{} → {} is not an IP address and two ports 1-65535",
-                    s.address, s.port, s.target_port
-                ))),
-            }
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let services = service_ports(&r.services, true).map_err(bad)?;
     Ok(Request::ForwardConnections {
         uid: m.uid.clone(),
         targets,
         services,
     })
+}
+
+/// The broker's form of `ports`: at most [`MAX_FORWARDED_SERVICES`], each an IP
+/// address and a port 1-65535, and the endpoint's port too where `target_port` (a
+/// forward's; a lock's hold does not use it).
+pub(super) fn service_ports(
+    ports: &[ForwardedPort],
+    target_port: bool,
+) -> Result<Vec<ForwardedService>, String> {
+    if ports.len() > MAX_FORWARDED_SERVICES {
+        return Err(format!(
+            "{} service ports, at most {MAX_FORWARDED_SERVICES}",
+            ports.len()
+        ));
+    }
+    let port = |p: u32| u16::try_from(p).ok().filter(|p| *p != 0);
+    ports
+        .iter()
+        .map(|s| {
+            let address = s.address.parse::<IpAddr>().ok();
+            let to = if target_port {
+                port(s.target_port)
+            } else {
+                Some(0)
+            };
+            match (address, port(s.port), to) {
+                (Some(address), Some(port), Some(target_port)) => Ok(ForwardedService {
+                    address,
+                    port,
+                    target_port,
+                }),
+                _ => Err(format!(
+                    "service port {}:{} → {} is not an IP address and two ports 1-65535",
+                    s.address, s.port, s.target_port
+                )),
+            }
+        })
+        .collect()
 }
 
 /// `Forward` once it holds the migration: done again when asked again (the broker

@@ -267,7 +267,7 @@ pub(super) async fn lock_all(
         let step = async {
             l.call(Request::LockNetwork {
                 uid: l.uid.clone(),
-                services: vec![],
+                hold: None,
             })
             .await?;
             match l.call(Request::ListSockets { uid: l.uid.clone() }).await? {

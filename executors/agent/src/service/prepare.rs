@@ -110,6 +110,8 @@ pub(super) fn check_prepare(r: &PrepareRequest, own_node: Option<&str>) -> Resul
             r.peer_node
         )));
     }
+    super::forward::service_ports(&r.hold_services, false)
+        .map_err(|m| Status::invalid_argument(format!("hold_services: {m}")))?;
     Ok(role)
 }
 
@@ -291,6 +293,29 @@ mod tests {
             ..ok.clone()
         };
         assert!(refused(bad_peer, None).contains("is not a node name"));
+        // The Services the lock holds: addresses and ports, the endpoint's port unused.
+        let port = |address: &str, port: u32| podmotion_wire::agent::ForwardedPort {
+            address: address.into(),
+            port,
+            target_port: 0,
+        };
+        let held = PrepareRequest {
+            hold_services: vec![port("198.19.0.10", 80), port("fd00::10", 443)],
+            ..ok.clone()
+        };
+        assert_eq!(check_prepare(&held, None).unwrap(), Role::Target);
+        for bad in [port("198.19.0.10; flush", 80), port("198.19.0.10", 0)] {
+            let r = PrepareRequest {
+                hold_services: vec![bad],
+                ..ok.clone()
+            };
+            assert!(refused(r, None).starts_with("hold_services: "));
+        }
+        let many = PrepareRequest {
+            hold_services: vec![port("198.19.0.10", 80); 65],
+            ..ok.clone()
+        };
+        assert!(refused(many, None).contains("at most 64"));
         assert!(refused(ok, Some("node-b")).contains("this agent's own node"));
     }
 }

@@ -115,6 +115,9 @@ pub(super) struct Migration {
     pub(super) fenced: bool,
     /// PostCopy (`post_copy` at `Prepare`).
     pub(super) post_copy: bool,
+    /// Source: the Service ports its lock holds new connections to (`Prepare`'s
+    /// `hold_services`), beside the pod's own addresses.
+    pub(super) hold_services: Vec<podmotion_wire::agent::ForwardedPort>,
     /// PostCopy, source: the lazy dump serving the tree's pages.
     pub(super) lazy_source: Option<Arc<post_copy::Source>>,
     /// PostCopy, target: the session with the source and its daemon's socket.
@@ -243,6 +246,8 @@ impl Migration {
             freeze_limit,
             fenced: false,
             post_copy: r.post_copy,
+            // Checked by `check_prepare`.
+            hold_services: r.hold_services,
             lazy_source: None,
             lazy_target: None,
             parts: Vec::new(),

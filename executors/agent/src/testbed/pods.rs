@@ -85,6 +85,7 @@ impl Testbed {
             freeze_budget_ms: 0,
             post_copy: false,
             containers: vec![],
+            hold_services: vec![],
         }
     }
 

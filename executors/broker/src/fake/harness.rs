@@ -76,10 +76,7 @@ impl Harness {
             1 => req(Request::BindNetns { uid }),
             2 => req(Request::UnbindNetns { uid }),
             3 => req(Request::NetnsAddrs { uid }),
-            4 => req(Request::LockNetwork {
-                uid,
-                services: vec![],
-            }),
+            4 => req(Request::LockNetwork { uid, hold: None }),
             5 => req(Request::UnlockNetwork { uid }),
             6 => req(Request::ListSockets { uid }),
             7 => req(Request::ReleaseTcpRepair { uid }),
