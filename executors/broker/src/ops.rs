@@ -217,7 +217,19 @@ impl<K: Kernel> Broker<K> {
             // before the links go down (the kernel drops IPv6 ones with the link), the
             // sweep starts once they are down (nothing of the pod answers then).
             let staying = self.addresses_that_stay(e.process.pid);
-            let l = lock(&self.kernel, e.process.pid)?;
+            // The hold of new connections before the links go down: from here a new
+            // SYN to the pod waits in the node's queue (installing the hold takes a
+            // few process starts; after the links, a SYN in between was dropped and
+            // retransmitted a second later — seen on the real nodes).
+            s.hold = hold.and_then(|services| self.hold_new_connections(uid, &staying, services));
+            let l = match lock(&self.kernel, e.process.pid) {
+                Ok(l) => l,
+                Err(err) => {
+                    // Nothing locked: the held SYNs go on to the running source.
+                    self.end_hold(uid, s, crate::synhold::End::Release);
+                    return Err(err);
+                }
+            };
             // Once the links are down (before, the source itself would answer the
             // node's probe and take the held SYN, which its freeze then strands): from
             // here the node holds what it sends to the pod (a client's SYN waits, it
@@ -230,12 +242,13 @@ impl<K: Kernel> Broker<K> {
                 // unlock, forget or the lease rollback retry it.
                 if unlock(&self.kernel, e.process.pid, &l).is_err() {
                     s.locked = Some(l);
+                } else {
+                    self.end_hold(uid, s, crate::synhold::End::Release);
                 }
                 return Err(j);
             }
             s.locked = Some(l);
             s.staying = staying.clone();
-            s.hold = hold.and_then(|services| self.hold_new_connections(uid, &staying, services));
             s.sweep = self.forget_unanswered(staying);
         } else if let Some(l) = &s.locked {
             // Already locked (perhaps by a lock whose journal write and undo both
