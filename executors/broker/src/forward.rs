@@ -273,10 +273,17 @@ impl<K: Kernel> Broker<K> {
         }
     }
 
+    fn hold_dir(&self) -> PathBuf {
+        self.cfg.run_dir.join("netns").join(".hold")
+    }
+
     /// At the lock, with forwarding on: new connections to the source's staying
     /// addresses and to `services` wait in a queue of the node's ([`crate::synhold`])
-    /// instead of being dropped at the locked links. A hold that cannot start is
-    /// logged and the lock goes on without it (the clients retransmit, as before).
+    /// instead of being dropped at the locked links. Its chain is journalled
+    /// (`<run>/netns/.hold/<uid>`) before it is added, so a broker that starts again
+    /// removes what its predecessor left, and only that (nodes sharing a network
+    /// namespace each have their own). A hold that cannot start is logged and the lock
+    /// goes on without it (the clients retransmit, as before).
     pub(crate) fn hold_new_connections(
         &self,
         uid: &MigrationUid,
@@ -293,37 +300,66 @@ impl<K: Kernel> Broker<K> {
         if held.addresses.is_empty() && held.services.is_empty() {
             return None;
         }
-        match self.kernel.hold_syns(synhold::chain_name(uid), held) {
+        let chain = synhold::chain_name(uid);
+        let started = self
+            .kernel
+            .journal_write(&self.hold_dir(), uid.as_str(), chain.as_bytes())
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|()| self.kernel.hold_syns(chain, held));
+        match started {
             Ok(h) => {
                 tracing::info!(%uid, "lock: new connections to the source wait in the node's queue");
                 Some(h)
             }
             Err(e) => {
+                self.kernel.remove_file(&self.hold_dir().join(uid.as_str()));
                 tracing::warn!(%uid, error = %e, "lock: new connections not held (dropped at the lock, retransmitted)");
                 None
             }
         }
     }
 
-    /// Ends the migration's hold, if any: its SYNs released or dropped.
+    /// Ends the migration's hold, if any: its SYNs released or dropped; its record
+    /// goes once its chain did.
     pub(crate) fn end_hold(&self, uid: &MigrationUid, s: &mut State, how: End) {
         let Some(h) = s.hold.take() else {
             return;
         };
         match h.end(how) {
-            Ok(n) => tracing::info!(%uid, ?how, released = n, "hold of new connections ended"),
-            Err(e) => tracing::warn!(%uid, ?how, error = %e, "hold of new connections ended badly"),
+            Ok(n) => {
+                self.kernel.remove_file(&self.hold_dir().join(uid.as_str()));
+                tracing::info!(%uid, ?how, released = n, "hold of new connections ended");
+            }
+            Err(e) => {
+                tracing::warn!(%uid, ?how, error = %e, "hold of new connections ended badly; its record stays for a restart")
+            }
         }
     }
 
-    /// At start: removes every hold a previous broker process left.
+    /// At start: removes the hold chains a previous broker process recorded.
     pub(crate) fn recover_holds(&self) {
-        match self.kernel.recover_holds() {
-            Ok(c) if c.is_empty() => {}
-            Ok(c) => {
-                tracing::warn!(chains = ?c, "a previous broker left these holds of new connections: removed")
+        for (name, path) in self.kernel.read_dir(&self.hold_dir()) {
+            let chain = self
+                .kernel
+                .read_file(&path)
+                .and_then(|b| String::from_utf8(b).ok())
+                .filter(|c| {
+                    MigrationUid::parse(&name).is_ok_and(|u| *c == synhold::chain_name(&u))
+                });
+            let Some(chain) = chain else {
+                // A temporary file of an interrupted write, or nothing of ours.
+                self.kernel.remove_file(&path);
+                continue;
+            };
+            match self.kernel.remove_hold(&chain) {
+                Ok(()) => {
+                    self.kernel.remove_file(&path);
+                    tracing::warn!(%chain, "a previous broker left this hold of new connections: removed");
+                }
+                Err(e) => {
+                    tracing::warn!(%chain, error = %e, "a previous broker's hold not removed yet")
+                }
             }
-            Err(e) => tracing::warn!(error = %e, "holds of a previous broker not looked for"),
         }
     }
 

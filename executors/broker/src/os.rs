@@ -142,9 +142,9 @@ pub trait Kernel: Send + Sync + 'static {
         chain: String,
         held: crate::synhold::Held,
     ) -> std::io::Result<crate::synhold::Hold>;
-    /// Removes every hold chain of the node (a previous broker process's, at start);
-    /// their names.
-    fn recover_holds(&self) -> std::io::Result<Vec<String>>;
+    /// Removes hold chain `chain` from the node (a previous broker process's, at
+    /// start); absent is fine.
+    fn remove_hold(&self, chain: &str) -> std::io::Result<()>;
     fn now(&self) -> Instant;
     /// Wall-clock time, seconds since the Unix epoch (the hand-over journal's
     /// deadlines, which must survive a broker restart).
@@ -485,8 +485,8 @@ impl Kernel for RealKernel {
         crate::synhold::start(procfs::node_netns_pid()?, chain, held)
     }
 
-    fn recover_holds(&self) -> std::io::Result<Vec<String>> {
-        crate::synhold::recover(procfs::node_netns_pid()?)
+    fn remove_hold(&self, chain: &str) -> std::io::Result<()> {
+        crate::synhold::remove(procfs::node_netns_pid()?, chain)
     }
 
     fn now(&self) -> Instant {

@@ -514,29 +514,11 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
     }))
 }
 
-/// The hold chains the raw tables of the namespace of `netns_pid` hold (a previous
-/// broker's, at start), removed; their names.
-pub fn recover(netns_pid: i32) -> io::Result<Vec<String>> {
-    crate::kernel::in_netns(netns_pid, || {
-        let mut found = Vec::new();
-        for prog in ["iptables-nft", "ip6tables-nft"] {
-            let out = std::process::Command::new(prog)
-                .args(["-w", "-t", "raw", "-S"])
-                .output()?;
-            for l in String::from_utf8_lossy(&out.stdout).lines() {
-                if let Some(c) = l.strip_prefix("-N ")
-                    && c.starts_with("pm-hold-")
-                    && !found.iter().any(|f| f == c)
-                {
-                    found.push(c.to_string());
-                }
-            }
-        }
-        for c in &found {
-            run_all(&remove_commands(c), false)?;
-        }
-        Ok(found)
-    })
+/// Removes chain `chain` (both families) in the namespace of `netns_pid`; absent is
+/// fine.
+pub fn remove(netns_pid: i32, chain: &str) -> io::Result<()> {
+    let chain = chain.to_string();
+    crate::kernel::in_netns(netns_pid, move || run_all(&remove_commands(&chain), false))
 }
 
 fn timeval(d: Duration) -> nix::sys::time::TimeVal {

@@ -463,3 +463,23 @@ fn without_forwarding_nothing_is_held_and_a_hostile_service_locks_nothing() {
         );
     }
 }
+
+#[test]
+fn a_restarted_broker_removes_the_holds_it_recorded_and_no_other_brokers() {
+    let mut h = harness();
+    locked_source(&mut h);
+    // Another broker's hold on a node sharing this network namespace.
+    h.kernel()
+        .world()
+        .holds
+        .insert("pm-hold-of-another-broker".into(), Default::default());
+    ev(&mut h, Op::Restart);
+    let w = h.kernel().world();
+    assert!(!w.holds.contains_key(CHAIN), "its own hold stayed");
+    assert!(
+        w.holds.contains_key("pm-hold-of-another-broker"),
+        "another broker's hold was removed"
+    );
+    let record = Path::new(RUN_DIR).join("netns").join(".hold").join(UID);
+    assert!(!w.files.contains_key(&record), "its record stayed");
+}

@@ -684,16 +684,15 @@ impl Kernel for FakeKernel {
         }))
     }
 
-    fn recover_holds(&self) -> std::io::Result<Vec<String>> {
+    fn remove_hold(&self, chain: &str) -> std::io::Result<()> {
         let mut w = self.world();
-        let chains: Vec<String> = std::mem::take(&mut w.holds).into_keys().collect();
-        for chain in &chains {
+        if w.holds.remove(chain).is_some() {
             w.effects.push(Effect::HoldEnded {
-                chain: chain.clone(),
+                chain: chain.to_string(),
                 how: crate::synhold::End::Drop,
             });
         }
-        Ok(chains)
+        Ok(())
     }
 
     fn tcp_states(&self, pid: i32) -> std::io::Result<Vec<(IpAddr, u8)>> {
