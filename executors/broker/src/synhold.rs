@@ -288,6 +288,15 @@ pub fn chain_name(uid: &podmotion_wire::ids::MigrationUid) -> String {
     format!("pm-hold-{u}")
 }
 
+/// The arguments of an iptables command on the raw table: `rest` after `-w -t raw`.
+fn raw(rest: &[&str]) -> Vec<String> {
+    ["-w", "-t", "raw"]
+        .iter()
+        .chain(rest)
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// The iptables commands (program, arguments) that install a hold of `held` to queue
 /// `num` in chain `chain` of the raw table — before conntrack, so a released SYN is a
 /// new connection to the NAT rules as they are then — jumped to from PREROUTING (clients
@@ -309,13 +318,6 @@ pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str
         if addrs.is_empty() && svcs.is_empty() {
             continue;
         }
-        let args = |rest: &[&str]| -> Vec<String> {
-            ["-w", "-t", "raw"]
-                .iter()
-                .chain(rest)
-                .map(|s| s.to_string())
-                .collect()
-        };
         let num = num.to_string();
         let rule = |dest: String, port: Option<String>| {
             let mut r = vec!["-A".to_string(), chain.into(), "-d".into(), dest];
@@ -326,9 +328,9 @@ pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str
             r.extend(["--syn", "-j", "NFQUEUE", "--queue-bypass", "--queue-num"].map(String::from));
             r.push(num.clone());
             let refs: Vec<&str> = r.iter().map(String::as_str).collect();
-            args(&refs)
+            raw(&refs)
         };
-        out.push((prog, args(&["-N", chain])));
+        out.push((prog, raw(&["-N", chain])));
         for a in addrs {
             out.push((prog, rule(a.to_string(), None)));
         }
@@ -336,7 +338,7 @@ pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str
             out.push((prog, rule(a.to_string(), Some(port.to_string()))));
         }
         for hook in ["PREROUTING", "OUTPUT"] {
-            out.push((prog, args(&["-I", hook, "-j", chain])));
+            out.push((prog, raw(&["-I", hook, "-j", chain])));
         }
     }
     out
@@ -347,18 +349,11 @@ pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str
 pub fn remove_commands(chain: &str) -> Vec<(&'static str, Vec<String>)> {
     let mut out = Vec::new();
     for prog in ["iptables-nft", "ip6tables-nft"] {
-        let args = |rest: &[&str]| -> Vec<String> {
-            ["-w", "-t", "raw"]
-                .iter()
-                .chain(rest)
-                .map(|s| s.to_string())
-                .collect()
-        };
         for hook in ["PREROUTING", "OUTPUT"] {
-            out.push((prog, args(&["-D", hook, "-j", chain])));
+            out.push((prog, raw(&["-D", hook, "-j", chain])));
         }
-        out.push((prog, args(&["-F", chain])));
-        out.push((prog, args(&["-X", chain])));
+        out.push((prog, raw(&["-F", chain])));
+        out.push((prog, raw(&["-X", chain])));
     }
     out
 }

@@ -26,7 +26,9 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::{KillOnDrop, container, fixture_with, holder_in_netns, require_root, sh};
+use support::{
+    KillOnDrop, container, fixture_with, holder_in_netns, require_root, retrans_segs, sh,
+};
 
 const SOURCE: &str = "198.18.211.30";
 const TARGET: &str = "198.18.212.30";
@@ -190,18 +192,6 @@ fn forward() -> Request {
 
 const SHORT: Duration = Duration::from_millis(1500);
 
-/// `Tcp: RetransSegs` of `pid`'s network namespace (the header line names the columns).
-fn retrans_segs(pid: u32) -> u64 {
-    let snmp = sh(&format!("nsenter -t {pid} -n cat /proc/net/snmp"));
-    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
-    let i = names
-        .split_whitespace()
-        .position(|n| n == "RetransSegs")
-        .unwrap();
-    values.split_whitespace().nth(i).unwrap().parse().unwrap()
-}
-
 #[test]
 fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_then() {
     if !require_root() {
@@ -263,7 +253,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
     // A client whose SYN came before the forward: held by the node's queue from the
     // lock on, it meets the forward once that is in — the first SYN itself, not a
     // retransmission a second later (the client's own namespace counts them).
-    let retransmitted = retrans_segs(client.0.id());
+    let retransmitted = retrans_segs(&format!("nsenter -t {} -n", client.0.id()));
     let early = {
         let (pid, src) = (client.0.id(), src.clone());
         std::thread::spawn(move || ask(Some(pid), &src, Duration::from_secs(6)))
@@ -281,7 +271,7 @@ fn a_locked_sources_new_connections_reach_its_target_while_forwarded_and_only_th
         "a held SYN to the source's address"
     );
     assert_eq!(
-        retrans_segs(client.0.id()),
+        retrans_segs(&format!("nsenter -t {} -n", client.0.id())),
         retransmitted,
         "the client retransmitted: its first SYN was not held"
     );

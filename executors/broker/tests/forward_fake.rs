@@ -51,22 +51,7 @@ fn forward(targets: &[&str]) -> Request {
 
 /// The source (pid 101, netns 10) registered on connection 1 and locked.
 fn locked_source(h: &mut Harness) {
-    let start_time = h.kernel().world().procs[&101].start_time;
-    let container = h.kernel().world().container_of(101);
-    let r = req(
-        h,
-        1,
-        Request::Register {
-            uid: uid(),
-            role: BrokerRole::Source,
-            process: ProcRef {
-                pid: 101,
-                start_time,
-            },
-            container,
-        },
-    );
-    assert!(matches!(r, Ok(Reply::Registered { .. })), "{r:?}");
+    registered_source(h);
     assert_eq!(
         req(
             h,

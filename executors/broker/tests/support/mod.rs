@@ -156,3 +156,16 @@ pub fn sh(script: &str) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// `Tcp: RetransSegs` of the network namespace `enter` (a command prefix that enters
+/// it: `nsenter -t <pid> -n`, `ip netns exec <name>`) runs `cat /proc/net/snmp` in.
+pub fn retrans_segs(enter: &str) -> u64 {
+    let snmp = sh(&format!("{enter} cat /proc/net/snmp"));
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "RetransSegs")
+        .unwrap();
+    values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
