@@ -47,18 +47,10 @@ use std::path::PathBuf;
 use crate::os::Kernel;
 use crate::synhold::{self, End, Held, Hold};
 
-/// The Services a lock's hold names: unicast addresses of pods' or Services' kinds only
-/// (the forward's own check), refused before anything is locked.
+/// The Services a lock's hold names: the forward's own check of Service addresses
+/// (never one that is never a pod's or a Service's), before anything is locked.
 pub(crate) fn check_held_services(services: &[ForwardedService]) -> Result<(), BrokerError> {
-    for s in services {
-        if let Some(why) = never_a_pods(s.address) {
-            return Err(err(
-                ErrorKind::AddressNotAllowed,
-                format!("service address {} is {why}: never held", s.address),
-            ));
-        }
-    }
-    Ok(())
+    check(&[], services, &[])
 }
 
 /// Where the forwarding rules go relative to kube-proxy's (nat, dstnat = -100).

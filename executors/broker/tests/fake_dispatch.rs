@@ -16,6 +16,14 @@ fn pin(h: &Harness, pid: i32) -> ProcRef {
     ProcRef { pid, start_time }
 }
 
+/// A lock of migration `s` that holds nothing (the dispatcher's view: no forwarding).
+fn lock(s: &str) -> Request {
+    Request::LockNetwork {
+        uid: uid(s),
+        hold: None,
+    }
+}
+
 fn req(h: &mut Harness, conn: u64, r: Request) -> Result<Reply, ErrorKind> {
     h.step(Op::Req { conn, req: r })
         .unwrap_or_else(|v| panic!("invariant violated: {v}"))
@@ -61,17 +69,7 @@ fn a_committed_source_migration_locks_lists_releases_and_kills_only_its_tree() {
             cgroup: "/kubepods/podA/app".into()
         })
     );
-    assert_eq!(
-        req(
-            &mut h,
-            1,
-            Request::LockNetwork {
-                uid: uid("mig-a"),
-                hold: None
-            }
-        ),
-        Ok(Reply::Done)
-    );
+    assert_eq!(req(&mut h, 1, lock("mig-a")), Ok(Reply::Done));
     assert_eq!(links_up(&h, 10), ["lo"]);
     assert!(
         h.kernel()
@@ -165,15 +163,7 @@ fn the_sources_sockets_are_listed_by_their_addresses_each_once() {
 fn an_agent_lost_mid_dump_leaves_the_source_running_and_its_network_as_it_was() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     ev(&mut h, Op::Dump { pid: 101 });
     ev(&mut h, Op::DetachOnSleep(true));
     ev(&mut h, Op::LeaseLost { conn: 1 });
@@ -194,15 +184,7 @@ fn h_baseline(n: u32) -> podmotion_broker::fake::Net {
 fn a_restarted_broker_rolls_back_the_source_its_predecessor_left_locked() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     ev(&mut h, Op::Dump { pid: 101 });
     ev(&mut h, Op::Detach { pid: 101 });
     ev(&mut h, Op::Restart);
@@ -301,17 +283,7 @@ fn a_process_is_registered_only_under_its_own_container() {
         Err(ErrorKind::ForeignProcess)
     );
     assert_eq!(h.broker().registrations(), 0);
-    assert_eq!(
-        req(
-            &mut h,
-            1,
-            Request::LockNetwork {
-                uid: uid("mig-a"),
-                hold: None
-            }
-        ),
-        Err(ErrorKind::NotRegistered)
-    );
+    assert_eq!(req(&mut h, 1, lock("mig-a")), Err(ErrorKind::NotRegistered));
     // Under its own container it registers; again with the same container is a no-op,
     // with another container it is not "the same thing" and is refused.
     assert_eq!(
@@ -457,17 +429,7 @@ fn a_lock_that_fails_half_way_leaves_no_link_down() {
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
     // The 6th ip call of the lock (the second link's `set down`) fails.
     ev(&mut h, Op::Fault(Fault::Ip(5)));
-    assert_eq!(
-        req(
-            &mut h,
-            1,
-            Request::LockNetwork {
-                uid: uid("mig-a"),
-                hold: None
-            }
-        ),
-        Err(ErrorKind::Kernel)
-    );
+    assert_eq!(req(&mut h, 1, lock("mig-a")), Err(ErrorKind::Kernel));
     assert_eq!(links_up(&h, 10), ["eth0", "lo", "pm0"]);
     // And after forget the network is exactly as it was (the harness checks it).
     req(&mut h, 1, Request::Forget { uid: uid("mig-a") }).unwrap();
@@ -477,15 +439,7 @@ fn a_lock_that_fails_half_way_leaves_no_link_down() {
 fn a_failed_unlock_or_forget_keeps_what_is_needed_to_undo_the_lock() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     ev(&mut h, Op::Fault(Fault::Ip(0)));
     assert_eq!(
         req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
@@ -538,30 +492,10 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
         },
     );
     ev(&mut h, Op::Fault(Fault::Ip(7)));
-    assert_eq!(
-        req(
-            &mut h,
-            1,
-            Request::LockNetwork {
-                uid: uid("mig-a"),
-                hold: None
-            }
-        ),
-        Err(ErrorKind::UnsafePath)
-    );
+    assert_eq!(req(&mut h, 1, lock("mig-a")), Err(ErrorKind::UnsafePath));
     assert_eq!(links_up(&h, 10), ["lo"], "the undo failed: still down");
     // Asking again does not turn the unrecorded lock into a reported one.
-    assert_eq!(
-        req(
-            &mut h,
-            1,
-            Request::LockNetwork {
-                uid: uid("mig-a"),
-                hold: None
-            }
-        ),
-        Err(ErrorKind::UnsafePath)
-    );
+    assert_eq!(req(&mut h, 1, lock("mig-a")), Err(ErrorKind::UnsafePath));
     // The broker still knows the lock: forget restores the network.
     assert_eq!(
         req(&mut h, 1, Request::Forget { uid: uid("mig-a") }),
@@ -573,15 +507,7 @@ fn a_lock_the_journal_cannot_hold_is_never_reported_done() {
 /// A source the final dump left stopped and locked, fenced (CRIU detached).
 fn fenced_source(h: &mut Harness) {
     register(h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(h, 1, lock("mig-a")).unwrap();
     ev(h, Op::Dump { pid: 101 });
     ev(h, Op::Detach { pid: 101 });
     assert_eq!(
@@ -678,15 +604,7 @@ fn only_a_frozen_locked_source_can_be_fenced() {
         Err(ErrorKind::WrongRole)
     );
     // Not this connection's migration.
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     assert_eq!(
         req(&mut h, 2, Request::Fence { uid: uid("mig-a") }),
         Err(ErrorKind::Busy)
@@ -729,15 +647,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
     ];
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     assert_eq!(announced(&h), [], "nothing is announced while locked");
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(announced(&h), both);
@@ -745,29 +655,13 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(announced(&h), []);
 
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     ev(&mut h, Op::LeaseLost { conn: 1 });
     assert_eq!(announced(&h), both);
 
     let mut h = Harness::new();
     register(&mut h, 1, "mig-b", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-b"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-b")).unwrap();
     ev(&mut h, Op::Restart);
     assert_eq!(announced(&h), both);
 }
@@ -778,15 +672,7 @@ fn an_unlocked_source_announces_its_addresses_however_the_lock_ends() {
 fn an_announcement_that_fails_never_fails_the_unlock() {
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     ev(&mut h, Op::Fault(Fault::Announce));
     assert_eq!(
         req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }),
@@ -1374,15 +1260,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     off.handover_cidrs = Vec::new();
     let mut h = Harness::with_config(off.clone());
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     let all = vec![
         ip("10.0.10.5"),
         ip("10.1.10.5"),
@@ -1400,15 +1278,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
         }]
     );
     assert_eq!(sweeps_on(&h), [true], "on while locked");
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     // (Each step's effects are its own.)
     assert!(swept(&h).is_empty(), "a second lock starts no second sweep");
     assert_eq!(sweeps_on(&h), [true]);
@@ -1419,15 +1289,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     // A registration that ends locked (forgotten) stops its sweep too.
     let mut h = Harness::with_config(off);
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     assert_eq!(sweeps_on(&h), [true]);
     req(&mut h, 1, Request::Forget { uid: uid("mig-a") }).unwrap();
     assert_eq!(sweeps_on(&h), [false], "the registration's end stops it");
@@ -1437,15 +1299,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     v4.handover_cidrs = podmotion_broker::handover::parse_cidrs("10.0.0.0/15").unwrap();
     let mut h = Harness::with_config(v4);
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     let mut got = swept(&h);
     got.iter_mut().for_each(|a| a.sort());
     assert_eq!(
@@ -1456,15 +1310,7 @@ fn a_lock_forgets_unanswered_connections_to_the_addresses_that_stay_until_the_un
     // All of them moving (the harness's default CIDRs): nothing to forget.
     let mut h = Harness::new();
     register(&mut h, 1, "mig-a", BrokerRole::Source, 101).unwrap();
-    req(
-        &mut h,
-        1,
-        Request::LockNetwork {
-            uid: uid("mig-a"),
-            hold: None,
-        },
-    )
-    .unwrap();
+    req(&mut h, 1, lock("mig-a")).unwrap();
     req(&mut h, 1, Request::UnlockNetwork { uid: uid("mig-a") }).unwrap();
     assert_eq!(swept(&h), Vec::<Vec<std::net::IpAddr>>::new());
     assert!(sweeps_on(&h).is_empty());
