@@ -346,7 +346,7 @@ pub fn dump_namespace(ns: &str, kubectl: Option<&Path>) -> String {
                 "-n",
                 ns,
                 "get",
-                "all,jobs,daemonsets,serviceaccounts",
+                "all,jobs,daemonsets,serviceaccounts,endpointslices,poddisruptionbudgets",
                 "-o",
                 "wide",
             ],

@@ -29,12 +29,12 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, EvictParams, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_api::names::{annotations, labels};
@@ -73,7 +73,7 @@ fn cordon(node: &str, on: bool) {
 
 /// `kubectl drain NODE --ignore-daemonsets --delete-emptydir-data` plus `extra`; its
 /// output and how long it took.
-fn kubectl_drain(node: &str, extra: &[&str]) -> (Output, std::time::Duration) {
+fn kubectl_drain(node: &str, extra: &[&str]) -> (Output, Duration) {
     let mut args = vec![
         "drain",
         node,
@@ -283,6 +283,46 @@ fn line_of<'a>(out: &'a str, pod: &str, word: &str) -> Option<&'a str> {
         .find(|l| l.split_whitespace().next() == Some(pod) && l.contains(word))
 }
 
+/// Waits (60 s at most) until the API server reaches the eviction webhook through its
+/// Service: a dry-run eviction of `pod`, which asks nothing (so the webhook allows
+/// it), is answered. What a drain does to the webhook while its replicas are evicted
+/// is what this test measures, and it starts only once the webhook answered: a CI run
+/// once failed its first drain at once, every eviction with `connect: connection
+/// refused` from the Service's address (no endpoint in kube-proxy's rules), before
+/// the evicted replica could have stopped. Prints how long it waited, and why, when
+/// it did.
+async fn webhook_answers(pods: &Api<Pod>, pod: &str, what: &str) {
+    let dry = EvictParams {
+        post_options: PostParams {
+            dry_run: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut first_error: Option<String> = None;
+    loop {
+        match pods.evict(pod, &dry).await {
+            Ok(_) => break,
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "{what}: the eviction webhook answered no dry-run eviction of {pod} in 60 s: {e}"
+                );
+                first_error.get_or_insert(e);
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    if let Some(e) = first_error {
+        eprintln!(
+            "{what}: the eviction webhook answered after {} ms; until then: {e}",
+            start.elapsed().as_millis()
+        );
+    }
+}
+
 /// The operator replicas on `node`.
 async fn operator_replicas_on(op_pods: &Api<Pod>, node: &str) -> usize {
     op_pods
@@ -358,6 +398,7 @@ async fn kubectl_drain_live_migrates_the_pods_that_ask_and_evicts_the_rest() {
     let mut report = Vec::new();
 
     // 1. kubectl drain A: the two move to B, the plain one is evicted.
+    webhook_answers(&pods, &plain.name_any(), "before the first drain").await;
     let on_a = operator_replicas_on(&op_pods, &a).await;
     operator_evicted += on_a;
     let (out, took) = kubectl_drain(&a, &["--timeout=600s"]);
@@ -380,6 +421,7 @@ async fn kubectl_drain_live_migrates_the_pods_that_ask_and_evicts_the_rest() {
     // 2. Uncordon A, drain B: they move back.
     cordon(&a, false);
     let (movers, plain) = snapshot(&pods, &b, "before the second drain").await;
+    webhook_answers(&pods, &plain.name_any(), "before the second drain").await;
     let on_b = operator_replicas_on(&op_pods, &b).await;
     operator_evicted += on_b;
     let (out, took) = kubectl_drain(&b, &["--timeout=600s"]);
@@ -408,6 +450,7 @@ async fn kubectl_drain_live_migrates_the_pods_that_ask_and_evicts_the_rest() {
 
     // 3. The plugin drains A: one line per pod, the two migrated with their downtime.
     let (movers, plain) = snapshot(&pods, &a, "before the plugin's drain").await;
+    webhook_answers(&pods, &plain.name_any(), "before the plugin's drain").await;
     let on_a = operator_replicas_on(&op_pods, &a).await;
     let start = Instant::now();
     let out = Command::new("timeout")
