@@ -164,8 +164,10 @@ async fn with_the_hand_over_the_held_connection_follows_the_pod() {
     }));
     // Two clients of the Service watch the move (issue 39): fresh connections every
     // 10 ms, and one held connection, which goes on.
-    let clients =
-        Clients::start(&svc_addr).watching(w.app.client.clone(), &w.app.name, APP, "handover-move");
+    let clients = Clients::start(&svc_addr)
+        .watching(w.app.client.clone(), &w.app.name, APP, "handover-move")
+        .serving()
+        .await;
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "handover-move").await;
     if st.phase != MigrationPhase::Succeeded {

@@ -185,8 +185,10 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
     }));
     // Two clients of the Service watch the move (issue 39): fresh connections every
     // 10 ms, and one held connection.
-    let clients =
-        Clients::start(&svc_addr).watching(app.client.clone(), &app.name, "mover", "move-mover");
+    let clients = Clients::start(&svc_addr)
+        .watching(app.client.clone(), &app.name, "mover", "move-mover")
+        .serving()
+        .await;
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "move-mover").await;
     if st.phase != MigrationPhase::Succeeded {
@@ -346,8 +348,10 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
             "freezeBudgetMillis": 20000, "preCopy": {"maxRounds": 3},
             "probe": {"tcpSocket": {"port": 8080}}}
     }));
-    let clients =
-        Clients::start(&pre_svc).watching(app.client.clone(), &app.name, "pre", "move-pre");
+    let clients = Clients::start(&pre_svc)
+        .watching(app.client.clone(), &app.name, "pre", "move-pre")
+        .serving()
+        .await;
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, "move-pre").await;
     if st.phase != MigrationPhase::Succeeded {

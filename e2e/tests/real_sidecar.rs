@@ -165,7 +165,10 @@ async fn moves_with_its_sidecar(prefix: &str, native: bool, mode: &str) {
         "metadata": {"name": name}, "spec": spec
     }));
     let before = counter(&testload::addr(&src_now));
-    let clients = Clients::start(&svc).watching(w.app.client.clone(), &w.app.name, app, name);
+    let clients = Clients::start(&svc)
+        .watching(w.app.client.clone(), &w.app.name, app, name)
+        .serving()
+        .await;
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let st = ended(&pms, name).await;
     let move_what = format!("{what}: {mode} {from} → {to}");

@@ -16,9 +16,11 @@
 //! machine ([`Clients`]): one opening a fresh connection every 10 ms (3 s connect
 //! timeout, 3 s answer timeout), one holding a connection and asking on it every 10 ms
 //! (a new connection through the Service when it ends). They start before the
-//! PodMigration is created and stop once both answer again after it succeeded.
-//! Per migration it prints `status.downtimeMillis` and, for each client, the gap (the
-//! longest time without an answer), gap − downtime, the failed reads and how held
+//! PodMigration is created and stop once both answer again after it succeeded; what
+//! they see counts from the moment both answer, just before the PodMigration is created
+//! ([`Clients::serving`]). Per migration it prints `status.downtimeMillis` and, for
+//! each client, the gap (the longest time without an answer in that window),
+//! gap − downtime, the failed reads and how held
 //! connections ended; then per configuration and mode the medians and the largest
 //! gap − downtime.
 #![forbid(unsafe_code)]
@@ -221,9 +223,11 @@ async fn migrate(
     let to = other_node(w, pod)?;
     let name = format!("gap-{round}-{}", mode.to_lowercase());
     let pm = migration(pod, &to, &name, mode);
-    let mut clients = Clients::start(svc).watching(w.app.client.clone(), &w.app.name, APP, &name);
+    let mut clients = Clients::start(svc)
+        .watching(w.app.client.clone(), &w.app.name, APP, &name)
+        .serving()
+        .await;
     let timeline = clients.timeline.take().context("the timeline")?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let created = clients.t0.elapsed().as_millis();
     pms.create(&PostParams::default(), &pm).await?;
     let st = ended(pms, &name).await;

@@ -270,13 +270,18 @@ impl ServicePoller {
         answered_within(&self.log, within)
     }
 
-    /// Stops reading; what this client saw (its counters must never go back: two
-    /// copies served).
-    pub fn finish_view(self) -> ClientView {
+    /// Answers so far.
+    pub fn answers(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// Stops reading; what this client saw from `from` on (its times count from its
+    /// start; its counters must never go back: two copies served).
+    pub fn finish_view(self, from: Duration) -> ClientView {
         let log = self.log.clone();
         let (values, _) = self.finish();
         let reads = log.lock().unwrap().clone();
-        ClientView::of(values, &reads, vec![])
+        ClientView::of(values, &reads, vec![], from)
     }
 }
 
@@ -386,15 +391,16 @@ fn read_once(sa: &std::net::SocketAddr) -> std::io::Result<u64> {
         .map_err(|e| std::io::Error::other(format!("{line:?}: {e}")))
 }
 
-/// What one client saw while it ran: its counters, the longest time it went without an
-/// answer (the gap: between two answers, or from its start to its first), the reads
-/// that failed and, for a client holding a connection, how each connection ended.
+/// What one client saw from a point of its run on (the start of the window, `from`):
+/// all its counters, the longest time it went without an answer (the gap: between two
+/// answers, or from `from` to its first), the reads that failed and, for a client
+/// holding a connection, how each connection ended.
 #[derive(Clone, Debug, Default)]
 pub struct ClientView {
     pub values: Vec<u64>,
     pub answers: usize,
     pub gap: Duration,
-    /// When the longest gap began, from the client's start.
+    /// When the longest gap began, from the client's start (not its window's).
     pub gap_from: Duration,
     /// When and why each read failed, from the client's start.
     pub failures: Vec<(Duration, String)>,
@@ -403,15 +409,27 @@ pub struct ClientView {
 }
 
 impl ClientView {
-    fn of(values: Vec<u64>, reads: &Reads, ends: Vec<(Duration, String)>) -> ClientView {
-        let (gap, gap_from) = longest_gap(&reads.answers, reads.end);
+    fn of(
+        values: Vec<u64>,
+        reads: &Reads,
+        ends: Vec<(Duration, String)>,
+        from: Duration,
+    ) -> ClientView {
+        let answers: Vec<Duration> = reads
+            .answers
+            .iter()
+            .copied()
+            .filter(|t| *t >= from)
+            .collect();
+        let (gap, gap_from) = longest_gap(&answers, from, reads.end);
+        let in_window = |(t, why): &(Duration, String)| (*t >= from).then(|| (*t, why.clone()));
         ClientView {
             values,
-            answers: reads.answers.len(),
+            answers: answers.len(),
             gap,
             gap_from,
-            failures: reads.failures.clone(),
-            ends,
+            failures: reads.failures.iter().filter_map(in_window).collect(),
+            ends: ends.iter().filter_map(in_window).collect(),
         }
     }
 
@@ -495,17 +513,18 @@ impl ClientView {
 }
 
 /// The longest time without an answer, with when it began: between two answers in
-/// `answers` (times from the client's start, in order), from the start to the first,
-/// or from the last to the client's `end`. No answer at all: `Duration::MAX`.
-pub fn longest_gap(answers: &[Duration], end: Duration) -> (Duration, Duration) {
+/// `answers` (times from the client's start, in order, none before `from`), from
+/// `from` to the first, or from the last to the client's `end`. No answer at all:
+/// `Duration::MAX`.
+pub fn longest_gap(answers: &[Duration], from: Duration, end: Duration) -> (Duration, Duration) {
     let (Some(first), Some(last)) = (answers.first(), answers.last()) else {
-        return (Duration::MAX, Duration::ZERO);
+        return (Duration::MAX, from);
     };
     answers
         .windows(2)
         .map(|w| (w[1].saturating_sub(w[0]), w[0]))
         .chain([(end.saturating_sub(*last), *last)])
-        .fold((*first, Duration::ZERO), |best, g| {
+        .fold((first.saturating_sub(from), from), |best, g| {
             if g.0 > best.0 { g } else { best }
         })
 }
@@ -589,7 +608,12 @@ impl HeldClient {
     }
 
     /// Stops the client; what it saw. A held connection that went on has no end.
-    pub fn finish(mut self) -> ClientView {
+    pub fn finish(self) -> ClientView {
+        self.finish_from(Duration::ZERO)
+    }
+
+    /// Stops the client; what it saw from `from` on (times from its start).
+    pub fn finish_from(mut self, from: Duration) -> ClientView {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             t.join().expect("held client thread");
@@ -597,7 +621,7 @@ impl HeldClient {
         let values = self.seen.lock().unwrap().clone();
         let reads = self.log.lock().unwrap().clone();
         let ends = self.ends.lock().unwrap().clone();
-        ClientView::of(values, &reads, ends)
+        ClientView::of(values, &reads, ends, from)
     }
 }
 
@@ -671,6 +695,8 @@ pub struct Clients {
     pub held: HeldClient,
     /// What both clients' times count from.
     pub t0: Instant,
+    /// Where the window of what they saw starts (from `t0`; [`Clients::serving`]).
+    pub from: Duration,
     /// The migration's phases, endpoints and pods on the same clock, once watched.
     pub timeline: Option<super::timeline::Timeline>,
 }
@@ -684,8 +710,34 @@ impl Clients {
             held: HeldClient::start_from(svc.to_string(), pause, t0),
             fresh: ServicePoller::every_from(svc.to_string(), pause, t0),
             t0,
+            from: Duration::ZERO,
             timeline: None,
         }
+    }
+
+    /// Waits (30 s at most) until both clients answer, and opens their window there:
+    /// what they see counts from just before the migration is created, not from their
+    /// first connection (a client's first connection to a just-created Service once
+    /// took a second before any migration began: docs/benchmarks.md, run 8). Panics
+    /// when they get no answer: the Service does not serve before the migration.
+    pub async fn serving(mut self) -> Clients {
+        let start = Instant::now();
+        loop {
+            let (f, h) = (self.fresh.answers(), self.held.answers());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if self.fresh.answers() > f && self.held.answers() > h {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the Service's clients got no answer for 30 s before the migration \
+                 ({} fresh and {} held answers in all)",
+                self.fresh.answers(),
+                self.held.answers()
+            );
+        }
+        self.from = self.t0.elapsed();
+        self
     }
 
     /// Also records the timeline of the PodMigration `migration` and the Service
@@ -705,7 +757,7 @@ impl Clients {
 
     /// Lets them run past the end of a migration until both answer again (20 s at
     /// most; a gap still open then counts up to the stop), then `settle` more, and
-    /// stops them; (fresh, held).
+    /// stops them; (fresh, held), each from the window's start on.
     pub fn finish_after(self, settle: Duration) -> (ClientView, ClientView) {
         let t = Instant::now();
         let within = Duration::from_millis(200);
@@ -715,7 +767,10 @@ impl Clients {
             std::thread::sleep(Duration::from_millis(10));
         }
         std::thread::sleep(settle);
-        (self.fresh.finish_view(), self.held.finish())
+        (
+            self.fresh.finish_view(self.from),
+            self.held.finish_from(self.from),
+        )
     }
 }
 
@@ -771,14 +826,47 @@ mod tests {
     #[test]
     fn the_longest_gap_is_between_answers_or_before_the_first() {
         let ms = Duration::from_millis;
+        let zero = Duration::ZERO;
         assert_eq!(
-            longest_gap(&[ms(5), ms(20), ms(900), ms(910)], ms(920)),
+            longest_gap(&[ms(5), ms(20), ms(900), ms(910)], zero, ms(920)),
             (ms(880), ms(20))
         );
-        assert_eq!(longest_gap(&[ms(700), ms(710)], ms(720)), (ms(700), ms(0)));
+        assert_eq!(
+            longest_gap(&[ms(700), ms(710)], zero, ms(720)),
+            (ms(700), ms(0))
+        );
+        // The first gap counts from the window's start.
+        assert_eq!(
+            longest_gap(&[ms(700), ms(710)], ms(650), ms(720)),
+            (ms(50), ms(650))
+        );
         // A gap still open when the client stops counts to its end.
-        assert_eq!(longest_gap(&[ms(5), ms(15)], ms(2015)), (ms(2000), ms(15)));
-        assert_eq!(longest_gap(&[], ms(10)).0, Duration::MAX);
+        assert_eq!(
+            longest_gap(&[ms(5), ms(15)], zero, ms(2015)),
+            (ms(2000), ms(15))
+        );
+        assert_eq!(longest_gap(&[], zero, ms(10)).0, Duration::MAX);
+    }
+
+    #[test]
+    fn a_view_counts_its_gap_failures_and_ends_from_its_window_on() {
+        let ms = Duration::from_millis;
+        let reads = Reads {
+            // A slow first connection (1 s), then answers every 10 ms, one 400 ms gap.
+            answers: vec![ms(1000), ms(1010), ms(1020), ms(1420), ms(1430)],
+            failures: vec![(ms(500), "connect: timed out".into())],
+            end: ms(1440),
+        };
+        let ends = vec![(ms(300), "EOF".into()), (ms(1100), "EOF".into())];
+        let all = ClientView::of(vec![1, 2, 3, 4, 5], &reads, ends.clone(), Duration::ZERO);
+        assert_eq!(
+            (all.gap, all.failures.len(), all.ends.len()),
+            (ms(1000), 1, 2)
+        );
+        let window = ClientView::of(vec![1, 2, 3, 4, 5], &reads, ends, ms(1005));
+        assert_eq!((window.gap, window.gap_from), (ms(400), ms(1020)));
+        assert_eq!((window.answers, window.failures.len()), (4, 0));
+        assert_eq!(window.ends, vec![(ms(1100), "EOF".to_string())]);
     }
 
     #[test]
