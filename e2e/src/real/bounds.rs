@@ -19,8 +19,9 @@ pub struct ClientBound {
 
 /// How long after the downtime the source's node may forward a SYN it held: the
 /// operator's round trip from the restore to the source agent's `forward_connections`
-/// (up to about 1 s seen with three migrations at once on two cores).
-pub const FORWARD_AFTER_DOWNTIME: Duration = Duration::from_secs(1);
+/// (about 1.05 s seen with two migrations at once on two cores: a native sidecar's
+/// PreCopy of 1,927 ms downtime, whose SYN held from the lock timed out after 3 s).
+pub const FORWARD_AFTER_DOWNTIME: Duration = Duration::from_millis(1500);
 
 impl ClientBound {
     /// Failed requests allowed after a migration of `downtime`: `failures`, and one
@@ -179,8 +180,8 @@ mod tests {
         assert!(e.contains("past the downtime 415 ms + 700 ms"), "{e}");
         assert_eq!(HANDOVER_BOUND.gap.most(ms(415)).0, ms(915));
         // No failed request unless the freeze outlasts the client's connect timeout.
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(2000)), 0);
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(2087)), 1);
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1500)), 0);
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1501)), 1);
         // No failed request, and the held connection goes on with the hand-over.
         assert_eq!((DEFAULTS_BOUND.failures, HANDOVER_BOUND.failures), (0, 0));
         assert_eq!(
