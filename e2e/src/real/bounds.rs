@@ -17,21 +17,24 @@ pub struct ClientBound {
     pub held_continues: bool,
 }
 
-/// How long after the downtime the source's node may forward a SYN it held: the
-/// operator's round trip from the restore to the source agent's `forward_connections`
-/// (about 1.05 s seen with two migrations at once on two cores: a native sidecar's
-/// PreCopy of 1,927 ms downtime, whose SYN held from the lock timed out after 3 s).
-pub const FORWARD_AFTER_DOWNTIME: Duration = Duration::from_millis(1500);
+/// How much longer than the downtime the source's node may hold a new connection's
+/// SYN: the hold starts before the freeze the downtime counts (≈ 0.9 s seen: a PreCopy
+/// of 1,423 ms downtime whose fresh client's SYN was held 0.94 s before the held
+/// client's connection stopped answering) and ends at the forward, the operator's round
+/// trip after the restore (≈ 1.05 s seen: a native sidecar's PreCopy of 1,927 ms
+/// downtime). Both with two or three migrations at once on two cores.
+pub const HOLD_BEYOND_DOWNTIME: Duration = Duration::from_secs(2);
 
 impl ClientBound {
     /// Failed requests allowed after a migration of `downtime`: `failures`, and one
     /// more when the SYN the client sent at the lock may be held past its connect
-    /// timeout (the downtime and the forward after it pass [`CONNECT_TIMEOUT`]): that
-    /// connection no hold can save, only a shorter freeze. Seen 2026-12-07: a PreCopy
-    /// of 2,087 ms downtime with two other migrations running, its one connect timed
-    /// out after 3 s.
+    /// timeout (the downtime and [`HOLD_BEYOND_DOWNTIME`] pass [`CONNECT_TIMEOUT`]):
+    /// that connection no hold can save, only a shorter hold. Seen 2026-12-07: PreCopy
+    /// migrations of 1,423, 1,927 and 2,087 ms downtime beside other migrations, each
+    /// with its one connect timed out after 3 s (the "no failed request" is not
+    /// met there; docs/benchmarks.md).
     pub fn failures_after(&self, downtime: Duration) -> usize {
-        self.failures + usize::from(downtime + FORWARD_AFTER_DOWNTIME > CONNECT_TIMEOUT)
+        self.failures + usize::from(downtime + HOLD_BEYOND_DOWNTIME > CONNECT_TIMEOUT)
     }
 }
 
@@ -180,8 +183,8 @@ mod tests {
         assert!(e.contains("past the downtime 415 ms + 700 ms"), "{e}");
         assert_eq!(HANDOVER_BOUND.gap.most(ms(415)).0, ms(915));
         // No failed request unless the freeze outlasts the client's connect timeout.
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1500)), 0);
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1501)), 1);
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1000)), 0);
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1001)), 1);
         // No failed request, and the held connection goes on with the hand-over.
         assert_eq!((DEFAULTS_BOUND.failures, HANDOVER_BOUND.failures), (0, 0));
         assert_eq!(
