@@ -1,9 +1,10 @@
 //! `Forward` once it holds the migration: the source's node sends new connections that
 //! would reach the frozen source to the target (the broker's `forward_connections`,
-//! issue 39). Only a fenced source: the operator asks once the target's copy passed
-//! its probe, and the fence is what says the target was asked to restore. The forward
-//! ends with the source: the broker removes it at the unlock (an abort's thaw, a
-//! commit that closes connections), the kill (a commit) and the registration's end.
+//! issue 39). Only a fenced source: the operator asks in the pass that sees the target's
+//! restore (the restore fence), and the fence is what says the target was asked to
+//! restore. The forward ends with the source: the broker removes it at the unlock (an
+//! abort's thaw, a commit that closes connections), the kill (a commit) and the
+//! registration's end.
 
 use super::freeze::FENCED;
 use super::state::Migration;

@@ -1,6 +1,6 @@
 //! The forward of the frozen source's new connections to the target (issue 39): asked
-//! of the source agent once the target passed its probe and before the target pod is
-//! handed over, awaited while it runs, never holding the commit back when it fails,
+//! of the source agent in the pass that sees the target's restore (the restore fence)
+//! and before the target pod is handed over, awaited while it runs, never holding the commit back when it fails,
 //! never asked once the source's kill was, nor where the installer turned it off.
 
 use podmotion_api::migration::MigrationPhase as P;
@@ -31,18 +31,34 @@ fn source_with(state: Option<StepState>) -> AgentReport {
 }
 
 #[test]
-fn the_forward_is_asked_as_the_probe_passes_and_before_the_hand_over() {
-    // The pass in which the probe passes enters Committing and asks for the forward;
-    // the target pod is not handed over yet.
+fn the_forward_is_asked_at_the_restore_fence_and_before_the_hand_over() {
+    // The pass that sees the restore asks for the probe and the forward together.
+    let t = next(&forwarding(at(P::Restoring).target(done(Step::Restore))));
+    assert!(has(&t, &FORWARD), "{:?}", t.actions);
+    assert!(
+        has(&t, &Action::Agent(Side::Target, Step::Probe)),
+        "{:?}",
+        t.actions
+    );
+    // While the probe runs, and in the pass in which it passes (Committing entered,
+    // the target pod not handed over yet while the forward is unanswered).
+    let t = next(&forwarding(at(P::Restoring).target(running(Step::Probe))));
+    assert!(has(&t, &FORWARD), "{:?}", t.actions);
     let t = next(&forwarding(at(P::Restoring).target(done(Step::Probe))));
     assert_eq!(t.status.phase, P::Committing);
     assert!(has(&t, &FORWARD), "{:?}", t.actions);
     assert!(!has(&t, &Action::HandOverTargetPod), "{:?}", t.actions);
-    // Not before the probe passed.
-    for target in [running(Step::Probe), done(Step::Restore)] {
-        let t = next(&forwarding(at(P::Restoring).target(target)));
-        assert!(!has(&t, &FORWARD), "{:?}", t.actions);
+    // Not before the restore fence: the target still receiving or restoring.
+    for target in [done(Step::Receive), running(Step::Restore)] {
+        let t = next(&forwarding(at(P::Restoring).target(target.clone())));
+        assert!(!has(&t, &FORWARD), "{target:?}: {:?}", t.actions);
     }
+    // Asked once: while it runs it is not asked again.
+    let t = next(
+        &forwarding(at(P::Restoring).target(running(Step::Probe)))
+            .source(source_with(Some(StepState::Running))),
+    );
+    assert!(!has(&t, &FORWARD), "{:?}", t.actions);
     // In Committing (an operator restart forgot it): asked again, hand-over waits.
     let t = next(&forwarding(at(P::Committing)));
     assert!(has(&t, &FORWARD), "{:?}", t.actions);

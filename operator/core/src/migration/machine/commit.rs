@@ -82,31 +82,43 @@ impl<'a> Machine<'a> {
     }
 
     /// Step 0 (`Knobs::forward_new_connections`): the source's node forwards the frozen
-    /// source's new connections to the target, which passed its probe, before the
-    /// target pod is handed over: from then on a connection the Services still send to
-    /// the source (kube-proxy programs the hand-over's two endpoint changes up to its
-    /// `minSyncPeriod` apart) reaches the target instead of a dropped SYN. Whether the
-    /// commit waits for it: while it is asked and not answered. Its failure (a node
-    /// that does not forward, an agent without `Forward`) never holds the commit back,
-    /// and it is never asked once the source's kill was.
+    /// source's new connections to the target before the target pod is handed over:
+    /// from then on a connection the Services still send to the source (kube-proxy
+    /// programs the hand-over's two endpoint changes up to its `minSyncPeriod` apart)
+    /// reaches the target instead of a dropped SYN. Asked as soon as the target
+    /// restored ([`Machine::forward_new_connections`]); asked here again if it was not
+    /// (an operator restart forgot it). Whether the commit waits for it: while it is
+    /// asked and not answered. Its failure (a node that does not forward, an agent
+    /// without `Forward`) never holds the commit back.
     fn forwarding_first(&mut self) -> bool {
-        let Some(r) = self.o.source_agent.report() else {
-            return false;
-        };
+        self.forward_new_connections() == Some(StepState::Running)
+    }
+
+    /// Asks the source agent to `Forward` (a no-op while it runs; never once the
+    /// source's kill was asked, nor where the installer turned it off), in the pass
+    /// that sees the target's restore: past the restore fence the restored copy is the
+    /// workload (its restored connections already run on it, and the source is never
+    /// thawed behind it), so the SYNs the source's lock holds go to it at once rather
+    /// than after the probe's and the commit's passes (≈ 1 s under load, which
+    /// outlasted a client's 3 s connect timeout: issue 39). A copy that then fails its
+    /// probe is killed before the rollback thaws the source, which ends the forward
+    /// first: a client forwarded in between sees a reset, as its restored connections
+    /// do. How the forward stands, or `None` where it is not asked.
+    pub(super) fn forward_new_connections(&mut self) -> Option<StepState> {
+        let r = self.o.source_agent.report()?;
         let killing = r.done(Step::Commit)
             || r.running(Step::Commit)
             || r.progress.killed_under_fence
             || !r.progress.fenced;
         if !self.o.knobs.forward_new_connections || killing {
-            return false;
+            return None;
         }
-        match r.progress.forward {
+        match &r.progress.forward {
             None => {
                 self.act(Action::Agent(Side::Source, Step::Forward));
-                true
+                Some(StepState::Running)
             }
-            Some(StepState::Running) => true,
-            Some(_) => false,
+            Some(s) => Some(s.clone()),
         }
     }
 

@@ -26,10 +26,12 @@ impl<'a> Machine<'a> {
             Some(Step::Restore) if tgt.done(Step::Restore) => {
                 self.record_restore(tgt);
                 self.act(Action::Agent(Side::Target, Step::Probe));
+                self.forward_new_connections();
                 self.bump_progress_time();
             }
             Some(Step::Probe) => {
                 self.record_restore(tgt);
+                self.forward_new_connections();
                 if self.awaiting_pages() {
                     // The source is the restored copy's page store until the last
                     // page: nothing of it is given up before (deleting its pod would
