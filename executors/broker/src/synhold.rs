@@ -297,63 +297,91 @@ fn raw(rest: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// The iptables commands (program, arguments) that install a hold of `held` to queue
-/// `num` in chain `chain` of the raw table — before conntrack, so a released SYN is a
-/// new connection to the NAT rules as they are then — jumped to from PREROUTING (clients
-/// on other nodes, this node's pods) and OUTPUT (the node itself), per family.
-/// `--queue-bypass`: with nobody bound to the queue, the SYN goes on as without the hold.
-pub fn install_commands(chain: &str, held: &Held, num: u16) -> Vec<(&'static str, Vec<String>)> {
+/// One family's iptables: its command and its `-restore`, which applies a whole
+/// script as one transaction in one process (the lock's and the forward's paths each
+/// waited for four process starts per family before; ≈ 0.2 s on a busy node between
+/// the forward and the held SYNs' release, seen on the real nodes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Family {
+    pub command: &'static str,
+    pub restore: &'static str,
+    v4: bool,
+}
+
+pub const FAMILIES: [Family; 2] = [
+    Family {
+        command: "iptables-nft",
+        restore: "iptables-nft-restore",
+        v4: true,
+    },
+    Family {
+        command: "ip6tables-nft",
+        restore: "ip6tables-nft-restore",
+        v4: false,
+    },
+];
+
+/// The raw-table scripts (family, `-restore --noflush` input) that install a hold of
+/// `held` to queue `num` in chain `chain` — before conntrack, so a released SYN is a
+/// new connection to the NAT rules as they are then — jumped to from PREROUTING
+/// (clients on other nodes, this node's pods) and OUTPUT (the node itself), for each
+/// family `held` names. `--queue-bypass`: with nobody bound to the queue, the SYN goes
+/// on as without the hold. Each script is one transaction: it fails whole.
+pub fn install_scripts(chain: &str, held: &Held, num: u16) -> Vec<(Family, String)> {
     let mut out = Vec::new();
-    for (prog, v4) in [("iptables-nft", true), ("ip6tables-nft", false)] {
+    for f in FAMILIES {
         let addrs: Vec<_> = held
             .addresses
             .iter()
-            .filter(|a| a.is_ipv4() == v4)
+            .filter(|a| a.is_ipv4() == f.v4)
             .collect();
         let svcs: Vec<_> = held
             .services
             .iter()
-            .filter(|(a, _)| a.is_ipv4() == v4)
+            .filter(|(a, _)| a.is_ipv4() == f.v4)
             .collect();
         if addrs.is_empty() && svcs.is_empty() {
             continue;
         }
-        let num = num.to_string();
-        let rule = |dest: String, port: Option<String>| {
-            let mut r = vec!["-A".to_string(), chain.into(), "-d".into(), dest];
-            r.extend(["-p", "tcp"].map(String::from));
-            if let Some(p) = port {
-                r.extend(["--dport".to_string(), p]);
-            }
-            r.extend(["--syn", "-j", "NFQUEUE", "--queue-bypass", "--queue-num"].map(String::from));
-            r.push(num.clone());
-            let refs: Vec<&str> = r.iter().map(String::as_str).collect();
-            raw(&refs)
-        };
-        out.push((prog, raw(&["-N", chain])));
+        let queue = format!("--syn -j NFQUEUE --queue-bypass --queue-num {num}");
+        let mut script = format!("*raw\n:{chain} - [0:0]\n");
         for a in addrs {
-            out.push((prog, rule(a.to_string(), None)));
+            script.push_str(&format!("-A {chain} -d {a} -p tcp {queue}\n"));
         }
         for (a, port) in svcs {
-            out.push((prog, rule(a.to_string(), Some(port.to_string()))));
+            script.push_str(&format!(
+                "-A {chain} -d {a} -p tcp --dport {port} {queue}\n"
+            ));
         }
         for hook in ["PREROUTING", "OUTPUT"] {
-            out.push((prog, raw(&["-I", hook, "-j", chain])));
+            script.push_str(&format!("-I {hook} -j {chain}\n"));
         }
+        script.push_str("COMMIT\n");
+        out.push((f, script));
     }
     out
 }
 
-/// The commands that remove chain `chain` from both families, each allowed to fail (a
-/// family it was never in, a second removal): the jumps first, then the chain.
-pub fn remove_commands(chain: &str) -> Vec<(&'static str, Vec<String>)> {
+/// The raw-table script that removes chain `chain` of one family whose hold was
+/// installed whole: the jumps first, then the chain, in one transaction (it fails
+/// whole where a piece is missing: then [`remove_commands`]).
+pub fn remove_script(chain: &str) -> String {
+    format!(
+        "*raw\n-D PREROUTING -j {chain}\n-D OUTPUT -j {chain}\n-F {chain}\n-X {chain}\nCOMMIT\n"
+    )
+}
+
+/// The commands that remove chain `chain` from `families`, each allowed to fail (a
+/// family it was never in, a second removal, a hold half installed): the jumps first,
+/// then the chain.
+pub fn remove_commands(chain: &str, families: &[Family]) -> Vec<(&'static str, Vec<String>)> {
     let mut out = Vec::new();
-    for prog in ["iptables-nft", "ip6tables-nft"] {
+    for f in families {
         for hook in ["PREROUTING", "OUTPUT"] {
-            out.push((prog, raw(&["-D", hook, "-j", chain])));
+            out.push((f.command, raw(&["-D", hook, "-j", chain])));
         }
-        out.push((prog, raw(&["-F", chain])));
-        out.push((prog, raw(&["-X", chain])));
+        out.push((f.command, raw(&["-F", chain])));
+        out.push((f.command, raw(&["-X", chain])));
     }
     out
 }
@@ -419,17 +447,26 @@ const TAKE_EVERY: Duration = Duration::from_millis(20);
 /// dropped then, as without it.
 pub const HOLD_AT_MOST: Duration = Duration::from_secs(600);
 
-/// Binds the first free queue of the broker's range.
-fn bind_free() -> io::Result<Queue> {
+/// Binds the first free queue of the broker's range. A queue another socket holds
+/// answers `EPERM` (the kernel's "not yours"; `EBUSY` is this socket's own): both
+/// mean taken, so two holds at once in one network namespace — two migrations from
+/// one node, or nodes sharing a namespace — each get a queue. (Taking only `EBUSY` as
+/// taken left the second hold unstarted, seen on the real nodes: "Operation not
+/// permitted", its clients' SYNs dropped at the lock.)
+pub fn bind_free() -> io::Result<Queue> {
     let mut last = None;
     for n in QUEUE_BASE..QUEUE_BASE + QUEUES {
         match Queue::bind(n) {
             Ok(q) => return Ok(q),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => last = Some(e),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EPERM)) => last = Some(e),
             Err(e) => return Err(e),
         }
     }
-    Err(last.unwrap_or_else(|| io::Error::other("no free queue")))
+    Err(io::Error::other(format!(
+        "no queue of {QUEUE_BASE:#x}..{:#x} could be bound (the last: {})",
+        QUEUE_BASE + QUEUES,
+        last.map_or_else(|| "none tried".to_string(), |e| e.to_string())
+    )))
 }
 
 /// Runs each command; `must`: the first failure is returned.
@@ -447,6 +484,57 @@ fn run_all(cmds: &[(&'static str, Vec<String>)], must: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// Applies `script` with `family`'s `-restore --noflush` (one transaction).
+pub fn restore(family: Family, script: &str) -> io::Result<()> {
+    use std::io::Write;
+    let mut child = std::process::Command::new(family.restore)
+        .args(["--noflush", "-w"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(script.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "{}: {}",
+            family.restore,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Installs the hold's scripts; on a failure, removes what any of them left. Returns
+/// the families installed.
+fn install(chain: &str, held: &Held, num: u16) -> io::Result<Vec<Family>> {
+    let mut done = Vec::new();
+    for (f, script) in install_scripts(chain, held, num) {
+        if let Err(e) = restore(f, &script) {
+            let _ = run_all(&remove_commands(chain, &FAMILIES), false);
+            return Err(e);
+        }
+        done.push(f);
+    }
+    Ok(done)
+}
+
+/// Removes the chain from the `families` it was installed in: one transaction each,
+/// else piece by piece.
+fn uninstall(chain: &str, families: &[Family]) -> io::Result<()> {
+    for f in families {
+        if restore(*f, &remove_script(chain)).is_err() {
+            run_all(&remove_commands(chain, &[*f]), false)?;
+        }
+    }
+    Ok(())
+}
+
 /// Starts holding `held` in the network namespace of `netns_pid` (the node's): a
 /// thread of its own enters it, binds a queue, installs the chain and takes what comes
 /// until the hold ends. Returns once the rules are in (or failed, leaving nothing).
@@ -457,16 +545,13 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
     let (done_tx, done) = std::sync::mpsc::channel::<io::Result<usize>>();
     let c = chain.clone();
     std::thread::spawn(move || {
-        let setup = || -> io::Result<Queue> {
+        let setup = || -> io::Result<(Queue, Vec<Family>)> {
             nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
             let q = bind_free()?;
-            if let Err(e) = run_all(&install_commands(&c, &held, q.num()), true) {
-                let _ = run_all(&remove_commands(&c), false);
-                return Err(e);
-            }
-            Ok(q)
+            let families = install(&c, &held, q.num())?;
+            Ok((q, families))
         };
-        let mut q = match setup() {
+        let (mut q, families) = match setup() {
             Ok(q) => q,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
@@ -490,7 +575,7 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
         };
         // The rule first (a SYN released past a rule still in place can meet it
         // again), then what came meanwhile, then the verdicts.
-        let removed = run_all(&remove_commands(&c), false);
+        let removed = uninstall(&c, &families);
         let _ = q.take(Duration::from_millis(1));
         let r = removed.and_then(|()| match how {
             End::Release => q.release(),
@@ -513,7 +598,9 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
 /// fine.
 pub fn remove(netns_pid: i32, chain: &str) -> io::Result<()> {
     let chain = chain.to_string();
-    crate::kernel::in_netns(netns_pid, move || run_all(&remove_commands(&chain), false))
+    crate::kernel::in_netns(netns_pid, move || {
+        run_all(&remove_commands(&chain, &FAMILIES), false)
+    })
 }
 
 fn timeval(d: Duration) -> nix::sys::time::TimeVal {
@@ -569,26 +656,40 @@ mod tests {
             addresses: vec!["198.18.1.5".parse().unwrap(), "fd00::5".parse().unwrap()],
             services: vec![("198.19.0.10".parse().unwrap(), 80)],
         };
-        let c = joined(&install_commands("pm-hold-x", &held, 7));
+        let s = install_scripts("pm-hold-x", &held, 7);
         let q = "-p tcp --syn -j NFQUEUE --queue-bypass --queue-num 7";
         assert_eq!(
-            c,
+            s,
             vec![
-                "iptables-nft -w -t raw -N pm-hold-x".to_string(),
-                format!("iptables-nft -w -t raw -A pm-hold-x -d 198.18.1.5 {q}"),
-                format!(
-                    "iptables-nft -w -t raw -A pm-hold-x -d 198.19.0.10 -p tcp --dport 80 --syn -j NFQUEUE --queue-bypass --queue-num 7"
+                (
+                    FAMILIES[0],
+                    format!(
+                        "*raw\n:pm-hold-x - [0:0]\n-A pm-hold-x -d 198.18.1.5 {q}\n\
+                         -A pm-hold-x -d 198.19.0.10 -p tcp --dport 80 --syn -j NFQUEUE --queue-bypass --queue-num 7\n\
+                         -I PREROUTING -j pm-hold-x\n-I OUTPUT -j pm-hold-x\nCOMMIT\n"
+                    )
                 ),
-                "iptables-nft -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
-                "iptables-nft -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
-                "ip6tables-nft -w -t raw -N pm-hold-x".to_string(),
-                format!("ip6tables-nft -w -t raw -A pm-hold-x -d fd00::5 {q}"),
-                "ip6tables-nft -w -t raw -I PREROUTING -j pm-hold-x".to_string(),
-                "ip6tables-nft -w -t raw -I OUTPUT -j pm-hold-x".to_string(),
+                (
+                    FAMILIES[1],
+                    format!(
+                        "*raw\n:pm-hold-x - [0:0]\n-A pm-hold-x -d fd00::5 {q}\n\
+                         -I PREROUTING -j pm-hold-x\n-I OUTPUT -j pm-hold-x\nCOMMIT\n"
+                    )
+                ),
             ]
         );
-        // The jumps go before the chain, in both families.
-        let r = joined(&remove_commands("pm-hold-x"));
+        // An IPv4-only hold has no IPv6 half.
+        let v4 = Held {
+            addresses: vec!["198.18.1.5".parse().unwrap()],
+            services: vec![],
+        };
+        let s = install_scripts("pm-hold-x", &v4, 7);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].0.restore, "iptables-nft-restore");
+        // The jumps go before the chain.
+        let r = remove_script("pm-hold-x");
+        assert!(r.find("-D PREROUTING").unwrap() < r.find("-X pm-hold-x").unwrap());
+        let r = joined(&remove_commands("pm-hold-x", &FAMILIES));
         assert_eq!(r.len(), 8);
         assert!(r[0].ends_with("-D PREROUTING -j pm-hold-x") && r[3].ends_with("-X pm-hold-x"));
         assert!(r[4].starts_with("ip6tables-nft"));

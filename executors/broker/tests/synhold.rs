@@ -27,7 +27,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use nix::sched::{CloneFlags, setns};
-use podmotion_broker::synhold::{Held, Queue, install_commands, remove_commands};
+use podmotion_broker::synhold::{Held, Queue, bind_free, install_scripts, remove_script, restore};
 use support::{require_root, retrans_segs, sh};
 
 const NETNS: [&str; 4] = ["pmsh-node", "pmsh-src", "pmsh-tgt", "pmsh-cli"];
@@ -101,9 +101,17 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
         addresses: vec![SOURCE.parse().unwrap()],
         services: vec![],
     };
-    for (prog, args) in install_commands(CHAIN, &held, QUEUE) {
-        run_in_node(prog, &args, true);
-    }
+    // The broker's own scripts, as it applies them (one transaction per family).
+    let scripts = install_scripts(CHAIN, &held, QUEUE);
+    assert_eq!(scripts.len(), 1, "an IPv4 hold has one family");
+    let family = scripts[0].0;
+    in_netns("pmsh-node", move || {
+        for (f, script) in scripts {
+            restore(f, &script).unwrap();
+        }
+    })
+    .join()
+    .unwrap();
     let (bound_tx, bound) = mpsc::channel();
     let node = in_netns("pmsh-node", move || {
         let mut q = Queue::bind(QUEUE).unwrap();
@@ -123,10 +131,7 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
                }}\n\
              }}\nEOF"
         ));
-        for (prog, args) in remove_commands(CHAIN) {
-            // ip6tables' half was never installed.
-            run_in_node(prog, &args, prog == "iptables-nft");
-        }
+        restore(family, &remove_script(CHAIN)).unwrap();
         q.release().unwrap()
     });
     bound.recv().unwrap();
@@ -155,17 +160,23 @@ fn a_held_syn_released_after_a_dnat_was_added_reaches_the_target() {
     target.join().unwrap();
 }
 
-/// Runs `prog args` in the test's node namespace; `must`: its failure fails the test.
-fn run_in_node(prog: &str, args: &[String], must: bool) {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", "pmsh-node", prog])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() || !must,
-        "{prog} {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
+#[test]
+fn two_holds_in_one_namespace_each_bind_a_queue_of_their_own() {
+    if !require_root() {
+        return;
+    }
+    sh("ip netns add pmsh-queues");
+    let got = in_netns("pmsh-queues", || {
+        let first = bind_free().expect("the first hold's queue");
+        // Another socket's queue answers EPERM, not EBUSY: still taken, not an error.
+        let second = bind_free().expect("the second hold's queue, beside the first");
+        let third = bind_free().expect("a third");
+        (first.num(), second.num(), third.num())
+    })
+    .join();
+    let _ = std::process::Command::new("ip")
+        .args(["netns", "del", "pmsh-queues"])
+        .status();
+    let (a, b, c) = got.unwrap();
+    assert!(a != b && b != c && a != c, "{a:#x} {b:#x} {c:#x}");
 }
