@@ -21,8 +21,8 @@ use podmotion_e2e::real::agents::no_checkpoint_files_left;
 use podmotion_e2e::real::bounds::{DEFAULTS_BOUND, assert_clients};
 use podmotion_e2e::real::copies::{Clients, jump_back, workload_processes};
 use podmotion_e2e::real::testload::{
-    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable, ended,
-    node_of, pod_ip, restart_count, source_serves_alone,
+    self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_once_listening,
+    counter_when_reachable, ended, node_of, pod_ip, restart_count, source_serves_alone,
 };
 use podmotion_e2e::real::{Images, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
@@ -315,7 +315,7 @@ async fn a_real_container_moves_to_the_other_real_node_and_is_adopted() {
         .and_then(|s| s.terminated)
         .expect("the container's last state is terminated");
     assert_eq!(last_state.exit_code, 137, "{last_state:?}");
-    let fresh = counter(&target_addr);
+    let fresh = counter_once_listening(&target_addr, "the restarted container");
     assert!(
         fresh < last_seen,
         "the restarted container runs the workload afresh: {fresh} >= {last_seen}"

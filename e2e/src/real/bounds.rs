@@ -17,24 +17,17 @@ pub struct ClientBound {
     pub held_continues: bool,
 }
 
-/// How much longer than the downtime the source's node may hold a new connection's
-/// SYN: the hold starts before the freeze the downtime counts (≈ 0.9 s seen: a PreCopy
-/// of 1,423 ms downtime whose fresh client's SYN was held 0.94 s before the held
-/// client's connection stopped answering) and ends at the forward, the operator's round
-/// trip after the restore (≈ 1.05 s seen: a native sidecar's PreCopy of 1,927 ms
-/// downtime). Both with two or three migrations at once on two cores.
-pub const HOLD_BEYOND_DOWNTIME: Duration = Duration::from_secs(2);
-
 impl ClientBound {
     /// Failed requests allowed after a migration of `downtime`: `failures`, and one
-    /// more when the SYN the client sent at the lock may be held past its connect
-    /// timeout (the downtime and [`HOLD_BEYOND_DOWNTIME`] pass [`CONNECT_TIMEOUT`]):
-    /// that connection no hold can save, only a shorter hold. Seen 2026-12-07: PreCopy
-    /// migrations of 1,423, 1,927 and 2,087 ms downtime beside other migrations, each
-    /// with its one connect timed out after 3 s (the "no failed request" is not
-    /// met there; docs/benchmarks.md).
+    /// more when the gap this bound allows passes the client's [`CONNECT_TIMEOUT`]: a
+    /// SYN the source's lock holds is let go at the forward, so a connection opened at
+    /// the lock can wait as long as the gap, and past its connect timeout no hold saves
+    /// it. With the defaults' + 700 ms that is a downtime over 2.3 s. (Until 2026-12-07
+    /// the forward waited for the probe's and the commit's passes, ≈ 1 s more under
+    /// load, and one failure was allowed from a downtime of 1 s: PreCopy migrations of
+    /// 1,423, 1,927 and 2,087 ms beside other migrations each had one connect time out.)
     pub fn failures_after(&self, downtime: Duration) -> usize {
-        self.failures + usize::from(downtime + HOLD_BEYOND_DOWNTIME > CONNECT_TIMEOUT)
+        self.failures + usize::from(self.gap.most(downtime).0 > CONNECT_TIMEOUT)
     }
 }
 
@@ -182,9 +175,11 @@ mod tests {
         let e = view(1116, 0).within_failing((most, how), 0).unwrap_err();
         assert!(e.contains("past the downtime 415 ms + 700 ms"), "{e}");
         assert_eq!(HANDOVER_BOUND.gap.most(ms(415)).0, ms(915));
-        // No failed request unless the freeze outlasts the client's connect timeout.
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1000)), 0);
-        assert_eq!(DEFAULTS_BOUND.failures_after(ms(1001)), 1);
+        // No failed request unless the gap allowed outlasts the client's connect
+        // timeout.
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(2300)), 0);
+        assert_eq!(DEFAULTS_BOUND.failures_after(ms(2301)), 1);
+        assert_eq!(HANDOVER_BOUND.failures_after(ms(2500)), 0);
         // No failed request, and the held connection goes on with the hand-over.
         assert_eq!((DEFAULTS_BOUND.failures, HANDOVER_BOUND.failures), (0, 0));
         assert_eq!(

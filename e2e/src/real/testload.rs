@@ -192,6 +192,41 @@ pub fn counter_when_reachable(addr: &str, what: &str) -> u64 {
     }
 }
 
+/// The counter of a workload its container just started again (a restart after the
+/// workload died): the kubelet may report the restarted container Ready before its
+/// workload listens (seen once on these nodes, 2026-12-07: Ready 7 ms after
+/// `StartContainer` returned, the next connection refused), so a refused connection
+/// is tried again for up to 10 s and printed as a NOTE. Anything else, or a refusal
+/// past that, fails.
+pub fn counter_once_listening(addr: &str, what: &str) -> u64 {
+    let start = std::time::Instant::now();
+    loop {
+        match ask(addr, "get") {
+            Ok(a) => {
+                if start.elapsed() > Duration::from_millis(50) {
+                    eprintln!(
+                        "NOTE {what}: {addr} refused connections for {} ms after its container was Ready",
+                        start.elapsed().as_millis()
+                    );
+                }
+                return a
+                    .parse()
+                    .unwrap_or_else(|e| panic!("counter from {addr}: {a:?}: {e}"));
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && start.elapsed() < Duration::from_secs(10) =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!(
+                "{what}: get from {addr}: {e} (after {} ms)",
+                start.elapsed().as_millis()
+            ),
+        }
+    }
+}
+
 /// The host's IPv4 neighbour table (the real nodes share the host's network namespace),
 /// for a failure message.
 fn neighbours() -> String {
