@@ -54,8 +54,9 @@
 #   * Rust binaries: Cargo.toml's profile "images" (release without LTO, symbols
 #     stripped; "images-lto" with LTO for hack/release.sh), built for
 #     x86_64-unknown-linux-musl (static: no base image and no libc to match), with the
-#     workspace, the cargo home and the target dir remapped to fixed paths, so that the
-#     clone's location does not leak into the binaries;
+#     workspace (built at one fixed path, see build_rust), the cargo home and the target
+#     dir remapped to fixed paths, so that the clone's location does not leak into the
+#     binaries;
 #   * Debian packages (CRIU, tar, gzip and dash from forky for the agent, iproute2 and conntrack from bookworm for
 #     the broker) are resolved once and cached as .debs under $PODMOTION_CACHE/images/debs:
 #     back-to-back builds use the same files. forky is Debian testing, a moving suite:
@@ -74,9 +75,6 @@
 #                        images-lto (thin LTO: hack/release.sh's default)
 #   PODMOTION_RELEASE_URL where the plugin's tarball is published, for its krew manifest
 #                        (default the GitHub release of this version)
-#   IMAGES_REMAP_SOURCE  the source path remapped to /podmotion in the binaries (default
-#                        this tree; a test's copy of the tree names the original, see
-#                        build_rust)
 set -euo pipefail
 
 # Run under a cargo process (an e2e test runs hack/release.sh, which runs this), the
@@ -172,30 +170,43 @@ declare -A PKG_OF=(
 # Builds every binary of every image in one cargo invocation (always the full set, so
 # feature unification, and with it each binary, does not depend on which images were
 # asked for). Prints the directory holding the binaries.
+#
+# The tree is built at one fixed path, $SRC_MOUNT, bind-mounted in a mount namespace
+# of the build's own (gone with it): the paths remapped in RUSTFLAGS, and with them
+# every dependency's fingerprint, are the same for every clone and copy of the tree —
+# CI's fresh clone, a test's worktree with the version bumped (real_upgrade) — so only
+# the workspace's own crates compile again. (Remapping the clone's own path made each
+# new clone recompile every dependency, twice with --check-reproducible: ~30 min of a
+# CI run.) Without root (no mount namespace) the tree is built where it is.
+SRC_MOUNT=$WORK/src
 build_rust() { # target-dir
-  local target_dir=$1 cargo_home=${CARGO_HOME:-$HOME/.cargo} b
-  # IMAGES_REMAP_SOURCE: a copy of the tree built for a test (real_upgrade's next build,
-  # a worktree with the version bumped) names the original here, so that its RUSTFLAGS,
-  # and with them every dependency compiled for the original, are the same: only the
-  # workspace's own crates compile again. Its binaries then keep the copy's paths.
-  local remap="--remap-path-prefix=${IMAGES_REMAP_SOURCE:-$repo}=/podmotion --remap-path-prefix=$cargo_home=/cargo"
+  local target_dir=$1 cargo_home=${CARGO_HOME:-$HOME/.cargo} b src=$SRC_MOUNT
+  ((EUID == 0)) || src=$repo
+  local remap="--remap-path-prefix=$src=/podmotion --remap-path-prefix=$cargo_home=/cargo"
   remap+=" --remap-path-prefix=$target_dir=/target"
   local -a sel=()
   for b in "${!PKG_OF[@]}"; do sel+=(-p "${PKG_OF[$b]}" --bin "$b"); done
   local start=$SECONDS
-  log "cargo build (profile $CARGO_PROFILE, $RUST_TARGET) into $target_dir"
+  log "cargo build (profile $CARGO_PROFILE, $RUST_TARGET) of $repo at $src into $target_dir"
   # Cargo.toml's profiles: "images" (release without LTO, symbols stripped) for the
   # tests and the demo, "images-lto" (with release's thin LTO) for hack/release.sh.
   # RUSTFLAGS for the target only (build scripts and proc macros are not affected).
   # SOURCE_DATE_EPOCH is pinned for cargo: the cc crate (ring, psm) reruns its build
   # script when it changes, and with it every crate above them; the C objects do not
   # depend on it (no __DATE__/__TIME__), and the archive is written deterministically.
-  SOURCE_DATE_EPOCH=0 CARGO_TARGET_DIR=$target_dir \
-    CARGO_TARGET_X86_64_UNKNOWN_LINUX_MUSL_RUSTFLAGS="$remap" \
-    CC_x86_64_unknown_linux_musl=musl-gcc \
-    CFLAGS_x86_64_unknown_linux_musl="${remap//--remap-path-prefix=/-ffile-prefix-map=}" \
-    cargo build --locked --target "$RUST_TARGET" --profile "$CARGO_PROFILE" "${sel[@]}" >&2 ||
-    die "cargo build of the image binaries failed"
+  local -a build=(env SOURCE_DATE_EPOCH=0 CARGO_TARGET_DIR="$target_dir"
+    CARGO_TARGET_X86_64_UNKNOWN_LINUX_MUSL_RUSTFLAGS="$remap"
+    CC_x86_64_unknown_linux_musl=musl-gcc
+    CFLAGS_x86_64_unknown_linux_musl="${remap//--remap-path-prefix=/-ffile-prefix-map=}"
+    cargo build --locked --target "$RUST_TARGET" --profile "$CARGO_PROFILE" "${sel[@]}")
+  if [[ $src == "$repo" ]]; then
+    (cd "$repo" && "${build[@]}") >&2
+  else
+    mkdir -p "$src"
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    unshare --mount --propagation private -- bash -c \
+      'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"' _ "$repo" "$src" "${build[@]}" >&2
+  fi || die "cargo build of the image binaries failed"
   log "cargo build done in $((SECONDS - start))s"
   echo "$target_dir/$RUST_TARGET/$CARGO_PROFILE"
 }
@@ -506,6 +517,9 @@ verify_image() { # name digest -> 0 if every check passed
       c=$(in_root "$tmp/root" 0:0 conntrack --version 2>&1) || { log "broker: conntrack --version failed: $c"; fail=1; }
       t=$(in_root "$tmp/root" 0:0 nft --version 2>&1) || { log "broker: nft --version failed: $t"; fail=1; }
       x=$(in_root "$tmp/root" 0:0 iptables-nft --version 2>&1) || { log "broker: iptables-nft --version failed: $x"; fail=1; }
+      for r in iptables-nft-restore ip6tables-nft-restore; do
+        y=$(in_root "$tmp/root" 0:0 "$r" --version 2>&1) || { log "broker: $r --version failed: $y"; fail=1; }
+      done
       out="ip: ${v:0:24}; ${c:0:24}; ${t:0:24}; ${x:0:24}"
       ;;
   esac

@@ -156,10 +156,10 @@ impl NextBuild {
             .current_dir(&wt)
             .args(["hack/images.sh"])
             .args(REPLACED)
-            .env("PODMOTION_RUN", dir.join("run"))
-            // The original's RUSTFLAGS: the dependencies compiled for the installed
-            // images are reused, only the workspace's crates compile (hack/images.sh).
-            .env("IMAGES_REMAP_SOURCE", repo_root());
+            // Built at the same fixed path as the original (hack/images.sh,
+            // build_rust): the dependencies compiled for the installed images are
+            // reused, only the workspace's crates compile.
+            .env("PODMOTION_RUN", dir.join("run"));
         let lines = run(&mut build, "hack/images.sh in the bumped worktree");
         eprintln!(
             "[upgrade] built {version} from source in {:.0?}",
