@@ -67,6 +67,31 @@ pub fn tcp_repair_off(sock: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Runs `program args` with `script` on its standard input (`nft -f -`, an
+/// `iptables-nft-restore`); its failure carries its standard error.
+pub fn run_script(program: &str, args: &[&str], script: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(script.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        return Err(std::io::Error::other(format!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `f` on a fresh thread that has joined the network namespace of `pid`; child
 /// processes it spawns (iproute2) inherit that namespace. The broker's own threads
 /// never change namespace.

@@ -222,24 +222,7 @@ impl Ip for RealIp {
     }
 
     fn nft(&mut self, script: &str) -> std::io::Result<()> {
-        use std::process::Stdio;
-        let mut child = Command::new("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(script.as_bytes())?;
-        }
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            return Err(std::io::Error::other(format!(
-                "nft -f -: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        Ok(())
+        kernel::run_script("nft", &["-f", "-"], script)
     }
 }
 

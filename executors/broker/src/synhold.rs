@@ -469,45 +469,18 @@ pub fn bind_free() -> io::Result<Queue> {
     )))
 }
 
-/// Runs each command; `must`: the first failure is returned.
-fn run_all(cmds: &[(&'static str, Vec<String>)], must: bool) -> io::Result<()> {
+/// Runs each command, whatever each one's exit (a piece already gone); only a program
+/// that cannot be started is an error.
+fn run_all(cmds: &[(&'static str, Vec<String>)]) -> io::Result<()> {
     for (prog, args) in cmds {
-        let out = std::process::Command::new(prog).args(args).output()?;
-        if must && !out.status.success() {
-            return Err(io::Error::other(format!(
-                "{prog} {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
+        std::process::Command::new(prog).args(args).output()?;
     }
     Ok(())
 }
 
 /// Applies `script` with `family`'s `-restore --noflush` (one transaction).
 pub fn restore(family: Family, script: &str) -> io::Result<()> {
-    use std::io::Write;
-    let mut child = std::process::Command::new(family.restore)
-        .args(["--noflush", "-w"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(script.as_bytes())?;
-    let out = child.wait_with_output()?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(io::Error::other(format!(
-            "{}: {}",
-            family.restore,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
+    crate::kernel::run_script(family.restore, &["--noflush", "-w"], script)
 }
 
 /// Installs the hold's scripts; on a failure, removes what any of them left. Returns
@@ -516,7 +489,7 @@ fn install(chain: &str, held: &Held, num: u16) -> io::Result<Vec<Family>> {
     let mut done = Vec::new();
     for (f, script) in install_scripts(chain, held, num) {
         if let Err(e) = restore(f, &script) {
-            let _ = run_all(&remove_commands(chain, &FAMILIES), false);
+            let _ = run_all(&remove_commands(chain, &FAMILIES));
             return Err(e);
         }
         done.push(f);
@@ -529,7 +502,7 @@ fn install(chain: &str, held: &Held, num: u16) -> io::Result<Vec<Family>> {
 fn uninstall(chain: &str, families: &[Family]) -> io::Result<()> {
     for f in families {
         if restore(*f, &remove_script(chain)).is_err() {
-            run_all(&remove_commands(chain, &[*f]), false)?;
+            run_all(&remove_commands(chain, &[*f]))?;
         }
     }
     Ok(())
@@ -599,7 +572,7 @@ pub fn start(netns_pid: i32, chain: String, held: Held) -> io::Result<Hold> {
 pub fn remove(netns_pid: i32, chain: &str) -> io::Result<()> {
     let chain = chain.to_string();
     crate::kernel::in_netns(netns_pid, move || {
-        run_all(&remove_commands(&chain, &FAMILIES), false)
+        run_all(&remove_commands(&chain, &FAMILIES))
     })
 }
 
