@@ -25,13 +25,23 @@ pub struct Proc {
     pub state: char,
     /// Start time (clock ticks since boot): a pid reused by another process differs.
     pub start: u64,
+    /// Woken only to stop or to die: a SIGSTOP or SIGKILL pending, or exiting. CRIU
+    /// leaves a tree stopped by queueing SIGSTOP and then detaching, so the source shows
+    /// `R` for as long as it waits for a core to take the stop — it runs none of its
+    /// own code on the way (a signal is taken before the return to user space).
+    pub stopping: bool,
 }
+
+/// SIGKILL's and SIGSTOP's bits in a /proc signal mask (bit `signo - 1`).
+const KILL_OR_STOP: u64 = 1 << (9 - 1) | 1 << (19 - 1);
+/// `PF_EXITING` in the flags of /proc/<pid>/stat.
+const PF_EXITING: u64 = 0x4;
 
 impl Proc {
     /// Runs: not stopped (a frozen source is SIGSTOPped: `T`; `t` under ptrace, as CRIU
-    /// holds it), not a zombie.
+    /// holds it), not a zombie, and not just woken to stop or die ([`Proc::stopping`]).
     pub fn runs(&self) -> bool {
-        !matches!(self.state, 'T' | 't' | 'Z' | 'X')
+        !matches!(self.state, 'T' | 't' | 'Z' | 'X') && !self.stopping
     }
 
     /// The same process as `other` (the same pid and start time), whatever its state.
@@ -107,10 +117,11 @@ pub fn server_processes(pod_uids: &[String], port: u16) -> Vec<Proc> {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
-        let (Ok(cmd), Ok(cgroup), Ok(stat)) = (
+        let (Ok(cmd), Ok(cgroup), Ok(stat), Ok(status)) = (
             std::fs::read(format!("/proc/{pid}/cmdline")),
             std::fs::read_to_string(format!("/proc/{pid}/cgroup")),
             std::fs::read_to_string(format!("/proc/{pid}/stat")),
+            std::fs::read_to_string(format!("/proc/{pid}/status")),
         ) else {
             continue;
         };
@@ -121,7 +132,7 @@ pub fn server_processes(pod_uids: &[String], port: u16) -> Vec<Proc> {
         let Some(uid) = pod_uids.iter().find(|u| in_pod(&cgroup, u)) else {
             continue;
         };
-        let Some((state, start)) = state_and_start(&stat) else {
+        let Some((state, start, flags)) = state_and_start(&stat) else {
             continue;
         };
         out.push(Proc {
@@ -129,19 +140,35 @@ pub fn server_processes(pod_uids: &[String], port: u16) -> Vec<Proc> {
             pod_uid: uid.clone(),
             state,
             start,
+            stopping: flags & PF_EXITING != 0 || pending(&status) & KILL_OR_STOP != 0,
         });
     }
     out
 }
 
-/// The state letter and start time of a /proc/<pid>/stat line ("pid (comm) state ppid
-/// ..."; starttime is field 22).
-fn state_and_start(stat: &str) -> Option<(char, u64)> {
+/// The state letter, start time and flags of a /proc/<pid>/stat line ("pid (comm) state
+/// ppid ..."; flags is field 9, starttime field 22).
+fn state_and_start(stat: &str) -> Option<(char, u64, u64)> {
     let (_, rest) = stat.rsplit_once(')')?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let state = fields.first().and_then(|s| s.chars().next())?;
+    let flags = fields.get(6).and_then(|s| s.parse().ok())?;
     let start = fields.get(19).and_then(|s| s.parse().ok())?;
-    Some((state, start))
+    Some((state, start, flags))
+}
+
+/// The signals pending for a process, its thread's and its group's (`SigPnd`, `ShdPnd`
+/// of /proc/<pid>/status, hexadecimal masks).
+fn pending(status: &str) -> u64 {
+    status
+        .lines()
+        .filter_map(|l| {
+            let (key, mask) = l.split_once(':')?;
+            matches!(key, "SigPnd" | "ShdPnd")
+                .then(|| u64::from_str_radix(mask.trim(), 16).ok())
+                .flatten()
+        })
+        .fold(0, |all, mask| all | mask)
 }
 
 /// The copies of the workload's state among `procs` that run: the original source
@@ -785,6 +812,7 @@ mod tests {
             pod_uid: pod_uid.into(),
             state,
             start,
+            stopping: false,
         }
     }
 
@@ -821,6 +849,33 @@ mod tests {
             ..thawed
         };
         assert_eq!(running_copies(&[reused], &source, Some("tgt")).len(), 0);
+    }
+
+    #[test]
+    fn a_source_woken_only_to_take_its_stop_or_kill_is_not_a_copy() {
+        // As /proc shows a task CRIU detached after queueing SIGSTOP (bit 19 - 1).
+        let status = "Name:\ttestload\nState:\tR (running)\nSigPnd:\t0000000000000000\n\
+                      ShdPnd:\t0000000000040000\nSigBlk:\t0000000000000000\n";
+        assert_eq!(pending(status) & KILL_OR_STOP, 1 << 18);
+        assert_eq!(pending("SigPnd:\t0000000000000100\n"), 1 << 8);
+        // SIGCONT (18) or SIGTERM (15) pending leaves it running.
+        assert_eq!(pending("ShdPnd:\t0000000000024000\n") & KILL_OR_STOP, 0);
+        // An exiting task (PF_EXITING in its flags).
+        let stat = "42 (testload) R 1 42 42 0 -1 4194564 120 0 0 0 1 2 0 0 20 0 1 0 2666923 \
+                    0 0";
+        assert_ne!(state_and_start(stat).unwrap().2 & PF_EXITING, 0);
+        let source = proc(10, "src", 'T', 5);
+        let restored = proc(20, "tgt", 'S', 9);
+        let detached = Proc {
+            state: 'R',
+            stopping: true,
+            ..source.clone()
+        };
+        assert!(!detached.runs());
+        assert_eq!(
+            running_copies(&[detached, restored.clone()], &source, Some("tgt")),
+            vec![restored]
+        );
     }
 
     #[test]
@@ -901,11 +956,12 @@ mod tests {
     }
 
     #[test]
-    fn the_state_and_start_come_after_the_last_parenthesis() {
+    fn the_state_start_and_flags_come_after_the_last_parenthesis() {
         // A command name may hold ") " itself.
         let stat =
             "4242 (a) b) T 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
-        assert_eq!(state_and_start(stat), Some(('T', 987654)));
+        assert_eq!(state_and_start(stat), Some(('T', 987654, 4194560)));
+        assert_eq!(4194560 & PF_EXITING, 0);
         assert_eq!(state_and_start("4242 (cut"), None);
     }
 
