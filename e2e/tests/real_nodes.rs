@@ -16,7 +16,8 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use podmotion_api::names::labels;
+use podmotion_api::NodeAgentAttachment;
+use podmotion_api::names::{finalizers, labels};
 use podmotion_e2e::real::{
     Images, PortForward, Uninstall, agent_call, agent_stream, chart_args, entrypoint, helm,
     kubectl, nft_tables, output_text, pin, real_nodes,
@@ -134,9 +135,10 @@ async fn a_pod_of_every_image_starts_on_a_real_node() {
         Case::new("agent", images.agent(), &["--help"], "Usage", &[0]),
         Case::new("broker", images.broker(), &["--help"], "Usage", &[0]),
         Case::new("attach", images.attach(), &["--help"], "Usage", &[0]),
-        // The preflight checks this node and prints its one-line verdict; a node without
-        // a KVM device fails it (exit 1), which is the binary doing its job.
-        Case::new("preflight", images.preflight(), &[], "kvm", &[0, 1]),
+        // The preflight checks the node and prints its one-line verdict. This plain pod
+        // has no /dev/kvm (only the device plugin injects it), so its `kvm` check fails
+        // and it exits 1: the binary doing its job (the verdict is read below).
+        Case::new("preflight", images.preflight(), &[], "kvm", &[1]),
         Case::new("testload", images.testload(), &["--help"], "usage", &[2]),
     ];
     for (i, c) in cases.iter().enumerate() {
@@ -165,6 +167,29 @@ async fn a_pod_of_every_image_starts_on_a_real_node() {
             c.expect
         );
     }
+    // The preflight's verdict: one JSON line, failed, and failed by its `kvm` check for
+    // the device this pod lacks.
+    let out = logs(&ns.name, "preflight");
+    let verdict: serde_json::Value = out
+        .lines()
+        .find_map(|l| {
+            serde_json::from_str(l)
+                .ok()
+                .filter(|v: &serde_json::Value| v.get("checks").is_some())
+        })
+        .unwrap_or_else(|| panic!("no verdict line in the preflight's output:\n{out}"));
+    assert_eq!(verdict["ok"], false, "{verdict}");
+    let kvm = verdict["checks"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "kvm"))
+        .unwrap_or_else(|| panic!("no kvm check in {verdict}"));
+    assert_eq!(kvm["ok"], false, "{verdict}");
+    assert!(
+        kvm["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("/dev/kvm")),
+        "the kvm check names the device it missed: {verdict}"
+    );
     // The agent image carries CRIU, new enough for this kernel.
     pods.create(&PostParams::default(), &{
         let mut p = pod("criu", &images.agent().unwrap(), &[], &nodes[0], "Never");
@@ -542,12 +567,30 @@ async fn chart_installs_upgrades_and_uninstalls_on_the_real_nodes() {
         output_text(&out)
     );
     std::mem::forget(uninstalled);
+    // What only the hook does: the attachment outlives the release (in the app's
+    // namespace, which stays) without its finalizer. Uninstalling the operator leaves
+    // the finalizer on, and the agents' namespace going takes its Jobs either way.
+    let naas: Api<NodeAgentAttachment> = app.api();
+    let web = naas
+        .get_opt("web")
+        .await
+        .unwrap()
+        .expect("the attachment outlives the release (the hook releases, never deletes)");
+    assert!(
+        !web.finalizers()
+            .iter()
+            .any(|f| f == finalizers::ATTACHMENT_CLEANUP),
+        "the attachment still has {}: the reap hook did not run ({:?})",
+        finalizers::ATTACHMENT_CLEANUP,
+        web.finalizers()
+    );
     let jobs: Api<Job> = Api::namespaced(op.client.clone(), &agents);
     let left = jobs
         .list(&ListParams::default().labels("podmotion.io/owner-kind=NodeAgentAttachment"))
         .await
-        .map(|l| l.items.len())
-        .unwrap_or(0);
+        .unwrap()
+        .items
+        .len();
     assert_eq!(
         left, 0,
         "attachment Jobs left after uninstall: the reap hook did not run"

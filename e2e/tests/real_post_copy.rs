@@ -122,6 +122,24 @@ async fn a_post_copy_migration_resumes_first_and_brings_every_page() {
         panic!("the PostCopy migration ended {:?}: {st:?}", st.phase);
     }
     assert_eq!(st.mode, Some(MigrationMode::PostCopy), "{st:?}");
+    // The operator's log tells the same story at info: every phase the status records
+    // (after the first, Pending, which nothing changes into), in order, by the uid.
+    let uid = pms.get("lazy-move").await.unwrap().uid().unwrap();
+    let logged = w.phase_changes_logged(&uid);
+    let mut entered = logged.iter().map(|(to, _)| to.as_str());
+    for t in st.phase_transition_timestamps.iter().skip(1) {
+        let phase = format!("{:?}", t.phase);
+        assert!(
+            entered.any(|to| to == phase),
+            "the operator's log has no info line entering {phase} (in order) for {uid}: \
+             {logged:?}"
+        );
+    }
+    assert_eq!(
+        logged.last().map(|(to, _)| to.as_str()),
+        Some("Succeeded"),
+        "{logged:?}"
+    );
     let progress = st.progress.clone().unwrap_or_default();
     let lazy = progress.lazy_bytes.unwrap_or(0);
     eprintln!(
@@ -138,6 +156,11 @@ async fn a_post_copy_migration_resumes_first_and_brings_every_page() {
     );
     assert!(st.downtime_millis.is_some(), "{st:?}");
     eprintln!("{lazy_samples} samples in the lazy phase, the source process there in each");
+    assert!(
+        lazy_samples > 0,
+        "no sample in the lazy phase (Restoring with pages coming): the source's presence \
+         while pages came is unproven ({st:?})"
+    );
     let target = st.target_pod.clone().unwrap();
     let moved = wait_list(
         &pods,

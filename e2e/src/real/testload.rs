@@ -443,6 +443,28 @@ impl World {
         format!("{}-agents", self.op.name)
     }
 
+    /// The phases the operator logged a migration entering, in order: its info lines
+    /// "migration phase changed" (the chart's JSON log format) whose `uid` is `uid`,
+    /// each as (`to`, `reason`).
+    pub fn phase_changes_logged(&self, uid: &str) -> Vec<(String, String)> {
+        let out = self.op.kubectl(&[
+            "-n",
+            &self.op.name,
+            "logs",
+            "-l",
+            "app.kubernetes.io/component=operator",
+            "--tail=-1",
+        ]);
+        out.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["message"] == "migration phase changed" && v["uid"] == uid)
+            .map(|v| {
+                let text = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                (text("to"), text("reason"))
+            })
+            .collect()
+    }
+
     /// A real node other than the source's.
     pub fn target_node(&self) -> String {
         other_node(&self.nodes, &self.source)
