@@ -25,6 +25,7 @@ pub mod agents;
 pub mod attach;
 pub mod bounds;
 pub mod copies;
+pub mod monitors;
 pub mod runner;
 pub mod testload;
 pub mod timeline;

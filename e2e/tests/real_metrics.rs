@@ -3,7 +3,10 @@
 //! installed from our images (hack/install.sh's values), the operator's `/metrics`,
 //! each migration agent's (one per real node) and the attach agent of a live
 //! NodeAgentAttachment on a real replica (after real connections through its redirect)
-//! are scraped through `kubectl port-forward`, and the `podmotion_…` names of the
+//! are scraped as Prometheus would scrape them: each found through the chart's own
+//! ServiceMonitor or PodMonitor (their selectors and named ports, read back from the
+//! API server; `podmotion_e2e::real::monitors`), exactly one target per component, at
+//! its pod address — no port named by the test. The `podmotion_…` names of the
 //! rendered PrometheusRule and dashboard are looked up in what was scraped. A renamed
 //! metric, an agent that serves nothing or a dashboard query on a metric nobody exports
 //! fails here. Logs: the chart is installed with `operator.logFormat=text` (the
@@ -17,7 +20,6 @@
 //! Needs the cluster with real nodes and the images (`hack/images.sh`).
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
@@ -25,44 +27,31 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use podmotion_api::NodeAgentAttachment;
+use podmotion_e2e::real::monitors::{MonitoringCrds, Target, scrape, targets};
 use podmotion_e2e::real::testload::{self, POD_TIMEOUT};
-use podmotion_e2e::real::{
-    Images, PortForward, helm, helm_install, kubectl, output_text, real_nodes,
-};
+use podmotion_e2e::real::{Images, helm, helm_install, kubectl, output_text, real_nodes};
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_list,
 };
 use serde_json::{Value, json};
 
-/// `GET /metrics` on `127.0.0.1:port`: the body of a 200 answer.
-fn scrape(port: u16) -> anyhow::Result<String> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: scrape\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let (head, body) = out
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow::anyhow!("no HTTP head in {out:?}"))?;
-    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
-    Ok(body.to_string())
-}
-
-/// Scrapes `port` of `pod` through a port-forward, retrying while the forward or the
-/// server comes up.
-fn scrape_pod(namespace: &str, pod: &str, port: u16) -> String {
-    let mut last = String::new();
-    for _ in 0..20 {
-        match PortForward::start(namespace, pod, port).and_then(|pf| scrape(pf.local_port)) {
-            Ok(body) => return body,
-            Err(e) => last = format!("{e:#}"),
-        }
-        std::thread::sleep(Duration::from_secs(2));
-    }
-    panic!("scraping {namespace}/{pod}:{port}: {last}");
+/// The one target of a `kind` monitor that reaches `pod`: every component is scraped
+/// through exactly one.
+fn the_target<'a>(all: &'a [Target], kind: &str, pod: &str) -> &'a Target {
+    let found: Vec<&Target> = all
+        .iter()
+        .filter(|t| t.pod == pod && t.monitor.starts_with(&format!("{kind}/")))
+        .collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "{pod}: one {kind} target, found {found:?} among {all:?}"
+    );
+    println!(
+        "{pod}: scraped through {} at {}{}",
+        found[0].monitor, found[0].address, found[0].path
+    );
+    found[0]
 }
 
 /// The sample names of a text exposition (`name{labels} value` and `name value` lines).
@@ -264,6 +253,8 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
     let release = format!("pm{}", random_suffix());
     // The operator's own format differs from the chart-wide one (json): the pods the
     // operator renders must follow the operator's.
+    // The monitoring CRDs (stand-ins) before the release: dropped after its uninstall.
+    let _crds = MonitoringCrds::ensure();
     let _uninstall = helm_install(
         &release,
         &images,
@@ -277,6 +268,9 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
             "operator.logFormat=text",
             "--set",
             "migrationAgent.agent.logLevel=debug",
+            // Every component is scraped as Prometheus would: through these.
+            "--set",
+            "metrics.serviceMonitor.enabled=true,metrics.podMonitor.enabled=true",
         ],
     );
     let instance = format!("app.kubernetes.io/instance={release}");
@@ -284,8 +278,9 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
     let mut scraped = BTreeSet::new();
     let operators = pods(&format!("{instance},app.kubernetes.io/component=operator"));
     assert!(!operators.is_empty(), "no operator pod");
+    let op_targets = targets(&op.name);
     for (ns, pod, _) in &operators {
-        let body = scrape_pod(ns, pod, 8080);
+        let body = scrape(the_target(&op_targets, "ServiceMonitor", pod));
         assert!(
             body.contains("# TYPE podmotion_reconciles counter"),
             "{body}"
@@ -300,8 +295,9 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
     for n in &nodes {
         assert!(on.contains(n.as_str()), "no agent on {n}: {agents:?}");
     }
+    let agent_targets = targets(&agents[0].0);
     for (ns, pod, node) in &agents {
-        let body = scrape_pod(ns, pod, 9090);
+        let body = scrape(the_target(&agent_targets, "PodMonitor", pod));
         let names = sample_names(&body);
         for want in [
             "podmotion_agent_frozen_sources",
@@ -356,7 +352,7 @@ async fn every_component_serves_the_metrics_its_alerts_and_dashboard_use() {
             "through the attach agent's redirect"
         );
     }
-    let body = scrape_pod(&agents_ns, &attach_name, 9090);
+    let body = scrape(the_target(&targets(&agents_ns), "PodMonitor", &attach_name));
     assert_eq!(
         value(&body, "podmotion_attach_ruleset_installed"),
         1.0,
