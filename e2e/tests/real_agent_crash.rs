@@ -32,9 +32,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, kill_pod_processes, sample, says_resumed, status_texts, workload_processes,
-};
+use podmotion_e2e::real::copies::{ServicePoller, sample, says_resumed, status_texts};
+use podmotion_e2e::real::procs::{Proc, kill_pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, source_serves_alone,
 };

@@ -49,8 +49,8 @@ use podmotion_e2e::real::attach::{
     AttachWorld, JOB_NAME_LABEL, JOB_PREFIX, JOB_UID_LABEL, JobHistory, agent_table, container_ids,
     event_naming, server_pids, target_of,
 };
-use podmotion_e2e::real::copies::workload_processes;
 use podmotion_e2e::real::output_text;
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{self, POD_TIMEOUT, restart_count};
 use podmotion_e2e::{PodSecurity, from_json, kubectl_wait, pod_running_ready, wait_for, wait_list};
 use podmotion_operator::attachment::naming::job_name;

@@ -59,7 +59,8 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_api::names::labels;
 use podmotion_e2e::real::agents::{agent_pids, agent_pod_uids, checkpoint_files};
-use podmotion_e2e::real::copies::{Proc, ServicePoller, pod_processes, workload_processes};
+use podmotion_e2e::real::copies::ServicePoller;
+use podmotion_e2e::real::procs::{Proc, pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter_when_reachable, node_of,
 };

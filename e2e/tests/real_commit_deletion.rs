@@ -31,8 +31,9 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_api::names::reasons;
-use podmotion_e2e::real::copies::{sample, workload_processes};
+use podmotion_e2e::real::copies::sample;
 use podmotion_e2e::real::output_text;
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, restart_count,
 };

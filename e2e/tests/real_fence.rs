@@ -37,9 +37,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::copies::{
-    Proc, ServicePoller, running_copies, says_resumed, status_texts, workload_processes,
-};
+use podmotion_e2e::real::copies::{ServicePoller, says_resumed, status_texts};
+use podmotion_e2e::real::procs::{Proc, running_copies, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, counter, node_of, pod_ip, restart_count,
 };

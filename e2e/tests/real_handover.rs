@@ -18,7 +18,8 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
 use podmotion_e2e::real::bounds::{HANDOVER_BOUND, assert_clients};
-use podmotion_e2e::real::copies::{Clients, workload_processes};
+use podmotion_e2e::real::copies::Clients;
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{
     POD_TIMEOUT, World, counter, counter_when_reachable, ended, node_of, pod_ip, restart_count,
     target_pods_of,

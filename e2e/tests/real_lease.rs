@@ -29,7 +29,7 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
-use podmotion_e2e::real::copies::pod_processes;
+use podmotion_e2e::real::procs::pod_processes;
 use podmotion_e2e::real::testload::{self, POD_TIMEOUT, World, ended, node_of, wait_ballast};
 use podmotion_e2e::{from_json, pod_running_ready, wait_for, wait_list};
 use serde_json::json;

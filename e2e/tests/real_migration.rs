@@ -19,7 +19,8 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::{FreezeMeasure, MigrationPhase};
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
 use podmotion_e2e::real::bounds::{DEFAULTS_BOUND, assert_clients};
-use podmotion_e2e::real::copies::{Clients, jump_back, workload_processes};
+use podmotion_e2e::real::copies::{Clients, jump_back};
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_once_listening,
     counter_when_reachable, ended, node_of, pod_ip, restart_count, source_serves_alone,

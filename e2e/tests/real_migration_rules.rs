@@ -40,7 +40,7 @@ use podmotion_api::conditions::find;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_api::names::{condition_types as ct, reasons};
 use podmotion_e2e::real::agents::no_checkpoint_files_left;
-use podmotion_e2e::real::copies::{Proc, server_processes, workload_processes};
+use podmotion_e2e::real::procs::{Proc, server_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, ended, node_of, other_node,
     ready_replica, restart_count, source_serves_alone, target_pods_of,

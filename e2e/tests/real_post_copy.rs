@@ -30,10 +30,9 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationMode, MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::copies::{
-    kill_pod_processes, sample, says_resumed, status_texts, workload_processes,
-};
+use podmotion_e2e::real::copies::{sample, says_resumed, status_texts};
 use podmotion_e2e::real::force_delete_pod;
+use podmotion_e2e::real::procs::{kill_pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable,
 };

@@ -39,7 +39,7 @@ use kube::runtime::watcher::{self, Event};
 use podmotion_api::RunnerPool;
 use podmotion_api::conditions::is_true;
 use podmotion_api::names::{condition_types as ct, labels, reasons};
-use podmotion_e2e::real::copies::pod_processes;
+use podmotion_e2e::real::procs::pod_processes;
 use podmotion_e2e::real::runner::{
     KVM, STANDIN_BIN, cgroup_value, pool_manifest, runner_nodes, standin_image,
 };

@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::{NodeAgentAttachment, PodMigration, RunnerPool};
-use podmotion_e2e::real::copies::workload_processes;
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{self, POD_TIMEOUT, addr, counter_when_reachable};
 use podmotion_e2e::real::{Images, Uninstall, chart_args, helm, output_text, real_nodes};
 use podmotion_e2e::{PodSecurity, TestNamespace, from_json, random_suffix, wait_for, wait_list};

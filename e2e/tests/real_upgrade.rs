@@ -45,7 +45,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
-use podmotion_e2e::real::copies::{sample, workload_processes};
+use podmotion_e2e::real::copies::sample;
+use podmotion_e2e::real::procs::workload_processes;
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, counter_when_reachable, node_of,
     other_node, restart_count, source_serves_alone,

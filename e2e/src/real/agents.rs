@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 
-use super::copies::in_pod;
+use super::procs::in_pod;
 
 /// Host PIDs of the node agents (the agent binary serving gRPC) that run in the pods
 /// `agent_pods` (by pod UID in the process's cgroup path; cgroupfs writes the UID with

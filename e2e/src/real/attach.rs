@@ -22,7 +22,7 @@ use podmotion_api::names::{annotations, labels};
 use podmotion_operator::attachment::naming::job_name;
 use serde_json::{Value, json};
 
-use super::copies::workload_processes;
+use super::procs::workload_processes;
 use super::testload::{self, POD_TIMEOUT};
 use super::{Images, Uninstall, helm_install, kubectl, nft_tables, output_text, real_nodes};
 use crate::{PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_list};
