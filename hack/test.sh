@@ -62,11 +62,12 @@ step "the plugin's krew manifest (hack/krew-check.sh: krew's own validator, then
 bash hack/krew-check.sh "$run/plugin" || rc=1
 step "the quickstart, word for word (hack/quickstart-check.sh runs docs/quickstart.md's blocks on the real nodes)"
 bash hack/quickstart-check.sh || rc=1
-step "NetworkPolicy enforcement on the real nodes (kube-router; e2e/tests/real_network_policy.rs)"
-# Enforcement is on only for this test: the rest of the suite runs as before.
+step "NetworkPolicy enforcement on the real nodes (kube-router; e2e/tests/real_network_policy.rs, real_policy_migration.rs)"
+# Enforcement is on only for these tests: the rest of the suite runs as before.
 if hack/cluster.sh netpol-up; then
-  # Ignored in the workspace run (it needs kube-router): run here, and only here.
-  cargo test --locked --workspace --test real_network_policy -- --ignored || rc=1
+  # Ignored in the workspace run (they need kube-router): run here, and only here.
+  cargo test --locked --workspace --test real_network_policy --test real_policy_migration \
+    -- --ignored || rc=1
 else
   rc=1
 fi

@@ -26,6 +26,7 @@ pub mod attach;
 pub mod bounds;
 pub mod copies;
 pub mod monitors;
+pub mod netpol;
 pub mod procs;
 pub mod runner;
 pub mod testload;

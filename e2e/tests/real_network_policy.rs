@@ -36,6 +36,9 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::RunnerPool;
+use podmotion_e2e::real::netpol::{
+    expect_blocked, expect_reaches, require_enforcement, wait_programmed,
+};
 use podmotion_e2e::real::{
     Images, entrypoint, helm, helm_install, kubectl, output_text, pin, real_nodes,
 };
@@ -45,8 +48,6 @@ use podmotion_e2e::{
 use serde_json::{Value, json};
 
 const POD_TIMEOUT: Duration = Duration::from_secs(240);
-/// How long kube-router may take to program a new pod, and kube-proxy a new Service.
-const PROGRAM_TIMEOUT: Duration = Duration::from_secs(90);
 const IMAGE: &str = "registry.example/compass/runner@sha256:4f1c3a2b5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708";
 const METRICS_PORT: u16 = 9090;
 const SERVER_PORT: u16 = 8443;
@@ -262,76 +263,6 @@ impl Drop for KubeSystemObjects {
     }
 }
 
-/// What one connection attempt from a pod did.
-#[derive(Debug, PartialEq)]
-enum Reach {
-    /// The TCP connection was accepted (whatever was said on it).
-    Connected,
-    /// The connection was refused, timed out or had no route: blocked.
-    Blocked(String),
-}
-
-/// `podmotion-testload get <addr>` inside `pod`, through `kubectl exec`.
-async fn probe(ns: &str, pod: &str, binary: &str, addr: &str) -> Reach {
-    let kubectl_bin = podmotion_e2e::kubectl_path().expect("kubectl");
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new(kubectl_bin)
-            .arg("--kubeconfig")
-            .arg(podmotion_e2e::kubeconfig_path())
-            .args(["-n", ns, "exec", pod, "--", binary, "get", addr])
-            .output(),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("kubectl exec {pod} -- get {addr} did not return in 60s"))
-    .expect("running kubectl");
-    let text = output_text(&out);
-    if out.status.success() {
-        return Reach::Connected;
-    }
-    assert!(
-        text.contains(&format!("podmotion-testload get {addr}:")),
-        "kubectl exec in {ns}/{pod} failed before the probe ran: {text}"
-    );
-    // Errors of connect() mean blocked; anything later (a TLS server's binary answer, a
-    // read timeout) happened on an accepted connection.
-    if text.contains("os error 111")
-        || text.contains("os error 113")
-        || text.contains("timed out")
-        || text.contains("os error 101")
-    {
-        Reach::Blocked(text.trim().to_owned())
-    } else {
-        Reach::Connected
-    }
-}
-
-/// Retries until `pod` connects to `addr` (kube-proxy may still be programming a new
-/// Service); fails with the last answer.
-async fn expect_reaches(ns: &str, pod: &str, binary: &str, addr: &str, what: &str) {
-    let deadline = tokio::time::Instant::now() + PROGRAM_TIMEOUT;
-    loop {
-        match probe(ns, pod, binary, addr).await {
-            Reach::Connected => return,
-            Reach::Blocked(e) if tokio::time::Instant::now() > deadline => panic!(
-                "{ns}/{pod} must reach {what} ({addr}) but did not within {PROGRAM_TIMEOUT:?}: {e}"
-            ),
-            Reach::Blocked(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-        }
-    }
-}
-
-/// `pod` is blocked from `addr`, twice in a row (the policy is already programmed for it).
-async fn expect_blocked(ns: &str, pod: &str, binary: &str, addr: &str, what: &str) {
-    for attempt in 1..=2 {
-        let r = probe(ns, pod, binary, addr).await;
-        assert!(
-            matches!(r, Reach::Blocked(_)),
-            "{ns}/{pod} must not reach {what} ({addr}), but connected (attempt {attempt})"
-        );
-    }
-}
-
 fn v4_in(cidr: &str, ip: Ipv4Addr) -> bool {
     let Some((net, len)) = cidr.split_once('/') else {
         return false;
@@ -396,41 +327,6 @@ fn pod_ip(p: &Pod) -> String {
         .as_ref()
         .and_then(|s| s.pod_ip.clone())
         .expect("pod IP")
-}
-
-/// Waits until kube-router has a firewall chain for `ns/pod` (its rules name the pod).
-async fn wait_programmed(ns: &str, pod: &str) {
-    let needle = format!("POD name:{pod} namespace: {ns}");
-    let deadline = tokio::time::Instant::now() + PROGRAM_TIMEOUT;
-    loop {
-        let rules = must("iptables-save", &["-t", "filter"]);
-        if rules.contains(&needle) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "kube-router programmed no chain for {ns}/{pod} within {PROGRAM_TIMEOUT:?}; \
-             its log: {}/logs/kube-router.log",
-            podmotion_e2e::run_dir().display()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Fails with what to do unless a NetworkPolicy implementation runs on the real nodes.
-fn require_enforcement() {
-    let out = Command::new("iptables")
-        .args(["-w", "-t", "filter", "-S", "KUBE-ROUTER-FORWARD"])
-        .output();
-    let running = out.as_ref().is_ok_and(|o| o.status.success());
-    assert!(
-        running,
-        "no NetworkPolicy implementation runs on the real nodes (no KUBE-ROUTER-FORWARD \
-         chain): start kube-router (hack/cluster.sh netpol-up, which hack/test.sh runs before this test) \
-         must run as root. {}",
-        out.map(|o| output_text(&o))
-            .unwrap_or_else(|e| e.to_string())
-    );
 }
 
 // kube-router runs only for this test: hack/test.sh starts it (hack/cluster.sh netpol-up)
