@@ -446,7 +446,8 @@ fn memory_charged_to_cgroup_of(pid: u32) -> u64 {
 struct ServiceReader {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     seen: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
-    /// How each connection ended, with how many values had been read by then.
+    /// How each connection ended (a failed connect too), with how many values had been
+    /// read by then.
     ends: std::sync::Arc<std::sync::Mutex<Vec<(usize, String)>>>,
     /// How long each read may wait for its answer, in ms (taken before each read).
     read_timeout_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
@@ -473,9 +474,15 @@ impl ServiceReader {
                     &addr.parse().expect("ClusterIP:port"),
                     Duration::from_secs(5),
                 );
-                let Ok(conn) = conn else {
-                    std::thread::sleep(Duration::from_millis(200));
-                    continue;
+                let conn = match conn {
+                    Ok(conn) => conn,
+                    // A failed connect counts as a connection that ended at once.
+                    Err(err) => {
+                        let n = v.lock().unwrap().len();
+                        e.lock().unwrap().push((n, format!("connect: {err}")));
+                        std::thread::sleep(Duration::from_millis(200));
+                        continue;
+                    }
                 };
                 let mut w = conn.try_clone().expect("clone");
                 let mut r = BufReader::new(conn);
@@ -790,6 +797,12 @@ async fn interrupted_migrations_leave_the_source_serving_and_never_two_copies() 
         "the reader read nothing after the move: {ends:?}"
     );
     assert!(values.len() > 10, "too few reads: {values:?} {ends:?}");
+    // One connection ended, at the commit; the next, through the Service, connected at
+    // once and read on until the reader stopped (a failed connect would show here).
+    assert!(
+        ends.len() == 2 && ends[1].1 == "stopped" && !ends[0].1.starts_with("connect"),
+        "the reader's connection ends: {ends:?}"
+    );
     if let Some((i, a, b)) = jump_back(&values) {
         panic!(
             "two copies served: read {i} saw {a}, read {} saw {b} (connections ended: {ends:?})",

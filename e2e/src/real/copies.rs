@@ -143,25 +143,35 @@ impl ServicePoller {
 }
 
 impl ServicePoller {
-    /// Waits (30 s at most) until a read saw `at_least`, stops reading, and asserts that
-    /// the counters read never went back (two copies served) and reached `at_least`
-    /// (the copy that serves now, `what`).
+    /// Waits (30 s at most) until a read saw `at_least`, reads on for [`SETTLED`], stops,
+    /// and asserts that the counters read never went back (two copies served), reached
+    /// `at_least` (the copy that serves now, `what`), and that no read failed after
+    /// one had: once back, the workload answers every request.
     pub fn finish_reaching(self, at_least: u64, what: &str) {
-        if let Err(e) = self.finish_checked(at_least) {
+        if let Err(e) = self.finish_reads(at_least, true) {
             panic!("{e} ({what})");
         }
     }
 
     /// Waits (30 s at most) until a read saw `at_least`, stops reading, prints what was
     /// read, and says what went wrong: the counters went back (two copies served
-    /// through the Service) or never reached `at_least`.
+    /// through the Service) or never reached `at_least`. Failed reads are counted, not
+    /// judged: the chaos test's readers run on through faults.
     pub fn finish_checked(self, at_least: u64) -> Result<(), String> {
+        self.finish_reads(at_least, false)
+    }
+
+    fn finish_reads(self, at_least: u64, served_on: bool) -> Result<(), String> {
         for _ in 0..300 {
             if self.last().is_some_and(|v| v >= at_least) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+        if served_on {
+            std::thread::sleep(SETTLED);
+        }
+        let log = self.log.clone();
         let (values, failures) = self.finish();
         eprintln!(
             "the Service gave {} counters ({failures} reads failed), {:?} .. {:?}",
@@ -175,14 +185,28 @@ impl ServicePoller {
                 i + 1
             ));
         }
-        if values.last().is_none_or(|v| *v < at_least) {
+        let Some(reached) = values.iter().position(|v| *v >= at_least) else {
             return Err(format!(
                 "the Service never reached {at_least}: {:?}",
                 values.last()
             ));
+        };
+        match failed_after(&log.lock().unwrap(), reached) {
+            Some((at, why)) if served_on => Err(format!(
+                "a read failed at {at:?}, after one had reached {at_least}: {why}"
+            )),
+            _ => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// How long a [`ServicePoller`] reads on once it reached the copy that serves now.
+pub const SETTLED: Duration = Duration::from_secs(2);
+
+/// The first failed read after answer `answer` (its index), if any: when and why.
+fn failed_after(reads: &Reads, answer: usize) -> Option<(Duration, String)> {
+    let at = *reads.answers.get(answer)?;
+    reads.failures.iter().find(|(t, _)| *t > at).cloned()
 }
 
 /// One sample of a migration's copies: the workload processes of the source pod
@@ -713,6 +737,22 @@ mod tests {
             ..view
         };
         assert!(back.within(past(ms(500), ms(700))).is_err());
+    }
+
+    #[test]
+    fn only_a_failure_after_the_answer_that_reached_counts() {
+        let ms = Duration::from_millis;
+        let reads = Reads {
+            answers: vec![ms(100), ms(4000), ms(4100)],
+            failures: vec![(ms(3100), "timed out".into())],
+            end: ms(4200),
+        };
+        assert_eq!(failed_after(&reads, 1), None);
+        assert_eq!(
+            failed_after(&reads, 0),
+            Some((ms(3100), "timed out".into()))
+        );
+        assert_eq!(failed_after(&reads, 7), None);
     }
 
     #[test]
