@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
@@ -46,8 +47,8 @@ use podmotion_api::conditions::find;
 use podmotion_api::names::{annotations, condition_types as ct, reasons};
 use podmotion_e2e::real::Images;
 use podmotion_e2e::real::attach::{
-    AttachWorld, JOB_NAME_LABEL, JOB_PREFIX, JOB_UID_LABEL, JobHistory, agent_table, container_ids,
-    event_naming, server_pids, target_of,
+    AttachWorld, JOB_PREFIX, JOB_UID_LABEL, JobHistory, agent_table, container_ids, event_naming,
+    server_pids, target_of,
 };
 use podmotion_e2e::real::output_text;
 use podmotion_e2e::real::procs::workload_processes;
@@ -279,24 +280,7 @@ async fn the_sweep_removes_the_jobs_of_attachments_gone_while_the_operator_was_d
     }
 
     s.scale_operator(1).await;
-    wait_list(
-        &s.jobs(),
-        &s.job_selector(),
-        POD_TIMEOUT,
-        "every orphaned Job removed",
-        |js| js.is_empty(),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
-    wait_list(
-        &s.agent_pods(),
-        JOB_NAME_LABEL,
-        POD_TIMEOUT,
-        "no agent pod left",
-        |ps| ps.is_empty(),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    s.no_agents_left("every orphaned Job removed").await;
     for pid in &pids {
         agent_table(*pid, false, "after the sweep").await;
     }
@@ -679,4 +663,67 @@ async fn attachments_of_one_workload_share_its_jobs_and_overlapping_intercepts_c
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+/// The ingest's session Lease on the real nodes (docs/attachment.md, "ingest lease
+/// expiry"; kwok: `ingest_holds_one_job_until_its_lease_expires`). An Ingest of a
+/// one-replica workload gets one Job whose agent runs; nobody renews its Lease (10 s),
+/// so the Job is reaped — its agent pod gone too — and the attachment is
+/// `Stalled/LeaseExpired`; the client renewing the Lease brings the ingest back with a
+/// new Job (a new object) whose agent runs again.
+#[tokio::test]
+async fn an_ingest_holds_its_job_while_its_lease_is_renewed() {
+    let Some(s) = AttachWorld::new("naa-ingest", PodSecurity::Baseline, &[]).await else {
+        return;
+    };
+    s.deploy("web", 1, |_| {}).await;
+    let pods = s.settled_pods("web", 1).await;
+    s.attach_with(
+        "peek",
+        "web",
+        json!({"mode": "Ingest", "ingest": {"leaseDurationSeconds": 10}}),
+    )
+    .await;
+    let first = s
+        .jobs_follow(&pods, "the ingest's Job, its agent running")
+        .await;
+    let st = status_when(&s, "peek", "the ingest's target", |st| {
+        st.targets.len() == 1
+    })
+    .await;
+    assert_eq!(st.targets[0].job, first[0].name_any(), "{st:?}");
+
+    // Nobody renews the Lease: the Job goes, with its agent pod, and the status says why.
+    s.no_agents_left("the Job reaped at the lease's expiry")
+        .await;
+    status_when(&s, "peek", "Stalled/LeaseExpired", |st| {
+        stalled_for(st).as_deref() == Some(reasons::LEASE_EXPIRED)
+    })
+    .await;
+
+    // The client renews its Lease: the ingest is back, on a Job made anew.
+    let now = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%dT%H:%M:%S.%6NZ"])
+        .output()
+        .expect("date");
+    let now = String::from_utf8_lossy(&now.stdout).trim().to_string();
+    s.app
+        .api::<Lease>()
+        .patch(
+            "peek",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"renewTime": now}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("renewing the ingest's Lease: {e}"));
+    let again = s.jobs_follow(&pods, "the renewed ingest's Job").await;
+    assert_ne!(
+        again[0].uid(),
+        first[0].uid(),
+        "the reaped Job is made anew, never reused"
+    );
+    status_when(&s, "peek", "Ready again", |st| {
+        stalled_for(st).is_none() && st.targets.len() == 1
+    })
+    .await;
 }

@@ -184,6 +184,28 @@ impl AttachWorld {
         jobs
     }
 
+    /// Waits until no agent Job of this test's namespace is left, nor any agent pod.
+    pub async fn no_agents_left(&self, what: &str) {
+        wait_list(
+            &self.jobs(),
+            &self.job_selector(),
+            POD_TIMEOUT,
+            &format!("{what}: no agent Job left"),
+            |js| js.is_empty(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        wait_list(
+            &self.agent_pods(),
+            JOB_NAME_LABEL,
+            POD_TIMEOUT,
+            &format!("{what}: no agent pod left"),
+            |ps| ps.is_empty(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
     /// The operator Deployment of the release (`<release>-podmotion`) scaled to `n`;
     /// waits until that many operator pods are Running and Ready.
     pub async fn scale_operator(&self, n: usize) {

@@ -12,12 +12,14 @@
 //!
 //! Reads come from caches, not from lists: the attachments (the controller's store),
 //! and projection caches ([`crate::cache`]) of all pods (a `PodView` each), the agent
-//! Jobs (a `JobView` each) and the nodes' platform labels ([`nodes`]: a pod on a node
-//! the agent image cannot run on is skipped). Only the workload itself (for its
+//! Jobs (a `JobView` each), the nodes' platform labels ([`nodes`]: a pod on a node
+//! the agent image cannot run on is skipped) and the Leases of the watched namespaces
+//! (a `LeaseView` each: only to wake an ingest). Only the workload itself (for its
 //! selector) and ingest Leases are read per reconcile. A change of a cached projection
 //! wakes the attachments it concerns (a pod: those of its namespace; a Job: those of
-//! its workload; a node: those of the namespaces with pods on it); updates the core
-//! cannot see wake nothing.
+//! its workload; a node: those of the namespaces with pods on it; a Lease: the ingests
+//! whose session it is, so a renewal after the expiry brings one back); updates the
+//! core cannot see wake nothing.
 //!
 //! A Job is created suspended; its credential Secret (owned by the Job) is created
 //! next, then the Job is resumed. Secrets are never read: a Job still suspended is one
@@ -40,6 +42,7 @@ use std::time::Duration;
 
 use futures::stream;
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -48,12 +51,13 @@ use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
+use podmotion_api::attachment::AttachMode;
 use podmotion_api::names::{finalizers, managers};
 use podmotion_api::{NodeAgentAttachment, NodeAgentAttachmentStatus};
 
 use super::controller_config;
 use super::shell::{self, Outcome, ReconcileError, Reconciler};
-use crate::attachment::observed::workload_key;
+use crate::attachment::observed::{AttachmentView, LeaseView, workload_key};
 use crate::attachment::render;
 use crate::attachment::{JobView, ObservedGroup, PodView};
 use crate::cache::{self, Change, Projection};
@@ -88,6 +92,7 @@ pub async fn run_with(ctx: Arc<Context>, cfg: AttachmentConfig) -> anyhow::Resul
         pods: Arc::new(Projection::new()),
         jobs: Arc::new(Projection::new()),
         nodes: Arc::new(Projection::new()),
+        leases: Arc::new(Projection::new()),
         policy_applied: AtomicBool::new(false),
         cfg,
         settings,
@@ -156,7 +161,44 @@ fn triggers(
         nodes::platform_labels,
         move |c| attachments_of_node(&s, c),
     );
-    stream::select(stream::select(pod_triggers, job_triggers), node_triggers)
+    stream::select(
+        stream::select(pod_triggers, job_triggers),
+        stream::select(node_triggers, lease_triggers(ctx, shared)),
+    )
+}
+
+/// The Leases of the watched namespaces, each waking the ingests whose session it is:
+/// a client's renewal after the expiry brings its ingest back (nothing else would wake
+/// the attachment). The nodes' heartbeats (a renewal per node every 10 s) concern no
+/// attachment and are not watched.
+fn lease_triggers(
+    ctx: &Arc<Context>,
+    shared: &Arc<Shared>,
+) -> impl futures::Stream<Item = AttachmentRef> + Send + 'static {
+    let s = shared.clone();
+    cache::feed(
+        ctx,
+        "attachment-leases",
+        watcher(
+            scoped::<Lease>(&ctx.client, shared.cfg.watch_namespace.as_deref()),
+            cache::paged().fields("metadata.namespace!=kube-node-lease"),
+        ),
+        shared.leases.clone(),
+        |l: &Lease| Some(LeaseView::from_lease(l)),
+        move |c| ingests_of_lease(&s.store, &c.key),
+    )
+}
+
+/// A Lease changed: the ingests of its namespace whose session it is.
+fn ingests_of_lease(
+    store: &Store<DeserializeGuard<NodeAgentAttachment>>,
+    (ns, name): &crate::cache::Key,
+) -> Vec<AttachmentRef> {
+    attachments_where(store, |a| {
+        a.spec.mode == AttachMode::Ingest
+            && a.namespace().as_deref() == Some(ns.as_str())
+            && AttachmentView::from_object(a, None).lease_name() == *name
+    })
 }
 
 /// A node's platform labels changed (or it appeared): the attachments of the
@@ -181,15 +223,21 @@ fn attachments_of_job(
     store: &Store<DeserializeGuard<NodeAgentAttachment>>,
     job: &JobView,
 ) -> Vec<AttachmentRef> {
+    attachments_where(store, |a| {
+        a.namespace().as_deref() == Some(job.target_namespace.as_str())
+            && workload_key(&a.spec.workload_ref) == job.workload
+    })
+}
+
+/// The attachments (those that parse) for which `keep` holds.
+fn attachments_where(
+    store: &Store<DeserializeGuard<NodeAgentAttachment>>,
+    keep: impl Fn(&NodeAgentAttachment) -> bool,
+) -> Vec<AttachmentRef> {
     store
         .state()
         .iter()
-        .filter(|g| {
-            g.0.as_ref().is_ok_and(|a| {
-                a.namespace().as_deref() == Some(job.target_namespace.as_str())
-                    && workload_key(&a.spec.workload_ref) == job.workload
-            })
-        })
+        .filter(|g| g.0.as_ref().is_ok_and(&keep))
         .map(|g| ObjectRef::from_obj(g.as_ref()))
         .collect()
 }

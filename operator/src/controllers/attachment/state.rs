@@ -10,6 +10,7 @@ use kube::runtime::reflector::Store;
 use podmotion_api::NodeAgentAttachment;
 
 use super::settings::AttachmentConfig;
+use crate::attachment::observed::LeaseView;
 use crate::attachment::render::Settings;
 use crate::attachment::{JobView, PodView};
 use crate::cache::{Key, Projection};
@@ -29,6 +30,8 @@ pub(super) struct Shared {
     pub(super) pods: Arc<Projection<PodView>>,
     pub(super) jobs: Arc<Projection<JobView>>,
     pub(super) nodes: Arc<Projection<PlatformLabels>>,
+    /// The watched namespaces' Leases: what wakes an ingest when its client renews.
+    pub(super) leases: Arc<Projection<LeaseView>>,
     pub(super) policy_applied: AtomicBool,
 }
 
