@@ -180,9 +180,12 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
             );
             stage = Stage::Crashed;
         }
-        if let Some(at) = killed_at {
-            assert!(
-                stage != Stage::Crashed || at.elapsed() < FREEZE_BUDGET + WATCHDOG_MARGIN,
+        if let Some(at) = killed_at
+            && stage == Stage::Crashed
+            && at.elapsed() >= FREEZE_BUDGET + WATCHDOG_MARGIN
+        {
+            dump_agents(&agents, &source_node);
+            panic!(
                 "the source is still frozen {:?} after its agent pod's crash (freeze budget {FREEZE_BUDGET:?} + watchdog margin {WATCHDOG_MARGIN:?}); phase {:?}",
                 at.elapsed(),
                 st.phase
@@ -213,11 +216,13 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
                 Some(_) => {}
                 None => panic!("the source process is gone after the agent's crash: {procs:?}"),
             }
-            assert!(
-                at.elapsed() < FREEZE_BUDGET + WATCHDOG_MARGIN,
-                "the source is still frozen {:?} after its agent pod's crash",
-                at.elapsed()
-            );
+            if at.elapsed() >= FREEZE_BUDGET + WATCHDOG_MARGIN {
+                dump_agents(&agents, &source_node);
+                panic!(
+                    "the source is still frozen {:?} after its agent pod's crash: {procs:?}",
+                    at.elapsed()
+                );
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         frozen_for = at.elapsed();
@@ -266,6 +271,39 @@ fn assert_ended_unknown(st: &PodMigrationStatus) {
         message.contains("source state unknown"),
         "the failure does not say the source's state is unknown: {message:?}"
     );
+}
+
+/// What a source left frozen needs explained (a rehearsal once saw one, 90 s, after a
+/// kill in `Transferring`, with nothing else to go on): the agent pods of the release
+/// with their nodes and phases, the namespace's Events, and every container's log of
+/// the pods on `node` (the new broker's recovery is there).
+fn dump_agents(agents_ns: &str, node: &str) {
+    for args in [
+        vec!["-n", agents_ns, "get", "pods", "-o", "wide"],
+        vec!["-n", agents_ns, "get", "events", "--sort-by=.lastTimestamp"],
+    ] {
+        let out = kubectl(&args);
+        eprintln!(
+            "----- kubectl {} -----\n{}",
+            args.join(" "),
+            output_text(&out)
+        );
+    }
+    let field = format!("spec.nodeName={node}");
+    let names = kubectl(&[
+        "-n",
+        agents_ns,
+        "get",
+        "pods",
+        "--field-selector",
+        &field,
+        "-o",
+        "name",
+    ]);
+    for pod in String::from_utf8_lossy(&names.stdout).lines() {
+        let out = kubectl(&["-n", agents_ns, "logs", pod, "--all-containers", "--prefix"]);
+        eprintln!("----- {pod} logs -----\n{}", output_text(&out));
+    }
 }
 
 /// The line of the broker in node `node`'s new agent pod (not the killed pod `victim`)
