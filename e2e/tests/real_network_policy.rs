@@ -37,10 +37,10 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::RunnerPool;
 use podmotion_e2e::real::netpol::{
-    expect_blocked, expect_reaches, require_enforcement, wait_programmed,
+    expect_blocked, expect_reaches, ready_pod, require_enforcement, testload_pod, wait_programmed,
 };
 use podmotion_e2e::real::{
-    Images, entrypoint, helm, helm_install, kubectl, output_text, pin, real_nodes,
+    Images, entrypoint, helm, helm_install, kubectl, output_text, real_nodes,
 };
 use podmotion_e2e::{
     PodSecurity, TestNamespace, from_json, pod_running_ready, random_suffix, wait_for, wait_list,
@@ -293,33 +293,6 @@ fn ipblock_allows(policy: &Value, ip: Ipv4Addr) -> bool {
                     .filter_map(Value::as_str)
                     .any(|c| v4_in(c, ip))
         })
-}
-
-/// Pod `name` of the testload image on `node`, serving `port`, ready when it listens.
-fn testload_pod(name: &str, image: &str, node: &str, port: u16, labels: Value) -> Value {
-    let mut spec = json!({
-        "enableServiceLinks": false,
-        "automountServiceAccountToken": false,
-        "terminationGracePeriodSeconds": 1,
-        "containers": [{"name": "main", "image": image, "args": ["serve", port.to_string()],
-            "ports": [{"containerPort": port}],
-            "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1}}]
-    });
-    pin(&mut spec, node);
-    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec})
-}
-
-async fn ready_pod(api: &Api<Pod>, name: &str) -> Pod {
-    wait_for(
-        api,
-        name,
-        POD_TIMEOUT,
-        "the pod to be Running and Ready",
-        |p| p.is_some_and(pod_running_ready),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .unwrap()
 }
 
 fn pod_ip(p: &Pod) -> String {

@@ -21,14 +21,14 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
+use podmotion_e2e::real::entrypoint;
 use podmotion_e2e::real::netpol::{
-    expect_blocked, expect_reaches, require_enforcement, wait_programmed,
+    expect_blocked, expect_reaches, ready_pod, require_enforcement, testload_pod, wait_programmed,
 };
 use podmotion_e2e::real::testload::{
-    self, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable, ended, node_of,
+    self, POD_TIMEOUT, World, addr, ask, counter, ended, moved_copy_continues, node_of,
 };
-use podmotion_e2e::real::{entrypoint, pin};
-use podmotion_e2e::{from_json, pod_running_ready, wait_for, wait_list};
+use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;
 
 const APP: &str = "guarded";
@@ -104,29 +104,20 @@ async fn a_migration_succeeds_with_the_charts_network_policies_enforced() {
     // not an agent's gRPC port.
     let testload_image = w.images.testload().unwrap();
     let binary = entrypoint(&testload_image).unwrap();
-    let mut spec = json!({
-        "enableServiceLinks": false,
-        "automountServiceAccountToken": false,
-        "terminationGracePeriodSeconds": 1,
-        "containers": [{"name": "main", "image": testload_image,
-            "args": ["serve", PROBE_PORT.to_string()],
-            "ports": [{"containerPort": PROBE_PORT}],
-            "readinessProbe": {"tcpSocket": {"port": PROBE_PORT}, "periodSeconds": 1}}]
-    });
-    pin(&mut spec, &node_of(source));
     let pods: Api<Pod> = app.api();
     pods.create(
         &PostParams::default(),
-        &from_json(json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "outsider", "labels": {"app": "outsider"}}, "spec": spec})),
+        &from_json(testload_pod(
+            "outsider",
+            &testload_image,
+            &node_of(source),
+            PROBE_PORT,
+            json!({"app": "outsider"}),
+        )),
     )
     .await
     .unwrap();
-    wait_for(&pods, "outsider", POD_TIMEOUT, "the probe pod Ready", |p| {
-        p.is_some_and(pod_running_ready)
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    ready_pod(&pods, "outsider").await;
     expect_reaches(
         &app.name,
         "outsider",
@@ -190,16 +181,7 @@ async fn a_migration_succeeds_with_the_charts_network_policies_enforced() {
         "the ReplicaSet owns the target: {:?}",
         moved.owner_references()
     );
-    let after = counter_when_reachable(&addr(&moved), "the restored copy");
-    assert!(
-        after >= before,
-        "the counter went back: {before} -> {after}"
-    );
-    assert_eq!(
-        ask(&addr(&moved), "digest").unwrap(),
-        digest,
-        "the restored copy's memory is the source's"
-    );
+    let after = moved_copy_continues(&moved, before, &digest);
     eprintln!(
         "Cold under the chart's NetworkPolicies: downtime {:?} ms, counter {before} -> {after}",
         st.downtime_millis

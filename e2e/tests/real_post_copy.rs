@@ -35,6 +35,7 @@ use podmotion_e2e::real::force_delete_pod;
 use podmotion_e2e::real::procs::{kill_pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, ask, counter, counter_when_reachable,
+    moved_copy_continues,
 };
 use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;
@@ -171,16 +172,7 @@ async fn a_post_copy_migration_resumes_first_and_brings_every_page() {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"))[0]
         .clone();
-    let after = counter_when_reachable(&addr(&moved), "the restored copy");
-    assert!(
-        after >= before,
-        "the counter went back: {before} -> {after}"
-    );
-    assert_eq!(
-        ask(&addr(&moved), "digest").unwrap(),
-        digest,
-        "the restored copy's memory is the source's, page for page"
-    );
+    moved_copy_continues(&moved, before, &digest);
 }
 
 #[tokio::test]

@@ -6,7 +6,13 @@
 use std::process::Command;
 use std::time::Duration;
 
-use super::output_text;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use serde_json::{Value, json};
+
+use super::testload::POD_TIMEOUT;
+use super::{output_text, pin};
+use crate::{pod_running_ready, wait_for};
 
 /// How long kube-router may take to program a new pod, and kube-proxy a new Service.
 pub const PROGRAM_TIMEOUT: Duration = Duration::from_secs(90);
@@ -124,4 +130,31 @@ fn iptables_save_filter() -> String {
         .expect("running iptables-save");
     assert!(out.status.success(), "iptables-save: {}", output_text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Pod `name` of the testload image on `node`, serving `port`, ready when it listens.
+pub fn testload_pod(name: &str, image: &str, node: &str, port: u16, labels: Value) -> Value {
+    let mut spec = json!({
+        "enableServiceLinks": false,
+        "automountServiceAccountToken": false,
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "main", "image": image, "args": ["serve", port.to_string()],
+            "ports": [{"containerPort": port}],
+            "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1}}]
+    });
+    pin(&mut spec, node);
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec})
+}
+
+pub async fn ready_pod(api: &Api<Pod>, name: &str) -> Pod {
+    wait_for(
+        api,
+        name,
+        POD_TIMEOUT,
+        "the pod to be Running and Ready",
+        |p| p.is_some_and(pod_running_ready),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap()
 }

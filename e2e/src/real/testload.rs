@@ -329,6 +329,23 @@ pub async fn source_serves_alone(
     after
 }
 
+/// The moved copy `moved` serves the state it was moved with: its counter, read once
+/// it is reachable, is not below `before`, and its ballast's digest is `digest`, page
+/// for page. Returns the counter.
+pub fn moved_copy_continues(moved: &Pod, before: u64, digest: &str) -> u64 {
+    let after = counter_when_reachable(&addr(moved), "the restored copy");
+    assert!(
+        after >= before,
+        "the counter went back: {before} -> {after}"
+    );
+    assert_eq!(
+        ask(&addr(moved), "digest").unwrap(),
+        digest,
+        "the restored copy's memory is the source's, page for page"
+    );
+    after
+}
+
 /// Waits (60 s at most) until the testload pod `p` has written its whole ballast, so
 /// nothing is dumped before it.
 pub fn wait_ballast(p: &Pod) {
