@@ -5,6 +5,7 @@ use crate::{Broker, Kernel, Lock, kill_fenced, roll_back, under_pods_root};
 use podmotion_wire::broker::BrokerError;
 use podmotion_wire::ids::{MigrationUid, ProcRef};
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 
 impl<K: Kernel> Broker<K> {
     /// The journal lives beside the netns mount points: the one directory the broker
@@ -55,6 +56,18 @@ impl<K: Kernel> Broker<K> {
     /// stay while a moved connection uses them. Returns the migration UIDs rolled back
     /// or killed.
     pub fn recover(&self) -> Vec<String> {
+        self.recovering.store(true, Ordering::SeqCst);
+        let rolled = self.recover_all();
+        self.recovering.store(false, Ordering::SeqCst);
+        rolled
+    }
+
+    /// Whether [`Broker::recover`] is under way.
+    pub fn recovering(&self) -> bool {
+        self.recovering.load(Ordering::SeqCst)
+    }
+
+    fn recover_all(&self) -> Vec<String> {
         // First: a source rolled back below answers its clients again, and none of
         // its new connections may still go to the target.
         self.recover_forwards();
@@ -66,12 +79,13 @@ impl<K: Kernel> Broker<K> {
                 .kernel
                 .read_file(&path)
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            self.kernel.remove_file(&path);
             let Some((p, l, fenced)) = record.as_ref().and_then(parse_journal) else {
+                self.kernel.remove_file(&path);
                 tracing::warn!(file = %path.display(), "unreadable journal record removed");
                 continue;
             };
             if MigrationUid::parse(&name).is_err() {
+                self.kernel.remove_file(&path);
                 continue;
             }
             // Only ever a pod's process, as at registration.
@@ -80,6 +94,7 @@ impl<K: Kernel> Broker<K> {
                 .cgroup_of(p.pid)
                 .is_ok_and(|cg| under_pods_root(&cg, &self.cfg.pods_cgroup_root));
             if !in_pod {
+                self.kernel.remove_file(&path);
                 tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
                 continue;
             }
@@ -90,6 +105,10 @@ impl<K: Kernel> Broker<K> {
                 tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
                 roll_back(&self.kernel, p, &l);
             }
+            // Only now: a broker that dies before this (a pod deleted while its
+            // restarted broker waits for CRIU to let go of the source) leaves the
+            // record to the next one, which does it again (both are idempotent).
+            self.kernel.remove_file(&path);
             rolled.push(name);
         }
         let netns = self.cfg.run_dir.join("netns");

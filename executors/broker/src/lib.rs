@@ -43,7 +43,7 @@ use podmotion_wire::broker::*;
 use podmotion_wire::ids::{ContainerId, MigrationUid, ProcRef};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -183,6 +183,9 @@ pub struct Broker<K: Kernel = RealKernel> {
     kernel: K,
     entries: Mutex<Entries>,
     next_conn: AtomicU64,
+    /// While [`Broker::recover`] undoes what a previous broker left: [`Broker::stop`]
+    /// lets it finish.
+    recovering: AtomicBool,
     /// The addresses adopted by `adopt_address`, by migration ([`handover`]).
     handover: handover::Table,
 }
@@ -269,6 +272,7 @@ impl<K: Kernel> Broker<K> {
             kernel,
             entries: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            recovering: AtomicBool::new(false),
             handover: handover::Table::default(),
         })
     }

@@ -24,14 +24,17 @@ impl<K: Kernel> Broker<K> {
 
     /// The broker's end (SIGTERM, SIGINT). It serves on for up to `grace`, so that its
     /// agent, stopping in the same pod, can still resume or kill the sources it froze
-    /// through it, and ends as soon as no registration is left. Then it does for each
+    /// through it, and ends as soon as no registration is left and no recovery
+    /// ([`Broker::recover`]) is under way. Then it does for each
     /// registration still held what a lost lease does (an unfenced frozen source rolled
     /// back, a fenced one killed, a forward of new connections deleted) and returns how
     /// many there were. What it did to the node does not outlive it: before, it died at
     /// once and left that to the next broker on the node (none after an uninstall).
     pub fn stop(&self, grace: std::time::Duration) -> usize {
         let deadline = std::time::Instant::now() + grace;
-        while self.registrations() > 0 && std::time::Instant::now() < deadline {
+        while (self.registrations() > 0 || self.recovering())
+            && std::time::Instant::now() < deadline
+        {
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
         let conns: std::collections::BTreeSet<u64> = self.map().values().map(|e| e.conn).collect();

@@ -2,7 +2,9 @@
 //! hold up another migration's ops on the same node, while the ops of one migration
 //! still run one at a time and a lease lost or a `forget` during an op undoes what the
 //! op left. Over the simulated node (`podmotion_broker::fake`), with one `ip` call held
-//! on purpose ([`FakeKernel::pause_in_netns`]). No root needed.
+//! on purpose ([`FakeKernel::pause_in_netns`]). And a broker's recovery of what its
+//! predecessor left: a broker that dies or is stopped in the middle of it leaves no
+//! source frozen. No root needed.
 
 use podmotion_broker::fake::{FakeKernel, PODS_ROOT, Pause, RUN_DIR, World};
 use podmotion_broker::{Broker, Config};
@@ -22,6 +24,11 @@ type Outcome = Result<Reply, ErrorKind>;
 
 fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
     let k = FakeKernel::new(World::standard());
+    (k.clone(), broker_over(&k))
+}
+
+/// A broker over `k`'s node (a new one over the same node is a restarted broker).
+fn broker_over(k: &FakeKernel) -> Arc<Broker<FakeKernel>> {
     let cfg = Config {
         run_dir: RUN_DIR.into(),
         pods_cgroup_root: PODS_ROOT.into(),
@@ -34,7 +41,7 @@ fn broker() -> (FakeKernel, Arc<Broker<FakeKernel>>) {
         hold_neighbours: false,
         forward_new_connections: false,
     };
-    (k.clone(), Broker::with_kernel(cfg, k))
+    Broker::with_kernel(cfg, k.clone())
 }
 
 fn uid(s: &str) -> MigrationUid {
@@ -271,4 +278,77 @@ fn one_process_registered_from_two_connections_at_once_is_pinned_once() {
             assert_eq!(b.registrations(), 1);
         }
     }
+}
+
+/// Source mig-a (pid 101, netns 10) locked by connection 1 and left stopped, as CRIU
+/// leaves a dumped source; then its broker dies (dropped: no lease ends) and a new one
+/// starts over the same node, its recovery held inside its `ip` calls for pid 101.
+fn a_recovery_held(k: &FakeKernel) -> (Pause, Arc<Broker<FakeKernel>>, Receiver<Vec<String>>) {
+    let dead = broker_over(k);
+    assert!(matches!(
+        register(&dead, k, 1, "mig-a", BrokerRole::Source, 101),
+        Ok(Reply::Registered { .. })
+    ));
+    let lock = Request::LockNetwork {
+        uid: uid("mig-a"),
+        hold: None,
+    };
+    assert_eq!(call(&dead, 1, lock), Ok(Reply::Done));
+    k.world().procs.get_mut(&101).expect("pid 101").stopped = true;
+    drop(dead);
+    assert_eq!(journal(k), ["mig-a"]);
+    let next = broker_over(k);
+    let pause = k.pause_in_netns(101);
+    let recovered = spawn(&next, |b| b.recover());
+    assert!(
+        pause.arrived(PATIENCE),
+        "the recovery never reached mig-a's ip calls"
+    );
+    (pause, next, recovered)
+}
+
+/// A broker that dies while it rolls back what its predecessor left (the agent pod
+/// deleted while the restarted broker waits on the source: seen once in a rehearsal,
+/// the source frozen for good) leaves the journal's record to the next broker, which
+/// rolls the source back.
+#[test]
+fn a_broker_dying_in_its_recovery_leaves_the_source_to_the_next() {
+    let k = FakeKernel::new(World::standard());
+    let (pause, dying, _recovered) = a_recovery_held(&k);
+    assert_eq!(
+        journal(&k),
+        ["mig-a"],
+        "the record went before the rollback was done"
+    );
+    assert!(dying.recovering());
+    // It dies here (its thread stays held): the next broker over the node.
+    let third = broker_over(&k);
+    assert_eq!(third.recover(), ["mig-a"]);
+    assert_eq!(links_up(&k, 10), ["eth0", "lo", "pm0"], "rolled back");
+    assert!(!k.world().procs[&101].stopped, "the source was not resumed");
+    assert!(journal(&k).is_empty());
+    drop(pause);
+}
+
+/// A broker told to stop while it recovers lets the recovery finish (within its
+/// grace) before it ends, so that it leaves no source frozen behind it.
+#[test]
+fn a_broker_stopped_in_its_recovery_finishes_it_first() {
+    let k = FakeKernel::new(World::standard());
+    let (pause, b, recovered) = a_recovery_held(&k);
+    let stopped = spawn(&b, |b| b.stop(PATIENCE));
+    assert_eq!(
+        stopped.recv_timeout(A_WHILE),
+        Err(RecvTimeoutError::Timeout),
+        "the broker stopped in the middle of its recovery"
+    );
+    pause.release();
+    assert_eq!(
+        recovered.recv_timeout(PATIENCE),
+        Ok(vec!["mig-a".to_string()])
+    );
+    assert_eq!(stopped.recv_timeout(PATIENCE), Ok(0));
+    assert!(!k.world().procs[&101].stopped, "the source was not resumed");
+    assert!(journal(&k).is_empty());
+    assert!(!b.recovering());
 }
