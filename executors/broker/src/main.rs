@@ -78,6 +78,17 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(0..=3600)
     )]
     stop_grace_seconds: u64,
+    /// How long to wait at start for another broker that holds the run directory to end
+    /// (a replaced agent pod's, within its stop grace) before refusing to start. At
+    /// least the stop grace, so that the broker of the pod that replaces a deleted one
+    /// takes over as soon as the old one ends.
+    #[arg(
+        long,
+        env = "PODMOTION_BROKER_RUN_DIR_WAIT_SECONDS",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(0..=3600)
+    )]
+    run_dir_wait_seconds: u64,
     /// Forward a locked source's new TCP connections to its restored target once the
     /// operator asks (`forward_connections`: an nftables table of the migration's in
     /// the node's network namespace, see docs/broker-ops.md). Off (the binary's
@@ -131,7 +142,7 @@ fn main() -> anyhow::Result<()> {
         stop_signals,
         Duration::from_secs(a.stop_grace_seconds),
     );
-    broker.serve(&a.socket)?;
+    broker.serve(&a.socket, Duration::from_secs(a.run_dir_wait_seconds))?;
     Ok(())
 }
 

@@ -11,11 +11,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 impl<K: Kernel> Broker<K> {
-    /// Takes the run directory, recovers what a previous broker left there, starts the
-    /// sweep of adopted addresses, binds the socket (0600) and serves forever, one
-    /// thread per connection.
-    pub fn serve(self: &Arc<Self>, socket: &std::path::Path) -> std::io::Result<()> {
-        let _owner = self.own_run_dir()?;
+    /// Takes the run directory (waiting up to `owner_wait` for a broker that still
+    /// holds it to end), recovers what a previous broker left there, starts the sweep
+    /// of adopted addresses, binds the socket (0600) and serves forever, one thread per
+    /// connection.
+    pub fn serve(
+        self: &Arc<Self>,
+        socket: &std::path::Path,
+        owner_wait: std::time::Duration,
+    ) -> std::io::Result<()> {
+        let _owner = self.own_run_dir(owner_wait)?;
         self.recover();
         self.spawn_sweeper();
         let listener = self.bind(socket)?;
@@ -49,8 +54,14 @@ impl<K: Kernel> Broker<K> {
     /// Everything under that directory is this broker's: at start it rolls back the
     /// journalled locks and unbinds every netns mount point there, which would wreck
     /// the migrations of another broker using the same directory (two releases with
-    /// one `migrationAgent.netnsDir` on a node). A second broker is refused instead.
-    fn own_run_dir(&self) -> std::io::Result<nix::fcntl::Flock<std::fs::File>> {
+    /// one `migrationAgent.netnsDir` on a node). A second broker waits up to `wait` for
+    /// the first to end — the broker of a replaced agent pod, still finishing its
+    /// recovery or its stop grace, must not send the new one into a crash loop's
+    /// back-off while a source it would roll back stays frozen — and is refused after.
+    fn own_run_dir(
+        &self,
+        wait: std::time::Duration,
+    ) -> std::io::Result<nix::fcntl::Flock<std::fs::File>> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         let dir = self.cfg.run_dir.join("netns");
         std::fs::DirBuilder::new()
@@ -65,14 +76,32 @@ impl<K: Kernel> Broker<K> {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)?;
-        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
-            |(_, e)| {
-                std::io::Error::other(format!(
-                    "{}: {e}: another broker serves this run directory on this node (two PodMotion releases with one migrationAgent.netnsDir?); give each release its own",
-                    path.display()
-                ))
-            },
-        )
+        let deadline = std::time::Instant::now() + wait;
+        let (mut file, mut waited) = (file, false);
+        loop {
+            match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                Ok(owner) => return Ok(owner),
+                Err((f, nix::errno::Errno::EWOULDBLOCK))
+                    if std::time::Instant::now() < deadline =>
+                {
+                    if !std::mem::replace(&mut waited, true) {
+                        tracing::warn!(
+                            path = %path.display(),
+                            wait_seconds = wait.as_secs(),
+                            "another broker holds this run directory: waiting for it to end"
+                        );
+                    }
+                    file = f;
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err((_, e)) => {
+                    return Err(std::io::Error::other(format!(
+                        "{}: {e}: another broker serves this run directory on this node (two PodMotion releases with one migrationAgent.netnsDir?); give each release its own",
+                        path.display()
+                    )));
+                }
+            }
+        }
     }
 
     pub fn bind(&self, socket: &std::path::Path) -> std::io::Result<UnixListener> {

@@ -953,6 +953,8 @@ fn a_second_broker_on_the_same_run_directory_is_refused_and_changes_nothing() {
         .arg(b.dir.join("run"))
         .arg("--pods-cgroup-root")
         .arg("/pmhb-nowhere")
+        .arg("--run-dir-wait-seconds")
+        .arg("1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -988,6 +990,56 @@ fn a_second_broker_on_the_same_run_directory_is_refused_and_changes_nothing() {
     c.call(&Request::Forget { uid }).unwrap();
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The broker of an agent pod that replaces a deleted one starts while the old pod's
+/// broker may still hold the run directory (finishing its stop grace or its
+/// recovery). It waits for it instead of exiting into the kubelet's crash-loop
+/// back-off, and serves as soon as the old one ends.
+#[test]
+fn a_broker_started_beside_a_dying_one_takes_over_when_it_ends() {
+    if !require_root() {
+        return;
+    }
+    let _serial = serial();
+    let mut old = BrokerProcess::start("takeover");
+    let socket = old.dir.join("next.sock");
+    let mut next = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--run-dir")
+        .arg(old.dir.join("run"))
+        .arg("--pods-cgroup-root")
+        .arg("/pmhb-nowhere")
+        .arg("--run-dir-wait-seconds")
+        .arg("30")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the next podmotion-broker");
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(
+        next.try_wait().unwrap().is_none(),
+        "the next broker gave up while the old one held the run directory"
+    );
+    assert!(
+        UnixStream::connect(&socket).is_err(),
+        "the next broker served beside the old one"
+    );
+    assert!(old.alive(), "the old broker died");
+    let _ = old.child.kill();
+    let _ = old.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while UnixStream::connect(&socket).is_err() {
+        assert!(
+            next.try_wait().unwrap().is_none() && Instant::now() < deadline,
+            "the next broker did not take over once the old one ended"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = next.kill();
+    let _ = next.wait();
 }
 
 /// A client with the agent's uid (root here) but outside the broker's pod — another
