@@ -69,6 +69,21 @@ fn try_render(release: &str, namespace: &str, args: &[&str]) -> Result<String, S
     }
 }
 
+/// `extra` after the Prometheus Operator's kinds, each as `helm install` (and Argo
+/// CD) tell a chart the cluster serves it: `monitoring.coreos.com/v1/<Kind>`.
+fn prometheus_api<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--api-versions", "monitoring.coreos.com/v1"];
+    for kind in [
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "monitoring.coreos.com/v1/PodMonitor",
+        "monitoring.coreos.com/v1/PrometheusRule",
+    ] {
+        args.extend(["--api-versions", kind]);
+    }
+    args.extend_from_slice(extra);
+    args
+}
+
 fn render(args: &[&str]) -> Vec<Value> {
     let text = try_render("pm", "podmotion-system", args)
         .unwrap_or_else(|e| panic!("helm template {args:?}: {e}"));
@@ -710,7 +725,7 @@ fn helm_template_twice_is_byte_identical() {
         ],
         every_toggle_on(),
         // "auto" with the Prometheus Operator's API present (as Argo CD passes it).
-        vec!["--api-versions", "monitoring.coreos.com/v1"],
+        prometheus_api(&[]),
     ] {
         let a = try_render("pm", "podmotion-system", &variant).unwrap();
         let b = try_render("pm", "podmotion-system", &variant).unwrap();
@@ -1804,16 +1819,11 @@ fn every_metric_an_alert_or_the_dashboard_uses_is_exported_by_the_operator_or_an
 /// agents' NetworkPolicy lets the operator's scrapers reach that port.
 #[test]
 fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_scrape() {
-    let api = ["--api-versions", "monitoring.coreos.com/v1"];
+    let api = prometheus_api(&[]);
     assert!(of_kind(&render(&[]), "PodMonitor").is_empty());
     // The migration agents' and the attach agents'.
     assert_eq!(of_kind(&render(&api), "PodMonitor").len(), 2);
-    let off = [
-        "--api-versions",
-        "monitoring.coreos.com/v1",
-        "--set",
-        "metrics.podMonitor.enabled=false",
-    ];
+    let off = prometheus_api(&["--set", "metrics.podMonitor.enabled=false"]);
     assert!(of_kind(&render(&off), "PodMonitor").is_empty());
     let no_agents = [
         "--set",
@@ -1891,7 +1901,7 @@ fn the_agents_pod_monitor_selects_their_metrics_port_and_the_policy_admits_the_s
 #[test]
 fn the_agent_down_alert_watches_the_job_of_the_agents_pod_monitor() {
     // "auto" with the API: the PodMonitor and the rules render.
-    let docs = render(&["--api-versions", "monitoring.coreos.com/v1"]);
+    let docs = render(&prometheus_api(&[]));
     let pm = of_kind(&docs, "PodMonitor")
         .into_iter()
         .find(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "migration-agent")
@@ -1983,12 +1993,7 @@ fn attach_job(settings: podmotion_operator::attachment::render::Settings) -> Val
 #[test]
 fn the_attach_agents_pod_monitor_selects_the_operators_jobs_and_the_policy_admits_the_scrape() {
     use podmotion_operator::attachment::render as attach;
-    let only_migration = [
-        "--api-versions",
-        "monitoring.coreos.com/v1",
-        "--set",
-        "operator.controllers={migration}",
-    ];
+    let only_migration = prometheus_api(&["--set", "operator.controllers={migration}"]);
     let docs = render(&only_migration);
     assert!(
         of_kind(&docs, "PodMonitor")
@@ -2139,16 +2144,30 @@ fn prometheus_operator_objects_render_when_asked_for_or_when_auto_finds_the_api(
             of_kind(docs, "PrometheusRule").len(),
         )
     };
-    let api = ["--api-versions", "monitoring.coreos.com/v1"];
+    let api = prometheus_api(&[]);
     // Default "auto": nothing without the API, both with it.
     assert_eq!(kinds(&render(&[])), (0, 0));
     assert_eq!(kinds(&render(&api)), (1, 1));
-    let off = [
+    // The group alone is not the kind: a cluster may serve monitoring.coreos.com/v1
+    // without PrometheusRule (a ServiceMonitor-only install of the CRDs), and "auto"
+    // renders only the kinds it serves.
+    assert_eq!(
+        kinds(&render(&["--api-versions", "monitoring.coreos.com/v1"])),
+        (0, 0)
+    );
+    let only_sm = [
         "--api-versions",
         "monitoring.coreos.com/v1",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+    ];
+    let docs = render(&only_sm);
+    assert_eq!(kinds(&docs), (1, 0));
+    assert!(of_kind(&docs, "PodMonitor").is_empty());
+    let off = prometheus_api(&[
         "--set",
         "metrics.serviceMonitor.enabled=false,metrics.prometheusRule.enabled=false",
-    ];
+    ]);
     assert_eq!(kinds(&render(&off)), (0, 0));
     let on = [
         "--set",
@@ -2204,12 +2223,10 @@ fn prometheus_operator_objects_render_when_asked_for_or_when_auto_finds_the_api(
     )
     .unwrap_err();
     assert!(err.contains("operator.metricsService.enabled"), "{err}");
-    let docs = render(&[
-        "--api-versions",
-        "monitoring.coreos.com/v1",
+    let docs = render(&prometheus_api(&[
         "--set",
         "operator.metricsService.enabled=false",
-    ]);
+    ]));
     assert_eq!(kinds(&docs), (0, 1));
     assert!(
         alert_rules(&docs)

@@ -263,15 +263,18 @@ app.kubernetes.io/component: node-agent
 {{- end -}}
 
 {{/* Whether a Prometheus Operator object is rendered: its `enabled` is true, or "auto"
-     and the API server serves monitoring.coreos.com/v1 (helm install/upgrade ask the
-     cluster; `helm template` needs --api-versions). Argument: dict "enabled" <value>
-     "root" $. Returns "true" or "". */}}
+     and the API server serves its kind, monitoring.coreos.com/v1/<kind> (helm
+     install/upgrade ask the cluster, which lists each kind; `helm template` needs
+     --api-versions monitoring.coreos.com/v1/<kind>, as Argo CD passes them). The group
+     alone is not enough: a cluster may serve ServiceMonitor and PodMonitor without
+     PrometheusRule. Argument: dict "enabled" <value> "kind" <Kind> "root" $. Returns
+     "true" or "". */}}
 {{- define "podmotion.prometheusOperatorObject" -}}
 {{- $v := .enabled -}}
 {{- if kindIs "bool" $v -}}
 {{- if $v }}true{{ end -}}
 {{- else if eq (toString $v) "auto" -}}
-{{- if .root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
+{{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" (required "podmotion.prometheusOperatorObject: kind" .kind)) }}true{{ end -}}
 {{- else -}}
 {{- fail (printf "metrics: enabled must be true, false or \"auto\", not %v" $v) -}}
 {{- end -}}
