@@ -31,6 +31,11 @@ if ! hack/cluster.sh status >/dev/null 2>&1; then
   step "cluster up (hack/cluster.sh up)"
   hack/cluster.sh up
   started=1
+  # A step that stops this script early (a build error under `set -e`) takes the
+  # cluster it started down too; the end below does it and checks for leftovers.
+  if [[ ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
+    trap 'hack/cluster.sh down >&2 || true' EXIT
+  fi
 fi
 eval "$(hack/cluster.sh env)"
 
@@ -80,6 +85,7 @@ step "chaos run, short (e2e/src/bin/chaos.rs, docs/reliability.md): two operator
 
 if [[ $started == 1 && ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
   step "cluster down, and nothing left behind"
+  trap - EXIT
   hack/cluster.sh down || rc=1
   if ! hack/cluster.sh leftovers; then
     echo "hack/cluster.sh down left the above behind" >&2
