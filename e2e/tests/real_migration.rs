@@ -446,8 +446,8 @@ fn memory_charged_to_cgroup_of(pid: u32) -> u64 {
 struct ServiceReader {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     seen: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
-    /// How each connection ended (a failed connect too), with how many values had been
-    /// read by then.
+    /// How each connection ended (a failed connect too, once the first value was read),
+    /// with how many values had been read by then.
     ends: std::sync::Arc<std::sync::Mutex<Vec<(usize, String)>>>,
     /// How long each read may wait for its answer, in ms (taken before each read).
     read_timeout_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
@@ -476,10 +476,14 @@ impl ServiceReader {
                 );
                 let conn = match conn {
                     Ok(conn) => conn,
-                    // A failed connect counts as a connection that ended at once.
+                    // A failed connect counts as a connection that ended at once —
+                    // once the Service has answered: before, kube-proxy may not have
+                    // its endpoint yet (CI saw one refusal at the start).
                     Err(err) => {
                         let n = v.lock().unwrap().len();
-                        e.lock().unwrap().push((n, format!("connect: {err}")));
+                        if n > 0 {
+                            e.lock().unwrap().push((n, format!("connect: {err}")));
+                        }
                         std::thread::sleep(Duration::from_millis(200));
                         continue;
                     }
@@ -511,13 +515,24 @@ impl ServiceReader {
                 e.lock().unwrap().push((n, end));
             }
         });
-        ServiceReader {
+        let reader = ServiceReader {
             stop,
             seen,
             ends,
             read_timeout_ms,
             thread: Some(thread),
+        };
+        // What follows is measured from an answered connection.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while reader.counts().0 == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the reader was never answered through the Service: {:?}",
+                reader.ends.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
+        reader
     }
 
     /// How long each read from now on may wait for its answer.
