@@ -164,6 +164,25 @@ impl BrokerProcess {
         self.child.try_wait().unwrap().is_none()
     }
 
+    /// Another broker binary on this one's run directory (its own socket `socket` in
+    /// the same directory), waiting `wait_s` seconds for it at start; stderr piped.
+    fn second_broker(&self, socket: &str, wait_s: u32) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
+            .arg("--socket")
+            .arg(self.dir.join(socket))
+            .arg("--run-dir")
+            .arg(self.dir.join("run"))
+            .arg("--pods-cgroup-root")
+            .arg("/pmhb-nowhere")
+            .arg("--run-dir-wait-seconds")
+            .arg(wait_s.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a second podmotion-broker")
+    }
+
     /// The `cgroup.procs` of container `id`'s cgroup.
     fn procs_of(&self, id: &str) -> PathBuf {
         self.cgroup.join("pod").join(id).join("cgroup.procs")
@@ -946,20 +965,7 @@ fn a_second_broker_on_the_same_run_directory_is_refused_and_changes_nothing() {
     let ino = |p: &Path| std::fs::metadata(p).map(|m| m.ino());
     assert_eq!(ino(&path).unwrap(), ino(Path::new(&netns)).unwrap());
 
-    let mut second = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
-        .arg("--socket")
-        .arg(b.dir.join("second.sock"))
-        .arg("--run-dir")
-        .arg(b.dir.join("run"))
-        .arg("--pods-cgroup-root")
-        .arg("/pmhb-nowhere")
-        .arg("--run-dir-wait-seconds")
-        .arg("1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start a second podmotion-broker");
+    let mut second = b.second_broker("second.sock", 1);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(s) = second.try_wait().unwrap() {
@@ -1004,20 +1010,7 @@ fn a_broker_started_beside_a_dying_one_takes_over_when_it_ends() {
     let _serial = serial();
     let mut old = BrokerProcess::start("takeover");
     let socket = old.dir.join("next.sock");
-    let mut next = Command::new(env!("CARGO_BIN_EXE_podmotion-broker"))
-        .arg("--socket")
-        .arg(&socket)
-        .arg("--run-dir")
-        .arg(old.dir.join("run"))
-        .arg("--pods-cgroup-root")
-        .arg("/pmhb-nowhere")
-        .arg("--run-dir-wait-seconds")
-        .arg("30")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the next podmotion-broker");
+    let mut next = old.second_broker("next.sock", 30);
     std::thread::sleep(Duration::from_millis(700));
     assert!(
         next.try_wait().unwrap().is_none(),
