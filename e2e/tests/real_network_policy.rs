@@ -37,8 +37,9 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use podmotion_api::RunnerPool;
 use podmotion_e2e::real::netpol::{
-    expect_blocked, expect_reaches, ready_pod, require_enforcement, testload_pod, wait_programmed,
+    expect_blocked, expect_reaches, require_enforcement, testload_pod, wait_programmed,
 };
+use podmotion_e2e::real::testload::ready_pod;
 use podmotion_e2e::real::{
     Images, entrypoint, helm, helm_install, kubectl, output_text, real_nodes,
 };

@@ -18,6 +18,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::names::{finalizers, labels};
+use podmotion_e2e::real::testload::ready_pod;
 use podmotion_e2e::real::{
     Images, PortForward, Uninstall, agent_call, agent_stream, chart_args, entrypoint, helm,
     kubectl, nft_tables, output_text, pin, real_nodes,
@@ -64,19 +65,6 @@ async fn wait_terminated(api: &Api<Pod>, name: &str) -> (i32, String) {
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
     terminated(p.as_ref().unwrap()).unwrap()
-}
-
-async fn wait_ready(api: &Api<Pod>, name: &str) -> Pod {
-    wait_for(
-        api,
-        name,
-        POD_TIMEOUT,
-        "the pod to be Running and Ready",
-        |p| p.is_some_and(pod_running_ready),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .unwrap()
 }
 
 fn logs(ns: &str, pod: &str) -> String {
@@ -237,7 +225,7 @@ async fn pods_on_two_real_nodes_reach_each_other_the_service_and_the_api_server(
         json!({"tcpSocket": {"port": 8080}, "periodSeconds": 1}),
     ));
     pods.create(&PostParams::default(), &server).await.unwrap();
-    let server = wait_ready(&pods, "server").await;
+    let server = ready_pod(&pods, "server").await;
     let server_ip = server.status.unwrap().pod_ip.expect("pod IP");
     assert!(
         server_ip.starts_with("198.18."),

@@ -23,10 +23,10 @@ use podmotion_api::PodMigration;
 use podmotion_api::migration::MigrationPhase;
 use podmotion_e2e::real::entrypoint;
 use podmotion_e2e::real::netpol::{
-    expect_blocked, expect_reaches, ready_pod, require_enforcement, testload_pod, wait_programmed,
+    expect_blocked, expect_reaches, require_enforcement, testload_pod, wait_programmed,
 };
 use podmotion_e2e::real::testload::{
-    self, POD_TIMEOUT, World, addr, ask, counter, ended, moved_copy_continues, node_of,
+    self, POD_TIMEOUT, World, addr, ask, counter, ended, moved_copy_continues, node_of, ready_pod,
 };
 use podmotion_e2e::{from_json, pod_running_ready, wait_list};
 use serde_json::json;

@@ -6,13 +6,9 @@
 use std::process::Command;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
 use serde_json::{Value, json};
 
-use super::testload::POD_TIMEOUT;
 use super::{output_text, pin};
-use crate::{pod_running_ready, wait_for};
 
 /// How long kube-router may take to program a new pod, and kube-proxy a new Service.
 pub const PROGRAM_TIMEOUT: Duration = Duration::from_secs(90);
@@ -144,17 +140,4 @@ pub fn testload_pod(name: &str, image: &str, node: &str, port: u16, labels: Valu
     });
     pin(&mut spec, node);
     json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec})
-}
-
-pub async fn ready_pod(api: &Api<Pod>, name: &str) -> Pod {
-    wait_for(
-        api,
-        name,
-        POD_TIMEOUT,
-        "the pod to be Running and Ready",
-        |p| p.is_some_and(pod_running_ready),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .unwrap()
 }

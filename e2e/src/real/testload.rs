@@ -498,3 +498,17 @@ impl World {
         format!("{}:{PORT}", svc.spec.unwrap().cluster_ip.unwrap())
     }
 }
+
+/// Waits (POD_TIMEOUT) for pod `name` to be Running and Ready; the pod.
+pub async fn ready_pod(api: &Api<Pod>, name: &str) -> Pod {
+    wait_for(
+        api,
+        name,
+        POD_TIMEOUT,
+        "the pod to be Running and Ready",
+        |p| p.is_some_and(pod_running_ready),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .unwrap()
+}
