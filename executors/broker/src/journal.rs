@@ -75,41 +75,14 @@ impl<K: Kernel> Broker<K> {
         let mut rolled = Vec::new();
         let dir = self.journal_dir();
         for (name, path) in self.kernel.read_dir(&dir) {
-            let record = self
-                .kernel
-                .read_file(&path)
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            let Some((p, l, fenced)) = record.as_ref().and_then(parse_journal) else {
-                self.kernel.remove_file(&path);
-                tracing::warn!(file = %path.display(), "unreadable journal record removed");
-                continue;
-            };
-            if MigrationUid::parse(&name).is_err() {
-                self.kernel.remove_file(&path);
-                continue;
+            if self.recover_record(&name, &path) {
+                rolled.push(name);
             }
-            // Only ever a pod's process, as at registration.
-            let in_pod = self
-                .kernel
-                .cgroup_of(p.pid)
-                .is_ok_and(|cg| under_pods_root(&cg, &self.cfg.pods_cgroup_root));
-            if !in_pod {
-                self.kernel.remove_file(&path);
-                tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
-                continue;
-            }
-            if fenced {
-                tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source fenced: killing it (its restored copy may run)");
-                kill_fenced(&self.kernel, p);
-            } else {
-                tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
-                roll_back(&self.kernel, p, &l);
-            }
-            // Only now: a broker that dies before this (a pod deleted while its
-            // restarted broker waits for CRIU to let go of the source) leaves the
-            // record to the next one, which does it again (both are idempotent).
+            // Only now, after the rollback or kill: a broker that dies before this (a
+            // pod deleted while its restarted broker waits for CRIU to let go of the
+            // source) leaves the record to the next one, which does it again (both
+            // are idempotent).
             self.kernel.remove_file(&path);
-            rolled.push(name);
         }
         let netns = self.cfg.run_dir.join("netns");
         for (name, _) in self.kernel.read_dir(&netns) {
@@ -120,6 +93,41 @@ impl<K: Kernel> Broker<K> {
         self.load_adoptions();
         self.sweep();
         rolled
+    }
+}
+
+impl<K: Kernel> Broker<K> {
+    /// Rolls back (or, fenced, kills) the source of one journal record, if it names a
+    /// live pod process; whether it did.
+    fn recover_record(&self, name: &str, path: &std::path::Path) -> bool {
+        let record = self
+            .kernel
+            .read_file(path)
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        let Some((p, l, fenced)) = record.as_ref().and_then(parse_journal) else {
+            tracing::warn!(file = %path.display(), "unreadable journal record removed");
+            return false;
+        };
+        if MigrationUid::parse(name).is_err() {
+            return false;
+        }
+        // Only ever a pod's process, as at registration.
+        let in_pod = self
+            .kernel
+            .cgroup_of(p.pid)
+            .is_ok_and(|cg| under_pods_root(&cg, &self.cfg.pods_cgroup_root));
+        if !in_pod {
+            tracing::warn!(uid = %name, pid = p.pid, "journal names no pod process: ignored");
+            return false;
+        }
+        if fenced {
+            tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source fenced: killing it (its restored copy may run)");
+            kill_fenced(&self.kernel, p);
+        } else {
+            tracing::warn!(uid = %name, pid = p.pid, "a previous broker left this source locked: rolling back");
+            roll_back(&self.kernel, p, &l);
+        }
+        true
     }
 }
 
