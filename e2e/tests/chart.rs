@@ -3811,11 +3811,7 @@ impl LocalOperator {
         service_account_kubeconfig(&op, &sa, &kubeconfig, &[]);
         let deploy = of_kind(&inst.docs, "Deployment")[0];
         let c = &deploy["spec"]["template"]["spec"]["containers"][0];
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let [port] = podmotion_e2e::kwok_agents::free_ports::<1>();
         let identity = format!("{sa}-e2e");
         // Secret volumes (a user's migration master key) as the kubelet would mount
         // them; the memory-backed key-material directory as a private directory.

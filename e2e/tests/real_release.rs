@@ -16,7 +16,6 @@
 //! (`hack/images.sh`); `hack/test.sh` does both.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
@@ -52,11 +51,7 @@ impl TlsRegistry {
     fn start() -> TlsRegistry {
         let dir = std::env::temp_dir().join(format!("pm-release-{}", random_suffix()));
         std::fs::create_dir_all(dir.join("data")).unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let [port] = podmotion_e2e::kwok_agents::free_ports::<1>();
         let addr = format!("127.0.0.1:{port}");
         let pki = format!(
             "set -e; cd '{d}'

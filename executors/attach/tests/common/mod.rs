@@ -307,12 +307,30 @@ pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> Result<(), ()
     Err(())
 }
 
+/// A free loopback port for a server started later, below the kernel's ephemeral
+/// range (32768 and up by default). A port the kernel handed out for `:0` and was
+/// given back is soon handed out again — CI's agent bound its metrics on `:0` and got
+/// the very port picked here for its control API ("Address already in use"). Ports
+/// in 20000–32767 are walked from a point set by this process's ID, one step per call
+/// (so the tests of one binary, running in parallel, never pick the same one), each
+/// checked free by a bind.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_768;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id() % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}-{}", FIRST + SPAN - 1)
 }
 
 /// The capabilities the agent Job adds (all others dropped); see
