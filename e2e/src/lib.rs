@@ -27,6 +27,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+pub mod bench_attach;
 pub mod bench_migration;
 pub mod chaos;
 pub mod kwok_agents;
@@ -160,14 +161,21 @@ pub async fn connect_without_retry() -> anyhow::Result<Client> {
     connect_with(false).await
 }
 
-async fn connect_with(retry: bool) -> anyhow::Result<Client> {
+/// The local cluster's client configuration (its admin kubeconfig), for a client
+/// built otherwise than [`connect`]'s (the operator's own, in the benchmarks).
+pub async fn kube_config() -> anyhow::Result<Config> {
     let path = kubeconfig_path();
     let hint = "start it with `hack/cluster.sh up` (or set PODMOTION_E2E=0 to skip cluster tests)";
     let kubeconfig = Kubeconfig::read_from(&path)
         .with_context(|| format!("reading kubeconfig {}; {hint}", path.display()))?;
-    let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+    Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
-        .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+        .with_context(|| format!("loading kubeconfig {}", path.display()))
+}
+
+async fn connect_with(retry: bool) -> anyhow::Result<Client> {
+    let hint = "start it with `hack/cluster.sh up` (or set PODMOTION_E2E=0 to skip cluster tests)";
+    let mut config = kube_config().await?;
     config.default_retry = retry;
     let server = config.cluster_url.to_string();
     let client = Client::try_from(config)?;

@@ -62,13 +62,15 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     podmotion_log::init(cli.operator.log_format, "info,kube=warn");
-    let client = podmotion_operator::client::infer()
+    let metrics = Arc::new(Metrics::new());
+    let client = podmotion_operator::client::infer(metrics.api_requests.clone())
         .await
         .context("no kubeconfig or in-cluster configuration")?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Run => {
             run(
                 client,
+                metrics,
                 cli.operator,
                 Controllers {
                     attachment: cli.attachment,
@@ -125,7 +127,12 @@ async fn wait_for_crds(client: &Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> anyhow::Result<()> {
+async fn run(
+    client: Client,
+    metrics: Arc<Metrics>,
+    config: OperatorConfig,
+    settings: Controllers,
+) -> anyhow::Result<()> {
     let leader = if config.leader.enabled {
         Leadership::elected()
     } else {
@@ -136,7 +143,7 @@ async fn run(client: Client, config: OperatorConfig, settings: Controllers) -> a
         client.clone(),
         config.clone(),
         leader.clone(),
-        Arc::new(Metrics::new()),
+        metrics,
         stop_rx,
     ));
     for kind in &config.controllers {

@@ -90,6 +90,24 @@ pub const PREFLIGHT_CHECKS: [&str; 9] = [
     "verdict",
 ];
 
+/// One kind of request the operator sends the API server (`crate::client`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiRequestLabels {
+    /// Kubernetes' verb: `get`, `list`, `watch`, `create`, `update`, `patch`, `delete`,
+    /// `deletecollection` (or `other`).
+    pub verb: &'static str,
+    /// The resource (plural), or `other` for one the operator does not use.
+    pub resource: &'static str,
+    /// `status`, `exec`, `eviction`, `log`, `scale`, `other`, or empty.
+    pub subresource: &'static str,
+    /// The answer's HTTP status; 0 when there was none (a connection error).
+    pub code: u16,
+}
+
+/// The operator's API requests, by verb, resource and answer
+/// (`podmotion_api_requests`): every attempt the API server sees, retries included.
+pub type ApiRequests = Family<ApiRequestLabels, Counter>;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvictionLabels {
     /// `Evicted`, `Migrating` or `Blocked`.
@@ -148,6 +166,9 @@ pub struct Metrics {
     pub eviction_migrations_started: Counter,
     /// Evictions refused (drains blocked), by reason.
     pub evictions_blocked: Family<BlockLabels, Counter>,
+    /// The operator's API requests (every attempt), by verb, resource and answer: the
+    /// writes of a steady state are the `create`/`update`/`patch`/`delete` series.
+    pub api_requests: ApiRequests,
     pools: Mutex<BTreeMap<String, PoolFacts>>,
 }
 
@@ -189,6 +210,7 @@ impl Metrics {
             evictions: registered(reg, "evictions", "Evictions answered by the pods/eviction webhook, by answer (Evicted, Migrating, Blocked)", Family::default()),
             eviction_migrations_started: registered(reg, "eviction_migrations_started", "PodMigrations created by an eviction", Counter::default()),
             evictions_blocked: registered(reg, "evictions_blocked", "Evictions refused because the pod cannot move, by reason", Family::default()),
+            api_requests: registered(reg, "api_requests", "Requests the operator sent the API server (each retry too), by verb, resource, subresource and HTTP status (0: no answer)", Family::default()),
             pools: Mutex::new(BTreeMap::new()),
             registry: r,
         };

@@ -511,7 +511,7 @@ mod tests {
     fn writer(leader: Leadership) -> Writer {
         // A client that is never reached: the fence answers first.
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let client = crate::client::from_config(config).unwrap();
+        let client = crate::client::from_config(config, Default::default()).unwrap();
         Writer::fenced(
             client,
             leader,

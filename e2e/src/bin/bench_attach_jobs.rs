@@ -11,59 +11,38 @@
 //! (b) the controller, already running and synced, from the POST of a
 //!     NodeAgentAttachment (so including the controller's own work before its first
 //!     Job); it also reports when the N Jobs are resumed with their credential Secrets.
-//! Each side also reports when its first Job was seen. Rounds alternate the order; the
-//! headline is the median of the per-round ratios.
+//! Each side also reports when its first Job was seen. Then both go on to *runnable*
+//! (DESIGN.md §4: "the same holds until every Job is runnable"), to the same stop (a
+//! pod watch, established before the clock, has seen every Job's pod Running): the
+//! plain client makes the controller's writes after its Jobs — per Job a credential
+//! Secret, then the resume patch, 16 in flight — and the controller is only waited for.
+//! Rounds alternate the order; the headlines are the medians of the per-round ratios.
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
-use kube::api::{
-    Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, PropagationPolicy,
-};
-use kube::runtime::watcher::{self, Event};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
+use kube::runtime::watcher::Event;
+use kube::{Client, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
 use podmotion_api::names::labels;
+use podmotion_e2e::bench_attach::{
+    PARALLEL, Watch, apply_attachment_crd, attachment_reconciles, delete_namespaces, median,
+    namespace, settle, start_controller, synced_watch,
+};
 use podmotion_e2e::{
     connect, from_json, pod_running_ready, random_suffix, restricted_container, wait_list,
 };
-use podmotion_operator::attachment::render::Settings;
-use podmotion_operator::attachment::{AttachmentView, ObservedGroup, PodView, plan};
-use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
-use podmotion_operator::context::Context;
-use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
-use podmotion_operator::leader::Leadership;
-use podmotion_operator::metrics::{Metrics, ReconcileResult, ResultLabels};
+use podmotion_operator::attachment::plan::Resume;
+use podmotion_operator::attachment::render::{self, Settings};
+use podmotion_operator::attachment::{AttachmentView, JobView, ObservedGroup, PodView, plan};
+use podmotion_operator::metrics::Metrics;
 use serde_json::json;
-
-const PARALLEL: usize = 16;
-
-async fn namespace(client: &Client, name: &str, level: &str) -> anyhow::Result<()> {
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some(BTreeMap::from([
-                (
-                    "pod-security.kubernetes.io/enforce".to_string(),
-                    level.to_string(),
-                ),
-                ("podmotion.io/e2e".to_string(), "bench".to_string()),
-            ])),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await?;
-    Ok(())
-}
+use std::sync::Arc;
 
 /// Waits until `n` objects match `sel` in `api` (or none, for `n == 0`).
 async fn count<K>(api: &Api<K>, sel: &str, n: usize) -> anyhow::Result<()>
@@ -87,28 +66,12 @@ async fn delete_all(jobs: &Api<Job>, sel: &str) -> anyhow::Result<()> {
     count(jobs, sel, 0).await
 }
 
-/// Lets the control plane finish the previous round's aftermath (garbage collection of
-/// Job pods, kwok status updates) so it does not bill the next measurement.
-async fn settle() {
-    tokio::time::sleep(Duration::from_secs(5)).await;
-}
-
-type JobWatch = futures::stream::BoxStream<'static, Result<Event<Job>, watcher::Error>>;
-
-/// A Job watch on `sel`, its initial (empty) list drained, so that the clock starts
-/// with the watch already established.
-async fn synced_watch(api: &Api<Job>, sel: &str) -> anyhow::Result<JobWatch> {
-    let mut w = watcher::watcher(api.clone(), watcher::Config::default().labels(sel)).boxed();
-    while let Some(ev) = w.try_next().await? {
-        if matches!(ev, Event::InitDone) {
-            break;
-        }
-    }
-    Ok(w)
-}
-
 /// Reads `w` until `n` distinct Jobs were seen: (first seen, all seen) since `t0`.
-async fn seen_all(w: &mut JobWatch, n: usize, t0: Instant) -> anyhow::Result<(Duration, Duration)> {
+async fn seen_all(
+    w: &mut Watch<Job>,
+    n: usize,
+    t0: Instant,
+) -> anyhow::Result<(Duration, Duration)> {
     let mut names = std::collections::BTreeSet::new();
     let mut first = None;
     while names.len() < n {
@@ -122,12 +85,6 @@ async fn seen_all(w: &mut JobWatch, n: usize, t0: Instant) -> anyhow::Result<(Du
         }
     }
     Ok((first.unwrap_or_default(), t0.elapsed()))
-}
-
-fn median(v: &[Duration]) -> Duration {
-    let mut v = v.to_vec();
-    v.sort();
-    v[v.len() / 2]
 }
 
 #[tokio::main]
@@ -159,6 +116,9 @@ async fn main() -> anyhow::Result<()> {
     let bench = Bench {
         replicas,
         plain_api: Api::namespaced(client.clone(), &plain_ns),
+        plain_secrets: Api::namespaced(client.clone(), &plain_ns),
+        plain_pods: Api::namespaced(client.clone(), &plain_ns),
+        agent_pods: Api::namespaced(client.clone(), &agents_ns),
         agent_jobs: Api::namespaced(client.clone(), &agents_ns),
         // The agents' tokens live beside the workload (docs/attachment.md, "Credentials").
         agent_secrets: Api::namespaced(client.clone(), &app_ns),
@@ -183,24 +143,7 @@ async fn main() -> anyhow::Result<()> {
     samples.print(replicas, rounds);
     let _ = stop.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
-    for ns in [app_ns, agents_ns, plain_ns] {
-        let _ = Api::<Namespace>::all(client.clone())
-            .delete(&ns, &DeleteParams::default())
-            .await;
-    }
-    Ok(())
-}
-
-async fn apply_attachment_crd(client: &Client) -> anyhow::Result<()> {
-    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
-        Api::all(client.clone());
-    let crd = NodeAgentAttachment::crd();
-    crds.patch(
-        &crd.name_any(),
-        &PatchParams::apply("podmotion-bench").force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
+    delete_namespaces(&client, &[app_ns, agents_ns, plain_ns]).await;
     Ok(())
 }
 
@@ -228,57 +171,6 @@ async fn ready_workload(
         |ps| ps.len() == replicas && ps.iter().all(pod_running_ready),
     )
     .await
-}
-
-/// Runs the attachment controller in this process (agents' Jobs in `agents_ns`,
-/// watching `app_ns`); it stops when `true` is sent on the returned channel.
-fn start_controller(
-    client: &Client,
-    agents_ns: &str,
-    app_ns: &str,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<(
-    tokio::sync::watch::Sender<bool>,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-)> {
-    let config = OperatorConfig {
-        namespace: agents_ns.to_string(),
-        identity: "bench".into(),
-        controllers: vec![ControllerKind::Attachment],
-        http_addr: "127.0.0.1:0".parse()?,
-        leader: LeaderConfig {
-            enabled: false,
-            lease_name: "unused".into(),
-            lease_seconds: 15,
-        },
-        concurrency: 8,
-        log_format: Default::default(),
-        node_arch: podmotion_operator::platform::DEFAULT_ARCH.into(),
-    };
-    let (stop, rx) = tokio::sync::watch::channel(false);
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        config,
-        Leadership::always(),
-        metrics,
-        rx,
-    ));
-    let cfg = AttachmentConfig {
-        job_prefix: "pm-agent".into(),
-        agent_image: "registry.example/podmotion/attach:bench".into(),
-        cri_socket_path: "/run".into(),
-        sweep_seconds: 3600,
-        write_parallelism: PARALLEL,
-        backoff_limit: 3,
-        image_pull_secrets: Vec::new(),
-        pod_annotations: Default::default(),
-        metrics_port: 9090,
-        control_port: 15000,
-        max_wiretaps: 4,
-        jobs_namespace: None,
-        watch_namespace: Some(app_ns.to_string()),
-    };
-    Ok((stop, tokio::spawn(run_with(ctx, cfg))))
 }
 
 /// The plain client's Jobs: exactly what the controller's own plan renders for these
@@ -311,26 +203,14 @@ fn rendered_jobs(app_ns: &str, plain_ns: &str, pods: &[Pod]) -> Vec<Job> {
         .collect()
 }
 
-/// Reconciles of the attachment controller so far (every result).
-fn attachment_reconciles(metrics: &Metrics) -> u64 {
-    [ReconcileResult::Success, ReconcileResult::Error]
-        .into_iter()
-        .map(|result| {
-            metrics
-                .reconciles
-                .get_or_create(&ResultLabels {
-                    controller: "attachment",
-                    result,
-                })
-                .get()
-        })
-        .sum()
-}
-
 /// The APIs one run's rounds use, and the controller's metrics.
 struct Bench {
     replicas: usize,
     plain_api: Api<Job>,
+    /// The plain client's credential Secrets (beside its Jobs).
+    plain_secrets: Api<Secret>,
+    plain_pods: Api<Pod>,
+    agent_pods: Api<Pod>,
     agent_jobs: Api<Job>,
     agent_secrets: Api<Secret>,
     naas: Api<NodeAgentAttachment>,
@@ -349,11 +229,61 @@ struct Samples {
     op_jobs: Vec<Duration>,
     /// Controller: all N Jobs resumed with their Secrets.
     op_all: Vec<Duration>,
+    /// Plain client / controller: every Job's pod Running (runnable).
+    plain_runnable: Vec<Duration>,
+    op_runnable: Vec<Duration>,
     op_first: Vec<Duration>,
     op_reconciles: Vec<u64>,
 }
 
+/// Reads `w` until `n` distinct pods were seen Running: when, since `t0`.
+async fn all_running(w: &mut Watch<Pod>, n: usize, t0: Instant) -> anyhow::Result<Duration> {
+    let mut names = std::collections::BTreeSet::new();
+    while names.len() < n {
+        match w.try_next().await? {
+            Some(Event::Apply(p)) => {
+                if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
+                    names.insert(p.name_any());
+                }
+            }
+            Some(_) => {}
+            None => anyhow::bail!("pod watch ended"),
+        }
+    }
+    Ok(t0.elapsed())
+}
+
 impl Bench {
+    /// What the controller writes to make one created Job runnable, by a plain client:
+    /// its credential Secret (beside the plain Jobs), then the resume patch.
+    async fn plain_resume(&self, j: JobView) -> anyhow::Result<()> {
+        let r = Resume::of(&j);
+        let token: [u8; 32] = std::array::from_fn(|i| i as u8);
+        let mut secret = render::credentials(
+            &Settings::default(),
+            render::CredentialOf {
+                job: &r.job,
+                target_namespace: &r.target_namespace,
+                target_pod: &r.target_pod,
+                target_pod_uid: &r.target_pod_uid,
+            },
+            &token,
+        );
+        secret.metadata.namespace = None;
+        secret.metadata.owner_references = None;
+        self.plain_secrets
+            .create(&PostParams::default(), &secret)
+            .await?;
+        self.plain_api
+            .patch(
+                &r.job,
+                &PatchParams::default(),
+                &Patch::Merge(render::resume_patch(&token)),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// The plain client POSTs the rendered Jobs, then they are deleted.
     async fn plain_round(
         &self,
@@ -363,9 +293,10 @@ impl Bench {
     ) -> anyhow::Result<()> {
         let replicas = self.replicas;
         let mut seen = synced_watch(&self.plain_api, &self.sel).await?;
+        let mut running = synced_watch(&self.plain_pods, &self.sel).await?;
         let t0 = Instant::now();
         let posts = async {
-            stream::iter(plain_jobs.iter())
+            let created = stream::iter(plain_jobs.iter())
                 .map(|j| {
                     let api = self.plain_api.clone();
                     async move { api.create(&PostParams::default(), j).await }
@@ -373,16 +304,34 @@ impl Bench {
                 .buffer_unordered(PARALLEL)
                 .try_collect::<Vec<_>>()
                 .await?;
-            Ok::<_, anyhow::Error>(t0.elapsed())
+            Ok::<_, anyhow::Error>((created, t0.elapsed()))
         };
-        let (posted, (first, all)) = tokio::try_join!(posts, seen_all(&mut seen, replicas, t0))?;
+        let ((created, posted), (first, all)) =
+            tokio::try_join!(posts, seen_all(&mut seen, replicas, t0))?;
         s.plain.push(all);
         s.plain_first.push(first);
+        // Then the controller's writes after its Jobs, the same way: per Job, a
+        // credential Secret, then the resume patch; and the same wait, for every pod.
+        let resumes = async {
+            stream::iter(created.iter().filter_map(JobView::from_job))
+                .map(|j| self.plain_resume(j))
+                .buffer_unordered(PARALLEL)
+                .try_collect::<Vec<()>>()
+                .await
+        };
+        let (_, runnable) = tokio::try_join!(resumes, all_running(&mut running, replicas, t0))?;
+        s.plain_runnable.push(runnable);
         eprintln!(
-            "round {round}: plain client: first Job seen {first:?}, last POST returned {posted:?}, all {replicas} seen {all:?}"
+            "round {round}: plain client: first Job seen {first:?}, last POST returned {posted:?}, all {replicas} seen {all:?}, every pod Running {runnable:?}"
         );
         delete_all(&self.plain_api, &self.sel).await?;
-        settle().await;
+        self.plain_secrets
+            .delete_collection(
+                &DeleteParams::default(),
+                &ListParams::default().labels(&format!("{}=node-agent", labels::COMPONENT)),
+            )
+            .await?;
+        settle(Duration::from_secs(5)).await;
         Ok(())
     }
 
@@ -391,6 +340,7 @@ impl Bench {
     async fn operator_round(&self, round: usize, s: &mut Samples) -> anyhow::Result<()> {
         let (replicas, sel) = (self.replicas, &self.sel);
         let mut seen = synced_watch(&self.agent_jobs, sel).await?;
+        let mut running = synced_watch(&self.agent_pods, sel).await?;
         let naa: NodeAgentAttachment = from_json(json!({
             "apiVersion": "podmotion.io/v1alpha1", "kind": "NodeAgentAttachment",
             "metadata": {"name": "bench"},
@@ -416,10 +366,12 @@ impl Bench {
         )
         .await?;
         let d_all = t0.elapsed();
+        let runnable = all_running(&mut running, replicas, t0).await?;
         s.op_jobs.push(d);
         s.op_all.push(d_all);
+        s.op_runnable.push(runnable);
         eprintln!(
-            "round {round}: operator: first Job seen {first:?}, all {replicas} seen {d:?} (all resumed with their Secrets {d_all:?})"
+            "round {round}: operator: first Job seen {first:?}, all {replicas} seen {d:?} (all resumed with their Secrets {d_all:?}, every pod Running {runnable:?})"
         );
         self.naas.delete("bench", &DeleteParams::default()).await?;
         count(&self.agent_jobs, sel, 0).await?;
@@ -440,7 +392,7 @@ impl Bench {
         let r = attachment_reconciles(&self.metrics) - r0;
         s.op_reconciles.push(r);
         eprintln!("round {round}: operator: {r} reconciles from create to deletion");
-        settle().await;
+        settle(Duration::from_secs(5)).await;
         Ok(())
     }
 }
@@ -460,6 +412,12 @@ impl Samples {
             v[v.len() / 2]
         };
         let (rj, ra) = (ratios(&self.op_jobs), ratios(&self.op_all));
+        let rr: Vec<f64> = self
+            .op_runnable
+            .iter()
+            .zip(&self.plain_runnable)
+            .map(|(o, p)| o.as_secs_f64() / p.as_secs_f64())
+            .collect();
         println!("replicas: {replicas}, rounds: {rounds}, parallel writes: {PARALLEL}");
         println!(
             "per-round ratio operator/plain, Jobs:           {rj:.2?}  median {:.2}",
@@ -468,6 +426,15 @@ impl Samples {
         println!(
             "per-round ratio operator/plain, Jobs resumed with Secrets: {ra:.2?}  median {:.2}",
             med(ra.clone())
+        );
+        println!(
+            "per-round ratio operator/plain, every pod Running (runnable): {rr:.2?}  median {:.2}",
+            med(rr.clone())
+        );
+        println!(
+            "median every pod Running: plain {:?}, operator {:?}",
+            median(&self.plain_runnable),
+            median(&self.op_runnable)
         );
         let (p, o, a) = (
             median(&self.plain),
