@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::operator::{test_attachment_config, test_config};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -14,7 +15,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::watcher::{self, Event};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use podmotion_api::NodeAgentAttachment;
-use podmotion_operator::config::{ControllerKind, LeaderConfig, OperatorConfig};
+use podmotion_operator::config::{ControllerKind, OperatorConfig};
 use podmotion_operator::context::Context;
 use podmotion_operator::controllers::attachment::{AttachmentConfig, run_with};
 use podmotion_operator::leader::Leadership;
@@ -80,19 +81,11 @@ pub fn start_controller(
     tokio::sync::watch::Sender<bool>,
     tokio::task::JoinHandle<anyhow::Result<()>>,
 )> {
+    // The e2e operators' settings, with the chart's concurrency.
     let config = OperatorConfig {
-        namespace: agents_ns.to_string(),
         identity: "bench".into(),
-        controllers: vec![ControllerKind::Attachment],
-        http_addr: "127.0.0.1:0".parse()?,
-        leader: LeaderConfig {
-            enabled: false,
-            lease_name: "unused".into(),
-            lease_seconds: 15,
-        },
         concurrency: 8,
-        log_format: Default::default(),
-        node_arch: podmotion_operator::platform::DEFAULT_ARCH.into(),
+        ..test_config(agents_ns, ControllerKind::Attachment)
     };
     let (stop, rx) = tokio::sync::watch::channel(false);
     let ctx = Arc::new(Context::new(
@@ -102,20 +95,11 @@ pub fn start_controller(
         metrics,
         rx,
     ));
+    // No orphan sweep within a run: it would be requests the benchmarks do not time.
     let cfg = AttachmentConfig {
-        job_prefix: "pm-agent".into(),
-        agent_image: "registry.example/podmotion/attach:bench".into(),
-        cri_socket_path: "/run".into(),
         sweep_seconds: 3600,
         write_parallelism: PARALLEL,
-        backoff_limit: 3,
-        image_pull_secrets: Vec::new(),
-        pod_annotations: Default::default(),
-        metrics_port: 9090,
-        control_port: 15000,
-        max_wiretaps: 4,
-        jobs_namespace: None,
-        watch_namespace: Some(app_ns.to_string()),
+        ..test_attachment_config(app_ns)
     };
     Ok((stop, tokio::spawn(run_with(ctx, cfg))))
 }
