@@ -72,8 +72,10 @@ source "$here/versions.env"
 
 RUN=${PODMOTION_RUN:-/tmp/podmotion-cluster}
 NODES=${NODES:-3}
-# status, env and down act on the cluster as it was brought up, unless told otherwise.
-if [[ -z ${REAL_NODES:-} && -f $RUN/real-nodes ]]; then REAL_NODES=$(cat "$RUN/real-nodes"); fi
+# status, env and down act on the cluster as it was brought up, unless told otherwise;
+# `up` never inherits it (a kwok-only bench cluster once made the next CI run's `up`
+# start without real nodes), and `down` forgets it.
+if [[ ${1:-} != up && -z ${REAL_NODES:-} && -f $RUN/real-nodes ]]; then REAL_NODES=$(cat "$RUN/real-nodes"); fi
 REAL_NODES=${REAL_NODES:-2}
 [[ $REAL_NODES =~ ^[0-9]+$ ]] || { echo "[cluster] REAL_NODES must be a number, not '$REAL_NODES'" >&2; exit 2; }
 NODE_CPU=${NODE_CPU:-16}
@@ -552,6 +554,7 @@ cmd_down() {
   for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop "${COMPONENTS[i]}"; done
   PODMOTION_RUN=$RUN bash "$here/registry.sh" down >&2 || true
   rm -rf "$RUN/etcd"
+  rm -f "$RUN/real-nodes"
   log "down (logs kept in $LOGS/)"
 }
 

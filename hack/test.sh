@@ -36,6 +36,10 @@ if ! hack/cluster.sh status >/dev/null 2>&1; then
   if [[ ${PODMOTION_KEEP_CLUSTER:-0} != 1 ]]; then
     trap 'hack/cluster.sh down >&2 || true' EXIT
   fi
+elif [[ $(cat "$run/real-nodes" 2>/dev/null) == 0 && ${PODMOTION_REAL_NODES:-} != 0 ]]; then
+  echo "the running cluster has no real nodes (brought up with REAL_NODES=0), which the" \
+    "tests need: bring it down first (hack/cluster.sh down)" >&2
+  exit 1
 fi
 eval "$(hack/cluster.sh env)"
 
@@ -61,7 +65,8 @@ bash hack/build-argocd-health.sh >/dev/null
 
 step "cargo test --workspace"
 rc=0
-cargo test --workspace --locked "$@" || rc=$?
+# --no-fail-fast: one failing test binary must not hide the others' results.
+cargo test --workspace --locked --no-fail-fast "$@" || rc=$?
 
 step "the plugin's krew manifest (hack/krew-check.sh: krew's own validator, then krew install from the release tarball)"
 bash hack/krew-check.sh "$run/plugin" || rc=1

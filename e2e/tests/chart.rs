@@ -1611,9 +1611,17 @@ fn agent_metric_names() -> BTreeSet<String> {
 }
 
 fn operator_metric_names() -> BTreeSet<String> {
-    use podmotion_operator::metrics::{Metrics, OutcomeLabels};
+    use podmotion_operator::metrics::{ApiRequestLabels, Metrics, OutcomeLabels};
     let m = Metrics::new();
     m.reconcile("migration").done(Err("ApiError"));
+    m.api_requests
+        .get_or_create(&ApiRequestLabels {
+            verb: "list",
+            resource: "pods",
+            subresource: "",
+            code: 200,
+        })
+        .inc();
     m.migrations
         .get_or_create(&OutcomeLabels { outcome: "Failed" })
         .inc();
