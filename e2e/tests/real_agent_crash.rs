@@ -33,7 +33,7 @@ use kube::api::{Api, ListParams, PostParams};
 use podmotion_api::PodMigration;
 use podmotion_api::migration::{MigrationPhase, PodMigrationStatus};
 use podmotion_e2e::real::copies::{ServicePoller, sample, says_resumed, status_texts};
-use podmotion_e2e::real::procs::{Proc, kill_pod_processes, workload_processes};
+use podmotion_e2e::real::procs::{LogTail, Proc, kill_pod_processes, workload_processes};
 use podmotion_e2e::real::testload::{
     self, MIGRATION_TIMEOUT, POD_TIMEOUT, World, addr, counter, node_of, source_serves_alone,
 };
@@ -104,6 +104,7 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
     let mut max_copies = 0usize;
     let mut killed_at: Option<Instant> = None;
     let mut victim_uid = String::new();
+    let mut victim_logs: Option<LogTail> = None;
     let mut frozen_for = Duration::ZERO;
     let start = Instant::now();
     let st = loop {
@@ -164,6 +165,10 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
             victim_uid = victim[0].uid().unwrap();
             let killed = kill_pod_processes(&victim_uid);
             killed_at = Some(Instant::now());
+            // The kubelet may restart the killed broker in the crashed pod before it
+            // sees the deletion; that broker then recovers the journal. Its log goes
+            // with the pod: kept from the node as it is written.
+            victim_logs = Some(LogTail::start(&source_node, &victim_uid, "netns-broker"));
             force_delete_pod(&agents, &victim[0].name_any());
             eprintln!(
                 "sample {samples}: phase {:?}, source {} stopped ({}); SIGKILLed {killed:?} and deleted the agent pod {} on {source_node}",
@@ -248,15 +253,30 @@ async fn the_source_agent_pod_killed_during_the_freeze_resumes_the_source_and_ne
     let running: Vec<&Proc> = procs.iter().filter(|p| p.runs()).collect();
     assert_eq!(running.len(), 1, "{procs:?}");
     assert!(running[0].same(&source_proc), "{procs:?}");
-    // Who resumed it: the new pod's broker, from its predecessor's journal on the node.
-    let rolled_back = new_broker_rolled_back(&agent_pods, &source_node, &victim_uid, &pm_uid).await;
+    // Who resumed it: a broker that started after the crash, from its predecessor's
+    // journal on the node — the new pod's, or the crashed pod's own broker restarted by
+    // the kubelet before the pod's deletion reached it (then the new pod's finds the
+    // journal already recovered).
+    let new_pod = new_broker_rolled_back(&agent_pods, &source_node, &victim_uid, &pm_uid).await;
+    let kept = victim_logs.map(LogTail::stop).unwrap_or_default();
+    let restarted = kept
+        .iter()
+        .filter(|(file, _)| file.as_str() != "0.log")
+        .flat_map(|(_, text)| text.lines())
+        .find(|l| l.contains(pm_uid.as_str()) && l.contains("rolling back"))
+        .map(str::to_owned);
     eprintln!(
-        "the source ran again {} ms after the kill; the new broker's log: {rolled_back:?}",
+        "the source ran again {} ms after the kill; the new pod's broker: {new_pod:?}; the crashed pod's restarted broker: {restarted:?}",
         frozen_for.as_millis()
     );
+    if new_pod.is_none() && restarted.is_none() {
+        for (file, text) in &kept {
+            eprintln!("----- crashed pod's netns-broker {file} -----\n{text}");
+        }
+    }
     assert!(
-        rolled_back.is_some(),
-        "the new broker on {source_node} did not log rolling back migration {pm_uid}"
+        new_pod.is_some() || restarted.is_some(),
+        "no broker started on {source_node} after the crash logged rolling back migration {pm_uid}"
     );
 
     // Through the Service, the counter never went back and reached the source again.

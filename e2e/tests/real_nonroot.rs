@@ -93,7 +93,10 @@ async fn the_image_s_own_non_root_user_migrates_or_is_refused_before_any_freeze(
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": "move-own-user"},
-        "spec": {"podName": source.name_any()}
+        // The freeze budget at 30 s, not the default 500 ms: this test is about the
+        // image's own user, and on a loaded machine the final round's transfer alone
+        // once took longer than 500 ms (FreezeBudgetExceeded, a late Aborted).
+        "spec": {"podName": source.name_any(), "freezeBudgetMillis": 30000}
     }));
     pms.create(&PostParams::default(), &pm).await.unwrap();
     // Ends, or stays Pending with Migratable=False (a refusal waits for a change).

@@ -500,7 +500,9 @@ async fn a_release_pushed_twice_to_a_tls_registry_has_one_set_of_digests_and_ins
     let pm: PodMigration = from_json(json!({
         "apiVersion": "podmotion.io/v1alpha1", "kind": "PodMigration",
         "metadata": {"name": "move-released"},
-        "spec": {"podName": source.name_any()}
+        // A 30 s freeze budget: this test is about the release's build, and under load
+        // the default 500 ms once ran out in the final round (FreezeBudgetExceeded).
+        "spec": {"podName": source.name_any(), "freezeBudgetMillis": 30000}
     }));
     pms.create(&PostParams::default(), &pm).await.unwrap();
     let m = wait_for(

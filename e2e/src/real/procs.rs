@@ -68,26 +68,116 @@ pub fn pod_processes(uid: &str) -> Vec<(u32, String)> {
 }
 
 /// SIGKILLs every process of pod `uid` but its sandbox's (`pause`): a crash no signal
-/// handler sees; returns what was killed (pid, argv[0]).
+/// handler sees, of the whole pod at once; returns what was killed (pid, argv[0]).
+///
+/// All of them are SIGSTOPped first, then all SIGKILLed: killed one by one, a process
+/// that outlives another by a few milliseconds acts on its death (the broker saw the
+/// agent's socket close and rolled the source back itself, so a test of what the
+/// *next* broker recovers from the journal found nothing left to recover). A stopped
+/// process runs no code; SIGKILL ends it stopped.
 pub fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
     let victims: Vec<(u32, String)> = pod_processes(uid)
         .into_iter()
         .filter(|(_, argv0)| !argv0.ends_with("pause"))
         .collect();
-    for (pid, argv0) in &victims {
-        // One that exited meanwhile (a CRIU finishing) fails the kill: that is fine.
+    if victims.is_empty() {
+        return victims;
+    }
+    let pids: Vec<String> = victims.iter().map(|(pid, _)| pid.to_string()).collect();
+    for signal in ["-STOP", "-KILL"] {
+        // One that exited meanwhile (a CRIU finishing) fails its kill: that is fine,
+        // the others still get the signal.
         let out = std::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
+            .arg(signal)
+            .args(&pids)
             .output()
             .expect("kill");
         if !out.status.success() {
             eprintln!(
-                "kill -KILL {pid} ({argv0}): {}",
+                "kill {signal} {}: {}",
+                pids.join(" "),
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
     }
     victims
+}
+
+/// The log files of container `container` of pod `pod_uid` on real node `node`, read
+/// through its kubelet's mount namespace (`/proc/<kubelet>/root/var/log/pods`), with
+/// their text: every restart's file (`0.log`, `1.log`, …). Empty once the kubelet has
+/// removed them, which it does soon after a deleted pod stops: [`LogTail`] keeps them.
+pub fn node_container_logs(node: &str, pod_uid: &str, container: &str) -> Vec<(String, String)> {
+    let mut out = vec![];
+    let want = format!("--hostname-override={node}");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        let is_kubelet = args.first().is_some_and(|a| a.ends_with(b"/kubelet"));
+        if !is_kubelet || !args.contains(&want.as_bytes()) {
+            continue;
+        }
+        let pods = e.path().join("root/var/log/pods");
+        for d in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
+            if !d
+                .file_name()
+                .to_string_lossy()
+                .ends_with(&format!("_{pod_uid}"))
+            {
+                continue;
+            }
+            for f in std::fs::read_dir(d.path().join(container))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if let Ok(text) = std::fs::read_to_string(f.path()) {
+                    out.push((f.file_name().to_string_lossy().into_owned(), text));
+                }
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Keeps what [`node_container_logs`] shows of one container, polled every 100 ms on a
+/// thread until [`LogTail::stop`]: the logs of a pod the test crashed and deleted,
+/// whose container the kubelet may restart once before it tears the pod down.
+pub struct LogTail {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<std::collections::BTreeMap<String, String>>,
+}
+
+impl LogTail {
+    pub fn start(node: &str, pod_uid: &str, container: &str) -> LogTail {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (node, uid, c, flag) = (
+            node.to_owned(),
+            pod_uid.to_owned(),
+            container.to_owned(),
+            stop.clone(),
+        );
+        let thread = std::thread::spawn(move || {
+            let mut kept = std::collections::BTreeMap::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                for (name, text) in node_container_logs(&node, &uid, &c) {
+                    kept.insert(name, text);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            kept
+        });
+        LogTail { stop, thread }
+    }
+
+    /// Stops polling; every file seen, by name, with its longest text.
+    pub fn stop(self) -> std::collections::BTreeMap<String, String> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("log tail thread")
+    }
 }
 
 /// The testload server processes (port 8080) in the cgroups of the pods `pod_uids`.
