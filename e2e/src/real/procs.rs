@@ -70,11 +70,11 @@ pub fn pod_processes(uid: &str) -> Vec<(u32, String)> {
 /// SIGKILLs every process of pod `uid` but its sandbox's (`pause`): a crash no signal
 /// handler sees, of the whole pod at once; returns what was killed (pid, argv[0]).
 ///
-/// All of them are SIGSTOPped first, then all SIGKILLed: killed one by one, a process
-/// that outlives another by a few milliseconds acts on its death (the broker saw the
-/// agent's socket close and rolled the source back itself, so a test of what the
-/// *next* broker recovers from the journal found nothing left to recover). A stopped
-/// process runs no code; SIGKILL ends it stopped.
+/// All of them are SIGSTOPped first, then all SIGKILLed, so that no process outlives
+/// another by the milliseconds a `kill` per process took (a survivor could react to the
+/// other's death: the broker rolls back a source whose agent's socket closed). A
+/// stopped process runs no code; SIGKILL ends it stopped. The kubelet may still
+/// restart the killed containers in the pod before its deletion reaches it.
 pub fn kill_pod_processes(uid: &str) -> Vec<(u32, String)> {
     let victims: Vec<(u32, String)> = pod_processes(uid)
         .into_iter()
@@ -173,7 +173,8 @@ impl LogTail {
         LogTail { stop, thread }
     }
 
-    /// Stops polling; every file seen, by name, with its longest text.
+    /// Stops polling; every file seen, by name, with its text as last read (a log
+    /// only grows; a file the kubelet removed keeps what was read before).
     pub fn stop(self) -> std::collections::BTreeMap<String, String> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().expect("log tail thread")
